@@ -1,0 +1,1 @@
+"""Data pipeline: preprocessing to indexed token files, datasets, blending and DP loading."""

@@ -1,0 +1,269 @@
+"""Corpus -> byte-level BPE -> ``PREFIX.bin`` / ``PREFIX.idx`` (the engine behind the CLI)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from engine.data.fsutil import atomic_output
+from engine.data.indexed import IndexedDatasetWriter
+
+EOD_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOD_TOKEN, "[PAD]", "[CLS]", "[SEP]", "[MASK]")
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+# Documents per encode task: big enough to amortize IPC, small enough to keep memory flat.
+_CHUNK_DOCS = 256
+
+Document = tuple[str, int]
+"""A document's text and the number of input bytes it came from (drives the progress bar)."""
+
+
+@dataclass(frozen=True)
+class PreprocessResult:
+    """What :func:`preprocess` wrote."""
+
+    prefix: str
+    tokenizer_path: str
+    num_docs: int
+    num_tokens: int
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[Path]:
+    """Expand paths and globs in order; raise ``FileNotFoundError`` naming any that match nothing."""
+    if not patterns:
+        raise FileNotFoundError("no input given")
+    paths: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        matches = [m for m in matches if os.path.isfile(m)]
+        if not matches:
+            raise FileNotFoundError(f"input not found: {pattern}")
+        paths.extend(Path(m) for m in matches)
+    return paths
+
+
+def iter_documents(paths: Sequence[Path], *, json_key: str | None = None) -> Iterator[Document]:
+    """Yield documents: a whole text file each, or one per non-blank JSONL line with ``json_key``."""
+    for path in paths:
+        if json_key is None:
+            data = path.read_bytes()
+            try:
+                yield data.decode("utf-8"), len(data)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            continue
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                if not isinstance(record, dict) or json_key not in record:
+                    raise ValueError(f"{path}:{lineno}: JSON line has no key {json_key!r}")
+                yield str(record[json_key]), len(line)
+
+
+def new_bpe_tokenizer() -> Tokenizer:
+    """An untrained byte-level BPE whose decode(encode(text)) == text exactly."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE of ``vocab_size`` ids (the special tokens come first, id 0..4)."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab size {vocab_size} too small: byte-level BPE needs at least {MIN_VOCAB_SIZE} "
+            f"(256 bytes + {len(SPECIAL_TOKENS)} special tokens)"
+        )
+    seen = 0
+
+    def counted() -> Iterator[str]:
+        nonlocal seen
+        for text in texts:
+            seen += len(text)
+            yield text
+
+    tokenizer = new_bpe_tokenizer()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(counted(), trainer)
+    if seen == 0:
+        raise ValueError("empty corpus: the inputs contain no text")
+    return tokenizer
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike) -> None:
+    """Write ``tokenizer.json`` atomically."""
+    with atomic_output(path) as tmp:
+        tokenizer.save(str(tmp))
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a ``tokenizer.json``, requiring the end-of-document token."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer not found: {path}")
+    tokenizer = Tokenizer.from_file(str(path))
+    if tokenizer.token_to_id(EOD_TOKEN) is None:
+        raise ValueError(f"{path}: tokenizer has no {EOD_TOKEN} token")
+    return tokenizer
+
+
+def _encode_texts(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    # Control tokens typed in the text are data, not document boundaries.
+    tokenizer.encode_special_tokens = True
+    encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+    return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
+
+
+# Per-process state of a spawned encode worker, set once by its Pool initializer.
+_worker_tokenizer: list[Tokenizer] = []
+
+
+def _init_worker(tokenizer_json: str) -> None:
+    # One Rust thread per worker process: the process count is the parallelism.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_tokenizer.append(Tokenizer.from_str(tokenizer_json))
+
+
+def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+    return _encode_texts(_worker_tokenizer[0], texts)
+
+
+def _chunks(docs: Iterable[Document]) -> Iterator[tuple[list[str], int]]:
+    texts: list[str] = []
+    nbytes = 0
+    for text, size in docs:
+        texts.append(text)
+        nbytes += size
+        if len(texts) == _CHUNK_DOCS:
+            yield texts, nbytes
+            texts, nbytes = [], 0
+    if texts:
+        yield texts, nbytes
+
+
+def _encoded_chunks(
+    docs: Iterable[Document], tokenizer: Tokenizer, workers: int
+) -> Iterator[tuple[list[np.ndarray], int]]:
+    """Encoded chunks in input order; ``workers > 1`` spreads them over that many processes."""
+    if workers <= 1:
+        # encode_batch already runs on the tokenizer's Rust thread pool.
+        for texts, nbytes in _chunks(docs):
+            yield _encode_texts(tokenizer, texts), nbytes
+        return
+    # spawn, not fork: forking after the Rust thread pool has started can deadlock.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, _init_worker, (tokenizer.to_str(),)) as pool:
+        pending: deque = deque()
+        for texts, nbytes in _chunks(docs):
+            pending.append((pool.apply_async(_encode_in_worker, (texts,)), nbytes))
+            # A bounded window keeps memory flat while every worker stays busy.
+            if len(pending) >= 2 * workers:
+                result, size = pending.popleft()
+                yield result.get(), size
+        while pending:
+            result, size = pending.popleft()
+            yield result.get(), size
+
+
+def _progress(enabled: bool, *, sized: bool = True) -> Progress:
+    columns = (
+        (BarColumn(), DownloadColumn(), TimeRemainingColumn())
+        if sized
+        else (SpinnerColumn(), TimeElapsedColumn())
+    )
+    return Progress(TextColumn("[bold]{task.description}"), *columns, disable=not enabled)
+
+
+def encode_to_indexed(
+    docs: Iterable[Document],
+    tokenizer: Tokenizer,
+    prefix: str | os.PathLike,
+    *,
+    total_bytes: int | None = None,
+    workers: int = 1,
+    progress: bool = True,
+) -> tuple[int, int]:
+    """Tokenize ``docs`` into ``PREFIX.bin/.idx`` (EOD after each); return (docs, tokens)."""
+    eod_id = tokenizer.token_to_id(EOD_TOKEN)
+    if eod_id is None:
+        raise ValueError(f"tokenizer has no {EOD_TOKEN} token")
+    vocab_size = tokenizer.get_vocab_size()
+    content_tokens = 0
+    with (
+        IndexedDatasetWriter(prefix, vocab_size=vocab_size, eod_id=eod_id) as writer,
+        _progress(progress) as bar,
+    ):
+        task = bar.add_task("tokenizing", total=total_bytes)
+        for encoded, nbytes in _encoded_chunks(docs, tokenizer, workers):
+            for ids in encoded:
+                writer.add_document(ids)
+                content_tokens += ids.size
+            bar.advance(task, nbytes)
+        if content_tokens == 0:
+            raise ValueError("empty corpus: the inputs produced no tokens")
+    return writer.num_docs, writer.num_tokens
+
+
+def preprocess(
+    inputs: Sequence[str],
+    output_prefix: str,
+    *,
+    json_key: str | None = None,
+    tokenizer_path: str | None = None,
+    vocab_size: int | None = None,
+    tokenizer_out: str | None = None,
+    workers: int = 1,
+    progress: bool = True,
+) -> PreprocessResult:
+    """Tokenize ``inputs`` with a loaded (``tokenizer_path``) or freshly trained BPE."""
+    if (tokenizer_path is None) == (vocab_size is None):
+        raise ValueError("give exactly one of a tokenizer to load or a vocab size to train")
+    paths = expand_inputs(inputs)
+    docs: Callable[[], Iterator[Document]] = lambda: iter_documents(paths, json_key=json_key)
+    if tokenizer_path is not None:
+        tokenizer = load_tokenizer(tokenizer_path)
+    else:
+        assert vocab_size is not None
+        with _progress(progress, sized=False) as bar:
+            bar.add_task(f"training BPE ({vocab_size} ids)", total=None)
+            tokenizer = train_tokenizer((text for text, _ in docs()), vocab_size)
+        tokenizer_path = tokenizer_out or f"{output_prefix}.tokenizer.json"
+        save_tokenizer(tokenizer, tokenizer_path)
+    num_docs, num_tokens = encode_to_indexed(
+        docs(),
+        tokenizer,
+        output_prefix,
+        total_bytes=sum(p.stat().st_size for p in paths),
+        workers=workers,
+        progress=progress,
+    )
+    return PreprocessResult(output_prefix, str(tokenizer_path), num_docs, num_tokens)
