@@ -1,0 +1,1 @@
+"""meshtron's models and training runtime."""

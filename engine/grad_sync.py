@@ -1,0 +1,166 @@
+"""Data-parallel gradient averaging with bucketed all-reduces that overlap the backward pass.
+
+Parameters are grouped into buckets in *reverse* registration order, which approximates
+the order in which backward produces their gradients. A post-accumulate-grad hook marks
+each parameter ready; when a bucket is complete (and every earlier bucket has been
+launched, so all ranks issue collectives in the same order) its gradients are flattened
+into one buffer, pre-divided by the DP size and all-reduced asynchronously while
+backward continues with earlier layers. ``finish()`` waits and copies the averages back.
+
+With sequence parallelism some replicated parameters (norm weights, row-parallel biases)
+see only this rank's sequence shard, so their gradients are partial across TP: they are
+marked with ``layers.utils.SP_GRAD_ATTR`` and summed over the TP group in ``finish()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from layers.utils import SP_GRAD_ATTR, group_size
+
+
+class _Bucket:
+    """Parameters whose gradients travel together in one all-reduce."""
+
+    def __init__(self, params: list[nn.Parameter], reduce_dtype: torch.dtype | None) -> None:
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.dtype = reduce_dtype or params[0].dtype
+        self.pending: set[int] = set()
+        self.work: dist.Work | None = None
+        self.buffer: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.pending = {id(p) for p in self.params}
+        self.work, self.buffer = None, None
+
+    def launch(self, dp_group: dist.ProcessGroup, dp_size: int) -> None:
+        grads = [
+            torch.zeros_like(p, dtype=self.dtype) if p.grad is None else p.grad.to(self.dtype)
+            for p in self.params
+        ]
+        self.buffer = torch.cat([g.reshape(-1) for g in grads]).div_(dp_size)
+        self.work = dist.all_reduce(self.buffer, group=dp_group, async_op=True)
+
+    def unpack(self) -> None:
+        self.work.wait()
+        offset = 0
+        for p in self.params:
+            avg = self.buffer[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = avg.to(p.dtype).clone()
+            else:
+                p.grad.copy_(avg)
+
+
+class GradSync:
+    """Average gradients over the DP group, overlapping communication with backward.
+
+    Usage per optimizer step::
+
+        for i, micro in enumerate(micro_batches):
+            with grad_sync.no_sync() if i < len(micro_batches) - 1 else nullcontext():
+                loss(micro).backward()
+        grad_sync.finish()
+        optimizer.step()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        *,
+        dp_group: dist.ProcessGroup | None,
+        tp_group: dist.ProcessGroup | None = None,
+        bucket_size_mb: float = 25.0,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp_size = group_size(dp_group)
+        params = [p for p in dict.fromkeys(params) if p.requires_grad]  # unique, in order
+        self.sp_params = [p for p in params if getattr(p, SP_GRAD_ATTR, False)]
+        self.buckets = self._make_buckets(params, bucket_size_mb * 2**20, reduce_dtype)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next_launch = 0
+        self._syncing = True
+        self._hooks = []
+        if self.dp_size > 1:
+            for p in params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        for b in self.buckets:
+            b.reset()
+
+    @staticmethod
+    def _make_buckets(params, capacity_bytes, reduce_dtype) -> list[_Bucket]:
+        buckets, current, size = [], [], 0
+        for p in reversed(params):
+            # One dtype per bucket, so the flat buffer needs no mixed casting.
+            if current and (size >= capacity_bytes or p.dtype != current[0].dtype):
+                buckets.append(_Bucket(current, reduce_dtype))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * (torch.finfo(reduce_dtype or p.dtype).bits // 8)
+        if current:
+            buckets.append(_Bucket(current, reduce_dtype))
+        return buckets
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (gradient-accumulation micro-batches)."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._syncing:
+            return
+        bucket = self._bucket_of[id(param)]
+        bucket.pending.discard(id(param))
+        self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        # Launch strictly in bucket order so every rank issues the same collective sequence.
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.pending and not force:
+                return
+            bucket.launch(self.dp_group, self.dp_size)
+            self._next_launch += 1
+
+    def finish(self) -> None:
+        """Wait for every bucket (launching any whose params got no gradient) and unpack."""
+        if self.dp_size > 1:
+            self._launch_ready(force=True)
+            for bucket in self.buckets:
+                bucket.unpack()
+                bucket.reset()
+            self._next_launch = 0
+        # After the DP average: both are sums, so the order does not change the result, but
+        # the buckets' buffers were snapshotted at launch and would overwrite an earlier sum.
+        self._sync_sequence_parallel_grads()
+
+    def _sync_sequence_parallel_grads(self) -> None:
+        grads = [p.grad for p in self.sp_params if p.grad is not None]
+        if not grads or group_size(self.tp_group) == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.tp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def remove(self) -> None:
+        """Detach the backward hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

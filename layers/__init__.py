@@ -1,0 +1,34 @@
+"""Tensor-parallel building blocks; they import nothing of ours but ``parallel_state``."""
+
+from layers.cross_entropy import vocab_parallel_cross_entropy
+from layers.embedding import VocabParallelEmbedding
+from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
+from layers.mappings import (
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+    scatter_to_sequence,
+    scatter_to_tp,
+)
+from layers.utils import divide, gather_full, pad_vocab_size, shard
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "normal_init",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "scatter_to_tp",
+    "gather_from_tp",
+    "scatter_to_sequence",
+    "gather_from_sequence",
+    "reduce_scatter_to_sequence",
+    "divide",
+    "pad_vocab_size",
+    "shard",
+    "gather_full",
+]

@@ -1,0 +1,81 @@
+"""Vocabulary-parallel embedding: each TP rank holds a contiguous block of the vocabulary."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from layers.linear import InitMethod, build_master_weight, normal_init
+from layers.mappings import reduce_from_tp, reduce_scatter_to_sequence
+from layers.utils import divide, group_rank, group_size, mark_tp_dim, resolve_tp_group, shard
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose ``weight`` is the ``tp_rank``-th vocabulary block ``[V/tp, D]``.
+
+    Ids outside this rank's block look up nothing (their rows are zeroed), and the partial
+    results are summed across TP, all-reduced, or under sequence parallelism
+    reduce-scattered along ``sequence_dim``.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        init_method: InitMethod | None = None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        local = divide(
+            num_embeddings,
+            self.tp_size,
+            "VocabParallelEmbedding vocabulary size (pad it with layers.pad_vocab_size)",
+        )
+        self.vocab_start, self.vocab_end = self.tp_rank * local, (self.tp_rank + 1) * local
+        factory = {"dtype": dtype or torch.get_default_dtype(), "device": device}
+        self.weight = mark_tp_dim(nn.Parameter(torch.empty(local, embedding_dim, **factory)), 0)
+        full = build_master_weight((num_embeddings, embedding_dim), init_method or normal_init())
+        self.load_full_(full)
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor) -> None:
+        """Overwrite this rank's vocabulary block from the full ``[V, D]`` table."""
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"full embedding must have shape {(self.num_embeddings, self.embedding_dim)}, "
+                f"got {tuple(weight.shape)}"
+            )
+        self.weight.copy_(shard(weight, 0, self.tp_rank, self.tp_size))
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, **kwargs) -> VocabParallelEmbedding:
+        """Build the embedding from a full ``[V, D]`` table."""
+        kwargs.setdefault("init_method", lambda t: t.copy_(weight))
+        return cls(weight.shape[0], weight.shape[1], **kwargs)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out, self.tp_group, dim=self.sequence_dim)
+        return reduce_from_tp(out, self.tp_group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_rank}/{self.tp_size}, "
+            f"vocab block=[{self.vocab_start}, {self.vocab_end})"
+        )

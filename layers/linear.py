@@ -1,0 +1,203 @@
+"""Column- and row-parallel linear layers.
+
+Both keep the ``tp_rank``-th contiguous block of the full weight. Every rank builds the
+full master weight from the shared (replicated) RNG stream and keeps its slice, so a layer
+at TP=N holds exactly the slices of the TP=1 layer built from the same seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from layers.mappings import (
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+    scatter_to_tp,
+)
+from layers.utils import (
+    SP_GRAD_ATTR,
+    divide,
+    group_rank,
+    group_size,
+    mark_tp_dim,
+    resolve_tp_group,
+    shard,
+)
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def normal_init(std: float = 0.02) -> InitMethod:
+    """In-place N(0, std²) initializer (GPT-2's default for linear and embedding weights)."""
+    return lambda t: nn.init.normal_(t, mean=0.0, std=std)
+
+
+def build_master_weight(shape: tuple[int, ...], init_method: InitMethod) -> torch.Tensor:
+    """The full fp32 weight, drawn on CPU so its values depend only on the seed, not the device."""
+    full = torch.empty(shape, dtype=torch.float32, device="cpu")
+    init_method(full)
+    return full
+
+
+class _TPLinearBase(nn.Module):
+    """Shared construction of the two parallel linear layers; see subclasses."""
+
+    split_dim: int  # which dim of the [out, in] weight is split across TP
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp_group: dist.ProcessGroup | None,
+        init_method: InitMethod | None,
+        sequence_parallel: bool,
+        sequence_dim: int,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        self.tp_group = resolve_tp_group(tp_group)
+        self.tp_size = group_size(self.tp_group)
+        self.tp_rank = group_rank(self.tp_group)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        split_features = (out_features, in_features)[self.split_dim]
+        what = f"{type(self).__name__} {('out', 'in')[self.split_dim]}_features"
+        local = divide(split_features, self.tp_size, what)
+        shape = [out_features, in_features]
+        shape[self.split_dim] = local
+        factory = {"dtype": dtype or torch.get_default_dtype(), "device": device}
+        self.weight = mark_tp_dim(nn.Parameter(torch.empty(shape, **factory)), self.split_dim)
+        self.bias = None
+        if bias:
+            bias_local = local if self.split_dim == 0 else out_features
+            self.bias = nn.Parameter(torch.zeros(bias_local, **factory))
+            mark_tp_dim(self.bias, 0 if self.split_dim == 0 else None)
+        full = build_master_weight((out_features, in_features), init_method or normal_init())
+        self.load_full_(full)
+
+    @torch.no_grad()
+    def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Overwrite this rank's slices from full-shape ``weight`` [out, in] and ``bias`` [out]."""
+        expected = (self.out_features, self.in_features)
+        if tuple(weight.shape) != expected:
+            raise ValueError(f"full weight must have shape {expected}, got {tuple(weight.shape)}")
+        self.weight.copy_(shard(weight, self.split_dim, self.tp_rank, self.tp_size))
+        if bias is not None:
+            if self.bias is None:
+                raise ValueError("this layer was built with bias=False but a bias was given")
+            self.bias.copy_(shard(bias, self.bias.tp_split_dim, self.tp_rank, self.tp_size))
+
+    @classmethod
+    def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kwargs):
+        """Build the layer from full weights (checkpoint resharding, Hugging Face import)."""
+        out_features, in_features = weight.shape
+        # The copy stands in for random init, so no RNG draws are spent on discarded values.
+        kwargs.setdefault("init_method", lambda t: t.copy_(weight))
+        layer = cls(in_features, out_features, bias=bias is not None, **kwargs)
+        if bias is not None:
+            layer.load_full_(weight, bias)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"tp={self.tp_rank}/{self.tp_size}, bias={self.bias is not None}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class ColumnParallelLinear(_TPLinearBase):
+    """Y = X·Aᵀ + b with A split by output rows: ``weight`` is [out/tp, in], ``bias`` [out/tp].
+
+    The input enters through f (identity forward, all-reduce backward), or under sequence
+    parallelism through an all-gather along the sequence dim (reduce-scatter backward).
+    The output stays sharded on its last dim unless ``gather_output=True``.
+    """
+
+    split_dim = 0
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        init_method: InitMethod | None = None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output=True cannot be combined with sequence_parallel=True")
+        self.gather_output = gather_output
+        super().__init__(
+            in_features, out_features, bias, tp_group, init_method, sequence_parallel,
+            sequence_dim, dtype, device,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.tp_group, dim=self.sequence_dim)
+        else:
+            x = copy_to_tp(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(_TPLinearBase):
+    """Y = X·Aᵀ + b with A split by input columns: ``weight`` is [out, in/tp], ``bias`` [out].
+
+    The partial products are summed by g (all-reduce forward, identity backward), or under
+    sequence parallelism reduce-scattered along the sequence dim. The full bias is added
+    once, after the reduction.
+    """
+
+    split_dim = 1
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        init_method: InitMethod | None = None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel=True needs input_is_parallel=True")
+        self.input_is_parallel = input_is_parallel
+        super().__init__(
+            in_features, out_features, bias, tp_group, init_method, sequence_parallel,
+            sequence_dim, dtype, device,
+        )  # fmt: skip
+        if self.bias is not None and sequence_parallel:
+            # Each rank adds the bias to its own sequence shard only: partial gradient.
+            setattr(self.bias, SP_GRAD_ATTR, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.tp_group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(y, self.tp_group, dim=self.sequence_dim)
+        else:
+            y = reduce_from_tp(y, self.tp_group)
+        return y if self.bias is None else y + self.bias

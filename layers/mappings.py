@@ -1,0 +1,197 @@
+"""The conjugate communication operators of tensor parallelism.
+
+Every TP collective of the model happens here. Each operator is a private
+``autograd.Function`` whose backward is the conjugate of its forward, with a public
+wrapper that returns its input untouched when the TP group has one rank.
+
+=====================  ==========================  ==========================
+wrapper                forward                     backward
+=====================  ==========================  ==========================
+copy_to_tp             identity                    all-reduce        (f)
+reduce_from_tp         all-reduce                  identity          (g)
+scatter_to_tp          split last dim              all-gather last dim
+gather_from_tp         all-gather last dim         split last dim
+scatter_to_sequence    split sequence dim          all-gather sequence dim
+gather_from_sequence   all-gather sequence dim     reduce-scatter sequence dim
+reduce_scatter_to_seq  reduce-scatter sequence     all-gather sequence dim
+=====================  ==========================  ==========================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from layers.utils import divide, group_rank, group_size, resolve_tp_group
+
+# torch 2.13 renamed the flat collectives; keep older torch working too.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    world = group_size(group)
+    block = divide(x.shape[dim], world, f"size of dim {dim} of a {tuple(x.shape)} tensor")
+    return x.narrow(dim, group_rank(group) * block, block).contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    # The flat collective concatenates along dim 0, so gather with ``dim`` moved to the front.
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] * group_size(group), *front.shape[1:]))
+    _all_gather_flat(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    front = x.movedim(dim, 0).contiguous()
+    rows = divide(
+        front.shape[0], group_size(group), f"size of dim {dim} of a {tuple(x.shape)} tensor"
+    )
+    out = front.new_empty((rows, *front.shape[1:]))
+    _reduce_scatter_flat(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce backward (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward, identity backward (Megatron's g)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    """Split the last dim forward, all-gather the last dim backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, -1, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather the last dim forward, split the last dim backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """Split the sequence dim forward, all-gather the sequence dim backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """All-gather the sequence dim forward, reduce-scatter the sequence dim backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Reduce-scatter the sequence dim forward, all-gather the sequence dim backward."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """f: identity forward, all-reduce backward. Input of a column-parallel layer."""
+    group = resolve_tp_group(tp_group)
+    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """g: all-reduce forward, identity backward. Output of a row-parallel layer."""
+    group = resolve_tp_group(tp_group)
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Split the last dim forward, all-gather it backward."""
+    group = resolve_tp_group(tp_group)
+    return x if group_size(group) == 1 else _ScatterToTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-gather the last dim forward, split it backward (``gather_output=True``)."""
+    group = resolve_tp_group(tp_group)
+    return x if group_size(group) == 1 else _GatherFromTP.apply(x, group)
+
+
+def scatter_to_sequence(
+    x: torch.Tensor, tp_group: dist.ProcessGroup | None = None, *, dim: int = 0
+) -> torch.Tensor:
+    """Split the sequence dim forward, all-gather it backward (entering a sequence-parallel region)."""
+    group = resolve_tp_group(tp_group)
+    return x if group_size(group) == 1 else _ScatterToSequence.apply(x, group, dim)
+
+
+def gather_from_sequence(
+    x: torch.Tensor, tp_group: dist.ProcessGroup | None = None, *, dim: int = 0
+) -> torch.Tensor:
+    """All-gather the sequence dim forward, reduce-scatter it backward (SP → TP region)."""
+    group = resolve_tp_group(tp_group)
+    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence(
+    x: torch.Tensor, tp_group: dist.ProcessGroup | None = None, *, dim: int = 0
+) -> torch.Tensor:
+    """Reduce-scatter the sequence dim forward, all-gather it backward (TP → SP region)."""
+    group = resolve_tp_group(tp_group)
+    return x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group, dim)
