@@ -45,7 +45,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.vocab_end = self.tp_rank * local, (self.tp_rank + 1) * local
         factory = {"dtype": dtype or torch.get_default_dtype(), "device": device}
         self.weight = mark_tp_dim(nn.Parameter(torch.empty(local, embedding_dim, **factory)), 0)
-        full = build_master_weight((num_embeddings, embedding_dim), init_method or normal_init())
+        full = build_master_weight(
+            (num_embeddings, embedding_dim), init_method or normal_init(), factory["dtype"]
+        )
         self.load_full_(full)
 
     @torch.no_grad()

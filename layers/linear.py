@@ -40,9 +40,16 @@ def normal_init(std: float = 0.02) -> InitMethod:
     return lambda t: nn.init.normal_(t, mean=0.0, std=std)
 
 
-def build_master_weight(shape: tuple[int, ...], init_method: InitMethod) -> torch.Tensor:
-    """The full fp32 weight, drawn on CPU so its values depend only on the seed, not the device."""
-    full = torch.empty(shape, dtype=torch.float32, device="cpu")
+def build_master_weight(
+    shape: tuple[int, ...], init_method: InitMethod, dtype: torch.dtype
+) -> torch.Tensor:
+    """The full master weight, drawn on CPU so its values depend only on the seed, not the device.
+
+    It is fp32 (fp64 for fp64 layers), whatever the layer's dtype, so a bf16 layer at any TP
+    size rounds the same fp32 draws.
+    """
+    master = torch.float64 if dtype == torch.float64 else torch.float32
+    full = torch.empty(shape, dtype=master, device="cpu")
     init_method(full)
     return full
 
@@ -82,7 +89,9 @@ class _TPLinearBase(nn.Module):
             bias_local = local if self.split_dim == 0 else out_features
             self.bias = nn.Parameter(torch.zeros(bias_local, **factory))
             mark_tp_dim(self.bias, 0 if self.split_dim == 0 else None)
-        full = build_master_weight((out_features, in_features), init_method or normal_init())
+        full = build_master_weight(
+            (out_features, in_features), init_method or normal_init(), factory["dtype"]
+        )
         self.load_full_(full)
 
     @torch.no_grad()

@@ -30,9 +30,11 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    # Reduce into a fresh tensor: autograd may hand the same gradient tensor to several
+    # branches, and callers may reuse what they passed in.
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def _split(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -77,7 +79,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -133,7 +133,10 @@ def initialize(
     owns = not dist.is_initialized()
     world_size = info.world_size if owns else dist.get_world_size()
     dp_size = validate_sizes(tp_size, dp_size, world_size)
-    _warn_if_tp_spans_nodes(tp_size, info.local_world_size)
+    # A group made by someone else without a launcher (a test harness, a notebook) says
+    # nothing about nodes; only a launcher's count of local processes does.
+    if not (info.launcher == "none" and not owns):
+        _warn_if_tp_spans_nodes(tp_size, info.local_world_size)
     if owns:
         backend = backend or _pick_backend(info)
         _init_default_group(info, backend, datetime.timedelta(seconds=timeout_s))

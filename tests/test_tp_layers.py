@@ -1,0 +1,324 @@
+"""Every tensor-parallel layer against the unsplit torch reference built from the same weights.
+
+Each TP size runs once on real gloo ranks and checks all layers there, in float64 and
+float32. Error is measured as max|split − ref| / max|ref| over the tensor.
+
+Tolerances:
+- float64 ≤ 1e-12: the split computation only reorders sums (partial products summed by
+  the all-reduce), which perturbs results by a few ulps of float64 (~1e-16) times the
+  reduction length; 1e-12 leaves room for that and nothing more.
+- float32 ≤ 1e-5: the same reordering at float32 ulp (~6e-8) over sums of ≤ 64 terms.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import parallel_state
+from layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    pad_vocab_size,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+    scatter_to_sequence,
+    scatter_to_tp,
+    shard,
+    vocab_parallel_cross_entropy,
+)
+from tests.multiproc import run_ranks
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+IN, OUT, SEQ, BATCH, VOCAB = 24, 36, 12, 2, 48  # every split size divides by 1, 2, 3 and 4
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
+
+
+class Checker:
+    """Collects the worst error per check and fails on the first one over tolerance."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype, self.worst = dtype, {}
+
+    def __call__(self, name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        assert actual.shape == expected.shape, f"{name}: {actual.shape} vs {expected.shape}"
+        err = rel_err(actual.detach(), expected.detach())
+        self.worst[name] = max(err, self.worst.get(name, 0.0))
+        assert err <= TOL[self.dtype], (
+            f"{name} ({self.dtype}): rel err {err:.3e} > {TOL[self.dtype]}"
+        )
+
+
+def _linear_checks(ps, dtype, check):
+    rank, tp = ps.tp_rank, ps.tp_size
+    w1, b1 = torch.randn(OUT, IN, dtype=dtype), torch.randn(OUT, dtype=dtype)
+    w2, b2 = torch.randn(IN, OUT, dtype=dtype), torch.randn(IN, dtype=dtype)
+    x_full = torch.randn(SEQ, BATCH, IN, dtype=dtype)
+    grad_y = torch.randn(SEQ, BATCH, OUT, dtype=dtype)
+    grad_z = torch.randn(SEQ, BATCH, IN, dtype=dtype)
+
+    def reference(module_fn, grad):
+        x = x_full.clone().requires_grad_(True)
+        y = module_fn(x)
+        y.backward(grad)
+        return y, x.grad
+
+    ref1 = nn.Linear(IN, OUT, dtype=dtype)
+    ref1.weight.data.copy_(w1), ref1.bias.data.copy_(b1)
+    y_ref, gx_ref = reference(ref1, grad_y)
+
+    for gather in (True, False):  # column-parallel, output gathered or left sharded
+        col = ColumnParallelLinear.from_full(w1, b1, gather_output=gather, dtype=dtype)
+        assert col.weight.shape == (OUT // tp, IN) and col.bias.shape == (OUT // tp,)
+        x = x_full.clone().requires_grad_(True)
+        y = col(x)
+        y.backward(grad_y if gather else shard(grad_y, -1, rank, tp))
+        check(f"column(gather={gather}).out", y, y_ref if gather else shard(y_ref, -1, rank, tp))
+        if gather:  # sharded output: each rank's input grad is partial until f's all-reduce
+            check("column.grad_input", x.grad, gx_ref)
+        check("column.grad_weight", col.weight.grad, shard(ref1.weight.grad, 0, rank, tp))
+        check("column.grad_bias", col.bias.grad, shard(ref1.bias.grad, 0, rank, tp))
+        ref1.zero_grad()
+        y_ref, gx_ref = reference(ref1, grad_y)
+
+    # column with sharded output and per-rank output grads: input grad needs f's all-reduce
+    col = ColumnParallelLinear.from_full(w1, b1, dtype=dtype)
+    x = x_full.clone().requires_grad_(True)
+    col(x).backward(shard(grad_y, -1, rank, tp))
+    check("column(f backward).grad_input", x.grad, gx_ref)
+
+    ref2 = nn.Linear(OUT, IN, dtype=dtype)
+    ref2.weight.data.copy_(w2), ref2.bias.data.copy_(b2)
+    x2_full = torch.randn(SEQ, BATCH, OUT, dtype=dtype)
+    for parallel_input in (True, False):
+        row = RowParallelLinear.from_full(w2, b2, input_is_parallel=parallel_input, dtype=dtype)
+        assert row.weight.shape == (IN, OUT // tp) and row.bias.shape == (IN,)
+        x_ref = x2_full.clone().requires_grad_(True)
+        ref2.zero_grad()
+        z_ref = ref2(x_ref)
+        z_ref.backward(grad_z)
+        x = (shard(x2_full, -1, rank, tp) if parallel_input else x2_full.clone()).requires_grad_()
+        z = row(x)
+        z.backward(grad_z)
+        expected_gx = shard(x_ref.grad, -1, rank, tp) if parallel_input else x_ref.grad
+        check(f"row(parallel_input={parallel_input}).out", z, z_ref)
+        check("row.grad_input", x.grad, expected_gx)
+        check("row.grad_weight", row.weight.grad, shard(ref2.weight.grad, 1, rank, tp))
+        check("row.grad_bias", row.bias.grad, ref2.bias.grad)
+
+    # Column -> GeLU -> Row MLP against nn.Sequential on the same weights.
+    mlp_ref = nn.Sequential(ref1, nn.GELU(), ref2)
+    ref1.zero_grad(), ref2.zero_grad()
+    out_ref, gx_ref = reference(mlp_ref, grad_z)
+    col = ColumnParallelLinear.from_full(w1, b1, dtype=dtype)
+    row = RowParallelLinear.from_full(w2, b2, dtype=dtype)
+    x = x_full.clone().requires_grad_(True)
+    out = row(F.gelu(col(x)))
+    out.backward(grad_z)
+    check("mlp.out", out, out_ref)
+    check("mlp.grad_input", x.grad, gx_ref)
+    check("mlp.fc1.grad_weight", col.weight.grad, shard(ref1.weight.grad, 0, rank, tp))
+    check("mlp.fc1.grad_bias", col.bias.grad, shard(ref1.bias.grad, 0, rank, tp))
+    check("mlp.fc2.grad_weight", row.weight.grad, shard(ref2.weight.grad, 1, rank, tp))
+    check("mlp.fc2.grad_bias", row.bias.grad, ref2.bias.grad)
+
+    # Sequence-parallel MLP: input and output sharded along the sequence (dim 0).
+    col = ColumnParallelLinear.from_full(w1, b1, dtype=dtype, sequence_parallel=True)
+    row = RowParallelLinear.from_full(w2, b2, dtype=dtype, sequence_parallel=True)
+    x = shard(x_full, 0, rank, tp).requires_grad_(True)
+    out = row(F.gelu(col(x)))
+    out.backward(shard(grad_z, 0, rank, tp))
+    check("sp_mlp.out", out, shard(out_ref, 0, rank, tp))
+    check("sp_mlp.grad_input", x.grad, shard(gx_ref, 0, rank, tp))
+    check("sp_mlp.fc1.grad_weight", col.weight.grad, shard(ref1.weight.grad, 0, rank, tp))
+    check("sp_mlp.fc2.grad_weight", row.weight.grad, shard(ref2.weight.grad, 1, rank, tp))
+    # The replicated row bias sees only this rank's sequence shard: summing over TP is
+    # grad_sync's job; here check the partial equals the reference restricted to the shard.
+    check("sp_mlp.fc2.grad_bias(partial)", row.bias.grad, shard(grad_z, 0, rank, tp).sum((0, 1)))
+
+
+def _embedding_and_loss_checks(ps, dtype, check):
+    rank, tp = ps.tp_rank, ps.tp_size
+    table = torch.randn(VOCAB, 16, dtype=dtype)
+    ids = torch.randint(0, VOCAB, (SEQ, BATCH))
+    grad = torch.randn(SEQ, BATCH, 16, dtype=dtype)
+    ref = nn.Embedding(VOCAB, 16, dtype=dtype)
+    ref.weight.data.copy_(table)
+    ref(ids).backward(grad)
+    for sp in (False, True):
+        emb = VocabParallelEmbedding.from_full(table, dtype=dtype, sequence_parallel=sp)
+        emb.weight.grad = None
+        out = emb(ids)
+        out.backward(shard(grad, 0, rank, tp) if sp else grad)
+        check(f"embedding(sp={sp}).out", out, shard(ref(ids), 0, rank, tp) if sp else ref(ids))
+        check("embedding.grad_weight", emb.weight.grad, shard(ref.weight.grad, 0, rank, tp))
+
+    real_vocab = VOCAB - 5  # the last 5 columns are padding and must get no probability
+    logits_full = torch.randn(SEQ, BATCH, VOCAB, dtype=dtype) * 3
+    target = torch.randint(0, real_vocab, (SEQ, BATCH))
+    target[0, 0] = target[3, 1] = -100
+    grad_loss = torch.rand(SEQ, BATCH, dtype=dtype)
+    for smoothing in (0.0, 0.1):
+        for vocab_size in (None, real_vocab):
+            cols = VOCAB if vocab_size is None else vocab_size
+            ref_logits = logits_full[..., :cols].clone().requires_grad_(True)
+            ref_loss = F.cross_entropy(
+                ref_logits.reshape(-1, cols), target.reshape(-1), label_smoothing=smoothing,
+                reduction="none",
+            ).view(SEQ, BATCH)  # fmt: skip
+            ref_loss.backward(grad_loss)
+            ref_grad = F.pad(ref_logits.grad, (0, VOCAB - cols))  # padded columns: zero grad
+            local = shard(logits_full, -1, rank, tp).requires_grad_(True)
+            loss = vocab_parallel_cross_entropy(
+                local, target, label_smoothing=smoothing, vocab_size=vocab_size
+            )
+            loss.backward(grad_loss)
+            tag = f"cross_entropy(smoothing={smoothing}, vocab={cols})"
+            check(f"{tag}.loss", loss, ref_loss)
+            check(f"{tag}.grad", local.grad, shard(ref_grad, -1, rank, tp))
+            assert (loss[0, 0] == 0) and (local.grad[0, 0] == 0).all(), "ignore_index leaked"
+
+
+def _operator_checks(ps, dtype, check):
+    """The conjugate pairs against hand-derived results (rank r contributes (r+1)·ones)."""
+    rank, tp = ps.tp_rank, ps.tp_size
+    total = tp * (tp + 1) / 2  # Σ_r (r+1)
+    base = torch.arange(1.0, 1 + 4 * tp * 3, dtype=dtype).view(4 * tp, 3)
+    mine = torch.full_like(base, rank + 1.0)
+
+    x = base.clone().requires_grad_(True)
+    y = copy_to_tp(x)
+    y.backward(mine)
+    check("copy.forward", y, base)
+    check("copy.backward", x.grad, torch.full_like(base, total))
+
+    x = mine.clone().requires_grad_(True)
+    y = reduce_from_tp(x)
+    y.backward(base)
+    check("reduce.forward", y, torch.full_like(base, total))
+    check("reduce.backward", x.grad, base)
+
+    x = base.clone().requires_grad_(True)
+    y = scatter_to_tp(x.t())  # last dim has 4·tp entries
+    y.backward(torch.ones_like(y) * (rank + 1))
+    check("scatter.forward", y, shard(base.t(), -1, rank, tp))
+    expected = torch.cat([torch.full((3, 4), r + 1.0, dtype=dtype) for r in range(tp)], -1)
+    check("scatter.backward", x.grad.t(), expected)
+
+    x = mine.t().clone().requires_grad_(True)
+    y = gather_from_tp(x)
+    y.backward(base.t().repeat(1, tp))
+    gathered = torch.cat([torch.full((3, 4 * tp), r + 1.0, dtype=dtype) for r in range(tp)], -1)
+    check("gather.forward", y, gathered)
+    check("gather.backward", x.grad, shard(base.t().repeat(1, tp), -1, rank, tp))
+
+    x = base.clone().requires_grad_(True)
+    y = scatter_to_sequence(x, dim=0)
+    y.backward(torch.full_like(y, rank + 1.0))
+    check("sp_scatter.forward", y, shard(base, 0, rank, tp))
+    seq_expected = torch.cat([torch.full((4, 3), r + 1.0, dtype=dtype) for r in range(tp)], 0)
+    check("sp_scatter.backward", x.grad, seq_expected)
+
+    x = torch.full((4, 3), rank + 1.0, dtype=dtype, requires_grad=True)
+    y = gather_from_sequence(x, dim=0)
+    y.backward(base * (rank + 1))
+    check("sp_gather.forward", y, seq_expected)
+    check("sp_gather.backward", x.grad, shard(base, 0, rank, tp) * total)
+
+    x = mine.clone().requires_grad_(True)
+    y = reduce_scatter_to_sequence(x, dim=0)
+    y.backward(torch.full_like(y, rank + 1.0))
+    check("sp_reduce_scatter.forward", y, torch.full((4, 3), total, dtype=dtype))
+    check("sp_reduce_scatter.backward", x.grad, seq_expected)
+
+
+def _all_layer_checks(tp: int) -> dict[str, float]:
+    ps = parallel_state.initialize(tp)
+    worst = {}
+    for dtype in (torch.float64, torch.float32):
+        torch.manual_seed(1234)  # same full weights and batch on every rank
+        check = Checker(dtype)
+        _operator_checks(ps, dtype, check)
+        _linear_checks(ps, dtype, check)
+        _embedding_and_loss_checks(ps, dtype, check)
+        worst[str(dtype)] = max(check.worst.values())
+    return worst
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 4])
+def test_layers_match_unsplit_reference(tp):
+    worst = run_ranks(_all_layer_checks, tp, tp)
+    print(f"tp={tp} worst relative error per dtype: {worst[0]}")
+
+
+def _init_matches_serial(tp: int) -> None:
+    """Layers built from the same seed hold the slices of the serial layer's N(0, 0.02) draws."""
+    ps = parallel_state.initialize(tp)
+    ps.seed(7)
+    col = ColumnParallelLinear(IN, OUT)
+    row = RowParallelLinear(OUT, IN)
+    emb = VocabParallelEmbedding(VOCAB, 16)
+    torch.manual_seed(7)  # serial reference: the same draws in the same order, then slice
+    w_col = torch.empty(OUT, IN).normal_(0, 0.02)
+    w_row = torch.empty(IN, OUT).normal_(0, 0.02)
+    w_emb = torch.empty(VOCAB, 16).normal_(0, 0.02)
+    torch.testing.assert_close(col.weight.data, shard(w_col, 0, ps.tp_rank, tp), rtol=0, atol=0)
+    torch.testing.assert_close(row.weight.data, shard(w_row, 1, ps.tp_rank, tp), rtol=0, atol=0)
+    torch.testing.assert_close(emb.weight.data, shard(w_emb, 0, ps.tp_rank, tp), rtol=0, atol=0)
+
+
+def _divisibility_errors() -> None:
+    parallel_state.initialize(3)
+    with pytest.raises(
+        ValueError, match=r"ColumnParallelLinear out_features \(10\).*tensor-parallel size \(3\)"
+    ):
+        ColumnParallelLinear(6, 10)
+    with pytest.raises(ValueError, match=r"RowParallelLinear in_features \(7\).*\(3\)"):
+        RowParallelLinear(7, 6)
+    with pytest.raises(ValueError, match=r"vocabulary size.*\(50\).*\(3\)"):
+        VocabParallelEmbedding(50, 8)
+    with pytest.raises(ValueError, match=r"dim 0 of a tensor of shape \(4, 2\)"):
+        shard(torch.zeros(4, 2), 0, 0, 3)
+    VocabParallelEmbedding(pad_vocab_size(50, 3), 8)  # the suggested fix works
+
+
+def test_initialization_and_errors():
+    for tp in (2, 3):
+        run_ranks(_init_matches_serial, tp, tp)
+    run_ranks(_divisibility_errors, 3)
+
+
+def test_single_process_needs_no_init():
+    """Without torch.distributed the layers are plain TP=1 layers."""
+    col = ColumnParallelLinear(4, 6)
+    assert col.weight.shape == (6, 4) and col.tp_size == 1
+
+
+def test_pad_vocab_size():
+    assert pad_vocab_size(50257, 128) == 50304  # GPT-2's well-known padded size
+    assert pad_vocab_size(50304, 128) == 50304
+    assert pad_vocab_size(1001, 2 * 128) == 1024
+    with pytest.raises(ValueError, match="must be >= 1"):
+        pad_vocab_size(0, 128)
+
+
+def test_cross_entropy_argument_errors():
+    with pytest.raises(ValueError, match="label_smoothing"):
+        vocab_parallel_cross_entropy(
+            torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), label_smoothing=1.5
+        )
+    with pytest.raises(ValueError, match="disagree"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"vocab_size 5 must be in \(0, 4\]"):
+        vocab_parallel_cross_entropy(
+            torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), vocab_size=5
+        )
