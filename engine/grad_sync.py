@@ -1,7 +1,9 @@
 """Data-parallel gradient averaging with bucketed all-reduces that overlap the backward pass.
 
-Parameters are grouped into buckets in *reverse* registration order, which approximates
-the order in which backward produces their gradients. A post-accumulate-grad hook marks
+Parameters are first grouped into buckets in *reverse* registration order, which
+approximates the order in which backward produces their gradients. The first synchronized
+backward records the real order (rank 0's, broadcast so every rank agrees), and the
+buckets are rebuilt from it, so unused or out-of-order parameters stop stalling overlap. A post-accumulate-grad hook marks
 each parameter ready; when a bucket is complete (and every earlier bucket has been
 launched, so all ranks issue collectives in the same order) its gradients are flattened
 into one buffer, pre-divided by the DP size and all-reduced asynchronously while
@@ -85,31 +87,43 @@ class GradSync:
         self.dp_group, self.tp_group = dp_group, tp_group
         self.dp_size = group_size(dp_group)
         params = [p for p in dict.fromkeys(params) if p.requires_grad]  # unique, in order
+        self.params = params
         self.sp_params = [p for p in params if getattr(p, SP_GRAD_ATTR, False)]
-        self.buckets = self._make_buckets(params, bucket_size_mb * 2**20, reduce_dtype)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._next_launch = 0
+        self._capacity, self._reduce_dtype = bucket_size_mb * 2**20, reduce_dtype
+        self._set_buckets(list(reversed(params)))
+        self._ready_order: list[int] | None = []  # None once the buckets were rebuilt
         self._syncing = True
         self._hooks = []
         if self.dp_size > 1:
             for p in params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        for b in self.buckets:
-            b.reset()
 
-    @staticmethod
-    def _make_buckets(params, capacity_bytes, reduce_dtype) -> list[_Bucket]:
+    def _set_buckets(self, ordered: list[nn.Parameter]) -> None:
+        """Cut ``ordered`` (expected order of gradient readiness) into buckets."""
         buckets, current, size = [], [], 0
-        for p in reversed(params):
+        for p in ordered:
             # One dtype per bucket, so the flat buffer needs no mixed casting.
-            if current and (size >= capacity_bytes or p.dtype != current[0].dtype):
-                buckets.append(_Bucket(current, reduce_dtype))
+            if current and (size >= self._capacity or p.dtype != current[0].dtype):
+                buckets.append(_Bucket(current, self._reduce_dtype))
                 current, size = [], 0
             current.append(p)
-            size += p.numel() * (torch.finfo(reduce_dtype or p.dtype).bits // 8)
+            size += p.numel() * (torch.finfo(self._reduce_dtype or p.dtype).bits // 8)
         if current:
-            buckets.append(_Bucket(current, reduce_dtype))
-        return buckets
+            buckets.append(_Bucket(current, self._reduce_dtype))
+        self.buckets = buckets
+        self._bucket_of = {id(p): b for b in buckets for p in b.params}
+        self._next_launch = 0
+        for b in buckets:
+            b.reset()
+
+    def _rebuild_from_observed_order(self) -> None:
+        index = {id(p): i for i, p in enumerate(self.params)}
+        seen = [index[pid] for pid in self._ready_order]
+        seen += [i for i in range(len(self.params)) if i not in set(seen)]  # never ready: last
+        order = [seen]
+        dist.broadcast_object_list(order, group_src=0, group=self.dp_group)
+        self._set_buckets([self.params[i] for i in order[0]])
+        self._ready_order = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -123,6 +137,8 @@ class GradSync:
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._syncing:
             return
+        if self._ready_order is not None:
+            self._ready_order.append(id(param))
         bucket = self._bucket_of[id(param)]
         bucket.pending.discard(id(param))
         self._launch_ready()
@@ -144,6 +160,8 @@ class GradSync:
                 bucket.unpack()
                 bucket.reset()
             self._next_launch = 0
+            if self._ready_order:
+                self._rebuild_from_observed_order()
         # After the DP average: both are sums, so the order does not change the result, but
         # the buckets' buffers were snapshotted at launch and would overwrite an earlier sum.
         self._sync_sequence_parallel_grads()
