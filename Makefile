@@ -1,0 +1,19 @@
+.PHONY: install test lint format bench
+
+install:  ## CPU machines: the first line takes the CPU build of torch already on disk
+	python -m pip install torch==2.13.0
+	python -m pip install -e ".[dev,hf]"
+
+test:
+	python -m pytest -q
+
+lint:
+	ruff check .
+	ruff format --check .
+
+format:
+	ruff format .
+	ruff check --fix .
+
+bench:
+	python tools/bench_kernels.py --smoke
