@@ -1,0 +1,223 @@
+"""Pieces shared by GPT and BERT: embeddings, the vocab-parallel LM head, full-weight I/O.
+
+Every parameter is built from the default (replicated) RNG stream at full size and then
+sliced, in the same order at every TP size, so a model's full weights depend only on the
+seed. The vocabulary is padded at build time (to a multiple of tp_size × 128) but the
+padding never leaves the model: full state dicts hold exactly ``vocab_size`` rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.config import ModelConfig
+from layers import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, scatter_to_sequence
+from layers.linear import InitMethod, build_master_weight, normal_init
+from layers.recompute import dropout_stream
+from layers.transformer import LayerNorm
+from layers.utils import (
+    SP_GRAD_ATTR,
+    TP_DIM_ATTR,
+    gather_along,
+    group_rank,
+    group_size,
+    mark_tp_dim,
+    shard,
+)
+from parallel_state.random import RNGTracker
+
+# Set on parameters whose dim 0 is the padded vocabulary: trimmed to vocab_size in full
+# state dicts, zero-padded again on load.
+VOCAB_PADDED_ATTR = "vocab_padded"
+
+
+def unpadded_normal_init(vocab_size: int, std: float) -> InitMethod:
+    """N(0, std²) for the real vocabulary rows, zeros for the padding.
+
+    Only ``vocab_size`` rows are drawn, so the RNG stream advances by the same amount
+    whatever padding the TP size implies.
+    """
+
+    def init(full: torch.Tensor) -> None:
+        full.zero_()
+        full[:vocab_size].normal_(0.0, std)
+
+    return init
+
+
+def replicated_linear(
+    in_features: int, out_features: int, *, std: float, sequence_parallel: bool, dtype, device
+) -> nn.Linear:
+    """An nn.Linear held whole on every TP rank, drawn like the parallel layers' weights.
+
+    ``sequence_parallel=True`` when it runs on a sequence shard: its gradients are partial.
+    """
+    device = device if device is not None else torch.get_default_device()
+    # skip_init: no throwaway default-init draws from the RNG stream.
+    layer = torch.nn.utils.skip_init(
+        nn.Linear, in_features, out_features, dtype=dtype, device=device
+    )
+    with torch.no_grad():
+        full = build_master_weight(
+            (out_features, in_features), normal_init(std), layer.weight.dtype
+        )
+        layer.weight.copy_(full)
+        layer.bias.zero_()
+    layer.sequence_parallel = sequence_parallel  # its output is a sequence shard too
+    for p in layer.parameters():
+        mark_tp_dim(p, None)
+        setattr(p, SP_GRAD_ATTR, sequence_parallel)
+    return layer
+
+
+class Embeddings(nn.Module):
+    """Word (vocab-parallel) + position (+ token-type) embeddings, (LayerNorm), dropout.
+
+    ``[b, s]`` ids in, ``[s, b, h]`` out, or this rank's ``[s/tp, b, h]`` shard under
+    sequence parallelism. BERT gets token types and the embedding LayerNorm.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, tp_group, rng: RNGTracker | None, dtype, device):
+        super().__init__()
+        self.tp_group, self.rng = tp_group, rng
+        self.sequence_parallel, self.dropout = cfg.sequence_parallel, cfg.hidden_dropout
+        self.word = VocabParallelEmbedding(
+            cfg.padded_vocab_size(group_size(tp_group)),
+            cfg.hidden_size,
+            tp_group=tp_group,
+            init_method=unpadded_normal_init(cfg.vocab_size, cfg.init_std),
+            sequence_parallel=cfg.sequence_parallel,
+            dtype=dtype,
+            device=device,
+        )
+        setattr(self.word.weight, VOCAB_PADDED_ATTR, True)
+        self.position = self._replicated(cfg.max_positions, cfg, dtype, device)
+        bert = cfg.arch == "bert"
+        self.token_type = (
+            self._replicated(cfg.num_token_types, cfg, dtype, device) if bert else None
+        )
+        self.norm = None
+        if bert:
+            self.norm = LayerNorm(
+                cfg.hidden_size, cfg.layernorm_eps, sequence_parallel=cfg.sequence_parallel,
+                kernels=cfg.kernels, dtype=dtype, device=device,
+            )  # fmt: skip
+
+    @staticmethod
+    def _replicated(rows: int, cfg: ModelConfig, dtype, device) -> nn.Parameter:
+        dtype = dtype or torch.get_default_dtype()
+        full = build_master_weight((rows, cfg.hidden_size), normal_init(cfg.init_std), dtype)
+        return mark_tp_dim(nn.Parameter(full.to(device=device, dtype=dtype)), None)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None):
+        seq = input_ids.shape[1]
+        if seq > self.position.shape[0]:
+            raise ValueError(
+                f"sequence length {seq} exceeds max_positions {self.position.shape[0]}"
+            )
+        words = self.word(input_ids.t())  # [s(/tp), b, h]: reduce-scattered under SP
+        extra = self.position[:seq].unsqueeze(1)  # [s, 1, h], same on every TP rank
+        if self.token_type is not None:
+            extra = extra + F.embedding(token_type_ids.t(), self.token_type)  # [s, b, h]
+        if self.sequence_parallel:
+            # Keep this rank's rows; backward all-gathers so the replicated tables get the
+            # gradient of every position, on every rank.
+            extra = scatter_to_sequence(extra, self.tp_group)
+        x = words + extra
+        if self.norm is not None:
+            x = self.norm(x)
+        with dropout_stream(self.rng, sharded=self.sequence_parallel and self.training):
+            return F.dropout(x, self.dropout, self.training)
+
+
+class ParallelLMHead(nn.Module):
+    """Hidden ``[s(/tp), b, h]`` → vocab-sharded logits ``[s, b, V_padded/tp]``.
+
+    The input enters the TP region through f (copy), or under sequence parallelism through
+    the sequence all-gather whose backward reduce-scatter sums every rank's partial
+    gradient. The weight is the word embedding's shard (tied) or its own.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, tied: bool, bias: bool, tp_group, dtype, device):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, cfg.sequence_parallel
+        self.vocab_size = cfg.vocab_size
+        tp_size, tp_rank = group_size(tp_group), group_rank(tp_group)
+        padded = cfg.padded_vocab_size(tp_size)
+        factory = {"dtype": dtype or torch.get_default_dtype(), "device": device}
+        self.weight = self.bias = None
+        if not tied:
+            full = build_master_weight(
+                (padded, cfg.hidden_size),
+                unpadded_normal_init(cfg.vocab_size, cfg.init_std),
+                factory["dtype"],
+            )
+            self.weight = nn.Parameter(shard(full, 0, tp_rank, tp_size).to(**factory))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(padded // tp_size, **factory))
+        for p in (self.weight, self.bias):
+            if p is not None:
+                mark_tp_dim(p, 0)
+                setattr(p, VOCAB_PADDED_ATTR, True)
+
+    def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.tp_group)
+        else:
+            x = copy_to_tp(x, self.tp_group)
+        return F.linear(x, self.weight if self.weight is not None else tied_weight, self.bias)
+
+
+class ParallelModel(nn.Module):
+    """Base of the models: layout-independent full weights in and out.
+
+    Names are the module paths, identical at every TP size; tensors have full shape
+    (vocabulary unpadded). Every TP rank must call these together (they all-gather).
+    """
+
+    cfg: ModelConfig
+    tp_group: dist.ProcessGroup | None
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """{name: full-shape parameter}, gathered across TP."""
+        return {name: self._full(p, p.detach()) for name, p in self.named_parameters()}
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """{name: full-shape gradient} (zeros where a parameter has none), gathered across TP."""
+        return {
+            name: self._full(p, p.grad if p.grad is not None else torch.zeros_like(p))
+            for name, p in self.named_parameters()
+        }
+
+    def _full(self, param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+        full = gather_along(tensor.detach(), getattr(param, TP_DIM_ATTR, None), self.tp_group)
+        return full[: self.cfg.vocab_size] if getattr(param, VOCAB_PADDED_ATTR, False) else full
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's slices out of a full state dict (as :meth:`full_state_dict` gives)."""
+        own = dict(self.named_parameters())
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise KeyError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        size, rank = group_size(self.tp_group), group_rank(self.tp_group)
+        for name, param in own.items():
+            full = state[name]
+            dim = getattr(param, TP_DIM_ATTR, None)
+            if getattr(param, VOCAB_PADDED_ATTR, False):
+                if full.shape[0] != self.cfg.vocab_size:
+                    raise ValueError(
+                        f"{name}: {full.shape[0]} vocabulary rows, config says {self.cfg.vocab_size}"
+                    )
+                rows = param.shape[0] * (size if dim == 0 else 1)
+                full = F.pad(full, (0, 0) * (full.dim() - 1) + (0, rows - full.shape[0]))
+            local = shard(full, dim, rank, size)
+            if local.shape != param.shape:
+                raise ValueError(
+                    f"{name}: full shape {tuple(state[name].shape)} does not fit the model's "
+                    f"{tuple(param.shape)} shard at tp_size={size}"
+                )
+            param.copy_(local)

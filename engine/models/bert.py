@@ -1,0 +1,135 @@
+"""BERT: token/position/type embeddings with LayerNorm, post-LN layers, MLM and SOP heads."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.base import Embeddings, ParallelLMHead, ParallelModel, replicated_linear
+from engine.models.config import ModelConfig
+from layers import gather_from_tp, vocab_parallel_cross_entropy
+from layers.recompute import default_rng
+from layers.transformer import LayerNorm, ParallelTransformerLayer, resolve_kernels
+from layers.utils import group_size, resolve_tp_group
+from parallel_state.random import RNGTracker
+
+
+class MLMTransform(nn.Module):
+    """dense → GeLU → LayerNorm before the MLM decoder; on the sequence shard under SP."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, device) -> None:
+        super().__init__()
+        self.sequence_parallel = cfg.sequence_parallel
+        self.kernels = resolve_kernels(cfg.kernels)
+        self.approximate = {"gelu": "none", "gelu_tanh": "tanh"}[cfg.activation]
+        self.dense = replicated_linear(
+            cfg.hidden_size, cfg.hidden_size, std=cfg.init_std,
+            sequence_parallel=cfg.sequence_parallel, dtype=dtype, device=device,
+        )  # fmt: skip
+        self.norm = LayerNorm(
+            cfg.hidden_size, cfg.layernorm_eps, sequence_parallel=cfg.sequence_parallel,
+            kernels=cfg.kernels, dtype=dtype, device=device,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.kernels.gelu(self.dense(x), self.approximate))
+
+
+class Pooler(nn.Module):
+    """tanh(dense(hidden of [CLS])) → ``[b, h]``, replicated on every TP rank."""
+
+    def __init__(self, cfg: ModelConfig, *, tp_group, dtype, device) -> None:
+        super().__init__()
+        self.tp_group, self.input_sequence_sharded = tp_group, cfg.sequence_parallel
+        self.dense = replicated_linear(
+            cfg.hidden_size, cfg.hidden_size, std=cfg.init_std, sequence_parallel=False,
+            dtype=dtype, device=device,
+        )  # fmt: skip
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.input_sequence_sharded:
+            # [CLS] is row 0 of TP rank 0's shard. Gather every shard's first row with an
+            # operator that splits (not sums) the gradient backward: each rank computes the
+            # pooler redundantly, so summing would count its gradient tp_size times.
+            first_rows = gather_from_tp(hidden[0].unsqueeze(-1), self.tp_group)  # [b, h, tp]
+            cls = first_rows[..., 0]
+        else:
+            cls = hidden[0]  # [b, h]
+        return torch.tanh(self.dense(cls))
+
+
+class BertModel(ParallelModel):
+    """BERT for pre-training: masked-LM logits (vocab-sharded) and a sentence-order head.
+
+    ``forward(input_ids, token_type_ids, attention_mask)`` with ``[b, s]`` inputs
+    (attention_mask 1 for real tokens) returns ``{"mlm_logits": [b, s, V_padded/tp],
+    "sop_logits": [b, 2]}``; given ``mlm_labels`` (-100 = not masked) and/or
+    ``sop_labels``, also ``loss`` = mean MLM loss over labelled tokens + SOP cross-entropy,
+    with its parts ``mlm_loss`` and ``sop_loss``.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        rng: RNGTracker | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if cfg.arch != "bert":
+            raise ValueError(f"BertModel needs model.arch='bert', got {cfg.arch!r}")
+        self.tp_group = resolve_tp_group(tp_group)
+        cfg.validate(group_size(self.tp_group))
+        self.cfg = cfg
+        rng = rng if rng is not None else default_rng()
+        build = dict(tp_group=self.tp_group, dtype=dtype, device=device)
+        self.embedding = Embeddings(cfg, rng=rng, **build)
+        self.layers = nn.ModuleList(
+            ParallelTransformerLayer(cfg, rng=rng, **build) for _ in range(cfg.num_layers)
+        )
+        self.mlm_transform = MLMTransform(cfg, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=True, **build)
+        self.pooler = Pooler(cfg, **build)
+        self.sop_head = replicated_linear(
+            cfg.hidden_size, 2, std=cfg.init_std, sequence_parallel=False, dtype=dtype,
+            device=device,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        mlm_labels: torch.Tensor | None = None,
+        sop_labels: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        hidden = self.embedding(input_ids, token_type_ids)  # [s(/tp), b, h]
+        for layer in self.layers:
+            hidden = layer(hidden, mask)
+        logits = self.lm_head(self.mlm_transform(hidden), self.embedding.word.weight)
+        out = {
+            "mlm_logits": logits.transpose(0, 1),
+            "sop_logits": self.sop_head(self.pooler(hidden)),
+        }
+        losses = []
+        if mlm_labels is not None:
+            per_token = vocab_parallel_cross_entropy(
+                logits, mlm_labels.t(), vocab_size=self.cfg.vocab_size, tp_group=self.tp_group
+            )
+            labelled = (mlm_labels != -100).sum().clamp(min=1)
+            out["mlm_loss"] = per_token.sum() / labelled
+            losses.append(out["mlm_loss"])
+        if sop_labels is not None:
+            sop = out["sop_logits"]
+            out["sop_loss"] = F.cross_entropy(
+                sop.to(torch.promote_types(sop.dtype, torch.float32)), sop_labels
+            )
+            losses.append(out["sop_loss"])
+        if losses:
+            out["loss"] = sum(losses)
+        return out

@@ -1,0 +1,139 @@
+"""The model's structured config (a Hydra schema) and the named model-size presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from layers.recompute import RECOMPUTE_MODES
+from layers.utils import pad_vocab_size
+
+ARCHS = ("gpt", "bert")
+ACTIVATIONS = ("gelu", "gelu_tanh")
+KERNELS = ("torch", "triton", "apex")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture and per-layer options of a GPT or BERT model (defaults: GPT-2 small)."""
+
+    arch: str = "gpt"  # "gpt" (pre-LN causal LM) or "bert" (post-LN masked LM + sentence order)
+    vocab_size: int = 50257  # real vocabulary; the embedding is padded beyond it
+    hidden_size: int = 768  # model width h
+    num_layers: int = 12  # transformer layers
+    num_heads: int = 12  # attention heads; must divide by the TP size
+    ffn_hidden_size: int | None = None  # MLP inner width; None means 4 * hidden_size
+    max_positions: int = 1024  # learned position embeddings (longest sequence)
+    hidden_dropout: float = 0.1  # dropout on embeddings and residual branches
+    attention_dropout: float = 0.1  # dropout on attention probabilities
+    layernorm_eps: float = 1e-5  # LayerNorm epsilon (GPT-2 1e-5, BERT 1e-12)
+    make_vocab_size_divisible_by: int = 128  # vocab padded to a multiple of tp_size * this
+    sequence_parallel: bool = False  # shard LayerNorm/dropout activations along the sequence
+    recompute: str = "none"  # activation recomputation: "none", "selective" or "full"
+    num_token_types: int = 2  # BERT segment (token type) embeddings
+    init_std: float = 0.02  # std of the normal init of weights
+    activation: str = "gelu_tanh"  # "gelu_tanh" (GPT-2's tanh approximation) or "gelu" (exact)
+    tie_embeddings: bool = True  # LM head reuses the word embedding
+    kernels: str = "torch"  # element-wise kernels: "torch", "triton" or "apex"
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP inner width with the default applied."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def causal(self) -> bool:
+        """GPT attends only to earlier positions; BERT to all unpadded ones."""
+        return self.arch == "gpt"
+
+    @property
+    def pre_layernorm(self) -> bool:
+        """GPT-2 normalizes each sub-layer's input; original BERT its residual sum."""
+        return self.arch == "gpt"
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Embedding rows at this TP size: the vocabulary rounded up so every rank gets a block."""
+        return pad_vocab_size(self.vocab_size, tp_size * self.make_vocab_size_divisible_by)
+
+    def validate(self, tp_size: int = 1) -> None:
+        """Raise ValueError naming the offending key and numbers if this config cannot run."""
+        for key, value, allowed in (
+            ("arch", self.arch, ARCHS),
+            ("recompute", self.recompute, RECOMPUTE_MODES),
+            ("activation", self.activation, ACTIVATIONS),
+            ("kernels", self.kernels, KERNELS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"model.{key}={value!r} is not one of {allowed}")
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        for key in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(
+                f"model.make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} "
+                "must be >= 1"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_heads={self.num_heads}"
+            )
+        if self.num_heads % tp_size:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not divisible by tp_size={tp_size}"
+            )
+        if self.ffn_size % tp_size:
+            raise ValueError(
+                f"model.ffn_hidden_size={self.ffn_size} is not divisible by tp_size={tp_size}"
+            )
+        if self.arch == "bert" and self.num_token_types < 1:
+            raise ValueError(f"model.num_token_types={self.num_token_types} must be >= 1 for BERT")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain field values (for JSON)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """Build from :meth:`to_dict` output; unknown keys are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys {unknown}")
+        return cls(**values)
+
+
+_GPT2 = dict(arch="gpt", vocab_size=50257, activation="gelu_tanh", layernorm_eps=1e-5)
+_BERT = dict(
+    arch="bert", vocab_size=30522, max_positions=512, activation="gelu", layernorm_eps=1e-12
+)
+
+# Sources: GPT-2 small/medium (Radford et al. 2019, released configs); the 1.3B model is
+# "GPT-3 XL" of Brown et al. 2020, Table 2.1 (24 layers, d_model 2048, 24 heads of 128,
+# context 2048); BERT base/large (Devlin et al. 2019). Megatron's own 1.3B GPT recipe uses
+# 16 heads of 128 instead (set num_heads=16 to match it).
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt_tiny": dict(_GPT2, hidden_size=128, num_layers=2, num_heads=4, max_positions=256),
+    "gpt_125m": dict(_GPT2, hidden_size=768, num_layers=12, num_heads=12, max_positions=1024),
+    "gpt_350m": dict(_GPT2, hidden_size=1024, num_layers=24, num_heads=16, max_positions=1024),
+    "gpt_1.3b": dict(_GPT2, hidden_size=2048, num_layers=24, num_heads=24, max_positions=2048),
+    "bert_tiny": dict(_BERT, hidden_size=128, num_layers=2, num_heads=2),
+    "bert_base": dict(_BERT, hidden_size=768, num_layers=12, num_heads=12),
+    "bert_large": dict(_BERT, hidden_size=1024, num_layers=24, num_heads=16),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    """The named preset's ModelConfig with ``overrides`` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return ModelConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,63 @@
+"""GPT (GPT-2 layout): learned positions, pre-LN layers, final LayerNorm, tied LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.models.base import Embeddings, ParallelLMHead, ParallelModel
+from engine.models.config import ModelConfig
+from layers import vocab_parallel_cross_entropy
+from layers.recompute import default_rng
+from layers.transformer import LayerNorm, ParallelTransformerLayer
+from layers.utils import group_size, resolve_tp_group
+from parallel_state.random import RNGTracker
+
+
+class GPTModel(ParallelModel):
+    """A causal language model whose logits stay sharded over the vocabulary across TP.
+
+    ``forward(input_ids [b, s])`` → logits ``[b, s, V_padded/tp]`` (this rank's vocabulary
+    block); with ``labels [b, s]`` → per-token loss ``[b, s]`` (padding columns excluded,
+    label -100 ignored). The vocabulary is never gathered.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        rng: RNGTracker | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if cfg.arch != "gpt":
+            raise ValueError(f"GPTModel needs model.arch='gpt', got {cfg.arch!r}")
+        self.tp_group = resolve_tp_group(tp_group)
+        cfg.validate(group_size(self.tp_group))
+        self.cfg = cfg
+        rng = rng if rng is not None else default_rng()
+        build = dict(tp_group=self.tp_group, dtype=dtype, device=device)
+        self.embedding = Embeddings(cfg, rng=rng, **build)
+        self.layers = nn.ModuleList(
+            ParallelTransformerLayer(cfg, rng=rng, **build) for _ in range(cfg.num_layers)
+        )
+        self.final_norm = LayerNorm(
+            cfg.hidden_size, cfg.layernorm_eps, sequence_parallel=cfg.sequence_parallel,
+            kernels=cfg.kernels, dtype=dtype, device=device,
+        )  # fmt: skip
+        self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=False, **build)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embedding(input_ids)  # [s, b, h], or [s/tp, b, h] under SP
+        for layer in self.layers:
+            hidden = layer(hidden)
+        logits = self.lm_head(self.final_norm(hidden), self.embedding.word.weight)  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1)  # [b, s, V/tp]
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.t(), vocab_size=self.cfg.vocab_size, tp_group=self.tp_group
+        )
+        return loss.t()  # [b, s]

@@ -1,0 +1,120 @@
+"""Tensor-parallel self-attention: whole heads per TP rank, one fused QKV projection.
+
+The fused QKV weight's output rows are ordered per head, ``(heads three d)``::
+
+    [head0: q k v | head1: q k v | ...]
+
+so the contiguous slice a ColumnParallelLinear keeps on each TP rank holds complete heads
+with their q, k and v together, and no communication is needed until the row-parallel
+output projection sums the heads' contributions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
+from layers.recompute import checkpointed, dropout_stream
+from layers.utils import group_size, resolve_tp_group
+from parallel_state.random import RNGTracker
+
+if TYPE_CHECKING:
+    from layers.transformer import TransformerConfig
+
+
+def heads_per_rank(num_heads: int, tp_size: int) -> int:
+    """Heads each TP rank owns; raises naming both numbers when they do not divide."""
+    if num_heads % tp_size:
+        raise ValueError(
+            f"num_heads ({num_heads}) is not divisible by the tensor-parallel size ({tp_size}); "
+            "each TP rank must own whole attention heads"
+        )
+    return num_heads // tp_size
+
+
+class CoreAttention(nn.Module):
+    """softmax(QKᵀ/√d)·V with attention dropout, over this rank's heads.
+
+    Input q, k, v: ``[b, heads/tp, s, d]``; output ``[s, b, heads/tp · d]`` (TP-sharded on
+    its last dim). With ``recompute=True`` nothing inside is kept for backward (selective
+    recomputation): the s×s scores are the largest activations of a layer and the
+    cheapest to recompute.
+    """
+
+    def __init__(
+        self, dropout: float, *, causal: bool, recompute: bool, rng: RNGTracker | None
+    ) -> None:
+        super().__init__()
+        self.dropout, self.causal, self.recompute, self.rng = dropout, causal, recompute, rng
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.causal and mask is not None:
+            raise ValueError("causal attention takes no mask (padding masks are for BERT)")
+        if self.recompute:
+            return checkpointed(self._attend, q, k, v, mask, rng=self.rng)
+        return self._attend(q, k, v, mask)
+
+    def _attend(self, q, k, v, mask):
+        p = self.dropout if self.training else 0.0
+        # Attention probabilities are TP-sharded (each rank has its own heads): sharded stream.
+        with dropout_stream(self.rng, sharded=p > 0):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal
+            )
+        return rearrange(out, "b heads s d -> s b (heads d)")
+
+
+class ParallelAttention(nn.Module):
+    """Self-attention on ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism).
+
+    ``mask``: None (causal or full attention, per ``cfg.causal``) or a boolean tensor
+    broadcastable to ``[b, heads, s, s]``, True where a query may attend to a key.
+    """
+
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        *,
+        tp_group: dist.ProcessGroup | None,
+        rng: RNGTracker | None,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+    ) -> None:
+        super().__init__()
+        tp_group = resolve_tp_group(tp_group)
+        heads_per_rank(cfg.num_heads, group_size(tp_group))
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.sequence_parallel = cfg.sequence_parallel
+        common = dict(
+            tp_group=tp_group, sequence_parallel=cfg.sequence_parallel, dtype=dtype, device=device
+        )
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size, 3 * cfg.hidden_size, init_method=normal_init(cfg.init_std), **common
+        )
+        self.core = CoreAttention(
+            cfg.attention_dropout,
+            causal=cfg.causal,
+            recompute=cfg.recompute == "selective",
+            rng=rng,
+        )
+        # GPT-2 / Megatron: residual-branch outputs start smaller, std / √(2·layers).
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.dense = RowParallelLinear(
+            cfg.hidden_size, cfg.hidden_size, init_method=normal_init(out_std), **common
+        )
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, 3h/tp], whole heads
+        q, k, v = rearrange(
+            qkv, "s b (heads three d) -> three b heads s d", three=3, d=self.head_dim
+        )
+        return self.dense(self.core(q, k, v, mask))
