@@ -1,0 +1,157 @@
+"""Layout-independent model weights on disk.
+
+A checkpoint is a directory holding
+
+* ``model.safetensors``: every parameter at full shape under its stable global name (the
+  module path, the same at every TP size), vocabulary unpadded;
+* ``meshtron.json``: the format version, the ModelConfig and optional extra metadata.
+
+So a checkpoint written at one TP size loads at any other. Writes go to a temporary
+sibling directory that is renamed into place, so a crash never leaves a half-written
+checkpoint under the final name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from engine.models import ModelConfig, ParallelModel, build_model
+
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+META_FILE = "meshtron.json"
+# Fields that fix parameter shapes; the rest (dropout, recompute, sequence parallelism,
+# kernels) may differ between the writer and the reader.
+SHAPE_FIELDS = (
+    "arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size",
+    "max_positions", "num_token_types", "tie_embeddings",
+)  # fmt: skip
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read into memory."""
+
+    state: dict[str, torch.Tensor]
+    config: ModelConfig
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def write_checkpoint(
+    directory: str | os.PathLike,
+    state: dict[str, torch.Tensor],
+    config: ModelConfig,
+    *,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Write full-shape ``state`` and ``config`` to ``directory``, replacing it atomically."""
+    final = Path(directory)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        # clone: safetensors refuses tensors that share storage (tied or unbound views).
+        tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
+                   for k, v in state.items()}  # fmt: skip
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "meshtron"})
+        meta = {"format_version": FORMAT_VERSION, "model_config": config.to_dict(),
+                "extra": extra or {}}  # fmt: skip
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        _move_into_place(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _move_into_place(tmp: Path, final: Path) -> None:
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    # rename() cannot replace a non-empty directory: park the old one, then drop it.
+    old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+    os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def read_checkpoint(directory: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint directory written by :func:`write_checkpoint`."""
+    directory = Path(directory)
+    meta_path = directory / META_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{directory} is not a meshtron checkpoint (no {META_FILE})")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{meta_path}: format_version {meta.get('format_version')!r}, "
+            f"this meshtron reads {FORMAT_VERSION}"
+        )
+    state = load_file(str(directory / WEIGHTS_FILE))
+    return Checkpoint(state, ModelConfig.from_dict(meta["model_config"]), meta.get("extra", {}))
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save_model(
+    model: ParallelModel, directory: str | os.PathLike, *, extra: dict[str, Any] | None = None
+) -> None:
+    """Gather ``model``'s full weights and write them (global rank 0 writes).
+
+    Every rank must call this: the gather is collective over TP, and all ranks wait at a
+    barrier so that none reads the checkpoint before it exists.
+    """
+    state = model.full_state_dict()
+    if _rank() == 0:
+        write_checkpoint(directory, state, model.cfg, extra=extra)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def check_compatible(model_cfg: ModelConfig, ckpt_cfg: ModelConfig) -> None:
+    """Raise if the checkpoint's parameter shapes cannot fit ``model_cfg``."""
+    for key in SHAPE_FIELDS:
+        mine, theirs = getattr(model_cfg, key), getattr(ckpt_cfg, key)
+        if mine != theirs:
+            raise ValueError(f"checkpoint has model.{key}={theirs!r}, the model {mine!r}")
+
+
+def load_into(model: ParallelModel, directory: str | os.PathLike) -> Checkpoint:
+    """Load a checkpoint into an existing model at its own TP layout; returns what was read."""
+    ckpt = read_checkpoint(directory)
+    check_compatible(model.cfg, ckpt.config)
+    model.load_full_state_dict(ckpt.state)
+    return ckpt
+
+
+def load_model(
+    directory: str | os.PathLike,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> ParallelModel:
+    """Build the checkpoint's model on this rank's TP shard and load its weights.
+
+    ``overrides`` changes layout fields of the stored config (e.g. sequence_parallel,
+    recompute, dropout); ``dtype`` defaults to the stored one.
+    """
+    ckpt = read_checkpoint(directory)
+    cfg = replace(ckpt.config, **(overrides or {}))
+    check_compatible(cfg, ckpt.config)
+    dtype = dtype or next(iter(ckpt.state.values())).dtype
+    model = build_model(cfg, tp_group=tp_group, dtype=dtype, device=device)
+    model.load_full_state_dict(ckpt.state)
+    return model
