@@ -52,6 +52,11 @@ class BertDataset(Dataset):
         self.special_ids = np.array(sorted({cls_id, sep_id, mask_id, pad_id, indexed.eod_id}))
         # Random replacements must not forge structure, so they come from ordinary ids only.
         self.random_ids = np.setdiff1d(np.arange(vocab_size), self.special_ids)
+        if len(self.tokens) < self.span_len:
+            raise ValueError(
+                f"documents {doc_range} hold {len(self.tokens)} tokens, "
+                f"fewer than one span of seq_len - 3 = {self.span_len}"
+            )
         self.shuffle = EpochShuffle(len(self.tokens) // self.span_len, seed)
 
     def __len__(self) -> int:

@@ -78,8 +78,8 @@ def split_documents(
     except ValueError as e:
         raise ValueError(f"bad split {split!r}: {e}") from None
     fractions += [0.0] * (len(SPLIT_NAMES) - len(fractions))
-    bounds = [0]
-    for fraction in fractions[:-1]:
-        bounds.append(min(num_docs, bounds[-1] + round(fraction * num_docs)))
-    bounds.append(num_docs)
+    # Rounding cumulative (not per-part) sizes keeps every boundary within half a document
+    # of exact, so no part drifts by more than one document.
+    cumulative = np.cumsum(fractions[:-1]) * num_docs
+    bounds = [0, *(min(num_docs, round(c)) for c in cumulative), num_docs]
     return {name: (bounds[i], bounds[i + 1]) for i, name in enumerate(SPLIT_NAMES)}
