@@ -136,9 +136,14 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     return tokenizer
 
 
-def _encode_texts(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+def _encoding_copy(tokenizer_json: str) -> Tokenizer:
+    tokenizer = Tokenizer.from_str(tokenizer_json)
     # Control tokens typed in the text are data, not document boundaries.
     tokenizer.encode_special_tokens = True
+    return tokenizer
+
+
+def _encode_texts(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
     encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
     return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
 
@@ -150,7 +155,7 @@ _worker_tokenizer: list[Tokenizer] = []
 def _init_worker(tokenizer_json: str) -> None:
     # One Rust thread per worker process: the process count is the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker_tokenizer.append(Tokenizer.from_str(tokenizer_json))
+    _worker_tokenizer.append(_encoding_copy(tokenizer_json))
 
 
 def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
@@ -171,17 +176,18 @@ def _chunks(docs: Iterable[Document]) -> Iterator[tuple[list[str], int]]:
 
 
 def _encoded_chunks(
-    docs: Iterable[Document], tokenizer: Tokenizer, workers: int
+    docs: Iterable[Document], tokenizer_json: str, workers: int
 ) -> Iterator[tuple[list[np.ndarray], int]]:
     """Encoded chunks in input order; ``workers > 1`` spreads them over that many processes."""
     if workers <= 1:
+        tokenizer = _encoding_copy(tokenizer_json)
         # encode_batch already runs on the tokenizer's Rust thread pool.
         for texts, nbytes in _chunks(docs):
             yield _encode_texts(tokenizer, texts), nbytes
         return
     # spawn, not fork: forking after the Rust thread pool has started can deadlock.
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, _init_worker, (tokenizer.to_str(),)) as pool:
+    with ctx.Pool(workers, _init_worker, (tokenizer_json,)) as pool:
         pending: deque = deque()
         for texts, nbytes in _chunks(docs):
             pending.append((pool.apply_async(_encode_in_worker, (texts,)), nbytes))
@@ -223,7 +229,7 @@ def encode_to_indexed(
         _progress(progress) as bar,
     ):
         task = bar.add_task("tokenizing", total=total_bytes)
-        for encoded, nbytes in _encoded_chunks(docs, tokenizer, workers):
+        for encoded, nbytes in _encoded_chunks(docs, tokenizer.to_str(), workers):
             for ids in encoded:
                 writer.add_document(ids)
                 content_tokens += ids.size
