@@ -1,0 +1,197 @@
+"""Model FLOPs per iteration, parameter counts, GPU peak FLOP/s and MFU (REFERENCE.md §3, §6).
+
+FLOPs count matrix multiplications only, 2 per multiply-accumulate. Per transformer layer
+and per token, the forward pass multiplies by the QKV (h×3h), output (h×h), fc1 (h×f) and
+fc2 (f×h) weights, and forms QKᵀ and attention·V against all s positions::
+
+    per-layer forward = 2·B·s·(3h² + h² + 2·h·f) + 2·2·B·s²·h      (f = ffn width, 4h by default)
+                      = 24·B·s·h² + 4·B·s²·h                      (f = 4h)
+
+Backward costs twice the forward (one matmul for the input gradient, one for the weight
+gradient), so forward + backward is 3× the forward; full activation recomputation runs
+the layers' forward once more (4×), but not the LM head's. The LM head adds 2·B·s·h·V
+forward. Summed over l layers this is exactly REFERENCE §3's
+F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)), or 96 and V/(16·l·h) with recomputation.
+
+Attention FLOPs count all s×s scores, causal or not: a kernel that skips masked blocks does
+less work, but model FLOPs (and so MFU) are defined on the dense count. Bias adds,
+LayerNorm, softmax, GeLU, dropout and embedding lookups are not matmuls and are not counted.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.config import Config
+
+# Dense bf16/fp16 tensor-core peaks, REFERENCE §6 (SXM parts). Matched as case-insensitive
+# substrings of the CUDA device name, first match wins. The PCIe/NVL variants of the
+# same chips have lower, different peaks that REFERENCE does not list: they map to None
+# (no MFU printed) rather than to the SXM figure (a wrong MFU).
+PEAK_FLOPS_BF16: tuple[tuple[str, float | None], ...] = (
+    ("V100-PCIE", None),
+    ("H100 PCIE", None),
+    ("H100 NVL", None),
+    ("H200 NVL", None),
+    ("V100", 125e12),
+    ("A100", 312e12),  # 40GB and 80GB, SXM and PCIe share this peak
+    ("H100", 989e12),
+    ("H200", 989e12),
+)
+_PEAK_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _layer_forward_flops(batch: int, seq: int, hidden: int, ffn: int) -> int:
+    """Matmul FLOPs of one transformer layer's forward pass (see the module docstring)."""
+    projections = 2 * batch * seq * (4 * hidden * hidden + 2 * hidden * ffn)
+    attention = 4 * batch * seq * seq * hidden  # QKᵀ and scores·V, all s×s entries
+    return projections + attention
+
+
+def gpt_flops_per_iteration(
+    batch: int,
+    seq: int,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    *,
+    recompute: bool = False,
+    ffn_hidden: int | None = None,
+) -> int:
+    """Forward + backward matmul FLOPs of a GPT step on ``batch`` sequences of ``seq`` tokens.
+
+    With ``ffn_hidden`` None (4·hidden) this is exactly REFERENCE §3's formula,
+    72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)); ``recompute=True`` (full activation
+    recomputation) counts the layers' extra forward: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
+    Pass the vocabulary the LM head actually multiplies by (the padded one) to count the
+    work done; MFU conventions (Megatron's included) do the same.
+
+    The recompute count is REFERENCE's (a whole extra forward). torch's non-reentrant
+    checkpoint stops once the last saved tensor is regenerated, so on a pre-LN layer it
+    skips fc2's forward: the hardware then does 2·B·s·f·h·l fewer FLOPs than counted.
+    """
+    ffn = ffn_hidden or 4 * hidden
+    layer_passes = 4 if recompute else 3
+    lm_head = 2 * batch * seq * hidden * vocab
+    return layer_passes * layers * _layer_forward_flops(batch, seq, hidden, ffn) + 3 * lm_head
+
+
+def bert_flops_per_iteration(
+    batch: int,
+    seq: int,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    *,
+    recompute: bool = False,
+    ffn_hidden: int | None = None,
+) -> int:
+    """Forward + backward matmul FLOPs of a BERT pre-training step (MLM on every position + SOP).
+
+    Derived with the same counting as GPT:
+
+    - layers: bidirectional attention forms the same s×s scores as causal attention
+      (neither kernel skips masked blocks), so each layer costs what a GPT layer costs;
+    - MLM head: the transform dense (h×h) and the decoder (h×V) run on all B·s positions,
+      not only the masked ones: 2·B·s·h² + 2·B·s·h·V forward;
+    - pooler dense (h×h) on the [CLS] token and the sentence-order head (h×2):
+      2·B·h² + 4·B·h forward.
+
+    Every one of these matmuls also computes its input and weight gradients, so
+    forward + backward is 3× the forward, and with f = 4h
+
+        F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h) + 1/(12·l)) + 6·B·h² + 12·B·h.
+
+    ``recompute=True`` adds one more forward of the layers only (96 for 72 in the layer
+    term; the heads are not recomputed).
+    """
+    gpt_part = gpt_flops_per_iteration(
+        batch, seq, layers, hidden, vocab, recompute=recompute, ffn_hidden=ffn_hidden
+    )
+    mlm_transform = 2 * batch * seq * hidden * hidden
+    pooler_and_sop = 2 * batch * hidden * hidden + 2 * batch * hidden * 2
+    return gpt_part + 3 * (mlm_transform + pooler_and_sop)
+
+
+def model_flops(
+    cfg: ModelConfig, batch: int, seq: int, *, tp_size: int = 1, recompute: bool = False
+) -> int:
+    """Forward + backward FLOPs of ``cfg`` on ``batch`` sequences, with the padded vocabulary.
+
+    ``batch`` is the global batch for a whole step (all DP ranks); ``tp_size`` only sets the
+    vocabulary padding. Model FLOPs for MFU leave ``recompute`` False (REFERENCE §3).
+    """
+    count = {"gpt": gpt_flops_per_iteration, "bert": bert_flops_per_iteration}[cfg.arch]
+    return count(
+        batch, seq, cfg.num_layers, cfg.hidden_size, cfg.padded_vocab_size(tp_size),
+        recompute=recompute, ffn_hidden=cfg.ffn_size,
+    )  # fmt: skip
+
+
+def model_flops_per_step(cfg: Config) -> int:
+    """Model FLOPs of one optimizer step of a training run (global batch × data.seq_len)."""
+    return model_flops(cfg.model, cfg.trainer.global_batch, cfg.data.seq_len, tp_size=cfg.tp_size)
+
+
+def params_count(cfg: ModelConfig) -> int:
+    """Parameters of the full model, unpadded vocabulary (what ``full_state_dict`` holds).
+
+    For GPT with f = 4h and tied embeddings this is REFERENCE §3's
+    12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)), with s = max_positions, plus the 2h of the
+    final LayerNorm that the reference's approximation leaves out. Per layer: QKV and
+    output projections 4h² + 4h, MLP 2·h·f + f + h, two LayerNorms 4h.
+    """
+    h, f, v = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
+    per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+    total = cfg.num_layers * per_layer + (v + cfg.max_positions) * h
+    untied_head = 0 if cfg.tie_embeddings else v * h
+    if cfg.arch == "gpt":
+        return total + 2 * h + untied_head  # final LayerNorm
+    embedding_extra = cfg.num_token_types * h + 2 * h  # token types, embedding LayerNorm
+    mlm_head = h * h + h + 2 * h + v  # transform dense, its LayerNorm, decoder bias
+    pooler_and_sop = h * h + h + 2 * h + 2
+    return total + embedding_extra + mlm_head + untied_head + pooler_and_sop
+
+
+def peak_flops_for_name(name: str, dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """Dense peak FLOP/s of the GPU called ``name`` at ``dtype``; None when not in the table.
+
+    Only bf16/fp16 peaks are tabulated: fp32 or TF32 training gets None, not a wrong MFU.
+    """
+    if dtype not in _PEAK_DTYPES:
+        return None
+    upper = name.upper()
+    for key, peak in PEAK_FLOPS_BF16:
+        if key.upper() in upper:
+            return peak
+    return None
+
+
+def peak_flops(
+    device: torch.device | str | int | None, dtype: torch.dtype = torch.bfloat16
+) -> float | None:
+    """Dense peak FLOP/s of ``device`` at ``dtype``, or None on CPU and unknown devices.
+
+    None means "print no MFU": a CPU has no entry because its peak depends on the part,
+    the core count and the vector units, none of which torch reports.
+    """
+    if device is None:
+        return None
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return peak_flops_for_name(torch.cuda.get_device_name(device), dtype)
+
+
+def mfu(model_flops_per_s: float, peak: float | None, num_gpus: int) -> float | None:
+    """Model FLOPs utilization: achieved model FLOP/s ÷ (peak × GPUs); None without a peak."""
+    if peak is None or peak <= 0:
+        return None
+    if num_gpus < 1:
+        raise ValueError(f"num_gpus={num_gpus} must be >= 1")
+    return model_flops_per_s / (peak * num_gpus)
