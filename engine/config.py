@@ -1,0 +1,195 @@
+"""Typed configuration: the Hydra schemas (dataclasses) and their validation.
+
+The YAML files under ``configs/`` only choose values; the types, defaults and one-line
+docs live here and are registered in Hydra's ConfigStore, so an unknown key or a value of
+the wrong type is rejected by Hydra before anything runs. ``validate`` then checks what
+types cannot express (divisibility, batch arithmetic, paths) and returns one line per
+problem, naming the key and the numbers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+from engine.models.config import ModelConfig
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from."""
+
+    prefixes: list[str] = field(default_factory=list)  # PREFIX of .bin/.idx; empty: stdlib corpus
+    weights: list[float] = field(default_factory=list)  # blending weights, one per prefix
+    tokenizer: str | None = None  # tokenizer.json; default PREFIX.tokenizer.json of the first
+    split: str = "949,50,1"  # train,valid,test document split weights
+    seq_len: int = 128  # tokens per training sequence
+    default_vocab_size: int = 8192  # BPE vocabulary of the embedded stdlib corpus
+    default_max_bytes: int = 4_000_000  # stdlib source bytes taken into the embedded corpus
+    cache_dir: str | None = None  # embedded corpus cache; default $MESHTRON_CACHE or ~/.cache
+    seed: int = 1234  # shuffling and masking seed
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and cosine decay."""
+
+    lr: float = 6e-4  # peak learning rate
+    min_lr: float = 6e-5  # learning rate at the end of the cosine decay
+    warmup_steps: int = 20  # linear warmup from 0 to lr
+    decay_steps: int | None = None  # cosine length after warmup; None: until trainer.max_steps
+    weight_decay: float = 0.1  # decoupled weight decay (not on biases and norms)
+    beta1: float = 0.9  # Adam β1
+    beta2: float = 0.95  # Adam β2
+    eps: float = 1e-8  # Adam ε
+    clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
+    impl: str = "auto"  # "auto" (fused torch on CUDA), "torch", or "apex" (FusedAdam)
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop."""
+
+    max_steps: int = 150  # optimizer steps
+    global_batch: int = 16  # sequences per optimizer step, across all DP ranks
+    micro_batch: int = 4  # sequences per forward/backward on one rank
+    precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU), "fp32", "bf16" or "fp16"
+    seed: int = 1234  # model init and dropout seed
+    log_every: int = 10  # console/TensorBoard interval in steps
+    eval_every: int = 50  # validation interval in steps; 0 disables
+    eval_batches: int = 4  # validation micro-batches per evaluation
+    grad_bucket_mb: float = 25.0  # DP all-reduce bucket size
+    tensorboard: bool = True  # write TensorBoard scalars under the run directory
+    wandb_project: str | None = None  # log to Weights & Biases when set (wandb must be installed)
+    profile_steps: list[int] = field(default_factory=list)  # [first, last] step to trace
+    sample_tokens: int = 48  # tokens sampled from the GPT after training; 0 disables
+    sample_prompt: str = "def "  # prompt of that sample
+    sample_temperature: float = 0.8  # sampling temperature
+    sample_top_k: int = 40  # top-k of the sample
+    loss_scale_init: float = 65536.0  # fp16 dynamic loss scaling: initial scale
+    progress: bool = True  # rich progress bar on rank 0
+
+
+@dataclass
+class CheckpointConfig:
+    """Where the model goes."""
+
+    dir: str | None = None  # stable directory; default checkpoints/<experiment name>
+    save_final: bool = True  # save the model at the end of training
+
+
+@dataclass
+class Config:
+    """Everything a pre-training run needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    name: str = "gpt_tiny_stdlib"  # experiment name (checkpoint and log directories)
+    tp_size: int = 2  # tensor-parallel size (ranks in a node sharing each layer)
+    dp_size: Any = 2  # data-parallel size, or "auto" for world size ÷ tp_size
+    run_dir: str = "."  # where logs go; set to Hydra's output directory at launch
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    cs.store(group="model", name="schema", node=ModelConfig)
+    cs.store(group="data", name="schema", node=DataConfig)
+    cs.store(group="optim", name="schema", node=OptimConfig)
+    cs.store(group="trainer", name="schema", node=TrainerConfig)
+
+
+def resolve_dp_size(cfg: Config, world_size: int | None) -> int:
+    """``dp_size`` as an int: ``auto`` means world ÷ tp (world from the launcher, else tp)."""
+    if isinstance(cfg.dp_size, str):
+        if cfg.dp_size != "auto":
+            try:
+                return int(cfg.dp_size)
+            except ValueError:
+                raise ValueError(f"dp_size={cfg.dp_size!r} must be an integer or 'auto'") from None
+        if world_size is None:
+            return 1
+        return world_size // cfg.tp_size if cfg.tp_size > 0 else 1
+    return int(cfg.dp_size)
+
+
+def validate(cfg: Config, dp_size: int, world_size: int | None = None) -> list[str]:
+    """Every problem of ``cfg`` at this layout, one line each (empty when it can run)."""
+    problems: list[str] = []
+    tp, t = cfg.tp_size, cfg.trainer
+    if tp < 1:
+        problems.append(f"tp_size={tp} must be >= 1")
+    if dp_size < 1:
+        problems.append(f"dp_size={dp_size} must be >= 1")
+    if problems:
+        return problems
+    if world_size is not None and tp * dp_size != world_size:
+        problems.append(
+            f"tp_size × dp_size = {tp} × {dp_size} = {tp * dp_size} but the launcher started "
+            f"{world_size} processes"
+        )
+    try:
+        cfg.model.validate(tp)
+    except ValueError as err:
+        problems.append(str(err))
+    if min(t.global_batch, t.micro_batch) < 1:
+        problems.append(
+            f"trainer.global_batch={t.global_batch} and trainer.micro_batch={t.micro_batch} "
+            "must be >= 1"
+        )
+    elif t.global_batch % (t.micro_batch * dp_size):
+        problems.append(
+            f"trainer.global_batch={t.global_batch} is not a multiple of trainer.micro_batch × "
+            f"dp_size = {t.micro_batch} × {dp_size} = {t.micro_batch * dp_size} (global batch = "
+            "micro batch × dp × accumulation steps)"
+        )
+    if t.max_steps < 1:
+        problems.append(f"trainer.max_steps={t.max_steps} must be >= 1")
+    if cfg.data.seq_len < 2 or cfg.data.seq_len > cfg.model.max_positions:
+        problems.append(
+            f"data.seq_len={cfg.data.seq_len} must be in [2, model.max_positions="
+            f"{cfg.model.max_positions}]"
+        )
+    if t.precision not in ("auto", "fp32", "bf16", "fp16"):
+        problems.append(f"trainer.precision={t.precision!r} is not one of auto, fp32, bf16, fp16")
+    if cfg.optim.impl not in ("auto", "torch", "apex"):
+        problems.append(f"optim.impl={cfg.optim.impl!r} is not one of auto, torch, apex")
+    if cfg.optim.lr <= 0 or cfg.optim.min_lr < 0 or cfg.optim.min_lr > cfg.optim.lr:
+        problems.append(
+            f"optim.lr={cfg.optim.lr} must be > 0 and optim.min_lr={cfg.optim.min_lr} in [0, lr]"
+        )
+    if t.profile_steps and (len(t.profile_steps) != 2 or t.profile_steps[0] > t.profile_steps[1]):
+        problems.append(f"trainer.profile_steps={t.profile_steps} must be [first, last]")
+    problems += _validate_data(cfg)
+    return problems
+
+
+def _validate_data(cfg: Config) -> list[str]:
+    d = cfg.data
+    problems = []
+    for prefix in d.prefixes:
+        for ext in (".bin", ".idx"):
+            if not os.path.exists(prefix + ext):
+                problems.append(
+                    f"data.prefixes: {prefix + ext} does not exist (make it with "
+                    "tools/preprocess_data.py)"
+                )
+    if d.weights and len(d.weights) != len(d.prefixes):
+        problems.append(
+            f"data.weights has {len(d.weights)} entries for {len(d.prefixes)} data.prefixes"
+        )
+    if d.tokenizer is not None and not os.path.exists(d.tokenizer):
+        problems.append(f"data.tokenizer: {d.tokenizer} does not exist")
+    if not d.prefixes and cfg.model.vocab_size < d.default_vocab_size:
+        problems.append(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the embedded corpus's "
+            f"data.default_vocab_size={d.default_vocab_size}"
+        )
+    return problems

@@ -1,0 +1,100 @@
+"""What a run shows: a rich console with a progress bar, TensorBoard scalars, wandb, traces."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+from collections.abc import Iterator
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory, or the process's peak resident memory on CPU, in GiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class RunLogger:
+    """Console, progress bar and metric sinks; only the first rank prints and writes."""
+
+    def __init__(self, *, enabled: bool, run_dir: str, max_steps: int, tensorboard: bool,
+                 wandb_project: str | None, config: dict, progress: bool) -> None:  # fmt: skip
+        self.enabled = enabled
+        self.console = Console(stderr=False, highlight=False)
+        self.writer = self.wandb = None
+        self.progress = None
+        if not enabled:
+            return
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=wandb_project, config=config, dir=run_dir)
+        if progress and sys.stdout.isatty():
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                console=self.console, transient=True,
+            )  # fmt: skip
+            self.task = self.progress.add_task("train", total=max_steps, status="")
+            self.progress.start()
+
+    def print(self, *args, **kwargs) -> None:
+        """Print on the first rank only (above the progress bar)."""
+        if self.enabled:
+            self.console.print(*args, soft_wrap=True, **kwargs)  # log lines stay one line
+
+    def advance(self, step: int, status: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, status=status)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        """Write scalars to TensorBoard / wandb."""
+        if not self.enabled:
+            return
+        for key, value in values.items():
+            if self.writer is not None and value is not None:
+                self.writer.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in values.items() if v is not None}, step=step)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+@contextlib.contextmanager
+def maybe_profile(steps: list[int], run_dir: str, rank: int) -> Iterator[callable]:
+    """A torch.profiler trace of steps ``[first, last]`` (chrome trace per rank), or nothing.
+
+    Yields a ``step()`` callback to call after every optimizer step.
+    """
+    if not steps:
+        yield lambda: None
+        return
+    first, last = steps
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    path = os.path.join(run_dir, f"trace_rank{rank}.json")
+    schedule = torch.profiler.schedule(wait=max(0, first - 1), warmup=1 if first > 0 else 0,
+                                       active=last - first + 1, repeat=1)  # fmt: skip
+    with torch.profiler.profile(
+        activities=activities, schedule=schedule, record_shapes=True,
+        on_trace_ready=lambda prof: prof.export_chrome_trace(path),
+    ) as prof:  # fmt: skip
+        yield prof.step

@@ -1,0 +1,134 @@
+"""AdamW, the warmup + cosine schedule, mesh-aware gradient clipping and fp16 loss scaling."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.config import OptimConfig
+from layers.utils import TP_DIM_ATTR
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device: torch.device
+) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on biases, norms or other 1-D params).
+
+    ``impl``: "auto" takes torch's fused AdamW on CUDA and the default elsewhere; "apex"
+    takes apex's FusedAdam (adam_w_mode), which must then be importable.
+    """
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    kwargs = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+    if cfg.impl == "apex":
+        try:
+            from apex.optimizers import FusedAdam
+        except ImportError:
+            raise RuntimeError(
+                "optim.impl=apex but apex is not importable; install NVIDIA apex or use optim.impl=auto"
+            ) from None
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    fused = device.type == "cuda" and cfg.impl in ("auto", "torch")
+    return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Learning rate after ``step`` optimizer steps: linear warmup, then cosine to min_lr."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = cfg.decay_steps or max(1, max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Apply ``lr`` to every parameter group."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def global_grad_norm(
+    params: Iterable[nn.Parameter], tp_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient, the same on every rank of the mesh.
+
+    TP-sharded parameters contribute their local shard and are summed across TP;
+    replicated ones are identical on every TP rank (after grad sync) and are counted once,
+    on TP rank 0. After DP averaging every DP replica holds the same gradients, so no DP
+    reduction is needed.
+    """
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    squares = [
+        p.grad.detach().float().pow(2).sum()
+        for p in params
+        if p.grad is not None and (getattr(p, TP_DIM_ATTR, None) is not None or tp_rank == 0)
+    ]
+    # One device-side sum, one host sync; fp64 keeps the sum of many squares exact enough.
+    total = torch.stack(squares).double().sum() if squares else torch.zeros((), dtype=torch.float64)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        total = total.to(_collective_device(tp_group))
+        dist.all_reduce(total, group=tp_group)
+    return total.sqrt().cpu()
+
+
+def _collective_device(group: dist.ProcessGroup) -> torch.device:
+    """gloo reduces CPU tensors; NCCL needs them on this rank's GPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def clip_grads_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale gradients so that their global norm is at most ``max_norm``."""
+    if max_norm <= 0:
+        return
+    coef = max_norm / (norm.item() + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+
+class DynamicLossScaler:
+    """fp16 loss scaling: halve the scale and skip the step on overflow, grow it when stable.
+
+    Overflow is agreed on by every rank of the mesh (an all-reduce MAX of the local flag),
+    so all ranks skip the same steps.
+    """
+
+    def __init__(self, init_scale: float, growth_interval: int = 1000) -> None:
+        self.scale, self.growth_interval, self._good_steps = init_scale, growth_interval, 0
+
+    def found_overflow(self, params: list[nn.Parameter]) -> bool:
+        flag = torch.zeros(())
+        for p in params:
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                flag.fill_(1.0)
+                break
+        if dist.is_initialized():
+            flag = flag.to(_collective_device(dist.group.WORLD))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def unscale_(self, params: list[nn.Parameter]) -> None:
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(self.scale)
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self._good_steps = max(self.scale / 2.0, 1.0), 0
+            return
+        self._good_steps += 1
+        if self._good_steps % self.growth_interval == 0:
+            self.scale *= 2.0

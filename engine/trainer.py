@@ -1,0 +1,260 @@
+"""The training loop: micro-batches, DP gradient sync, clipping, precision, eval, logging."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+import parallel_state
+from engine import flops
+from engine.config import Config
+from engine.data_setup import build_pipeline, to_device
+from engine.generate import generate
+from engine.grad_sync import GradSync
+from engine.models import build_model
+from engine.observe import RunLogger, maybe_profile, peak_memory_gib
+from engine.optim import (
+    DynamicLossScaler,
+    build_optimizer,
+    clip_grads_,
+    global_grad_norm,
+    lr_at,
+    set_lr,
+)
+from parallel_state import ParallelState
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto`` is bf16 on CUDA devices that support it, else fp32 (the CPU's practice)."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+class Trainer:
+    """Pre-trains ``cfg.model`` on this rank's part of the mesh.
+
+    Parameters stay fp32 (the master weights); bf16/fp16 run the forward under autocast,
+    so gradients, their DP reduction and the optimizer are fp32. fp16 adds dynamic loss
+    scaling with mesh-wide overflow detection.
+    """
+
+    def __init__(self, cfg: Config, ps: ParallelState) -> None:
+        self.cfg, self.ps, self.device = cfg, ps, ps.device
+        self.precision = resolve_precision(cfg.trainer.precision, ps.device)
+        ps.seed(cfg.trainer.seed)
+        self.model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.model, cfg.optim, ps.device)
+        self.grad_sync = GradSync(
+            self.params, dp_group=ps.dp_group, tp_group=ps.tp_group,
+            bucket_size_mb=cfg.trainer.grad_bucket_mb,
+        )  # fmt: skip
+        self.scaler = (
+            DynamicLossScaler(cfg.trainer.loss_scale_init) if self.precision == "fp16" else None
+        )
+        self.data = build_pipeline(cfg, ps.dp_rank, ps.dp_size)
+        self.flops_per_step = flops.model_flops_per_step(cfg)
+        peak_dtype = _AUTOCAST.get(self.precision, torch.float32)
+        self.peak_flops = flops.peak_flops(ps.device, peak_dtype)
+        self.logger = RunLogger(
+            enabled=ps.rank == 0, run_dir=cfg.run_dir, max_steps=cfg.trainer.max_steps,
+            tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
+            config=asdict(cfg), progress=cfg.trainer.progress,
+        )  # fmt: skip
+        self.step = 0
+        self._last_eval: dict[str, float] | None = None
+        self.history: list[tuple[int, float]] = []
+
+    def _autocast(self):
+        if self.precision not in _AUTOCAST:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=_AUTOCAST[self.precision])
+
+    def _loss(self, batch) -> torch.Tensor:
+        batch = to_device(batch, self.device)
+        if self.cfg.model.arch == "gpt":
+            return self.model(batch[:, :-1], batch[:, 1:]).mean()
+        out = self.model(
+            batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
+            mlm_labels=batch["mlm_labels"], sop_labels=batch["sop_label"],
+        )  # fmt: skip
+        return out["loss"]
+
+    def _sync_time(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the global batch; returns this rank's step metrics."""
+        micro_batches = self.data.train.next_step()
+        start = self._sync_time()
+        total = torch.zeros((), device=self.device)
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self.grad_sync.no_sync():
+                with self._autocast():
+                    loss = self._loss(micro) / len(micro_batches)
+                (loss * self.scaler.scale if self.scaler else loss).backward()
+            total += loss.detach().float()
+        comm_start = self._sync_time()
+        self.grad_sync.finish()
+        comm = self._sync_time() - comm_start
+        skipped = False
+        if self.scaler is not None:
+            skipped = self.scaler.found_overflow(self.params)
+            if not skipped:
+                self.scaler.unscale_(self.params)
+            self.scaler.update(skipped)
+        norm = global_grad_norm(self.params, self.ps.tp_group)
+        lr = lr_at(self.step, self.cfg.optim, self.cfg.trainer.max_steps)
+        if not skipped:
+            clip_grads_(self.params, self.cfg.optim.clip_grad, norm)
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        step_time = self._sync_time() - start
+        return {"loss": total.item(), "grad_norm": norm.item(), "lr": lr,
+                "step_time": step_time, "dp_comm": comm, "skipped": float(skipped)}  # fmt: skip
+
+    def _dp_mean(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        if self.ps.dp_size > 1:
+            dist.all_reduce(t, group=self.ps.dp_group)
+        return t.item() / self.ps.dp_size
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float] | None:
+        """Mean validation loss (and perplexity) over ``trainer.eval_batches`` micro-batches."""
+        if self.data.valid is None or self.cfg.trainer.eval_batches < 1:
+            return None
+        self.model.eval()
+        self.data.valid.consumed_samples = 0  # the same validation batches every time
+        losses = []
+        for _ in range(self.cfg.trainer.eval_batches):
+            for micro in self.data.valid.next_step():
+                with self._autocast():
+                    losses.append(self._loss(micro).float().item())
+        self.model.train()
+        loss = self._dp_mean(sum(losses) / len(losses))
+        return {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 50.0))}
+
+    def _log(self, window: list[dict[str, float]]) -> None:
+        step_time = sum(m["step_time"] for m in window) / len(window)
+        loss = self._dp_mean(sum(m["loss"] for m in window) / len(window))
+        self.history.append((self.step, loss))
+        t, world = self.cfg.trainer, self.ps.world_size
+        tokens_per_s = t.global_batch * self.cfg.data.seq_len / step_time
+        tflops = self.flops_per_step / step_time / world / 1e12  # per rank
+        mfu = tflops * 1e12 / self.peak_flops if self.peak_flops else None
+        comm_share = sum(m["dp_comm"] for m in window) / sum(m["step_time"] for m in window)
+        mem = peak_memory_gib(self.device)
+        last = window[-1]
+        self.logger.print(
+            f"step {self.step:>5}/{t.max_steps}  loss {loss:7.4f}  lr {last['lr']:.2e}  "
+            f"grad_norm {last['grad_norm']:7.3f}  {tokens_per_s:9.0f} tok/s  "
+            f"{tflops:.3g} TFLOP/s/rank  MFU {'n/a' if mfu is None else f'{100 * mfu:5.1f}%'}  "
+            f"dp_comm {100 * comm_share:4.1f}%  peak_mem {mem:.2f} GiB"
+            + (
+                f"  (skipped {int(sum(m['skipped'] for m in window))} overflow steps,"
+                f" loss scale {self.scaler.scale:g})"
+                if self.scaler
+                else ""
+            )  # fmt: skip
+        )
+        self.logger.scalars(self.step, {
+            "train/loss": loss, "train/lr": last["lr"], "train/grad_norm": last["grad_norm"],
+            "perf/tokens_per_s": tokens_per_s, "perf/tflops_per_rank": tflops, "perf/mfu": mfu,
+            "perf/dp_comm_share": comm_share, "perf/peak_mem_gib": mem,
+        })  # fmt: skip
+
+    def fit(self) -> dict:
+        """Train for ``trainer.max_steps`` steps, evaluate, save and sample; return a summary."""
+        t = self.cfg.trainer
+        self.logger.print(
+            f"[bold]meshtron[/bold] {self.cfg.name}: {self.cfg.model.arch} "
+            f"h={self.cfg.model.hidden_size} l={self.cfg.model.num_layers}  tp={self.ps.tp_size} "
+            f"dp={self.ps.dp_size}  precision={self.precision}  global batch {t.global_batch} = "
+            f"{t.micro_batch} micro × {self.ps.dp_size} dp × {self.data.train.accum_steps} accum"
+        )
+        window: list[dict[str, float]] = []
+        with maybe_profile(t.profile_steps, self.cfg.run_dir, self.ps.rank) as profiler_step:
+            while self.step < t.max_steps:
+                window.append(self.train_step())
+                self.step += 1
+                profiler_step()
+                self.logger.advance(self.step, f"loss {window[-1]['loss']:.3f}")
+                if self.step % t.log_every == 0 or self.step == t.max_steps:
+                    self._log(window)
+                    window = []
+                if t.eval_every and self.step % t.eval_every == 0:
+                    self._report_eval()
+        self.logger.close()
+        evaluated_now = t.eval_every and self.step % t.eval_every == 0
+        summary = {
+            "history": self.history,
+            "eval": self._last_eval if evaluated_now else self._report_eval(),
+        }
+        summary["checkpoint"] = self._save()
+        summary["sample"] = self._sample()
+        return summary
+
+    def _report_eval(self) -> dict[str, float] | None:
+        result = self.evaluate()
+        if result is not None:
+            self.logger.print(
+                f"step {self.step:>5}  validation loss {result['valid/loss']:.4f}  "
+                f"perplexity {result['valid/ppl']:.2f}"
+            )
+            self.logger.scalars(self.step, result)
+        self._last_eval = result
+        return result
+
+    def _save(self) -> str | None:
+        if not self.cfg.checkpoint.save_final:
+            return None
+        from engine.checkpoint_format import save_model
+
+        directory = os.path.join(checkpoint_dir(self.cfg), "final")
+        save_model(self.model, directory)
+        self.logger.print(f"saved the final model to {directory}")
+        return directory
+
+    def _sample(self) -> str | None:
+        t = self.cfg.trainer
+        if self.cfg.model.arch != "gpt" or t.sample_tokens < 1:
+            return None
+        tokenizer = self.data.tokenizer
+        prompt = tokenizer.encode(t.sample_prompt).ids
+        ids = generate(self.model, prompt, t.sample_tokens, temperature=t.sample_temperature,
+                       top_k=t.sample_top_k, seed=t.seed)  # fmt: skip
+        text = tokenizer.decode(ids)
+        self.logger.print("[bold]sample:[/bold]")
+        self.logger.print(text, markup=False)
+        return text
+
+
+def checkpoint_dir(cfg: Config) -> str:
+    """The experiment's stable checkpoint directory (not Hydra's per-run folder)."""
+    return cfg.checkpoint.dir or os.path.join("checkpoints", cfg.name)
+
+
+def run_worker(cfg: Config) -> dict:
+    """Entry of every rank: build the mesh, train, tear down."""
+    ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size)
+    try:
+        summary = Trainer(cfg, ps).fit()
+        return summary if ps.rank == 0 else {}
+    finally:
+        parallel_state.destroy()
