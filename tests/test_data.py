@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from engine.data import default_corpus
 from engine.data.bert_dataset import IGNORE_INDEX, BertDataset
-from engine.data.blend import BlendedDataset, split_documents
+from engine.data.blend import BlendedDataset, blend_assignment, split_documents
 from engine.data.gpt_dataset import GPTDataset
 from engine.data.indexed import IndexedDataset, IndexedDatasetWriter
 from engine.data.loader import DataIterator
@@ -423,10 +423,12 @@ def test_bert_determinism_and_collate(bert_samples) -> None:
 
 
 def test_blend_tracks_weights_in_every_prefix() -> None:
-    weights, size = [5.0, 3.0, 2.0], 2000
+    weights, size = [5.0, 3.0, 2.0], 40_000  # > two lazily computed blocks
     sources = [[(k, j) for j in range(size)] for k in range(3)]
     blend = BlendedDataset(sources, weights, size)
     drawn = [blend[i] for i in range(size)]
+    which_eager, index_eager = blend_assignment(weights, size)
+    assert [(int(k), int(j)) for k, j in zip(which_eager, index_eager, strict=True)] == drawn
     which = np.array([k for k, _ in drawn])
     counts = np.cumsum(np.eye(3, dtype=np.int64)[which], axis=0)  # counts[n-1, k] after n draws
     target = np.arange(1, size + 1)[:, None] * (np.array(weights) / sum(weights))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,30 +19,47 @@ def _normalized(weights: Sequence[float]) -> list[float]:
     return [w / total for w in weights]
 
 
+# Assignment is computed lazily in blocks: a blend laid out for millions of samples costs
+# only the samples actually drawn (about a microsecond each).
+_BLOCK = 1 << 14
+
+
+def _largest_deficit_blocks(fractions: list[float]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Endless (dataset, index in dataset) assignment, ``_BLOCK`` samples per yield."""
+    counts = [0] * len(fractions)
+    drawn = 0
+    while True:
+        which, index = [], []
+        for _ in range(_BLOCK):
+            drawn += 1
+            deficits = [f * drawn - c for f, c in zip(fractions, counts, strict=True)]
+            k = deficits.index(max(deficits))  # ties go to the lowest k: deterministic
+            which.append(k)
+            index.append(counts[k])
+            counts[k] += 1
+        yield np.array(which, dtype=np.int64), np.array(index, dtype=np.int64)
+
+
 def blend_assignment(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """For each of ``size`` samples, the dataset it comes from and its index in that dataset.
 
-    Greedy largest deficit: sample ``i`` goes to the dataset furthest below its share
-    ``weight * (i + 1)``. Every prefix then stays within one sample of its target for each
-    dataset it over-serves, and within ``len(weights) - 1`` for one it under-serves.
+    Greedy largest deficit: sample ``n`` (1-based) goes to the dataset furthest below its share
+    ``weight * n``. Every prefix then stays less than one sample ahead of its target for each
+    dataset, and less than ``len(weights) - 1`` behind.
     """
-    fractions = _normalized(weights)
-    counts = [0] * len(fractions)
-    dataset_index = np.empty(size, dtype=np.int64)
-    sample_index = np.empty(size, dtype=np.int64)
-    order = range(len(fractions))
-    for i in range(size):
-        k = max(order, key=lambda k: fractions[k] * (i + 1) - counts[k])
-        dataset_index[i], sample_index[i] = k, counts[k]
-        counts[k] += 1
-    return dataset_index, sample_index
+    blocks = _largest_deficit_blocks(_normalized(weights))
+    parts = [next(blocks) for _ in range(-(-size // _BLOCK))]
+    which = np.concatenate([w for w, _ in parts] or [np.empty(0, np.int64)])
+    index = np.concatenate([i for _, i in parts] or [np.empty(0, np.int64)])
+    return which[:size], index[:size]
 
 
 class BlendedDataset(Dataset):
     """``size`` samples drawn from ``datasets`` in proportion to ``weights``, deterministically.
 
-    The k-th sample taken from a dataset is its index ``k``; the GPT/BERT datasets continue
-    into later epochs past their length, so a small dataset with a large weight just repeats.
+    Uses :func:`blend_assignment`'s order. The k-th sample taken from a dataset is its index
+    ``k``; the GPT/BERT datasets continue into later epochs past their length, so a small
+    dataset with a large weight just repeats.
     """
 
     def __init__(self, datasets: Sequence[Dataset], weights: Sequence[float], size: int) -> None:
@@ -50,16 +67,26 @@ class BlendedDataset(Dataset):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = list(datasets)
         self.weights = _normalized(weights)
-        self.dataset_index, self.sample_index = blend_assignment(self.weights, size)
+        self.size = size
+        self._blocks = _largest_deficit_blocks(self.weights)
+        self._assigned: list[tuple[np.ndarray, np.ndarray]] = []
 
     def __len__(self) -> int:
-        return len(self.dataset_index)
+        return self.size
+
+    def source(self, index: int) -> tuple[int, int]:
+        """``(dataset, index in that dataset)`` of blended sample ``index``."""
+        if not 0 <= index < self.size:
+            raise IndexError(f"sample {index} out of range for blend of {self.size}")
+        block, offset = divmod(index, _BLOCK)
+        while len(self._assigned) <= block:
+            self._assigned.append(next(self._blocks))
+        which, sample = self._assigned[block]
+        return int(which[offset]), int(sample[offset])
 
     def __getitem__(self, index: int) -> Any:
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} out of range for blend of {len(self)}")
-        k = self.dataset_index[index]
-        return self.datasets[k][int(self.sample_index[index])]
+        k, sample = self.source(index)
+        return self.datasets[k][sample]
 
 
 def split_documents(
