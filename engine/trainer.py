@@ -28,6 +28,7 @@ from engine.optim import (
     set_lr,
 )
 from parallel_state import ParallelState
+from parallel_state.launcher import detect_launch
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -253,6 +254,11 @@ def checkpoint_dir(cfg: Config) -> str:
 def run_worker(cfg: Config) -> dict:
     """Entry of every rank: build the mesh, train, tear down."""
     ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size)
+    if ps.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Share the cores among the local ranks, as torchrun does; oversubscribed intra-op
+        # threads spin against each other and can slow a step down several-fold.
+        local = detect_launch().local_world_size or ps.world_size
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     try:
         summary = Trainer(cfg, ps).fit()
         return summary if ps.rank == 0 else {}
