@@ -54,7 +54,8 @@ class IndexedDataset:
         for path in (self.idx_path, self.bin_path):
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: no such file")
-        header = self.idx_path.read_bytes()[: _HEADER.size]
+        with open(self.idx_path, "rb") as f:
+            header = f.read(_HEADER.size)
         if len(header) < _HEADER.size or header[:8] != MAGIC:
             raise ValueError(f"{self.idx_path}: not a meshtron index (bad magic)")
         _, version, itemsize, eod_id, num_docs, num_tokens = _HEADER.unpack(header)
