@@ -1,0 +1,51 @@
+"""Convert between Hugging Face GPT-2 / BERT directories and meshtron checkpoints.
+
+    python tools/convert_hf.py import --hf-dir ./gpt2 --out checkpoints/gpt2
+    python tools/convert_hf.py export --ckpt checkpoints/gpt2 --out ./gpt2-again
+
+Import reads a local ``save_pretrained`` directory (config.json + safetensors weights) of
+a GPT2LMHeadModel or BertForPreTraining; the checkpoint loads at any TP size. Export
+writes config.json + model.safetensors that transformers' from_pretrained reads; an
+import followed by an export reproduces every tensor bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# Runnable as a plain script from any directory: make the repo root importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.hf_interop import export_hf, import_hf  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="Hugging Face directory -> meshtron checkpoint")
+    imp.add_argument("--hf-dir", required=True, help="local save_pretrained directory")
+    imp.add_argument("--out", required=True, help="meshtron checkpoint directory to write")
+    exp = sub.add_parser("export", help="meshtron checkpoint -> Hugging Face directory")
+    exp.add_argument("--ckpt", required=True, help="meshtron checkpoint directory")
+    exp.add_argument("--out", required=True, help="Hugging Face directory to write")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "import":
+        cfg = import_hf(args.hf_dir, args.out)
+    else:
+        cfg = export_hf(args.ckpt, args.out)
+    print(
+        f"{args.command}ed {cfg.arch}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_heads} heads, vocab {cfg.vocab_size} -> {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
