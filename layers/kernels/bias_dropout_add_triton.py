@@ -1,0 +1,189 @@
+"""residual + dropout(x + bias): Triton kernels, launchers and autograd Function.
+
+The dropout mask is never stored. Element (i, j) of the [M, N] view is kept when
+``tl.rand(seed, i * N + j) >= p`` (Philox, counter = flat index), so backward, or a
+recomputation of the forward from the same seed, regenerates exactly the same mask from
+one int64 seed. The seed is a 1-element device tensor, so drawing it on the GPU needs no
+host synchronization.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from layers.kernels.launch import (
+    as_rows,
+    check_float,
+    check_launchable,
+    check_vector,
+    tile_grid,
+)
+
+
+@triton.jit
+def _bias_dropout_add_fwd_kernel(
+    X,  # [M, N] input of the dropout, row stride stride_x
+    Bias,  # [N] bias (not read when HAS_BIAS is False)
+    Residual,  # [M, N] residual (contiguous)
+    Out,  # [M, N] out: residual + dropout(x + bias) (contiguous)
+    Seed,  # [1] int64 Philox seed
+    M,
+    N,
+    stride_x,
+    rows_per_program,
+    p,  # drop probability
+    scale,  # 1 / (1 - p), or 0 when p == 1
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        b = tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)
+    seed = tl.load(Seed)
+    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for r in range(row_start, row_end, BLOCK_M):
+        rows = r + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        offsets = rows[:, None] * N + cols[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        v = x.to(tl.float32) + b[None, :]
+        if DROPOUT:
+            v = tl.where(tl.rand(seed, offsets) >= p, v * scale, 0.0)
+        res = tl.load(Residual + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out + offsets, (res + v).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_dropout_add_bwd_kernel(
+    DOut,  # [M, N] gradient of the output (contiguous)
+    DX,  # [M, N] out: gradient of x, dout * mask * scale (contiguous)
+    DB_partial,  # [row groups, N] fp32 out: this program's column sums of dx
+    Seed,  # [1] int64 Philox seed of the forward
+    M,
+    N,
+    rows_per_program,
+    p,  # drop probability
+    scale,  # 1 / (1 - p), or 0 when p == 1
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    seed = tl.load(Seed)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for r in range(row_start, row_end, BLOCK_M):
+        rows = r + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        offsets = rows[:, None] * N + cols[None, :]
+        dout = tl.load(DOut + offsets, mask=mask, other=0.0).to(tl.float32)
+        keep = (tl.rand(seed, offsets) >= p) & mask
+        dx = tl.where(keep, dout * scale, 0.0)
+        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+        db += tl.sum(dx, axis=0)
+    if HAS_BIAS:
+        tl.store(DB_partial + tl.program_id(0) * N + cols, db, mask=col_mask)
+
+
+def _scale(p: float) -> float:
+    return 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+
+
+def bias_dropout_add_forward(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    seed: torch.Tensor,
+    dropout: bool = True,
+) -> torch.Tensor:
+    """residual + dropout(x + bias) with the Philox mask of ``seed`` ([1] int64 on x's device).
+
+    ``dropout=False`` (eval, or p == 0) adds without a mask. The output has the promoted
+    dtype of x, bias and residual.
+    """
+    check_float("x", x)
+    check_float("residual", residual)
+    if x.dim() == 0 or residual.shape != x.shape or residual.device != x.device:
+        raise ValueError(
+            f"residual {tuple(residual.shape)} on {residual.device} must match "
+            f"x {tuple(x.shape)} on {x.device}, with at least one dim"
+        )
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+    if seed.shape != (1,) or seed.dtype != torch.int64 or seed.device != x.device:
+        raise ValueError(f"seed must be a [1] int64 tensor on {x.device}, got {seed!r}")
+    n = x.shape[-1]
+    check_vector("bias", bias, n, x)
+    check_launchable(_bias_dropout_add_fwd_kernel, x)
+    x2d = as_rows(x)
+    m = x2d.shape[0]
+    res2d = residual.reshape(m, n).contiguous()
+    out_dtype = torch.promote_types(x.dtype, residual.dtype)
+    if bias is not None:
+        out_dtype = torch.promote_types(out_dtype, bias.dtype)
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out.view(x.shape)
+    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
+    _bias_dropout_add_fwd_kernel[grid](
+        x2d, x if bias is None else bias, res2d, out, seed,
+        m, n, x2d.stride(0), rows_per_program, p, _scale(p),
+        HAS_BIAS=bias is not None, DROPOUT=dropout and p > 0.0,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return out.view(x.shape)
+
+
+def bias_dropout_add_backward(
+    dout: torch.Tensor, p: float, seed: torch.Tensor, has_bias: bool, x_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx, dbias in fp32) of ``bias_dropout_add_forward`` with dropout, regenerating the mask."""
+    n = dout.shape[-1]
+    dout2d = dout.reshape(-1, n).contiguous()
+    m = dout2d.shape[0]
+    dx = torch.empty((m, n), dtype=x_dtype, device=dout.device)
+    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, dout.device)
+    db_partial = torch.zeros((grid[0], n), dtype=torch.float32, device=dout.device)
+    if dx.numel() > 0:
+        _bias_dropout_add_bwd_kernel[grid](
+            dout2d, dx, db_partial, seed, m, n, rows_per_program, p, _scale(p),
+            HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )  # fmt: skip
+    return dx.view(dout.shape), db_partial.sum(dim=0) if has_bias else None
+
+
+class BiasDropoutAddFunction(torch.autograd.Function):
+    """residual + dropout(x + bias); saves only the seed (8 bytes), never a mask."""
+
+    @staticmethod
+    def forward(ctx, x, bias, residual, p, seed, dropout):
+        ctx.save_for_backward(seed)
+        ctx.p, ctx.dropout = p, dropout and p > 0.0
+        ctx.dtypes = (x.dtype, None if bias is None else bias.dtype, residual.dtype)
+        return bias_dropout_add_forward(x, bias, residual, p, seed, dropout)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (seed,) = ctx.saved_tensors
+        x_dtype, bias_dtype, residual_dtype = ctx.dtypes
+        if ctx.dropout:
+            dx, db = bias_dropout_add_backward(dout, ctx.p, seed, bias_dtype is not None, x_dtype)
+        else:  # no mask: the gradient passes straight through to x and bias
+            dx = dout.to(x_dtype)
+            db = (
+                None
+                if bias_dtype is None
+                else dout.reshape(-1, dout.shape[-1]).sum(0, dtype=torch.float32)
+            )
+        db = None if db is None else db.to(bias_dtype)
+        return dx, db, dout.to(residual_dtype), None, None, None

@@ -1,0 +1,178 @@
+"""GeLU(x + bias): Triton kernels, launchers and autograd Function.
+
+Forward reads x and bias once and writes y; it stores nothing extra. Backward recomputes
+x + bias from the saved input (autograd holds x anyway) instead of saving the output or
+the sum, and reduces the bias gradient in two stages like the LayerNorm kernels: each
+program keeps fp32 column sums over its rows, then one small sum over programs.
+
+The tanh form is evaluated as x * sigmoid(2u), u = sqrt(2/pi) * (x + 0.044715 x^3), which
+equals 0.5 x (1 + tanh(u)) without the cancellation of 1 + tanh(u) for negative x.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from layers.kernels.launch import (
+    as_rows,
+    check_float,
+    check_launchable,
+    check_vector,
+    tile_grid,
+)
+
+APPROXIMATIONS = ("none", "tanh")
+
+
+@triton.jit
+def _bias_gelu_fwd_kernel(
+    X,  # [M, N] pre-activation input, row stride stride_x
+    Bias,  # [N] bias (not read when HAS_BIAS is False)
+    Y,  # [M, N] out: gelu(x + bias) (contiguous)
+    M,
+    N,
+    stride_x,
+    rows_per_program,
+    HAS_BIAS: tl.constexpr,
+    TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        b = tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)
+    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for r in range(row_start, row_end, BLOCK_M):
+        rows = r + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        v = x.to(tl.float32) + b[None, :]
+        if TANH:
+            u = 0.7978845608028654 * (v + 0.044715 * v * v * v)
+            y = v * tl.sigmoid(2.0 * u)
+        else:
+            y = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
+        tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_bwd_kernel(
+    DY,  # [M, N] gradient of the output (contiguous)
+    X,  # [M, N] saved pre-activation input, row stride stride_x
+    Bias,  # [N] bias (not read when HAS_BIAS is False)
+    DX,  # [M, N] out: gradient of x (contiguous)
+    DB_partial,  # [row groups, N] fp32 out: this program's column sums of dx
+    M,
+    N,
+    stride_x,
+    rows_per_program,
+    HAS_BIAS: tl.constexpr,
+    TANH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_BIAS:
+        b = tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for r in range(row_start, row_end, BLOCK_M):
+        rows = r + tl.arange(0, BLOCK_M)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        dy = tl.load(DY + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+        v = x.to(tl.float32) + b[None, :]
+        if TANH:
+            # d/dv [v * s(2u)] = s + 2 v s (1 - s) u',  u' = sqrt(2/pi) (1 + 3 * 0.044715 v^2)
+            u = 0.7978845608028654 * (v + 0.044715 * v * v * v)
+            s = tl.sigmoid(2.0 * u)
+            du = 0.7978845608028654 * (1.0 + 0.134145 * v * v)
+            grad = s + 2.0 * v * s * (1.0 - s) * du
+        else:
+            # d/dv [v Phi(v)] = Phi(v) + v phi(v)
+            cdf = 0.5 * (1.0 + tl.erf(v * 0.7071067811865476))
+            grad = cdf + v * 0.3989422804014327 * tl.exp(-0.5 * v * v)
+        dx = tl.where(mask, dy.to(tl.float32) * grad, 0.0)
+        tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        db += tl.sum(dx, axis=0)
+    if HAS_BIAS:
+        tl.store(DB_partial + tl.program_id(0) * N + cols, db, mask=col_mask)
+
+
+def _check_approximate(approximate: str) -> None:
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
+
+
+def bias_gelu_forward(
+    x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh"
+) -> torch.Tensor:
+    """gelu(x + bias) over the last dim of ``x``, in the promoted dtype of x and bias."""
+    _check_approximate(approximate)
+    check_float("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dim (the one bias is added along)")
+    n = x.shape[-1]
+    check_vector("bias", bias, n, x)
+    check_launchable(_bias_gelu_fwd_kernel, x)
+    x2d = as_rows(x)
+    m = x2d.shape[0]
+    out_dtype = x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if y.numel() == 0:
+        return y.view(x.shape)
+    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
+    _bias_gelu_fwd_kernel[grid](
+        x2d, x if bias is None else bias, y, m, n, x2d.stride(0), rows_per_program,
+        HAS_BIAS=bias is not None, TANH=approximate == "tanh",
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return y.view(x.shape)
+
+
+def bias_gelu_backward(
+    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dx, dbias) of ``bias_gelu_forward``, recomputing x + bias; dbias None without bias."""
+    if dy.shape != x.shape:
+        raise ValueError(f"dy {tuple(dy.shape)} must match x {tuple(x.shape)}")
+    n = x.shape[-1]
+    x2d = as_rows(x)
+    dy2d = dy.reshape(-1, n).contiguous()
+    m = x2d.shape[0]
+    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
+    db_partial = torch.zeros((grid[0], n), dtype=torch.float32, device=x.device)
+    if dx.numel() > 0:
+        _bias_gelu_bwd_kernel[grid](
+            dy2d, x2d, x if bias is None else bias, dx, db_partial,
+            m, n, x2d.stride(0), rows_per_program,
+            HAS_BIAS=bias is not None, TANH=approximate == "tanh",
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )  # fmt: skip
+    db = None if bias is None else db_partial.sum(dim=0).to(bias.dtype)
+    return dx.view(x.shape), db
+
+
+class BiasGeluFunction(torch.autograd.Function):
+    """gelu(x + bias); saves only the inputs and recomputes x + bias in backward."""
+
+    @staticmethod
+    def forward(ctx, x, bias, approximate):
+        ctx.save_for_backward(x, bias)
+        ctx.approximate = approximate
+        return bias_gelu_forward(x, bias, approximate)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, bias = ctx.saved_tensors
+        dx, db = bias_gelu_backward(dy, x, bias, ctx.approximate)
+        return dx, db, None

@@ -1,0 +1,62 @@
+"""Choosing between the Triton kernels and their torch references, without importing triton.
+
+Triton is imported only when a Triton path actually runs (see ``use_triton``), so a CPU
+machine that never asks for the kernels never imports it. That matters for the
+interpreter: triton reads ``TRITON_INTERPRET`` once, when it is first imported, to decide
+whether ``@triton.jit`` builds compiled kernels or interpreted ones.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton", "apex")
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for the Triton interpreter (kernels on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(x: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether an op on ``x`` should run its Triton kernel under ``backend``.
+
+    ``"auto"``: Triton for CUDA tensors, or for CPU tensors when ``TRITON_INTERPRET=1``
+    (the interpreter), as long as triton is installed and ``x`` has a kernel dtype
+    (fp32, bf16, fp16); the torch reference otherwise. ``"torch"`` never uses Triton.
+    ``"triton"`` always does, and raises when it cannot run. ``"apex"`` is not Triton
+    (only ``layer_norm`` accepts it).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend in ("torch", "apex"):
+        return False
+    runnable = (x.is_cuda or interpreting()) and _triton_available()
+    if backend == "auto":
+        return runnable and x.dtype in KERNEL_DTYPES
+    if not runnable:
+        raise RuntimeError(
+            f"backend='triton' needs triton and a CUDA tensor, or TRITON_INTERPRET=1 in the "
+            f"environment to interpret the kernels on CPU; got a {x.device.type} tensor"
+            + ("" if _triton_available() else " and triton is not installed")
+        )
+    if x.dtype not in KERNEL_DTYPES:
+        raise TypeError(
+            f"the Triton kernels take fp32, bf16 or fp16 tensors, got {x.dtype}; "
+            "use backend='torch' (or 'auto', which falls back to torch)"
+        )
+    return True
+
+
+def reject_apex(backend: str, op: str) -> None:
+    """Raise for ``backend='apex'`` on an op apex has no fused kernel for here."""
+    if backend == "apex":
+        raise ValueError(f"backend='apex' is only available for layer_norm, not {op}")

@@ -1,0 +1,122 @@
+"""Launch-side helpers shared by the Triton kernels: block sizes, grids, input checks.
+
+This module imports triton; the public wrappers import it (and the kernel modules) only
+when a Triton path runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from layers.kernels.dispatch import KERNEL_DTYPES
+
+# The widest row one program keeps in registers (elements); wider rows need the torch path.
+MAX_FUSED_SIZE = 65536
+# Elements per program in the element-wise kernels: 16 per thread at 8 warps.
+TILE_ELEMENTS = 4096
+# Programs of a "persistent" reduction when not on CUDA (the interpreter): few, to keep
+# it fast, but more than one so the second stage of the reductions is exercised.
+INTERPRETER_PROGRAMS = 4
+
+
+def row_settings(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) for kernels that hold one whole row of ``n_cols`` per program."""
+    block = triton.next_power_of_2(n_cols)
+    if block > MAX_FUSED_SIZE:
+        raise ValueError(
+            f"rows of {n_cols} elements exceed the fused kernels' limit of {MAX_FUSED_SIZE}; "
+            "use backend='torch'"
+        )
+    if block >= 32768:
+        return block, 32
+    if block >= 8192:
+        return block, 16
+    if block >= 2048:
+        return block, 8
+    return block, 4
+
+
+def tile_settings(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for element-wise kernels over a [n_rows, n_cols] tile grid."""
+    block_n = min(triton.next_power_of_2(n_cols), 1024)
+    block_m = max(1, min(triton.next_power_of_2(n_rows), TILE_ELEMENTS // block_n))
+    num_warps = 8 if block_m * block_n >= 2048 else 4
+    return block_m, block_n, num_warps
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_programs(device: torch.device) -> int:
+    """Programs for a persistent reduction: one per SM on CUDA, a few in the interpreter."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return INTERPRETER_PROGRAMS
+
+
+def row_groups(
+    n_rows: int, n_blocks: int, device: torch.device, per_sm: int = 1
+) -> tuple[int, int]:
+    """Split ``n_rows`` into (groups, rows per group) for ``n_blocks`` column blocks.
+
+    Each group is one program per column block, looping over its rows and keeping fp32
+    partial column sums, so partial-sum buffers are [groups, N]: small, whatever n_rows.
+    """
+    target = max(1, num_programs(device) * per_sm // max(n_blocks, 1))
+    groups = max(1, min(n_rows, target))
+    per_group = triton.cdiv(n_rows, groups)
+    return triton.cdiv(n_rows, per_group), per_group
+
+
+def tile_grid(m: int, n: int, device: torch.device) -> tuple[tuple[int, int], int, int, int, int]:
+    """Grid of the element-wise kernels over [m, n]: (grid, rows_per_program, BLOCK_M, BLOCK_N, warps).
+
+    grid is (row groups, column blocks); each program loops over ``rows_per_program`` rows
+    (a multiple of BLOCK_M) of one column block, so a bias gradient needs only a
+    [row groups, n] fp32 buffer of partial sums.
+    """
+    block_m, block_n, num_warps = tile_settings(m, n)
+    col_blocks = triton.cdiv(n, block_n)
+    groups, row_tiles = row_groups(triton.cdiv(m, block_m), col_blocks, device, per_sm=4)
+    return (groups, col_blocks), row_tiles * block_m, block_m, block_n, num_warps
+
+
+def check_launchable(kernel: object, x: torch.Tensor) -> None:
+    """Raise a clear error when a CPU tensor meets kernels compiled for the GPU."""
+    if x.is_cuda or isinstance(kernel, InterpretedFunction):
+        return
+    raise RuntimeError(
+        "the Triton kernels were built for the GPU, but got a CPU tensor: TRITON_INTERPRET=1 "
+        "must be set before triton is first imported (triton reads it once, at import)"
+    )
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    """Raise unless ``t`` has a dtype the kernels take (fp32, bf16, fp16)."""
+    if t.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"{name} must be fp32, bf16 or fp16 for the Triton kernels, got {t.dtype}")
+
+
+def check_vector(name: str, t: torch.Tensor | None, n: int, x: torch.Tensor) -> None:
+    """Raise unless ``t`` is None or a float [n] tensor on ``x``'s device."""
+    if t is None:
+        return
+    check_float(name, t)
+    if t.shape != (n,):
+        raise ValueError(
+            f"{name} must have shape ({n},) to match the last dim of x, got {tuple(t.shape)}"
+        )
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` viewed as [rows, last dim] with unit column stride (a copy only if needed)."""
+    x2d = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()

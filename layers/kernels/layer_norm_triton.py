@@ -1,0 +1,180 @@
+"""LayerNorm over the last dim: Triton kernels, launchers and autograd Function.
+
+One program normalizes one row, accumulating in fp32 and saving the row's mean and
+reciprocal standard deviation (fp32, 8 bytes a row) for backward. Backward runs a fixed
+number of programs (one per SM); each loops over a contiguous run of rows, writes dx,
+and keeps fp32 partial sums of the weight and bias gradients in registers, stored as one
+row of a [programs, N] buffer. A second reduction over that small buffer gives dw and
+db: no atomics, and a result that does not depend on scheduling.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from layers.kernels.launch import (
+    as_rows,
+    check_float,
+    check_launchable,
+    check_vector,
+    row_groups,
+    row_settings,
+)
+
+
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X,  # [M, N] input rows, row stride stride_x
+    Y,  # [M, N] output rows (contiguous)
+    W,  # [N] weight (not read when HAS_WEIGHT is False)
+    B,  # [N] bias (not read when HAS_BIAS is False)
+    Mean,  # [M] fp32 out: row means, for backward
+    Rstd,  # [M] fp32 out: row 1/sqrt(var + eps), for backward
+    stride_x,
+    N,
+    eps,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / N
+    xc = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
+    y = xc * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Mean + row, mean)
+    tl.store(Rstd + row, rstd)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    X,  # [M, N] forward input rows, row stride stride_x
+    DY,  # [M, N] gradient of the output (contiguous)
+    DX,  # [M, N] out: gradient of the input (contiguous)
+    W,  # [N] weight (not read when HAS_WEIGHT is False)
+    Mean,  # [M] fp32 row means from forward
+    Rstd,  # [M] fp32 row 1/sqrt(var + eps) from forward
+    DW_partial,  # [programs, N] fp32 out: this program's sum over its rows of dy * xhat
+    DB_partial,  # [programs, N] fp32 out: this program's sum over its rows of dy
+    stride_x,
+    M,
+    N,
+    rows_per_program,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = 1.0
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    row_start = pid.to(tl.int64) * rows_per_program
+    for i in range(0, tl.minimum(rows_per_program, M - row_start)):
+        row = row_start + i
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(Rstd + row)
+        xhat = tl.where(mask, (x - tl.load(Mean + row)) * rstd, 0.0)
+        wdy = w * dy
+        # dx = rstd * (wdy - mean(wdy) - xhat * mean(wdy * xhat))
+        c1 = tl.sum(xhat * wdy, axis=0) / N
+        c2 = tl.sum(wdy, axis=0) / N
+        dx = (wdy - (xhat * c1 + c2)) * rstd
+        tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+        db += dy
+    if HAS_WEIGHT:
+        tl.store(DW_partial + pid * N + cols, dw, mask=mask)
+    if HAS_BIAS:
+        tl.store(DB_partial + pid * N + cols, db, mask=mask)
+
+
+def layer_norm_forward(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Normalize ``x`` over its last dim; returns (y shaped like x, mean [M], rstd [M])."""
+    check_float("x", x)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dim, got shape {tuple(x.shape)}")
+    n = x.shape[-1]
+    check_vector("weight", weight, n, x)
+    check_vector("bias", bias, n, x)
+    check_launchable(_layer_norm_fwd_kernel, x)
+    x2d = as_rows(x)
+    m = x2d.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return y.view(x.shape), mean, rstd
+    block_n, num_warps = row_settings(n)
+    _layer_norm_fwd_kernel[(m,)](
+        x2d, y, x if weight is None else weight, x if bias is None else bias, mean, rstd,
+        x2d.stride(0), n, eps,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return y.view(x.shape), mean, rstd
+
+
+def layer_norm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients (dx, dweight, dbias) of ``layer_norm_forward``; dw/db None without weight/bias."""
+    if dy.shape != x.shape:
+        raise ValueError(f"dy {tuple(dy.shape)} must match x {tuple(x.shape)}")
+    n = x.shape[-1]
+    x2d = as_rows(x)
+    dy2d = dy.reshape(-1, n).contiguous()
+    m = x2d.shape[0]
+    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_n, num_warps = row_settings(n)
+    programs, rows_per_program = row_groups(m, 1, x.device)
+    dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device)
+    db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device)
+    if m > 0:
+        _layer_norm_bwd_kernel[(programs,)](
+            x2d, dy2d, dx, x if weight is None else weight, mean, rstd, dw_partial, db_partial,
+            x2d.stride(0), m, n, rows_per_program,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            BLOCK_N=block_n, num_warps=num_warps,
+        )  # fmt: skip
+    # Second stage of the reduction: programs x N fp32, small.
+    dw = None if weight is None else dw_partial.sum(dim=0).to(weight.dtype)
+    db = None if bias is None else db_partial.sum(dim=0).to(bias.dtype)
+    return dx.view(x.shape), dw, db
+
+
+class LayerNormFunction(torch.autograd.Function):
+    """LayerNorm over the last dim; saves x, weight, mean and rstd (not the output)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = layer_norm_forward(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dw, db = layer_norm_backward(dy, x, weight, bias, mean, rstd)
+        return dx, dw, db, None
