@@ -27,6 +27,7 @@ Tolerances:
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -532,6 +533,29 @@ def test_backend_selection(monkeypatch):
     torch.testing.assert_close(layer_norm(x, w, b), ref, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         use_triton(x, "triton")
+
+
+def test_bench_kernels_smoke(tmp_path, monkeypatch):
+    """tools/bench_kernels.py --smoke: runs every kernel, checks it against torch, writes files."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "tools", "bench_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_kernels", bench)  # dataclasses look it up
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--smoke", "--no-compile", "--reps", "1", "--out", str(tmp_path)])
+    assert {r["op"] for r in rows} == {
+        "layer_norm",
+        "bias_gelu",
+        "bias_dropout_add",
+        "cross_entropy",
+    }
+    assert all(r["max_err_vs_torch"] <= 1e-4 for r in rows)
+    for name in ("kernels.csv", "kernels.md", "kernels.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    if DEVICE.type == "cpu":
+        assert "not measured" in (tmp_path / "kernels.md").read_text()
 
 
 @pytest.mark.gpu

@@ -1,0 +1,404 @@
+"""Benchmark the fused kernels of ``layers.kernels`` against torch eager, torch.compile,
+Liger-Kernel and apex (each when importable).
+
+    python tools/bench_kernels.py --out outputs/bench_kernels            # on a CUDA machine
+    python tools/bench_kernels.py --smoke --out outputs/bench_smoke      # anywhere: tiny shapes
+
+For every op, shape and implementation it times forward, forward+backward and their
+difference (backward: some backward passes, like the fused cross-entropy's, consume their
+buffers and cannot be re-run alone), measures peak memory of forward+backward, and turns
+times into GB/s over the op's minimal memory traffic, as a % of the device-to-device copy
+bandwidth measured in the same run. Writes ``kernels.csv``, ``kernels.md`` and
+``kernels.png`` to ``--out``.
+
+``--smoke`` runs tiny fp32 shapes, on CPU through the Triton interpreter when there is no
+GPU (timed with time.perf_counter: a correctness run, not performance), checks every
+output and gradient against torch, and still writes the three files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Runnable as a plain script from any directory: make the repo root importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import layers.kernels as K  # noqa: E402  (imports no triton until a kernel runs)
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+GOALS = (
+    "LayerNorm fwd+bwd >= 85% of copy bandwidth and >= 1.0x Liger",
+    "bias-GeLU and bias-dropout-add fwd+bwd >= 2x torch eager",
+    "fused cross-entropy peak memory <= 0.5x F.cross_entropy on fp32-upcast logits",
+)
+
+
+@dataclass
+class Case:
+    """One op at one shape: fresh inputs, implementations, and its minimal traffic in bytes."""
+
+    op: str
+    shape: str
+    make_inputs: Callable[[], tuple]
+    impls: dict[str, Callable]
+    bytes: dict[str, int]  # per mode
+
+
+def _optional(module: str, attr: str) -> Callable | None:
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception:  # noqa: BLE001 - any failure means "not available here"
+        return None
+
+
+def _leaf(*shape, dtype, device, grad=True):
+    return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(grad)
+
+
+def build_cases(tokens_list, hidden_list, vocab_list, dtype, device, compile_torch) -> list[Case]:
+    """Every op over the shape sweep, with the implementations available on this machine."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    maybe_compile = (lambda f: torch.compile(f)) if compile_torch else None
+    liger_ln = _optional("liger_kernel.transformers.functional", "liger_layer_norm")
+    liger_ce = _optional("liger_kernel.transformers.functional", "liger_cross_entropy")
+    apex_ln = _optional("apex.normalization.fused_layer_norm", "fused_layer_norm_affine")
+    cases = []
+    for t in tokens_list:
+        for h in hidden_list:
+            e = t * h * size  # bytes of one [tokens, hidden] activation
+            mk = lambda t=t, h=h: (_leaf(t, h, dtype=dtype, device=device),)
+            ln = {
+                "triton": lambda x, w, b: K.layer_norm(x, w, b, backend="triton"),
+                "torch": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
+            }
+            gelu = {
+                "triton": lambda x, b: K.bias_gelu(x, b, backend="triton"),
+                "torch": lambda x, b: F.gelu(x + b, approximate="tanh"),
+            }
+            bda = {
+                "triton": lambda x, b, r: K.bias_dropout_add(x, b, r, 0.1, True, backend="triton"),
+                "torch": lambda x, b, r: r + F.dropout(x + b, 0.1, True),
+            }
+            for impls in (ln, gelu, bda):
+                if maybe_compile:
+                    impls["compile"] = maybe_compile(impls["torch"])
+            if liger_ln:
+                ln["liger"] = lambda x, w, b: liger_ln(x, w, b, 1e-5)
+            if apex_ln:
+                ln["apex"] = lambda x, w, b: apex_ln(x, w, b, x.shape[-1:], 1e-5)
+            vec = lambda h=h: _leaf(h, dtype=dtype, device=device)
+            label = f"tokens={t} hidden={h}"
+            cases += [
+                Case(
+                    "layer_norm",
+                    label,
+                    lambda mk=mk, vec=vec: (*mk(), vec(), vec()),
+                    ln,
+                    {"fwd": 2 * e, "bwd": 3 * e, "fwd+bwd": 5 * e},
+                ),
+                Case(
+                    "bias_gelu",
+                    label,
+                    lambda mk=mk, vec=vec: (*mk(), vec()),
+                    gelu,
+                    {"fwd": 2 * e, "bwd": 3 * e, "fwd+bwd": 5 * e},
+                ),
+                Case(
+                    "bias_dropout_add",
+                    label,
+                    lambda mk=mk, vec=vec: (*mk(), vec(), *mk()),
+                    bda,
+                    {"fwd": 3 * e, "bwd": 2 * e, "fwd+bwd": 5 * e},
+                ),
+            ]
+        for v in vocab_list:
+            e = t * v * size  # bytes of the logit shard; minimal: read it once, write its grad
+            ce = {
+                "triton": lambda lg, tg: K.fused_vocab_parallel_cross_entropy(
+                    lg, tg, backend="triton"
+                ),
+                "torch": lambda lg, tg: F.cross_entropy(lg.float(), tg, reduction="none"),
+                "torch-vp": lambda lg, tg: K.fused_vocab_parallel_cross_entropy(
+                    lg, tg, backend="torch"
+                ),
+            }
+            if maybe_compile:
+                ce["compile"] = maybe_compile(ce["torch"])
+            if liger_ce:
+                ce["liger"] = lambda lg, tg: liger_ce(lg, tg, reduction="none")
+            mk = lambda t=t, v=v: (
+                _leaf(t, v, dtype=dtype, device=device),
+                torch.randint(0, v, (t,), device=device),
+            )
+            cases.append(
+                Case(
+                    "cross_entropy",
+                    f"tokens={t} vocab_shard={v}",
+                    mk,
+                    ce,
+                    {"fwd": 2 * e, "bwd": 2 * e, "fwd+bwd": 2 * e},
+                )
+            )
+    return cases
+
+
+def make_timer(device: torch.device, reps: int) -> Callable[[Callable[[], object], list], float]:
+    """The one timing harness: ms per call of ``fn`` (grads of ``leaves`` reset between calls)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn, leaves: do_bench(fn, grad_to_none=leaves, return_mode="median")
+
+    def cpu_time(fn, leaves):
+        best = float("inf")
+        for _ in range(reps):
+            for x in leaves:
+                x.grad = None
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        return best * 1e3
+
+    return cpu_time
+
+
+def copy_bandwidth(device: torch.device, timer) -> float:
+    """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    n = (1 << 28) if device.type == "cuda" else (1 << 22)  # 1 GiB / 16 MiB of fp32
+    src = torch.empty(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src), [])
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def measure(case: Case, name: str, fn: Callable, timer, device) -> dict[str, float]:
+    """Times of every mode and peak memory of fwd+bwd for one implementation."""
+    inputs = case.make_inputs()
+    leaves = [x for x in inputs if x.requires_grad]
+    grad = torch.ones_like(fn(*inputs))
+
+    def fwd_bwd():
+        fn(*inputs).backward(grad)
+
+    fwd_bwd()  # warm up: JIT compilation, torch.compile, autotuning
+    out = {"fwd": timer(lambda: fn(*inputs), leaves), "fwd+bwd": timer(fwd_bwd, leaves)}
+    out["bwd"] = max(out["fwd+bwd"] - out["fwd"], 0.0)
+    out["peak_mb"] = float("nan")
+    if device.type == "cuda":
+        for x in leaves:
+            x.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        out["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return out
+
+
+def check_against_torch(case: Case, atol: float) -> float:
+    """Max |triton - torch| over output and every gradient; raises past ``atol``."""
+    results = {}
+    for name in ("triton", "torch"):
+        torch.manual_seed(0)
+        inputs = case.make_inputs()
+        impl = case.impls[name]
+        if case.op == "bias_dropout_add":  # the two draw different masks: compare at p = 0
+            impl = lambda x, b, r, name=name: K.bias_dropout_add(x, b, r, 0.0, True, backend=name)
+        out = impl(*inputs)
+        leaves = [x for x in inputs if x.requires_grad]
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        results[name] = [out.float(), *(g.float() for g in grads)]
+    err = max((a - b).abs().max().item() for a, b in zip(*results.values(), strict=True))
+    if err > atol:
+        raise AssertionError(
+            f"{case.op} {case.shape}: triton vs torch max error {err:.3e} > {atol}"
+        )
+    return err
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """One line per goal and shape: the measured figure and whether the goal is met."""
+    if rows[0]["device"].startswith("cpu"):
+        return [f"- {g}: not measured (no GPU in this run)" for g in GOALS]
+    by = {(r["op"], r["shape"], r["impl"]): r for r in rows}
+    lines = []
+    for (op, shape, impl), r in by.items():
+        if impl != "triton":
+            continue
+        if op == "layer_norm":
+            liger = by.get((op, shape, "liger"))
+            vs_liger = liger["fwd+bwd_ms"] / r["fwd+bwd_ms"] if liger else float("nan")
+            ok = r["fwd+bwd_pct_copy"] >= 85 and (liger is None or vs_liger >= 1.0)
+            fig = f"{r['fwd+bwd_pct_copy']:.0f}% of copy, {vs_liger:.2f}x Liger"
+        elif op in ("bias_gelu", "bias_dropout_add"):
+            ok = r["speedup_vs_torch"] >= 2.0
+            fig = f"{r['speedup_vs_torch']:.2f}x torch eager"
+        else:
+            ratio = r["peak_mb"] / by[(op, shape, "torch")]["peak_mb"]
+            ok, fig = ratio <= 0.5, f"peak memory {ratio:.2f}x F.cross_entropy(fp32)"
+        lines.append(f"- {op} {shape}: {fig}: {'met' if ok else 'NOT met'}")
+    return lines
+
+
+def write_outputs(rows: list[dict], out_dir: str, header: str) -> None:
+    """kernels.csv, kernels.md (a table per op) and kernels.png (fwd+bwd GB/s)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "kernels.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [header, "", "Goals:", "", *goal_lines(rows), ""]
+    for op in dict.fromkeys(r["op"] for r in rows):
+        lines += [
+            f"### {op}",
+            "",
+            "| shape | impl | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd GB/s "
+            "| % copy | peak MB | vs torch eager | max err vs torch |",
+            "|" + "---|" * 10,
+        ]
+        for r in (r for r in rows if r["op"] == op):
+            lines.append(
+                f"| {r['shape']} | {r['impl']} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | "
+                f"{r['fwd+bwd_ms']:.3f} | {r['fwd+bwd_GBps']:.1f} | {r['fwd+bwd_pct_copy']:.0f} | "
+                f"{r['peak_mb']:.0f} | {r['speedup_vs_torch']:.2f}x | {r['max_err_vs_torch']:.1e} |"
+            )
+        lines.append("")
+    with open(os.path.join(out_dir, "kernels.md"), "w") as f:
+        f.write("\n".join(lines))
+    _plot(rows, os.path.join(out_dir, "kernels.png"), header.splitlines()[0])
+
+
+def _plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    fig, axes = plt.subplots(len(ops), 1, figsize=(10, 3.2 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops, strict=True):
+        sub = [r for r in rows if r["op"] == op]
+        shapes, impls = (
+            list(dict.fromkeys(r["shape"] for r in sub)),
+            list(dict.fromkeys(r["impl"] for r in sub)),
+        )
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            vals = {r["shape"]: r["fwd+bwd_GBps"] for r in sub if r["impl"] == impl}
+            ax.bar(
+                [j + i * width for j in range(len(shapes))],
+                [vals.get(s, 0) for s in shapes],
+                width,
+                label=impl,
+            )
+        ax.axhline(sub[0]["copy_GBps"], color="k", ls="--", lw=1, label="copy")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, fontsize=7)
+        ax.set_ylabel("fwd+bwd GB/s")
+        if sub[0]["device"].startswith("cpu"):
+            ax.set_yscale("log")  # interpreter vs torch spans orders of magnitude
+        ax.set_title(op, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Benchmark every case; returns the rows written."""
+    cuda = torch.cuda.is_available() and not args.cpu
+    if not cuda:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (by a kernel)
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
+    if args.smoke:  # awkward, tiny sizes: the interpreter runs Python per program
+        sweep = dict(tokens_list=[13], hidden_list=[257], vocab_list=[300])
+    else:
+        sweep = dict(
+            tokens_list=args.tokens,
+            hidden_list=args.hidden,
+            vocab_list=[args.vocab // tp for tp in args.tp],
+        )
+    cases = build_cases(
+        **sweep, dtype=dtype, device=device, compile_torch=cuda and not args.no_compile
+    )
+    timer = make_timer(device, reps=args.reps)
+    copy = copy_bandwidth(device, timer)
+    rows = []
+    for case in cases:
+        err = check_against_torch(case, atol=1e-4 if dtype == torch.float32 else 6e-2)
+        times = {name: measure(case, name, fn, timer, device) for name, fn in case.impls.items()}
+        for name, t in times.items():
+            row = {
+                "device": torch.cuda.get_device_name() if cuda else "cpu (triton interpreter)",
+                "op": case.op,
+                "shape": case.shape,
+                "dtype": str(dtype).removeprefix("torch."),
+                "impl": name,
+                "copy_GBps": copy,
+                "peak_mb": t["peak_mb"],
+                "max_err_vs_torch": err,
+            }
+            for mode in MODES:
+                gbps = case.bytes[mode] / (t[mode] * 1e-3) / 1e9 if t[mode] > 0 else float("nan")
+                row[f"{mode}_ms"], row[f"{mode}_GBps"] = t[mode], gbps
+                row[f"{mode}_pct_copy"] = 100 * gbps / copy
+            row["speedup_vs_torch"] = times["torch"]["fwd+bwd"] / t["fwd+bwd"]
+            rows.append(row)
+        print(
+            f"{case.op:>17} {case.shape:<28} "
+            + "  ".join(f"{n}={t['fwd+bwd']:.3f}ms" for n, t in times.items()),
+            flush=True,
+        )
+    return rows
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="outputs/bench_kernels", help="directory for csv/md/png")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes; CPU interpreter without GPU")
+    p.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is present")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--hidden", type=int, nargs="+", default=[1024, 4096, 8192])
+    p.add_argument("--vocab", type=int, default=50304, help="full vocabulary; shards are vocab/tp")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8])
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--reps", type=int, default=3, help="CPU timing repetitions (best of)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    rows = run(args)
+    cuda = rows[0]["device"] != "cpu (triton interpreter)"
+    if cuda:
+        header = f"Kernels on {rows[0]['device']}, {rows[0]['dtype']}; copy {rows[0]['copy_GBps']:.0f} GB/s"
+    else:
+        header = (
+            "CPU Triton-interpreter correctness run: timings are NOT performance figures "
+            "and GPU figures were not measured"
+        )
+    write_outputs(rows, args.out, header)
+    print(f"wrote {args.out}/kernels.csv, kernels.md, kernels.png")
+    if not cuda:
+        print(
+            "NOTE: no CUDA device: GPU figures were NOT measured; the CPU numbers above time "
+            "the Triton interpreter and only show that every kernel runs and matches torch."
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
