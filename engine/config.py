@@ -175,12 +175,12 @@ def _validate_data(cfg: Config) -> list[str]:
     d = cfg.data
     problems = []
     for prefix in d.prefixes:
-        for ext in (".bin", ".idx"):
-            if not os.path.exists(prefix + ext):
-                problems.append(
-                    f"data.prefixes: {prefix + ext} does not exist (make it with "
-                    "tools/preprocess_data.py)"
-                )
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.exists(prefix + ext)]
+        if missing:
+            problems.append(
+                f"data.prefixes: {' and '.join(missing)} not found (make them with "
+                "tools/preprocess_data.py)"
+            )
     if d.weights and len(d.weights) != len(d.prefixes):
         problems.append(
             f"data.weights has {len(d.weights)} entries for {len(d.prefixes)} data.prefixes"

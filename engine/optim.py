@@ -69,7 +69,7 @@ def global_grad_norm(
     """
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     squares = [
-        p.grad.detach().float().pow(2).sum()
+        p.grad.detach().to(torch.promote_types(p.grad.dtype, torch.float32)).pow(2).sum()
         for p in params
         if p.grad is not None and (getattr(p, TP_DIM_ATTR, None) is not None or tp_rank == 0)
     ]
