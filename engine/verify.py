@@ -34,13 +34,14 @@ from layers.attention import CoreAttention
 from layers.utils import gather_along
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
-# Relative tolerances (max error / max |reference|). float64 proves the math: only
-# summation order differs (~1e-16 per op, ~1e-13 after the layers). float32's unit
-# roundoff is 6e-8; reordered reductions over a few layers stay far below 1e-5. bfloat16
-# keeps 8 mantissa bits (roundoff 4e-3): every matmul, norm and all-reduce rounds
-# differently in another layout, and the errors compound over layers and backward, so
-# several roundoffs (3e-2) is the honest bound there.
-TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2}
+# Relative tolerances (max error / max |reference|). float64 proves the math: layouts differ
+# only in summation order (~1e-16 per op; observed ≤ 3e-15). float32's unit roundoff is
+# 6e-8; reordered reductions over a few layers stay far below 1e-5 (observed ≤ 1e-6).
+# bfloat16 keeps 8 mantissa bits (roundoff 3.9e-3): LayerNorm weight and bias gradients
+# are sums over every token, grouped differently per layout (sequence shards, TP and DP
+# all-reduces in bf16), so they differ by several roundoffs (observed ≤ 2.5e-2); 5e-2
+# bounds that while a real bug still shows as O(1).
+TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 5e-2}
 
 
 @dataclass(frozen=True)
