@@ -231,6 +231,7 @@ class FusedCrossEntropyFunction(torch.autograd.Function):
             group=group,
             compute_grad=compute_grad,
         )
+        ctx.grad = ctx.target = None
         if compute_grad:
             torch.autograd.graph.increment_version(logits)
             # Kept as attributes, not saved tensors: the buffer is a view of logits, which
