@@ -98,6 +98,7 @@ class Report:
     spec: VerifySpec
     tolerance: float
     rows: list[Row]
+    absolute: bool = False  # whether ``tolerance`` bounds max_abs rather than max_rel
 
     @property
     def first_failure(self) -> Row | None:

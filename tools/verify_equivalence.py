@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=f"Tolerances: max|Δ| / max|reference| per tensor: {tols}. "
-        f"With --hf-dir, absolute on logits: {hf_tols}.",
+        f"With --hf-dir, on logits: {hf_tols} (absolute; bfloat16 relative).",
     )
     p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
     p.add_argument("--tp-size", type=int, default=2)
@@ -76,7 +76,7 @@ def render(report: Report, console: Console, *, failing_only: bool, hf: bool) ->
     if shown:
         console.print(table)
     first = report.first_failure
-    measure = "absolute" if hf else "relative"
+    measure = "absolute" if report.absolute else "relative"
     if first is None:
         console.print(
             f"all {len(report.rows)} tensors within {measure} tolerance {report.tolerance:g}"
