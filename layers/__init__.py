@@ -1,5 +1,6 @@
 """Tensor-parallel building blocks; they import nothing of ours but ``parallel_state``."""
 
+from layers.attention import ParallelAttention
 from layers.cross_entropy import vocab_parallel_cross_entropy
 from layers.embedding import VocabParallelEmbedding
 from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
@@ -12,6 +13,8 @@ from layers.mappings import (
     scatter_to_sequence,
     scatter_to_tp,
 )
+from layers.recompute import checkpointed
+from layers.transformer import LayerNorm, ParallelMLP, ParallelTransformerLayer
 from layers.utils import divide, gather_full, pad_vocab_size, shard
 
 __all__ = [
@@ -31,4 +34,9 @@ __all__ = [
     "pad_vocab_size",
     "shard",
     "gather_full",
+    "LayerNorm",
+    "ParallelAttention",
+    "ParallelMLP",
+    "ParallelTransformerLayer",
+    "checkpointed",
 ]
