@@ -41,11 +41,12 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import parallel_state  # noqa: E402
-from layers import vocab_parallel_cross_entropy  # noqa: E402
+from layers import copy_to_tp, vocab_parallel_cross_entropy  # noqa: E402
 from layers.kernels import (  # noqa: E402
     LayerNorm,
     bias_dropout_add,
     bias_gelu,
+    fused_linear_cross_entropy,
     fused_vocab_parallel_cross_entropy,
     layer_norm,
     use_triton,
@@ -458,6 +459,45 @@ def test_fused_cross_entropy_overwrites_logits_only_when_grad_is_needed():
         (loss.sum() + other_use.sum()).backward()
 
 
+def lm_head_inputs(seed, tokens=13, hidden=16, vocab=128):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(tokens, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) / hidden**0.5 * 3
+    target = torch.randint(0, 120, (tokens,), generator=gen)
+    target[::4] = -100
+    return h, w, target
+
+
+def lm_head_reference(h, w, target, reduction, smoothing=0.1, vocab_size=120):
+    """float64 F.cross_entropy of h @ w^T over the first vocab_size columns, and its grads."""
+    h, w = leaves(h.double(), w.double())
+    logits = (h @ w.t())[:, :vocab_size]
+    loss = F.cross_entropy(logits, target, reduction=reduction, label_smoothing=smoothing)
+    return (loss, *torch.autograd.grad(loss, (h, w)))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_fused_linear_cross_entropy_tp1(reduction):
+    """Chunks of 5 over 13 tokens (a ragged last chunk) against float64 F.cross_entropy of
+    the full logits; fp32 tolerance 1e-5 as for the other kernels."""
+    h, w, target = lm_head_inputs(0)
+    hl, wl = leaves(h, w)
+    loss = fused_linear_cross_entropy(
+        hl, wl, target, label_smoothing=0.1, vocab_size=120, reduction=reduction,
+        chunk_tokens=5, backend="triton",
+    )  # fmt: skip
+    loss.backward()
+    ref = lm_head_reference(h, w, target, reduction)
+    results = (loss, hl.grad, wl.grad)
+    for name, got, exact in zip(("loss", "dhidden", "dweight"), results, ref, strict=True):
+        torch.testing.assert_close(got, exact.float(), rtol=1e-5, atol=1e-5, msg=name)
+    torch.testing.assert_close(
+        fused_linear_cross_entropy(h, w, target, label_smoothing=0.1, vocab_size=120,
+                                   reduction=reduction, backend="torch"),
+        loss.detach(), rtol=1e-5, atol=1e-5,
+    )  # fmt: skip
+
+
 TP2_CE_CASES = [  # (seed, tokens, vocab per rank, vocab_size, smoothing, dtype)
     (3, 33, 500, 990, 0.1, torch.float32),
     (4, 7, 64, 40, 0.0, torch.float32),  # rank 1 holds only padding
@@ -477,7 +517,16 @@ def _cross_entropy_on_tp_ranks(cases):
         )
         ref = ce_with_grad(layers_ce(vocab_size, smoothing), mine, target, weights)
         results.append(portable((fused, ref)))
-    return results
+    # The chunked LM head: hidden replicated (through copy_to_tp), weight split by rows.
+    h, w, target = lm_head_inputs(6)
+    (hl,) = leaves(h)
+    (wl,) = leaves(w[state.tp_rank * 64 : (state.tp_rank + 1) * 64])
+    loss = fused_linear_cross_entropy(
+        copy_to_tp(hl), wl, target, label_smoothing=0.1, vocab_size=120, chunk_tokens=5,
+        backend="triton",
+    )  # fmt: skip
+    loss.backward()
+    return results, portable((loss.detach(), hl.grad, wl.grad))
 
 
 def to_torch(arrays, dtype):
@@ -488,8 +537,18 @@ def to_torch(arrays, dtype):
 
 def test_fused_cross_entropy_tp2():
     """Two gloo ranks, each with half the vocabulary, against F.cross_entropy on the gathered
-    logits (and layers.vocab_parallel_cross_entropy on the same shards)."""
-    per_rank = run_ranks(_cross_entropy_on_tp_ranks, 2, TP2_CE_CASES)
+    logits (and layers.vocab_parallel_cross_entropy on the same shards); and the chunked LM
+    head with its weight split by vocabulary rows against float64 on the full weight."""
+    per_rank, lm_head = zip(*run_ranks(_cross_entropy_on_tp_ranks, 2, TP2_CE_CASES), strict=True)
+    exact_loss, exact_dh, exact_dw = (
+        t.float() for t in lm_head_reference(*lm_head_inputs(6), "mean")
+    )
+    for rank, (loss, dh, dw) in enumerate(lm_head):
+        torch.testing.assert_close(torch.from_numpy(loss), exact_loss, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(dh), exact_dh, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.from_numpy(dw), exact_dw[rank * 64 : (rank + 1) * 64], rtol=1e-5, atol=1e-5
+        )
     for i, (seed, tokens, local, vocab_size, smoothing, dtype) in enumerate(TP2_CE_CASES):
         (loss0, grad0), ref0 = to_torch(per_rank[0][i], dtype)
         (loss1, grad1), _ = to_torch(per_rank[1][i], dtype)

@@ -147,23 +147,90 @@ def fused_vocab_parallel_cross_entropy(
             tp_group=tp_group,
             vocab_size=vocab_size,
         )
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if logits.shape[:-1] != target.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: "
             "logits must be target's shape plus a vocabulary dim"
         )
-    group = resolve_tp_group(tp_group)
-    padded = group_size(group) * logits.shape[-1]
-    if vocab_size is not None and not 0 < vocab_size <= padded:
-        raise ValueError(
-            f"vocab_size {vocab_size} must be in (0, {padded}] "
-            "(the padded vocabulary across the TP group)"
-        )
+    group = _checked_group(tp_group, label_smoothing, vocab_size, logits.shape[-1])
     from layers.kernels.cross_entropy_triton import FusedCrossEntropyFunction
 
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
     return FusedCrossEntropyFunction.apply(
         logits, target, ignore_index, label_smoothing, vocab_size, group, compute_grad
     )
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    reduction: str = "mean",
+    chunk_tokens: int = 4096,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Scalar cross-entropy of the LM head ``hidden @ weight^T``, chunked over tokens.
+
+    Equals ``vocab_parallel_cross_entropy(hidden @ weight.t(), target, ...)`` summed, or
+    for ``reduction="mean"`` averaged over the tokens that are not ``ignore_index`` (0
+    when there are none). ``hidden`` [..., H] is replicated over the TP group and must
+    come through ``layers.copy_to_tp`` (its backward all-reduces the gradient of hidden);
+    ``weight`` [V_local, H] is this rank's vocabulary shard. On the Triton path only
+    ``chunk_tokens`` x V_local logits exist at a time (in the model dtype), and the
+    gradients are computed during forward, so backward runs once.
+    """
+    reject_apex(backend, "fused_linear_cross_entropy")
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if (
+        hidden.shape[:-1] != target.shape
+        or weight.dim() != 2
+        or weight.shape[1] != hidden.shape[-1]
+    ):
+        raise ValueError(
+            f"expected hidden [..., H], weight [V_local, H] and target hidden.shape[:-1]; got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(target.shape)}"
+        )
+    options = dict(
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        tp_group=tp_group,
+        vocab_size=vocab_size,
+    )
+    if not use_triton(hidden, backend):
+        loss = vocab_parallel_cross_entropy(hidden @ weight.t(), target, **options).sum()
+        if reduction == "sum":
+            return loss
+        return loss / (target != ignore_index).sum().clamp_min(1)
+    group = _checked_group(tp_group, label_smoothing, vocab_size, weight.shape[0])
+    from layers.kernels.linear_cross_entropy_triton import LinearCrossEntropyFunction
+
+    del options["tp_group"]
+    options.update(group=group, chunk_tokens=chunk_tokens)
+    compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return LinearCrossEntropyFunction.apply(
+        hidden, weight, target, options, reduction, compute_grad
+    )
+
+
+def _checked_group(
+    tp_group: dist.ProcessGroup | None, label_smoothing: float, vocab_size: int | None, local: int
+) -> dist.ProcessGroup | None:
+    """The resolved TP group, after the argument checks of vocab_parallel_cross_entropy."""
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    group = resolve_tp_group(tp_group)
+    padded = group_size(group) * local
+    if vocab_size is not None and not 0 < vocab_size <= padded:
+        raise ValueError(
+            f"vocab_size {vocab_size} must be in (0, {padded}] "
+            "(the padded vocabulary across the TP group)"
+        )
+    return group
