@@ -176,6 +176,22 @@ def test_layer_norm_without_weight_or_bias(affine):
     torch.testing.assert_close(xk.grad, xr.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_layer_norm_fp32_weights_with_bf16_activations():
+    """Mixed dtypes: output in x's dtype, weight gradients in the weights' dtype; within one
+    bf16 ulp of float64 (the fp32 statistics are exact to far better than that)."""
+    x = (torch.randn(7, 127, device=DEVICE) * 2).to(torch.bfloat16).requires_grad_()
+    w, b = leaves(torch.randn(127, device=DEVICE), torch.randn(127, device=DEVICE))
+    y = layer_norm(x, w, b, backend="triton")
+    y.sum().backward()
+    assert y.dtype == x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    xe, we, be = leaves(x.double(), w.double(), b.double())
+    ye = F.layer_norm(xe, (127,), we, be)
+    ye.sum().backward()
+    ulp = torch.finfo(torch.bfloat16).eps * ye.abs().max().item()
+    torch.testing.assert_close(y.double(), ye, rtol=0, atol=ulp)
+    torch.testing.assert_close(w.grad.double(), we.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_layer_norm_module_matches_torch_layer_norm():
     ref = torch.nn.LayerNorm(64, eps=1e-6, device=DEVICE)
     with torch.no_grad():
