@@ -66,7 +66,18 @@ class VerifySpec:
 
     @property
     def tolerance(self) -> float:
+        """Relative tolerance for this dtype."""
         return TOLERANCES[self.dtype]
+
+    def check(self) -> None:
+        """Raise ValueError naming the numbers if this layout cannot split the batch/model."""
+        if self.batch_size % self.dp_size:
+            raise ValueError(f"batch {self.batch_size} is not divisible by dp_size {self.dp_size}")
+        if self.sequence_parallel and self.seq_len % self.tp_size:
+            raise ValueError(
+                f"sequence parallelism needs seq {self.seq_len} divisible by tp_size {self.tp_size}"
+            )
+        self.model_config().validate(self.tp_size)
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
         """The target's config, or with ``reference=True`` the plain unsplit one."""
@@ -102,10 +113,12 @@ class Report:
 
     @property
     def first_failure(self) -> Row | None:
+        """The first out-of-tolerance row, in model order."""
         return next((r for r in self.rows if not r.ok), None)
 
     @property
     def ok(self) -> bool:
+        """Whether every row is within tolerance."""
         return self.first_failure is None
 
 
@@ -152,17 +165,19 @@ class OutputCapture:
         if name not in self.outputs and isinstance(out, torch.Tensor):
             self.outputs[name] = (out.detach().clone(), output_tp_dim(module), trim)
 
-    def gathered(self, ps: parallel_state.ParallelState) -> dict[str, torch.Tensor]:
-        """Every output at full shape: TP shards joined, then DP batch slices (collective)."""
+    def gathered(self, tp_group, dp_group) -> dict[str, torch.Tensor]:
+        """Every output at full shape, vocabulary unpadded: TP shards joined, then DP batch
+        slices (collective over both groups; None groups: nothing to join)."""
         full = {}
         for name, (out, tp_dim, trim) in self.outputs.items():
-            out = gather_along(out, tp_dim, ps.tp_group)
+            out = gather_along(out, tp_dim, tp_group)
             # Inside the models 3-D activations are [s, b, ...], 2-D ones [b, ...].
-            out = gather_along(out, 1 if out.dim() == 3 else 0, ps.dp_group)
+            out = gather_along(out, 1 if out.dim() == 3 else 0, dp_group)
             full[name] = out if trim is None else out[..., :trim]
         return full
 
     def remove(self) -> None:
+        """Detach the hooks."""
         for h in self._handles:
             h.remove()
 
@@ -213,6 +228,7 @@ def compare_layouts(
     ``mutate_target(model)`` may alter the target after it is built (planting faults).
     """
     ps = parallel_state.get()
+    spec.check()
     if (ps.tp_size, ps.dp_size) != (spec.tp_size, spec.dp_size):
         raise ValueError(
             f"the mesh is tp={ps.tp_size}, dp={ps.dp_size} but the spec asks for "
@@ -265,16 +281,11 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
 
 
 def _output_rows(captures: list[OutputCapture], ps, tol: float) -> list[Row]:
-    got = captures[0].gathered(ps)  # collective: every rank takes part
+    got = captures[0].gathered(ps.tp_group, ps.dp_group)  # collective: every rank takes part
     if len(captures) == 1:
         return []
-    want = {name: out for name, (out, _, trim) in captures[1].outputs.items()}
-    rows = []
-    for name, full in got.items():
-        ref = want[name]
-        trim = captures[1].outputs[name][2]
-        rows.append(compare("output", name, full, ref if trim is None else ref[..., :trim], tol))
-    return rows
+    want = captures[1].gathered(None, None)  # the reference's outputs are whole already
+    return [compare("output", name, got[name], want[name], tol) for name in got]
 
 
 def _grad_rows(target: ParallelModel, reference: ParallelModel | None, tol: float) -> list[Row]:

@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the chosen conversion and print what was converted."""
     args = parse_args(argv)
     if args.command == "import":
         cfg = import_hf(args.hf_dir, args.out)

@@ -39,6 +39,7 @@ from engine.verify import (  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
     tols = ", ".join(f"{k} {v:g}" for k, v in TOLERANCES.items())
     hf_tols = ", ".join(f"{k} {v:g}" for k, v in HF_TOLERANCES.items())
     p = argparse.ArgumentParser(
@@ -51,12 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
-    p.add_argument("--dtype", choices=tuple(TOLERANCES), default="float64")
+    p.add_argument("--dtype", choices=tuple(TOLERANCES), default="float64",
+                   help="both layouts run in this dtype; tolerances below")  # fmt: skip
     p.add_argument("--steps", type=int, default=1, help="optimizer steps whose losses to compare")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=48)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=1001)
+    p.add_argument("--layers", type=int, default=2, help="tiny model: transformer layers")
+    p.add_argument("--hidden", type=int, default=48, help="tiny model: hidden size")
+    p.add_argument("--heads", type=int, default=12, help="attention heads (divisible by tp-size)")
+    p.add_argument("--vocab", type=int, default=1001, help="vocabulary (padded per TP size)")
     p.add_argument("--seq", type=int, default=12, help="sequence length (divisible by tp-size)")
     p.add_argument("--batch", type=int, default=4, help="global batch (divisible by dp-size)")
     p.add_argument("--seed", type=int, default=1234)
@@ -66,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def render(report: Report, console: Console, *, failing_only: bool, hf: bool) -> None:
+    """Print the rows as a table, then the first divergence (and the HF error line)."""
     table = Table(title=f"{report.spec.model} vs reference, {report.spec.dtype}")
     for column in ("kind", "name", "max abs", "max rel", ""):
         table.add_column(column, justify="right" if column.startswith("max") else "left")
@@ -92,6 +95,7 @@ def render(report: Report, console: Console, *, failing_only: bool, hf: bool) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the comparison; exit status 0 within tolerance, 1 outside, 2 on a bad layout."""
     args = parse_args(argv)
     spec = VerifySpec(
         model=args.model, tp_size=args.tp_size, dp_size=args.dp_size,
@@ -100,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=args.vocab, seq_len=args.seq, batch_size=args.batch, steps=args.steps,
         seed=args.seed,
     )  # fmt: skip
+    try:
+        if not args.hf_dir:
+            spec.check()
+    except ValueError as err:
+        print(f"verify_equivalence: {err}", file=sys.stderr)
+        return 2
     task, extra = (compare_with_hf, (args.hf_dir,)) if args.hf_dir else (compare_layouts, ())
     if "RANK" in os.environ:  # started by a launcher: this process is one rank
         report = run_on_mesh(task, spec, *extra)

@@ -121,6 +121,8 @@ class Embeddings(nn.Module):
         words = self.word(input_ids.t())  # [s(/tp), b, h]: reduce-scattered under SP
         extra = self.position[:seq].unsqueeze(1)  # [s, 1, h], same on every TP rank
         if self.token_type is not None:
+            if token_type_ids is None:  # a single segment
+                token_type_ids = torch.zeros_like(input_ids)
             extra = extra + F.embedding(token_type_ids.t(), self.token_type)  # [s, b, h]
         if self.sequence_parallel:
             # Keep this rank's rows; backward all-gathers so the replicated tables get the
