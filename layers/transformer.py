@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layers.attention import ParallelAttention
+from layers.cross_entropy import vocab_parallel_cross_entropy
 from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
 from layers.recompute import checkpointed, default_rng, dropout_stream
 from layers.utils import SP_GRAD_ATTR, group_size, mark_tp_dim, resolve_tp_group
@@ -41,7 +42,7 @@ class TransformerConfig(Protocol):
     sequence_parallel: bool
     recompute: str  # "none" | "selective" | "full"
     activation: str  # "gelu" (exact) | "gelu_tanh"
-    kernels: str  # "torch" | "triton" | "apex"
+    kernels: str  # "auto" | "torch" | "triton" | "apex"
     init_std: float
 
     @property
@@ -69,20 +70,58 @@ class Kernels:
     layer_norm: Callable[..., torch.Tensor]  # (x, weight, bias, eps)
     gelu: Callable[..., torch.Tensor]  # (x, approximate: "none" | "tanh")
     bias_dropout_add: Callable[..., torch.Tensor]  # (x, bias | None, residual, p, training)
+    # (logits, target, *, vocab_size, tp_group): vocab_parallel_cross_entropy's contract
+    cross_entropy: Callable[..., torch.Tensor]
 
 
 TORCH_KERNELS = Kernels(
     layer_norm=lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
     gelu=lambda x, approximate: F.gelu(x, approximate=approximate),
     bias_dropout_add=_torch_bias_dropout_add,
+    cross_entropy=vocab_parallel_cross_entropy,
 )
 
 
+def _fused_kernels(choose: Callable[[torch.Tensor], str], norm_backend: str | None) -> Kernels:
+    """The ``layers.kernels`` ops, each call's backend picked by ``choose(x)``."""
+    from layers import kernels as fused
+
+    return Kernels(
+        layer_norm=lambda x, w, b, eps: fused.layer_norm(
+            x, w, b, eps, backend=norm_backend or choose(x)
+        ),
+        gelu=lambda x, approximate: fused.bias_gelu(
+            x, None, approximate=approximate, backend=choose(x)
+        ),
+        bias_dropout_add=lambda x, bias, residual, p, training: fused.bias_dropout_add(
+            x, bias, residual, p, training, backend=choose(x)
+        ),
+        # Overwrites the logits with their gradient: callers pass logits nothing else reads.
+        cross_entropy=lambda logits, target, **kw: fused.fused_vocab_parallel_cross_entropy(
+            logits, target, backend=choose(logits), **kw
+        ),
+    )
+
+
 def resolve_kernels(name: str) -> Kernels:
-    """The kernel set for ``ModelConfig.kernels``; wire Triton/Apex kernels in here."""
+    """The kernel set for ``ModelConfig.kernels``.
+
+    - ``auto``: the fused Triton kernels on CUDA tensors, torch's ops on CPU tensors;
+    - ``triton``: always the Triton kernels (on CPU they run under ``TRITON_INTERPRET=1``,
+      which is how CI checks them inside a whole model);
+    - ``apex``: apex's FusedLayerNorm (it must be importable), Triton for the rest on CUDA;
+    - ``torch``: torch's ops everywhere.
+    """
     if name == "torch":
         return TORCH_KERNELS
-    raise NotImplementedError(f"kernels={name!r} is not wired in yet; use kernels='torch'")
+    on_cuda = lambda x: "triton" if x.is_cuda else "torch"
+    if name == "auto":
+        return _fused_kernels(on_cuda, None)
+    if name == "triton":
+        return _fused_kernels(lambda x: "triton", None)
+    if name == "apex":
+        return _fused_kernels(on_cuda, "apex")
+    raise ValueError(f"model.kernels={name!r} is not one of auto, triton, apex, torch")
 
 
 class LayerNorm(nn.Module):
@@ -98,7 +137,7 @@ class LayerNorm(nn.Module):
         eps: float,
         *,
         sequence_parallel: bool = False,
-        kernels: str = "torch",
+        kernels: str = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:

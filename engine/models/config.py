@@ -11,7 +11,7 @@ from layers.utils import pad_vocab_size
 
 ARCHS = ("gpt", "bert")
 ACTIVATIONS = ("gelu", "gelu_tanh")
-KERNELS = ("torch", "triton", "apex")
+KERNELS = ("auto", "torch", "triton", "apex")
 
 
 @dataclass
@@ -35,7 +35,7 @@ class ModelConfig:
     init_std: float = 0.02  # std of the normal init of weights
     activation: str = "gelu_tanh"  # "gelu_tanh" (GPT-2's tanh approximation) or "gelu" (exact)
     tie_embeddings: bool = True  # LM head reuses the word embedding
-    kernels: str = "torch"  # element-wise kernels: "torch", "triton" or "apex"
+    kernels: str = "auto"  # element-wise ops: "auto" (Triton on CUDA), "triton", "apex", "torch"
 
     @property
     def ffn_size(self) -> int:

@@ -8,9 +8,8 @@ from torch import nn
 
 from engine.models.base import Embeddings, ParallelLMHead, ParallelModel
 from engine.models.config import ModelConfig
-from layers import vocab_parallel_cross_entropy
 from layers.recompute import default_rng
-from layers.transformer import LayerNorm, ParallelTransformerLayer
+from layers.transformer import LayerNorm, ParallelTransformerLayer, resolve_kernels
 from layers.utils import group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
 
@@ -48,6 +47,7 @@ class GPTModel(ParallelModel):
             cfg.hidden_size, cfg.layernorm_eps, sequence_parallel=cfg.sequence_parallel,
             kernels=cfg.kernels, dtype=dtype, device=device,
         )  # fmt: skip
+        self.kernels = resolve_kernels(cfg.kernels)
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=False, **build)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,7 +57,8 @@ class GPTModel(ParallelModel):
         logits = self.lm_head(self.final_norm(hidden), self.embedding.word.weight)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)  # [b, s, V/tp]
-        loss = vocab_parallel_cross_entropy(
+        # The logits are consumed here (a fused kernel may overwrite them with their grad).
+        loss = self.kernels.cross_entropy(
             logits, labels.t(), vocab_size=self.cfg.vocab_size, tp_group=self.tp_group
         )
         return loss.t()  # [b, s]
