@@ -82,25 +82,38 @@ TORCH_KERNELS = Kernels(
 )
 
 
-def _fused_kernels(choose: Callable[[torch.Tensor], str], norm_backend: str | None) -> Kernels:
-    """The ``layers.kernels`` ops, each call's backend picked by ``choose(x)``."""
+def _fused_kernels(
+    choose: Callable[[torch.Tensor], str | None], norm_backend: str | None
+) -> Kernels:
+    """The ``layers.kernels`` ops; ``choose(x)`` names the backend, or None for TORCH_KERNELS."""
     from layers import kernels as fused
 
-    return Kernels(
-        layer_norm=lambda x, w, b, eps: fused.layer_norm(
-            x, w, b, eps, backend=norm_backend or choose(x)
-        ),
-        gelu=lambda x, approximate: fused.bias_gelu(
-            x, None, approximate=approximate, backend=choose(x)
-        ),
-        bias_dropout_add=lambda x, bias, residual, p, training: fused.bias_dropout_add(
-            x, bias, residual, p, training, backend=choose(x)
-        ),
+    def layer_norm(x, w, b, eps):
+        backend = norm_backend or choose(x)
+        if backend is None:
+            return TORCH_KERNELS.layer_norm(x, w, b, eps)
+        return fused.layer_norm(x, w, b, eps, backend=backend)
+
+    def gelu(x, approximate):
+        backend = choose(x)
+        if backend is None:
+            return TORCH_KERNELS.gelu(x, approximate)
+        return fused.bias_gelu(x, None, approximate=approximate, backend=backend)
+
+    def bias_dropout_add(x, bias, residual, p, training):
+        backend = choose(x)
+        if backend is None:
+            return TORCH_KERNELS.bias_dropout_add(x, bias, residual, p, training)
+        return fused.bias_dropout_add(x, bias, residual, p, training, backend=backend)
+
+    def cross_entropy(logits, target, **kwargs):
         # Overwrites the logits with their gradient: callers pass logits nothing else reads.
-        cross_entropy=lambda logits, target, **kw: fused.fused_vocab_parallel_cross_entropy(
-            logits, target, backend=choose(logits), **kw
-        ),
-    )
+        backend = choose(logits)
+        if backend is None:
+            return TORCH_KERNELS.cross_entropy(logits, target, **kwargs)
+        return fused.fused_vocab_parallel_cross_entropy(logits, target, backend=backend, **kwargs)
+
+    return Kernels(layer_norm, gelu, bias_dropout_add, cross_entropy)
 
 
 def resolve_kernels(name: str) -> Kernels:
@@ -114,7 +127,7 @@ def resolve_kernels(name: str) -> Kernels:
     """
     if name == "torch":
         return TORCH_KERNELS
-    on_cuda = lambda x: "triton" if x.is_cuda else "torch"
+    on_cuda = lambda x: "triton" if x.is_cuda else None
     if name == "auto":
         return _fused_kernels(on_cuda, None)
     if name == "triton":
