@@ -33,16 +33,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         row_max = x.max(dim=-1).values
         if world > 1:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-        z = x - row_max.unsqueeze(-1)
-        exp = z.exp()
+        z = x - row_max.unsqueeze(-1)  # a fresh buffer: later steps may work in place
 
         in_block = (target >= start) & (target < start + local)
         local_target = (target - start).masked_fill(~in_block, 0)
         target_z = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_block, 0)
-        sums = [exp.sum(dim=-1), target_z]
+        smooth_sum = None
         if smoothing > 0:
             finite_z = z if padded is None else z.masked_fill(padded, 0.0)
-            sums.append(finite_z.sum(dim=-1))
+            smooth_sum = finite_z.sum(dim=-1)
+        exp = z.exp_()  # z is no longer needed: reuse its memory
+        sums = [exp.sum(dim=-1), target_z]
+        if smooth_sum is not None:
+            sums.append(smooth_sum)
         stats = torch.stack(sums)
         if world > 1:
             dist.all_reduce(stats, group=group)
@@ -62,10 +65,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_target, in_block, ignored = ctx.saved_tensors
         grad = softmax  # reused in place: backward runs once
-        on_target = torch.zeros_like(grad).scatter_(
-            -1, local_target.unsqueeze(-1), in_block.unsqueeze(-1).to(grad.dtype)
-        )
-        grad.sub_(on_target, alpha=1.0 - ctx.smoothing)
+        # − (1 − ε) at the target column, only on the rank whose block holds the target.
+        on_target = in_block.unsqueeze(-1).to(grad.dtype) * -(1.0 - ctx.smoothing)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), on_target)
         if ctx.smoothing > 0:
             uniform = ctx.smoothing / ctx.total
             grad.sub_(uniform if ctx.padded is None else (~ctx.padded).to(grad.dtype) * uniform)
