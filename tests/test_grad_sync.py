@@ -101,7 +101,7 @@ def _one_step(model, sync, x, y, dp_rank, per_rank, micro_batches) -> list[int]:
     xs = x[dp_rank * per_rank : (dp_rank + 1) * per_rank].chunk(micro_batches)
     ys = y[dp_rank * per_rank : (dp_rank + 1) * per_rank].chunk(micro_batches)
     launched_mid_backward = []
-    for i, (xb, yb) in enumerate(zip(xs, ys)):
+    for i, (xb, yb) in enumerate(zip(xs, ys, strict=True)):
         last = i == micro_batches - 1
         with contextlib.nullcontext() if last else sync.no_sync():
             probe = (lambda h: _Probe.apply(h, sync, launched_mid_backward)) if last else None

@@ -195,6 +195,5 @@ def test_rng_tracker_snapshot_restore():
     with tracker.fork():
         assert torch.equal(torch.rand(8), first)
     assert torch.equal(torch.rand(8), default_first)
-    with pytest.raises(KeyError, match="never seeded"):
-        with tracker.fork("other"):
-            pass
+    with pytest.raises(KeyError, match="never seeded"), tracker.fork("other"):
+        pass
