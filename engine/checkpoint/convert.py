@@ -1,0 +1,105 @@
+"""Offline (one CPU process, no cluster): resolve, summarize, re-shard and export checkpoints."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from engine.checkpoint.layout import MODEL, RNG, assign_writers
+from engine.checkpoint.storage import (
+    INDEX,
+    LATEST,
+    CheckpointError,
+    ShardReader,
+    commit,
+    read_index,
+    read_latest,
+    remove_stale_temps,
+    step_dir_name,
+    write_index,
+    write_shard,
+)
+from engine.checkpoint_format import write_checkpoint
+from engine.models import ModelConfig
+
+
+def resolve(path: str | Path) -> Path:
+    """A step directory, given either it or a checkpoint root (then the one ``latest`` names)."""
+    path = Path(path)
+    if (path / INDEX).exists():
+        return path
+    if (path / LATEST).exists():
+        return path / step_dir_name(read_latest(path))
+    raise CheckpointError(f"{path} is neither a checkpoint step directory nor a checkpoint root")
+
+
+def summarize(step_dir: Path, *, verify: bool = True) -> dict[str, Any]:
+    """The index plus, per file, whether its size and checksum match (``verify``)."""
+    reader = ShardReader(step_dir)
+    files = {}
+    for fname, record in reader.index["files"].items():
+        status = "not checked"
+        if verify:
+            try:
+                reader.verify_file(fname)
+                status = "OK"
+            except CheckpointError as err:
+                status = f"DAMAGED: {err}"
+        files[fname] = {**record, "status": status}
+    pieces: dict[str, int] = {}
+    for record in reader.index["files"].values():
+        for name in record["slices"]:
+            pieces[name] = pieces.get(name, 0) + 1
+    return {"index": reader.index, "specs": reader.specs, "files": files, "pieces": pieces}
+
+
+def convert(src: str | Path, out_root: str | Path, tp_size: int, dp_size: int) -> Path:
+    """Rewrite checkpoint ``src`` as if saved at (tp_size, dp_size); returns the new step dir.
+
+    The tensors are the same full-shape ones, re-cut into the files the ranks of the new
+    layout would have written, one rank's file at a time (peak memory: one rank's part).
+    Per-rank RNG streams belong to the old ranks and are dropped; a run resumed from the
+    result reseeds, as any resume at a changed layout does.
+    """
+    src, out_root = resolve(src), Path(out_root)
+    index = read_index(src)
+    cfg = ModelConfig.from_dict(index["model_config"])
+    cfg.validate(tp_size)
+    if dp_size < 1:
+        raise ValueError(f"dp_size={dp_size} must be >= 1")
+    reader = ShardReader(src, index)
+    specs = [s for s in reader.specs.values() if s.kind != RNG]
+    plan = assign_writers(specs, tp_size, dp_size, cfg.padded_vocab_size(tp_size))
+    out_root.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out_root)
+    tmp = out_root / f".tmp-{step_dir_name(index['step'])}"
+    tmp.mkdir()
+    files = {}
+    for rank, mine in plan.items():
+        if mine:
+            tensors = {name: reader.read(name, box) for name, box in mine.items()}
+            files[f"rank{rank:05d}.safetensors"] = write_shard(
+                tmp / f"rank{rank:05d}.safetensors", tensors, mine
+            )
+    new = copy.deepcopy({k: v for k, v in index.items() if k not in ("files", "index_sha256")})
+    new["tensors"] = {s.name: s.to_json() for s in specs}
+    new["files"] = files
+    new["layout"] = {"tp_size": tp_size, "dp_size": dp_size, "world_size": tp_size * dp_size,
+                     "zero1": index["layout"].get("zero1", False),
+                     "converted_from": index["layout"]}  # fmt: skip
+    config = new.get("trainer_state", {}).get("config")
+    if isinstance(config, dict):  # keep the recorded run config consistent with the layout
+        config.update(tp_size=tp_size, dp_size=dp_size)
+    write_index(tmp, new)
+    return commit(tmp, out_root, index["step"], keep=1 << 30)
+
+
+def export_model(src: str | Path, out_dir: str | Path) -> ModelConfig:
+    """Write the model weights alone in engine.checkpoint_format (for HF export, inference)."""
+    src = resolve(src)
+    reader = ShardReader(src)
+    state = {n[len("model/") :]: reader.read(n) for n, s in reader.specs.items() if s.kind == MODEL}
+    cfg = ModelConfig.from_dict(reader.index["model_config"])
+    write_checkpoint(out_dir, state, cfg, extra={"step": reader.index["step"], "source": str(src)})
+    return cfg

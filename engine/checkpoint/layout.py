@@ -1,0 +1,139 @@
+"""Which region of each full-shape tensor a rank holds, and which rank writes it.
+
+Pure functions of the tensor specs and the mesh sizes (no process groups), so the live
+saver, the loader at any layout and the offline converter all cut tensors the same way.
+
+A *box* is a list of ``(start, stop)`` pairs, one per dim, in full-tensor coordinates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Box = list[tuple[int, int]]
+
+# Tensor kinds: model parameters, optimizer state of the same shape, per-rank RNG states.
+MODEL, OPTIM, RNG = "model", "optim", "rng"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor as stored: its full shape, how TP splits it, and who owns per-rank data."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    kind: str  # MODEL, OPTIM or RNG
+    tp_dim: int | None = None  # dim split across TP; None: replicated
+    vocab_padded: bool = False  # dim 0 is the vocabulary, padded per TP size in memory
+    rank: int | None = None  # RNG only: the global rank whose stream this is
+
+    def to_json(self) -> dict:
+        """The index entry."""
+        out = {"shape": list(self.shape), "dtype": self.dtype, "kind": self.kind,
+               "tp_dim": self.tp_dim, "vocab_padded": self.vocab_padded}  # fmt: skip
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
+
+    @classmethod
+    def from_json(cls, name: str, entry: dict) -> TensorSpec:
+        """Inverse of :meth:`to_json`."""
+        return cls(name, tuple(entry["shape"]), entry["dtype"], entry["kind"],
+                   entry.get("tp_dim"), bool(entry.get("vocab_padded")), entry.get("rank"))  # fmt: skip
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The spec's dtype as a torch.dtype."""
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"tensor {self.name}: unknown dtype {self.dtype!r}")
+        return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def split_rows(spec: TensorSpec, tp_size: int, padded_vocab: int) -> int:
+    """Rows of the TP-split dim that each TP rank holds in memory (padding included)."""
+    rows = padded_vocab if spec.vocab_padded else spec.shape[spec.tp_dim]
+    if rows % tp_size:
+        raise ValueError(
+            f"{spec.name}: dim {spec.tp_dim} of size {rows} does not split over tp_size={tp_size}"
+        )
+    return rows // tp_size
+
+
+def local_box(spec: TensorSpec, tp_rank: int, tp_size: int, padded_vocab: int) -> Box | None:
+    """The part of the full tensor that TP rank ``tp_rank`` holds; None if it holds none.
+
+    ``padded_vocab`` is the model's padded vocabulary at ``tp_size``: a vocab-padded tensor
+    is padded in memory beyond its stored rows, so the last ranks' boxes are clipped (and
+    may be empty: all padding).
+    """
+    box = [(0, n) for n in spec.shape]
+    if spec.tp_dim is None:
+        return box
+    block = split_rows(spec, tp_size, padded_vocab)
+    start = tp_rank * block
+    stop = min(start + block, spec.shape[spec.tp_dim])
+    if stop <= start:
+        return None
+    box[spec.tp_dim] = (start, stop)
+    return box
+
+
+def box_numel(box: Box) -> int:
+    """Elements inside ``box``."""
+    n = 1
+    for start, stop in box:
+        n *= stop - start
+    return n
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes, or None when they do not overlap."""
+    out = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True)]
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def assign_writers(
+    specs: list[TensorSpec], tp_size: int, dp_size: int, padded_vocab: int
+) -> dict[int, dict[str, Box]]:
+    """{global rank: {tensor name: box}}: the slices each rank writes, each exactly once.
+
+    A TP-split tensor's box on TP rank t is held identically by the DP replicas of t, and
+    a replicated tensor by every rank, so each piece goes to the least-loaded rank holding
+    it (greedy by bytes, in name order): deterministic, so every rank computes the same
+    plan alone. An RNG state is written by the rank it belongs to.
+    """
+    world = tp_size * dp_size
+    plan: dict[int, dict[str, Box]] = {r: {} for r in range(world)}
+    load = [0] * world  # bytes planned per global rank (rank = dp_rank * tp_size + tp_rank)
+    for spec in sorted(specs, key=lambda s: s.name):
+        if spec.kind == RNG:
+            plan.setdefault(spec.rank, {})[spec.name] = [(0, n) for n in spec.shape]
+            continue
+        if spec.tp_dim is None:
+            holders = [(list(range(world)), [(0, n) for n in spec.shape])]
+        else:
+            holders = [
+                (list(range(t, world, tp_size)), local_box(spec, t, tp_size, padded_vocab))
+                for t in range(tp_size)
+            ]
+        for ranks, box in holders:
+            if box is None:
+                continue
+            rank = min(ranks, key=lambda r: (load[r], r))
+            load[rank] += box_numel(box) * spec.torch_dtype.itemsize
+            plan[rank][spec.name] = box
+    return plan
+
+
+def crop_local(local: torch.Tensor, box: Box) -> torch.Tensor:
+    """The stored part of a rank's in-memory ``local`` tensor (drops vocabulary padding)."""
+    return local[tuple(slice(0, stop - start) for start, stop in box)]

@@ -1,0 +1,272 @@
+"""Save and resume a training run: the collective protocol over a checkpoint root.
+
+Saving: every rank writes only the slices it owns (``layout.assign_writers``) plus its
+RNG streams into one safetensors file of a shared temp directory; rank 0 writes the index
+(layout, trainer state, scalar optimizer state, per-file size and SHA-256) and commits
+(``storage.commit``). Failures on any rank are agreed on, so no rank waits forever.
+
+Loading: candidates are ``latest`` and then older committed steps. Each rank reads what
+its own layout needs, verifying every file it opens; if any rank found damage the ranks
+agree to fall back to the next candidate, and rank 0 says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers, crop_local
+from engine.checkpoint.state import (
+    export_local,
+    load_optimizer,
+    model_name,
+    padded_vocab,
+    read_local,
+)
+from engine.checkpoint.storage import (
+    CheckpointError,
+    ShardReader,
+    commit,
+    read_index,
+    read_latest,
+    remove_stale_temps,
+    step_dir_name,
+    step_dirs,
+    write_index,
+    write_shard,
+)
+from engine.checkpoint_format import check_compatible
+from engine.models import ModelConfig, ParallelModel
+from engine.zero import ZeroOptimizer
+from parallel_state import ParallelState
+
+Fault = Callable[[str], None]  # test hook: called at "after_shard", "before_index", ...
+
+
+@dataclass(frozen=True)
+class _Mesh:
+    """The layout and the few world-wide agreements the protocol needs."""
+
+    rank: int = 0
+    world: int = 1
+    tp_size: int = 1
+    dp_size: int = 1
+
+    @classmethod
+    def of(cls, ps: ParallelState | None) -> _Mesh:
+        return cls() if ps is None else cls(ps.rank, ps.world_size, ps.tp_size, ps.dp_size)
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def from_rank0(self, obj: Any) -> Any:
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+@dataclass
+class Loaded:
+    """What :func:`load_checkpoint` restored."""
+
+    path: Path
+    step: int
+    state: dict[str, Any]  # the trainer state given to save_checkpoint
+    layout: dict[str, Any]  # the layout it was saved at
+    rng_restored: bool  # False when the layout changed: the caller reseeds
+
+
+def _rng_tensors(ps: ParallelState | None, rank: int) -> dict[str, torch.Tensor]:
+    states = {"default": torch.get_rng_state()} if ps is None else ps.rng.get_states()
+    if ps is not None and ps.device.type == "cuda":
+        states["torch_cpu"] = torch.get_rng_state()  # the tracker's default is the GPU's
+    return {f"rng/rank{rank:05d}/{k}": v for k, v in states.items()}
+
+
+def _guard(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    try:
+        return fn(), None
+    except Exception as err:  # noqa: BLE001 - reported to every rank, then raised
+        return None, f"{type(err).__name__}: {err}"
+
+
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    model: ParallelModel,
+    optimizer: torch.optim.Optimizer | ZeroOptimizer | None,
+    ps: ParallelState | None,
+    state: dict[str, Any],
+    keep: int = 2,
+    fault: Fault | None = None,
+) -> Path:
+    """Write step ``step`` under ``root`` and make it ``latest``; every rank calls this.
+
+    ``state`` is JSON-able trainer state (data position, loss scale, config). Returns the
+    committed step directory; raises CheckpointError on every rank if any rank failed.
+    """
+    root, mesh, fault = Path(root), _Mesh.of(ps), fault or (lambda point: None)
+    tmp, err = root / f".tmp-{step_dir_name(step)}", None
+    if mesh.rank == 0:
+        _, err = _guard(lambda: (root.mkdir(parents=True, exist_ok=True),
+                                 remove_stale_temps(root), tmp.mkdir()))  # fmt: skip
+    _raise_if(mesh.from_rank0(err), "creating", tmp)
+    specs, tensors, scalars = export_local(model, optimizer)  # collective under ZeRO-1
+    rng = _rng_tensors(ps, mesh.rank)
+    for name, value in rng.items():
+        specs[name] = TensorSpec(name, tuple(value.shape), "uint8", RNG, rank=mesh.rank)
+    plan = assign_writers(list(specs.values()), mesh.tp_size, mesh.dp_size, padded_vocab(model))
+    mine = plan.get(mesh.rank, {})
+
+    def write_mine() -> dict:
+        local = {n: rng[n] if n in rng else crop_local(tensors[n], box) for n, box in mine.items()}
+        record = write_shard(tmp / f"rank{mesh.rank:05d}.safetensors", local, mine)
+        record["specs"] = {n: specs[n].to_json() for n in mine}
+        fault("after_shard")
+        return record
+
+    records = mesh.all_gather(_guard(write_mine))
+    _raise_if(next((e for _, e in records if e), None), "writing shards of", tmp)
+    if mesh.rank == 0:
+        index = {
+            "step": step, "model_config": model.cfg.to_dict(), "trainer_state": state,
+            "layout": {"tp_size": mesh.tp_size, "dp_size": mesh.dp_size, "world_size": mesh.world,
+                       "zero1": isinstance(optimizer, ZeroOptimizer)},
+            "optimizer": {"scalars": scalars},
+            "tensors": {n: s for r, _ in records for n, s in r.pop("specs").items()},
+            "files": {f"rank{i:05d}.safetensors": r for i, (r, _) in enumerate(records)},
+        }  # fmt: skip
+
+        def finish() -> Path:
+            fault("before_index")
+            write_index(tmp, index)
+            fault("before_rename")
+            return commit(tmp, root, step, keep, before_latest=lambda: fault("before_latest"))
+
+        _, err = _guard(finish)
+    _raise_if(mesh.from_rank0(err), "committing", tmp)
+    return root / step_dir_name(step)
+
+
+def _raise_if(err: str | None, doing: str, path: Path) -> None:
+    if err is not None:
+        raise CheckpointError(f"checkpoint save failed while {doing} {path}: {err}")
+
+
+def _candidates(root: Path, log: Callable[[str], None]) -> list[Path]:
+    """Step directories to try, best first (see the module docstring)."""
+    dirs = step_dirs(root)
+    try:
+        latest = read_latest(root)
+    except CheckpointError as err:
+        log(f"{err}; trying the newest complete checkpoint instead")
+        return [dirs[s] for s in sorted(dirs, reverse=True)]
+    if latest is None:
+        if dirs:
+            log(f"{root} has no 'latest': ignoring {len(dirs)} uncommitted step directories")
+        return []
+    older = [dirs[s] for s in sorted(dirs, reverse=True) if s < latest]
+    return [root / step_dir_name(latest), *older]
+
+
+def _read_rank(path: Path, model: ParallelModel, optimizer, mesh: _Mesh) -> dict[str, Any]:
+    """Everything this rank needs from ``path``, read and verified, nothing applied yet."""
+    index = read_index(path)
+    check_compatible(model.cfg, ModelConfig.from_dict(index["model_config"]))
+    reader = ShardReader(path, index)
+    params, states = {}, {}
+    for name, p in model.named_parameters():
+        spec = reader.specs.get(model_name(name))
+        if spec is None or spec.kind != MODEL:
+            raise ValueError(f"{path} has no parameter {name}: not this model's checkpoint")
+        params[p] = read_local(reader, spec, p.shape, model)
+    if optimizer is not None:
+        owner = dict(model.named_parameters())
+        for spec in reader.specs.values():
+            if spec.kind == OPTIM:
+                pname, key = spec.name[len("optim/") :].rsplit("/", 1)
+                if pname not in owner:
+                    raise ValueError(f"{path} has optimizer state of {pname}, not in the model")
+                value = read_local(reader, spec, owner[pname].shape, model)
+                states.setdefault(owner[pname], {})[key] = value
+        for pname, scalars in index["optimizer"]["scalars"].items():
+            if pname in owner:
+                states.setdefault(owner[pname], {}).update(scalars)
+    layout, rng = index["layout"], None
+    if (layout["tp_size"], layout["dp_size"]) == (mesh.tp_size, mesh.dp_size):
+        prefix = f"rng/rank{mesh.rank:05d}/"
+        rng = {n[len(prefix) :]: reader.read(n) for n in reader.specs if n.startswith(prefix)}
+    return {"index": index, "params": params, "states": states, "rng": rng or None}
+
+
+@torch.no_grad()
+def _apply(payload: dict, model: nn.Module, optimizer, ps: ParallelState | None) -> None:
+    for p, value in payload["params"].items():
+        p.copy_(value)
+    if optimizer is not None:
+        load_optimizer(optimizer, payload["states"])
+    rng = payload["rng"]
+    if rng is not None:
+        cpu = rng.pop("torch_cpu", None)
+        if ps is None:
+            torch.set_rng_state(rng["default"])
+        else:
+            ps.rng.set_states(rng)
+        if cpu is not None:
+            torch.set_rng_state(cpu)
+
+
+def load_checkpoint(
+    root: str | Path,
+    *,
+    model: ParallelModel,
+    optimizer: torch.optim.Optimizer | ZeroOptimizer | None,
+    ps: ParallelState | None,
+    log: Callable[[str], None] = print,
+) -> Loaded | None:
+    """Restore the newest usable checkpoint under ``root`` at this rank's layout.
+
+    Returns None when ``root`` holds no committed checkpoint. A damaged one is skipped for
+    the previous one (``log`` says why, on rank 0); CheckpointError if none is usable.
+    """
+    root, mesh = Path(root), _Mesh.of(ps)
+    say = log if mesh.rank == 0 else (lambda msg: None)
+    candidates = _candidates(root, say)
+    problems = []
+    for i, path in enumerate(candidates):
+        payload, err = _guard_damage(lambda p=path: _read_rank(p, model, optimizer, mesh))
+        errors = [e for e in mesh.all_gather(err and f"rank {mesh.rank}: {err}") if e]
+        if errors:
+            problems.append(f"{path.name}: {errors[0]}")
+            nxt = candidates[i + 1].name if i + 1 < len(candidates) else None
+            say(f"checkpoint {path} is unusable ({errors[0]}); "
+                + (f"falling back to {nxt}" if nxt else "no older checkpoint left"))  # fmt: skip
+            continue
+        _apply(payload, model, optimizer, ps)
+        index = payload["index"]
+        return Loaded(path, index["step"], index["trainer_state"], index["layout"],
+                      payload["rng"] is not None)  # fmt: skip
+    if problems:
+        raise CheckpointError(f"no usable checkpoint in {root}: " + "; ".join(problems))
+    return None
+
+
+def _guard_damage(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """Like _guard, but only damage is survivable: a mismatch with the model is raised."""
+    try:
+        return fn(), None
+    except CheckpointError as err:
+        return None, str(err)

@@ -1,0 +1,132 @@
+"""A rank's model and optimizer state as named, TP-local tensors, and back.
+
+Tensor names are stable across layouts: ``model/<param>`` for a parameter (its module
+path) and ``optim/<param>/<key>`` for optimizer state of the parameter's shape (Adam's
+``exp_avg``, ``exp_avg_sq``); scalar state (Adam's ``step``) goes to the index as JSON.
+The plain optimizer and ZeRO-1 export the same per-parameter view, so a checkpoint of
+either loads into either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.checkpoint.layout import MODEL, OPTIM, TensorSpec, dtype_name, local_box
+from engine.models import ParallelModel
+from engine.models.base import VOCAB_PADDED_ATTR
+from engine.zero import ZeroOptimizer
+from layers.utils import TP_DIM_ATTR, gather_along, group_rank, group_size
+
+
+def model_name(param_name: str) -> str:
+    """Stored name of a parameter."""
+    return f"model/{param_name}"
+
+
+def optim_name(param_name: str, key: str) -> str:
+    """Stored name of a parameter's optimizer state ``key``."""
+    return f"optim/{param_name}/{key}"
+
+
+def padded_vocab(model: ParallelModel) -> int:
+    """The model's in-memory vocabulary rows at its TP size."""
+    return model.cfg.padded_vocab_size(group_size(model.tp_group))
+
+
+def param_spec(name: str, param: nn.Parameter, kind: str, model: ParallelModel, dtype=None):
+    """The full-shape spec of a parameter (or of state shaped like it) on this model."""
+    tp_dim = getattr(param, TP_DIM_ATTR, None)
+    vocab = bool(getattr(param, VOCAB_PADDED_ATTR, False))
+    shape = list(param.shape)
+    if tp_dim is not None:
+        shape[tp_dim] *= group_size(model.tp_group)
+    if vocab:
+        shape[0] = model.cfg.vocab_size
+    return TensorSpec(name, tuple(shape), dtype_name(dtype or param.dtype), kind, tp_dim, vocab)
+
+
+def param_states(optimizer) -> dict[nn.Parameter, dict[str, Any]]:
+    """Per-parameter optimizer state at TP-local shapes (collective over DP for ZeRO-1)."""
+    if isinstance(optimizer, ZeroOptimizer):
+        return optimizer.param_states()
+    return {
+        p: dict(optimizer.state[p])
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p in optimizer.state
+    }
+
+
+def export_local(model: ParallelModel, optimizer) -> tuple[dict, dict, dict]:
+    """(specs, TP-local tensors, scalar state) of this rank, keyed by stored name.
+
+    ``scalars`` is ``{param name: {key: number}}`` (e.g. Adam's step per parameter).
+    """
+    specs, tensors, scalars = {}, {}, {}
+    states = param_states(optimizer) if optimizer is not None else {}
+    for name, p in model.named_parameters():
+        key = model_name(name)
+        specs[key], tensors[key] = param_spec(key, p, MODEL, model), p.detach()
+        for skey, value in sorted(states.get(p, {}).items()):
+            if torch.is_tensor(value) and value.shape == p.shape:
+                oname = optim_name(name, skey)
+                specs[oname] = param_spec(oname, p, OPTIM, model, value.dtype)
+                tensors[oname] = value.detach()
+            elif torch.is_tensor(value) and value.dim() > 0:
+                raise ValueError(f"optimizer state {skey} of {name} has shape {tuple(value.shape)}")
+            else:
+                scalars.setdefault(name, {})[skey] = float(value)
+    return specs, tensors, scalars
+
+
+def read_local(reader, spec: TensorSpec, shape: torch.Size, model: ParallelModel) -> torch.Tensor:
+    """This rank's in-memory tensor of ``shape`` for ``spec`` (padding zeroed), from ``reader``."""
+    tp_rank, tp_size = group_rank(model.tp_group), group_size(model.tp_group)
+    box = local_box(spec, tp_rank, tp_size, padded_vocab(model))
+    local = torch.zeros(shape, dtype=spec.torch_dtype)
+    if box is not None:
+        lengths = [hi - lo for lo, hi in box]
+        if len(lengths) != len(shape) or any(n > m for n, m in zip(lengths, shape, strict=False)):
+            raise ValueError(
+                f"{spec.name}: stored shape {list(spec.shape)} does not fit the model's "
+                f"{list(shape)} shard at tp_size={tp_size}"
+            )
+        local[tuple(slice(0, n) for n in lengths)] = reader.read(spec.name, box)
+    return local
+
+
+def load_optimizer(optimizer, states: dict[nn.Parameter, dict[str, Any]]) -> None:
+    """Install per-parameter state (TP-local tensors and scalars) into ``optimizer``."""
+    if isinstance(optimizer, ZeroOptimizer):
+        optimizer.load_param_states(states)
+        return
+    full = optimizer.state_dict()  # torch casts and places the values as it would its own
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    full["state"] = {
+        index[id(p)]: {k: v if torch.is_tensor(v) else torch.tensor(v) for k, v in st.items()}
+        for p, st in states.items()
+        if st
+    }
+    for entry in full["state"].values():
+        entry.pop("master", None)  # a plain optimizer's masters are the parameters
+    optimizer.load_state_dict(full)
+
+
+def full_optimizer_state(model: ParallelModel, optimizer) -> dict[str, torch.Tensor]:
+    """{stored name: full-shape tensor} of the optimizer state, gathered over DP and TP.
+
+    Collective; for tests and inspection (a checkpoint never gathers over TP).
+    """
+    out = {}
+    states = param_states(optimizer)
+    for name, p in model.named_parameters():
+        for key, value in sorted(states.get(p, {}).items()):
+            if torch.is_tensor(value) and value.shape == p.shape:
+                full = gather_along(value, getattr(p, TP_DIM_ATTR, None), model.tp_group)
+                if getattr(p, VOCAB_PADDED_ATTR, False):
+                    full = full[: model.cfg.vocab_size]
+                out[optim_name(name, key)] = full
+    return out

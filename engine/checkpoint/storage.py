@@ -1,0 +1,274 @@
+"""Files on disk: shard files with checksums, the index, atomic commit, ``latest``, pruning.
+
+A checkpoint root holds committed step directories and a ``latest`` pointer::
+
+    ROOT/latest                      "step_00000120", replaced atomically
+    ROOT/step_00000120/index.json    tensors, layout, trainer state, file checksums
+    ROOT/step_00000120/rank00000.safetensors ...
+
+A step directory is assembled under ``ROOT/.tmp-step_…`` (every file fsynced), renamed
+into place, and only then is ``latest`` moved to it. Only directories at or below the
+step ``latest`` names were committed; anything newer is the leftover of an interrupted
+save and is never loaded. Nothing here unpickles: tensors are safetensors, the rest JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from engine.checkpoint.layout import Box, TensorSpec, box_numel, intersect
+
+FORMAT = "meshtron-train-checkpoint"
+VERSION = 1
+INDEX = "index.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"step_(\d{8})")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, damaged or does not fit the model."""
+
+
+def step_dir_name(step: int) -> str:
+    """``step_00000120``: fixed width, so names sort by step."""
+    return f"step_{step:08d}"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(4 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], boxes: dict[str, Box]) -> dict:
+    """Write one rank's slices as safetensors, fsync it, and return its index record."""
+    data = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
+    save_file(data, str(path), metadata={"format": FORMAT})
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    slices = {name: [list(pair) for pair in boxes[name]] for name in sorted(data)}
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path), "slices": slices}
+
+
+def _canonical(index: dict) -> bytes:
+    body = {k: v for k, v in index.items() if k != "index_sha256"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def write_index(directory: Path, index: dict) -> None:
+    """Write ``index.json`` carrying a checksum of its own content; fsync it."""
+    index = {**index, "format": FORMAT, "version": VERSION}
+    index["index_sha256"] = hashlib.sha256(_canonical(index)).hexdigest()
+    path = directory / INDEX
+    with open(path, "w") as f:
+        f.write(json.dumps(index, indent=1, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_index(directory: Path) -> dict:
+    """Parse and verify ``index.json``; CheckpointError naming the file when it is damaged."""
+    path = directory / INDEX
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing (not a complete checkpoint)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is damaged: not valid JSON ({err})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a meshtron training checkpoint index")
+    if index.get("version") != VERSION:
+        raise CheckpointError(f"{path}: version {index.get('version')!r}, this reads {VERSION}")
+    if index.get("index_sha256") != hashlib.sha256(_canonical(index)).hexdigest():
+        raise CheckpointError(f"{path} is damaged: its content does not match its checksum")
+    return index
+
+
+class ShardReader:
+    """Reads regions of full-shape tensors out of a step directory's shard files.
+
+    Each file is checked against the index (size, then SHA-256) the first time it is
+    opened, so a truncated or flipped file fails with its name before any byte is used.
+    """
+
+    def __init__(self, directory: str | os.PathLike, index: dict | None = None) -> None:
+        self.directory = Path(directory)
+        self.index = index if index is not None else read_index(self.directory)
+        self.specs = {n: TensorSpec.from_json(n, e) for n, e in self.index["tensors"].items()}
+        self._pieces: dict[str, list[tuple[str, Box]]] = {}
+        for fname, record in self.index["files"].items():
+            # Only plain safetensors names inside the directory: never a path elsewhere,
+            # never a pickle-based format.
+            if "/" in fname or "\\" in fname or not fname.endswith(".safetensors"):
+                raise CheckpointError(f"{self.directory / INDEX} lists a bad file name {fname!r}")
+            for name, box in record["slices"].items():
+                self._pieces.setdefault(name, []).append((fname, [tuple(p) for p in box]))
+        self._handles: dict[str, Any] = {}
+
+    def verify_file(self, fname: str) -> None:
+        """Check one file against the index: size, SHA-256, a safetensors header listing
+        the tensors the index says it holds."""
+        self._open(fname)
+
+    def _open(self, fname: str):
+        if fname in self._handles:
+            return self._handles[fname]
+        path, record = self.directory / fname, self.index["files"][fname]
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing")
+        size = path.stat().st_size
+        if size != record["bytes"]:
+            raise CheckpointError(
+                f"{path} is damaged: {size} bytes, the index says {record['bytes']} (truncated?)"
+            )
+        if sha256_file(path) != record["sha256"]:
+            raise CheckpointError(f"{path} is damaged: SHA-256 does not match the index")
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
+        missing = set(record["slices"]) - set(handle.keys())
+        if missing:
+            raise CheckpointError(f"{path} lacks tensors the index lists: {sorted(missing)[:3]}")
+        self._handles[fname] = handle
+        return handle
+
+    def read(self, name: str, box: Box | None = None) -> torch.Tensor:
+        """The region ``box`` (default: all) of tensor ``name``, assembled from its slices."""
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"{self.directory} has no tensor {name}")
+        box = box or [(0, n) for n in spec.shape]
+        out = torch.zeros([hi - lo for lo, hi in box], dtype=spec.torch_dtype)
+        covered = 0
+        for fname, piece in self._pieces.get(name, []):
+            part = intersect(box, piece)
+            if part is None:
+                continue
+            src = tuple(
+                slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(part, piece, strict=True)
+            )
+            dst = tuple(
+                slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(part, box, strict=True)
+            )
+            try:
+                out[dst] = self._open(fname).get_slice(name)[src]
+            except SafetensorError as err:
+                raise CheckpointError(f"{self.directory / fname}: {name}: {err}") from None
+            covered += box_numel(part)
+        if covered != box_numel(box):
+            raise CheckpointError(f"{self.directory}: the files do not cover {name} {box}")
+        return out
+
+
+def commit(
+    tmp: Path, root: Path, step: int, keep: int, *, before_latest: Callable[[], None] | None = None
+) -> Path:
+    """Rename the finished ``tmp`` to its step directory, point ``latest`` at it, prune.
+
+    ``before_latest`` is a test hook run between the rename and the ``latest`` update.
+    """
+    final = root / step_dir_name(step)
+    fsync_dir(tmp)
+    if final.exists():  # an uncommitted leftover of an interrupted save of this step
+        remove_dir(final)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    if before_latest is not None:
+        before_latest()
+    write_latest(root, final.name)
+    prune(root, step, keep)
+    return final
+
+
+def write_latest(root: Path, name: str) -> None:
+    """Point ``latest`` at ``name`` atomically (temp file, fsync, os.replace, fsync dir)."""
+    tmp = root / f".{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a directory so that it never looks complete while half deleted."""
+    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def step_dirs(root: Path) -> dict[int, Path]:
+    """{step: directory} of every step directory in ``root`` holding an index."""
+    if not root.is_dir():
+        return {}
+    found = {}
+    for entry in root.iterdir():
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and (entry / INDEX).exists():
+            found[int(match.group(1))] = entry
+    return found
+
+
+def read_latest(root: Path) -> int | None:
+    """The step ``latest`` names; None when there is no ``latest``.
+
+    Raises CheckpointError when ``latest`` exists but is unreadable.
+    """
+    path = root / LATEST
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is unreadable ({err})") from None
+    match = _STEP_DIR.fullmatch(text)
+    if match is None:
+        raise CheckpointError(f"{path} is damaged: {text[:40]!r} is not a step directory name")
+    return int(match.group(1))
+
+
+def prune(root: Path, committed: int, keep: int) -> None:
+    """Keep the ``keep`` newest committed step directories; drop the rest and stale temps.
+
+    Directories newer than ``committed`` are uncommitted leftovers (or a timeline abandoned
+    by falling back to an older checkpoint) and go too.
+    """
+    dirs = step_dirs(root)
+    kept = sorted((s for s in dirs if s <= committed), reverse=True)[:keep]
+    for step, path in dirs.items():
+        if step not in kept:
+            remove_dir(path)
+    remove_stale_temps(root)
+
+
+def remove_stale_temps(root: Path) -> None:
+    """Delete the temp and trash directories interrupted saves and deletions left behind."""
+    for entry in root.iterdir() if root.is_dir() else []:
+        if entry.is_dir() and entry.name.startswith((".tmp-", ".trash-")):
+            shutil.rmtree(entry, ignore_errors=True)
