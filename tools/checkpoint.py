@@ -1,0 +1,104 @@
+"""Inspect, re-shard and export meshtron training checkpoints on one CPU, without a cluster.
+
+    python tools/checkpoint.py inspect checkpoints/gpt_tiny_stdlib
+    python tools/checkpoint.py convert checkpoints/gpt_tiny_stdlib --tp-size 4 --dp-size 1 --out checkpoints/gpt_tiny_tp4
+    python tools/checkpoint.py export-model checkpoints/gpt_tiny_stdlib --out checkpoints/gpt_tiny_weights
+
+CKPT is a step directory (``.../step_00000150``) or a checkpoint root, which means the
+step its ``latest`` names. ``inspect`` verifies every file's size and SHA-256 unless
+``--no-verify``. ``convert`` writes a checkpoint root that a run at the new layout resumes
+from with ``checkpoint.dir=OUT``; ``export-model`` writes the weights alone in the format
+``tools/convert_hf.py export --ckpt`` and ``engine.checkpoint_format.load_model`` read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+# Runnable as a plain script from any directory: make the repo root importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.checkpoint import CheckpointError  # noqa: E402
+from engine.checkpoint.convert import convert, export_model, resolve, summarize  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    ins = sub.add_parser("inspect", help="list tensors, shapes, dtypes, layout and files")
+    ins.add_argument("ckpt", help="step directory or checkpoint root")
+    ins.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check")
+    con = sub.add_parser("convert", help="re-shard for another tp/dp layout")
+    con.add_argument("ckpt", help="step directory or checkpoint root")
+    con.add_argument("--tp-size", type=int, required=True)
+    con.add_argument("--dp-size", type=int, required=True)
+    con.add_argument("--out", required=True, help="checkpoint root to write")
+    exp = sub.add_parser("export-model", help="the model weights alone (checkpoint_format)")
+    exp.add_argument("ckpt", help="step directory or checkpoint root")
+    exp.add_argument("--out", required=True, help="model checkpoint directory to write")
+    return parser.parse_args(argv)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def inspect(ckpt: str, verify: bool) -> int:
+    """Print the summary of one checkpoint; non-zero exit status when a file is damaged."""
+    step_dir = resolve(ckpt)
+    info = summarize(step_dir, verify=verify)
+    index, layout, m = info["index"], info["index"]["layout"], info["index"]["model_config"]
+    data = index["trainer_state"].get("data", {})
+    scaler = index["trainer_state"].get("loss_scaler")
+    total = sum(f["bytes"] for f in info["files"].values())
+    print(
+        f"checkpoint {step_dir}: step {index['step']}, {_mib(total)} in {len(info['files'])} files"
+    )
+    print(f"layout: tp={layout['tp_size']} dp={layout['dp_size']} (world {layout['world_size']}), "
+          f"ZeRO-1 {'yes' if layout.get('zero1') else 'no'}"
+          + (f", converted from tp={layout['converted_from']['tp_size']} "
+             f"dp={layout['converted_from']['dp_size']}" if "converted_from" in layout else ""))  # fmt: skip
+    print(f"model: {m['arch']} h={m['hidden_size']} layers={m['num_layers']} "
+          f"heads={m['num_heads']} vocab={m['vocab_size']}")  # fmt: skip
+    print(f"data: {data.get('consumed_samples', '?')} samples consumed; loss scale: "
+          f"{scaler['scale'] if scaler else '-'}")  # fmt: skip
+    steps = {s.get("step") for s in index["optimizer"]["scalars"].values()}
+    print(f"optimizer step counts: {sorted(x for x in steps if x is not None) or '-'}")
+    width = max(len(n) for n in info["specs"]) + 2
+    print(f"\n{'tensor':<{width}}{'shape':<18}{'dtype':<10}{'tp_dim':<8}slices")
+    for name in sorted(info["specs"]):
+        spec = info["specs"][name]
+        shape = "[" + ", ".join(map(str, spec.shape)) + "]"
+        tp_dim = "-" if spec.tp_dim is None else str(spec.tp_dim)
+        print(f"{name:<{width}}{shape:<18}{spec.dtype:<10}{tp_dim:<8}{info['pieces'].get(name, 0)}")
+    print(f"\n{'file':<24}{'bytes':>12}  sha256            status")
+    damaged = 0
+    for fname, f in sorted(info["files"].items()):
+        damaged += f["status"].startswith("DAMAGED")
+        print(f"{fname:<24}{f['bytes']:>12}  {f['sha256'][:16]}  {f['status']}")
+    return 1 if damaged else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.command == "inspect":
+            return inspect(args.ckpt, verify=not args.no_verify)
+        if args.command == "convert":
+            out = convert(args.ckpt, args.out, args.tp_size, args.dp_size)
+            print(f"wrote {out} for tp={args.tp_size} dp={args.dp_size}; resume with "
+                  f"checkpoint.dir={args.out} tp_size={args.tp_size} dp_size={args.dp_size}")  # fmt: skip
+            return 0
+        cfg = export_model(args.ckpt, args.out)
+        print(f"exported the {cfg.arch} weights to {args.out}")
+        return 0
+    except (CheckpointError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
