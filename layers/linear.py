@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from layers.mappings import (
+    _all_gather,
+    _reduce_scatter,
     copy_to_tp,
-    gather_from_sequence,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sequence,
@@ -52,6 +53,33 @@ def build_master_weight(
     full = torch.empty(shape, dtype=master, device="cpu")
     init_method(full)
     return full
+
+
+class _SequenceParallelColumnLinear(torch.autograd.Function):
+    """all-gather(x along the sequence) · Wᵀ + b, keeping only the local shard of x.
+
+    Backward all-gathers the shard again for the weight gradient and reduce-scatters the
+    input gradient. Saving the shard instead of the gathered sequence is what makes
+    sequence parallelism save (t−1)/t of these activations; it costs one more all-gather
+    in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x_shard, weight, bias, group, dim):
+        ctx.save_for_backward(x_shard, weight)
+        ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
+        return F.linear(_all_gather(x_shard, dim, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_shard, weight = ctx.saved_tensors
+        dtype = grad_out.dtype  # under autocast the forward ran in this precision
+        total = _all_gather(x_shard, ctx.dim, ctx.group).to(dtype)
+        grad_x = _reduce_scatter(grad_out.matmul(weight.to(dtype)), ctx.dim, ctx.group)
+        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_w = rows.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_b = rows.sum(0) if ctx.has_bias else None
+        return grad_x.to(x_shard.dtype), grad_w.to(weight.dtype), grad_b, None, None
 
 
 class _TPLinearBase(nn.Module):
@@ -158,11 +186,12 @@ class ColumnParallelLinear(_TPLinearBase):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.tp_group, dim=self.sequence_dim)
-        else:
-            x = copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        if self.sequence_parallel and self.tp_size > 1:
+            dim = self.sequence_dim % x.dim()
+            return _SequenceParallelColumnLinear.apply(
+                x, self.weight, self.bias, self.tp_group, dim
+            )
+        y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)
         return gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 

@@ -126,17 +126,17 @@ def test_activation_memory_against_reference_formula():
     LayerNorm statistics and attention log-sum-exp, < 0.1 s·b·h):
     * attention dropout 0 runs SDPA's fused CPU kernel, which stores no s×s matrices: the
       5·a·s/(h·t) term vanishes (REFERENCE §4's note on fused kernels);
-    * under sequence parallelism ColumnParallelLinear keeps the all-gathered full-sequence
-      input for its weight gradient (QKV and fc1: 2 × 2·s·b·h), where Megatron keeps the
-      shard and re-gathers in backward: 4·(1 − 1/t) s·b·h more than the formula.
+    * under sequence parallelism ColumnParallelLinear keeps only the input's sequence
+      shard and re-gathers it in backward (as the formula assumes), so the SP rows match
+      the formula apart from the scores term above; before that change the gathered QKV
+      and fc1 inputs cost 4·(1 − 1/t) s·b·h more, and this test would fail.
     """
     s, b, h, a, t = 128, 2, 256, 8, 2
     cfg = ModelConfig(hidden_size=h, num_heads=a, num_layers=1, attention_dropout=0.0)
     rows = run_ranks(_memory, 2, cfg)[0]
     unit = s * b * h
     scores = 5 * a * s / (h * t)
-    gathered_inputs = 4 * (1 - 1 / t)
-    expected = [scores, scores - gathered_inputs, -gathered_inputs, 0.0]  # formula - measured
+    expected = [scores, scores, 0.0, 0.0]  # formula − measured, in s·b·h units
     for row, gap in zip(rows, expected, strict=True):
         measured, formula = row.measured / unit, row.formula / unit
         print(f"{row.label:38s} measured {measured:6.2f}  formula {formula:6.2f}  (x s·b·h bytes)")
