@@ -47,6 +47,7 @@ class OptimConfig:
     eps: float = 1e-8  # Adam ε
     clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
     impl: str = "auto"  # "auto" (fused torch on CUDA), "torch", or "apex" (FusedAdam)
+    distributed: bool = False  # ZeRO-1: shard Adam state and fp32 master weights across DP
 
 
 @dataclass
@@ -71,14 +72,19 @@ class TrainerConfig:
     sample_top_k: int = 40  # top-k of the sample
     loss_scale_init: float = 65536.0  # fp16 dynamic loss scaling: initial scale
     progress: bool = True  # rich progress bar on rank 0
+    max_restarts: int = 0  # self-launched workers: restart them this often after a failure
+    fail_at_step: int = 0  # fault injection: rank 1 dies after this step, once per checkpoint dir
 
 
 @dataclass
 class CheckpointConfig:
-    """Where the model goes."""
+    """Where the model and the resumable training state go."""
 
     dir: str | None = None  # stable directory; default checkpoints/<experiment name>
-    save_final: bool = True  # save the model at the end of training
+    save_final: bool = True  # export the model alone to <dir>/final at the end of training
+    every: int = 50  # resumable checkpoint every N steps and at the end; 0: none
+    keep: int = 2  # resumable checkpoints kept (the newest)
+    resume: bool = True  # continue from <dir>/latest when it exists
 
 
 @dataclass
@@ -165,6 +171,15 @@ def validate(cfg: Config, dp_size: int, world_size: int | None = None) -> list[s
         problems.append(
             f"optim.lr={cfg.optim.lr} must be > 0 and optim.min_lr={cfg.optim.min_lr} in [0, lr]"
         )
+    ck = cfg.checkpoint
+    if ck.every < 0 or ck.keep < 1:
+        problems.append(
+            f"checkpoint.every={ck.every} must be >= 0 and checkpoint.keep={ck.keep} >= 1"
+        )
+    if cfg.optim.distributed and cfg.optim.impl == "apex":
+        problems.append("optim.distributed=true (ZeRO-1) runs torch's AdamW: set optim.impl=auto")
+    if t.max_restarts < 0:
+        problems.append(f"trainer.max_restarts={t.max_restarts} must be >= 0")
     if t.profile_steps and (len(t.profile_steps) != 2 or t.profile_steps[0] > t.profile_steps[1]):
         problems.append(f"trainer.profile_steps={t.profile_steps} must be [first, last]")
     problems += _validate_data(cfg)

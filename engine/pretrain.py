@@ -3,6 +3,8 @@
 - Under a launcher (torchrun, Slurm srun, mpirun) every process is one rank.
 - Without one, when tp_size × dp_size > 1, the local worker processes are started here
   through PyTorch's elastic launcher API, exactly as ``torchrun --standalone`` would.
+- Either way a failed worker can be restarted (``torchrun --max-restarts N``, or
+  ``trainer.max_restarts=N`` here); the restarted workers resume from the newest checkpoint.
 
 The config is validated, and the embedded corpus built, before any worker starts: a bad
 config prints one line per problem and exits with status 2.
@@ -11,6 +13,7 @@ config prints one line per problem and exits with status 2.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import uuid
 
@@ -64,9 +67,15 @@ def launch(cfg: Config) -> dict:
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+        max_restarts=cfg.trainer.max_restarts,
         monitor_interval=0.5, start_method="spawn",
     )  # fmt: skip
+    if cfg.trainer.max_restarts:
+        # The agent otherwise shares one TCPStore across restarts, where the restarted
+        # workers' gloo rendezvous reads the dead workers' stale addresses; a store per
+        # attempt (hosted by the new rank 0) starts each attempt clean.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     results = elastic_launch(config, run_worker)(cfg)
     return results.get(0, {})
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import parallel_state
 from engine import flops
+from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.config import Config
 from engine.data_setup import build_pipeline, to_device
 from engine.generate import generate
@@ -27,6 +28,7 @@ from engine.optim import (
     lr_at,
     set_lr,
 )
+from engine.zero import ZeroOptimizer
 from parallel_state import ParallelState
 from parallel_state.launcher import detect_launch
 
@@ -47,7 +49,10 @@ class Trainer:
 
     Parameters stay fp32 (the master weights); bf16/fp16 run the forward under autocast,
     so gradients, their DP reduction and the optimizer are fp32. fp16 adds dynamic loss
-    scaling with mesh-wide overflow detection.
+    scaling with mesh-wide overflow detection. ``optim.distributed`` shards the optimizer
+    (ZeRO-1), whose reduce-scatter then replaces GradSync's DP all-reduce. A resumable
+    checkpoint is saved every ``checkpoint.every`` steps and at the end, and a new run
+    continues from the newest one (at any layout).
     """
 
     def __init__(self, cfg: Config, ps: ParallelState) -> None:
@@ -57,8 +62,13 @@ class Trainer:
         self.model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.model, cfg.optim, ps.device)
+        self.zero = cfg.optim.distributed
+        if self.zero:
+            self.optimizer = ZeroOptimizer(
+                self.optimizer, dp_group=ps.dp_group, tp_group=ps.tp_group
+            )
         self.grad_sync = GradSync(
-            self.params, dp_group=ps.dp_group, tp_group=ps.tp_group,
+            self.params, dp_group=None if self.zero else ps.dp_group, tp_group=ps.tp_group,
             bucket_size_mb=cfg.trainer.grad_bucket_mb,
         )  # fmt: skip
         self.scaler = (
@@ -73,9 +83,11 @@ class Trainer:
             tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
             config=asdict(cfg), progress=cfg.trainer.progress,
         )  # fmt: skip
-        self.step = 0
+        self.step = self._saved_step = 0
         self._last_eval: dict[str, float] | None = None
         self.history: list[tuple[int, float]] = []
+        if cfg.checkpoint.resume:
+            self._resume()
 
     def _autocast(self):
         if self.precision not in _AUTOCAST:
@@ -110,24 +122,35 @@ class Trainer:
                 (loss * self.scaler.scale if self.scaler else loss).backward()
             total += loss.detach().float()
         comm_start = self._sync_time()
-        self.grad_sync.finish()
+        grads = self._reduce_grads()
         comm = self._sync_time() - comm_start
         skipped = False
         if self.scaler is not None:
-            skipped = self.scaler.found_overflow(self.params)
+            skipped = self.scaler.found_overflow(grads)
             if not skipped:
-                self.scaler.unscale_(self.params)
+                self.scaler.unscale_(grads)
             self.scaler.update(skipped)
-        norm = global_grad_norm(self.params, self.ps.tp_group)
+        if self.zero:
+            norm = self.optimizer.grad_norm()
+        else:
+            norm = global_grad_norm(self.params, self.ps.tp_group)
         lr = lr_at(self.step, self.cfg.optim, self.cfg.trainer.max_steps)
         if not skipped:
-            clip_grads_(self.params, self.cfg.optim.clip_grad, norm)
+            clip_grads_(grads, self.cfg.optim.clip_grad, norm)
             set_lr(self.optimizer, lr)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         step_time = self._sync_time() - start
         return {"loss": total.item(), "grad_norm": norm.item(), "lr": lr,
                 "step_time": step_time, "dp_comm": comm, "skipped": float(skipped)}  # fmt: skip
+
+    def _reduce_grads(self) -> list[torch.Tensor]:
+        """Finish the DP gradient reduction; return the tensors whose .grad the step uses."""
+        self.grad_sync.finish()
+        if not self.zero:
+            return self.params
+        self.optimizer.reduce_scatter_grads()
+        return self.optimizer.master_params
 
     def _dp_mean(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -201,6 +224,11 @@ class Trainer:
                     window = []
                 if t.eval_every and self.step % t.eval_every == 0:
                     self._report_eval()
+                self._maybe_fail()
+                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                    self._save_checkpoint()
+        if self.cfg.checkpoint.every and self._saved_step != self.step:
+            self._save_checkpoint()
         self.logger.close()
         evaluated_now = t.eval_every and self.step % t.eval_every == 0
         summary = {
@@ -221,6 +249,60 @@ class Trainer:
             self.logger.scalars(self.step, result)
         self._last_eval = result
         return result
+
+    def _train_state(self) -> dict:
+        """What besides tensors a bitwise resume needs (RNG states go with each rank)."""
+        scaler = self.scaler and {"scale": self.scaler.scale, "good_steps": self.scaler._good_steps}
+        return {"data": self.data.train.state_dict(), "loss_scaler": scaler,
+                "config": asdict(self.cfg)}  # fmt: skip
+
+    def _save_checkpoint(self) -> None:
+        start = time.perf_counter()
+        path = save_checkpoint(
+            checkpoint_dir(self.cfg), self.step, model=self.model, optimizer=self.optimizer,
+            ps=self.ps, state=self._train_state(), keep=self.cfg.checkpoint.keep,
+        )  # fmt: skip
+        self._saved_step = self.step
+        self.logger.print(f"saved checkpoint {path} in {time.perf_counter() - start:.2f} s")
+
+    def _resume(self) -> None:
+        """Continue from the newest usable checkpoint, resharding if the layout changed."""
+        start = time.perf_counter()
+        loaded = load_checkpoint(
+            checkpoint_dir(self.cfg), model=self.model, optimizer=self.optimizer, ps=self.ps,
+            log=self.logger.print,
+        )  # fmt: skip
+        if loaded is None:
+            return
+        self.step = self._saved_step = loaded.step
+        self.data.train.load_state_dict(loaded.state["data"])
+        if self.scaler is not None and loaded.state.get("loss_scaler"):
+            self.scaler.scale = loaded.state["loss_scaler"]["scale"]
+            self.scaler._good_steps = loaded.state["loss_scaler"]["good_steps"]
+        was, note = loaded.layout, ""
+        if (was["tp_size"], was["dp_size"]) != (self.ps.tp_size, self.ps.dp_size):
+            note = f", resharded from tp={was['tp_size']} dp={was['dp_size']}"
+        if not loaded.rng_restored:  # other ranks, other streams: fresh ones from this step
+            self.ps.seed(self.cfg.trainer.seed + loaded.step)
+            note += ", RNG reseeded"
+        self.logger.print(
+            f"resuming from step {loaded.step} ({loaded.path}{note}, "
+            f"loaded in {time.perf_counter() - start:.2f} s)"
+        )
+
+    def _maybe_fail(self) -> None:
+        """Fault injection for restart tests: rank 1 dies once after ``trainer.fail_at_step``.
+
+        Before that step's checkpoint, so the restart must recompute from an older one; a
+        marker file in the checkpoint directory makes it happen only once.
+        """
+        if self.step != self.cfg.trainer.fail_at_step:
+            return
+        marker = os.path.join(checkpoint_dir(self.cfg), f".failed_at_step_{self.step}")
+        if self.ps.rank == min(1, self.ps.world_size - 1) and not os.path.exists(marker):
+            os.makedirs(checkpoint_dir(self.cfg), exist_ok=True)
+            open(marker, "w").close()
+            os._exit(17)
 
     def _save(self) -> str | None:
         if not self.cfg.checkpoint.save_final:
