@@ -1,0 +1,451 @@
+"""Training checkpoints: bitwise resume, resharding, crash safety, damage, safe loading, CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parallel_state
+from engine.checkpoint import (
+    CheckpointError,
+    ShardReader,
+    full_optimizer_state,
+    load_checkpoint,
+    save_checkpoint,
+)
+from engine.checkpoint.convert import convert
+from engine.checkpoint.storage import write_index
+from engine.checkpoint_format import read_checkpoint
+from engine.config import Config, OptimConfig
+from engine.models import build_model
+from engine.models.config import preset
+from engine.optim import build_optimizer
+from tests.multiproc import run_ranks
+from tests.test_engine import ROOT, compose_config
+
+sys.path.insert(0, str(ROOT / "tools"))
+import checkpoint as checkpoint_cli  # noqa: E402 - tools/checkpoint.py
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[str, str]:
+    """The scaled-down stdlib corpus of tests/test_engine.py."""
+    from engine.data import build_default_corpus
+
+    cache = tmp_path_factory.mktemp("corpus")
+    return build_default_corpus(cache, vocab_size=512, max_bytes=300_000, progress=False)
+
+
+def run_overrides(corpus, ckpt_dir) -> list[str]:
+    """A tiny run whose LR schedule does not depend on max_steps (decay_steps fixed), so a
+    run stopped early and re-run longer follows the same schedule as one long run. The
+    corpus is small: a 20% validation split holds enough sequences to evaluate."""
+    prefix, tokenizer = corpus
+    return [
+        f"data.prefixes=[{prefix}]", f"data.tokenizer={tokenizer}", "data.seq_len=16",
+        "data.split='80,20,0'", "model.vocab_size=512", "model.hidden_size=32",
+        "model.num_heads=4", "trainer.log_every=1", "trainer.eval_every=0",
+        "trainer.eval_batches=2", "trainer.global_batch=4", "trainer.micro_batch=2",
+        "trainer.tensorboard=false", "trainer.progress=false", "trainer.sample_tokens=0",
+        "optim.lr=3e-3", "optim.warmup_steps=1", "optim.decay_steps=10",
+        f"checkpoint.dir={ckpt_dir}", "checkpoint.save_final=false",
+    ]  # fmt: skip
+
+
+def run_config(corpus, ckpt_dir, *overrides: str) -> Config:
+    """:func:`run_overrides` as a Config, logs beside the checkpoint directory."""
+    run_dir = f"run_dir={Path(ckpt_dir).parent}"
+    cfg = compose_config(*run_overrides(corpus, ckpt_dir), run_dir, *overrides)
+    return dataclasses.replace(cfg, dp_size=int(cfg.dp_size))
+
+
+def _run_all(cfgs: list[Config]) -> list[list[tuple[int, float]]]:
+    from engine.trainer import run_worker
+
+    return [run_worker(cfg).get("history") for cfg in cfgs]
+
+
+def _all_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    reader = ShardReader(step_dir)
+    return {name: reader.read(name) for name in reader.specs}
+
+
+RESUME_CASES = {
+    # GPT: tp=2 × dp=2 with dropout, so both RNG streams (replicated and TP-sharded) matter.
+    "gpt_tp2_dp2": ("model=gpt_tiny", "tp_size=2", "dp_size=2"),
+    # BERT: ZeRO-1 over dp=2 (its sharded Adam state must come back too).
+    "bert_tp1_dp2_zero1": ("model=bert_tiny", "model.vocab_size=512", "model.hidden_size=32",
+                           "model.num_heads=4", "tp_size=1", "dp_size=2", "optim.distributed=true"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", RESUME_CASES)
+def test_stopped_and_rerun_is_bitwise_identical_to_uninterrupted(corpus, tmp_path, case):
+    """Exact: the same ops on the same values in the same order, if every state came back."""
+    overrides = (*RESUME_CASES[case], "checkpoint.every=2")
+    whole = run_config(corpus, tmp_path / "whole", "trainer.max_steps=4", *overrides)
+    first = run_config(corpus, tmp_path / "split", "trainer.max_steps=2", *overrides)
+    again = dataclasses.replace(first, trainer=whole.trainer)  # the same command, run longer
+    world = whole.tp_size * whole.dp_size
+    h_whole, h_first, h_again = run_ranks(_run_all, world, [whole, first, again], timeout=300)[0]
+    assert [s for s, _ in h_again] == [3, 4]  # it resumed from step 2
+    assert h_first + h_again == h_whole  # losses bit for bit
+    a = _all_tensors(tmp_path / "whole" / "step_00000004")
+    b = _all_tensors(tmp_path / "split" / "step_00000004")
+    assert a.keys() == b.keys() and any(k.startswith("rng/") for k in a)
+    for name in a:  # weights, Adam moments and every rank's RNG streams
+        assert torch.equal(a[name], b[name]), name
+
+
+def _reshard(cfgs: dict[str, Config], converted: str) -> dict:
+    """Train and save at tp=2 × dp=2, then resume at other layouts (see the test)."""
+    from engine.trainer import Trainer
+
+    def trainer(cfg: Config) -> Trainer:
+        parallel_state.destroy()
+        return Trainer(cfg, parallel_state.initialize(cfg.tp_size, cfg.dp_size))
+
+    saver = trainer(cfgs["save"])
+    out = {"saved": saver.fit()["eval"]["valid/loss"]}
+    saved_moments = full_optimizer_state(saver.model, saver.optimizer)
+    if dist.get_rank() == 0:
+        convert(cfgs["save"].checkpoint.dir, converted, tp_size=4, dp_size=1)
+    dist.barrier()
+    params = {}
+    for name in ("tp4_dp1", "tp4_dp1_converted", "tp1_dp4_zero1", "tp2_dp2"):
+        t = trainer(cfgs[name])
+        moments = full_optimizer_state(t.model, t.optimizer)
+        params[name] = t.model.full_state_dict()
+        out[name] = {
+            "step": t.step,
+            "valid": t.evaluate()["valid/loss"],
+            "moments_equal": moments.keys() == saved_moments.keys()
+            and all(torch.equal(moments[k], saved_moments[k]) for k in moments),
+            "history": t.fit()["history"] if name != "tp4_dp1_converted" else None,
+        }
+    a, b = params["tp4_dp1"], params["tp4_dp1_converted"]
+    out["converted_params_equal"] = all(torch.equal(a[k], b[k]) for k in a)
+    return out
+
+
+def test_reshard_model_and_optimizer_across_layouts(corpus, tmp_path):
+    """Save at tp=2 × dp=2; resume at tp=4 × dp=1 (online, and from an offline-converted
+    copy) and at tp=1 × dp=4 under ZeRO-1.
+
+    Adam moments and parameters only move between files and ranks: exact. Validation loss
+    at another TP size sums the same products in another order: fp32, 1e-6 relative. Two
+    further steps follow the reference (resumed at the saving layout) to 1e-5: Adam turns
+    last-bit gradient differences into slightly larger parameter differences.
+    """
+    ckpt = tmp_path / "ckpt"
+    # One sequence per micro-batch at every layout, and 8 validation sequences in all
+    # (eval_batches × dp), so every layout evaluates the same sequences.
+    base = ("model.hidden_dropout=0.0", "model.attention_dropout=0.0", "trainer.micro_batch=1")
+    resume = (*base, "trainer.max_steps=5", "checkpoint.every=0")  # read-only resumes
+
+    def layout(tp: int, dp: int) -> tuple[str, ...]:
+        return f"tp_size={tp}", f"dp_size={dp}", f"trainer.eval_batches={8 // dp}"
+
+    cfgs = {
+        "save": run_config(corpus, ckpt, *base, "trainer.max_steps=3", "checkpoint.every=3",
+                           *layout(2, 2)),
+        "tp4_dp1": run_config(corpus, ckpt, *resume, *layout(4, 1)),
+        "tp4_dp1_converted": run_config(corpus, tmp_path / "converted", *resume, *layout(4, 1)),
+        "tp1_dp4_zero1": run_config(corpus, ckpt, *resume, *layout(1, 4),
+                                    "optim.distributed=true"),
+        "tp2_dp2": run_config(corpus, ckpt, *resume, *layout(2, 2)),
+    }  # fmt: skip
+    out = run_ranks(_reshard, 4, cfgs, str(tmp_path / "converted"), timeout=400)[0]
+    print(out)
+    reference = [loss for _, loss in out["tp2_dp2"]["history"]]
+    assert out["converted_params_equal"]
+    for name in ("tp4_dp1", "tp4_dp1_converted", "tp1_dp4_zero1", "tp2_dp2"):
+        r = out[name]
+        assert r["step"] == 3 and r["moments_equal"], (name, r)
+        assert abs(r["valid"] - out["saved"]) <= 1e-6 * out["saved"], (name, r, out["saved"])
+        if r["history"] is not None:
+            assert [s for s, _ in r["history"]] == [4, 5]
+            losses = [loss for _, loss in r["history"]]
+            torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0)
+
+
+# ----------------------------------------------------------------- crash-safety of saving
+
+CFG = preset("gpt_tiny", vocab_size=500, hidden_size=32, num_heads=4, hidden_dropout=0.0,
+             attention_dropout=0.0)  # fmt: skip
+POINTS = ("after_shard", "before_index", "before_rename", "before_latest")
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised by the fault hook where a real job would have died."""
+
+
+def _model_and_optimizer(tp_group=None, seed: int = 0):
+    torch.manual_seed(seed)
+    model = build_model(CFG, tp_group=tp_group)
+    return model, build_optimizer(model, OptimConfig(lr=1e-2), torch.device("cpu"))
+
+
+def _train_step(model, optimizer, seed: int) -> None:
+    x = torch.randint(0, 500, (2, 9), generator=torch.Generator().manual_seed(seed))
+    model(x[:, :-1], x[:, 1:]).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _interrupted_saves(root: str) -> dict:
+    ps = parallel_state.initialize(2, 1)
+    model, optimizer = _model_and_optimizer(ps.tp_group)
+    _train_step(model, optimizer, 1)
+    save_checkpoint(root, 1, model=model, optimizer=optimizer, ps=ps, state={})
+    good = model.full_state_dict()
+    out = {}
+    for i, point in enumerate(POINTS):
+        _train_step(model, optimizer, 2 + i)  # the state an interrupted save would hold
+
+        def fault(at: str, point=point) -> None:
+            # Shards are written by every rank: crash only rank 1 there, so the ranks must
+            # agree on the failure; the later points run on rank 0 alone.
+            if at == point and (at != "after_shard" or ps.rank == 1):
+                raise SimulatedCrash(at)
+
+        with pytest.raises(CheckpointError) as err:
+            save_checkpoint(root, 2, model=model, optimizer=optimizer, ps=ps, state={}, fault=fault)
+        fresh, fresh_opt = _model_and_optimizer(ps.tp_group, seed=7)
+        loaded = load_checkpoint(root, model=fresh, optimizer=fresh_opt, ps=ps, log=print)
+        params = fresh.full_state_dict()
+        out[point] = {
+            "error": str(err.value),
+            "loaded_step": loaded.step,
+            "loaded_good": all(torch.equal(params[k], good[k]) for k in good),
+        }
+    save_checkpoint(root, 2, model=model, optimizer=optimizer, ps=ps, state={})
+    out["after_clean_save"] = sorted(os.listdir(root))
+    return out
+
+
+def test_interrupted_save_is_never_loaded(tmp_path):
+    """A save that dies between shards, before the index, before the rename or before
+    ``latest`` moves leaves the previous checkpoint the one that loads; the next good save
+    clears the debris."""
+    out = run_ranks(_interrupted_saves, 2, str(tmp_path / "ckpt"), timeout=180)[0]
+    for point in POINTS:
+        r = out[point]
+        assert "SimulatedCrash" in r["error"] and point in r["error"], r
+        assert r["loaded_step"] == 1 and r["loaded_good"], (point, r)
+    assert out["after_clean_save"] == ["latest", "step_00000001", "step_00000002"]
+
+
+# ------------------------------------------------------------------ damage and fallback
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Steps 1 and 2 of a tiny model at tp=2 (two files each), written offline.
+
+    Saved in this process at tp=1 and re-sharded by ``convert``; returns the root and the
+    step-1 weights. Loading here (tp=1) needs both files of a step.
+    """
+    model, optimizer = _model_and_optimizer()
+    single = tmp_path / "single"
+    weights = {}
+    for step in (1, 2):
+        _train_step(model, optimizer, step)
+        weights[step] = model.full_state_dict()
+        save_checkpoint(single, step, model=model, optimizer=optimizer, ps=None, state={})
+        convert(single / f"step_{step:08d}", tmp_path / "ckpt", tp_size=2, dp_size=1)
+    return tmp_path / "ckpt", weights[1]
+
+
+def _load(root: Path) -> tuple[object, list[str]]:
+    messages: list[str] = []
+    model, optimizer = _model_and_optimizer(seed=9)
+    loaded = load_checkpoint(root, model=model, optimizer=optimizer, ps=None, log=messages.append)
+    return (loaded, model), messages
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) * 2 // 3] ^= 0x10  # inside the tensor data, past the header
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "truncated": ("step_00000002/rank00001.safetensors", _truncate, "truncated"),
+    "bit_flip": ("step_00000002/rank00000.safetensors", _flip_bit, "SHA-256 does not match"),
+    "index_edited": ("step_00000002/index.json",
+                     lambda p: p.write_text(p.read_text().replace('"step": 2', '"step": 3')),
+                     "does not match its checksum"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_damaged_file_is_named_and_previous_checkpoint_loads(two_checkpoints, case, capsys):
+    root, step1 = two_checkpoints
+    fname, damage, why = DAMAGE[case]
+    damage(root / fname)
+    (loaded, model), messages = _load(root)
+    assert loaded.step == 1
+    params = model.full_state_dict()
+    assert all(torch.equal(params[k], step1[k]) for k in step1)
+    assert len(messages) == 1, messages
+    assert str(root / fname) in messages[0] and why in messages[0], messages
+    assert "falling back to step_00000001" in messages[0], messages
+    # Reading the damaged checkpoint itself fails naming the file, and inspect flags it.
+    with pytest.raises(CheckpointError, match=fname.split("/")[1]):
+        _all_tensors(root / "step_00000002")
+    capsys.readouterr()
+    assert checkpoint_cli.main(["inspect", str(root / "step_00000002")]) in (1, 2)
+    captured = capsys.readouterr()
+    assert fname.split("/")[1] in captured.out + captured.err
+
+
+def test_broken_latest_falls_back_and_nothing_usable_is_an_error(two_checkpoints):
+    root, _ = two_checkpoints
+    (root / "latest").write_text("garbage\n")
+    (loaded, _), messages = _load(root)
+    assert loaded.step == 2 and "latest is damaged" in messages[0], messages
+    for step in (1, 2):
+        _truncate(root / f"step_{step:08d}" / "rank00000.safetensors")
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):
+        _load(root)
+
+
+# ------------------------------------------------------------------------- safe loading
+
+
+class _Payload:
+    """Unpickling this creates ``path``: the stand-in for arbitrary code execution."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def _resign(step_dir: Path, fname: str) -> None:
+    """Update the index for a replaced file, as an attacker who can write the index would."""
+    from engine.checkpoint.storage import sha256_file
+
+    index = json.loads((step_dir / "index.json").read_text())
+    record = index["files"].setdefault(fname, {"slices": {}})
+    record.update(bytes=(step_dir / fname).stat().st_size, sha256=sha256_file(step_dir / fname))
+    write_index(step_dir, {k: v for k, v in index.items() if k != "index_sha256"})
+
+
+def _plant_pickle_shard(step_dir: Path, payload: bytes) -> None:
+    (step_dir / "rank00000.safetensors").write_bytes(payload)
+    _resign(step_dir, "rank00000.safetensors")
+
+
+def _plant_pt_file(step_dir: Path, payload: bytes) -> None:
+    (step_dir / "evil.pt").write_bytes(payload)
+    _resign(step_dir, "evil.pt")
+
+
+def _plant_pickle_index(step_dir: Path, payload: bytes) -> None:
+    (step_dir / "index.json").write_bytes(payload)
+
+
+@pytest.mark.parametrize("plant", [_plant_pickle_shard, _plant_pt_file, _plant_pickle_index])
+def test_pickle_payload_is_never_executed(tmp_path, plant):
+    control = tmp_path / "control"
+    pickle.loads(pickle.dumps(_Payload(control)))
+    assert control.exists()  # the payload is live: unpickling it does run code
+    sentinel = tmp_path / "pwned"
+    model, optimizer = _model_and_optimizer()
+    save_checkpoint(tmp_path / "ckpt", 1, model=model, optimizer=optimizer, ps=None, state={})
+    plant(tmp_path / "ckpt" / "step_00000001", pickle.dumps(_Payload(sentinel)))
+    with pytest.raises(CheckpointError) as err:
+        _load(tmp_path / "ckpt")
+    assert "step_00000001" in str(err.value)
+    assert checkpoint_cli.main(["inspect", str(tmp_path / "ckpt")]) != 0
+    assert not sentinel.exists()
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+
+def test_inspect_convert_and_export_cli(tmp_path, capsys):
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer, 1)
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 1, model=model, optimizer=optimizer, ps=None,
+                    state={"data": {"consumed_samples": 8}, "loss_scaler": None})  # fmt: skip
+    assert checkpoint_cli.main(["inspect", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "step 1" in out and "layout: tp=1 dp=1 (world 1), ZeRO-1 no" in out
+    assert "8 samples consumed" in out
+    word = next(line for line in out.splitlines() if line.startswith("model/embedding.word"))
+    assert word.split()[1:5] == ["[500,", "32]", "float32", "0"], word
+    assert "optim/layers.0.mlp.fc1.weight/exp_avg_sq" in out and out.rstrip().endswith("OK")
+
+    out_root = tmp_path / "tp2dp2"
+    args = ["convert", str(root), "--tp-size", "2", "--dp-size", "2", "--out", str(out_root)]
+    assert checkpoint_cli.main(args) == 0
+    assert checkpoint_cli.main(["inspect", str(out_root)]) == 0
+    out = capsys.readouterr().out
+    assert "layout: tp=2 dp=2 (world 4), ZeRO-1 no, converted from tp=1 dp=1" in out
+    assert (
+        sum(line.startswith("rank0000") and line.endswith("OK") for line in out.splitlines()) == 4
+    )
+    before, after = _all_tensors(root / "step_00000001"), _all_tensors(out_root / "step_00000001")
+    assert after.keys() == {k for k in before if not k.startswith("rng/")}
+    for name in after:
+        assert torch.equal(after[name], before[name]), name
+
+    assert checkpoint_cli.main(["export-model", str(out_root), "--out", str(tmp_path / "m")]) == 0
+    exported, full = read_checkpoint(tmp_path / "m"), model.full_state_dict()
+    assert exported.state.keys() == full.keys()
+    assert all(torch.equal(exported.state[k], full[k]) for k in full)
+
+    assert checkpoint_cli.main(["convert", str(root), "--tp-size", "3", "--dp-size", "1",
+                                "--out", str(tmp_path / "bad")]) == 2  # fmt: skip
+    assert "model.num_heads=4 is not divisible by tp_size=3" in capsys.readouterr().err
+
+    script = subprocess.run([sys.executable, str(ROOT / "tools" / "checkpoint.py"), "inspect",
+                             str(out_root), "--no-verify"], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert script.returncode == 0 and "not checked" in script.stdout, script.stderr
+
+
+# ------------------------------------------------------------------ a real worker death
+
+
+def test_killed_worker_restarts_and_resumes_bitwise(corpus, tmp_path):
+    """engine.pretrain with trainer.max_restarts=1: rank 1 dies (os._exit) after step 3,
+    before that step's checkpoint; the elastic agent restarts both workers, which resume
+    from step 2 with no user action and end bit-identical to an uninterrupted run."""
+    common = ("tp_size=1", "dp_size=2", "trainer.max_steps=4", "checkpoint.every=2")
+    overrides = [*run_overrides(corpus, tmp_path / "elastic"), *common,
+                 f"hydra.run.dir={tmp_path / 'hydra'}", "trainer.max_restarts=1",
+                 "trainer.fail_at_step=3"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env["OMP_NUM_THREADS"] = "1"  # as run_ranks: one intra-op thread, the same sums
+    proc = subprocess.run([sys.executable, "-m", "engine.pretrain", *overrides], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert (tmp_path / "elastic" / ".failed_at_step_3").exists()  # the kill did happen
+    assert "resuming from step 2" in log, log[-3000:]
+    reference = run_config(corpus, tmp_path / "reference", *common)
+    run_ranks(_run_all, 2, [reference], timeout=300)
+    a = _all_tensors(tmp_path / "elastic" / "step_00000004")
+    b = _all_tensors(tmp_path / "reference" / "step_00000004")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
