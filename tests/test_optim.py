@@ -1,0 +1,63 @@
+"""Learning-rate schedule, fp16 loss scaling and AdamW parameter groups."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from engine.config import OptimConfig
+from engine.optim import DynamicLossScaler, build_optimizer, clip_grads_, lr_at
+
+
+def test_warmup_then_cosine_by_hand():
+    cfg = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4)
+    # Warmup: lr·(step+1)/warmup, so the first step already moves.
+    assert [lr_at(s, cfg, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    # Cosine over the remaining 10 steps: min + (max − min)·(1 + cos(π·k/10))/2.
+    for k in (0, 3, 5, 10):
+        expected = 0.1 + 0.9 * (1 + math.cos(math.pi * k / 10)) / 2
+        assert lr_at(4 + k, cfg, 14) == pytest.approx(expected, rel=1e-12)
+    assert lr_at(100, cfg, 14) == pytest.approx(0.1)  # stays at min_lr past the end
+
+
+def test_loss_scaler_skips_overflow_and_adapts():
+    scaler = DynamicLossScaler(1024.0, growth_interval=2)
+    p = nn.Parameter(torch.zeros(3))
+    p.grad = torch.tensor([1.0, float("inf"), 0.0])
+    assert scaler.found_overflow([p])
+    scaler.update(True)
+    assert scaler.scale == 512.0  # halved on overflow
+    p.grad = torch.tensor([512.0, 1024.0, 0.0])
+    assert not scaler.found_overflow([p])
+    scaler.unscale_([p])
+    assert torch.equal(p.grad, torch.tensor([1.0, 2.0, 0.0]))
+    scaler.update(False)
+    assert scaler.scale == 512.0
+    scaler.update(False)
+    assert scaler.scale == 1024.0  # doubled after growth_interval good steps
+
+
+def test_weight_decay_only_on_matrices_and_clipping():
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1), torch.device("cpu"))
+    decay, no_decay = opt.param_groups
+    assert [p.shape for p in decay["params"]] == [torch.Size([3, 4])] and decay[
+        "weight_decay"
+    ] == 0.1
+    assert len(no_decay["params"]) == 3 and no_decay["weight_decay"] == 0.0
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.full_like(p, 2.0)
+    clip_grads_(params, 1.0, torch.tensor(4.0))  # norm 4 → scale by 1/4 (minus 1e-6 guard)
+    assert params[0].grad[0, 0].item() == pytest.approx(0.5, rel=1e-6)
+
+
+def test_apex_requested_without_apex_is_a_clear_error():
+    if importlib.util.find_spec("apex") is not None:
+        pytest.skip("apex is installed here, so there is nothing to refuse")
+    with pytest.raises(RuntimeError, match="optim.impl=apex but apex is not importable"):
+        build_optimizer(nn.Linear(2, 2), OptimConfig(impl="apex"), torch.device("cpu"))
