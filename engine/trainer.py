@@ -339,7 +339,9 @@ def run_worker(cfg: Config) -> dict:
     if ps.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Share the cores among the local ranks, as torchrun does; oversubscribed intra-op
         # threads spin against each other and can slow a step down several-fold.
-        local = detect_launch().local_world_size or ps.world_size
+        info = detect_launch()
+        # No launcher (a test harness, a notebook): assume every rank shares this machine.
+        local = ps.world_size if info.launcher == "none" else info.local_world_size or 1
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     try:
         summary = Trainer(cfg, ps).fit()
