@@ -324,6 +324,15 @@ def test_broken_latest_falls_back_and_nothing_usable_is_an_error(two_checkpoints
         _load(root)
 
 
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    """A shape mismatch is no damage to fall back from: it stops the run, saying what."""
+    model, optimizer = _model_and_optimizer()
+    save_checkpoint(tmp_path / "ckpt", 1, model=model, optimizer=optimizer, ps=None, state={})
+    wider = build_model(dataclasses.replace(CFG, hidden_size=64))
+    with pytest.raises(ValueError, match="hidden_size=32, the model 64"):
+        load_checkpoint(tmp_path / "ckpt", model=wider, optimizer=None, ps=None)
+
+
 # ------------------------------------------------------------------------- safe loading
 
 

@@ -185,7 +185,13 @@ def _candidates(root: Path, log: Callable[[str], None]) -> list[Path]:
 def _read_rank(path: Path, model: ParallelModel, optimizer, mesh: _Mesh) -> dict[str, Any]:
     """Everything this rank needs from ``path``, read and verified, nothing applied yet."""
     index = read_index(path)
-    check_compatible(model.cfg, ModelConfig.from_dict(index["model_config"]))
+    try:
+        check_compatible(model.cfg, ModelConfig.from_dict(index["model_config"]))
+    except ValueError as err:
+        raise ValueError(
+            f"{path} does not fit this model: {err} (choose another checkpoint.dir, or "
+            "checkpoint.resume=false to start afresh)"
+        ) from None
     reader = ShardReader(path, index)
     params, states = {}, {}
     for name, p in model.named_parameters():
