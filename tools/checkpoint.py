@@ -66,7 +66,7 @@ def inspect(ckpt: str, verify: bool) -> int:
     print(f"data: {data.get('consumed_samples', '?')} samples consumed; loss scale: "
           f"{scaler['scale'] if scaler else '-'}")  # fmt: skip
     steps = {s.get("step") for s in index["optimizer"]["scalars"].values()}
-    print(f"optimizer step counts: {sorted(x for x in steps if x is not None) or '-'}")
+    print(f"optimizer step counts: {sorted(int(x) for x in steps if x is not None) or '-'}")
     width = max(len(n) for n in info["specs"]) + 2
     print(f"\n{'tensor':<{width}}{'shape':<18}{'dtype':<10}{'tp_dim':<8}slices")
     for name in sorted(info["specs"]):

@@ -36,7 +36,13 @@ def padded_vocab(model: ParallelModel) -> int:
     return model.cfg.padded_vocab_size(group_size(model.tp_group))
 
 
-def param_spec(name: str, param: nn.Parameter, kind: str, model: ParallelModel, dtype=None):
+def param_spec(
+    name: str,
+    param: nn.Parameter,
+    kind: str,
+    model: ParallelModel,
+    dtype: torch.dtype | None = None,
+) -> TensorSpec:
     """The full-shape spec of a parameter (or of state shaped like it) on this model."""
     tp_dim = getattr(param, TP_DIM_ATTR, None)
     vocab = bool(getattr(param, VOCAB_PADDED_ATTR, False))
