@@ -125,6 +125,14 @@ class DynamicLossScaler:
             if p.grad is not None:
                 p.grad.div_(self.scale)
 
+    def state_dict(self) -> dict[str, float]:
+        """The scale and the count of good steps since the last change (for checkpoints)."""
+        return {"scale": self.scale, "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])
+
     def update(self, overflow: bool) -> None:
         if overflow:
             self.scale, self._good_steps = max(self.scale / 2.0, 1.0), 0

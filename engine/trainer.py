@@ -252,7 +252,7 @@ class Trainer:
 
     def _train_state(self) -> dict:
         """What besides tensors a bitwise resume needs (RNG states go with each rank)."""
-        scaler = self.scaler and {"scale": self.scaler.scale, "good_steps": self.scaler._good_steps}
+        scaler = self.scaler and self.scaler.state_dict()
         return {"data": self.data.train.state_dict(), "loss_scaler": scaler,
                 "config": asdict(self.cfg)}  # fmt: skip
 
@@ -277,8 +277,7 @@ class Trainer:
         self.step = self._saved_step = loaded.step
         self.data.train.load_state_dict(loaded.state["data"])
         if self.scaler is not None and loaded.state.get("loss_scaler"):
-            self.scaler.scale = loaded.state["loss_scaler"]["scale"]
-            self.scaler._good_steps = loaded.state["loss_scaler"]["good_steps"]
+            self.scaler.load_state_dict(loaded.state["loss_scaler"])
         was, note = loaded.layout, ""
         if (was["tp_size"], was["dp_size"]) != (self.ps.tp_size, self.ps.dp_size):
             note = f", resharded from tp={was['tp_size']} dp={was['dp_size']}"
