@@ -16,8 +16,8 @@ from torch import nn
 from engine.models.config import ModelConfig
 from layers import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, scatter_to_sequence
 from layers.linear import InitMethod, build_master_weight, normal_init
-from layers.recompute import dropout_stream
-from layers.transformer import LayerNorm
+from layers.recompute import default_rng, dropout_stream
+from layers.transformer import LayerNorm, ParallelTransformerLayer
 from layers.utils import (
     SP_GRAD_ATTR,
     TP_DIM_ATTR,
@@ -25,6 +25,7 @@ from layers.utils import (
     group_rank,
     group_size,
     mark_tp_dim,
+    resolve_tp_group,
     shard,
 )
 from parallel_state.random import RNGTracker
@@ -182,6 +183,25 @@ class ParallelModel(nn.Module):
 
     cfg: ModelConfig
     tp_group: dist.ProcessGroup | None
+
+    def _build_trunk(self, cfg: ModelConfig, arch: str, *, tp_group, rng, dtype, device) -> dict:
+        """Validate ``cfg`` and build the embeddings and the layers, in that order.
+
+        The order fixes the RNG draws of the master weights, so it must not change.
+        Returns the keyword arguments the subclass builds its heads with.
+        """
+        if cfg.arch != arch:
+            raise ValueError(f"{type(self).__name__} needs model.arch={arch!r}, got {cfg.arch!r}")
+        self.tp_group = resolve_tp_group(tp_group)
+        cfg.validate(group_size(self.tp_group))
+        self.cfg = cfg
+        rng = rng if rng is not None else default_rng()
+        build = dict(tp_group=self.tp_group, dtype=dtype, device=device)
+        self.embedding = Embeddings(cfg, rng=rng, **build)
+        self.layers = nn.ModuleList(
+            ParallelTransformerLayer(cfg, rng=rng, **build) for _ in range(cfg.num_layers)
+        )
+        return build
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: full-shape parameter}, gathered across TP."""

@@ -7,12 +7,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.base import Embeddings, ParallelLMHead, ParallelModel, replicated_linear
+from engine.models.base import ParallelLMHead, ParallelModel, replicated_linear
 from engine.models.config import ModelConfig
 from layers import gather_from_tp, vocab_parallel_cross_entropy
-from layers.recompute import default_rng
-from layers.transformer import LayerNorm, ParallelTransformerLayer, resolve_kernels
-from layers.utils import group_size, resolve_tp_group
+from layers.transformer import LayerNorm, resolve_kernels
 from parallel_state.random import RNGTracker
 
 
@@ -80,16 +78,8 @@ class BertModel(ParallelModel):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if cfg.arch != "bert":
-            raise ValueError(f"BertModel needs model.arch='bert', got {cfg.arch!r}")
-        self.tp_group = resolve_tp_group(tp_group)
-        cfg.validate(group_size(self.tp_group))
-        self.cfg = cfg
-        rng = rng if rng is not None else default_rng()
-        build = dict(tp_group=self.tp_group, dtype=dtype, device=device)
-        self.embedding = Embeddings(cfg, rng=rng, **build)
-        self.layers = nn.ModuleList(
-            ParallelTransformerLayer(cfg, rng=rng, **build) for _ in range(cfg.num_layers)
+        build = self._build_trunk(
+            cfg, "bert", tp_group=tp_group, rng=rng, dtype=dtype, device=device
         )
         self.mlm_transform = MLMTransform(cfg, dtype=dtype, device=device)
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=True, **build)

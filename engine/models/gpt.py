@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from engine.models.base import Embeddings, ParallelLMHead, ParallelModel
+from engine.models.base import ParallelLMHead, ParallelModel
 from engine.models.config import ModelConfig
-from layers.recompute import default_rng
-from layers.transformer import LayerNorm, ParallelTransformerLayer, resolve_kernels
-from layers.utils import group_size, resolve_tp_group
+from layers.transformer import LayerNorm, resolve_kernels
 from parallel_state.random import RNGTracker
 
 
@@ -32,16 +29,8 @@ class GPTModel(ParallelModel):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if cfg.arch != "gpt":
-            raise ValueError(f"GPTModel needs model.arch='gpt', got {cfg.arch!r}")
-        self.tp_group = resolve_tp_group(tp_group)
-        cfg.validate(group_size(self.tp_group))
-        self.cfg = cfg
-        rng = rng if rng is not None else default_rng()
-        build = dict(tp_group=self.tp_group, dtype=dtype, device=device)
-        self.embedding = Embeddings(cfg, rng=rng, **build)
-        self.layers = nn.ModuleList(
-            ParallelTransformerLayer(cfg, rng=rng, **build) for _ in range(cfg.num_layers)
+        build = self._build_trunk(
+            cfg, "gpt", tp_group=tp_group, rng=rng, dtype=dtype, device=device
         )
         self.final_norm = LayerNorm(
             cfg.hidden_size, cfg.layernorm_eps, sequence_parallel=cfg.sequence_parallel,
