@@ -79,6 +79,7 @@ class DataPipeline:
     train: DataIterator
     valid: DataIterator | None
     tokenizer: Tokenizer
+    no_valid_reason: str | None = None  # why there is no validation set, when there is none
 
 
 def build_pipeline(cfg: Config, dp_rank: int, dp_size: int) -> DataPipeline:
@@ -89,11 +90,9 @@ def build_pipeline(cfg: Config, dp_rank: int, dp_size: int) -> DataPipeline:
     train = DataIterator(_dataset(cfg, "train", tokenizer), global_batch=t.global_batch, **common)
     try:
         valid_set = _dataset(cfg, "valid", tokenizer)
-    except ValueError:  # a split too small to hold one sequence: no validation
-        valid_set = None
-    valid = None
-    if valid_set is not None:
-        valid = DataIterator(valid_set, global_batch=t.micro_batch * dp_size, **common)
+    except ValueError as err:  # a split too small to hold one sequence: train without it
+        return DataPipeline(train, None, tokenizer, f"validation split {cfg.data.split!r}: {err}")
+    valid = DataIterator(valid_set, global_batch=t.micro_batch * dp_size, **common)
     return DataPipeline(train, valid, tokenizer)
 
 

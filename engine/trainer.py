@@ -212,6 +212,8 @@ class Trainer:
             f"dp={self.ps.dp_size}  precision={self.precision}  global batch {t.global_batch} = "
             f"{t.micro_batch} micro × {self.ps.dp_size} dp × {self.data.train.accum_steps} accum"
         )
+        if self.data.no_valid_reason:
+            self.logger.print(f"[yellow]no validation:[/yellow] {self.data.no_valid_reason}")
         window: list[dict[str, float]] = []
         with maybe_profile(t.profile_steps, self.cfg.run_dir, self.ps.rank) as profiler_step:
             while self.step < t.max_steps:
@@ -229,7 +231,6 @@ class Trainer:
                     self._save_checkpoint()
         if self.cfg.checkpoint.every and self._saved_step != self.step:
             self._save_checkpoint()
-        self.logger.close()
         evaluated_now = t.eval_every and self.step % t.eval_every == 0
         summary = {
             "history": self.history,
@@ -237,6 +238,7 @@ class Trainer:
         }
         summary["checkpoint"] = self._save()
         summary["sample"] = self._sample()
+        self.logger.close()  # last: the final evaluation's scalars still go to TensorBoard
         return summary
 
     def _report_eval(self) -> dict[str, float] | None:

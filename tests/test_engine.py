@@ -48,7 +48,7 @@ def tiny_run(corpus, tmp_path, *overrides: str) -> Config:
         "trainer.max_steps=30", "trainer.log_every=5", "trainer.eval_every=0",
         "trainer.global_batch=8", "trainer.micro_batch=2", "trainer.tensorboard=false",
         "trainer.progress=false", "trainer.sample_tokens=8", "optim.lr=3e-3",
-        "optim.warmup_steps=5", f"checkpoint.dir={tmp_path / 'ckpt'}", f"run_dir={tmp_path}",
+        "optim.warmup_steps=5", "data.split='85,15,0'", f"checkpoint.dir={tmp_path / 'ckpt'}", f"run_dir={tmp_path}",
         *overrides,
     )  # fmt: skip
     return dataclasses.replace(cfg, dp_size=int(cfg.dp_size))
@@ -62,7 +62,8 @@ def _train(cfg: Config) -> dict:
 
 @pytest.mark.parametrize("model", ["gpt_tiny", "bert_tiny"])
 def test_tiny_model_trains_at_tp2_dp2(corpus, tmp_path, model):
-    cfg = tiny_run(corpus, tmp_path, f"model={model}", "tp_size=2", "dp_size=2")
+    observe = ["trainer.tensorboard=true", "trainer.profile_steps=[2,3]"]
+    cfg = tiny_run(corpus, tmp_path, f"model={model}", "tp_size=2", "dp_size=2", *observe)
     summary = run_ranks(_train, 4, cfg, timeout=240)[0]
     losses = [loss for _, loss in summary["history"]]
     assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
@@ -76,6 +77,22 @@ def test_tiny_model_trains_at_tp2_dp2(corpus, tmp_path, model):
     assert (tmp_path / "ckpt" / "final").is_dir()
     if model == "gpt_tiny":
         assert isinstance(summary["sample"], str) and summary["sample"]
+    _check_observability(tmp_path, losses)
+
+
+def _check_observability(run_dir: Path, losses: list[float]) -> None:
+    """TensorBoard got the console's losses and the metrics; every rank wrote a trace."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
+            "perf/dp_comm_share", "perf/peak_mem_gib", "valid/loss", "valid/ppl"} <= tags  # fmt: skip
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
+    assert "perf/mfu" not in tags  # no known peak on a CPU: no MFU rather than a wrong one
+    for rank in range(4):
+        assert (run_dir / f"trace_rank{rank}.json").stat().st_size > 0
 
 
 def _grad_norms(sequence_parallel: bool) -> tuple[float, float]:
