@@ -21,6 +21,42 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def window_metrics(
+    window: list[dict[str, float]], *, loss: float, tokens_per_step: int, flops_per_step: float,
+    world_size: int, peak_flops: float | None, device: torch.device,
+) -> dict[str, float | None]:  # fmt: skip
+    """Scalars for a logging window of steps (each a ``Trainer.train_step`` result).
+
+    TFLOP/s is per rank, from model FLOPs (REFERENCE §3); MFU is None when the device's
+    peak is unknown; the DP share is the time spent waiting for the gradient all-reduce.
+    """
+    step_time = sum(m["step_time"] for m in window) / len(window)
+    tflops = flops_per_step / step_time / world_size / 1e12
+    last = window[-1]
+    return {
+        "train/loss": loss,
+        "train/lr": last["lr"],
+        "train/grad_norm": last["grad_norm"],
+        "perf/tokens_per_s": tokens_per_step / step_time,
+        "perf/tflops_per_rank": tflops,
+        "perf/mfu": tflops * 1e12 / peak_flops if peak_flops else None,
+        "perf/dp_comm_share": sum(m["dp_comm"] for m in window) / (step_time * len(window)),
+        "perf/peak_mem_gib": peak_memory_gib(device),
+    }
+
+
+def format_step_line(step: int, max_steps: int, m: dict[str, float | None]) -> str:
+    """The console's one line per logging window."""
+    mfu = "n/a" if m["perf/mfu"] is None else f"{100 * m['perf/mfu']:5.1f}%"
+    return (
+        f"step {step:>5}/{max_steps}  loss {m['train/loss']:7.4f}  lr {m['train/lr']:.2e}  "
+        f"grad_norm {m['train/grad_norm']:7.3f}  {m['perf/tokens_per_s']:9.0f} tok/s  "
+        f"{m['perf/tflops_per_rank']:.3g} TFLOP/s/rank  MFU {mfu}  "
+        f"dp_comm {100 * m['perf/dp_comm_share']:4.1f}%  "
+        f"peak_mem {m['perf/peak_mem_gib']:.2f} GiB"
+    )
+
+
 class RunLogger:
     """Console, progress bar and metric sinks; only the first rank prints and writes."""
 

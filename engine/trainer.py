@@ -19,7 +19,7 @@ from engine.data_setup import build_pipeline, to_device
 from engine.generate import generate
 from engine.grad_sync import GradSync
 from engine.models import build_model
-from engine.observe import RunLogger, maybe_profile, peak_memory_gib
+from engine.observe import RunLogger, format_step_line, maybe_profile, window_metrics
 from engine.optim import (
     DynamicLossScaler,
     build_optimizer,
@@ -175,33 +175,20 @@ class Trainer:
         return {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 50.0))}
 
     def _log(self, window: list[dict[str, float]]) -> None:
-        step_time = sum(m["step_time"] for m in window) / len(window)
         loss = self._dp_mean(sum(m["loss"] for m in window) / len(window))
         self.history.append((self.step, loss))
-        t, world = self.cfg.trainer, self.ps.world_size
-        tokens_per_s = t.global_batch * self.cfg.data.seq_len / step_time
-        tflops = self.flops_per_step / step_time / world / 1e12  # per rank
-        mfu = tflops * 1e12 / self.peak_flops if self.peak_flops else None
-        comm_share = sum(m["dp_comm"] for m in window) / sum(m["step_time"] for m in window)
-        mem = peak_memory_gib(self.device)
-        last = window[-1]
-        self.logger.print(
-            f"step {self.step:>5}/{t.max_steps}  loss {loss:7.4f}  lr {last['lr']:.2e}  "
-            f"grad_norm {last['grad_norm']:7.3f}  {tokens_per_s:9.0f} tok/s  "
-            f"{tflops:.3g} TFLOP/s/rank  MFU {'n/a' if mfu is None else f'{100 * mfu:5.1f}%'}  "
-            f"dp_comm {100 * comm_share:4.1f}%  peak_mem {mem:.2f} GiB"
-            + (
-                f"  (skipped {int(sum(m['skipped'] for m in window))} overflow steps,"
-                f" loss scale {self.scaler.scale:g})"
-                if self.scaler
-                else ""
-            )  # fmt: skip
-        )
-        self.logger.scalars(self.step, {
-            "train/loss": loss, "train/lr": last["lr"], "train/grad_norm": last["grad_norm"],
-            "perf/tokens_per_s": tokens_per_s, "perf/tflops_per_rank": tflops, "perf/mfu": mfu,
-            "perf/dp_comm_share": comm_share, "perf/peak_mem_gib": mem,
-        })  # fmt: skip
+        t = self.cfg.trainer
+        metrics = window_metrics(
+            window, loss=loss, tokens_per_step=t.global_batch * self.cfg.data.seq_len,
+            flops_per_step=self.flops_per_step, world_size=self.ps.world_size,
+            peak_flops=self.peak_flops, device=self.device,
+        )  # fmt: skip
+        line = format_step_line(self.step, t.max_steps, metrics)
+        if self.scaler:
+            skipped = int(sum(m["skipped"] for m in window))
+            line += f"  (skipped {skipped} overflow steps, loss scale {self.scaler.scale:g})"
+        self.logger.print(line)
+        self.logger.scalars(self.step, metrics)
 
     def fit(self) -> dict:
         """Train for ``trainer.max_steps`` steps, evaluate, save and sample; return a summary."""
