@@ -199,6 +199,11 @@ class Trainer:
             f"dp={self.ps.dp_size}  precision={self.precision}  global batch {t.global_batch} = "
             f"{t.micro_batch} micro × {self.ps.dp_size} dp × {self.data.train.accum_steps} accum"
         )
+        if self.step >= t.max_steps:
+            self.logger.print(
+                f"already at step {self.step} >= trainer.max_steps={t.max_steps}: nothing to "
+                "train (raise trainer.max_steps to continue)"
+            )
         if self.data.no_valid_reason:
             self.logger.print(f"[yellow]no validation:[/yellow] {self.data.no_valid_reason}")
         window: list[dict[str, float]] = []
