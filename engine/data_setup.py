@@ -19,8 +19,8 @@ from engine.data import (
     split_documents,
 )
 
-# Number of samples a blended dataset is laid out for: more than any run here draws.
-_BLEND_SIZE = 10_000_000
+# Samples a blended dataset is laid out for, at least: twice what the run will draw.
+_MIN_BLEND_SIZE = 10_000_000
 
 
 def resolve_data(data: DataConfig) -> DataConfig:
@@ -69,7 +69,8 @@ def _dataset(cfg: Config, split: str, tokenizer: Tokenizer):
         )
     if len(parts) == 1:
         return parts[0]
-    return BlendedDataset(parts, d.weights or [1.0] * len(parts), _BLEND_SIZE)
+    size = max(_MIN_BLEND_SIZE, 2 * cfg.trainer.max_steps * cfg.trainer.global_batch)
+    return BlendedDataset(parts, d.weights or [1.0] * len(parts), size)
 
 
 @dataclass

@@ -44,6 +44,14 @@ def prepare(cfg: Config) -> Config:
     from engine.data_setup import resolve_data
 
     cfg = dataclasses.replace(cfg, dp_size=dp_size, data=resolve_data(cfg.data))
+    from tokenizers import Tokenizer
+
+    if not os.path.exists(cfg.data.tokenizer):
+        _fail([f"data.tokenizer: {cfg.data.tokenizer} does not exist (pass data.tokenizer=PATH)"])
+    vocab = Tokenizer.from_file(cfg.data.tokenizer).get_vocab_size()
+    if vocab > cfg.model.vocab_size:  # ids past the embedding would be silently zeroed at tp>1
+        _fail([f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+               f"vocabulary ({vocab}, {cfg.data.tokenizer}); set model.vocab_size={vocab}"])  # fmt: skip
     if cfg.model.sequence_parallel and cfg.data.seq_len % cfg.tp_size:
         _fail([f"data.seq_len={cfg.data.seq_len} is not divisible by tp_size={cfg.tp_size} "
                "(needed by model.sequence_parallel=true)"])  # fmt: skip

@@ -307,7 +307,9 @@ def run_on_mesh(fn: Callable[..., T], spec: VerifySpec, *args: Any) -> T:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     if local_world > 1:  # share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    parallel_state.initialize(spec.tp_size, spec.dp_size)
+    # The models and batches live on the CPU: the split's math does not depend on the
+    # device, and gloo keeps the tool working on GPU nodes too (NCCL would need CUDA tensors).
+    parallel_state.initialize(spec.tp_size, spec.dp_size, backend="gloo")
     try:
         return fn(spec, *args)
     finally:

@@ -93,10 +93,19 @@ def _warn_if_tp_spans_nodes(tp_size: int, local_world_size: int | None) -> None:
 
 
 def _pick_backend(info: LaunchInfo) -> str:
-    per_node = info.local_world_size or 1
-    if torch.cuda.is_available() and torch.cuda.device_count() >= per_node:
-        return "nccl"
-    return "gloo"
+    if not torch.cuda.is_available():
+        return "gloo"
+    # Slurm's --gpus-per-task=1 shows each task one device while the node runs several:
+    # that is one GPU per rank too. Only several ranks per visible device mean sharing.
+    visible, per_node = torch.cuda.device_count(), info.local_world_size or 1
+    if 1 < visible < per_node:
+        warnings.warn(
+            f"{per_node} ranks share {visible} visible GPUs on this node; ranks will share "
+            "devices (give each rank its own GPU for speed)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return "nccl"
 
 
 def _init_default_group(info: LaunchInfo, backend: str, timeout: datetime.timedelta) -> None:
@@ -143,7 +152,10 @@ def initialize(
     backend = dist.get_backend()
     rank = dist.get_rank()
     if backend == "nccl":
-        device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        # A group made without a launcher (notebook, harness) gives no local rank: use the
+        # global one, so ranks on one machine do not all pick cuda:0.
+        local_rank = info.local_rank if info.launcher != "none" else rank
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -157,6 +157,23 @@ def test_invalid_config_gives_one_line(overrides, message, capsys):
     assert len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], lines
 
 
+def test_data_checks_after_resolving_paths(corpus, tmp_path, capsys):
+    """A tokenizer larger than the model's vocabulary, or a missing one, is a config error."""
+    from engine.pretrain import prepare
+
+    prefix, tokenizer = corpus
+    for overrides, message in [
+        ([f"data.tokenizer={tokenizer}", "model.vocab_size=300"], f"model.vocab_size=300 is smaller than the tokenizer's vocabulary (512, {tokenizer})"),
+        ([], f"data.tokenizer: {prefix}.tokenizer.json does not exist"),
+    ]:  # fmt: skip
+        cfg = compose_config(f"data.prefixes=[{prefix}]", "tp_size=1", "dp_size=1", *overrides)
+        with pytest.raises(SystemExit) as exit_info:
+            prepare(cfg)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+
+
 def test_cli_rejects_unknown_key_and_bad_layout_without_traceback():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     unknown = subprocess.run([sys.executable, "-m", "engine.pretrain", "trainer.bogus=1"],
