@@ -462,3 +462,25 @@ def test_killed_worker_restarts_and_resumes_bitwise(corpus, tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_rng_state_of_another_device_kind_is_not_restored(tmp_path, monkeypatch):
+    """A checkpoint saved on CPU and resumed where the generators are CUDA ones (or the
+    reverse) must load the weights and reseed, not crash on a foreign RNG state."""
+    import engine.checkpoint.manager as manager
+
+    cfg = preset("gpt_tiny", vocab_size=100, hidden_size=16, num_heads=2, num_layers=1)
+    model = build_model(cfg)
+    save_checkpoint(tmp_path, 3, model=model, optimizer=None, ps=None, state={})
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.nn.init.zeros_(model.embedding.word.weight)
+    real_of = manager._Mesh.of
+    monkeypatch.setattr(
+        manager._Mesh,
+        "of",
+        classmethod(lambda cls, ps: dataclasses.replace(real_of(ps), device_type="cuda")),
+    )
+    loaded = load_checkpoint(tmp_path, model=model, optimizer=None, ps=None, log=lambda _: None)
+    assert loaded.step == 3 and not loaded.rng_restored
+    for name, p in model.named_parameters():
+        assert torch.equal(p, saved[name]), name

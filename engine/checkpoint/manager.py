@@ -57,10 +57,13 @@ class _Mesh:
     world: int = 1
     tp_size: int = 1
     dp_size: int = 1
+    device_type: str = "cpu"  # RNG states only transfer between generators of one kind
 
     @classmethod
     def of(cls, ps: ParallelState | None) -> _Mesh:
-        return cls() if ps is None else cls(ps.rank, ps.world_size, ps.tp_size, ps.dp_size)
+        if ps is None:
+            return cls()
+        return cls(ps.rank, ps.world_size, ps.tp_size, ps.dp_size, ps.device.type)
 
     def all_gather(self, obj: Any) -> list[Any]:
         if self.world == 1:
@@ -144,7 +147,8 @@ def save_checkpoint(
         index = {
             "step": step, "model_config": model.cfg.to_dict(), "trainer_state": state,
             "layout": {"tp_size": mesh.tp_size, "dp_size": mesh.dp_size, "world_size": mesh.world,
-                       "zero1": isinstance(optimizer, ZeroOptimizer)},
+                       "zero1": isinstance(optimizer, ZeroOptimizer),
+                       "device_type": mesh.device_type},
             "optimizer": {"scalars": scalars},
             "tensors": {n: s for r, _ in records for n, s in r.pop("specs").items()},
             "files": {f"rank{i:05d}.safetensors": r for i, (r, _) in enumerate(records)},
@@ -212,7 +216,9 @@ def _read_rank(path: Path, model: ParallelModel, optimizer, mesh: _Mesh) -> dict
             if pname in owner:
                 states.setdefault(owner[pname], {}).update(scalars)
     layout, rng = index["layout"], None
-    if (layout["tp_size"], layout["dp_size"]) == (mesh.tp_size, mesh.dp_size):
+    same_layout = (layout["tp_size"], layout["dp_size"]) == (mesh.tp_size, mesh.dp_size)
+    # A CUDA generator state cannot seed a CPU generator (nor the reverse): reseed instead.
+    if same_layout and layout.get("device_type", "cpu") == mesh.device_type:
         prefix = f"rng/rank{mesh.rank:05d}/"
         rng = {n[len(prefix) :]: reader.read(n) for n in reader.specs if n.startswith(prefix)}
     return {"index": index, "params": params, "states": states, "rng": rng or None}
