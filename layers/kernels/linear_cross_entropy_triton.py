@@ -55,7 +55,8 @@ def linear_cross_entropy_forward(
         )
         loss += chunk_loss.sum()
         if compute_grad:
-            torch.matmul(grad, weight, out=grad_hidden[start : start + chunk_tokens])
+            # Under autocast the logits (and so grad) are bf16/fp16 while weight is fp32.
+            grad_hidden[start : start + chunk_tokens] = grad.matmul(weight.to(grad.dtype))
             grad_weight.addmm_(grad.t().float(), h.float())
     return loss, grad_hidden, grad_weight
 
