@@ -484,3 +484,38 @@ def test_rng_state_of_another_device_kind_is_not_restored(tmp_path, monkeypatch)
     assert loaded.step == 3 and not loaded.rng_restored
     for name, p in model.named_parameters():
         assert torch.equal(p, saved[name]), name
+
+
+class _GroupStepOptimizer(torch.optim.Optimizer):
+    """Counts steps in each parameter group, as apex's FusedAdam does (apex is not installed
+    here); keeps one moment per parameter so the per-parameter path is exercised too."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+        for group in self.param_groups:
+            group["step"] = 0
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            group["step"] += 1
+            for p in group["params"]:
+                self.state[p].setdefault("exp_avg", torch.zeros_like(p)).add_(p.grad)
+
+
+def test_group_step_count_survives_resume(tmp_path):
+    cfg = preset("gpt_tiny", vocab_size=100, hidden_size=16, num_heads=2, num_layers=1)
+    model = build_model(cfg)
+    opt = _GroupStepOptimizer(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    for _ in range(3):
+        opt.step()
+    save_checkpoint(tmp_path, 3, model=model, optimizer=opt, ps=None, state={})
+    fresh_opt = _GroupStepOptimizer(build_model(cfg).parameters())
+    load_checkpoint(
+        tmp_path, model=build_model(cfg), optimizer=fresh_opt, ps=None, log=lambda _: None
+    )
+    assert fresh_opt.param_groups[0]["step"] == 3  # not restarted at 0: no bias-correction spike
+    moment = next(iter(fresh_opt.state.values()))["exp_avg"]
+    assert torch.equal(moment, torch.full_like(moment, 3.0))

@@ -73,7 +73,16 @@ def export_local(model: ParallelModel, optimizer) -> tuple[dict, dict, dict]:
     """
     specs, tensors, scalars = {}, {}, {}
     states = param_states(optimizer) if optimizer is not None else {}
+    # apex's FusedAdam counts steps per parameter group, not per parameter: keep it too.
+    group_steps = {
+        id(p): g["step"]
+        for g in (optimizer.param_groups if optimizer is not None else [])
+        if "step" in g
+        for p in g["params"]
+    }
     for name, p in model.named_parameters():
+        if id(p) in group_steps:
+            scalars.setdefault(name, {})[GROUP_STEP] = float(group_steps[id(p)])
         key = model_name(name)
         specs[key], tensors[key] = param_spec(key, p, MODEL, model), p.detach()
         for skey, value in sorted(states.get(p, {}).items()):
@@ -104,6 +113,9 @@ def read_local(reader, spec: TensorSpec, shape: torch.Size, model: ParallelModel
     return local
 
 
+GROUP_STEP = "group_step"  # scalar key of a parameter group's step count (apex FusedAdam)
+
+
 def load_optimizer(optimizer, states: dict[nn.Parameter, dict[str, Any]]) -> None:
     """Install per-parameter state (TP-local tensors and scalars) into ``optimizer``."""
     if isinstance(optimizer, ZeroOptimizer):
@@ -116,9 +128,19 @@ def load_optimizer(optimizer, states: dict[nn.Parameter, dict[str, Any]]) -> Non
         for p, st in states.items()
         if st
     }
-    for entry in full["state"].values():
+    group_steps = {}
+    for i, entry in full["state"].items():
         entry.pop("master", None)  # a plain optimizer's masters are the parameters
+        if GROUP_STEP in entry:
+            group_steps[i] = entry.pop(GROUP_STEP)
     optimizer.load_state_dict(full)
+    offset = 0
+    for group in optimizer.param_groups:  # groups that count steps themselves (apex)
+        first = next((group_steps[j] for j in range(offset, offset + len(group["params"]))
+                      if j in group_steps), None)  # fmt: skip
+        if "step" in group and first is not None:
+            group["step"] = int(first.item() if torch.is_tensor(first) else first)
+        offset += len(group["params"])
 
 
 def full_optimizer_state(model: ParallelModel, optimizer) -> dict[str, torch.Tensor]:
