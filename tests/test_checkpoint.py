@@ -512,10 +512,9 @@ def test_group_step_count_survives_resume(tmp_path):
     for _ in range(3):
         opt.step()
     save_checkpoint(tmp_path, 3, model=model, optimizer=opt, ps=None, state={})
-    fresh_opt = _GroupStepOptimizer(build_model(cfg).parameters())
-    load_checkpoint(
-        tmp_path, model=build_model(cfg), optimizer=fresh_opt, ps=None, log=lambda _: None
-    )
+    fresh = build_model(cfg)
+    fresh_opt = _GroupStepOptimizer(fresh.parameters())
+    load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, ps=None, log=lambda _: None)
     assert fresh_opt.param_groups[0]["step"] == 3  # not restarted at 0: no bias-correction spike
     moment = next(iter(fresh_opt.state.values()))["exp_avg"]
     assert torch.equal(moment, torch.full_like(moment, 3.0))
