@@ -518,3 +518,32 @@ def test_group_step_count_survives_resume(tmp_path):
     assert fresh_opt.param_groups[0]["step"] == 3  # not restarted at 0: no bias-correction spike
     moment = next(iter(fresh_opt.state.values()))["exp_avg"]
     assert torch.equal(moment, torch.full_like(moment, 3.0))
+
+
+def _one_rank_cannot_read(root: str) -> str:
+    import engine.checkpoint.manager as manager
+
+    ps = parallel_state.initialize(1, 2)
+    ps.seed(0)
+    cfg = preset("gpt_tiny", vocab_size=100, hidden_size=16, num_heads=2, num_layers=1)
+    model = build_model(cfg)
+    save_checkpoint(root, 1, model=model, optimizer=None, ps=ps, state={})
+    if ps.rank == 1:  # e.g. a file system error on one node only
+
+        def broken(*args, **kwargs):
+            raise OSError("disk went away")
+
+        manager._read_rank = broken
+    try:
+        load_checkpoint(root, model=model, optimizer=None, ps=ps, log=lambda _: None)
+    except Exception as err:  # noqa: BLE001 - the test inspects it
+        return f"{type(err).__name__}: {err}"
+    return "loaded"
+
+
+def test_an_error_on_one_rank_reaches_every_rank_without_a_hang(tmp_path):
+    # 60 s is far more than a load of this model takes; a rank left waiting in the
+    # agreement all-gather would instead sit there until the 600 s collective timeout.
+    rank0, rank1 = run_ranks(_one_rank_cannot_read, 2, str(tmp_path / "ckpt"), timeout=60)
+    assert rank1 == "OSError: disk went away"
+    assert rank0.startswith("CheckpointError: loading") and "failed on rank 1" in rank0

@@ -259,8 +259,16 @@ def load_checkpoint(
     candidates = _candidates(root, say)
     problems = []
     for i, path in enumerate(candidates):
-        payload, err = _guard_damage(lambda p=path: _read_rank(p, model, optimizer, mesh))
-        errors = [e for e in mesh.all_gather(err and f"rank {mesh.rank}: {err}") if e]
+        payload, err, fatal = _guard_damage(lambda p=path: _read_rank(p, model, optimizer, mesh))
+        outcomes = mesh.all_gather((fatal is not None, err and f"rank {mesh.rank}: {err}"))
+        if fatal is not None:
+            raise fatal
+        fatal_ranks = [r for r, (is_fatal, _) in enumerate(outcomes) if is_fatal]
+        if fatal_ranks:
+            raise CheckpointError(
+                f"loading {path} failed on rank {fatal_ranks[0]} (its error is in that rank's log)"
+            )
+        errors = [e for _, e in outcomes if e]
         if errors:
             problems.append(f"{path.name}: {errors[0]}")
             nxt = candidates[i + 1].name if i + 1 < len(candidates) else None
@@ -276,9 +284,14 @@ def load_checkpoint(
     return None
 
 
-def _guard_damage(fn: Callable[[], Any]) -> tuple[Any, str | None]:
-    """Like _guard, but only damage is survivable: a mismatch with the model is raised."""
+def _guard_damage(fn: Callable[[], Any]) -> tuple[Any, str | None, BaseException | None]:
+    """(result, damage, fatal): damage (a CheckpointError) is survivable; anything else
+    (a mismatch with the model, an OS error) is fatal, and is returned rather than raised
+    so that every rank first reaches the agreement all-gather instead of waiting on this one.
+    """
     try:
-        return fn(), None
+        return fn(), None, None
     except CheckpointError as err:
-        return None, str(err)
+        return None, str(err), None
+    except Exception as err:  # noqa: BLE001 - re-raised on every rank after the all-gather
+        return None, None, err
