@@ -6,6 +6,7 @@ direct reads of the source files); statistical checks use binomial bounds stated
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -19,12 +20,13 @@ import torch
 from tokenizers import Tokenizer
 
 from engine.data import default_corpus
+from engine.data import preprocess as preprocess_module
 from engine.data.bert_dataset import IGNORE_INDEX, BertDataset
 from engine.data.blend import BlendedDataset, blend_assignment, split_documents
 from engine.data.gpt_dataset import GPTDataset
 from engine.data.indexed import IndexedDataset, IndexedDatasetWriter
 from engine.data.loader import DataIterator
-from engine.data.preprocess import SPECIAL_TOKENS, preprocess
+from engine.data.preprocess import SPECIAL_TOKENS, iter_documents, preprocess
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = REPO / "tools" / "preprocess_data.py"
@@ -193,6 +195,78 @@ def test_cli_success_and_errors(tmp_path: Path) -> None:
         done.stderr.strip() == f"preprocess_data.py: error: input not found: {tmp_path}/missing.txt"
     )
     assert not list(tmp_path.glob("cli2*")) and not list(tmp_path.glob("cli3*"))
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"), [(123, "int"), (None, "null"), (["a"], "list"), ({"a": "b"}, "dict")]
+)
+def test_jsonl_non_string_value_is_rejected(tmp_path: Path, value, kind: str) -> None:
+    path = tmp_path / "v.jsonl"
+    path.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": value}) + "\n")
+    with pytest.raises(ValueError) as err:
+        list(iter_documents([path], json_key="text"))
+    assert str(err.value) == f"{path}:2: value of 'text' is {kind}, expected a string"
+
+
+def test_output_prefix_in_missing_directory_is_created(tmp_path: Path) -> None:
+    paths = _write_texts(tmp_path, TEXTS[:2])
+    prefix = tmp_path / "nodir" / "sub" / "u1"
+    result = preprocess(paths, str(prefix), vocab_size=300, progress=False)
+    assert _decode_docs(result.prefix, result.tokenizer_path) == TEXTS[:2]
+    assert result.tokenizer_path == f"{prefix}.tokenizer.json"
+
+
+def _load_cli():
+    spec = importlib.util.spec_from_file_location("preprocess_data_cli", CLI)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("where", ["encode", "train"])
+def test_cli_interrupt_is_one_line_and_leaves_nothing(
+    tmp_path: Path, monkeypatch, capsys, where: str
+) -> None:
+    paths = _write_texts(tmp_path, TEXTS[:2])
+    before = sorted(tmp_path.iterdir())
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    target = "encode_to_indexed" if where == "encode" else "train_tokenizer"
+    monkeypatch.setattr(preprocess_module, target, interrupt)
+    cli = _load_cli()
+    argv = ["--no-progress", "--input", paths[0], "--input", paths[1]]
+    argv += ["--output-prefix", str(tmp_path / "out"), "--vocab-size", "300"]
+    try:
+        status = cli.main(argv)
+    except KeyboardInterrupt:  # escaping would abort the whole pytest session
+        pytest.fail("KeyboardInterrupt escaped main()")
+    assert status == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["preprocess_data.py: interrupted; nothing was written"]
+    assert sorted(tmp_path.iterdir()) == before  # no orphan PREFIX.tokenizer.json either
+
+
+def test_cli_directory_input_and_corrupt_tokenizer(tmp_path: Path) -> None:
+    (tmp_path / "adir").mkdir()
+    text = _write_texts(tmp_path, ["some text"])[0]
+    adir = tmp_path / "adir"
+    done = _cli("--input", str(adir), "--output-prefix", str(tmp_path / "o"), "--vocab-size", "300")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"preprocess_data.py: error: {adir} is a directory "
+        f"(pass files or a glob such as '{adir}/*.txt')"
+    ]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": "1.0" "model": }')
+    done = _cli("--input", text, "--output-prefix", str(tmp_path / "o"), "--tokenizer", str(bad))
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"preprocess_data.py: error: {bad}: not a tokenizer.json ("
+    ), done.stderr
+    assert not list(tmp_path.glob("o*"))
 
 
 def test_truncated_bin_and_bad_magic_are_rejected(tmp_path: Path) -> None:

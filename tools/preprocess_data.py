@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("preprocess_data.py: interrupted; nothing was written", file=sys.stderr)
+        return 130
     print(
         f"wrote {result.prefix}.bin/.idx: {result.num_docs} documents, "
         f"{result.num_tokens} tokens; tokenizer {result.tokenizer_path}"

@@ -6,6 +6,7 @@ import glob
 import json
 import multiprocessing
 import os
+import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,11 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
         raise FileNotFoundError("no input given")
     paths: list[Path] = []
     for pattern in patterns:
+        if not glob.has_magic(pattern) and os.path.isdir(pattern):
+            raise IsADirectoryError(
+                f"{pattern} is a directory (pass files or a glob such as "
+                f"'{os.path.join(pattern, '*.txt')}')"
+            )
         matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
         matches = [m for m in matches if os.path.isfile(m)]
         if not matches:
@@ -80,7 +86,13 @@ def iter_documents(paths: Sequence[Path], *, json_key: str | None = None) -> Ite
                     raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
                 if not isinstance(record, dict) or json_key not in record:
                     raise ValueError(f"{path}:{lineno}: JSON line has no key {json_key!r}")
-                yield str(record[json_key]), len(line)
+                value = record[json_key]
+                if not isinstance(value, str):
+                    kind = "null" if value is None else type(value).__name__
+                    raise ValueError(
+                        f"{path}:{lineno}: value of {json_key!r} is {kind}, expected a string"
+                    )
+                yield value, len(line)
 
 
 def new_bpe_tokenizer() -> Tokenizer:
@@ -130,7 +142,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a ``tokenizer.json``, requiring the end-of-document token."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"tokenizer not found: {path}")
-    tokenizer = Tokenizer.from_file(str(path))
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as err:  # the tokenizers library raises a bare Exception
+        raise ValueError(f"{path}: not a tokenizer.json ({err})") from None
     if tokenizer.token_to_id(EOD_TOKEN) is None:
         raise ValueError(f"{path}: tokenizer has no {EOD_TOKEN} token")
     return tokenizer
@@ -155,6 +170,8 @@ _worker_tokenizer: list[Tokenizer] = []
 def _init_worker(tokenizer_json: str) -> None:
     # One Rust thread per worker process: the process count is the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C is the parent's to handle: it tears the pool down; workers stay quiet.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tokenizer.append(_encoding_copy(tokenizer_json))
 
 
@@ -254,16 +271,18 @@ def preprocess(
     if (tokenizer_path is None) == (vocab_size is None):
         raise ValueError("give exactly one of a tokenizer to load or a vocab size to train")
     paths = expand_inputs(inputs)
+    tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
+    tokenizer_out = tokenizer_out or f"{output_prefix}.tokenizer.json"
+    # Fail (or succeed) on the output directories now, not after minutes of BPE training.
+    outputs = [output_prefix] if tokenizer is not None else [output_prefix, tokenizer_out]
+    for out in outputs:
+        os.makedirs(os.path.dirname(os.fspath(out)) or ".", exist_ok=True)
     docs: Callable[[], Iterator[Document]] = lambda: iter_documents(paths, json_key=json_key)
-    if tokenizer_path is not None:
-        tokenizer = load_tokenizer(tokenizer_path)
-    else:
+    if tokenizer is None:
         assert vocab_size is not None
         with _progress(progress, sized=False) as bar:
             bar.add_task(f"training BPE ({vocab_size} ids)", total=None)
             tokenizer = train_tokenizer((text for text, _ in docs()), vocab_size)
-        tokenizer_path = tokenizer_out or f"{output_prefix}.tokenizer.json"
-        save_tokenizer(tokenizer, tokenizer_path)
     num_docs, num_tokens = encode_to_indexed(
         docs(),
         tokenizer,
@@ -272,4 +291,8 @@ def preprocess(
         workers=workers,
         progress=progress,
     )
+    if tokenizer_path is None:
+        # Saved only once encoding succeeded: a failed run leaves no orphan tokenizer.
+        tokenizer_path = tokenizer_out
+        save_tokenizer(tokenizer, tokenizer_path)
     return PreprocessResult(output_prefix, str(tokenizer_path), num_docs, num_tokens)
