@@ -196,6 +196,8 @@ def _validate_data(cfg: Config) -> list[str]:
                 f"data.prefixes: {' and '.join(missing)} not found (make them with "
                 "tools/preprocess_data.py)"
             )
+    if d.weights and (min(d.weights) < 0 or sum(d.weights) <= 0):
+        problems.append(f"data.weights={list(d.weights)} must be >= 0 with a positive sum")
     if d.weights and len(d.weights) != len(d.prefixes):
         problems.append(
             f"data.weights has {len(d.weights)} entries for {len(d.prefixes)} data.prefixes"

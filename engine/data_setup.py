@@ -38,39 +38,79 @@ def resolve_data(data: DataConfig) -> DataConfig:
     return data
 
 
+BERT_SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[MASK]", "[PAD]")
+
+
+def check_data(cfg: Config) -> list[str]:
+    """Problems of resolved data paths (one line each), found before any worker starts."""
+    d, problems = cfg.data, []
+    try:
+        tokenizer = load_tokenizer(d)
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
+        return [f"data.tokenizer: {d.tokenizer} is not a tokenizer.json ({err})"]
+    vocab = tokenizer.get_vocab_size()
+    if vocab > cfg.model.vocab_size:  # ids past the embedding would be silently zeroed at tp>1
+        problems.append(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                        f"tokenizer's vocabulary ({vocab}, {d.tokenizer}); set model.vocab_size={vocab}")  # fmt: skip
+    if cfg.model.arch == "bert":
+        missing = [t for t in BERT_SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
+        if missing:
+            problems.append(f"data.tokenizer: {d.tokenizer} lacks BERT's special tokens "
+                            f"{missing} (tools/preprocess_data.py adds them when it trains one)")  # fmt: skip
+    for prefix in d.prefixes:
+        try:
+            indexed = IndexedDataset(prefix)
+        except ValueError as err:
+            problems.append(f"data.prefixes: {err}")
+            continue
+        start, end = split_documents(len(indexed), d.split)["train"]
+        tokens = int(indexed.doc_offsets[end] - indexed.doc_offsets[start])
+        if tokens < d.seq_len + 1:
+            problems.append(f"data.prefixes: the train split of {prefix} holds {tokens} tokens, "
+                            f"fewer than data.seq_len + 1 = {d.seq_len + 1}; lower data.seq_len "
+                            "or add data")  # fmt: skip
+    return problems
+
+
 def load_tokenizer(data: DataConfig) -> Tokenizer:
     """The tokenizer that made the data."""
     return Tokenizer.from_file(data.tokenizer)
 
 
-def _dataset(cfg: Config, split: str, tokenizer: Tokenizer):
-    d, parts = cfg.data, []
+def _part(cfg: Config, i: int, prefix: str, split: str, tokenizer: Tokenizer):
+    d = cfg.data
+    indexed = IndexedDataset(prefix)
+    docs = split_documents(len(indexed), d.split)[split]
+    seed = d.seed + 1000 * i + {"train": 0, "valid": 1, "test": 2}[split]
+    if cfg.model.arch == "gpt":
+        return GPTDataset(indexed, d.seq_len, seed=seed, doc_range=docs)
+    names = ("cls_id", "sep_id", "mask_id", "pad_id")  # check_data made sure they exist
+    ids = {k: tokenizer.token_to_id(t) for k, t in zip(names, BERT_SPECIAL_TOKENS, strict=True)}
+    return BertDataset(indexed, d.seq_len, seed=seed, doc_range=docs,
+                       vocab_size=tokenizer.get_vocab_size(), **ids)  # fmt: skip
+
+
+def _dataset(cfg: Config, split: str, tokenizer: Tokenizer) -> tuple[object, list[str]]:
+    """The (blended) dataset of ``split`` and notes on prefixes left out of it.
+
+    Training needs every prefix; an evaluation split drops a prefix whose part is too
+    small to hold one sequence (and says so) rather than losing validation altogether.
+    """
+    d, parts, weights, notes = cfg.data, [], [], []
     for i, prefix in enumerate(d.prefixes):
-        indexed = IndexedDataset(prefix)
-        docs = split_documents(len(indexed), d.split)[split]
-        seed = d.seed + 1000 * i + {"train": 0, "valid": 1, "test": 2}[split]
-        if cfg.model.arch == "gpt":
-            parts.append(GPTDataset(indexed, d.seq_len, seed=seed, doc_range=docs))
-            continue
-        ids = {k: tokenizer.token_to_id(t) for k, t in
-               (("cls_id", "[CLS]"), ("sep_id", "[SEP]"), ("mask_id", "[MASK]"), ("pad_id", "[PAD]"))}  # fmt: skip
-        missing = [k for k, v in ids.items() if v is None]
-        if missing:
-            raise ValueError(f"the tokenizer {d.tokenizer} lacks BERT's special tokens {missing}")
-        parts.append(
-            BertDataset(
-                indexed,
-                d.seq_len,
-                seed=seed,
-                doc_range=docs,
-                vocab_size=tokenizer.get_vocab_size(),
-                **ids,
-            )  # fmt: skip
-        )
+        try:
+            parts.append(_part(cfg, i, prefix, split, tokenizer))
+            weights.append(d.weights[i] if d.weights else 1.0)
+        except ValueError as err:
+            if split == "train":
+                raise
+            notes.append(f"{prefix} left out of the {split} split: {err}")
+    if not parts:
+        raise ValueError("; ".join(notes))
     if len(parts) == 1:
-        return parts[0]
+        return parts[0], notes
     size = max(_MIN_BLEND_SIZE, 2 * cfg.trainer.max_steps * cfg.trainer.global_batch)
-    return BlendedDataset(parts, d.weights or [1.0] * len(parts), size)
+    return BlendedDataset(parts, weights, size), notes
 
 
 @dataclass
@@ -80,7 +120,7 @@ class DataPipeline:
     train: DataIterator
     valid: DataIterator | None
     tokenizer: Tokenizer
-    no_valid_reason: str | None = None  # why there is no validation set, when there is none
+    valid_note: str | None = None  # why validation is missing or leaves a prefix out
 
 
 def build_pipeline(cfg: Config, dp_rank: int, dp_size: int) -> DataPipeline:
@@ -88,13 +128,14 @@ def build_pipeline(cfg: Config, dp_rank: int, dp_size: int) -> DataPipeline:
     tokenizer = load_tokenizer(cfg.data)
     t = cfg.trainer
     common = dict(micro_batch=t.micro_batch, dp_rank=dp_rank, dp_size=dp_size)
-    train = DataIterator(_dataset(cfg, "train", tokenizer), global_batch=t.global_batch, **common)
+    train_set, _ = _dataset(cfg, "train", tokenizer)
+    train = DataIterator(train_set, global_batch=t.global_batch, **common)
     try:
-        valid_set = _dataset(cfg, "valid", tokenizer)
-    except ValueError as err:  # a split too small to hold one sequence: train without it
+        valid_set, notes = _dataset(cfg, "valid", tokenizer)
+    except ValueError as err:  # no prefix can hold one validation sequence: train without
         return DataPipeline(train, None, tokenizer, f"validation split {cfg.data.split!r}: {err}")
     valid = DataIterator(valid_set, global_batch=t.micro_batch * dp_size, **common)
-    return DataPipeline(train, valid, tokenizer)
+    return DataPipeline(train, valid, tokenizer, "; ".join(notes) or None)
 
 
 def to_device(batch, device: torch.device):

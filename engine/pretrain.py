@@ -44,18 +44,40 @@ def prepare(cfg: Config) -> Config:
     from engine.data_setup import resolve_data
 
     cfg = dataclasses.replace(cfg, dp_size=dp_size, data=resolve_data(cfg.data))
-    from tokenizers import Tokenizer
-
     if not os.path.exists(cfg.data.tokenizer):
         _fail([f"data.tokenizer: {cfg.data.tokenizer} does not exist (pass data.tokenizer=PATH)"])
-    vocab = Tokenizer.from_file(cfg.data.tokenizer).get_vocab_size()
-    if vocab > cfg.model.vocab_size:  # ids past the embedding would be silently zeroed at tp>1
-        _fail([f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-               f"vocabulary ({vocab}, {cfg.data.tokenizer}); set model.vocab_size={vocab}"])  # fmt: skip
+    from engine.data_setup import check_data
+
+    problems = check_data(cfg) + _check_checkpoint_dir(cfg)
+    if problems:
+        _fail(problems)
     if cfg.model.sequence_parallel and cfg.data.seq_len % cfg.tp_size:
         _fail([f"data.seq_len={cfg.data.seq_len} is not divisible by tp_size={cfg.tp_size} "
                "(needed by model.sequence_parallel=true)"])  # fmt: skip
     return cfg
+
+
+def _check_checkpoint_dir(cfg: Config) -> list[str]:
+    """The checkpoint directory must be writable, and a fresh start must not clobber a run."""
+    from pathlib import Path
+
+    from engine.checkpoint.storage import step_dirs
+    from engine.trainer import checkpoint_dir
+
+    root = Path(checkpoint_dir(cfg))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        return [f"checkpoint.dir={root} is not writable: {err.strerror or err}"]
+    steps = sorted(step_dirs(root))
+    if steps and not cfg.checkpoint.resume:
+        return [f"checkpoint.resume=false but {root} already holds checkpoints (steps "
+                f"{', '.join(map(str, steps))}) that a fresh run would replace; choose another "
+                "checkpoint.dir, or delete that directory first"]  # fmt: skip
+    return []
 
 
 def _fail(problems: list[str]) -> None:

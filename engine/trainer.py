@@ -10,6 +10,7 @@ from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
+from rich.markup import escape
 
 import parallel_state
 from engine import flops
@@ -204,8 +205,9 @@ class Trainer:
                 f"already at step {self.step} >= trainer.max_steps={t.max_steps}: nothing to "
                 "train (raise trainer.max_steps to continue)"
             )
-        if self.data.no_valid_reason:
-            self.logger.print(f"[yellow]no validation:[/yellow] {self.data.no_valid_reason}")
+        if self.data.valid_note:
+            label = "validation" if self.data.valid is not None else "no validation"
+            self.logger.print(f"[yellow]{label}:[/yellow] {escape(self.data.valid_note)}")
         window: list[dict[str, float]] = []
         with maybe_profile(t.profile_steps, self.cfg.run_dir, self.ps.rank) as profiler_step:
             while self.step < t.max_steps:

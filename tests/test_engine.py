@@ -174,6 +174,46 @@ def test_data_checks_after_resolving_paths(corpus, tmp_path, capsys):
         assert len(err) == 1 and message in err[0], err
 
 
+def test_more_data_and_checkpoint_checks(corpus, tmp_path, capsys):
+    """Each problem found before workers start, one line each, naming what to change."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from engine.checkpoint.storage import INDEX
+    from engine.pretrain import prepare
+
+    prefix, tokenizer = corpus
+    plain = Tokenizer(models.BPE())  # a tokenizer without BERT's special tokens
+    plain.pre_tokenizer = pre_tokenizers.ByteLevel()
+    plain.train_from_iterator(["def f(x): return x"], trainers.BpeTrainer(vocab_size=300))
+    plain.save(str(tmp_path / "plain.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "a_file").write_text("")
+    taken = tmp_path / "taken"
+    (taken / "step_00000005").mkdir(parents=True)
+    (taken / "step_00000005" / INDEX).write_text("{}")
+    cases = [
+        ([f"data.tokenizer={tmp_path / 'bad.json'}"], "is not a tokenizer.json"),
+        (["model=bert_tiny", f"data.tokenizer={tmp_path / 'plain.json'}"],
+         "lacks BERT's special tokens ['[CLS]', '[SEP]', '[MASK]', '[PAD]']"),
+        (["model.max_positions=200000", "data.seq_len=150000"],
+         "fewer than data.seq_len + 1 = 150001; lower data.seq_len or add data"),
+        (["data.weights=[-1.0]"], "data.weights=[-1.0] must be >= 0 with a positive sum"),
+        ([f"checkpoint.dir={tmp_path / 'a_file' / 'ck'}"], "is not writable"),
+        ([f"checkpoint.dir={taken}", "checkpoint.resume=false"],
+         "already holds checkpoints (steps 5) that a fresh run would replace"),
+    ]  # fmt: skip
+    for overrides, message in cases:
+        base = [f"data.prefixes=[{prefix}]", "model.vocab_size=512", "tp_size=1", "dp_size=1"]
+        if not any(o.startswith("data.tokenizer=") for o in overrides):
+            base.append(f"data.tokenizer={tokenizer}")
+        with pytest.raises(SystemExit) as exit_info:
+            prepare(compose_config(*base, *overrides))
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (overrides, err)
+    assert (taken / "step_00000005" / INDEX).exists()  # nothing was touched
+
+
 def test_cli_rejects_unknown_key_and_bad_layout_without_traceback():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     unknown = subprocess.run([sys.executable, "-m", "engine.pretrain", "trainer.bogus=1"],

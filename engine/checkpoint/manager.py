@@ -193,8 +193,8 @@ def _read_rank(path: Path, model: ParallelModel, optimizer, mesh: _Mesh) -> dict
         check_compatible(model.cfg, ModelConfig.from_dict(index["model_config"]))
     except ValueError as err:
         raise ValueError(
-            f"{path} does not fit this model: {err} (choose another checkpoint.dir, or "
-            "checkpoint.resume=false to start afresh)"
+            f"{path} does not fit this model: {err} (choose another checkpoint.dir or name "
+            "for a new model; delete the directory only if its checkpoints are not wanted)"
         ) from None
     reader = ShardReader(path, index)
     params, states = {}, {}
