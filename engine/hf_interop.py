@@ -27,7 +27,7 @@ from einops import rearrange
 from safetensors.torch import load_file, save_file
 
 import parallel_state
-from engine.checkpoint_format import read_checkpoint, write_checkpoint
+from engine.checkpoint_format import META_FILE, read_checkpoint, write_checkpoint
 from engine.models import GPTModel, ModelConfig, ParallelModel, build_model
 from engine.verify import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 from layers.utils import gather_along
@@ -50,6 +50,18 @@ def qkv_from_meshtron(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig for a GPT-2 or BERT ``config.json``; unsupported variants raise."""
     kind = hf.get("model_type")
+    try:
+        values = _config_values(kind, hf)
+    except KeyError as missing:
+        raise ValueError(f"{kind} config.json lacks {missing}") from None
+    act = values.pop("act")
+    if act not in _ACTIVATIONS:
+        raise ValueError(f"activation {act!r} is not supported; use one of {sorted(_ACTIVATIONS)}")
+    tie = hf.get("tie_word_embeddings", True)
+    return ModelConfig(**values, activation=_ACTIVATIONS[act], tie_embeddings=tie)
+
+
+def _config_values(kind: str | None, hf: dict[str, Any]) -> dict[str, Any]:
     if kind == "gpt2":
         if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
             raise ValueError("only GPT-2 attention scaled by 1/sqrt(head_dim) is supported")
@@ -75,11 +87,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         )  # fmt: skip
     else:
         raise ValueError(f"model_type {kind!r} is not supported; use gpt2 or bert")
-    act = values.pop("act")
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"activation {act!r} is not supported; use one of {sorted(_ACTIVATIONS)}")
-    tie = hf.get("tie_word_embeddings", True)
-    return ModelConfig(**values, activation=_ACTIVATIONS[act], tie_embeddings=tie)
+    return values
 
 
 def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -203,23 +211,32 @@ def state_to_hf(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, to
     return {k: v.clone(memory_format=torch.contiguous_format) for k, v in hf.items()}
 
 
+def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ``config.json`` of a local HF directory; a clear error if there is none."""
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
+    return json.loads(path.read_text())
+
+
 def read_hf_dir(
     hf_dir: str | os.PathLike,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """(ModelConfig, meshtron full state dict, original config.json) of a local HF directory."""
     hf_dir = Path(hf_dir)
-    hf_config = json.loads((hf_dir / "config.json").read_text())
+    hf_config = read_hf_config(hf_dir)
+    cfg = config_from_hf(hf_config)
     index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (hf_dir / "model.safetensors").is_file():
+    # A single model.safetensors wins over an index, as in transformers' from_pretrained.
+    if (hf_dir / "model.safetensors").is_file():
         shards = ["model.safetensors"]
+    elif index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
         raise FileNotFoundError(f"{hf_dir} has no model.safetensors (only safetensors is read)")
     weights: dict[str, torch.Tensor] = {}
     for shard_name in shards:
         weights.update(load_file(str(hf_dir / shard_name)))
-    cfg = config_from_hf(hf_config)
     return cfg, state_from_hf(cfg, weights), hf_config
 
 
@@ -229,8 +246,14 @@ def write_hf_dir(
     state: dict[str, torch.Tensor],
     base_config: dict[str, Any] | None = None,
 ) -> None:
-    """Write ``config.json`` and ``model.safetensors`` that transformers' from_pretrained reads."""
+    """Write ``config.json`` and ``model.safetensors`` that transformers' from_pretrained reads.
+
+    ``hf_dir`` must not exist or be empty: stale files from another save (an index and its
+    shards) would otherwise sit beside the new weights.
+    """
     hf_dir = Path(hf_dir)
+    if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
+        raise FileExistsError(f"{hf_dir} exists and is not empty; export into a new directory")
     hf_dir.mkdir(parents=True, exist_ok=True)
     save_file(state_to_hf(cfg, state), str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
     text = json.dumps(config_to_hf(cfg, base_config), indent=2, sort_keys=True)
@@ -246,6 +269,12 @@ def import_hf(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> ModelCo
 
 def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelConfig:
     """Write a meshtron checkpoint back as a Hugging Face directory."""
+    if not (Path(ckpt_dir) / META_FILE).is_file():
+        raise FileNotFoundError(
+            f"{ckpt_dir} is not a meshtron model checkpoint (no {META_FILE}); for a training "
+            "checkpoint root pass ROOT/final, or first run python tools/checkpoint.py "
+            "export-model ROOT --out DIR"
+        )
     ckpt = read_checkpoint(ckpt_dir)
     write_hf_dir(hf_dir, ckpt.config, ckpt.state, ckpt.extra.get("hf_config"))
     return ckpt.config
@@ -258,6 +287,13 @@ def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelCo
 # (0.5 at 100): 8 mantissa bits, rounded differently by each implementation in every op,
 # give about 1e-2 (observed 0.9% on 4-layer tiny models).
 HF_TOLERANCES = {"float64": 1e-8, "float32": 1e-4, "bfloat16": 3e-2}
+
+
+def check_hf_layout(spec: VerifySpec, hf_dir: str | os.PathLike) -> None:
+    """Raise ValueError (or OSError) if :func:`compare_with_hf` cannot run ``hf_dir``'s model
+    at ``spec``'s layout: heads, hidden, FFN and batch against TP and DP, before any launch."""
+    cfg = config_from_hf(read_hf_config(hf_dir))
+    replace(spec, seq_len=min(spec.seq_len, cfg.max_positions)).check(cfg)
 
 
 def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:

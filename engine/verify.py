@@ -69,15 +69,19 @@ class VerifySpec:
         """Relative tolerance for this dtype."""
         return TOLERANCES[self.dtype]
 
-    def check(self) -> None:
-        """Raise ValueError naming the numbers if this layout cannot split the batch/model."""
+    def check(self, model_config: ModelConfig | None = None) -> None:
+        """Raise ValueError naming the numbers if this layout cannot split the batch/model
+        (``model_config``, by default :meth:`model_config`)."""
+        for key in ("tp_size", "dp_size", "steps", "batch_size", "seq_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         if self.batch_size % self.dp_size:
             raise ValueError(f"batch {self.batch_size} is not divisible by dp_size {self.dp_size}")
         if self.sequence_parallel and self.seq_len % self.tp_size:
             raise ValueError(
                 f"sequence parallelism needs seq {self.seq_len} divisible by tp_size {self.tp_size}"
             )
-        self.model_config().validate(self.tp_size)
+        (model_config or self.model_config()).validate(self.tp_size)
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
         """The target's config, or with ``reference=True`` the plain unsplit one."""
@@ -118,8 +122,8 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        """Whether every row is within tolerance."""
-        return self.first_failure is None
+        """Whether at least one tensor was compared and every row is within tolerance."""
+        return bool(self.rows) and self.first_failure is None
 
 
 def compare(

@@ -5,18 +5,20 @@ vocabulary (1001) does not divide by the TP size, so the padding path is exercis
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import parallel_state
-from engine.hf_interop import HF_TOLERANCES, compare_with_hf, export_hf, import_hf
+from engine.hf_interop import HF_TOLERANCES, compare_with_hf, export_hf, import_hf, read_hf_dir
 from engine.verify import VerifySpec
 from tests.multiproc import run_ranks
 
@@ -121,3 +123,69 @@ def test_command_line_tools(hf_dirs, tmp_path):
     last = verified.stdout.strip().splitlines()[-1]
     assert last.startswith("max abs logit error: "), last
     assert float(last.split(": ")[1]) <= 1e-4
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_single_file_wins_over_stale_index_and_export_refuses_a_full_dir(hf_dirs, tmp_path):
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_dirs["gpt"], hf)
+    # A stale sharded save beside the current model.safetensors: transformers reads the latter.
+    stale = {k: v + 1 for k, v in load_file(str(hf / "model.safetensors")).items()}
+    save_file(stale, str(hf / "model-00001-of-00001.safetensors"))
+    index = {"weight_map": {k: "model-00001-of-00001.safetensors" for k in stale}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    _, state, _ = read_hf_dir(hf)
+    _, fresh, _ = read_hf_dir(hf_dirs["gpt"])
+    assert all(torch.equal(state[k], fresh[k]) for k in fresh)
+    import_hf(hf_dirs["gpt"], tmp_path / "ckpt")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_hf(tmp_path / "ckpt", hf)
+    export_hf(tmp_path / "ckpt", tmp_path / "empty")  # a new directory is fine
+
+
+def test_convert_hf_user_errors_are_one_line(hf_dirs, tmp_path, capsys):
+    main = _tool("convert_hf")
+    bad_type = tmp_path / "llama"
+    bad_type.mkdir()
+    (bad_type / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    mlm = tmp_path / "mlm"
+    transformers.BertForMaskedLM(
+        transformers.BertConfig(hidden_size=48, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=96, vocab_size=101, max_position_embeddings=16)
+    ).save_pretrained(mlm)  # fmt: skip
+    root = tmp_path / "run"
+    (root / "final").mkdir(parents=True)
+    import_hf(hf_dirs["gpt"], tmp_path / "ckpt")
+    capsys.readouterr()  # drop save_pretrained's progress bar
+    cases = [
+        (["import", "--hf-dir", str(tmp_path), "--out", str(tmp_path / "o1")], "no config.json"),
+        (["import", "--hf-dir", str(bad_type), "--out", str(tmp_path / "o2")], "'llama'"),
+        (["import", "--hf-dir", str(mlm), "--out", str(tmp_path / "o3")], "BertForPreTraining"),
+        (["export", "--ckpt", str(root), "--out", str(tmp_path / "o4")], "ROOT/final"),
+        (["export", "--ckpt", str(tmp_path / "ckpt"), "--out", hf_dirs["gpt"]], "not empty"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("convert_hf.py: error: ") and err.count("\n") == 1, err
+        assert expected in err, err
+
+
+def test_verify_rejects_bad_hf_layouts_before_launching(hf_dirs, capsys):
+    main = _tool("verify_equivalence")
+    for flags, expected in (
+        (["--tp-size", "3"], "num_heads=4 is not divisible by tp_size=3"),
+        (["--dp-size", "3"], "batch 4 is not divisible by dp_size 3"),
+        (["--tp-size", "0"], "tp_size=0 must be >= 1"),
+        (["--steps", "0"], "steps=0 must be >= 1"),
+    ):
+        assert main(["--hf-dir", hf_dirs["gpt"], *flags]) == 2, flags
+        assert expected in capsys.readouterr().err, flags
+    assert main(["--hf-dir", "/nonexistent", "--tp-size", "1"]) == 2
+    assert "no config.json" in capsys.readouterr().err

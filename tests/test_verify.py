@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import layers.mappings
 import parallel_state
-from engine.verify import VerifySpec, compare, compare_layouts
+from engine.verify import Report, VerifySpec, compare, compare_layouts
 from layers.utils import SP_GRAD_ATTR
 from tests.multiproc import run_ranks
 
@@ -95,3 +95,11 @@ def test_compare_is_relative_to_the_reference_scale():
     assert not compare("grad", "w", want[:2], want, 1.0).ok  # shape mismatch always fails
     assert not compare("grad", "w", torch.ones(2), torch.zeros(2), 1e-3).ok
     assert compare("logits", "x", torch.ones(2), torch.zeros(2), 1.0, absolute=True).ok
+
+
+def test_spec_rejects_empty_layouts_and_an_empty_report_fails():
+    for bad in (dict(tp_size=0), dict(dp_size=0), dict(steps=0), dict(tp_size=5)):
+        with pytest.raises(ValueError):
+            VerifySpec(**bad).check()
+    VerifySpec(tp_size=4, dp_size=2).check()
+    assert not Report(VerifySpec(), 1e-10, []).ok  # having compared nothing is no pass

@@ -5,8 +5,9 @@
 
 Import reads a local ``save_pretrained`` directory (config.json + safetensors weights) of
 a GPT2LMHeadModel or BertForPreTraining; the checkpoint loads at any TP size. Export
-writes config.json + model.safetensors that transformers' from_pretrained reads; an
-import followed by an export reproduces every tensor bit for bit.
+writes config.json + model.safetensors that transformers' from_pretrained reads, into a
+new or empty directory; an import followed by an export reproduces every tensor bit for
+bit. A bad input ends in one ``convert_hf.py: error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -35,12 +36,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the chosen conversion and print what was converted."""
+    """Run the chosen conversion and print what was converted; exit 2 on a bad input."""
     args = parse_args(argv)
-    if args.command == "import":
-        cfg = import_hf(args.hf_dir, args.out)
-    else:
-        cfg = export_hf(args.ckpt, args.out)
+    try:
+        if args.command == "import":
+            cfg = import_hf(args.hf_dir, args.out)
+        else:
+            cfg = export_hf(args.ckpt, args.out)
+    except (OSError, ValueError, KeyError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"convert_hf.py: error: {message}", file=sys.stderr)
+        return 2
     print(
         f"{args.command}ed {cfg.arch}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_heads} heads, vocab {cfg.vocab_size} -> {args.out}"

@@ -27,7 +27,7 @@ from rich.table import Table
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.hf_interop import HF_TOLERANCES, compare_with_hf  # noqa: E402
+from engine.hf_interop import HF_TOLERANCES, check_hf_layout, compare_with_hf  # noqa: E402
 from engine.verify import (  # noqa: E402
     TOLERANCES,
     Report,
@@ -80,7 +80,9 @@ def render(report: Report, console: Console, *, failing_only: bool, hf: bool) ->
         console.print(table)
     first = report.first_failure
     measure = "absolute" if report.absolute else "relative"
-    if first is None:
+    if not report.rows:
+        console.print("[bold red]nothing was compared[/bold red]")
+    elif first is None:
         console.print(
             f"all {len(report.rows)} tensors within {measure} tolerance {report.tolerance:g}"
         )
@@ -90,7 +92,7 @@ def render(report: Report, console: Console, *, failing_only: bool, hf: bool) ->
             f"(max abs {first.max_abs:.3e}, max rel {first.max_rel:.3e}; {measure} tolerance "
             f"{report.tolerance:g})"
         )
-    if hf:
+    if hf and report.rows:
         print(f"max abs logit error: {max(r.max_abs for r in report.rows):.6e}")
 
 
@@ -105,9 +107,11 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )  # fmt: skip
     try:
-        if not args.hf_dir:
+        if args.hf_dir:
+            check_hf_layout(spec, args.hf_dir)
+        else:
             spec.check()
-    except ValueError as err:
+    except (OSError, ValueError) as err:
         print(f"verify_equivalence: {err}", file=sys.stderr)
         return 2
     task, extra = (compare_with_hf, (args.hf_dir,)) if args.hf_dir else (compare_layouts, ())
