@@ -47,6 +47,18 @@ class Checkpoint:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.save_file`` with the permissions the umask gives ordinary files.
+
+    safetensors creates its files 0600, which would shut teammates on a shared cluster out
+    of checkpoints and exported models.
+    """
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_checkpoint(
     directory: str | os.PathLike,
     state: dict[str, torch.Tensor],
@@ -63,7 +75,7 @@ def write_checkpoint(
         # clone: safetensors refuses tensors that share storage (tied or unbound views).
         tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
                    for k, v in state.items()}  # fmt: skip
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "meshtron"})
+        save_tensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "meshtron"})
         meta = {"format_version": FORMAT_VERSION, "model_config": config.to_dict(),
                 "extra": extra or {}}  # fmt: skip
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 from einops import rearrange
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import parallel_state
-from engine.checkpoint_format import META_FILE, read_checkpoint, write_checkpoint
+from engine.checkpoint_format import META_FILE, read_checkpoint, save_tensors, write_checkpoint
 from engine.models import GPTModel, ModelConfig, ParallelModel, build_model
 from engine.verify import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 from layers.utils import gather_along
@@ -255,7 +255,7 @@ def write_hf_dir(
     if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
         raise FileExistsError(f"{hf_dir} exists and is not empty; export into a new directory")
     hf_dir.mkdir(parents=True, exist_ok=True)
-    save_file(state_to_hf(cfg, state), str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(state_to_hf(cfg, state), hf_dir / "model.safetensors", metadata={"format": "pt"})
     text = json.dumps(config_to_hf(cfg, base_config), indent=2, sort_keys=True)
     (hf_dir / "config.json").write_text(text + "\n")
 

@@ -547,3 +547,21 @@ def test_an_error_on_one_rank_reaches_every_rank_without_a_hang(tmp_path):
     rank0, rank1 = run_ranks(_one_rank_cannot_read, 2, str(tmp_path / "ckpt"), timeout=60)
     assert rank1 == "OSError: disk went away"
     assert rank0.startswith("CheckpointError: loading") and "failed on rank 1" in rank0
+
+
+def test_weight_files_get_ordinary_umask_permissions(tmp_path):
+    """safetensors alone writes 0600 files; teammates on a shared cluster must read them."""
+    from engine.checkpoint_format import save_model
+
+    old = os.umask(0o022)
+    try:
+        cfg = preset("gpt_tiny", vocab_size=100, hidden_size=16, num_heads=2, num_layers=1)
+        model = build_model(cfg)
+        save_checkpoint(tmp_path / "run", 1, model=model, optimizer=None, ps=None, state={})
+        save_model(model, tmp_path / "final")
+    finally:
+        os.umask(old)
+    files = list((tmp_path / "run").glob("step_*/*.safetensors")) + [
+        tmp_path / "final" / "model.safetensors"
+    ]
+    assert files and all(f.stat().st_mode & 0o777 == 0o644 for f in files), files

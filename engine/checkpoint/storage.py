@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from engine.checkpoint.layout import Box, TensorSpec, box_numel, intersect
+from engine.checkpoint_format import save_tensors
 
 FORMAT = "meshtron-train-checkpoint"
 VERSION = 1
@@ -67,7 +67,7 @@ def sha256_file(path: Path) -> str:
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], boxes: dict[str, Box]) -> dict:
     """Write one rank's slices as safetensors, fsync it, and return its index record."""
     data = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
-    save_file(data, str(path), metadata={"format": FORMAT})
+    save_tensors(data, path, metadata={"format": FORMAT})
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
     slices = {name: [list(pair) for pair in boxes[name]] for name in sorted(data)}
