@@ -565,3 +565,13 @@ def test_weight_files_get_ordinary_umask_permissions(tmp_path):
         tmp_path / "final" / "model.safetensors"
     ]
     assert files and all(f.stat().st_mode & 0o777 == 0o644 for f in files), files
+
+
+def test_inspect_explains_a_model_only_directory(tmp_path):
+    from engine.checkpoint.convert import resolve
+    from engine.checkpoint_format import save_model
+
+    cfg = preset("gpt_tiny", vocab_size=100, hidden_size=16, num_heads=2, num_layers=1)
+    save_model(build_model(cfg), tmp_path / "final")
+    with pytest.raises(CheckpointError, match="is a model-only export"):
+        resolve(tmp_path / "final")

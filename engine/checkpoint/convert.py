@@ -17,10 +17,11 @@ from engine.checkpoint.storage import (
     read_latest,
     remove_stale_temps,
     step_dir_name,
+    step_dirs,
     write_index,
     write_shard,
 )
-from engine.checkpoint_format import write_checkpoint
+from engine.checkpoint_format import META_FILE, write_checkpoint
 from engine.models import ModelConfig
 
 
@@ -31,6 +32,17 @@ def resolve(path: str | Path) -> Path:
         return path
     if (path / LATEST).exists():
         return path / step_dir_name(read_latest(path))
+    if (path / META_FILE).exists():
+        raise CheckpointError(
+            f"{path} is a model-only export (meshtron.json + model.safetensors), not a training "
+            "checkpoint: tools/convert_hf.py export --ckpt reads it, any TP size loads it"
+        )
+    steps = step_dirs(path)
+    if steps:  # a root whose latest pointer is missing: name what is there
+        newest = steps[max(steps)]
+        raise CheckpointError(
+            f"{path} has no latest pointer; inspect a step directory, e.g. {newest}"
+        )
     raise CheckpointError(f"{path} is neither a checkpoint step directory nor a checkpoint root")
 
 
