@@ -225,3 +225,19 @@ def test_cli_rejects_unknown_key_and_bad_layout_without_traceback():
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip() == "config error: model.num_heads=4 is not divisible by tp_size=3"
+
+
+@pytest.mark.parametrize(
+    "name", ["gpt_tiny", "gpt_125m", "gpt_350m", "gpt_1.3b", "bert_tiny", "bert_base", "bert_large"]
+)
+def test_model_yaml_matches_its_preset_and_validates(name):
+    """configs/model/*.yaml only choose values: they must agree with engine's presets
+    (gpt_tiny's vocabulary is the embedded corpus's, 8192) and be valid at tp=1, 2 and 4."""
+    from engine.models.config import PRESETS
+
+    model = compose_config(f"model={name}").model
+    for key, value in PRESETS[name].items():
+        if not (name == "gpt_tiny" and key == "vocab_size"):
+            assert getattr(model, key) == value, (name, key)
+    for tp in (1, 2, 4):
+        model.validate(tp)
