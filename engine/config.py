@@ -40,7 +40,7 @@ class OptimConfig:
     lr: float = 6e-4  # peak learning rate
     min_lr: float = 6e-5  # learning rate at the end of the cosine decay
     warmup_steps: int = 20  # linear warmup from 0 to lr
-    decay_steps: int | None = None  # cosine length after warmup; None: until trainer.max_steps
+    decay_steps: int | None = None  # cosine length after warmup; None: max_steps - warmup
     weight_decay: float = 0.1  # decoupled weight decay (not on biases and norms)
     beta1: float = 0.9  # Adam β1
     beta2: float = 0.95  # Adam β2
@@ -61,7 +61,7 @@ class TrainerConfig:
     seed: int = 1234  # model init and dropout seed
     log_every: int = 10  # console/TensorBoard interval in steps
     eval_every: int = 50  # validation interval in steps; 0 disables
-    eval_batches: int = 4  # validation micro-batches per evaluation
+    eval_batches: int = 4  # validation micro-batches per evaluation (the same at any layout)
     grad_bucket_mb: float = 25.0  # DP all-reduce bucket size
     tensorboard: bool = True  # write TensorBoard scalars under the run directory
     wandb_project: str | None = None  # log to Weights & Biases when set (wandb must be installed)
@@ -74,6 +74,9 @@ class TrainerConfig:
     progress: bool = True  # rich progress bar on rank 0
     max_restarts: int = 0  # self-launched workers: restart them this often after a failure
     fail_at_step: int = 0  # fault injection: rank 1 dies after this step, once per checkpoint dir
+    # Failures stop the run with one line and a non-zero exit (issue 10):
+    max_bad_steps: int = 10  # bad steps in a row (non-finite, fp16 overflow) that stop the run
+    collective_timeout_s: float = 600.0  # no progress this long (a frozen peer) stops; 0: off
 
 
 @dataclass
@@ -178,6 +181,9 @@ def validate(cfg: Config, dp_size: int, world_size: int | None = None) -> list[s
         )
     if cfg.optim.distributed and cfg.optim.impl == "apex":
         problems.append("optim.distributed=true (ZeRO-1) runs torch's AdamW: set optim.impl=auto")
+    if t.max_bad_steps < 1 or t.collective_timeout_s < 0:
+        problems.append(f"trainer.max_bad_steps={t.max_bad_steps} must be >= 1 and "
+                        f"trainer.collective_timeout_s={t.collective_timeout_s} >= 0 (0: off)")  # fmt: skip
     if t.max_restarts < 0:
         problems.append(f"trainer.max_restarts={t.max_restarts} must be >= 0")
     if t.profile_steps and (len(t.profile_steps) != 2 or t.profile_steps[0] > t.profile_steps[1]):

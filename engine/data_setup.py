@@ -134,7 +134,10 @@ def build_pipeline(cfg: Config, dp_rank: int, dp_size: int) -> DataPipeline:
         valid_set, notes = _dataset(cfg, "valid", tokenizer)
     except ValueError as err:  # no prefix can hold one validation sequence: train without
         return DataPipeline(train, None, tokenizer, f"validation split {cfg.data.split!r}: {err}")
-    valid = DataIterator(valid_set, global_batch=t.micro_batch * dp_size, **common)
+    # Not sharded here: the trainer evaluates a fixed set of micro-batches, the same at
+    # every layout, and deals them out over DP itself.
+    valid = DataIterator(valid_set, global_batch=t.micro_batch, micro_batch=t.micro_batch,
+                         dp_rank=0, dp_size=1)  # fmt: skip
     return DataPipeline(train, valid, tokenizer, "; ".join(notes) or None)
 
 

@@ -12,6 +12,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from engine.watchdog import run_log_path
+
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak allocated GPU memory, or the process's peak resident memory on CPU, in GiB."""
@@ -58,16 +60,24 @@ def format_step_line(step: int, max_steps: int, m: dict[str, float | None]) -> s
 
 
 class RunLogger:
-    """Console, progress bar and metric sinks; only the first rank prints and writes."""
+    """Console, progress bar and metric sinks; only the first rank prints and writes.
+
+    Every console line also goes, as plain text, to the run log (``pretrain.log`` in the
+    run directory, the file Hydra names after the job).
+    """
 
     def __init__(self, *, enabled: bool, run_dir: str, max_steps: int, tensorboard: bool,
                  wandb_project: str | None, config: dict, progress: bool) -> None:  # fmt: skip
         self.enabled = enabled
         self.console = Console(stderr=False, highlight=False)
         self.writer = self.wandb = None
-        self.progress = None
+        self.progress = self.log_file = None
         if not enabled:
             return
+        os.makedirs(run_dir, exist_ok=True)
+        self.log_file = open(run_log_path(run_dir), "a")  # noqa: SIM115 - closed in close()
+        self.file_console = Console(file=self.log_file, color_system=None, highlight=False,
+                                    force_terminal=False)  # fmt: skip
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -89,6 +99,9 @@ class RunLogger:
         """Print on the first rank only (above the progress bar)."""
         if self.enabled:
             self.console.print(*args, soft_wrap=True, **kwargs)  # log lines stay one line
+            if not self.log_file.closed:
+                self.file_console.print(*args, soft_wrap=True, **kwargs)
+                self.log_file.flush()
 
     def advance(self, step: int, status: str) -> None:
         if self.progress is not None:
@@ -107,6 +120,8 @@ class RunLogger:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+        if self.log_file is not None:
+            self.log_file.close()
         if self.writer is not None:
             self.writer.close()
         if self.wandb is not None:

@@ -42,13 +42,41 @@ def build_optimizer(
     return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
 
 
+def decay_length(cfg: OptimConfig, max_steps: int) -> int:
+    """Steps of cosine decay after warmup: ``optim.decay_steps``, else to ``max_steps``.
+
+    The schedule's length is separate from where a run stops: with decay_steps fixed, a
+    run stopped early and resumed with a larger ``trainer.max_steps`` follows the same
+    schedule as one run to that step (past the end the rate stays at min_lr).
+    """
+    return cfg.decay_steps or max(1, max_steps - cfg.warmup_steps)
+
+
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
     """Learning rate after ``step`` optimizer steps: linear warmup, then cosine to min_lr."""
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    decay_steps = cfg.decay_steps or max(1, max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_length(cfg, max_steps))
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_change(saved: dict, cfg: OptimConfig, max_steps: int) -> str | None:
+    """A one-line note when resuming with ``cfg`` changes the saved run's cosine length.
+
+    ``saved`` is the checkpoint's config (a dict); None when the schedule is unchanged.
+    """
+    try:
+        before = decay_length(OptimConfig(**saved["optim"]), saved["trainer"]["max_steps"])
+    except (KeyError, TypeError):
+        return None
+    now = decay_length(cfg, max_steps)
+    if now == before:
+        return None
+    return (
+        f"note: the learning-rate schedule changed on resume (cosine decay over {before} "
+        f"steps after warmup, now {now}: trainer.max_steps moved its end); to continue the "
+        f"saved schedule pass optim.decay_steps={before}"
+    )
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -89,7 +117,13 @@ def _collective_device(group: dist.ProcessGroup) -> torch.device:
 
 
 def clip_grads_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-    """Scale gradients so that their global norm is at most ``max_norm``."""
+    """Scale gradients so that their global norm is at most ``max_norm``.
+
+    A non-finite ``norm`` raises ValueError: no coefficient can fix such gradients, and
+    the step must be skipped (the trainer's bad-step guard does so before clipping).
+    """
+    if not math.isfinite(norm.item()):
+        raise ValueError(f"gradient norm is {norm.item()}: skip the step instead of clipping")
     if max_norm <= 0:
         return
     coef = max_norm / (norm.item() + 1e-6)

@@ -7,7 +7,9 @@
   ``trainer.max_restarts=N`` here); the restarted workers resume from the newest checkpoint.
 
 The config is validated, and the embedded corpus built, before any worker starts: a bad
-config prints one line per problem and exits with status 2.
+config prints one line per problem and exits with status 2. A worker that fails prints one
+line (its traceback goes to the run log, ``pretrain.log`` in the run directory) and exits
+non-zero: 3 when the run stopped itself (bad steps, a frozen or lost peer), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -86,13 +88,22 @@ def _fail(problems: list[str]) -> None:
     raise SystemExit(2)
 
 
+def run_rank(cfg: Config) -> dict:
+    """One worker: train, and turn a failure into one console line and an exit status."""
+    from engine.trainer import run_worker
+    from engine.watchdog import report_failure
+
+    try:
+        return run_worker(cfg)
+    except Exception as err:  # noqa: BLE001 - reported in one line, traceback in the run log
+        raise SystemExit(report_failure(err, cfg.run_dir, detect_launch().rank)) from None
+
+
 def launch(cfg: Config) -> dict:
     """Run the job on this process, or start tp × dp local workers if no launcher did."""
-    from engine.trainer import run_worker
-
     world = cfg.tp_size * cfg.dp_size
     if detect_launch().launcher != "none" or world == 1:
-        return run_worker(cfg)
+        return run_rank(cfg)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -106,7 +117,22 @@ def launch(cfg: Config) -> dict:
         # workers' gloo rendezvous reads the dead workers' stale addresses; a store per
         # attempt (hosted by the new rank 0) starts each attempt clean.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    results = elastic_launch(config, run_worker)(cfg)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from engine.elastic_report import reporting, resume_step
+    from engine.trainer import checkpoint_dir
+    from engine.watchdog import run_log_path
+
+    with reporting(cfg.run_dir, lambda: resume_step(checkpoint_dir(cfg))) as report:
+        try:
+            results = elastic_launch(config, run_rank)(cfg)
+        except ChildFailedError as err:
+            rank, failure = err.get_first_failure()
+            report.failure = (rank, failure.exitcode)
+            print(f"{report.who()}; no restart left (trainer.max_restarts="
+                  f"{cfg.trainer.max_restarts}); details in {run_log_path(cfg.run_dir)}",
+                  file=sys.stderr)  # fmt: skip
+            raise SystemExit(1) from None
     return results.get(0, {})
 
 

@@ -19,6 +19,7 @@ from engine.config import Config
 from engine.data_setup import build_pipeline, to_device
 from engine.generate import generate
 from engine.grad_sync import GradSync
+from engine.guard import BadStepGuard
 from engine.models import build_model
 from engine.observe import RunLogger, format_step_line, maybe_profile, window_metrics
 from engine.optim import (
@@ -27,8 +28,10 @@ from engine.optim import (
     clip_grads_,
     global_grad_norm,
     lr_at,
+    schedule_change,
     set_lr,
 )
+from engine.watchdog import Watchdog
 from engine.zero import ZeroOptimizer
 from parallel_state import ParallelState
 from parallel_state.launcher import detect_launch
@@ -56,8 +59,9 @@ class Trainer:
     continues from the newest one (at any layout).
     """
 
-    def __init__(self, cfg: Config, ps: ParallelState) -> None:
+    def __init__(self, cfg: Config, ps: ParallelState, watch: Watchdog | None = None) -> None:
         self.cfg, self.ps, self.device = cfg, ps, ps.device
+        self.watch = watch or Watchdog(0, rank=ps.rank, run_dir=cfg.run_dir)
         self.precision = resolve_precision(cfg.trainer.precision, ps.device)
         ps.seed(cfg.trainer.seed)
         self.model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
@@ -84,6 +88,7 @@ class Trainer:
             tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
             config=asdict(cfg), progress=cfg.trainer.progress,
         )  # fmt: skip
+        self.guard = BadStepGuard(cfg.trainer.max_bad_steps, ps.device, self.logger.print)
         self.step = self._saved_step = 0
         self._last_eval: dict[str, float] | None = None
         self.history: list[tuple[int, float]] = []
@@ -110,8 +115,17 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def _mark(self, what: str, group: str, step: int | None = None) -> None:
+        """Tell the watchdog what this rank does now and which group it may wait on."""
+        if group == "model":  # the model's collectives: TP, or the DP buckets at tp=1
+            group = "tp" if self.ps.tp_size > 1 else "dp"
+        ranks = {"tp": self.ps.tp_ranks, "dp": self.ps.dp_ranks}
+        members = ranks.get(group, list(range(self.ps.world_size)))
+        self.watch.mark(what, self.step if step is None else step, group, members)
+
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns this rank's step metrics."""
+        self._mark("forward/backward", "model", self.step + 1)
         micro_batches = self.data.train.next_step()
         start = self._sync_time()
         total = torch.zeros((), device=self.device)
@@ -123,9 +137,11 @@ class Trainer:
                 (loss * self.scaler.scale if self.scaler else loss).backward()
             total += loss.detach().float()
         comm_start = self._sync_time()
+        self._mark("gradient all-reduce", "dp", self.step + 1)
         grads = self._reduce_grads()
         comm = self._sync_time() - comm_start
         skipped = False
+        self._mark("gradient norm and optimizer step", "model", self.step + 1)
         if self.scaler is not None:
             skipped = self.scaler.found_overflow(grads)
             if not skipped:
@@ -136,7 +152,9 @@ class Trainer:
         else:
             norm = global_grad_norm(self.params, self.ps.tp_group)
         lr = lr_at(self.step, self.cfg.optim, self.cfg.trainer.max_steps)
-        if not skipped:
+        scale = self.scaler and self.scaler.scale
+        if not self.guard.check(self.step + 1, total.item(), norm.item(), overflow=skipped,
+                                loss_scale=scale):  # fmt: skip
             clip_grads_(grads, self.cfg.optim.clip_grad, norm)
             set_lr(self.optimizer, lr)
             self.optimizer.step()
@@ -155,24 +173,32 @@ class Trainer:
 
     def _dp_mean(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self._mark("loss average", "dp")
         if self.ps.dp_size > 1:
             dist.all_reduce(t, group=self.ps.dp_group)
         return t.item() / self.ps.dp_size
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
-        """Mean validation loss (and perplexity) over ``trainer.eval_batches`` micro-batches."""
-        if self.data.valid is None or self.cfg.trainer.eval_batches < 1:
+        """Mean validation loss (and perplexity) over a fixed set of sequences.
+
+        The set is the validation split's first ``trainer.eval_batches`` micro-batches,
+        the same at every layout; micro-batch j runs on DP rank j mod dp_size, and the
+        mean is over micro-batches, so the result does not depend on dp_size.
+        """
+        t = self.cfg.trainer
+        if self.data.valid is None or t.eval_batches < 1:
             return None
         self.model.eval()
-        self.data.valid.consumed_samples = 0  # the same validation batches every time
-        losses = []
-        for _ in range(self.cfg.trainer.eval_batches):
-            for micro in self.data.valid.next_step():
+        self._mark("evaluation", "model")
+        total = 0.0
+        for j in range(self.ps.dp_rank, t.eval_batches, self.ps.dp_size):
+            self.data.valid.consumed_samples = j * self.data.valid.global_batch
+            for micro in self.data.valid.next_step():  # one micro-batch
                 with self._autocast():
-                    losses.append(self._loss(micro).float().item())
+                    total += self._loss(micro).float().item()
         self.model.train()
-        loss = self._dp_mean(sum(losses) / len(losses))
+        loss = self._dp_mean(total) * self.ps.dp_size / t.eval_batches
         return {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 50.0))}
 
     def _log(self, window: list[dict[str, float]]) -> None:
@@ -253,10 +279,14 @@ class Trainer:
                 "config": asdict(self.cfg)}  # fmt: skip
 
     def _save_checkpoint(self) -> None:
+        self._mark("checkpoint save", "world")
+        if not self.guard.may_save(self.step, self.params):
+            return
         start = time.perf_counter()
         path = save_checkpoint(
             checkpoint_dir(self.cfg), self.step, model=self.model, optimizer=self.optimizer,
             ps=self.ps, state=self._train_state(), keep=self.cfg.checkpoint.keep,
+            log=lambda msg: self.logger.print(msg, markup=False),
         )  # fmt: skip
         self._saved_step = self.step
         self.logger.print(f"saved checkpoint {path} in {time.perf_counter() - start:.2f} s")
@@ -264,6 +294,7 @@ class Trainer:
     def _resume(self) -> None:
         """Continue from the newest usable checkpoint, resharding if the layout changed."""
         start = time.perf_counter()
+        self._mark("checkpoint load", "world")
         loaded = load_checkpoint(
             checkpoint_dir(self.cfg), model=self.model, optimizer=self.optimizer, ps=self.ps,
             log=self.logger.print,
@@ -284,6 +315,10 @@ class Trainer:
             f"resuming from step {loaded.step} ({loaded.path}{note}, "
             f"loaded in {time.perf_counter() - start:.2f} s)"
         )
+        change = schedule_change(loaded.state.get("config", {}), self.cfg.optim,
+                                 self.cfg.trainer.max_steps)  # fmt: skip
+        if change:
+            self.logger.print(change, markup=False)
 
     def _maybe_fail(self) -> None:
         """Fault injection for restart tests: rank 1 dies once after ``trainer.fail_at_step``.
@@ -300,7 +335,8 @@ class Trainer:
             os._exit(17)
 
     def _save(self) -> str | None:
-        if not self.cfg.checkpoint.save_final:
+        self._mark("final model export", "world")
+        if not self.cfg.checkpoint.save_final or not self.guard.may_save(self.step, self.params):
             return None
         from engine.checkpoint_format import save_model
 
@@ -313,6 +349,7 @@ class Trainer:
         t = self.cfg.trainer
         if self.cfg.model.arch != "gpt" or t.sample_tokens < 1:
             return None
+        self._mark("sampling", "model")
         tokenizer = self.data.tokenizer
         prompt = tokenizer.encode(t.sample_prompt).ids
         ids = generate(self.model, prompt, t.sample_tokens, temperature=t.sample_temperature,
@@ -338,8 +375,11 @@ def run_worker(cfg: Config) -> dict:
         # No launcher (a test harness, a notebook): assume every rank shares this machine.
         local = ps.world_size if info.launcher == "none" else info.local_world_size or 1
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    watch = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)
     try:
-        summary = Trainer(cfg, ps).fit()
+        with watch.active():
+            summary = Trainer(cfg, ps, watch).fit()
         return summary if ps.rank == 0 else {}
     finally:
+        watch.close()
         parallel_state.destroy()

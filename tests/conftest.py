@@ -1,9 +1,15 @@
 """Shared pytest setup."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# Where a run started in the repository would write: Hydra's run directories, the default
+# checkpoint root, and the run log. Tests must write to temporary directories only.
+_RUN_OUTPUTS = ("outputs", "multirun", "checkpoints", "pretrain.log")
 
 # Triton decides at import whether to interpret. Without a GPU, kernels can only run under
 # its interpreter, so set it before any test module imports triton.
@@ -16,3 +22,23 @@ def _fresh_seed():
     """Every test starts from the same global RNG state, whatever ran before it."""
     torch.manual_seed(0)
     yield
+
+
+def _run_outputs() -> set[str]:
+    found = set()
+    for name in _RUN_OUTPUTS:
+        path = ROOT / name
+        if path.is_dir():
+            found |= {f"{name}/{entry}" for entry in os.listdir(path)}
+        elif path.exists():
+            found.add(name)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_writes_into_the_repository():
+    """Fail a test that leaves a run's outputs (Hydra run dirs, checkpoints) in the repo."""
+    before = _run_outputs()
+    yield
+    new = _run_outputs() - before
+    assert not new, f"the test wrote into the repository: {sorted(new)} (use tmp_path)"

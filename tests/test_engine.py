@@ -214,15 +214,21 @@ def test_more_data_and_checkpoint_checks(corpus, tmp_path, capsys):
     assert (taken / "step_00000005" / INDEX).exists()  # nothing was touched
 
 
-def test_cli_rejects_unknown_key_and_bad_layout_without_traceback():
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def pythonpath_env() -> dict[str, str]:
+    """The environment with this repository put in front of PYTHONPATH (extended, not replaced)."""
+    extra = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *([extra] if extra else [])])}
+
+
+def test_cli_rejects_unknown_key_and_bad_layout_without_traceback(tmp_path):
+    env = pythonpath_env()  # cwd: a temporary directory, where Hydra makes outputs/
     unknown = subprocess.run([sys.executable, "-m", "engine.pretrain", "trainer.bogus=1"],
-                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)  # fmt: skip
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)  # fmt: skip
     assert unknown.returncode != 0
     assert "Key 'bogus' not in 'TrainerConfig'" in unknown.stderr
     assert "Traceback" not in unknown.stderr
     bad = subprocess.run([sys.executable, "-m", "engine.pretrain", "tp_size=3"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)  # fmt: skip
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)  # fmt: skip
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip() == "config error: model.num_heads=4 is not divisible by tp_size=3"
 

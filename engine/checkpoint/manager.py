@@ -5,7 +5,8 @@ RNG streams into one safetensors file of a shared temp directory; rank 0 writes 
 (layout, trainer state, scalar optimizer state, per-file size and SHA-256) and commits
 (``storage.commit``). Failures on any rank are agreed on, so no rank waits forever.
 
-Loading: candidates are ``latest`` and then older committed steps. Each rank reads what
+Loading: candidates are ``latest`` and then older committed steps (without ``latest``,
+every step directory, newest first). Each rank reads what
 its own layout needs, verifying every file it opens; if any rank found damage the ranks
 agree to fall back to the next candidate, and rank 0 says so.
 """
@@ -115,11 +116,13 @@ def save_checkpoint(
     state: dict[str, Any],
     keep: int = 2,
     fault: Fault | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """Write step ``step`` under ``root`` and make it ``latest``; every rank calls this.
 
     ``state`` is JSON-able trainer state (data position, loss scale, config). Returns the
     committed step directory; raises CheckpointError on every rank if any rank failed.
+    ``log`` (rank 0) hears which older or broken step directories were removed, and why.
     """
     root, mesh, fault = Path(root), _Mesh.of(ps), fault or (lambda point: None)
     tmp, err = root / f".tmp-{step_dir_name(step)}", None
@@ -158,7 +161,8 @@ def save_checkpoint(
             fault("before_index")
             write_index(tmp, index)
             fault("before_rename")
-            return commit(tmp, root, step, keep, before_latest=lambda: fault("before_latest"))
+            return commit(tmp, root, step, keep, before_latest=lambda: fault("before_latest"),
+                          log=log)  # fmt: skip
 
         _, err = _guard(finish)
     _raise_if(mesh.from_rank0(err), "committing", tmp)
@@ -179,9 +183,10 @@ def _candidates(root: Path, log: Callable[[str], None]) -> list[Path]:
         log(f"{err}; trying the newest complete checkpoint instead")
         return [dirs[s] for s in sorted(dirs, reverse=True)]
     if latest is None:
-        if dirs:
-            log(f"{root} has no 'latest': ignoring {len(dirs)} uncommitted step directories")
-        return []
+        if dirs:  # e.g. a copy that lost the pointer: the checksums tell what is complete
+            log(f"{root} has no 'latest': trying the newest complete checkpoint of "
+                f"{len(dirs)} ({step_dir_name(max(dirs))}) first")  # fmt: skip
+        return [dirs[s] for s in sorted(dirs, reverse=True)]
     older = [dirs[s] for s in sorted(dirs, reverse=True) if s < latest]
     return [root / step_dir_name(latest), *older]
 
@@ -260,7 +265,7 @@ def load_checkpoint(
     problems = []
     for i, path in enumerate(candidates):
         payload, err, fatal = _guard_damage(lambda p=path: _read_rank(p, model, optimizer, mesh))
-        outcomes = mesh.all_gather((fatal is not None, err and f"rank {mesh.rank}: {err}"))
+        outcomes = mesh.all_gather((fatal is not None, err))  # err names its file
         if fatal is not None:
             raise fatal
         fatal_ranks = [r for r, (is_fatal, _) in enumerate(outcomes) if is_fatal]

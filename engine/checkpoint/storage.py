@@ -7,9 +7,10 @@ A checkpoint root holds committed step directories and a ``latest`` pointer::
     ROOT/step_00000120/rank00000.safetensors ...
 
 A step directory is assembled under ``ROOT/.tmp-step_…`` (every file fsynced), renamed
-into place, and only then is ``latest`` moved to it. Only directories at or below the
-step ``latest`` names were committed; anything newer is the leftover of an interrupted
-save and is never loaded. Nothing here unpickles: tensors are safetensors, the rest JSON.
+into place, and only then is ``latest`` moved to it. While ``latest`` exists, only
+directories at or below the step it names are loaded (anything newer is the leftover of an
+interrupted save); without it (a copy that lost it) the newest complete one is. Pruning
+never deletes a complete checkpoint newer than the one just committed. Nothing here unpickles: tensors are safetensors, the rest JSON.
 """
 
 from __future__ import annotations
@@ -186,22 +187,33 @@ class ShardReader:
 
 
 def commit(
-    tmp: Path, root: Path, step: int, keep: int, *, before_latest: Callable[[], None] | None = None
+    tmp: Path,
+    root: Path,
+    step: int,
+    keep: int,
+    *,
+    before_latest: Callable[[], None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """Rename the finished ``tmp`` to its step directory, point ``latest`` at it, prune.
 
-    ``before_latest`` is a test hook run between the rename and the ``latest`` update.
+    ``before_latest`` is a test hook run between the rename and the ``latest`` update;
+    ``log`` hears what is replaced or pruned, and why.
     """
     final = root / step_dir_name(step)
     fsync_dir(tmp)
-    if final.exists():  # an uncommitted leftover of an interrupted save of this step
+    if final.exists():  # a leftover of an interrupted save of this step (renamed, not named)
+        if log is not None:
+            problem = verify_complete(final)
+            why = f"incomplete: {problem}" if problem else "complete, but 'latest' never named it"
+            log(f"replacing {final} ({why})")
         remove_dir(final)
     os.rename(tmp, final)
     fsync_dir(root)
     if before_latest is not None:
         before_latest()
     write_latest(root, final.name)
-    prune(root, step, keep)
+    prune(root, step, keep, log=log)
     return final
 
 
@@ -253,17 +265,41 @@ def read_latest(root: Path) -> int | None:
     return int(match.group(1))
 
 
-def prune(root: Path, committed: int, keep: int) -> None:
-    """Keep the ``keep`` newest committed step directories; drop the rest and stale temps.
+def verify_complete(directory: Path) -> str | None:
+    """None when ``directory`` is a complete checkpoint (its index and every file it lists
+    verify: size and SHA-256), else what is wrong, in a few words naming the file."""
+    try:
+        reader = ShardReader(directory)
+        for fname in reader.index["files"]:
+            reader.verify_file(fname)
+    except (CheckpointError, KeyError, TypeError, ValueError) as err:
+        return str(err) if isinstance(err, CheckpointError) else f"bad index ({err!r})"
+    return None
 
-    Directories newer than ``committed`` are uncommitted leftovers (or a timeline abandoned
-    by falling back to an older checkpoint) and go too.
+
+def prune(
+    root: Path, committed: int, keep: int, *, log: Callable[[str], None] | None = None
+) -> None:
+    """Keep the ``keep`` newest step directories up to ``committed``; drop older ones.
+
+    A directory newer than ``committed`` is removed only when it does not verify (the
+    leftover of an interrupted save, or damage a resume fell back from): a complete newer
+    checkpoint is never deleted here. ``log`` hears each removal and its reason.
     """
+    say = log or (lambda msg: None)
     dirs = step_dirs(root)
     kept = sorted((s for s in dirs if s <= committed), reverse=True)[:keep]
-    for step, path in dirs.items():
-        if step not in kept:
-            remove_dir(path)
+    for step, path in sorted(dirs.items()):
+        if step in kept:
+            continue
+        if step < committed:
+            say(f"pruned {path}: older than the {keep} newest kept (checkpoint.keep={keep})")
+        else:
+            problem = verify_complete(path)
+            if problem is None:
+                continue
+            say(f"removed {path}: newer than step {committed} and not usable ({problem})")
+        remove_dir(path)
     remove_stale_temps(root)
 
 
