@@ -19,8 +19,9 @@ from pathlib import Path
 from engine.checkpoint.storage import CheckpointError, read_latest, step_dirs
 from engine.watchdog import append_run_log
 
-# The agent's loggers (torch.distributed.elastic.*) and the launcher API's.
-_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+# The agent's loggers (torch.distributed.elastic.*), the launcher API's, and the process
+# spawner's ("Terminating process ... via signal SIGTERM").
+_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
 _AGENT = "torch.distributed.elastic.agent.server.api"  # logs the restart, at INFO
 
 

@@ -153,6 +153,7 @@ class Trainer:
             norm = global_grad_norm(self.params, self.ps.tp_group)
         lr = lr_at(self.step, self.cfg.optim, self.cfg.trainer.max_steps)
         scale = self.scaler and self.scaler.scale
+        self._mark("bad-step check", "world", self.step + 1)
         if not self.guard.check(self.step + 1, total.item(), norm.item(), overflow=skipped,
                                 loss_scale=scale):  # fmt: skip
             clip_grads_(grads, self.cfg.optim.clip_grad, norm)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 import time
@@ -73,6 +74,13 @@ def report_failure(err: BaseException, run_dir: str, rank: int) -> int:
 _PEER_MARKERS = ("Connection closed by peer", "Connection reset by peer", "gloo/transport")
 
 
+def _gist(err: BaseException) -> str:
+    """The first sentence of a gloo/NCCL error, without its source-file prefix."""
+    text = (str(err).strip().splitlines() or [""])[0]
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # "[.../pair.cc:537] "
+    return text.split(". ")[0][:160]
+
+
 def _lost_peer(err: RuntimeError) -> bool:
     if isinstance(err, RunStopped):
         return False
@@ -83,13 +91,19 @@ class Watchdog:
     """Ends this process when, inside :meth:`active`, the phase last :meth:`mark`-ed makes
     no progress for ``timeout_s`` seconds (each mark counts as progress).
 
-    ``timeout_s <= 0`` starts no thread; :meth:`active` still turns a peer's death into
-    RunStopped naming the marked phase.
+    Until two steps past the first marked one, the limit is ``STARTUP_FACTOR`` times
+    longer: ranks start (import, build, load a checkpoint) at different speeds, and the
+    first collective waits for the slowest. ``timeout_s <= 0`` starts no thread;
+    :meth:`active` still turns a peer's death into RunStopped naming the marked phase.
     """
+
+    STARTUP_FACTOR = 5
 
     def __init__(self, timeout_s: float, *, rank: int, run_dir: str) -> None:
         self.timeout_s, self.rank, self.run_dir = timeout_s, rank, run_dir
         self._phase: tuple[str, int, str, list[int]] | None = None
+        self._first_step: int | None = None
+        self._warm = False  # past start-up: the plain timeout applies
         self._since = time.monotonic()
         self._active = False
         self._stop = threading.Event()
@@ -103,6 +117,9 @@ class Watchdog:
     def mark(self, what: str, step: int, group: str, ranks: list[int]) -> None:
         """This rank now does ``what`` of step ``step``, whose collectives wait on ``group``."""
         self._phase, self._since = (what, step, group, ranks), time.monotonic()
+        if self._first_step is None:
+            self._first_step = step
+        self._warm = self._warm or step >= self._first_step + 2
 
     def describe(self) -> str:
         """The marked phase in words: 'the <what> of step N, waiting on its <group> group'."""
@@ -120,18 +137,20 @@ class Watchdog:
         except RuntimeError as err:
             if not _lost_peer(err):
                 raise
-            first = (str(err).strip().splitlines() or [""])[0][:200]
-            raise RunStopped(f"rank {self.rank} lost a peer in {self.describe()}: {first}") from err
+            raise RunStopped(
+                f"rank {self.rank} lost a peer in {self.describe()}: {_gist(err)}"
+            ) from err
         finally:
             self._active = False
 
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(poll):
-            if not self._active or time.monotonic() - self._since < self.timeout_s:
+            limit = self.timeout_s * (1 if self._warm else self.STARTUP_FACTOR)
+            if not self._active or time.monotonic() - self._since < limit:
                 continue
             line = (
-                f"rank {self.rank} stopped: no progress for {self.timeout_s:g} s in "
+                f"rank {self.rank} stopped: no progress for {limit:g} s in "
                 f"{self.describe()}; a peer is frozen or gone (trainer.collective_timeout_s)"
             )
             main = sys._current_frames().get(threading.main_thread().ident)

@@ -442,19 +442,31 @@ def test_inspect_convert_and_export_cli(tmp_path, capsys):
 def test_killed_worker_restarts_and_resumes_bitwise(corpus, tmp_path):
     """engine.pretrain with trainer.max_restarts=1: rank 1 dies (os._exit) after step 3,
     before that step's checkpoint; the elastic agent restarts both workers, which resume
-    from step 2 with no user action and end bit-identical to an uninterrupted run."""
+    from step 2 with no user action and end bit-identical to an uninterrupted run.
+
+    The console says what happened in one line of ours, with no traceback (torch's
+    records go to the run log), and the run log holds the console's lines, uncoloured.
+    """
+    from tests.test_engine import pythonpath_env
+
     common = ("tp_size=1", "dp_size=2", "trainer.max_steps=4", "checkpoint.every=2")
     overrides = [*run_overrides(corpus, tmp_path / "elastic"), *common,
                  f"hydra.run.dir={tmp_path / 'hydra'}", "trainer.max_restarts=1",
                  "trainer.fail_at_step=3"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = pythonpath_env()
     env["OMP_NUM_THREADS"] = "1"  # as run_ranks: one intra-op thread, the same sums
-    proc = subprocess.run([sys.executable, "-m", "engine.pretrain", *overrides], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "engine.pretrain", *overrides], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert (tmp_path / "elastic" / ".failed_at_step_3").exists()  # the kill did happen
     assert "resuming from step 2" in log, log[-3000:]
+    assert "rank 1 died (exit code 17); restart 1/1 from step 2" in proc.stderr, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    run_log = (tmp_path / "hydra" / "pretrain.log").read_text()
+    assert "resuming from step 2" in run_log and "saved checkpoint" in run_log, run_log[-2000:]
+    assert "failed (exitcode: 17)" in run_log  # torch's own record, kept out of the console
+    assert "\x1b[" not in run_log  # plain text, no colour codes
     reference = run_config(corpus, tmp_path / "reference", *common)
     run_ranks(_run_all, 2, [reference], timeout=300)
     a = _all_tensors(tmp_path / "elastic" / "step_00000004")
