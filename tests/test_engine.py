@@ -146,8 +146,10 @@ INVALID = [
 
 
 @pytest.mark.parametrize(("overrides", "message"), INVALID)
-def test_invalid_config_gives_one_line(overrides, message, capsys):
+def test_invalid_config_gives_one_line(overrides, message, capsys, tmp_path, monkeypatch):
     from engine.pretrain import prepare
+
+    monkeypatch.chdir(tmp_path)  # the default checkpoint.dir is relative: not in the repo
 
     cfg = compose_config("tp_size=4", "dp_size=1", *overrides)
     with pytest.raises(SystemExit) as exit_info:
@@ -157,9 +159,11 @@ def test_invalid_config_gives_one_line(overrides, message, capsys):
     assert len(lines) == 1 and lines[0].startswith("config error: ") and message in lines[0], lines
 
 
-def test_data_checks_after_resolving_paths(corpus, tmp_path, capsys):
+def test_data_checks_after_resolving_paths(corpus, tmp_path, capsys, monkeypatch):
     """A tokenizer larger than the model's vocabulary, or a missing one, is a config error."""
     from engine.pretrain import prepare
+
+    monkeypatch.chdir(tmp_path)  # prepare() probes the default checkpoints/<name> there
 
     prefix, tokenizer = corpus
     for overrides, message in [
@@ -174,8 +178,9 @@ def test_data_checks_after_resolving_paths(corpus, tmp_path, capsys):
         assert len(err) == 1 and message in err[0], err
 
 
-def test_more_data_and_checkpoint_checks(corpus, tmp_path, capsys):
+def test_more_data_and_checkpoint_checks(corpus, tmp_path, capsys, monkeypatch):
     """Each problem found before workers start, one line each, naming what to change."""
+    monkeypatch.chdir(tmp_path)  # prepare() probes the default checkpoints/<name> there
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from engine.checkpoint.storage import INDEX
