@@ -143,7 +143,11 @@ def main(dcfg: DictConfig) -> None:
     summary = launch(prepare(cfg))
     if summary.get("history"):
         first, last = summary["history"][0], summary["history"][-1]
-        print(f"loss {first[1]:.4f} (step {first[0]}) -> {last[1]:.4f} (step {last[0]})")
+        line = f"loss {first[1]:.4f} (step {first[0]}) -> {last[1]:.4f} (step {last[0]})"
+        print(line)
+        from engine.watchdog import append_run_log
+
+        append_run_log(cfg.run_dir, line)
 
 
 if __name__ == "__main__":

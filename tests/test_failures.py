@@ -250,6 +250,7 @@ def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, 
         for rank in (0, 1, 2):
             code = procs[rank].wait(timeout=max(1.0, stopped + 60 - time.monotonic()))
             assert code != 0, rank
+        print(f"{sig}: the other ranks exited {time.monotonic() - stopped:.1f} s later")
         errs = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(4)}
         for rank in (0, 1, 2):
             lines = [x for x in errs[rank].splitlines() if x]
