@@ -95,7 +95,9 @@ def test_nan_run_skips_steps_stops_and_keeps_the_good_checkpoints(corpus, good_r
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = _stderr_lines(proc)
     assert len(lines) == 1 and lines[0].startswith("stopped at step 8: 3 bad steps in a row"), lines
-    assert "step 6: non-finite loss nan or gradient norm nan: step skipped" in proc.stdout
+    # 1e10-sized weights overflow fp32 within two layers: inf, then NaN after a norm.
+    assert re.search(r"step 6: non-finite loss (nan|inf) or gradient norm (nan|inf): step "
+                     "skipped", proc.stdout), proc.stdout[-2000:]  # fmt: skip
     assert "not saving step 6" in proc.stdout
     assert sorted(step_dirs(ckpt)) == [2, 4] and read_latest(ckpt) == 4
     for step in (2, 4):
