@@ -355,3 +355,23 @@ def test_readme_resume_example_keeps_the_default_schedule():
     want = default.trainer.max_steps - default.optim.warmup_steps
     assert int(overrides["optim.decay_steps"]) == want, overrides
     assert math.isfinite(want)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.max_bad_steps=0", "trainer.max_bad_steps=0 must be >= 1"),
+        ("trainer.collective_timeout_s=-1", "trainer.collective_timeout_s=-1.0 >= 0 (0: off)"),
+    ],
+)
+def test_failure_settings_are_checked_before_any_worker(override, message, capsys, tmp_path,
+                                                        monkeypatch):  # fmt: skip
+    from engine.pretrain import prepare
+    from tests.test_engine import compose_config
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        prepare(compose_config("tp_size=1", "dp_size=1", override))
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
