@@ -395,8 +395,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+class UsageError(ValueError):
+    """A bad command-line value; main prints it as one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, instead of usage + message
+        raise UsageError(message)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="outputs/bench_kernels", help="directory for csv/md/png")
     p.add_argument("--smoke", action="store_true", help="tiny shapes; CPU interpreter without GPU")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is present")
@@ -407,11 +416,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8])
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--reps", type=int, default=3, help="CPU timing repetitions (best of)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("tokens", "hidden", "tp"):
+        bad = [v for v in getattr(args, name) if v < 1]
+        if bad:
+            raise UsageError(f"--{name} values must be >= 1, got {bad[0]}")
+    for name in ("vocab", "reps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    bad_tp = [tp for tp in args.tp if args.vocab // tp < 1]
+    if bad_tp:
+        raise UsageError(f"--tp {bad_tp[0]} leaves no vocabulary per shard of --vocab {args.vocab}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as err:
+        print(f"bench_kernels.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     rows = run(args)
     cuda = rows[0]["device"] != "cpu (triton interpreter)"
     if cuda:
