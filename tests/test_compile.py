@@ -3,7 +3,7 @@
 fp32, dropout 0 (compiled dropout draws its masks differently). Tolerance 2e-5 relative
 (max |Δ| / max |ref| per tensor), as in test_kernels_model.py: a compiled graph fuses the
 element-wise ops and may reorder the LayerNorm and bias-gradient reductions, each off by a
-few fp32 ulps, compounding through two layers, the LM head and the cross-entropy.
+few fp32 ulps, compounding through the layer, the LM head and the cross-entropy.
 
 TP=1 uses the real backend (inductor, which generates and compiles C++ on CPU); TP=2 uses
 ``aot_eager``, which traces forward and backward through Dynamo and AOTAutograd exactly as
@@ -28,7 +28,7 @@ INTERPRETER = {"TRITON_INTERPRET": "1"}
 
 def _loss_and_grads(compile_backend: str | None, **overrides):
     ps = parallel_state.get() if parallel_state.is_initialized() else None
-    cfg = preset("gpt_tiny", vocab_size=128, hidden_size=32, num_heads=4, num_layers=2,
+    cfg = preset("gpt_tiny", vocab_size=128, hidden_size=32, num_heads=4, num_layers=1,
                  max_positions=16, hidden_dropout=0.0, attention_dropout=0.0,
                  compile=compile_backend is not None,
                  compile_backend=compile_backend or "inductor", **overrides)  # fmt: skip
@@ -61,7 +61,7 @@ def _compare(backend: str, **overrides) -> tuple[str, float, int]:
 
 def test_compiled_layers_match_eager_tp1():
     worst, err, graphs = _compare("inductor")
-    assert graphs >= 2, f"Dynamo captured {graphs} graphs for 2 layers"
+    assert graphs >= 1, f"Dynamo captured {graphs} graphs"
     assert err <= TOL, f"{worst}: {err:.2e}"
 
 
@@ -80,7 +80,7 @@ def _on_tp2(overrides):
 )
 def test_compiled_layers_match_eager_tp2(overrides):
     for worst, err, graphs in run_ranks(_on_tp2, 2, overrides, env=INTERPRETER):
-        assert graphs >= 2, f"Dynamo captured {graphs} graphs for 2 layers"
+        assert graphs >= 1, f"Dynamo captured {graphs} graphs"
         assert err <= TOL, f"{worst}: {err:.2e}"
 
 
