@@ -108,11 +108,16 @@ class ParallelAttention(nn.Module):
         )
         # GPT-2 / Megatron: residual-branch outputs start smaller, std / √(2·layers).
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        # The bias comes back unadded, for the layer's fused bias + dropout + residual add.
         self.dense = RowParallelLinear(
-            cfg.hidden_size, cfg.hidden_size, init_method=normal_init(out_std), **common
-        )
+            cfg.hidden_size, cfg.hidden_size, init_method=normal_init(out_std),
+            skip_bias_add=True, **common,
+        )  # fmt: skip
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output projection without its bias, that bias)."""
         qkv = self.qkv(x)  # [s, b, 3h/tp], whole heads
         q, k, v = rearrange(
             qkv, "s b (heads three d) -> three b heads s d", three=3, d=self.head_dim

@@ -98,8 +98,10 @@ class _TPLinearBase(nn.Module):
         sequence_dim: int,
         dtype: torch.dtype | None,
         device: torch.device | str | None,
+        skip_bias_add: bool = False,
     ) -> None:
         super().__init__()
+        self.skip_bias_add = skip_bias_add
         self.tp_group = resolve_tp_group(tp_group)
         self.tp_size = group_size(self.tp_group)
         self.tp_rank = group_rank(self.tp_group)
@@ -159,6 +161,8 @@ class ColumnParallelLinear(_TPLinearBase):
     The input enters through f (identity forward, all-reduce backward), or under sequence
     parallelism through an all-gather along the sequence dim (reduce-scatter backward).
     The output stays sharded on its last dim unless ``gather_output=True``.
+    ``skip_bias_add=True`` returns ``(X·Aᵀ, b)`` instead, for a fused kernel to add the bias
+    (bias + GeLU).
     """
 
     split_dim = 0
@@ -176,23 +180,25 @@ class ColumnParallelLinear(_TPLinearBase):
         sequence_dim: int = 0,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        skip_bias_add: bool = False,
     ) -> None:
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True cannot be combined with sequence_parallel=True")
         self.gather_output = gather_output
         super().__init__(
             in_features, out_features, bias, tp_group, init_method, sequence_parallel,
-            sequence_dim, dtype, device,
+            sequence_dim, dtype, device, skip_bias_add,
         )  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel and self.tp_size > 1:
             dim = self.sequence_dim % x.dim()
-            return _SequenceParallelColumnLinear.apply(
-                x, self.weight, self.bias, self.tp_group, dim
-            )
-        y = F.linear(copy_to_tp(x, self.tp_group), self.weight, self.bias)
-        return gather_from_tp(y, self.tp_group) if self.gather_output else y
+            y = _SequenceParallelColumnLinear.apply(x, self.weight, bias, self.tp_group, dim)
+        else:
+            y = F.linear(copy_to_tp(x, self.tp_group), self.weight, bias)
+            y = gather_from_tp(y, self.tp_group) if self.gather_output else y
+        return (y, self.bias) if self.skip_bias_add else y
 
 
 class RowParallelLinear(_TPLinearBase):
@@ -200,7 +206,8 @@ class RowParallelLinear(_TPLinearBase):
 
     The partial products are summed by g (all-reduce forward, identity backward), or under
     sequence parallelism reduce-scattered along the sequence dim. The full bias is added
-    once, after the reduction.
+    once, after the reduction; ``skip_bias_add=True`` returns ``(partial sum reduced, b)``
+    instead, for a fused kernel to add it (bias + dropout + residual add).
     """
 
     split_dim = 1
@@ -218,19 +225,20 @@ class RowParallelLinear(_TPLinearBase):
         sequence_dim: int = 0,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        skip_bias_add: bool = False,
     ) -> None:
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
         super().__init__(
             in_features, out_features, bias, tp_group, init_method, sequence_parallel,
-            sequence_dim, dtype, device,
+            sequence_dim, dtype, device, skip_bias_add,
         )  # fmt: skip
         if self.bias is not None and sequence_parallel:
             # Each rank adds the bias to its own sequence shard only: partial gradient.
             setattr(self.bias, SP_GRAD_ATTR, True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.tp_group)
         y = F.linear(x, self.weight)
@@ -238,4 +246,6 @@ class RowParallelLinear(_TPLinearBase):
             y = reduce_scatter_to_sequence(y, self.tp_group, dim=self.sequence_dim)
         else:
             y = reduce_from_tp(y, self.tp_group)
+        if self.skip_bias_add:
+            return y, self.bias
         return y if self.bias is None else y + self.bias

@@ -68,7 +68,7 @@ class Kernels:
     """The element-wise ops of a layer, as one swappable set."""
 
     layer_norm: Callable[..., torch.Tensor]  # (x, weight, bias, eps)
-    gelu: Callable[..., torch.Tensor]  # (x, approximate: "none" | "tanh")
+    gelu: Callable[..., torch.Tensor]  # (x, bias | None, approximate: "none" | "tanh")
     bias_dropout_add: Callable[..., torch.Tensor]  # (x, bias | None, residual, p, training)
     # (logits, target, *, vocab_size, tp_group): vocab_parallel_cross_entropy's contract
     cross_entropy: Callable[..., torch.Tensor]
@@ -76,39 +76,39 @@ class Kernels:
 
 TORCH_KERNELS = Kernels(
     layer_norm=lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
-    gelu=lambda x, approximate: F.gelu(x, approximate=approximate),
+    gelu=lambda x, b, approximate: F.gelu(x if b is None else x + b, approximate=approximate),
     bias_dropout_add=_torch_bias_dropout_add,
     cross_entropy=vocab_parallel_cross_entropy,
 )
 
 
 def _fused_kernels(
-    choose: Callable[[torch.Tensor], str | None], norm_backend: str | None
+    choose: Callable[[str, torch.Tensor], str | None], norm_backend: str | None
 ) -> Kernels:
-    """The ``layers.kernels`` ops; ``choose(x)`` names the backend, or None for TORCH_KERNELS."""
+    """The ``layers.kernels`` ops; ``choose(op, x)`` names the backend, or None for torch's."""
     from layers import kernels as fused
 
     def layer_norm(x, w, b, eps):
-        backend = norm_backend or choose(x)
+        backend = norm_backend or choose("layer_norm", x)
         if backend is None:
             return TORCH_KERNELS.layer_norm(x, w, b, eps)
         return fused.layer_norm(x, w, b, eps, backend=backend)
 
-    def gelu(x, approximate):
-        backend = choose(x)
+    def gelu(x, bias, approximate):
+        backend = choose("bias_gelu", x)
         if backend is None:
-            return TORCH_KERNELS.gelu(x, approximate)
-        return fused.bias_gelu(x, None, approximate=approximate, backend=backend)
+            return TORCH_KERNELS.gelu(x, bias, approximate)
+        return fused.bias_gelu(x, bias, approximate=approximate, backend=backend)
 
     def bias_dropout_add(x, bias, residual, p, training):
-        backend = choose(x)
+        backend = choose("bias_dropout_add", x)
         if backend is None:
             return TORCH_KERNELS.bias_dropout_add(x, bias, residual, p, training)
         return fused.bias_dropout_add(x, bias, residual, p, training, backend=backend)
 
     def cross_entropy(logits, target, **kwargs):
         # Overwrites the logits with their gradient: callers pass logits nothing else reads.
-        backend = choose(logits)
+        backend = choose("cross_entropy", logits)
         if backend is None:
             return TORCH_KERNELS.cross_entropy(logits, target, **kwargs)
         return fused.fused_vocab_parallel_cross_entropy(logits, target, backend=backend, **kwargs)
@@ -119,7 +119,8 @@ def _fused_kernels(
 def resolve_kernels(name: str) -> Kernels:
     """The kernel set for ``ModelConfig.kernels``.
 
-    - ``auto``: the fused Triton kernels on CUDA tensors, torch's ops on CPU tensors;
+    - ``auto``: on CUDA tensors, per op what ``layers.kernels.dispatch.MODEL_AUTO`` names
+      (the fused kernel only where it was measured to beat torch); torch's ops on CPU;
     - ``triton``: always the Triton kernels (on CPU they run under ``TRITON_INTERPRET=1``,
       which is how CI checks them inside a whole model);
     - ``apex``: apex's FusedLayerNorm (it must be importable), Triton for the rest on CUDA;
@@ -127,11 +128,15 @@ def resolve_kernels(name: str) -> Kernels:
     """
     if name == "torch":
         return TORCH_KERNELS
-    on_cuda = lambda x: "triton" if x.is_cuda else None
+    from layers.kernels.dispatch import MODEL_AUTO
+
+    on_cuda = lambda op, x: "triton" if x.is_cuda else None
     if name == "auto":
-        return _fused_kernels(on_cuda, None)
+        return _fused_kernels(
+            lambda op, x: on_cuda(op, x) if MODEL_AUTO[op] == "triton" else None, None
+        )
     if name == "triton":
-        return _fused_kernels(lambda x: "triton", None)
+        return _fused_kernels(lambda op, x: "triton", None)
     if name == "apex":
         return _fused_kernels(on_cuda, "apex")
     raise ValueError(f"model.kernels={name!r} is not one of auto, triton, apex, torch")
@@ -179,16 +184,21 @@ class ParallelMLP(nn.Module):
         common = dict(
             tp_group=tp_group, sequence_parallel=cfg.sequence_parallel, dtype=dtype, device=device
         )
+        # Both biases are added by the fused ops around them: fc1's by bias + GeLU, fc2's
+        # (returned with the output) by the layer's bias + dropout + residual add.
         self.fc1 = ColumnParallelLinear(
-            cfg.hidden_size, cfg.ffn_size, init_method=normal_init(cfg.init_std), **common
-        )
+            cfg.hidden_size, cfg.ffn_size, init_method=normal_init(cfg.init_std),
+            skip_bias_add=True, **common,
+        )  # fmt: skip
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.fc2 = RowParallelLinear(
-            cfg.ffn_size, cfg.hidden_size, init_method=normal_init(out_std), **common
-        )
+            cfg.ffn_size, cfg.hidden_size, init_method=normal_init(out_std),
+            skip_bias_add=True, **common,
+        )  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.kernels.gelu(self.fc1(x), self.approximate))
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(fc2 output without its bias, fc2's bias) for bias + dropout + add."""
+        return self.fc2(self.kernels.gelu(*self.fc1(x), self.approximate))
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -245,10 +255,13 @@ class ParallelTransformerLayer(nn.Module):
         x = self.attention_norm(self._residual(self.attention(x, mask), x))
         return self.mlp_norm(self._residual(self.mlp(x), x))
 
-    def _residual(self, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def _residual(
+        self, out_and_bias: tuple[torch.Tensor, torch.Tensor | None], residual: torch.Tensor
+    ) -> torch.Tensor:
         # The residual stream is replicated across TP, or sequence-sharded under SP. The row
-        # layers add their own bias after the reduction, so none is passed here.
+        # layers return their bias unadded, so it is added here, after their reduction.
+        out, bias = out_and_bias
         with dropout_stream(self.rng, sharded=self.sequence_parallel and self.training):
             return self.kernels.bias_dropout_add(
-                out, None, residual, self.hidden_dropout, self.training
+                out, bias, residual, self.hidden_dropout, self.training
             )

@@ -9,10 +9,17 @@ killed with a message naming the ranks that were still running.
 ``fn`` must be a module-level function (it is pickled by name). Processes come from a
 forkserver that has torch preloaded, so each rank starts in milliseconds rather than
 paying a fresh ``import torch``.
+
+``env`` names environment variables the ranks must see from their first line, before
+``import torch``: e.g. ``TRITON_INTERPRET=1``, which triton honours only if it is set when
+triton is first imported (and on a CUDA machine ``import torch`` may import triton). When
+the forkserver already has them (it inherited this process's environment) it is used;
+otherwise the ranks are spawned fresh with them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import tempfile
@@ -26,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("forkserver")
+_SPAWN = mp.get_context("spawn")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
 
 
@@ -56,19 +64,41 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, collective_
             dist.destroy_process_group()
 
 
+def _context(env: dict[str, str]):
+    """The forkserver when this process already has ``env`` (set before the forkserver
+    started, as conftest does), else spawn, whose children inherit ``os.environ`` at start."""
+    return _CTX if all(os.environ.get(k) == v for k, v in env.items()) else _SPAWN
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
     timeout: float = 180.0,
+    env: dict[str, str] | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
-    with tempfile.TemporaryDirectory(prefix="meshtron-store-") as tmp:
+    ctx = _context(env or {})
+    with tempfile.TemporaryDirectory(prefix="meshtron-store-") as tmp, _environ(env or {}):
         store_path = os.path.join(tmp, "store")
-        results = _CTX.Queue()
+        results = ctx.Queue()
         procs = [
-            _CTX.Process(
+            ctx.Process(
                 target=_worker,
                 args=(r, world_size, store_path, fn, args, kwargs, results, timeout),
                 daemon=True,
@@ -98,3 +128,10 @@ def run_ranks(
                     p.kill()
                     p.join()
         return [outputs[r] for r in range(world_size)]
+
+
+def subprocess_env(root: str | os.PathLike) -> dict[str, str]:
+    """``os.environ`` with ``root`` put first on PYTHONPATH, keeping what was there (a
+    replaced PYTHONPATH loses the packages an environment puts on it)."""
+    paths = [str(root), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}

@@ -29,7 +29,8 @@ from engine.config import Config, OptimConfig
 from engine.models import build_model
 from engine.models.config import preset
 from engine.optim import build_optimizer
-from tests.multiproc import run_ranks
+from tests.corpus import build_test_corpus
+from tests.multiproc import run_ranks, subprocess_env
 from tests.test_engine import ROOT, compose_config
 
 sys.path.insert(0, str(ROOT / "tools"))
@@ -38,11 +39,8 @@ import checkpoint as checkpoint_cli  # noqa: E402 - tools/checkpoint.py
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:
-    """The scaled-down stdlib corpus of tests/test_engine.py."""
-    from engine.data import build_default_corpus
-
-    cache = tmp_path_factory.mktemp("corpus")
-    return build_default_corpus(cache, vocab_size=512, max_bytes=300_000, progress=False)
+    """The fixed test corpus of tests/test_engine.py (tests/corpus.py)."""
+    return build_test_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def run_overrides(corpus, ckpt_dir) -> list[str]:
@@ -447,13 +445,12 @@ def test_killed_worker_restarts_and_resumes_bitwise(corpus, tmp_path):
     The console says what happened in one line of ours, with no traceback (torch's
     records go to the run log), and the run log holds the console's lines, uncoloured.
     """
-    from tests.test_engine import pythonpath_env
 
     common = ("tp_size=1", "dp_size=2", "trainer.max_steps=4", "checkpoint.every=2")
     overrides = [*run_overrides(corpus, tmp_path / "elastic"), *common,
                  f"hydra.run.dir={tmp_path / 'hydra'}", "trainer.max_restarts=1",
                  "trainer.fail_at_step=3"]  # fmt: skip
-    env = pythonpath_env()
+    env = subprocess_env(ROOT)
     env["OMP_NUM_THREADS"] = "1"  # as run_ranks: one intra-op thread, the same sums
     proc = subprocess.run([sys.executable, "-m", "engine.pretrain", *overrides], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip

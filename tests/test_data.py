@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from engine.data.gpt_dataset import GPTDataset
 from engine.data.indexed import IndexedDataset, IndexedDatasetWriter
 from engine.data.loader import DataIterator
 from engine.data.preprocess import SPECIAL_TOKENS, iter_documents, preprocess
+from tests.multiproc import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = REPO / "tools" / "preprocess_data.py"
@@ -594,7 +594,7 @@ def test_default_corpus_concurrent_callers_build_once(tmp_path: Path) -> None:
         "dc._build = build\n"
         f"print(dc.build_default_corpus(sys.argv[1], **{TINY!r})[0])\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = subprocess_env(REPO)
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", script, str(tmp_path)],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +15,12 @@ from omegaconf import OmegaConf
 
 import parallel_state
 from engine.config import Config, register_configs
-from engine.data import build_default_corpus
 from engine.grad_sync import GradSync
 from engine.models import build_model
 from engine.models.config import preset
 from engine.optim import global_grad_norm
-from tests.multiproc import run_ranks
+from tests.corpus import build_test_corpus
+from tests.multiproc import run_ranks, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -29,9 +28,9 @@ register_configs()
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:
-    """A small slice of the embedded stdlib corpus (the real pipeline, scaled down)."""
-    cache = tmp_path_factory.mktemp("corpus")
-    return build_default_corpus(cache, vocab_size=512, max_bytes=300_000, progress=False)
+    """The fixed test corpus (tests/corpus.py), tokenized by the real pipeline: the same
+    on every Python version, unlike the product's default stdlib corpus."""
+    return build_test_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def compose_config(*overrides: str) -> Config:
@@ -219,14 +218,8 @@ def test_more_data_and_checkpoint_checks(corpus, tmp_path, capsys, monkeypatch):
     assert (taken / "step_00000005" / INDEX).exists()  # nothing was touched
 
 
-def pythonpath_env() -> dict[str, str]:
-    """The environment with this repository put in front of PYTHONPATH (extended, not replaced)."""
-    extra = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *([extra] if extra else [])])}
-
-
 def test_cli_rejects_unknown_key_and_bad_layout_without_traceback(tmp_path):
-    env = pythonpath_env()  # cwd: a temporary directory, where Hydra makes outputs/
+    env = subprocess_env(ROOT)  # cwd: a temporary directory, where Hydra makes outputs/
     unknown = subprocess.run([sys.executable, "-m", "engine.pretrain", "trainer.bogus=1"],
                              capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)  # fmt: skip
     assert unknown.returncode != 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from safetensors.torch import load_file, save_file
 import parallel_state
 from engine.hf_interop import HF_TOLERANCES, compare_with_hf, export_hf, import_hf, read_hf_dir
 from engine.verify import VerifySpec
-from tests.multiproc import run_ranks
+from tests.multiproc import run_ranks, subprocess_env
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +101,7 @@ def test_logits_match_transformers(hf_dirs):
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = subprocess_env(REPO)
     env.pop("RANK", None)
     return subprocess.run(
         [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300

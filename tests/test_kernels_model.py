@@ -1,7 +1,9 @@
 """A whole tiny GPT with the fused Triton kernels on and off: same loss, same gradients.
 
-On CPU the Triton path runs under TRITON_INTERPRET=1 (tests/conftest.py sets it), so this
-checks the kernels inside the model exactly as CI can. Dropout is 0 because the two
+The single-process test runs on CUDA when it is present (compiled kernels), else on CPU
+under TRITON_INTERPRET=1 (tests/conftest.py sets it). The TP=2 tests run gloo ranks on CPU
+tensors, started with TRITON_INTERPRET=1 in their environment (triton fixes interpreted or
+compiled when first imported, so a CUDA machine's pytest process cannot interpret). Dropout is 0 because the two
 backends draw their masks from different generators (Philox in the kernel, torch's own
 generator in F.dropout) — equal in distribution, not in value.
 
@@ -22,9 +24,11 @@ from engine.models.config import preset
 from tests.multiproc import run_ranks
 
 TOL = 2e-5
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETER = {"TRITON_INTERPRET": "1"}
 
 
-def _loss_and_grads(kernels: str, sequence_parallel: bool = False):
+def _loss_and_grads(kernels: str, sequence_parallel: bool = False, device="cpu"):
     ps = parallel_state.get() if parallel_state.is_initialized() else None
     cfg = preset("gpt_tiny", vocab_size=300, hidden_size=32, num_heads=4, num_layers=2,
                  hidden_dropout=0.0, attention_dropout=0.0, kernels=kernels,
@@ -33,8 +37,8 @@ def _loss_and_grads(kernels: str, sequence_parallel: bool = False):
         ps.seed(5)
     else:
         torch.manual_seed(5)
-    model = build_model(cfg)
-    tokens = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(1))
+    model = build_model(cfg, device=device)
+    tokens = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(1)).to(device)
     loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -49,7 +53,9 @@ def _compare(reference, fused) -> dict[str, float]:
 
 
 def test_tiny_gpt_same_with_and_without_kernels():
-    errors = _compare(_loss_and_grads("torch"), _loss_and_grads("triton"))
+    errors = _compare(
+        _loss_and_grads("torch", device=DEVICE), _loss_and_grads("triton", device=DEVICE)
+    )
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOL, f"{worst}: {errors[worst]:.2e}"
     # The kernels reduce in another order than torch, so a bitwise-equal result would mean
@@ -67,7 +73,7 @@ def _both(sequence_parallel: bool) -> dict[str, float]:
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tiny_gpt_kernels_at_tp2(sequence_parallel):
     """The kernels inside a TP=2 model (fused cross-entropy with its all-reduces, SP norms)."""
-    for errors in run_ranks(_both, 2, sequence_parallel):
+    for errors in run_ranks(_both, 2, sequence_parallel, env=INTERPRETER):
         worst = max(errors, key=errors.get)
         assert 0 < errors[worst] <= TOL, f"{worst}: {errors[worst]:.2e}"
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from engine.config import OptimConfig
-from engine.optim import DynamicLossScaler, build_optimizer, clip_grads_, lr_at
+from engine.optim import DynamicLossScaler, build_optimizer, clip_grads_, global_grad_norm, lr_at
 
 
 def test_warmup_then_cosine_by_hand():
@@ -61,3 +61,35 @@ def test_apex_requested_without_apex_is_a_clear_error():
         pytest.skip("apex is installed here, so there is nothing to refuse")
     with pytest.raises(RuntimeError, match="optim.impl=apex but apex is not importable"):
         build_optimizer(nn.Linear(2, 2), OptimConfig(impl="apex"), torch.device("cpu"))
+
+
+def _host_syncs(fn) -> int:
+    """How many times ``fn`` reads a device value back to Python (``.item()``, ``bool()``,
+    ``float()``: each is an ``aten::_local_scalar_dense``, a host sync on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name == "aten::_local_scalar_dense" for e in prof.events())
+
+
+def test_norm_and_clipping_are_exact_and_never_sync():
+    """The global norm equals float64 sqrt(sum g²) (1e-6: fp32 partial sums), clipping scales
+    by exactly Python's min(1, max_norm / (norm + 1e-6)) (bitwise, fp32 and bf16), and
+    neither reads a value back to the host; the fp16 overflow check reads back once for
+    20 parameters, not once per parameter."""
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.zeros(5, 7)) for _ in range(10)]
+    params += [nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)) for _ in range(10)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    want = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in params))
+    norm = global_grad_norm(params, None)
+    assert norm.item() == pytest.approx(want, rel=1e-6)
+    expected = [p.grad.clone().mul_(min(1.0, 1.0 / (norm.item() + 1e-6))) for p in params]
+    clip_grads_(params, 1.0, norm)
+    for p, e in zip(params, expected, strict=True):
+        assert torch.equal(p.grad, e)
+    assert _host_syncs(lambda: clip_grads_(params, 1.0, global_grad_norm(params, None))) == 0
+    scaler = DynamicLossScaler(2.0**16)
+    assert _host_syncs(lambda: scaler.found_overflow(params)) == 1

@@ -104,7 +104,9 @@ def test_single_process_initialize_and_destroy():
     ps = parallel_state.initialize(1)
     try:
         assert (ps.tp_size, ps.dp_size, ps.rank, ps.world_size) == (1, 1, 0, 1)
-        assert ps.device == torch.device("cpu")
+        # parallel_state picks NCCL and the first GPU when CUDA is present, else gloo on CPU.
+        expected = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        assert ps.device == expected
         with pytest.raises(RuntimeError, match="already initialized"):
             parallel_state.initialize(1)
     finally:

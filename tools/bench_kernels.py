@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import importlib
 import os
 import sys
@@ -36,10 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import layers.kernels as K  # noqa: E402  (imports no triton until a kernel runs)
 
 MODES = ("fwd", "bwd", "fwd+bwd")
-GOALS = (
-    "LayerNorm fwd+bwd >= 85% of copy bandwidth and >= 1.0x Liger",
-    "bias-GeLU and bias-dropout-add fwd+bwd >= 2x torch eager",
-    "fused cross-entropy peak memory <= 0.5x F.cross_entropy on fp32-upcast logits",
+GOALS = (  # issue 16's
+    "LayerNorm fwd+bwd >= 70% of copy bandwidth and >= 1.0x Liger",
+    "bias-GeLU and bias-dropout-add fwd+bwd >= 1.2x torch eager and >= 1.0x torch.compile",
+    "fused cross-entropy fwd+bwd >= 1.0x torch.compile, peak memory <= 0.5x "
+    "F.cross_entropy on fp32-upcast logits",
 )
 
 
@@ -206,25 +208,63 @@ def measure(case: Case, name: str, fn: Callable, timer, device) -> dict[str, flo
     return out
 
 
-def check_against_torch(case: Case, atol: float) -> float:
-    """Max |triton - torch| over output and every gradient; raises past ``atol``."""
-    results = {}
-    for name in ("triton", "torch"):
-        torch.manual_seed(0)
-        inputs = case.make_inputs()
-        impl = case.impls[name]
-        if case.op == "bias_dropout_add":  # the two draw different masks: compare at p = 0
-            impl = lambda x, b, r, name=name: K.bias_dropout_add(x, b, r, 0.0, True, backend=name)
-        out = impl(*inputs)
-        leaves = [x for x in inputs if x.requires_grad]
-        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
-        results[name] = [out.float(), *(g.float() for g in grads)]
-    err = max((a - b).abs().max().item() for a, b in zip(*results.values(), strict=True))
-    if err > atol:
-        raise AssertionError(
-            f"{case.op} {case.shape}: triton vs torch max error {err:.3e} > {atol}"
+def _reference_impl(case: Case, name: str) -> Callable:
+    """The implementation ``name`` of ``case`` as checked: dropout at p = 0 (the backends
+    draw different masks) and the cross-entropy without its fp32 upcast (for fp64)."""
+    if case.op == "bias_dropout_add":
+        return lambda x, b, r: K.bias_dropout_add(x, b, r, 0.0, True, backend=name)
+    if case.op == "cross_entropy" and name == "torch":
+        return lambda lg, tg: F.cross_entropy(lg, tg, reduction="none")
+    return case.impls[name]
+
+
+def _outputs_and_grads(case: Case, name: str, widen: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    inputs = case.make_inputs()
+    if widen:
+        inputs = tuple(
+            x.detach().double().requires_grad_(x.requires_grad) if x.is_floating_point() else x
+            for x in inputs
         )
-    return err
+    out = _reference_impl(case, name)(*inputs)
+    leaves = [x for x in inputs if x.requires_grad]
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    return [out.detach(), *grads]
+
+
+def check_against_torch(case: Case) -> float:
+    """Max |triton - torch| over output and every gradient, after checking both against an
+    fp64 reference on the same inputs: per tensor, the kernel's error must be at most twice
+    torch's own error in that dtype plus a floor relative to the tensor's magnitude (one
+    ulp of its largest value; 1e-5 of it in fp32). Absolute tolerances cannot judge a bias
+    gradient summed over 16384 rows (~1e4, where one bf16 ulp is 64). Raises otherwise."""
+    got = _outputs_and_grads(case, "triton", widen=False)
+    ref = _outputs_and_grads(case, "torch", widen=False)
+    exact = _outputs_and_grads(case, "torch", widen=True)
+    for i, (g, r, e) in enumerate(zip(got, ref, exact, strict=True)):
+        scale = e.abs().max().item() if e.numel() else 0.0
+        floor = (
+            1e-5 * max(1.0, scale) if g.dtype == torch.float32 else torch.finfo(g.dtype).eps * scale
+        )
+        err = (g.double() - e).abs().max().item() if e.numel() else 0.0
+        torch_err = (r.double() - e).abs().max().item() if e.numel() else 0.0
+        if err > 2 * torch_err + floor:
+            what = "output" if i == 0 else f"gradient {i}"
+            raise AssertionError(
+                f"{case.op} {case.shape} {what}: triton error {err:.3e} vs fp64 exceeds "
+                f"2 x torch's {torch_err:.3e} + {floor:.3e}"
+            )
+    return max(
+        (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+        for a, b in zip(got, ref, strict=True)
+    )
+
+
+def _speedup(by: dict, row: dict, other: str) -> float:
+    """``other``'s fwd+bwd time over ``row``'s at the same op and shape; nan (never "met")
+    when ``other`` did not run."""
+    key = (row["op"], row["shape"], other)
+    return by[key]["fwd+bwd_ms"] / row["fwd+bwd_ms"] if key in by else float("nan")
 
 
 def goal_lines(rows: list[dict]) -> list[str]:
@@ -236,17 +276,18 @@ def goal_lines(rows: list[dict]) -> list[str]:
     for (op, shape, impl), r in by.items():
         if impl != "triton":
             continue
+        vs = functools.partial(_speedup, by, r)
         if op == "layer_norm":
-            liger = by.get((op, shape, "liger"))
-            vs_liger = liger["fwd+bwd_ms"] / r["fwd+bwd_ms"] if liger else float("nan")
-            ok = r["fwd+bwd_pct_copy"] >= 85 and (liger is None or vs_liger >= 1.0)
+            vs_liger = vs("liger")
+            ok = r["fwd+bwd_pct_copy"] >= 70 and not vs_liger < 1.0
             fig = f"{r['fwd+bwd_pct_copy']:.0f}% of copy, {vs_liger:.2f}x Liger"
         elif op in ("bias_gelu", "bias_dropout_add"):
-            ok = r["speedup_vs_torch"] >= 2.0
-            fig = f"{r['speedup_vs_torch']:.2f}x torch eager"
+            ok = r["speedup_vs_torch"] >= 1.2 and vs("compile") >= 1.0
+            fig = f"{r['speedup_vs_torch']:.2f}x torch eager, {vs('compile'):.2f}x torch.compile"
         else:
             ratio = r["peak_mb"] / by[(op, shape, "torch")]["peak_mb"]
-            ok, fig = ratio <= 0.5, f"peak memory {ratio:.2f}x F.cross_entropy(fp32)"
+            ok = ratio <= 0.5 and vs("compile") >= 1.0
+            fig = f"peak memory {ratio:.2f}x F.cross_entropy(fp32), {vs('compile'):.2f}x torch.compile"
         lines.append(f"- {op} {shape}: {fig}: {'met' if ok else 'NOT met'}")
     return lines
 
@@ -337,7 +378,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     copy = copy_bandwidth(device, timer)
     rows = []
     for case in cases:
-        err = check_against_torch(case, atol=1e-4 if dtype == torch.float32 else 6e-2)
+        err = check_against_torch(case)
         times = {name: measure(case, name, fn, timer, device) for name, fn in case.impls.items()}
         for name, t in times.items():
             row = {
@@ -364,8 +405,17 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+class UsageError(ValueError):
+    """A bad command-line value; main prints it as one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, instead of usage + message
+        raise UsageError(message)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="outputs/bench_kernels", help="directory for csv/md/png")
     p.add_argument("--smoke", action="store_true", help="tiny shapes; CPU interpreter without GPU")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is present")
@@ -376,11 +426,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8])
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--reps", type=int, default=3, help="CPU timing repetitions (best of)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("tokens", "hidden", "tp"):
+        bad = [v for v in getattr(args, name) if v < 1]
+        if bad:
+            raise UsageError(f"--{name} values must be >= 1, got {bad[0]}")
+    for name in ("vocab", "reps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    bad_tp = [tp for tp in args.tp if args.vocab // tp < 1]
+    if bad_tp:
+        raise UsageError(f"--tp {bad_tp[0]} leaves no vocabulary per shard of --vocab {args.vocab}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as err:
+        print(f"bench_kernels.py: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     rows = run(args)
     cuda = rows[0]["device"] != "cpu (triton interpreter)"
     if cuda:

@@ -1,12 +1,15 @@
 """Training throughput: tokens/s, model TFLOP/s and MFU of meshtron, against plain PyTorch.
 
-One process measures meshtron (tp=1, dp=1) and a plain PyTorch loop of the same model and
-math (nn.Embedding, nn.Linear, nn.LayerNorm, F.scaled_dot_product_attention,
-F.cross_entropy, torch.optim.AdamW; same sizes, dropout, precision and optimizer settings)
-side by side: after a warmup, blocks of steps alternate between the two (ABBA order, so
-neither always runs first after the other), and the step-time medians give the ratio.
-Before timing, the reference is loaded with meshtron's weights and both losses must agree,
-so the two loops are known to compute the same function.
+One process measures meshtron (tp=1, dp=1) and the references named by ``--references``
+(a comma list) side by side: ``eager``, a plain PyTorch loop of the same model and math
+(nn.Embedding, nn.Linear, nn.LayerNorm, F.scaled_dot_product_attention, F.cross_entropy,
+torch.optim.AdamW; same sizes, dropout, precision and optimizer settings); ``compile``, the
+same plain model under ``torch.compile``; ``mcore``, Megatron-Core, which is skipped with
+a note (the comparison is not implemented here, and it is not a dependency). After a
+warmup, blocks of steps rotate through the loops (forward and reversed order in turn, so
+none always runs first after another), and the step-time medians give the ratios. Before
+timing, each reference is loaded with meshtron's weights and the losses must agree, so
+the loops are known to compute the same function.
 
 Model FLOPs come from ``engine.flops`` (no recomputation counted, padded vocabulary); MFU
 is printed only where ``engine.flops.peak_flops`` knows the device (never on CPU).
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -50,13 +54,14 @@ from engine.verify import VerifySpec, model_loss  # noqa: E402
 from engine.verify import make_batch as verify_batch  # noqa: E402
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+REFERENCES = ("eager", "compile", "mcore")
 # fp32 losses of the two loops agree to summation order (~1e-7 relative per op; a few
 # layers stay far below 1e-4). A larger gap means the two loops compute different models.
 LOSS_RTOL = 1e-4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt_tiny", help="engine.models preset name")
     for name in ("hidden", "layers", "heads", "ffn", "vocab", "max-positions"):
         p.add_argument(f"--{name}", type=int, default=None, help="override the preset")
@@ -70,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each loop")
     p.add_argument("--blocks", type=int, default=6, help="alternating timed blocks per loop")
     p.add_argument("--steps-per-block", type=int, default=4)
+    p.add_argument("--references", default="eager",
+                   help=f"comma list of {', '.join(REFERENCES)} (empty: meshtron only)")  # fmt: skip
     p.add_argument("--no-reference", action="store_true", help="time meshtron only")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N steps of each loop afterwards")  # fmt: skip
@@ -77,7 +84,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's); 1 is steadiest on a shared CPU")  # fmt: skip
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check_args(args)
+    return args
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, instead of usage + message
+        raise UsageError(message)
+
+
+class UsageError(ValueError):
+    """A bad command-line value; main prints it as one line and exits 2."""
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Raise UsageError naming the first bad value and what would be valid."""
+    for name in ("seq", "micro_batch", "tp", "dp", "threads", "blocks", "steps_per_block",
+                 "hidden", "layers", "heads", "ffn", "vocab", "max_positions"):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.warmup < 0 or args.profile < 0:
+        raise UsageError("--warmup and --profile must be >= 0")
+    names = (
+        [] if args.no_reference else [n.strip() for n in args.references.split(",") if n.strip()]
+    )
+    unknown = [n for n in names if n not in REFERENCES]
+    if unknown:
+        raise UsageError(
+            f"--references: unknown {unknown[0]!r}; choose from {', '.join(REFERENCES)}"
+        )
+    args.references = list(dict.fromkeys(names))
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -87,10 +126,13 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         "max_positions": args.max_positions or max(args.seq, 1),
         "hidden_dropout": args.dropout, "attention_dropout": args.dropout,
     }  # fmt: skip
-    cfg = preset(args.preset, **{k: v for k, v in overrides.items() if v is not None})
-    if args.seq > cfg.max_positions:
-        raise SystemExit(f"--seq {args.seq} exceeds max_positions {cfg.max_positions}")
-    cfg.validate(args.tp)
+    try:
+        cfg = preset(args.preset, **{k: v for k, v in overrides.items() if v is not None})
+        if args.seq > cfg.max_positions:
+            raise UsageError(f"--seq {args.seq} exceeds max_positions {cfg.max_positions}")
+        cfg.validate(args.tp)
+    except (KeyError, ValueError) as err:
+        raise UsageError(str(err).strip("'\"")) from None
     return cfg
 
 
@@ -197,15 +239,15 @@ def meshtron_step(model, optimizer, grad_sync, params, batch, ocfg, device, dtyp
     return step
 
 
-def reference_step(ref: RefGPT, optimizer, batch, ocfg, device, dtype):
-    """The textbook PyTorch step: forward, backward, clip_grad_norm_, AdamW."""
-    ids, labels = batch["input_ids"], batch["labels"]
+def reference_step(forward, params, optimizer, batch, ocfg, device, dtype):
+    """The textbook PyTorch step: forward (eager or compiled), backward, clip_grad_norm_, AdamW."""
+    ids, labels, params = batch["input_ids"], batch["labels"], list(params)
 
     def step() -> None:
         with _autocast(device, dtype):
-            loss = ref(ids, labels)
+            loss = forward(ids, labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), ocfg.clip_grad)
+        torch.nn.utils.clip_grad_norm_(params, ocfg.clip_grad)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -235,7 +277,7 @@ def make_batch(cfg: ModelConfig, args, ps, device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in verify_batch(spec).items()}
 
 
-def check_same_function(model: ParallelModel, ref: RefGPT, batch) -> float:
+def check_same_function(model: ParallelModel, ref: Callable, batch) -> float:
     """Relative gap between the two losses in eval mode (fp32); raises above LOSS_RTOL."""
     model.eval()
     ref.eval()
@@ -243,7 +285,7 @@ def check_same_function(model: ParallelModel, ref: RefGPT, batch) -> float:
         ours = model_loss(model, batch).item()
         theirs = ref(batch["input_ids"], batch["labels"]).item()
     model.train()
-    ref.train()
+    ref.train()  # a compiled module passes train()/eval() to the one it wraps
     gap = abs(ours - theirs) / abs(theirs)
     if not gap <= LOSS_RTOL:
         raise SystemExit(
@@ -264,7 +306,8 @@ def _now(device: torch.device) -> float:
 
 
 def run_interleaved(loops: list[Loop], args, device: torch.device) -> None:
-    """Warm up every loop, then alternate timed blocks in ABBA order, recording step times."""
+    """Warm up every loop, then rotate timed blocks (forward, then reversed order), recording
+    step times."""
     for loop in loops:
         for _ in range(args.warmup):
             loop.step()
@@ -326,16 +369,24 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
     step = meshtron_step(model, optimizer, grad_sync, params, batch, ocfg, ps.device, dtype)
     loops = [Loop(f"meshtron tp={ps.tp_size} dp={ps.dp_size}", step)]
     info: dict = {"vocab": {loops[0].name: cfg.padded_vocab_size(ps.tp_size)}}
-    if args.no_reference or ps.world_size > 1 or cfg.arch != "gpt":
-        return loops, info  # the reference is one process and GPT only
-    ref = RefGPT(cfg).to(ps.device)
-    load_reference(ref, model)
-    info["loss_rel_gap"] = check_same_function(model, ref, batch)
-    ref_opt = reference_optimizer(ref, ocfg, ps.device)
-    loops.append(
-        Loop("pytorch reference", reference_step(ref, ref_opt, batch, ocfg, ps.device, dtype))
-    )
-    info["vocab"][loops[1].name] = cfg.vocab_size
+    if not args.references or ps.world_size > 1 or cfg.arch != "gpt":
+        return loops, info  # the references are one process and GPT only
+    info["loss_rel_gap"] = {}
+    for kind in args.references:
+        if kind == "mcore":
+            note = "not importable" if importlib.util.find_spec("megatron") is None else (
+                "importable, but its loop is not implemented in this tool")  # fmt: skip
+            print(f"note: Megatron-Core reference skipped: {kind} {note}")
+            continue
+        ref = RefGPT(cfg).to(ps.device)
+        load_reference(ref, model)
+        forward = torch.compile(ref) if kind == "compile" else ref
+        name = f"pytorch {kind}"
+        info["loss_rel_gap"][name] = check_same_function(model, forward, batch)
+        ref_opt = reference_optimizer(ref, ocfg, ps.device)
+        step = reference_step(forward, ref.parameters(), ref_opt, batch, ocfg, ps.device, dtype)
+        loops.append(Loop(name, step))
+        info["vocab"][name] = cfg.vocab_size
     return loops, info
 
 
@@ -366,10 +417,10 @@ def summarize(loop: Loop, vocab: int, cfg: ModelConfig, args, ps, peak, ceiling)
     }  # fmt: skip
 
 
-def paired_ratios(loops: list[Loop], args) -> list[float]:
-    """meshtron ÷ reference median per block pair: adjacent in time, so load drift cancels."""
+def paired_ratios(loops: list[Loop], reference: int, args) -> list[float]:
+    """meshtron ÷ reference median per block pair: near in time, so load drift cancels."""
     k = args.steps_per_block
-    ours, theirs = loops[0].times, loops[1].times
+    ours, theirs = loops[0].times, loops[reference].times
     return [
         statistics.median(ours[i : i + k]) / statistics.median(theirs[i : i + k])
         for i in range(0, len(ours), k)
@@ -379,7 +430,7 @@ def paired_ratios(loops: list[Loop], args) -> list[float]:
 def render(rows: list[dict], meta: dict, console: Console) -> None:
     table = Table(title=f"Training throughput — {meta['device_name']}, {meta['precision']}")
     for col in ("loop", "step ms (median)", "p10–p90 ms", "CPU ms (median)", "tokens/s",
-                "model TFLOP/s", "% matmul ceiling", "MFU", "vs reference"):  # fmt: skip
+                "model TFLOP/s", "% matmul ceiling", "MFU", "meshtron ÷ this"):  # fmt: skip
         table.add_column(col, justify="left" if col == "loop" else "right")
     for r in rows:
         table.add_row(
@@ -395,14 +446,13 @@ def render(rows: list[dict], meta: dict, console: Console) -> None:
         f"model: {meta['model']}  seq={meta['seq']} micro_batch={meta['micro_batch']}  "
         f"matmul ceiling {meta['matmul_ceiling_tflops']:.4f} TFLOP/s ({meta['ceiling_shape']})"
     )
-    if "ratio" in meta:
+    for name, c in meta.get("comparisons", {}).items():
         console.print(
-            f"meshtron / reference = {meta['ratio']:.3f} (medians); per block pair "
-            f"median {meta['paired_ratio_median']:.3f}, range "
-            f"{min(meta['paired_ratios']):.3f}–{max(meta['paired_ratios']):.3f}; p10 step "
-            f"times {meta['p10_ratio']:.3f}; process CPU time {meta['cpu_ratio']:.3f}; "
-            "goal <= 1.05. Loss agreement before timing: "
-            f"rel {meta['loss_rel_gap']:.1e}"
+            f"meshtron / {name} = {c['ratio']:.3f} (medians); per block pair "
+            f"median {c['paired_ratio_median']:.3f}, range "
+            f"{min(c['paired_ratios']):.3f}–{max(c['paired_ratios']):.3f}; p10 step "
+            f"times {c['p10_ratio']:.3f}; process CPU time {c['cpu_ratio']:.3f}. "
+            f"Loss agreement before timing: rel {c['loss_rel_gap']:.1e}"
         )
 
 
@@ -420,11 +470,31 @@ def write(path: str, rows: list[dict], meta: dict) -> None:
         writer.writerows(flat)
 
 
+def compare(rows: list[dict], loops: list[Loop], info: dict, args) -> dict[str, dict]:
+    """meshtron against each reference: ratios of medians, p10s, CPU time, block pairs."""
+    out = {}
+    for i in range(1, len(loops)):
+        ratio = rows[0]["step_ms_median"] / rows[i]["step_ms_median"]
+        rows[i]["ratio"] = ratio
+        pairs = paired_ratios(loops, i, args)
+        out[loops[i].name] = dict(
+            ratio=ratio, cpu_ratio=rows[0]["cpu_ms_median"] / rows[i]["cpu_ms_median"],
+            p10_ratio=rows[0]["step_ms_p10"] / rows[i]["step_ms_p10"], paired_ratios=pairs,
+            paired_ratio_median=statistics.median(pairs),
+            loss_rel_gap=info["loss_rel_gap"][loops[i].name],
+        )  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+        cfg = model_config(args)
+    except UsageError as err:
+        print(f"bench_train.py: error: {err}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = model_config(args)
     ps = parallel_state.initialize(args.tp, args.dp)
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
     try:
@@ -440,15 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         peak = flops.peak_flops(ps.device, dtype or torch.float32)
         rows = [summarize(lp, info["vocab"][lp.name], cfg, args, ps, peak, ceiling) for lp in loops]
         meta = _meta(cfg, args, ps, precision, ceiling, peak)
-        if len(loops) == 2:
-            ratio = rows[0]["step_ms_median"] / rows[1]["step_ms_median"]
-            cpu_ratio = rows[0]["cpu_ms_median"] / rows[1]["cpu_ms_median"]
-            p10_ratio = rows[0]["step_ms_p10"] / rows[1]["step_ms_p10"]
-            pairs = paired_ratios(loops, args)
-            rows[0]["ratio"], rows[1]["ratio"] = ratio, 1.0
-            meta.update(ratio=ratio, cpu_ratio=cpu_ratio, p10_ratio=p10_ratio, paired_ratios=pairs,
-                        paired_ratio_median=statistics.median(pairs),
-                        loss_rel_gap=info["loss_rel_gap"])  # fmt: skip
+        meta["comparisons"] = compare(rows, loops, info, args)
         if ps.rank == 0:
             render(rows, meta, console)
             if args.out:

@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from layers import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, scatter_to_sequence
+from layers.compile import compile_layers
 from layers.linear import InitMethod, build_master_weight, normal_init
 from layers.recompute import default_rng, dropout_stream
 from layers.transformer import LayerNorm, ParallelTransformerLayer
@@ -201,6 +202,8 @@ class ParallelModel(nn.Module):
         self.layers = nn.ModuleList(
             ParallelTransformerLayer(cfg, rng=rng, **build) for _ in range(cfg.num_layers)
         )
+        if cfg.compile:
+            compile_layers(self.layers, backend=cfg.compile_backend)
         return build
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ class MLMTransform(nn.Module):
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.kernels.gelu(self.dense(x), self.approximate))
+        return self.norm(self.kernels.gelu(self.dense(x), None, self.approximate))
 
 
 class Pooler(nn.Module):

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from layers.compile import COMPILE_BACKENDS
 from layers.recompute import RECOMPUTE_MODES
 from layers.utils import pad_vocab_size
 
@@ -36,6 +37,8 @@ class ModelConfig:
     activation: str = "gelu_tanh"  # "gelu_tanh" (GPT-2's tanh approximation) or "gelu" (exact)
     tie_embeddings: bool = True  # LM head reuses the word embedding
     kernels: str = "auto"  # element-wise ops: "auto" (Triton on CUDA), "triton", "apex", "torch"
+    compile: bool = False  # torch.compile each transformer layer (layers.compile)
+    compile_backend: str = "inductor"  # torch.compile backend: "inductor", "aot_eager" or "eager"
 
     @property
     def ffn_size(self) -> int:
@@ -68,6 +71,7 @@ class ModelConfig:
             ("recompute", self.recompute, RECOMPUTE_MODES),
             ("activation", self.activation, ACTIVATIONS),
             ("kernels", self.kernels, KERNELS),
+            ("compile_backend", self.compile_backend, COMPILE_BACKENDS),
         ):
             if value not in allowed:
                 raise ValueError(f"model.{key}={value!r} is not one of {allowed}")

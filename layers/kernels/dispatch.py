@@ -60,3 +60,17 @@ def reject_apex(backend: str, op: str) -> None:
     """Raise for ``backend='apex'`` on an op apex has no fused kernel for here."""
     if backend == "apex":
         raise ValueError(f"backend='apex' is only available for layer_norm, not {op}")
+
+
+# What ``model.kernels=auto`` runs on CUDA tensors, per op: "triton" (the fused kernel) or
+# "torch". From the issue-16 report's H100 measurements (its reporter's, bf16, 16384
+# tokens, fwd+bwd against torch eager): LayerNorm 0.52x (h 2048) and 0.67x (h 4096),
+# bias-GeLU 0.48x, bias-dropout-add 0.51x, so those stay on torch; the fused cross-entropy
+# was 4.4x faster than eager with 1 MB instead of 9.4 GB peak, so it is used. Re-measure
+# with tools/bench_kernels.py on the target GPU and update this table (docs/BENCHMARKS.md).
+MODEL_AUTO: dict[str, str] = {
+    "layer_norm": "torch",
+    "bias_gelu": "torch",
+    "bias_dropout_add": "torch",
+    "cross_entropy": "triton",
+}
