@@ -60,6 +60,7 @@ def check_data(cfg: Config) -> list[str]:
     for prefix in d.prefixes:
         try:
             indexed = IndexedDataset(prefix)
+            indexed.verify(cfg.model.vocab_size)
         except ValueError as err:
             problems.append(f"data.prefixes: {err}")
             continue
