@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = export_model(args.ckpt, args.out)
         print(f"exported the {cfg.arch} weights to {args.out}")
         return 0
-    except (CheckpointError, ValueError) as err:
+    except (CheckpointError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
