@@ -34,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import layers.kernels as K  # noqa: E402  (imports no triton until a kernel runs)
+from engine.cli import ArgumentParser, positive_int  # noqa: E402
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 GOALS = (
@@ -365,17 +366,19 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="outputs/bench_kernels", help="directory for csv/md/png")
     p.add_argument("--smoke", action="store_true", help="tiny shapes; CPU interpreter without GPU")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is present")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
-    p.add_argument("--hidden", type=int, nargs="+", default=[1024, 4096, 8192])
-    p.add_argument("--vocab", type=int, default=50304, help="full vocabulary; shards are vocab/tp")
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8])
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--hidden", type=positive_int, nargs="+", default=[1024, 4096, 8192])
+    p.add_argument(
+        "--vocab", type=positive_int, default=50304, help="full vocabulary; shards are vocab/tp"
+    )
+    p.add_argument("--tp", type=positive_int, nargs="+", default=[1, 2, 8])
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    p.add_argument("--reps", type=int, default=3, help="CPU timing repetitions (best of)")
+    p.add_argument("--reps", type=positive_int, default=3, help="CPU timing repetitions (best of)")
     return p.parse_args(argv)
 
 
