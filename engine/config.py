@@ -238,7 +238,7 @@ def _validate_data(cfg: Config) -> list[str]:
             )
     if d.weights and not (all(0 <= w < math.inf for w in d.weights) and sum(d.weights) > 0):
         problems.append(
-            f"data.weights={list(d.weights)} must be finite and >= 0 with a positive sum"
+            f"data.weights={list(d.weights)} must be >= 0 with a positive sum, all finite"
         )
     if d.weights and len(d.weights) != len(d.prefixes):
         problems.append(
