@@ -50,7 +50,8 @@ def prepare(cfg: Config) -> Config:
     from engine.preflight import check_memory
 
     local_ranks = (info.local_world_size or 1) if info.launcher != "none" else tp_dp(cfg)
-    problems = check_data(cfg) + _check_checkpoint_dir(cfg) + check_memory(cfg, local_ranks)
+    # The memory estimate is only worth giving for a config that is otherwise sound.
+    problems = check_data(cfg) + _check_checkpoint_dir(cfg) or check_memory(cfg, local_ranks)
     if problems:
         _fail(problems)
     if cfg.model.sequence_parallel and cfg.data.seq_len % cfg.tp_size:
