@@ -169,7 +169,8 @@ def validate(cfg: Config, dp_size: int, world_size: int | None = None) -> list[s
         problems.append(f"trainer.precision={t.precision!r} is not one of auto, fp32, bf16, fp16")
     if cfg.optim.impl not in ("auto", "torch", "apex"):
         problems.append(f"optim.impl={cfg.optim.impl!r} is not one of auto, torch, apex")
-    if cfg.optim.lr <= 0 or cfg.optim.min_lr < 0 or cfg.optim.min_lr > cfg.optim.lr:
+    # Written as what must hold, so that NaN (false in every comparison) fails it too.
+    if not (0 < cfg.optim.lr < math.inf and 0 <= cfg.optim.min_lr <= cfg.optim.lr):
         problems.append(
             f"optim.lr={cfg.optim.lr} must be > 0 and optim.min_lr={cfg.optim.min_lr} in [0, lr]"
         )

@@ -155,10 +155,12 @@ def cli() -> None:
 
 def hydra_error_line(err: BaseException) -> str:
     """Hydra's message and its cause's (OmegaConf's, naming the key), as one line."""
-    parts = []
+    override = getattr(err, "override", None)  # set on Hydra's override parse errors
+    parts = [f"cannot parse the override {override!r}:"] if override else []
     for e in (err, err.__cause__):
         for line in str(e or "").split("Config search path")[0].splitlines():
-            if line.strip() and not line.strip().startswith(("object_type=", "reference_type=")):
+            skip = ("object_type=", "reference_type=", "See https://hydra.cc")
+            if line.strip() and not line.strip().startswith(skip):
                 parts.append(line.strip())
     return " ".join(dict.fromkeys(parts)) or type(err).__name__
 
