@@ -28,7 +28,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import parallel_state
-from engine.checkpoint_format import META_FILE, read_checkpoint, save_tensors, write_checkpoint
+from engine.checkpoint_format import (
+    META_FILE,
+    check_output_dir,
+    read_checkpoint,
+    save_tensors,
+    write_checkpoint,
+)
 from engine.models import GPTModel, ModelConfig, ParallelModel, build_model
 from engine.verify import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 from layers.utils import gather_along
@@ -294,6 +300,7 @@ def write_hf_dir(
 
 def import_hf(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> ModelConfig:
     """Convert a local HF directory into a meshtron checkpoint (usable at any TP size)."""
+    check_output_dir(ckpt_dir)
     cfg, state, hf_config = read_hf_dir(hf_dir)
     write_checkpoint(ckpt_dir, state, cfg, extra={"hf_config": hf_config})
     return cfg

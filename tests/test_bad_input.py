@@ -216,6 +216,12 @@ TOOLS = [
      2, "needs 4000000000000 bytes, more than the checkpoint's files hold"),
     ("convert_wrong_shape", "checkpoint", ["convert", "{ck_shape}", "--tp-size", "1", "--dp-size", "1", "--out", "{dir}/o4"],
      2, "model/embedding.position has shape [64, 33], the model_config's model [256, 32]"),
+    ("export_out_is_file", "checkpoint", ["export-model", "{ck}", "--out", "{a_file}"],
+     2, "a_file is a file; give a new directory"),
+    ("export_out_holds_files", "checkpoint", ["export-model", "{ck}", "--out", "{dir}/text"],
+     2, "text exists and holds other files (00.txt, 01.txt, 02.txt)"),
+    ("hf_import_out_is_file", "convert_hf", ["import", "--hf-dir", "{hf_garbage}", "--out", "{a_file}"],
+     2, "a_file is a file; give a new directory"),
     ("hf_garbage_weights", "convert_hf", ["import", "--hf-dir", "{hf_garbage}", "--out", "{dir}/o5"],
      2, "model.safetensors is not a readable safetensors file"),
     ("hf_parent_path", "convert_hf", ["import", "--hf-dir", "{hf_parent}", "--out", "{dir}/o6"],
@@ -256,6 +262,8 @@ def test_tool_bad_input_is_one_error_line(inputs, tool, argv, status, fragment, 
     line = _one_line(capsys.readouterr().err)
     assert code == status and fragment in line, (code, line)
     assert not list(Path(inputs["dir"]).glob("o[0-9]*")), "a refused command wrote output"
+    assert Path(inputs["a_file"]).read_text() == "not a directory"
+    assert len(list((Path(inputs["dir"]) / "text").glob("*.txt"))) == 20
 
 
 # What only a real process shows: one from each program and kind of error.

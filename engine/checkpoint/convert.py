@@ -22,7 +22,7 @@ from engine.checkpoint.storage import (
     write_index,
     write_shard,
 )
-from engine.checkpoint_format import META_FILE, write_checkpoint
+from engine.checkpoint_format import META_FILE, check_output_dir, write_checkpoint
 from engine.flops import params_count
 from engine.models import ModelConfig, build_model
 
@@ -112,6 +112,7 @@ def convert(src: str | Path, out_root: str | Path, tp_size: int, dp_size: int) -
 
 def export_model(src: str | Path, out_dir: str | Path) -> ModelConfig:
     """Write the model weights alone in engine.checkpoint_format (for HF export, inference)."""
+    check_output_dir(out_dir)
     src = resolve(src)
     reader = ShardReader(src)
     cfg = check_shapes(reader)
