@@ -64,7 +64,9 @@ def _make_data(d: Path) -> dict[str, str]:
     with IndexedDatasetWriter(d / "big_ids", vocab_size=1000, eod_id=eod) as writer:
         for i in range(50):
             writer.add_document(np.arange(60) * 16 + i)  # ids up to 993: past 512
-    _write_v1(d / "v1_big_ids", np.array([7, 999, eod, 3, 4, eod]), [0, 3, 6], eod)
+    v1_docs = [[7, 999, eod]] + [[3 + i] * 9 + [eod] for i in range(20)]  # 203 tokens
+    offsets = np.cumsum([0] + [len(doc) for doc in v1_docs]).tolist()
+    _write_v1(d / "v1_big_ids", np.concatenate(v1_docs), offsets, eod)
     shutil.copy(f"{prefix}.idx", d / "flipped.idx")
     data = bytearray(Path(f"{prefix}.bin").read_bytes())
     data[100] ^= 1  # one bit: size unchanged, only the checksum can tell
@@ -236,9 +238,9 @@ TOOLS = [
     ("bench_seq_0", "bench_train", ["--seq", "0"], 2, "argument --seq: 0 must be >= 1"),
     ("bench_threads_0", "bench_train", ["--threads", "0"], 2, "argument --threads: 0 must be >= 1"),
     ("bench_kernels_tokens_0", "bench_kernels", ["--tokens", "0"], 2, "argument --tokens: 0 must be >= 1"),
-    ("preprocess_workers_0", "preprocess_data", ["--input", "x", "--output-prefix", "{dir}/o8", "--vocab-size", "300", "--workers", "0"],
+    ("preprocess_workers_0", "preprocess_data", ["--input", "{dir}/text/00.txt", "--output-prefix", "{dir}/o8", "--vocab-size", "300", "--workers", "0"],
      2, "argument --workers: 0 must be >= 1"),
-    ("preprocess_workers_negative", "preprocess_data", ["--input", "x", "--output-prefix", "{dir}/o9", "--vocab-size", "300", "--workers", "-3"],
+    ("preprocess_workers_negative", "preprocess_data", ["--input", "{dir}/text/00.txt", "--output-prefix", "{dir}/o9", "--vocab-size", "300", "--workers", "-3"],
      2, "argument --workers: -3 must be >= 1"),
 ]  # fmt: skip
 
