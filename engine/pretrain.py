@@ -49,7 +49,7 @@ def prepare(cfg: Config) -> Config:
     from engine.data_setup import check_data
     from engine.preflight import check_memory
 
-    local_ranks = (info.local_world_size or 1) if info.launcher != "none" else tp_dp(cfg)
+    local_ranks = (info.local_world_size or 1) if info.launcher != "none" else _job_ranks(cfg)
     # The memory estimate is only worth giving for a config that is otherwise sound.
     problems = check_data(cfg) + _check_checkpoint_dir(cfg) or check_memory(cfg, local_ranks)
     if problems:
@@ -85,7 +85,7 @@ def _check_checkpoint_dir(cfg: Config) -> list[str]:
     return check_resume_model(cfg, root)
 
 
-def tp_dp(cfg: Config) -> int:
+def _job_ranks(cfg: Config) -> int:
     """Ranks of the job: tp_size × dp_size (dp_size resolved)."""
     return cfg.tp_size * int(cfg.dp_size)
 
