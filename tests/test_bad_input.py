@@ -300,3 +300,25 @@ def test_representative_bad_inputs_as_real_processes(inputs, tmp_path):
         _, err = proc.communicate(timeout=300)
         line = _one_line(err)
         assert (proc.returncode, fragment in line) == (2, True), (case_id, proc.returncode, line)
+
+
+def test_good_inputs_pass_the_same_checks(inputs, monkeypatch):
+    """The control: the base run and the undamaged files pass, so each failure above is its
+    bad input's doing. The index's recorded range and checksum match the .bin's bytes."""
+    import hashlib
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from engine.pretrain import prepare
+
+    good = IndexedDataset(inputs["good"])
+    tokens = np.fromfile(f"{inputs['good']}.bin", dtype=np.uint16)
+    assert good.token_range == (int(tokens.min()), int(tokens.max()))
+    assert good.bin_sha256 == hashlib.sha256(tokens.tobytes()).hexdigest()
+    good.verify(512)
+    monkeypatch.chdir(inputs["dir"])
+    overrides = [o for o in _base(inputs) if not o.startswith("hydra.")]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        cfg = OmegaConf.to_object(compose("config", overrides=overrides))
+    assert prepare(cfg).data.prefixes == [inputs["good"]]
