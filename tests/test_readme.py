@@ -185,17 +185,23 @@ def test_cheap_readme_commands_run_as_shown(command, tmp_path):
     assert (done.returncode, done.stderr.strip()) == (status, output), done.stderr
 
 
-# Appended to a README snippet: its y against the unsplit computation on the gathered
-# weights. fp32; the TP run adds two partial sums of 2048 products where the unsplit
-# one adds 4096 in another order: ~1e-6 relative on outputs of order 1, so 1e-5 is ample.
+# Appended to a README snippet: its y against the unsplit computation on the assembled
+# weights (each rank adds its shard into zeros; all-reduce, which gloo on CPU or CUDA and
+# NCCL all support). fp32; the TP run adds two partial sums of 2048 products where the
+# unsplit one adds 4096 in another order: ~1e-6 relative on outputs of order 1, so 1e-5.
 _CHECK = """
 import torch.distributed as dist
-from layers.utils import gather_along
-g = ps.tp_group
-w1, b1 = gather_along(fc1.weight.detach(), 0, g), gather_along(fc1.bias.detach(), 0, g)
-w2 = gather_along(fc2.weight.detach(), 1, g)
-ref = torch.nn.functional.linear(torch.nn.functional.gelu(
-    torch.nn.functional.linear(x, w1, b1)), w2, fc2.bias.detach())
+def full(p, dim):
+    if dim is None or ps.tp_size == 1:
+        return p.detach().clone()
+    shape = list(p.shape); n = shape[dim]; shape[dim] *= ps.tp_size
+    out = torch.zeros(shape, dtype=p.dtype, device=p.device)
+    out.narrow(dim, ps.tp_rank * n, n).copy_(p.detach())
+    dist.all_reduce(out, group=ps.tp_group)
+    return out
+F = torch.nn.functional
+w1, b1, w2 = full(fc1.weight, 0), full(fc1.bias, 0), full(fc2.weight, 1)
+ref = F.linear(F.gelu(F.linear(x, w1, b1)), w2, fc2.bias.detach())
 torch.testing.assert_close(y.detach(), ref, rtol=1e-5, atol=1e-5)
 assert fc1.weight.grad is not None and fc2.weight.grad is not None
 print(f"snippet ok tp={ps.tp_size} rank={ps.rank}")
