@@ -213,7 +213,8 @@ def _validate_values(cfg: Config) -> list[str]:
     for key, value, ok, rule in checks:
         # NaN fails every comparison, so `ok` is False for it as well.
         if not ok or (isinstance(value, float) and not math.isfinite(value)):
-            problems.append(f"{key}={value} must be {rule} and finite")
+            finite = " and finite" if isinstance(value, float) else ""
+            problems.append(f"{key}={value} must be {rule}{finite}")
     if t.sample_tokens > 0 and not t.sample_temperature > 0:
         problems.append(
             f"trainer.sample_temperature={t.sample_temperature} must be > 0 "
