@@ -85,6 +85,23 @@ def write_checkpoint(
         raise
 
 
+def check_output_dir(directory: str | os.PathLike) -> None:
+    """Raise ValueError unless :func:`write_checkpoint` may write ``directory``: it must be
+    missing, empty, or a model checkpoint itself (which is replaced). Anything else there
+    would be deleted by the replacement, so a user's file or directory is refused."""
+    path = Path(directory)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise ValueError(f"{path} is a file; give a new directory to write the model to")
+    extra = sorted(p.name for p in path.iterdir() if p.name not in (META_FILE, WEIGHTS_FILE))
+    if extra or (any(path.iterdir()) and not (path / META_FILE).is_file()):
+        raise ValueError(
+            f"{path} exists and holds other files ({', '.join(extra[:3]) or 'no ' + META_FILE}); "
+            "give a new or empty directory"
+        )
+
+
 def _move_into_place(tmp: Path, final: Path) -> None:
     if not final.exists():
         os.rename(tmp, final)

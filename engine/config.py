@@ -9,6 +9,8 @@ problem, naming the key and the numbers.
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,7 +172,8 @@ def validate(cfg: Config, dp_size: int, world_size: int | None = None) -> list[s
         problems.append(f"trainer.precision={t.precision!r} is not one of auto, fp32, bf16, fp16")
     if cfg.optim.impl not in ("auto", "torch", "apex"):
         problems.append(f"optim.impl={cfg.optim.impl!r} is not one of auto, torch, apex")
-    if cfg.optim.lr <= 0 or cfg.optim.min_lr < 0 or cfg.optim.min_lr > cfg.optim.lr:
+    # Written as what must hold, so that NaN (false in every comparison) fails it too.
+    if not (0 < cfg.optim.lr < math.inf and 0 <= cfg.optim.min_lr <= cfg.optim.lr):
         problems.append(
             f"optim.lr={cfg.optim.lr} must be > 0 and optim.min_lr={cfg.optim.min_lr} in [0, lr]"
         )
@@ -188,7 +191,46 @@ def validate(cfg: Config, dp_size: int, world_size: int | None = None) -> list[s
         problems.append(f"trainer.max_restarts={t.max_restarts} must be >= 0")
     if t.profile_steps and (len(t.profile_steps) != 2 or t.profile_steps[0] > t.profile_steps[1]):
         problems.append(f"trainer.profile_steps={t.profile_steps} must be [first, last]")
+    problems += _validate_values(cfg)
     problems += _validate_data(cfg)
+    return problems
+
+
+def _validate_values(cfg: Config) -> list[str]:
+    """Ranges of the optimizer and loop settings that would otherwise fail mid-run or be ignored."""
+    o, t, problems = cfg.optim, cfg.trainer, []
+    for key, value in (("beta1", o.beta1), ("beta2", o.beta2)):
+        if not 0.0 <= value < 1.0:
+            problems.append(f"optim.{key}={value} must be in [0, 1)")
+    checks = (
+        ("optim.eps", o.eps, o.eps > 0, "> 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+        ("optim.clip_grad", o.clip_grad, o.clip_grad >= 0, ">= 0 (0 disables clipping)"),
+        ("trainer.grad_bucket_mb", t.grad_bucket_mb, t.grad_bucket_mb > 0, "> 0"),
+        ("trainer.log_every", t.log_every, t.log_every >= 1, ">= 1"),
+        ("trainer.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0 disables)"),
+        ("trainer.eval_batches", t.eval_batches, t.eval_batches >= 1, ">= 1"),
+        ("trainer.sample_tokens", t.sample_tokens, t.sample_tokens >= 0, ">= 0 (0 disables)"),
+        ("trainer.sample_top_k", t.sample_top_k, t.sample_top_k >= 0, ">= 0 (0: no top-k)"),
+        ("trainer.loss_scale_init", t.loss_scale_init, t.loss_scale_init > 0, "> 0"),
+        ("trainer.fail_at_step", t.fail_at_step, t.fail_at_step >= 0, ">= 0 (0 disables)"),
+    )
+    for key, value, ok, rule in checks:
+        # NaN fails every comparison, so `ok` is False for it as well.
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            finite = " and finite" if isinstance(value, float) else ""
+            problems.append(f"{key}={value} must be {rule}{finite}")
+    if t.sample_tokens > 0 and not t.sample_temperature > 0:
+        problems.append(
+            f"trainer.sample_temperature={t.sample_temperature} must be > 0 "
+            "(or trainer.sample_tokens=0 for no sample)"
+        )
+    if t.wandb_project and importlib.util.find_spec("wandb") is None:
+        problems.append(
+            f"trainer.wandb_project={t.wandb_project!r} needs wandb, which is not installed: "
+            "pip install wandb, or leave trainer.wandb_project unset"
+        )
     return problems
 
 
@@ -202,12 +244,20 @@ def _validate_data(cfg: Config) -> list[str]:
                 f"data.prefixes: {' and '.join(missing)} not found (make them with "
                 "tools/preprocess_data.py)"
             )
-    if d.weights and (min(d.weights) < 0 or sum(d.weights) <= 0):
-        problems.append(f"data.weights={list(d.weights)} must be >= 0 with a positive sum")
+    if d.weights and not (all(0 <= w < math.inf for w in d.weights) and sum(d.weights) > 0):
+        problems.append(
+            f"data.weights={list(d.weights)} must be >= 0 with a positive sum, all finite"
+        )
     if d.weights and len(d.weights) != len(d.prefixes):
         problems.append(
             f"data.weights has {len(d.weights)} entries for {len(d.prefixes)} data.prefixes"
         )
+    from engine.data.blend import split_documents
+
+    try:
+        split_documents(1, d.split)
+    except ValueError as err:
+        problems.append(f"data.split={d.split!r} is invalid ({err}); e.g. data.split=949,50,1")
     if d.tokenizer is not None and not os.path.exists(d.tokenizer):
         problems.append(f"data.tokenizer: {d.tokenizer} does not exist")
     if not d.prefixes and cfg.model.vocab_size < d.default_vocab_size:

@@ -60,6 +60,8 @@ def check_data(cfg: Config) -> list[str]:
     for prefix in d.prefixes:
         try:
             indexed = IndexedDataset(prefix)
+            if vocab <= cfg.model.vocab_size:  # else already reported, once, above
+                indexed.verify(cfg.model.vocab_size)
         except ValueError as err:
             problems.append(f"data.prefixes: {err}")
             continue

@@ -24,10 +24,17 @@ from typing import Any
 
 import torch
 from einops import rearrange
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 import parallel_state
-from engine.checkpoint_format import META_FILE, read_checkpoint, save_tensors, write_checkpoint
+from engine.checkpoint_format import (
+    META_FILE,
+    check_output_dir,
+    read_checkpoint,
+    save_tensors,
+    write_checkpoint,
+)
 from engine.models import GPTModel, ModelConfig, ParallelModel, build_model
 from engine.verify import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 from layers.utils import gather_along
@@ -226,18 +233,49 @@ def read_hf_dir(
     hf_dir = Path(hf_dir)
     hf_config = read_hf_config(hf_dir)
     cfg = config_from_hf(hf_config)
-    index = hf_dir / "model.safetensors.index.json"
-    # A single model.safetensors wins over an index, as in transformers' from_pretrained.
-    if (hf_dir / "model.safetensors").is_file():
-        shards = ["model.safetensors"]
-    elif index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        raise FileNotFoundError(f"{hf_dir} has no model.safetensors (only safetensors is read)")
+    shards = hf_weight_files(hf_dir)
     weights: dict[str, torch.Tensor] = {}
     for shard_name in shards:
-        weights.update(load_file(str(hf_dir / shard_name)))
+        try:
+            weights.update(load_file(str(hf_dir / shard_name)))
+        except (SafetensorError, OSError) as err:
+            raise ValueError(
+                f"{hf_dir / shard_name} is not a readable safetensors file ({err})"
+            ) from None
     return cfg, state_from_hf(cfg, weights), hf_config
+
+
+def hf_weight_files(hf_dir: str | os.PathLike) -> list[str]:
+    """The safetensors files holding ``hf_dir``'s weights; raises if there are none."""
+    hf_dir = Path(hf_dir)
+    # A single model.safetensors wins over an index, as in transformers' from_pretrained.
+    if (hf_dir / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return _shard_names(index)
+    raise FileNotFoundError(f"{hf_dir} has no model.safetensors (only safetensors is read)")
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The shard files an index names, each a plain file name inside its directory.
+
+    ``weight_map`` values are joined to the directory, so ``../x`` or ``/x`` would read
+    outside it; such an index is refused, as the checkpoint reader refuses such names.
+    """
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise ValueError(f"{index} is not a safetensors index (no weight_map object)") from None
+    for name in names:
+        plain = isinstance(name, str) and Path(name).name == name and "\\" not in name
+        if not plain or not name.endswith(".safetensors"):
+            raise ValueError(
+                f"{index} names shard {name!r}: only a .safetensors file name inside that "
+                "directory is read (no paths)"
+            )
+    return names
 
 
 def write_hf_dir(
@@ -262,6 +300,7 @@ def write_hf_dir(
 
 def import_hf(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> ModelConfig:
     """Convert a local HF directory into a meshtron checkpoint (usable at any TP size)."""
+    check_output_dir(ckpt_dir)
     cfg, state, hf_config = read_hf_dir(hf_dir)
     write_checkpoint(ckpt_dir, state, cfg, extra={"hf_config": hf_config})
     return cfg
@@ -294,6 +333,9 @@ def check_hf_layout(spec: VerifySpec, hf_dir: str | os.PathLike) -> None:
     at ``spec``'s layout: heads, hidden, FFN and batch against TP and DP, before any launch."""
     cfg = config_from_hf(read_hf_config(hf_dir))
     replace(spec, seq_len=min(spec.seq_len, cfg.max_positions)).check(cfg)
+    missing = [f for f in hf_weight_files(hf_dir) if not (Path(hf_dir) / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{hf_dir}: the weights index names missing files {missing[:3]}")
 
 
 def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:

@@ -49,8 +49,11 @@ def prepare(cfg: Config) -> Config:
     if not os.path.exists(cfg.data.tokenizer):
         _fail([f"data.tokenizer: {cfg.data.tokenizer} does not exist (pass data.tokenizer=PATH)"])
     from engine.data_setup import check_data
+    from engine.preflight import check_memory
 
-    problems = check_data(cfg) + _check_checkpoint_dir(cfg)
+    local_ranks = (info.local_world_size or 1) if info.launcher != "none" else _job_ranks(cfg)
+    # The memory estimate is only worth giving for a config that is otherwise sound.
+    problems = check_data(cfg) + _check_checkpoint_dir(cfg) or check_memory(cfg, local_ranks)
     if problems:
         _fail(problems)
     if cfg.model.sequence_parallel and cfg.data.seq_len % cfg.tp_size:
@@ -79,7 +82,14 @@ def _check_checkpoint_dir(cfg: Config) -> list[str]:
         return [f"checkpoint.resume=false but {root} already holds checkpoints (steps "
                 f"{', '.join(map(str, steps))}) that a fresh run would replace; choose another "
                 "checkpoint.dir, or delete that directory first"]  # fmt: skip
-    return []
+    from engine.preflight import check_resume_model
+
+    return check_resume_model(cfg, root)
+
+
+def _job_ranks(cfg: Config) -> int:
+    """Ranks of the job: tp_size × dp_size (dp_size resolved)."""
+    return cfg.tp_size * int(cfg.dp_size)
 
 
 def _fail(problems: list[str]) -> None:
@@ -150,5 +160,40 @@ def main(dcfg: DictConfig) -> None:
         append_run_log(cfg.run_dir, line)
 
 
+def cli() -> None:
+    """The command line: Hydra's own override and composition errors become one line, exit 2.
+
+    Hydra prints those errors over several lines and exits 1; asking it to raise them
+    instead (HYDRA_FULL_ERROR, for this process only) lets them be reported like every
+    other configuration error.
+    """
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as err:
+        _fail([hydra_error_line(err)])
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+
+
+def hydra_error_line(err: BaseException) -> str:
+    """Hydra's message and its cause's (OmegaConf's, naming the key), as one line."""
+    override = getattr(err, "override", None)  # set on Hydra's override parse errors
+    parts = [f"cannot parse the override {override!r}:"] if override else []
+    for e in (err, err.__cause__):
+        for line in str(e or "").split("Config search path")[0].splitlines():
+            skip = ("object_type=", "reference_type=", "See https://hydra.cc")
+            if line.strip() and not line.strip().startswith(skip):
+                parts.append(line.strip())
+    return " ".join(dict.fromkeys(parts)) or type(err).__name__
+
+
 if __name__ == "__main__":
-    main()
+    cli()

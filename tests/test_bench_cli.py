@@ -30,12 +30,12 @@ def _exit_code(main, argv) -> int:
     ("argv", "message"),
     [
         (["--preset", "nonexistent"], "unknown model preset 'nonexistent'"),
-        (["--tp", "0"], "--tp must be >= 1, got 0"),
-        (["--micro-batch", "0"], "--micro-batch must be >= 1, got 0"),
-        (["--seq", "0"], "--seq must be >= 1, got 0"),
-        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--tp", "0"], "argument --tp: 0 must be >= 1"),
+        (["--micro-batch", "0"], "argument --micro-batch: 0 must be >= 1"),
+        (["--seq", "0"], "argument --seq: 0 must be >= 1"),
+        (["--threads", "0"], "argument --threads: 0 must be >= 1"),
         (["--references", "eager,jax"], "--references: unknown 'jax'"),
-        (["--tp", "two"], "argument --tp: invalid int value: 'two'"),
+        (["--tp", "two"], "argument --tp: 'two' is not an integer"),
     ],
 )
 def test_bench_train_bad_flags(argv, message, monkeypatch, capsys):
@@ -48,10 +48,10 @@ def test_bench_train_bad_flags(argv, message, monkeypatch, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--tokens", "0"], "--tokens values must be >= 1, got 0"),
-        (["--hidden", "64", "-3"], "--hidden values must be >= 1, got -3"),
-        (["--vocab", "0"], "--vocab must be >= 1, got 0"),
-        (["--tp", "0"], "--tp values must be >= 1, got 0"),
+        (["--tokens", "0"], "argument --tokens: 0 must be >= 1"),
+        (["--hidden", "64", "-3"], "argument --hidden: -3 must be >= 1"),
+        (["--vocab", "0"], "argument --vocab: 0 must be >= 1"),
+        (["--tp", "0"], "argument --tp: 0 must be >= 1"),
         (["--dtype", "int8"], "argument --dtype: invalid choice"),
     ],
 )

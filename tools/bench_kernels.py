@@ -35,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import layers.kernels as K  # noqa: E402  (imports no triton until a kernel runs)
+from engine.cli import ArgumentParser, positive_int  # noqa: E402
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 GOALS = (  # issue 16's
@@ -409,31 +410,21 @@ class UsageError(ValueError):
     """A bad command-line value; main prints it as one line and exits 2."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, instead of usage + message
-        raise UsageError(message)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="outputs/bench_kernels", help="directory for csv/md/png")
     p.add_argument("--smoke", action="store_true", help="tiny shapes; CPU interpreter without GPU")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is present")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
-    p.add_argument("--hidden", type=int, nargs="+", default=[1024, 4096, 8192])
-    p.add_argument("--vocab", type=int, default=50304, help="full vocabulary; shards are vocab/tp")
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8])
+    p.add_argument("--tokens", type=positive_int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--hidden", type=positive_int, nargs="+", default=[1024, 4096, 8192])
+    p.add_argument(
+        "--vocab", type=positive_int, default=50304, help="full vocabulary; shards are vocab/tp"
+    )
+    p.add_argument("--tp", type=positive_int, nargs="+", default=[1, 2, 8])
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    p.add_argument("--reps", type=int, default=3, help="CPU timing repetitions (best of)")
+    p.add_argument("--reps", type=positive_int, default=3, help="CPU timing repetitions (best of)")
     args = p.parse_args(argv)
-    for name in ("tokens", "hidden", "tp"):
-        bad = [v for v in getattr(args, name) if v < 1]
-        if bad:
-            raise UsageError(f"--{name} values must be >= 1, got {bad[0]}")
-    for name in ("vocab", "reps"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
     bad_tp = [tp for tp in args.tp if args.vocab // tp < 1]
     if bad_tp:
         raise UsageError(f"--tp {bad_tp[0]} leaves no vocabulary per shard of --vocab {args.vocab}")

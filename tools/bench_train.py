@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import parallel_state  # noqa: E402
 from engine import flops  # noqa: E402
+from engine.cli import ArgumentParser, non_negative_int, positive_int  # noqa: E402
 from engine.config import OptimConfig  # noqa: E402
 from engine.grad_sync import GradSync  # noqa: E402
 from engine.models import ModelConfig, ParallelModel, build_model, preset  # noqa: E402
@@ -61,37 +62,36 @@ LOSS_RTOL = 1e-4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = _Parser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt_tiny", help="engine.models preset name")
     for name in ("hidden", "layers", "heads", "ffn", "vocab", "max-positions"):
-        p.add_argument(f"--{name}", type=int, default=None, help="override the preset")
+        p.add_argument(f"--{name}", type=positive_int, default=None, help="override the preset")
     p.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
+    p.add_argument(
+        "--micro-batch", type=positive_int, default=8, help="sequences per rank per step"
+    )
+    p.add_argument("--tp", type=positive_int, default=1)
+    p.add_argument("--dp", type=positive_int, default=1)
     p.add_argument("--precision", choices=["auto", *PRECISIONS], default="auto",
                    help="auto: bf16 autocast on CUDA, fp32 on CPU")  # fmt: skip
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each loop")
-    p.add_argument("--blocks", type=int, default=6, help="alternating timed blocks per loop")
-    p.add_argument("--steps-per-block", type=int, default=4)
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps of each loop")
+    p.add_argument(
+        "--blocks", type=positive_int, default=6, help="alternating timed blocks per loop"
+    )
+    p.add_argument("--steps-per-block", type=positive_int, default=4)
     p.add_argument("--references", default="eager",
                    help=f"comma list of {', '.join(REFERENCES)} (empty: meshtron only)")  # fmt: skip
     p.add_argument("--no-reference", action="store_true", help="time meshtron only")
-    p.add_argument("--profile", type=int, default=0, metavar="N",
+    p.add_argument("--profile", type=non_negative_int, default=0, metavar="N",
                    help="profile N steps of each loop afterwards")  # fmt: skip
     p.add_argument("--out", default=None, help="write results: .json, else CSV")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's); 1 is steadiest on a shared CPU")  # fmt: skip
     args = p.parse_args(argv)
     _check_args(args)
     return args
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2, instead of usage + message
-        raise UsageError(message)
 
 
 class UsageError(ValueError):
@@ -100,14 +100,6 @@ class UsageError(ValueError):
 
 def _check_args(args: argparse.Namespace) -> None:
     """Raise UsageError naming the first bad value and what would be valid."""
-    for name in ("seq", "micro_batch", "tp", "dp", "threads", "blocks", "steps_per_block",
-                 "hidden", "layers", "heads", "ffn", "vocab", "max_positions"):  # fmt: skip
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            flag = "--" + name.replace("_", "-")
-            raise UsageError(f"{flag} must be >= 1, got {value}")
-    if args.warmup < 0 or args.profile < 0:
-        raise UsageError("--warmup and --profile must be >= 0")
     names = (
         [] if args.no_reference else [n.strip() for n in args.references.split(",") if n.strip()]
     )

@@ -22,11 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.checkpoint import CheckpointError  # noqa: E402
 from engine.checkpoint.convert import convert, export_model, resolve, summarize  # noqa: E402
+from engine.cli import ArgumentParser  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="list tensors, shapes, dtypes, layout and files")
     ins.add_argument("ckpt", help="step directory or checkpoint root")
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = export_model(args.ckpt, args.out)
         print(f"exported the {cfg.arch} weights to {args.out}")
         return 0
-    except (CheckpointError, ValueError) as err:
+    except (CheckpointError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

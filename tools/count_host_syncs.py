@@ -22,19 +22,19 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.cli import ArgumentParser, positive_int  # noqa: E402
 from engine.models import build_model, preset  # noqa: E402
 from engine.optim import DynamicLossScaler, clip_grads_, global_grad_norm  # noqa: E402
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=positive_int, default=4, help="layers of the tiny GPT")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=4, help="layers of the tiny GPT (>= 1)")
-    args = p.parse_args(argv)
-    if args.layers < 1:
-        print(
-            f"count_host_syncs.py: error: --layers must be >= 1, got {args.layers}", file=sys.stderr
-        )
-        return 2
+    args = parse_args(argv)
     torch.manual_seed(0)
     cfg = preset("gpt_tiny", vocab_size=256, hidden_size=64, num_heads=4,
                  num_layers=args.layers, max_positions=32)  # fmt: skip

@@ -16,12 +16,13 @@ import sys
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.cli import ArgumentParser, positive_int  # noqa: E402
 from engine.data.preprocess import preprocess  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--input",
         action="append",
@@ -38,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tok = parser.add_mutually_exclusive_group(required=True)
     tok.add_argument("--tokenizer", default=None, help="existing tokenizer.json to use")
     tok.add_argument(
-        "--vocab-size", type=int, default=None, help="train a byte-level BPE of this size"
+        "--vocab-size", type=positive_int, default=None, help="train a byte-level BPE of this size"
     )
     parser.add_argument(
         "--tokenizer-out",
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=positive_int,
         default=os.cpu_count() or 1,
         help="encoding processes (1: in-process, on the tokenizer's thread pool)",
     )

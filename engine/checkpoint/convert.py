@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any
 
-from engine.checkpoint.layout import MODEL, RNG, assign_writers
+from engine.checkpoint.layout import MODEL, OPTIM, RNG, assign_writers
+from engine.checkpoint.state import model_name, optim_name, param_spec
 from engine.checkpoint.storage import (
     INDEX,
     LATEST,
     CheckpointError,
     ShardReader,
     commit,
-    read_index,
     read_latest,
     remove_stale_temps,
     step_dir_name,
@@ -21,8 +22,9 @@ from engine.checkpoint.storage import (
     write_index,
     write_shard,
 )
-from engine.checkpoint_format import META_FILE, write_checkpoint
-from engine.models import ModelConfig
+from engine.checkpoint_format import META_FILE, check_output_dir, write_checkpoint
+from engine.flops import params_count
+from engine.models import ModelConfig, build_model
 
 
 def resolve(path: str | Path) -> Path:
@@ -74,13 +76,14 @@ def convert(src: str | Path, out_root: str | Path, tp_size: int, dp_size: int) -
     Per-rank RNG streams belong to the old ranks and are dropped; a run resumed from the
     result reseeds, as any resume at a changed layout does.
     """
+    if tp_size < 1 or dp_size < 1:
+        raise ValueError(f"--tp-size {tp_size} and --dp-size {dp_size} must be >= 1")
     src, out_root = resolve(src), Path(out_root)
-    index = read_index(src)
-    cfg = ModelConfig.from_dict(index["model_config"])
+    if out_root.exists() and not out_root.is_dir():
+        raise ValueError(f"--out {out_root} is a file; give a checkpoint directory to write")
+    reader = ShardReader(src)
+    index, cfg = reader.index, check_shapes(reader)
     cfg.validate(tp_size)
-    if dp_size < 1:
-        raise ValueError(f"dp_size={dp_size} must be >= 1")
-    reader = ShardReader(src, index)
     specs = [s for s in reader.specs.values() if s.kind != RNG]
     plan = assign_writers(specs, tp_size, dp_size, cfg.padded_vocab_size(tp_size))
     out_root.mkdir(parents=True, exist_ok=True)
@@ -109,9 +112,64 @@ def convert(src: str | Path, out_root: str | Path, tp_size: int, dp_size: int) -
 
 def export_model(src: str | Path, out_dir: str | Path) -> ModelConfig:
     """Write the model weights alone in engine.checkpoint_format (for HF export, inference)."""
+    check_output_dir(out_dir)
     src = resolve(src)
     reader = ShardReader(src)
+    cfg = check_shapes(reader)
     state = {n[len("model/") :]: reader.read(n) for n, s in reader.specs.items() if s.kind == MODEL}
-    cfg = ModelConfig.from_dict(reader.index["model_config"])
     write_checkpoint(out_dir, state, cfg, extra={"step": reader.index["step"], "source": str(src)})
     return cfg
+
+
+def check_shapes(reader: ShardReader) -> ModelConfig:
+    """The index's model config, once its tensor shapes are known to be sane; before any
+    tensor is allocated.
+
+    The index's self-checksum catches accidents, not edits: an edited index can ask for
+    any shape. So every tensor must fit in the bytes its files hold on disk, and the model
+    tensors must have the shapes of the model the index's config describes.
+    """
+    where = reader.directory / INDEX
+    try:
+        cfg = ModelConfig.from_dict(reader.index["model_config"])
+        cfg.validate(1)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}: bad model_config ({err})") from None
+    on_disk = sum(
+        (reader.directory / f).stat().st_size
+        for f in reader.index["files"]
+        if (reader.directory / f).is_file()
+    )
+    for spec in reader.specs.values():
+        nbytes = math.prod(spec.shape) * spec.torch_dtype.itemsize
+        if min(spec.shape, default=1) < 0 or nbytes > on_disk:
+            raise CheckpointError(
+                f"{where}: {spec.name} of shape {list(spec.shape)} needs {nbytes} bytes, more "
+                f"than the checkpoint's files hold ({on_disk} bytes); the index is edited or damaged"
+            )
+    if params_count(cfg) * 2 > on_disk:  # at least 2 bytes a parameter are stored
+        raise CheckpointError(
+            f"{where}: model_config describes {params_count(cfg)} parameters, more than the "
+            f"files ({on_disk} bytes) can hold; the index is edited or damaged"
+        )
+    _check_model_shapes(reader, cfg, where)
+    return cfg
+
+
+def _check_model_shapes(reader: ShardReader, cfg: ModelConfig, where: Path) -> None:
+    model = build_model(cfg, device="meta")  # shapes only: the meta device allocates nothing
+    expected = {}
+    for name, param in model.named_parameters():
+        shape = param_spec(name, param, MODEL, model).shape
+        expected[model_name(name)] = shape
+        for key in ("exp_avg", "exp_avg_sq"):
+            expected[optim_name(name, key)] = shape
+    for spec in reader.specs.values():
+        want = expected.get(spec.name)
+        if spec.kind == MODEL and want is None:
+            raise CheckpointError(f"{where}: {spec.name} is not a parameter of this model")
+        if spec.kind in (MODEL, OPTIM) and want is not None and spec.shape != want:
+            raise CheckpointError(
+                f"{where}: {spec.name} has shape {list(spec.shape)}, the model_config's model "
+                f"{list(want)}; the index is edited or damaged"
+            )

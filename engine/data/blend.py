@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -13,8 +14,9 @@ SPLIT_NAMES = ("train", "valid", "test")
 
 def _normalized(weights: Sequence[float]) -> list[float]:
     weights = [float(w) for w in weights]
-    if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"weights must be non-negative with a positive sum, got {weights}")
+    # Written so that NaN (which fails every comparison) is rejected too.
+    if not weights or not all(0 <= w < math.inf for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"weights must be finite, >= 0, with a positive sum, got {weights}")
     total = sum(weights)
     return [w / total for w in weights]
 

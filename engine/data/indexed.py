@@ -3,19 +3,25 @@
 ``.idx`` layout (little endian)::
 
     magic       8 bytes   b"MSHTIDX\\0"
-    version     uint32    1
+    version     uint32    2 (1: written before the fields marked v2; still read)
     itemsize    uint8     2 (uint16 ids) or 4 (uint32 ids)
     padding     3 bytes
     eod_id      int64     token id appended after every document
     num_docs    uint64
     num_tokens  uint64
+    min_token   int64     v2: smallest id in the .bin (0 when it is empty)
+    max_token   int64     v2: largest id in the .bin (-1 when it is empty)
+    bin_sha256  32 bytes  v2: SHA-256 of the whole .bin
     doc_offsets int64[num_docs + 1]   token offset of each document start, then the total
 
 Document ``i`` is ``tokens[doc_offsets[i]:doc_offsets[i + 1]]`` and ends with ``eod_id``.
+The recorded token range lets a run check the ids against its vocabulary without reading
+the data; the checksum is what makes that record trustworthy (:meth:`IndexedDataset.verify`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from pathlib import Path
@@ -26,8 +32,10 @@ import numpy as np
 from engine.data.fsutil import temp_path_beside
 
 MAGIC = b"MSHTIDX\0"
-VERSION = 1
+VERSION = 2
 _HEADER = struct.Struct("<8sIB3xqQQ")
+_HEADER_V2 = struct.Struct("<qq32s")  # follows _HEADER from version 2 on
+_CHUNK_BYTES = 8 << 20
 _DTYPES = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 
 
@@ -55,15 +63,29 @@ class IndexedDataset:
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: no such file")
         with open(self.idx_path, "rb") as f:
-            header = f.read(_HEADER.size)
+            header = f.read(_HEADER.size + _HEADER_V2.size)
         if len(header) < _HEADER.size or header[:8] != MAGIC:
             raise ValueError(f"{self.idx_path}: not a meshtron index (bad magic)")
-        _, version, itemsize, eod_id, num_docs, num_tokens = _HEADER.unpack(header)
-        if version != VERSION:
-            raise ValueError(f"{self.idx_path}: index version {version}, expected {VERSION}")
+        _, version, itemsize, eod_id, num_docs, num_tokens = _HEADER.unpack_from(header)
+        if version not in (1, VERSION):
+            raise ValueError(
+                f"{self.idx_path}: index version {version}, this reads 1 and {VERSION}; "
+                "re-run tools/preprocess_data.py"
+            )
         if itemsize not in _DTYPES:
             raise ValueError(f"{self.idx_path}: unsupported token itemsize {itemsize}")
-        idx_size = _HEADER.size + 8 * (num_docs + 1)
+        self.version = version
+        # Version 1 recorded neither the token range nor a checksum: verify() scans for them.
+        self.token_range: tuple[int, int] | None = None
+        self.bin_sha256: str | None = None
+        offsets_at = _HEADER.size
+        if version >= 2:
+            if len(header) < _HEADER.size + _HEADER_V2.size:
+                raise ValueError(f"{self.idx_path}: truncated index header")
+            lo, hi, digest = _HEADER_V2.unpack_from(header, _HEADER.size)
+            self.token_range, self.bin_sha256 = (int(lo), int(hi)), digest.hex()
+            offsets_at += _HEADER_V2.size
+        idx_size = offsets_at + 8 * (num_docs + 1)
         if self.idx_path.stat().st_size != idx_size:
             raise ValueError(
                 f"{self.idx_path}: {self.idx_path.stat().st_size} bytes, expected {idx_size} "
@@ -78,10 +100,19 @@ class IndexedDataset:
                 f"{num_tokens} tokens x {itemsize} bytes = {expected} bytes (truncated or mismatched)"
             )
         self.doc_offsets: np.ndarray = np.memmap(
-            self.idx_path, dtype=np.int64, mode="r", offset=_HEADER.size, shape=(num_docs + 1,)
+            self.idx_path, dtype=np.int64, mode="r", offset=offsets_at, shape=(num_docs + 1,)
         )
         if self.doc_offsets[0] != 0 or self.doc_offsets[-1] != num_tokens:
             raise ValueError(f"{self.idx_path}: document offsets do not span {num_tokens} tokens")
+        # Every document holds at least its end-of-document token, so offsets strictly rise.
+        rises = np.diff(self.doc_offsets) > 0
+        if not rises.all():
+            doc = int(np.argmin(rises))
+            raise ValueError(
+                f"{self.idx_path}: document offsets are not increasing at document {doc} "
+                f"({self.doc_offsets[doc]} then {self.doc_offsets[doc + 1]}); the index is "
+                "damaged: re-run tools/preprocess_data.py"
+            )
         # np.memmap refuses zero-length files.
         self.tokens: np.ndarray = (
             np.memmap(self.bin_path, dtype=self.dtype, mode="r")
@@ -91,6 +122,55 @@ class IndexedDataset:
 
     def __len__(self) -> int:
         return len(self.doc_offsets) - 1
+
+    def verify(self, vocab_size: int) -> None:
+        """Raise ValueError naming the file unless every id fits a vocabulary of ``vocab_size``.
+
+        Reads the ``.bin`` once: against the recorded SHA-256 (version 2), which makes the
+        recorded token range trustworthy, or to find the range (version 1). Also checks that
+        every document ends with ``eod_id``.
+        """
+        if not 0 <= self.eod_id < vocab_size:
+            raise ValueError(
+                f"{self.idx_path}: eod_id={self.eod_id} is outside the model's vocabulary of "
+                f"{vocab_size} ids; the index is damaged or made with another tokenizer"
+            )
+        lo, hi = self.token_range if self.token_range is not None else self._scan_range()
+        if self.bin_sha256 is not None and self._sha256() != self.bin_sha256:
+            raise ValueError(
+                f"{self.bin_path}: SHA-256 does not match the one {self.idx_path.name} recorded "
+                "(changed or damaged after preprocessing); re-run tools/preprocess_data.py"
+            )
+        if self.num_tokens and (lo < 0 or hi >= vocab_size):
+            raise ValueError(
+                f"{self.bin_path}: token ids {lo}..{hi}, outside the model's vocabulary of "
+                f"{vocab_size} ids (model.vocab_size); preprocess with the run's tokenizer"
+            )
+        ends = self.tokens[self.doc_offsets[1:] - 1] if len(self) else np.empty(0)
+        if (ends != self.eod_id).any():
+            doc = int(np.argmax(ends != self.eod_id))
+            raise ValueError(
+                f"{self.idx_path}: document {doc} does not end with eod_id={self.eod_id}; "
+                "the index does not match its .bin: re-run tools/preprocess_data.py"
+            )
+
+    def _chunks(self):
+        step = _CHUNK_BYTES // self.dtype.itemsize
+        for start in range(0, self.num_tokens, step):
+            yield np.asarray(self.tokens[start : start + step])
+
+    def _sha256(self) -> str:
+        digest = hashlib.sha256()
+        for chunk in self._chunks():
+            digest.update(chunk.tobytes())
+        return digest.hexdigest()
+
+    def _scan_range(self) -> tuple[int, int]:
+        lo, hi = 0, -1
+        for i, chunk in enumerate(self._chunks()):
+            lo = int(chunk.min()) if i == 0 else min(lo, int(chunk.min()))
+            hi = max(hi, int(chunk.max()))
+        return lo, hi
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +208,8 @@ class IndexedDatasetWriter:
         self.vocab_size = vocab_size
         self.eod_id = eod_id
         self._offsets = [0]
+        self._range = [0, -1]  # ids seen so far: [min, max]; -1 while none
+        self._sha256 = hashlib.sha256()
         self._tmp_bin = temp_path_beside(self.bin_path)
         self._tmp_idx = temp_path_beside(self.idx_path)
         self._bin = open(self._tmp_bin, "wb")  # noqa: SIM115 - closed in __exit__
@@ -137,14 +219,36 @@ class IndexedDatasetWriter:
         ids = np.asarray(ids)
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
             raise ValueError(f"token id outside vocabulary of size {self.vocab_size}")
-        self._bin.write(ids.astype(self.dtype, copy=False).tobytes())
-        self._bin.write(np.array([self.eod_id], self.dtype).tobytes())
-        self._offsets.append(self._offsets[-1] + ids.size + 1)
+        data = np.append(ids.astype(self.dtype, copy=False), self.dtype.type(self.eod_id))
+        lo, hi = int(data.min()), int(data.max())
+        first = self._range[1] < 0
+        self._range = [lo if first else min(lo, self._range[0]), max(hi, self._range[1])]
+        self._bin.write(data.tobytes())
+        self._sha256.update(data.tobytes())
+        self._offsets.append(self._offsets[-1] + data.size)
 
     @property
     def num_docs(self) -> int:
         """Documents added so far."""
         return len(self._offsets) - 1
+
+    def _chunks(self):
+        step = _CHUNK_BYTES // self.dtype.itemsize
+        for start in range(0, self.num_tokens, step):
+            yield np.asarray(self.tokens[start : start + step])
+
+    def _sha256(self) -> str:
+        digest = hashlib.sha256()
+        for chunk in self._chunks():
+            digest.update(chunk.tobytes())
+        return digest.hexdigest()
+
+    def _scan_range(self) -> tuple[int, int]:
+        lo, hi = 0, -1
+        for i, chunk in enumerate(self._chunks()):
+            lo = int(chunk.min()) if i == 0 else min(lo, int(chunk.min()))
+            hi = max(hi, int(chunk.max()))
+        return lo, hi
 
     @property
     def num_tokens(self) -> int:
@@ -175,7 +279,7 @@ class IndexedDatasetWriter:
         offsets = np.asarray(self._offsets, dtype=np.int64)
         header = _HEADER.pack(
             MAGIC, VERSION, self.dtype.itemsize, self.eod_id, len(offsets) - 1, offsets[-1]
-        )
+        ) + _HEADER_V2.pack(*self._range, self._sha256.digest())
         with open(self._tmp_idx, "wb") as f:
             f.write(header)
             f.write(offsets.tobytes())

@@ -1,0 +1,130 @@
+"""Checks that need more than the config's own values, made before any worker starts.
+
+- Memory: a run whose parameters, gradients, optimizer state and activations cannot fit
+  in the device's memory is refused with the numbers, rather than dying in an allocation
+  (or swapping the machine to a halt) after the workers started.
+- Resume: a checkpoint directory that holds another model's run is named, rather than
+  each rank raising its own traceback when it loads it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import Config
+from engine.flops import params_count
+from engine.models.memory import formula_bytes
+
+GIB = 2**30
+# fp32 weights, fp32 gradients and Adam's two fp32 moments, per parameter.
+_WEIGHT_BYTES, _GRAD_BYTES, _ADAM_BYTES = 4, 4, 8
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs for training, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        """Everything together."""
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def estimate_rank_bytes(cfg: Config, dp_size: int, *, fp32_activations: bool) -> MemoryEstimate:
+    """What one rank holds while training ``cfg`` at ``tp_size`` × ``dp_size``.
+
+    Parameters are split over TP (the few replicated LayerNorm and bias vectors are
+    ignored). Activations per layer follow the formula of :mod:`engine.models.memory`
+    (16-bit activations; doubled for fp32 ones), plus the fp32 logits of one micro-batch
+    over this rank's vocabulary shard. It is a floor, not a bound: allocator slack and
+    temporaries come on top, so a config refused here could never run.
+    """
+    m, t = cfg.model, cfg.tp_size
+    params = params_count(m) / t
+    s, b = cfg.data.seq_len, cfg.trainer.micro_batch
+    per_layer = formula_bytes(m, seq_len=s, batch_size=b, tp_size=t)
+    logits = 4 * s * b * m.padded_vocab_size(t) / t
+    activations = per_layer * m.num_layers * (2 if fp32_activations else 1) + logits
+    optimizer = _ADAM_BYTES * params / (dp_size if cfg.optim.distributed else 1)
+    return MemoryEstimate(_WEIGHT_BYTES * params, _GRAD_BYTES * params, optimizer, activations)
+
+
+def available_ram_bytes() -> int | None:
+    """Memory the kernel says new allocations can get (MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(cfg: Config, local_ranks: int) -> list[str]:
+    """One line when ``cfg`` cannot fit in this machine's device memory, else nothing.
+
+    On CUDA every rank has a GPU of its own; on the CPU the ``local_ranks`` processes on
+    this machine share its free RAM.
+    """
+    cuda = torch.cuda.is_available()
+    fp32 = cfg.trainer.precision == "fp32" or (cfg.trainer.precision == "auto" and not cuda)
+    need = estimate_rank_bytes(cfg, int(cfg.dp_size), fp32_activations=fp32)
+    if cuda:
+        have, sharing, where = torch.cuda.get_device_properties(0).total_memory, 1, "GPU"
+    else:
+        have, sharing, where = available_ram_bytes(), max(1, local_ranks), "free RAM"
+    if have is None or need.total * sharing <= have:
+        return []
+    ranks = f" × {sharing} ranks on this machine" if sharing > 1 else ""
+    return [
+        f"the model cannot fit: about {need.total / GIB:.1f} GiB per rank (parameters "
+        f"{need.params / GIB:.1f} + gradients {need.grads / GIB:.1f} + optimizer "
+        f"{need.optimizer / GIB:.1f} + activations {need.activations / GIB:.1f} GiB; "
+        f"model.hidden_size={cfg.model.hidden_size} model.num_layers={cfg.model.num_layers} "
+        f"trainer.micro_batch={cfg.trainer.micro_batch} data.seq_len={cfg.data.seq_len})"
+        f"{ranks}, but the {where} is {have / GIB:.1f} GiB; use a smaller model or "
+        "micro-batch, a larger tp_size, or optim.distributed=true"
+    ]
+
+
+def check_resume_model(cfg: Config, root: Path) -> list[str]:
+    """One line when the checkpoint a run would resume from holds a different model."""
+    from engine.checkpoint.storage import CheckpointError, read_index, read_latest, step_dirs
+    from engine.checkpoint_format import check_compatible
+    from engine.models import ModelConfig
+
+    if not cfg.checkpoint.resume:
+        return []
+    steps = step_dirs(root)
+    try:
+        latest = read_latest(root)
+    except CheckpointError:
+        latest = None
+    step = latest if latest in steps else max(steps, default=None)
+    if step is None:
+        return []
+    try:
+        saved = ModelConfig.from_dict(read_index(steps[step])["model_config"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
+        return []  # a damaged index is the loader's to report (and to fall back from)
+    try:
+        check_compatible(cfg.model, saved)
+    except ValueError as err:
+        return [
+            f"checkpoint.dir={root} holds a run of another model ({err}, step {step}); "
+            "give this run its own name=NAME or checkpoint.dir=DIR, or delete that directory"
+        ]
+    return []

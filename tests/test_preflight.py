@@ -1,0 +1,55 @@
+"""The memory estimate made before any worker starts (engine/preflight.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import engine.preflight as preflight
+from engine.config import Config
+from engine.models.config import preset
+
+
+def _cfg(**trainer) -> Config:
+    cfg = Config(model=preset("gpt_tiny", vocab_size=8192), tp_size=1, dp_size=1)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, **trainer))
+
+
+def test_estimate_matches_a_hand_count():
+    """gpt_tiny (h=128, 2 layers, 4 heads, V=8192, 256 positions, tied), s=128, b=4, tp=1.
+
+    Parameters by hand: per layer QKV 3h²+3h, output h²+h, MLP 8h²+5h, two LayerNorms 4h;
+    embeddings (V + 256)·h; final LayerNorm 2h. Activations by hand (16-bit, no recompute,
+    t=1): s·b·h·(34 + 5·a·s/h) bytes per layer, doubled for fp32, plus fp32 logits over the
+    vocabulary padded to a multiple of 128 (8192 already is).
+    """
+    h, layers, a, v, s, b = 128, 2, 4, 8192, 128, 4
+    params = layers * (12 * h * h + 13 * h) + (v + 256) * h + 2 * h
+    per_layer = s * b * h * (34 + 5 * a * s / h)
+    est = preflight.estimate_rank_bytes(_cfg(micro_batch=b), 1, fp32_activations=True)
+    assert est.params == 4 * params and est.grads == 4 * params and est.optimizer == 8 * params
+    assert est.activations == pytest.approx(2 * layers * per_layer + 4 * s * b * v, rel=1e-12)
+
+
+def test_zero1_and_tp_divide_what_they_shard():
+    cfg = _cfg()
+    plain = preflight.estimate_rank_bytes(cfg, 4, fp32_activations=False)
+    zero = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, distributed=True))
+    sharded = preflight.estimate_rank_bytes(zero, 4, fp32_activations=False)
+    assert sharded.optimizer == plain.optimizer / 4 and sharded.params == plain.params
+    tp2 = preflight.estimate_rank_bytes(dataclasses.replace(cfg, tp_size=2), 1,
+                                        fp32_activations=False)  # fmt: skip
+    assert tp2.params == plain.params / 2
+
+
+def test_memory_check_refuses_with_numbers_and_passes_what_fits(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path, anywhere
+    cfg = _cfg()
+    need = preflight.estimate_rank_bytes(cfg, 1, fp32_activations=True).total
+    monkeypatch.setattr(preflight, "available_ram_bytes", lambda: int(4 * need))
+    assert preflight.check_memory(cfg, local_ranks=4) == []  # 4 ranks × need fits exactly
+    assert len(problems := preflight.check_memory(cfg, local_ranks=5)) == 1
+    assert "× 5 ranks on this machine" in problems[0] and "model.hidden_size=128" in problems[0]
+    assert f"free RAM is {4 * need / 2**30:.1f} GiB" in problems[0]
