@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from engine.config import Config, register_configs, resolve_dp_size, validate
+from engine.preemption import EXIT_PREEMPTED
 from parallel_state.launcher import detect_launch
 
 register_configs()
@@ -115,6 +116,8 @@ def main(dcfg: DictConfig) -> None:
     cfg: Config = OmegaConf.to_object(dcfg)
     cfg = dataclasses.replace(cfg, run_dir=HydraConfig.get().runtime.output_dir)
     summary = launch(prepare(cfg))
+    if summary.get("stopped_by"):
+        raise SystemExit(EXIT_PREEMPTED)  # the sbatch template requeues on this status
     if summary.get("history"):
         first, last = summary["history"][0], summary["history"][-1]
         print(f"loss {first[1]:.4f} (step {first[0]}) -> {last[1]:.4f} (step {last[0]})")

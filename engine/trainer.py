@@ -15,6 +15,7 @@ from rich.markup import escape
 import parallel_state
 from engine import flops
 from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.cluster import describe_mesh
 from engine.config import Config
 from engine.data_setup import build_pipeline, to_device
 from engine.generate import generate
@@ -29,6 +30,7 @@ from engine.optim import (
     lr_at,
     set_lr,
 )
+from engine.preemption import StopRequests
 from engine.zero import ZeroOptimizer
 from parallel_state import ParallelState
 from parallel_state.launcher import detect_launch
@@ -200,6 +202,8 @@ class Trainer:
             f"dp={self.ps.dp_size}  precision={self.precision}  global batch {t.global_batch} = "
             f"{t.micro_batch} micro × {self.ps.dp_size} dp × {self.data.train.accum_steps} accum"
         )
+        mesh = describe_mesh(self.ps)  # a collective: every rank takes part
+        self.logger.print(mesh, markup=False)
         if self.step >= t.max_steps:
             self.logger.print(
                 f"already at step {self.step} >= trainer.max_steps={t.max_steps}: nothing to "
@@ -208,7 +212,25 @@ class Trainer:
         if self.data.valid_note:
             label = "validation" if self.data.valid is not None else "no validation"
             self.logger.print(f"[yellow]{label}:[/yellow] {escape(self.data.valid_note)}")
-        window: list[dict[str, float]] = []
+        with StopRequests(self.device) as stop:
+            stopped = self._train_loop(stop)
+        if stopped:
+            return self._stop_now(stop)
+        if self.cfg.checkpoint.every and self._saved_step != self.step:
+            self._save_checkpoint()
+        evaluated_now = t.eval_every and self.step % t.eval_every == 0
+        summary = {
+            "history": self.history,
+            "eval": self._last_eval if evaluated_now else self._report_eval(),
+        }
+        summary["checkpoint"] = self._save()
+        summary["sample"] = self._sample()
+        self.logger.close()  # last: the final evaluation's scalars still go to TensorBoard
+        return summary
+
+    def _train_loop(self, stop: StopRequests) -> bool:
+        """Steps until ``trainer.max_steps``; True if a stop signal (on any rank) ended it."""
+        t, window = self.cfg.trainer, []
         with maybe_profile(t.profile_steps, self.cfg.run_dir, self.ps.rank) as profiler_step:
             while self.step < t.max_steps:
                 window.append(self.train_step())
@@ -223,17 +245,20 @@ class Trainer:
                 self._maybe_fail()
                 if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
                     self._save_checkpoint()
-        if self.cfg.checkpoint.every and self._saved_step != self.step:
+                if self.step < t.max_steps and stop.should_stop():
+                    return True
+        return False
+
+    def _stop_now(self, stop: StopRequests) -> dict:
+        """Save where all ranks stopped and say how to go on; skip eval, export and sample."""
+        if self._saved_step != self.step:
             self._save_checkpoint()
-        evaluated_now = t.eval_every and self.step % t.eval_every == 0
-        summary = {
-            "history": self.history,
-            "eval": self._last_eval if evaluated_now else self._report_eval(),
-        }
-        summary["checkpoint"] = self._save()
-        summary["sample"] = self._sample()
-        self.logger.close()  # last: the final evaluation's scalars still go to TensorBoard
-        return summary
+        self.logger.print(
+            f"stopped by {stop.name} after step {self.step}/{self.cfg.trainer.max_steps}: "
+            f"checkpoint saved in {checkpoint_dir(self.cfg)}; run the same command to resume"
+        )
+        self.logger.close()
+        return {"history": self.history, "stopped_by": stop.name, "step": self.step}
 
     def _report_eval(self) -> dict[str, float] | None:
         result = self.evaluate()
@@ -340,6 +365,7 @@ def run_worker(cfg: Config) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     try:
         summary = Trainer(cfg, ps).fit()
-        return summary if ps.rank == 0 else {}
+        # Every rank reports a stop, so each launcher-started process can exit with its code.
+        return summary if ps.rank == 0 else {k: v for k, v in summary.items() if k == "stopped_by"}
     finally:
         parallel_state.destroy()

@@ -1,0 +1,67 @@
+"""Stop cleanly when the scheduler or the user asks: SIGTERM, SIGUSR1 and Ctrl-C.
+
+Slurm (``--signal=USR1@90``, ``scancel --signal=USR1``, preemption), Kubernetes (pod
+eviction sends SIGTERM) and torchrun's agent all signal every rank, but not at the same
+instant: one rank may see the signal a step before another. A rank therefore only
+records the request in its handler; at each step boundary every rank all-reduces a one-
+element flag (MAX) so that all of them stop after the same step, save one consistent
+checkpoint and exit with ``EXIT_PREEMPTED``. A second Ctrl-C raises KeyboardInterrupt at
+once: checkpoints are assembled in a temporary directory and renamed when complete, so
+stopping mid-write leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+# EX_TEMPFAIL of sysexits.h: "try again later". The sbatch template requeues on it.
+EXIT_PREEMPTED = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class StopRequests:
+    """Catch stop signals for the life of a training loop and agree on the stop step.
+
+    Use as a context manager around the loop; ``should_stop()`` at every step boundary
+    is a collective (all ranks call it).
+    """
+
+    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+        self.device, self.group = device, group
+        self.signum: int | None = None  # the first stop signal this rank received
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequests:
+        # Handlers can only be installed from the main thread (a notebook thread or a test
+        # harness thread just runs without them).
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+        if self.signum is None:
+            self.signum = signum
+
+    @property
+    def name(self) -> str:
+        """The received signal's name (``SIGUSR1``), or ``a peer rank's signal``."""
+        return signal.Signals(self.signum).name if self.signum else "a peer rank's signal"
+
+    def should_stop(self) -> bool:
+        """True on every rank once any rank has received a stop signal (a collective)."""
+        flag = torch.tensor([1.0 if self.signum else 0.0], device=self.device)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
