@@ -12,6 +12,7 @@ stopping mid-write leaves the previous checkpoint intact.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -30,8 +31,10 @@ class StopRequests:
     is a collective (all ranks call it).
     """
 
-    def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
-        self.device, self.group = device, group
+    def __init__(
+        self, device: torch.device, group: dist.ProcessGroup | None = None, *, announce: bool
+    ) -> None:
+        self.device, self.group, self.announce = device, group, announce
         self.signum: int | None = None  # the first stop signal this rank received
         self._previous: dict[int, object] = {}
 
@@ -53,6 +56,11 @@ class StopRequests:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         if self.signum is None:
             self.signum = signum
+            if self.announce:
+                # os.write, not print: the handler may interrupt a print in progress.
+                again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+                name = signal.Signals(signum).name
+                os.write(2, f"\n{name}: stopping after this step{again}\n".encode())
 
     @property
     def name(self) -> str:

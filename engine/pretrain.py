@@ -115,7 +115,15 @@ def launch(cfg: Config) -> dict:
 def main(dcfg: DictConfig) -> None:
     cfg: Config = OmegaConf.to_object(dcfg)
     cfg = dataclasses.replace(cfg, run_dir=HydraConfig.get().runtime.output_dir)
-    summary = launch(prepare(cfg))
+    cfg = prepare(cfg)
+    try:
+        summary = launch(cfg)
+    except KeyboardInterrupt:
+        from engine.trainer import checkpoint_dir
+
+        print(f"interrupted by a second Ctrl-C: not saved; the checkpoints in "
+              f"{checkpoint_dir(cfg)} are intact (a partial one is discarded)", file=sys.stderr)  # fmt: skip
+        raise SystemExit(130) from None
     if summary.get("stopped_by"):
         raise SystemExit(EXIT_PREEMPTED)  # the sbatch template requeues on this status
     if summary.get("history"):

@@ -212,10 +212,9 @@ class Trainer:
         if self.data.valid_note:
             label = "validation" if self.data.valid is not None else "no validation"
             self.logger.print(f"[yellow]{label}:[/yellow] {escape(self.data.valid_note)}")
-        with StopRequests(self.device) as stop:
-            stopped = self._train_loop(stop)
-        if stopped:
-            return self._stop_now(stop)
+        with StopRequests(self.device, announce=self.ps.rank == 0) as stop:
+            if self._train_loop(stop):
+                return self._stop_now(stop)  # a second Ctrl-C still interrupts the save
         if self.cfg.checkpoint.every and self._saved_step != self.step:
             self._save_checkpoint()
         evaluated_now = t.eval_every and self.step % t.eval_every == 0

@@ -90,10 +90,11 @@ class SlurmCluster:
         self.conf.write_text("\n".join(lines) + "\n")
 
     def _spawn(self, *cmd: str) -> None:
-        log = open(self.root / "log" / f"{Path(cmd[0]).name}.out", "ab")
+        log = open(self.root / "log" / f"{Path(cmd[0]).name}.out", "ab")  # noqa: SIM115
         self.procs.append(
-            subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True)  # fmt: skip
+            subprocess.Popen(
+                cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )  # fmt: skip
         )
 
     def start(self, timeout: float = 30.0) -> SlurmCluster:
