@@ -212,9 +212,16 @@ class Trainer:
         if self.data.valid_note:
             label = "validation" if self.data.valid is not None else "no validation"
             self.logger.print(f"[yellow]{label}:[/yellow] {escape(self.data.valid_note)}")
+        # Handlers stay installed to the end: a stop signal after the last step lets the
+        # (nearly done) run finish instead of killing it mid-save.
         with StopRequests(self.device, announce=self.ps.rank == 0) as stop:
             if self._train_loop(stop):
-                return self._stop_now(stop)  # a second Ctrl-C still interrupts the save
+                return self._stop_now(stop)
+            return self._finish()
+
+    def _finish(self) -> dict:
+        """The final checkpoint, evaluation, model export and sample."""
+        t = self.cfg.trainer
         if self.cfg.checkpoint.every and self._saved_step != self.step:
             self._save_checkpoint()
         evaluated_now = t.eval_every and self.step % t.eval_every == 0
