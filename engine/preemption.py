@@ -5,8 +5,8 @@ eviction sends SIGTERM) and torchrun's agent all signal every rank, but not at t
 instant: one rank may see the signal a step before another. A rank therefore only
 records the request in its handler; at each step boundary every rank all-reduces a one-
 element flag (MAX) so that all of them stop after the same step, save one consistent
-checkpoint and exit with ``EXIT_PREEMPTED``. A second Ctrl-C raises KeyboardInterrupt at
-once: checkpoints are assembled in a temporary directory and renamed when complete, so
+checkpoint and exit with ``EXIT_PREEMPTED``. A second Ctrl-C (a second or more after the
+first) raises KeyboardInterrupt at once: checkpoints are assembled in a temporary directory and renamed when complete, so
 stopping mid-write leaves the previous checkpoint intact.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ import torch.distributed as dist
 # EX_TEMPFAIL of sysexits.h: "try again later". The sbatch template requeues on it.
 EXIT_PREEMPTED = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+REPEAT_WINDOW_S = 1.0  # a second SIGINT sooner than this is the same Ctrl-C, relayed
 
 
 class StopRequests:
@@ -37,6 +39,7 @@ class StopRequests:
         self.device, self.group, self.announce = device, group, announce
         self.signum: int | None = None  # the first stop signal this rank received
         self._previous: dict[int, object] = {}
+        self._first_at = 0.0
 
     def __enter__(self) -> StopRequests:
         # Handlers can only be installed from the main thread (a notebook thread or a test
@@ -52,8 +55,15 @@ class StopRequests:
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
+        now = time.monotonic()
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+            # A launcher that passes the terminal's Ctrl-C on to its workers (torch's
+            # elastic agent does) delivers one press twice within milliseconds; only a
+            # press a moment later means "stop now".
+            if now - self._first_at > REPEAT_WINDOW_S:
+                raise KeyboardInterrupt
+            return
+        self._first_at = now
         if self.signum is None:
             self.signum = signum
             if self.announce:

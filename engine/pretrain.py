@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import uuid
 
@@ -107,7 +108,13 @@ def launch(cfg: Config) -> dict:
         # workers' gloo rendezvous reads the dead workers' stale addresses; a store per
         # attempt (hosted by the new rank 0) starts each attempt clean.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    results = elastic_launch(config, run_worker)(cfg)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        results = elastic_launch(config, run_worker)(cfg)
+    except SignalException as err:
+        # The agent passed the signal on to the workers, which saved and said so above.
+        return {"stopped_by": signal.Signals(err.sigval).name}
     return results.get(0, {})
 
 

@@ -18,6 +18,7 @@ import time
 import pytest
 
 from engine.data import build_default_corpus
+from engine.preemption import REPEAT_WINDOW_S
 from tests.launch_util import ROOT, env_with_repo, free_port, losses, run, tiny_overrides, wait_for
 from tests.multiproc import run_ranks
 
@@ -130,14 +131,16 @@ def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_p
     """Two SIGINTs in a row (a double Ctrl-C) while a checkpoint is saved every step: the
     process ends with status 130 before another step boundary, and the newest checkpoint
     that ``latest`` names still verifies (a half-written one is never named)."""
-    # 32 micro-batches a step: steps long enough that the second SIGINT lands mid-step.
-    proc, log = _start(corpus, tmp_path, "trainer.global_batch=64")
+    # 128 micro-batches a step (seconds): both SIGINTs, sent REPEAT_WINDOW_S apart just
+    # after step 1's checkpoint, land inside step 2.
+    proc, log = _start(corpus, tmp_path, "trainer.global_batch=256")
     try:
-        wait_for(lambda: "step     1/" in _read(log), 60, "step 1")
+        wait_for(lambda: "step_00000001 in" in _read(log), 120, "step 1's checkpoint")
         proc.send_signal(signal.SIGINT)
         # Signals of one kind pending together merge into one: send the second only once
         # the first has been handled.
         wait_for(lambda: "Ctrl-C again" in _read(log), 30, "the first SIGINT", poll=0.01)
+        time.sleep(REPEAT_WINDOW_S + 0.2)  # sooner, it counts as the same press relayed
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130, _read(log)[-3000:]
     finally:
