@@ -32,10 +32,24 @@ def describe_mesh(ps: ParallelState) -> str:
     for r in everyone:
         hosts.setdefault(r["host"], []).append(r["rank"])
     line = (
-        f"mesh: tp groups {[list(g) for g in tp_groups]}  dp groups "
-        f"{[list(g) for g in dp_groups]}  hosts {hosts}"
+        f"mesh: tp groups {_brief([list(g) for g in tp_groups])}  dp groups "
+        f"{_brief([list(g) for g in dp_groups])}  hosts {_brief_hosts(hosts)}"
     )
     moved = [r["rank"] for r in everyone if r["launcher_rank"] not in (None, r["rank"])]
     if moved:
         line += f"  (ranks {moved} differ from the launcher's numbering)"
     return line
+
+
+def _brief(groups: list[list[int]], limit: int = 8) -> str:
+    """All groups of a small job; the first and last few of a large one."""
+    if len(groups) <= limit:
+        return str(groups)
+    return f"{str(groups[:3])[:-1]}, … {groups[-1]}] ({len(groups)} groups)"
+
+
+def _brief_hosts(hosts: dict[str, list[int]], limit: int = 8) -> str:
+    if len(hosts) <= limit:
+        return str(hosts)
+    first = dict(list(hosts.items())[:3])
+    return f"{str(first)[:-1]}, … }} ({len(hosts)} hosts)"

@@ -7,7 +7,9 @@
   ``trainer.max_restarts=N`` here); the restarted workers resume from the newest checkpoint.
 
 The config is validated, and the embedded corpus built, before any worker starts: a bad
-config prints one line per problem and exits with status 2.
+config prints one line per problem and exits with status 2. SIGTERM, SIGUSR1 or Ctrl-C
+save a checkpoint after the current step and exit with status 75 (engine/preemption.py);
+a second Ctrl-C exits at once with status 130.
 """
 
 from __future__ import annotations
