@@ -128,20 +128,25 @@ def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
 
 
 def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_path):
-    """Two SIGINTs in a row (a double Ctrl-C) while a checkpoint is saved every step: the
-    process ends with status 130 before another step boundary, and the newest checkpoint
-    that ``latest`` names still verifies (a half-written one is never named)."""
-    # 128 micro-batches a step (seconds): both SIGINTs, sent REPEAT_WINDOW_S apart just
-    # after step 1's checkpoint, land inside step 2.
-    proc, log = _start(corpus, tmp_path, "trainer.global_batch=256")
+    """Two SIGINTs (a double Ctrl-C) while a checkpoint is saved every step: the process
+    ends with status 130 before another step boundary, and the newest checkpoint that
+    ``latest`` names still verifies (a half-written one is never named).
+
+    The process is frozen (SIGSTOP) around each press, so both land inside step 2 however
+    fast or loaded the machine is: the first is handled right after step 1's checkpoint,
+    the second more than REPEAT_WINDOW_S later (sooner it counts as the same press, relayed).
+    """
+    # 64 micro-batches a step: step 2 outlasts the few ms this test needs to react.
+    proc, log = _start(corpus, tmp_path, "trainer.global_batch=128")
     try:
-        wait_for(lambda: "step_00000001 in" in _read(log), 120, "step 1's checkpoint")
+        wait_for(lambda: "step_00000001 in" in _read(log), 120, "step 1's checkpoint", poll=0.01)
+        for sig in (signal.SIGSTOP, signal.SIGINT, signal.SIGCONT):
+            proc.send_signal(sig)
+        wait_for(lambda: "Ctrl-C again" in _read(log), 30, "the first SIGINT", poll=0.002)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(REPEAT_WINDOW_S + 0.2)
         proc.send_signal(signal.SIGINT)
-        # Signals of one kind pending together merge into one: send the second only once
-        # the first has been handled.
-        wait_for(lambda: "Ctrl-C again" in _read(log), 30, "the first SIGINT", poll=0.01)
-        time.sleep(REPEAT_WINDOW_S + 0.2)  # sooner, it counts as the same press relayed
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGCONT)
         assert proc.wait(timeout=30) == 130, _read(log)[-3000:]
     finally:
         proc.kill()
