@@ -30,7 +30,7 @@ from engine.optim import (
     lr_at,
     set_lr,
 )
-from engine.preemption import StopRequests
+from engine.preemption import EXIT_PREEMPTED, StopRequests
 from engine.zero import ZeroOptimizer
 from parallel_state import ParallelState
 from parallel_state.launcher import detect_launch
@@ -371,7 +371,12 @@ def run_worker(cfg: Config) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     try:
         summary = Trainer(cfg, ps).fit()
-        # Every rank reports a stop, so each launcher-started process can exit with its code.
-        return summary if ps.rank == 0 else {k: v for k, v in summary.items() if k == "stopped_by"}
     finally:
         parallel_state.destroy()
+    if summary.get("stopped_by") and detect_launch().launcher == "torchrun":
+        # Exit now rather than return to torch's elastic agent: an agent that is itself
+        # shutting down on the signal never collects the return value, and its worker
+        # would wait for that until the agent kills it, 30 s later.
+        raise SystemExit(EXIT_PREEMPTED)
+    # Every rank reports a stop, so each launcher-started process can exit with its code.
+    return summary if ps.rank == 0 else {k: v for k, v in summary.items() if k == "stopped_by"}

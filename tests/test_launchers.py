@@ -7,9 +7,11 @@ the way a user would and reads what it prints.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -194,3 +196,31 @@ def test_hydra_sweep_through_submitit_local_launcher(corpus, tmp_path):
     assert abs(first[1] - first[2]) < 1e-3, first
     for point in ("0", "1"):
         assert (tmp_path / "sweep" / point / "ckpt" / "step_00000004").is_dir()
+
+
+def test_ctrl_c_on_self_launched_ranks_saves_and_exits_75(corpus, tmp_path):
+    """python -m engine.pretrain tp_size=1 dp_size=2 starts its own two workers through
+    torch's elastic agent. A terminal's Ctrl-C reaches the whole process group, and the
+    agent relays it to the workers once more: that counts as one press, so the workers
+    save and the command exits 75 promptly (not after the agent's 30 s kill timeout)."""
+    log = open(tmp_path / "log.txt", "w+")  # noqa: SIM115 - closed with the test's tmp_path
+    cmd = ["python", "-m", "engine.pretrain", "tp_size=1", "dp_size=2",
+           *tiny_overrides(corpus, tmp_path, max_steps=10_000)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_with_repo(), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        wait_for(lambda: "step     2/" in _read(log), 120, "step 2")
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        start = time.monotonic()
+        assert proc.wait(timeout=60) == 75, _read(log)[-3000:]
+        # Well under the agent's 30 s timeout; allows for a slow step and exit under load.
+        assert time.monotonic() - start < 25, _read(log)[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = _read(log)
+    stop = re.search(r"stopped by SIGINT after step (\d+)/10000", text)
+    assert stop and "interrupted" not in text, text[-3000:]
+    from engine.checkpoint.storage import read_latest
+
+    assert read_latest(tmp_path / "ckpt") == int(stop.group(1))
