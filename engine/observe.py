@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import sys
 from collections.abc import Iterator
 
 import torch
@@ -13,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from engine.watchdog import run_log_path
+from parallel_state.launcher import detect_launch
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -69,7 +69,11 @@ class RunLogger:
     def __init__(self, *, enabled: bool, run_dir: str, max_steps: int, tensorboard: bool,
                  wandb_project: str | None, config: dict, progress: bool) -> None:  # fmt: skip
         self.enabled = enabled
-        self.console = Console(stderr=False, highlight=False)
+        # mpirun gives each rank a pseudo-terminal that it relays into a log or a pipe:
+        # that is no screen, so no colors or progress bar (their escape codes would land
+        # in the captured log). Elsewhere rich decides from isatty, NO_COLOR and TERM.
+        screen = None if detect_launch().launcher != "mpi" else False
+        self.console = Console(stderr=False, highlight=False, force_terminal=screen)
         self.writer = self.wandb = None
         self.progress = self.log_file = None
         if not enabled:
@@ -86,7 +90,7 @@ class RunLogger:
             import wandb
 
             self.wandb = wandb.init(project=wandb_project, config=config, dir=run_dir)
-        if progress and sys.stdout.isatty():
+        if progress and self.console.is_terminal:
             self.progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[status]}"), TimeRemainingColumn(),

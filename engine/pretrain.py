@@ -10,12 +10,15 @@ The config is validated, and the embedded corpus built, before any worker starts
 config prints one line per problem and exits with status 2. A worker that fails prints one
 line (its traceback goes to the run log, ``pretrain.log`` in the run directory) and exits
 non-zero: 3 when the run stopped itself (bad steps, a frozen or lost peer), 1 otherwise.
+SIGTERM, SIGUSR1 or Ctrl-C save a checkpoint after the current step and exit with status 75
+(engine/preemption.py); a second Ctrl-C exits at once with status 130.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
 import uuid
 
@@ -24,6 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from engine.config import Config, register_configs, resolve_dp_size, validate
+from engine.preemption import EXIT_PREEMPTED
 from parallel_state.launcher import detect_launch
 
 register_configs()
@@ -127,6 +131,7 @@ def launch(cfg: Config) -> dict:
         # workers' gloo rendezvous reads the dead workers' stale addresses; a store per
         # attempt (hosted by the new rank 0) starts each attempt clean.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from engine.elastic_report import reporting, resume_step
@@ -136,6 +141,9 @@ def launch(cfg: Config) -> dict:
     with reporting(cfg.run_dir, lambda: resume_step(checkpoint_dir(cfg))) as report:
         try:
             results = elastic_launch(config, run_rank)(cfg)
+        except SignalException as err:
+            # The agent passed the signal on to the workers, which saved and said so.
+            return {"stopped_by": signal.Signals(err.sigval).name}
         except ChildFailedError as err:
             rank, failure = err.get_first_failure()
             report.failure = (rank, failure.exitcode)
@@ -150,7 +158,17 @@ def launch(cfg: Config) -> dict:
 def main(dcfg: DictConfig) -> None:
     cfg: Config = OmegaConf.to_object(dcfg)
     cfg = dataclasses.replace(cfg, run_dir=HydraConfig.get().runtime.output_dir)
-    summary = launch(prepare(cfg))
+    cfg = prepare(cfg)
+    try:
+        summary = launch(cfg)
+    except KeyboardInterrupt:
+        from engine.trainer import checkpoint_dir
+
+        print(f"interrupted by a second Ctrl-C: not saved; the checkpoints in "
+              f"{checkpoint_dir(cfg)} are intact (a partial one is discarded)", file=sys.stderr)  # fmt: skip
+        raise SystemExit(130) from None
+    if summary.get("stopped_by"):
+        raise SystemExit(EXIT_PREEMPTED)  # the sbatch template requeues on this status
     if summary.get("history"):
         first, last = summary["history"][0], summary["history"][-1]
         line = f"loss {first[1]:.4f} (step {first[0]}) -> {last[1]:.4f} (step {last[0]})"

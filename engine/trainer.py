@@ -15,6 +15,7 @@ from rich.markup import escape
 import parallel_state
 from engine import flops
 from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.cluster import describe_mesh
 from engine.config import Config
 from engine.data_setup import build_pipeline, to_device
 from engine.generate import generate
@@ -31,6 +32,7 @@ from engine.optim import (
     schedule_change,
     set_lr,
 )
+from engine.preemption import EXIT_PREEMPTED, StopRequests
 from engine.watchdog import Watchdog
 from engine.zero import ZeroOptimizer
 from parallel_state import ParallelState
@@ -227,6 +229,8 @@ class Trainer:
             f"dp={self.ps.dp_size}  precision={self.precision}  global batch {t.global_batch} = "
             f"{t.micro_batch} micro × {self.ps.dp_size} dp × {self.data.train.accum_steps} accum"
         )
+        mesh = describe_mesh(self.ps)  # a collective: every rank takes part
+        self.logger.print(mesh, markup=False)
         if self.step >= t.max_steps:
             self.logger.print(
                 f"already at step {self.step} >= trainer.max_steps={t.max_steps}: nothing to "
@@ -235,7 +239,31 @@ class Trainer:
         if self.data.valid_note:
             label = "validation" if self.data.valid is not None else "no validation"
             self.logger.print(f"[yellow]{label}:[/yellow] {escape(self.data.valid_note)}")
-        window: list[dict[str, float]] = []
+        # Handlers stay installed to the end: a stop signal after the last step lets the
+        # (nearly done) run finish instead of killing it mid-save.
+        with StopRequests(self.device, announce=self.ps.rank == 0) as stop:
+            if self._train_loop(stop):
+                return self._stop_now(stop)
+            return self._finish()
+
+    def _finish(self) -> dict:
+        """The final checkpoint, evaluation, model export and sample."""
+        t = self.cfg.trainer
+        if self.cfg.checkpoint.every and self._saved_step != self.step:
+            self._save_checkpoint()
+        evaluated_now = t.eval_every and self.step % t.eval_every == 0
+        summary = {
+            "history": self.history,
+            "eval": self._last_eval if evaluated_now else self._report_eval(),
+        }
+        summary["checkpoint"] = self._save()
+        summary["sample"] = self._sample()
+        self.logger.close()  # last: the final evaluation's scalars still go to TensorBoard
+        return summary
+
+    def _train_loop(self, stop: StopRequests) -> bool:
+        """Steps until ``trainer.max_steps``; True if a stop signal (on any rank) ended it."""
+        t, window = self.cfg.trainer, []
         with maybe_profile(t.profile_steps, self.cfg.run_dir, self.ps.rank) as profiler_step:
             while self.step < t.max_steps:
                 window.append(self.train_step())
@@ -250,17 +278,20 @@ class Trainer:
                 self._maybe_fail()
                 if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
                     self._save_checkpoint()
-        if self.cfg.checkpoint.every and self._saved_step != self.step:
+                if self.step < t.max_steps and stop.should_stop():
+                    return True
+        return False
+
+    def _stop_now(self, stop: StopRequests) -> dict:
+        """Save where all ranks stopped and say how to go on; skip eval, export and sample."""
+        if self._saved_step != self.step:
             self._save_checkpoint()
-        evaluated_now = t.eval_every and self.step % t.eval_every == 0
-        summary = {
-            "history": self.history,
-            "eval": self._last_eval if evaluated_now else self._report_eval(),
-        }
-        summary["checkpoint"] = self._save()
-        summary["sample"] = self._sample()
-        self.logger.close()  # last: the final evaluation's scalars still go to TensorBoard
-        return summary
+        self.logger.print(
+            f"stopped by {stop.name} after step {self.step}/{self.cfg.trainer.max_steps}: "
+            f"checkpoint saved in {checkpoint_dir(self.cfg)}; run the same command to resume"
+        )
+        self.logger.close()
+        return {"history": self.history, "stopped_by": stop.name, "step": self.step}
 
     def _report_eval(self) -> dict[str, float] | None:
         result = self.evaluate()
@@ -380,7 +411,13 @@ def run_worker(cfg: Config) -> dict:
     try:
         with watch.active():
             summary = Trainer(cfg, ps, watch).fit()
-        return summary if ps.rank == 0 else {}
     finally:
         watch.close()
         parallel_state.destroy()
+    if summary.get("stopped_by") and detect_launch().launcher == "torchrun":
+        # Exit now rather than return to torch's elastic agent: an agent that is itself
+        # shutting down on the signal never collects the return value, and its worker
+        # would wait for that until the agent kills it, 30 s later.
+        raise SystemExit(EXIT_PREEMPTED)
+    # Every rank reports a stop, so each launcher-started process can exit with its code.
+    return summary if ps.rank == 0 else {k: v for k, v in summary.items() if k == "stopped_by"}

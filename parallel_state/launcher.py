@@ -34,6 +34,11 @@ def first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
+def slurm_master_port(job_id: int) -> int:
+    """The rendezvous port of a Slurm job without MASTER_PORT (as the sbatch template)."""
+    return 20000 + job_id % 20000
+
+
 def _int(env: Mapping[str, str], key: str) -> int:
     try:
         return int(env[key])
@@ -64,6 +69,10 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
             port,
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        if "MASTER_PORT" not in env and "SLURM_JOB_ID" in env:
+            # Jobs sharing a node (a sweep's points) need different ports; the job id is
+            # known to all ranks of a job and differs between jobs.
+            port = slurm_master_port(_int(env, "SLURM_JOB_ID"))
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         return LaunchInfo(
             "slurm",

@@ -1,0 +1,55 @@
+"""What the launcher built: the mesh's process groups and where their ranks run."""
+
+from __future__ import annotations
+
+import socket
+
+import torch.distributed as dist
+
+from parallel_state import ParallelState
+from parallel_state.launcher import detect_launch
+
+
+def describe_mesh(ps: ParallelState) -> str:
+    """One line naming every TP and DP group and the ranks on each host (a collective).
+
+    The groups are read back from torch.distributed (the ranks each process group really
+    holds), not recomputed from the grid, so the line shows what the launch produced.
+    """
+    info = detect_launch()
+    mine = {
+        "rank": dist.get_rank(),
+        "launcher_rank": info.rank if info.launcher != "none" else None,
+        "host": socket.gethostname(),
+        "tp": dist.get_process_group_ranks(ps.tp_group),
+        "dp": dist.get_process_group_ranks(ps.dp_group),
+    }
+    everyone: list[dict] = [{}] * ps.world_size
+    dist.all_gather_object(everyone, mine)
+    tp_groups = sorted({tuple(r["tp"]) for r in everyone})
+    dp_groups = sorted({tuple(r["dp"]) for r in everyone})
+    hosts: dict[str, list[int]] = {}
+    for r in everyone:
+        hosts.setdefault(r["host"], []).append(r["rank"])
+    line = (
+        f"mesh: tp groups {_brief([list(g) for g in tp_groups])}  dp groups "
+        f"{_brief([list(g) for g in dp_groups])}  hosts {_brief_hosts(hosts)}"
+    )
+    moved = [r["rank"] for r in everyone if r["launcher_rank"] not in (None, r["rank"])]
+    if moved:
+        line += f"  (ranks {moved} differ from the launcher's numbering)"
+    return line
+
+
+def _brief(groups: list[list[int]], limit: int = 8) -> str:
+    """All groups of a small job; the first and last few of a large one."""
+    if len(groups) <= limit:
+        return str(groups)
+    return f"{str(groups[:3])[:-1]}, … {groups[-1]}] ({len(groups)} groups)"
+
+
+def _brief_hosts(hosts: dict[str, list[int]], limit: int = 8) -> str:
+    if len(hosts) <= limit:
+        return str(hosts)
+    first = dict(list(hosts.items())[:3])
+    return f"{str(first)[:-1]}, … }} ({len(hosts)} hosts)"

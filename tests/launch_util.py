@@ -1,0 +1,71 @@
+"""Shared pieces of the launcher tests: a tiny pre-training run and subprocess plumbing."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env_with_repo(**extra: str) -> dict[str, str]:
+    """os.environ with this checkout prepended to PYTHONPATH (extended, never replaced)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def tiny_overrides(corpus: tuple[str, str], run: Path, max_steps: int = 6) -> list[str]:
+    """A run small enough for launcher tests: a 2-layer, 32-wide GPT on 16-token sequences.
+
+    lr 3e-3 with one warmup step makes the loss fall within a few steps; checkpoints and
+    Hydra's output stay under ``run``.
+    """
+    prefix, tokenizer = corpus
+    return [
+        f"data.prefixes=[{prefix}]", f"data.tokenizer={tokenizer}", "data.seq_len=16",
+        "data.split='80,20,0'", "model.vocab_size=512", "model.hidden_size=32",
+        "model.num_heads=4", f"trainer.max_steps={max_steps}", "trainer.log_every=1",
+        "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.global_batch=8",
+        "trainer.micro_batch=2", "trainer.tensorboard=false", "trainer.sample_tokens=0",
+        "optim.lr=3e-3", "optim.warmup_steps=1", f"checkpoint.dir={run / 'ckpt'}",
+        "checkpoint.save_final=false", f"hydra.run.dir={run / 'hydra'}",
+    ]  # fmt: skip
+
+
+STEP = re.compile(r"^step\s+(\d+)/\d+\s+loss\s+([\d.]+)", re.M)
+
+
+def losses(log: str) -> dict[int, float]:
+    """Step -> loss from the console's step lines."""
+    return {int(m.group(1)): float(m.group(2)) for m in STEP.finditer(log)}
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
+
+
+def python() -> str:
+    return sys.executable
+
+
+def run(cmd: list[str], cwd: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env_with_repo(**env), capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
