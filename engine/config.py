@@ -48,6 +48,7 @@ class OptimConfig:
     clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
     impl: str = "auto"  # "auto" (fused torch on CUDA), "torch", or "apex" (FusedAdam)
     distributed: bool = False  # ZeRO-1: shard Adam state and fp32 master weights across DP
+    scale_lr_with_batch: int = 0  # linear scaling: lr, min_lr × global_batch / this; 0 off
 
 
 @dataclass
@@ -74,6 +75,10 @@ class TrainerConfig:
     progress: bool = True  # rich progress bar on rank 0
     max_restarts: int = 0  # self-launched workers: restart them this often after a failure
     fail_at_step: int = 0  # fault injection: rank 1 dies after this step, once per checkpoint dir
+    # Scaling studies (issue 12):
+    metrics_file: str | None = None  # rank 0 writes every step's time breakdown here as JSON
+    step_timing: bool = True  # time TP/DP collectives for the breakdown (off: phases only)
+    overlap_grad_reduce: bool = True  # launch DP all-reduces during backward (off: after it)
 
 
 @dataclass
@@ -178,6 +183,11 @@ def validate(cfg: Config, dp_size: int, world_size: int | None = None) -> list[s
         )
     if cfg.optim.distributed and cfg.optim.impl == "apex":
         problems.append("optim.distributed=true (ZeRO-1) runs torch's AdamW: set optim.impl=auto")
+    if cfg.optim.scale_lr_with_batch < 0:
+        problems.append(
+            f"optim.scale_lr_with_batch={cfg.optim.scale_lr_with_batch} must be >= 0 "
+            "(the reference global batch of optim.lr; 0 disables scaling)"
+        )
     if t.max_restarts < 0:
         problems.append(f"trainer.max_restarts={t.max_restarts} must be >= 0")
     if t.profile_steps and (len(t.profile_steps) != 2 or t.profile_steps[0] > t.profile_steps[1]):

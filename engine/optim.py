@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.config import OptimConfig
+from engine.config import OptimConfig, TrainerConfig
 from layers.utils import TP_DIM_ATTR
 
 
@@ -40,6 +41,17 @@ def build_optimizer(
         return FusedAdam(groups, adam_w_mode=True, **kwargs)
     fused = device.type == "cuda" and cfg.impl in ("auto", "torch")
     return torch.optim.AdamW(groups, fused=fused or None, **kwargs)
+
+
+def scale_lr(cfg: OptimConfig, trainer: TrainerConfig) -> OptimConfig:
+    """The linear scaling rule: with ``scale_lr_with_batch=B``, lr and min_lr grow by
+    global_batch / B (the warmup keeps the first steps of a large batch stable)."""
+    if cfg.scale_lr_with_batch <= 0:
+        return cfg
+    factor = trainer.global_batch / cfg.scale_lr_with_batch
+    return dataclasses.replace(
+        cfg, lr=cfg.lr * factor, min_lr=cfg.min_lr * factor, scale_lr_with_batch=0
+    )
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
