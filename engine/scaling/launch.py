@@ -18,9 +18,15 @@ RDZV_PORT = 29500  # inside node 0's own namespace, so no other job competes for
 
 def torchrun_argv(
     module_argv: list[str], *, nodes: int, procs: int, node: int,
-    cluster: EmulatedCluster | None, run_id: str,
+    cluster: EmulatedCluster | None, run_id: str, self_launching: bool = False,
 ) -> list[str]:  # fmt: skip
-    """``torchrun`` for node ``node``: standalone on one node, c10d on node 0 otherwise."""
+    """``torchrun`` for node ``node``: standalone on one node, c10d on node 0 otherwise.
+
+    A ``self_launching`` module on one node (engine.pretrain starts its own workers) runs
+    directly, which saves the launcher's start-up.
+    """
+    if nodes == 1 and self_launching:
+        return [sys.executable, *module_argv]
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs)]
     if cluster is None or nodes == 1:
         return [*argv, "--standalone", *module_argv]
@@ -33,17 +39,19 @@ def torchrun_argv(
     return [*argv, *module_argv]
 
 
-def _env() -> dict[str, str]:
+def _env(threads_per_rank: int) -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env.pop("OMP_NUM_THREADS", None)  # torchrun shares the cores among the local ranks
+    # One rank is one "device" of a fixed size: the same intra-op threads at every point,
+    # or a 1-rank baseline would use every core and understate the speedup on a CPU.
+    env["OMP_NUM_THREADS"] = str(threads_per_rank)
     return env
 
 
 def run_on_nodes(
     module_argv: list[str], *, nodes: int, procs: int, cluster: EmulatedCluster | None,
-    log_path: Path, timeout_s: float,
+    log_path: Path, timeout_s: float, threads_per_rank: int = 1, self_launching: bool = False,
 ) -> int:  # fmt: skip
     """Run ``python -m ...`` (``module_argv``) on ``nodes`` × ``procs`` ranks; its exit status.
 
@@ -56,7 +64,8 @@ def run_on_nodes(
         try:
             for node in range(nodes):
                 argv = torchrun_argv(module_argv, nodes=nodes, procs=procs, node=node,
-                                     cluster=cluster, run_id=run_id)  # fmt: skip
+                                     cluster=cluster, run_id=run_id,
+                                     self_launching=self_launching)  # fmt: skip
                 if cluster is not None:
                     argv = cluster.command(node, argv)
                 procs_list.append(
@@ -64,7 +73,7 @@ def run_on_nodes(
                         argv,
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        env=_env(),
+                        env=_env(threads_per_rank),
                         stdin=subprocess.DEVNULL,
                         start_new_session=True,
                     )  # fmt: skip

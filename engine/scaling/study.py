@@ -143,7 +143,7 @@ def run_point(cfg: StudyConfig, point: Point, use_cluster: bool, on_repeat) -> d
 
 def _run(argv, point: Point, cluster, log: Path, timeout_s: float) -> int:
     return run_on_nodes(argv, nodes=point.nodes, procs=point.procs_per_node, cluster=cluster,
-                        log_path=log, timeout_s=timeout_s)  # fmt: skip
+                        log_path=log, timeout_s=timeout_s, self_launching=True)  # fmt: skip
 
 
 def _last_error(log: Path) -> str:
