@@ -158,21 +158,24 @@ def test_study_killed_midway_leaves_nothing_behind(tmp_path, data):
 
 
 def test_multirun_gives_every_job_its_own_checkpoints(tmp_path, data):
-    argv = [sys.executable, "-m", "engine.pretrain", "-m", "trainer.seed=1,2", "tp_size=1",
-            "dp_size=1", "trainer.max_steps=1", "trainer.eval_every=0", "trainer.eval_batches=0",
-            "trainer.sample_tokens=0", "trainer.tensorboard=false", "checkpoint.every=1",
-            "checkpoint.save_final=false", "trainer.metrics_file=${hydra:runtime.output_dir}/m.json",
-            f"hydra.sweep.dir={tmp_path / 'sweep'}", *TINY, *data]  # fmt: skip
-    for attempt in range(2):  # the second sweep must not resume from the first
-        run = subprocess.run(argv, env=_env(), cwd=tmp_path, capture_output=True, text=True,
-                             timeout=300)  # fmt: skip
-        assert run.returncode == 0, run.stderr[-2000:]
-        assert "resuming" not in run.stdout and "nothing to train" not in run.stdout
-        for job in ("0", "1"):
-            steps = json.loads((tmp_path / "sweep" / job / "m.json").read_text())["steps"]
-            assert [s["step"] for s in steps] == [1], attempt
-            assert (tmp_path / "sweep" / job / "checkpoints" / "step_00000001").is_dir()
-    assert not (tmp_path / "checkpoints").exists()  # the single-run directory is untouched
+    common = ["tp_size=1", "dp_size=1", "trainer.max_steps=1", "trainer.eval_every=0",
+              "trainer.eval_batches=0", "trainer.sample_tokens=0", "trainer.tensorboard=false",
+              "checkpoint.every=1", "checkpoint.save_final=false", *TINY, *data]  # fmt: skip
+    single = [sys.executable, "-m", "engine.pretrain", *common, f"hydra.run.dir={tmp_path / 'r'}"]
+    sweep = [sys.executable, "-m", "engine.pretrain", "-m", "trainer.seed=1,2", *common,
+             "trainer.metrics_file=${hydra:runtime.output_dir}/m.json",
+             f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    runs = []
+    for argv in (single, sweep):  # the case: the main job ran before the sweep
+        runs.append(subprocess.run(argv, env=_env(), cwd=tmp_path, capture_output=True,
+                                   text=True, timeout=300))  # fmt: skip
+        assert runs[-1].returncode == 0, runs[-1].stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "gpt_tiny_stdlib" / "step_00000001").is_dir()
+    assert "resuming" not in runs[1].stdout and "nothing to train" not in runs[1].stdout
+    for job in ("0", "1"):
+        steps = json.loads((tmp_path / "sweep" / job / "m.json").read_text())["steps"]
+        assert [s["step"] for s in steps] == [1]
+        assert (tmp_path / "sweep" / job / "checkpoints" / "step_00000001").is_dir()
 
 
 def test_dp_busy_time_is_the_union_of_overlapping_collectives():
