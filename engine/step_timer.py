@@ -117,13 +117,11 @@ class StepTimer:
         self._marks: list[tuple[float, float]] = []
 
     def attach(self, model: torch.nn.Module, grad_sync: Any, zero: Any | None) -> None:
-        """Hand the clocks to whoever runs the collectives (no-op when disabled)."""
-        if not self.enabled:
-            return
-        attach_comm_timer(model, self.tp)
-        grad_sync.comm_timer = self.dp
+        """Hand the clocks to whoever runs the collectives (take them back when disabled)."""
+        attach_comm_timer(model, self.tp if self.enabled else None)
+        grad_sync.comm_timer = self.dp if self.enabled else None
         if zero is not None:
-            zero.comm_timer = self.dp
+            zero.comm_timer = self.dp if self.enabled else None
 
     def _now(self) -> float:
         if self.device.type == "cuda":
