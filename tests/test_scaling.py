@@ -89,6 +89,18 @@ def test_three_point_study_reports_consistent_speedup(tmp_path, data):
         assert mpimg.imread(out / name).shape[2] in (3, 4)
     report = (out / "report.md").read_text()
     assert "| ranks | 1 node(s) |" in report and "--dp 1,2,3" in report
+    # The same command again refuses to overwrite it; --resume re-runs no finished point.
+    again = _study(out, data, "--dp", "1,2,3", "--no-links", stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE)  # fmt: skip
+    _, err = again.communicate(timeout=120)
+    assert again.returncode == 2 and err.count("\n") == 1 and "--resume" in err
+    before = (out / "points.jsonl").read_text()
+    resumed = _study(out, data, "--dp", "1,2,3", "--global-batch", "12", "--micro-batch", "2",
+                     "--no-links", "--resume", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    log, _ = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0 and "3 of 3 points already done" in log, log
+    assert (out / "points.jsonl").read_text() == before
+    assert _rows(out) == rows
 
 
 NO_NETNS = unavailable_reason()
@@ -119,7 +131,14 @@ def test_emulated_two_nodes_train_and_links_hold_the_configured_rate(tmp_path, d
     # Within 20 %: tbf holds the rate, headers (~3 %) and gloo's framing take a little.
     assert inter["busbw_Gbps"] == pytest.approx(0.2, rel=0.2)
     assert intra["busbw_Gbps"] > 2 * 0.2  # the node-local path is not shaped
-    assert namespaces(PREFIX) == []
+    assert _leftover_namespaces(out) == []
+
+
+def _leftover_namespaces(out: Path) -> list[str]:
+    """Namespaces of this study still present (the study records each cluster's tag)."""
+    tags = [p.read_text() for p in out.rglob("*cluster_tag")]
+    assert tags, "the study made no emulated cluster"
+    return [ns for tag in tags for ns in namespaces(PREFIX + tag)]
 
 
 def _processes_mentioning(text: str) -> list[int]:
@@ -151,10 +170,17 @@ def test_study_killed_midway_leaves_nothing_behind(tmp_path, data):
     proc.send_signal(sig)
     proc.wait(timeout=30)
     deadline = time.monotonic() + 30
-    while (namespaces(PREFIX) or _processes_mentioning(str(out))) and time.monotonic() < deadline:
+
+    def leftovers() -> list:
+        found = _processes_mentioning(str(out))
+        if NO_NETNS is None:  # the namespaces, and the guard and `ip netns exec` naming them
+            tags = [p.read_text() for p in out.rglob("*cluster_tag")]
+            found += _leftover_namespaces(out) + [p for t in tags for p in _processes_mentioning(t)]
+        return found
+
+    while leftovers() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert namespaces(PREFIX) == []
-    assert _processes_mentioning(str(out)) == []
+    assert leftovers() == []
 
 
 def test_multirun_gives_every_job_its_own_checkpoints(tmp_path, data):

@@ -57,13 +57,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", help="configs/cluster entry shaping the emulated links")
     p.add_argument("--mode", choices=("strong", "weak"), default="strong",
                    help="strong: fixed global batch; weak: --global-batch per DP rank")  # fmt: skip
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=16,
+                   help="sequences per step (weak: per DP rank)")  # fmt: skip
+    p.add_argument("--micro-batch", type=int, default=4, help="sequences per forward")
     p.add_argument("--steps", type=int, default=5, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps run first, not measured")
     p.add_argument("--repeats", type=int, default=1, help="runs per point (pooled)")
-    p.add_argument("--out", type=Path, default=Path("scaling_study"))
-    p.add_argument("--resume", action="store_true", help="continue a study in --out")
+    p.add_argument("--out", type=Path, default=Path("scaling_study"), help="output directory")
+    p.add_argument(
+        "--resume", action="store_true", help="continue the study in --out (re-runs failed points)"
+    )
     p.add_argument("--no-links", action="store_true", help="skip the link bandwidth sweep")
     p.add_argument("--point-timeout", type=float, default=600.0, help="seconds per run")
     return p

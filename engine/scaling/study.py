@@ -127,7 +127,9 @@ def run_point(cfg: StudyConfig, point: Point, use_cluster: bool, on_repeat) -> d
             log = run_dir / "log.txt"
             if use_cluster:
                 link = cfg.link_mbit if point.nodes > 1 else None
-                with EmulatedCluster(point.nodes, link) as cluster:
+                cluster = EmulatedCluster(point.nodes, link)
+                (run_dir / "cluster_tag").write_text(cluster.tag)  # for whoever checks clean-up
+                with cluster:
                     rc = _run(argv, point, cluster, log, cfg.point_timeout_s)
             else:
                 rc = _run(argv, point, None, log, cfg.point_timeout_s)
@@ -197,7 +199,9 @@ def measure_links(cfg: StudyConfig, console: Console) -> dict[str, Any]:
         log = cfg.out / f"link_{name}.log"
         if multi:
             link = cfg.link_mbit if nodes > 1 else None
-            with EmulatedCluster(nodes, link) as cluster:
+            cluster = EmulatedCluster(nodes, link)
+            (cfg.out / f"link_{name}.cluster_tag").write_text(cluster.tag)
+            with cluster:
                 rc = run_on_nodes(argv, nodes=nodes, procs=procs, cluster=cluster,
                                   log_path=log, timeout_s=300)  # fmt: skip
         else:
