@@ -55,10 +55,13 @@ def _rows(out: Path) -> list[dict[str, str]]:
 
 def test_three_point_study_reports_consistent_speedup(tmp_path, data):
     out = tmp_path / "study"
-    proc = _study(out, data, "--dp", "1,2,3", "--global-batch", "12", "--micro-batch", "2",
+    # dp=5 cannot split a global batch of 12 into micro-batches of 2: that point fails (a
+    # config error, exit 2) and the study goes on to the next ones.
+    proc = _study(out, data, "--dp", "1,5,2,3", "--global-batch", "12", "--micro-batch", "2",
                   "--no-links", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     log, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, log
+    assert proc.returncode == 1, log  # 1: some point failed
+    assert "point n1x5-tp1-dp5-mb2-gb12 failed" in log and "not a multiple" in log, log
     rows = _rows(out)
     assert [int(r["dp_size"]) for r in rows] == [1, 2, 3]
     # Independent of the report code: medians of the measured steps (step > warm-up 1) of
@@ -88,9 +91,10 @@ def test_three_point_study_reports_consistent_speedup(tmp_path, data):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert mpimg.imread(out / name).shape[2] in (3, 4)
     report = (out / "report.md").read_text()
-    assert "| ranks | 1 node(s) |" in report and "--dp 1,2,3" in report
+    assert "| ranks | 1 node(s) |" in report and "--dp 1,5,2,3" in report
+    assert "## Failed points" in report and "dp5" in report
     # The same command again refuses to overwrite it; --resume re-runs no finished point.
-    again = _study(out, data, "--dp", "1,2,3", "--no-links", stdout=subprocess.PIPE,
+    again = _study(out, data, "--dp", "1,5,2,3", "--no-links", stdout=subprocess.PIPE,
                    stderr=subprocess.PIPE)  # fmt: skip
     _, err = again.communicate(timeout=120)
     assert again.returncode == 2 and err.count("\n") == 1 and "--resume" in err
@@ -99,7 +103,7 @@ def test_three_point_study_reports_consistent_speedup(tmp_path, data):
                      "--no-links", "--resume", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     log, _ = resumed.communicate(timeout=120)
     assert resumed.returncode == 0 and "3 of 3 points already done" in log, log
-    assert (out / "points.jsonl").read_text() == before
+    assert (out / "points.jsonl").read_text() == before  # nothing ran again
     assert _rows(out) == rows
 
 
@@ -223,3 +227,9 @@ def test_linear_lr_scaling_rule():
     assert (scaled.lr, scaled.min_lr) == pytest.approx((4e-3, 4e-4))  # × 64 / 16
     plain = OptimConfig(lr=1e-3)
     assert scale_lr(plain, TrainerConfig(global_batch=64)) is plain
+
+
+def test_without_root_the_study_says_so_in_one_line(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    reason = unavailable_reason()
+    assert reason is not None and "\n" not in reason and "root" in reason

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     cfg = config_from(args)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)
     # SIGTERM unwinds like Ctrl-C, so the emulated nodes are torn down on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load = "/".join(f"{v:.2f}" for v in os.getloadavg())
