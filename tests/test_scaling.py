@@ -233,3 +233,18 @@ def test_without_root_the_study_says_so_in_one_line(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     reason = unavailable_reason()
     assert reason is not None and "\n" not in reason and "root" in reason
+
+
+def test_weak_scaling_speedup_counts_the_larger_batch():
+    from engine.scaling.report import add_speedup
+
+    # Hand-derived: 2 ranks do twice the batch in 1.25× the time: speedup 2/1.25 = 1.6,
+    # efficiency 0.8; a failed point is left out.
+    rows = [
+        {"status": "ok", "world_size": 1, "nodes": 1, "global_batch": 8, "step_time_s": 1.0},
+        {"status": "ok", "world_size": 2, "nodes": 1, "global_batch": 16, "step_time_s": 1.25},
+        {"status": "failed", "world_size": 4, "nodes": 1, "global_batch": 32},
+    ]
+    ok = add_speedup(rows, "weak")
+    assert len(ok) == 2
+    assert (ok[1]["speedup"], ok[1]["efficiency"]) == pytest.approx((1.6, 0.8))
