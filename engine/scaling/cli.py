@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False, soft_wrap=True)
     # SIGTERM unwinds like Ctrl-C, so the emulated nodes are torn down on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
     load = "/".join(f"{v:.2f}" for v in os.getloadavg())
     try:
         links = {} if args.no_links else measure_links(cfg, console)
