@@ -157,7 +157,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_study_killed_midway_leaves_nothing_behind(tmp_path, data, sig):
     # Ctrl-C unwinds the study, which stops its workers and removes its namespaces.
     # SIGKILL gives it no chance: its guard process must. Without namespaces the study

@@ -111,6 +111,10 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
     )  # fmt: skip
 
 
+def _load() -> str:
+    return "/".join(f"{v:.2f}" for v in os.getloadavg())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     cfg = config_from(args)
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the emulated nodes are torn down on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
-    load = "/".join(f"{v:.2f}" for v in os.getloadavg())
+    load = _load()
     try:
         links = {} if args.no_links else measure_links(cfg, console)
         rows = run_study(cfg, resume=args.resume, console=console)
@@ -131,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     write_csv(ok, cfg.out / "results.csv")
     if ok:
         plot(ok, cfg.out)
+    load = f"{load} at the start, {_load()} at the end"
     command = shlex.join(["python", "tools/scaling_study.py", *(argv or sys.argv[1:])])
     report = write_report(ok, failed, out=cfg.out, links=links, command=command, load=load,
                           mode=cfg.mode)  # fmt: skip
