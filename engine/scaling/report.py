@@ -90,7 +90,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def _plot_shares(rows: list[dict[str, Any]], path: Path, plt) -> Path:
-    fig, ax = plt.subplots(figsize=(max(4, 0.7 * len(rows) + 2), 3.4), dpi=90)
+    fig, ax = plt.subplots(figsize=(max(4, 0.7 * len(rows) + 3), 3.4), dpi=90)
     labels = [f"{r['nodes']}n tp{r['tp_size']} dp{r['dp_size']}" for r in rows]
     bottom = [0.0] * len(rows)
     for key, name in SHARES:
@@ -102,7 +102,7 @@ def _plot_shares(rows: list[dict[str, Any]], path: Path, plt) -> Path:
         bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
     ax.set_ylabel("share of step time")
     ax.tick_params(axis="x", labelrotation=45, labelsize=7)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
