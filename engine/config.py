@@ -50,6 +50,7 @@ class OptimConfig:
     clip_grad: float = 1.0  # global gradient-norm clip; 0 disables
     impl: str = "auto"  # "auto" (fused torch on CUDA), "torch", or "apex" (FusedAdam)
     distributed: bool = False  # ZeRO-1: shard Adam state and fp32 master weights across DP
+    scale_lr_with_batch: int = 0  # linear scaling: lr, min_lr × global_batch / this; 0 off
 
 
 @dataclass
@@ -79,6 +80,10 @@ class TrainerConfig:
     # Failures stop the run with one line and a non-zero exit (issue 10):
     max_bad_steps: int = 10  # bad steps in a row (non-finite, fp16 overflow) that stop the run
     collective_timeout_s: float = 600.0  # no progress this long (a frozen peer) stops; 0: off
+    # Scaling studies (issue 12):
+    metrics_file: str | None = None  # rank 0 writes every step's time breakdown here as JSON
+    step_timing: bool = True  # time TP/DP collectives for the breakdown (off: phases only)
+    overlap_grad_reduce: bool = True  # launch DP all-reduces during backward (off: after it)
 
 
 @dataclass
@@ -187,6 +192,11 @@ def validate(cfg: Config, dp_size: int, world_size: int | None = None) -> list[s
     if t.max_bad_steps < 1 or t.collective_timeout_s < 0:
         problems.append(f"trainer.max_bad_steps={t.max_bad_steps} must be >= 1 and "
                         f"trainer.collective_timeout_s={t.collective_timeout_s} >= 0 (0: off)")  # fmt: skip
+    if cfg.optim.scale_lr_with_batch < 0:
+        problems.append(
+            f"optim.scale_lr_with_batch={cfg.optim.scale_lr_with_batch} must be >= 0 "
+            "(the reference global batch of optim.lr; 0 disables scaling)"
+        )
     if t.max_restarts < 0:
         problems.append(f"trainer.max_restarts={t.max_restarts} must be >= 0")
     if t.profile_steps and (len(t.profile_steps) != 2 or t.profile_steps[0] > t.profile_steps[1]):

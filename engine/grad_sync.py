@@ -41,13 +41,14 @@ class _Bucket:
         self.pending = {id(p) for p in self.params}
         self.work, self.buffer = None, None
 
-    def launch(self, dp_group: dist.ProcessGroup, dp_size: int) -> None:
+    def launch(self, dp_group: dist.ProcessGroup, dp_size: int) -> dist.Work:
         grads = [
             torch.zeros_like(p, dtype=self.dtype) if p.grad is None else p.grad.to(self.dtype)
             for p in self.params
         ]
         self.buffer = torch.cat([g.reshape(-1) for g in grads]).div_(dp_size)
         self.work = dist.all_reduce(self.buffer, group=dp_group, async_op=True)
+        return self.work
 
     def unpack(self) -> None:
         self.work.wait()
@@ -81,11 +82,14 @@ class GradSync:
         tp_group: dist.ProcessGroup | None = None,
         bucket_size_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
+        overlap: bool = True,
     ) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
         self.dp_group, self.tp_group = dp_group, tp_group
         self.dp_size = group_size(dp_group)
+        self.overlap = overlap  # False: every bucket waits for finish(), after backward
+        self.comm_timer = None  # when set, told of each all-reduce: ``comm_timer.launched(work)``
         params = [p for p in dict.fromkeys(params) if p.requires_grad]  # unique, in order
         self.params = params
         self.sp_params = [p for p in params if getattr(p, SP_GRAD_ATTR, False)]
@@ -141,7 +145,8 @@ class GradSync:
             self._ready_order.append(id(param))
         bucket = self._bucket_of[id(param)]
         bucket.pending.discard(id(param))
-        self._launch_ready()
+        if self.overlap:
+            self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
         # Launch strictly in bucket order so every rank issues the same collective sequence.
@@ -149,7 +154,9 @@ class GradSync:
             bucket = self.buckets[self._next_launch]
             if bucket.pending and not force:
                 return
-            bucket.launch(self.dp_group, self.dp_size)
+            work = bucket.launch(self.dp_group, self.dp_size)
+            if self.comm_timer is not None:
+                self.comm_timer.launched(work)
             self._next_launch += 1
 
     def finish(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.config import OptimConfig
+from engine.config import OptimConfig, TrainerConfig
 from layers.utils import TP_DIM_ATTR
 
 
@@ -50,6 +51,17 @@ def decay_length(cfg: OptimConfig, max_steps: int) -> int:
     schedule as one run to that step (past the end the rate stays at min_lr).
     """
     return cfg.decay_steps or max(1, max_steps - cfg.warmup_steps)
+
+
+def scale_lr(cfg: OptimConfig, trainer: TrainerConfig) -> OptimConfig:
+    """The linear scaling rule: with ``scale_lr_with_batch=B``, lr and min_lr grow by
+    global_batch / B (the warmup keeps the first steps of a large batch stable)."""
+    if cfg.scale_lr_with_batch <= 0:
+        return cfg
+    factor = trainer.global_batch / cfg.scale_lr_with_batch
+    return dataclasses.replace(
+        cfg, lr=cfg.lr * factor, min_lr=cfg.min_lr * factor, scale_lr_with_batch=0
+    )
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -24,9 +24,11 @@ import uuid
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from engine.config import Config, register_configs, resolve_dp_size, validate
+from engine.optim import scale_lr
 from engine.preemption import EXIT_PREEMPTED
 from parallel_state.launcher import detect_launch
 
@@ -49,7 +51,9 @@ def prepare(cfg: Config) -> Config:
         _fail(problems)
     from engine.data_setup import resolve_data
 
-    cfg = dataclasses.replace(cfg, dp_size=dp_size, data=resolve_data(cfg.data))
+    cfg = dataclasses.replace(
+        cfg, dp_size=dp_size, data=resolve_data(cfg.data), optim=scale_lr(cfg.optim, cfg.trainer)
+    )
     if not os.path.exists(cfg.data.tokenizer):
         _fail([f"data.tokenizer: {cfg.data.tokenizer} does not exist (pass data.tokenizer=PATH)"])
     from engine.data_setup import check_data
@@ -154,10 +158,21 @@ def launch(cfg: Config) -> dict:
     return results.get(0, {})
 
 
+def per_job_checkpoints(cfg: Config, multirun: bool) -> Config:
+    """Under ``-m`` each job checkpoints into its own output directory, so no job of a sweep
+    resumes from another's; a single run keeps the stable ``checkpoints/<name>``."""
+    if not multirun or cfg.checkpoint.dir is not None:
+        return cfg
+    directory = os.path.join(cfg.run_dir, "checkpoints")
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, dir=directory))
+
+
 @hydra.main(config_path="../configs", config_name="config", version_base=None)
 def main(dcfg: DictConfig) -> None:
     cfg: Config = OmegaConf.to_object(dcfg)
-    cfg = dataclasses.replace(cfg, run_dir=HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    cfg = dataclasses.replace(cfg, run_dir=hydra_cfg.runtime.output_dir)
+    cfg = per_job_checkpoints(cfg, hydra_cfg.mode == RunMode.MULTIRUN)
     cfg = prepare(cfg)
     try:
         summary = launch(cfg)

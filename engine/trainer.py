@@ -33,6 +33,7 @@ from engine.optim import (
     set_lr,
 )
 from engine.preemption import EXIT_PREEMPTED, StopRequests
+from engine.step_timer import StepTimer, breakdown_metrics, format_breakdown
 from engine.watchdog import Watchdog
 from engine.zero import ZeroOptimizer
 from parallel_state import ParallelState
@@ -76,7 +77,7 @@ class Trainer:
             )
         self.grad_sync = GradSync(
             self.params, dp_group=None if self.zero else ps.dp_group, tp_group=ps.tp_group,
-            bucket_size_mb=cfg.trainer.grad_bucket_mb,
+            bucket_size_mb=cfg.trainer.grad_bucket_mb, overlap=cfg.trainer.overlap_grad_reduce,
         )  # fmt: skip
         self.scaler = (
             DynamicLossScaler(cfg.trainer.loss_scale_init) if self.precision == "fp16" else None
@@ -85,6 +86,11 @@ class Trainer:
         self.flops_per_step = flops.model_flops_per_step(cfg)
         peak_dtype = _AUTOCAST.get(self.precision, torch.float32)
         self.peak_flops = flops.peak_flops(ps.device, peak_dtype)
+        self.timer = StepTimer(
+            ps.device, enabled=cfg.trainer.step_timing, flops_per_step=self.flops_per_step,
+            tokens_per_step=cfg.trainer.global_batch * cfg.data.seq_len, world_size=ps.world_size,
+        )  # fmt: skip
+        self.timer.attach(self.model, self.grad_sync, self.optimizer if self.zero else None)
         self.logger = RunLogger(
             enabled=ps.rank == 0, run_dir=cfg.run_dir, max_steps=cfg.trainer.max_steps,
             tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
@@ -112,11 +118,6 @@ class Trainer:
         )  # fmt: skip
         return out["loss"]
 
-    def _sync_time(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     def _mark(self, what: str, group: str, step: int | None = None) -> None:
         """Tell the watchdog what this rank does now and which group it may wait on."""
         if group == "model":  # the model's collectives: TP, or the DP buckets at tp=1
@@ -128,8 +129,9 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the global batch; returns this rank's step metrics."""
         self._mark("forward/backward", "model", self.step + 1)
+        self.timer.start()
         micro_batches = self.data.train.next_step()
-        start = self._sync_time()
+        self.timer.lap()
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -138,10 +140,10 @@ class Trainer:
                     loss = self._loss(micro) / len(micro_batches)
                 (loss * self.scaler.scale if self.scaler else loss).backward()
             total += loss.detach().float()
-        comm_start = self._sync_time()
+        self.timer.lap()
         self._mark("gradient all-reduce", "dp", self.step + 1)
         grads = self._reduce_grads()
-        comm = self._sync_time() - comm_start
+        self.timer.lap()
         skipped = False
         self._mark("gradient norm and optimizer step", "model", self.step + 1)
         if self.scaler is not None:
@@ -162,9 +164,10 @@ class Trainer:
             set_lr(self.optimizer, lr)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        step_time = self._sync_time() - start
-        return {"loss": total.item(), "grad_norm": norm.item(), "lr": lr,
-                "step_time": step_time, "dp_comm": comm, "skipped": float(skipped)}  # fmt: skip
+        self.timer.lap()
+        record = self.timer.finish(step=self.step + 1, loss=total.item())
+        return {**record, "grad_norm": norm.item(), "lr": lr, "skipped": float(skipped),
+                "step_time": record["step_time_s"], "dp_comm": record["dp_comm_exposed_s"]}  # fmt: skip
 
     def _reduce_grads(self) -> list[torch.Tensor]:
         """Finish the DP gradient reduction; return the tensors whose .grad the step uses."""
@@ -214,6 +217,8 @@ class Trainer:
             peak_flops=self.peak_flops, device=self.device,
         )  # fmt: skip
         line = format_step_line(self.step, t.max_steps, metrics)
+        metrics |= breakdown_metrics(window)
+        line += format_breakdown(metrics)
         if self.scaler:
             skipped = int(sum(m["skipped"] for m in window))
             line += f"  (skipped {skipped} overflow steps, loss scale {self.scaler.scale:g})"
@@ -256,6 +261,7 @@ class Trainer:
             "history": self.history,
             "eval": self._last_eval if evaluated_now else self._report_eval(),
         }
+        self._write_metrics(summary)
         summary["checkpoint"] = self._save()
         summary["sample"] = self._sample()
         self.logger.close()  # last: the final evaluation's scalars still go to TensorBoard
@@ -292,6 +298,19 @@ class Trainer:
         )
         self.logger.close()
         return {"history": self.history, "stopped_by": stop.name, "step": self.step}
+
+    def _write_metrics(self, summary: dict) -> None:
+        """``trainer.metrics_file``: every step's time breakdown (the scaling study reads it)."""
+        t = self.cfg.trainer
+        if not t.metrics_file or self.ps.rank != 0:
+            return
+        header = {"workload": "pretrain", "tp_size": self.ps.tp_size, "dp_size": self.ps.dp_size,
+                  "world_size": self.ps.world_size, "micro_batch": t.micro_batch,
+                  "global_batch": t.global_batch}  # fmt: skip
+        extras = {"seq_len": self.cfg.data.seq_len, "precision": self.precision,
+                  "lr": self.cfg.optim.lr, "step_timing": t.step_timing,
+                  "history": self.history, "eval": summary["eval"]}  # fmt: skip
+        self.timer.write(t.metrics_file, header, extras)
 
     def _report_eval(self) -> dict[str, float] | None:
         result = self.evaluate()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layers.utils import TP_DIM_ATTR, group_rank, group_size
+from layers.utils import TP_DIM_ATTR, CommTimer, group_rank, group_size, timed
 
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -110,6 +110,7 @@ class ZeroOptimizer:
             )
         self.dp_group, self.tp_group = dp_group, tp_group
         self.dp_size = group_size(dp_group)
+        self.comm_timer: CommTimer | None = None  # times the DP collectives when set
         self.shards: list[_FlatShard] = []
         groups = []
         for group in optimizer.param_groups:
@@ -143,7 +144,9 @@ class ZeroOptimizer:
                 s.master.grad = flat
             else:
                 s.master.grad = torch.empty_like(s.master)
-                _reduce_scatter_flat(s.master.grad, flat, group=self.dp_group)
+                timed(
+                    self.comm_timer, _reduce_scatter_flat, s.master.grad, flat, group=self.dp_group
+                )
             for p in s.params:
                 p.grad = None
 
@@ -167,7 +170,7 @@ class ZeroOptimizer:
         """Update this rank's master slices, then all-gather them into the parameters."""
         self.inner.step()
         for s in self.shards:
-            for p, view in s.views(s.gather(s.master)):
+            for p, view in s.views(timed(self.comm_timer, s.gather, s.master)):
                 p.copy_(view)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from layers.utils import group_rank, group_size, resolve_tp_group
+from layers.utils import CommTimer, group_rank, group_size, resolve_tp_group, timed
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -18,7 +18,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, smoothing, vocab_size, group):
+    def forward(ctx, logits, target, ignore_index, smoothing, vocab_size, group, timer):
         world, rank = group_size(group), group_rank(group)
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
         x = logits.to(compute)
@@ -32,7 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         row_max = x.max(dim=-1).values
         if world > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            timed(timer, dist.all_reduce, row_max, op=dist.ReduceOp.MAX, group=group)
         z = x - row_max.unsqueeze(-1)  # a fresh buffer: later steps may work in place
 
         in_block = (target >= start) & (target < start + local)
@@ -48,7 +48,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             sums.append(smooth_sum)
         stats = torch.stack(sums)
         if world > 1:
-            dist.all_reduce(stats, group=group)
+            timed(timer, dist.all_reduce, stats, group=group)
         log_sum_exp = stats[0].log()
         loss = log_sum_exp - stats[1]
         if smoothing > 0:
@@ -72,7 +72,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             uniform = ctx.smoothing / ctx.total
             grad.sub_(uniform if ctx.padded is None else (~ctx.padded).to(grad.dtype) * uniform)
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.in_dtype), None, None, None, None, None
+        return grad.to(ctx.in_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -83,6 +83,7 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
+    comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """Per-token cross-entropy of logits sharded on their last dim across the TP group.
 
@@ -105,5 +106,5 @@ def vocab_parallel_cross_entropy(
             "(the padded vocabulary across the TP group)"
         )
     return _VocabParallelCrossEntropy.apply(
-        logits, target, ignore_index, label_smoothing, vocab_size, group
+        logits, target, ignore_index, label_smoothing, vocab_size, group, comm_timer
     )

@@ -9,7 +9,15 @@ from torch import nn
 
 from layers.linear import InitMethod, build_master_weight, normal_init
 from layers.mappings import reduce_from_tp, reduce_scatter_to_sequence
-from layers.utils import divide, group_rank, group_size, mark_tp_dim, resolve_tp_group, shard
+from layers.utils import (
+    comm_timer_of,
+    divide,
+    group_rank,
+    group_size,
+    mark_tp_dim,
+    resolve_tp_group,
+    shard,
+)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -72,9 +80,12 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        timer = comm_timer_of(self)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence(out, self.tp_group, dim=self.sequence_dim)
-        return reduce_from_tp(out, self.tp_group)
+            return reduce_scatter_to_sequence(
+                out, self.tp_group, dim=self.sequence_dim, comm_timer=timer
+            )
+        return reduce_from_tp(out, self.tp_group, comm_timer=timer)
 
     def extra_repr(self) -> str:
         return (

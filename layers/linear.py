@@ -25,6 +25,7 @@ from layers.mappings import (
 )
 from layers.utils import (
     SP_GRAD_ATTR,
+    comm_timer_of,
     divide,
     group_rank,
     group_size,
@@ -65,21 +66,21 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_shard, weight, bias, group, dim):
+    def forward(ctx, x_shard, weight, bias, group, dim, timer):
         ctx.save_for_backward(x_shard, weight)
-        ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
-        return F.linear(_all_gather(x_shard, dim, group), weight, bias)
+        ctx.group, ctx.dim, ctx.has_bias, ctx.timer = group, dim, bias is not None, timer
+        return F.linear(_all_gather(x_shard, dim, group, timer), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x_shard, weight = ctx.saved_tensors
         dtype = grad_out.dtype  # under autocast the forward ran in this precision
-        total = _all_gather(x_shard, ctx.dim, ctx.group).to(dtype)
-        grad_x = _reduce_scatter(grad_out.matmul(weight.to(dtype)), ctx.dim, ctx.group)
+        total = _all_gather(x_shard, ctx.dim, ctx.group, ctx.timer).to(dtype)
+        grad_x = _reduce_scatter(grad_out.matmul(weight.to(dtype)), ctx.dim, ctx.group, ctx.timer)
         rows = grad_out.reshape(-1, grad_out.shape[-1])
         grad_w = rows.t().matmul(total.reshape(-1, total.shape[-1]))
         grad_b = rows.sum(0) if ctx.has_bias else None
-        return grad_x.to(x_shard.dtype), grad_w.to(weight.dtype), grad_b, None, None
+        return grad_x.to(x_shard.dtype), grad_w.to(weight.dtype), grad_b, None, None, None
 
 
 class _TPLinearBase(nn.Module):
@@ -194,10 +195,13 @@ class ColumnParallelLinear(_TPLinearBase):
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel and self.tp_size > 1:
             dim = self.sequence_dim % x.dim()
-            y = _SequenceParallelColumnLinear.apply(x, self.weight, bias, self.tp_group, dim)
+            y = _SequenceParallelColumnLinear.apply(
+                x, self.weight, bias, self.tp_group, dim, comm_timer_of(self)
+            )
         else:
-            y = F.linear(copy_to_tp(x, self.tp_group), self.weight, bias)
-            y = gather_from_tp(y, self.tp_group) if self.gather_output else y
+            timer = comm_timer_of(self)
+            y = F.linear(copy_to_tp(x, self.tp_group, comm_timer=timer), self.weight, bias)
+            y = gather_from_tp(y, self.tp_group, comm_timer=timer) if self.gather_output else y
         return (y, self.bias) if self.skip_bias_add else y
 
 
@@ -239,13 +243,16 @@ class RowParallelLinear(_TPLinearBase):
             setattr(self.bias, SP_GRAD_ATTR, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        timer = comm_timer_of(self)
         if not self.input_is_parallel:
-            x = scatter_to_tp(x, self.tp_group)
+            x = scatter_to_tp(x, self.tp_group, comm_timer=timer)
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence(y, self.tp_group, dim=self.sequence_dim)
+            y = reduce_scatter_to_sequence(
+                y, self.tp_group, dim=self.sequence_dim, comm_timer=timer
+            )
         else:
-            y = reduce_from_tp(y, self.tp_group)
+            y = reduce_from_tp(y, self.tp_group, comm_timer=timer)
         if self.skip_bias_add:
             return y, self.bias
         return y if self.bias is None else y + self.bias

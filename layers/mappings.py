@@ -15,6 +15,10 @@ scatter_to_sequence    split sequence dim          all-gather sequence dim
 gather_from_sequence   all-gather sequence dim     reduce-scatter sequence dim
 reduce_scatter_to_seq  reduce-scatter sequence     all-gather sequence dim
 =====================  ==========================  ==========================
+
+Every wrapper takes an optional ``comm_timer`` (see ``layers.utils.CommTimer``): the
+trainer's step timer, handed down explicitly by the modules that own a TP group, so a
+scaling study can split a step into compute and TP communication.
 """
 
 from __future__ import annotations
@@ -22,18 +26,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from layers.utils import divide, group_rank, group_size, resolve_tp_group
+from layers.utils import CommTimer, divide, group_rank, group_size, resolve_tp_group, timed
 
 # torch 2.13 renamed the flat collectives; keep older torch working too.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_reduce(
+    x: torch.Tensor, group: dist.ProcessGroup, timer: CommTimer | None = None
+) -> torch.Tensor:
     # Reduce into a fresh tensor: autograd may hand the same gradient tensor to several
     # branches, and callers may reuse what they passed in.
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group)
+    timed(timer, dist.all_reduce, out, group=group)
     return out
 
 
@@ -43,21 +49,25 @@ def _split(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     return x.narrow(dim, group_rank(group) * block, block).contiguous()
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_gather(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, timer: CommTimer | None = None
+) -> torch.Tensor:
     # The flat collective concatenates along dim 0, so gather with ``dim`` moved to the front.
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * group_size(group), *front.shape[1:]))
-    _all_gather_flat(out, front, group=group)
+    timed(timer, _all_gather_flat, out, front, group=group)
     return out.movedim(0, dim)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def _reduce_scatter(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, timer: CommTimer | None = None
+) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     rows = divide(
         front.shape[0], group_size(group), f"size of dim {dim} of a {tuple(x.shape)} tensor"
     )
     out = front.new_empty((rows, *front.shape[1:]))
-    _reduce_scatter_flat(out, front, group=group)
+    timed(timer, _reduce_scatter_flat, out, front, group=group)
     return out.movedim(0, dim)
 
 
@@ -65,135 +75,169 @@ class _CopyToTP(torch.autograd.Function):
     """Identity forward, all-reduce backward (Megatron's f)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, timer):
+        ctx.group, ctx.timer = group, timer
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        return _all_reduce(grad, ctx.group, ctx.timer), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     """All-reduce forward, identity backward (Megatron's g)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, group, timer):
+        return _all_reduce(x, group, timer)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToTP(torch.autograd.Function):
     """Split the last dim forward, all-gather the last dim backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, timer):
+        ctx.group, ctx.timer = group, timer
         return _split(x, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.group), None
+        return _all_gather(grad, -1, ctx.group, ctx.timer), None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
     """All-gather the last dim forward, split the last dim backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, timer):
         ctx.group = group
-        return _all_gather(x, -1, group)
+        return _all_gather(x, -1, group, timer)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None
+        return _split(grad, -1, ctx.group), None, None
 
 
 class _ScatterToSequence(torch.autograd.Function):
     """Split the sequence dim forward, all-gather the sequence dim backward."""
 
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
+    def forward(ctx, x, group, dim, timer):
+        ctx.group, ctx.dim, ctx.timer = group, dim, timer
         return _split(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.timer), None, None, None
 
 
 class _GatherFromSequence(torch.autograd.Function):
     """All-gather the sequence dim forward, reduce-scatter the sequence dim backward."""
 
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, dim, group)
+    def forward(ctx, x, group, dim, timer):
+        ctx.group, ctx.dim, ctx.timer = group, dim, timer
+        return _all_gather(x, dim, group, timer)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+        return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.timer), None, None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     """Reduce-scatter the sequence dim forward, all-gather the sequence dim backward."""
 
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, dim, group)
+    def forward(ctx, x, group, dim, timer):
+        ctx.group, ctx.dim, ctx.timer = group, dim, timer
+        return _reduce_scatter(x, dim, group, timer)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.timer), None, None, None
 
 
-def copy_to_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def copy_to_tp(
+    x: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    comm_timer: CommTimer | None = None,
+) -> torch.Tensor:
     """f: identity forward, all-reduce backward. Input of a column-parallel layer."""
     group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+    return x if group_size(group) == 1 else _CopyToTP.apply(x, group, comm_timer)
 
 
-def reduce_from_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def reduce_from_tp(
+    x: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    comm_timer: CommTimer | None = None,
+) -> torch.Tensor:
     """g: all-reduce forward, identity backward. Output of a row-parallel layer."""
     group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group, comm_timer)
 
 
-def scatter_to_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def scatter_to_tp(
+    x: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    comm_timer: CommTimer | None = None,
+) -> torch.Tensor:
     """Split the last dim forward, all-gather it backward."""
     group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _ScatterToTP.apply(x, group)
+    return x if group_size(group) == 1 else _ScatterToTP.apply(x, group, comm_timer)
 
 
-def gather_from_tp(x: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def gather_from_tp(
+    x: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    comm_timer: CommTimer | None = None,
+) -> torch.Tensor:
     """All-gather the last dim forward, split it backward (``gather_output=True``)."""
     group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _GatherFromTP.apply(x, group)
+    return x if group_size(group) == 1 else _GatherFromTP.apply(x, group, comm_timer)
 
 
 def scatter_to_sequence(
-    x: torch.Tensor, tp_group: dist.ProcessGroup | None = None, *, dim: int = 0
+    x: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    dim: int = 0,
+    comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """Split the sequence dim forward, all-gather it backward (entering a sequence-parallel region)."""
     group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _ScatterToSequence.apply(x, group, dim)
+    return x if group_size(group) == 1 else _ScatterToSequence.apply(x, group, dim, comm_timer)
 
 
 def gather_from_sequence(
-    x: torch.Tensor, tp_group: dist.ProcessGroup | None = None, *, dim: int = 0
+    x: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    dim: int = 0,
+    comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """All-gather the sequence dim forward, reduce-scatter it backward (SP → TP region)."""
     group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group, dim)
+    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group, dim, comm_timer)
 
 
 def reduce_scatter_to_sequence(
-    x: torch.Tensor, tp_group: dist.ProcessGroup | None = None, *, dim: int = 0
+    x: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    dim: int = 0,
+    comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """Reduce-scatter the sequence dim forward, all-gather it backward (TP → SP region)."""
     group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group, dim)
+    return (
+        x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group, dim, comm_timer)
+    )

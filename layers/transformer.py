@@ -70,7 +70,7 @@ class Kernels:
     layer_norm: Callable[..., torch.Tensor]  # (x, weight, bias, eps)
     gelu: Callable[..., torch.Tensor]  # (x, bias | None, approximate: "none" | "tanh")
     bias_dropout_add: Callable[..., torch.Tensor]  # (x, bias | None, residual, p, training)
-    # (logits, target, *, vocab_size, tp_group): vocab_parallel_cross_entropy's contract
+    # (logits, target, *, vocab_size, tp_group, comm_timer): vocab_parallel_cross_entropy's
     cross_entropy: Callable[..., torch.Tensor]
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Protocol
+
 import torch
 import torch.distributed as dist
 
@@ -14,6 +17,44 @@ TP_DIM_ATTR = "tp_split_dim"
 # Attribute set on replicated parameters whose gradient is only partial on each TP rank
 # (LayerNorm weights under sequence parallelism); gradient sync sums them across TP.
 SP_GRAD_ATTR = "sequence_parallel_grad"
+
+
+class CommTimer(Protocol):
+    """Times blocking TP collectives; the engine's step timer implements it.
+
+    Layers never build one: the trainer attaches it to a model with ``attach_comm_timer``
+    and each module hands its own ``comm_timer`` to the collectives it calls.
+    """
+
+    def begin(self) -> Any: ...  # a token for ``end`` (a wall clock, or a CUDA event)
+
+    def end(self, token: Any) -> None: ...
+
+
+COMM_TIMER_ATTR = "comm_timer"
+
+
+def attach_comm_timer(module: torch.nn.Module, timer: CommTimer | None) -> None:
+    """Give every submodule that owns a TP group ``timer`` (None detaches it)."""
+    for m in module.modules():
+        if hasattr(m, "tp_group"):
+            setattr(m, COMM_TIMER_ATTR, timer)
+
+
+def comm_timer_of(module: torch.nn.Module) -> CommTimer | None:
+    """The timer attached to ``module``, or None."""
+    return module.__dict__.get(COMM_TIMER_ATTR)
+
+
+def timed(timer: CommTimer | None, collective: Callable, *args, **kwargs):
+    """Run ``collective``, timed by ``timer`` when there is one."""
+    if timer is None:
+        return collective(*args, **kwargs)
+    token = timer.begin()
+    try:
+        return collective(*args, **kwargs)
+    finally:
+        timer.end(token)
 
 
 def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -57,7 +57,9 @@ class _Probe(torch.autograd.Function):
         return grad, None, None
 
 
-def _dp_equivalence(tp: int, dp: int, bucket_mb: float, micro_batches: int) -> list[int]:
+def _dp_equivalence(
+    tp: int, dp: int, bucket_mb: float, micro_batches: int, overlap: bool = True
+) -> list[int]:
     ps = parallel_state.initialize(tp, dp)
     torch.manual_seed(0)  # same weights and data on every rank
     weights = [
@@ -77,7 +79,9 @@ def _dp_equivalence(tp: int, dp: int, bucket_mb: float, micro_batches: int) -> l
     F.mse_loss(serial(x), y).backward()
 
     model = TinyNet(*weights)
-    sync = GradSync(model.parameters(), dp_group=ps.dp_group, bucket_size_mb=bucket_mb)
+    sync = GradSync(
+        model.parameters(), dp_group=ps.dp_group, bucket_size_mb=bucket_mb, overlap=overlap
+    )
     per_rank = GLOBAL_BATCH // dp
     for _ in range(2):  # the first step also teaches GradSync the real gradient order
         launched_mid_backward = _one_step(model, sync, x, y, ps.dp_rank, per_rank, micro_batches)
@@ -146,6 +150,13 @@ def _sp_grads(reduce_dtype) -> list[torch.Tensor]:
     (plain * (ps.tp_rank + 1.0)).sum().backward()
     sync.finish()
     return [norm_w.grad, plain.grad]
+
+
+def test_without_overlap_every_bucket_waits_for_finish():
+    # trainer.overlap_grad_reduce=false: the same averages, but no bucket in flight while
+    # backward still runs (one parameter per bucket, so with overlap some would be).
+    launched, total = run_ranks(_dp_equivalence, 2, 1, 2, 1e-5, 1, False)[0]
+    assert total >= 5 and launched == 0
 
 
 def test_sequence_parallel_grads_summed_across_tp():

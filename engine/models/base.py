@@ -22,6 +22,7 @@ from layers.transformer import LayerNorm, ParallelTransformerLayer
 from layers.utils import (
     SP_GRAD_ATTR,
     TP_DIM_ATTR,
+    comm_timer_of,
     gather_along,
     group_rank,
     group_size,
@@ -129,7 +130,7 @@ class Embeddings(nn.Module):
         if self.sequence_parallel:
             # Keep this rank's rows; backward all-gathers so the replicated tables get the
             # gradient of every position, on every rank.
-            extra = scatter_to_sequence(extra, self.tp_group)
+            extra = scatter_to_sequence(extra, self.tp_group, comm_timer=comm_timer_of(self))
         x = words + extra
         if self.norm is not None:
             x = self.norm(x)
@@ -169,9 +170,9 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
         if self.sequence_parallel:
-            x = gather_from_sequence(x, self.tp_group)
+            x = gather_from_sequence(x, self.tp_group, comm_timer=comm_timer_of(self))
         else:
-            x = copy_to_tp(x, self.tp_group)
+            x = copy_to_tp(x, self.tp_group, comm_timer=comm_timer_of(self))
         return F.linear(x, self.weight if self.weight is not None else tied_weight, self.bias)
 
 

@@ -11,6 +11,7 @@ from engine.models.base import ParallelLMHead, ParallelModel, replicated_linear
 from engine.models.config import ModelConfig
 from layers import gather_from_tp, vocab_parallel_cross_entropy
 from layers.transformer import LayerNorm, resolve_kernels
+from layers.utils import comm_timer_of
 from parallel_state.random import RNGTracker
 
 
@@ -51,7 +52,9 @@ class Pooler(nn.Module):
             # [CLS] is row 0 of TP rank 0's shard. Gather every shard's first row with an
             # operator that splits (not sums) the gradient backward: each rank computes the
             # pooler redundantly, so summing would count its gradient tp_size times.
-            first_rows = gather_from_tp(hidden[0].unsqueeze(-1), self.tp_group)  # [b, h, tp]
+            first_rows = gather_from_tp(
+                hidden[0].unsqueeze(-1), self.tp_group, comm_timer=comm_timer_of(self)
+            )  # [b, h, tp]
             cls = first_rows[..., 0]
         else:
             cls = hidden[0]  # [b, h]
@@ -109,7 +112,11 @@ class BertModel(ParallelModel):
         losses = []
         if mlm_labels is not None:
             per_token = vocab_parallel_cross_entropy(
-                logits, mlm_labels.t(), vocab_size=self.cfg.vocab_size, tp_group=self.tp_group
+                logits,
+                mlm_labels.t(),
+                vocab_size=self.cfg.vocab_size,
+                tp_group=self.tp_group,
+                comm_timer=comm_timer_of(self),
             )
             labelled = (mlm_labels != -100).sum().clamp(min=1)
             out["mlm_loss"] = per_token.sum() / labelled

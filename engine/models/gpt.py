@@ -8,6 +8,7 @@ import torch.distributed as dist
 from engine.models.base import ParallelLMHead, ParallelModel
 from engine.models.config import ModelConfig
 from layers.transformer import LayerNorm, resolve_kernels
+from layers.utils import comm_timer_of
 from parallel_state.random import RNGTracker
 
 
@@ -48,6 +49,7 @@ class GPTModel(ParallelModel):
             return logits.transpose(0, 1)  # [b, s, V/tp]
         # The logits are consumed here (a fused kernel may overwrite them with their grad).
         loss = self.kernels.cross_entropy(
-            logits, labels.t(), vocab_size=self.cfg.vocab_size, tp_group=self.tp_group
-        )
+            logits, labels.t(), vocab_size=self.cfg.vocab_size, tp_group=self.tp_group,
+            comm_timer=comm_timer_of(self),
+        )  # fmt: skip
         return loss.t()  # [b, s]

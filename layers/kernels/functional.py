@@ -123,8 +123,12 @@ def fused_vocab_parallel_cross_entropy(
     tp_group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
     backend: str = "auto",
+    comm_timer=None,
 ) -> torch.Tensor:
     """``layers.vocab_parallel_cross_entropy`` with the same arguments and result, fused.
+
+    ``comm_timer`` times the collectives of the torch path only; the Triton path's two
+    small all-reduces go untimed (they count as compute).
 
     Per-token fp32 loss of logits sharded on their last dim across the TP group, equal to
     ``F.cross_entropy(gathered[..., :vocab_size], target, reduction="none")``; ignored
@@ -146,6 +150,7 @@ def fused_vocab_parallel_cross_entropy(
             label_smoothing=label_smoothing,
             tp_group=tp_group,
             vocab_size=vocab_size,
+            comm_timer=comm_timer,
         )
     if logits.shape[:-1] != target.shape:
         raise ValueError(

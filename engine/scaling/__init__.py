@@ -1,0 +1,1 @@
+"""Scaling studies: the emulated cluster, the point runner, reports (tools/scaling_study.py)."""

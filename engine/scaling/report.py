@@ -1,0 +1,194 @@
+"""A study's outputs: results.csv, report.md and PNG plots, from its points' rows.
+
+Speedup is measured against the baseline point, the successful point with the fewest
+ranks (the 1-rank point when the grid has one), with n = world_size / baseline world size:
+
+- strong scaling (same global batch): speedup = t_base / t_n (median step times);
+- weak scaling (batch grows with dp): speedup = (tokens_n / tokens_base) · t_base / t_n;
+- efficiency = speedup / n.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+COLUMNS = (
+    "nodes", "procs_per_node", "tp_size", "dp_size", "world_size", "micro_batch",
+    "global_batch", "step_time_s", "step_time_p10_s", "step_time_p90_s", "tokens_per_s",
+    "tflops_per_rank", "speedup", "efficiency", "compute_s", "tp_comm_s",
+    "dp_comm_exposed_s", "dp_comm_total_s", "data_s", "optimizer_s", "peak_mem_gib",
+)  # fmt: skip
+SHARES = (("compute_s", "compute"), ("tp_comm_s", "TP comm"),
+          ("dp_comm_exposed_s", "DP comm exposed"), ("data_s", "data"),
+          ("optimizer_s", "optimizer"))  # fmt: skip
+
+
+def add_speedup(rows: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+    """The successful rows with speedup and efficiency against the baseline point."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return []
+    base = min(ok, key=lambda r: (r["world_size"], r["nodes"]))
+    for r in ok:
+        n = r["world_size"] / base["world_size"]
+        speedup = base["step_time_s"] / r["step_time_s"]
+        if mode == "weak":
+            speedup *= r["global_batch"] / base["global_batch"]
+        r["speedup"], r["efficiency"] = speedup, speedup / n
+    return ok
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: ("" if r.get(k) is None else r[k]) for k in COLUMNS})
+    os.replace(tmp, path)
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """speedup.png, efficiency.png and time_shares.png; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        series.setdefault((r["nodes"], r["tp_size"]), []).append(r)
+    paths = []
+    for name, key, ideal in (("speedup", "speedup", True), ("efficiency", "efficiency", False)):
+        fig, ax = plt.subplots(figsize=(5, 3.4), dpi=90)
+        worlds = sorted({r["world_size"] for r in rows})
+        for (nodes, tp), group in sorted(series.items()):
+            group = sorted(group, key=lambda r: r["world_size"])
+            ax.plot([r["world_size"] for r in group], [r[key] for r in group], "o-",
+                    label=f"{nodes} node(s), tp={tp}")  # fmt: skip
+        base = min(r["world_size"] for r in rows)
+        ideal_y = [w / base for w in worlds] if ideal else [1.0] * len(worlds)
+        ax.plot(worlds, ideal_y, "k--", lw=1, label="ideal")
+        ax.set_xlabel("ranks")
+        ax.set_ylabel(key)
+        ax.set_xticks(worlds)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(out / f"{name}.png")
+        fig.savefig(paths[-1])
+        plt.close(fig)
+    paths.append(_plot_shares(rows, out / "time_shares.png", plt))
+    return paths
+
+
+def _plot_shares(rows: list[dict[str, Any]], path: Path, plt) -> Path:
+    fig, ax = plt.subplots(figsize=(max(4, 0.7 * len(rows) + 3), 3.4), dpi=90)
+    labels = [f"{r['nodes']}n tp{r['tp_size']} dp{r['dp_size']}" for r in rows]
+    bottom = [0.0] * len(rows)
+    for key, name in SHARES:
+        shares = []
+        for r in rows:
+            total = sum(r.get(k) or 0.0 for k, _ in SHARES) or 1.0
+            shares.append((r.get(key) or 0.0) / total)
+        ax.bar(labels, shares, bottom=bottom, label=name)
+        bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
+    ax.set_ylabel("share of step time")
+    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def machine() -> str:
+    """One line about this host."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {gpu}, Linux "
+            f"{platform.release()}, torch {torch.__version__}")  # fmt: skip
+
+
+def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value * scale:.{digits}f}"
+
+
+def speedup_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Ranks down, nodes across: 'speedup (efficiency)', one table per tp size."""
+    lines = []
+    for tp in sorted({r["tp_size"] for r in rows}):
+        sub = [r for r in rows if r["tp_size"] == tp]
+        nodes = sorted({r["nodes"] for r in sub})
+        lines += [f"tp={tp}: speedup (efficiency) against the baseline point", "",
+                  "| ranks | " + " | ".join(f"{n} node(s)" for n in nodes) + " |",
+                  "|---:|" + "---:|" * len(nodes)]  # fmt: skip
+        for world in sorted({r["world_size"] for r in sub}):
+            cells = []
+            for n in nodes:
+                hit = [r for r in sub if r["world_size"] == world and r["nodes"] == n]
+                cells.append(f"{hit[0]['speedup']:.2f} ({100 * hit[0]['efficiency']:.0f}%)"
+                             if hit else "–")  # fmt: skip
+            lines.append(f"| {world} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| point | step ms (p10–p90) | compute | TP comm | DP exposed | DP total | data | "
+             "optimizer | tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        ms = [_fmt(r.get(k), 1e3) for k in ("compute_s", "tp_comm_s", "dp_comm_exposed_s",
+                                             "dp_comm_total_s", "data_s", "optimizer_s")]  # fmt: skip
+        lines.append(
+            f"| {r['nodes']}×{r['procs_per_node']} tp{r['tp_size']} dp{r['dp_size']} | "
+            f"{_fmt(r['step_time_s'], 1e3)} ({_fmt(r['step_time_p10_s'], 1e3)}–"
+            f"{_fmt(r['step_time_p90_s'], 1e3)}) | "
+            + " | ".join(ms)
+            + f" | {r['tokens_per_s']:.0f} |"
+        )
+    return lines
+
+
+def link_table(links: dict[str, Any]) -> list[str]:
+    lines = [f"Configured inter-node link: {links.get('configured_mbit') or 'unshaped'} Mbit/s "
+             "(tc tbf, each direction). Latency is not injected.", "",
+             "| link | message | all-reduce time | bus bandwidth |", "|---|---:|---:|---:|"]  # fmt: skip
+    for name in ("intra_node", "inter_node"):
+        for row in links.get(name, []):
+            lines.append(f"| {name} | {row['bytes']} B | {row['time_s'] * 1e6:.0f} µs | "
+                         f"{row['busbw_Gbps'] * 1e3:.1f} Mbit/s |")  # fmt: skip
+    return lines
+
+
+def write_report(rows: list[dict[str, Any]], failed: list[dict[str, Any]], *, out: Path,
+                 links: dict[str, Any], command: str, load: str, mode: str) -> Path:  # fmt: skip
+    """report.md next to results.csv and the plots."""
+    lines = ["# Scaling study", "", f"- command: `{command}`",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"- machine: {machine()}", f"- load average (1/5/15 min): {load}",
+             f"- mode: {mode} scaling", "", "## Speedup", ""]  # fmt: skip
+    lines += speedup_table(rows) if rows else ["no successful points", ""]
+    lines += ["## Where the time goes (mean ms per step)", ""] + breakdown_table(rows)
+    lines += ["", "## Links", ""] + link_table(links)
+    lines += ["", "![speedup](speedup.png) ![efficiency](efficiency.png)",
+              "![time shares](time_shares.png)", ""]  # fmt: skip
+    if failed:
+        lines += ["## Failed points", ""] + [f"- {r['key']}: {r['error']}" for r in failed]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,83 @@
+"""What a study point runs: a table of command builders, one per workload.
+
+A builder turns a point into ``python -m MODULE overrides...``; the run must honour
+``trainer.metrics_file`` (the per-run JSON every workload writes, see engine/step_timer.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration of a study (the ``results.csv`` key columns)."""
+
+    nodes: int
+    procs_per_node: int
+    tp_size: int
+    dp_size: int
+    micro_batch: int
+    global_batch: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.dp_size
+
+    @property
+    def key(self) -> str:
+        return (f"n{self.nodes}x{self.procs_per_node}-tp{self.tp_size}-dp{self.dp_size}"
+                f"-mb{self.micro_batch}-gb{self.global_batch}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """How long a point trains and what else it is given."""
+
+    model: str | None  # a configs/model preset, None: the workload's default
+    overrides: tuple[str, ...]  # Hydra overrides passed through
+    steps: int  # measured steps
+    warmup: int  # steps run first and left out of the figures
+
+
+Builder = Callable[[Point, RunSpec, Path, Path], list[str]]
+
+
+def pretrain_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) -> list[str]:
+    """``engine.pretrain`` for warmup + steps, with everything but the steps switched off."""
+    argv = ["-m", "engine.pretrain"]
+    if spec.model:
+        argv.append(f"model={spec.model}")
+    argv += [
+        f"tp_size={point.tp_size}", f"dp_size={point.dp_size}",
+        f"trainer.micro_batch={point.micro_batch}", f"trainer.global_batch={point.global_batch}",
+        f"trainer.max_steps={spec.warmup + spec.steps}",
+        f"trainer.log_every={spec.warmup + spec.steps}", f"trainer.metrics_file={metrics}",
+        "trainer.eval_every=0", "trainer.eval_batches=0", "trainer.sample_tokens=0",
+        "trainer.tensorboard=false", "trainer.progress=false",
+        "checkpoint.every=0", "checkpoint.save_final=false", f"checkpoint.dir={run_dir}/ckpt",
+        f"hydra.run.dir={run_dir}", "hydra.output_subdir=null",
+    ]  # fmt: skip
+    return argv + list(spec.overrides)
+
+
+def classify_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) -> list[str]:
+    """``engine.classify`` (Fashion-MNIST), which writes the same metrics JSON."""
+    if importlib.util.find_spec("engine.classify") is None:
+        raise RuntimeError("engine.classify is not in this checkout: --workload classify needs it")
+    argv = ["-m", "engine.classify"]
+    if spec.model:
+        argv.append(f"model={spec.model}")
+    argv += [
+        f"tp_size={point.tp_size}", f"dp_size={point.dp_size}",
+        f"trainer.micro_batch={point.micro_batch}", f"trainer.global_batch={point.global_batch}",
+        f"trainer.max_steps={spec.warmup + spec.steps}", f"trainer.metrics_file={metrics}",
+        f"hydra.run.dir={run_dir}", "hydra.output_subdir=null",
+    ]  # fmt: skip
+    return argv + list(spec.overrides)
+
+
+WORKLOADS: dict[str, Builder] = {"pretrain": pretrain_command, "classify": classify_command}

@@ -1,0 +1,206 @@
+"""Where a training step's time goes: data, compute, TP and DP communication, optimizer.
+
+The trainer marks phase boundaries (``lap``); the collectives are timed by two clocks it
+hands down explicitly: ``StepTimer.tp`` is attached to the model's TP modules (they pass
+it to ``layers.mappings``), ``StepTimer.dp`` to GradSync / ZeroOptimizer. Nothing global.
+
+How exact each figure is:
+
+- phases (data, forward+backward, DP wait, optimizer) are wall clocks between points
+  where the device is synchronized, so they add up to the step time exactly;
+- TP communication: every TP collective is blocking, so its wall clock (CPU) or a pair
+  of CUDA events on the current stream (GPU) measures it; compute = forward+backward − TP;
+- DP exposed: the wait after backward (GradSync.finish, ZeRO's reduce-scatter) plus
+  ZeRO's all-gather inside the optimizer phase;
+- DP total: each asynchronous bucket all-reduce runs from its launch to the moment its
+  future completes; the collectives of one group run one after another, so the busy time
+  is the union of those intervals (on CUDA the completion is seen by the host callback,
+  an upper bound). It includes queueing behind compute when the CPU is shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.observe import peak_memory_gib
+from layers.utils import attach_comm_timer
+
+PHASES = ("data", "forward_backward", "dp_wait", "optimizer")
+
+
+class _Clock:
+    """Sums the duration of blocking collectives (a ``layers.utils.CommTimer``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    def begin(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def end(self, token: Any) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._events.append((token, event))
+        else:
+            self.seconds += time.perf_counter() - token
+
+    def total(self) -> float:
+        """Seconds so far this step (the device must be synchronized on CUDA)."""
+        if self._events:
+            self.seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+            self._events.clear()
+        return self.seconds
+
+    def reset(self) -> None:
+        self.seconds, self._events = 0.0, []
+
+
+class _DPClock(_Clock):
+    """Blocking DP collectives (ZeRO) plus the busy time of asynchronous bucket all-reduces."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._async: list[list[float | None]] = []
+
+    def launched(self, work: dist.Work) -> None:
+        """Follow an asynchronous all-reduce from now until its future completes."""
+        span: list[float | None] = [time.perf_counter(), None]
+        self._async.append(span)
+
+        def done(_future):
+            span[1] = time.perf_counter()
+
+        work.get_future().then(done)
+
+    def async_busy(self, waited: float) -> float:
+        """Union of the launch→completion intervals (collectives of a group run in order).
+
+        A completion callback that has not run yet counts as done at ``waited``, when the
+        trainer's wait for every bucket returned.
+        """
+        busy, until = 0.0, 0.0
+        for start, stop in sorted((a, waited if b is None else b) for a, b in self._async):
+            busy += max(0.0, stop - max(start, until))
+            until = max(until, stop)
+        return busy
+
+    def reset(self) -> None:
+        super().reset()
+        self._async = []
+
+
+class StepTimer:
+    """Per-step time breakdown; ``enabled=False`` times phases only (no collective clocks)."""
+
+    def __init__(
+        self, device: torch.device, *, enabled: bool = True, tokens_per_step: int = 0,
+        flops_per_step: float = 0.0, world_size: int = 1,
+    ) -> None:  # fmt: skip
+        self.device, self.enabled = device, enabled
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+        self.world_size = world_size
+        self.tp, self.dp = _Clock(device), _DPClock(device)
+        self.records: list[dict[str, Any]] = []
+        self._marks: list[tuple[float, float]] = []
+
+    def attach(self, model: torch.nn.Module, grad_sync: Any, zero: Any | None) -> None:
+        """Hand the clocks to whoever runs the collectives (take them back when disabled)."""
+        attach_comm_timer(model, self.tp if self.enabled else None)
+        grad_sync.comm_timer = self.dp if self.enabled else None
+        if zero is not None:
+            zero.comm_timer = self.dp if self.enabled else None
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self) -> None:
+        """Begin a step."""
+        self.tp.reset()
+        self.dp.reset()
+        self._marks = [(self._now(), 0.0)]
+
+    def lap(self) -> None:
+        """End the current phase (in the order of ``PHASES``)."""
+        now = self._now()
+        self._marks.append((now, self.dp.total() if self.enabled else 0.0))
+
+    def finish(self, **extra: float) -> dict[str, Any]:
+        """Close the step (its last lap must be done); returns and keeps its record."""
+        times = [b[0] - a[0] for a, b in zip(self._marks, self._marks[1:], strict=False)]
+        phase = dict(zip(PHASES, times, strict=True))
+        step_time = self._marks[-1][0] - self._marks[0][0]
+        record: dict[str, Any] = {"step_time_s": step_time, "data_s": phase["data"]}
+        if self.enabled:
+            tp = self.tp.total()
+            dp_in_optimizer = self._marks[-1][1] - self._marks[-2][1]
+            record |= {
+                "compute_s": phase["forward_backward"] - tp,
+                "tp_comm_s": tp,
+                "dp_comm_exposed_s": phase["dp_wait"] + dp_in_optimizer,
+                "dp_comm_total_s": self.dp.async_busy(self._marks[3][0]) + self.dp.total(),
+                "optimizer_s": phase["optimizer"] - dp_in_optimizer,
+            }
+        else:
+            record |= {"compute_s": phase["forward_backward"], "tp_comm_s": None,
+                       "dp_comm_exposed_s": phase["dp_wait"], "dp_comm_total_s": None,
+                       "optimizer_s": phase["optimizer"]}  # fmt: skip
+        record |= {
+            "tokens_per_s": self.tokens_per_step / step_time,
+            "tflops_per_rank": self.flops_per_step / step_time / self.world_size / 1e12,
+            "peak_mem_gib": peak_memory_gib(self.device),
+        }
+        record |= extra
+        self.records.append(record)
+        return record
+
+    def write(self, path: str, header: dict[str, Any], summary: dict[str, Any]) -> None:
+        """The per-run metrics JSON (written whole, then renamed into place)."""
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        payload = {**header, "steps": self.records, "summary": summary}
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=1)
+        os.replace(tmp, path)
+
+
+BREAKDOWN = ("data_s", "compute_s", "tp_comm_s", "dp_comm_exposed_s", "optimizer_s")
+
+
+def breakdown_metrics(window: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per step of each part of a logging window (TensorBoard ``time/*``)."""
+    out = {}
+    for key in (*BREAKDOWN, "dp_comm_total_s"):
+        values = [m[key] for m in window if m.get(key) is not None]
+        if values:
+            out[f"time/{key}"] = sum(values) / len(values)
+    return out
+
+
+def format_breakdown(metrics: dict[str, float]) -> str:
+    """The console's share of each part of the step, e.g. ``data 1% compute 80% ...``."""
+    parts = [metrics.get(f"time/{k}") for k in BREAKDOWN]
+    total = sum(p for p in parts if p is not None) or 1.0
+    names = ("data", "compute", "tp", "dp_exposed", "optim")
+    shares = [
+        f"{n} {100 * p / total:.0f}%" for n, p in zip(names, parts, strict=True) if p is not None
+    ]
+    dp_total = metrics.get("time/dp_comm_total_s")
+    if dp_total is not None:
+        shares.append(f"(dp total {1e3 * dp_total:.1f} ms)")
+    return "  time: " + " ".join(shares)

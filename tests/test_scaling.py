@@ -1,0 +1,253 @@
+"""Scaling studies: the runner end to end, the emulated cluster, clean-up, sweeps, the timer."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.data import build_default_corpus
+from engine.scaling.cluster import PREFIX, namespaces, unavailable_reason
+from engine.scaling.report import COLUMNS
+from engine.step_timer import _DPClock
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.vocab_size=512", "model.hidden_size=32", "model.num_heads=2", "model.num_layers=1",
+        "data.seq_len=16"]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> list[str]:
+    """Overrides pointing at a small slice of the embedded corpus (no 4 MB cache build)."""
+    prefix, tokenizer = build_default_corpus(
+        tmp_path_factory.mktemp("corpus"), vocab_size=512, max_bytes=200_000, progress=False
+    )
+    return [f"data.prefixes=[{prefix}]", f"data.tokenizer={tokenizer}", "data.split='90,10,0'"]
+
+
+def _study(out: Path, data: list[str], *args: str, **kwargs) -> subprocess.Popen:
+    argv = [sys.executable, str(ROOT / "tools" / "scaling_study.py"), "--out", str(out),
+            "--steps", "3", "--warmup", "1", *args, *TINY, *data]  # fmt: skip
+    return subprocess.Popen(argv, env=_env(), cwd=out.parent, text=True, **kwargs)
+
+
+def _rows(out: Path) -> list[dict[str, str]]:
+    with open(out / "results.csv") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == COLUMNS
+        return list(reader)
+
+
+def test_three_point_study_reports_consistent_speedup(tmp_path, data):
+    out = tmp_path / "study"
+    # dp=5 cannot split a global batch of 12 into micro-batches of 2: that point fails (a
+    # config error, exit 2) and the study goes on to the next ones.
+    proc = _study(out, data, "--dp", "1,5,2,3", "--global-batch", "12", "--micro-batch", "2",
+                  "--no-links", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, log  # 1: some point failed
+    assert "point n1x5-tp1-dp5-mb2-gb12 failed" in log and "not a multiple" in log, log
+    rows = _rows(out)
+    assert [int(r["dp_size"]) for r in rows] == [1, 2, 3]
+    # Independent of the report code: medians of the measured steps (step > warm-up 1) of
+    # each run's own metrics JSON. Tolerance 1e-9 relative: the CSV prints full floats.
+    t, mean = {}, {}
+    for r in rows:
+        key = f"n{r['nodes']}x{r['procs_per_node']}-tp1-dp{r['dp_size']}-mb2-gb12"
+        steps = json.loads((out / "runs" / key / "repeat0" / "metrics.json").read_text())["steps"]
+        assert [s["step"] for s in steps] == [1, 2, 3, 4]
+        n = int(r["world_size"])
+        t[n] = statistics.median(s["step_time_s"] for s in steps[1:])
+        mean[n] = statistics.mean(s["step_time_s"] for s in steps[1:])
+        assert float(r["step_time_s"]) == pytest.approx(t[n], rel=1e-9)
+        assert float(r["step_time_p10_s"]) <= float(r["step_time_s"]) <= float(r["step_time_p90_s"])
+    for r in rows:
+        n = int(r["world_size"])
+        assert float(r["speedup"]) == pytest.approx(t[1] / t[n], rel=1e-9)
+        assert float(r["efficiency"]) == pytest.approx(t[1] / t[n] / n, rel=1e-9)
+        # The parts of a step add up to its mean time: the phases are contiguous wall clocks
+        # and TP time is cut out of compute (1e-6 relative: float sums of a few terms).
+        parts = ("compute_s", "tp_comm_s", "dp_comm_exposed_s", "data_s", "optimizer_s")
+        assert sum(float(r[k]) for k in parts) == pytest.approx(mean[n], rel=1e-6)
+    assert float(rows[0]["dp_comm_total_s"]) == 0.0 and float(rows[1]["dp_comm_total_s"]) > 0
+    import matplotlib.image as mpimg
+
+    for name in ("speedup.png", "efficiency.png", "time_shares.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert mpimg.imread(out / name).shape[2] in (3, 4)
+    report = (out / "report.md").read_text()
+    assert "| ranks | 1 node(s) |" in report and "--dp 1,5,2,3" in report
+    assert "## Failed points" in report and "dp5" in report
+    # The same command again refuses to overwrite it; --resume re-runs no finished point.
+    again = _study(out, data, "--dp", "1,5,2,3", "--no-links", stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE)  # fmt: skip
+    _, err = again.communicate(timeout=120)
+    assert again.returncode == 2 and err.count("\n") == 1 and "--resume" in err
+    before = (out / "points.jsonl").read_text()
+    resumed = _study(out, data, "--dp", "1,2,3", "--global-batch", "12", "--micro-batch", "2",
+                     "--no-links", "--resume", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    log, _ = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0 and "3 of 3 points already done" in log, log
+    assert (out / "points.jsonl").read_text() == before  # nothing ran again
+    assert _rows(out) == rows
+
+
+NO_NETNS = unavailable_reason()
+
+
+def _cluster_yaml(tmp_path: Path, mbit: int) -> Path:
+    path = tmp_path / f"emulated_{mbit}mbit.yaml"
+    path.write_text(f"name: test\ngpus_per_node: 2\nemulation:\n  link_mbit: {mbit}\n")
+    return path
+
+
+@pytest.mark.skipif(NO_NETNS is not None, reason=f"network namespaces refused: {NO_NETNS}")
+def test_emulated_two_nodes_train_and_links_hold_the_configured_rate(tmp_path, data):
+    # 200 Mbit/s: a fiftieth of what loopback carried here (≥ 10 Gbit/s), so the measured
+    # rate is the shaper's, not the CPU's.
+    out = tmp_path / "study"
+    cluster = _cluster_yaml(tmp_path, 200)
+    proc = _study(out, data, "--dp", "4", "--nodes", "2", "--cluster", str(cluster),
+                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    log, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, log
+    [row] = _rows(out)
+    assert (row["nodes"], row["procs_per_node"], row["world_size"]) == ("2", "2", "4")
+    assert float(row["dp_comm_total_s"]) > 0
+    links = json.loads((out / "links.json").read_text())
+    inter = max(links["inter_node"], key=lambda r: r["bytes"])  # 16 MiB: burst negligible
+    intra = max(links["intra_node"], key=lambda r: r["bytes"])
+    # Within 20 %: tbf holds the rate, headers (~3 %) and gloo's framing take a little.
+    assert inter["busbw_Gbps"] == pytest.approx(0.2, rel=0.2)
+    assert intra["busbw_Gbps"] > 2 * 0.2  # the node-local path is not shaped
+    assert _leftover_namespaces(out) == []
+
+
+def _leftover_namespaces(out: Path) -> list[str]:
+    """Namespaces of this study still present (the study records each cluster's tag)."""
+    tags = [p.read_text() for p in out.rglob("*cluster_tag")]
+    assert tags, "the study made no emulated cluster"
+    return [ns for tag in tags for ns in namespaces(PREFIX + tag)]
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_study_killed_midway_leaves_nothing_behind(tmp_path, data, sig):
+    # Ctrl-C unwinds the study, which stops its workers and removes its namespaces.
+    # SIGKILL gives it no chance: its guard process must. Without namespaces the study
+    # runs on the host, where only the first can be cleaned up.
+    if sig == signal.SIGKILL and NO_NETNS is not None:
+        pytest.skip(f"SIGKILL clean-up is the namespaces' guard; namespaces refused: {NO_NETNS}")
+    out = tmp_path / "killed"
+    proc = _study(out, data, "--dp", "2", "--nodes", "2", "--cluster",
+                  str(_cluster_yaml(tmp_path, 500)), "--no-links", "--steps", "500",
+                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not list(out.glob("runs/*/repeat0/log.txt")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)  # the workers are starting or training
+    assert proc.poll() is None, "the study ended before it could be killed"
+    assert _processes_mentioning(str(out)), "no worker was running"
+    proc.send_signal(sig)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+
+    def leftovers() -> list:
+        found = _processes_mentioning(str(out))
+        if NO_NETNS is None:  # the namespaces, and the guard and `ip netns exec` naming them
+            tags = [p.read_text() for p in out.rglob("*cluster_tag")]
+            found += _leftover_namespaces(out) + [p for t in tags for p in _processes_mentioning(t)]
+        return found
+
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftovers() == []
+
+
+def test_multirun_gives_every_job_its_own_checkpoints(tmp_path, data):
+    common = ["tp_size=1", "dp_size=1", "trainer.max_steps=1", "trainer.eval_every=0",
+              "trainer.eval_batches=0", "trainer.sample_tokens=0", "trainer.tensorboard=false",
+              "checkpoint.every=1", "checkpoint.save_final=false", *TINY, *data]  # fmt: skip
+    single = [sys.executable, "-m", "engine.pretrain", *common, f"hydra.run.dir={tmp_path / 'r'}"]
+    sweep = [sys.executable, "-m", "engine.pretrain", "-m", "trainer.seed=1,2", *common,
+             "trainer.metrics_file=${hydra:runtime.output_dir}/m.json",
+             f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    runs = []
+    for argv in (single, sweep):  # the issue's case: the main job ran before the sweep
+        runs.append(subprocess.run(argv, env=_env(), cwd=tmp_path, capture_output=True,
+                                   text=True, timeout=300))  # fmt: skip
+        assert runs[-1].returncode == 0, runs[-1].stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "gpt_tiny_stdlib" / "step_00000001").is_dir()
+    assert "resuming" not in runs[1].stdout and "nothing to train" not in runs[1].stdout
+    for job in ("0", "1"):
+        steps = json.loads((tmp_path / "sweep" / job / "m.json").read_text())["steps"]
+        assert [s["step"] for s in steps] == [1]
+        assert (tmp_path / "sweep" / job / "checkpoints" / "step_00000001").is_dir()
+
+
+def test_dp_busy_time_is_the_union_of_overlapping_collectives():
+    # Hand-derived: spans [0, 2], [1, 3] (queued behind the first) and [5, 6] are busy for
+    # 3 + 1 = 4 s; a span whose callback has not run ends when the wait returned (t = 8).
+    clock = _DPClock(torch.device("cpu"))
+    clock._async = [[0.0, 2.0], [1.0, 3.0], [5.0, 6.0]]
+    assert clock.async_busy(waited=10.0) == pytest.approx(4.0)
+    clock._async.append([7.0, None])
+    assert clock.async_busy(waited=8.0) == pytest.approx(5.0)
+
+
+def test_linear_lr_scaling_rule():
+    from engine.config import OptimConfig, TrainerConfig
+    from engine.optim import scale_lr
+
+    scaled = scale_lr(OptimConfig(lr=1e-3, min_lr=1e-4, scale_lr_with_batch=16),
+                      TrainerConfig(global_batch=64))  # fmt: skip
+    assert (scaled.lr, scaled.min_lr) == pytest.approx((4e-3, 4e-4))  # × 64 / 16
+    plain = OptimConfig(lr=1e-3)
+    assert scale_lr(plain, TrainerConfig(global_batch=64)) is plain
+
+
+def test_without_root_the_study_says_so_in_one_line(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    reason = unavailable_reason()
+    assert reason is not None and "\n" not in reason and "root" in reason
+
+
+def test_weak_scaling_speedup_counts_the_larger_batch():
+    from engine.scaling.report import add_speedup
+
+    # Hand-derived: 2 ranks do twice the batch in 1.25× the time: speedup 2/1.25 = 1.6,
+    # efficiency 0.8; a failed point is left out.
+    rows = [
+        {"status": "ok", "world_size": 1, "nodes": 1, "global_batch": 8, "step_time_s": 1.0},
+        {"status": "ok", "world_size": 2, "nodes": 1, "global_batch": 16, "step_time_s": 1.25},
+        {"status": "failed", "world_size": 4, "nodes": 1, "global_batch": 32},
+    ]
+    ok = add_speedup(rows, "weak")
+    assert len(ok) == 2
+    assert (ok[1]["speedup"], ok[1]["efficiency"]) == pytest.approx((1.6, 0.8))
