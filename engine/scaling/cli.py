@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from engine.cli import ArgumentParser
 from engine.scaling.report import add_speedup, plot, write_csv, write_report
 from engine.scaling.study import StudyConfig, measure_links, run_study
 from engine.scaling.workloads import WORKLOADS, RunSpec
@@ -42,7 +43,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="scaling_study.py", epilog=EPILOG, formatter_class=argparse.RawTextHelpFormatter,
         description="Run a grid of training points (tp × dp × nodes) on real processes and "
         "report speedup, efficiency and where each step's time goes.",
@@ -115,8 +116,13 @@ def _load() -> str:
     return "/".join(f"{v:.2f}" for v in os.getloadavg())
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; a bad argument is one line and exit status 2."""
+    return parser().parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse_args(argv)
     cfg = config_from(args)
     cfg.out.mkdir(parents=True, exist_ok=True)
     console = Console(highlight=False, soft_wrap=True)
