@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from engine.config import Config, register_configs, resolve_dp_size, validate
 from engine.optim import scale_lr
 from engine.preemption import EXIT_PREEMPTED
+from engine.watchdog import run_rank
 from parallel_state.launcher import detect_launch
 
 register_configs()
@@ -104,17 +105,6 @@ def _fail(problems: list[str]) -> None:
     for line in problems:
         print(f"config error: {line}", file=sys.stderr)
     raise SystemExit(2)
-
-
-def run_rank(cfg: Config) -> dict:
-    """One worker: train, and turn a failure into one console line and an exit status."""
-    from engine.trainer import run_worker
-    from engine.watchdog import report_failure
-
-    try:
-        return run_worker(cfg)
-    except Exception as err:  # noqa: BLE001 - reported in one line, traceback in the run log
-        raise SystemExit(report_failure(err, cfg.run_dir, detect_launch().rank)) from None
 
 
 def launch(cfg: Config) -> dict:
