@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import uuid
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -93,20 +92,10 @@ def launch(cfg: Config) -> dict:
     world = cfg.tp_size * cfg.dp_size
     if detect_launch().launcher != "none" or world == 1:
         return run_worker(cfg)
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from engine.launching import launch_workers
 
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-        max_restarts=cfg.trainer.max_restarts,
-        monitor_interval=0.5, start_method="spawn",
-    )  # fmt: skip
-    if cfg.trainer.max_restarts:
-        # The agent otherwise shares one TCPStore across restarts, where the restarted
-        # workers' gloo rendezvous reads the dead workers' stale addresses; a store per
-        # attempt (hosted by the new rank 0) starts each attempt clean.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    results = elastic_launch(config, run_worker)(cfg)
+    results = launch_workers(run_worker, cfg, nproc_per_node=world,
+                             max_restarts=cfg.trainer.max_restarts)  # fmt: skip
     return results.get(0, {})
 
 
