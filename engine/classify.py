@@ -152,6 +152,8 @@ def main(dcfg: DictConfig) -> None:
         _fail(problems)
     cfg.dp_size = dp_size
     summary = launch(cfg, per_node)
+    if detect_launch().rank != 0:  # under a launcher, rank 0 speaks for the run
+        raise SystemExit(0 if summary["reached"] else 1)
     print(f"time to accuracy {summary['time_to_accuracy_s'] or float('nan'):.2f} s, "
           f"{summary['images_per_s']:.0f} training images/s over {summary['epochs']} epochs")  # fmt: skip
     print(final_line(summary), flush=True)
