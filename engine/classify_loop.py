@@ -41,11 +41,12 @@ def steps_per_epoch(num_images: int, batch_size: int, dp_size: int) -> int:
 @torch.no_grad()
 def evaluate(model: MLPClassifier, x: torch.Tensor, y: torch.Tensor, ps: ParallelState) -> float:
     """Accuracy on (x, y): each DP rank scores its contiguous block, the counts are summed."""
-    mine = torch.tensor_split(torch.arange(x.shape[0]), ps.dp_size)[ps.dp_rank]
+    mine = torch.tensor_split(torch.arange(x.shape[0], device=x.device), ps.dp_size)[ps.dp_rank]
     counts = torch.zeros(2, dtype=torch.float64, device=x.device)  # correct, seen
     for block in torch.split(mine, 2048):
         pred = model(x[block]).argmax(dim=-1)
-        counts += torch.stack([(pred == y[block]).sum(), torch.tensor(len(block))]).to(counts)
+        counts[0] += (pred == y[block]).sum()
+        counts[1] += len(block)
     dist.all_reduce(counts, group=ps.dp_group)
     return float(counts[0] / counts[1])
 
@@ -204,13 +205,14 @@ def write_metrics(path: str, cfg: ClassifyConfig, ps: ParallelState, timings: Ti
 def run_worker(cfg: ClassifyConfig) -> dict:
     """Entry of every rank: build the mesh, train, tear down; the summary."""
     import parallel_state
+    from engine.launching import pick_backend
     from parallel_state.launcher import detect_launch
 
-    ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size)
+    info = detect_launch()
+    local = info.local_world_size or 1 if info.launcher != "none" else 1
+    ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=pick_backend(local))
     if ps.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks on one machine share its cores; oversubscribed intra-op threads spin.
-        info = detect_launch()
-        local = ps.world_size if info.launcher == "none" else info.local_world_size or 1
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     try:
         return train(cfg, ps)

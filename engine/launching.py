@@ -47,3 +47,13 @@ def launch_workers(
         # attempt (hosted by the new rank 0) starts each attempt clean.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     return elastic_launch(config, fn)(*args)
+
+
+def pick_backend(local_ranks: int) -> str:
+    """NCCL when every local rank can have a GPU of its own, else gloo on the CPU (NCCL
+    refuses two ranks on one device; a CPU run of small jobs is better than none)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks:
+        return "nccl"
+    return "gloo"
