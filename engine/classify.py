@@ -65,6 +65,13 @@ def _fail(problems: list[str]) -> None:
 def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
     """(world size, dp size, ranks per node) of this run, or exit 2 naming the mismatch."""
     info, launch, tp = detect_launch(), cfg.launch, cfg.tp_size
+    bad = [f"{key}={value} must be >= 1" for key, value in (
+        ("tp_size", tp), ("launch.num_nodes", launch.num_nodes),
+        ("launch.ranks_per_node", launch.ranks_per_node or 1)) if value < 1]  # fmt: skip
+    if cfg.dp_size != "auto" and not (str(cfg.dp_size).isdigit() and int(cfg.dp_size) >= 1):
+        bad.append(f"dp_size={cfg.dp_size!r} must be an integer >= 1 or auto")
+    if bad:
+        _fail(bad)
     if info.launcher != "none":
         world, per_node = info.world_size, info.local_world_size or info.world_size
     else:
@@ -87,8 +94,7 @@ def validate(cfg: ClassifyConfig, dp_size: int) -> list[str]:
 
     t, launch, problems = cfg.trainer, cfg.launch, []
     checks = [
-        (cfg.tp_size >= 1, f"tp_size={cfg.tp_size} must be >= 1"),
-        (cfg.model.hidden_size % max(cfg.tp_size, 1) == 0,
+        (cfg.model.hidden_size % cfg.tp_size == 0,
          f"model.hidden_size={cfg.model.hidden_size} is not divisible by tp_size={cfg.tp_size}"),
         (cfg.model.dtype in DTYPES, f"model.dtype={cfg.model.dtype!r} is not one of {list(DTYPES)}"),
         (t.batch_size >= 1, f"trainer.batch_size={t.batch_size} must be >= 1"),
@@ -96,8 +102,7 @@ def validate(cfg: ClassifyConfig, dp_size: int) -> list[str]:
         (0 < t.target_accuracy <= 1, f"trainer.target_accuracy={t.target_accuracy} must be in (0, 1]"),
         (t.lr > 0, f"trainer.lr={t.lr} must be > 0"),
         (t.lr_scaling in ("none", "linear"), f"trainer.lr_scaling={t.lr_scaling!r} is not none or linear"),
-        (launch.num_nodes >= 1, f"launch.num_nodes={launch.num_nodes} must be >= 1"),
-        (0 <= launch.node_id < max(launch.num_nodes, 1),
+        (0 <= launch.node_id < launch.num_nodes,
          f"launch.node_id={launch.node_id} must be in [0, launch.num_nodes={launch.num_nodes})"),
     ]  # fmt: skip
     problems += [message for ok, message in checks if not ok]
