@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -23,6 +24,14 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.run([sys.executable, str(REPO / "tools" / "generate.py"), *args], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def _tool_main():
+    """tools/generate.py's main, imported in-process (no interpreter start-up per call)."""
+    spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
 
 
 def _export(tmp_path: Path) -> tuple[Path, Tokenizer, object]:
@@ -57,12 +66,16 @@ def test_tool_at_tp2_prints_what_tp1_generates_in_process(tmp_path):
     assert "tokens/s, tp=2, KV cache on" in out.stderr
 
 
-def test_tool_rejects_a_bad_layout_and_a_missing_tokenizer_in_one_line(tmp_path):
+def test_tool_rejects_a_bad_layout_and_a_missing_tokenizer_in_one_line(tmp_path, capsys):
     directory, _, _ = _export(tmp_path)
-    out = _tool("--ckpt", str(directory), "--prompt", "x", "--tp-size", "3")
-    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
-    assert "num_heads" in out.stderr and "3" in out.stderr
+    main = _tool_main()
+    assert main(["--ckpt", str(directory), "--prompt", "x", "--tp-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "generate: model.num_heads=4 is not divisible by tp_size=3"
     (directory / "tokenizer.json").unlink()
-    out = _tool("--ckpt", str(directory), "--prompt", "x")
-    assert out.returncode == 2 and "pass --tokenizer PATH" in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1
+    assert main(["--ckpt", str(directory), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "pass --tokenizer PATH" in err
+    assert main(["--ckpt", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "nothing" in err

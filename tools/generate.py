@@ -18,6 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.checkpoint.storage import CheckpointError  # noqa: E402
 from engine.generate import Sampling  # noqa: E402
 from engine.inference import ModelSource  # noqa: E402
 
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         tokenizer = check(args)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, CheckpointError) as err:
         print(f"generate: {err}", file=sys.stderr)
         return 2
     if "RANK" in os.environ or args.tp_size == 1:
