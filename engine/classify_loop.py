@@ -22,6 +22,7 @@ from engine.config import ClassifyConfig
 from engine.data import fashion_mnist
 from engine.grad_sync import GradSync
 from engine.models.mlp import MLPClassifier
+from engine.observe import peak_memory_gib
 from parallel_state import ParallelState
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -57,20 +58,15 @@ class Timings:
 
     records: list[dict] = field(default_factory=list)
 
-    def add(self, step: int, parts: dict[str, float], images: int, flops: float, loss: float):
+    def add(self, step: int, parts: dict[str, float], images: int, flops: float, loss: float,
+            device: torch.device) -> None:  # fmt: skip
         total = sum(parts.values())
         self.records.append({
             "step": step, "step_time_s": total, **parts, "tp_comm_s": None,
             "dp_comm_total_s": None, "tokens_per_s": None, "images_per_s": images / total,
-            "tflops_per_rank": flops / total / 1e12, "peak_mem_gib": _peak_mem_gib(),
+            "tflops_per_rank": flops / total / 1e12, "peak_mem_gib": peak_memory_gib(device),
             "loss": loss,
         })  # fmt: skip
-
-
-def _peak_mem_gib() -> float | None:
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None  # CPU: no allocator peak to read
-    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def train(cfg: ClassifyConfig, ps: ParallelState) -> dict:
@@ -156,7 +152,7 @@ class _Run:
                 parts = {"data_s": t1 - t0, "compute_s": t2 - t1, "dp_comm_exposed_s": t3 - t2,
                          "optimizer_s": t4 - t3}  # fmt: skip
                 step_no = (epoch - 1) * steps + step + 1
-                self.timings.add(step_no, parts, batch * ps.dp_size, self.flops, value)
+                self.timings.add(step_no, parts, batch * ps.dp_size, self.flops, value, ps.device)
             if progress is not None:
                 progress.advance(progress.task_ids[0])
         if progress is not None:
