@@ -20,7 +20,6 @@ import dataclasses
 import os
 import signal
 import sys
-import uuid
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -112,29 +111,18 @@ def launch(cfg: Config) -> dict:
     world = cfg.tp_size * cfg.dp_size
     if detect_launch().launcher != "none" or world == 1:
         return run_rank(cfg)
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-        max_restarts=cfg.trainer.max_restarts,
-        monitor_interval=0.5, start_method="spawn",
-    )  # fmt: skip
-    if cfg.trainer.max_restarts:
-        # The agent otherwise shares one TCPStore across restarts, where the restarted
-        # workers' gloo rendezvous reads the dead workers' stale addresses; a store per
-        # attempt (hosted by the new rank 0) starts each attempt clean.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from engine.elastic_report import reporting, resume_step
+    from engine.launching import launch_workers
     from engine.trainer import checkpoint_dir
     from engine.watchdog import run_log_path
 
     with reporting(cfg.run_dir, lambda: resume_step(checkpoint_dir(cfg))) as report:
         try:
-            results = elastic_launch(config, run_rank)(cfg)
+            results = launch_workers(run_rank, cfg, nproc_per_node=world,
+                                     max_restarts=cfg.trainer.max_restarts)  # fmt: skip
         except SignalException as err:
             # The agent passed the signal on to the workers, which saved and said so.
             return {"stopped_by": signal.Signals(err.sigval).name}

@@ -1,6 +1,6 @@
 """Tensor-parallel building blocks; they import nothing of ours but ``parallel_state``."""
 
-from layers.attention import ParallelAttention
+from layers.attention import KVCache, ParallelAttention, decoder_mask
 from layers.cross_entropy import vocab_parallel_cross_entropy
 from layers.embedding import VocabParallelEmbedding
 from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
@@ -36,6 +36,8 @@ __all__ = [
     "gather_full",
     "LayerNorm",
     "ParallelAttention",
+    "KVCache",
+    "decoder_mask",
     "ParallelMLP",
     "ParallelTransformerLayer",
     "checkpointed",

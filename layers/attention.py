@@ -39,6 +39,58 @@ def heads_per_rank(num_heads: int, tp_size: int) -> int:
     return num_heads // tp_size
 
 
+class KVCache:
+    """Keys and values of the positions one attention layer has seen, for this rank's heads.
+
+    Under tensor parallelism each rank holds only its own heads' keys and values, so the
+    cache needs no communication. It is preallocated to ``capacity`` positions: a decoding
+    step writes one slot instead of copying the whole past, so per-token time stays flat as
+    the context grows. Made by :meth:`ParallelAttention.new_cache`, passed in explicitly.
+    """
+
+    def __init__(
+        self, batch: int, heads: int, head_dim: int, capacity: int, *, dtype, device
+    ) -> None:
+        self.keys = torch.empty(batch, heads, capacity, head_dim, dtype=dtype, device=device)
+        self.values = torch.empty_like(self.keys)
+        self.length = 0  # positions filled so far
+
+    @property
+    def capacity(self) -> int:
+        """Positions the cache can hold."""
+        return self.keys.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``[b, heads, n, d]`` new keys and values; return all of them so far."""
+        end = self.length + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache holds {self.capacity} positions, {end} were needed")
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+def decoder_mask(
+    key_mask: torch.Tensor | None, queries: int, past: int, *, batch: int, device
+) -> torch.Tensor:
+    """Boolean ``[b, 1, queries, past + queries]``: True where a query may attend to a key.
+
+    The queries are the last ``queries`` positions. A key is visible when it is not later
+    than the query (causal) and ``key_mask`` (``[b, past + queries]``, False at padding)
+    allows it. Every query also sees itself, so a padding query attends to something and
+    yields no NaN that the masked-out product ``0 · NaN`` would spread to real rows.
+    """
+    keys = past + queries
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(past)
+    mask = causal.expand(batch, 1, queries, keys)
+    if key_mask is not None:
+        mask = mask & key_mask.bool()[:, None, None, :]
+    diagonal = torch.zeros(queries, keys, dtype=torch.bool, device=device)
+    diagonal[:, past:] = torch.eye(queries, dtype=torch.bool, device=device)
+    return mask | diagonal
+
+
 class CoreAttention(nn.Module):
     """softmax(QKᵀ/√d)·V with attention dropout, over this rank's heads.
 
@@ -57,8 +109,7 @@ class CoreAttention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        if self.causal and mask is not None:
-            raise ValueError("causal attention takes no mask (padding masks are for BERT)")
+        """A ``mask`` given to causal attention is the whole pattern (see ``decoder_mask``)."""
         if self.recompute:
             return checkpointed(self._attend, q, k, v, mask, rng=self.rng)
         return self._attend(q, k, v, mask)
@@ -68,7 +119,7 @@ class CoreAttention(nn.Module):
         # Attention probabilities are TP-sharded (each rank has its own heads): sharded stream.
         with dropout_stream(self.rng, sharded=p > 0):
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal and mask is None
             )
         return rearrange(out, "b heads s d -> s b (heads d)")
 
@@ -115,11 +166,26 @@ class ParallelAttention(nn.Module):
         )  # fmt: skip
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(output projection without its bias, that bias)."""
+        """(output projection without its bias, that bias). ``cache``: this layer's keys and
+        values so far (inference); the new ones are added."""
         qkv = self.qkv(x)  # [s, b, 3h/tp], whole heads
         q, k, v = rearrange(
             qkv, "s b (heads three d) -> three b heads s d", three=3, d=self.head_dim
         )
+        if cache is not None:
+            past = cache.length
+            k, v = cache.append(k, v)  # [b, heads/tp, past + s, d]
+            if mask is None and self.core.causal and past:
+                # is_causal aligns the query block with the first keys; decoding needs the last.
+                mask = decoder_mask(None, q.shape[2], past, batch=q.shape[0], device=q.device)
         return self.dense(self.core(q, k, v, mask))
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty cache for ``batch`` sequences of up to ``capacity`` positions, this rank's heads."""
+        weight = self.qkv.weight  # [3·heads/tp·d, h]
+        heads = weight.shape[0] // (3 * self.head_dim)
+        return KVCache(
+            batch, heads, self.head_dim, capacity, dtype=weight.dtype, device=weight.device
+        )

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from layers.attention import ParallelAttention
+from layers.attention import KVCache, ParallelAttention
 from layers.cross_entropy import vocab_parallel_cross_entropy
 from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
 from layers.recompute import checkpointed, default_rng, dropout_stream
@@ -242,17 +242,24 @@ class ParallelTransformerLayer(nn.Module):
         self.mlp_norm = LayerNorm(cfg.hidden_size, cfg.layernorm_eps, **norm)
         self.mlp = ParallelMLP(cfg, tp_group=tp_group, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x``: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); same shape out."""
-        if self.recompute_full:
-            return checkpointed(self._forward, x, mask, rng=self.rng)
-        return self._forward(x, mask)
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """``x``: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); same shape out.
 
-    def _forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        ``cache`` (inference only) holds this layer's past keys and values.
+        """
+        if self.recompute_full and cache is None:
+            return checkpointed(self._forward, x, mask, rng=self.rng)
+        return self._forward(x, mask, cache)
+
+    def _forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         if self.pre_layernorm:
-            x = self._residual(self.attention(self.attention_norm(x), mask), x)
+            x = self._residual(self.attention(self.attention_norm(x), mask, cache), x)
             return self._residual(self.mlp(self.mlp_norm(x)), x)
-        x = self.attention_norm(self._residual(self.attention(x, mask), x))
+        x = self.attention_norm(self._residual(self.attention(x, mask, cache), x))
         return self.mlp_norm(self._residual(self.mlp(x), x))
 
     def _residual(

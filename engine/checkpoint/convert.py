@@ -110,14 +110,21 @@ def convert(src: str | Path, out_root: str | Path, tp_size: int, dp_size: int) -
     return commit(tmp, out_root, index["step"], keep=1 << 30)
 
 
+def read_model_state(src: str | Path) -> tuple[ModelConfig, dict, dict]:
+    """(model config, full model weights, index) of a training checkpoint (root or step)."""
+    reader = ShardReader(resolve(src))
+    cfg = check_shapes(reader)  # before any tensor is allocated
+    state = {n[len("model/") :]: reader.read(n) for n, s in reader.specs.items() if s.kind == MODEL}
+    return cfg, state, reader.index
+
+
 def export_model(src: str | Path, out_dir: str | Path) -> ModelConfig:
     """Write the model weights alone in engine.checkpoint_format (for HF export, inference)."""
     check_output_dir(out_dir)
-    src = resolve(src)
-    reader = ShardReader(src)
-    cfg = check_shapes(reader)
-    state = {n[len("model/") :]: reader.read(n) for n, s in reader.specs.items() if s.kind == MODEL}
-    write_checkpoint(out_dir, state, cfg, extra={"step": reader.index["step"], "source": str(src)})
+    cfg, state, index = read_model_state(src)
+    write_checkpoint(
+        out_dir, state, cfg, extra={"step": index["step"], "source": str(resolve(src))}
+    )
     return cfg
 
 

@@ -115,14 +115,23 @@ class Embeddings(nn.Module):
         full = build_master_weight((rows, cfg.hidden_size), normal_init(cfg.init_std), dtype)
         return mark_tp_dim(nn.Parameter(full.to(device=device, dtype=dtype)), None)
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ):
+        """``positions`` ``[b, s]``: each token's position (generation with left padding or
+        a KV cache); default 0 … s−1."""
         seq = input_ids.shape[1]
-        if seq > self.position.shape[0]:
-            raise ValueError(
-                f"sequence length {seq} exceeds max_positions {self.position.shape[0]}"
-            )
+        last = seq - 1 if positions is None else int(positions.max())
+        if last >= self.position.shape[0]:
+            raise ValueError(f"position {last} exceeds max_positions {self.position.shape[0]} - 1")
         words = self.word(input_ids.t())  # [s(/tp), b, h]: reduce-scattered under SP
-        extra = self.position[:seq].unsqueeze(1)  # [s, 1, h], same on every TP rank
+        if positions is None:
+            extra = self.position[:seq].unsqueeze(1)  # [s, 1, h], same on every TP rank
+        else:
+            extra = F.embedding(positions.t(), self.position)  # [s, b, h]
         if self.token_type is not None:
             if token_type_ids is None:  # a single segment
                 token_type_ids = torch.zeros_like(input_ids)

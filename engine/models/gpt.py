@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from engine.models.base import ParallelLMHead, ParallelModel
 from engine.models.config import ModelConfig
+from layers.attention import KVCache, decoder_mask
 from layers.transformer import LayerNorm, resolve_kernels
 from layers.utils import comm_timer_of
 from parallel_state.random import RNGTracker
@@ -40,10 +41,25 @@ class GPTModel(ParallelModel):
         self.kernels = resolve_kernels(cfg.kernels)
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=False, **build)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.embedding(input_ids)  # [s, b, h], or [s/tp, b, h] under SP
-        for layer in self.layers:
-            hidden = layer(hidden)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cache: list[KVCache] | None = None,
+    ) -> torch.Tensor:
+        """Generation passes ``attention_mask`` (``[b, past + s]``, False at left padding),
+        ``positions`` (``[b, s]``) and ``cache`` (one KVCache per layer, from ``new_cache``)."""
+        hidden = self.embedding(input_ids, positions=positions)  # [s, b, h]; [s/tp, b, h] SP
+        mask = None
+        if attention_mask is not None:
+            b, s = input_ids.shape
+            past = cache[0].length if cache else 0
+            mask = decoder_mask(attention_mask, s, past, batch=b, device=input_ids.device)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, mask, cache[i] if cache else None)
         logits = self.lm_head(self.final_norm(hidden), self.embedding.word.weight)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)  # [b, s, V/tp]
@@ -53,3 +69,8 @@ class GPTModel(ParallelModel):
             comm_timer=comm_timer_of(self),
         )  # fmt: skip
         return loss.t()  # [b, s]
+
+    def new_cache(self, batch: int, capacity: int) -> list[KVCache]:
+        """Empty KV caches (one per layer, this rank's heads) for ``batch`` sequences of up to
+        ``capacity`` positions."""
+        return [layer.attention.new_cache(batch, capacity) for layer in self.layers]

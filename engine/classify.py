@@ -1,0 +1,171 @@
+"""``python -m engine.classify``: a Fashion-MNIST MLP, data (and tensor) parallel, trained
+until its test accuracy reaches a target.
+
+The tutorials' flags are aliases of Hydra keys (``--help`` lists them)::
+
+    python -m engine.classify --num-gpus 4 --target-accuracy 0.85 --batch-size 64
+    MASTER_ADDR=node0 MASTER_PORT=29400 python -m engine.classify --num-nodes 2 --node-id 1 --num-gpus 4
+
+Without a launcher it starts ``num_gpus`` local ranks itself (torchrun-style, several nodes
+through a static rendezvous at MASTER_ADDR:MASTER_PORT); under torchrun, srun or mpirun
+every process is one rank. The config and the data set are checked before any rank starts
+(one line per problem, exit status 2). The run ends with exactly one line,
+``reached test accuracy A at epoch E in T s`` (exit 0) or ``did not reach ...`` (exit 1).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from engine.config import ClassifyConfig, register_classify_configs
+from parallel_state.launcher import DEFAULT_MASTER_PORT, detect_launch
+
+register_classify_configs()
+
+# Tutorial flag -> Hydra key. Each takes one value: --flag V or --flag=V.
+ALIASES = {
+    "--num-nodes": "launch.num_nodes",
+    "--node-id": "launch.node_id",
+    "--num-gpus": "launch.ranks_per_node",
+    "--target-accuracy": "trainer.target_accuracy",
+    "--batch-size": "trainer.batch_size",
+    "--epochs": "trainer.epochs",
+    "--lr": "trainer.lr",
+    "--tp-size": "tp_size",
+}
+
+
+def translate_aliases(argv: list[str]) -> list[str]:
+    """``argv`` with every tutorial flag rewritten as its ``key=value`` Hydra override."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, eq, value = arg.partition("=")
+        if flag in ALIASES:
+            if not eq:
+                if i + 1 >= len(argv):
+                    _fail([f"{flag} needs a value ({flag} N), it sets {ALIASES[flag]}"])
+                value, i = argv[i + 1], i + 1
+            arg = f"{ALIASES[flag]}={value}"
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _fail(problems: list[str]) -> None:
+    for line in problems:
+        print(f"config error: {line}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
+    """(world size, dp size, ranks per node) of this run, or exit 2 naming the mismatch."""
+    info, launch, tp = detect_launch(), cfg.launch, cfg.tp_size
+    bad = [f"{key}={value} must be >= 1" for key, value in (
+        ("tp_size", tp), ("launch.num_nodes", launch.num_nodes),
+        ("launch.ranks_per_node", launch.ranks_per_node or 1)) if value < 1]  # fmt: skip
+    if cfg.dp_size != "auto" and not (str(cfg.dp_size).isdigit() and int(cfg.dp_size) >= 1):
+        bad.append(f"dp_size={cfg.dp_size!r} must be an integer >= 1 or auto")
+    if bad:
+        _fail(bad)
+    if info.launcher != "none":
+        world, per_node = info.world_size, info.local_world_size or info.world_size
+    else:
+        dp_guess = 1 if cfg.dp_size == "auto" else int(cfg.dp_size)
+        per_node = launch.ranks_per_node or max(1, tp * dp_guess // launch.num_nodes)
+        world = per_node * launch.num_nodes
+    if world % tp:
+        _fail([f"tp_size={tp} does not divide the {world} ranks "
+               f"({launch.num_nodes} nodes × {per_node} per node)"])  # fmt: skip
+    dp = world // tp if cfg.dp_size == "auto" else int(cfg.dp_size)
+    if tp * dp != world:
+        _fail([f"tp_size × dp_size = {tp} × {dp} = {tp * dp}, but the run has {world} ranks "
+               f"({launch.num_nodes} nodes × {per_node} per node); set dp_size=auto"])  # fmt: skip
+    return world, dp, per_node
+
+
+def validate(cfg: ClassifyConfig, dp_size: int) -> list[str]:
+    """Every problem of ``cfg`` at this layout, one line each."""
+    from engine.classify_loop import DTYPES, steps_per_epoch
+
+    t, launch, problems = cfg.trainer, cfg.launch, []
+    checks = [
+        (cfg.model.hidden_size % cfg.tp_size == 0,
+         f"model.hidden_size={cfg.model.hidden_size} is not divisible by tp_size={cfg.tp_size}"),
+        (cfg.model.dtype in DTYPES, f"model.dtype={cfg.model.dtype!r} is not one of {list(DTYPES)}"),
+        (t.batch_size >= 1, f"trainer.batch_size={t.batch_size} must be >= 1"),
+        (t.epochs >= 1, f"trainer.epochs={t.epochs} must be >= 1"),
+        (0 < t.target_accuracy <= 1, f"trainer.target_accuracy={t.target_accuracy} must be in (0, 1]"),
+        (t.lr > 0, f"trainer.lr={t.lr} must be > 0"),
+        (t.lr_scaling in ("none", "linear"), f"trainer.lr_scaling={t.lr_scaling!r} is not none or linear"),
+        (0 <= launch.node_id < launch.num_nodes,
+         f"launch.node_id={launch.node_id} must be in [0, launch.num_nodes={launch.num_nodes})"),
+    ]  # fmt: skip
+    problems += [message for ok, message in checks if not ok]
+    train_images = cfg.data.train_subset or 60_000
+    if t.batch_size >= 1 and steps_per_epoch(train_images, t.batch_size, dp_size) < 1:
+        problems.append(
+            f"trainer.batch_size={t.batch_size} × dp_size={dp_size} exceeds the {train_images} "
+            "training images: not one step per epoch"
+        )
+    return problems
+
+
+def launch(cfg: ClassifyConfig, per_node: int) -> dict:
+    """Run here under a launcher (or alone), else start this node's ranks; a rank's summary."""
+    from engine.classify_loop import run_worker
+
+    info = detect_launch()
+    if info.launcher != "none" or per_node * cfg.launch.num_nodes == 1:
+        return run_worker(cfg)
+    from engine.launching import launch_workers
+
+    launch = cfg.launch
+    addr = launch.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = launch.master_port or int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))
+    results = launch_workers(run_worker, cfg, nproc_per_node=per_node,
+                             num_nodes=launch.num_nodes, node_rank=launch.node_id,
+                             master_addr=addr, master_port=port)  # fmt: skip
+    return results[min(results)]
+
+
+def final_line(summary: dict) -> str:
+    """The closing line that scripts and tutorials grep for."""
+    if summary["reached"]:
+        return (f"reached test accuracy {summary['test_accuracy']:.4f} at epoch "
+                f"{summary['epochs']} in {summary['time_to_accuracy_s']:.2f} s")  # fmt: skip
+    return (f"did not reach test accuracy {summary['target_accuracy']} in {summary['epochs']} "
+            f"epochs: {summary['test_accuracy']:.4f} after {summary['elapsed_s']:.2f} s")  # fmt: skip
+
+
+@hydra.main(config_path="../configs", config_name="classify", version_base=None)
+def main(dcfg: DictConfig) -> None:
+    cfg: ClassifyConfig = OmegaConf.to_object(dcfg)
+    _world, dp_size, per_node = layout(cfg)
+    problems = validate(cfg, dp_size)
+    from engine.data import fashion_mnist
+
+    try:
+        fashion_mnist.find_files(cfg.data.dir)
+    except FileNotFoundError as err:
+        problems.append(str(err))
+    if problems:
+        _fail(problems)
+    cfg.dp_size = dp_size
+    summary = launch(cfg, per_node)
+    if detect_launch().rank != 0:  # under a launcher, rank 0 speaks for the run
+        raise SystemExit(0 if summary["reached"] else 1)
+    print(f"time to accuracy {summary['time_to_accuracy_s'] or float('nan'):.2f} s, "
+          f"{summary['images_per_s']:.0f} training images/s over {summary['epochs']} epochs")  # fmt: skip
+    print(final_line(summary), flush=True)
+    if not summary["reached"]:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    sys.argv = sys.argv[:1] + translate_aliases(sys.argv[1:])
+    main()

@@ -1,0 +1,113 @@
+"""Where a model to sample from comes from: a training checkpoint, a model export or a
+Hugging Face GPT-2 directory, and the tokenizer that belongs to it.
+
+The tokenizer is the one saved with the training data (``PREFIX.tokenizer.json``, whose
+path the training checkpoint records in its run config), or a ``tokenizer.json`` beside
+the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from engine.models import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model on disk: exactly one of ``ckpt`` (training root/step or export) or ``hf_dir``."""
+
+    ckpt: str | None = None
+    hf_dir: str | None = None
+
+    def kind(self) -> str:
+        """``"export"``, ``"training"`` or ``"hf"``; raises naming the path when it is none."""
+        from engine.checkpoint_format import META_FILE
+
+        if self.hf_dir is not None:
+            if not (Path(self.hf_dir) / "config.json").is_file():
+                raise FileNotFoundError(f"--hf-dir {self.hf_dir}: no config.json there")
+            return "hf"
+        if self.ckpt is None:
+            raise ValueError(
+                "pass --ckpt DIR (a training checkpoint or model export) or --hf-dir DIR"
+            )
+        if (Path(self.ckpt) / META_FILE).is_file():
+            return "export"
+        from engine.checkpoint.convert import resolve
+
+        resolve(self.ckpt)  # raises CheckpointError naming what the directory is instead
+        return "training"
+
+    def config(self) -> ModelConfig:
+        """The stored model config (cheap: no weights are read)."""
+        kind = self.kind()
+        if kind == "hf":
+            from engine.hf_interop import config_from_hf, read_hf_config
+
+            return config_from_hf(read_hf_config(self.hf_dir))
+        if kind == "export":
+            from engine.checkpoint_format import META_FILE
+
+            meta = json.loads((Path(self.ckpt) / META_FILE).read_text())
+            return ModelConfig.from_dict(meta["model_config"])
+        return ModelConfig.from_dict(self._index()["model_config"])
+
+    def load(self) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+        """(config, full-shape weights), read on the calling rank."""
+        kind = self.kind()
+        if kind == "hf":
+            from engine.hf_interop import read_hf_dir
+
+            cfg, state, _ = read_hf_dir(self.hf_dir)
+            return cfg, state
+        if kind == "export":
+            from engine.checkpoint_format import read_checkpoint
+
+            ckpt = read_checkpoint(self.ckpt)
+            return ckpt.config, ckpt.state
+        from engine.checkpoint.convert import read_model_state
+
+        cfg, state, _ = read_model_state(self.ckpt)
+        return cfg, state
+
+    def tokenizer_path(self) -> str | None:
+        """The tokenizer saved with the model's data, if one can be found."""
+        directory = Path(self.hf_dir or self.ckpt)
+        if (directory / "tokenizer.json").is_file():
+            return str(directory / "tokenizer.json")
+        index = None
+        if self.kind() == "training":
+            index = self._index()
+        elif self.kind() == "export":  # ROOT/final: the run's checkpoints sit beside it
+            index = _training_index(directory.parent)
+        recorded = (((index or {}).get("trainer_state") or {}).get("config") or {}).get("data", {})
+        path = recorded.get("tokenizer")
+        return path if path and os.path.isfile(path) else None
+
+    def _index(self) -> dict:
+        from engine.checkpoint.convert import resolve
+        from engine.checkpoint.storage import read_index
+
+        return read_index(resolve(self.ckpt))
+
+
+def _training_index(root: Path) -> dict | None:
+    from engine.checkpoint.convert import resolve
+    from engine.checkpoint.storage import CheckpointError, read_index
+
+    try:
+        return read_index(resolve(root))
+    except (CheckpointError, OSError):
+        return None
+
+
+def inference_config(cfg: ModelConfig) -> ModelConfig:
+    """The layout options that only matter for training, switched off."""
+    return replace(cfg, sequence_parallel=False, recompute="none", hidden_dropout=0.0,
+                   attention_dropout=0.0)  # fmt: skip
