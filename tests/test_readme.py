@@ -117,8 +117,25 @@ COVERED = {
     "kubectl apply -f tools/launch/k8s/pytorchjob/pytorchjob.yaml":
         "tests/test_k8s.py::test_pytorchjob_matches_the_operator_fields_and_its_pods_are_valid",
     "apt-get update -q": "manual: installs packages (network); .ci/run does it",
-    "apt-get install -y -q openmpi-bin slurm-wlm munge kubernetes-client iproute2":
+    "python -m engine.classify --help": "tests/test_classify.py::test_config_errors_exit_2_before_any_rank",
+    "python -m engine.classify": "tests/test_classify.py::test_two_ranks_reach_085_on_the_full_data_set",
+    "OMP_NUM_THREADS=1 python -m engine.classify":
+        "tests/test_classify.py::test_two_ranks_reach_085_on_the_full_data_set",
+    "python -m engine.classify --num-gpus 4 --target-accuracy 0.85 --batch-size 64 --epochs 10":
+        "tests/test_classify.py::test_two_ranks_reach_085_on_the_full_data_set",
+    "python -m engine.classify --num-gpus 4 --tp-size 2":
+        "tests/test_classify.py::test_dp_gradients_equal_the_whole_batch_gradients",
+    "MASTER_ADDR=node0 MASTER_PORT=29400 python -m engine.classify --num-nodes 2 --node-id 0 --num-gpus 4":
+        "manual: two machines; run by hand as two 'nodes' on one machine (docs/SCALING.md)",
+    "MASTER_ADDR=node0 MASTER_PORT=29400 python -m engine.classify --num-nodes 2 --node-id 1 --num-gpus 4":
+        "manual: two machines; run by hand as two 'nodes' on one machine (docs/SCALING.md)",
+    "torchrun --standalone --nproc-per-node 4 -m engine.classify":
+        "manual: the same worker as the self-launched test, started by torchrun; run by hand",
+    "apt-get install -y -q openmpi-bin slurm-wlm munge kubernetes-client iproute2 dataset-fashion-mnist":
         "manual: installs packages (network); .ci/run does it",
+    'python tools/generate.py --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --prompt "def " '
+    '--prompt "import os" --max-new-tokens 40 --top-p 0.95':
+        "tests/test_generate_tool.py::test_tool_at_tp2_prints_what_tp1_generates_in_process",
     "python -m pytest -q": "manual: the whole suite (this test is part of it)",
 }  # fmt: skip
 
