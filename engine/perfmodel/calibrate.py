@@ -1,0 +1,272 @@
+"""Measure what the performance model needs on the machine at hand (this module needs torch).
+
+- GEMM throughput for the model's own shapes (one thread on CPU, bf16 on GPU), and how
+  much a second thread adds on CPU;
+- streaming bandwidth (an out-of-place add) and host time per autograd operator;
+- all-reduce and all-gather time per group size and message size over gloo processes
+  (CPU) or NCCL (GPU, when several are visible), fitted to α + β·bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+
+from engine.perfmodel.model import Layout, Workload, _gemm_shapes
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, min_time: float = 0.02) -> float:
+    """Median wall time of ``fn`` over ``repeats`` blocks, each at least ``min_time`` long."""
+    fn()
+    start, calls = time.perf_counter(), 0
+    while time.perf_counter() - start < min_time:
+        fn()
+        calls += 1
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(max(1, calls)):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / max(1, calls))
+    return statistics.median(times)
+
+
+def model_gemm_shapes(w: Workload, tps: list[int], micro_batches: list[int]) -> set:
+    """(m, n, k) of every GEMM the model runs at these TP sizes and micro-batches."""
+    shapes = set()
+    d = w.hidden // w.heads
+    for tp in tps:
+        for mb in micro_batches:
+            for m, n, k, _ in _gemm_shapes(w, Layout(tp=tp, dp=1, micro_batch=mb)):
+                shapes.add((m, n, k))
+            shapes.update({(w.seq, w.seq, d), (w.seq, d, w.seq)})  # attention, per head
+    return shapes
+
+
+def measure_gemms(shapes: set, device: torch.device, dtype: torch.dtype, repeats: int) -> list:
+    """[m, n, k, TFLOP/s] per shape."""
+    rows = []
+    for m, n, k in sorted(shapes):
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        seconds = _median_seconds(lambda a=a, b=b: a @ b, repeats)
+        rows.append([m, n, k, round(2 * m * n * k / seconds / 1e12, 6)])
+    return rows
+
+
+def measure_stream_Bps(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
+    """Bytes read + written per second by an out-of-place add of 8M elements."""
+    x = torch.randn(8 * 2**20, device=device, dtype=dtype)
+    y, out = torch.randn_like(x), torch.empty_like(x)
+    seconds = _median_seconds(lambda: torch.add(x, y, out=out), repeats)
+    return 3 * x.numel() * x.element_size() / seconds
+
+
+def measure_op_overhead_s(repeats: int) -> float:
+    """Host seconds per tiny autograd operator (forward and its backward counted as two)."""
+    x = torch.ones(4, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(50):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _median_seconds(chain, repeats) / 100
+
+
+def thread_efficiency(repeats: int, size: int = 512) -> float:
+    """Extra throughput a second thread adds to a CPU GEMM (0 none, 1 perfect)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _median_seconds(lambda: a @ b, repeats)
+        torch.set_num_threads(2)
+        two = _median_seconds(lambda: a @ b, repeats)
+    finally:
+        torch.set_num_threads(before)
+    return max(0.0, min(1.0, one / two - 1.0))
+
+
+def _timed_collective(fn: Callable[[], object], n_bytes: int, repeats: int) -> float:
+    """Median seconds per call; every rank makes the same number of calls (collectives match)."""
+    calls = 50 if n_bytes <= 2**16 else 10 if n_bytes <= 2**20 else 3
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def _comm_worker(rank: int, world: int, store_path: str, sizes: list[int], out, repeats: int):
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    results = []
+    for n in sizes:
+        t = torch.ones(n // 4)
+        ar = _timed_collective(lambda t=t: dist.all_reduce(t), n, repeats)
+        shard = torch.ones(n // 4 // world)
+        parts = [torch.empty_like(shard) for _ in range(world)]
+        ag = _timed_collective(lambda s=shard, p=parts: dist.all_gather(p, s), n, repeats)
+        results.append((n, ar, ag))
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+
+
+def measure_collectives(world: int, sizes: list[int], repeats: int) -> list[tuple]:
+    """(bytes, all-reduce s, all-gather s) per size over ``world`` gloo processes."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = (world, os.path.join(tmp, "store"), sizes, queue, repeats)
+        procs = [ctx.Process(target=_comm_worker, args=(r, *args)) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            results = queue.get(timeout=300)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():  # a rank that died leaves the others waiting
+                    p.kill()
+    return results
+
+
+def fit_ring(results: list[tuple], world: int) -> tuple[float, float]:
+    """Least-squares α (s) and bandwidth (B/s) of t = 2(p−1)α + 2n(p−1)/p / bw (all-reduce)."""
+    xs = [2 * n * (world - 1) / world for n, _, _ in results]
+    ys = [ar for _, ar, _ in results]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs
+    )
+    alpha = max(0.0, (my - slope * mx) / (2 * (world - 1)))
+    return alpha, 1.0 / slope
+
+
+def now_utc() -> str:
+    """Timestamp for the source fields."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _parser(description: str | None, formatter) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=formatter)
+    p.add_argument("--model", default="gpt_tiny", help="configs/model preset whose GEMMs to time")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (data.seq_len)")
+    p.add_argument("--micro-batch", default="1,2,4", help="comma list of micro-batches")
+    p.add_argument("--tp", default="1,2,4", help="comma list of TP sizes")
+    p.add_argument("--ranks", default="2,4", help="comma list of gloo group sizes to time")
+    p.add_argument("--name", default=None, help="cluster name (default: the output file stem)")
+    p.add_argument("--quick", action="store_true", help="few shapes and repeats (tests)")
+    p.add_argument("--out", required=True, help="cluster YAML to write")
+    return p
+
+
+def _comm_section(ranks: list[int], quick: bool) -> tuple[dict, list[dict]]:
+    sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
+    fits, raw = {}, []
+    for world in ranks:
+        results = measure_collectives(world, sizes, 3 if quick else 5)
+        alpha, bw = fit_ring(results, world)
+        fits[world] = (alpha, bw)
+        raw.append({"ranks": world, "alpha_us": round(alpha * 1e6, 2),
+                    "bandwidth_GBps": round(bw / 1e9, 4),
+                    "samples": [[n, round(ar * 1e6, 1), round(ag * 1e6, 1)]
+                                for n, ar, ag in results]})  # fmt: skip
+    alpha, bw = fits[min(ranks)]
+    return {"bandwidth_GBps": round(bw / 1e9, 4), "latency_us": round(alpha * 1e6, 2)}, raw
+
+
+def calibrate_cpu(args: argparse.Namespace) -> dict:
+    """The cluster spec of this CPU machine, every figure measured here."""
+    from engine.perfmodel.presets import model_preset
+
+    repeats = 3 if args.quick else 7
+    pre = model_preset(args.model)
+    w = Workload(pre["hidden_size"], pre["num_layers"], pre["num_heads"], pre["vocab_size"],
+                 args.seq, 1, precision="fp32")  # fmt: skip
+    tps = [int(x) for x in args.tp.split(",")]
+    mbs = [int(x) for x in args.micro_batch.split(",")]
+    if args.quick:
+        tps, mbs = tps[:2], mbs[:1]
+    torch.set_num_threads(1)
+    gemms = measure_gemms(
+        model_gemm_shapes(w, tps, mbs), torch.device("cpu"), torch.float32, repeats
+    )
+    stream = measure_stream_Bps(torch.device("cpu"), torch.float32, repeats)
+    overhead = measure_op_overhead_s(repeats)
+    cores = os.cpu_count() or 1
+    thread_eff = thread_efficiency(repeats) if cores > 1 else 0.0
+    intra, raw = _comm_section([int(x) for x in args.ranks.split(",")], args.quick)
+    src = f"measured by tools/calibrate.py on this machine, {now_utc()}"
+    return {
+        "name": args.name or os.path.splitext(os.path.basename(args.out))[0],
+        "gpus_per_node": cores,
+        "max_nodes": 1,
+        "precision": "fp32",
+        "collectives": ["ring"],
+        "overlap_efficiency": 0.0,
+        "overlap_source": "CPU: gloo's reductions need the cores the backward pass is using",
+        "intra_node": {**intra, "source": f"gloo all-reduce over {args.ranks} processes, "
+                       f"fit of the {min(int(x) for x in args.ranks.split(','))}-rank ring; {src}"},
+        "inter_node": {"bandwidth_Gbps": round(intra["bandwidth_GBps"] * 8, 4),
+                       "latency_us": intra["latency_us"],
+                       "source": "one machine: no network; copy of intra_node"},
+        "device": {
+            "peak_tflops": round(max(r[3] for r in gemms), 6),
+            "mem_bandwidth_TBps": round(stream / 1e12, 6),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "op_overhead_us": round(overhead * 1e6, 2),
+            "cores": cores,
+            "thread_efficiency": round(thread_eff, 3),
+            "gemm_table": gemms,
+            "source": f"fp32, one thread; peak = best GEMM measured; {src}",
+        },
+        "efficiency": {"gemm": 1.0, "memory": 1.0, "network": 1.0,
+                       "source": "1.0: the figures above are already achieved values"},
+        "collective_samples": raw,
+    }  # fmt: skip
+
+
+def main(argv: list[str], description: str | None = None, formatter=None) -> int:
+    """CLI entry of tools/calibrate.py: measure and write the YAML atomically."""
+    args = _parser(description, formatter or argparse.HelpFormatter).parse_args(argv)
+    if torch.cuda.is_available():
+        print("GPU calibration: run on CPU ranks only in this version", file=sys.stderr)
+    try:
+        spec = calibrate_cpu(args)
+    except ValueError as err:
+        print(f"calibrate: {err}", file=sys.stderr)
+        return 2
+    tmp = f"{args.out}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(
+            "# Written by tools/calibrate.py: every figure measured on the machine named below.\n"
+        )
+        yaml.safe_dump(spec, fh, sort_keys=False, default_flow_style=None, width=100)
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}: GEMM up to {spec['device']['peak_tflops'] * 1e3:.1f} GFLOP/s, "
+          f"stream {spec['device']['mem_bandwidth_TBps'] * 1e3:.2f} GB/s, all-reduce "
+          f"{spec['intra_node']['bandwidth_GBps']:.2f} GB/s α={spec['intra_node']['latency_us']} µs")  # fmt: skip
+    return 0
