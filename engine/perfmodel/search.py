@@ -38,14 +38,19 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _options(tp: int, dp: int, fixed_micro: int | None, w: Workload, base: Layout) -> list[Layout]:
+def _options(
+    tp: int, dp: int, fixed_micro: int | None, w: Workload, base: Layout, only: dict
+) -> list[Layout]:
     micros = [fixed_micro] if fixed_micro else _divisors(max(1, w.global_batch // dp))
-    sps = (False, True) if tp > 1 else (False,)
-    zeros = (False, True) if dp > 1 else (False,)
+    sps = only.get("sequence_parallel", (False, True) if tp > 1 else (False,))
+    zeros = only.get("zero1", (False, True) if dp > 1 else (False,))
+    recomputes = only.get(
+        "recompute", ("none", "full") if base.fused_attention else ("none", "selective", "full")
+    )
     return [
         replace(base, tp=tp, dp=dp, micro_batch=mb, recompute=rc, sequence_parallel=sp, zero1=z)
         for mb in micros
-        for rc in (("none", "full") if base.fused_attention else ("none", "selective", "full"))
+        for rc in recomputes
         for sp in sps
         for z in zeros
     ]
@@ -83,12 +88,14 @@ def search(
     memory_gib: float | None = None,
     micro_batch: int | None = None,
     base: Layout | None = None,
+    only: dict[str, tuple] | None = None,
 ) -> SearchResult:
     """Every tp × dp = ``gpus`` split: the fitting layouts ranked by tokens/s, the rest explained.
 
     Within a split, micro-batch, recompute, sequence parallelism and ZeRO-1 are varied
     (selective recompute only with unfused attention: a fused kernel already stores no scores);
-    ``base`` carries the options not searched (overlap, fused attention).
+    ``base`` carries the options not searched (overlap, fused attention); ``only`` restricts
+    the searched ones (e.g. ``{"recompute": ("full",)}``).
     """
     limit = memory_gib if memory_gib is not None else cluster.memory_bytes / 2**30
     base = base or Layout(tp=1, dp=1, micro_batch=1)
@@ -103,7 +110,7 @@ def search(
         if problems:
             rejected.append(Rejected(tp, dp, "does not divide: " + "; ".join(problems)))
             continue
-        options = [lay for lay in _options(tp, dp, micro_batch, w, base)
+        options = [lay for lay in _options(tp, dp, micro_batch, w, base, only or {})
                    if not layout_problems(w, lay, gpus)]  # fmt: skip
         if not options:
             rejected.append(Rejected(tp, dp, f"does not divide: micro_batch={micro_batch}"))
