@@ -184,7 +184,7 @@ def _parser(description: str | None, formatter) -> argparse.ArgumentParser:
 
 
 def _comm_section(ranks: list[int], quick: bool) -> tuple[dict, list[dict]]:
-    sizes = [2**12, 2**16, 2**20] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
+    sizes = [2**12, 2**18] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22]
     fits, raw = {}, []
     for world in ranks:
         results = measure_collectives(world, sizes, 3 if quick else 5)
@@ -209,7 +209,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     tps = [int(x) for x in args.tp.split(",")]
     mbs = [int(x) for x in args.micro_batch.split(",")]
     if args.quick:
-        tps, mbs = tps[:2], mbs[:1]
+        tps, mbs, args.ranks = tps[:2], mbs[:1], args.ranks.split(",")[0]
     torch.set_num_threads(1)
     gemms = measure_gemms(
         model_gemm_shapes(w, tps, mbs), torch.device("cpu"), torch.float32, repeats

@@ -130,6 +130,3 @@ def markdown_table(results: list[RowResult]) -> str:
             f"{r.best_tp} |"
         )
     return "\n".join(lines)
-
-
-

@@ -62,7 +62,9 @@ def parse_step_times(console: str, tokens_per_step: int) -> list[float]:
     return [tokens_per_step / r for r in rates[1:]]
 
 
-def measure_pretrain(point: Point, steps: int = 16, log_every: int = 4, timeout: int = 600) -> float:
+def measure_pretrain(
+    point: Point, steps: int = 16, log_every: int = 4, timeout: int = 600
+) -> float:
     """Median step time of engine.pretrain at ``point`` (seconds); raises on a failed run."""
     w, lay = point.workload, point.layout
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,7 +11,12 @@ from engine.perfmodel import published
 from engine.perfmodel.cluster import load_cluster
 from engine.perfmodel.model import Layout, Workload
 from engine.perfmodel.validate import (
-    Point, compare, error_summary, markdown_table, measure_pretrain, read_scaling_results,
+    Point,
+    compare,
+    error_summary,
+    markdown_table,
+    measure_pretrain,
+    read_scaling_results,
 )  # fmt: skip
 
 TINY = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=16,
@@ -46,7 +51,13 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("scaling", help="compare with a scaling-study results.csv")
     s.add_argument("--csv", required=True)
     s.add_argument("--cluster", required=True)
-    for flag, default in (("hidden", 128), ("layers", 2), ("heads", 4), ("vocab", 8192), ("seq", 128)):
+    for flag, default in (
+        ("hidden", 128),
+        ("layers", 2),
+        ("heads", 4),
+        ("vocab", 8192),
+        ("seq", 128),
+    ):
         s.add_argument(f"--{flag}", type=int, default=default)
     sub.add_parser("published", help="published Megatron-LM rows vs predictions")
     return p
