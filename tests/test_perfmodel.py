@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.perfmodel import Layout, Workload, load_cluster, predict, search
-from engine.perfmodel import comm, memory
+from engine.perfmodel import Layout, Workload, comm, load_cluster, memory, predict, search
 from engine.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict
 from engine.perfmodel.formulas import gpt_flops_per_iteration
 
