@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             results = published.evaluate_all()
             print(published.markdown_table(results))
             worst, median, agree = published.summary(results)
-            print(f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}%, "
+            print(f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}% (rows not fitted to), "
                   f"planner's TP = published TP in {agree}/{len(results)} rows")  # fmt: skip
             return 0
         if args.command == "machine":
