@@ -20,6 +20,8 @@ from engine.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict
 from engine.perfmodel.formulas import gpt_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
+# Machine validation in CI: measured on a shared 2-core machine, see the test's comment.
+CI_TOLERANCE = 0.5
 ALPHA, BW = 1e-5, 1e9  # 10 µs, 1 GB/s: round numbers for hand arithmetic
 LINK = Link(BW, ALPHA)
 
@@ -215,3 +217,27 @@ def test_published_megatron_rows_within_15_percent():
     for r in results:
         if not r.row.fitted:
             assert abs(r.error) <= 0.15, (r.row.label, r.predicted, r.row.tflops)
+
+
+def test_ci_sized_validation_against_this_machine(tmp_path):
+    """Calibrate quickly, then predict and measure engine.pretrain at two layouts here.
+
+    Tolerance: CI_TOLERANCE relative error on each point (see the constant's comment).
+    """
+    from engine.perfmodel.validate import Point, compare, measure_pretrain
+    from engine.perfmodel.validate_cli import MACHINE_POINTS
+
+    spec = tmp_path / "here.yaml"
+    cal = subprocess.run([sys.executable, "tools/calibrate.py", "--quick", "--out", str(spec)],
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)  # fmt: skip
+    assert cal.returncode == 0, cal.stderr
+    cluster = load_cluster(str(spec))
+    points = [p for p in MACHINE_POINTS if p.label in ("tiny tp2 dp1 mb4", "tiny tp1 dp2 mb4")]
+    measured = [
+        Point(p.label, p.workload, p.layout, measure_pretrain(p, steps=8, log_every=2))
+        for p in points
+    ]
+    for row in compare(measured, cluster):
+        print(f"{row.point.label}: measured {row.point.measured_s:.4f} s, "
+              f"predicted {row.predicted_s:.4f} s ({100 * row.error:+.1f}%)")  # fmt: skip
+        assert abs(row.error) <= CI_TOLERANCE, row.point.label

@@ -43,6 +43,18 @@ def gemm_seconds(
     return max(compute, memory) / speed
 
 
+def gemm_pass_seconds(
+    cluster: ClusterSpec, m: int, n: int, k: int, elem_bytes: int, speed: float = 1.0
+) -> tuple[float, float]:
+    """(forward, backward) seconds of a linear map's GEMM: backward is the input gradient
+    (m×n)·(n×k) and the weight gradient (k×m)·(m×n), priced at their own shapes."""
+    forward = gemm_seconds(cluster, m, n, k, elem_bytes, speed)
+    backward = gemm_seconds(cluster, m, k, n, elem_bytes, speed) + gemm_seconds(
+        cluster, k, n, m, elem_bytes, speed
+    )
+    return forward, backward
+
+
 def stream_seconds(cluster: ClusterSpec, n_bytes: float, speed: float = 1.0) -> float:
     """Seconds for memory-bound work that reads and writes ``n_bytes`` in total."""
     return n_bytes / (cluster.mem_bandwidth_Bps * cluster.memory_efficiency * speed)

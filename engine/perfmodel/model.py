@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.perfmodel import comm
 from engine.perfmodel.cluster import ClusterSpec
-from engine.perfmodel.compute import gemm_seconds, rank_speed, stream_seconds
+from engine.perfmodel.compute import gemm_pass_seconds, rank_speed, stream_seconds
 from engine.perfmodel.formulas import gpt_flops_per_iteration, pad_vocab
 from engine.perfmodel.memory import MemoryTerms, activation_bytes, state_bytes_per_param
 
@@ -134,21 +134,21 @@ def _attention_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: fl
         # backward recomputes the scores (2.5× the forward's FLOPs instead of 2×).
         flops = 0.5 * 4 * b * s * s * w.hidden / t * 3.5
         return flops / (cluster.peak_flops * cluster.gemm_efficiency * speed)
-    bmm = gemm_seconds(cluster, s, s, d, w.act_bytes, speed) + gemm_seconds(
-        cluster, s, d, s, w.act_bytes, speed
-    )
+    scores_f, scores_b = gemm_pass_seconds(cluster, s, s, d, w.act_bytes, speed)  # QKᵀ
+    context_f, context_b = gemm_pass_seconds(cluster, s, d, s, w.act_bytes, speed)  # ·V
     softmax = stream_seconds(cluster, EW_SCORE_ELEMS * b * heads * s * s * w.act_bytes, speed)
-    return 3 * (b * heads * bmm + softmax)
+    return b * heads * (scores_f + scores_b + context_f + context_b) + 3 * softmax
 
 
 def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: float) -> dict:
     """GEMM, attention, element-wise and recompute seconds of one micro-batch on one rank."""
-    fwd_layers = sum(
-        c * gemm_seconds(cluster, m, n, k, w.act_bytes, speed)
-        for m, n, k, c in _gemm_shapes(w, lay)[:-1]
-    )
-    m, n, k, _ = _gemm_shapes(w, lay)[-1]
-    head = gemm_seconds(cluster, m, n, k, w.act_bytes, speed)
+    passes = [
+        (c, gemm_pass_seconds(cluster, m, n, k, w.act_bytes, speed))
+        for m, n, k, c in _gemm_shapes(w, lay)
+    ]
+    fwd_layers = sum(c * f for c, (f, _) in passes[:-1])
+    gemm = sum(c * (f + b) for c, (f, b) in passes)
+    gemm_backward = sum(c * b for c, (_, b) in passes)
     attention = w.layers * _attention_seconds(w, lay, cluster, speed)
     rows = lay.micro_batch * w.seq / (lay.tp if lay.sequence_parallel else 1)
     ew_elems = rows * w.hidden * EW_H_ELEMS + lay.micro_batch * w.seq * 2 * w.ffn_size / lay.tp
@@ -161,7 +161,6 @@ def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: floa
     elif lay.recompute == "selective" and not lay.fused_attention:
         recompute = attention / 3
     overhead = OPS_PER_LAYER * w.layers * cluster.op_overhead_s
-    gemm = 3 * (fwd_layers + head)
     return {
         "gemm": gemm,
         "attention": attention,
@@ -169,7 +168,7 @@ def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: floa
         "recompute": recompute,
         "host_overhead": overhead,
         "total": gemm + attention + elementwise + recompute + overhead,
-        "backward": (gemm + attention + elementwise) * 2 / 3,
+        "backward": gemm_backward + (attention + elementwise) * 2 / 3,
     }
 
 
