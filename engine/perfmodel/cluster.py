@@ -3,7 +3,8 @@
 Schema (every number says where it comes from in a ``source`` string next to it):
 
 - ``name``, ``gpus_per_node`` (ranks per node);
-- ``intra_node: {bandwidth_GBps, latency_us}``: one direction, per rank, inside a node;
+- ``intra_node: {bandwidth_GBps, latency_us}``: one direction, per rank, inside a node
+  (optional ``by_ranks: {p: {bandwidth_GBps, latency_us}}``, measured per group size);
 - ``inter_node: {bandwidth_Gbps, latency_us}``: one direction, the whole node's network;
 - ``device: {peak_tflops, mem_bandwidth_TBps, memory_gib}`` plus optional measured
   ``gemm_table`` ([m, n, k, tflops] rows), ``op_overhead_us`` (host time per operator),
@@ -59,6 +60,7 @@ class ClusterSpec:
     overlap_efficiency: float = 1.0
     precision: str = "bf16"
     max_nodes: int | None = None  # None: as many as asked for
+    intra_by_ranks: dict[int, Link] = field(default_factory=dict)  # measured per group size
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -105,6 +107,10 @@ def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
         overlap_efficiency=float(raw.get("overlap_efficiency", 1.0)),
         precision=str(raw.get("precision", "bf16")),
         max_nodes=int(raw["max_nodes"]) if raw.get("max_nodes") else None,
+        intra_by_ranks={
+            int(p): Link(float(v["bandwidth_GBps"]) * 1e9, float(v["latency_us"]) * 1e-6)
+            for p, v in (intra.get("by_ranks") or {}).items()
+        },
         extras={k: v for k, v in raw.items() if k not in _KNOWN},
     )
 

@@ -84,7 +84,8 @@ def group_link(group: GroupPlacement, cluster: ClusterSpec) -> Link:
     """
     eff = cluster.network_efficiency
     if group.nodes <= 1:
-        return Link(cluster.intra.bandwidth_Bps * eff, cluster.intra.latency_s)
+        link = cluster.intra_by_ranks.get(group.size, cluster.intra)
+        return Link(link.bandwidth_Bps * eff, link.latency_s)
     share = cluster.inter.bandwidth_Bps / group.groups_per_node
     return Link(min(share, cluster.intra.bandwidth_Bps) * eff, cluster.inter.latency_s)
 
