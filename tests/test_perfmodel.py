@@ -241,3 +241,31 @@ def test_ci_sized_validation_against_this_machine(tmp_path):
         print(f"{row.point.label}: measured {row.point.measured_s:.4f} s, "
               f"predicted {row.predicted_s:.4f} s ({100 * row.error:+.1f}%)")  # fmt: skip
         assert abs(row.error) <= CI_TOLERANCE, row.point.label
+
+
+def test_scaling_study_csv_and_console_parsing(tmp_path):
+    from engine.perfmodel.validate import compare, parse_step_times, read_scaling_results
+
+    cols = ("nodes,procs_per_node,tp_size,dp_size,world_size,micro_batch,global_batch,"
+            "step_time_s,step_time_p10_s,step_time_p90_s,tokens_per_s,tflops_per_rank,speedup,"
+            "efficiency,compute_s,tp_comm_s,dp_comm_exposed_s,dp_comm_total_s,data_s,"
+            "optimizer_s,peak_mem_gib")  # fmt: skip
+    rows = ["1,2,2,1,2,4,16,0.5" + ",0" * 13, "2,2,1,4,4,4,16,0.25" + ",0" * 13,
+            "2,2,1,4,4,4,16," + ",0" * 13]  # the last point failed: no step time  # fmt: skip
+    path = tmp_path / "results.csv"
+    path.write_text(cols + "\n" + "\n".join(rows) + "\n")
+    base = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=1)
+    points = read_scaling_results(path, base)
+    assert [(p.layout.tp, p.layout.dp, p.measured_s) for p in points] == [(2, 1, 0.5), (1, 4, 0.25)]
+    assert points[1].workload.global_batch == 16 and points[1].label.startswith("nodes=2")
+    spec = load_cluster("h100_x1")
+    assert compare(points[:1], spec)[0].error == pytest.approx(
+        predict(points[0].workload, points[0].layout, spec).step_time_s / 0.5 - 1
+    )
+    console = (
+        "step     4/12  loss 9.0  lr 1e-4  grad_norm 1.5   1000 tok/s  0.02 TFLOP/s/rank\n"
+        "step     8/12  loss 8.9  lr 2e-4  grad_norm 1.4   2048 tok/s  0.03 TFLOP/s/rank\n"
+        "step    12/12  loss 8.7  lr 3e-4  grad_norm 1.1   4096 tok/s  0.03 TFLOP/s/rank\n"
+    )
+    # the first window is warmup; 2048 tokens per step at 2048 and 4096 tok/s
+    assert parse_step_times(console, 2048) == [1.0, 0.5]

@@ -126,8 +126,26 @@ def cluster_names(directory: Path = CLUSTER_DIR) -> list[str]:
     return sorted(p.stem for p in directory.glob("*.yaml"))
 
 
-def load_cluster(name_or_path: str, directory: Path = CLUSTER_DIR) -> ClusterSpec:
-    """Read ``configs/cluster/NAME.yaml`` (or a YAML file path) into a ClusterSpec."""
+def load_cluster(
+    name_or_path: str, directory: Path = CLUSTER_DIR, base: str | None = None
+) -> ClusterSpec:
+    """Read ``configs/cluster/NAME.yaml`` (or a YAML file path) into a ClusterSpec.
+
+    With ``base`` (another spec), what the file leaves out is taken from it, section by
+    section: an emulated cluster's links over this machine's calibrated compute.
+    """
+    raw = _read(name_or_path, directory)
+    if base:
+        under = _read(base, directory)
+        for key, value in under.items():
+            if isinstance(value, dict) and isinstance(raw.get(key), dict):
+                raw[key] = {**value, **raw[key]}
+            else:
+                raw.setdefault(key, value)
+    return cluster_from_dict(raw)
+
+
+def _read(name_or_path: str, directory: Path) -> dict[str, Any]:
     path = Path(name_or_path)
     if not path.suffix:
         path = directory / f"{name_or_path}.yaml"
@@ -140,4 +158,4 @@ def load_cluster(name_or_path: str, directory: Path = CLUSTER_DIR) -> ClusterSpe
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: not a YAML mapping")
     raw.setdefault("name", path.stem)
-    return cluster_from_dict(raw)
+    return raw

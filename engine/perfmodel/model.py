@@ -247,7 +247,8 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     """Price one step of ``w`` at ``lay`` on ``cluster`` (the layout must divide; see search)."""
     gpus = lay.tp * lay.dp
     micro_steps = w.global_batch // (lay.dp * lay.micro_batch)
-    speed = rank_speed(cluster, min(gpus, cluster.gpus_per_node))
+    # CPU specs (cores set) describe one machine: every rank, of every emulated node, shares it
+    speed = rank_speed(cluster, gpus if cluster.cores else min(gpus, cluster.gpus_per_node))
     tp_group, dp_group = comm.place_groups(lay.tp, lay.dp, cluster.gpus_per_node)
     c = _compute_seconds(w, lay, cluster, speed)
     tp = _tp_comm_seconds(w, lay, cluster, comm.group_link(tp_group, cluster))

@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--steps", type=int, default=16, help="steps per run (log every 4)")
     s = sub.add_parser("scaling", help="compare with a scaling-study results.csv")
     s.add_argument("--csv", required=True)
-    s.add_argument("--cluster", required=True)
+    s.add_argument("--cluster", required=True, help="the study's cluster spec (its links)")
+    s.add_argument("--compute-from", help="spec whose device figures fill the study's (cpu_2core)")
     for flag, default in (
         ("hidden", 128),
         ("layers", 2),
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             base = Workload(args.hidden, args.layers, args.heads, args.vocab, args.seq, 1,
                             precision="fp32")  # fmt: skip
-            rows = compare(read_scaling_results(args.csv, base), load_cluster(args.cluster))
+            cluster = load_cluster(args.cluster, base=args.compute_from)
+            rows = compare(read_scaling_results(args.csv, base), cluster)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"validate: {err}", file=sys.stderr)
         return 2
