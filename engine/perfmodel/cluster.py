@@ -8,7 +8,8 @@ Schema (every number says where it comes from in a ``source`` string next to it)
 - ``inter_node: {bandwidth_Gbps, latency_us}``: one direction, the whole node's network;
 - ``device: {peak_tflops, mem_bandwidth_TBps, memory_gib}`` plus optional measured
   ``gemm_table`` ([m, n, k, tflops] rows), ``op_overhead_us`` (host time per operator),
-  ``cores`` and ``thread_efficiency`` (CPU ranks share the cores);
+  ``cores`` and ``thread_efficiency`` (CPU ranks share the cores), ``reserved_gib``
+  (runtime memory outside the model: CUDA context, NCCL buffers, library workspaces);
 - ``efficiency: {gemm, memory, network}``: the fraction of peak a large GEMM, a streaming
   kernel and a collective reach (global per device, never per workload);
 - ``collectives`` (algorithms the library chooses from), ``overlap_efficiency`` (how much
@@ -60,6 +61,7 @@ class ClusterSpec:
     overlap_efficiency: float = 1.0
     precision: str = "bf16"
     max_nodes: int | None = None  # None: as many as asked for
+    reserved_bytes: float = 0.0  # runtime memory outside the model (context, NCCL, workspaces)
     intra_by_ranks: dict[int, Link] = field(default_factory=dict)  # measured per group size
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -107,6 +109,7 @@ def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
         overlap_efficiency=float(raw.get("overlap_efficiency", 1.0)),
         precision=str(raw.get("precision", "bf16")),
         max_nodes=int(raw["max_nodes"]) if raw.get("max_nodes") else None,
+        reserved_bytes=float(dev.get("reserved_gib", 0.0)) * 2**30,
         intra_by_ranks={
             int(p): Link(float(v["bandwidth_GBps"]) * 1e9, float(v["latency_us"]) * 1e-6)
             for p, v in (intra.get("by_ranks") or {}).items()

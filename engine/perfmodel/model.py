@@ -284,7 +284,7 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
         model_tflops_per_gpu=model_flops / step / gpus / 1e12,
         hardware_tflops_per_gpu=hw_flops / step / gpus / 1e12,
         mfu=model_flops / step / gpus / cluster.peak_flops,
-        memory_gib_per_gpu=mem.total / 2**30,
+        memory_gib_per_gpu=(mem.total + cluster.reserved_bytes) / 2**30,
         micro_batch=lay.micro_batch,
         breakdown=breakdown,
         memory=mem,
