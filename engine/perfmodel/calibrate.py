@@ -23,7 +23,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from engine.perfmodel.model import Layout, Workload, _gemm_shapes
+from engine.perfmodel.model import (
+    Layout,
+    Workload,
+    _gemm_shapes,
+    elementwise_bytes,
+    score_bytes,
+)
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int, min_time: float = 0.02) -> float:
@@ -45,28 +51,46 @@ def _median_seconds(fn: Callable[[], object], repeats: int, min_time: float = 0.
     return statistics.median(times)
 
 
-def model_gemm_shapes(w: Workload, tps: list[int], micro_batches: list[int]) -> set:
-    """(m, n, k) of every GEMM the model runs at these TP sizes and micro-batches."""
-    shapes = set()
+def model_gemm_shapes(w: Workload, tps: list[int], micro_batches: list[int]) -> tuple[set, set]:
+    """Forward (m, n, k) of the model's linear layers, and of its attention matmuls per head."""
+    linear, attention = set(), set()
     d = w.hidden // w.heads
     for tp in tps:
         for mb in micro_batches:
-            forward = [(m, n, k) for m, n, k, _ in _gemm_shapes(w, Layout(tp, 1, mb))]
-            forward += [(w.seq, w.seq, d), (w.seq, d, w.seq)]  # attention, per head
-            for m, n, k in forward:  # and the two backward GEMMs of each
-                shapes.update({(m, n, k), (m, k, n), (k, n, m)})
-    return shapes
+            linear.update((m, n, k) for m, n, k, _ in _gemm_shapes(w, Layout(tp, 1, mb)))
+    attention.update({(w.seq, w.seq, d), (w.seq, d, w.seq)})
+    return linear, attention
 
 
-def measure_gemms(shapes: set, device: torch.device, dtype: torch.dtype, repeats: int) -> list:
-    """[m, n, k, TFLOP/s] per shape."""
-    rows = []
-    for m, n, k in sorted(shapes):
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        seconds = _median_seconds(lambda a=a, b=b: a @ b, repeats)
-        rows.append([m, n, k, round(2 * m * n * k / seconds / 1e12, 6)])
-    return rows
+def measure_gemms(shapes: tuple[set, set], device: torch.device, dtype: torch.dtype,
+                  repeats: int) -> list:  # fmt: skip
+    """[m, n, k, TFLOP/s] rows, keyed as engine.perfmodel prices them.
+
+    A linear layer (m, n, k) is timed as its three real ops: forward x·Wᵀ (row m, n, k),
+    input gradient g·W (row m, k, n) and weight gradient gᵀ·x (row k, n, m). Attention
+    matmuls, and their backward shapes, are timed as plain products.
+    """
+    linear, attention = shapes
+    rows: dict[tuple[int, int, int], float] = {}
+
+    def tflops(fn: Callable[[], object], m: int, n: int, k: int) -> float:
+        return round(2 * m * n * k / _median_seconds(fn, repeats) / 1e12, 6)
+
+    for m, n, k in sorted(linear):
+        x, wt = (
+            torch.randn(m, k, device=device, dtype=dtype),
+            torch.randn(n, k, device=device, dtype=dtype),
+        )
+        g = torch.randn(m, n, device=device, dtype=dtype)
+        rows[(m, n, k)] = tflops(lambda x=x, wt=wt: torch.nn.functional.linear(x, wt), m, n, k)
+        rows[(m, k, n)] = tflops(lambda g=g, wt=wt: g @ wt, m, n, k)
+        rows[(k, n, m)] = tflops(lambda g=g, x=x: g.t() @ x, m, n, k)
+    for m, n, k in sorted(attention):
+        for mm, nn_, kk in {(m, n, k), (m, k, n), (k, n, m)}:
+            a = torch.randn(mm, kk, device=device, dtype=dtype)
+            b = torch.randn(kk, nn_, device=device, dtype=dtype)
+            rows.setdefault((mm, nn_, kk), tflops(lambda a=a, b=b: a @ b, mm, nn_, kk))
+    return [[m, n, k, tf] for (m, n, k), tf in sorted(rows.items())]
 
 
 def measure_stream_Bps(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
@@ -75,6 +99,35 @@ def measure_stream_Bps(device: torch.device, dtype: torch.dtype, repeats: int) -
     y, out = torch.randn_like(x), torch.empty_like(x)
     seconds = _median_seconds(lambda: torch.add(x, y, out=out), repeats)
     return 3 * x.numel() * x.element_size() / seconds
+
+
+def measure_elementwise_Bps(w: Workload, micro_batch: int, repeats: int) -> float:
+    """Effective bandwidth of the model's own element-wise work, in the model's byte count.
+
+    One layer's LayerNorms, dropout-adds and GeLU, the unfused attention's softmax and
+    dropout, and the fp32 cross-entropy over the logits, forward and backward (fp32, tp=1),
+    timed together; the bytes are what engine.perfmodel charges for them.
+    """
+    F = torch.nn.functional
+    lay = Layout(1, 1, micro_batch)
+    tokens, f, v = micro_batch * w.seq, w.ffn_size, w.padded_vocab(1)
+    x = torch.randn(tokens, w.hidden, requires_grad=True)
+    hid = torch.randn(tokens, f, requires_grad=True)
+    scores = torch.randn(micro_batch * w.heads, w.seq, w.seq, requires_grad=True)
+    logits = torch.randn(tokens, v, requires_grad=True)
+    target = torch.randint(0, v, (tokens,))
+
+    def step() -> None:
+        y = F.dropout(F.layer_norm(x, (w.hidden,)), 0.1) + x
+        y = F.dropout(F.layer_norm(y, (w.hidden,)), 0.1) + y
+        z = F.gelu(hid, approximate="tanh")
+        p = F.dropout(torch.softmax(scores, -1), 0.1)
+        loss = F.cross_entropy(logits, target) + y.sum() + z.sum() + p.sum()
+        loss.backward()
+
+    layer_bytes, logit_bytes = elementwise_bytes(w, lay)
+    modeled = 3 * (layer_bytes + score_bytes(w, lay)) + logit_bytes
+    return modeled / _median_seconds(step, repeats)
 
 
 def measure_op_overhead_s(repeats: int) -> float:
@@ -221,6 +274,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
         model_gemm_shapes(w, tps, mbs), torch.device("cpu"), torch.float32, repeats
     )
     stream = measure_stream_Bps(torch.device("cpu"), torch.float32, repeats)
+    effective = measure_elementwise_Bps(w, max(mbs), repeats)
     overhead = measure_op_overhead_s(repeats)
     cores = os.cpu_count() or 1
     thread_eff = thread_efficiency(repeats) if cores > 1 else 0.0
@@ -241,13 +295,16 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
                        "source": "one machine: no network; copy of intra_node"},
         "device": {
             "peak_tflops": round(sorted(r[3] for r in gemms)[int(0.9 * (len(gemms) - 1))], 6),
-            "mem_bandwidth_TBps": round(stream / 1e12, 6),
+            "mem_bandwidth_TBps": round(effective / 1e12, 6),
+            "stream_bandwidth_TBps": round(stream / 1e12, 6),
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "op_overhead_us": round(overhead * 1e6, 2),
             "cores": cores,
             "thread_efficiency": round(thread_eff, 3),
             "gemm_table": gemms,
-            "source": f"fp32, one thread; peak = 90th percentile of the GEMMs; {src}",
+            "source": f"fp32, one thread; peak = 90th percentile of the GEMMs; mem_bandwidth = "
+                      "the model's element-wise ops (LayerNorm, GeLU, dropout-add, softmax, "
+                      f"cross-entropy) in the model's byte count; {src}",
         },
         "efficiency": {"gemm": 1.0, "memory": 1.0, "network": 1.0,
                        "source": "1.0: the figures above are already achieved values"},

@@ -60,14 +60,14 @@ def stream_seconds(cluster: ClusterSpec, n_bytes: float, speed: float = 1.0) -> 
     return n_bytes / (cluster.mem_bandwidth_Bps * cluster.memory_efficiency * speed)
 
 
-def rank_speed(cluster: ClusterSpec, ranks_per_node: int) -> float:
+def rank_speed(cluster: ClusterSpec, ranks_per_node: int, threads: int | None = None) -> float:
     """Relative compute speed of one rank when ranks share a CPU's cores (1.0 on GPUs).
 
-    Calibration measures one thread. A rank gets cores // ranks threads (at least one);
+    Calibration measures one thread. A rank gets ``threads``, by default cores // ranks;
     extra threads add ``thread_efficiency`` each, and more ranks than cores time-share.
     """
     if cluster.cores is None:
         return 1.0
-    threads = max(1, cluster.cores // ranks_per_node)
+    threads = threads or max(1, cluster.cores // ranks_per_node)
     speed = 1.0 + (threads - 1) * cluster.thread_efficiency
     return speed * min(1.0, cluster.cores / (ranks_per_node * threads))

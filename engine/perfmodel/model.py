@@ -80,6 +80,7 @@ class Layout:
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
     bucket_mb: float = 25.0
+    threads: int | None = None  # CPU threads per rank; None: cores ÷ ranks, as the trainer sets
 
 
 @dataclass
@@ -125,6 +126,20 @@ def _gemm_shapes(w: Workload, lay: Layout) -> list[tuple[int, int, int, int]]:
     return shapes + [(tokens, w.padded_vocab(t) // t, h, 1)]
 
 
+def score_bytes(w: Workload, lay: Layout) -> float:
+    """Forward element-wise bytes of an unfused attention core (scale-mask-softmax, dropout)."""
+    heads = w.heads // lay.tp
+    return EW_SCORE_ELEMS * lay.micro_batch * heads * w.seq * w.seq * w.act_bytes
+
+
+def elementwise_bytes(w: Workload, lay: Layout) -> tuple[float, float]:
+    """(one layer's forward element-wise bytes, the fp32 logits' forward + backward bytes)."""
+    rows = lay.micro_batch * w.seq / (lay.tp if lay.sequence_parallel else 1)
+    elems = rows * w.hidden * EW_H_ELEMS + lay.micro_batch * w.seq * 2 * w.ffn_size / lay.tp
+    logits = lay.micro_batch * w.seq * w.padded_vocab(lay.tp) / lay.tp
+    return elems * w.act_bytes, 3 * 4 * logits * 4  # softmax and its gradient, fp32
+
+
 def _attention_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: float) -> float:
     """Forward + backward of the attention core (QKᵀ, softmax, ·V) of one micro-batch."""
     b, s, t = lay.micro_batch, w.seq, lay.tp
@@ -136,7 +151,7 @@ def _attention_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: fl
         return flops / (cluster.peak_flops * cluster.gemm_efficiency * speed)
     scores_f, scores_b = gemm_pass_seconds(cluster, s, s, d, w.act_bytes, speed)  # QKᵀ
     context_f, context_b = gemm_pass_seconds(cluster, s, d, s, w.act_bytes, speed)  # ·V
-    softmax = stream_seconds(cluster, EW_SCORE_ELEMS * b * heads * s * s * w.act_bytes, speed)
+    softmax = stream_seconds(cluster, score_bytes(w, lay), speed)
     return b * heads * (scores_f + scores_b + context_f + context_b) + 3 * softmax
 
 
@@ -150,11 +165,8 @@ def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: floa
     gemm = sum(c * (f + b) for c, (f, b) in passes)
     gemm_backward = sum(c * b for c, (_, b) in passes)
     attention = w.layers * _attention_seconds(w, lay, cluster, speed)
-    rows = lay.micro_batch * w.seq / (lay.tp if lay.sequence_parallel else 1)
-    ew_elems = rows * w.hidden * EW_H_ELEMS + lay.micro_batch * w.seq * 2 * w.ffn_size / lay.tp
-    elementwise = 3 * w.layers * stream_seconds(cluster, ew_elems * w.act_bytes, speed)
-    logits = lay.micro_batch * w.seq * w.padded_vocab(lay.tp) / lay.tp
-    elementwise += stream_seconds(cluster, 3 * 4 * logits * 4, speed)  # fp32 softmax + grad
+    layer_bytes, logit_bytes = elementwise_bytes(w, lay)
+    elementwise = stream_seconds(cluster, 3 * w.layers * layer_bytes + logit_bytes, speed)
     recompute = 0.0
     if lay.recompute == "full":
         recompute = fwd_layers + attention / 3 + elementwise / 3
@@ -248,7 +260,8 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     gpus = lay.tp * lay.dp
     micro_steps = w.global_batch // (lay.dp * lay.micro_batch)
     # CPU specs (cores set) describe one machine: every rank, of every emulated node, shares it
-    speed = rank_speed(cluster, gpus if cluster.cores else min(gpus, cluster.gpus_per_node))
+    ranks_here = gpus if cluster.cores else min(gpus, cluster.gpus_per_node)
+    speed = rank_speed(cluster, ranks_here, lay.threads)
     tp_group, dp_group = comm.place_groups(lay.tp, lay.dp, cluster.gpus_per_node)
     c = _compute_seconds(w, lay, cluster, speed)
     tp = _tp_comm_seconds(w, lay, cluster, comm.group_link(tp_group, cluster))

@@ -72,6 +72,8 @@ def measure_pretrain(
         args += [f"checkpoint.dir={tmp}/ckpt", f"hydra.run.dir={tmp}/run"]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        if lay.threads:  # the trainer keeps an explicit OMP_NUM_THREADS
+            env["OMP_NUM_THREADS"] = str(lay.threads)
         out = subprocess.run([sys.executable, "-m", "engine.pretrain", *args], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
     times = parse_step_times(out.stdout, w.global_batch * w.seq)

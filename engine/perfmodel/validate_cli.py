@@ -23,8 +23,10 @@ TINY = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch
                 precision="fp32")  # fmt: skip
 WIDER = replace(TINY, hidden=256, layers=4)
 # The trainer's CPU path: attention dropout 0.1 runs SDPA's math kernel (s×s scores
-# stored); ZeRO-1 reduce-scatters after backward (no overlap).
-_CPU = dict(fused_attention=False)
+# stored); ZeRO-1 reduce-scatters after backward (no overlap). One thread per rank
+# (OMP_NUM_THREADS=1): on a shared machine a 2-thread OpenMP region stalls whenever one of
+# its threads is descheduled, which no hardware model predicts.
+_CPU = dict(fused_attention=False, threads=1)
 MACHINE_POINTS = (
     Point("tiny tp1 dp1 mb4", TINY, Layout(1, 1, 4, **_CPU)),
     Point("tiny tp1 dp1 mb16", TINY, Layout(1, 1, 16, **_CPU)),
@@ -38,6 +40,7 @@ MACHINE_POINTS = (
     Point("wider tp1 dp1 mb4", WIDER, Layout(1, 1, 4, **_CPU)),
     Point("wider tp2 dp1 mb4", WIDER, Layout(2, 1, 4, **_CPU)),
     Point("wider tp1 dp2 mb4", WIDER, Layout(1, 2, 4, **_CPU)),
+    Point("tiny tp1 dp1 mb4, 2 threads", TINY, Layout(1, 1, 4, fused_attention=False)),
 )  # fmt: skip
 
 
