@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     ):
         s.add_argument(f"--{flag}", type=int, default=default)
     sub.add_parser("published", help="published Megatron-LM rows vs predictions")
+    d = sub.add_parser("dp-plots", help="write the parameter-server and async-DP plots")
+    d.add_argument("--out", default="docs", help="directory for the PNGs")
     return p
 
 
@@ -85,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: prints a markdown table and the max / median |error|."""
     args = _parser().parse_args(argv)
     try:
+        if args.command == "dp-plots":
+            from engine.perfmodel.dp_analysis import write_plots
+
+            print("\n".join(write_plots(args.out)))
+            return 0
         if args.command == "published":
             results = published.evaluate_all()
             print(published.markdown_table(results))
