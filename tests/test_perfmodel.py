@@ -224,7 +224,7 @@ def test_ci_sized_validation_against_this_machine(tmp_path):
 
     Tolerance: CI_TOLERANCE relative error on each point (see the constant's comment).
     """
-    from engine.perfmodel.validate import Point, compare, measure_pretrain
+    from engine.perfmodel.validate import compare, measure_with_probe
     from engine.perfmodel.validate_cli import MACHINE_POINTS
 
     spec = tmp_path / "here.yaml"
@@ -233,14 +233,12 @@ def test_ci_sized_validation_against_this_machine(tmp_path):
     assert cal.returncode == 0, cal.stderr
     cluster = load_cluster(str(spec))
     points = [p for p in MACHINE_POINTS if p.label in ("tiny tp2 dp1 mb4", "tiny tp1 dp2 mb4")]
-    measured = [
-        Point(p.label, p.workload, p.layout, measure_pretrain(p, steps=8, log_every=2))
-        for p in points
-    ]
+    measured = [measure_with_probe(p, steps=8, log_every=2) for p in points]
     for row in compare(measured, cluster):
-        print(f"{row.point.label}: measured {row.point.measured_s:.4f} s, "
-              f"predicted {row.predicted_s:.4f} s ({100 * row.error:+.1f}%)")  # fmt: skip
-        assert abs(row.error) <= CI_TOLERANCE, row.point.label
+        print(f"{row.point.label}: measured {row.point.measured_s:.4f} s, predicted "
+              f"{row.predicted_s:.4f} s ({100 * row.error:+.1f}%), rescaled by the machine "
+              f"share {100 * row.scaled_error:+.1f}%")  # fmt: skip
+        assert abs(row.scaled_error) <= CI_TOLERANCE, row.point.label
 
 
 def test_scaling_study_csv_and_console_parsing(tmp_path):

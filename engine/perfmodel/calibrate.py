@@ -143,6 +143,21 @@ def measure_op_overhead_s(repeats: int) -> float:
     return _median_seconds(chain, repeats) / 100
 
 
+def probe_gflops(seconds: float = 0.5) -> float:
+    """GFLOP/s of a 256³ fp32 GEMM on one thread now: how much of a core this process gets.
+
+    Taken at calibration and next to every measured run, so a prediction can be rescaled
+    by the share of the (shared) machine the run actually had.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        return 2 * 256**3 / _median_seconds(lambda: a @ b, 5, seconds / 5) / 1e9
+    finally:
+        torch.set_num_threads(before)
+
+
 def thread_efficiency(repeats: int, size: int = 512) -> float:
     """Extra throughput a second thread adds to a CPU GEMM (0 none, 1 perfect)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
@@ -270,6 +285,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     if args.quick:
         tps, mbs, args.ranks = tps[:2], mbs[:1], args.ranks.split(",")[0]
     torch.set_num_threads(1)
+    probe_before = probe_gflops()
     gemms = measure_gemms(
         model_gemm_shapes(w, tps, mbs), torch.device("cpu"), torch.float32, repeats
     )
@@ -278,6 +294,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     overhead = measure_op_overhead_s(repeats)
     cores = os.cpu_count() or 1
     thread_eff = thread_efficiency(repeats) if cores > 1 else 0.0
+    probe = (probe_before + probe_gflops()) / 2
     intra, raw = _comm_section([int(x) for x in args.ranks.split(",")], args.quick)
     src = f"measured by tools/calibrate.py on this machine, {now_utc()}"
     return {
@@ -287,6 +304,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
         "precision": "fp32",
         "collectives": ["ring"],
         "overlap_efficiency": 0.0,
+        "probe_gflops": round(probe, 3),  # 256³ GEMM, one thread, while calibrating
         "overlap_source": "CPU: gloo's reductions need the cores the backward pass is using",
         "intra_node": {**intra, "source": f"gloo all-reduce over {args.ranks} processes, "
                        f"ring fit per group size; {src}"},

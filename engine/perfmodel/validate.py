@@ -39,6 +39,7 @@ class Point:
     layout: Layout
     measured_s: float | None = None
     overrides: tuple[str, ...] = ()
+    probe_gflops: float | None = None  # the machine share around the run (calibrate.probe_gflops)
 
 
 def pretrain_overrides(w: Workload, lay: Layout, steps: int, log_every: int) -> list[str]:
@@ -83,6 +84,15 @@ def measure_pretrain(
     return statistics.median(times)
 
 
+def measure_with_probe(point: Point, steps: int = 16, log_every: int = 4) -> Point:
+    """``point`` with its measured step time and the GEMM probe averaged before and after."""
+    from engine.perfmodel.calibrate import probe_gflops
+
+    before = probe_gflops()
+    seconds = measure_pretrain(point, steps=steps, log_every=log_every)
+    return replace(point, measured_s=seconds, probe_gflops=(before + probe_gflops()) / 2)
+
+
 def read_scaling_results(path: str | Path, base: Workload) -> list[Point]:
     """Points of a scaling-study results.csv (``base`` gives the model sizes and seq)."""
     points = []
@@ -99,32 +109,49 @@ def read_scaling_results(path: str | Path, base: Workload) -> list[Point]:
 
 @dataclass(frozen=True)
 class Comparison:
-    """Measured vs predicted step time of one point."""
+    """Measured vs predicted step time of one point (and the prediction rescaled by the
+    machine share the run had: calibration probe ÷ probe around the run)."""
 
     point: Point
     predicted_s: float
+    share_scale: float | None = None
 
     @property
     def error(self) -> float:
         """Relative error of the prediction (+ means predicted slower)."""
         return self.predicted_s / self.point.measured_s - 1
 
+    @property
+    def scaled_error(self) -> float | None:
+        """Relative error of the share-rescaled prediction; None without probes."""
+        if self.share_scale is None:
+            return None
+        return self.predicted_s * self.share_scale / self.point.measured_s - 1
+
 
 def compare(points: list[Point], cluster: ClusterSpec) -> list[Comparison]:
     """Predict every measured point."""
-    return [Comparison(p, predict(p.workload, p.layout, cluster).step_time_s) for p in points]
+    ref = cluster.extras.get("probe_gflops") or None
+    rows = []
+    for p in points:
+        scale = ref / p.probe_gflops if ref and p.probe_gflops else None
+        rows.append(Comparison(p, predict(p.workload, p.layout, cluster).step_time_s, scale))
+    return rows
 
 
-def error_summary(rows: list[Comparison]) -> tuple[float, float]:
-    """(max |error|, median |error|)."""
-    errors = [abs(r.error) for r in rows]
+def error_summary(rows: list[Comparison], scaled: bool = False) -> tuple[float, float]:
+    """(max |error|, median |error|), of the raw or the share-rescaled predictions."""
+    errors = [abs(r.scaled_error if scaled else r.error) for r in rows]
     return max(errors), statistics.median(errors)
 
 
 def markdown_table(rows: list[Comparison]) -> str:
     """Measured vs predicted, one line per point."""
-    lines = ["| point | measured s/step | predicted | error |", "|---|---|---|---|"]
+    lines = ["| point | measured s/step | predicted | error | machine share | rescaled error |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
+        share = f"{1 / r.share_scale:.2f}" if r.share_scale else "-"
+        scaled = f"{100 * r.scaled_error:+.1f}%" if r.share_scale else "-"
         lines.append(f"| {r.point.label} | {r.point.measured_s:.4f} | {r.predicted_s:.4f} | "
-                     f"{100 * r.error:+.1f}% |")  # fmt: skip
+                     f"{100 * r.error:+.1f}% | {share} | {scaled} |")  # fmt: skip
     return "\n".join(lines)

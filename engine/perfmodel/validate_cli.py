@@ -15,7 +15,7 @@ from engine.perfmodel.validate import (
     compare,
     error_summary,
     markdown_table,
-    measure_pretrain,
+    measure_with_probe,
     read_scaling_results,
 )  # fmt: skip
 
@@ -75,11 +75,10 @@ def _machine(args: argparse.Namespace) -> list:
               else [int(i) for i in args.points.split(",")])  # fmt: skip
     measured = []
     for i in chosen:
-        point = MACHINE_POINTS[i]
-        seconds = measure_pretrain(point, steps=args.steps)
-        print(f"measured {point.label}: {seconds:.4f} s/step (load {os.getloadavg()[0]:.2f})",
-              file=sys.stderr)  # fmt: skip
-        measured.append(replace(point, measured_s=seconds))
+        point = measure_with_probe(MACHINE_POINTS[i], steps=args.steps)
+        print(f"measured {point.label}: {point.measured_s:.4f} s/step, probe "
+              f"{point.probe_gflops:.1f} GFLOP/s (load {os.getloadavg()[0]:.2f})", file=sys.stderr)  # fmt: skip
+        measured.append(point)
     return compare(measured, cluster)
 
 
@@ -113,4 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     worst, median = error_summary(rows)
     print(f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}% over {len(rows)} points; "
           f"load average {os.getloadavg()}")  # fmt: skip
+    if all(r.share_scale for r in rows):
+        worst, median = error_summary(rows, scaled=True)
+        print(f"rescaled by the machine share: max |error| {100 * worst:.1f}%, "
+              f"median {100 * median:.1f}%")  # fmt: skip
     return 0
