@@ -20,8 +20,11 @@ from engine.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict
 from engine.perfmodel.formulas import gpt_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
-# Machine validation in CI: measured on a shared 2-core machine, see the test's comment.
-CI_TOLERANCE = 0.5
+# Machine validation in CI, as relative error of the predicted step time: on the shared
+# 2-core machine at load 8-11 (docs/PERFMODEL.md, 2026-11-22) the 12 one-thread points had
+# errors from -47 % to -2 % (the model is optimistic: other jobs take cores it assumes
+# free); -60 %..+25 % admits that spread and still fails a model off by 2.5× or more.
+CI_ERROR_RANGE = (-0.60, 0.25)
 ALPHA, BW = 1e-5, 1e9  # 10 µs, 1 GB/s: round numbers for hand arithmetic
 LINK = Link(BW, ALPHA)
 
@@ -222,7 +225,7 @@ def test_published_megatron_rows_within_15_percent():
 def test_ci_sized_validation_against_this_machine(tmp_path):
     """Calibrate quickly, then predict and measure engine.pretrain at two layouts here.
 
-    Tolerance: CI_TOLERANCE relative error on each point (see the constant's comment).
+    Tolerance: CI_ERROR_RANGE on each point's relative error (see the constant's comment).
     """
     from engine.perfmodel.validate import compare, measure_with_probe
     from engine.perfmodel.validate_cli import MACHINE_POINTS
@@ -238,7 +241,7 @@ def test_ci_sized_validation_against_this_machine(tmp_path):
         print(f"{row.point.label}: measured {row.point.measured_s:.4f} s, predicted "
               f"{row.predicted_s:.4f} s ({100 * row.error:+.1f}%), rescaled by the machine "
               f"share {100 * row.scaled_error:+.1f}%")  # fmt: skip
-        assert abs(row.scaled_error) <= CI_TOLERANCE, row.point.label
+        assert CI_ERROR_RANGE[0] <= row.error <= CI_ERROR_RANGE[1], row.point.label
 
 
 def test_scaling_study_csv_and_console_parsing(tmp_path):
