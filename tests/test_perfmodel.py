@@ -200,6 +200,18 @@ def test_plan_predict_json_keys_without_torch():
         assert data["breakdown"][key] >= 0
 
 
+def test_plan_predict_text_and_search_output():
+    out = _plan("predict", "--model", "gpt_1.3b", "--global-batch", "64", "--gpus", "8",
+                "--tp", "2", "--cluster", "h100_node")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "tokens/s" in out.stdout and "time: compute" in out.stdout
+    out = _plan("search", "--hidden", "1536", "--layers", "4", "--heads", "12", "--vocab",
+                "1000", "--seq", "512", "--global-batch", "16", "--gpus", "8",
+                "--cluster", "h100_node")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "rejected tp=8 dp=1: does not divide: heads=12 is not divisible by tp=8" in out.stdout
+
+
 def test_plan_errors_are_one_line():
     out = _plan("predict", "--model", "gpt_1.3b", "--global-batch", "64", "--gpus", "8",
                 "--tp", "3", "--cluster", "nope")  # fmt: skip

@@ -112,7 +112,8 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
     print(f"  step {p.step_time_s:.4g} s   {p.tokens_per_s:,.0f} tokens/s   model "
           f"{p.model_tflops_per_gpu:.1f} / hardware {p.hardware_tflops_per_gpu:.1f} TFLOP/s per GPU   "
           f"MFU {100 * p.mfu:.1f}%   memory {p.memory_gib_per_gpu:.1f} GiB/GPU")  # fmt: skip
-    print("  time: " + "  ".join(f"{k[:-2]} {v:.4g} s" for k, v in b.items() if k.endswith("_s")))
+    times = {k[:-2]: v for k, v in b.items() if isinstance(v, float)}
+    print("  time: " + "  ".join(f"{k} {v:.4g} s" for k, v in times.items()))
     print("  memory: " + "  ".join(f"{k} {v:.2f} GiB" for k, v in b["memory_gib"].items()))
     return 0
 
