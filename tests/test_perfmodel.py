@@ -20,11 +20,12 @@ from engine.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict
 from engine.perfmodel.formulas import gpt_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
-# Machine validation in CI, as relative error of the predicted step time: on the shared
-# 2-core machine at load 8-11 (docs/PERFMODEL.md, 2026-11-22) the 12 one-thread points had
-# errors from -47 % to -2 % (the model is optimistic: other jobs take cores it assumes
-# free); -60 %..+25 % admits that spread and still fails a model off by 2.5× or more.
-CI_ERROR_RANGE = (-0.60, 0.25)
+# Machine validation in CI, as relative error of the predicted step time. On the shared
+# 2-core machine (docs/PERFMODEL.md, 2026-11-22) the one-thread points had errors from
+# -65 % to -2 % over four runs at load 4-11: the model is optimistic because other jobs
+# take cores it assumes free, and by how much depends on when it runs. -75 %..+25 % admits
+# that spread; it still fails a model off by 4× or one predicting slower than measured.
+CI_ERROR_RANGE = (-0.75, 0.25)
 ALPHA, BW = 1e-5, 1e9  # 10 µs, 1 GB/s: round numbers for hand arithmetic
 LINK = Link(BW, ALPHA)
 
