@@ -1,0 +1,26 @@
+"""Model sizes by preset name, read from configs/model/*.yaml (no torch needed).
+
+A test already checks that those files agree with engine.models' presets, so reading the
+YAML gives the same sizes without importing the model code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
+
+
+def model_preset(name: str, directory: Path = MODEL_DIR) -> dict:
+    """The preset's values: hidden_size, num_layers, num_heads, vocab_size, max_positions..."""
+    path = directory / f"{name}.yaml"
+    if not path.is_file():
+        choices = sorted(p.stem for p in directory.glob("*.yaml"))
+        raise ValueError(f"unknown model preset {name!r}; choose one of {choices}")
+    values = yaml.safe_load(path.read_text()) or {}
+    values.pop("defaults", None)
+    if values.get("arch", "gpt") != "gpt":
+        raise ValueError(f"model preset {name!r} is {values['arch']}: the planner models GPT only")
+    return values

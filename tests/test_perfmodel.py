@@ -1,0 +1,285 @@
+"""engine/perfmodel against hand-computed cases, measured activation memory, and its CLIs.
+
+Every expected number below is derived by hand from the formula it checks (the
+derivation is in the comment next to it), not read back from the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from engine.perfmodel import Layout, Workload, comm, load_cluster, memory, predict, search
+from engine.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict
+from engine.perfmodel.formulas import gpt_flops_per_iteration
+
+ROOT = Path(__file__).resolve().parents[1]
+# Machine validation in CI, as relative error of the predicted step time. On the shared
+# 2-core machine (docs/PERFMODEL.md, 2026-11-22) the one-thread points had errors from
+# -65 % to -2 % over four runs at load 4-11: the model is optimistic because other jobs
+# take cores it assumes free, and by how much depends on when it runs. -75 %..+25 % admits
+# that spread; it still fails a model off by 4× or one predicting slower than measured.
+CI_ERROR_RANGE = (-0.75, 0.25)
+ALPHA, BW = 1e-5, 1e9  # 10 µs, 1 GB/s: round numbers for hand arithmetic
+LINK = Link(BW, ALPHA)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def test_collective_costs_by_hand():
+    n, p = 1e6, 4
+    # ring all-reduce: 2(p−1)α + 2n(p−1)/p/bw = 6e-5 + 1.5e-3
+    assert comm.ring_all_reduce(n, p, LINK) == pytest.approx(1.56e-3, rel=1e-12)
+    # tree: 2·log2(4)·α + 2n/bw = 4e-5 + 2e-3
+    assert comm.tree_all_reduce(n, p, LINK) == pytest.approx(2.04e-3, rel=1e-12)
+    # all-gather / reduce-scatter: (p−1)α + n(p−1)/p/bw = 3e-5 + 7.5e-4
+    assert comm.ring_all_gather(n, p, LINK) == pytest.approx(7.8e-4, rel=1e-12)
+    # the library's choice: tree wins for a tiny message on many ranks (α dominates)
+    small = comm.all_reduce(8, 64, LINK, ("ring", "tree"))
+    assert small == pytest.approx(2 * 6 * ALPHA + 16 / BW, rel=1e-9)
+    assert comm.ring_all_reduce(n, 1, LINK) == 0.0
+    # parameter server: 8 workers, 2 servers: 2·8·n/2/bw + 2α
+    assert comm.parameter_server_time(n, 8, 2, LINK) == pytest.approx(8e-3 + 2e-5, rel=1e-12)
+
+
+def test_group_placement_and_links():
+    cl = load_cluster("dgx_h100")
+    tp, dp = comm.place_groups(2, 8, 8)  # 16 GPUs: tp pairs in a node, dp spans 2 nodes
+    assert (tp.nodes, dp.nodes, dp.groups_per_node) == (1, 2, 2)
+    assert comm.group_link(tp, cl).bandwidth_Bps == pytest.approx(450e9 * 0.8)
+    # 3200 Gb/s per node = 400 GB/s, shared by the 2 DP groups of a node, × efficiency 0.8
+    assert comm.group_link(dp, cl).bandwidth_Bps == pytest.approx(400e9 / 2 * 0.8)
+    tp16, _ = comm.place_groups(16, 1, 8)
+    assert tp16.nodes == 2 and comm.group_link(tp16, cl).latency_s == cl.inter.latency_s
+
+
+def test_state_bytes_match_the_reference_table():
+    # bf16 + fp32 grads + Adam: 18 bytes plain, 6 + 12/d with ZeRO-1 (d = 4: 9)
+    assert sum(memory.state_bytes_per_param("bf16", False, 4)) == 18
+    assert sum(memory.state_bytes_per_param("bf16", True, 4)) == 9
+    assert sum(memory.state_bytes_per_param("fp32", True, 4)) == 10  # 8 + 8/4
+
+
+def test_layer_activation_table_by_hand():
+    s, b, h, a, t = 128, 2, 256, 8, 2
+    unit, scores = s * b * h, 5 * a * s / (h * t)  # scores = 10
+    f = memory.layer_activation_bytes
+    assert f(s, b, h, a, 1, sp=False, recompute="none", fused_attention=False) == unit * 54
+    assert f(s, b, h, a, t, sp=False, recompute="none", fused_attention=False) == unit * 32
+    assert f(s, b, h, a, t, sp=True, recompute="none", fused_attention=False) == unit * 27
+    assert f(s, b, h, a, t, sp=True, recompute="selective", fused_attention=False) == unit * 17
+    assert f(s, b, h, a, t, sp=False, recompute="none", fused_attention=True) == unit * 22
+    assert f(s, b, h, a, t, sp=True, recompute="full", fused_attention=False) == unit * 1
+    assert scores == 10
+
+
+def _measured_rows():
+    import parallel_state
+    from engine.models import ModelConfig
+    from engine.models.memory import measure_layer_bytes
+
+    parallel_state.initialize(2, 1).seed(0)
+    base = ModelConfig(hidden_size=256, num_heads=8, num_layers=1, attention_dropout=0.0)
+    cases = {
+        "tp": replace(base),
+        "tp+sp": replace(base, sequence_parallel=True),
+        "tp+sp+selective": replace(base, sequence_parallel=True, recompute="selective"),
+        "full": replace(base, sequence_parallel=True, recompute="full"),
+        "full no sp": replace(base, recompute="full"),
+    }
+    return {k: measure_layer_bytes(c, seq_len=128, batch_size=2) for k, c in cases.items()}
+
+
+def test_activation_memory_against_measured_bytes():
+    """perfmodel's layer bytes vs the bytes autograd really keeps (bf16, t=2, 2 gloo ranks).
+
+    Tolerance 0.1·s·b·h: the formula leaves out the fp32 LayerNorm statistics and the
+    attention's log-sum-exp (a few bytes per token). Attention dropout 0 makes SDPA run its
+    fused CPU kernel, which stores no s×s scores: the fused-attention rows of the table.
+    (With attention dropout, SDPA's math fallback keeps ~13.5 bytes per score instead of the
+    table's 5, so the unfused rows are not a property of this code to check here.)
+    """
+    from tests.multiproc import run_ranks
+
+    measured = run_ranks(_measured_rows, 2)[0]
+    s, b, h, a, t = 128, 2, 256, 8, 2
+    opts = {
+        "tp": dict(sp=False, recompute="none", fused_attention=True),
+        "tp+sp": dict(sp=True, recompute="none", fused_attention=True),
+        "tp+sp+selective": dict(sp=True, recompute="selective", fused_attention=False),
+        "full": dict(sp=True, recompute="full", fused_attention=False),
+        "full no sp": dict(sp=False, recompute="full", fused_attention=False),
+    }
+    for key, kw in opts.items():
+        predicted = memory.layer_activation_bytes(s, b, h, a, t, **kw)
+        gap = (predicted - measured[key]) / (s * b * h)
+        assert abs(gap) < 0.1, f"{key}: predicted {predicted} measured {measured[key]}"
+
+
+def test_predict_flops_and_throughput_identities():
+    cl = load_cluster("dgx_h100")
+    w = Workload(hidden=2048, layers=24, heads=16, vocab=50257, seq=2048, global_batch=512)
+    p = predict(w, Layout(tp=2, dp=8, micro_batch=4, recompute="full"), cl)
+    # model FLOPs per step: 72·B·s·l·h²(1 + s/6h + V/12lh) with V padded to 50432 (tp·128)
+    v = 50432
+    model = 72 * 512 * 2048 * 24 * 2048**2 * (1 + 2048 / (6 * 2048) + v / (12 * 24 * 2048))
+    assert p.model_tflops_per_gpu == pytest.approx(model / p.step_time_s / 16 / 1e12, rel=1e-9)
+    hw = 96 * 512 * 2048 * 24 * 2048**2 * (1 + 2048 / (6 * 2048) + v / (16 * 24 * 2048))
+    assert p.hardware_tflops_per_gpu == pytest.approx(hw / p.step_time_s / 16 / 1e12, rel=1e-9)
+    assert p.tokens_per_s == pytest.approx(512 * 2048 / p.step_time_s)
+    assert p.mfu == pytest.approx(p.model_tflops_per_gpu * 1e12 / 989e12)
+    assert gpt_flops_per_iteration(1, 7, 1, 32, 97) > 0
+
+
+def test_dp_overlap_hides_communication():
+    cl = load_cluster("dgx_h100")
+    w = Workload(hidden=2048, layers=24, heads=16, vocab=50257, seq=2048, global_batch=256)
+    on = predict(w, Layout(1, 16, 4), cl).breakdown
+    off = predict(w, Layout(1, 16, 4, overlap_grad_reduce=False), cl).breakdown
+    assert off["dp_comm_exposed_s"] == pytest.approx(off["dp_comm_total_s"])
+    assert on["dp_comm_exposed_s"] < 0.2 * on["dp_comm_total_s"]
+
+
+def test_cluster_loader_tolerates_extra_keys_and_names_bad_fields(tmp_path):
+    raw = {
+        "name": "emu", "gpus_per_node": 2, "emulation": {"link_mbit": 1000},
+        "intra_node": {"bandwidth_GBps": 1.0, "latency_us": 50, "source": "measured"},
+        "inter_node": {"bandwidth_Gbps": 1.0, "latency_us": 200, "source": "tc tbf"},
+        "device": {"peak_tflops": 0.03, "mem_bandwidth_TBps": 0.01, "memory_gib": 24},
+    }  # fmt: skip
+    spec = cluster_from_dict(raw)
+    assert isinstance(spec, ClusterSpec) and spec.inter.bandwidth_Bps == 1e9 / 8
+    assert spec.extras["emulation"] == {"link_mbit": 1000}
+    with pytest.raises(ValueError, match=r"emu\.device\.peak_tflops=None"):
+        cluster_from_dict({**raw, "device": {"memory_gib": 1}})
+    for name in ("dgx_a100_80gb", "dgx_h100", "h100_node", "h200_node", "h100_x1", "h200_x1"):
+        assert load_cluster(name).name == name
+
+
+def test_search_rejects_with_reasons():
+    cl = load_cluster("dgx_h100")
+    w = Workload(hidden=1536, layers=24, heads=12, vocab=50257, seq=2048, global_batch=64)
+    res = search(w, cl, 16)
+    reasons = {(r.tp, r.dp): r.reason for r in res.rejected}
+    assert "heads=12 is not divisible by tp=8" in reasons[(8, 2)]
+    assert all(c.prediction.memory_gib_per_gpu <= 80 for c in res.feasible)
+    big = Workload(hidden=12288, layers=96, heads=96, vocab=50257, seq=2048, global_batch=64)
+    res = search(big, cl, 8)
+    assert not res.feasible
+    # 175B / 8 ranks ≈ 22B parameters each: optimizer state alone (12 B/param) ≈ 240 GiB
+    assert "does not fit" in res.rejected[-1].reason and "optimizer" in res.rejected[-1].reason
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    # torch made unimportable: the planner must run without it
+    code = "import sys; sys.modules['torch'] = None; sys.argv = ['plan'] + sys.argv[1:]; " \
+           "from engine.perfmodel.cli import main; sys.exit(main())"  # fmt: skip
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          env=_env(), cwd=ROOT, timeout=60)  # fmt: skip
+
+
+def test_plan_predict_json_keys_without_torch():
+    out = _plan("predict", "--model", "gpt_1.3b", "--global-batch", "64", "--gpus", "8",
+                "--tp", "2", "--cluster", "h100_node", "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert list(data) == ["step_time_s", "tokens_per_s", "model_tflops_per_gpu",
+                          "hardware_tflops_per_gpu", "mfu", "memory_gib_per_gpu",
+                          "micro_batch", "breakdown"]  # fmt: skip
+    assert data["tokens_per_s"] == pytest.approx(64 * 2048 / data["step_time_s"])
+    for key in ("compute_s", "tp_comm_s", "dp_comm_exposed_s", "optimizer_s"):
+        assert data["breakdown"][key] >= 0
+
+
+def test_plan_predict_text_and_search_output():
+    out = _plan("predict", "--model", "gpt_1.3b", "--global-batch", "64", "--gpus", "8",
+                "--tp", "2", "--cluster", "h100_node")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "tokens/s" in out.stdout and "time: compute" in out.stdout
+    out = _plan("search", "--hidden", "1536", "--layers", "4", "--heads", "12", "--vocab",
+                "1000", "--seq", "512", "--global-batch", "16", "--gpus", "8",
+                "--cluster", "h100_node")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "rejected tp=8 dp=1: does not divide: heads=12 is not divisible by tp=8" in out.stdout
+
+
+def test_plan_errors_are_one_line():
+    out = _plan("predict", "--model", "gpt_1.3b", "--global-batch", "64", "--gpus", "8",
+                "--tp", "3", "--cluster", "nope")  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("plan: cluster 'nope' not found")
+    out = _plan("search", "--model", "gpt_1.3b", "--global-batch", "64", "--gpus", "16",
+                "--cluster", "h100_node")  # fmt: skip
+    assert out.returncode == 2 and "exceeds cluster h100_node's 1 node(s)" in out.stderr
+
+
+def test_published_megatron_rows_within_15_percent():
+    """Published Megatron-LM per-GPU TFLOP/s (README tables, cited in engine/perfmodel/published.py)
+    against the model: ±15 % on every row not used to fit the H100's GEMM efficiency, the
+    goal this model is held to (docs/PERFMODEL.md)."""
+    from engine.perfmodel import published
+
+    results = published.evaluate_all()
+    for r in results:
+        if not r.row.fitted:
+            assert abs(r.error) <= 0.15, (r.row.label, r.predicted, r.row.tflops)
+
+
+def test_ci_sized_validation_against_this_machine(tmp_path):
+    """Calibrate quickly, then predict and measure engine.pretrain at two layouts here.
+
+    Tolerance: CI_ERROR_RANGE on each point's relative error (see the constant's comment).
+    """
+    from engine.perfmodel.validate import compare, measure_with_probe
+    from engine.perfmodel.validate_cli import MACHINE_POINTS
+
+    spec = tmp_path / "here.yaml"
+    cal = subprocess.run([sys.executable, "tools/calibrate.py", "--quick", "--out", str(spec)],
+                         capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300)  # fmt: skip
+    assert cal.returncode == 0, cal.stderr
+    cluster = load_cluster(str(spec))
+    points = [p for p in MACHINE_POINTS if p.label in ("tiny tp2 dp1 mb4", "tiny tp1 dp2 mb4")]
+    measured = [measure_with_probe(p, steps=8, log_every=2) for p in points]
+    for row in compare(measured, cluster):
+        print(f"{row.point.label}: measured {row.point.measured_s:.4f} s, predicted "
+              f"{row.predicted_s:.4f} s ({100 * row.error:+.1f}%), rescaled by the machine "
+              f"share {100 * row.scaled_error:+.1f}%")  # fmt: skip
+        assert CI_ERROR_RANGE[0] <= row.error <= CI_ERROR_RANGE[1], row.point.label
+
+
+def test_scaling_study_csv_and_console_parsing(tmp_path):
+    from engine.perfmodel.validate import compare, parse_step_times, read_scaling_results
+
+    cols = ("nodes,procs_per_node,tp_size,dp_size,world_size,micro_batch,global_batch,"
+            "step_time_s,step_time_p10_s,step_time_p90_s,tokens_per_s,tflops_per_rank,speedup,"
+            "efficiency,compute_s,tp_comm_s,dp_comm_exposed_s,dp_comm_total_s,data_s,"
+            "optimizer_s,peak_mem_gib")  # fmt: skip
+    rows = ["1,2,2,1,2,4,16,0.5" + ",0" * 13, "2,2,1,4,4,4,16,0.25" + ",0" * 13,
+            "2,2,1,4,4,4,16," + ",0" * 13]  # the last point failed: no step time  # fmt: skip
+    path = tmp_path / "results.csv"
+    path.write_text(cols + "\n" + "\n".join(rows) + "\n")
+    base = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=1)
+    points = read_scaling_results(path, base)
+    assert [(p.layout.tp, p.layout.dp, p.measured_s) for p in points] == [(2, 1, 0.5), (1, 4, 0.25)]
+    assert points[1].workload.global_batch == 16 and points[1].label.startswith("nodes=2")
+    spec = load_cluster("h100_x1")
+    assert compare(points[:1], spec)[0].error == pytest.approx(
+        predict(points[0].workload, points[0].layout, spec).step_time_s / 0.5 - 1
+    )
+    console = (
+        "step     4/12  loss 9.0  lr 1e-4  grad_norm 1.5   1000 tok/s  0.02 TFLOP/s/rank\n"
+        "step     8/12  loss 8.9  lr 2e-4  grad_norm 1.4   2048 tok/s  0.03 TFLOP/s/rank\n"
+        "step    12/12  loss 8.7  lr 3e-4  grad_norm 1.1   4096 tok/s  0.03 TFLOP/s/rank\n"
+    )
+    # the first window is warmup; 2048 tokens per step at 2048 and 4096 tok/s
+    assert parse_step_times(console, 2048) == [1.0, 0.5]

@@ -1,0 +1,26 @@
+"""Measure this machine for the performance model and write a cluster spec YAML.
+
+    python tools/calibrate.py --model gpt_tiny --seq 128 --out configs/cluster/cpu_2core.yaml
+    python tools/calibrate.py --quick --out here.yaml          # ~25 s, what the CI test runs
+
+On CPU it measures one thread's GEMM throughput at the model's shapes (and what a second
+thread adds), streaming bandwidth, host time per autograd operator, and gloo all-reduce /
+all-gather times over 2..N processes, fitted to latency + bytes/bandwidth. On a GPU it
+measures the GPU's GEMMs (bf16) and bandwidth; links are measured with NCCL only when
+several GPUs are visible, else the datasheet values of --base are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.perfmodel.calibrate import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(
+        main(sys.argv[1:], description=__doc__, formatter=argparse.RawDescriptionHelpFormatter)
+    )

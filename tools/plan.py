@@ -1,0 +1,22 @@
+"""Plan a tensor × data parallel GPT run: predict one layout or search them all.
+
+    python tools/plan.py predict --model gpt_1.3b --global-batch 512 --gpus 16 --tp 2 --cluster dgx_h100
+    python tools/plan.py search --model gpt_1.3b --global-batch 512 --gpus 16 --cluster dgx_h100
+    python tools/plan.py predict --hidden 4096 --layers 32 --heads 32 --vocab 50257 --seq 2048 \\
+        --global-batch 1024 --gpus 128 --tp 4 --recompute selective --sequence-parallel --zero1 --json
+
+Pure Python (no torch): the model is engine/perfmodel, the formulas and their validation
+are in docs/PERFMODEL.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.perfmodel.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""Check the performance model against this machine or against published results.
+
+    python tools/validate_perfmodel.py machine --cluster configs/cluster/cpu_2core.yaml
+    python tools/validate_perfmodel.py scaling --csv study/results.csv --cluster emulated_1gbit \\
+        --hidden 128 --layers 2 --heads 4 --vocab 8192 --seq 128
+    python tools/validate_perfmodel.py published
+
+``machine`` runs engine.pretrain (tiny GPT, fp32) at the layouts of ``MACHINE_POINTS``,
+measures the median step time and prints measured vs predicted with errors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.perfmodel.validate_cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
