@@ -29,12 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 register_configs()
 
-# Commands this test runs, with the exit status and the output the README shows for them.
+# Commands this test runs, with their exit status; what they print must be exactly the
+# output the README shows under their ``$ `` line.
 RUN = {
-    "python -m engine.pretrain tp_size=3": (
-        2,
-        "config error: model.num_heads=4 is not divisible by tp_size=3",
-    ),
+    "python -m engine.pretrain tp_size=3": 2,
+    "python tools/plan.py search --model gpt_1.3b --global-batch 512 --gpus 16 --cluster dgx_h100": 0,
 }
 
 # Every other README command: the test that exercises it ("tests/FILE.py::NAME"), or
@@ -231,13 +230,26 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
 
 
+def shown_output(command: str) -> str:
+    """The lines the README shows under ``$ command``, up to the next ``$`` line or the
+    block's end."""
+    for block in _blocks("text"):
+        lines = block.splitlines()
+        if f"$ {command}" in lines:
+            rest = lines[lines.index(f"$ {command}") + 1 :]
+            end = next((i for i, ln in enumerate(rest) if ln[:2] == "$ "), None)
+            return "\n".join(rest[:end]).strip()
+    raise AssertionError(f"the README shows no output for {command!r}")
+
+
 @pytest.mark.parametrize("command", sorted(RUN))
 def test_cheap_readme_commands_run_as_shown(command, tmp_path):
-    status, output = RUN[command]
-    assert f"$ {command}\n{output}\n" in README  # the README shows exactly this
-    done = subprocess.run(shlex.split(command.replace("python", sys.executable, 1)),
+    argv = [str(ROOT / a) if a.startswith("tools/") else a for a in shlex.split(command)]
+    argv[0] = sys.executable  # cwd is a temporary directory: the tool is named by full path
+    done = subprocess.run(argv,
                           capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120)  # fmt: skip
-    assert (done.returncode, done.stderr.strip()) == (status, output), done.stderr
+    got = (done.stdout + done.stderr).strip()
+    assert (done.returncode, got) == (RUN[command], shown_output(command)), done.stderr
 
 
 # Appended to a README snippet: its y against the unsplit computation on the assembled
