@@ -220,7 +220,7 @@ def _validate_values(cfg: Config) -> list[str]:
         ("trainer.grad_bucket_mb", t.grad_bucket_mb, t.grad_bucket_mb > 0, "> 0"),
         ("trainer.log_every", t.log_every, t.log_every >= 1, ">= 1"),
         ("trainer.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0 disables)"),
-        ("trainer.eval_batches", t.eval_batches, t.eval_batches >= 1, ">= 1"),
+        ("trainer.eval_batches", t.eval_batches, t.eval_batches >= 0, ">= 0 (0: no evaluation)"),
         ("trainer.sample_tokens", t.sample_tokens, t.sample_tokens >= 0, ">= 0 (0 disables)"),
         ("trainer.sample_top_k", t.sample_top_k, t.sample_top_k >= 0, ">= 0 (0: no top-k)"),
         ("trainer.loss_scale_init", t.loss_scale_init, t.loss_scale_init > 0, "> 0"),

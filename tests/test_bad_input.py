@@ -169,7 +169,7 @@ PRETRAIN = [
     # found beyond the list
     ("beta2_1", ["optim.beta2=1.0"], "optim.beta2=1.0 must be in [0, 1)"),
     ("weight_decay_negative", ["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be >= 0"),
-    ("eval_batches_0", ["trainer.eval_batches=0"], "trainer.eval_batches=0 must be >= 1"),
+    ("eval_batches_negative", ["trainer.eval_batches=-1"], "trainer.eval_batches=-1 must be >= 0"),
     ("eval_every_negative", ["trainer.eval_every=-1"], "trainer.eval_every=-1 must be >= 0"),
     ("top_k_negative", ["trainer.sample_top_k=-1"], "trainer.sample_top_k=-1 must be >= 0"),
     ("loss_scale_0", ["trainer.loss_scale_init=0"], "trainer.loss_scale_init=0.0 must be > 0"),

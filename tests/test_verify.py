@@ -32,8 +32,8 @@ def _forget_sequence_parallel_grad_sum(model) -> None:
         setattr(p, SP_GRAD_ATTR, False)
 
 
-def _no_reduce_in_reduce_scatter(ctx, x, group, dim):
-    ctx.group, ctx.dim = group, dim
+def _no_reduce_in_reduce_scatter(ctx, x, group, dim, timer):
+    ctx.group, ctx.dim, ctx.timer = group, dim, timer
     return layers.mappings._split(x, dim, group)  # split without summing the partial products
 
 
@@ -53,7 +53,7 @@ def _planted_all() -> dict[str, tuple | None]:
     mutate = {"swap": _swap_q_and_k_across_ranks, "sp-mark": _forget_sequence_parallel_grad_sum}
     for name, (model, sequence_parallel, fault) in FAULTS.items():
         if fault == "copy":
-            mappings._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None))
+            mappings._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None, None))
         if fault == "reduce-scatter":
             mappings._ReduceScatterToSequence.forward = staticmethod(_no_reduce_in_reduce_scatter)
         parallel_state.initialize(2, 1)
