@@ -56,7 +56,7 @@ def pretrain_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
         f"trainer.micro_batch={point.micro_batch}", f"trainer.global_batch={point.global_batch}",
         f"trainer.max_steps={spec.warmup + spec.steps}",
         f"trainer.log_every={spec.warmup + spec.steps}", f"trainer.metrics_file={metrics}",
-        "trainer.eval_every=0", "trainer.eval_batches=0", "trainer.sample_tokens=0",
+        "trainer.eval_every=0", "trainer.sample_tokens=0",
         "trainer.tensorboard=false", "trainer.progress=false",
         "checkpoint.every=0", "checkpoint.save_final=false", f"checkpoint.dir={run_dir}/ckpt",
         f"hydra.run.dir={run_dir}", "hydra.output_subdir=null",
