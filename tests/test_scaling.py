@@ -192,7 +192,7 @@ def test_study_killed_midway_leaves_nothing_behind(tmp_path, data, sig):
 
 def test_multirun_gives_every_job_its_own_checkpoints(tmp_path, data):
     common = ["tp_size=1", "dp_size=1", "trainer.max_steps=1", "trainer.eval_every=0",
-              "trainer.eval_batches=0", "trainer.sample_tokens=0", "trainer.tensorboard=false",
+              "trainer.sample_tokens=0", "trainer.tensorboard=false",
               "checkpoint.every=1", "checkpoint.save_final=false", *TINY, *data]  # fmt: skip
     single = [sys.executable, "-m", "engine.pretrain", *common, f"hydra.run.dir={tmp_path / 'r'}"]
     sweep = [sys.executable, "-m", "engine.pretrain", "-m", "trainer.seed=1,2", *common,

@@ -24,6 +24,8 @@ COLUMNS = (
     "global_batch", "step_time_s", "step_time_p10_s", "step_time_p90_s", "tokens_per_s",
     "tflops_per_rank", "speedup", "efficiency", "compute_s", "tp_comm_s",
     "dp_comm_exposed_s", "dp_comm_total_s", "data_s", "optimizer_s", "peak_mem_gib",
+    # run-level figures of workloads that train to a target (classify); empty otherwise
+    "time_to_accuracy_s", "test_accuracy", "images_per_s", "tta_speedup", "tta_efficiency",
 )  # fmt: skip
 SHARES = (("compute_s", "compute"), ("tp_comm_s", "TP comm"),
           ("dp_comm_exposed_s", "DP comm exposed"), ("data_s", "data"),
@@ -42,6 +44,10 @@ def add_speedup(rows: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
         if mode == "weak":
             speedup *= r["global_batch"] / base["global_batch"]
         r["speedup"], r["efficiency"] = speedup, speedup / n
+        t_base, t_n = base.get("time_to_accuracy_s"), r.get("time_to_accuracy_s")
+        if t_base is not None and t_n is not None:
+            r["tta_speedup"] = t_base / t_n
+            r["tta_efficiency"] = r["tta_speedup"] / n
     return ok
 
 
@@ -148,6 +154,28 @@ def speedup_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def accuracy_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Ranks × nodes → time to the target accuracy and its speedup, for workloads with one."""
+    timed = [r for r in rows if "time_to_accuracy_s" in r]
+    if not timed:
+        return []
+    lines = ["Speedup = time to accuracy of the baseline point ÷ that of the row; efficiency ="
+             " speedup ÷ (ranks ÷ baseline ranks).", "",
+             "| ranks × nodes | tp | global batch | epochs | test accuracy | time to accuracy | "
+             "images/s | speedup | efficiency |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in sorted(timed, key=lambda r: (r["tp_size"], r["nodes"], r["world_size"])):
+        tta = r.get("time_to_accuracy_s")
+        lines.append(
+            f"| {r['procs_per_node']} × {r['nodes']} | {r['tp_size']} | {r['global_batch']} | "
+            f"{_fmt(r.get('epochs'), digits=0)} | {_fmt(r.get('test_accuracy'), digits=4)} | "
+            + ("not reached" if tta is None else f"{tta:.2f} s")
+            + f" | {_fmt(r.get('images_per_s'), digits=0)} | {_fmt(r.get('tta_speedup'), digits=2)}"
+            f" | {_fmt(r.get('tta_efficiency'), 100, 0)}% |"
+        )
+    return lines + [""]
+
+
 def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| point | step ms (p10–p90) | compute | TP comm | DP exposed | DP total | data | "
              "optimizer | tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -159,7 +187,7 @@ def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
             f"{_fmt(r['step_time_s'], 1e3)} ({_fmt(r['step_time_p10_s'], 1e3)}–"
             f"{_fmt(r['step_time_p90_s'], 1e3)}) | "
             + " | ".join(ms)
-            + f" | {r['tokens_per_s']:.0f} |"
+            + f" | {_fmt(r.get('tokens_per_s'), digits=0)} |"
         )
     return lines
 
@@ -183,6 +211,9 @@ def write_report(rows: list[dict[str, Any]], failed: list[dict[str, Any]], *, ou
              f"- machine: {machine()}", f"- load average (1/5/15 min): {load}",
              f"- mode: {mode} scaling", "", "## Speedup", ""]  # fmt: skip
     lines += speedup_table(rows) if rows else ["no successful points", ""]
+    accuracy = accuracy_table(rows)
+    if accuracy:
+        lines += ["## Time to accuracy", ""] + accuracy
     lines += ["## Where the time goes (mean ms per step)", ""] + breakdown_table(rows)
     lines += ["", "## Links", ""] + link_table(links)
     lines += ["", "![speedup](speedup.png) ![efficiency](efficiency.png)",

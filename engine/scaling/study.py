@@ -72,15 +72,41 @@ def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "step_time_s": statistics.median(times),
         "step_time_p10_s": _quantile(times, 0.1),
         "step_time_p90_s": _quantile(times, 0.9),
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
-        "tflops_per_rank": statistics.median(r["tflops_per_rank"] for r in steps),
-        "peak_mem_gib": max(r["peak_mem_gib"] for r in steps),
+        "tokens_per_s": _median(steps, "tokens_per_s"),
+        "tflops_per_rank": _median(steps, "tflops_per_rank"),
+        "peak_mem_gib": max(_present(steps, "peak_mem_gib"), default=None),
     }
     for part in PARTS:  # means, so the parts of a step add up to its mean time
         values = [r[part] for r in steps if r.get(part) is not None]
         out[part] = sum(values) / len(values) if values else None
     out["mean_step_time_s"] = sum(times) / len(times)
     return out
+
+
+def _present(records: list[dict[str, Any]], key: str) -> list[float]:
+    # A workload writes null for what it does not measure (classify: tokens, TP comm).
+    return [r[key] for r in records if r.get(key) is not None]
+
+
+def _median(records: list[dict[str, Any]], key: str) -> float | None:
+    values = _present(records, key)
+    return statistics.median(values) if values else None
+
+
+def summarize_runs(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A point's run-level figures (classify: time to accuracy) from its repeats' summaries.
+
+    Medians over the repeats; time to accuracy is None unless every repeat reached the target.
+    """
+    if not summaries:
+        return {}
+    times = [s.get("time_to_accuracy_s") for s in summaries]
+    return {
+        "time_to_accuracy_s": None if None in times else statistics.median(times),
+        "test_accuracy": _median(summaries, "test_accuracy"),
+        "images_per_s": _median(summaries, "images_per_s"),
+        "epochs": _median(summaries, "epochs"),
+    }
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -118,6 +144,7 @@ def run_point(cfg: StudyConfig, point: Point, use_cluster: bool, on_repeat) -> d
     point_dir = cfg.out / "runs" / point.key
     point_dir.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
+    summaries: list[dict[str, Any]] = []
     try:
         for repeat in range(cfg.repeats):
             run_dir = point_dir / f"repeat{repeat}"
@@ -135,9 +162,12 @@ def run_point(cfg: StudyConfig, point: Point, use_cluster: bool, on_repeat) -> d
                 rc = _run(argv, point, None, log, cfg.point_timeout_s)
             if rc != 0 or not metrics.exists():
                 raise RuntimeError(f"exit status {rc}: {_last_error(log)} (log: {log})")
-            records += json.loads(metrics.read_text())["steps"]
+            payload = json.loads(metrics.read_text())
+            records += payload["steps"]
+            if payload.get("summary"):
+                summaries.append(payload["summary"])
             on_repeat()
-        row |= {"status": "ok", **summarize(records, cfg.spec.warmup)}
+        row |= {"status": "ok", **summarize(records, cfg.spec.warmup), **summarize_runs(summaries)}
     except (RuntimeError, ValueError, KeyError, json.JSONDecodeError) as err:
         row |= {"status": "failed", "error": str(err)}
     return row

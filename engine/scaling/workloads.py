@@ -56,7 +56,7 @@ def pretrain_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
         f"trainer.micro_batch={point.micro_batch}", f"trainer.global_batch={point.global_batch}",
         f"trainer.max_steps={spec.warmup + spec.steps}",
         f"trainer.log_every={spec.warmup + spec.steps}", f"trainer.metrics_file={metrics}",
-        "trainer.eval_every=0", "trainer.eval_batches=0", "trainer.sample_tokens=0",
+        "trainer.eval_every=0", "trainer.sample_tokens=0",
         "trainer.tensorboard=false", "trainer.progress=false",
         "checkpoint.every=0", "checkpoint.save_final=false", f"checkpoint.dir={run_dir}/ckpt",
         f"hydra.run.dir={run_dir}", "hydra.output_subdir=null",
@@ -65,16 +65,26 @@ def pretrain_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
 
 
 def classify_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) -> list[str]:
-    """``engine.classify`` (Fashion-MNIST), which writes the same metrics JSON."""
+    """``engine.classify`` (Fashion-MNIST) until its target accuracy or ``trainer.epochs``.
+
+    Its ``trainer.batch_size`` is images per DP rank per step: the point's global batch split
+    over dp (in weak mode that global batch is already ``--global-batch`` × dp). It has no
+    step count: ``spec.steps`` is unused, and ``spec.warmup`` only drops the first step
+    records from the step-time figures; time to accuracy comes from the run's summary.
+    """
     if importlib.util.find_spec("engine.classify") is None:
         raise RuntimeError("engine.classify is not in this checkout: --workload classify needs it")
-    argv = ["-m", "engine.classify"]
+    if point.global_batch % point.dp_size:
+        raise ValueError(f"global batch {point.global_batch} is not divisible by dp={point.dp_size}: "
+                         "choose a --global-batch that every dp size divides")  # fmt: skip
     if spec.model:
-        argv.append(f"model={spec.model}")
+        raise ValueError(f"--model {spec.model}: the classify workload has one model; set its "
+                         "width with the override model.hidden_size=N")  # fmt: skip
+    argv = ["-m", "engine.classify"]
     argv += [
         f"tp_size={point.tp_size}", f"dp_size={point.dp_size}",
-        f"trainer.micro_batch={point.micro_batch}", f"trainer.global_batch={point.global_batch}",
-        f"trainer.max_steps={spec.warmup + spec.steps}", f"trainer.metrics_file={metrics}",
+        f"trainer.batch_size={point.global_batch // point.dp_size}",
+        f"trainer.metrics_file={metrics}", "trainer.progress=false",
         f"hydra.run.dir={run_dir}", "hydra.output_subdir=null",
     ]  # fmt: skip
     return argv + list(spec.overrides)
