@@ -75,6 +75,10 @@ class _Reporter(logging.Handler):
 @contextlib.contextmanager
 def reporting(run_dir: str, resume_from: Callable[[], int]) -> Iterator[_Reporter]:
     """Route the elastic agent's log records to the run log and print our lines instead."""
+    # Importing the launcher (re)sets its loggers' levels: import it first, so the levels
+    # set below hold while the agent runs (else the restart record is never emitted).
+    import torch.distributed.launcher.api  # noqa: F401
+
     handler = _Reporter(run_dir, resume_from)
     saved = []
     for name in _LOGGERS:
