@@ -232,24 +232,6 @@ class IndexedDatasetWriter:
         """Documents added so far."""
         return len(self._offsets) - 1
 
-    def _chunks(self):
-        step = _CHUNK_BYTES // self.dtype.itemsize
-        for start in range(0, self.num_tokens, step):
-            yield np.asarray(self.tokens[start : start + step])
-
-    def _sha256(self) -> str:
-        digest = hashlib.sha256()
-        for chunk in self._chunks():
-            digest.update(chunk.tobytes())
-        return digest.hexdigest()
-
-    def _scan_range(self) -> tuple[int, int]:
-        lo, hi = 0, -1
-        for i, chunk in enumerate(self._chunks()):
-            lo = int(chunk.min()) if i == 0 else min(lo, int(chunk.min()))
-            hi = max(hi, int(chunk.max()))
-        return lo, hi
-
     @property
     def num_tokens(self) -> int:
         """Tokens written so far, end-of-document tokens included."""
