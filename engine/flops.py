@@ -1,4 +1,4 @@
-"""Model FLOPs per iteration, parameter counts, GPU peak FLOP/s and MFU (REFERENCE.md §3, §6).
+"""Model FLOPs per iteration, parameter counts, GPU peak FLOP/s and MFU (formulas stated in docs/PERFMODEL.md).
 
 FLOPs count matrix multiplications only, 2 per multiply-accumulate. Per transformer layer
 and per token, the forward pass multiplies by the QKV (h×3h), output (h×h), fc1 (h×f) and
@@ -10,7 +10,7 @@ fc2 (f×h) weights, and forms QKᵀ and attention·V against all s positions::
 Backward costs twice the forward (one matmul for the input gradient, one for the weight
 gradient), so forward + backward is 3× the forward; full activation recomputation runs
 the layers' forward once more (4×), but not the LM head's. The LM head adds 2·B·s·h·V
-forward. Summed over l layers this is exactly REFERENCE §3's
+forward. Summed over l layers this is exactly the usual model-FLOPs formula
 F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)), or 96 and V/(16·l·h) with recomputation.
 
 Attention FLOPs count all s×s scores, causal or not: a kernel that skips masked blocks does
@@ -33,9 +33,9 @@ from engine.perfmodel.formulas import (  # noqa: F401  (public API of this modul
 if TYPE_CHECKING:
     from engine.config import Config
 
-# Dense bf16/fp16 tensor-core peaks, REFERENCE §6 (SXM parts). Matched as case-insensitive
+# Dense bf16/fp16 tensor-core peaks from the vendors' datasheets (SXM parts). Matched as case-insensitive
 # substrings of the CUDA device name, first match wins. The PCIe/NVL variants of the
-# same chips have lower, different peaks that REFERENCE does not list: they map to None
+# same chips have lower, different peaks that this table does not list: they map to None
 # (no MFU printed) rather than to the SXM figure (a wrong MFU).
 PEAK_FLOPS_BF16: tuple[tuple[str, float | None], ...] = (
     ("V100-PCIE", None),
@@ -56,7 +56,7 @@ def model_flops(
     """Forward + backward FLOPs of ``cfg`` on ``batch`` sequences, with the padded vocabulary.
 
     ``batch`` is the global batch for a whole step (all DP ranks); ``tp_size`` only sets the
-    vocabulary padding. Model FLOPs for MFU leave ``recompute`` False (REFERENCE §3).
+    vocabulary padding. Model FLOPs for MFU leave ``recompute`` False (recomputation is not model work).
     """
     count = {"gpt": gpt_flops_per_iteration, "bert": bert_flops_per_iteration}[cfg.arch]
     return count(
@@ -73,9 +73,9 @@ def model_flops_per_step(cfg: Config) -> int:
 def params_count(cfg: ModelConfig) -> int:
     """Parameters of the full model, unpadded vocabulary (what ``full_state_dict`` holds).
 
-    For GPT with f = 4h and tied embeddings this is REFERENCE §3's
+    For GPT with f = 4h and tied embeddings this is the usual
     12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)), with s = max_positions, plus the 2h of the
-    final LayerNorm that the reference's approximation leaves out. Per layer: QKV and
+    final LayerNorm that the approximation leaves out. Per layer: QKV and
     output projections 4h² + 4h, MLP 2·h·f + f + h, two LayerNorms 4h.
     """
     h, f, v = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size

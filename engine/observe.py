@@ -29,7 +29,7 @@ def window_metrics(
 ) -> dict[str, float | None]:  # fmt: skip
     """Scalars for a logging window of steps (each a ``Trainer.train_step`` result).
 
-    TFLOP/s is per rank, from model FLOPs (REFERENCE §3); MFU is None when the device's
+    TFLOP/s is per rank, from model FLOPs (docs/PERFMODEL.md); MFU is None when the device's
     peak is unknown; the DP share is the time spent waiting for the gradient all-reduce.
     """
     step_time = sum(m["step_time"] for m in window) / len(window)

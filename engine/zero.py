@@ -1,6 +1,6 @@
 """ZeRO-1: optimizer state and fp32 master weights sharded across the data-parallel group.
 
-One optimizer step (REFERENCE.md §2):
+One optimizer step (ZeRO-1; bytes per parameter in docs/PERFMODEL.md):
 
 1. **reduce-scatter** — each parameter group's gradients (one flat buffer per dtype,
    padded to a multiple of dp) are divided by dp and reduce-scattered over the DP group,

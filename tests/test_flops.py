@@ -14,7 +14,7 @@ LayerNorm, softmax, GeLU, dropout and embedding lookups. So the counts must agre
 - the formula is given the vocabulary the LM head really multiplies by: the padded one.
   The configs below use vocab_size=200, padded to 256, so a formula fed the unpadded
   vocabulary would be off by 2·3·B·s·h·56 and fail.
-- with full recomputation, the formula (REFERENCE's 96) counts one whole extra forward of
+- with full recomputation, the formula (its 96) counts one whole extra forward of
   every layer. torch's non-reentrant checkpoint stops recomputing as soon as the last
   tensor saved for backward is regenerated. A pre-LN (GPT) layer ends with fc2 and a
   residual add that saves nothing, so its fc2 forward is not redone: the hardware does
@@ -98,7 +98,7 @@ def test_bert_flops_match_flop_counter(recompute, ffn):
 
 @pytest.mark.parametrize("b,s,n,h,v", [(1, 7, 1, 32, 97), (8, 2048, 24, 2048, 50304)])
 def test_closed_forms_of_reference(b, s, n, h, v):
-    # REFERENCE §3 (n = layers), evaluated in floats; rel 1e-12 is float rounding of a ~1e16 count.
+    # The model-FLOPs formula 72·B·s·n·h²·(1 + s/(6h) + V/(12·n·h)) (n = layers), evaluated in floats; rel 1e-12 is float rounding of a ~1e16 count.
     ref = 72 * b * s * n * h**2 * (1 + s / (6 * h) + v / (12 * n * h))
     ref_recompute = 96 * b * s * n * h**2 * (1 + s / (6 * h) + v / (16 * n * h))
     bert = 72 * b * s * n * h**2 * (1 + s / (6 * h) + v / (12 * n * h) + 1 / (12 * n))
@@ -128,7 +128,7 @@ def test_params_count_is_exact(cfg):
 
 
 def test_params_count_matches_reference_approximation():
-    # REFERENCE §3 omits the final LayerNorm (2h); everything else is exact for GPT-2 small.
+    # That formula omits the final LayerNorm (2h); everything else is exact for GPT-2 small.
     cfg = ModelConfig()
     n, h, v, s = cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.max_positions
     ref = 12 * n * h**2 * (1 + 13 / (12 * h) + (v + s) / (12 * n * h))
@@ -145,7 +145,7 @@ def test_no_peak_on_cpu(device):
     "name,peak",
     [
         ("Tesla V100-SXM2-32GB", 125e12),
-        ("Tesla V100-PCIE-16GB", None),  # a lower peak that REFERENCE does not list
+        ("Tesla V100-PCIE-16GB", None),  # a lower peak that the table does not list
         ("NVIDIA A100-SXM4-80GB", 312e12),
         ("NVIDIA A100 80GB PCIe", 312e12),
         ("NVIDIA H100 80GB HBM3", 989e12),

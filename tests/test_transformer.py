@@ -125,7 +125,7 @@ def test_activation_memory_against_reference_formula():
     Measured = formula exactly, up to the differences explained here (and the tiny fp32
     LayerNorm statistics and attention log-sum-exp, < 0.1 s·b·h):
     * attention dropout 0 runs SDPA's fused CPU kernel, which stores no s×s matrices: the
-      5·a·s/(h·t) term vanishes (REFERENCE §4's note on fused kernels);
+      5·a·s/(h·t) term vanishes (a fused attention kernel keeps no s×s scores);
     * under sequence parallelism ColumnParallelLinear keeps only the input's sequence
       shard and re-gathers it in backward (as the formula assumes), so the SP rows match
       the formula apart from the scores term above; before that change the gathered QKV

@@ -1,4 +1,4 @@
-"""Activation memory of one transformer layer: measured on this machine vs REFERENCE §4.
+"""Activation memory of one transformer layer: measured on this machine vs the formula table of docs/PERFMODEL.md.
 
 The measurement counts the bytes of every tensor autograd keeps for backward while one
 layer runs forward (``saved_tensors_hooks``), once per storage, leaving out parameters. The
@@ -19,7 +19,7 @@ from layers.utils import group_size, resolve_tp_group
 
 
 def formula_bytes(cfg: ModelConfig, *, seq_len: int, batch_size: int, tp_size: int) -> float:
-    """REFERENCE §4's bytes per layer for ``cfg``'s sequence parallelism and recompute mode."""
+    """The formula table's bytes per layer for ``cfg``'s sequence parallelism and recompute mode."""
     s, b, h, a, t = seq_len, batch_size, cfg.hidden_size, cfg.num_heads, tp_size
     if cfg.recompute == "full":  # only the layer input, sharded under SP
         return 2 * s * b * h / (t if cfg.sequence_parallel else 1)
@@ -72,7 +72,7 @@ class MemoryRow:
 def activation_memory_table(
     cfg: ModelConfig, *, seq_len: int, batch_size: int, dtype: torch.dtype = torch.bfloat16
 ) -> list[MemoryRow]:
-    """Measure the REFERENCE §4 configurations at the current TP size (collective over TP)."""
+    """Measure the formula table's configurations at the current TP size (collective over TP)."""
     t = group_size(resolve_tp_group(None))
     cases = [
         ("tensor parallel", dict(sequence_parallel=False, recompute="none")),

@@ -26,13 +26,13 @@ def gpt_flops_per_iteration(
 ) -> int:
     """Forward + backward matmul FLOPs of a GPT step on ``batch`` sequences of ``seq`` tokens.
 
-    With ``ffn_hidden`` None (4·hidden) this is exactly REFERENCE §3's formula,
+    With ``ffn_hidden`` None (4·hidden) this is exactly the usual model-FLOPs formula,
     72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)); ``recompute=True`` (full activation
     recomputation) counts the layers' extra forward: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
     Pass the vocabulary the LM head actually multiplies by (the padded one) to count the
     work done; MFU conventions (Megatron's included) do the same.
 
-    The recompute count is REFERENCE's (a whole extra forward). torch's non-reentrant
+    The recompute count is the usual one (a whole extra forward). torch's non-reentrant
     checkpoint stops once the last saved tensor is regenerated, so on a pre-LN layer it
     skips fc2's forward: the hardware then does 2·B·s·f·h·l fewer FLOPs than counted.
     """
