@@ -12,6 +12,7 @@ import importlib.util
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -65,6 +66,52 @@ def test_mpirun_four_ranks_tp2_dp2(corpus, tmp_path):
         "[0, 1, 2, 3]}"
     ), mesh
     assert "\x1b[" not in proc.stdout  # no colors or progress bar in a relayed log
+
+
+def _two_node_skip_reason() -> str | None:
+    from engine.scaling.cluster import unavailable_reason
+
+    if shutil.which("mpirun") is None:
+        return "needs Open MPI (apt-get install openmpi-bin)"
+    if shutil.which("unshare") is None:
+        return "needs unshare (util-linux) for each emulated node's hostname"
+    reason = unavailable_reason()  # its advice after ';' is the scaling study's fallback
+    return None if reason is None else reason.split(";")[0]
+
+
+def test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node(corpus, tmp_path):
+    """mpirun --hostfile over two emulated nodes (network namespaces joined by a bridge),
+    its remote daemon started by tools/launch/mpi/netns-rsh instead of ssh: -np 4 with 2
+    ranks per node trains at tp_size=2 dp_size=2 over Gloo between the nodes; ranks 0,1 run
+    on the first node and 2,3 on the second (the hostnames the ranks report), so each TP
+    group stays inside a node and the DP groups cross the link; afterwards no namespace of
+    the cluster is left."""
+    reason = _two_node_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from engine.scaling.cluster import PREFIX, EmulatedCluster, namespaces
+
+    rsh = str(ROOT / "tools" / "launch" / "mpi" / "netns-rsh")
+    with EmulatedCluster(2, link_mbit=None) as cluster:
+        n0, n1 = cluster.node_ns
+        (tmp_path / "hosts").write_text(f"{n0} slots=2\n{n1} slots=2\n")
+        # The namespaces are new and private to this test: nothing else listens there.
+        mpirun = ["mpirun", "--allow-run-as-root", "--hostfile", "hosts", "-np", "4",
+                  "--map-by", "ppr:2:node", "--mca", "plm_rsh_agent", rsh,
+                  "-x", f"MASTER_ADDR={cluster.address(0)}", "-x", "MASTER_PORT=29500",
+                  "-x", "PYTHONPATH", "python", "-m", "engine.pretrain", "tp_size=2",
+                  "dp_size=2", *tiny_overrides(corpus, tmp_path)]  # fmt: skip
+        # mpirun itself runs on node 0, as on a cluster (started there the way ssh would).
+        proc = run([rsh, n0, shlex.join(mpirun)], tmp_path, 120)
+    assert namespaces(PREFIX + cluster.tag) == []
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    check_trained(log, 6)
+    mesh = next(line for line in log.splitlines() if line.startswith("mesh:"))
+    assert mesh == (
+        "mesh: tp groups [[0, 1], [2, 3]]  dp groups [[0, 2], [1, 3]]  hosts "
+        f"{{'{n0}': [0, 1], '{n1}': [2, 3]}}"
+    ), mesh
 
 
 def _stop_after(i_signal: int, rank_signalled: int) -> list[int]:

@@ -111,6 +111,11 @@ COVERED = {
     "mpirun --allow-run-as-root --oversubscribe -np 4 -x MASTER_ADDR -x MASTER_PORT -x PYTHONPATH "
     "python -m engine.pretrain tp_size=2 dp_size=2 … trainer.log_every=3":
         "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
+    "tools/launch/mpi/netns-rsh mtrnbe14b8n0 mpirun --allow-run-as-root --hostfile hosts -np 4 "
+    "--map-by ppr:2:node --mca plm_rsh_agent \"$PWD/tools/launch/mpi/netns-rsh\" -x "
+    "MASTER_ADDR=10.213.0.1 -x MASTER_PORT=29500 -x PYTHONPATH python -m engine.pretrain "
+    "tp_size=2 dp_size=2 … trainer.log_every=3":
+        "tests/test_launchers.py::test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node",
     "kubectl apply -k tools/launch/k8s/overlays/example":
         "tests/test_k8s.py::test_example_overlay_renders_consistent_valid_objects",
     "kubectl apply -f tools/launch/k8s/pytorchjob/pytorchjob.yaml":
