@@ -150,6 +150,29 @@ def test_dp_overlap_hides_communication():
     assert on["dp_comm_exposed_s"] < 0.2 * on["dp_comm_total_s"]
 
 
+def test_measured_rank_speed_scales_cpu_compute():
+    """A rank measured at half speed beside another takes twice the compute time.
+
+    Hand-derived: every compute term but the per-operator host time is work ÷ (throughput ×
+    speed), so halving speed doubles it exactly (rel 1e-9: float rounding only). Rank
+    counts not measured keep the time-sharing rule min(1, cores ÷ ranks) = 2/3 at 3 ranks.
+    """
+    base = replace(load_cluster("cpu_2core"), op_overhead_s=0.0, rank_speed={2: 1.0})
+    w = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=16,
+                 precision="fp32")  # fmt: skip
+    lay = Layout(1, 2, 4, fused_attention=False, threads=1)
+    full = predict(w, lay, base).breakdown
+    half = predict(w, lay, replace(base, rank_speed={2: 0.5})).breakdown
+    assert half["compute_s"] == pytest.approx(2 * full["compute_s"], rel=1e-9)
+    assert half["optimizer_s"] == pytest.approx(2 * full["optimizer_s"], rel=1e-9)
+    assert half["dp_comm_total_s"] == pytest.approx(full["dp_comm_total_s"], rel=1e-9)
+    lay3 = Layout(1, 3, 4, fused_attention=False, threads=1)
+    w3 = replace(w, global_batch=12)
+    shared = predict(w3, lay3, base).breakdown["compute_s"]
+    alone = predict(w3, lay3, replace(base, cores=64)).breakdown["compute_s"]
+    assert shared == pytest.approx(alone * 3 / 2, rel=1e-9)
+
+
 def test_cluster_loader_tolerates_extra_keys_and_names_bad_fields(tmp_path):
     raw = {
         "name": "emu", "gpus_per_node": 2, "emulation": {"link_mbit": 1000},
