@@ -307,7 +307,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     thread_eff = thread_efficiency(repeats) if cores > 1 else 0.0
     probe = (probe_before + probe_gflops()) / 2
     rank_counts = [int(x) for x in args.ranks.split(",")]
-    speeds = measure_rank_speed(w, max(mbs), rank_counts, repeats=3)
+    speeds = measure_rank_speed(w, max(mbs), rank_counts, repeats=2)
     intra, raw = _comm_section(rank_counts, args.quick)
     src = f"measured by tools/calibrate.py on this machine, {now_utc()}"
     return {

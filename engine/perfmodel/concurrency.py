@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 
 from engine.perfmodel.model import Layout, Workload, _gemm_shapes
 
-TARGET_S = 0.3  # length of one timed block alone: long against scheduler slices (~4 ms)
+TARGET_S = 2.0  # one timed block alone: 0.3 s blocks read 0.93 at p = 2 where training
+# sustains ~0.5 (a burst allowance of the virtual CPUs); 1.5 s blocks read 0.56
 
 
 def _make_work(w: Workload, micro_batch: int):
