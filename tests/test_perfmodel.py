@@ -21,11 +21,13 @@ from engine.perfmodel.formulas import gpt_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
 # Machine validation in CI, as relative error of the predicted step time. On the shared
-# 2-core machine (docs/PERFMODEL.md, 2026-11-22) the one-thread points had errors from
-# -65 % to -2 % over four runs at load 4-11: the model is optimistic because other jobs
-# take cores it assumes free, and by how much depends on when it runs. -75 %..+25 % admits
-# that spread; it still fails a model off by 4× or one predicting slower than measured.
-CI_ERROR_RANGE = (-0.75, 0.25)
+# 2-core machine (docs/PERFMODEL.md, 2026-11-22), with the measured rank speed, the
+# one-thread points had errors from -29 % to +31 % (a 13-point run) and the two CI points
+# -21 %, -3 %, -18 %, -18 % over two CI runs (load 3-6); before that term the model was
+# optimistic everywhere (-2 % to -65 %). -50 %..+50 % admits the spread with margin and
+# fails a model off by 2x either way (the old -75 %..+25 % would reject the now-possible
+# pessimistic short-run points and accept a 4x optimistic one).
+CI_ERROR_RANGE = (-0.50, 0.50)
 ALPHA, BW = 1e-5, 1e9  # 10 µs, 1 GB/s: round numbers for hand arithmetic
 LINK = Link(BW, ALPHA)
 
