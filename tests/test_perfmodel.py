@@ -279,7 +279,7 @@ def test_ci_sized_validation_against_this_machine(tmp_path):
         print(f"{row.point.label}: measured {row.point.measured_s:.4f} s, predicted "
               f"{row.predicted_s:.4f} s ({100 * row.error:+.1f}%), rescaled by the machine "
               f"share {100 * row.scaled_error:+.1f}%")  # fmt: skip
-        assert CI_ERROR_RANGE[0] <= row.error <= CI_ERROR_RANGE[1], row.point.label
+        assert CI_ERROR_RANGE[0] <= row.error <= CI_ERROR_RANGE[1], (row.point.label, row.error)
 
 
 def test_scaling_study_csv_and_console_parsing(tmp_path):
