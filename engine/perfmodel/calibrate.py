@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
+from engine.perfmodel.concurrency import measure_rank_speed
 from engine.perfmodel.model import (
     Layout,
     Workload,
@@ -244,6 +246,11 @@ def now_utc() -> str:
 def _parser(description: str | None, formatter) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=formatter)
     p.add_argument("--model", default="gpt_tiny", help="configs/model preset whose GEMMs to time")
+    p.add_argument(
+        "--hidden",
+        default=None,
+        help="comma list of hidden sizes whose GEMMs to time too (default: the preset's)",
+    )
     p.add_argument("--seq", type=int, default=128, help="sequence length (data.seq_len)")
     p.add_argument("--micro-batch", default="1,2,4", help="comma list of micro-batches")
     p.add_argument("--tp", default="1,2,4", help="comma list of TP sizes")
@@ -284,18 +291,24 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     mbs = [int(x) for x in args.micro_batch.split(",")]
     if args.quick:
         tps, mbs, args.ranks = tps[:2], mbs[:1], args.ranks.split(",")[0]
+    hiddens = [int(x) for x in args.hidden.split(",")] if args.hidden else [w.hidden]
+    shapes: tuple[set, set] = (set(), set())
+    for h in hiddens:  # e.g. a wider variant of the preset, priced by the same table
+        linear, attention = model_gemm_shapes(replace(w, hidden=h), tps, mbs)
+        shapes[0].update(linear)
+        shapes[1].update(attention)
     torch.set_num_threads(1)
     probe_before = probe_gflops()
-    gemms = measure_gemms(
-        model_gemm_shapes(w, tps, mbs), torch.device("cpu"), torch.float32, repeats
-    )
+    gemms = measure_gemms(shapes, torch.device("cpu"), torch.float32, repeats)
     stream = measure_stream_Bps(torch.device("cpu"), torch.float32, repeats)
     effective = measure_elementwise_Bps(w, max(mbs), repeats)
     overhead = measure_op_overhead_s(repeats)
     cores = os.cpu_count() or 1
     thread_eff = thread_efficiency(repeats) if cores > 1 else 0.0
     probe = (probe_before + probe_gflops()) / 2
-    intra, raw = _comm_section([int(x) for x in args.ranks.split(",")], args.quick)
+    rank_counts = [int(x) for x in args.ranks.split(",")]
+    speeds = measure_rank_speed(w, max(mbs), rank_counts, repeats=2)
+    intra, raw = _comm_section(rank_counts, args.quick)
     src = f"measured by tools/calibrate.py on this machine, {now_utc()}"
     return {
         "name": args.name or os.path.splitext(os.path.basename(args.out))[0],
@@ -319,10 +332,13 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
             "op_overhead_us": round(overhead * 1e6, 2),
             "cores": cores,
             "thread_efficiency": round(thread_eff, 3),
+            "rank_speed": speeds,
             "gemm_table": gemms,
             "source": f"fp32, one thread; peak = 90th percentile of the GEMMs; mem_bandwidth = "
                       "the model's element-wise ops (LayerNorm, GeLU, dropout-add, softmax, "
-                      f"cross-entropy) in the model's byte count; {src}",
+                      f"cross-entropy) in the model's byte count; rank_speed = one rank's "
+                      "speed while p ranks (1 thread each) compute at once, see "
+                      f"engine/perfmodel/concurrency.py; {src}",
         },
         "efficiency": {"gemm": 1.0, "memory": 1.0, "network": 1.0,
                        "source": "1.0: the figures above are already achieved values"},

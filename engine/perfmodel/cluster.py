@@ -8,7 +8,8 @@ Schema (every number says where it comes from in a ``source`` string next to it)
 - ``inter_node: {bandwidth_Gbps, latency_us}``: one direction, the whole node's network;
 - ``device: {peak_tflops, mem_bandwidth_TBps, memory_gib}`` plus optional measured
   ``gemm_table`` ([m, n, k, tflops] rows), ``op_overhead_us`` (host time per operator),
-  ``cores`` and ``thread_efficiency`` (CPU ranks share the cores), ``reserved_gib``
+  ``cores`` and ``thread_efficiency`` (CPU ranks share the cores), ``rank_speed``
+  ({ranks: speed of one single-thread rank while that many compute at once}), ``reserved_gib``
   (runtime memory outside the model: CUDA context, NCCL buffers, library workspaces);
 - ``efficiency: {gemm, memory, network}``: the fraction of peak a large GEMM, a streaming
   kernel and a collective reach (global per device, never per workload);
@@ -57,6 +58,7 @@ class ClusterSpec:
     op_overhead_s: float = 0.0
     cores: int | None = None
     thread_efficiency: float = 1.0
+    rank_speed: dict[int, float] = field(default_factory=dict)  # measured, one thread per rank
     collectives: tuple[str, ...] = ("ring", "tree")
     overlap_efficiency: float = 1.0
     precision: str = "bf16"
@@ -105,6 +107,7 @@ def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
         op_overhead_s=float(dev.get("op_overhead_us", 0.0)) * 1e-6,
         cores=int(dev["cores"]) if dev.get("cores") else None,
         thread_efficiency=float(dev.get("thread_efficiency", 1.0)),
+        rank_speed={int(p): float(v) for p, v in (dev.get("rank_speed") or {}).items()},
         collectives=tuple(raw.get("collectives") or ("ring", "tree")),
         overlap_efficiency=float(raw.get("overlap_efficiency", 1.0)),
         precision=str(raw.get("precision", "bf16")),

@@ -65,9 +65,13 @@ def rank_speed(cluster: ClusterSpec, ranks_per_node: int, threads: int | None = 
 
     Calibration measures one thread. A rank gets ``threads``, by default cores // ranks;
     extra threads add ``thread_efficiency`` each, and more ranks than cores time-share.
+    Where calibration measured single-thread ranks computing side by side
+    (``cluster.rank_speed``, engine/perfmodel/concurrency.py), that measurement is used.
     """
     if cluster.cores is None:
         return 1.0
     threads = threads or max(1, cluster.cores // ranks_per_node)
+    if threads == 1 and ranks_per_node in cluster.rank_speed:
+        return cluster.rank_speed[ranks_per_node]
     speed = 1.0 + (threads - 1) * cluster.thread_efficiency
     return speed * min(1.0, cluster.cores / (ranks_per_node * threads))

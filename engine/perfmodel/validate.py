@@ -14,6 +14,7 @@ Two sources of measurements:
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import statistics
@@ -40,6 +41,11 @@ class Point:
     measured_s: float | None = None
     overrides: tuple[str, ...] = ()
     probe_gflops: float | None = None  # the machine share around the run (calibrate.probe_gflops)
+    parts: dict[str, float] | None = None  # measured mean seconds per step of each part
+
+
+# The trainer's per-step breakdown (trainer.metrics_file) next to the model's.
+PARTS = ("compute_s", "tp_comm_s", "dp_comm_exposed_s", "optimizer_s", "data_s")
 
 
 def pretrain_overrides(w: Workload, lay: Layout, steps: int, log_every: int) -> list[str]:
@@ -67,21 +73,38 @@ def measure_pretrain(
     point: Point, steps: int = 16, log_every: int = 4, timeout: int = 600
 ) -> float:
     """Median step time of engine.pretrain at ``point`` (seconds); raises on a failed run."""
+    return _run_pretrain(point, steps, log_every, timeout)[0]
+
+
+def _run_pretrain(
+    point: Point, steps: int, log_every: int, timeout: int
+) -> tuple[float, dict[str, float]]:
+    """(median step time, mean seconds per step of each part) after the first window."""
     w, lay = point.workload, point.layout
     with tempfile.TemporaryDirectory() as tmp:
         args = pretrain_overrides(w, lay, steps, log_every) + list(point.overrides)
-        args += [f"checkpoint.dir={tmp}/ckpt", f"hydra.run.dir={tmp}/run"]
+        args += [f"checkpoint.dir={tmp}/ckpt", f"hydra.run.dir={tmp}/run",
+                 f"trainer.metrics_file={tmp}/metrics.json"]  # fmt: skip
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         if lay.threads:  # the trainer keeps an explicit OMP_NUM_THREADS
             env["OMP_NUM_THREADS"] = str(lay.threads)
         out = subprocess.run([sys.executable, "-m", "engine.pretrain", *args], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    times = parse_step_times(out.stdout, w.global_batch * w.seq)
-    if out.returncode != 0 or not times:
-        tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"{point.label}: engine.pretrain failed: {tail[0]}")
-    return statistics.median(times)
+        times = parse_step_times(out.stdout, w.global_batch * w.seq)
+        if out.returncode != 0 or not times:
+            tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise RuntimeError(f"{point.label}: engine.pretrain failed: {tail[0]}")
+        parts = read_parts(Path(tmp) / "metrics.json", skip=log_every)
+    return statistics.median(times), parts
+
+
+def read_parts(path: Path, skip: int) -> dict[str, float]:
+    """Mean seconds per step of each part in a trainer.metrics_file, first ``skip`` steps dropped."""
+    if not path.is_file():
+        return {}
+    steps = json.loads(path.read_text()).get("steps", [])[skip:]
+    return {k: statistics.fmean(s[k] or 0.0 for s in steps) for k in PARTS if steps}
 
 
 def measure_with_probe(point: Point, steps: int = 16, log_every: int = 4) -> Point:
@@ -89,8 +112,9 @@ def measure_with_probe(point: Point, steps: int = 16, log_every: int = 4) -> Poi
     from engine.perfmodel.calibrate import probe_gflops
 
     before = probe_gflops()
-    seconds = measure_pretrain(point, steps=steps, log_every=log_every)
-    return replace(point, measured_s=seconds, probe_gflops=(before + probe_gflops()) / 2)
+    seconds, parts = _run_pretrain(point, steps, log_every, timeout=600)
+    share = (before + probe_gflops()) / 2
+    return replace(point, measured_s=seconds, probe_gflops=share, parts=parts)
 
 
 def read_scaling_results(path: str | Path, base: Workload) -> list[Point]:
@@ -154,4 +178,18 @@ def markdown_table(rows: list[Comparison]) -> str:
         scaled = f"{100 * r.scaled_error:+.1f}%" if r.share_scale else "-"
         lines.append(f"| {r.point.label} | {r.point.measured_s:.4f} | {r.predicted_s:.4f} | "
                      f"{100 * r.error:+.1f}% | {share} | {scaled} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def breakdown_table(rows: list[Comparison], cluster: ClusterSpec) -> str:
+    """Measured vs predicted seconds per step of each part (where the run wrote them)."""
+    names = ("compute", "TP comm", "DP exposed", "optimizer", "data")
+    head = " | ".join(f"{n} meas / pred" for n in names)
+    lines = [f"| point | {head} |", "|---" * (len(names) + 1) + "|"]
+    for r in rows:
+        if not r.point.parts:
+            continue
+        pred = predict(r.point.workload, r.point.layout, cluster).breakdown
+        cells = [f"{r.point.parts.get(k, 0.0):.4f} / {float(pred.get(k, 0.0)):.4f}" for k in PARTS]
+        lines.append(f"| {r.point.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from engine.perfmodel import published
 from engine.perfmodel.cluster import load_cluster
 from engine.perfmodel.model import Layout, Workload
 from engine.perfmodel.validate import (
     Point,
+    breakdown_table,
     compare,
     error_summary,
     markdown_table,
@@ -51,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--cluster", required=True, help="the calibrated spec of this machine")
     m.add_argument("--points", default="all", help="comma list of point indices, or all")
     m.add_argument("--steps", type=int, default=16, help="steps per run (log every 4)")
+    m.add_argument("--save", help="also write the measurements to this JSON file")
+    m.add_argument("--reuse", help="price the measurements saved by --save instead of measuring")
     s = sub.add_parser("scaling", help="compare with a scaling-study results.csv")
     s.add_argument("--csv", required=True)
     s.add_argument("--cluster", required=True, help="the study's cluster spec (its links)")
@@ -73,12 +78,25 @@ def _machine(args: argparse.Namespace) -> list:
     cluster = load_cluster(args.cluster)
     chosen = (range(len(MACHINE_POINTS)) if args.points == "all"
               else [int(i) for i in args.points.split(",")])  # fmt: skip
+    if args.reuse:  # re-price earlier measurements (e.g. after a model change)
+        saved = {r["label"]: r for r in json.loads(Path(args.reuse).read_text())}
+        measured = [replace(p, measured_s=saved[p.label]["measured_s"],
+                            probe_gflops=saved[p.label]["probe_gflops"],
+                            parts=saved[p.label]["parts"])
+                    for p in MACHINE_POINTS if p.label in saved]  # fmt: skip
+        return compare(measured, cluster)
     measured = []
     for i in chosen:
         point = measure_with_probe(MACHINE_POINTS[i], steps=args.steps)
         print(f"measured {point.label}: {point.measured_s:.4f} s/step, probe "
               f"{point.probe_gflops:.1f} GFLOP/s (load {os.getloadavg()[0]:.2f})", file=sys.stderr)  # fmt: skip
         measured.append(point)
+    if args.save:
+        rows = [{"label": p.label, "measured_s": p.measured_s, "probe_gflops": p.probe_gflops,
+                 "parts": p.parts} for p in measured]  # fmt: skip
+        tmp = f"{args.save}.tmp{os.getpid()}"
+        Path(tmp).write_text(json.dumps(rows, indent=1))
+        os.replace(tmp, args.save)
     return compare(measured, cluster)
 
 
@@ -100,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "machine":
             rows = _machine(args)
+            cluster = load_cluster(args.cluster)
         else:
             base = Workload(args.hidden, args.layers, args.heads, args.vocab, args.seq, 1,
                             precision="fp32")  # fmt: skip
@@ -109,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"validate: {err}", file=sys.stderr)
         return 2
     print(markdown_table(rows))
+    if any(r.point.parts for r in rows):
+        print("\nWhere the time goes, s/step (the trainer's metrics_file against the model):\n")
+        print(breakdown_table(rows, cluster))
     worst, median = error_summary(rows)
     print(f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}% over {len(rows)} points; "
           f"load average {os.getloadavg()}")  # fmt: skip
