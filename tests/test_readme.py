@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shlex
 import subprocess
@@ -24,6 +23,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from engine.config import register_configs
+from tests.multiproc import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -230,11 +230,6 @@ def test_every_readme_command_parses_with_its_program():
     assert parsed >= 20
 
 
-def _env() -> dict[str, str]:
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
-
-
 def shown_output(command: str) -> str:
     """The lines the README shows under ``$ command``, up to the next ``$`` line or the
     block's end."""
@@ -252,7 +247,7 @@ def test_cheap_readme_commands_run_as_shown(command, tmp_path):
     argv = [str(ROOT / a) if a.startswith("tools/") else a for a in shlex.split(command)]
     argv[0] = sys.executable  # cwd is a temporary directory: the tool is named by full path
     done = subprocess.run(argv,
-                          capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, env=subprocess_env(ROOT), cwd=tmp_path, timeout=120)  # fmt: skip
     got = (done.stdout + done.stderr).strip()
     assert (done.returncode, got) == (RUN[command], shown_output(command)), done.stderr
 
@@ -291,7 +286,7 @@ def test_python_snippets_run_as_shown(ranks, tmp_path):
         launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone",
                                           f"--nproc-per-node={ranks}"]  # fmt: skip
         done = subprocess.run([sys.executable, *launcher, str(script)], capture_output=True,
-                              text=True, env=_env(), cwd=tmp_path, timeout=180)  # fmt: skip
+                              text=True, env=subprocess_env(ROOT), cwd=tmp_path, timeout=180)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         if check:
             oks = sorted(ln for ln in done.stdout.splitlines() if ln.startswith("snippet ok"))

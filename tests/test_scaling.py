@@ -19,16 +19,11 @@ from engine.data import build_default_corpus
 from engine.scaling.cluster import PREFIX, namespaces, unavailable_reason
 from engine.scaling.report import COLUMNS
 from engine.step_timer import _DPClock
+from tests.multiproc import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.vocab_size=512", "model.hidden_size=32", "model.num_heads=2", "model.num_layers=1",
         "data.seq_len=16"]  # fmt: skip
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +38,7 @@ def data(tmp_path_factory) -> list[str]:
 def _study(out: Path, data: list[str], *args: str, **kwargs) -> subprocess.Popen:
     argv = [sys.executable, str(ROOT / "tools" / "scaling_study.py"), "--out", str(out),
             "--steps", "3", "--warmup", "1", *args, *TINY, *data]  # fmt: skip
-    return subprocess.Popen(argv, env=_env(), cwd=out.parent, text=True, **kwargs)
+    return subprocess.Popen(argv, env=subprocess_env(ROOT), cwd=out.parent, text=True, **kwargs)
 
 
 def _rows(out: Path) -> list[dict[str, str]]:
@@ -200,7 +195,7 @@ def test_multirun_gives_every_job_its_own_checkpoints(tmp_path, data):
              f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
     runs = []
     for argv in (single, sweep):  # the case: the main job ran before the sweep
-        runs.append(subprocess.run(argv, env=_env(), cwd=tmp_path, capture_output=True,
+        runs.append(subprocess.run(argv, env=subprocess_env(ROOT), cwd=tmp_path, capture_output=True,
                                    text=True, timeout=300))  # fmt: skip
         assert runs[-1].returncode == 0, runs[-1].stderr[-2000:]
     assert (tmp_path / "checkpoints" / "gpt_tiny_stdlib" / "step_00000001").is_dir()
