@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import layers.kernels as K  # noqa: E402  (imports no triton until a kernel runs)
 from engine.cli import ArgumentParser, positive_int  # noqa: E402
+from layers.fused_cross_entropy import fused_vocab_parallel_cross_entropy  # noqa: E402
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 GOALS = (  # issue 16's
@@ -127,11 +128,11 @@ def build_cases(tokens_list, hidden_list, vocab_list, dtype, device, compile_tor
         for v in vocab_list:
             e = t * v * size  # bytes of the logit shard; minimal: read it once, write its grad
             ce = {
-                "triton": lambda lg, tg: K.fused_vocab_parallel_cross_entropy(
+                "triton": lambda lg, tg: fused_vocab_parallel_cross_entropy(
                     lg, tg, backend="triton"
                 ),
                 "torch": lambda lg, tg: F.cross_entropy(lg.float(), tg, reduction="none"),
-                "torch-vp": lambda lg, tg: K.fused_vocab_parallel_cross_entropy(
+                "torch-vp": lambda lg, tg: fused_vocab_parallel_cross_entropy(
                     lg, tg, backend="torch"
                 ),
             }
