@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import parallel_state
+from engine import comm
 from engine.grad_sync import GradSync
 from engine.models import GPTModel, ModelConfig, ParallelModel, build_model
 from engine.models.base import ParallelLMHead
@@ -263,7 +264,7 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
         loss.backward()
         grad_sync.finish()
         loss = loss.detach().double()
-        dist.all_reduce(loss, group=ps.dp_group)
+        comm.sum_(loss, ps.dp_group)
         loss /= ps.dp_size
         ref_loss = None
         if reference is not None:
