@@ -670,6 +670,35 @@ def test_backend_selection(monkeypatch):
         use_triton(x, "triton")
 
 
+def test_one_auto_rule_for_ops_and_the_model_kernel_set():
+    """``backend="auto"`` and ``model.kernels=auto`` follow one rule: the fused kernel only
+    where ``MODEL_AUTO`` says so and the tensor is on CUDA; never the interpreter, even
+    when it is on (as in this module on CPU). Seen from outside: the model's fused
+    cross-entropy overwrites its logits with the gradient, torch's leaves them intact."""
+    from layers.kernel_set import resolve_kernels
+    from layers.kernels.dispatch import MODEL_AUTO, choose_backend
+
+    x = torch.randn(4, 8, device=DEVICE)
+    for op, measured in MODEL_AUTO.items():
+        fused = measured == "triton" and DEVICE.type == "cuda"
+        assert choose_backend(op, x, "auto") == ("triton" if fused else "torch"), op
+        assert choose_backend(op, x, "triton") == "triton", op
+        assert choose_backend(op, x, "torch") == "torch", op
+    logits, target, _ = (t.to(DEVICE) for t in ce_inputs(7, 5, 64, torch.float32))
+    for name, overwrites in (
+        ("auto", MODEL_AUTO["cross_entropy"] == "triton" and DEVICE.type == "cuda"),
+        ("triton", True),
+        ("torch", False),
+    ):
+        (leaf,) = leaves(logits)
+        loss = resolve_kernels(name).cross_entropy(leaf, target)
+        # fp32 as for the other kernels (1e-5): the same sums, in another order.
+        torch.testing.assert_close(
+            loss, F.cross_entropy(logits, target, reduction="none"), rtol=1e-5, atol=1e-5
+        )
+        assert (not torch.equal(leaf.detach(), logits)) is overwrites, name
+
+
 def test_bench_kernels_smoke(tmp_path, monkeypatch):
     """tools/bench_kernels.py --smoke: runs every kernel, checks it against torch, writes files."""
     import importlib.util
