@@ -33,6 +33,7 @@ from engine.models.base import ParallelLMHead
 from layers import ColumnParallelLinear
 from layers.attention import CoreAttention
 from layers.mappings import gather_along
+from parallel_state import groups
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Relative tolerances (max error / max |reference|). float64 proves the math: layouts differ
@@ -222,7 +223,7 @@ def dp_slice(batch: dict[str, torch.Tensor], ps: parallel_state.ParallelState) -
 
 def solo_group(ps: parallel_state.ParallelState) -> dist.ProcessGroup:
     """A one-rank group for this rank (every rank must call this together)."""
-    return [dist.new_group([r]) for r in range(ps.world_size)][ps.rank]
+    return groups.solo_group(ps.rank, ps.world_size)
 
 
 def compare_layouts(

@@ -34,3 +34,8 @@ def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | 
             "call parallel_state.initialize(tp_size) or pass tp_group="
         )
     return None  # a plain single process: TP size 1
+
+
+def solo_group(rank: int, world_size: int) -> dist.ProcessGroup:
+    """A group holding only ``rank`` (every rank of the world must call this together)."""
+    return [dist.new_group([r]) for r in range(world_size)][rank]
