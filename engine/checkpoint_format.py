@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from engine import comm
 from engine.models import ModelConfig, ParallelModel, build_model
 
 FORMAT_VERSION = 1
@@ -144,8 +145,7 @@ def save_model(
     state = model.full_state_dict()
     if _rank() == 0:
         write_checkpoint(directory, state, model.cfg, extra=extra)
-    if dist.is_initialized():
-        dist.barrier()
+    comm.barrier(comm.world())
 
 
 def check_compatible(model_cfg: ModelConfig, ckpt_cfg: ModelConfig) -> None:

@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine import comm
 from engine.config import ClassifyConfig
 from engine.data import fashion_mnist
 from engine.grad_sync import GradSync
@@ -48,7 +48,7 @@ def evaluate(model: MLPClassifier, x: torch.Tensor, y: torch.Tensor, ps: Paralle
         pred = model(x[block]).argmax(dim=-1)
         counts[0] += (pred == y[block]).sum()
         counts[1] += len(block)
-    dist.all_reduce(counts, group=ps.dp_group)
+    comm.sum_(counts, ps.dp_group)
     return float(counts[0] / counts[1])
 
 

@@ -6,6 +6,7 @@ import socket
 
 import torch.distributed as dist
 
+from engine import comm
 from parallel_state import ParallelState
 from parallel_state.launcher import detect_launch
 
@@ -24,8 +25,7 @@ def describe_mesh(ps: ParallelState) -> str:
         "tp": dist.get_process_group_ranks(ps.tp_group),
         "dp": dist.get_process_group_ranks(ps.dp_group),
     }
-    everyone: list[dict] = [{}] * ps.world_size
-    dist.all_gather_object(everyone, mine)
+    everyone: list[dict] = comm.all_gather_object(mine, comm.world(ps))
     tp_groups = sorted({tuple(r["tp"]) for r in everyone})
     dp_groups = sorted({tuple(r["dp"]) for r in everyone})
     hosts: dict[str, list[int]] = {}

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from layers.mappings import gather_from_tp
-from layers.utils import group_size
+from parallel_state.groups import group_size
 
 PAD_ID = 0  # any valid id: padded positions are masked out and never read
 

@@ -13,19 +13,14 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 
+from engine import comm
 from engine.watchdog import RunStopped
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
-    """True when ``flag`` is True on any rank of the world (a MAX all-reduce)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    backend_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([1.0 if flag else 0.0], device=backend_device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    """True when ``flag`` is True on any rank of the run (every rank steps together)."""
+    return comm.any_rank(flag, comm.world(), device)
 
 
 class BadStepGuard:

@@ -37,7 +37,7 @@ from engine.checkpoint_format import (
 )
 from engine.models import GPTModel, ModelConfig, ParallelModel, build_model
 from engine.verify import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
-from layers.utils import gather_along
+from layers.mappings import gather_along
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 

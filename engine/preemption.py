@@ -20,6 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from engine import comm
+
 # EX_TEMPFAIL of sysexits.h: "try again later". The sbatch template requeues on it.
 EXIT_PREEMPTED = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -79,7 +81,5 @@ class StopRequests:
 
     def should_stop(self) -> bool:
         """True on every rank once any rank has received a stop signal (a collective)."""
-        flag = torch.tensor([1.0 if self.signum else 0.0], device=self.device)
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        group = self.group if self.group is not None else comm.world()
+        return comm.any_rank(self.signum is not None, group, self.device)

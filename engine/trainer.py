@@ -9,11 +9,10 @@ import time
 from dataclasses import asdict
 
 import torch
-import torch.distributed as dist
 from rich.markup import escape
 
 import parallel_state
-from engine import flops
+from engine import comm, flops
 from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.cluster import describe_mesh
 from engine.config import Config
@@ -178,11 +177,8 @@ class Trainer:
         return self.optimizer.master_params
 
     def _dp_mean(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         self._mark("loss average", "dp")
-        if self.ps.dp_size > 1:
-            dist.all_reduce(t, group=self.ps.dp_group)
-        return t.item() / self.ps.dp_size
+        return comm.mean(value, self.ps.dp_group, self.device)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:

@@ -26,12 +26,14 @@ import torch.distributed as dist
 from torch import nn
 
 import parallel_state
+from engine import comm
 from engine.grad_sync import GradSync
 from engine.models import GPTModel, ModelConfig, ParallelModel, build_model
 from engine.models.base import ParallelLMHead
 from layers import ColumnParallelLinear
 from layers.attention import CoreAttention
-from layers.utils import gather_along
+from layers.mappings import gather_along
+from parallel_state import groups
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Relative tolerances (max error / max |reference|). float64 proves the math: layouts differ
@@ -221,7 +223,7 @@ def dp_slice(batch: dict[str, torch.Tensor], ps: parallel_state.ParallelState) -
 
 def solo_group(ps: parallel_state.ParallelState) -> dist.ProcessGroup:
     """A one-rank group for this rank (every rank must call this together)."""
-    return [dist.new_group([r]) for r in range(ps.world_size)][ps.rank]
+    return groups.solo_group(ps.rank, ps.world_size)
 
 
 def compare_layouts(
@@ -263,7 +265,7 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
         loss.backward()
         grad_sync.finish()
         loss = loss.detach().double()
-        dist.all_reduce(loss, group=ps.dp_group)
+        comm.sum_(loss, ps.dp_group)
         loss /= ps.dp_size
         ref_loss = None
         if reference is not None:

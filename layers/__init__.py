@@ -6,16 +6,20 @@ from layers.embedding import VocabParallelEmbedding
 from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
 from layers.mappings import (
     copy_to_tp,
+    gather_along,
     gather_from_sequence,
     gather_from_tp,
+    gather_full,
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_sequence,
     scatter_to_tp,
 )
+from layers.mlp import ParallelMLP
+from layers.norm import LayerNorm
 from layers.recompute import checkpointed
-from layers.transformer import LayerNorm, ParallelMLP, ParallelTransformerLayer
-from layers.utils import divide, gather_full, pad_vocab_size, shard
+from layers.transformer import ParallelTransformerLayer
+from layers.utils import divide, pad_vocab_size, shard
 
 __all__ = [
     "ColumnParallelLinear",
@@ -34,6 +38,7 @@ __all__ = [
     "pad_vocab_size",
     "shard",
     "gather_full",
+    "gather_along",
     "LayerNorm",
     "ParallelAttention",
     "KVCache",

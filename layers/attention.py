@@ -12,7 +12,6 @@ output projection sums the heads' contributions.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,11 +21,9 @@ from torch import nn
 
 from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
 from layers.recompute import checkpointed, dropout_stream
-from layers.utils import group_size, resolve_tp_group
+from layers.transformer_config import TransformerConfig
+from parallel_state.groups import group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
-
-if TYPE_CHECKING:
-    from layers.transformer import TransformerConfig
 
 
 def heads_per_rank(num_heads: int, tp_size: int) -> int:

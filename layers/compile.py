@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from layers.transformer import TORCH_KERNELS, Kernels
+from layers.kernel_set import TORCH_KERNELS, Kernels
 
 # torch's built-in backends: "inductor" generates fused kernels (needs a C compiler on
 # CPU); "aot_eager" traces forward and backward but runs them eagerly (checks tracing,

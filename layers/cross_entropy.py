@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from layers.utils import CommTimer, group_rank, group_size, resolve_tp_group, timed
+from layers.mappings import all_reduce_max_, all_reduce_sum_
+from layers.utils import CommTimer
+from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -30,9 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             padded = torch.arange(start, start + local, device=x.device) >= total
             x = x.masked_fill(padded, float("-inf"))
 
-        row_max = x.max(dim=-1).values
-        if world > 1:
-            timed(timer, dist.all_reduce, row_max, op=dist.ReduceOp.MAX, group=group)
+        row_max = all_reduce_max_(x.max(dim=-1).values, group, timer)
         z = x - row_max.unsqueeze(-1)  # a fresh buffer: later steps may work in place
 
         in_block = (target >= start) & (target < start + local)
@@ -46,9 +46,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sums = [exp.sum(dim=-1), target_z]
         if smooth_sum is not None:
             sums.append(smooth_sum)
-        stats = torch.stack(sums)
-        if world > 1:
-            timed(timer, dist.all_reduce, stats, group=group)
+        stats = all_reduce_sum_(torch.stack(sums), group, timer)
         log_sum_exp = stats[0].log()
         loss = log_sum_exp - stats[1]
         if smoothing > 0:

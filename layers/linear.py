@@ -14,25 +14,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from layers import mappings
 from layers.mappings import (
-    _all_gather,
-    _reduce_scatter,
     copy_to_tp,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_tp,
 )
-from layers.utils import (
-    SP_GRAD_ATTR,
-    comm_timer_of,
-    divide,
-    group_rank,
-    group_size,
-    mark_tp_dim,
-    resolve_tp_group,
-    shard,
-)
+from layers.utils import SP_GRAD_ATTR, comm_timer_of, divide, mark_tp_dim, shard
+from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -62,21 +53,23 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     Backward all-gathers the shard again for the weight gradient and reduce-scatters the
     input gradient. Saving the shard instead of the gathered sequence is what makes
     sequence parallelism save (t−1)/t of these activations; it costs one more all-gather
-    in backward.
+    in backward. Its collectives are the sequence-parallel operators' own
+    (``mappings.all_gather_dim`` / ``reduce_scatter_dim``, looked up at call time).
     """
 
     @staticmethod
     def forward(ctx, x_shard, weight, bias, group, dim, timer):
         ctx.save_for_backward(x_shard, weight)
         ctx.group, ctx.dim, ctx.has_bias, ctx.timer = group, dim, bias is not None, timer
-        return F.linear(_all_gather(x_shard, dim, group, timer), weight, bias)
+        return F.linear(mappings.all_gather_dim(x_shard, dim, group, timer), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x_shard, weight = ctx.saved_tensors
         dtype = grad_out.dtype  # under autocast the forward ran in this precision
-        total = _all_gather(x_shard, ctx.dim, ctx.group, ctx.timer).to(dtype)
-        grad_x = _reduce_scatter(grad_out.matmul(weight.to(dtype)), ctx.dim, ctx.group, ctx.timer)
+        total = mappings.all_gather_dim(x_shard, ctx.dim, ctx.group, ctx.timer).to(dtype)
+        grad_x = grad_out.matmul(weight.to(dtype))
+        grad_x = mappings.reduce_scatter_dim(grad_x, ctx.dim, ctx.group, ctx.timer)
         rows = grad_out.reshape(-1, grad_out.shape[-1])
         grad_w = rows.t().matmul(total.reshape(-1, total.shape[-1]))
         grad_b = rows.sum(0) if ctx.has_bias else None

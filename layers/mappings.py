@@ -1,8 +1,8 @@
-"""The conjugate communication operators of tensor parallelism.
+"""Every tensor-parallel collective of the model, and the plain TP helpers built on them.
 
-Every TP collective of the model happens here. Each operator is a private
-``autograd.Function`` whose backward is the conjugate of its forward, with a public
-wrapper that returns its input untouched when the TP group has one rank.
+The conjugate operators: each is a private ``autograd.Function`` whose backward is the
+conjugate of its forward, with a public wrapper that returns its input untouched when
+the TP group has one rank.
 
 =====================  ==========================  ==========================
 wrapper                forward                     backward
@@ -16,9 +16,23 @@ gather_from_sequence   all-gather sequence dim     reduce-scatter sequence dim
 reduce_scatter_to_seq  reduce-scatter sequence     all-gather sequence dim
 =====================  ==========================  ==========================
 
-Every wrapper takes an optional ``comm_timer`` (see ``layers.utils.CommTimer``): the
-trainer's step timer, handed down explicitly by the modules that own a TP group, so a
-scaling study can split a step into compute and TP communication.
+Plain collectives (no autograd), for layers that write their own backward and for the
+statistics of the vocab-parallel cross-entropy:
+
+- ``all_gather_dim`` / ``reduce_scatter_dim``: along one tensor dim; the sequence-parallel
+  operators above and the sequence-parallel column linear both call these, so a fault
+  planted here reaches every sequence-parallel path;
+- ``all_reduce_max_`` / ``all_reduce_sum_``: in place, for per-token statistics;
+- ``gather_along`` / ``gather_full``: a TP-split tensor (or parameter) to its full shape,
+  for checkpoints, verification and HF export.
+
+``flat_all_gather`` / ``flat_reduce_scatter`` name torch's flat collectives across torch
+versions, once, for the data-parallel code too.
+
+Every collective takes an optional ``comm_timer`` / ``timer`` (see
+``layers.utils.CommTimer``): the trainer's step timer, handed down explicitly by the
+modules that own a TP group, so a scaling study can split a step into compute and TP
+communication.
 """
 
 from __future__ import annotations
@@ -26,11 +40,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from layers.utils import CommTimer, divide, group_rank, group_size, resolve_tp_group, timed
+from layers.utils import TP_DIM_ATTR, CommTimer, divide, timed
+from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
 # torch 2.13 renamed the flat collectives; keep older torch working too.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+flat_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+flat_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _all_reduce(
@@ -49,26 +64,61 @@ def _split(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     return x.narrow(dim, group_rank(group) * block, block).contiguous()
 
 
-def _all_gather(
+def all_gather_dim(
     x: torch.Tensor, dim: int, group: dist.ProcessGroup, timer: CommTimer | None = None
 ) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim``, in rank order (no autograd)."""
     # The flat collective concatenates along dim 0, so gather with ``dim`` moved to the front.
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * group_size(group), *front.shape[1:]))
-    timed(timer, _all_gather_flat, out, front, group=group)
+    timed(timer, flat_all_gather, out, front, group=group)
     return out.movedim(0, dim)
 
 
-def _reduce_scatter(
+def reduce_scatter_dim(
     x: torch.Tensor, dim: int, group: dist.ProcessGroup, timer: CommTimer | None = None
 ) -> torch.Tensor:
+    """This rank's block along ``dim`` of the sum of every rank's ``x`` (no autograd)."""
     front = x.movedim(dim, 0).contiguous()
     rows = divide(
         front.shape[0], group_size(group), f"size of dim {dim} of a {tuple(x.shape)} tensor"
     )
     out = front.new_empty((rows, *front.shape[1:]))
-    timed(timer, _reduce_scatter_flat, out, front, group=group)
+    timed(timer, flat_reduce_scatter, out, front, group=group)
     return out.movedim(0, dim)
+
+
+def all_reduce_max_(
+    x: torch.Tensor, group: dist.ProcessGroup | None, timer: CommTimer | None = None
+) -> torch.Tensor:
+    """Element-wise max of ``x`` over ``group``, in place (no autograd); returns ``x``."""
+    if group_size(group) > 1:
+        timed(timer, dist.all_reduce, x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
+def all_reduce_sum_(
+    x: torch.Tensor, group: dist.ProcessGroup | None, timer: CommTimer | None = None
+) -> torch.Tensor:
+    """Element-wise sum of ``x`` over ``group``, in place (no autograd); returns ``x``."""
+    if group_size(group) > 1:
+        timed(timer, dist.all_reduce, x, group=group)
+    return x
+
+
+def gather_along(
+    tensor: torch.Tensor, dim: int | None, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` (no autograd); a copy if dim is None."""
+    if dim is None or group_size(group) == 1:
+        return tensor.clone()
+    return all_gather_dim(tensor.detach(), dim, group)
+
+
+def gather_full(param: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-gather a TP-split parameter (or its grad, given ``param``'s split) to full shape."""
+    dim = getattr(param, TP_DIM_ATTR, None)
+    return gather_along(param.detach(), dim, resolve_tp_group(tp_group))
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -106,7 +156,7 @@ class _ScatterToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.group, ctx.timer), None, None
+        return all_gather_dim(grad, -1, ctx.group, ctx.timer), None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -115,7 +165,7 @@ class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, timer):
         ctx.group = group
-        return _all_gather(x, -1, group, timer)
+        return all_gather_dim(x, -1, group, timer)
 
     @staticmethod
     def backward(ctx, grad):
@@ -132,7 +182,7 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group, ctx.timer), None, None, None
+        return all_gather_dim(grad, ctx.dim, ctx.group, ctx.timer), None, None, None
 
 
 class _GatherFromSequence(torch.autograd.Function):
@@ -141,11 +191,11 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, timer):
         ctx.group, ctx.dim, ctx.timer = group, dim, timer
-        return _all_gather(x, dim, group, timer)
+        return all_gather_dim(x, dim, group, timer)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.timer), None, None, None
+        return reduce_scatter_dim(grad, ctx.dim, ctx.group, ctx.timer), None, None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -154,11 +204,11 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, timer):
         ctx.group, ctx.dim, ctx.timer = group, dim, timer
-        return _reduce_scatter(x, dim, group, timer)
+        return reduce_scatter_dim(x, dim, group, timer)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group, ctx.timer), None, None, None
+        return all_gather_dim(grad, ctx.dim, ctx.group, ctx.timer), None, None, None
 
 
 def copy_to_tp(

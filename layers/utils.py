@@ -1,4 +1,8 @@
-"""Small helpers shared by the parallel layers: group resolution, divisibility, sharding."""
+"""Small helpers shared by the parallel layers: divisibility, sharding marks, the comm timer.
+
+The group helpers (``group_size``, ``group_rank``, ``resolve_tp_group``) live in
+``parallel_state.groups``; they are re-exported here for the layers' older importers.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
-import parallel_state
+from parallel_state.groups import group_rank as group_rank  # re-exported, see above
+from parallel_state.groups import group_size as group_size
+from parallel_state.groups import resolve_tp_group as resolve_tp_group
 
 # Attribute set on every parameter: the tensor dim it is split along across TP, or None
 # when each TP rank holds the whole tensor. Checkpointing and HF import read it to
@@ -57,30 +62,6 @@ def timed(timer: CommTimer | None, collective: Callable, *args, **kwargs):
         timer.end(token)
 
 
-def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """``tp_group`` itself, or the current ParallelState's TP group; None when not distributed."""
-    if tp_group is not None:
-        return tp_group
-    if parallel_state.is_initialized():
-        return parallel_state.get().tp_group
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError(
-            "torch.distributed runs on several ranks but parallel_state is not initialized: "
-            "call parallel_state.initialize(tp_size) or pass tp_group="
-        )
-    return None  # a plain single process: TP size 1
-
-
-def group_size(group: dist.ProcessGroup | None) -> int:
-    """World size of ``group``; 1 for None (no distribution)."""
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def group_rank(group: dist.ProcessGroup | None) -> int:
-    """This process's rank in ``group``; 0 for None."""
-    return 0 if group is None else dist.get_rank(group)
-
-
 def divide(numerator: int, denominator: int, what: str) -> int:
     """``numerator // denominator``, raising an error naming ``what`` when it does not divide."""
     if numerator % denominator:
@@ -110,21 +91,3 @@ def mark_tp_dim(param: torch.nn.Parameter, dim: int | None) -> torch.nn.Paramete
     """Record how ``param`` is split across TP (see ``TP_DIM_ATTR``)."""
     setattr(param, TP_DIM_ATTR, dim)
     return param
-
-
-def gather_full(param: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """All-gather a TP-split parameter (or its grad, given ``param``'s split) to full shape."""
-    dim = getattr(param, TP_DIM_ATTR, None)
-    return gather_along(param.detach(), dim, resolve_tp_group(tp_group))
-
-
-def gather_along(
-    tensor: torch.Tensor, dim: int | None, group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along ``dim`` (no autograd); identity if dim is None."""
-    world = group_size(group)
-    if dim is None or world == 1:
-        return tensor.clone()
-    parts = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)

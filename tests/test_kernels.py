@@ -50,12 +50,14 @@ import torch.nn.functional as F  # noqa: E402
 
 import parallel_state  # noqa: E402
 from layers import copy_to_tp, vocab_parallel_cross_entropy  # noqa: E402
+from layers.fused_cross_entropy import (  # noqa: E402
+    fused_linear_cross_entropy,
+    fused_vocab_parallel_cross_entropy,
+)
 from layers.kernels import (  # noqa: E402
     LayerNorm,
     bias_dropout_add,
     bias_gelu,
-    fused_linear_cross_entropy,
-    fused_vocab_parallel_cross_entropy,
     layer_norm,
     use_triton,
 )
@@ -668,6 +670,35 @@ def test_backend_selection(monkeypatch):
         use_triton(x, "triton")
 
 
+def test_one_auto_rule_for_ops_and_the_model_kernel_set():
+    """``backend="auto"`` and ``model.kernels=auto`` follow one rule: the fused kernel only
+    where ``MODEL_AUTO`` says so and the tensor is on CUDA; never the interpreter, even
+    when it is on (as in this module on CPU). Seen from outside: the model's fused
+    cross-entropy overwrites its logits with the gradient, torch's leaves them intact."""
+    from layers.kernel_set import resolve_kernels
+    from layers.kernels.dispatch import MODEL_AUTO, choose_backend
+
+    x = torch.randn(4, 8, device=DEVICE)
+    for op, measured in MODEL_AUTO.items():
+        fused = measured == "triton" and DEVICE.type == "cuda"
+        assert choose_backend(op, x, "auto") == ("triton" if fused else "torch"), op
+        assert choose_backend(op, x, "triton") == "triton", op
+        assert choose_backend(op, x, "torch") == "torch", op
+    logits, target, _ = (t.to(DEVICE) for t in ce_inputs(7, 5, 64, torch.float32))
+    for name, overwrites in (
+        ("auto", MODEL_AUTO["cross_entropy"] == "triton" and DEVICE.type == "cuda"),
+        ("triton", True),
+        ("torch", False),
+    ):
+        (leaf,) = leaves(logits)
+        loss = resolve_kernels(name).cross_entropy(leaf, target)
+        # fp32 as for the other kernels (1e-5): the same sums, in another order.
+        torch.testing.assert_close(
+            loss, F.cross_entropy(logits, target, reduction="none"), rtol=1e-5, atol=1e-5
+        )
+        assert (not torch.equal(leaf.detach(), logits)) is overwrites, name
+
+
 def test_bench_kernels_smoke(tmp_path, monkeypatch):
     """tools/bench_kernels.py --smoke: runs every kernel, checks it against torch, writes files."""
     import importlib.util
@@ -701,7 +732,7 @@ def test_big_shapes_on_gpu(dtype):
         dy = torch.randn(m, n, device="cuda").to(dtype)
         compare(
             "layer_norm (gpu)",
-            lambda x, w, b: layer_norm(x, w, b),
+            lambda x, w, b: layer_norm(x, w, b, backend="triton"),
             lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
             (x, w, b),
             dy,
@@ -709,7 +740,7 @@ def test_big_shapes_on_gpu(dtype):
         )
         compare(
             "bias_gelu (gpu)",
-            lambda x, b: bias_gelu(x, b),
+            lambda x, b: bias_gelu(x, b, backend="triton"),
             lambda x, b: F.gelu(x + b, approximate="tanh"),
             (x, b),
             dy,
@@ -721,7 +752,7 @@ def test_fused_linear_cross_entropy_under_autocast():
     """bf16 autocast (the default on CUDA) must run and stay as accurate as torch's own
     autocast path: kernel error vs fp32 ≤ 2 × torch-autocast error vs fp32 + 1e-3 (the
     bf16 logits carry ~2⁻⁸ relative error either way; the floor covers a near-zero case)."""
-    from layers.kernels import fused_linear_cross_entropy
+    from layers.fused_cross_entropy import fused_linear_cross_entropy
 
     torch.manual_seed(0)
     h, w = torch.randn(12, 32, device=DEVICE), torch.randn(50, 32, device=DEVICE) * 0.2

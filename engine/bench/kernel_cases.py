@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import layers.kernels as K  # imports no triton until a kernel runs
+from layers.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 
 
 @dataclass
@@ -95,11 +96,11 @@ def build_cases(tokens_list, hidden_list, vocab_list, dtype, device, compile_tor
         for v in vocab_list:
             e = t * v * size  # bytes of the logit shard; minimal: read it once, write its grad
             ce = {
-                "triton": lambda lg, tg: K.fused_vocab_parallel_cross_entropy(
+                "triton": lambda lg, tg: fused_vocab_parallel_cross_entropy(
                     lg, tg, backend="triton"
                 ),
                 "torch": lambda lg, tg: F.cross_entropy(lg.float(), tg, reduction="none"),
-                "torch-vp": lambda lg, tg: K.fused_vocab_parallel_cross_entropy(
+                "torch-vp": lambda lg, tg: fused_vocab_parallel_cross_entropy(
                     lg, tg, backend="torch"
                 ),
             }

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from engine import comm
 from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers, crop_local
 from engine.checkpoint.state import (
     export_local,
@@ -67,18 +67,10 @@ class _Mesh:
         return cls(ps.rank, ps.world_size, ps.tp_size, ps.dp_size, ps.device.type)
 
     def all_gather(self, obj: Any) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
+        return comm.all_gather_object(obj, comm.world() if self.world > 1 else None)
 
     def from_rank0(self, obj: Any) -> Any:
-        if self.world == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return comm.broadcast_object(obj, comm.world() if self.world > 1 else None)
 
 
 @dataclass

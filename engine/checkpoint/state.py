@@ -18,7 +18,8 @@ from engine.checkpoint.layout import MODEL, OPTIM, TensorSpec, dtype_name, local
 from engine.models import ParallelModel
 from engine.models.base import VOCAB_PADDED_ATTR
 from engine.zero import ZeroOptimizer
-from layers.utils import TP_DIM_ATTR, gather_along, group_rank, group_size
+from layers.mappings import gather_along
+from layers.utils import TP_DIM_ATTR, group_rank, group_size
 
 
 def model_name(param_name: str) -> str:

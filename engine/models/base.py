@@ -17,19 +17,12 @@ from engine.models.config import ModelConfig
 from layers import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, scatter_to_sequence
 from layers.compile import compile_layers
 from layers.linear import InitMethod, build_master_weight, normal_init
+from layers.mappings import gather_along
+from layers.norm import LayerNorm
 from layers.recompute import default_rng, dropout_stream
-from layers.transformer import LayerNorm, ParallelTransformerLayer
-from layers.utils import (
-    SP_GRAD_ATTR,
-    TP_DIM_ATTR,
-    comm_timer_of,
-    gather_along,
-    group_rank,
-    group_size,
-    mark_tp_dim,
-    resolve_tp_group,
-    shard,
-)
+from layers.transformer import ParallelTransformerLayer
+from layers.utils import SP_GRAD_ATTR, TP_DIM_ATTR, comm_timer_of, mark_tp_dim, shard
+from parallel_state.groups import group_rank, group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
 
 # Set on parameters whose dim 0 is the padded vocabulary: trimmed to vocab_size in full

@@ -10,7 +10,8 @@ from torch import nn
 from engine.models.base import ParallelLMHead, ParallelModel, replicated_linear
 from engine.models.config import ModelConfig
 from layers import gather_from_tp, vocab_parallel_cross_entropy
-from layers.transformer import LayerNorm, resolve_kernels
+from layers.kernel_set import resolve_kernels
+from layers.norm import LayerNorm
 from layers.utils import comm_timer_of
 from parallel_state.random import RNGTracker
 

@@ -8,7 +8,8 @@ import torch.distributed as dist
 from engine.models.base import ParallelLMHead, ParallelModel
 from engine.models.config import ModelConfig
 from layers.attention import KVCache, decoder_mask
-from layers.transformer import LayerNorm, resolve_kernels
+from layers.kernel_set import resolve_kernels
+from layers.norm import LayerNorm
 from layers.utils import comm_timer_of
 from parallel_state.random import RNGTracker
 

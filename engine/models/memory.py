@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from engine.models.config import ModelConfig
 from layers.transformer import ParallelTransformerLayer
-from layers.utils import group_size, resolve_tp_group
+from parallel_state.groups import group_size, resolve_tp_group
 
 
 def formula_bytes(cfg: ModelConfig, *, seq_len: int, batch_size: int, tp_size: int) -> float:

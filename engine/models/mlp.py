@@ -17,7 +17,8 @@ from torch import nn
 
 from engine.models.base import replicated_linear
 from layers import ColumnParallelLinear, RowParallelLinear, gather_full, normal_init
-from layers.utils import TP_DIM_ATTR, gather_along
+from layers.mappings import gather_along
+from layers.utils import TP_DIM_ATTR
 
 IMAGE_PIXELS = 28 * 28
 NUM_CLASSES = 10

@@ -1,6 +1,7 @@
 """Fused Triton kernels for the transformer's memory-bound ops, with torch fallbacks.
 
-Each op has four layers (the Liger-Kernel pattern), named after the op:
+A leaf: nothing here imports from ``layers`` outside ``layers/kernels``, and nothing here
+communicates. Each op has four layers (the Liger-Kernel pattern), named after the op:
 
 1. ``_op_fwd_kernel`` / ``_op_bwd_kernel``: ``@triton.jit`` kernels, fp32 accumulation
    (``<op>_triton.py``);
@@ -9,30 +10,25 @@ Each op has four layers (the Liger-Kernel pattern), named after the op:
 3. ``OpFunction``: the ``torch.autograd.Function`` (same files);
 4. the functional form here (``functional.py``) and ``LayerNorm`` (``modules.py``).
 
-``fused_linear_cross_entropy`` (LM head + cross-entropy, chunked over tokens) reuses the
-cross-entropy kernels; its Function is in ``linear_cross_entropy_triton.py``.
+The cross-entropy kernels (``cross_entropy_triton.py``) stop at the launchers: the
+vocab-parallel layer that reduces their statistics over the TP group between the two
+launches, its Functions and the chunked LM head are ``layers.fused_cross_entropy``.
 
-Every public op takes ``backend=``: ``"auto"`` (Triton on CUDA, or on CPU under
-``TRITON_INTERPRET=1``; torch otherwise), ``"torch"``, ``"triton"``, or for
-``layer_norm`` ``"apex"``. Importing this package does not import triton.
+Every public op takes ``backend=``: ``"auto"`` (the per-op measured choice of
+``dispatch.MODEL_AUTO`` on CUDA tensors, torch otherwise: ``dispatch.choose_backend``),
+``"torch"``, ``"triton"`` (on CPU it needs ``TRITON_INTERPRET=1``), or for ``layer_norm``
+``"apex"``. Importing this package does not import triton.
 """
 
-from layers.kernels.dispatch import interpreting, use_triton
-from layers.kernels.functional import (
-    bias_dropout_add,
-    bias_gelu,
-    fused_linear_cross_entropy,
-    fused_vocab_parallel_cross_entropy,
-    layer_norm,
-)
+from layers.kernels.dispatch import choose_backend, interpreting, use_triton
+from layers.kernels.functional import bias_dropout_add, bias_gelu, layer_norm
 from layers.kernels.modules import LayerNorm
 
 __all__ = [
     "LayerNorm",
     "bias_dropout_add",
     "bias_gelu",
-    "fused_linear_cross_entropy",
-    "fused_vocab_parallel_cross_entropy",
+    "choose_backend",
     "interpreting",
     "layer_norm",
     "use_triton",

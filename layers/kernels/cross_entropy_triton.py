@@ -1,16 +1,18 @@
-"""Fused vocab-parallel cross-entropy: Triton kernels, launchers and autograd Function.
+"""Fused vocab-parallel cross-entropy: Triton kernels and their launchers (no communication).
 
-Same result as ``layers.vocab_parallel_cross_entropy``, in two passes over this rank's
-logit shard and no fp32 copy of it:
+The layer (``layers.fused_cross_entropy``) gets the same result as
+``layers.vocab_parallel_cross_entropy`` in two passes over this rank's logit shard and no
+fp32 copy of it:
 
 1. ``_cross_entropy_fwd_stats_kernel``: one program per token streams the shard in
    BLOCK_V chunks and keeps, in fp32, an online max and sum of exponentials (relative
    to that running max), the target logit (0 off this rank's block) and, for label
    smoothing, the sum of logits. Padding columns (global index >= vocab_size) count as
    -inf and are left out of the sums.
-2. Between the passes, on [tokens]-sized vectors: all-reduce MAX of the local maxima,
-   rescale each rank's sum of exponentials to the global max, one all-reduce SUM of
-   (sum of exponentials, target logit[, sum of logits]); log-sum-exp and the loss follow.
+2. Between the passes the layer, not this module, combines the [tokens]-sized statistics
+   over the TP group: all-reduce MAX of the local maxima, rescale each rank's sum of
+   exponentials to the global max, one all-reduce SUM of (sum of exponentials, target
+   logit[, sum of logits]); log-sum-exp and the loss follow.
 3. ``_cross_entropy_fwd_grad_kernel``: the gradient softmax - (1 - eps) one_hot - eps / V
    (0 on padding and ignored tokens), written over the logits in place.
 
@@ -21,12 +23,10 @@ Backward only scales each token's gradient row by its grad_output
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from layers.kernels.launch import check_float, check_launchable
-from layers.utils import group_rank, group_size
 
 # Vocabulary chunk one program holds at a time (elements).
 MAX_BLOCK_V = 8192
@@ -127,21 +127,21 @@ def _block_v(v_local: int, block_v: int | None) -> tuple[int, int]:
     return block, 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
-def cross_entropy_forward(
+def cross_entropy_stats(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    ignore_index: int,
-    label_smoothing: float,
-    vocab_size: int | None,
-    group: dist.ProcessGroup | None,
-    compute_grad: bool = True,
+    vocab_start: int,
+    vocab_size: int,
+    smoothing: bool,
     block_v: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token fp32 loss and, if ``compute_grad``, the logits gradient written over ``logits``.
+) -> torch.Tensor:
+    """This shard's per-token statistics, [4, T] fp32: local max, sum of exp(x - local max),
+    target logit (0 when the target is off this shard) and, with ``smoothing``, the sum of
+    logits (else 0).
 
-    ``logits`` [T, V_local] (unit column stride) and ``target`` [T] int64; ``group`` is the
-    TP group (None: one rank). Returns (loss [T], the overwritten logits or None).
+    ``logits`` [T, V_local] (unit column stride) holds global columns ``vocab_start`` on;
+    columns at or past ``vocab_size`` are padding. ``target`` [T] int64 global ids.
     ``block_v`` overrides the vocabulary chunk (a power of two; tests use small ones).
     """
     check_float("logits", logits)
@@ -151,40 +151,39 @@ def cross_entropy_forward(
             f"expected logits [T, V] with unit column stride and target [T], got "
             f"{tuple(logits.shape)} (strides {logits.stride()}) and {tuple(target.shape)}"
         )
-    world, rank = group_size(group), group_rank(group)
     t, v_local = logits.shape
-    start = rank * v_local
-    total = world * v_local if vocab_size is None else vocab_size
-    target = target.contiguous()
     block, num_warps = _block_v(v_local, block_v)
-
     stats = torch.empty((4, t), dtype=torch.float32, device=logits.device)
     if t > 0:
         _cross_entropy_fwd_stats_kernel[(t,)](
-            logits, target, stats, t, logits.stride(0), v_local, start, total,
-            SMOOTHING=label_smoothing > 0, BLOCK_V=block, num_warps=num_warps,
+            logits, target.contiguous(), stats, t, logits.stride(0), v_local, vocab_start,
+            vocab_size, SMOOTHING=smoothing, BLOCK_V=block, num_warps=num_warps,
         )  # fmt: skip
-    local_max = stats[0]
-    row_max = local_max.clone()
-    if world > 1:
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    sums = stats[1:] if label_smoothing > 0 else stats[1:3]
-    sums[0].mul_(torch.exp(local_max - row_max))  # rescale to the global max
-    if world > 1:
-        dist.all_reduce(sums, group=group)
-    lse = row_max + sums[0].log()
-    loss = lse - sums[1]
-    if label_smoothing > 0:
-        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - sums[2] / total)
-    loss = loss.masked_fill(target == ignore_index, 0.0)
-    if not compute_grad or t == 0:
-        return loss, logits if compute_grad else None
+    return stats
 
+
+def cross_entropy_grad_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    ignore_index: int,
+    smoothing: float,
+    block_v: int | None = None,
+) -> torch.Tensor:
+    """Overwrite ``logits`` [T, V_local] with d loss / d logits given each row's global
+    log-sum-exp ``lse`` [T] fp32; returns ``logits``. Arguments as for ``cross_entropy_stats``."""
+    t, v_local = logits.shape
+    if t == 0:
+        return logits
+    block, num_warps = _block_v(v_local, block_v)
     _cross_entropy_fwd_grad_kernel[(t,)](
-        logits, target, lse, logits.stride(0), v_local, start, total, ignore_index,
-        label_smoothing, BLOCK_V=block, num_warps=num_warps,
+        logits, target.contiguous(), lse, logits.stride(0), v_local, vocab_start, vocab_size,
+        ignore_index, smoothing, BLOCK_V=block, num_warps=num_warps,
     )  # fmt: skip
-    return loss, logits
+    return logits
 
 
 def cross_entropy_backward(
@@ -204,49 +203,3 @@ def cross_entropy_backward(
         grad.stride(0), v_local, ignore_index, BLOCK_V=block, num_warps=num_warps,
     )  # fmt: skip
     return grad
-
-
-class FusedCrossEntropyFunction(torch.autograd.Function):
-    """Per-token loss of TP-sharded logits; the gradient is made in forward, over the logits.
-
-    Forward overwrites ``logits`` with d loss / d logits (when a gradient is needed) and
-    bumps its autograd version, so any other autograd node that saved the same tensor
-    fails loudly in backward instead of reading gradients as logits. Backward scales
-    that buffer by grad_output per token, in place, and returns it.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index, smoothing, vocab_size, group, compute_grad):
-        shape = logits.shape
-        logits2d = logits.reshape(-1, shape[-1])
-        if logits2d.stride(-1) != 1:
-            logits2d = logits2d.contiguous()  # the gradient goes to a copy; logits stay intact
-        target1d = target.reshape(-1)
-        loss, grad = cross_entropy_forward(
-            logits2d,
-            target1d,
-            ignore_index=ignore_index,
-            label_smoothing=smoothing,
-            vocab_size=vocab_size,
-            group=group,
-            compute_grad=compute_grad,
-        )
-        ctx.grad = ctx.target = None
-        if compute_grad:
-            torch.autograd.graph.increment_version(logits)
-            # Kept as attributes, not saved tensors: the buffer is a view of logits, which
-            # was just marked as modified, and backward is its only remaining user.
-            ctx.grad, ctx.target = grad, target1d
-        ctx.shape, ctx.ignore_index = shape, ignore_index
-        return loss.view(target.shape)
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        if ctx.grad is None:
-            raise RuntimeError(
-                "the fused cross-entropy's backward runs once: its gradient buffer is reused "
-                "in place (retain_graph=True cannot run it twice)"
-            )
-        grad = cross_entropy_backward(ctx.grad, grad_loss, ctx.target, ctx.ignore_index)
-        ctx.grad = ctx.target = None
-        return grad.view(ctx.shape), None, None, None, None, None, None

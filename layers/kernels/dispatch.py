@@ -27,13 +27,12 @@ def _triton_available() -> bool:
 
 
 def use_triton(x: torch.Tensor, backend: str = "auto") -> bool:
-    """Whether an op on ``x`` should run its Triton kernel under ``backend``.
+    """Whether a Triton kernel can run on ``x`` (what ``choose_backend`` asks).
 
-    ``"auto"``: Triton for CUDA tensors, or for CPU tensors when ``TRITON_INTERPRET=1``
-    (the interpreter), as long as triton is installed and ``x`` has a kernel dtype
-    (fp32, bf16, fp16); the torch reference otherwise. ``"torch"`` never uses Triton.
-    ``"triton"`` always does, and raises when it cannot run. ``"apex"`` is not Triton
-    (only ``layer_norm`` accepts it).
+    ``"auto"``: whether it can, without raising: a CUDA tensor, or a CPU tensor under
+    ``TRITON_INTERPRET=1`` (the interpreter), triton installed and a kernel dtype (fp32,
+    bf16, fp16). ``"triton"``: True, or an error saying why it cannot run. ``"torch"`` and
+    ``"apex"``: False.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -62,8 +61,29 @@ def reject_apex(backend: str, op: str) -> None:
         raise ValueError(f"backend='apex' is only available for layer_norm, not {op}")
 
 
-# What ``model.kernels=auto`` runs on CUDA tensors, per op: "triton" (the fused kernel) or
-# "torch". From the issue-16 report's H100 measurements (its reporter's, bf16, 16384
+def choose_backend(op: str, x: torch.Tensor, backend: str = "auto") -> str:
+    """The backend that runs ``op`` (a key of ``MODEL_AUTO``) on ``x``: "triton", "torch"
+    or "apex". The one "auto" rule, for the functional ops and a model's kernel set alike.
+
+    ``"auto"``: "triton" where ``MODEL_AUTO`` measured the fused kernel faster than torch
+    and it runs compiled on ``x`` (a CUDA tensor of a kernel dtype, triton installed);
+    "torch" otherwise. The interpreter is for tests: they ask for ``"triton"``.
+    ``"triton"`` raises when it cannot run on ``x``; ``"apex"`` exists for layer_norm only.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if op != "layer_norm":
+        reject_apex(backend, op)
+    if backend == "auto":
+        fast = MODEL_AUTO[op] == "triton" and x.is_cuda
+        return "triton" if fast and use_triton(x, "auto") else "torch"
+    if backend == "triton":
+        use_triton(x, "triton")  # raises, naming the fix, when it cannot run
+    return backend
+
+
+# What ``backend="auto"`` (and ``model.kernels=auto``) runs on CUDA tensors, per op:
+# "triton" (the fused kernel) or "torch". From the issue-16 report's H100 measurements (its reporter's, bf16, 16384
 # tokens, fwd+bwd against torch eager): LayerNorm 0.52x (h 2048) and 0.67x (h 4096),
 # bias-GeLU 0.48x, bias-dropout-add 0.51x, so those stay on torch; the fused cross-entropy
 # was 4.4x faster than eager with 1 MB instead of 9.4 GB peak, so it is used. Re-measure

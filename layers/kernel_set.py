@@ -1,0 +1,94 @@
+"""The element-wise ops of a layer as one swappable set, chosen by ``ModelConfig.kernels``.
+
+The one place where fused kernels get wired into the model. Which backend runs an op is
+``layers.kernels.dispatch.choose_backend``: the same "auto" rule as the functional ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from layers.cross_entropy import vocab_parallel_cross_entropy
+from layers.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+from layers.kernels import functional as fused
+from layers.kernels.dispatch import choose_backend
+
+KERNEL_CHOICES = ("auto", "triton", "apex", "torch")
+
+
+def _torch_bias_dropout_add(
+    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
+    x = x if bias is None else x + bias
+    if training and p > 0:
+        # native_dropout keeps a 1-byte mask for backward; F.dropout keeps an x-sized one on CPU.
+        x = torch.native_dropout(x, p, True)[0]
+    return residual + x
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The element-wise ops of a layer, as one swappable set."""
+
+    layer_norm: Callable[..., torch.Tensor]  # (x, weight, bias, eps)
+    gelu: Callable[..., torch.Tensor]  # (x, bias | None, approximate: "none" | "tanh")
+    bias_dropout_add: Callable[..., torch.Tensor]  # (x, bias | None, residual, p, training)
+    # (logits, target, *, vocab_size, tp_group, comm_timer): vocab_parallel_cross_entropy's
+    cross_entropy: Callable[..., torch.Tensor]
+
+
+TORCH_KERNELS = Kernels(
+    layer_norm=lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
+    gelu=lambda x, b, approximate: F.gelu(x if b is None else x + b, approximate=approximate),
+    bias_dropout_add=_torch_bias_dropout_add,
+    cross_entropy=vocab_parallel_cross_entropy,
+)
+
+
+def _fused_kernels(name: str) -> Kernels:
+    """The ``layers.kernels`` ops under ``model.kernels=name``; torch's where the rule says so."""
+    # apex has a LayerNorm only; the other ops follow the "auto" rule.
+    other = "auto" if name == "apex" else name
+
+    def layer_norm(x, w, b, eps):
+        backend = choose_backend("layer_norm", x, name)
+        if backend == "torch":
+            return TORCH_KERNELS.layer_norm(x, w, b, eps)
+        return fused.layer_norm(x, w, b, eps, backend=backend)
+
+    def gelu(x, bias, approximate):
+        if choose_backend("bias_gelu", x, other) == "torch":
+            return TORCH_KERNELS.gelu(x, bias, approximate)
+        return fused.bias_gelu(x, bias, approximate=approximate, backend="triton")
+
+    def bias_dropout_add(x, bias, residual, p, training):
+        if choose_backend("bias_dropout_add", x, other) == "torch":
+            return TORCH_KERNELS.bias_dropout_add(x, bias, residual, p, training)
+        return fused.bias_dropout_add(x, bias, residual, p, training, backend="triton")
+
+    def cross_entropy(logits, target, **kwargs):
+        # Overwrites the logits with their gradient: callers pass logits nothing else reads.
+        if choose_backend("cross_entropy", logits, other) == "torch":
+            return TORCH_KERNELS.cross_entropy(logits, target, **kwargs)
+        return fused_vocab_parallel_cross_entropy(logits, target, backend="triton", **kwargs)
+
+    return Kernels(layer_norm, gelu, bias_dropout_add, cross_entropy)
+
+
+def resolve_kernels(name: str) -> Kernels:
+    """The kernel set for ``ModelConfig.kernels``.
+
+    - ``auto``: per op, ``choose_backend``'s rule: the fused kernel on CUDA tensors where
+      ``layers.kernels.dispatch.MODEL_AUTO`` measured it faster than torch; torch otherwise;
+    - ``triton``: always the Triton kernels (on CPU they run under ``TRITON_INTERPRET=1``,
+      which is how CI checks them inside a whole model);
+    - ``apex``: apex's FusedLayerNorm (it must be importable), ``auto`` for the rest;
+    - ``torch``: torch's ops everywhere.
+    """
+    if name not in KERNEL_CHOICES:
+        raise ValueError(f"model.kernels={name!r} is not one of auto, triton, apex, torch")
+    return TORCH_KERNELS if name == "torch" else _fused_kernels(name)

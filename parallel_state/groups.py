@@ -1,0 +1,41 @@
+"""Questions about a process group that also make sense without one (None: one process).
+
+Layers and engine code take ``tp_group=`` / ``dp_group=`` explicitly; these helpers let
+them treat ``None`` as a group of one rank, so a single process needs no
+``torch.distributed`` at all.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+import parallel_state
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """World size of ``group``; 1 for None (no distribution)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank in ``group``; 0 for None."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``tp_group`` itself, or the current ParallelState's TP group; None when not distributed."""
+    if tp_group is not None:
+        return tp_group
+    if parallel_state.is_initialized():
+        return parallel_state.get().tp_group
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(
+            "torch.distributed runs on several ranks but parallel_state is not initialized: "
+            "call parallel_state.initialize(tp_size) or pass tp_group="
+        )
+    return None  # a plain single process: TP size 1
+
+
+def solo_group(rank: int, world_size: int) -> dist.ProcessGroup:
+    """A group holding only ``rank`` (every rank of the world must call this together)."""
+    return [dist.new_group([r]) for r in range(world_size)][rank]

@@ -1,0 +1,271 @@
+"""The code map holds: collectives only where docs/ARCHITECTURE.md says, kernels a leaf, no cycles.
+
+Each rule is checked by reading the source (``ast``), so it costs no process group and
+no GPU. Each checker is first shown to catch a planted violation, so a checker that
+silently finds nothing cannot pass.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# torch.distributed calls that communicate (point-to-point and collective).
+COLLECTIVES = frozenset(
+    [
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather",
+        "all_gather_coalesced",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "all_gather_object",
+        "all_to_all",
+        "all_to_all_single",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "broadcast",
+        "broadcast_object_list",
+        "barrier",
+        "monitored_barrier",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+        "send_object_list",
+        "recv_object_list",
+        "gather",
+        "gather_object",
+        "scatter",
+        "scatter_object_list",
+    ]
+)
+# layers.mappings' names for torch's flat collectives (one shim across torch versions).
+SHIMS = frozenset({"flat_all_gather", "flat_reduce_scatter"})
+# Where communication may happen (docs/ARCHITECTURE.md, "Collectives by file").
+ALLOWED = (
+    "layers/mappings.py",  # the TP operators and plain TP helpers
+    "engine/comm.py",  # run-level: metric means, agreement, checkpoint hand-offs, barriers
+    "engine/data_parallel/",  # the DP strategies (gradient reduction, ZeRO-1)
+    # The DP gradient code before it moves into engine/data_parallel/.
+    "engine/grad_sync.py",
+    "engine/zero.py",
+    "engine/optim.py",
+    # Benchmarks that time collectives on purpose.
+    "engine/perfmodel/calibrate.py",
+    "engine/scaling/linkbench.py",
+)
+
+
+def collective_uses(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every torch.distributed collective (or shim) the source refers to,
+    called or passed along (``timed(t, dist.all_reduce, x)``)."""
+    tree = ast.parse(source)
+    aliases: set[str] = set()  # names bound to the torch.distributed module
+    direct: set[str] = set()  # collectives imported by name
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "torch.distributed" and a.asname:
+                    aliases.add(a.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                if node.module == "torch" and a.name == "distributed":
+                    aliases.add(a.asname or a.name)
+                elif node.module.startswith("torch.distributed") and a.name in COLLECTIVES:
+                    direct.add(a.asname or a.name)
+                    found.append((node.lineno, a.name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
+            base = node.value
+            is_dist = isinstance(base, ast.Name) and base.id in aliases
+            is_dist |= ast.unparse(base) == "torch.distributed"
+            if is_dist:
+                found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Attribute) and node.attr in SHIMS:
+            found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Name) and (node.id in direct or node.id in SHIMS):
+            found.append((node.lineno, node.id))
+    return sorted(set(found))
+
+
+def _python_files(*dirs: str) -> list[Path]:
+    return sorted(p for d in dirs for p in (ROOT / d).rglob("*.py"))
+
+
+def test_collective_scanner_catches_planted_calls():
+    planted = (
+        "import torch.distributed as dist\n"
+        "from torch.distributed import barrier\n"
+        "import torch\n"
+        "dist.all_reduce(x, group=g)\n"
+        "timed(timer, dist.all_gather_into_tensor, out, x)\n"
+        "torch.distributed.broadcast_object_list(box)\n"
+        "barrier()\n"
+        "flat_reduce_scatter(out, x)\n"
+        "dist.get_rank(); dist.is_initialized(); dist.new_group([0])\n"  # not communication
+    )
+    assert collective_uses(planted) == [
+        (2, "barrier"),
+        (4, "all_reduce"),
+        (5, "all_gather_into_tensor"),
+        (6, "broadcast_object_list"),
+        (7, "barrier"),
+        (8, "flat_reduce_scatter"),
+    ]
+
+
+def test_collectives_only_in_the_files_the_map_names():
+    """``grep -rn "dist\\." layers/ engine/`` reads as a map: no collective elsewhere."""
+    outside = []
+    for path in _python_files("layers", "engine"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(ALLOWED):
+            continue
+        outside += [f"{rel}:{line} {name}" for line, name in collective_uses(path.read_text())]
+    assert not outside, (
+        "collectives outside layers/mappings.py, engine/comm.py and the DP code; use their "
+        "helpers (or add the file to the map in docs/ARCHITECTURE.md and ALLOWED):\n"
+        + "\n".join(outside)
+    )
+    # The allowed files really are where the collectives are (the scan sees them).
+    assert collective_uses((ROOT / "layers/mappings.py").read_text())
+    assert collective_uses((ROOT / "engine/comm.py").read_text())
+
+
+def imported_modules(path: Path, package_root: Path) -> set[str]:
+    """Every module ``path`` imports (also inside functions and ``TYPE_CHECKING``), with
+    ``from pkg import name`` resolved to ``pkg.name`` when that is a module of the tree."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = package_root / node.module.replace(".", "/") / a.name
+                is_module = sub.with_suffix(".py").exists() or (sub / "__init__.py").exists()
+                out.add(f"{node.module}.{a.name}" if is_module else node.module)
+    return out
+
+
+def _module_name(path: Path, package_root: Path) -> str:
+    parts = path.relative_to(package_root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: str, package_root: Path = ROOT) -> dict[str, set[str]]:
+    """Module → the modules of ``package`` it imports."""
+    graph = {}
+    for path in sorted((package_root / package).rglob("*.py")):
+        name = _module_name(path, package_root)
+        graph[name] = {
+            m for m in imported_modules(path, package_root) if m.split(".")[0] == package
+        } - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (a list of modules, first repeated last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def _plant(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return tmp_path
+
+
+def test_cycle_finder_catches_a_planted_circle(tmp_path):
+    """The circle issue 11 removed: attention imported transformer (for a type) and back."""
+    root = _plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from pkg.transformer import Layer\n",
+            "pkg/transformer.py": "from pkg.attention import Attention\n",
+            "pkg/attention.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n    from pkg.transformer import Config\n"
+            ),
+            "pkg/leaf.py": "import torch\n",
+        },
+    )
+    assert find_cycle(import_graph("pkg", root)) == [
+        "pkg.transformer",
+        "pkg.attention",
+        "pkg.transformer",
+    ]
+    (root / "pkg/attention.py").write_text("from pkg import leaf\n")
+    assert find_cycle(import_graph("pkg", root)) is None
+
+
+def test_no_import_cycle_among_layers():
+    graph = import_graph("layers")
+    assert "layers.attention" in graph and "layers.kernels.dispatch" in graph  # it scanned
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle in layers/: " + " -> ".join(cycle)
+
+
+def upward_imports(graph: dict[str, set[str]], leaf: str = "layers.kernels") -> list[str]:
+    """ "module imports target" for every import from ``leaf`` to outside it."""
+    return sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if module.startswith(leaf)
+        for target in targets
+        if not target.startswith(leaf)
+    )
+
+
+def test_leaf_checker_catches_a_planted_upward_import(tmp_path):
+    root = _plant(
+        tmp_path,
+        {
+            "layers/mappings.py": "",
+            "layers/kernels/__init__.py": "from layers.kernels import ce\n",
+            "layers/kernels/ce.py": "def f():\n    from layers import mappings\n",
+        },
+    )
+    assert upward_imports(import_graph("layers", root)) == [
+        "layers.kernels.ce imports layers.mappings"
+    ]
+
+
+def test_layers_kernels_is_a_leaf():
+    """layers/kernels/ imports nothing from layers/ above it (nor anything of ours but
+    itself): kernels compute; the layers that use them communicate."""
+    graph = import_graph("layers")
+    assert "layers.kernels.cross_entropy_triton" in graph  # it scanned the kernels
+    above = upward_imports(graph)
+    assert not above, "layers/kernels must stay a leaf:\n" + "\n".join(above)
+    for path in _python_files("layers/kernels"):
+        ours = {
+            m
+            for m in imported_modules(path, ROOT)
+            if m.split(".")[0] in ("engine", "parallel_state", "configs", "tools")
+        }
+        assert not ours, f"{path.relative_to(ROOT)} imports {sorted(ours)}"
