@@ -49,14 +49,14 @@ def prepare(cfg: Config) -> Config:
     problems = validate(cfg, dp_size, world)
     if problems:
         _fail(problems)
-    from engine.data_setup import resolve_data
+    from engine.data.pipeline import resolve_data
 
     cfg = dataclasses.replace(
         cfg, dp_size=dp_size, data=resolve_data(cfg.data), optim=scale_lr(cfg.optim, cfg.trainer)
     )
     if not os.path.exists(cfg.data.tokenizer):
         _fail([f"data.tokenizer: {cfg.data.tokenizer} does not exist (pass data.tokenizer=PATH)"])
-    from engine.data_setup import check_data
+    from engine.data.pipeline import check_data
     from engine.preflight import check_memory
 
     local_ranks = (info.local_world_size or 1) if info.launcher != "none" else _job_ranks(cfg)

@@ -17,7 +17,7 @@ from engine import flops
 from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.cluster import describe_mesh
 from engine.config import Config
-from engine.data_setup import build_pipeline, to_device
+from engine.data.pipeline import build_pipeline, to_device
 from engine.generate import generate
 from engine.grad_sync import GradSync
 from engine.guard import BadStepGuard
@@ -389,7 +389,7 @@ class Trainer:
         self._mark("final model export", "world")
         if not self.cfg.checkpoint.save_final or not self.guard.may_save(self.step, self.params):
             return None
-        from engine.checkpoint_format import save_model
+        from engine.checkpoint.format import save_model
 
         directory = os.path.join(checkpoint_dir(self.cfg), "final")
         save_model(self.model, directory)

@@ -51,8 +51,8 @@ from engine.config import OptimConfig  # noqa: E402
 from engine.grad_sync import GradSync  # noqa: E402
 from engine.models import ModelConfig, ParallelModel, build_model, preset  # noqa: E402
 from engine.optim import build_optimizer, clip_grads_, global_grad_norm  # noqa: E402
-from engine.verify import VerifySpec, model_loss  # noqa: E402
-from engine.verify import make_batch as verify_batch  # noqa: E402
+from engine.verification.layouts import VerifySpec, model_loss  # noqa: E402
+from engine.verification.layouts import make_batch as verify_batch  # noqa: E402
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 REFERENCES = ("eager", "compile", "mcore")
@@ -261,7 +261,7 @@ def reference_optimizer(ref: RefGPT, ocfg: OptimConfig, device: torch.device):
 
 
 def make_batch(cfg: ModelConfig, args, ps, device) -> dict[str, torch.Tensor]:
-    """A fixed random micro-batch for this DP rank (engine.verify's GPT/BERT batches)."""
+    """A fixed random micro-batch for this DP rank (engine.verification.layouts's GPT/BERT batches)."""
     spec = VerifySpec(
         model=cfg.arch, vocab_size=cfg.vocab_size, seq_len=args.seq,
         batch_size=args.micro_batch, seed=args.seed + ps.dp_rank,

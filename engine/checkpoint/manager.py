@@ -42,7 +42,7 @@ from engine.checkpoint.storage import (
     write_index,
     write_shard,
 )
-from engine.checkpoint_format import check_compatible
+from engine.checkpoint.format import check_compatible
 from engine.models import ModelConfig, ParallelModel
 from engine.zero import ZeroOptimizer
 from parallel_state import ParallelState
