@@ -23,8 +23,8 @@ from engine.checkpoint import (
     save_checkpoint,
 )
 from engine.checkpoint.convert import convert
-from engine.checkpoint.storage import write_index
 from engine.checkpoint.format import read_checkpoint
+from engine.checkpoint.storage import write_index
 from engine.config import Config, OptimConfig
 from engine.models import build_model
 from engine.models.config import preset
