@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     con.add_argument("--tp-size", type=int, required=True)
     con.add_argument("--dp-size", type=int, required=True)
     con.add_argument("--out", required=True, help="checkpoint root to write")
-    exp = sub.add_parser("export-model", help="the model weights alone (engine/checkpoint/format.py)")
+    exp = sub.add_parser("export-model", help="the model weights alone (checkpoint/format)")
     exp.add_argument("ckpt", help="step directory or checkpoint root")
     exp.add_argument("--out", required=True, help="model checkpoint directory to write")
     return parser.parse_args(argv)
