@@ -32,6 +32,7 @@ from engine.models.base import ParallelLMHead
 from layers import ColumnParallelLinear
 from layers.attention import CoreAttention
 from layers.utils import gather_along
+from parallel_state.dims import ParallelDims
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Relative tolerances (max error / max |reference|). float64 proves the math: layouts differ
@@ -75,13 +76,15 @@ class VerifySpec:
         for key in ("tp_size", "dp_size", "steps", "batch_size", "seq_len"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
-        if self.batch_size % self.dp_size:
-            raise ValueError(f"batch {self.batch_size} is not divisible by dp_size {self.dp_size}")
-        if self.sequence_parallel and self.seq_len % self.tp_size:
-            raise ValueError(
-                f"sequence parallelism needs seq {self.seq_len} divisible by tp_size {self.tp_size}"
-            )
-        (model_config or self.model_config()).validate(self.tp_size)
+        dims = self.dims
+        dims.check_batch(self.batch_size)  # one micro-batch per DP rank
+        dims.check_seq_len(self.seq_len, key="seq_len")
+        (model_config or self.model_config()).validate(dims.tp)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The target layout as a validated value."""
+        return ParallelDims(self.tp_size, self.dp_size, sequence_parallel=self.sequence_parallel)
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
         """The target's config, or with ``reference=True`` the plain unsplit one."""
@@ -233,7 +236,7 @@ def compare_layouts(
     """
     ps = parallel_state.get()
     spec.check()
-    if (ps.tp_size, ps.dp_size) != (spec.tp_size, spec.dp_size):
+    if (ps.tp_size, ps.dp_size) != (spec.dims.tp, spec.dims.dp):
         raise ValueError(
             f"the mesh is tp={ps.tp_size}, dp={ps.dp_size} but the spec asks for "
             f"tp={spec.tp_size}, dp={spec.dp_size}"
@@ -313,7 +316,7 @@ def run_on_mesh(fn: Callable[..., T], spec: VerifySpec, *args: Any) -> T:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     # The models and batches live on the CPU: the split's math does not depend on the
     # device, and gloo keeps the tool working on GPU nodes too (NCCL would need CUDA tensors).
-    parallel_state.initialize(spec.tp_size, spec.dp_size, backend="gloo")
+    parallel_state.initialize(spec.dims.tp, spec.dims.dp, backend="gloo")
     try:
         return fn(spec, *args)
     finally:
