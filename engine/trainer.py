@@ -109,14 +109,7 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=_AUTOCAST[self.precision])
 
     def _loss(self, batch) -> torch.Tensor:
-        batch = to_device(batch, self.device)
-        if self.cfg.model.arch == "gpt":
-            return self.model(batch[:, :-1], batch[:, 1:]).mean()
-        out = self.model(
-            batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
-            mlm_labels=batch["mlm_labels"], sop_labels=batch["sop_label"],
-        )  # fmt: skip
-        return out["loss"]
+        return self.model.loss(to_device(batch, self.device))
 
     def _mark(self, what: str, group: str, step: int | None = None) -> None:
         """Tell the watchdog what this rank does now and which group it may wait on."""

@@ -14,7 +14,7 @@ import torch
 
 import parallel_state
 from engine.hf_interop import config_from_hf, hf_weight_files, read_hf_config, read_hf_dir
-from engine.models import GPTModel, ParallelModel, build_model
+from engine.models import build_model
 from engine.verification.layouts import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 from layers.utils import gather_along
 
@@ -49,7 +49,7 @@ def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:
     spec = replace(spec, model=cfg.arch, vocab_size=cfg.vocab_size)
     batch = make_batch(replace(spec, seq_len=min(spec.seq_len, cfg.max_positions)))
     with torch.no_grad():
-        ours = _logits(model.eval(), dp_slice(batch, ps))
+        ours = model.eval().logits(dp_slice(batch, ps))
     full = {}
     for name, logits in ours.items():  # [b, s, V/tp] vocab-sharded, or [b, 2] replicated
         logits = gather_along(logits, -1 if logits.dim() == 3 else None, ps.tp_group)
@@ -60,13 +60,6 @@ def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:
     tol, absolute = HF_TOLERANCES[spec.dtype], spec.dtype != "bfloat16"
     rows = [compare("logits", n, full[n], theirs[n], tol, absolute=absolute) for n in full]
     return Report(spec, tol, rows, absolute=absolute)
-
-
-def _logits(model: ParallelModel, batch: dict) -> dict[str, torch.Tensor]:
-    if isinstance(model, GPTModel):
-        return {"logits": model(batch["input_ids"])}
-    out = model(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
-    return {"mlm_logits": out["mlm_logits"], "sop_logits": out["sop_logits"]}
 
 
 def _hf_logits(hf_dir: str, hf_config: dict, batch: dict, dtype) -> dict[str, torch.Tensor]:

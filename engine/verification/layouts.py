@@ -27,7 +27,7 @@ from torch import nn
 
 import parallel_state
 from engine.grad_sync import GradSync
-from engine.models import GPTModel, ModelConfig, ParallelModel, build_model
+from engine.models import ModelConfig, ParallelModel, build_model
 from engine.models.base import ParallelLMHead
 from layers import ColumnParallelLinear
 from layers.attention import CoreAttention
@@ -205,16 +205,9 @@ def make_batch(spec: VerifySpec) -> dict[str, torch.Tensor]:
     for row in range(b):
         picked = 1 + torch.randperm(int(lengths[row]) - 1, generator=g)[:3]
         mlm_labels[row, picked] = torch.randint(0, v, (3,), generator=g)
-    sop_labels = torch.randint(0, 2, (b,), generator=g)
+    sop_label = torch.randint(0, 2, (b,), generator=g)
     return dict(input_ids=ids, token_type_ids=token_type_ids, attention_mask=attention_mask,
-                mlm_labels=mlm_labels, sop_labels=sop_labels)  # fmt: skip
-
-
-def model_loss(model: ParallelModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The scalar training loss of a GPT (mean token loss) or BERT (MLM + SOP) batch."""
-    if isinstance(model, GPTModel):
-        return model(batch["input_ids"], batch["labels"]).mean()
-    return model(**batch)["loss"]
+                mlm_labels=mlm_labels, sop_label=sop_label)  # fmt: skip
 
 
 def dp_slice(batch: dict[str, torch.Tensor], ps: parallel_state.ParallelState) -> dict:
@@ -262,7 +255,7 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
     captures = [OutputCapture(m) for m in models]
     local = dp_slice(batch, ps)
     for step in range(spec.steps):
-        loss = model_loss(target, local)
+        loss = target.loss(local)
         loss.backward()
         grad_sync.finish()
         loss = loss.detach().double()
@@ -270,7 +263,7 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
         loss /= ps.dp_size
         ref_loss = None
         if reference is not None:
-            ref_loss = model_loss(reference, batch)
+            ref_loss = reference.loss(batch)
             ref_loss.backward()
         if step == 0:
             rows += _output_rows(captures, ps, tol)
