@@ -22,6 +22,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from engine.config import ClassifyConfig, register_classify_configs
+from parallel_state.dims import LayoutError, ParallelDims
 from parallel_state.launcher import DEFAULT_MASTER_PORT, detect_launch
 
 register_classify_configs()
@@ -66,26 +67,24 @@ def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
     """(world size, dp size, ranks per node) of this run, or exit 2 naming the mismatch."""
     info, launch, tp = detect_launch(), cfg.launch, cfg.tp_size
     bad = [f"{key}={value} must be >= 1" for key, value in (
-        ("tp_size", tp), ("launch.num_nodes", launch.num_nodes),
+        ("launch.num_nodes", launch.num_nodes),
         ("launch.ranks_per_node", launch.ranks_per_node or 1)) if value < 1]  # fmt: skip
-    if cfg.dp_size != "auto" and not (str(cfg.dp_size).isdigit() and int(cfg.dp_size) >= 1):
-        bad.append(f"dp_size={cfg.dp_size!r} must be an integer >= 1 or auto")
+    try:
+        asked = ParallelDims.resolve(tp, cfg.dp_size)  # dp_size=auto: 1 until the world is known
+    except LayoutError as err:
+        bad.insert(0, str(err))
     if bad:
         _fail(bad)
     if info.launcher != "none":
         world, per_node = info.world_size, info.local_world_size or info.world_size
     else:
-        dp_guess = 1 if cfg.dp_size == "auto" else int(cfg.dp_size)
-        per_node = launch.ranks_per_node or max(1, tp * dp_guess // launch.num_nodes)
+        per_node = launch.ranks_per_node or max(1, asked.world // launch.num_nodes)
         world = per_node * launch.num_nodes
-    if world % tp:
-        _fail([f"tp_size={tp} does not divide the {world} ranks "
-               f"({launch.num_nodes} nodes × {per_node} per node)"])  # fmt: skip
-    dp = world // tp if cfg.dp_size == "auto" else int(cfg.dp_size)
-    if tp * dp != world:
-        _fail([f"tp_size × dp_size = {tp} × {dp} = {tp * dp}, but the run has {world} ranks "
-               f"({launch.num_nodes} nodes × {per_node} per node); set dp_size=auto"])  # fmt: skip
-    return world, dp, per_node
+    try:
+        dims = ParallelDims.resolve(tp, cfg.dp_size, world)
+    except LayoutError as err:
+        _fail([f"{err}; the run has {launch.num_nodes} nodes × {per_node} ranks per node"])
+    return world, dims.dp, per_node
 
 
 def validate(cfg: ClassifyConfig, dp_size: int) -> list[str]:

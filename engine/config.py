@@ -18,6 +18,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from engine.models.config import ModelConfig
+from parallel_state.dims import LayoutError, ParallelDims
 
 
 @dataclass
@@ -122,35 +123,19 @@ def register_configs() -> None:
     cs.store(group="trainer", name="schema", node=TrainerConfig)
 
 
-def resolve_dp_size(cfg: Config, world_size: int | None) -> int:
-    """``dp_size`` as an int: ``auto`` means world ÷ tp (world from the launcher, else tp)."""
-    if isinstance(cfg.dp_size, str):
-        if cfg.dp_size != "auto":
-            try:
-                return int(cfg.dp_size)
-            except ValueError:
-                raise ValueError(f"dp_size={cfg.dp_size!r} must be an integer or 'auto'") from None
-        if world_size is None:
-            return 1
-        return world_size // cfg.tp_size if cfg.tp_size > 0 else 1
-    return int(cfg.dp_size)
+def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
+    """The run's layout, validated: ``dp_size=auto`` is world ÷ tp (1 with no launcher yet,
+    since this process then starts tp ranks itself). Raises LayoutError, one line."""
+    return ParallelDims.resolve(
+        cfg.tp_size, cfg.dp_size, world_size,
+        sequence_parallel=cfg.model.sequence_parallel, zero1=cfg.optim.distributed,
+    )  # fmt: skip
 
 
-def validate(cfg: Config, dp_size: int, world_size: int | None = None) -> list[str]:
-    """Every problem of ``cfg`` at this layout, one line each (empty when it can run)."""
+def validate(cfg: Config, dims: ParallelDims) -> list[str]:
+    """Every problem of ``cfg`` at the layout ``dims``, one line each (empty when it can run)."""
     problems: list[str] = []
-    tp, t = cfg.tp_size, cfg.trainer
-    if tp < 1:
-        problems.append(f"tp_size={tp} must be >= 1")
-    if dp_size < 1:
-        problems.append(f"dp_size={dp_size} must be >= 1")
-    if problems:
-        return problems
-    if world_size is not None and tp * dp_size != world_size:
-        problems.append(
-            f"tp_size × dp_size = {tp} × {dp_size} = {tp * dp_size} but the launcher started "
-            f"{world_size} processes"
-        )
+    tp, t = dims.tp, cfg.trainer
     try:
         cfg.model.validate(tp)
     except ValueError as err:
@@ -160,14 +145,11 @@ def validate(cfg: Config, dp_size: int, world_size: int | None = None) -> list[s
             f"trainer.global_batch={t.global_batch} and trainer.micro_batch={t.micro_batch} "
             "must be >= 1"
         )
-    elif t.global_batch % (t.micro_batch * dp_size):
-        problems.append(
-            f"trainer.global_batch={t.global_batch} is not a multiple of trainer.micro_batch × "
-            f"dp_size = {t.micro_batch} × {dp_size} = {t.micro_batch * dp_size} (global batch = "
-            "micro batch × dp × accumulation steps)"
-        )
+    else:
+        problems += _layout_problem(dims.check_batch, t.global_batch, t.micro_batch)
     if t.max_steps < 1:
         problems.append(f"trainer.max_steps={t.max_steps} must be >= 1")
+    problems += _layout_problem(dims.check_seq_len, cfg.data.seq_len)
     if cfg.data.seq_len < 2 or cfg.data.seq_len > cfg.model.max_positions:
         problems.append(
             f"data.seq_len={cfg.data.seq_len} must be in [2, model.max_positions="
@@ -204,6 +186,15 @@ def validate(cfg: Config, dp_size: int, world_size: int | None = None) -> list[s
     problems += _validate_values(cfg)
     problems += _validate_data(cfg)
     return problems
+
+
+def _layout_problem(check, *args) -> list[str]:
+    """The one-line LayoutError of ``check(*args)`` as a problem list."""
+    try:
+        check(*args)
+    except LayoutError as err:
+        return [str(err)]
+    return []
 
 
 def _validate_values(cfg: Config) -> list[str]:

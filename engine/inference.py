@@ -27,7 +27,7 @@ class ModelSource:
 
     def kind(self) -> str:
         """``"export"``, ``"training"`` or ``"hf"``; raises naming the path when it is none."""
-        from engine.checkpoint_format import META_FILE
+        from engine.checkpoint.format import META_FILE
 
         if self.hf_dir is not None:
             if not (Path(self.hf_dir) / "config.json").is_file():
@@ -52,7 +52,7 @@ class ModelSource:
 
             return config_from_hf(read_hf_config(self.hf_dir))
         if kind == "export":
-            from engine.checkpoint_format import META_FILE
+            from engine.checkpoint.format import META_FILE
 
             meta = json.loads((Path(self.ckpt) / META_FILE).read_text())
             return ModelConfig.from_dict(meta["model_config"])
@@ -67,7 +67,7 @@ class ModelSource:
             cfg, state, _ = read_hf_dir(self.hf_dir)
             return cfg, state
         if kind == "export":
-            from engine.checkpoint_format import read_checkpoint
+            from engine.checkpoint.format import read_checkpoint
 
             ckpt = read_checkpoint(self.ckpt)
             return ckpt.config, ckpt.state

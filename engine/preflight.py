@@ -102,8 +102,8 @@ def check_memory(cfg: Config, local_ranks: int) -> list[str]:
 
 def check_resume_model(cfg: Config, root: Path) -> list[str]:
     """One line when the checkpoint a run would resume from holds a different model."""
+    from engine.checkpoint.format import check_compatible
     from engine.checkpoint.storage import CheckpointError, read_index, read_latest, step_dirs
-    from engine.checkpoint_format import check_compatible
     from engine.models import ModelConfig
 
     if not cfg.checkpoint.resume:

@@ -26,10 +26,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from engine.config import Config, register_configs, resolve_dp_size, validate
+from engine.config import Config, parallel_dims, register_configs, validate
 from engine.optim import scale_lr
 from engine.preemption import EXIT_PREEMPTED
 from engine.watchdog import run_rank
+from parallel_state.dims import LayoutError
 from parallel_state.launcher import detect_launch
 
 register_configs()
@@ -43,30 +44,27 @@ def prepare(cfg: Config) -> Config:
     info = detect_launch()
     world = info.world_size if info.launcher != "none" else None
     try:
-        dp_size = resolve_dp_size(cfg, world)
-    except ValueError as err:
+        dims = parallel_dims(cfg, world)
+    except LayoutError as err:
         _fail([str(err)])
-    problems = validate(cfg, dp_size, world)
+    problems = validate(cfg, dims)
     if problems:
         _fail(problems)
-    from engine.data_setup import resolve_data
+    from engine.data.pipeline import resolve_data
 
     cfg = dataclasses.replace(
-        cfg, dp_size=dp_size, data=resolve_data(cfg.data), optim=scale_lr(cfg.optim, cfg.trainer)
+        cfg, dp_size=dims.dp, data=resolve_data(cfg.data), optim=scale_lr(cfg.optim, cfg.trainer)
     )
     if not os.path.exists(cfg.data.tokenizer):
         _fail([f"data.tokenizer: {cfg.data.tokenizer} does not exist (pass data.tokenizer=PATH)"])
-    from engine.data_setup import check_data
+    from engine.data.pipeline import check_data
     from engine.preflight import check_memory
 
-    local_ranks = (info.local_world_size or 1) if info.launcher != "none" else _job_ranks(cfg)
+    local_ranks = (info.local_world_size or 1) if info.launcher != "none" else dims.world
     # The memory estimate is only worth giving for a config that is otherwise sound.
     problems = check_data(cfg) + _check_checkpoint_dir(cfg) or check_memory(cfg, local_ranks)
     if problems:
         _fail(problems)
-    if cfg.model.sequence_parallel and cfg.data.seq_len % cfg.tp_size:
-        _fail([f"data.seq_len={cfg.data.seq_len} is not divisible by tp_size={cfg.tp_size} "
-               "(needed by model.sequence_parallel=true)"])  # fmt: skip
     return cfg
 
 
@@ -95,11 +93,6 @@ def _check_checkpoint_dir(cfg: Config) -> list[str]:
     return check_resume_model(cfg, root)
 
 
-def _job_ranks(cfg: Config) -> int:
-    """Ranks of the job: tp_size × dp_size (dp_size resolved)."""
-    return cfg.tp_size * int(cfg.dp_size)
-
-
 def _fail(problems: list[str]) -> None:
     for line in problems:
         print(f"config error: {line}", file=sys.stderr)
@@ -108,7 +101,7 @@ def _fail(problems: list[str]) -> None:
 
 def launch(cfg: Config) -> dict:
     """Run the job on this process, or start tp × dp local workers if no launcher did."""
-    world = cfg.tp_size * cfg.dp_size
+    world = parallel_dims(cfg, None).world  # dp_size is resolved by ``prepare``
     if detect_launch().launcher != "none" or world == 1:
         return run_rank(cfg)
     from torch.distributed.elastic.multiprocessing.api import SignalException

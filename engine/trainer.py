@@ -16,7 +16,7 @@ from engine import comm, flops
 from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.cluster import describe_mesh
 from engine.config import Config
-from engine.data_setup import build_pipeline, to_device
+from engine.data.pipeline import build_pipeline, to_device
 from engine.generate import generate
 from engine.grad_sync import GradSync
 from engine.guard import BadStepGuard
@@ -108,14 +108,7 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=_AUTOCAST[self.precision])
 
     def _loss(self, batch) -> torch.Tensor:
-        batch = to_device(batch, self.device)
-        if self.cfg.model.arch == "gpt":
-            return self.model(batch[:, :-1], batch[:, 1:]).mean()
-        out = self.model(
-            batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
-            mlm_labels=batch["mlm_labels"], sop_labels=batch["sop_label"],
-        )  # fmt: skip
-        return out["loss"]
+        return self.model.loss(to_device(batch, self.device))
 
     def _mark(self, what: str, group: str, step: int | None = None) -> None:
         """Tell the watchdog what this rank does now and which group it may wait on."""
@@ -385,7 +378,7 @@ class Trainer:
         self._mark("final model export", "world")
         if not self.cfg.checkpoint.save_final or not self.guard.may_save(self.step, self.params):
             return None
-        from engine.checkpoint_format import save_model
+        from engine.checkpoint.format import save_model
 
         directory = os.path.join(checkpoint_dir(self.cfg), "final")
         save_model(self.model, directory)

@@ -17,10 +17,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from parallel_state.dims import LayoutError, ParallelDims
 from parallel_state.launcher import LaunchInfo, detect_launch
 from parallel_state.random import RNGTracker
 
-__all__ = ["ParallelState", "initialize", "get", "destroy", "validate_sizes", "LaunchInfo"]
+__all__ = [
+    "ParallelState",
+    "ParallelDims",
+    "LayoutError",
+    "initialize",
+    "get",
+    "destroy",
+    "LaunchInfo",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,28 +65,6 @@ class ParallelState:
 
 
 _current: ParallelState | None = None  # the default state that ``get()`` returns
-
-
-def validate_sizes(tp_size: int, dp_size: int | None, world_size: int) -> int:
-    """Check the mesh against the world size and return dp_size; raise naming the numbers."""
-    for name, value in (("tp_size", tp_size), ("dp_size", dp_size)):
-        if value is None and name == "dp_size":
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if dp_size is None:
-        if world_size % tp_size:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tp_size {tp_size}; "
-                f"launch a multiple of {tp_size} processes or choose a tp_size dividing {world_size}"
-            )
-        dp_size = world_size // tp_size
-    if tp_size * dp_size != world_size:
-        raise ValueError(
-            f"tp_size × dp_size = {tp_size} × {dp_size} = {tp_size * dp_size} does not equal the "
-            f"world size {world_size}; launch {tp_size * dp_size} processes or change the sizes"
-        )
-    return dp_size
 
 
 def _warn_if_tp_spans_nodes(tp_size: int, local_world_size: int | None) -> None:
@@ -125,14 +112,15 @@ def _init_default_group(info: LaunchInfo, backend: str, timeout: datetime.timede
 
 def initialize(
     tp_size: int,
-    dp_size: int | None = None,
+    dp_size: int | str | None = None,
     *,
     backend: str | None = None,
     timeout_s: float = 600.0,
 ) -> ParallelState:
     """Build the (dp, tp) mesh, initializing torch.distributed from the launcher if needed.
 
-    ``dp_size=None`` means world size ÷ tp_size. Sizes are checked before any collective.
+    ``dp_size=None`` (or ``"auto"``) means world size ÷ tp_size. The sizes are checked as a
+    :class:`ParallelDims` before any collective.
     The backend is NCCL when every local rank has its own CUDA device, else gloo.
     """
     global _current
@@ -141,7 +129,7 @@ def initialize(
     info = detect_launch()
     owns = not dist.is_initialized()
     world_size = info.world_size if owns else dist.get_world_size()
-    dp_size = validate_sizes(tp_size, dp_size, world_size)
+    dp_size = ParallelDims.resolve(tp_size, dp_size, world_size).dp
     # A group made by someone else without a launcher (a test harness, a notebook) says
     # nothing about nodes; only a launcher's count of local processes does.
     if not (info.launcher == "none" and not owns):

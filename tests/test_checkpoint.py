@@ -23,8 +23,8 @@ from engine.checkpoint import (
     save_checkpoint,
 )
 from engine.checkpoint.convert import convert
+from engine.checkpoint.format import read_checkpoint
 from engine.checkpoint.storage import write_index
-from engine.checkpoint_format import read_checkpoint
 from engine.config import Config, OptimConfig
 from engine.models import build_model
 from engine.models.config import preset
@@ -560,7 +560,7 @@ def test_an_error_on_one_rank_reaches_every_rank_without_a_hang(tmp_path):
 
 def test_weight_files_get_ordinary_umask_permissions(tmp_path):
     """safetensors alone writes 0600 files; teammates on a shared cluster must read them."""
-    from engine.checkpoint_format import save_model
+    from engine.checkpoint.format import save_model
 
     old = os.umask(0o022)
     try:
@@ -578,7 +578,7 @@ def test_weight_files_get_ordinary_umask_permissions(tmp_path):
 
 def test_inspect_explains_a_model_only_directory(tmp_path):
     from engine.checkpoint.convert import resolve
-    from engine.checkpoint_format import save_model
+    from engine.checkpoint.format import save_model
 
     cfg = preset("gpt_tiny", vocab_size=100, hidden_size=16, num_heads=2, num_layers=1)
     save_model(build_model(cfg), tmp_path / "final")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from engine.checkpoint_format import write_checkpoint
+from engine.checkpoint.format import write_checkpoint
 from engine.generate import Sampling, generate_batch
 from engine.models import build_model
 from engine.models.config import preset

@@ -1,13 +1,14 @@
 """GPT and BERT at every (tp, dp, sequence-parallel, recompute) layout match the unsplit model.
 
-Each layout is compared by ``engine.verify.compare_layouts`` against tp=1, dp=1 on the same
-seed and global batch: every module output, the loss and every parameter gradient, all
-gathered to full shape. Tolerances are relative to max |reference| (``verify.TOLERANCES``):
+Each layout is compared by ``engine.verification.layouts.compare_layouts`` against tp=1,
+dp=1 on the same seed and global batch: every module output, the loss and every parameter
+gradient, all gathered to full shape. Tolerances are relative to max |reference|
+(``layouts.TOLERANCES``):
 float64 1e-10 — layouts differ only in the order of floating-point sums, which leaves
 errors near 1e-15, so 1e-10 proves the math while any real mistake shows up as O(1);
 float32 1e-5 — unit roundoff 6e-8 times a few dozen reordered reductions; bfloat16 5e-2 —
 LayerNorm gradients sum every token in a layout-dependent grouping, several roundoffs of
-3.9e-3 apart (see the comment on ``verify.TOLERANCES``).
+3.9e-3 apart (see the comment on ``layouts.TOLERANCES``).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import pytest
 import torch
 
 import parallel_state
-from engine.checkpoint_format import load_model, read_checkpoint, save_model, write_checkpoint
+from engine.checkpoint.format import load_model, read_checkpoint, save_model, write_checkpoint
 from engine.models import ModelConfig, build_model, preset
-from engine.verify import VerifySpec, compare_layouts, solo_group
+from engine.verification.layouts import VerifySpec, compare_layouts, solo_group
 from tests.multiproc import run_ranks
 
 

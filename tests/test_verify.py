@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import layers.mappings
 import parallel_state
-from engine.verify import Report, VerifySpec, compare, compare_layouts
+from engine.verification.layouts import Report, VerifySpec, compare, compare_layouts
 from layers.utils import SP_GRAD_ATTR
 from tests.multiproc import run_ranks
 

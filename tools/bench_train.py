@@ -51,8 +51,8 @@ from engine.config import OptimConfig  # noqa: E402
 from engine.grad_sync import GradSync  # noqa: E402
 from engine.models import ModelConfig, ParallelModel, build_model, preset  # noqa: E402
 from engine.optim import build_optimizer, clip_grads_, global_grad_norm  # noqa: E402
-from engine.verify import VerifySpec, model_loss  # noqa: E402
-from engine.verify import make_batch as verify_batch  # noqa: E402
+from engine.verification.layouts import VerifySpec  # noqa: E402
+from engine.verification.layouts import make_batch as verify_batch  # noqa: E402
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 REFERENCES = ("eager", "compile", "mcore")
@@ -220,7 +220,7 @@ def meshtron_step(model, optimizer, grad_sync, params, batch, ocfg, device, dtyp
 
     def step() -> None:
         with _autocast(device, dtype):
-            loss = model_loss(model, batch)
+            loss = model.loss(batch)
         loss.backward()
         grad_sync.finish()
         norm = global_grad_norm(params, model.tp_group)
@@ -261,7 +261,7 @@ def reference_optimizer(ref: RefGPT, ocfg: OptimConfig, device: torch.device):
 
 
 def make_batch(cfg: ModelConfig, args, ps, device) -> dict[str, torch.Tensor]:
-    """A fixed random micro-batch for this DP rank (engine.verify's GPT/BERT batches)."""
+    """A fixed random micro-batch for this DP rank (the verifier's GPT/BERT batches)."""
     spec = VerifySpec(
         model=cfg.arch, vocab_size=cfg.vocab_size, seq_len=args.seq,
         batch_size=args.micro_batch, seed=args.seed + ps.dp_rank,
@@ -274,7 +274,7 @@ def check_same_function(model: ParallelModel, ref: Callable, batch) -> float:
     model.eval()
     ref.eval()
     with torch.no_grad():
-        ours = model_loss(model, batch).item()
+        ours = model.loss(batch).item()
         theirs = ref(batch["input_ids"], batch["labels"]).item()
     model.train()
     ref.train()  # a compiled module passes train()/eval() to the one it wraps

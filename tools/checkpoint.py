@@ -8,7 +8,7 @@ CKPT is a step directory (``.../step_00000150``) or a checkpoint root, which mea
 step its ``latest`` names. ``inspect`` verifies every file's size and SHA-256 unless
 ``--no-verify``. ``convert`` writes a checkpoint root that a run at the new layout resumes
 from with ``checkpoint.dir=OUT``; ``export-model`` writes the weights alone in the format
-``tools/convert_hf.py export --ckpt`` and ``engine.checkpoint_format.load_model`` read.
+``tools/convert_hf.py export --ckpt`` and ``engine.checkpoint.format.load_model`` read.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     con.add_argument("--tp-size", type=int, required=True)
     con.add_argument("--dp-size", type=int, required=True)
     con.add_argument("--out", required=True, help="checkpoint root to write")
-    exp = sub.add_parser("export-model", help="the model weights alone (checkpoint_format)")
+    exp = sub.add_parser("export-model", help="the model weights alone (checkpoint/format)")
     exp.add_argument("ckpt", help="step directory or checkpoint root")
     exp.add_argument("--out", required=True, help="model checkpoint directory to write")
     return parser.parse_args(argv)

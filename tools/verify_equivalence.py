@@ -27,8 +27,8 @@ from rich.table import Table
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.hf_interop import HF_TOLERANCES, check_hf_layout, compare_with_hf  # noqa: E402
-from engine.verify import (  # noqa: E402
+from engine.verification.hf_parity import HF_TOLERANCES, check_hf_layout, compare_with_hf  # noqa: E402
+from engine.verification.layouts import (  # noqa: E402
     TOLERANCES,
     Report,
     VerifySpec,
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ:  # started by a launcher: this process is one rank
         report = run_on_mesh(task, spec, *extra)
     else:
-        report = launch_local(run_on_mesh, spec.tp_size * spec.dp_size, task, spec, *extra)
+        report = launch_local(run_on_mesh, spec.dims.world, task, spec, *extra)
     if report is None:  # not global rank 0
         return 0
     render(report, Console(), failing_only=args.failing_only, hf=bool(args.hf_dir))

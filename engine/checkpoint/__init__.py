@@ -9,7 +9,8 @@ Nothing is ever unpickled.
 
 Modules: ``layout`` (who holds and who writes which slice), ``storage`` (files, checksums,
 atomic commit), ``state`` (model/optimizer <-> named tensors), ``manager`` (the collective
-save/load protocol with fallback), ``convert`` (offline reading and re-sharding).
+save/load protocol with fallback), ``convert`` (offline reading and re-sharding),
+``format`` (the model weights alone, for export, inference and Hugging Face).
 """
 
 from engine.checkpoint.manager import Loaded, load_checkpoint, save_checkpoint

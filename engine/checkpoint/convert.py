@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from engine.checkpoint.format import META_FILE, check_output_dir, write_checkpoint
 from engine.checkpoint.layout import MODEL, OPTIM, RNG, assign_writers
 from engine.checkpoint.state import model_name, optim_name, param_spec
 from engine.checkpoint.storage import (
@@ -22,7 +23,6 @@ from engine.checkpoint.storage import (
     write_index,
     write_shard,
 )
-from engine.checkpoint_format import META_FILE, check_output_dir, write_checkpoint
 from engine.flops import params_count
 from engine.models import ModelConfig, build_model
 
@@ -119,7 +119,7 @@ def read_model_state(src: str | Path) -> tuple[ModelConfig, dict, dict]:
 
 
 def export_model(src: str | Path, out_dir: str | Path) -> ModelConfig:
-    """Write the model weights alone in engine.checkpoint_format (for HF export, inference)."""
+    """Write the model weights alone in engine.checkpoint.format (for HF export, inference)."""
     check_output_dir(out_dir)
     cfg, state, index = read_model_state(src)
     write_checkpoint(

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from engine import comm
+from engine.checkpoint.format import check_compatible
 from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers, crop_local
 from engine.checkpoint.state import (
     export_local,
@@ -42,7 +43,6 @@ from engine.checkpoint.storage import (
     write_index,
     write_shard,
 )
-from engine.checkpoint_format import check_compatible
 from engine.models import ModelConfig, ParallelModel
 from engine.zero import ZeroOptimizer
 from parallel_state import ParallelState

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from engine.checkpoint.format import save_tensors
 from engine.checkpoint.layout import Box, TensorSpec, box_numel, intersect
-from engine.checkpoint_format import save_tensors
 
 FORMAT = "meshtron-train-checkpoint"
 VERSION = 1

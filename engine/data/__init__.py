@@ -1,4 +1,5 @@
-"""Data pipeline: preprocessing to indexed token files, datasets, blending and DP loading.
+"""Data pipeline: preprocessing to indexed token files, datasets, blending and DP loading;
+``pipeline`` turns the data config into a rank's iterators.
 
 Names are imported lazily so that preprocessing (and its spawned workers) does not pay for
 importing torch.

@@ -209,6 +209,15 @@ class ParallelModel(nn.Module):
             compile_layers(self.layers, backend=cfg.compile_backend)
         return build
 
+    def loss(self, batch) -> torch.Tensor:
+        """The scalar training loss of one micro-batch in the form the model's dataset yields
+        (so the trainer, the verifier and benchmarks never ask which model it is)."""
+        raise NotImplementedError
+
+    def logits(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's named output logits for ``batch`` (vocabulary blocks stay sharded)."""
+        raise NotImplementedError
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: full-shape parameter}, gathered across TP."""
         return {name: self._full(p, p.detach()) for name, p in self.named_parameters()}

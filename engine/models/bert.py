@@ -93,6 +93,20 @@ class BertModel(ParallelModel):
             device=device,
         )  # fmt: skip
 
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """MLM + SOP loss of ``batch`` as BertDataset yields it: ``input_ids``,
+        ``token_type_ids``, ``attention_mask``, ``mlm_labels`` ``[b, s]`` and ``sop_label``
+        ``[b]``."""
+        return self(
+            batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
+            mlm_labels=batch["mlm_labels"], sop_labels=batch["sop_label"],
+        )["loss"]  # fmt: skip
+
+    def logits(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{"mlm_logits": [b, s, V_padded/tp], "sop_logits": [b, 2]}`` of ``batch``."""
+        out = self(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        return {"mlm_logits": out["mlm_logits"], "sop_logits": out["sop_logits"]}
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -9,6 +9,7 @@ from typing import Any
 from layers.compile import COMPILE_BACKENDS
 from layers.recompute import RECOMPUTE_MODES
 from layers.utils import pad_vocab_size
+from parallel_state.dims import ParallelDims
 
 ARCHS = ("gpt", "bert")
 ACTIVATIONS = ("gelu", "gelu_tanh")
@@ -91,14 +92,9 @@ class ModelConfig:
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_heads={self.num_heads}"
             )
-        if self.num_heads % tp_size:
-            raise ValueError(
-                f"model.num_heads={self.num_heads} is not divisible by tp_size={tp_size}"
-            )
-        if self.ffn_size % tp_size:
-            raise ValueError(
-                f"model.ffn_hidden_size={self.ffn_size} is not divisible by tp_size={tp_size}"
-            )
+        dims = ParallelDims(tp=tp_size, dp=1)  # whole heads and MLP columns per TP rank
+        dims.check_tp_divides("model.num_heads", self.num_heads)
+        dims.check_tp_divides("model.ffn_hidden_size", self.ffn_size)
         if self.arch == "bert" and self.num_token_types < 1:
             raise ValueError(f"model.num_token_types={self.num_token_types} must be >= 1 for BERT")
 

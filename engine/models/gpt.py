@@ -71,6 +71,17 @@ class GPTModel(ParallelModel):
         )  # fmt: skip
         return loss.t()  # [b, s]
 
+    def loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token loss of ``batch``: token windows ``[b, s+1]`` (as GPTDataset yields
+        them; position i predicts i+1), or ``{"input_ids", "labels"}``, each ``[b, s]``."""
+        if isinstance(batch, torch.Tensor):
+            batch = {"input_ids": batch[:, :-1], "labels": batch[:, 1:]}
+        return self(batch["input_ids"], batch["labels"]).mean()
+
+    def logits(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{"logits": [b, s, V_padded/tp]}`` of ``batch["input_ids"]`` (vocab-sharded)."""
+        return {"logits": self(batch["input_ids"])}
+
     def new_cache(self, batch: int, capacity: int) -> list[KVCache]:
         """Empty KV caches (one per layer, this rank's heads) for ``batch`` sequences of up to
         ``capacity`` positions."""

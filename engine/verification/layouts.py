@@ -28,12 +28,13 @@ from torch import nn
 import parallel_state
 from engine import comm
 from engine.grad_sync import GradSync
-from engine.models import GPTModel, ModelConfig, ParallelModel, build_model
+from engine.models import ModelConfig, ParallelModel, build_model
 from engine.models.base import ParallelLMHead
 from layers import ColumnParallelLinear
 from layers.attention import CoreAttention
 from layers.mappings import gather_along
 from parallel_state import groups
+from parallel_state.dims import ParallelDims
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Relative tolerances (max error / max |reference|). float64 proves the math: layouts differ
@@ -77,13 +78,15 @@ class VerifySpec:
         for key in ("tp_size", "dp_size", "steps", "batch_size", "seq_len"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
-        if self.batch_size % self.dp_size:
-            raise ValueError(f"batch {self.batch_size} is not divisible by dp_size {self.dp_size}")
-        if self.sequence_parallel and self.seq_len % self.tp_size:
-            raise ValueError(
-                f"sequence parallelism needs seq {self.seq_len} divisible by tp_size {self.tp_size}"
-            )
-        (model_config or self.model_config()).validate(self.tp_size)
+        dims = self.dims
+        dims.check_batch(self.batch_size)  # one micro-batch per DP rank
+        dims.check_seq_len(self.seq_len, key="seq_len")
+        (model_config or self.model_config()).validate(dims.tp)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The target layout as a validated value."""
+        return ParallelDims(self.tp_size, self.dp_size, sequence_parallel=self.sequence_parallel)
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
         """The target's config, or with ``reference=True`` the plain unsplit one."""
@@ -204,16 +207,9 @@ def make_batch(spec: VerifySpec) -> dict[str, torch.Tensor]:
     for row in range(b):
         picked = 1 + torch.randperm(int(lengths[row]) - 1, generator=g)[:3]
         mlm_labels[row, picked] = torch.randint(0, v, (3,), generator=g)
-    sop_labels = torch.randint(0, 2, (b,), generator=g)
+    sop_label = torch.randint(0, 2, (b,), generator=g)
     return dict(input_ids=ids, token_type_ids=token_type_ids, attention_mask=attention_mask,
-                mlm_labels=mlm_labels, sop_labels=sop_labels)  # fmt: skip
-
-
-def model_loss(model: ParallelModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The scalar training loss of a GPT (mean token loss) or BERT (MLM + SOP) batch."""
-    if isinstance(model, GPTModel):
-        return model(batch["input_ids"], batch["labels"]).mean()
-    return model(**batch)["loss"]
+                mlm_labels=mlm_labels, sop_label=sop_label)  # fmt: skip
 
 
 def dp_slice(batch: dict[str, torch.Tensor], ps: parallel_state.ParallelState) -> dict:
@@ -235,7 +231,7 @@ def compare_layouts(
     """
     ps = parallel_state.get()
     spec.check()
-    if (ps.tp_size, ps.dp_size) != (spec.tp_size, spec.dp_size):
+    if (ps.tp_size, ps.dp_size) != (spec.dims.tp, spec.dims.dp):
         raise ValueError(
             f"the mesh is tp={ps.tp_size}, dp={ps.dp_size} but the spec asks for "
             f"tp={spec.tp_size}, dp={spec.dp_size}"
@@ -261,7 +257,7 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
     captures = [OutputCapture(m) for m in models]
     local = dp_slice(batch, ps)
     for step in range(spec.steps):
-        loss = model_loss(target, local)
+        loss = target.loss(local)
         loss.backward()
         grad_sync.finish()
         loss = loss.detach().double()
@@ -269,7 +265,7 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
         loss /= ps.dp_size
         ref_loss = None
         if reference is not None:
-            ref_loss = model_loss(reference, batch)
+            ref_loss = reference.loss(batch)
             ref_loss.backward()
         if step == 0:
             rows += _output_rows(captures, ps, tol)
@@ -315,7 +311,7 @@ def run_on_mesh(fn: Callable[..., T], spec: VerifySpec, *args: Any) -> T:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     # The models and batches live on the CPU: the split's math does not depend on the
     # device, and gloo keeps the tool working on GPU nodes too (NCCL would need CUDA tensors).
-    parallel_state.initialize(spec.tp_size, spec.dp_size, backend="gloo")
+    parallel_state.initialize(spec.dims.tp, spec.dims.dp, backend="gloo")
     try:
         return fn(spec, *args)
     finally:

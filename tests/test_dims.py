@@ -1,0 +1,123 @@
+"""ParallelDims: the one validated layout value, against hand-derived layouts and errors.
+
+Every expected number below is worked out by hand from the rules (world = tp × dp,
+dp_size=auto = world ÷ tp, global batch = micro × dp × accumulation, a sequence split over
+tp under sequence parallelism), not taken from the code under test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine.config import parallel_dims, validate
+from engine.verification.layouts import VerifySpec
+from parallel_state.dims import LayoutError, ParallelDims
+from tests.test_engine import compose_config
+
+# (tp, dp as given, world or None) -> dp resolved, world
+VALID = [
+    ((2, "auto", 8), 4),  # 8 ranks ÷ tp 2
+    ((4, None, 4), 1),  # None is auto: 4 ÷ 4
+    ((1, "auto", None), 1),  # no launcher yet: this process starts tp ranks itself
+    ((2, "3", None), 3),  # a command line spells integers as strings
+    ((2, 3, 6), 3),
+    ((8, 2, 16), 2),
+]
+
+
+@pytest.mark.parametrize(("args", "dp"), VALID)
+def test_valid_layouts_resolve_once(args, dp):
+    tp, _, _ = args
+    dims = ParallelDims.resolve(*args)
+    assert (dims.tp, dims.dp, dims.world) == (tp, dp, tp * dp)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        dims.dp = 1  # a value: nobody downstream re-resolves or edits it
+
+
+# Each error: the whole message is one line, names the bad value and says what to do.
+ERRORS = [
+    (lambda: ParallelDims(0, 1), ["tp_size must be an integer >= 1, got 0", "set tp_size"]),
+    (lambda: ParallelDims(2, -1), ["dp_size must be an integer >= 1, got -1", "dp_size=auto"]),
+    (lambda: ParallelDims(2, True), ["dp_size must be an integer >= 1, got True"]),
+    (lambda: ParallelDims(2, 1, sequence_parallel="yes"),
+     ["sequence_parallel='yes' must be true or false"]),
+    (lambda: ParallelDims.resolve(2, "many"),
+     ["dp_size='many' must be an integer or 'auto'", "set dp_size=N or dp_size=auto"]),
+    (lambda: ParallelDims.resolve(3, "auto", 4),
+     ["world size 4 is not divisible by tp_size 3", "launch a multiple of 3 processes",
+      "choose a tp_size dividing 4"]),
+    (lambda: ParallelDims.resolve(2, 3, 4),
+     ["tp_size × dp_size = 2 × 3 = 6 does not equal the world size 4", "launch 6 processes"]),
+    (lambda: ParallelDims(4, 1, sequence_parallel=True).check_seq_len(30),
+     ["data.seq_len=30 is not divisible by tp_size=4", "choose a multiple of 4"]),
+    (lambda: ParallelDims(1, 3).check_batch(4), ["batch 4 is not divisible by dp_size 3",
+                                                 "choose a multiple of 3"]),
+    # 20 sequences with micro 2 on dp 4: 20 % (2 × 4) = 4, so no whole number of steps.
+    (lambda: ParallelDims(2, 4).check_batch(20, 2),
+     ["trainer.global_batch=20 is not a multiple of trainer.micro_batch × dp_size = 2 × 4 = 8",
+      "set trainer.global_batch to a multiple of 8"]),
+    (lambda: ParallelDims(4, 1).check_tp_divides("model.num_heads", 6),
+     ["model.num_heads=6 is not divisible by tp_size=4"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "fragments"), ERRORS)
+def test_each_error_is_one_line_naming_value_and_fix(call, fragments):
+    with pytest.raises(LayoutError) as info:
+        call()
+    message = str(info.value)
+    assert "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_rules_that_hold_raise_nothing():
+    # 24 = micro 3 × dp 4 × 2 accumulation steps; seq 32 = 4 × 8 positions per TP rank.
+    ParallelDims(4, 4).check_batch(24, 3)
+    ParallelDims(4, 1, sequence_parallel=True).check_seq_len(32)
+    ParallelDims(4, 1).check_seq_len(30)  # without sequence parallelism any length splits
+    ParallelDims(1, 4).check_batch(8)
+    ParallelDims(4, 1).check_tp_divides("model.num_heads", 12)
+
+
+def test_config_validation_uses_the_layout(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_config("tp_size=2", "dp_size=auto", "model.sequence_parallel=true")
+    dims = parallel_dims(cfg, 8)
+    assert (dims.tp, dims.dp, dims.sequence_parallel, dims.zero1) == (2, 4, True, False)
+    assert parallel_dims(cfg, None).dp == 1  # no launcher: tp ranks started here
+    bad = compose_config("tp_size=4", "dp_size=1", "model.sequence_parallel=true",
+                         "data.seq_len=30")  # fmt: skip
+    problems = validate(bad, parallel_dims(bad, None))
+    assert [p for p in problems if "data.seq_len=30 is not divisible by tp_size=4" in p], problems
+
+
+def test_launcher_world_mismatch_is_one_config_line(tmp_path, monkeypatch, capsys):
+    from engine.pretrain import prepare
+
+    monkeypatch.chdir(tmp_path)
+    # As torchrun sets them for 6 processes, while the config asks for 2 × 2 = 4.
+    env = {"RANK": "0", "WORLD_SIZE": "6", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "6",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_info:
+        prepare(compose_config("tp_size=2", "dp_size=2"))
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "config error: tp_size × dp_size = 2 × 2 = 4 does not equal the world size 6; "
+        "launch 4 processes or change the sizes (dp_size=auto follows the world size)"
+    ], lines
+
+
+def test_verifier_checks_its_layout_with_the_same_value():
+    spec = VerifySpec(tp_size=2, dp_size=2, sequence_parallel=True, seq_len=12, batch_size=4)
+    assert spec.dims == ParallelDims(2, 2, sequence_parallel=True)
+    spec.check()  # 12 = 2 × 6, 4 = 2 × 2: a layout that splits
+    with pytest.raises(LayoutError, match="seq_len=13 is not divisible by tp_size=2"):
+        dataclasses.replace(spec, seq_len=13).check()
+    with pytest.raises(LayoutError, match="batch 6 is not divisible by dp_size 4"):
+        VerifySpec(tp_size=1, dp_size=4, batch_size=6).check()
