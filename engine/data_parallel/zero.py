@@ -1,69 +1,99 @@
-"""ZeRO-1: optimizer state and fp32 master weights sharded across the data-parallel group.
+"""ZeRO-1: optimizer state and master weights sharded across the data-parallel group.
 
-One optimizer step (ZeRO-1; bytes per parameter in docs/PERFMODEL.md):
+Parameters are cut into buckets (one optimizer group and dtype each, in reverse order of
+registration, which approximates the order backward produces their gradients). A bucket
+holds two flat buffers, each padded to a multiple of dp:
 
-1. **reduce-scatter** — each parameter group's gradients (one flat buffer per dtype,
-   padded to a multiple of dp) are divided by dp and reduce-scattered over the DP group,
-   so DP rank r ends with the averaged gradient of its 1/dp slice;
-2. the inner AdamW (same class and hyperparameters as the plain optimizer) updates rank
-   r's fp32 master slice;
-3. **all-gather** — every rank gathers the updated slices into the parameters.
+- ``param_buffer``: the model's parameters are views into it (bf16 when training in bf16);
+- ``grad_buffer``: gradients accumulate here in fp32 (fp64 for fp64 parameters).
 
-Per parameter a rank keeps 12/dp bytes of fp32 master + Adam moments instead of the
-plain optimizer's 8 bytes of moments beside its fp32 parameters. This replaces GradSync's
-DP all-reduce: build GradSync with ``dp_group=None`` so it only does the sequence-parallel
-TP sums, or the gradients would be reduced twice.
+DP rank r owns the slice ``[lo, hi)`` of both, and keeps the fp32 master copy and the Adam
+moments of that slice only. One step:
+
+1. backward: a post-accumulate-grad hook adds each gradient into ``grad_buffer`` and frees
+   it; when a bucket is complete (and every earlier bucket launched, so all ranks issue
+   collectives in one order) the buffer is divided by dp and **reduce-scattered** in
+   place, asynchronously, while backward continues with earlier layers;
+2. ``finish_grads``: wait; the master slice's ``.grad`` is a view of the owned slice;
+3. ``step``: AdamW updates the master slices, each is cast into its slice of
+   ``param_buffer``, and the buffer is **all-gathered** in place, asynchronously; with
+   ``overlap_param_gather(model)`` the forward pre-hook of each module waits only for the
+   buckets of its own parameters, so later buckets arrive during the next forward.
+
+Bytes held per parameter, bf16 parameters: 2 (parameters) + 4 (gradient buffer) +
+12/dp (fp32 master, exp_avg, exp_avg_sq) = 6 + 12/dp; the plain optimizer's 18 at dp=1.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from layers.utils import TP_DIM_ATTR, CommTimer, group_rank, group_size, timed
+from layers.utils import SP_GRAD_ATTR, TP_DIM_ATTR, group_rank, group_size
 
+# torch 2.13 renamed the flat collectives; keep older torch working too.
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 MASTER_KEY = "master"  # exported state key of fp32 masters of lower-precision parameters
 
 
-class _FlatShard:
-    """Parameters of one group and dtype laid end to end, cut into dp equal slices.
+class _Bucket:
+    """Parameters of one optimizer group and dtype laid end to end, cut into dp slices."""
 
-    Masters, gradients and state are fp32, or the parameters' dtype when wider (fp64).
-    """
-
-    def __init__(self, params: list[nn.Parameter], *, dp_group, tp_rank: int) -> None:
+    def __init__(self, params: list[nn.Parameter], *, dp_group, tp_rank: int, param_dtype) -> None:
         self.params, self.dp_group = params, dp_group
-        self.dtype = torch.promote_types(params[0].dtype, torch.float32)
+        self.dtype = torch.promote_types(params[0].dtype, torch.float32)  # master and grads
         self.dp_size, dp_rank = group_size(dp_group), group_rank(dp_group)
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        padded = -(-self.offsets[-1] // self.dp_size) * self.dp_size
-        self.shard_numel = padded // self.dp_size
+        self.shard_numel = -(-self.offsets[-1] // self.dp_size)
+        padded, device = self.shard_numel * self.dp_size, params[0].device
         self.lo, self.hi = dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel
         self.master = self.slice(self.flatten([p.detach() for p in params])).clone()
+        self.param_buffer = torch.zeros(padded, dtype=param_dtype or params[0].dtype, device=device)
+        for p, view in self.views(self.param_buffer):
+            view.copy_(p.detach())
+            p.data = view  # the model now reads (and the all-gather writes) the buffer
+        self.grad_buffer = torch.zeros(padded, dtype=self.dtype, device=device)
+        self.grad_views = {id(p): v for p, v in self.views(self.grad_buffer)}
+        self.pending: set[int] = set()
+        self.reduce_work: dist.Work | None = None
+        self.gather_work: dist.Work | None = None
         # Parts of this slice that count toward the gradient norm: TP-split parameters on
         # every TP rank, replicated ones (identical on all TP ranks) on TP rank 0 only.
-        self.norm_ranges = [
+        self.norm_ranges = self._ranges(
+            lambda p: getattr(p, TP_DIM_ATTR, None) is not None or tp_rank == 0
+        )
+        # Sequence-parallel parameters saw only this rank's tokens: summed over TP later.
+        self.sp_ranges = self._ranges(lambda p: getattr(p, SP_GRAD_ATTR, False))
+        self.reset()
+
+    def _ranges(self, keep) -> list[tuple[int, int]]:
+        """(start, end) within this rank's slice of the parameters ``keep`` selects."""
+        bounds = zip(self.params, self.offsets, self.offsets[1:], strict=False)
+        return [
             (max(start, self.lo) - self.lo, min(end, self.hi) - self.lo)
-            for p, start, end in zip(params, self.offsets, self.offsets[1:], strict=False)
-            if (getattr(p, TP_DIM_ATTR, None) is not None or tp_rank == 0)
-            and max(start, self.lo) < min(end, self.hi)
+            for p, start, end in bounds
+            if keep(p) and max(start, self.lo) < min(end, self.hi)
         ]
+
+    def reset(self) -> None:
+        self.pending = {id(p) for p in self.params}
 
     def flatten(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
         """Concatenation of ``tensors`` (None: zeros) in the master dtype, padded to dp slices."""
         flat = torch.zeros(
             self.shard_numel * self.dp_size, dtype=self.dtype, device=self.params[0].device
         )
-        for t, p, start in zip(tensors, self.params, self.offsets[:-1], strict=True):
+        for t, (_, view) in zip(tensors, self.views(flat), strict=True):
             if t is not None:
-                flat[start : start + p.numel()].copy_(t.reshape(-1))
+                view.copy_(t)
         return flat
 
     def slice(self, flat: torch.Tensor) -> torch.Tensor:
@@ -71,28 +101,55 @@ class _FlatShard:
         return flat[self.lo : self.hi]
 
     def gather(self, part: torch.Tensor) -> torch.Tensor:
-        """All-gather every rank's slice into the full flat buffer."""
+        """All-gather every rank's slice into a new full flat buffer (blocking)."""
         if self.dp_size == 1:
             return part
         full = part.new_empty(self.shard_numel * self.dp_size)
         _all_gather_flat(full, part.contiguous(), group=self.dp_group)
         return full
 
-    def views(self, flat: torch.Tensor):
+    def views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, its part of ``flat`` in the parameter's shape) pairs."""
         for p, start in zip(self.params, self.offsets[:-1], strict=True):
             yield p, flat[start : start + p.numel()].view(p.shape)
 
+    def launch_reduce(self) -> dist.Work | None:
+        """Average the gradient buffer over DP into this rank's slice, in place (async)."""
+        if self.dp_size == 1:
+            return None
+        self.grad_buffer.div_(self.dp_size)
+        self.reduce_work = _reduce_scatter_flat(
+            self.slice(self.grad_buffer), self.grad_buffer, group=self.dp_group, async_op=True
+        )
+        return self.reduce_work
+
+    def launch_gather(self) -> dist.Work | None:
+        """Put the updated master slice into the parameters and all-gather them (async)."""
+        self.slice(self.param_buffer).copy_(self.master)
+        if self.dp_size == 1:
+            return None
+        self.gather_work = _all_gather_flat(
+            self.param_buffer, self.slice(self.param_buffer), group=self.dp_group, async_op=True
+        )
+        return self.gather_work
+
+    def wait_gather(self) -> None:
+        if self.gather_work is not None:
+            self.gather_work.wait()
+            self.gather_work = None
+
 
 class ZeroOptimizer:
-    """AdamW whose state and fp32 master weights are sharded across ``dp_group``.
+    """AdamW whose state and master weights are sharded across ``dp_group`` (ZeRO-1).
 
     Built from a plain, never-stepped torch AdamW, which supplies the parameters, their
-    grouping and hyperparameters. Per step::
+    grouping and hyperparameters; it owns the DP gradient reduction of those parameters
+    (do not also all-reduce them). ``param_dtype=torch.bfloat16`` stores the model's
+    parameters in bf16 (the fp32 masters are taken before the cast). Per step::
 
-        grad_sync.finish()                   # GradSync(dp_group=None): SP sums only
-        zero.reduce_scatter_grads()          # master_params[i].grad: this rank's slice
-        norm = zero.grad_norm()              # global, over DP and TP
+        for each micro-batch: backward (under ``no_sync()`` but the last)
+        zero.finish_grads()                 # master_params[i].grad: the averaged slice
+        norm = zero.grad_norm()             # global, over DP and TP
         clip_grads_(zero.master_params, max_norm, norm)
         zero.step(); zero.zero_grad()
     """
@@ -103,63 +160,126 @@ class ZeroOptimizer:
         *,
         dp_group: dist.ProcessGroup | None,
         tp_group: dist.ProcessGroup | None = None,
+        bucket_size_mb: float = 25.0,
+        param_dtype: torch.dtype | None = None,
+        overlap: bool = True,
     ) -> None:
         if not isinstance(optimizer, torch.optim.AdamW) or optimizer.state:
             raise ValueError(
                 "ZeroOptimizer wraps a fresh torch.optim.AdamW (optim.impl torch/auto)"
             )
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
         self.dp_group, self.tp_group = dp_group, tp_group
         self.dp_size = group_size(dp_group)
-        self.comm_timer: CommTimer | None = None  # times the DP collectives when set
-        self.shards: list[_FlatShard] = []
+        self.overlap = overlap  # False: reduce-scatters wait for finish_grads()
+        self.comm_timer = None  # when set, told of each collective: ``launched(work)``
+        self.buckets: list[_Bucket] = []
         groups = []
         for group in optimizer.param_groups:
-            by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-            for p in group["params"]:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            for params in by_dtype.values():
-                shard = _FlatShard(params, dp_group=dp_group, tp_rank=group_rank(tp_group))
-                self.shards.append(shard)
-                hyper = {k: v for k, v in group.items() if k != "params"}
-                groups.append({**hyper, "params": [shard.master]})
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            for params in _cut(group["params"], bucket_size_mb * 2**20):
+                bucket = _Bucket(
+                    params, dp_group=dp_group, tp_rank=group_rank(tp_group), param_dtype=param_dtype
+                )
+                self.buckets.append(bucket)
+                groups.append({**hyper, "params": [bucket.master]})
+        # Reverse registration order across groups too: roughly when backward fills them.
+        order = sorted(range(len(self.buckets)), key=lambda i: -self._first_index(i, optimizer))
+        self._launch_order = [self.buckets[i] for i in order]
         self.inner = torch.optim.AdamW(groups)
-        self.params = [p for s in self.shards for p in s.params]
+        self.params = [p for b in self.buckets for p in b.params]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next_launch, self._syncing, self._hooks = 0, True, []
+        self._gather_in_forward = False  # set by overlap_param_gather
+        for p in self.params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _first_index(self, i: int, optimizer: torch.optim.Optimizer) -> int:
+        every = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        return min(every.index(id(p)) for p in self.buckets[i].params)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's groups (one per shard), so ``set_lr`` works unchanged."""
+        """The inner optimizer's groups (one per bucket), so ``set_lr`` works unchanged."""
         return self.inner.param_groups
 
     @property
     def master_params(self) -> list[torch.Tensor]:
-        """This rank's fp32 master slices; after ``reduce_scatter_grads`` their ``.grad``."""
-        return [s.master for s in self.shards]
+        """This rank's master slices; after ``finish_grads`` their ``.grad``."""
+        return [b.master for b in self.buckets]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (gradient-accumulation micro-batches)."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
 
     @torch.no_grad()
-    def reduce_scatter_grads(self) -> None:
-        """Average gradients over DP into this rank's slice; frees the full gradients."""
-        for s in self.shards:
-            flat = s.flatten([p.grad for p in s.params]).div_(self.dp_size)
-            if self.dp_size == 1:
-                s.master.grad = flat
-            else:
-                s.master.grad = torch.empty_like(s.master)
-                timed(
-                    self.comm_timer, _reduce_scatter_flat, s.master.grad, flat, group=self.dp_group
-                )
-            for p in s.params:
-                p.grad = None
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        bucket.grad_views[id(param)].add_(param.grad)
+        param.grad = None  # the bucket's buffer holds it now
+        if not self._syncing:
+            return
+        bucket.pending.discard(id(param))
+        if self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        # Strictly in launch order, so every rank issues the same collective sequence.
+        while self._next_launch < len(self._launch_order):
+            bucket = self._launch_order[self._next_launch]
+            if bucket.pending and not force:
+                return
+            self._told(bucket.launch_reduce())
+            self._next_launch += 1
+
+    def _told(self, work: dist.Work | None) -> None:
+        if work is not None and self.comm_timer is not None:
+            self.comm_timer.launched(work)
+
+    @torch.no_grad()
+    def finish_grads(self) -> None:
+        """Wait for every bucket's reduce-scatter; point the master slices' ``.grad`` at it."""
+        self._launch_ready(force=True)
+        self._next_launch = 0
+        for b in self._launch_order:
+            if b.reduce_work is not None:
+                b.reduce_work.wait()
+                b.reduce_work = None
+            b.reset()
+            b.master.grad = b.slice(b.grad_buffer)
+        self._sum_sequence_parallel_grads()
+
+    def _sum_sequence_parallel_grads(self) -> None:
+        # After the DP average (both are sums, so the order does not change the result).
+        # Every TP rank has the same bucket layout, so the ranges line up across TP.
+        if group_size(self.tp_group) == 1:
+            return
+        parts = [b.master.grad[lo:hi] for b in self.buckets for lo, hi in b.sp_ranges]
+        if not parts:
+            return
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, group=self.tp_group)
+        offset = 0
+        for part in parts:
+            part.copy_(flat[offset : offset + part.numel()])
+            offset += part.numel()
 
     def grad_norm(self) -> torch.Tensor:
-        """L2 norm of the whole model's averaged gradient (engine.optim.global_grad_norm's)."""
+        """L2 norm of the whole model's averaged gradient, the same on every rank."""
         squares = [
-            s.master.grad[a:b].double().pow(2).sum()
-            for s in self.shards
-            if s.master.grad is not None
-            for a, b in s.norm_ranges
+            b.master.grad[lo:hi].double().pow(2).sum()
+            for b in self.buckets
+            if b.master.grad is not None
+            for lo, hi in b.norm_ranges
         ]
         total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
-        total = total.to(self.shards[0].master.device) if self.shards else total
+        total = total.to(self.buckets[0].master.device) if self.buckets else total
         for group in (self.dp_group, self.tp_group):
             if group_size(group) > 1:
                 dist.all_reduce(total, group=group)
@@ -167,26 +287,62 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Update this rank's master slices, then all-gather them into the parameters."""
+        """Update this rank's master slices, then all-gather them into the parameters.
+
+        The all-gathers run in forward order; without ``overlap_param_gather`` the step
+        waits for them, with it each module waits for its own buckets before its forward.
+        """
         self.inner.step()
-        for s in self.shards:
-            for p, view in s.views(timed(self.comm_timer, s.gather, s.master)):
-                p.copy_(view)
+        for bucket in reversed(self._launch_order):
+            self._told(bucket.launch_gather())
+        if not self._gather_in_forward:
+            self.wait_params()
+
+    def overlap_param_gather(self, model: nn.Module) -> None:
+        """Let ``model``'s next forward wait bucket by bucket for the updated parameters."""
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in self._bucket_of]
+            if own:
+                buckets = {id(self._bucket_of[id(p)]): self._bucket_of[id(p)] for p in own}
+                hook = module.register_forward_pre_hook(self._waiter(list(buckets.values())))
+                self._hooks.append(hook)
+        # Whatever a forward did not touch is complete when it returns.
+        self._hooks.append(model.register_forward_hook(lambda *_: self.wait_params()))
+        self._gather_in_forward = True
+
+    def _waiter(self, buckets: list[_Bucket]):
+        def wait(*_: Any) -> None:
+            for b in buckets:
+                b.wait_gather()
+
+        return wait
+
+    def wait_params(self) -> None:
+        """Block until every parameter holds the last step's value."""
+        for b in reversed(self._launch_order):
+            b.wait_gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the parameters' gradients and the slices' gradients."""
+        """Clear the gradient buffers (and any stray parameter gradients)."""
         for p in self.params:
             p.grad = None
-        for s in self.shards:
-            s.master.grad = None
+        for b in self.buckets:
+            b.grad_buffer.zero_()
+            b.master.grad = None
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state plus fp32 master weights held by this rank."""
-        tensors = [s.master for s in self.shards]
+        """Bytes of optimizer state plus master weights held by this rank."""
+        tensors = [b.master for b in self.buckets]
         tensors += [
             v for st in self.inner.state.values() for v in st.values() if torch.is_tensor(v)
         ]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def remove(self) -> None:
+        """Detach the backward and forward hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     @torch.no_grad()
     def param_states(self) -> dict[nn.Parameter, dict[str, Any]]:
@@ -195,18 +351,19 @@ class ZeroOptimizer:
         The layout of torch's ``optimizer.state``: the same keys, so checkpoints read and
         write both alike. fp32 masters of lower-precision parameters appear as "master".
         """
+        self.wait_params()
         out: dict[nn.Parameter, dict[str, Any]] = {p: {} for p in self.params}
-        for s in self.shards:
-            state = dict(self.inner.state.get(s.master, {}))
-            if s.params[0].dtype != s.master.dtype:
-                state[MASTER_KEY] = s.master
+        for b in self.buckets:
+            state = dict(self.inner.state.get(b.master, {}))
+            if b.param_buffer.dtype != b.master.dtype:
+                state[MASTER_KEY] = b.master
             for key in sorted(state):  # the same collective order on every rank
                 value = state[key]
-                if torch.is_tensor(value) and value.shape == s.master.shape:
-                    for p, view in s.views(s.gather(value)):
+                if torch.is_tensor(value) and value.shape == b.master.shape:
+                    for p, view in b.views(b.gather(value)):
                         out[p][key] = view.clone()
                 else:
-                    for p in s.params:
+                    for p in b.params:
                         out[p][key] = value.clone() if torch.is_tensor(value) else value
         return out
 
@@ -216,21 +373,35 @@ class ZeroOptimizer:
 
         Scalars (the step count) are one per slice here: the largest over its parameters.
         """
+        self.wait_params()
         full = self.inner.state_dict()
-        for i, s in enumerate(self.shards):
-            per_param = [states.get(p, {}) for p in s.params]
+        for i, b in enumerate(self.buckets):
+            per_param = [states.get(p, {}) for p in b.params]
             keys = sorted({k for st in per_param for k in st})
             masters = [
-                st.get(MASTER_KEY, p.detach()) for st, p in zip(per_param, s.params, strict=True)
+                st.get(MASTER_KEY, p.detach()) for st, p in zip(per_param, b.params, strict=True)
             ]
-            s.master.copy_(s.slice(s.flatten(masters)))
+            b.master.copy_(b.slice(b.flatten(masters)))
             entry = {}
             for key in (k for k in keys if k != MASTER_KEY):
                 values = [st.get(key) for st in per_param]
                 if any(torch.is_tensor(v) and v.dim() > 0 for v in values):
-                    entry[key] = s.slice(s.flatten(values)).clone()
+                    entry[key] = b.slice(b.flatten(values)).clone()
                 else:
                     entry[key] = torch.tensor(max(float(v) for v in values if v is not None))
             if entry:
                 full["state"][i] = entry
         self.inner.load_state_dict(full)
+
+
+def _cut(params: list[nn.Parameter], capacity: float) -> list[list[nn.Parameter]]:
+    """Split one optimizer group into buckets: one dtype each, about ``capacity`` bytes."""
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in reversed([p for p in params if p.requires_grad]):
+        if not buckets or size >= capacity or p.dtype != buckets[-1][0].dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * 4
+    return buckets
