@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import parallel_state
-from engine.grad_sync import GradSync
+from engine.data_parallel import GradSync
 from engine.models import GPTModel, ModelConfig, ParallelModel, build_model
 from engine.models.base import ParallelLMHead
 from layers import ColumnParallelLinear
