@@ -199,7 +199,8 @@ class Zero1DP(DataParallel):
     ) -> None:  # fmt: skip
         self.zero = self.optimizer = ZeroOptimizer(optimizer, dp_group=dp_group, tp_group=tp_group,
                                   bucket_size_mb=bucket_size_mb, param_dtype=param_dtype,
-                                  overlap=overlap)  # fmt: skip
+                                  overlap=overlap,
+                                  registration_order=list(model.parameters()))  # fmt: skip
         if overlap:
             self.zero.overlap_param_gather(model)
         self.params = self.zero.params

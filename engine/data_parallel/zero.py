@@ -163,6 +163,7 @@ class ZeroOptimizer:
         bucket_size_mb: float = 25.0,
         param_dtype: torch.dtype | None = None,
         overlap: bool = True,
+        registration_order: list[nn.Parameter] | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.AdamW) or optimizer.state:
             raise ValueError(
@@ -184,9 +185,13 @@ class ZeroOptimizer:
                 )
                 self.buckets.append(bucket)
                 groups.append({**hyper, "params": [bucket.master]})
-        # Reverse registration order across groups too: roughly when backward fills them.
-        order = sorted(range(len(self.buckets)), key=lambda i: -self._first_index(i, optimizer))
-        self._launch_order = [self.buckets[i] for i in order]
+        # A bucket is complete when its first-registered parameter's gradient is: launch
+        # in reverse order of that (``registration_order``: the model's parameters).
+        every = registration_order or [p for g in optimizer.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(every)}
+        self._launch_order = sorted(
+            self.buckets, key=lambda b: -min(index.get(id(p), 0) for p in b.params)
+        )
         self.inner = torch.optim.AdamW(groups)
         self.params = [p for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -194,10 +199,6 @@ class ZeroOptimizer:
         self._gather_in_forward = False  # set by overlap_param_gather
         for p in self.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-
-    def _first_index(self, i: int, optimizer: torch.optim.Optimizer) -> int:
-        every = [id(p) for g in optimizer.param_groups for p in g["params"]]
-        return min(every.index(id(p)) for p in self.buckets[i].params)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -403,5 +404,5 @@ def _cut(params: list[nn.Parameter], capacity: float) -> list[list[nn.Parameter]
             buckets.append([])
             size = 0
         buckets[-1].append(p)
-        size += p.numel() * 4
+        size += p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize
     return buckets
