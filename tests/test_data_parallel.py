@@ -196,3 +196,64 @@ def test_zero1_reduce_scatter_overlaps_backward_and_all_gather_overlaps_forward(
         assert r["buckets"] == 6 and 1 <= r["launched"] < r["buckets"], r
         assert r["grad_err"] <= 1e-12, r
         assert r["after_step"] == 6 and r["at_fc1"] == 4 and r["after_forward"] == 0, r
+
+
+def _held_bytes(model: nn.Module, dp) -> int:
+    """Bytes of every distinct storage behind the parameters, their gradients, and the
+    optimizer's tensors (master slices, their gradients, Adam state) this rank holds."""
+    opt = getattr(dp.optimizer, "inner", dp.optimizer)
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [t for g in opt.param_groups for p in g["params"] for t in (p, p.grad)
+                if t is not None]  # fmt: skip
+    tensors += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def _memory() -> dict:
+    """Bytes per parameter after a step and the next backward (gradients live), per rank."""
+    rank = dist.get_rank()
+    singles = [dist.new_group([r]) for r in range(4)]  # every rank creates every group
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = {1: singles[rank], 2: pairs[rank // 2], 4: dist.new_group([0, 1, 2, 3])}
+    out = {}
+    for case, zero, low in (("zero_bf16", True, torch.bfloat16), ("allreduce_fp32", False, None)):
+        for d, group in dp_groups.items():
+            torch.manual_seed(0)
+            model = build_model(CFG, tp_group=singles[rank])
+            numel = sum(p.numel() for p in model.parameters())
+            dp = build_data_parallel(
+                model, dataclasses.replace(OPTIM, distributed=zero), dp_group=group,
+                tp_group=singles[rank], device=CPU, low_precision=low,
+            )  # fmt: skip
+            for step in range(2):
+                x = _batch(step)
+                model(x[:, :-1], x[:, 1:]).mean().backward()
+                dp.finish_grads()
+                if step == 0:
+                    dp.step(lr=OPTIM.lr, max_norm=OPTIM.clip_grad, norm=dp.grad_norm())
+                    dp.zero_grad()
+            out[(case, d)] = {
+                "bytes_per_param": _held_bytes(model, dp) / numel,
+                "param_dtype": str(next(model.parameters()).dtype),
+            }
+    return out
+
+
+def test_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
+    """ZeRO-1 training in bf16: 2 (bf16 parameters) + 4 (fp32 gradient buffer) + 12/d
+    (fp32 master slice, exp_avg, exp_avg_sq) = 6 + 12/d bytes per parameter, counted from
+    the storages actually held. Tolerance +0.1 %: each bucket is padded to a multiple of
+    d (at most d - 1 elements) and AdamW keeps a 4-byte step counter per bucket. The
+    all-reduce path in fp32 keeps fp32 parameters (its masters), fp32 gradients and Adam:
+    16 at every d (+0.1 %: torch's AdamW keeps a 4-byte step counter per tensor)."""
+    for rank, res in enumerate(run_ranks(_memory, 4, timeout=180)):
+        print(f"rank {rank}: {res}")
+        for d in (1, 2, 4):
+            zero = res[("zero_bf16", d)]
+            assert zero["param_dtype"] == "torch.bfloat16"
+            want = 6 + 12 / d
+            assert want <= zero["bytes_per_param"] <= want * 1.001, (d, zero)
+            plain = res[("allreduce_fp32", d)]
+            assert plain["param_dtype"] == "torch.float32"
+            assert 16.0 <= plain["bytes_per_param"] <= 16.0 * 1.001, (d, plain)
