@@ -71,20 +71,34 @@ class _Bucket:
             lambda p: getattr(p, TP_DIM_ATTR, None) is not None or tp_rank == 0
         )
         # Sequence-parallel parameters saw only this rank's tokens: summed over TP later.
-        self.sp_ranges = self._ranges(lambda p: getattr(p, SP_GRAD_ATTR, False))
+        self.sp_ranges = self._ranges(lambda p: getattr(p, SP_GRAD_ATTR, False), merge=True)
         self.reset()
 
-    def _ranges(self, keep) -> list[tuple[int, int]]:
-        """(start, end) within this rank's slice of the parameters ``keep`` selects."""
+    def _ranges(self, keep, merge: bool = False) -> list[tuple[int, int]]:
+        """(start, end) within this rank's slice of the parameters ``keep`` selects; with
+        ``merge`` adjacent ones joined (fewer, longer copies)."""
         bounds = zip(self.params, self.offsets, self.offsets[1:], strict=False)
-        return [
-            (max(start, self.lo) - self.lo, min(end, self.hi) - self.lo)
-            for p, start, end in bounds
-            if keep(p) and max(start, self.lo) < min(end, self.hi)
-        ]
+        ranges: list[tuple[int, int]] = []
+        for p, start, end in bounds:
+            lo, hi = max(start, self.lo) - self.lo, min(end, self.hi) - self.lo
+            if not keep(p) or lo >= hi:
+                continue
+            if merge and ranges and ranges[-1][1] == lo:
+                ranges[-1] = (ranges[-1][0], hi)
+            else:
+                ranges.append((lo, hi))
+        return ranges
 
     def reset(self) -> None:
         self.pending = {id(p) for p in self.params}
+
+    def zero_unwritten(self, fresh: set[int]) -> None:
+        """Zero the gradient of parameters that got none since ``zero_grad`` (their part
+        of the buffer still holds the last step's values)."""
+        for p in self.params:
+            if id(p) in fresh:
+                self.grad_views[id(p)].zero_()
+                fresh.discard(id(p))
 
     def flatten(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
         """Concatenation of ``tensors`` (None: zeros) in the master dtype, padded to dp slices."""
@@ -196,6 +210,9 @@ class ZeroOptimizer:
         self.params = [p for b in self.buckets for p in b.params]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_launch, self._syncing, self._hooks = 0, True, []
+        # Parameters whose first gradient since zero_grad is still to come: it is copied
+        # into the buffer rather than added, so zero_grad never has to clear the buffers.
+        self._fresh = {id(p) for p in self.params}
         self._gather_in_forward = False  # set by overlap_param_gather
         for p in self.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -222,7 +239,11 @@ class ZeroOptimizer:
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
-        bucket.grad_views[id(param)].add_(param.grad)
+        if id(param) in self._fresh:
+            bucket.grad_views[id(param)].copy_(param.grad)
+            self._fresh.discard(id(param))
+        else:
+            bucket.grad_views[id(param)].add_(param.grad)
         param.grad = None  # the bucket's buffer holds it now
         if not self._syncing:
             return
@@ -236,6 +257,7 @@ class ZeroOptimizer:
             bucket = self._launch_order[self._next_launch]
             if bucket.pending and not force:
                 return
+            bucket.zero_unwritten(self._fresh)
             self._told(bucket.launch_reduce())
             self._next_launch += 1
 
@@ -273,13 +295,19 @@ class ZeroOptimizer:
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the whole model's averaged gradient, the same on every rank."""
-        squares = [
-            b.master.grad[lo:hi].double().pow(2).sum()
+        # Per parameter (part), squares summed in the gradient's dtype and then together
+        # in fp64: the plain path's order (engine.data_parallel.grads.global_grad_norm),
+        # so the clip coefficient agrees to the last bits.
+        parts = [
+            b.master.grad[lo:hi]
             for b in self.buckets
             if b.master.grad is not None
             for lo, hi in b.norm_ranges
         ]
-        total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+        squares = [sq.sum() for sq in torch._foreach_pow(parts, 2)] if parts else []
+        total = (
+            torch.stack(squares).double().sum() if squares else torch.zeros((), dtype=torch.float64)
+        )
         total = total.to(self.buckets[0].master.device) if self.buckets else total
         for group in (self.dp_group, self.tp_group):
             if group_size(group) > 1:
@@ -324,12 +352,12 @@ class ZeroOptimizer:
             b.wait_gather()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradient buffers (and any stray parameter gradients)."""
+        """Start a new step's gradients (the next ones overwrite the buffers)."""
         for p in self.params:
             p.grad = None
         for b in self.buckets:
-            b.grad_buffer.zero_()
             b.master.grad = None
+        self._fresh = {id(p) for p in self.params}
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state plus master weights held by this rank."""
