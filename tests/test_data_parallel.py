@@ -257,3 +257,42 @@ def test_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
             plain = res[("allreduce_fp32", d)]
             assert plain["param_dtype"] == "torch.float32"
             assert 16.0 <= plain["bytes_per_param"] <= 16.0 * 1.001, (d, plain)
+
+
+def _bf16_zero_then_plain(cfgs) -> dict:
+    """Train in bf16 under ZeRO-1 and save; resume the fp32 all-reduce path from it."""
+    from engine.trainer import Trainer
+
+    zero_cfg, plain_cfg = cfgs
+    trainer = Trainer(zero_cfg, parallel_state.initialize(1, 2))
+    trainer.fit()
+    states = trainer.dp.param_states()
+    masters = {n: states[p]["master"].clone() for n, p in trainer.model.named_parameters()}
+    dtypes = {str(p.dtype) for p in trainer.model.parameters()}
+    rounded = all(
+        torch.equal(p.detach(), masters[n].to(p.dtype)) for n, p in trainer.model.named_parameters()
+    )
+    parallel_state.destroy()
+    resumed = Trainer(plain_cfg, parallel_state.initialize(1, 2))
+    exact = all(torch.equal(p.detach(), masters[n]) for n, p in resumed.model.named_parameters())
+    return {"dtypes": dtypes, "master_dtype": str(next(iter(masters.values())).dtype),
+            "params_are_rounded_masters": rounded, "step": resumed.step,
+            "resumed_from_masters": exact, "zero1": trainer.dp.shards_optimizer}  # fmt: skip
+
+
+def test_bf16_zero1_trains_and_its_masters_resume_the_fp32_path(tmp_path):
+    """Exact: bf16 parameters are the all-gathered fp32 masters rounded once; the fp32
+    all-reduce run resumed from that checkpoint starts from the masters themselves."""
+    from tests.test_checkpoint import build_test_corpus, run_config
+
+    (tmp_path / "corpus").mkdir()
+    corpus = build_test_corpus(tmp_path / "corpus")
+    ckpt = tmp_path / "ckpt"
+    common = ("tp_size=1", "dp_size=2", "checkpoint.every=2")
+    zero_cfg = run_config(corpus, ckpt, *common, "trainer.max_steps=2", "trainer.precision=bf16",
+                          "optim.distributed=true")  # fmt: skip
+    plain_cfg = run_config(corpus, ckpt, *common, "trainer.max_steps=3", "trainer.precision=fp32")
+    for r in run_ranks(_bf16_zero_then_plain, 2, (zero_cfg, plain_cfg), timeout=180):
+        assert r == {"dtypes": {"torch.bfloat16"}, "master_dtype": "torch.float32",
+                     "params_are_rounded_masters": True, "step": 2,
+                     "resumed_from_masters": True, "zero1": True}, r  # fmt: skip
