@@ -2,7 +2,8 @@
 
 - ``grad_sync``: bucketed gradient all-reduce overlapping backward (and the TP sum of
   sequence-parallel gradients);
-- ``zero``: ZeRO-1, bucketed reduce-scatter / all-gather with sharded master weights;
+- ``zero``: ZeRO-1, bucketed reduce-scatter / all-gather with sharded master weights
+  (``buckets``: its flat parameter and gradient buffers and their collectives);
 - ``grads``: the global gradient norm, clipping and fp16 overflow agreement;
 - ``strategy``: one object per mode behind one interface, chosen once by
   :func:`build_data_parallel`.
