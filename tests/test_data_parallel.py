@@ -135,7 +135,7 @@ class _Net(nn.Module):
         return self.head(probe(h) if probe else h).squeeze(-1)
 
 
-def _zero_overlap() -> dict:
+def _zero_overlap(overlap: bool = True) -> dict:
     ps = parallel_state.initialize(1, 2)
     torch.manual_seed(0)
     model = _Net().double()
@@ -145,7 +145,7 @@ def _zero_overlap() -> dict:
     F.mse_loss(serial(x), y).backward()
     dp = build_data_parallel(model, dataclasses.replace(OPTIM, distributed=True),
                              dp_group=ps.dp_group, tp_group=ps.tp_group, device=CPU,
-                             bucket_size_mb=1e-6)  # fmt: skip
+                             bucket_size_mb=1e-6, overlap=overlap)  # fmt: skip
     zero, record = dp.zero, []
     rows = slice(4 * ps.dp_rank, 4 * ps.dp_rank + 4)
     out = model(x[rows], lambda h: _Probe.apply(h, zero, record))
@@ -296,3 +296,11 @@ def test_bf16_zero1_trains_and_its_masters_resume_the_fp32_path(tmp_path):
         assert r == {"dtypes": {"torch.bfloat16"}, "master_dtype": "torch.float32",
                      "params_are_rounded_masters": True, "step": 2,
                      "resumed_from_masters": True, "zero1": True}, r  # fmt: skip
+
+
+def test_zero1_without_overlap_communicates_only_between_passes():
+    """trainer.overlap_grad_reduce=false: no reduce-scatter during backward, and the step
+    returns with every all-gather done; the gradients are the same (1e-12)."""
+    for r in run_ranks(_zero_overlap, 2, False, timeout=120):
+        assert r["launched"] == 0 and r["grad_err"] <= 1e-12, r
+        assert r["after_step"] == 0 and r["at_fc1"] == 0 and r["after_forward"] == 0, r
