@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from engine import comm
 from engine.config import ClassifyConfig
 from engine.data import fashion_mnist
-from engine.grad_sync import GradSync
+from engine.data_parallel import GradSync
 from engine.models.mlp import MLPClassifier
 from engine.observe import peak_memory_gib
 from parallel_state import ParallelState

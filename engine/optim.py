@@ -1,17 +1,18 @@
-"""AdamW, the warmup + cosine schedule, mesh-aware gradient clipping and fp16 loss scaling."""
+"""AdamW and the warmup + cosine learning-rate schedule.
+
+Gradient norms, clipping and fp16 loss scaling (which reduce over the mesh) live with the
+data-parallel strategy, in ``engine.data_parallel.grads``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from engine.config import OptimConfig, TrainerConfig
-from layers.utils import TP_DIM_ATTR
 
 
 def build_optimizer(
@@ -95,120 +96,3 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Apply ``lr`` to every parameter group."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def global_grad_norm(
-    params: Iterable[nn.Parameter], tp_group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient, the same on every rank of the mesh.
-
-    TP-sharded parameters contribute their local shard and are summed across TP;
-    replicated ones are identical on every TP rank (after grad sync) and are counted once,
-    on TP rank 0. After DP averaging every DP replica holds the same gradients, so no DP
-    reduction is needed.
-    """
-    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    grads = [
-        p.grad.detach()
-        for p in params
-        if p.grad is not None and (getattr(p, TP_DIM_ATTR, None) is not None or tp_rank == 0)
-    ]
-    # Squares by multi-tensor ops, each summed in at least fp32 and then together in fp64,
-    # all on the device: no host sync here. (Per-tensor sums keep the exact numerics ZeRO's
-    # sliced norm reproduces; a different summation would move the clip coefficient.)
-    square_sums = {}
-    for (_, dtype), group in _by_device_and_dtype(grads).items():
-        wide = [g.to(_accumulation(dtype)) for g in group]
-        for g, sq in zip(group, torch._foreach_pow(wide, 2), strict=True):
-            square_sums[id(g)] = sq.sum()
-    squares = [square_sums[id(g)] for g in grads]  # in parameter order, as summed before
-    total = torch.stack(squares).double().sum() if squares else torch.zeros((), dtype=torch.float64)
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        total = total.to(_collective_device(tp_group))
-        dist.all_reduce(total, group=tp_group)
-    return total.sqrt()
-
-
-def _by_device_and_dtype(
-    grads: list[torch.Tensor],
-) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """Gradients grouped as the multi-tensor ops take them: one device and dtype each."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    return groups
-
-
-def _accumulation(dtype: torch.dtype) -> torch.dtype:
-    """At least fp32 (bf16/fp16 gradients are summed in fp32, fp64 ones in fp64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
-    """gloo reduces CPU tensors; NCCL needs them on this rank's GPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def clip_grads_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
-    """Scale gradients so that their global norm is at most ``max_norm``.
-
-    The coefficient stays on the device (no host sync): gradients are multiplied by
-    min(1, max_norm / (norm + 1e-6)), and a factor of exactly 1 leaves them unchanged.
-    A non-finite ``norm`` cannot be fixed by any coefficient: the trainer's bad-step guard
-    (engine/guard.py) skips such a step before it reaches clipping.
-    """
-    if max_norm <= 0:
-        return
-    coef = (max_norm / (norm.double() + 1e-6)).clamp_max(1.0)
-    grads = [p.grad for p in params if p.grad is not None]
-    for (device, dtype), group in _by_device_and_dtype(grads).items():
-        # Cast to the op's accumulation dtype, as a Python float scalar would be.
-        torch._foreach_mul_(group, coef.to(device=device, dtype=_accumulation(dtype)))
-
-
-class DynamicLossScaler:
-    """fp16 loss scaling: halve the scale and skip the step on overflow, grow it when stable.
-
-    Overflow is agreed on by every rank of the mesh (an all-reduce MAX of the local flag),
-    so all ranks skip the same steps.
-    """
-
-    def __init__(self, init_scale: float, growth_interval: int = 1000) -> None:
-        self.scale, self.growth_interval, self._good_steps = init_scale, growth_interval, 0
-
-    def found_overflow(self, params: list[nn.Parameter]) -> bool:
-        grads = [p.grad for p in params if p.grad is not None]
-        flag = torch.zeros(())
-        for (device, _), group in _by_device_and_dtype(grads).items():
-            # One multi-tensor pass per group sets found to 1 on any inf/NaN; unscaling by
-            # exactly 1 leaves the gradients as they are. One host sync, at the end.
-            found, one = torch.zeros(1, device=device), torch.ones(1, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, one)
-            flag = flag.maximum(found.cpu().squeeze())
-        if dist.is_initialized():
-            flag = flag.to(_collective_device(dist.group.WORLD))
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def unscale_(self, params: list[nn.Parameter]) -> None:
-        grads = [p.grad for p in params if p.grad is not None]
-        if grads:
-            torch._foreach_div_(grads, self.scale)
-
-    def state_dict(self) -> dict[str, float]:
-        """The scale and the count of good steps since the last change (for checkpoints)."""
-        return {"scale": self.scale, "good_steps": self._good_steps}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        """Restore :meth:`state_dict`'s output."""
-        self.scale, self._good_steps = float(state["scale"]), int(state["good_steps"])
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale, self._good_steps = max(self.scale / 2.0, 1.0), 0
-            return
-        self._good_steps += 1
-        if self._good_steps % self.growth_interval == 0:
-            self.scale *= 2.0

@@ -2,7 +2,7 @@
 
 The trainer marks phase boundaries (``lap``); the collectives are timed by two clocks it
 hands down explicitly: ``StepTimer.tp`` is attached to the model's TP modules (they pass
-it to ``layers.mappings``), ``StepTimer.dp`` to GradSync / ZeroOptimizer. Nothing global.
+it to ``layers.mappings``), ``StepTimer.dp`` to the DP strategy. Nothing global.
 
 How exact each figure is:
 
@@ -10,9 +10,10 @@ How exact each figure is:
   where the device is synchronized, so they add up to the step time exactly;
 - TP communication: every TP collective is blocking, so its wall clock (CPU) or a pair
   of CUDA events on the current stream (GPU) measures it; compute = forward+backward − TP;
-- DP exposed: the wait after backward (GradSync.finish, ZeRO's reduce-scatter) plus
-  ZeRO's all-gather inside the optimizer phase;
-- DP total: each asynchronous bucket all-reduce runs from its launch to the moment its
+- DP exposed: the wait after backward for the bucketed all-reduces or ZeRO's bucketed
+  reduce-scatters, plus any blocking DP collective inside the optimizer phase (ZeRO's
+  all-gathers are asynchronous: what the next forward waits for is in its compute);
+- DP total: each asynchronous bucket collective runs from its launch to the moment its
   future completes; the collectives of one group run one after another, so the busy time
   is the union of those intervals (on CUDA the completion is seen by the host callback,
   an upper bound). It includes queueing behind compute when the CPU is shared.
@@ -20,6 +21,7 @@ How exact each figure is:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -83,7 +85,9 @@ class _DPClock(_Clock):
         def done(_future):
             span[1] = time.perf_counter()
 
-        work.get_future().then(done)
+        # gloo's reduce-scatter has no future: its span then ends when it is waited for.
+        with contextlib.suppress(RuntimeError):
+            work.get_future().then(done)
 
     def async_busy(self, waited: float) -> float:
         """Union of the launch→completion intervals (collectives of a group run in order).
@@ -116,12 +120,14 @@ class StepTimer:
         self.records: list[dict[str, Any]] = []
         self._marks: list[tuple[float, float]] = []
 
-    def attach(self, model: torch.nn.Module, grad_sync: Any, zero: Any | None) -> None:
-        """Hand the clocks to whoever runs the collectives (take them back when disabled)."""
+    def attach(self, model: torch.nn.Module, data_parallel: Any) -> None:
+        """Hand the clocks to whoever runs the collectives (take them back when disabled).
+
+        ``data_parallel``: the DP strategy (``engine.data_parallel``), which passes the DP
+        clock to the gradient sync or ZeRO-1 it runs.
+        """
         attach_comm_timer(model, self.tp if self.enabled else None)
-        grad_sync.comm_timer = self.dp if self.enabled else None
-        if zero is not None:
-            zero.comm_timer = self.dp if self.enabled else None
+        data_parallel.set_comm_timer(self.dp if self.enabled else None)
 
     def _now(self) -> float:
         if self.device.type == "cuda":

@@ -17,24 +17,15 @@ from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.cluster import describe_mesh
 from engine.config import Config
 from engine.data.pipeline import build_pipeline, to_device
+from engine.data_parallel import DynamicLossScaler, build_data_parallel
 from engine.generate import generate
-from engine.grad_sync import GradSync
 from engine.guard import BadStepGuard
 from engine.models import build_model
 from engine.observe import RunLogger, format_step_line, maybe_profile, window_metrics
-from engine.optim import (
-    DynamicLossScaler,
-    build_optimizer,
-    clip_grads_,
-    global_grad_norm,
-    lr_at,
-    schedule_change,
-    set_lr,
-)
+from engine.optim import lr_at, schedule_change
 from engine.preemption import EXIT_PREEMPTED, StopRequests
 from engine.step_timer import StepTimer, breakdown_metrics, format_breakdown
 from engine.watchdog import Watchdog
-from engine.zero import ZeroOptimizer
 from parallel_state import ParallelState
 from parallel_state.launcher import detect_launch
 
@@ -53,10 +44,12 @@ def resolve_precision(precision: str, device: torch.device) -> str:
 class Trainer:
     """Pre-trains ``cfg.model`` on this rank's part of the mesh.
 
-    Parameters stay fp32 (the master weights); bf16/fp16 run the forward under autocast,
-    so gradients, their DP reduction and the optimizer are fp32. fp16 adds dynamic loss
-    scaling with mesh-wide overflow detection. ``optim.distributed`` shards the optimizer
-    (ZeRO-1), whose reduce-scatter then replaces GradSync's DP all-reduce. A resumable
+    bf16/fp16 run the forward under autocast; gradients, their DP reduction and the
+    optimizer are fp32. The data-parallel strategy (``self.dp``, chosen once from
+    ``optim.distributed``) reduces gradients and steps the optimizer: the bucketed
+    all-reduce keeps fp32 parameters, ZeRO-1 keeps bf16 ones beside fp32 master slices
+    when training in bf16. fp16 adds dynamic loss scaling with mesh-wide overflow
+    detection. A resumable
     checkpoint is saved every ``checkpoint.every`` steps and at the end, and a new run
     continues from the newest one (at any layout).
     """
@@ -68,15 +61,10 @@ class Trainer:
         ps.seed(cfg.trainer.seed)
         self.model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.model, cfg.optim, ps.device)
-        self.zero = cfg.optim.distributed
-        if self.zero:
-            self.optimizer = ZeroOptimizer(
-                self.optimizer, dp_group=ps.dp_group, tp_group=ps.tp_group
-            )
-        self.grad_sync = GradSync(
-            self.params, dp_group=None if self.zero else ps.dp_group, tp_group=ps.tp_group,
+        self.dp = build_data_parallel(
+            self.model, cfg.optim, dp_group=ps.dp_group, tp_group=ps.tp_group, device=ps.device,
             bucket_size_mb=cfg.trainer.grad_bucket_mb, overlap=cfg.trainer.overlap_grad_reduce,
+            low_precision=torch.bfloat16 if self.precision == "bf16" else None,
         )  # fmt: skip
         self.scaler = (
             DynamicLossScaler(cfg.trainer.loss_scale_init) if self.precision == "fp16" else None
@@ -89,7 +77,7 @@ class Trainer:
             ps.device, enabled=cfg.trainer.step_timing, flops_per_step=self.flops_per_step,
             tokens_per_step=cfg.trainer.global_batch * cfg.data.seq_len, world_size=ps.world_size,
         )  # fmt: skip
-        self.timer.attach(self.model, self.grad_sync, self.optimizer if self.zero else None)
+        self.timer.attach(self.model, self.dp)
         self.logger = RunLogger(
             enabled=ps.rank == 0, run_dir=cfg.run_dir, max_steps=cfg.trainer.max_steps,
             tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
@@ -127,47 +115,34 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else self.grad_sync.no_sync():
+            with contextlib.nullcontext() if last else self.dp.no_sync():
                 with self._autocast():
                     loss = self._loss(micro) / len(micro_batches)
                 (loss * self.scaler.scale if self.scaler else loss).backward()
             total += loss.detach().float()
         self.timer.lap()
         self._mark("gradient all-reduce", "dp", self.step + 1)
-        grads = self._reduce_grads()
+        grads = self.dp.finish_grads()
         self.timer.lap()
         skipped = False
         self._mark("gradient norm and optimizer step", "model", self.step + 1)
         if self.scaler is not None:
-            skipped = self.scaler.found_overflow(grads)
+            skipped = self.scaler.found_overflow(grads, (self.ps.tp_group, self.ps.dp_group))
             if not skipped:
                 self.scaler.unscale_(grads)
             self.scaler.update(skipped)
-        if self.zero:
-            norm = self.optimizer.grad_norm()
-        else:
-            norm = global_grad_norm(self.params, self.ps.tp_group)
+        norm = self.dp.grad_norm()
         lr = lr_at(self.step, self.cfg.optim, self.cfg.trainer.max_steps)
         scale = self.scaler and self.scaler.scale
         self._mark("bad-step check", "world", self.step + 1)
         if not self.guard.check(self.step + 1, total.item(), norm.item(), overflow=skipped,
                                 loss_scale=scale):  # fmt: skip
-            clip_grads_(grads, self.cfg.optim.clip_grad, norm)
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.dp.step(lr=lr, max_norm=self.cfg.optim.clip_grad, norm=norm)
+        self.dp.zero_grad()
         self.timer.lap()
         record = self.timer.finish(step=self.step + 1, loss=total.item())
         return {**record, "grad_norm": norm.item(), "lr": lr, "skipped": float(skipped),
                 "step_time": record["step_time_s"], "dp_comm": record["dp_comm_exposed_s"]}  # fmt: skip
-
-    def _reduce_grads(self) -> list[torch.Tensor]:
-        """Finish the DP gradient reduction; return the tensors whose .grad the step uses."""
-        self.grad_sync.finish()
-        if not self.zero:
-            return self.params
-        self.optimizer.reduce_scatter_grads()
-        return self.optimizer.master_params
 
     def _dp_mean(self, value: float) -> float:
         self._mark("loss average", "dp")
@@ -320,11 +295,12 @@ class Trainer:
 
     def _save_checkpoint(self) -> None:
         self._mark("checkpoint save", "world")
+        self.dp.wait_params()
         if not self.guard.may_save(self.step, self.params):
             return
         start = time.perf_counter()
         path = save_checkpoint(
-            checkpoint_dir(self.cfg), self.step, model=self.model, optimizer=self.optimizer,
+            checkpoint_dir(self.cfg), self.step, model=self.model, optimizer=self.dp,
             ps=self.ps, state=self._train_state(), keep=self.cfg.checkpoint.keep,
             log=lambda msg: self.logger.print(msg, markup=False),
         )  # fmt: skip
@@ -336,7 +312,7 @@ class Trainer:
         start = time.perf_counter()
         self._mark("checkpoint load", "world")
         loaded = load_checkpoint(
-            checkpoint_dir(self.cfg), model=self.model, optimizer=self.optimizer, ps=self.ps,
+            checkpoint_dir(self.cfg), model=self.model, optimizer=self.dp, ps=self.ps,
             log=self.logger.print,
         )  # fmt: skip
         if loaded is None:
@@ -376,6 +352,7 @@ class Trainer:
 
     def _save(self) -> str | None:
         self._mark("final model export", "world")
+        self.dp.wait_params()
         if not self.cfg.checkpoint.save_final or not self.guard.may_save(self.step, self.params):
             return None
         from engine.checkpoint.format import save_model

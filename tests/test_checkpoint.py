@@ -118,14 +118,14 @@ def _reshard(cfgs: dict[str, Config], converted: str) -> dict:
 
     saver = trainer(cfgs["save"])
     out = {"saved": saver.fit()["eval"]["valid/loss"]}
-    saved_moments = full_optimizer_state(saver.model, saver.optimizer)
+    saved_moments = full_optimizer_state(saver.model, saver.dp)
     if dist.get_rank() == 0:
         convert(cfgs["save"].checkpoint.dir, converted, tp_size=4, dp_size=1)
     dist.barrier()
     params = {}
     for name in ("tp4_dp1", "tp4_dp1_converted", "tp1_dp4_zero1", "tp2_dp2"):
         t = trainer(cfgs[name])
-        moments = full_optimizer_state(t.model, t.optimizer)
+        moments = full_optimizer_state(t.model, t.dp)
         params[name] = t.model.full_state_dict()
         out[name] = {
             "step": t.step,

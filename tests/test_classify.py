@@ -84,7 +84,7 @@ def _grads_vs_whole_batch(tp: int, dp: int) -> float:
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(12, 784, generator=gen, dtype=torch.float64)
     y = torch.randint(0, 10, (12,), generator=gen)
-    from engine.grad_sync import GradSync
+    from engine.data_parallel import GradSync
 
     sync = GradSync(model.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
     idx = local_batch(torch.arange(12), 0, 12 // dp, ps.dp_rank, dp)

@@ -52,10 +52,6 @@ ALLOWED = (
     "layers/mappings.py",  # the TP operators and plain TP helpers
     "engine/comm.py",  # run-level: metric means, agreement, checkpoint hand-offs, barriers
     "engine/data_parallel/",  # the DP strategies (gradient reduction, ZeRO-1)
-    # The DP gradient code before it moves into engine/data_parallel/.
-    "engine/grad_sync.py",
-    "engine/zero.py",
-    "engine/optim.py",
     # Benchmarks that time collectives on purpose.
     "engine/perfmodel/calibrate.py",
     "engine/scaling/linkbench.py",

@@ -15,10 +15,9 @@ from omegaconf import OmegaConf
 
 import parallel_state
 from engine.config import Config, register_configs
-from engine.grad_sync import GradSync
+from engine.data_parallel import GradSync, global_grad_norm
 from engine.models import build_model
 from engine.models.config import preset
-from engine.optim import global_grad_norm
 from tests.corpus import build_test_corpus
 from tests.multiproc import run_ranks, subprocess_env
 

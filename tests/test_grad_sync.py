@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import parallel_state
-from engine.grad_sync import GradSync
+from engine.data_parallel import GradSync
 from layers import ColumnParallelLinear, RowParallelLinear, shard
 from layers.utils import SP_GRAD_ATTR
 from tests.multiproc import run_ranks

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from engine.config import OptimConfig
-from engine.optim import DynamicLossScaler, build_optimizer, clip_grads_, global_grad_norm, lr_at
+from engine.data_parallel import DynamicLossScaler, clip_grads_, global_grad_norm
+from engine.optim import build_optimizer, lr_at
 
 
 def test_warmup_then_cosine_by_hand():

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 import layers.attention
 import layers.transformer
 import parallel_state
-from engine.grad_sync import GradSync
+from engine.data_parallel import GradSync
 from engine.models import ModelConfig, build_model
 from engine.models.memory import activation_memory_table
 from layers.attention import heads_per_rank

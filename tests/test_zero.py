@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 import parallel_state
 from engine.checkpoint import full_optimizer_state, load_checkpoint, save_checkpoint
 from engine.config import OptimConfig
-from engine.grad_sync import GradSync
+from engine.data_parallel import build_data_parallel
 from engine.models import build_model
 from engine.models.config import preset
-from engine.optim import build_optimizer, clip_grads_, global_grad_norm
-from engine.zero import ZeroOptimizer
 from tests.multiproc import run_ranks
 
 CFG = preset("gpt_tiny", vocab_size=500, hidden_size=32, num_heads=4, hidden_dropout=0.0,
@@ -29,38 +29,37 @@ def _batch(step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
     return full[dp_rank * per : (dp_rank + 1) * per]
 
 
-def _train(model, optimizer, grad_sync, tp_group, dp_rank, dp_size, steps=3) -> dict:
-    """The trainer's step sequence, for either optimizer; returns losses and grad norms."""
+def _train(model, dp, dp_rank, dp_size, steps=3) -> dict:
+    """The trainer's step sequence, for either strategy; returns losses and grad norms."""
     losses, norms = [], []
     for step in range(steps):
         x = _batch(step, dp_rank, dp_size)
         loss = model(x[:, :-1], x[:, 1:]).mean()
         loss.backward()
-        grad_sync.finish()
-        if isinstance(optimizer, ZeroOptimizer):
-            optimizer.reduce_scatter_grads()
-            grads, norm = optimizer.master_params, optimizer.grad_norm()
-        else:
-            grads, norm = list(model.parameters()), global_grad_norm(model.parameters(), tp_group)
-        clip_grads_(grads, OPTIM.clip_grad, norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        dp.finish_grads()
+        norm = dp.grad_norm()
+        dp.step(lr=OPTIM.lr, max_norm=OPTIM.clip_grad, norm=norm)
+        dp.zero_grad()
         losses.append(loss.item())
         norms.append(norm.item())
+    dp.wait_params()  # ZeRO-1's last all-gathers may still be in flight: read params after
     return {"loss": losses, "norm": norms}
 
 
+def _strategy(model, zero: bool, tp_group, dp_group):
+    cfg = dataclasses.replace(OPTIM, distributed=zero)
+    return build_data_parallel(
+        model, cfg, dp_group=dp_group, tp_group=tp_group, device=torch.device("cpu")
+    )
+
+
 def _pair(tp_group, dp_group, dtype=torch.float32):
-    """The same model (same seed) under the plain optimizer and under ZeRO-1."""
+    """The same model (same seed) under the all-reduce strategy and under ZeRO-1."""
     out = []
     for zero in (False, True):
         torch.manual_seed(0)
         model = build_model(CFG, tp_group=tp_group, dtype=dtype)
-        optimizer = build_optimizer(model, OPTIM, torch.device("cpu"))
-        if zero:
-            optimizer = ZeroOptimizer(optimizer, dp_group=dp_group, tp_group=tp_group)
-        sync = GradSync(model.parameters(), dp_group=None if zero else dp_group, tp_group=tp_group)
-        out.append((model, optimizer, sync))
+        out.append((model, _strategy(model, zero, tp_group, dp_group)))
     return out
 
 
@@ -74,12 +73,14 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 
 def _compare(tp_group, dp_group, dtype, steps) -> dict:
-    (pm, po, psync), (zm, zo, zsync) = _pair(tp_group, dp_group, dtype)
+    (pm, po), (zm, zo) = _pair(tp_group, dp_group, dtype)
     dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
-    plain = _train(pm, po, psync, tp_group, dp_rank, dp_size, steps)
-    zero = _train(zm, zo, zsync, tp_group, dp_rank, dp_size, steps)
+    plain = _train(pm, po, dp_rank, dp_size, steps)
+    zero = _train(zm, zo, dp_rank, dp_size, steps)
     numel = sum(p.numel() for p in pm.parameters())
-    plain_bytes = sum(v.nbytes for st in po.state.values() for v in st.values() if v.dim())
+    plain_bytes = sum(
+        v.nbytes for st in po.optimizer.state.values() for v in st.values() if v.dim()
+    )
     plain_bytes += sum(p.nbytes for p in pm.parameters())  # fp32 params are the masters
     return {
         "params": _max_rel(zm.full_state_dict(), pm.full_state_dict()),
@@ -133,8 +134,8 @@ def test_zero1_matches_plain_adamw_and_memory_falls_as_1_over_dp():
 def _zero_checkpoint(root: str) -> dict:
     """Save under ZeRO-1 at tp=2 × dp=2; load at dp=4 (ZeRO-1) and tp=4 (plain)."""
     ps = parallel_state.initialize(2, 2)
-    _, (model, zero, sync) = _pair(ps.tp_group, ps.dp_group)
-    _train(model, zero, sync, ps.tp_group, ps.dp_rank, 2, steps=2)
+    _, (model, zero) = _pair(ps.tp_group, ps.dp_group)
+    _train(model, zero, ps.dp_rank, 2, steps=2)
     saved_params, saved_moments = model.full_state_dict(), full_optimizer_state(model, zero)
     save_checkpoint(root, 2, model=model, optimizer=zero, ps=ps, state={"data": {}})
     parallel_state.destroy()
@@ -143,9 +144,7 @@ def _zero_checkpoint(root: str) -> dict:
         ps = parallel_state.initialize(tp, dp)
         torch.manual_seed(1)  # a different init: everything must come from the checkpoint
         m = build_model(CFG, tp_group=ps.tp_group)
-        o = build_optimizer(m, OPTIM, torch.device("cpu"))
-        if distributed:
-            o = ZeroOptimizer(o, dp_group=ps.dp_group, tp_group=ps.tp_group)
+        o = _strategy(m, distributed, ps.tp_group, ps.dp_group)
         loaded = load_checkpoint(root, model=m, optimizer=o, ps=ps, log=lambda msg: None)
         params, moments = m.full_state_dict(), full_optimizer_state(m, o)
         out[(tp, dp)] = {
@@ -159,8 +158,8 @@ def _zero_checkpoint(root: str) -> dict:
     return out
 
 
-def _steps(optimizer):
-    inner = optimizer.inner if isinstance(optimizer, ZeroOptimizer) else optimizer
+def _steps(dp):
+    inner = getattr(dp.optimizer, "inner", dp.optimizer)  # ZeRO-1's AdamW over the slices
     return list(inner.state.values())
 
 

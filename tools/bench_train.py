@@ -17,6 +17,10 @@ is printed only where ``engine.flops.peak_flops`` knows the device (never on CPU
     python tools/bench_train.py --preset gpt_tiny --hidden 256 --layers 4 --heads 4 \\
         --seq 128 --micro-batch 8 --vocab 8192 --threads 1 --out bench_train.csv
     torchrun --nproc-per-node 4 tools/bench_train.py --tp 2 --dp 2 ...   # meshtron only
+    torchrun --nproc-per-node 2 tools/bench_train.py --dp 2 --zero1 ...  # ZeRO-1 ÷ all-reduce
+
+``--zero1`` adds meshtron with ZeRO-1 (same model, seed and layout) as a second loop in
+the same rotation, and prints ZeRO-1's step time over the all-reduce path's.
 
 ``--profile N`` then profiles N steps of each loop and prints where the time goes.
 """
@@ -48,9 +52,8 @@ import parallel_state  # noqa: E402
 from engine import flops  # noqa: E402
 from engine.cli import ArgumentParser, non_negative_int, positive_int  # noqa: E402
 from engine.config import OptimConfig  # noqa: E402
-from engine.grad_sync import GradSync  # noqa: E402
+from engine.data_parallel import DataParallel, build_data_parallel  # noqa: E402
 from engine.models import ModelConfig, ParallelModel, build_model, preset  # noqa: E402
-from engine.optim import build_optimizer, clip_grads_, global_grad_norm  # noqa: E402
 from engine.verification.layouts import VerifySpec  # noqa: E402
 from engine.verification.layouts import make_batch as verify_batch  # noqa: E402
 
@@ -83,6 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--references", default="eager",
                    help=f"comma list of {', '.join(REFERENCES)} (empty: meshtron only)")  # fmt: skip
     p.add_argument("--no-reference", action="store_true", help="time meshtron only")
+    p.add_argument(
+        "--zero1",
+        action="store_true",
+        help="also time ZeRO-1 at the same layout, side by side with the all-reduce",
+    )
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="DP bucket size in MiB (trainer.grad_bucket_mb)")  # fmt: skip
     p.add_argument("--profile", type=non_negative_int, default=0, metavar="N",
                    help="profile N steps of each loop afterwards")  # fmt: skip
     p.add_argument("--out", default=None, help="write results: .json, else CSV")
@@ -109,6 +119,8 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--references: unknown {unknown[0]!r}; choose from {', '.join(REFERENCES)}"
         )
     args.references = list(dict.fromkeys(names))
+    if not args.bucket_mb > 0:
+        raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -201,10 +213,15 @@ def load_reference(ref: RefGPT, model: ParallelModel) -> None:
 
 @dataclass
 class Loop:
-    """A named training step and its measured step times (seconds): wall and process CPU."""
+    """A named training step and its measured step times (seconds): wall and process CPU.
+
+    ``settle`` ends a block: what the last step left in flight (ZeRO-1's all-gathers) is
+    waited for inside that step's time, so it never runs into another loop's block.
+    """
 
     name: str
     step: Callable[[], None]
+    settle: Callable[[], None] = lambda: None
     times: list[float] = field(default_factory=list)
     cpu_times: list[float] = field(default_factory=list)
 
@@ -215,18 +232,16 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def meshtron_step(model, optimizer, grad_sync, params, batch, ocfg, device, dtype):
+def meshtron_step(model, dp: DataParallel, batch, ocfg, device, dtype):
     """One step as engine.trainer.Trainer.train_step runs it (one micro-batch per step)."""
 
     def step() -> None:
         with _autocast(device, dtype):
             loss = model.loss(batch)
         loss.backward()
-        grad_sync.finish()
-        norm = global_grad_norm(params, model.tp_group)
-        clip_grads_(params, ocfg.clip_grad, norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        dp.finish_grads()
+        dp.step(lr=ocfg.lr, max_norm=ocfg.clip_grad, norm=dp.grad_norm())
+        dp.zero_grad()
 
     return step
 
@@ -306,9 +321,11 @@ def run_interleaved(loops: list[Loop], args, device: torch.device) -> None:
     for block in range(args.blocks):
         order = loops if block % 2 == 0 else loops[::-1]
         for loop in order:
-            for _ in range(args.steps_per_block):
+            for i in range(args.steps_per_block):
                 start, cpu_start = _now(device), time.process_time()
                 loop.step()
+                if i == args.steps_per_block - 1:
+                    loop.settle()
                 loop.times.append(_now(device) - start)
                 loop.cpu_times.append(time.process_time() - cpu_start)
 
@@ -353,14 +370,24 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
     torch.manual_seed(args.seed)
     ps.seed(args.seed)
     ocfg = OptimConfig()  # the engine's defaults; the reference copies them
-    model = build_model(cfg, tp_group=ps.tp_group, device=ps.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_sync = GradSync(params, dp_group=ps.dp_group, tp_group=ps.tp_group)
-    optimizer = build_optimizer(model, ocfg, ps.device)
     batch = make_batch(cfg, args, ps, ps.device)
-    step = meshtron_step(model, optimizer, grad_sync, params, batch, ocfg, ps.device, dtype)
-    loops = [Loop(f"meshtron tp={ps.tp_size} dp={ps.dp_size}", step)]
-    info: dict = {"vocab": {loops[0].name: cfg.padded_vocab_size(ps.tp_size)}}
+    model = None
+    loops = []
+    for zero1 in (False, True) if args.zero1 else (False,):
+        torch.manual_seed(args.seed)
+        m = build_model(cfg, tp_group=ps.tp_group, device=ps.device)
+        dp = build_data_parallel(
+            m, OptimConfig(distributed=zero1), dp_group=ps.dp_group, tp_group=ps.tp_group,
+            device=ps.device, bucket_size_mb=args.bucket_mb,
+            low_precision=torch.bfloat16 if dtype == torch.bfloat16 else None,
+        )  # fmt: skip
+        name = f"meshtron{' ZeRO-1' if zero1 else ''} tp={ps.tp_size} dp={ps.dp_size}"
+        loops.append(Loop(name, meshtron_step(m, dp, batch, ocfg, ps.device, dtype),
+                          settle=dp.wait_params))  # fmt: skip
+        model = model or m
+    info: dict = {"vocab": {lp.name: cfg.padded_vocab_size(ps.tp_size) for lp in loops}}
+    if args.zero1:
+        return loops, info  # ZeRO-1 ÷ all-reduce only
     if not args.references or ps.world_size > 1 or cfg.arch != "gpt":
         return loops, info  # the references are one process and GPT only
     info["loss_rel_gap"] = {}
@@ -422,7 +449,7 @@ def paired_ratios(loops: list[Loop], reference: int, args) -> list[float]:
 def render(rows: list[dict], meta: dict, console: Console) -> None:
     table = Table(title=f"Training throughput — {meta['device_name']}, {meta['precision']}")
     for col in ("loop", "step ms (median)", "p10–p90 ms", "CPU ms (median)", "tokens/s",
-                "model TFLOP/s", "% matmul ceiling", "MFU", "meshtron ÷ this"):  # fmt: skip
+                "model TFLOP/s", "% matmul ceiling", "MFU", "ratio"):  # fmt: skip
         table.add_column(col, justify="left" if col == "loop" else "right")
     for r in rows:
         table.add_row(
@@ -439,6 +466,14 @@ def render(rows: list[dict], meta: dict, console: Console) -> None:
         f"matmul ceiling {meta['matmul_ceiling_tflops']:.4f} TFLOP/s ({meta['ceiling_shape']})"
     )
     for name, c in meta.get("comparisons", {}).items():
+        if "loss_rel_gap" not in c:  # ZeRO-1 ÷ all-reduce: the same model on both sides
+            console.print(
+                f"{name} = {c['ratio']:.3f} (medians); per block pair median "
+                f"{c['paired_ratio_median']:.3f}, range {min(c['paired_ratios']):.3f}–"
+                f"{max(c['paired_ratios']):.3f}; p10 step times {c['p10_ratio']:.3f}; "
+                f"process CPU time {c['cpu_ratio']:.3f}; load average {meta['load_avg_1min']}"
+            )
+            continue
         console.print(
             f"meshtron / {name} = {c['ratio']:.3f} (medians); per block pair "
             f"median {c['paired_ratio_median']:.3f}, range "
@@ -465,6 +500,8 @@ def write(path: str, rows: list[dict], meta: dict) -> None:
 def compare(rows: list[dict], loops: list[Loop], info: dict, args) -> dict[str, dict]:
     """meshtron against each reference: ratios of medians, p10s, CPU time, block pairs."""
     out = {}
+    if args.zero1:
+        return {"ZeRO-1 ÷ all-reduce": zero1_ratio(rows, loops, args)}
     for i in range(1, len(loops)):
         ratio = rows[0]["step_ms_median"] / rows[i]["step_ms_median"]
         rows[i]["ratio"] = ratio
@@ -476,6 +513,18 @@ def compare(rows: list[dict], loops: list[Loop], info: dict, args) -> dict[str, 
             loss_rel_gap=info["loss_rel_gap"][loops[i].name],
         )  # fmt: skip
     return out
+
+
+def zero1_ratio(rows: list[dict], loops: list[Loop], args) -> dict:
+    """ZeRO-1's step time over the all-reduce path's: medians, p10s, per block pair."""
+    k = args.steps_per_block
+    plain, zero = loops[0].times, loops[1].times
+    pairs = [statistics.median(zero[i : i + k]) / statistics.median(plain[i : i + k])
+             for i in range(0, len(zero), k)]  # fmt: skip
+    rows[1]["ratio"] = rows[1]["step_ms_median"] / rows[0]["step_ms_median"]
+    return {"ratio": rows[1]["ratio"], "p10_ratio": rows[1]["step_ms_p10"] / rows[0]["step_ms_p10"],
+            "cpu_ratio": rows[1]["cpu_ms_median"] / rows[0]["cpu_ms_median"],
+            "paired_ratios": pairs, "paired_ratio_median": statistics.median(pairs)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

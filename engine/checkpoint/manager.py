@@ -43,8 +43,8 @@ from engine.checkpoint.storage import (
     write_index,
     write_shard,
 )
+from engine.data_parallel import DataParallel, checkpoint_view
 from engine.models import ModelConfig, ParallelModel
-from engine.zero import ZeroOptimizer
 from parallel_state import ParallelState
 
 Fault = Callable[[str], None]  # test hook: called at "after_shard", "before_index", ...
@@ -103,7 +103,7 @@ def save_checkpoint(
     step: int,
     *,
     model: ParallelModel,
-    optimizer: torch.optim.Optimizer | ZeroOptimizer | None,
+    optimizer: DataParallel | torch.optim.Optimizer | None,
     ps: ParallelState | None,
     state: dict[str, Any],
     keep: int = 2,
@@ -142,7 +142,7 @@ def save_checkpoint(
         index = {
             "step": step, "model_config": model.cfg.to_dict(), "trainer_state": state,
             "layout": {"tp_size": mesh.tp_size, "dp_size": mesh.dp_size, "world_size": mesh.world,
-                       "zero1": isinstance(optimizer, ZeroOptimizer),
+                       "zero1": optimizer is not None and checkpoint_view(optimizer).shards_optimizer,
                        "device_type": mesh.device_type},
             "optimizer": {"scalars": scalars},
             "tensors": {n: s for r, _ in records for n, s in r.pop("specs").items()},
@@ -242,7 +242,7 @@ def load_checkpoint(
     root: str | Path,
     *,
     model: ParallelModel,
-    optimizer: torch.optim.Optimizer | ZeroOptimizer | None,
+    optimizer: DataParallel | torch.optim.Optimizer | None,
     ps: ParallelState | None,
     log: Callable[[str], None] = print,
 ) -> Loaded | None:

@@ -3,8 +3,9 @@
 Tensor names are stable across layouts: ``model/<param>`` for a parameter (its module
 path) and ``optim/<param>/<key>`` for optimizer state of the parameter's shape (Adam's
 ``exp_avg``, ``exp_avg_sq``); scalar state (Adam's ``step``) goes to the index as JSON.
-The plain optimizer and ZeRO-1 export the same per-parameter view, so a checkpoint of
-either loads into either.
+Both data-parallel strategies (``engine.data_parallel``) export the same per-parameter
+view, so a checkpoint of either loads into either; a bare torch optimizer (tools, tests)
+is read as every replica's full state.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import torch
 from torch import nn
 
 from engine.checkpoint.layout import MODEL, OPTIM, TensorSpec, dtype_name, local_box
+from engine.data_parallel import checkpoint_view
 from engine.models import ParallelModel
 from engine.models.base import VOCAB_PADDED_ATTR
-from engine.zero import ZeroOptimizer
 from layers.mappings import gather_along
 from layers.utils import TP_DIM_ATTR, group_rank, group_size
 
@@ -57,14 +58,7 @@ def param_spec(
 
 def param_states(optimizer) -> dict[nn.Parameter, dict[str, Any]]:
     """Per-parameter optimizer state at TP-local shapes (collective over DP for ZeRO-1)."""
-    if isinstance(optimizer, ZeroOptimizer):
-        return optimizer.param_states()
-    return {
-        p: dict(optimizer.state[p])
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if p in optimizer.state
-    }
+    return checkpoint_view(optimizer).param_states()
 
 
 def export_local(model: ParallelModel, optimizer) -> tuple[dict, dict, dict]:
@@ -74,16 +68,7 @@ def export_local(model: ParallelModel, optimizer) -> tuple[dict, dict, dict]:
     """
     specs, tensors, scalars = {}, {}, {}
     states = param_states(optimizer) if optimizer is not None else {}
-    # apex's FusedAdam counts steps per parameter group, not per parameter: keep it too.
-    group_steps = {
-        id(p): g["step"]
-        for g in (optimizer.param_groups if optimizer is not None else [])
-        if "step" in g
-        for p in g["params"]
-    }
     for name, p in model.named_parameters():
-        if id(p) in group_steps:
-            scalars.setdefault(name, {})[GROUP_STEP] = float(group_steps[id(p)])
         key = model_name(name)
         specs[key], tensors[key] = param_spec(key, p, MODEL, model), p.detach()
         for skey, value in sorted(states.get(p, {}).items()):
@@ -114,34 +99,9 @@ def read_local(reader, spec: TensorSpec, shape: torch.Size, model: ParallelModel
     return local
 
 
-GROUP_STEP = "group_step"  # scalar key of a parameter group's step count (apex FusedAdam)
-
-
 def load_optimizer(optimizer, states: dict[nn.Parameter, dict[str, Any]]) -> None:
     """Install per-parameter state (TP-local tensors and scalars) into ``optimizer``."""
-    if isinstance(optimizer, ZeroOptimizer):
-        optimizer.load_param_states(states)
-        return
-    full = optimizer.state_dict()  # torch casts and places the values as it would its own
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    full["state"] = {
-        index[id(p)]: {k: v if torch.is_tensor(v) else torch.tensor(v) for k, v in st.items()}
-        for p, st in states.items()
-        if st
-    }
-    group_steps = {}
-    for i, entry in full["state"].items():
-        entry.pop("master", None)  # a plain optimizer's masters are the parameters
-        if GROUP_STEP in entry:
-            group_steps[i] = entry.pop(GROUP_STEP)
-    optimizer.load_state_dict(full)
-    offset = 0
-    for group in optimizer.param_groups:  # groups that count steps themselves (apex)
-        first = next((group_steps[j] for j in range(offset, offset + len(group["params"]))
-                      if j in group_steps), None)  # fmt: skip
-        if "step" in group and first is not None:
-            group["step"] = int(first.item() if torch.is_tensor(first) else first)
-        offset += len(group["params"])
+    checkpoint_view(optimizer).load_param_states(states)
 
 
 def full_optimizer_state(model: ParallelModel, optimizer) -> dict[str, torch.Tensor]:

@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(args.warmup + args.steps):
             on = i % 4 in (0, 3)  # ABBA
             trainer.timer.enabled = on
-            trainer.timer.attach(trainer.model, trainer.grad_sync,
-                                 trainer.optimizer if trainer.zero else None)  # fmt: skip
+            trainer.timer.attach(trainer.model, trainer.dp)
             step_time = trainer.train_step()["step_time"]
             trainer.step += 1
             if i >= args.warmup:

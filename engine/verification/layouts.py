@@ -27,7 +27,7 @@ from torch import nn
 
 import parallel_state
 from engine import comm
-from engine.grad_sync import GradSync
+from engine.data_parallel import GradSync
 from engine.models import ModelConfig, ParallelModel, build_model
 from engine.models.base import ParallelLMHead
 from layers import ColumnParallelLinear

@@ -1,0 +1,37 @@
+"""Data parallelism: every DP collective of a training step lives in this package.
+
+- ``grad_sync``: bucketed gradient all-reduce overlapping backward (and the TP sum of
+  sequence-parallel gradients);
+- ``zero``: ZeRO-1, bucketed reduce-scatter / all-gather with sharded master weights
+  (``buckets``: its flat parameter and gradient buffers and their collectives);
+- ``grads``: the global gradient norm, clipping and fp16 overflow agreement;
+- ``strategy``: one object per mode behind one interface, chosen once by
+  :func:`build_data_parallel`.
+"""
+
+from engine.data_parallel.grad_sync import GradSync
+from engine.data_parallel.grads import DynamicLossScaler, clip_grads_, global_grad_norm
+from engine.data_parallel.strategy import (
+    AllReduceDP,
+    DataParallel,
+    PlainOptimizerState,
+    Zero1DP,
+    build_data_parallel,
+    checkpoint_view,
+)
+from engine.data_parallel.zero import MASTER_KEY, ZeroOptimizer
+
+__all__ = [
+    "MASTER_KEY",
+    "AllReduceDP",
+    "DataParallel",
+    "DynamicLossScaler",
+    "GradSync",
+    "PlainOptimizerState",
+    "Zero1DP",
+    "ZeroOptimizer",
+    "build_data_parallel",
+    "checkpoint_view",
+    "clip_grads_",
+    "global_grad_norm",
+]

@@ -1,0 +1,310 @@
+"""ZeRO-1: optimizer state and master weights sharded across the data-parallel group.
+
+Parameters are cut into buckets (one optimizer group and dtype each, in reverse order of
+registration, which approximates the order backward produces their gradients). A bucket
+holds two flat buffers, each padded to a multiple of dp:
+
+- ``param_buffer``: the model's parameters are views into it (bf16 when training in bf16);
+- ``grad_buffer``: gradients accumulate here in fp32 (fp64 for fp64 parameters).
+
+DP rank r owns the slice ``[lo, hi)`` of both, and keeps the fp32 master copy and the Adam
+moments of that slice only. One step:
+
+1. backward: a post-accumulate-grad hook adds each gradient into ``grad_buffer`` and frees
+   it; when a bucket is complete (and every earlier bucket launched, so all ranks issue
+   collectives in one order) the buffer is divided by dp and **reduce-scattered** in
+   place, asynchronously, while backward continues with earlier layers;
+2. ``finish_grads``: wait; the master slice's ``.grad`` is a view of the owned slice;
+3. ``step``: AdamW updates the master slices, each is cast into its slice of
+   ``param_buffer``, and the buffer is **all-gathered** in place, asynchronously; with
+   ``overlap_param_gather(model)`` the forward pre-hook of each module waits only for the
+   buckets of its own parameters, so later buckets arrive during the next forward.
+
+Bytes held per parameter, bf16 parameters: 2 (parameters) + 4 (gradient buffer) +
+12/dp (fp32 master, exp_avg, exp_avg_sq) = 6 + 12/dp; the plain optimizer's 18 at dp=1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.data_parallel.buckets import ShardedBucket, cut_buckets
+from layers.utils import group_rank, group_size
+
+MASTER_KEY = "master"  # exported state key of fp32 masters of lower-precision parameters
+
+
+class ZeroOptimizer:
+    """AdamW whose state and master weights are sharded across ``dp_group`` (ZeRO-1).
+
+    Built from a plain, never-stepped torch AdamW, which supplies the parameters, their
+    grouping and hyperparameters; it owns the DP gradient reduction of those parameters
+    (do not also all-reduce them). ``param_dtype=torch.bfloat16`` stores the model's
+    parameters in bf16 (the fp32 masters are taken before the cast). Per step::
+
+        for each micro-batch: backward (under ``no_sync()`` but the last)
+        zero.finish_grads()                 # master_params[i].grad: the averaged slice
+        norm = zero.grad_norm()             # global, over DP and TP
+        clip_grads_(zero.master_params, max_norm, norm)
+        zero.step(); zero.zero_grad()
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        dp_group: dist.ProcessGroup | None,
+        tp_group: dist.ProcessGroup | None = None,
+        bucket_size_mb: float = 25.0,
+        param_dtype: torch.dtype | None = None,
+        overlap: bool = True,
+        registration_order: list[nn.Parameter] | None = None,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.AdamW) or optimizer.state:
+            raise ValueError(
+                "ZeroOptimizer wraps a fresh torch.optim.AdamW (optim.impl torch/auto)"
+            )
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp_size = group_size(dp_group)
+        self.overlap = overlap  # False: reduce-scatters wait for finish_grads()
+        self.comm_timer = None  # when set, told of each collective: ``launched(work)``
+        self.buckets: list[ShardedBucket] = []
+        groups = []
+        for group in optimizer.param_groups:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            for params in cut_buckets(group["params"], bucket_size_mb * 2**20):
+                bucket = ShardedBucket(
+                    params, dp_group=dp_group, tp_rank=group_rank(tp_group), param_dtype=param_dtype
+                )
+                self.buckets.append(bucket)
+                groups.append({**hyper, "params": [bucket.master]})
+        # A bucket is complete when its first-registered parameter's gradient is: launch
+        # in reverse order of that (``registration_order``: the model's parameters).
+        every = registration_order or [p for g in optimizer.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(every)}
+        self._launch_order = sorted(
+            self.buckets, key=lambda b: -min(index.get(id(p), 0) for p in b.params)
+        )
+        self.inner = torch.optim.AdamW(groups)
+        self.params = [p for b in self.buckets for p in b.params]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next_launch, self._syncing, self._hooks = 0, True, []
+        # Parameters whose first gradient since zero_grad is still to come: it is copied
+        # into the buffer rather than added, so zero_grad never has to clear the buffers.
+        self._fresh = {id(p) for p in self.params}
+        self._gather_in_forward = False  # set by overlap_param_gather
+        for p in self.params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups (one per bucket), so ``set_lr`` works unchanged."""
+        return self.inner.param_groups
+
+    @property
+    def master_params(self) -> list[torch.Tensor]:
+        """This rank's master slices; after ``finish_grads`` their ``.grad``."""
+        return [b.master for b in self.buckets]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (gradient-accumulation micro-batches)."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[id(param)]
+        if id(param) in self._fresh:
+            bucket.grad_views[id(param)].copy_(param.grad)
+            self._fresh.discard(id(param))
+        else:
+            bucket.grad_views[id(param)].add_(param.grad)
+        param.grad = None  # the bucket's buffer holds it now
+        if not self._syncing:
+            return
+        bucket.pending.discard(id(param))
+        if self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        # Strictly in launch order, so every rank issues the same collective sequence.
+        while self._next_launch < len(self._launch_order):
+            bucket = self._launch_order[self._next_launch]
+            if bucket.pending and not force:
+                return
+            bucket.zero_unwritten(self._fresh)
+            self._told(bucket.launch_reduce())
+            self._next_launch += 1
+
+    def _told(self, work: dist.Work | None) -> None:
+        if work is not None and self.comm_timer is not None:
+            self.comm_timer.launched(work)
+
+    @torch.no_grad()
+    def finish_grads(self) -> None:
+        """Wait for every bucket's reduce-scatter; point the master slices' ``.grad`` at it."""
+        self._launch_ready(force=True)
+        self._next_launch = 0
+        for b in self._launch_order:
+            if b.reduce_work is not None:
+                b.reduce_work.wait()
+                b.reduce_work = None
+            b.reset()
+            b.master.grad = b.slice(b.grad_buffer)
+        self._sum_sequence_parallel_grads()
+
+    def _sum_sequence_parallel_grads(self) -> None:
+        # After the DP average (both are sums, so the order does not change the result).
+        # Every TP rank has the same bucket layout, so the ranges line up across TP.
+        if group_size(self.tp_group) == 1:
+            return
+        parts = [b.master.grad[lo:hi] for b in self.buckets for lo, hi in b.sp_ranges]
+        if not parts:
+            return
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, group=self.tp_group)
+        offset = 0
+        for part in parts:
+            part.copy_(flat[offset : offset + part.numel()])
+            offset += part.numel()
+
+    def grad_norm(self) -> torch.Tensor:
+        """L2 norm of the whole model's averaged gradient, the same on every rank."""
+        # Per parameter (part), squares summed in the gradient's dtype and then together
+        # in fp64: the plain path's order (engine.data_parallel.grads.global_grad_norm),
+        # so the clip coefficient agrees to the last bits.
+        parts = [
+            b.master.grad[lo:hi]
+            for b in self.buckets
+            if b.master.grad is not None
+            for lo, hi in b.norm_ranges
+        ]
+        squares = [sq.sum() for sq in torch._foreach_pow(parts, 2)] if parts else []
+        total = (
+            torch.stack(squares).double().sum() if squares else torch.zeros((), dtype=torch.float64)
+        )
+        total = total.to(self.buckets[0].master.device) if self.buckets else total
+        for group in (self.dp_group, self.tp_group):
+            if group_size(group) > 1:
+                dist.all_reduce(total, group=group)
+        return total.sqrt().cpu()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update this rank's master slices, then all-gather them into the parameters.
+
+        The all-gathers run in forward order; without ``overlap_param_gather`` the step
+        waits for them, with it each module waits for its own buckets before its forward.
+        """
+        self.inner.step()
+        for bucket in reversed(self._launch_order):
+            self._told(bucket.launch_gather())
+        if not self._gather_in_forward:
+            self.wait_params()
+
+    def overlap_param_gather(self, model: nn.Module) -> None:
+        """Let ``model``'s next forward wait bucket by bucket for the updated parameters."""
+        for module in model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in self._bucket_of]
+            if own:
+                buckets = {id(self._bucket_of[id(p)]): self._bucket_of[id(p)] for p in own}
+                hook = module.register_forward_pre_hook(self._waiter(list(buckets.values())))
+                self._hooks.append(hook)
+        # Whatever a forward did not touch is complete when it returns.
+        self._hooks.append(model.register_forward_hook(lambda *_: self.wait_params()))
+        self._gather_in_forward = True
+
+    def _waiter(self, buckets: list[ShardedBucket]):
+        def wait(*_: Any) -> None:
+            for b in buckets:
+                b.wait_gather()
+
+        return wait
+
+    def wait_params(self) -> None:
+        """Block until every parameter holds the last step's value."""
+        for b in reversed(self._launch_order):
+            b.wait_gather()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a new step's gradients (the next ones overwrite the buffers)."""
+        for p in self.params:
+            p.grad = None
+        for b in self.buckets:
+            b.master.grad = None
+        self._fresh = {id(p) for p in self.params}
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state plus master weights held by this rank."""
+        tensors = [b.master for b in self.buckets]
+        tensors += [
+            v for st in self.inner.state.values() for v in st.values() if torch.is_tensor(v)
+        ]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def remove(self) -> None:
+        """Detach the backward and forward hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    @torch.no_grad()
+    def param_states(self) -> dict[nn.Parameter, dict[str, Any]]:
+        """Each parameter's state at its own (TP-local) shape, gathered over DP (collective).
+
+        The layout of torch's ``optimizer.state``: the same keys, so checkpoints read and
+        write both alike. fp32 masters of lower-precision parameters appear as "master".
+        """
+        self.wait_params()
+        out: dict[nn.Parameter, dict[str, Any]] = {p: {} for p in self.params}
+        for b in self.buckets:
+            state = dict(self.inner.state.get(b.master, {}))
+            if b.param_buffer.dtype != b.master.dtype:
+                state[MASTER_KEY] = b.master
+            for key in sorted(state):  # the same collective order on every rank
+                value = state[key]
+                if torch.is_tensor(value) and value.shape == b.master.shape:
+                    for p, view in b.views(b.gather(value)):
+                        out[p][key] = view.clone()
+                else:
+                    for p in b.params:
+                        out[p][key] = value.clone() if torch.is_tensor(value) else value
+        return out
+
+    @torch.no_grad()
+    def load_param_states(self, states: dict[nn.Parameter, dict[str, Any]]) -> None:
+        """Inverse of :meth:`param_states` (from any layout); parameters must be loaded first.
+
+        Scalars (the step count) are one per slice here: the largest over its parameters.
+        """
+        self.wait_params()
+        full = self.inner.state_dict()
+        for i, b in enumerate(self.buckets):
+            per_param = [states.get(p, {}) for p in b.params]
+            keys = sorted({k for st in per_param for k in st})
+            masters = [
+                st.get(MASTER_KEY, p.detach()) for st, p in zip(per_param, b.params, strict=True)
+            ]
+            b.master.copy_(b.slice(b.flatten(masters)))
+            entry = {}
+            for key in (k for k in keys if k != MASTER_KEY):
+                values = [st.get(key) for st in per_param]
+                if any(torch.is_tensor(v) and v.dim() > 0 for v in values):
+                    entry[key] = b.slice(b.flatten(values)).clone()
+                else:
+                    entry[key] = torch.tensor(max(float(v) for v in values if v is not None))
+            if entry:
+                full["state"][i] = entry
+        self.inner.load_state_dict(full)
