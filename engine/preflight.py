@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 
 from engine.config import Config
+from engine.data_parallel import bytes_per_param
 from engine.flops import params_count
 from engine.models.memory import formula_bytes
 
 GIB = 2**30
-# fp32 weights, fp32 gradients and Adam's two fp32 moments, per parameter.
-_WEIGHT_BYTES, _GRAD_BYTES, _ADAM_BYTES = 4, 4, 8
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,9 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations
 
 
-def estimate_rank_bytes(cfg: Config, dp_size: int, *, fp32_activations: bool) -> MemoryEstimate:
+def estimate_rank_bytes(
+    cfg: Config, dp_size: int, *, fp32_activations: bool, bf16: bool = False
+) -> MemoryEstimate:
     """What one rank holds while training ``cfg`` at ``tp_size`` × ``dp_size``.
 
     Parameters are split over TP (the few replicated LayerNorm and bias vectors are
@@ -54,8 +55,8 @@ def estimate_rank_bytes(cfg: Config, dp_size: int, *, fp32_activations: bool) ->
     per_layer = formula_bytes(m, seq_len=s, batch_size=b, tp_size=t)
     logits = 4 * s * b * m.padded_vocab_size(t) / t
     activations = per_layer * m.num_layers * (2 if fp32_activations else 1) + logits
-    optimizer = _ADAM_BYTES * params / (dp_size if cfg.optim.distributed else 1)
-    return MemoryEstimate(_WEIGHT_BYTES * params, _GRAD_BYTES * params, optimizer, activations)
+    weights, grads, optimizer = bytes_per_param(cfg.optim, dp_size, bf16=bf16)
+    return MemoryEstimate(weights * params, grads * params, optimizer * params, activations)
 
 
 def available_ram_bytes() -> int | None:
@@ -81,7 +82,8 @@ def check_memory(cfg: Config, local_ranks: int) -> list[str]:
     """
     cuda = torch.cuda.is_available()
     fp32 = cfg.trainer.precision == "fp32" or (cfg.trainer.precision == "auto" and not cuda)
-    need = estimate_rank_bytes(cfg, int(cfg.dp_size), fp32_activations=fp32)
+    bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and cuda)
+    need = estimate_rank_bytes(cfg, int(cfg.dp_size), fp32_activations=fp32, bf16=bf16)
     if cuda:
         have, sharing, where = torch.cuda.get_device_properties(0).total_memory, 1, "GPU"
     else:

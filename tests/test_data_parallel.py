@@ -217,7 +217,9 @@ def _memory() -> dict:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = {1: singles[rank], 2: pairs[rank // 2], 4: dist.new_group([0, 1, 2, 3])}
     out = {}
-    for case, zero, low in (("zero_bf16", True, torch.bfloat16), ("allreduce_fp32", False, None)):
+    cases = (("zero_bf16", True, torch.bfloat16), ("zero_fp32", True, None),
+             ("allreduce_fp32", False, None))  # fmt: skip
+    for case, zero, low in cases:
         for d, group in dp_groups.items():
             torch.manual_seed(0)
             model = build_model(CFG, tp_group=singles[rank])
@@ -246,7 +248,9 @@ def test_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
     the storages actually held. Tolerance +0.1 %: each bucket is padded to a multiple of
     d (at most d - 1 elements) and AdamW keeps a 4-byte step counter per bucket. The
     all-reduce path in fp32 keeps fp32 parameters (its masters), fp32 gradients and Adam:
-    16 at every d (+0.1 %: torch's AdamW keeps a 4-byte step counter per tensor)."""
+    16 at every d (+0.1 %: torch's AdamW keeps a 4-byte step counter per tensor). ZeRO-1
+    in fp32: the parameters are their own masters, so 4 + 4 (gradient buffer) + 8/d
+    (exp_avg, exp_avg_sq), not a second fp32 copy (+0.1 % as above)."""
     for rank, res in enumerate(run_ranks(_memory, 4, timeout=180)):
         print(f"rank {rank}: {res}")
         for d in (1, 2, 4):
@@ -254,6 +258,10 @@ def test_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
             assert zero["param_dtype"] == "torch.bfloat16"
             want = 6 + 12 / d
             assert want <= zero["bytes_per_param"] <= want * 1.001, (d, zero)
+            zero32 = res[("zero_fp32", d)]
+            assert zero32["param_dtype"] == "torch.float32"
+            want = 8 + 8 / d
+            assert want <= zero32["bytes_per_param"] <= want * 1.001, (d, zero32)
             plain = res[("allreduce_fp32", d)]
             assert plain["param_dtype"] == "torch.float32"
             assert 16.0 <= plain["bytes_per_param"] <= 16.0 * 1.001, (d, plain)

@@ -44,6 +44,21 @@ def test_zero1_and_tp_divide_what_they_shard():
     assert tp2.params == plain.params / 2
 
 
+def test_zero1_in_bf16_counts_bf16_parameters_and_sharded_masters():
+    """ZeRO-1 training in bf16, by hand per parameter: bf16 parameters 2, the fp32 gradient
+    buffer 4, fp32 master + exp_avg + exp_avg_sq 12/d; in fp32 the parameters are their own
+    masters: 4, 4, 8/d. The all-reduce path keeps fp32 parameters in either precision."""
+    cfg = _cfg()
+    n = preflight.params_count(cfg.model)
+    zero = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, distributed=True))
+    bf16 = preflight.estimate_rank_bytes(zero, 4, fp32_activations=False, bf16=True)
+    assert (bf16.params, bf16.grads, bf16.optimizer) == (2 * n, 4 * n, 3 * n)
+    fp32 = preflight.estimate_rank_bytes(zero, 4, fp32_activations=False)
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * n, 4 * n, 2 * n)
+    plain = preflight.estimate_rank_bytes(cfg, 4, fp32_activations=False, bf16=True)
+    assert (plain.params, plain.grads, plain.optimizer) == (4 * n, 4 * n, 8 * n)
+
+
 def test_memory_check_refuses_with_numbers_and_passes_what_fits(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path, anywhere
     cfg = _cfg()

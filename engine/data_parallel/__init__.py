@@ -17,6 +17,7 @@ from engine.data_parallel.strategy import (
     PlainOptimizerState,
     Zero1DP,
     build_data_parallel,
+    bytes_per_param,
     checkpoint_view,
 )
 from engine.data_parallel.zero import MASTER_KEY, ZeroOptimizer
@@ -31,6 +32,7 @@ __all__ = [
     "Zero1DP",
     "ZeroOptimizer",
     "build_data_parallel",
+    "bytes_per_param",
     "checkpoint_view",
     "clip_grads_",
     "global_grad_norm",

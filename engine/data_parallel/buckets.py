@@ -26,11 +26,18 @@ class ShardedBucket:
         self.shard_numel = -(-self.offsets[-1] // self.dp_size)
         padded, device = self.shard_numel * self.dp_size, params[0].device
         self.lo, self.hi = dp_rank * self.shard_numel, (dp_rank + 1) * self.shard_numel
-        self.master = self.slice(self.flatten([p.detach() for p in params])).clone()
-        self.param_buffer = torch.zeros(padded, dtype=param_dtype or params[0].dtype, device=device)
+        param_dtype = param_dtype or params[0].dtype
+        # Full-precision parameters are their own masters: the optimizer updates this
+        # rank's slice of the parameter buffer in place (no second fp32 copy). Lower
+        # precision ones get fp32 masters, taken before the cast.
+        self.shared_master = param_dtype == self.dtype
+        if not self.shared_master:
+            master = self.slice(self.flatten([p.detach() for p in params])).clone()
+        self.param_buffer = torch.zeros(padded, dtype=param_dtype, device=device)
         for p, view in self.views(self.param_buffer):
             view.copy_(p.detach())
             p.data = view  # the model now reads (and the all-gather writes) the buffer
+        self.master = self.slice(self.param_buffer) if self.shared_master else master
         self.grad_buffer = torch.zeros(padded, dtype=self.dtype, device=device)
         self.grad_views = {id(p): v for p, v in self.views(self.grad_buffer)}
         self.pending: set[int] = set()
@@ -110,7 +117,8 @@ class ShardedBucket:
 
     def launch_gather(self) -> dist.Work | None:
         """Put the updated master slice into the parameters and all-gather them (async)."""
-        self.slice(self.param_buffer).copy_(self.master)
+        if not self.shared_master:
+            self.slice(self.param_buffer).copy_(self.master)
         if self.dp_size == 1:
             return None
         self.gather_work = flat_all_gather(

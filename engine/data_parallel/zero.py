@@ -7,8 +7,9 @@ holds two flat buffers, each padded to a multiple of dp:
 - ``param_buffer``: the model's parameters are views into it (bf16 when training in bf16);
 - ``grad_buffer``: gradients accumulate here in fp32 (fp64 for fp64 parameters).
 
-DP rank r owns the slice ``[lo, hi)`` of both, and keeps the fp32 master copy and the Adam
-moments of that slice only. One step:
+DP rank r owns the slice ``[lo, hi)`` of both, and keeps the Adam moments of that slice
+only, and its fp32 master copy when the parameters are bf16 (fp32 parameters are their own
+masters: the optimizer updates the owned slice of ``param_buffer`` in place). One step:
 
 1. backward: a post-accumulate-grad hook adds each gradient into ``grad_buffer`` and frees
    it; when a bucket is complete (and every earlier bucket launched, so all ranks issue
@@ -20,8 +21,9 @@ moments of that slice only. One step:
    ``overlap_param_gather(model)`` the forward pre-hook of each module waits only for the
    buckets of its own parameters, so later buckets arrive during the next forward.
 
-Bytes held per parameter, bf16 parameters: 2 (parameters) + 4 (gradient buffer) +
-12/dp (fp32 master, exp_avg, exp_avg_sq) = 6 + 12/dp; the plain optimizer's 18 at dp=1.
+Bytes held per parameter (``bytes_per_param``): bf16 parameters 2 (parameters) + 4
+(gradient buffer) + 12/dp (fp32 master, exp_avg, exp_avg_sq) = 6 + 12/dp, the plain
+optimizer's 18 at dp=1; fp32 parameters 4 + 4 + 8/dp.
 """
 
 from __future__ import annotations
