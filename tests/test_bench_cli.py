@@ -60,3 +60,23 @@ def test_bench_kernels_bad_flags(argv, message, monkeypatch, capsys):
     assert _exit_code(bench.main, argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_bench_train_writes_every_loop_to_csv(tmp_path, monkeypatch):
+    """A run with a reference writes one CSV row per loop, the reference's with its ratio
+    (the meshtron row has none: a header built from the first row alone used to refuse
+    the second). The ratio is meshtron's median step time over the reference's."""
+    import csv
+
+    bench = _load("bench_train", monkeypatch)
+    out = tmp_path / "bench.csv"
+    argv = ["--preset", "gpt_tiny", "--hidden", "32", "--layers", "1", "--heads", "2",
+            "--seq", "16", "--micro-batch", "2", "--vocab", "256", "--threads", "1",
+            "--references", "eager", "--warmup", "1", "--blocks", "2",
+            "--steps-per-block", "1", "--out", str(out)]  # fmt: skip
+    assert _exit_code(bench.main, argv) in (0, None)
+    rows = list(csv.DictReader(out.open()))
+    assert [r["loop"].split()[0] for r in rows] == ["meshtron", "pytorch"]
+    assert rows[0]["ratio"] == ""
+    want = float(rows[0]["step_ms_median"]) / float(rows[1]["step_ms_median"])
+    assert float(rows[1]["ratio"]) == pytest.approx(want, rel=1e-12)
