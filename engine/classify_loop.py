@@ -201,15 +201,13 @@ def write_metrics(path: str, cfg: ClassifyConfig, ps: ParallelState, timings: Ti
 def run_worker(cfg: ClassifyConfig) -> dict:
     """Entry of every rank: build the mesh, train, tear down; the summary."""
     import parallel_state
-    from engine.launching import pick_backend
+    from engine.launching import pick_backend, share_cores
     from parallel_state.launcher import detect_launch
 
     info = detect_launch()
     local = info.local_world_size or 1 if info.launcher != "none" else 1
     ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=pick_backend(local))
-    if ps.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # Ranks on one machine share its cores; oversubscribed intra-op threads spin.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    share_cores(ps)
     try:
         return train(cfg, ps)
     finally:

@@ -331,3 +331,12 @@ class ClassifyConfig:
 def register_classify_configs() -> None:
     """Register the classifier's schema in Hydra's ConfigStore (idempotent)."""
     ConfigStore.instance().store(name="classify_schema", node=ClassifyConfig)
+
+
+def resolve_precision(precision: str, device_type: str) -> str:
+    """``auto`` is bf16 on CUDA devices that support it, else fp32 (the CPU's practice)."""
+    if precision != "auto":
+        return precision
+    import torch
+
+    return "bf16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"

@@ -57,3 +57,19 @@ def pick_backend(local_ranks: int) -> str:
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks:
         return "nccl"
     return "gloo"
+
+
+def share_cores(ps) -> None:
+    """Give each CPU rank its share of this machine's cores, as torchrun does, unless
+    OMP_NUM_THREADS says otherwise: oversubscribed intra-op threads spin against each
+    other and can slow a step down several-fold. ``ps``: the rank's ParallelState."""
+    import torch
+
+    from parallel_state.launcher import detect_launch
+
+    if ps.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    info = detect_launch()
+    # No launcher (a test harness, a notebook): assume every rank shares this machine.
+    local = ps.world_size if info.launcher == "none" else info.local_world_size or 1
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import Config
+from engine.config import Config, resolve_precision
 from engine.data_parallel import bytes_per_param
 from engine.flops import params_count
 from engine.models.memory import formula_bytes
@@ -81,8 +81,8 @@ def check_memory(cfg: Config, local_ranks: int) -> list[str]:
     this machine share its free RAM.
     """
     cuda = torch.cuda.is_available()
-    fp32 = cfg.trainer.precision == "fp32" or (cfg.trainer.precision == "auto" and not cuda)
-    bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and cuda)
+    precision = resolve_precision(cfg.trainer.precision, "cuda" if cuda else "cpu")
+    fp32, bf16 = precision == "fp32", precision == "bf16"
     need = estimate_rank_bytes(cfg, int(cfg.dp_size), fp32_activations=fp32, bf16=bf16)
     if cuda:
         have, sharing, where = torch.cuda.get_device_properties(0).total_memory, 1, "GPU"

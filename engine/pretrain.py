@@ -72,8 +72,8 @@ def _check_checkpoint_dir(cfg: Config) -> list[str]:
     """The checkpoint directory must be writable, and a fresh start must not clobber a run."""
     from pathlib import Path
 
+    from engine.checkpoint import checkpoint_dir
     from engine.checkpoint.storage import step_dirs
-    from engine.trainer import checkpoint_dir
 
     root = Path(checkpoint_dir(cfg))
     try:
@@ -107,9 +107,9 @@ def launch(cfg: Config) -> dict:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from engine.checkpoint import checkpoint_dir
     from engine.elastic_report import reporting, resume_step
     from engine.launching import launch_workers
-    from engine.trainer import checkpoint_dir
     from engine.watchdog import run_log_path
 
     with reporting(cfg.run_dir, lambda: resume_step(checkpoint_dir(cfg))) as report:
@@ -148,7 +148,7 @@ def main(dcfg: DictConfig) -> None:
     try:
         summary = launch(cfg)
     except KeyboardInterrupt:
-        from engine.trainer import checkpoint_dir
+        from engine.checkpoint import checkpoint_dir
 
         print(f"interrupted by a second Ctrl-C: not saved; the checkpoints in "
               f"{checkpoint_dir(cfg)} are intact (a partial one is discarded)", file=sys.stderr)  # fmt: skip

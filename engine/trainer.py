@@ -13,13 +13,14 @@ from rich.markup import escape
 
 import parallel_state
 from engine import comm, flops
-from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from engine.cluster import describe_mesh
-from engine.config import Config
+from engine.config import Config, resolve_precision
 from engine.data.pipeline import build_pipeline, to_device
 from engine.data_parallel import DynamicLossScaler, build_data_parallel
 from engine.generate import generate
 from engine.guard import BadStepGuard
+from engine.launching import share_cores
 from engine.models import build_model
 from engine.observe import RunLogger, format_step_line, maybe_profile, window_metrics
 from engine.optim import lr_at, schedule_change
@@ -30,15 +31,6 @@ from parallel_state import ParallelState
 from parallel_state.launcher import detect_launch
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``auto`` is bf16 on CUDA devices that support it, else fp32 (the CPU's practice)."""
-    if precision != "auto":
-        return precision
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return "bf16"
-    return "fp32"
 
 
 class Trainer:
@@ -57,7 +49,7 @@ class Trainer:
     def __init__(self, cfg: Config, ps: ParallelState, watch: Watchdog | None = None) -> None:
         self.cfg, self.ps, self.device = cfg, ps, ps.device
         self.watch = watch or Watchdog(0, rank=ps.rank, run_dir=cfg.run_dir)
-        self.precision = resolve_precision(cfg.trainer.precision, ps.device)
+        self.precision = resolve_precision(cfg.trainer.precision, ps.device.type)
         ps.seed(cfg.trainer.seed)
         self.model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -377,21 +369,10 @@ class Trainer:
         return text
 
 
-def checkpoint_dir(cfg: Config) -> str:
-    """The experiment's stable checkpoint directory (not Hydra's per-run folder)."""
-    return cfg.checkpoint.dir or os.path.join("checkpoints", cfg.name)
-
-
 def run_worker(cfg: Config) -> dict:
     """Entry of every rank: build the mesh, train, tear down."""
     ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size)
-    if ps.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # Share the cores among the local ranks, as torchrun does; oversubscribed intra-op
-        # threads spin against each other and can slow a step down several-fold.
-        info = detect_launch()
-        # No launcher (a test harness, a notebook): assume every rank shares this machine.
-        local = ps.world_size if info.launcher == "none" else info.local_world_size or 1
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    share_cores(ps)
     watch = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)
     try:
         with watch.active():

@@ -13,7 +13,7 @@ save/load protocol with fallback), ``convert`` (offline reading and re-sharding)
 ``format`` (the model weights alone, for export, inference and Hugging Face).
 """
 
-from engine.checkpoint.manager import Loaded, load_checkpoint, save_checkpoint
+from engine.checkpoint.manager import Loaded, checkpoint_dir, load_checkpoint, save_checkpoint
 from engine.checkpoint.state import full_optimizer_state
 from engine.checkpoint.storage import CheckpointError, ShardReader, read_index
 
@@ -21,6 +21,7 @@ __all__ = [
     "CheckpointError",
     "Loaded",
     "ShardReader",
+    "checkpoint_dir",
     "full_optimizer_state",
     "load_checkpoint",
     "read_index",

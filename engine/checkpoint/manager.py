@@ -292,3 +292,9 @@ def _guard_damage(fn: Callable[[], Any]) -> tuple[Any, str | None, BaseException
         return None, str(err), None
     except Exception as err:  # noqa: BLE001 - re-raised on every rank after the all-gather
         return None, None, err
+
+
+def checkpoint_dir(cfg) -> str:
+    """The experiment's stable checkpoint directory (not Hydra's per-run folder); ``cfg``:
+    the run's Config."""
+    return cfg.checkpoint.dir or str(Path("checkpoints") / cfg.name)

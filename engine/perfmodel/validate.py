@@ -57,6 +57,7 @@ def pretrain_overrides(w: Workload, lay: Layout, steps: int, log_every: int) -> 
         f"model.recompute={lay.recompute}", f"data.seq_len={w.seq}",
         f"trainer.global_batch={w.global_batch}", f"trainer.micro_batch={lay.micro_batch}",
         f"optim.distributed={str(lay.zero1).lower()}", f"trainer.max_steps={steps}",
+        f"trainer.overlap_grad_reduce={str(lay.overlap_grad_reduce).lower()}",
         f"trainer.log_every={log_every}", "trainer.eval_every=0", "trainer.sample_tokens=0",
         "trainer.tensorboard=false", "trainer.progress=false", "checkpoint.every=0",
         "checkpoint.save_final=false", "checkpoint.resume=false",
