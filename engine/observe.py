@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from engine.watchdog import run_log_path
+from engine.resilience.watchdog import run_log_path
 from parallel_state.launcher import detect_launch
 
 

@@ -11,7 +11,7 @@ config prints one line per problem and exits with status 2. A worker that fails 
 line (its traceback goes to the run log, ``pretrain.log`` in the run directory) and exits
 non-zero: 3 when the run stopped itself (bad steps, a frozen or lost peer), 1 otherwise.
 SIGTERM, SIGUSR1 or Ctrl-C save a checkpoint after the current step and exit with status 75
-(engine/preemption.py); a second Ctrl-C exits at once with status 130.
+(engine/resilience/preemption.py); a second Ctrl-C exits at once with status 130.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from engine.config import Config, parallel_dims, register_configs, validate
 from engine.optim import scale_lr
-from engine.preemption import EXIT_PREEMPTED
-from engine.watchdog import run_rank
+from engine.resilience.preemption import EXIT_PREEMPTED
+from engine.resilience.watchdog import run_rank
 from parallel_state.dims import LayoutError
 from parallel_state.launcher import detect_launch
 
@@ -108,9 +108,9 @@ def launch(cfg: Config) -> dict:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from engine.checkpoint import checkpoint_dir
-    from engine.elastic_report import reporting, resume_step
     from engine.launching import launch_workers
-    from engine.watchdog import run_log_path
+    from engine.resilience.elastic_report import reporting, resume_step
+    from engine.resilience.watchdog import run_log_path
 
     with reporting(cfg.run_dir, lambda: resume_step(checkpoint_dir(cfg))) as report:
         try:
@@ -159,7 +159,7 @@ def main(dcfg: DictConfig) -> None:
         first, last = summary["history"][0], summary["history"][-1]
         line = f"loss {first[1]:.4f} (step {first[0]}) -> {last[1]:.4f} (step {last[0]})"
         print(line)
-        from engine.watchdog import append_run_log
+        from engine.resilience.watchdog import append_run_log
 
         append_run_log(cfg.run_dir, line)
 

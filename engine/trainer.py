@@ -19,14 +19,14 @@ from engine.config import Config, resolve_precision
 from engine.data.pipeline import build_pipeline, to_device
 from engine.data_parallel import DynamicLossScaler, build_data_parallel
 from engine.generate import generate
-from engine.guard import BadStepGuard
 from engine.launching import share_cores
 from engine.models import build_model
 from engine.observe import RunLogger, format_step_line, maybe_profile, window_metrics
 from engine.optim import lr_at, schedule_change
-from engine.preemption import EXIT_PREEMPTED, StopRequests
+from engine.resilience.guard import BadStepGuard
+from engine.resilience.preemption import EXIT_PREEMPTED, StopRequests
+from engine.resilience.watchdog import Watchdog
 from engine.step_timer import StepTimer, breakdown_metrics, format_breakdown
-from engine.watchdog import Watchdog
 from parallel_state import ParallelState
 from parallel_state.launcher import detect_launch
 

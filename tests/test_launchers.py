@@ -21,7 +21,7 @@ import time
 import pytest
 
 from engine.data import build_default_corpus
-from engine.preemption import REPEAT_WINDOW_S
+from engine.resilience.preemption import REPEAT_WINDOW_S
 from tests.launch_util import ROOT, env_with_repo, free_port, losses, run, tiny_overrides, wait_for
 from tests.multiproc import run_ranks
 
@@ -120,7 +120,7 @@ def _stop_after(i_signal: int, rank_signalled: int) -> list[int]:
     import torch
     import torch.distributed as dist
 
-    from engine.preemption import StopRequests
+    from engine.resilience.preemption import StopRequests
 
     stopped = []
     with StopRequests(torch.device("cpu"), announce=False) as stop:

@@ -76,7 +76,7 @@ def clip_grads_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor)
     The coefficient stays on the device (no host sync): gradients are multiplied by
     min(1, max_norm / (norm + 1e-6)), and a factor of exactly 1 leaves them unchanged.
     A non-finite ``norm`` cannot be fixed by any coefficient: the trainer's bad-step guard
-    (engine/guard.py) skips such a step before it reaches clipping.
+    (engine/resilience/guard.py) skips such a step before it reaches clipping.
     """
     if max_norm <= 0:
         return

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine.checkpoint.storage import CheckpointError, read_latest, step_dirs
-from engine.watchdog import append_run_log
+from engine.resilience.watchdog import append_run_log
 
 # The agent's loggers (torch.distributed.elastic.*), the launcher API's, and the process
 # spawner's ("Terminating process ... via signal SIGTERM").

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from engine import comm
-from engine.watchdog import RunStopped
+from engine.resilience.watchdog import RunStopped
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
