@@ -143,3 +143,14 @@ def cut_buckets(params: list[nn.Parameter], capacity: float) -> list[list[nn.Par
         buckets[-1].append(p)
         size += p.numel() * torch.promote_types(p.dtype, torch.float32).itemsize
     return buckets
+
+
+def launch_in_order(buckets: list, start: int, launch, force: bool = False) -> int:
+    """Launch ``buckets[start:]`` strictly in order while each is complete (its
+    ``pending`` set empty; every one with ``force``), calling ``launch(bucket)``; returns
+    the index of the first not launched. One order on every rank keeps the ranks' collective
+    sequences identical, whatever order their backward passes finish buckets in."""
+    while start < len(buckets) and (force or not buckets[start].pending):
+        launch(buckets[start])
+        start += 1
+    return start

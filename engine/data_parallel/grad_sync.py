@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.data_parallel.buckets import launch_in_order
 from layers.utils import SP_GRAD_ATTR, group_size
 
 
@@ -149,15 +150,12 @@ class GradSync:
             self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        # Launch strictly in bucket order so every rank issues the same collective sequence.
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
-            if bucket.pending and not force:
-                return
+        def launch(bucket) -> None:
             work = bucket.launch(self.dp_group, self.dp_size)
             if self.comm_timer is not None:
                 self.comm_timer.launched(work)
-            self._next_launch += 1
+
+        self._next_launch = launch_in_order(self.buckets, self._next_launch, launch, force)
 
     def finish(self) -> None:
         """Wait for every bucket (launching any whose params got no gradient) and unpack."""

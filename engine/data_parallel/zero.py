@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.data_parallel.buckets import ShardedBucket, cut_buckets
+from engine.data_parallel.buckets import ShardedBucket, cut_buckets, launch_in_order
 from layers.utils import group_rank, group_size
 
 MASTER_KEY = "master"  # exported state key of fp32 masters of lower-precision parameters
@@ -141,14 +141,11 @@ class ZeroOptimizer:
             self._launch_ready()
 
     def _launch_ready(self, force: bool = False) -> None:
-        # Strictly in launch order, so every rank issues the same collective sequence.
-        while self._next_launch < len(self._launch_order):
-            bucket = self._launch_order[self._next_launch]
-            if bucket.pending and not force:
-                return
+        def launch(bucket: ShardedBucket) -> None:
             bucket.zero_unwritten(self._fresh)
             self._told(bucket.launch_reduce())
-            self._next_launch += 1
+
+        self._next_launch = launch_in_order(self._launch_order, self._next_launch, launch, force)
 
     def _told(self, work: dist.Work | None) -> None:
         if work is not None and self.comm_timer is not None:
