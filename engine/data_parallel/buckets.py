@@ -3,6 +3,7 @@ dp equal slices (see ``engine.data_parallel.zero`` for the step they take part i
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import torch
@@ -145,12 +146,30 @@ def cut_buckets(params: list[nn.Parameter], capacity: float) -> list[list[nn.Par
     return buckets
 
 
-def launch_in_order(buckets: list, start: int, launch, force: bool = False) -> int:
-    """Launch ``buckets[start:]`` strictly in order while each is complete (its
-    ``pending`` set empty; every one with ``force``), calling ``launch(bucket)``; returns
-    the index of the first not launched. One order on every rank keeps the ranks' collective
-    sequences identical, whatever order their backward passes finish buckets in."""
-    while start < len(buckets) and (force or not buckets[start].pending):
-        launch(buckets[start])
-        start += 1
-    return start
+class BucketLauncher:
+    """What GradSync and ZeRO-1 share: ``no_sync`` for gradient-accumulation micro-batches
+    and launching complete buckets strictly in order. Subclasses set ``_syncing = True``
+    and ``_next_launch = 0`` and define ``_launch_ready``."""
+
+    _syncing: bool
+    _next_launch: int
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (gradient-accumulation micro-batches)."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def _launch_in_order(self, buckets: list, launch, force: bool = False) -> None:
+        """Launch ``buckets`` from ``_next_launch`` on, strictly in order, while each is
+        complete (its ``pending`` set empty; every one with ``force``), calling
+        ``launch(bucket)``. One order on every rank keeps the ranks' collective sequences
+        identical, whatever order their backward passes finish buckets in."""
+        while self._next_launch < len(buckets) and (
+            force or not buckets[self._next_launch].pending
+        ):
+            launch(buckets[self._next_launch])
+            self._next_launch += 1

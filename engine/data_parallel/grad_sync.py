@@ -16,14 +16,13 @@ marked with ``layers.utils.SP_GRAD_ATTR`` and summed over the TP group in ``fini
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.data_parallel.buckets import launch_in_order
+from engine.data_parallel.buckets import BucketLauncher
 from layers.utils import SP_GRAD_ATTR, group_size
 
 
@@ -63,7 +62,7 @@ class _Bucket:
                 p.grad.copy_(avg)
 
 
-class GradSync:
+class GradSync(BucketLauncher):
     """Average gradients over the DP group, overlapping communication with backward.
 
     Usage per optimizer step::
@@ -130,15 +129,6 @@ class GradSync:
         self._set_buckets([self.params[i] for i in order[0]])
         self._ready_order = None
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (gradient-accumulation micro-batches)."""
-        previous, self._syncing = self._syncing, False
-        try:
-            yield
-        finally:
-            self._syncing = previous
-
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._syncing:
             return
@@ -155,7 +145,7 @@ class GradSync:
             if self.comm_timer is not None:
                 self.comm_timer.launched(work)
 
-        self._next_launch = launch_in_order(self.buckets, self._next_launch, launch, force)
+        self._launch_in_order(self.buckets, launch, force)
 
     def finish(self) -> None:
         """Wait for every bucket (launching any whose params got no gradient) and unpack."""

@@ -28,21 +28,19 @@ optimizer's 18 at dp=1; fp32 parameters 4 + 4 + 8/dp.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.data_parallel.buckets import ShardedBucket, cut_buckets, launch_in_order
+from engine.data_parallel.buckets import BucketLauncher, ShardedBucket, cut_buckets
 from layers.utils import group_rank, group_size
 
 MASTER_KEY = "master"  # exported state key of fp32 masters of lower-precision parameters
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(BucketLauncher):
     """AdamW whose state and master weights are sharded across ``dp_group`` (ZeRO-1).
 
     Built from a plain, never-stepped torch AdamW, which supplies the parameters, their
@@ -116,15 +114,6 @@ class ZeroOptimizer:
         """This rank's master slices; after ``finish_grads`` their ``.grad``."""
         return [b.master for b in self.buckets]
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally (gradient-accumulation micro-batches)."""
-        previous, self._syncing = self._syncing, False
-        try:
-            yield
-        finally:
-            self._syncing = previous
-
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
@@ -145,7 +134,7 @@ class ZeroOptimizer:
             bucket.zero_unwritten(self._fresh)
             self._told(bucket.launch_reduce())
 
-        self._next_launch = launch_in_order(self._launch_order, self._next_launch, launch, force)
+        self._launch_in_order(self._launch_order, launch, force)
 
     def _told(self, work: dist.Work | None) -> None:
         if work is not None and self.comm_timer is not None:
