@@ -72,7 +72,7 @@ def test_bench_train_writes_every_loop_to_csv(tmp_path, monkeypatch):
     out = tmp_path / "bench.csv"
     argv = ["--preset", "gpt_tiny", "--hidden", "32", "--layers", "1", "--heads", "2",
             "--seq", "16", "--micro-batch", "2", "--vocab", "256", "--threads", "1",
-            "--references", "eager", "--warmup", "1", "--blocks", "2",
+            "--references", "eager", "--precision", "fp32", "--warmup", "1", "--blocks", "2",
             "--steps-per-block", "1", "--out", str(out)]  # fmt: skip
     assert _exit_code(bench.main, argv) in (0, None)
     rows = list(csv.DictReader(out.open()))
