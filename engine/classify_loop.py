@@ -201,12 +201,14 @@ def write_metrics(path: str, cfg: ClassifyConfig, ps: ParallelState, timings: Ti
 def run_worker(cfg: ClassifyConfig) -> dict:
     """Entry of every rank: build the mesh, train, tear down; the summary."""
     import parallel_state
-    from engine.launching import pick_backend, share_cores
+    from engine.launching import share_cores
     from parallel_state.launcher import detect_launch
 
     info = detect_launch()
     local = info.local_world_size or 1 if info.launcher != "none" else 1
-    ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=pick_backend(local))
+    ps = parallel_state.initialize(
+        cfg.tp_size, cfg.dp_size, backend=parallel_state.backend_for("auto", local)
+    )
     share_cores(ps)
     try:
         return train(cfg, ps)

@@ -62,6 +62,7 @@ class TrainerConfig:
     global_batch: int = 16  # sequences per optimizer step, across all DP ranks
     micro_batch: int = 4  # sequences per forward/backward on one rank
     precision: str = "auto"  # "auto" (bf16 on CUDA, fp32 on CPU), "fp32", "bf16" or "fp16"
+    device: str = "auto"  # "auto" (a GPU per rank when there are enough, else CPU), "cuda", "cpu"
     seed: int = 1234  # model init and dropout seed
     log_every: int = 10  # console/TensorBoard interval in steps
     eval_every: int = 50  # validation interval in steps; 0 disables
@@ -157,6 +158,8 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
         )
     if t.precision not in ("auto", "fp32", "bf16", "fp16"):
         problems.append(f"trainer.precision={t.precision!r} is not one of auto, fp32, bf16, fp16")
+    if t.device not in ("auto", "cuda", "cpu"):
+        problems.append(f"trainer.device={t.device!r} is not one of auto, cuda, cpu")
     if cfg.optim.impl not in ("auto", "torch", "apex"):
         problems.append(f"optim.impl={cfg.optim.impl!r} is not one of auto, torch, apex")
     # Written as what must hold, so that NaN (false in every comparison) fails it too.

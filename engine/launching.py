@@ -49,16 +49,6 @@ def launch_workers(
     return elastic_launch(config, fn)(*args)
 
 
-def pick_backend(local_ranks: int) -> str:
-    """NCCL when every local rank can have a GPU of its own, else gloo on the CPU (NCCL
-    refuses two ranks on one device; a CPU run of small jobs is better than none)."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks:
-        return "nccl"
-    return "gloo"
-
-
 def share_cores(ps) -> None:
     """Give each CPU rank its share of this machine's cores, as torchrun does, unless
     OMP_NUM_THREADS says otherwise: oversubscribed intra-op threads spin against each

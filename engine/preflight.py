@@ -74,13 +74,13 @@ def available_ram_bytes() -> int | None:
         return None
 
 
-def check_memory(cfg: Config, local_ranks: int) -> list[str]:
+def check_memory(cfg: Config, local_ranks: int, *, on_gpu: bool) -> list[str]:
     """One line when ``cfg`` cannot fit in this machine's device memory, else nothing.
 
-    On CUDA every rank has a GPU of its own; on the CPU the ``local_ranks`` processes on
+    ``on_gpu``: every rank has a GPU of its own; else the ``local_ranks`` processes on
     this machine share its free RAM.
     """
-    cuda = torch.cuda.is_available()
+    cuda = on_gpu
     precision = resolve_precision(cfg.trainer.precision, "cuda" if cuda else "cpu")
     fp32, bf16 = precision == "fp32", precision == "bf16"
     need = estimate_rank_bytes(cfg, int(cfg.dp_size), fp32_activations=fp32, bf16=bf16)

@@ -57,12 +57,19 @@ def prepare(cfg: Config) -> Config:
     )
     if not os.path.exists(cfg.data.tokenizer):
         _fail([f"data.tokenizer: {cfg.data.tokenizer} does not exist (pass data.tokenizer=PATH)"])
+    import parallel_state
     from engine.data.pipeline import check_data
     from engine.preflight import check_memory
 
     local_ranks = (info.local_world_size or 1) if info.launcher != "none" else dims.world
+    try:
+        backend = parallel_state.backend_for(cfg.trainer.device, local_ranks, warn=info.rank == 0)
+    except ValueError as err:
+        _fail([str(err)])
     # The memory estimate is only worth giving for a config that is otherwise sound.
-    problems = check_data(cfg) + _check_checkpoint_dir(cfg) or check_memory(cfg, local_ranks)
+    problems = check_data(cfg) + _check_checkpoint_dir(cfg) or check_memory(
+        cfg, local_ranks, on_gpu=backend == "nccl"
+    )
     if problems:
         _fail(problems)
     return cfg

@@ -371,7 +371,10 @@ class Trainer:
 
 def run_worker(cfg: Config) -> dict:
     """Entry of every rank: build the mesh, train, tear down."""
-    ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size)
+    backend = parallel_state.backend_for(
+        cfg.trainer.device, detect_launch().local_world_size, warn=False
+    )
+    ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend)
     share_cores(ps)
     watch = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)
     try:

@@ -11,6 +11,7 @@ fast links) and a DP group is a column striding across nodes.
 from __future__ import annotations
 
 import datetime
+import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -26,6 +27,8 @@ __all__ = [
     "ParallelDims",
     "LayoutError",
     "initialize",
+    "backend_for",
+    "DEVICES",
     "get",
     "destroy",
     "LaunchInfo",
@@ -79,20 +82,50 @@ def _warn_if_tp_spans_nodes(tp_size: int, local_world_size: int | None) -> None:
     )
 
 
-def _pick_backend(info: LaunchInfo) -> str:
-    if not torch.cuda.is_available():
+DEVICES = ("auto", "cuda", "cpu")
+
+
+def _own_gpu_per_rank(visible: int, per_node: int) -> bool:
+    # Slurm's --gpus-per-task shows each task its own device(s) while the node runs
+    # several tasks: every rank has a GPU of its own although it sees fewer than per_node.
+    per_task = os.environ.get("SLURM_GPUS_PER_TASK", "")
+    return visible >= per_node or (visible >= 1 and per_task.isdigit() and int(per_task) >= 1)
+
+
+def backend_for(device: str, local_ranks: int | None, *, warn: bool = True) -> str:
+    """The process-group backend for a run's ``device`` choice, with ``local_ranks``
+    processes on this node (None: the launcher did not say; taken as one).
+
+    ``"cpu"``: gloo. ``"cuda"``: NCCL, which needs a GPU per rank (NCCL refuses two ranks
+    on one device), else a one-line ValueError. ``"auto"``: NCCL when every local rank can
+    have a GPU of its own, else gloo on the CPU, with a warning when GPUs were there but
+    too few (``warn=False``: only the launching process need say it).
+    """
+    if device not in DEVICES:
+        raise ValueError(f"trainer.device={device!r} is not one of {', '.join(DEVICES)}")
+    if device == "cpu":
         return "gloo"
-    # Slurm's --gpus-per-task=1 shows each task one device while the node runs several:
-    # that is one GPU per rank too. Only several ranks per visible device mean sharing.
-    visible, per_node = torch.cuda.device_count(), info.local_world_size or 1
-    if 1 < visible < per_node:
-        warnings.warn(
-            f"{per_node} ranks share {visible} visible GPUs on this node; ranks will share "
-            "devices (give each rank its own GPU for speed)",
-            RuntimeWarning,
-            stacklevel=3,
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    per_node = max(1, local_ranks or 1)
+    if _own_gpu_per_rank(visible, per_node):
+        return "nccl" if visible else "gloo"
+    if device == "cuda":
+        raise ValueError(
+            f"trainer.device=cuda needs a GPU per rank, but {per_node} ranks on this node see "
+            f"{visible} CUDA device(s); launch at most {visible} ranks per node, or pass "
+            "trainer.device=cpu (or auto)"
+            if visible
+            else "trainer.device=cuda, but no CUDA device is visible; pass trainer.device=cpu (or auto)"
         )
-    return "nccl"
+    if visible and warn:
+        warnings.warn(
+            f"{per_node} ranks on this node share {visible} GPU(s) and NCCL gives each rank "
+            "a GPU of its own, so this run uses the CPU over gloo; launch at most "
+            f"{visible} ranks per node for the GPU (trainer.device=cpu silences this)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return "gloo"
 
 
 def _init_default_group(info: LaunchInfo, backend: str, timeout: datetime.timedelta) -> None:
@@ -135,7 +168,7 @@ def initialize(
     if not (info.launcher == "none" and not owns):
         _warn_if_tp_spans_nodes(tp_size, info.local_world_size)
     if owns:
-        backend = backend or _pick_backend(info)
+        backend = backend or backend_for("auto", info.local_world_size, warn=info.rank == 0)
         _init_default_group(info, backend, datetime.timedelta(seconds=timeout_s))
     backend = dist.get_backend()
     rank = dist.get_rank()

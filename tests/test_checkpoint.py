@@ -54,7 +54,7 @@ def run_overrides(corpus, ckpt_dir) -> list[str]:
         "model.num_heads=4", "trainer.log_every=1", "trainer.eval_every=0",
         "trainer.eval_batches=2", "trainer.global_batch=4", "trainer.micro_batch=2",
         "trainer.tensorboard=false", "trainer.progress=false", "trainer.sample_tokens=0",
-        "optim.lr=3e-3", "optim.warmup_steps=1", "optim.decay_steps=10",
+        "optim.lr=3e-3", "optim.warmup_steps=1", "optim.decay_steps=10", "trainer.device=cpu",
         f"checkpoint.dir={ckpt_dir}", "checkpoint.save_final=false",
     ]  # fmt: skip
 

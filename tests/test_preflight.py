@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 import engine.preflight as preflight
 from engine.config import Config
@@ -60,11 +59,12 @@ def test_zero1_in_bf16_counts_bf16_parameters_and_sharded_masters():
 
 
 def test_memory_check_refuses_with_numbers_and_passes_what_fits(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU path, anywhere
-    cfg = _cfg()
+    cfg = _cfg()  # on_gpu=False: the CPU path, on any machine
     need = preflight.estimate_rank_bytes(cfg, 1, fp32_activations=True).total
     monkeypatch.setattr(preflight, "available_ram_bytes", lambda: int(4 * need))
-    assert preflight.check_memory(cfg, local_ranks=4) == []  # 4 ranks × need fits exactly
-    assert len(problems := preflight.check_memory(cfg, local_ranks=5)) == 1
+    assert (
+        preflight.check_memory(cfg, local_ranks=4, on_gpu=False) == []
+    )  # 4 ranks × need fits exactly
+    assert len(problems := preflight.check_memory(cfg, local_ranks=5, on_gpu=False)) == 1
     assert "× 5 ranks on this machine" in problems[0] and "model.hidden_size=128" in problems[0]
     assert f"free RAM is {4 * need / 2**30:.1f} GiB" in problems[0]

@@ -83,12 +83,13 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
     import parallel_state
     from engine.generate import generate_batch
     from engine.inference import inference_config
-    from engine.launching import pick_backend
     from engine.models import build_model
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    ps = parallel_state.initialize(args.tp_size, None, backend=pick_backend(local))
+    ps = parallel_state.initialize(
+        args.tp_size, None, backend=parallel_state.backend_for("auto", local)
+    )
     try:
         cfg, state = ModelSource(args.ckpt, args.hf_dir).load()
         model = build_model(inference_config(cfg), tp_group=ps.tp_group,

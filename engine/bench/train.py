@@ -68,6 +68,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("hidden", "layers", "heads", "ffn", "vocab", "max-positions"):
         p.add_argument(f"--{name}", type=positive_int, default=None, help="override the preset")
     p.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout")
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "triton", "torch", "apex"],
+        default=None,
+        help="meshtron's element-wise ops (model.kernels; default: the preset's)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile meshtron's transformer layers (model.compile=true)",
+    )
     p.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
     p.add_argument(
         "--micro-batch", type=positive_int, default=8, help="sequences per rank per step"
@@ -127,6 +138,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         "ffn_hidden_size": args.ffn, "vocab_size": args.vocab,
         "max_positions": args.max_positions or max(args.seq, 1),
         "hidden_dropout": args.dropout, "attention_dropout": args.dropout,
+        "kernels": args.kernels, "compile": args.compile or None,
     }  # fmt: skip
     try:
         cfg = preset(args.preset, **{k: v for k, v in overrides.items() if v is not None})
@@ -255,7 +267,10 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
             device=ps.device, bucket_size_mb=args.bucket_mb,
             low_precision=torch.bfloat16 if dtype == torch.bfloat16 else None,
         )  # fmt: skip
-        name = f"meshtron{' ZeRO-1' if zero1 else ''} tp={ps.tp_size} dp={ps.dp_size}"
+        name = (
+            f"meshtron{' ZeRO-1' if zero1 else ''}{' compiled' if cfg.compile else ''} "
+            f"tp={ps.tp_size} dp={ps.dp_size}"
+        )
         loops.append(Loop(name, meshtron_step(m, dp, batch, ocfg, ps.device, dtype),
                           settle=dp.wait_params))  # fmt: skip
         model = model or m

@@ -12,7 +12,40 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from layers.kernels.dispatch import KERNEL_DTYPES
+from layers.kernels.dispatch import KERNEL_DTYPES, interpreting
+
+
+def _interpreter_index_of_one_element_arrays() -> None:
+    """Let the Triton interpreter use a runtime scalar as a ``range`` bound under NumPy 2.5.
+
+    The interpreter holds a kernel's scalar arguments as one-element 1-D arrays and, before
+    triton 3.7, converted them with ``int(array)``, which NumPy 2.5 refuses ("only
+    0-dimensional arrays can be converted to Python scalars"): every kernel with a loop
+    over a runtime bound then fails. Newer triton squeezes the array first; this does the
+    same for older ones, and only when the interpreter runs and NumPy refuses.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    try:
+        int(np.ones(1, dtype=np.int32))
+        return
+    except TypeError:
+        pass
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_index", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.squeezes_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _interpreter_index_of_one_element_arrays()
 
 # The widest row one program keeps in registers (elements); wider rows need the torch path.
 MAX_FUSED_SIZE = 65536
