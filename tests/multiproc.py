@@ -43,7 +43,11 @@ class RankFailure(AssertionError):
 
 def _worker(rank, world_size, store_path, fn, args, kwargs, results, collective_timeout):
     os.environ.pop("RANK", None)  # never let a surrounding launcher's variables leak in
-    torch.set_num_threads(1)  # several ranks share 2 cores: avoid oversubscription
+    # One intra-op thread per rank, whatever the machine's core count: several ranks share
+    # the cores, and the same thread count gives the same sums everywhere. OMP_NUM_THREADS
+    # tells the trainer's share_cores to keep it.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
     try:
         dist.init_process_group(
             "gloo",
@@ -84,6 +88,16 @@ def _environ(env: dict[str, str]):
                 os.environ[k] = v
 
 
+def _cpu_only(env: dict[str, str]) -> dict[str, str]:
+    """Ranks that interpret the Triton kernels compute on CPU tensors. On a CUDA machine
+    they are shown no GPU, so that neither triton's driver nor a lazy CUDA init reaches one
+    mid-forward (activation checkpointing refuses a device initialized there)."""
+    if env.get("TRITON_INTERPRET") == "1" and "CUDA_VISIBLE_DEVICES" not in env:
+        if torch.cuda.is_available():
+            return {**env, "CUDA_VISIBLE_DEVICES": ""}
+    return env
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -93,8 +107,9 @@ def run_ranks(
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return results by rank."""
-    ctx = _context(env or {})
-    with tempfile.TemporaryDirectory(prefix="meshtron-store-") as tmp, _environ(env or {}):
+    env = _cpu_only(env or {})
+    ctx = _context(env)
+    with tempfile.TemporaryDirectory(prefix="meshtron-store-") as tmp, _environ(env):
         store_path = os.path.join(tmp, "store")
         results = ctx.Queue()
         procs = [
