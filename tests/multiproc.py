@@ -92,10 +92,8 @@ def _cpu_only(env: dict[str, str]) -> dict[str, str]:
     """Ranks that interpret the Triton kernels compute on CPU tensors. On a CUDA machine
     they are shown no GPU, so that neither triton's driver nor a lazy CUDA init reaches one
     mid-forward (activation checkpointing refuses a device initialized there)."""
-    if env.get("TRITON_INTERPRET") == "1" and "CUDA_VISIBLE_DEVICES" not in env:
-        if torch.cuda.is_available():
-            return {**env, "CUDA_VISIBLE_DEVICES": ""}
-    return env
+    hide = env.get("TRITON_INTERPRET") == "1" and "CUDA_VISIBLE_DEVICES" not in env
+    return {**env, "CUDA_VISIBLE_DEVICES": ""} if hide and torch.cuda.is_available() else env
 
 
 def run_ranks(
