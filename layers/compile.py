@@ -31,6 +31,21 @@ from layers.kernel_set import TORCH_KERNELS, Kernels
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
+# Selective recomputation inside a compiled layer (its checkpoint traced by Dynamo) gave
+# gradients 100 % off eager's at tp_size 2 on torch 2.11 (the H100 image's torch,
+# 2026-11-23, tests/test_compile.py, aot_eager), and matching ones on torch 2.13.
+SELECTIVE_UNDER_COMPILE_FROM = "2.13"
+
+
+def torch_version() -> str:
+    return str(torch.__version__)
+
+
+def selective_recompute_compiles() -> bool:
+    """Whether this torch compiles selective recomputation at tp_size > 1 correctly."""
+    return torch.__version__ >= SELECTIVE_UNDER_COMPILE_FROM
+
+
 def compile_layers(layers: Iterable[nn.Module], *, backend: str = "inductor") -> None:
     """Compile each ``ParallelTransformerLayer`` in ``layers`` in place."""
     if backend not in COMPILE_BACKENDS:

@@ -83,7 +83,8 @@ def resolve_kernels(name: str) -> Kernels:
     """The kernel set for ``ModelConfig.kernels``.
 
     - ``auto``: per op, ``choose_backend``'s rule: the fused kernel on CUDA tensors where
-      ``layers.kernels.dispatch.MODEL_AUTO`` measured it faster than torch; torch otherwise;
+      ``layers.kernels.dispatch.MODEL_AUTO`` measured it faster than torch at that width;
+      torch otherwise;
     - ``triton``: always the Triton kernels (on CPU they run under ``TRITON_INTERPRET=1``,
       which is how CI checks them inside a whole model);
     - ``apex``: apex's FusedLayerNorm (it must be importable), ``auto`` for the rest;

@@ -20,6 +20,7 @@ import torch
 import parallel_state
 from engine.models import build_model
 from engine.models.config import preset
+from layers.compile import selective_recompute_compiles
 from tests.multiproc import run_ranks
 
 TOL = 2e-5
@@ -79,6 +80,11 @@ def _on_tp2(overrides):
     ids=str,
 )
 def test_compiled_layers_match_eager_tp2(overrides):
+    if overrides.get("recompute") == "selective" and not selective_recompute_compiles():
+        # This torch traced it into gradients 100 % off (layers/compile.py): refused.
+        with pytest.raises(ValueError, match="recompute=selective at tp_size=2 gives wrong"):
+            preset("gpt_tiny", compile=True, **overrides).validate(2)
+        return
     for worst, err, graphs in run_ranks(_on_tp2, 2, overrides, env=INTERPRETER):
         assert graphs >= 1, f"Dynamo captured {graphs} graphs"
         assert err <= TOL, f"{worst}: {err:.2e}"

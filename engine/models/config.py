@@ -6,7 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from layers.compile import COMPILE_BACKENDS
+from layers.compile import (
+    COMPILE_BACKENDS,
+    SELECTIVE_UNDER_COMPILE_FROM,
+    selective_recompute_compiles,
+    torch_version,
+)
 from layers.recompute import RECOMPUTE_MODES
 from layers.utils import pad_vocab_size
 from parallel_state.dims import ParallelDims
@@ -91,6 +96,13 @@ class ModelConfig:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_heads={self.num_heads}"
+            )
+        selective = self.compile and self.recompute == "selective" and tp_size > 1
+        if selective and not selective_recompute_compiles():
+            raise ValueError(
+                f"model.compile=true with model.recompute=selective at tp_size={tp_size} "
+                f"gives wrong gradients on this torch ({torch_version()}); use torch >= "
+                f"{SELECTIVE_UNDER_COMPILE_FROM}, or model.recompute=full or none"
             )
         dims = ParallelDims(tp=tp_size, dp=1)  # whole heads and MLP columns per TP rank
         dims.check_tp_divides("model.num_heads", self.num_heads)

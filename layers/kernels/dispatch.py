@@ -61,12 +61,18 @@ def reject_apex(backend: str, op: str) -> None:
         raise ValueError(f"backend='apex' is only available for layer_norm, not {op}")
 
 
+def auto_fused(op: str, x: torch.Tensor) -> bool:
+    """Whether ``MODEL_AUTO`` picks the fused kernel for ``op`` on ``x`` (CUDA tensors only)."""
+    smallest = MODEL_AUTO[op]
+    return x.is_cuda and smallest is not None and x.dim() > 0 and x.shape[-1] >= smallest
+
+
 def choose_backend(op: str, x: torch.Tensor, backend: str = "auto") -> str:
     """The backend that runs ``op`` (a key of ``MODEL_AUTO``) on ``x``: "triton", "torch"
     or "apex". The one "auto" rule, for the functional ops and a model's kernel set alike.
 
     ``"auto"``: "triton" where ``MODEL_AUTO`` measured the fused kernel faster than torch
-    and it runs compiled on ``x`` (a CUDA tensor of a kernel dtype, triton installed);
+    at ``x``'s last dimension and it runs compiled on ``x`` (a CUDA tensor of a kernel dtype, triton installed);
     "torch" otherwise. The interpreter is for tests: they ask for ``"triton"``.
     ``"triton"`` raises when it cannot run on ``x``; ``"apex"`` exists for layer_norm only.
     """
@@ -75,26 +81,29 @@ def choose_backend(op: str, x: torch.Tensor, backend: str = "auto") -> str:
     if op != "layer_norm":
         reject_apex(backend, op)
     if backend == "auto":
-        fast = MODEL_AUTO[op] == "triton" and x.is_cuda
-        return "triton" if fast and use_triton(x, "auto") else "torch"
+        return "triton" if auto_fused(op, x) and use_triton(x, "auto") else "torch"
     if backend == "triton":
         use_triton(x, "triton")  # raises, naming the fix, when it cannot run
     return backend
 
 
-# What ``backend="auto"`` (and ``model.kernels=auto``) runs on CUDA tensors, per op:
-# "triton" (the fused kernel) or "torch". Measured on an H100 (bf16, 16384 tokens, h 1024,
-# 2048 and 4096; docs/BENCHMARKS.md): the GPU time of each fused kernel's fwd+bwd (profiler
-# sum, gradient accumulation included) is below torch eager's, or within 3 %, at every size
-# (LayerNorm 0.20/0.29/0.45 ms vs 0.19/0.29/0.56, bias-GeLU
-# 0.13/0.24/0.45 vs 0.17/0.31/0.59, bias-dropout-add 0.23/0.43/0.81 vs 0.24/0.46/0.88),
-# and GPT 1.3B trains 8 % faster with them (191.4 vs 209.0 ms a step). Alone, an op costs
-# more host time than torch's (0.5-0.9 ms vs 0.2-0.35 ms per fwd+bwd, Triton's launch
-# path), which shows only where the GPU waits for the host. The fused cross-entropy was
-# level with torch.compile at V=50304 and used 1 MB where F.cross_entropy took 9.4 GB.
-MODEL_AUTO: dict[str, str] = {
-    "layer_norm": "triton",
-    "bias_gelu": "triton",
-    "bias_dropout_add": "triton",
-    "cross_entropy": "triton",
+# What ``backend="auto"`` (and ``model.kernels=auto``) runs on CUDA tensors, per op: the
+# fused kernel when the tensor's last dimension is at least this size, torch below it
+# (None: never). Measured on an H100, 2026-11-23 (bf16; docs/BENCHMARKS.md):
+# - per op (16384 tokens, h 1024/2048/4096, fwd+bwd GPU time from the profiler, gradient
+#   accumulation included), each fused kernel is below torch eager or within 3 %: LayerNorm
+#   0.20/0.29/0.45 ms vs 0.19/0.29/0.56, bias-GeLU 0.13/0.24/0.45 vs 0.17/0.31/0.59,
+#   bias-dropout-add 0.23/0.43/0.81 vs 0.24/0.46/0.88; but each call costs more host time
+#   (0.5-0.9 ms vs 0.2-0.35 ms, Triton's launch path), which a step pays where its GEMMs
+#   are too short to hide it;
+# - in the model: GPT 1.3B (h 2048, ffn 8192) steps in 191.4 ms with the fused kernels and
+#   209.0 ms with torch's; GPT 350M (h 1024, ffn 4096) in 95.1 ms with them and 82.2 ms
+#   without. So the element-wise kernels start at h 2048 (bias-GeLU's input is the 4h-wide
+#   MLP activation: 8192). The fused cross-entropy was level with torch.compile at
+#   V = 50304 and used 1 MB where F.cross_entropy took 9.4 GB: always.
+MODEL_AUTO: dict[str, int | None] = {
+    "layer_norm": 2048,
+    "bias_gelu": 8192,
+    "bias_dropout_add": 2048,
+    "cross_entropy": 0,
 }
