@@ -80,3 +80,21 @@ def test_bench_train_writes_every_loop_to_csv(tmp_path, monkeypatch):
     assert rows[0]["ratio"] == ""
     want = float(rows[0]["step_ms_median"]) / float(rows[1]["step_ms_median"])
     assert float(rows[1]["ratio"]) == pytest.approx(want, rel=1e-12)
+
+
+def test_bench_kernel_host_refuses_without_a_gpu_in_one_line(tmp_path):
+    """The GPU-only diagnosis tool, shown no GPU (on any machine), says so in one line."""
+    import os
+    import subprocess
+
+    from tests.multiproc import subprocess_env
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**subprocess_env(root), "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, str(root / "tools" / "bench_kernel_host.py")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().splitlines() == [
+        "bench_kernel_host.py: needs a CUDA GPU (it times GPU kernels)"
+    ], out.stderr
+    assert os.listdir(tmp_path) == []
