@@ -310,7 +310,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     speeds = measure_rank_speed(w, max(mbs), rank_counts, repeats=2)
     intra, raw = _comm_section(rank_counts, args.quick)
     src = f"measured by tools/calibrate.py on this machine, {now_utc()}"
-    return {
+    spec = {
         "name": args.name or os.path.splitext(os.path.basename(args.out))[0],
         "gpus_per_node": 64,  # ranks on this one machine: any number (they share the cores)
         "max_nodes": 1,
@@ -319,31 +319,49 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
         "overlap_efficiency": 0.0,
         "probe_gflops": round(probe, 3),  # 256³ GEMM, one thread, while calibrating
         "overlap_source": "CPU: gloo's reductions need the cores the backward pass is using",
-        "intra_node": {**intra, "source": f"gloo all-reduce over {args.ranks} processes, "
-                       f"ring fit per group size; {src}"},
-        "inter_node": {"bandwidth_Gbps": round(intra["bandwidth_GBps"] * 8, 4),
-                       "latency_us": intra["latency_us"],
-                       "source": "one machine: no network; copy of intra_node"},
+        "intra_node": {
+            **intra,
+            "source": f"gloo all-reduce over {args.ranks} processes, "
+            f"ring fit per group size; {src}",
+        },
+        "inter_node": {
+            "bandwidth_Gbps": round(intra["bandwidth_GBps"] * 8, 4),
+            "latency_us": intra["latency_us"],
+            "source": "one machine: no network; copy of intra_node",
+        },
         "device": {
             "peak_tflops": round(sorted(r[3] for r in gemms)[int(0.9 * (len(gemms) - 1))], 6),
             "mem_bandwidth_TBps": round(effective / 1e12, 6),
             "stream_bandwidth_TBps": round(stream / 1e12, 6),
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "memory_gib": round(
+                os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1
+            ),
             "op_overhead_us": round(overhead * 1e6, 2),
             "cores": cores,
             "thread_efficiency": round(thread_eff, 3),
             "rank_speed": speeds,
             "gemm_table": gemms,
             "source": f"fp32, one thread; peak = 90th percentile of the GEMMs; mem_bandwidth = "
-                      "the model's element-wise ops (LayerNorm, GeLU, dropout-add, softmax, "
-                      f"cross-entropy) in the model's byte count; rank_speed = one rank's "
-                      "speed while p ranks (1 thread each) compute at once, see "
-                      f"engine/perfmodel/concurrency.py; {src}",
+            "the model's element-wise ops (LayerNorm, GeLU, dropout-add, softmax, "
+            f"cross-entropy) in the model's byte count; rank_speed = one rank's "
+            "speed while p ranks (1 thread each) compute at once, see "
+            f"engine/perfmodel/concurrency.py; {src}",
         },
-        "efficiency": {"gemm": 1.0, "memory": 1.0, "network": 1.0,
-                       "source": "1.0: the figures above are already achieved values"},
+        "efficiency": {
+            "gemm": 1.0,
+            "memory": 1.0,
+            "network": 1.0,
+            "source": "1.0: the figures above are already achieved values",
+        },
         "collective_samples": raw,
-    }  # fmt: skip
+    }
+    from engine.perfmodel.probes import measure_compute_scale, measure_sync
+
+    spec["device"]["compute_scale"] = round(measure_compute_scale(w, max(mbs), spec, repeats), 4)
+    sync = measure_sync(w, max(mbs), rank_counts, spec)
+    spec["device"]["sync_excess"] = sync["sync_excess"]
+    spec["intra_node"]["sp_pair"] = sync["sp_pair"]
+    return spec  # fmt: skip
 
 
 def main(argv: list[str], description: str | None = None, formatter=None) -> int:

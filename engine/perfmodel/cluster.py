@@ -65,6 +65,9 @@ class ClusterSpec:
     max_nodes: int | None = None  # None: as many as asked for
     reserved_bytes: float = 0.0  # runtime memory outside the model (context, NCCL, workspaces)
     intra_by_ranks: dict[int, Link] = field(default_factory=dict)  # measured per group size
+    compute_scale: float = 1.0  # the real model's fwd+bwd ÷ its priced ops (probes.py)
+    sync_excess: dict[int, float] = field(default_factory=dict)  # per TP size, × compute
+    sp_pair: dict[int, float] = field(default_factory=dict)  # SP gather+scatter ÷ all-reduce
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -117,6 +120,9 @@ def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
             int(p): Link(float(v["bandwidth_GBps"]) * 1e9, float(v["latency_us"]) * 1e-6)
             for p, v in (intra.get("by_ranks") or {}).items()
         },
+        compute_scale=float(dev.get("compute_scale", 1.0)),
+        sync_excess={int(p): float(v) for p, v in (dev.get("sync_excess") or {}).items()},
+        sp_pair={int(p): float(v) for p, v in (intra.get("sp_pair") or {}).items()},
         extras={k: v for k, v in raw.items() if k not in _KNOWN},
     )
 

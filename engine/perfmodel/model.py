@@ -173,7 +173,7 @@ def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: floa
     elif lay.recompute == "selective" and not lay.fused_attention:
         recompute = attention / 3
     overhead = OPS_PER_LAYER * w.layers * cluster.op_overhead_s
-    return {
+    parts = {
         "gemm": gemm,
         "attention": attention,
         "elementwise": elementwise,
@@ -182,6 +182,8 @@ def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: floa
         "total": gemm + attention + elementwise + recompute + overhead,
         "backward": gemm_backward + (attention + elementwise) * 2 / 3,
     }
+    # The measured cost of running these ops as one model rather than alone (probes.py).
+    return {k: v * cluster.compute_scale for k, v in parts.items()}
 
 
 def _tp_comm_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, link: comm.Link) -> float:
@@ -197,7 +199,9 @@ def _tp_comm_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, link: comm.
         return 0.0
     n = lay.micro_batch * w.seq * w.hidden * w.act_bytes
     count = w.layers * (6 if lay.recompute == "full" else 4) + 2
-    if lay.sequence_parallel:
+    if lay.sequence_parallel and t in cluster.sp_pair:  # measured against the all-reduce
+        one = cluster.sp_pair[t] * comm.all_reduce(n, t, link, cluster.collectives)
+    elif lay.sequence_parallel:
         one = comm.ring_all_gather(n, t, link) + comm.ring_reduce_scatter(n, t, link)
     else:
         one = comm.all_reduce(n, t, link, cluster.collectives)
@@ -265,6 +269,8 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     tp_group, dp_group = comm.place_groups(lay.tp, lay.dp, cluster.gpus_per_node)
     c = _compute_seconds(w, lay, cluster, speed)
     tp = _tp_comm_seconds(w, lay, cluster, comm.group_link(tp_group, cluster))
+    if lay.tp > 1:  # each collective waits for the slowest rank of the moment (probes.py)
+        tp += cluster.sync_excess.get(lay.tp, 0.0) * c["total"]
     if lay.tp_comm_overlap:  # chunked GEMM/collective overlap hides TP comm behind GEMMs
         tp = max(0.0, tp - c["gemm"])
     dp_total, dp_exposed = _dp_comm_seconds(
