@@ -176,6 +176,7 @@ PRETRAIN = [
     ("split_nan", ["data.split='nan,1'"], "data.split='nan,1' is invalid"),
     ("split_four_parts", ["data.split='1,2,3,4'"], "has more than 3 parts"),
     ("lr_nan", ["optim.lr=nan"], "optim.lr=nan must be > 0"),
+    ("device_tpu", ["trainer.device=tpu"], "trainer.device='tpu' is not one of auto, cuda, cpu"),
 ]  # fmt: skip
 
 
@@ -204,6 +205,23 @@ def test_pretrain_bad_input_is_one_config_error_line(inputs, overrides, fragment
     line = _one_line(capsys.readouterr().err)
     assert exit_info.value.code == 2 and line.startswith("config error: "), line
     assert fragment in line, line
+
+
+def test_pretrain_device_cuda_without_a_gpu_is_one_line(inputs, monkeypatch, capsys):
+    """trainer.device=cuda where no GPU is visible (made so on any machine) is refused
+    before any worker starts."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(inputs["dir"])
+    argv = _pretrain_argv(["trainer.device=cuda"], inputs)
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("engine.pretrain", run_name="__main__")
+    line = _one_line(capsys.readouterr().err)
+    assert exit_info.value.code == 2
+    assert line == ("config error: trainer.device=cuda, but no CUDA device is visible; "
+                    "pass trainer.device=cpu (or auto)"), line  # fmt: skip
 
 
 # (id, tool, argv ({key} = a path of the fixture), exit status, message fragment)

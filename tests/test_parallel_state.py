@@ -199,3 +199,30 @@ def test_rng_tracker_snapshot_restore():
     assert torch.equal(torch.rand(8), default_first)
     with pytest.raises(KeyError, match="never seeded"), tracker.fork("other"):
         pass
+
+
+def test_backend_for_gives_each_rank_a_gpu_or_stays_on_the_cpu(monkeypatch):
+    """The one backend rule, on a pretend node with one GPU (and with none): NCCL only
+    when every local rank has a GPU of its own (NCCL refuses two ranks on one device)."""
+    import torch
+
+    from parallel_state import backend_for
+
+    monkeypatch.delenv("SLURM_GPUS_PER_TASK", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert backend_for("auto", 1) == "nccl" and backend_for("auto", None) == "nccl"
+    assert backend_for("cpu", 1) == "gloo"
+    with pytest.warns(RuntimeWarning, match="4 ranks on this node share 1 GPU"):
+        assert backend_for("auto", 4) == "gloo"
+    with pytest.raises(ValueError, match="needs a GPU per rank, but 4 ranks on this node see 1"):
+        backend_for("cuda", 4)
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")  # each task is shown its own GPU
+    assert backend_for("cuda", 4) == "nccl"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert backend_for("auto", 4) == "gloo"
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        backend_for("cuda", 1)
+    with pytest.raises(ValueError, match="trainer.device='tpu' is not one of auto, cuda, cpu"):
+        backend_for("tpu", 1)

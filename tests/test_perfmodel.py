@@ -180,7 +180,8 @@ def test_measured_rank_speed_scales_cpu_compute():
 def test_probe_terms_price_as_derived():
     """The three calibration probes' terms (engine/perfmodel/probes.py), by hand.
 
-    compute_scale multiplies every compute term; sync_excess[t] adds that fraction of a
+    compute_scale (measured per hidden size) multiplies every compute term at the nearest
+    measured size; sync_excess[t] adds that fraction of a
     micro-batch's compute to TP communication at TP size t (nothing at other sizes);
     sp_pair[t] prices each sequence-parallel all-gather + reduce-scatter pair as that
     multiple of the all-reduce of the same n bytes. Hand arithmetic on a 1 GB/s, 10 µs ring
@@ -194,9 +195,13 @@ def test_probe_terms_price_as_derived():
                  precision="fp32")  # fmt: skip
     one, two = Layout(1, 1, 4, fused_attention=False), Layout(2, 1, 4, fused_attention=False)
     plain1, plain2 = predict(w, one, base).breakdown, predict(w, two, base).breakdown
-    scaled = replace(base, compute_scale=1.25)
+    scaled = replace(base, compute_scale={128: 1.25, 512: 2.0})  # the nearest size: 128
     assert predict(w, one, scaled).breakdown["compute_s"] == pytest.approx(
         1.25 * plain1["compute_s"], rel=1e-9
+    )
+    wide = replace(w, hidden=384)  # nearer 512 than 128 in log space (3/4 vs 3)
+    assert predict(wide, one, scaled).breakdown["compute_s"] == pytest.approx(
+        2.0 * predict(wide, one, base).breakdown["compute_s"], rel=1e-9
     )
     waits = replace(base, sync_excess={2: 0.3})
     assert predict(w, two, waits).breakdown["tp_comm_s"] == pytest.approx(
@@ -311,7 +316,7 @@ def test_ci_sized_validation_against_this_machine(tmp_path):
     assert cal.returncode == 0, cal.stderr
     cluster = load_cluster(str(spec))
     # The probes ran and wrote their terms (engine/perfmodel/probes.py).
-    assert cluster.compute_scale > 0 and cluster.sync_excess.get(2, -1) >= 0
+    assert cluster.compute_scale.get(128, 0) > 0 and cluster.sync_excess.get(2, -1) >= 0
     assert cluster.sp_pair.get(2, 0) > 0
     points = [p for p in MACHINE_POINTS if p.label in ("tiny tp2 dp1 mb4", "tiny tp1 dp2 mb4")]
     measured = [measure_with_probe(p, steps=8, log_every=2) for p in points]

@@ -290,7 +290,8 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     tps = [int(x) for x in args.tp.split(",")]
     mbs = [int(x) for x in args.micro_batch.split(",")]
     if args.quick:
-        tps, mbs, args.ranks = tps[:2], mbs[:1], args.ranks.split(",")[0]
+        # the largest micro-batch: the CI points run micro-batch 4, and the probes time it
+        tps, mbs, args.ranks = tps[:2], mbs[-1:], args.ranks.split(",")[0]
     hiddens = [int(x) for x in args.hidden.split(",")] if args.hidden else [w.hidden]
     shapes: tuple[set, set] = (set(), set())
     for h in hiddens:  # e.g. a wider variant of the preset, priced by the same table
@@ -357,8 +358,11 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     }
     from engine.perfmodel.probes import measure_compute_scale, measure_sync
 
-    spec["device"]["compute_scale"] = round(measure_compute_scale(w, max(mbs), spec, repeats), 4)
-    sync = measure_sync(w, max(mbs), rank_counts, spec)
+    spec["device"]["compute_scale"] = {
+        h: round(measure_compute_scale(replace(w, hidden=h), max(mbs), spec, repeats), 4)
+        for h in hiddens
+    }
+    sync = measure_sync(w, max(mbs), rank_counts)
     spec["device"]["sync_excess"] = sync["sync_excess"]
     spec["intra_node"]["sp_pair"] = sync["sp_pair"]
     return spec  # fmt: skip

@@ -23,6 +23,7 @@ Unknown keys (e.g. the emulated clusters' ``emulation``) are ignored.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ class ClusterSpec:
     max_nodes: int | None = None  # None: as many as asked for
     reserved_bytes: float = 0.0  # runtime memory outside the model (context, NCCL, workspaces)
     intra_by_ranks: dict[int, Link] = field(default_factory=dict)  # measured per group size
-    compute_scale: float = 1.0  # the real model's fwd+bwd ÷ its priced ops (probes.py)
+    compute_scale: dict[int, float] = field(default_factory=dict)  # by hidden size (probes.py)
     sync_excess: dict[int, float] = field(default_factory=dict)  # per TP size, × compute
     sp_pair: dict[int, float] = field(default_factory=dict)  # SP gather+scatter ÷ all-reduce
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -76,6 +77,23 @@ def _need(section: dict, key: str, where: str) -> float:
     if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"{where}.{key}={value!r} must be a positive number")
     return float(value)
+
+
+def _by_size(value: Any) -> dict[int, float]:
+    """A measured factor per size ({hidden: factor}); a lone number applies to every size."""
+    if value is None:
+        return {}
+    if isinstance(value, dict):
+        return {int(k): float(v) for k, v in value.items()}
+    return {0: float(value)}
+
+
+def scale_for(table: dict[int, float], size: int) -> float:
+    """The factor measured at the size nearest to ``size`` (in log space); 1 without any."""
+    if not table:
+        return 1.0
+    nearest = min(table, key=lambda k: abs(math.log(max(k, 1) / size)) if k else math.inf)
+    return table[nearest] if nearest else table[0]
 
 
 def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
@@ -120,7 +138,7 @@ def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
             int(p): Link(float(v["bandwidth_GBps"]) * 1e9, float(v["latency_us"]) * 1e-6)
             for p, v in (intra.get("by_ranks") or {}).items()
         },
-        compute_scale=float(dev.get("compute_scale", 1.0)),
+        compute_scale=_by_size(dev.get("compute_scale")),
         sync_excess={int(p): float(v) for p, v in (dev.get("sync_excess") or {}).items()},
         sp_pair={int(p): float(v) for p, v in (intra.get("sp_pair") or {}).items()},
         extras={k: v for k, v in raw.items() if k not in _KNOWN},

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.perfmodel import comm
-from engine.perfmodel.cluster import ClusterSpec
+from engine.perfmodel.cluster import ClusterSpec, scale_for
 from engine.perfmodel.compute import gemm_pass_seconds, rank_speed, stream_seconds
 from engine.perfmodel.formulas import gpt_flops_per_iteration, pad_vocab
 from engine.perfmodel.memory import MemoryTerms, activation_bytes, state_bytes_per_param
@@ -183,7 +183,8 @@ def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: floa
         "backward": gemm_backward + (attention + elementwise) * 2 / 3,
     }
     # The measured cost of running these ops as one model rather than alone (probes.py).
-    return {k: v * cluster.compute_scale for k, v in parts.items()}
+    scale = scale_for(cluster.compute_scale, w.hidden)
+    return {k: v * scale for k, v in parts.items()}
 
 
 def _tp_comm_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, link: comm.Link) -> float:
