@@ -9,13 +9,14 @@ model's own work, not fitted to the validation points:
   the operations interleave with each other, the allocator and the autograd engine.
 - ``sync_excess``: p ranks that alternate one transformer layer's forward GEMMs with a
   blocking all-reduce of the layer's activations, as tensor parallelism does. A rank's
-  time inside each all-reduce exceeds the same all-reduce when every rank arrives
-  together, because it waits for the slowest rank of that moment. The excess is stored
+  time inside each all-reduce exceeds the same all-reduce run back to back (every rank
+  released together by the previous one), because it waits for the slowest rank of that
+  moment. The excess is stored
   as a fraction of the compute between collectives: TP communication at size p gains
   ``sync_excess[p]`` × the rank's compute.
 - ``sp_pair``: gloo's reduce-scatter + all-gather of the layer's activations (the
-  sequence-parallel pair) over the all-reduce of the same tensor, each timed with every
-  rank arriving together.
+  sequence-parallel pair) over the all-reduce of the same tensor, each timed back to
+  back.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from engine.perfmodel.model import Layout, Workload, _compute_seconds, _gemm_sha
 
 BLOCK_S = 1.0  # one timed block of the real model's steps
 SYNC_BLOCKS, SYNC_ROUNDS = 5, 40  # blocks of compute + all-reduce rounds per probe
-SOLO_SAMPLES = 40  # barrier-aligned all-reduces (and SP pairs) timed per probe
+SOLO_SAMPLES = 40  # back-to-back all-reduces (and SP pairs) timed per probe
 CPU_LAYOUT = dict(fused_attention=False, threads=1)  # the trainer's CPU path (dropout 0.1)
 
 
@@ -119,14 +120,16 @@ def _sync_worker(rank, world, store_path, w, micro_batch, out) -> None:
             rounds.append((t1 - t0, time.perf_counter() - t1))
         blocks.append((statistics.median(r[0] for r in rounds),
                        statistics.median(r[1] for r in rounds)))  # fmt: skip
-    # The collectives alone, every rank arriving together (after a barrier each time).
+    # The collectives alone, back to back: each call releases every rank together, so the
+    # next one starts in step (a barrier's exit is not: its skew would count as cost).
     single, pair = [], []
+    dist.barrier()
     for _ in range(SOLO_SAMPLES):
-        dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(act)
         single.append(time.perf_counter() - t0)
-        dist.barrier()
+    dist.barrier()
+    for _ in range(SOLO_SAMPLES):
         t0 = time.perf_counter()
         flat_reduce_scatter(shard, act)
         flat_all_gather(act, shard)
@@ -138,8 +141,8 @@ def _sync_worker(rank, world, store_path, w, micro_batch, out) -> None:
 def measure_sync(w: Workload, micro_batch: int, ranks: list[int]) -> dict:
     """{"sync_excess": {p: fraction}, "sp_pair": {p: ratio}} over ``ranks`` gloo groups.
 
-    sync_excess[p]: (time inside the collective in the rhythm − the same collective when
-    all ranks arrive together) ÷ the compute time between collectives, both as the ranks
+    sync_excess[p]: (time inside the collective in the rhythm − the same collective back
+    to back) ÷ the compute time between collectives, both as the ranks
     ran them (per-rank medians over a block's rounds, the mean over ranks, and the median
     over blocks).
     """
