@@ -356,15 +356,12 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
         },
         "collective_samples": raw,
     }
-    from engine.perfmodel.probes import measure_compute_scale, measure_sync
+    from engine.perfmodel.probes import measure_compute_scale
 
     spec["device"]["compute_scale"] = {
         h: round(measure_compute_scale(replace(w, hidden=h), max(mbs), spec, repeats), 4)
         for h in hiddens
     }
-    sync = measure_sync(w, max(mbs), rank_counts)
-    spec["device"]["sync_excess"] = sync["sync_excess"]
-    spec["intra_node"]["sp_pair"] = sync["sp_pair"]
     return spec  # fmt: skip
 
 

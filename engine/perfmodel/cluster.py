@@ -67,8 +67,6 @@ class ClusterSpec:
     reserved_bytes: float = 0.0  # runtime memory outside the model (context, NCCL, workspaces)
     intra_by_ranks: dict[int, Link] = field(default_factory=dict)  # measured per group size
     compute_scale: dict[int, float] = field(default_factory=dict)  # by hidden size (probes.py)
-    sync_excess: dict[int, float] = field(default_factory=dict)  # per TP size, × compute
-    sp_pair: dict[int, float] = field(default_factory=dict)  # SP gather+scatter ÷ all-reduce
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -139,8 +137,6 @@ def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
             for p, v in (intra.get("by_ranks") or {}).items()
         },
         compute_scale=_by_size(dev.get("compute_scale")),
-        sync_excess={int(p): float(v) for p, v in (dev.get("sync_excess") or {}).items()},
-        sp_pair={int(p): float(v) for p, v in (intra.get("sp_pair") or {}).items()},
         extras={k: v for k, v in raw.items() if k not in _KNOWN},
     )
 

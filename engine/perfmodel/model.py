@@ -200,9 +200,7 @@ def _tp_comm_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, link: comm.
         return 0.0
     n = lay.micro_batch * w.seq * w.hidden * w.act_bytes
     count = w.layers * (6 if lay.recompute == "full" else 4) + 2
-    if lay.sequence_parallel and t in cluster.sp_pair:  # measured against the all-reduce
-        one = cluster.sp_pair[t] * comm.all_reduce(n, t, link, cluster.collectives)
-    elif lay.sequence_parallel:
+    if lay.sequence_parallel:
         one = comm.ring_all_gather(n, t, link) + comm.ring_reduce_scatter(n, t, link)
     else:
         one = comm.all_reduce(n, t, link, cluster.collectives)
@@ -270,8 +268,6 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     tp_group, dp_group = comm.place_groups(lay.tp, lay.dp, cluster.gpus_per_node)
     c = _compute_seconds(w, lay, cluster, speed)
     tp = _tp_comm_seconds(w, lay, cluster, comm.group_link(tp_group, cluster))
-    if lay.tp > 1:  # each collective waits for the slowest rank of the moment (probes.py)
-        tp += cluster.sync_excess.get(lay.tp, 0.0) * c["total"]
     if lay.tp_comm_overlap:  # chunked GEMM/collective overlap hides TP comm behind GEMMs
         tp = max(0.0, tp - c["gemm"])
     dp_total, dp_exposed = _dp_comm_seconds(
