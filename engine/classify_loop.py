@@ -207,7 +207,9 @@ def run_worker(cfg: ClassifyConfig) -> dict:
     info = detect_launch()
     local = info.local_world_size or 1 if info.launcher != "none" else 1
     ps = parallel_state.initialize(
-        cfg.tp_size, cfg.dp_size, backend=parallel_state.backend_for("auto", local)
+        cfg.tp_size,
+        cfg.dp_size,
+        backend=parallel_state.backend_for("auto", local, warn=info.rank == 0),
     )
     share_cores(ps)
     try:

@@ -88,7 +88,11 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     ps = parallel_state.initialize(
-        args.tp_size, None, backend=parallel_state.backend_for("auto", local)
+        args.tp_size,
+        None,
+        backend=parallel_state.backend_for(
+            "auto", local, warn=int(os.environ.get("RANK", "0")) == 0
+        ),
     )
     try:
         cfg, state = ModelSource(args.ckpt, args.hf_dir).load()
