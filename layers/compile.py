@@ -37,10 +37,6 @@ COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 SELECTIVE_UNDER_COMPILE_FROM = "2.13"
 
 
-def torch_version() -> str:
-    return str(torch.__version__)
-
-
 def selective_recompute_compiles() -> bool:
     """Whether this torch compiles selective recomputation at tp_size > 1 correctly."""
     return torch.__version__ >= SELECTIVE_UNDER_COMPILE_FROM

@@ -38,8 +38,9 @@ def tiny_overrides(corpus: tuple[str, str], run: Path, max_steps: int = 6) -> li
         "model.num_heads=4", f"trainer.max_steps={max_steps}", "trainer.log_every=1",
         "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.global_batch=8",
         "trainer.micro_batch=2", "trainer.tensorboard=false", "trainer.sample_tokens=0",
-        "optim.lr=3e-3", "optim.warmup_steps=1", f"checkpoint.dir={run / 'ckpt'}", "trainer.device=cpu",
+        "optim.lr=3e-3", "optim.warmup_steps=1", f"checkpoint.dir={run / 'ckpt'}",
         "checkpoint.save_final=false", f"hydra.run.dir={run / 'hydra'}",
+        "trainer.device=cpu",  # several ranks on one machine: the CPU, on any machine
     ]  # fmt: skip
 
 

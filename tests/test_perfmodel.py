@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine.perfmodel import Layout, Workload, comm, load_cluster, memory, predict, search
-from engine.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict
+from engine.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict, scale_for
 from engine.perfmodel.formulas import gpt_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,6 +191,11 @@ def test_compute_scale_multiplies_compute_at_the_nearest_hidden_size():
     plain, got = predict(w, lay, base).breakdown, predict(w, lay, scaled).breakdown
     assert got["compute_s"] == pytest.approx(1.25 * plain["compute_s"], rel=1e-9)
     assert got["tp_comm_s"] == pytest.approx(plain["tp_comm_s"], rel=1e-9)
+    lone = cluster_from_dict({"name": "x", "gpus_per_node": 1, "intra_node": {"bandwidth_GBps": 1},
+                              "inter_node": {"bandwidth_Gbps": 8},
+                              "device": {"peak_tflops": 0.1, "mem_bandwidth_TBps": 0.01,
+                                         "memory_gib": 16, "compute_scale": 1.5}})  # fmt: skip
+    assert [scale_for(lone.compute_scale, h) for h in (64, 4096)] == [1.5, 1.5]  # every size
     wide = replace(w, hidden=384)  # nearer 512 than 128 in log space (ln 4/3 vs ln 3)
     assert predict(wide, lay, scaled).breakdown["compute_s"] == pytest.approx(
         2.0 * predict(wide, lay, base).breakdown["compute_s"], rel=1e-9

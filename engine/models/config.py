@@ -6,11 +6,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from layers.compile import (
     COMPILE_BACKENDS,
     SELECTIVE_UNDER_COMPILE_FROM,
     selective_recompute_compiles,
-    torch_version,
 )
 from layers.recompute import RECOMPUTE_MODES
 from layers.utils import pad_vocab_size
@@ -101,7 +102,7 @@ class ModelConfig:
         if selective and not selective_recompute_compiles():
             raise ValueError(
                 f"model.compile=true with model.recompute=selective at tp_size={tp_size} "
-                f"gives wrong gradients on this torch ({torch_version()}); use torch >= "
+                f"gives wrong gradients on this torch ({torch.__version__}); use torch >= "
                 f"{SELECTIVE_UNDER_COMPILE_FROM}, or model.recompute=full or none"
             )
         dims = ParallelDims(tp=tp_size, dp=1)  # whole heads and MLP columns per TP rank

@@ -78,20 +78,20 @@ def _need(section: dict, key: str, where: str) -> float:
 
 
 def _by_size(value: Any) -> dict[int, float]:
-    """A measured factor per size ({hidden: factor}); a lone number applies to every size."""
+    """A measured factor per size ({hidden: factor}); a lone number applies to every size
+    (one entry is the nearest for any size)."""
     if value is None:
         return {}
     if isinstance(value, dict):
         return {int(k): float(v) for k, v in value.items()}
-    return {0: float(value)}
+    return {1: float(value)}
 
 
 def scale_for(table: dict[int, float], size: int) -> float:
     """The factor measured at the size nearest to ``size`` (in log space); 1 without any."""
     if not table:
         return 1.0
-    nearest = min(table, key=lambda k: abs(math.log(max(k, 1) / size)) if k else math.inf)
-    return table[nearest] if nearest else table[0]
+    return table[min(table, key=lambda k: abs(math.log(k / size)))]
 
 
 def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
