@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
+from engine.perfmodel import in_model
 from engine.perfmodel.concurrency import measure_rank_speed
 from engine.perfmodel.model import (
     Layout,
@@ -257,6 +258,11 @@ def _parser(description: str | None, formatter) -> argparse.ArgumentParser:
     p.add_argument("--ranks", default="2,4", help="comma list of gloo group sizes to time")
     p.add_argument("--name", default=None, help="cluster name (default: the output file stem)")
     p.add_argument("--quick", action="store_true", help="few shapes and repeats (tests)")
+    p.add_argument(
+        "--no-in-model",
+        action="store_true",
+        help="skip the trainer runs that price collectives as training sees them",
+    )
     p.add_argument("--out", required=True, help="cluster YAML to write")
     return p
 
@@ -290,7 +296,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     tps = [int(x) for x in args.tp.split(",")]
     mbs = [int(x) for x in args.micro_batch.split(",")]
     if args.quick:
-        # the largest micro-batch: the CI points run micro-batch 4, and the probes time it
+        # the largest micro-batch: the CI points run micro-batch 4
         tps, mbs, args.ranks = tps[:2], mbs[-1:], args.ranks.split(",")[0]
     hiddens = [int(x) for x in args.hidden.split(",")] if args.hidden else [w.hidden]
     shapes: tuple[set, set] = (set(), set())
@@ -356,12 +362,11 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
         },
         "collective_samples": raw,
     }
-    from engine.perfmodel.probes import measure_compute_scale
-
-    spec["device"]["compute_scale"] = {
-        h: round(measure_compute_scale(replace(w, hidden=h), max(mbs), spec, repeats), 4)
-        for h in hiddens
-    }
+    if not args.no_in_model:  # the trainer's own runs, at micro-batches the validation skips
+        found = in_model.measure(w, hiddens, spec, args.quick)
+        spec["device"]["compute_scale"] = found["compute_scale"]
+        spec["in_model"] = {"source": f"engine.pretrain, {in_model.STEPS} steps per run; {src}",
+                            **found["in_model"]}  # fmt: skip
     return spec  # fmt: skip
 
 

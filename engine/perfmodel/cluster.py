@@ -16,7 +16,9 @@ Schema (every number says where it comes from in a ``source`` string next to it)
 - ``collectives`` (algorithms the library chooses from), ``overlap_efficiency`` (how much
   of backward can hide communication: 0 when communication needs the busy cores),
   ``precision`` (default training precision on this device), ``max_nodes`` (a single
-  machine says 1).
+  machine says 1);
+- ``in_model`` (CPU ranks): what collectives and the optimizer phase cost inside real
+  training steps, measured by short trainer runs (engine/perfmodel/in_model.py).
 
 Unknown keys (e.g. the emulated clusters' ``emulation``) are ignored.
 """
@@ -29,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from engine.perfmodel.in_model import parse as parse_in_model
 
 CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "cluster"
 
@@ -67,6 +71,7 @@ class ClusterSpec:
     reserved_bytes: float = 0.0  # runtime memory outside the model (context, NCCL, workspaces)
     intra_by_ranks: dict[int, Link] = field(default_factory=dict)  # measured per group size
     compute_scale: dict[int, float] = field(default_factory=dict)  # by hidden size (probes.py)
+    in_model: dict[str, tuple] = field(default_factory=dict)  # measured in training (in_model.py)
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -137,13 +142,14 @@ def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
             for p, v in (intra.get("by_ranks") or {}).items()
         },
         compute_scale=_by_size(dev.get("compute_scale")),
+        in_model=parse_in_model(raw.get("in_model")) if raw.get("in_model") else {},
         extras={k: v for k, v in raw.items() if k not in _KNOWN},
     )
 
 
 _KNOWN = {
     "name", "gpus_per_node", "intra_node", "inter_node", "device", "efficiency",
-    "collectives", "overlap_efficiency", "precision", "defaults", "max_nodes",
+    "collectives", "overlap_efficiency", "precision", "defaults", "max_nodes", "in_model",
 }  # fmt: skip
 
 

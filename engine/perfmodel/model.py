@@ -18,6 +18,7 @@ from engine.perfmodel import comm
 from engine.perfmodel.cluster import ClusterSpec, scale_for
 from engine.perfmodel.compute import gemm_pass_seconds, rank_speed, stream_seconds
 from engine.perfmodel.formulas import gpt_flops_per_iteration, pad_vocab
+from engine.perfmodel.in_model import lookup, nearest, parameter_tensors, tp_collectives
 from engine.perfmodel.memory import MemoryTerms, activation_bytes, state_bytes_per_param
 
 RECOMPUTE = ("none", "selective", "full")
@@ -182,40 +183,57 @@ def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: floa
         "total": gemm + attention + elementwise + recompute + overhead,
         "backward": gemm_backward + (attention + elementwise) * 2 / 3,
     }
-    # The measured cost of running these ops as one model rather than alone (probes.py).
+    # The measured cost of running these ops in the trainer rather than alone (in_model.py).
     scale = scale_for(cluster.compute_scale, w.hidden)
     return {k: v * scale for k, v in parts.items()}
 
 
-def _tp_comm_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, link: comm.Link) -> float:
+def _tp_comm_seconds(
+    w: Workload, lay: Layout, cluster: ClusterSpec, link: comm.Link, ranks: int, compute_s: float
+) -> float:
     """TP collectives of one micro-batch, all on the critical path.
 
     Each layer all-reduces b·s·h activations twice forward and twice backward (under SP an
     all-gather + reduce-scatter pair of the same volume each); full recompute repeats the
-    two forward ones. The vocab-parallel embedding (forward) and the LM head's input
-    (backward) add one each; the cross-entropy adds three tiny fp32 all-reduces.
+    first forward one (in_model.tp_collectives). The vocab-parallel embedding (forward) and the LM head's input
+    (backward) add one each; the cross-entropy adds two small fp32 all-reduces (b·s and 2·b·s values). Where the
+    cluster has in-model measurements (CPU ranks, engine/perfmodel/in_model.py), TP costs
+    what training steps were measured to lose to it: a time per collective plus a fraction
+    of the micro-batch's compute (``compute_s``).
     """
     t = lay.tp
     if t <= 1:
         return 0.0
     n = lay.micro_batch * w.seq * w.hidden * w.act_bytes
-    count = w.layers * (6 if lay.recompute == "full" else 4) + 2
+    big = tp_collectives(w.layers, lay.recompute) - 2
+    kind = "sp" if lay.sequence_parallel else "ar"
+
+    if measured := nearest(cluster.in_model.get("tp", ()), (t, kind), ranks):
+        per_collective_us, fraction = measured[-2:]
+        return (big + 2) * per_collective_us * 1e-6 + fraction * compute_s
     if lay.sequence_parallel:
         one = comm.ring_all_gather(n, t, link) + comm.ring_reduce_scatter(n, t, link)
     else:
         one = comm.all_reduce(n, t, link, cluster.collectives)
-    small = 3 * comm.all_reduce(lay.micro_batch * w.seq * 4, t, link, cluster.collectives)
-    return count * one + small
+    tokens = lay.micro_batch * w.seq  # fp32 row max, then [sum of exp; target logit]
+    small = sum(comm.all_reduce(k * tokens * 4, t, link, cluster.collectives) for k in (1, 2))
+    return big * one + small
 
 
 def _dp_comm_seconds(
-    w: Workload, lay: Layout, cluster: ClusterSpec, link: comm.Link, backward_s: float
+    w: Workload,
+    lay: Layout,
+    cluster: ClusterSpec,
+    link: comm.Link,
+    backward_s: float,
+    ranks: int,
 ) -> tuple[float, float]:
     """(total, exposed) seconds of the DP gradient sync (and ZeRO-1's parameter all-gather).
 
     Gradients (fp32) are reduced in buckets during the last micro-batch's backward; the
     first bucket fills only after 1/buckets of it, and the last bucket's reduction always
     waits. Without overlap (or on a CPU whose cores are all computing) it is all exposed.
+    On CPU ranks the measured in-model wait for the slowest rank is added (in_model.py).
     """
     d = lay.dp
     if d <= 1:
@@ -236,14 +254,20 @@ def _dp_comm_seconds(
         exposed += gather / buckets
     else:
         exposed += gather
+    exposed += lookup(cluster.in_model.get("dp_wait_us", ()), (d,), ranks) or 0.0
     return reduce + gather, exposed
 
 
-def _optimizer_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: float) -> float:
-    """AdamW over this rank's parameters (its 1/d shard under ZeRO-1): memory-bound."""
+def _optimizer_seconds(
+    w: Workload, lay: Layout, cluster: ClusterSpec, speed: float, ranks: int
+) -> float:
+    """AdamW over this rank's parameters (its 1/d shard under ZeRO-1): memory-bound, plus
+    on CPU ranks the measured rest of the optimizer phase (in_model.py)."""
     params = params_per_rank(w, lay.tp) / (lay.dp if lay.zero1 else 1)
     per_param = OPTIMIZER_BYTES["fp32" if w.precision == "fp32" else "bf16"]
-    return stream_seconds(cluster, params * per_param, speed)
+    per_tensor = lookup(cluster.in_model.get("optimizer_us_per_tensor", ()), (), ranks) or 0.0
+    extra = per_tensor * parameter_tensors(w.layers)
+    return stream_seconds(cluster, params * per_param, speed) + extra
 
 
 def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
@@ -267,13 +291,14 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     speed = rank_speed(cluster, ranks_here, lay.threads)
     tp_group, dp_group = comm.place_groups(lay.tp, lay.dp, cluster.gpus_per_node)
     c = _compute_seconds(w, lay, cluster, speed)
-    tp = _tp_comm_seconds(w, lay, cluster, comm.group_link(tp_group, cluster))
+    tp_link = comm.group_link(tp_group, cluster)
+    tp = _tp_comm_seconds(w, lay, cluster, tp_link, ranks_here, c["total"])
     if lay.tp_comm_overlap:  # chunked GEMM/collective overlap hides TP comm behind GEMMs
         tp = max(0.0, tp - c["gemm"])
     dp_total, dp_exposed = _dp_comm_seconds(
-        w, lay, cluster, comm.group_link(dp_group, cluster), c["backward"]
+        w, lay, cluster, comm.group_link(dp_group, cluster), c["backward"], ranks_here
     )
-    optimizer = _optimizer_seconds(w, lay, cluster, speed)
+    optimizer = _optimizer_seconds(w, lay, cluster, speed, ranks_here)
     step = micro_steps * (c["total"] + tp) + dp_exposed + optimizer
     model_flops = gpt_flops_per_iteration(
         w.global_batch, w.seq, w.layers, w.hidden, w.padded_vocab(lay.tp), ffn_hidden=w.ffn
