@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -54,8 +55,18 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--cluster", required=True, help="the calibrated spec of this machine")
     m.add_argument("--points", default="all", help="comma list of point indices, or all")
     m.add_argument("--steps", type=int, default=16, help="steps per run (log every 4)")
+    m.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every point this many times, round by round (median)",
+    )
     m.add_argument("--save", help="also write the measurements to this JSON file")
-    m.add_argument("--reuse", help="price the measurements saved by --save instead of measuring")
+    m.add_argument(
+        "--reuse",
+        help="price the measurements saved by --save instead of measuring "
+        "(a comma list of files: the median of each point over them)",
+    )
     s = sub.add_parser("scaling", help="compare with a scaling-study results.csv")
     s.add_argument("--csv", required=True)
     s.add_argument("--cluster", required=True, help="the study's cluster spec (its links)")
@@ -74,28 +85,46 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def median_points(rounds: list) -> list[Point]:
+    """The machine points measured in every one of ``rounds`` (lists of saved rows, or
+    lists of such lists), each with the median step time, probe and parts over them."""
+    flat = [r for rnd in rounds for r in (rnd if isinstance(rnd[0], list) else [rnd])]
+    points = []
+    for p in MACHINE_POINTS:
+        rows = [next((x for x in rnd if x["label"] == p.label), None) for rnd in flat]
+        if not rows or None in rows:
+            continue
+        parts = {k: statistics.median(r["parts"][k] for r in rows) for k in rows[0]["parts"] or {}}
+        points.append(replace(p, measured_s=statistics.median(r["measured_s"] for r in rows),
+                              probe_gflops=statistics.median(r["probe_gflops"] for r in rows),
+                              parts=parts or None))  # fmt: skip
+    return points
+
+
 def _machine(args: argparse.Namespace) -> list:
     cluster = load_cluster(args.cluster)
     chosen = (range(len(MACHINE_POINTS)) if args.points == "all"
               else [int(i) for i in args.points.split(",")])  # fmt: skip
     if args.reuse:  # re-price earlier measurements (e.g. after a model change)
-        saved = {r["label"]: r for r in json.loads(Path(args.reuse).read_text())}
-        measured = [replace(p, measured_s=saved[p.label]["measured_s"],
-                            probe_gflops=saved[p.label]["probe_gflops"],
-                            parts=saved[p.label]["parts"])
-                    for p in MACHINE_POINTS if p.label in saved]  # fmt: skip
-        return compare(measured, cluster)
-    measured = []
-    for i in chosen:
-        point = measure_with_probe(MACHINE_POINTS[i], steps=args.steps)
-        print(f"measured {point.label}: {point.measured_s:.4f} s/step, probe "
-              f"{point.probe_gflops:.1f} GFLOP/s (load {os.getloadavg()[0]:.2f})", file=sys.stderr)  # fmt: skip
-        measured.append(point)
-    if args.save:
-        rows = [{"label": p.label, "measured_s": p.measured_s, "probe_gflops": p.probe_gflops,
-                 "parts": p.parts} for p in measured]  # fmt: skip
+        rounds = [json.loads(Path(f).read_text()) for f in args.reuse.split(",")]
+        return compare(median_points(rounds), cluster)
+    if args.rounds < 1:
+        raise ValueError(f"--rounds={args.rounds}: give 1 or more")
+    rounds = []
+    for r in range(args.rounds):  # round by round: a slow spell of the machine hits all points
+        measured = []
+        for i in chosen:
+            point = measure_with_probe(MACHINE_POINTS[i], steps=args.steps)
+            print(f"round {r + 1}/{args.rounds}: measured {point.label}: {point.measured_s:.4f} "
+                  f"s/step, probe {point.probe_gflops:.1f} GFLOP/s (load "
+                  f"{os.getloadavg()[0]:.2f})", file=sys.stderr)  # fmt: skip
+            measured.append(point)
+        rounds.append([{"label": p.label, "measured_s": p.measured_s,
+                        "probe_gflops": p.probe_gflops, "parts": p.parts} for p in measured])  # fmt: skip
+    measured = median_points(rounds)
+    if args.save:  # one round: a list of points; several: a list of rounds
         tmp = f"{args.save}.tmp{os.getpid()}"
-        Path(tmp).write_text(json.dumps(rows, indent=1))
+        Path(tmp).write_text(json.dumps(rounds[0] if len(rounds) == 1 else rounds, indent=1))
         os.replace(tmp, args.save)
     return compare(measured, cluster)
 
@@ -134,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     worst, median = error_summary(rows)
     print(f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}% over {len(rows)} points; "
           f"load average {os.getloadavg()}")  # fmt: skip
+    one = [r for r in rows if r.point.layout.threads == 1]
+    if args.command == "machine" and one:
+        within = sum(abs(r.error) <= 0.10 for r in one)
+        print(f"within ±10 %: {within} of {len(one)} one-thread points")
     if all(r.share_scale for r in rows):
         worst, median = error_summary(rows, scaled=True)
         print(f"rescaled by the machine share: max |error| {100 * worst:.1f}%, "
