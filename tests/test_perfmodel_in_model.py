@@ -103,6 +103,12 @@ def test_in_model_tp_cost_replaces_the_alpha_beta_price():
     # 16/(2·4) = 2 micro-batches of 12 collectives at 3 ms
     lay4 = Layout(2, 2, 4, fused_attention=False)
     assert predict(W, lay4, cl).breakdown["tp_comm_s"] == pytest.approx(2 * 12 * 3e-3, rel=1e-9)
+    # a TP group across nodes (one rank per node) keeps the α-β price of the network: the
+    # in-model terms were measured inside one machine
+    spread, spread_plain = replace(cl, gpus_per_node=1), replace(_hand_cluster(), gpus_per_node=1)
+    assert predict(W, lay, spread).breakdown["tp_comm_s"] == pytest.approx(
+        predict(W, lay, spread_plain).breakdown["tp_comm_s"], rel=1e-9
+    )
     # sequence parallelism has no "sp" row here: it keeps its α-β price
     sp = Layout(2, 1, 4, sequence_parallel=True, fused_attention=False)
     assert predict(W, sp, cl).breakdown["tp_comm_s"] == pytest.approx(

@@ -70,7 +70,7 @@ class ClusterSpec:
     max_nodes: int | None = None  # None: as many as asked for
     reserved_bytes: float = 0.0  # runtime memory outside the model (context, NCCL, workspaces)
     intra_by_ranks: dict[int, Link] = field(default_factory=dict)  # measured per group size
-    compute_scale: dict[int, float] = field(default_factory=dict)  # by hidden size (probes.py)
+    compute_scale: dict[int, float] = field(default_factory=dict)  # by hidden size (in_model.py)
     in_model: dict[str, tuple] = field(default_factory=dict)  # measured in training (in_model.py)
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 

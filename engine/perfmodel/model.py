@@ -189,7 +189,12 @@ def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: floa
 
 
 def _tp_comm_seconds(
-    w: Workload, lay: Layout, cluster: ClusterSpec, link: comm.Link, ranks: int, compute_s: float
+    w: Workload,
+    lay: Layout,
+    cluster: ClusterSpec,
+    link: comm.Link,
+    ranks: int | None,
+    compute_s: float,
 ) -> float:
     """TP collectives of one micro-batch, all on the critical path.
 
@@ -208,7 +213,8 @@ def _tp_comm_seconds(
     big = tp_collectives(w.layers, lay.recompute) - 2
     kind = "sp" if lay.sequence_parallel else "ar"
 
-    if measured := nearest(cluster.in_model.get("tp", ()), (t, kind), ranks):
+    rows = cluster.in_model.get("tp", ()) if ranks else ()  # None: TP spans nodes
+    if measured := nearest(rows, (t, kind), ranks or 0):
         per_collective_us, fraction = measured[-2:]
         return (big + 2) * per_collective_us * 1e-6 + fraction * compute_s
     if lay.sequence_parallel:
@@ -292,7 +298,8 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     tp_group, dp_group = comm.place_groups(lay.tp, lay.dp, cluster.gpus_per_node)
     c = _compute_seconds(w, lay, cluster, speed)
     tp_link = comm.group_link(tp_group, cluster)
-    tp = _tp_comm_seconds(w, lay, cluster, tp_link, ranks_here, c["total"])
+    in_node = ranks_here if tp_group.nodes <= 1 else None  # in-model terms: one machine's
+    tp = _tp_comm_seconds(w, lay, cluster, tp_link, in_node, c["total"])
     if lay.tp_comm_overlap:  # chunked GEMM/collective overlap hides TP comm behind GEMMs
         tp = max(0.0, tp - c["gemm"])
     dp_total, dp_exposed = _dp_comm_seconds(
