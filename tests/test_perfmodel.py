@@ -20,16 +20,15 @@ from engine.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict, scale
 from engine.perfmodel.formulas import gpt_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
-# Machine validation in CI, as relative error of the predicted step time. On the shared
-# 2-core machine (docs/PERFMODEL.md, 2026-11-22), with the measured rank speed, the
-# one-thread points had errors from -29 % to +31 % (a 13-point run) and the two CI points
-# -21 %, -3 %, -18 %, -18 % over two CI runs (load 3-6); before that term the model was
-# optimistic everywhere (-2 % to -65 %). One run in six still fell outside -50 %..+50 % on
-# this shared machine, so CI holds -60 %..+60 %: it admits the spread of a loaded runner and
-# still fails a model off by 2.5x either way (a gross-error guard, not the ±10 % goal; the
-# old -75 %..+25 % would reject the now-possible pessimistic points and accept a 4x
-# optimistic one).
-CI_ERROR_RANGE = (-0.60, 0.60)
+# Machine validation in CI, as relative error of the predicted step time. Since the
+# calibration runs the trainer itself (engine/perfmodel/in_model.py, 2026-11-23) the CI
+# points read -1.3 % / -6.3 % (tp2 dp1 / tp1 dp2) and +2.1 % (tp1 dp2) in two runs, and
+# the 12 one-thread machine points -13.5 % ... +4.0 % (docs/PERFMODEL.md). Before it the
+# range had to be -60 %..+60 % (errors to -31 %). On this shared machine two identical
+# runs of one point differed by up to 17 %, and the quick calibration takes each figure
+# from a single short run, so CI holds -40 %..+40 %: a guard against a model off by half
+# or more either way, not the ±10 % goal, which the full validation checks.
+CI_ERROR_RANGE = (-0.40, 0.40)
 ALPHA, BW = 1e-5, 1e9  # 10 µs, 1 GB/s: round numbers for hand arithmetic
 LINK = Link(BW, ALPHA)
 
@@ -326,9 +325,15 @@ def test_scaling_study_csv_and_console_parsing(tmp_path):
     points = read_scaling_results(path, base)
     assert [(p.layout.tp, p.layout.dp, p.measured_s) for p in points] == [(2, 1, 0.5), (1, 4, 0.25)]
     assert points[1].workload.global_batch == 16 and points[1].label.startswith("nodes=2")
-    spec = load_cluster("h100_x1")
+    # the study's ranks: CPU, one thread, unfused attention; its ranks per emulated node
+    assert [(p.layout.threads, p.layout.fused_attention) for p in points] == [(1, False)] * 2
+    assert [p.ranks_per_node for p in points] == [2, 2]
+    assert read_scaling_results(path, base, overlap=False)[0].layout.overlap_grad_reduce is False
+    spec = load_cluster("h100_x1")  # 1 GPU per node: the point is priced with its 2 per node
     assert compare(points[:1], spec)[0].error == pytest.approx(
-        predict(points[0].workload, points[0].layout, spec).step_time_s / 0.5 - 1
+        predict(points[0].workload, points[0].layout, replace(spec, gpus_per_node=2)).step_time_s
+        / 0.5
+        - 1
     )
     console = (
         "step     4/12  loss 9.0  lr 1e-4  grad_norm 1.5   1000 tok/s  0.02 TFLOP/s/rank\n"

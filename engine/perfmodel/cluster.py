@@ -171,7 +171,8 @@ def load_cluster(
         under = _read(base, directory)
         for key, value in under.items():
             if isinstance(value, dict) and isinstance(raw.get(key), dict):
-                raw[key] = {**value, **raw[key]}
+                # null in the file ("measured per study") leaves the base's figure
+                raw[key] = {**value, **{k: v for k, v in raw[key].items() if v is not None}}
             else:
                 raw.setdefault(key, value)
     return cluster_from_dict(raw)

@@ -42,6 +42,7 @@ class Point:
     overrides: tuple[str, ...] = ()
     probe_gflops: float | None = None  # the machine share around the run (calibrate.probe_gflops)
     parts: dict[str, float] | None = None  # measured mean seconds per step of each part
+    ranks_per_node: int | None = None  # emulated nodes of a scaling study: ranks on each
 
 
 # The trainer's per-step breakdown (trainer.metrics_file) next to the model's.
@@ -118,17 +119,22 @@ def measure_with_probe(point: Point, steps: int = 16, log_every: int = 4) -> Poi
     return replace(point, measured_s=seconds, probe_gflops=share, parts=parts)
 
 
-def read_scaling_results(path: str | Path, base: Workload) -> list[Point]:
-    """Points of a scaling-study results.csv (``base`` gives the model sizes and seq)."""
+def read_scaling_results(path: str | Path, base: Workload, overlap: bool = True) -> list[Point]:
+    """Points of a scaling-study results.csv (``base`` gives the model sizes and seq;
+    ``overlap``: whether the study ran with trainer.overlap_grad_reduce)."""
     points = []
     with open(path, newline="") as fh:
         for row in csv.DictReader(fh):
             if not row.get("step_time_s"):
                 continue  # a failed point
             w = replace(base, global_batch=int(row["global_batch"]))
-            lay = Layout(int(row["tp_size"]), int(row["dp_size"]), int(row["micro_batch"]))
+            # the study's ranks: CPU, one thread each, attention dropout (unfused SDPA)
+            lay = Layout(int(row["tp_size"]), int(row["dp_size"]), int(row["micro_batch"]),
+                         fused_attention=False, threads=1, overlap_grad_reduce=overlap)  # fmt: skip
             label = f"nodes={row.get('nodes', 1)} tp={lay.tp} dp={lay.dp} mb={lay.micro_batch}"
-            points.append(Point(label, w, lay, float(row["step_time_s"])))
+            label += "" if overlap else " no-overlap"
+            per_node = int(row.get("procs_per_node") or 0) or None
+            points.append(Point(label, w, lay, float(row["step_time_s"]), ranks_per_node=per_node))
     return points
 
 
@@ -154,13 +160,19 @@ class Comparison:
         return self.predicted_s * self.share_scale / self.point.measured_s - 1
 
 
+def _spec(point: Point, cluster: ClusterSpec) -> ClusterSpec:
+    """The cluster as the point ran on it (a scaling study's ranks per emulated node)."""
+    return replace(cluster, gpus_per_node=point.ranks_per_node) if point.ranks_per_node else cluster
+
+
 def compare(points: list[Point], cluster: ClusterSpec) -> list[Comparison]:
     """Predict every measured point."""
     ref = cluster.extras.get("probe_gflops") or None
     rows = []
     for p in points:
         scale = ref / p.probe_gflops if ref and p.probe_gflops else None
-        rows.append(Comparison(p, predict(p.workload, p.layout, cluster).step_time_s, scale))
+        rows.append(Comparison(p, predict(p.workload, p.layout, _spec(p, cluster)).step_time_s,
+                               scale))  # fmt: skip
     return rows
 
 
@@ -190,7 +202,7 @@ def breakdown_table(rows: list[Comparison], cluster: ClusterSpec) -> str:
     for r in rows:
         if not r.point.parts:
             continue
-        pred = predict(r.point.workload, r.point.layout, cluster).breakdown
+        pred = predict(r.point.workload, r.point.layout, _spec(r.point, cluster)).breakdown
         cells = [f"{r.point.parts.get(k, 0.0):.4f} / {float(pred.get(k, 0.0)):.4f}" for k in PARTS]
         lines.append(f"| {r.point.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -71,6 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--csv", required=True)
     s.add_argument("--cluster", required=True, help="the study's cluster spec (its links)")
     s.add_argument("--compute-from", help="spec whose device figures fill the study's (cpu_2core)")
+    s.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="the study ran with trainer.overlap_grad_reduce=false",
+    )
     for flag, default in (
         ("hidden", 128),
         ("layers", 2),
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             base = Workload(args.hidden, args.layers, args.heads, args.vocab, args.seq, 1,
                             precision="fp32")  # fmt: skip
             cluster = load_cluster(args.cluster, base=args.compute_from)
-            rows = compare(read_scaling_results(args.csv, base), cluster)
+            rows = compare(read_scaling_results(args.csv, base, not args.no_overlap), cluster)
     except (ValueError, RuntimeError, OSError) as err:
         print(f"validate: {err}", file=sys.stderr)
         return 2
