@@ -1,10 +1,14 @@
-"""Measure what the performance model needs on the machine at hand (this module needs torch).
+"""Measure what the performance model needs on this machine's CPU ranks (needs torch).
 
-- GEMM throughput for the model's own shapes (one thread on CPU, bf16 on GPU), and how
-  much a second thread adds on CPU;
-- streaming bandwidth (an out-of-place add) and host time per autograd operator;
-- all-reduce and all-gather time per group size and message size over gloo processes
-  (CPU) or NCCL (GPU, when several are visible), fitted to α + β·bytes.
+- GEMM throughput for the model's own shapes (one thread; what a second thread adds);
+- streaming bandwidth (an out-of-place add), the model's element-wise bandwidth and host
+  time per autograd operator;
+- all-reduce and all-gather time per group size and message size over gloo processes,
+  fitted to α + β·bytes;
+- short trainer runs (engine/perfmodel/in_model.py): compute scale, TP, DP-wait and
+  optimizer terms as training sees them.
+
+Not on GPUs yet (bf16 GEMMs, NCCL): their specs come from datasheets and published runs.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -377,7 +382,7 @@ def main(argv: list[str], description: str | None = None, formatter=None) -> int
         print("GPU calibration: run on CPU ranks only in this version", file=sys.stderr)
     try:
         spec = calibrate_cpu(args)
-    except ValueError as err:
+    except (ValueError, RuntimeError, subprocess.SubprocessError) as err:  # a trainer run failed
         print(f"calibrate: {err}", file=sys.stderr)
         return 2
     tmp = f"{args.out}.tmp{os.getpid()}"

@@ -106,7 +106,7 @@ def _run(w: Any, tp: int, dp: int, sp: bool, micro_batch: int, cluster: Any):
 def _fit_tp(samples: list[tuple[float, float, float]]) -> tuple[float, float]:
     """(seconds per collective, fraction of compute) from (lost, collectives, compute) per
     micro-batch: lost = collectives·a + f·compute, solved exactly for two runs; with one
-    run, or a negative f, all of it is put on the collectives."""
+    run, or where the solution has a negative part, all of it is put on the collectives."""
     if len(samples) == 2:
         (l1, n1, c1), (l2, n2, c2) = samples
         det = n1 * c2 - n2 * c1
@@ -167,5 +167,5 @@ def measure(w: Any, hiddens: list[int], spec: dict, quick: bool) -> dict:
             "dp_wait_us": dp_rows,
             "optimizer_us_per_tensor": opt_rows,
             "runs": runs,
-        },  # fmt: skip
+        },
     }
