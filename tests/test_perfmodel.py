@@ -342,3 +342,28 @@ def test_scaling_study_csv_and_console_parsing(tmp_path):
     )
     # the first window is warmup; 2048 tokens per step at 2048 and 4096 tok/s
     assert parse_step_times(console, 2048) == [1.0, 0.5]
+
+
+def test_machine_rounds_take_the_median_per_point():
+    """--rounds / --reuse a,b: each point's step time, probe and parts are the median over
+    the rounds (of two: their mean); a point missing from a round is left out."""
+    from engine.perfmodel.validate_cli import MACHINE_POINTS, median_points
+
+    a, b = MACHINE_POINTS[0].label, MACHINE_POINTS[2].label
+
+    def row(label: str, s: float, tp: float) -> dict:
+        return {"label": label, "measured_s": s, "probe_gflops": 100.0 * s,
+                "parts": {"compute_s": s - tp, "tp_comm_s": tp}}  # fmt: skip
+
+    one = [row(a, 0.3, 0.0), row(b, 0.40, 0.10)]
+    two = [row(a, 0.5, 0.0)]  # b failed in this round
+    three = [row(a, 0.1, 0.0), row(b, 0.60, 0.20)]
+    points = median_points([[one, two], three])  # a --save file of two rounds, and one more
+    assert [p.label for p in points] == [a]
+    assert points[0].measured_s == pytest.approx(0.3) and points[0].probe_gflops == pytest.approx(
+        30
+    )
+    both = median_points([one, three])
+    assert [p.label for p in both] == [a, b]
+    assert both[1].measured_s == pytest.approx(0.5)
+    assert both[1].parts == pytest.approx({"compute_s": 0.35, "tp_comm_s": 0.15})

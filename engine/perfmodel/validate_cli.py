@@ -112,7 +112,10 @@ def _machine(args: argparse.Namespace) -> list:
               else [int(i) for i in args.points.split(",")])  # fmt: skip
     if args.reuse:  # re-price earlier measurements (e.g. after a model change)
         rounds = [json.loads(Path(f).read_text()) for f in args.reuse.split(",")]
-        return compare(median_points(rounds), cluster)
+        try:
+            return compare(median_points(rounds), cluster)
+        except (KeyError, TypeError, IndexError, AttributeError) as err:
+            raise ValueError(f"--reuse {args.reuse}: not what --save writes ({err!r})") from err
     if args.rounds < 1:
         raise ValueError(f"--rounds={args.rounds}: give 1 or more")
     rounds = []
