@@ -158,7 +158,7 @@ def measure(w: Any, hiddens: list[int], spec: dict, quick: bool) -> dict:
                 optimizer(ranks, parts, priced)
         if tp > 1:
             a, f = _fit_tp(samples)
-            tp_rows.append([tp, "sp" if sp else "ar", tp * dp, round(a * 1e6, 1), round(f, 4)])
+            tp_rows.append([tp, "sp" if sp else "ar", ranks, round(a * 1e6, 1), round(f, 4)])
     opt_rows = [[r, round(sum(v) / len(v), 2)] for r, v in sorted(opt.items())]
     return {
         "compute_scale": scale,

@@ -209,14 +209,13 @@ def _tp_comm_seconds(
     t = lay.tp
     if t <= 1:
         return 0.0
-    n = lay.micro_batch * w.seq * w.hidden * w.act_bytes
-    big = tp_collectives(w.layers, lay.recompute) - 2
+    count = tp_collectives(w.layers, lay.recompute)
     kind = "sp" if lay.sequence_parallel else "ar"
-
     rows = cluster.in_model.get("tp", ()) if ranks else ()  # None: TP spans nodes
     if measured := nearest(rows, (t, kind), ranks or 0):
         per_collective_us, fraction = measured[-2:]
-        return (big + 2) * per_collective_us * 1e-6 + fraction * compute_s
+        return count * per_collective_us * 1e-6 + fraction * compute_s
+    n, big = lay.micro_batch * w.seq * w.hidden * w.act_bytes, count - 2
     if lay.sequence_parallel:
         one = comm.ring_all_gather(n, t, link) + comm.ring_reduce_scatter(n, t, link)
     else:
