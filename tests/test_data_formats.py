@@ -109,19 +109,36 @@ def test_megatron_core_pair_trains(corpus, tmp_path: Path) -> None:
     # The token files are the same bytes: only the index differs.
     assert Path(prefix + ".bin").read_bytes() == (tmp_path / "mc.bin").read_bytes()
     overrides = [
-        f"data.tokenizer={tokenizer}", "data.seq_len=16", "data.split='80,20,0'",
-        "model.vocab_size=512", "model.hidden_size=32", "model.num_heads=4",
-        "trainer.global_batch=4", "trainer.micro_batch=2", "trainer.eval_every=0",
-        "trainer.tensorboard=false", "trainer.progress=false", "trainer.sample_tokens=0",
-        "trainer.device=cpu", "trainer.log_every=1", "tp_size=1", "dp_size=1",
-    ]  # fmt: skip
+        f"data.tokenizer={tokenizer}",
+        "data.seq_len=16",
+        "data.split='80,20,0'",
+        "model.vocab_size=512",
+        "model.hidden_size=32",
+        "model.num_heads=4",
+        "trainer.global_batch=4",
+        "trainer.micro_batch=2",
+        "trainer.eval_every=0",
+        "trainer.tensorboard=false",
+        "trainer.progress=false",
+        "trainer.sample_tokens=0",
+        "trainer.device=cpu",
+        "trainer.log_every=1",
+        "tp_size=1",
+        "dp_size=1",
+    ]
     batches = [_first_batches(p, overrides) for p in (prefix, str(tmp_path / "mc"))]
     torch.testing.assert_close(batches[1], batches[0], rtol=0, atol=0)  # ids: exact
     run = [
-        sys.executable, "-m", "engine.pretrain", f"data.prefixes=[{tmp_path / 'mc'}]",
-        *overrides, "trainer.max_steps=2", f"checkpoint.dir={tmp_path / 'ckpt'}",
-        "checkpoint.save_final=false", f"hydra.run.dir={tmp_path / 'run'}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "engine.pretrain",
+        f"data.prefixes=[{tmp_path / 'mc'}]",
+        *overrides,
+        "trainer.max_steps=2",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        "checkpoint.save_final=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     env = {**subprocess_env(REPO), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -206,8 +223,18 @@ def test_format_megatron_reads_back_in_megatron_core(corpus, tmp_path: Path) -> 
     _, tokenizer = corpus
     texts = documents()[:20]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    done = _cli("--input", str(tmp_path / "docs.jsonl"), "--text-key", "text", "--tokenizer",
-                tokenizer, "--output-prefix", str(tmp_path / "m"), "--format", "megatron")  # fmt: skip
+    done = _cli(
+        "--input",
+        str(tmp_path / "docs.jsonl"),
+        "--text-key",
+        "text",
+        "--tokenizer",
+        tokenizer,
+        "--output-prefix",
+        str(tmp_path / "m"),
+        "--format",
+        "megatron",
+    )
     assert done.returncode == 0, done.stderr
     want = _encode_docs(tokenizer, texts)
     _assert_docs_equal(_megatron_docs(mcore, str(tmp_path / "m")), want)
@@ -272,8 +299,9 @@ def test_writer_megatron_dtype_for_large_vocabularies(tmp_path: Path) -> None:
     """Megatron stores ids of vocabularies from 65,500 up as int32 (DType.optimal_dtype)."""
     mcore = _megatron()
     docs = [np.array([70_000, 1, 65_535]), np.array([2])]
-    with IndexedDatasetWriter(tmp_path / "big", vocab_size=100_000, eod_id=0,
-                              index_format="megatron") as writer:  # fmt: skip
+    with IndexedDatasetWriter(
+        tmp_path / "big", vocab_size=100_000, eod_id=0, index_format="megatron"
+    ) as writer:
         for doc in docs:
             writer.add_document(doc)
     assert mcore.IndexedDataset(str(tmp_path / "big")).index.dtype == np.int32
@@ -311,8 +339,13 @@ def plain_jsonl(corpus, tmp_path_factory) -> tuple[Path, list[str]]:
     directory = tmp_path_factory.mktemp("plain")
     texts = [f"{i}: {t}" for i in range(700) for t in TEXTS[i % 2 :: 2]]
     (directory / "all.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    preprocess([str(directory / "all.jsonl")], str(directory / "ref"), json_key="text",
-               tokenizer_path=tokenizer, progress=False)  # fmt: skip
+    preprocess(
+        [str(directory / "all.jsonl")],
+        str(directory / "ref"),
+        json_key="text",
+        tokenizer_path=tokenizer,
+        progress=False,
+    )
     return directory / "ref", texts
 
 
@@ -349,8 +382,18 @@ def test_compressed_and_parquet_inputs_give_plain_jsonl_tokens(corpus, plain_jso
     reference, texts = plain_jsonl
     (tmp_path / "in").mkdir()
     source = _write_shards(tmp_path / "in", texts, kind)
-    done = _cli("--input", source, "--text-key", "text", "--tokenizer", tokenizer,
-                "--output-prefix", str(tmp_path / "out"), "--workers", "2")  # fmt: skip
+    done = _cli(
+        "--input",
+        source,
+        "--text-key",
+        "text",
+        "--tokenizer",
+        tokenizer,
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--workers",
+        "2",
+    )
     assert done.returncode == 0, done.stderr
     assert f"{len(texts)} documents" in done.stdout
     for ext in (".bin", ".idx"):  # same ids, same documents, same checksum
@@ -372,22 +415,39 @@ def test_bad_corpora_are_one_line(corpus, tmp_path: Path) -> None:
     (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress((good * 500).encode())[:-30])
     (tmp_path / "junk.jsonl.zst").write_bytes(b"not zstd at all")
     cases = [
-        ("nocol.parquet", "nocol.parquet: no column 'text' (columns: body); choose one with --text-key"),
+        (
+            "nocol.parquet",
+            "nocol.parquet: no column 'text' (columns: body); choose one with --text-key",
+        ),
         ("null.parquet", "null.parquet: row 1: 'text' is null, expected a string"),
         ("ints.parquet", "ints.parquet: column 'text' holds int64, expected strings"),
         ("fake.parquet", "fake.parquet: not a Parquet file ("),
         ("bad.jsonl.gz", "bad.jsonl.gz:3: invalid JSON (Expecting property name"),
         ("cut.jsonl.gz", "cut.jsonl.gz:"),
         ("junk.jsonl.zst", "junk.jsonl.zst:1: cannot decompress ("),
-    ]  # fmt: skip
+    ]
     for name, message in cases:
-        done = _cli("--input", str(tmp_path / name), "--text-key", "text", "--tokenizer",
-                    tokenizer, "--output-prefix", str(tmp_path / "o"))  # fmt: skip
+        done = _cli(
+            "--input",
+            str(tmp_path / name),
+            "--text-key",
+            "text",
+            "--tokenizer",
+            tokenizer,
+            "--output-prefix",
+            str(tmp_path / "o"),
+        )
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, (name, done.stderr)
         assert lines[0].startswith(f"preprocess_data.py: error: {tmp_path}/{message}"), lines
-    done = _cli("--input", str(tmp_path / "ints.parquet"), "--tokenizer", tokenizer,
-                "--output-prefix", str(tmp_path / "o"))  # fmt: skip
+    done = _cli(
+        "--input",
+        str(tmp_path / "ints.parquet"),
+        "--tokenizer",
+        tokenizer,
+        "--output-prefix",
+        str(tmp_path / "o"),
+    )
     assert done.stderr.strip().endswith("ints.parquet: a Parquet input needs --text-key COLUMN")
     assert not list(tmp_path.glob("o*")) and not list(tmp_path.glob(".o*"))
 
@@ -398,8 +458,14 @@ def test_bad_corpora_are_one_line(corpus, tmp_path: Path) -> None:
 def test_vocab_size_beyond_the_corpus_is_refused_before_training(tmp_path: Path) -> None:
     """1e9 ids once aborted the process inside the tokenizers library (a 70 GB allocation)."""
     (tmp_path / "a.txt").write_text("the cat sat on the mat, the end")
-    done = _cli("--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "o"),
-                "--vocab-size", "1000000000")  # fmt: skip
+    done = _cli(
+        "--input",
+        str(tmp_path / "a.txt"),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        "--vocab-size",
+        "1000000000",
+    )
     # Words (byte-level): the, Ġcat, Ġsat, Ġon, Ġthe, Ġmat, ",", Ġthe, Ġend; distinct ones
     # allow 2+3+3+2+3+3+0+3 = 19 merges, so at most 256 bytes + 5 specials + 19 = 280 ids.
     assert done.returncode == 2
@@ -409,16 +475,30 @@ def test_vocab_size_beyond_the_corpus_is_refused_before_training(tmp_path: Path)
         "--vocab-size 280 or less, or more text"
     ]
     assert not list(tmp_path.glob("o*"))
-    done = _cli("--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "o"),
-                "--vocab-size", "280")  # fmt: skip
+    done = _cli(
+        "--input",
+        str(tmp_path / "a.txt"),
+        "--output-prefix",
+        str(tmp_path / "o"),
+        "--vocab-size",
+        "280",
+    )
     assert done.returncode == 0, done.stderr
 
 
 def test_smaller_vocabulary_than_asked_is_reported(tmp_path: Path) -> None:
     texts = documents()[:40]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    done = _cli("--input", str(tmp_path / "d.jsonl"), "--text-key", "text", "--output-prefix",
-                str(tmp_path / "o"), "--vocab-size", "2000")  # fmt: skip
+    done = _cli(
+        "--input",
+        str(tmp_path / "d.jsonl"),
+        "--text-key",
+        "text",
+        "--output-prefix",
+        str(tmp_path / "o"),
+        "--vocab-size",
+        "2000",
+    )
     assert done.returncode == 0, done.stderr
     tokenizer = Tokenizer.from_file(str(tmp_path / "o.tokenizer.json"))
     got = tokenizer.get_vocab_size()

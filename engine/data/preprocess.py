@@ -32,6 +32,7 @@ SPECIAL_TOKENS = (EOD_TOKEN, "[PAD]", "[CLS]", "[SEP]", "[MASK]")
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 # Documents per encode task: big enough to amortize IPC, small enough to keep memory flat.
 _CHUNK_DOCS = 256
+_CHUNK_CHARS = 1 << 20  # or this many characters, whichever comes first
 
 
 @dataclass(frozen=True)
@@ -168,13 +169,15 @@ def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
 
 def _chunks(docs: Iterable[Document]) -> Iterator[tuple[list[str], int]]:
     texts: list[str] = []
-    nbytes = 0
+    nbytes = chars = 0
     for text, size in docs:
         texts.append(text)
         nbytes += size
-        if len(texts) == _CHUNK_DOCS:
+        chars += len(text)
+        # Whichever comes first: few large documents (whole files) still spread over workers.
+        if len(texts) == _CHUNK_DOCS or chars >= _CHUNK_CHARS:
             yield texts, nbytes
-            texts, nbytes = [], 0
+            texts, nbytes, chars = [], 0, 0
     if texts:
         yield texts, nbytes
 
