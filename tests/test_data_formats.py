@@ -126,8 +126,9 @@ def test_megatron_core_pair_trains(corpus, tmp_path: Path) -> None:
         "tp_size=1",
         "dp_size=1",
     ]
-    batches = [_first_batches(p, overrides) for p in (prefix, str(tmp_path / "mc"))]
-    torch.testing.assert_close(batches[1], batches[0], rtol=0, atol=0)  # ids: exact
+    for arch in (["model=gpt_tiny"], ["model=bert_tiny"]):  # GPT windows, BERT spans and masks
+        batches = [_first_batches(p, overrides + arch) for p in (prefix, str(tmp_path / "mc"))]
+        torch.testing.assert_close(batches[1], batches[0], rtol=0, atol=0)  # ids: exact
     run = [
         sys.executable,
         "-m",
@@ -147,8 +148,8 @@ def test_megatron_core_pair_trains(corpus, tmp_path: Path) -> None:
     assert len(losses) == 2 and all(abs(v - math.log(512)) < 0.5 for v in losses), losses
 
 
-def _first_batches(prefix: str, overrides: list[str]) -> torch.Tensor:
-    """The first 3 training batches the trainer's data path serves from ``prefix``."""
+def _first_batches(prefix: str, overrides: list[str]) -> list:
+    """The micro-batches of the first 3 steps the trainer's data path serves from ``prefix``."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -160,7 +161,7 @@ def _first_batches(prefix: str, overrides: list[str]) -> torch.Tensor:
         cfg = OmegaConf.to_object(compose("config", [f"data.prefixes=[{prefix}]", *overrides]))
     assert check_data(cfg) == []
     train = build_pipeline(cfg, dp_rank=0, dp_size=1).train
-    return torch.stack([torch.cat(list(next(train))) for _ in range(3)])
+    return [micro for _ in range(3) for micro in next(train)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

@@ -3,7 +3,9 @@ JSONL (plain, .gz, .zst) and Parquet, with 1 and more worker processes.
 
 The documents are the running Python's standard-library sources (the embedded corpus's
 text), so the run needs no download. Each encoding process is single-threaded
-(``TOKENIZERS_PARALLELISM=false``), so tokens/s divided by the workers is per core.
+(``TOKENIZERS_PARALLELISM=false``). Besides wall-clock tokens/s the table gives tokens per
+CPU-second (this process and its workers): what one core delivers when it is not shared,
+which a machine busy with other jobs cannot show in wall time.
 
     python tools/bench_preprocess.py --max-bytes 8000000 --workers 1 2 --rounds 3
 """
@@ -14,6 +16,7 @@ import argparse
 import gzip
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -57,17 +60,58 @@ def write_corpus(texts: list[str], directory: Path) -> dict[str, tuple[str, str 
 
 
 def measure(source: tuple[str, str | None], tokenizer: str, workers: int, out: Path) -> dict:
-    """One run: read-only pass seconds, then preprocess seconds and tokens."""
+    """One run: wall and CPU seconds (this process and its reaped workers), tokens, and the
+    seconds of a read-only pass over the same input."""
     pattern, key = source
     start = time.perf_counter()
     for _ in iter_documents(expand_inputs([pattern]), json_key=key):
         pass
     read_s = time.perf_counter() - start
+    cpu0 = _cpu_seconds()
     start = time.perf_counter()
     result = preprocess(
-        [pattern], str(out), json_key=key, tokenizer_path=tokenizer, workers=workers, progress=False
+        [pattern],
+        str(out),
+        json_key=key,
+        tokenizer_path=tokenizer,
+        workers=workers,
+        progress=False,
     )
-    return {"read_s": read_s, "seconds": time.perf_counter() - start, "tokens": result.num_tokens}
+    wall = time.perf_counter() - start
+    return {
+        "read_s": read_s,
+        "wall": wall,
+        "cpu": _cpu_seconds() - cpu0,
+        "tokens": result.num_tokens,
+        "load": os.getloadavg()[0],
+    }
+
+
+def _cpu_seconds() -> float:
+    # Workers count once the pool has reaped them, which it has when preprocess returns.
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _table(runs: dict[tuple[str, int], list[dict]]) -> str:
+    rows = [
+        "| input | workers | tokens | wall s, median | tokens/s (wall) | tokens/s per worker "
+        "(wall) | tokens per CPU-second | read-only pass, s | load average during |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (fmt, workers), done in runs.items():
+        tokens = done[0]["tokens"]
+        wall = statistics.median(r["wall"] for r in done)
+        cpu = statistics.median(r["cpu"] for r in done)
+        read_s = statistics.median(r["read_s"] for r in done)
+        loads = [r["load"] for r in done]
+        rows.append(
+            f"| {fmt} | {workers} | {tokens:,} | {wall:.2f} | {tokens / wall:,.0f} | "
+            f"{tokens / wall / workers:,.0f} | {tokens / cpu:,.0f} | {read_s:.2f} | "
+            f"{min(loads):.1f}–{max(loads):.1f} |"
+        )
+    return "\n".join(rows)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,24 +153,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(texts)} documents, {megabytes:.1f} MB of text, BPE-{args.vocab_size}; "
             f"load average {os.getloadavg()[0]:.1f} at start"
         )
-        print(
-            "| input | workers | tokens | seconds (median) | tokens/s | tokens/s per worker "
-            "| read-only pass, s |\n|---|---|---|---|---|---|---|"
-        )
-        for fmt in args.formats:
-            for workers in args.workers:
-                runs = [
+        cases = [(fmt, w) for fmt in args.formats for w in args.workers]
+        runs: dict[tuple[str, int], list[dict]] = {case: [] for case in cases}
+        # Round-robin, so that a change in the machine's load falls on every case alike.
+        for _ in range(args.rounds):
+            for fmt, workers in cases:
+                runs[fmt, workers].append(
                     measure(inputs[fmt], str(tokenizer), workers, directory / "o")
-                    for _ in range(args.rounds)
-                ]
-                seconds = statistics.median(r["seconds"] for r in runs)
-                read_s = statistics.median(r["read_s"] for r in runs)
-                tokens = runs[0]["tokens"]
-                print(
-                    f"| {fmt} | {workers} | {tokens:,} | {seconds:.2f} | {tokens / seconds:,.0f} "
-                    f"| {tokens / seconds / workers:,.0f} | {read_s:.2f} |",
-                    flush=True,
                 )
+        print(_table(runs))
         print(f"load average {os.getloadavg()[0]:.1f} at end")
     return 0
 

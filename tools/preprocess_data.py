@@ -25,7 +25,10 @@ from engine.data.preprocess import EOD_TOKEN, load_tokenizer, preprocess  # noqa
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options."""
+    """Command-line options (``convert``'s when the first argument is ``convert``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["convert"]:
+        return parse_convert_args(argv[1:])
     parser = ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="preprocess_data.py convert PREFIX --to FORMAT rewrites an index in the other "
@@ -72,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "megatron (read by Megatron-LM / Megatron-Core unchanged)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return parser.parse_args(argv)
+    return parser.parse_args(argv, argparse.Namespace(command="tokenize"))
 
 
 def parse_convert_args(argv: list[str]) -> argparse.Namespace:
@@ -90,12 +93,11 @@ def parse_convert_args(argv: list[str]) -> argparse.Namespace:
     eod.add_argument(
         "--tokenizer", default=None, help=f"tokenizer.json whose {EOD_TOKEN} is the eod id"
     )
-    return parser.parse_args(argv)
+    return parser.parse_args(argv, argparse.Namespace(command="convert"))
 
 
-def convert(argv: list[str]) -> int:
+def convert(args: argparse.Namespace) -> int:
     """``convert`` subcommand; return the exit status."""
-    args = parse_convert_args(argv)
     try:
         eod_id = args.eod_id
         if args.tokenizer is not None:
@@ -110,10 +112,9 @@ def convert(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; return the exit status."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["convert"]:
-        return convert(argv[1:])
     args = parse_args(argv)
+    if args.command == "convert":
+        return convert(args)
     try:
         result = preprocess(
             args.input,

@@ -82,7 +82,7 @@ def read_megatron_index(idx_path: Path) -> MegatronIndex:
     raw = np.memmap(idx_path, dtype=np.uint8, mode="r")
     if len(raw) < _HEADER.size:
         raise ValueError(f"{idx_path}: truncated Megatron index header")
-    _, version, code, num_seqs, num_doc_idx = _HEADER.unpack_from(raw.tobytes()[: _HEADER.size])
+    _, version, code, num_seqs, num_doc_idx = _HEADER.unpack_from(bytes(raw[: _HEADER.size]))
     if version != VERSION:
         raise ValueError(f"{idx_path}: Megatron index version {version}, this reads {VERSION}")
     if code not in DTYPE_CODES or code in _FLOAT_CODES:
