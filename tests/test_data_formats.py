@@ -23,7 +23,7 @@ import torch
 from tokenizers import Tokenizer, pre_tokenizers
 
 from engine.data.indexed import IndexedDataset, IndexedDatasetWriter, convert_index
-from engine.data.preprocess import EOD_TOKEN, preprocess
+from engine.data.preprocess import EOD_TOKEN, expand_inputs, iter_documents, preprocess
 from tests.corpus import build_test_corpus, documents
 from tests.multiproc import subprocess_env
 
@@ -400,6 +400,13 @@ def test_compressed_and_parquet_inputs_give_plain_jsonl_tokens(corpus, plain_jso
     for ext in (".bin", ".idx"):  # same ids, same documents, same checksum
         assert (tmp_path / f"out{ext}").read_bytes() == Path(f"{reference}{ext}").read_bytes()
     _assert_docs_equal(_our_docs(str(tmp_path / "out")), _encode_docs(tokenizer, texts))
+    # The progress bar's bytes add up to the files' sizes (compressed sizes), so it ends at 100 %.
+    shards = expand_inputs([source])
+    if kind == "parquet":  # a folder is its Parquet files, as a ** glob finds them
+        assert shards == expand_inputs([f"{source}/**/*.parquet"]) and len(shards) == 3
+    assert sum(n for _, n in iter_documents(shards, json_key="text")) == sum(
+        p.stat().st_size for p in shards
+    )
 
 
 def test_bad_corpora_are_one_line(corpus, tmp_path: Path) -> None:
