@@ -23,7 +23,13 @@ import torch
 from tokenizers import Tokenizer, pre_tokenizers
 
 from engine.data.indexed import IndexedDataset, IndexedDatasetWriter, convert_index
-from engine.data.preprocess import EOD_TOKEN, expand_inputs, iter_documents, preprocess
+from engine.data.preprocess import (
+    EOD_TOKEN,
+    expand_inputs,
+    iter_documents,
+    preprocess,
+    vocab_ceiling,
+)
 from tests.corpus import build_test_corpus, documents
 from tests.multiproc import subprocess_env
 
@@ -474,13 +480,14 @@ def test_vocab_size_beyond_the_corpus_is_refused_before_training(tmp_path: Path)
         "--vocab-size",
         "1000000000",
     )
-    # Words (byte-level): the, Ġcat, Ġsat, Ġon, Ġthe, Ġmat, ",", Ġthe, Ġend; distinct ones
-    # allow 2+3+3+2+3+3+0+3 = 19 merges, so at most 256 bytes + 5 specials + 19 = 280 ids.
+    # The bound counts pieces split where a space follows a non-space (no pre-tokenized word
+    # crosses that): the, " cat", " sat", " on", " the", " mat,", " end" are the distinct
+    # ones, allowing 2+3+3+2+3+4+3 = 20 merges: at most 256 bytes + 5 specials + 20 = 281 ids.
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         "preprocess_data.py: error: vocab size 1000000000 (--vocab-size) is more than this "
-        "corpus can yield: a byte-level BPE trained on it has at most 280 ids; give "
-        "--vocab-size 280 or less, or more text"
+        "corpus can yield: a byte-level BPE trained on it has at most 281 ids; give "
+        "--vocab-size 281 or less, or more text"
     ]
     assert not list(tmp_path.glob("o*"))
     done = _cli(
@@ -489,9 +496,12 @@ def test_vocab_size_beyond_the_corpus_is_refused_before_training(tmp_path: Path)
         "--output-prefix",
         str(tmp_path / "o"),
         "--vocab-size",
-        "280",
+        "281",
     )
     assert done.returncode == 0, done.stderr
+    # Its true words (Ġmat and "," apart) allow 19 merges: the BPE stops at 280 ids or fewer.
+    got = Tokenizer.from_file(str(tmp_path / "o.tokenizer.json")).get_vocab_size()
+    assert got <= 280 and f"the trained vocabulary has {got} ids" in done.stderr
 
 
 def test_smaller_vocabulary_than_asked_is_reported(tmp_path: Path) -> None:
@@ -523,3 +533,14 @@ def test_smaller_vocabulary_than_asked_is_reported(tmp_path: Path) -> None:
         for w, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(t)
     }
     assert all(len(tokenizer.model.tokenize(w)) == 1 for w in words)
+
+
+def test_vocab_ceiling_bounds_the_pre_tokenizers_words() -> None:
+    """The fast bound is never below the one from the library's own pre-tokenized words."""
+    texts = [*TEXTS, "a  b\t\tc\n\n\nd   ", "x=f(y,z);  # it's 12.5%\r\n", " \n", *documents()[:5]]
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    words = {w for t in texts for w, _ in pre.pre_tokenize_str(t)}
+    exact = 261 + sum(len(w) - 1 for w in words)  # byte-level: one character per byte
+    ceiling = vocab_ceiling(texts, 10**9)
+    assert ceiling is not None and ceiling >= exact
+    assert vocab_ceiling(texts, ceiling) is None and vocab_ceiling(texts, ceiling + 1) == ceiling

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import multiprocessing
 import os
+import re
 import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -33,6 +34,8 @@ MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 # Documents per encode task: big enough to amortize IPC, small enough to keep memory flat.
 _CHUNK_DOCS = 256
 _CHUNK_CHARS = 1 << 20  # or this many characters, whichever comes first
+# Whitespace then non-whitespace, or trailing whitespace: never splits a pre-tokenized word.
+_PIECES = re.compile(r"\s*\S+|\s+")
 
 
 @dataclass(frozen=True)
@@ -250,22 +253,25 @@ def encode_to_indexed(
 
 
 def vocab_ceiling(texts: Iterable[str], wanted: int) -> int | None:
-    """The most ids a byte-level BPE can have after training on ``texts``; ``None`` once that
-    reaches ``wanted`` (reading stops there, so a plausible request costs a few documents).
+    """An upper bound on the ids a byte-level BPE can have after training on ``texts``;
+    ``None`` once it reaches ``wanted`` (reading stops there: a plausible request costs a few
+    documents, an impossible one a fast pass over the corpus).
 
     Each merge joins two symbols inside at least one distinct pre-tokenized word, so a word
-    of n bytes allows at most n - 1 merges; on top come the 256 bytes and the special tokens.
+    of n bytes allows at most n - 1 merges; on top come the 256 bytes and the special
+    tokens. The byte-level pre-tokenizer never puts a non-space and a following space in
+    one word, so splitting there instead (what ``_PIECES`` does, at C speed) gives pieces
+    that each hold whole words, whose merges are bounded by the piece's bytes - 1.
     """
-    pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    words: set[str] = set()
+    pieces: set[str] = set()
     merges = 0
     for text in texts:
         if MIN_VOCAB_SIZE + merges >= wanted:
             return None
-        for word, _ in pre_tokenizer.pre_tokenize_str(text):
-            if word not in words:
-                words.add(word)
-                merges += len(word) - 1
+        for piece in _PIECES.findall(text):
+            if piece not in pieces:
+                pieces.add(piece)
+                merges += len(piece.encode("utf-8")) - 1
     return None if MIN_VOCAB_SIZE + merges >= wanted else MIN_VOCAB_SIZE + merges
 
 
