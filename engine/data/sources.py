@@ -80,9 +80,10 @@ def iter_jsonl(path: Path, key: str) -> Iterator[Document]:
                 if not line.strip():
                     continue
                 text = _json_text(path, lineno, line, key)
-                # Compressed files advance in blocks: the bar moves by block, which is fine.
+                # Bytes of the file read so far (blank lines included): the bar ends at its
+                # size. A compressed file advances by its decompressor's blocks.
                 position = raw.tell()
-                yield text, (position - consumed) if raw is not stream else len(line)
+                yield text, position - consumed
                 consumed = position
     except _stream_errors(path) as err:
         raise ValueError(f"{path}:{lineno + 1}: cannot decompress ({err})") from None
