@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs[fmt, workers].append(
                     measure(inputs[fmt], str(tokenizer), workers, directory / "o")
                 )
+        counts = {done[0]["tokens"] for done in runs.values()}
+        if len(counts) != 1:  # the same documents must give the same tokens in every format
+            raise SystemExit(f"bench_preprocess.py: token counts differ by input: {counts}")
         print(_table(runs))
         print(f"load average {os.getloadavg()[0]:.1f} at end")
     return 0
