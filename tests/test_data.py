@@ -178,7 +178,7 @@ def test_cli_success_and_errors(tmp_path: Path) -> None:
         "--tokenizer",
         prefix + ".tokenizer.json",
     )
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"preprocess_data.py: error: {bad}:2: JSON line has no key 'text'"
     ]
@@ -190,7 +190,7 @@ def test_cli_success_and_errors(tmp_path: Path) -> None:
         "--vocab-size",
         "300",
     )
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert (
         done.stderr.strip() == f"preprocess_data.py: error: input not found: {tmp_path}/missing.txt"
     )
@@ -253,15 +253,15 @@ def test_cli_directory_input_and_corrupt_tokenizer(tmp_path: Path) -> None:
     text = _write_texts(tmp_path, ["some text"])[0]
     adir = tmp_path / "adir"
     done = _cli("--input", str(adir), "--output-prefix", str(tmp_path / "o"), "--vocab-size", "300")
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"preprocess_data.py: error: {adir} is a directory "
+        f"preprocess_data.py: error: {adir} is a directory without Parquet files "
         f"(pass files or a glob such as '{adir}/*.txt')"
     ]
     bad = tmp_path / "bad.json"
     bad.write_text('{"version": "1.0" "model": }')
     done = _cli("--input", text, "--output-prefix", str(tmp_path / "o"), "--tokenizer", str(bad))
-    assert done.returncode == 1
+    assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         f"preprocess_data.py: error: {bad}: not a tokenizer.json ("

@@ -58,6 +58,14 @@ COVERED = {
     "data/docs --tokenizer data/mycorpus.tokenizer.json": "tests/test_data.py::test_jsonl_json_key",
     "python -m engine.pretrain data.prefixes=[data/mycorpus,data/docs] data.weights=[0.7,0.3] "
     "model.vocab_size=32000 name=mycorpus": "tests/test_data.py::test_blend_tracks_weights_in_every_prefix",
+    "python tools/preprocess_data.py --input 'fineweb/**/*.parquet' --text-key text --output-prefix "
+    "data/fw --tokenizer data/mycorpus.tokenizer.json --format megatron":
+        "tests/test_data_formats.py::test_compressed_and_parquet_inputs_give_plain_jsonl_tokens",
+    "python tools/preprocess_data.py convert data/fw --to meshtron --tokenizer "
+    "data/mycorpus.tokenizer.json": "tests/test_data_formats.py::test_convert_rewrites_only_the_index",
+    "python -m engine.pretrain data.prefixes=[data/my-gpt2_text_document] "
+    "data.tokenizer=gpt2/tokenizer.json model.vocab_size=50304":
+        "tests/test_data_formats.py::test_megatron_core_pair_trains",
     "python -m engine.pretrain tp_size=4 dp_size=1":
         "tests/test_checkpoint.py::test_reshard_model_and_optimizer_across_layouts",
     "python -m engine.pretrain tp_size=1 dp_size=4 optim.distributed=true":

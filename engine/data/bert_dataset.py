@@ -49,7 +49,8 @@ class BertDataset(Dataset):
         self.mask_prob = mask_prob
         self.short_seq_prob = short_seq_prob
         self.tokens = indexed.doc_range_tokens(doc_range)
-        self.special_ids = np.array(sorted({cls_id, sep_id, mask_id, pad_id, indexed.eod_id}))
+        specials = {cls_id, sep_id, mask_id, pad_id, indexed.eod_id} - {None}
+        self.special_ids = np.array(sorted(specials))
         # Random replacements must not forge structure, so they come from ordinary ids only.
         self.random_ids = np.setdiff1d(np.arange(vocab_size), self.special_ids)
         if len(self.tokens) < self.span_len:

@@ -17,6 +17,10 @@
 Document ``i`` is ``tokens[doc_offsets[i]:doc_offsets[i + 1]]`` and ends with ``eod_id``.
 The recorded token range lets a run check the ids against its vocabulary without reading
 the data; the checksum is what makes that record trustworthy (:meth:`IndexedDataset.verify`).
+
+:class:`IndexedDataset` also reads Megatron-LM's ``.idx`` (see ``megatron_index``), told apart
+by its magic; :class:`IndexedDatasetWriter` writes either; :func:`convert_index` rewrites one
+index as the other over the same ``.bin``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ from types import TracebackType
 
 import numpy as np
 
-from engine.data.fsutil import temp_path_beside
+from engine.data.fsutil import atomic_output, temp_path_beside
+from engine.data.megatron_index import (
+    is_megatron_index,
+    megatron_dtype,
+    megatron_index_bytes,
+    read_megatron_index,
+)
 
 MAGIC = b"MSHTIDX\0"
 VERSION = 2
@@ -37,6 +47,7 @@ _HEADER = struct.Struct("<8sIB3xqQQ")
 _HEADER_V2 = struct.Struct("<qq32s")  # follows _HEADER from version 2 on
 _CHUNK_BYTES = 8 << 20
 _DTYPES = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+INDEX_FORMATS = ("meshtron", "megatron")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -51,21 +62,57 @@ def index_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of a ``PREFIX.bin`` / ``PREFIX.idx`` pair.
+    """Read-only, memory-mapped view of a ``PREFIX.bin`` / ``PREFIX.idx`` pair, ours or Megatron's.
 
     Validates magic, version, dtype and that the ``.bin`` size matches the index, so a
     truncated or mismatched pair fails here with the file named rather than as garbage later.
+    ``eod_id`` is used only for a Megatron index, which does not record it (``None``: unknown).
+    ``format`` says which index was read.
     """
 
-    def __init__(self, prefix: str | os.PathLike) -> None:
+    def __init__(self, prefix: str | os.PathLike, *, eod_id: int | None = None) -> None:
         self.bin_path, self.idx_path = index_paths(prefix)
         for path in (self.idx_path, self.bin_path):
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: no such file")
         with open(self.idx_path, "rb") as f:
             header = f.read(_HEADER.size + _HEADER_V2.size)
+        if is_megatron_index(header):
+            self._open_megatron(eod_id)
+        else:
+            self._open_meshtron(header)
+        num_tokens = int(self.doc_offsets[-1])
+        bin_size, expected = self.bin_path.stat().st_size, num_tokens * self.dtype.itemsize
+        if bin_size != expected:
+            raise ValueError(
+                f"{self.bin_path}: {bin_size} bytes, but {self.idx_path.name} expects "
+                f"{num_tokens} tokens x {self.dtype.itemsize} bytes = {expected} bytes "
+                "(truncated or mismatched)"
+            )
+        # np.memmap refuses zero-length files.
+        self.tokens: np.ndarray = (
+            np.memmap(self.bin_path, dtype=self.dtype, mode="r")
+            if num_tokens
+            else np.empty(0, self.dtype)
+        )
+
+    def _open_megatron(self, eod_id: int | None) -> None:
+        """A Megatron-LM pair: no recorded eod id, range or checksum (verify scans the ids)."""
+        index = read_megatron_index(self.idx_path)
+        self.format, self.version = "megatron", 1
+        self.dtype = index.dtype
+        # Megatron's index does not record it: the caller's tokenizer says which id it is.
+        self.eod_id = eod_id
+        self.token_range = None
+        self.bin_sha256 = None
+        self.doc_offsets = index.doc_offsets
+        self._sequences = (index.sequence_lengths, index.document_indices)
+
+    def _open_meshtron(self, header: bytes) -> None:
         if len(header) < _HEADER.size or header[:8] != MAGIC:
-            raise ValueError(f"{self.idx_path}: not a meshtron index (bad magic)")
+            raise ValueError(
+                f"{self.idx_path}: neither a meshtron nor a Megatron index (bad magic)"
+            )
         _, version, itemsize, eod_id, num_docs, num_tokens = _HEADER.unpack_from(header)
         if version not in (1, VERSION):
             raise ValueError(
@@ -74,7 +121,7 @@ class IndexedDataset:
             )
         if itemsize not in _DTYPES:
             raise ValueError(f"{self.idx_path}: unsupported token itemsize {itemsize}")
-        self.version = version
+        self.format, self.version = "meshtron", version
         # Version 1 recorded neither the token range nor a checksum: verify() scans for them.
         self.token_range: tuple[int, int] | None = None
         self.bin_sha256: str | None = None
@@ -93,15 +140,13 @@ class IndexedDataset:
             )
         self.dtype = _DTYPES[itemsize]
         self.eod_id = int(eod_id)
-        bin_size, expected = self.bin_path.stat().st_size, num_tokens * itemsize
-        if bin_size != expected:
-            raise ValueError(
-                f"{self.bin_path}: {bin_size} bytes, but {self.idx_path.name} expects "
-                f"{num_tokens} tokens x {itemsize} bytes = {expected} bytes (truncated or mismatched)"
-            )
         self.doc_offsets: np.ndarray = np.memmap(
             self.idx_path, dtype=np.int64, mode="r", offset=offsets_at, shape=(num_docs + 1,)
         )
+        self._sequences = None
+        self._check_offsets(num_tokens)
+
+    def _check_offsets(self, num_tokens: int) -> None:
         if self.doc_offsets[0] != 0 or self.doc_offsets[-1] != num_tokens:
             raise ValueError(f"{self.idx_path}: document offsets do not span {num_tokens} tokens")
         # Every document holds at least its end-of-document token, so offsets strictly rise.
@@ -113,15 +158,18 @@ class IndexedDataset:
                 f"({self.doc_offsets[doc]} then {self.doc_offsets[doc + 1]}); the index is "
                 "damaged: re-run tools/preprocess_data.py"
             )
-        # np.memmap refuses zero-length files.
-        self.tokens: np.ndarray = (
-            np.memmap(self.bin_path, dtype=self.dtype, mode="r")
-            if num_tokens
-            else np.empty(0, self.dtype)
-        )
 
     def __len__(self) -> int:
         return len(self.doc_offsets) - 1
+
+    def sequences(self) -> tuple[np.ndarray, np.ndarray]:
+        """Megatron's view: (tokens per sequence, first sequence of each document then the count).
+
+        A meshtron document is one sequence; a Megatron index may split documents further.
+        """
+        if self._sequences is not None:
+            return self._sequences
+        return np.diff(self.doc_offsets), np.arange(len(self) + 1, dtype=np.int64)
 
     def verify(self, vocab_size: int) -> None:
         """Raise ValueError naming the file unless every id fits a vocabulary of ``vocab_size``.
@@ -130,7 +178,7 @@ class IndexedDataset:
         recorded token range trustworthy, or to find the range (version 1). Also checks that
         every document ends with ``eod_id``.
         """
-        if not 0 <= self.eod_id < vocab_size:
+        if self.eod_id is not None and not 0 <= self.eod_id < vocab_size:
             raise ValueError(
                 f"{self.idx_path}: eod_id={self.eod_id} is outside the model's vocabulary of "
                 f"{vocab_size} ids; the index is damaged or made with another tokenizer"
@@ -146,6 +194,11 @@ class IndexedDataset:
                 f"{self.bin_path}: token ids {lo}..{hi}, outside the model's vocabulary of "
                 f"{vocab_size} ids (model.vocab_size); preprocess with the run's tokenizer"
             )
+        # Megatron appends an end-of-document id only when asked (--append-eod).
+        if self.format == "meshtron":
+            self._check_doc_ends()
+
+    def _check_doc_ends(self) -> None:
         ends = self.tokens[self.doc_offsets[1:] - 1] if len(self) else np.empty(0)
         if (ends != self.eod_id).any():
             doc = int(np.argmax(ends != self.eod_id))
@@ -200,11 +253,23 @@ class IndexedDatasetWriter:
     before the new ``.bin`` lands, so a crash mid-commit leaves no pair that validates.
     """
 
-    def __init__(self, prefix: str | os.PathLike, *, vocab_size: int, eod_id: int) -> None:
+    def __init__(
+        self,
+        prefix: str | os.PathLike,
+        *,
+        vocab_size: int,
+        eod_id: int,
+        index_format: str = "meshtron",
+    ) -> None:
         if not 0 <= eod_id < vocab_size:
             raise ValueError(f"eod_id {eod_id} outside vocabulary of size {vocab_size}")
+        if index_format not in INDEX_FORMATS:
+            raise ValueError(f"index format {index_format!r}: choose one of {INDEX_FORMATS}")
         self.bin_path, self.idx_path = index_paths(prefix)
-        self.dtype = token_dtype(vocab_size)
+        self.index_format = index_format
+        self.dtype = (
+            token_dtype(vocab_size) if index_format == "meshtron" else megatron_dtype(vocab_size)
+        )
         self.vocab_size = vocab_size
         self.eod_id = eod_id
         self._offsets = [0]
@@ -259,14 +324,77 @@ class IndexedDatasetWriter:
 
     def _commit(self) -> None:
         offsets = np.asarray(self._offsets, dtype=np.int64)
-        header = _HEADER.pack(
-            MAGIC, VERSION, self.dtype.itemsize, self.eod_id, len(offsets) - 1, offsets[-1]
-        ) + _HEADER_V2.pack(*self._range, self._sha256.digest())
+        if self.index_format == "megatron":
+            # One sequence per document, as Megatron's preprocess_data.py without sentence splits.
+            index = megatron_index_bytes(self.dtype, np.diff(offsets), np.arange(len(offsets)))
+        else:
+            index = _meshtron_index_bytes(
+                self.dtype, self.eod_id, offsets, self._range, self._sha256.digest()
+            )
         with open(self._tmp_idx, "wb") as f:
-            f.write(header)
-            f.write(offsets.tobytes())
+            f.write(index)
             f.flush()
             os.fsync(f.fileno())
         self.idx_path.unlink(missing_ok=True)
         os.replace(self._tmp_bin, self.bin_path)
         os.replace(self._tmp_idx, self.idx_path)
+
+
+def _meshtron_index_bytes(
+    dtype: np.dtype, eod_id: int, offsets: np.ndarray, token_range, sha256: bytes
+) -> bytes:
+    header = _HEADER.pack(MAGIC, VERSION, dtype.itemsize, eod_id, len(offsets) - 1, offsets[-1])
+    return header + _HEADER_V2.pack(*token_range, sha256) + offsets.astype(np.int64).tobytes()
+
+
+def convert_index(prefix: str | os.PathLike, to: str, *, eod_id: int | None = None) -> str:
+    """Rewrite ``PREFIX.idx`` in format ``to`` (atomically); the ``.bin`` is read, never written.
+
+    Megatron -> meshtron needs ``eod_id`` and every document ending with it (Megatron's
+    ``--append-eod``); its sentence boundaries inside a document are dropped. Returns the
+    format converted from.
+    """
+    if to not in INDEX_FORMATS:
+        raise ValueError(f"index format {to!r}: choose one of {INDEX_FORMATS}")
+    dataset = IndexedDataset(prefix, eod_id=eod_id)
+    if dataset.format == to:
+        raise ValueError(f"{dataset.idx_path} is already a {to} index")
+    lo, hi = dataset._scan_range()
+    if dataset.num_tokens and (lo < 0 or hi >= 2**31):
+        raise ValueError(
+            f"{dataset.bin_path}: token ids {lo}..{hi} are not token ids of a vocabulary"
+        )
+    # The same bytes under the other format's name for that width: no rewrite of the .bin.
+    same_bytes = {"uint16": "uint16", "uint32": "int32", "int32": "uint32"}
+    if dataset.dtype.name not in same_bytes:
+        raise ValueError(
+            f"{dataset.idx_path}: token dtype {dataset.dtype.name} has no {to} equivalent of "
+            "the same width (uint16 and 32-bit ids convert); re-run tools/preprocess_data.py"
+        )
+    dtype = np.dtype(same_bytes[dataset.dtype.name])
+    if to == "megatron":
+        index = megatron_index_bytes(dtype, *dataset.sequences())
+    else:
+        index = _meshtron_index_from(dataset, dtype, (lo, hi))
+    with atomic_output(dataset.idx_path) as tmp:
+        tmp.write_bytes(index)
+    return dataset.format
+
+
+def _meshtron_index_from(dataset: IndexedDataset, dtype: np.dtype, token_range) -> bytes:
+    if dataset.eod_id is None:
+        raise ValueError(
+            f"{dataset.idx_path}: a meshtron index records the end-of-document id; give "
+            "--eod-id N or --tokenizer PATH"
+        )
+    if len(dataset) and not (np.diff(dataset.doc_offsets) > 0).all():
+        raise ValueError(f"{dataset.idx_path}: holds empty documents, which meshtron does not")
+    ends = dataset.tokens[dataset.doc_offsets[1:] - 1]
+    if (ends != dataset.eod_id).any():
+        raise ValueError(
+            f"{dataset.idx_path}: document {int(np.argmax(ends != dataset.eod_id))} does not end "
+            f"with eod_id={dataset.eod_id} (made without Megatron's --append-eod, or another "
+            "tokenizer); meshtron's format needs one after every document"
+        )
+    digest = bytes.fromhex(dataset._sha256())
+    return _meshtron_index_bytes(dtype, dataset.eod_id, dataset.doc_offsets, token_range, digest)

@@ -18,6 +18,7 @@ from engine.data import (
     build_default_corpus,
     split_documents,
 )
+from engine.data.preprocess import EOD_TOKEN
 
 # Samples a blended dataset is laid out for, at least: twice what the run will draw.
 _MIN_BLEND_SIZE = 10_000_000
@@ -59,7 +60,7 @@ def check_data(cfg: Config) -> list[str]:
                             f"{missing} (tools/preprocess_data.py adds them when it trains one)")  # fmt: skip
     for prefix in d.prefixes:
         try:
-            indexed = IndexedDataset(prefix)
+            indexed = IndexedDataset(prefix, eod_id=tokenizer.token_to_id(EOD_TOKEN))
             if vocab <= cfg.model.vocab_size:  # else already reported, once, above
                 indexed.verify(cfg.model.vocab_size)
         except ValueError as err:
@@ -81,7 +82,8 @@ def load_tokenizer(data: DataConfig) -> Tokenizer:
 
 def _part(cfg: Config, i: int, prefix: str, split: str, tokenizer: Tokenizer):
     d = cfg.data
-    indexed = IndexedDataset(prefix)
+    # A Megatron index does not record its end-of-document id: the tokenizer names it.
+    indexed = IndexedDataset(prefix, eod_id=tokenizer.token_to_id(EOD_TOKEN))
     docs = split_documents(len(indexed), d.split)[split]
     seed = d.seed + 1000 * i + {"train": 0, "valid": 1, "test": 2}[split]
     if cfg.model.arch == "gpt":

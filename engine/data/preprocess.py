@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import glob
-import json
 import multiprocessing
 import os
+import re
 import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -26,15 +26,16 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from engine.data.fsutil import atomic_output
 from engine.data.indexed import IndexedDatasetWriter
+from engine.data.sources import Document, is_parquet, iter_source
 
 EOD_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOD_TOKEN, "[PAD]", "[CLS]", "[SEP]", "[MASK]")
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
 # Documents per encode task: big enough to amortize IPC, small enough to keep memory flat.
 _CHUNK_DOCS = 256
-
-Document = tuple[str, int]
-"""A document's text and the number of input bytes it came from (drives the progress bar)."""
+_CHUNK_CHARS = 1 << 20  # or this many characters, whichever comes first
+# Whitespace then non-whitespace, or trailing whitespace: never splits a pre-tokenized word.
+_PIECES = re.compile(r"\s*\S+|\s+")
 
 
 @dataclass(frozen=True)
@@ -45,20 +46,32 @@ class PreprocessResult:
     tokenizer_path: str
     num_docs: int
     num_tokens: int
+    vocab_size: int
+    notes: tuple[str, ...] = ()  # what the user should know, e.g. a smaller vocabulary than asked
 
 
 def expand_inputs(patterns: Sequence[str]) -> list[Path]:
-    """Expand paths and globs in order; raise ``FileNotFoundError`` naming any that match nothing."""
+    """Expand paths, globs (``**`` included) and Parquet folders in order.
+
+    Raise ``FileNotFoundError`` naming any that match nothing.
+    """
     if not patterns:
         raise FileNotFoundError("no input given")
     paths: list[Path] = []
     for pattern in patterns:
         if not glob.has_magic(pattern) and os.path.isdir(pattern):
-            raise IsADirectoryError(
-                f"{pattern} is a directory (pass files or a glob such as "
-                f"'{os.path.join(pattern, '*.txt')}')"
-            )
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+            # A folder is a Parquet dataset (as Hugging Face publishes them), partitions and all.
+            shards = sorted(p for p in Path(pattern).rglob("*") if p.is_file() and is_parquet(p))
+            if not shards:
+                raise IsADirectoryError(
+                    f"{pattern} is a directory without Parquet files (pass files or a glob "
+                    f"such as '{os.path.join(pattern, '*.txt')}')"
+                )
+            paths.extend(shards)
+            continue
+        matches = (
+            sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
+        )
         matches = [m for m in matches if os.path.isfile(m)]
         if not matches:
             raise FileNotFoundError(f"input not found: {pattern}")
@@ -67,32 +80,10 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
 
 
 def iter_documents(paths: Sequence[Path], *, json_key: str | None = None) -> Iterator[Document]:
-    """Yield documents: a whole text file each, or one per non-blank JSONL line with ``json_key``."""
+    """Yield documents: Parquet rows (column ``json_key``), JSONL lines under ``json_key``
+    (plain, ``.gz`` or ``.zst``), or, without a key, a whole text file each."""
     for path in paths:
-        if json_key is None:
-            data = path.read_bytes()
-            try:
-                yield data.decode("utf-8"), len(data)
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            continue
-        with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                if not isinstance(record, dict) or json_key not in record:
-                    raise ValueError(f"{path}:{lineno}: JSON line has no key {json_key!r}")
-                value = record[json_key]
-                if not isinstance(value, str):
-                    kind = "null" if value is None else type(value).__name__
-                    raise ValueError(
-                        f"{path}:{lineno}: value of {json_key!r} is {kind}, expected a string"
-                    )
-                yield value, len(line)
+        yield from iter_source(path, json_key)
 
 
 def new_bpe_tokenizer() -> Tokenizer:
@@ -181,13 +172,15 @@ def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
 
 def _chunks(docs: Iterable[Document]) -> Iterator[tuple[list[str], int]]:
     texts: list[str] = []
-    nbytes = 0
+    nbytes = chars = 0
     for text, size in docs:
         texts.append(text)
         nbytes += size
-        if len(texts) == _CHUNK_DOCS:
+        chars += len(text)
+        # Whichever comes first: few large documents (whole files) still spread over workers.
+        if len(texts) == _CHUNK_DOCS or chars >= _CHUNK_CHARS:
             yield texts, nbytes
-            texts, nbytes = [], 0
+            texts, nbytes, chars = [], 0, 0
     if texts:
         yield texts, nbytes
 
@@ -234,6 +227,7 @@ def encode_to_indexed(
     total_bytes: int | None = None,
     workers: int = 1,
     progress: bool = True,
+    index_format: str = "meshtron",
 ) -> tuple[int, int]:
     """Tokenize ``docs`` into ``PREFIX.bin/.idx`` (EOD after each); return (docs, tokens)."""
     eod_id = tokenizer.token_to_id(EOD_TOKEN)
@@ -242,7 +236,9 @@ def encode_to_indexed(
     vocab_size = tokenizer.get_vocab_size()
     content_tokens = 0
     with (
-        IndexedDatasetWriter(prefix, vocab_size=vocab_size, eod_id=eod_id) as writer,
+        IndexedDatasetWriter(
+            prefix, vocab_size=vocab_size, eod_id=eod_id, index_format=index_format
+        ) as writer,
         _progress(progress) as bar,
     ):
         task = bar.add_task("tokenizing", total=total_bytes)
@@ -256,6 +252,56 @@ def encode_to_indexed(
     return writer.num_docs, writer.num_tokens
 
 
+def vocab_ceiling(texts: Iterable[str], wanted: int) -> int | None:
+    """An upper bound on the ids a byte-level BPE can have after training on ``texts``;
+    ``None`` once it reaches ``wanted`` (reading stops there: a plausible request costs a few
+    documents, an impossible one a fast pass over the corpus).
+
+    Each merge joins two symbols inside at least one distinct pre-tokenized word, so a word
+    of n bytes allows at most n - 1 merges; on top come the 256 bytes and the special
+    tokens. The byte-level pre-tokenizer never puts a non-space and a following space in
+    one word, so splitting there instead (what ``_PIECES`` does, at C speed) gives pieces
+    that each hold whole words, whose merges are bounded by the piece's bytes - 1.
+    """
+    pieces: set[str] = set()
+    merges = 0
+    for text in texts:
+        if MIN_VOCAB_SIZE + merges >= wanted:
+            return None
+        for piece in _PIECES.findall(text):
+            if piece not in pieces:
+                pieces.add(piece)
+                merges += len(piece.encode("utf-8")) - 1
+    return None if MIN_VOCAB_SIZE + merges >= wanted else MIN_VOCAB_SIZE + merges
+
+
+def _trained_tokenizer(docs: Callable[[], Iterator[Document]], vocab_size: int, progress: bool):
+    """Train a BPE of ``vocab_size`` on ``docs()``: (tokenizer, notes)."""
+    # The tokenizers library allocates for the asked size up front and aborts the process
+    # when that fails, so a size the corpus cannot fill is refused before it is called.
+    ceiling = vocab_ceiling((text for text, _ in docs()), vocab_size)
+    if ceiling is not None and not any(text for text, _ in docs()):
+        raise ValueError("empty corpus: the inputs contain no text")
+    if ceiling is not None:
+        raise ValueError(
+            f"vocab size {vocab_size} (--vocab-size) is more than this corpus can yield: a "
+            f"byte-level BPE trained on it has at most {ceiling} ids; give --vocab-size "
+            f"{ceiling} or less, or more text"
+        )
+    with _progress(progress, sized=False) as bar:
+        bar.add_task(f"training BPE ({vocab_size} ids)", total=None)
+        tokenizer = train_tokenizer((text for text, _ in docs()), vocab_size)
+    got = tokenizer.get_vocab_size()
+    if got >= vocab_size:
+        return tokenizer, ()
+    note = (
+        f"the trained vocabulary has {got} ids, fewer than the {vocab_size} asked: BPE ran out "
+        "of pairs to merge (every word of the corpus is already one token); more text gives "
+        f"more ids, and model.vocab_size={got} is enough for this tokenizer"
+    )
+    return tokenizer, (note,)
+
+
 def preprocess(
     inputs: Sequence[str],
     output_prefix: str,
@@ -266,8 +312,13 @@ def preprocess(
     tokenizer_out: str | None = None,
     workers: int = 1,
     progress: bool = True,
+    index_format: str = "meshtron",
 ) -> PreprocessResult:
-    """Tokenize ``inputs`` with a loaded (``tokenizer_path``) or freshly trained BPE."""
+    """Tokenize ``inputs`` with a loaded (``tokenizer_path``) or freshly trained BPE.
+
+    ``json_key`` names the key of JSONL lines and the column of Parquet files;
+    ``index_format`` is ``"meshtron"`` (checksummed, with the id range) or ``"megatron"``.
+    """
     if (tokenizer_path is None) == (vocab_size is None):
         raise ValueError("give exactly one of a tokenizer to load or a vocab size to train")
     paths = expand_inputs(inputs)
@@ -278,11 +329,10 @@ def preprocess(
     for out in outputs:
         os.makedirs(os.path.dirname(os.fspath(out)) or ".", exist_ok=True)
     docs: Callable[[], Iterator[Document]] = lambda: iter_documents(paths, json_key=json_key)
+    notes: tuple[str, ...] = ()
     if tokenizer is None:
         assert vocab_size is not None
-        with _progress(progress, sized=False) as bar:
-            bar.add_task(f"training BPE ({vocab_size} ids)", total=None)
-            tokenizer = train_tokenizer((text for text, _ in docs()), vocab_size)
+        tokenizer, notes = _trained_tokenizer(docs, vocab_size, progress)
     num_docs, num_tokens = encode_to_indexed(
         docs(),
         tokenizer,
@@ -290,9 +340,12 @@ def preprocess(
         total_bytes=sum(p.stat().st_size for p in paths),
         workers=workers,
         progress=progress,
+        index_format=index_format,
     )
     if tokenizer_path is None:
         # Saved only once encoding succeeded: a failed run leaves no orphan tokenizer.
         tokenizer_path = tokenizer_out
         save_tokenizer(tokenizer, tokenizer_path)
-    return PreprocessResult(output_prefix, str(tokenizer_path), num_docs, num_tokens)
+    return PreprocessResult(
+        output_prefix, str(tokenizer_path), num_docs, num_tokens, tokenizer.get_vocab_size(), notes
+    )
