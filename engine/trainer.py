@@ -210,6 +210,7 @@ class Trainer:
     def _finish(self) -> dict:
         """The final checkpoint, evaluation, model export and sample."""
         t = self.cfg.trainer
+        self.guard.check_any_good()
         if self.cfg.checkpoint.every and self._saved_step != self.step:
             self._save_checkpoint()
         evaluated_now = t.eval_every and self.step % t.eval_every == 0

@@ -163,7 +163,7 @@ PRETRAIN = [
     ("offsets_not_monotonic", ["+prefixes=not_monotonic"], "document offsets are not increasing at document 1"),
     # item 10: Hydra's own errors
     ("hydra_bad_float", ["optim.beta1=abc"], "Value 'abc' of type 'str' could not be converted to Float"),
-    ("hydra_unknown_key", ["trainer.bogus=1"], "Key 'bogus' not in 'TrainerConfig'"),
+    ("hydra_unknown_key", ["trainer.bogus=1"], "unknown key 'trainer.bogus'"),
     ("hydra_unknown_preset", ["model=nope"], "Could not find 'model/nope'"),
     ("hydra_parse_error", ["optim.lr=[1"], "cannot parse the override 'optim.lr=[1': no viable"),
     # found beyond the issue's list
@@ -175,8 +175,38 @@ PRETRAIN = [
     ("loss_scale_0", ["trainer.loss_scale_init=0"], "trainer.loss_scale_init=0.0 must be > 0"),
     ("split_nan", ["data.split='nan,1'"], "data.split='nan,1' is invalid"),
     ("split_four_parts", ["data.split='1,2,3,4'"], "has more than 3 parts"),
-    ("lr_nan", ["optim.lr=nan"], "optim.lr=nan must be > 0"),
+    ("lr_nan", ["optim.lr=nan"], "optim.lr=nan must be in (0, 1000]"),
     ("device_tpu", ["trainer.device=tpu"], "trainer.device='tpu' is not one of auto, cuda, cpu"),
+    # issue 22 item 4: values no run can honour
+    ("max_steps_past_int64", ["trainer.max_steps=99999999999999999999999"],
+     "trainer.max_steps=99999999999999999999999 must be in [1, 2**63-1]"),
+    ("layernorm_eps_negative", ["model.layernorm_eps=-1"], "model.layernorm_eps=-1.0 must be > 0 and finite"),
+    ("layernorm_eps_nan", ["model.layernorm_eps=nan"], "model.layernorm_eps=nan must be > 0 and finite"),
+    ("lr_absurd", ["optim.lr=1e30"], "optim.lr=1e+30 must be in (0, 1000]"),
+    ("decay_steps_0", ["optim.decay_steps=0"], "optim.decay_steps=0 must be >= 1"),
+    ("decay_steps_negative", ["optim.decay_steps=-10"], "optim.decay_steps=-10 must be >= 1"),
+    ("timeout_nan", ["trainer.collective_timeout_s=nan"], "trainer.collective_timeout_s=nan must be >= 0 and finite"),
+    ("timeout_inf", ["trainer.collective_timeout_s=inf"], "trainer.collective_timeout_s=inf must be >= 0 and finite"),
+    ("unknown_key_added", ["+foo=1"], "unknown key 'foo'"),
+    ("unknown_key_added_in_group", ["+trainer.max_step=5"], "unknown key 'trainer.max_step'; did you mean trainer.max_steps?"),
+    ("mistyped_key", ["trainer.max_step=5"], "unknown key 'trainer.max_step'; did you mean trainer.max_steps?"),
+    # item 7: run names that leave their folder
+    ("name_escapes", ["name=../../escaped_run"], "name='../../escaped_run' must be a plain name"),
+    ("name_empty", ["name=''"], "name='' must be a plain name"),
+    # item 8: tracebacks
+    ("run_dir_under_a_file", ["hydra.run.dir={a_file}/run"], "cannot create the run directory"),
+    ("default_max_bytes_0", ["data.default_max_bytes=0"], "data.default_max_bytes=0 must be >= 1"),
+    # item 9: late errors (inside a worker, or after the whole run)
+    ("metrics_file_is_a_dir", ["trainer.metrics_file={dir}"], "trainer.metrics_file="),
+    ("metrics_file_unwritable", ["trainer.metrics_file={a_file}/m.json"], "cannot be written"),
+    ("data_seed_negative", ["data.seed=-1"], "data.seed=-1 must be in [0, 2**63-1]"),
+    ("seed_past_int64", ["trainer.seed=1267650600228229401496703205376"],
+     "trainer.seed=1267650600228229401496703205376 must be in [0, 2**63-1]"),
+    ("init_std_negative", ["model.init_std=-0.02"], "model.init_std=-0.02 must be >= 0 and finite"),
+    ("ffn_negative", ["model.ffn_hidden_size=-4"], "model.ffn_hidden_size=-4 must be >= 1"),
+    ("apex_missing", ["optim.impl=apex"], "optim.impl=apex needs NVIDIA apex, which is not installed"),
+    ("sample_prompt_empty", ["trainer.sample_prompt=''"], "trainer.sample_prompt='' is empty"),
+    ("checkpoint_dir_under_a_file", ["checkpoint.dir={a_file}/ck"], "is not writable"),
 ]  # fmt: skip
 
 
@@ -198,6 +228,8 @@ def test_pretrain_bad_input_is_one_config_error_line(inputs, overrides, fragment
                                                      capsys):  # fmt: skip
     if "needs wandb" in fragment and importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here, so trainer.wandb_project is valid")
+    if "needs NVIDIA apex" in fragment and importlib.util.find_spec("apex") is not None:
+        pytest.skip("apex is installed here, so optim.impl=apex is valid")
     monkeypatch.chdir(inputs["dir"])
     monkeypatch.setattr(sys, "argv", ["pretrain.py", *_pretrain_argv(overrides, inputs)])
     with pytest.raises(SystemExit) as exit_info:
@@ -205,6 +237,10 @@ def test_pretrain_bad_input_is_one_config_error_line(inputs, overrides, fragment
     line = _one_line(capsys.readouterr().err)
     assert exit_info.value.code == 2 and line.startswith("config error: "), line
     assert fragment in line, line
+    # A refused run leaves nothing behind (issue 23): no run directory, no checkpoint folder.
+    here = Path(inputs["dir"])
+    litter = [n for n in ("hydra", "ck_run", "outputs", "checkpoints") if (here / n).exists()]
+    assert not litter, litter
 
 
 def test_pretrain_device_cuda_without_a_gpu_is_one_line(inputs, monkeypatch, capsys):
