@@ -83,6 +83,7 @@ class TrainerConfig:
     # Failures stop the run with one line and a non-zero exit (issue 10):
     max_bad_steps: int = 10  # bad steps in a row (non-finite, fp16 overflow) that stop the run
     collective_timeout_s: float = 600.0  # no progress this long (a frozen peer) stops; 0: off
+    rendezvous_timeout_s: float = 300.0  # every rank must join the run within this, else stop
     # Scaling studies (issue 12):
     metrics_file: str | None = None  # rank 0 writes every step's time breakdown here as JSON
     step_timing: bool = True  # time TP/DP collectives for the breakdown (off: phases only)
@@ -182,6 +183,10 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
         problems.append("optim.distributed=true (ZeRO-1) runs torch's AdamW: set optim.impl=auto")
     if t.max_bad_steps < 1:
         problems.append(f"trainer.max_bad_steps={t.max_bad_steps} must be >= 1")
+    if not 0 < t.rendezvous_timeout_s < math.inf:
+        problems.append(
+            f"trainer.rendezvous_timeout_s={t.rendezvous_timeout_s} must be > 0 and finite"
+        )
     if not 0 <= t.collective_timeout_s < math.inf:
         problems.append(
             f"trainer.collective_timeout_s={t.collective_timeout_s} must be >= 0 and finite "

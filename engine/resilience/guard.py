@@ -36,7 +36,9 @@ class BadStepGuard:
     ) -> None:
         self.max_bad_steps, self.device, self.log = max_bad_steps, device, log
         self.streak = 0  # bad steps in a row, of any kind
-        self.good = self.bad = 0  # steps of this process's run, by outcome
+        # Steps of this process's run that succeeded, and that were non-finite; an fp16
+        # overflow is neither (the loss scaler's calibration, normal at the start).
+        self.good = self.bad = 0
         self.nonfinite_streak = 0  # of them, those with a non-finite loss or norm
 
     def check(
@@ -50,11 +52,11 @@ class BadStepGuard:
             self.good += 1
             return False
         self.streak += 1
-        self.bad += 1
         if overflow:  # the loss scaler's own business; the log window counts them
             why = f"the fp16 loss scale overflowed (scale now {loss_scale:g})"
         else:
             self.nonfinite_streak += 1
+            self.bad += 1
             why = f"non-finite loss {loss:g} or gradient norm {norm:g}"
             self.log(
                 f"step {step}: {why}: step skipped, weights unchanged "
@@ -70,12 +72,12 @@ class BadStepGuard:
         return True
 
     def check_any_good(self) -> None:
-        """RunStopped when steps ran and none of them succeeded, however few there were
+        """RunStopped when steps were non-finite and none succeeded, however few there were
         (a run shorter than ``max_bad_steps`` must not end as a success)."""
         if self.bad and not self.good:
             raise RunStopped(
-                f"no step succeeded: all {self.bad} steps of this run were skipped as bad "
-                "(non-finite, or fp16 overflow); lower optim.lr, or check the data",
+                f"no step succeeded: {self.bad} steps of this run were non-finite and skipped, "
+                "none was good; lower optim.lr, or check the data and the checkpoint",
                 agreed=True,
             )
 
