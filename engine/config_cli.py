@@ -35,8 +35,9 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def schema_keys() -> dict[str, tuple[str, str]]:
-    """{dotted key: (section, doc)} of every settable key, in the schema's order."""
+def schema_keys(*, hidden: bool = False) -> dict[str, tuple[str, str]]:
+    """{dotted key: (section, doc)} of every key, in the schema's order; ``hidden``: with
+    the keys users never set (still accepted, only not shown)."""
     keys = {}
     for f in dataclasses.fields(Config):
         if dataclasses.is_dataclass(f.default_factory if callable(f.default_factory) else None):
@@ -46,7 +47,7 @@ def schema_keys() -> dict[str, tuple[str, str]]:
                 keys[f"{f.name}.{sub.name}"] = (f.name, docs.get(sub.name, ""))
         else:
             keys[f.name] = ("", field_docs(Config).get(f.name, ""))
-    return {k: v for k, v in keys.items() if k not in HIDDEN}
+    return {k: v for k, v in keys.items() if hidden or k not in HIDDEN}
 
 
 def presets() -> dict[str, list[str]]:
@@ -63,7 +64,7 @@ def unknown_key(argv: list[str]) -> str | None:
 
     Group choices (``model=gpt_125m``), Hydra's own keys and flags are left to Hydra.
     """
-    keys, groups = schema_keys(), presets()
+    keys, groups = schema_keys(hidden=True), presets()
     skip_next = False
     for arg in argv:
         if skip_next or arg.startswith("-"):
@@ -74,7 +75,8 @@ def unknown_key(argv: list[str]) -> str | None:
             continue
         if any(key.startswith(k + ".") for k in keys):  # an element of a list or dict key
             continue
-        near = difflib.get_close_matches(key, list(keys), n=1, cutoff=0.6)
+        shown = [k for k in keys if k not in HIDDEN]
+        near = difflib.get_close_matches(key, shown, n=1, cutoff=0.6)
         hint = f"; did you mean {near[0]}?" if near else ""
         return (
             f"unknown key {key!r}{hint} (python -m engine.pretrain --help lists every key "
