@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import runpy
 import shutil
 import struct
@@ -195,6 +196,7 @@ PRETRAIN = [
     ("name_empty", ["name=''"], "name='' must be a plain name"),
     # item 8: tracebacks
     ("run_dir_under_a_file", ["hydra.run.dir={a_file}/run"], "cannot create the run directory"),
+    ("run_dir_is_a_file", ["hydra.run.dir={a_file}"], "cannot create the run directory: "),
     ("default_max_bytes_0", ["data.default_max_bytes=0"], "data.default_max_bytes=0 must be >= 1"),
     # item 9: late errors (inside a worker, or after the whole run)
     ("metrics_file_is_a_dir", ["trainer.metrics_file={dir}"], "trainer.metrics_file="),
@@ -241,6 +243,42 @@ def test_pretrain_bad_input_is_one_config_error_line(inputs, overrides, fragment
     here = Path(inputs["dir"])
     litter = [n for n in ("hydra", "ck_run", "outputs", "checkpoints") if (here / n).exists()]
     assert not litter, litter
+
+
+def test_refused_run_leaves_no_outputs_folder(inputs, monkeypatch, capsys, tmp_path):
+    """Hydra's default run directory (outputs/DATE/TIME, made before the config is checked)
+    is removed again when the run is refused (issue 23: it used to keep an empty log)."""
+    monkeypatch.chdir(tmp_path)
+    argv = [o for o in _pretrain_argv(["optim.beta1=2"], inputs) if not o.startswith("hydra.")]
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("engine.pretrain", run_name="__main__")
+    assert exit_info.value.code == 2 and "optim.beta1=2.0" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pretrain_help_lists_every_key_with_its_default_and_doc(monkeypatch, capsys):
+    """--help: every key of the schema (engine/config.py's dataclasses) with the composed
+    default and its doc; no Hydra ``schema`` options, no test hooks."""
+    import dataclasses
+
+    from engine.config import Config
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", "--help"])
+    runpy.run_module("engine.pretrain", run_name="__main__")
+    out = capsys.readouterr().out
+    sections = [
+        f for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)
+    ]
+    keys = [f"{f.name}.{g.name}" for f in sections for g in dataclasses.fields(f.default_factory)]
+    shown = [k for k in keys if k != "trainer.fail_at_step"]
+    missing = [k for k in shown if not re.search(rf"^  {re.escape(k)}=.*  # \S", out, re.M)]
+    assert not missing, missing
+    assert "  model.vocab_size=8192  # real vocabulary" in out  # gpt_tiny's value, not the schema's
+    assert "  trainer.max_steps=150  # optimizer steps" in out and "  tp_size=2  # " in out
+    assert "schema" not in out and "fail_at_step" not in out and "run_dir" not in out
+    for section in ("model:", "data:", "optim:", "trainer:", "checkpoint:", "run:"):
+        assert re.search(rf"^{section}", out, re.M), section
 
 
 def test_pretrain_device_cuda_without_a_gpu_is_one_line(inputs, monkeypatch, capsys):
@@ -334,7 +372,14 @@ def test_tool_bad_input_is_one_error_line(inputs, tool, argv, status, fragment, 
 
 # What only a real process shows: a validation error and a Hydra error of engine.pretrain,
 # an error raised in a tool and one found by a tool's argument parser.
-SUBPROCESS = ["beta1_2", "hydra_bad_float", "convert_huge_shape", "bench_micro_batch_0"]
+SUBPROCESS = [
+    "beta1_2",
+    "hydra_bad_float",
+    "convert_huge_shape",
+    "bench_micro_batch_0",
+    "run_dir_under_a_file",
+    "generate_corrupt_tokenizer",
+]
 
 
 def _command(case_id: str, p: dict[str, str]) -> tuple[list[str], str]:
