@@ -13,7 +13,7 @@ import importlib.util
 import math
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -204,7 +204,7 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
     problems += _validate_values(cfg)
     problems += _validate_run(cfg)
     problems += _validate_data(cfg)
-    return problems + _out_of_range(cfg, problems)
+    return problems + numbers_out_of_range(cfg, problems)
 
 
 INT64_MAX = 2**63 - 1  # steps, seeds and counts a run can store and honour
@@ -212,23 +212,24 @@ MAX_LR = 1e3  # far above any working learning rate, far below what overflows at
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-def _out_of_range(cfg: Config, reported: list[str]) -> list[str]:
-    """Every number of every section, by type: integers within 64 bits, floats finite.
+def numbers_out_of_range(cfg: Any, reported: list[str], prefix: str = "") -> list[str]:
+    """Every number of the config ``cfg`` (a dataclass, its sections recursed into), by
+    type: integers within 64 bits, floats finite.
 
     Keys a specific check already reported are left to that check's line.
     """
     problems = []
-    for section in ("model", "data", "optim", "trainer", "checkpoint", None):
-        node = getattr(cfg, section) if section else cfg
-        for f in fields(node):
-            key, value = f"{section}.{f.name}" if section else f.name, getattr(node, f.name)
-            if any(line.startswith(f"{key}=") for line in reported):
-                continue
-            if isinstance(value, int) and not isinstance(value, bool):
-                if not -INT64_MAX <= value <= INT64_MAX:
-                    problems.append(f"{key}={value} must be within 64 bits (|value| < 2**63)")
-            elif isinstance(value, float) and not math.isfinite(value):
-                problems.append(f"{key}={value} must be finite")
+    for f in fields(cfg):
+        key, value = prefix + f.name, getattr(cfg, f.name)
+        if is_dataclass(value):
+            problems += numbers_out_of_range(value, reported, f"{key}.")
+        elif any(line.startswith(f"{key}=") for line in reported):
+            continue
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if not -INT64_MAX <= value <= INT64_MAX:
+                problems.append(f"{key}={value} must be within 64 bits (|value| < 2**63)")
+        elif isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{key}={value} must be finite")
     return problems
 
 
@@ -388,6 +389,7 @@ class ClassifyLaunchConfig:
     ranks_per_node: int | None = None  # processes (GPUs) per node (--num-gpus); None: tp×dp
     master_addr: str | None = None  # node 0's address; default $MASTER_ADDR or 127.0.0.1
     master_port: int | None = None  # rendezvous port; default $MASTER_PORT or 29500
+    rendezvous_timeout_s: float = 300.0  # every rank must join within this, else it stops
 
 
 @dataclass

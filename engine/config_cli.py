@@ -9,10 +9,13 @@ one-line doc, grouped by section, and an unknown key is refused with the nearest
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import inspect
+import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine.config import Config
@@ -35,18 +38,18 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def schema_keys(*, hidden: bool = False) -> dict[str, tuple[str, str]]:
-    """{dotted key: (section, doc)} of every key, in the schema's order; ``hidden``: with
-    the keys users never set (still accepted, only not shown)."""
+def schema_keys(schema: type = Config, *, hidden: bool = False) -> dict[str, tuple[str, str]]:
+    """{dotted key: (section, doc)} of every key of ``schema``, in its order; ``hidden``:
+    with the keys users never set (still accepted, only not shown)."""
     keys = {}
-    for f in dataclasses.fields(Config):
+    for f in dataclasses.fields(schema):
         if dataclasses.is_dataclass(f.default_factory if callable(f.default_factory) else None):
             cls = f.default_factory
             docs = field_docs(cls)
             for sub in dataclasses.fields(cls):
                 keys[f"{f.name}.{sub.name}"] = (f.name, docs.get(sub.name, ""))
         else:
-            keys[f.name] = ("", field_docs(Config).get(f.name, ""))
+            keys[f.name] = ("", field_docs(schema).get(f.name, ""))
     return {k: v for k, v in keys.items() if hidden or k not in HIDDEN}
 
 
@@ -59,12 +62,15 @@ def presets() -> dict[str, list[str]]:
     return groups
 
 
-def unknown_key(argv: list[str]) -> str | None:
-    """One line for the first override in ``argv`` naming no key of the schema, else None.
+def unknown_key(
+    argv: list[str], schema: type = Config, prog: str = "engine.pretrain"
+) -> str | None:
+    """One line for the first override in ``argv`` naming no key of ``schema``, else None.
 
     Group choices (``model=gpt_125m``), Hydra's own keys and flags are left to Hydra.
     """
-    keys, groups = schema_keys(hidden=True), presets()
+    keys = schema_keys(schema, hidden=True)
+    groups = presets() if schema is Config else {}
     skip_next = False
     for arg in argv:
         if skip_next or arg.startswith("-"):
@@ -76,13 +82,61 @@ def unknown_key(argv: list[str]) -> str | None:
         if any(key.startswith(k + ".") for k in keys):  # an element of a list or dict key
             continue
         shown = [k for k in keys if k not in HIDDEN]
-        near = difflib.get_close_matches(key, shown, n=1, cutoff=0.6)
+        near = difflib.get_close_matches(key, shown, n=1, cutoff=0.8)
         hint = f"; did you mean {near[0]}?" if near else ""
-        return (
-            f"unknown key {key!r}{hint} (python -m engine.pretrain --help lists every key "
-            "with its default)"
-        )
+        return f"unknown key {key!r}{hint} (python -m {prog} --help lists every key)"
     return None
+
+
+def run_dir_problem(argv: list[str], default: str = "outputs") -> str | None:
+    """Why Hydra could not create the run directory ``hydra.run.dir`` given in ``argv``
+    (else ``default``), or None; checked without creating anything."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    target = Path(given[-1] if given else default)
+    while not target.exists() and target != target.parent and not target.is_symlink():
+        target = target.parent
+    if target.exists() and not target.is_dir():
+        return f"cannot create the run directory: {target} is a file (pass hydra.run.dir=DIR)"
+    if not os.access(target, os.W_OK | os.X_OK):
+        return f"cannot create the run directory: {target} is not writable (pass hydra.run.dir=DIR)"
+    return None
+
+
+def hydra_error_line(err: BaseException) -> str:
+    """Hydra's message and its cause's (OmegaConf's, naming the key), as one line."""
+    override = getattr(err, "override", None)  # set on Hydra's override parse errors
+    parts = [f"cannot parse the override {override!r}:"] if override else []
+    for e in (err, err.__cause__):
+        for line in str(e or "").split("Config search path")[0].splitlines():
+            skip = ("object_type=", "reference_type=", "See https://hydra.cc")
+            if line.strip() and not line.strip().startswith(skip):
+                parts.append(line.strip())
+    return " ".join(dict.fromkeys(parts)) or type(err).__name__
+
+
+@contextlib.contextmanager
+def hydra_errors_as_one_line(fail: Callable[[list[str]], None]) -> Iterator[None]:
+    """Inside, Hydra raises its override and composition errors (HYDRA_FULL_ERROR, for this
+    process only) instead of printing them over several lines with exit 1; each becomes
+    ``fail([line])``, as every other configuration error. So does an OSError of Hydra
+    creating its run directory past :func:`run_dir_problem`."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except (HydraException, OmegaConfBaseException) as err:
+        fail([hydra_error_line(err)])
+    except OSError as err:
+        why = f"{err.filename}: {err.strerror or err}"
+        fail([f"cannot create the run directory: {why} (pass hydra.run.dir=DIR)"])
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
 
 
 def help_text(cfg: Config) -> str:

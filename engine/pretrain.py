@@ -224,20 +224,6 @@ def checkpoint_lock(cfg: Config) -> contextlib.AbstractContextManager:
     return lock
 
 
-def run_dir_problem(argv: list[str]) -> str | None:
-    """Why Hydra could not create the run directory ``hydra.run.dir`` (default: under
-    ``outputs/``), else None; checked without creating anything."""
-    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
-    target = Path(given[-1] if given else "outputs")
-    while not target.exists() and target != target.parent and not target.is_symlink():
-        target = target.parent
-    if target.exists() and not target.is_dir():
-        return f"cannot create the run directory: {target} is a file (pass hydra.run.dir=DIR)"
-    if not os.access(target, os.W_OK | os.X_OK):
-        return f"cannot create the run directory: {target} is not writable (pass hydra.run.dir=DIR)"
-    return None
-
-
 def print_help(argv: list[str]) -> None:
     """``--help``: every key with its default (as composed with ``argv``) and its doc."""
     from hydra import compose, initialize_config_dir
@@ -250,16 +236,9 @@ def print_help(argv: list[str]) -> None:
 
 
 def cli() -> None:
-    """The command line: Hydra's own override and composition errors become one line, exit 2.
-
-    Hydra prints those errors over several lines and exits 1; asking it to raise them
-    instead (HYDRA_FULL_ERROR, for this process only) lets them be reported like every
-    other configuration error.
-    """
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from engine.config_cli import unknown_key
+    """The command line: ``--help``, unknown keys (with the nearest real one), an unusable
+    run directory and Hydra's own errors become one line and exit 2 before anything runs."""
+    from engine.config_cli import hydra_errors_as_one_line, run_dir_problem, unknown_key
 
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
@@ -268,32 +247,8 @@ def cli() -> None:
     problem = unknown_key(argv) or run_dir_problem(argv)
     if problem:
         _fail([problem])
-    previous = os.environ.get("HYDRA_FULL_ERROR")
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
+    with hydra_errors_as_one_line(_fail):
         main()
-    except (HydraException, OmegaConfBaseException) as err:
-        _fail([hydra_error_line(err)])
-    except OSError as err:  # Hydra creating its run directory, past the check above
-        _fail([f"cannot create the run directory: {err.filename}: {err.strerror or err} "
-               "(pass hydra.run.dir=DIR)"])  # fmt: skip
-    finally:
-        if previous is None:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
-        else:
-            os.environ["HYDRA_FULL_ERROR"] = previous
-
-
-def hydra_error_line(err: BaseException) -> str:
-    """Hydra's message and its cause's (OmegaConf's, naming the key), as one line."""
-    override = getattr(err, "override", None)  # set on Hydra's override parse errors
-    parts = [f"cannot parse the override {override!r}:"] if override else []
-    for e in (err, err.__cause__):
-        for line in str(e or "").split("Config search path")[0].splitlines():
-            skip = ("object_type=", "reference_type=", "See https://hydra.cc")
-            if line.strip() and not line.strip().startswith(skip):
-                parts.append(line.strip())
-    return " ".join(dict.fromkeys(parts)) or type(err).__name__
 
 
 if __name__ == "__main__":

@@ -106,8 +106,11 @@ def test_nan_run_skips_steps_stops_and_keeps_the_good_checkpoints(corpus, good_r
     stop = re.match(r"stopped at step (\d+): 3 bad steps in a row", lines[0])
     assert len(lines) == 1 and stop, lines
     first_bad = int(stop.group(1)) - 2
-    assert re.search(rf"step {first_bad}: non-finite loss (nan|inf) or gradient norm (nan|inf): "
-                     "step skipped", proc.stdout), proc.stdout[-2000:]  # fmt: skip
+    assert re.search(
+        rf"step {first_bad}: non-finite loss (nan|inf) or gradient norm (nan|inf): "
+        "step skipped",
+        proc.stdout,
+    ), proc.stdout[-2000:]
     even = first_bad + first_bad % 2  # a save point (every 2 steps) inside the streak
     assert f"not saving step {even}" in proc.stdout
     kept = [even - 4, even - 2]  # saved before the streak; older ones pruned (keep=2)
@@ -152,8 +155,10 @@ def test_a_run_in_which_no_step_succeeded_exits_non_zero(corpus, tmp_path):
     """2 steps, both NaN, fewer than trainer.max_bad_steps=10: the streak never reaches the
     limit, yet the run must not end as a success (it used to, exit 0)."""
     cfg = run_config(corpus, tmp_path / "ckpt", "tp_size=1", "dp_size=1", "trainer.max_steps=2")
-    with pytest.raises(RankFailure, match="no step succeeded: 2 steps of this run were "
-                       "non-finite and skipped, none was good"):  # fmt: skip
+    with pytest.raises(
+        RankFailure,
+        match="no step succeeded: 2 steps of this run were non-finite and skipped, none was good",
+    ):
         run_ranks(_every_loss_nan, 1, cfg, timeout=120)
     assert not step_dirs(tmp_path / "ckpt")
 
@@ -245,27 +250,56 @@ INDEX_DAMAGE = [
     ("a_list", _raw("[]"), "is not a meshtron training checkpoint index"),
     ("int_of_5000_digits", _raw('{"step": ' + "9" * 5000 + "}"), "not readable JSON"),
     ("tensors_a_list", _edit_index(lambda i: i.update(tensors=[])), "tensors is not a dict"),
-    ("model_config_a_list", _edit_index(lambda i: i.update(model_config=["x"])),
-     "model_config is not a dict"),
-    ("model_config_unknown_key", _edit_index(lambda i: i["model_config"].update(bogus=1)),
-     "has a malformed model_config"),
-    ("step_disagrees", _edit_index(lambda i: i.update(step=7)),
-     "claims step 7, but the directory is step_00000002"),
-    ("layout_tp_a_string", _edit_index(lambda i: i["layout"].update(tp_size="two")),
-     "layout.tp_size='two' is not a size"),
-    ("scalars_a_list", _edit_index(lambda i: i["optimizer"].update(scalars=[1])),
-     "optimizer.scalars is not a mapping of mappings"),
-    ("file_bytes_a_string", _edit_index(lambda i: i["files"]["rank00000.safetensors"].update(bytes="9")),
-     "the record of 'rank00000.safetensors' is malformed"),
-    ("slice_a_number", _edit_index(lambda i: next(iter(i["files"].values()))["slices"].update(
-        {"model/embedding.position": 5})), "is malformed (TypeError"),
-    ("size_disagrees", _edit_index(lambda i: i["files"]["rank00000.safetensors"].update(bytes=9)),
-     "the index says 9 (truncated?)"),
-]  # fmt: skip
+    (
+        "model_config_a_list",
+        _edit_index(lambda i: i.update(model_config=["x"])),
+        "model_config is not a dict",
+    ),
+    (
+        "model_config_unknown_key",
+        _edit_index(lambda i: i["model_config"].update(bogus=1)),
+        "has a malformed model_config",
+    ),
+    (
+        "step_disagrees",
+        _edit_index(lambda i: i.update(step=7)),
+        "claims step 7, but the directory is step_00000002",
+    ),
+    (
+        "layout_tp_a_string",
+        _edit_index(lambda i: i["layout"].update(tp_size="two")),
+        "layout.tp_size='two' is not a size",
+    ),
+    (
+        "scalars_a_list",
+        _edit_index(lambda i: i["optimizer"].update(scalars=[1])),
+        "optimizer.scalars is not a mapping of mappings",
+    ),
+    (
+        "file_bytes_a_string",
+        _edit_index(lambda i: i["files"]["rank00000.safetensors"].update(bytes="9")),
+        "the record of 'rank00000.safetensors' is malformed",
+    ),
+    (
+        "slice_a_number",
+        _edit_index(
+            lambda i: next(iter(i["files"].values()))["slices"].update(
+                {"model/embedding.position": 5}
+            )
+        ),
+        "is malformed (TypeError",
+    ),
+    (
+        "size_disagrees",
+        _edit_index(lambda i: i["files"]["rank00000.safetensors"].update(bytes=9)),
+        "the index says 9 (truncated?)",
+    ),
+]
 
 
-@pytest.mark.parametrize(("damage", "fragment"), [c[1:] for c in INDEX_DAMAGE],
-                         ids=[c[0] for c in INDEX_DAMAGE])  # fmt: skip
+@pytest.mark.parametrize(
+    ("damage", "fragment"), [c[1:] for c in INDEX_DAMAGE], ids=[c[0] for c in INDEX_DAMAGE]
+)
 def test_a_damaged_newest_index_of_any_shape_falls_back_to_the_older_step(
     tmp_path, damage, fragment
 ):
@@ -299,8 +333,9 @@ def test_a_failed_save_removes_its_own_temp_and_no_other(tmp_path):
             raise OSError(28, "No space left on device")
 
     with pytest.raises(CheckpointError, match="No space left on device"):
-        save_checkpoint(root, 2, model=model, optimizer=optimizer, ps=None, state={},
-                        fault=full_disk)  # fmt: skip
+        save_checkpoint(
+            root, 2, model=model, optimizer=optimizer, ps=None, state={}, fault=full_disk
+        )
     assert sorted(p.name for p in root.iterdir()) == [other.name, "latest", "step_00000001"]
     save_checkpoint(root, 2, model=model, optimizer=optimizer, ps=None, state={}, keep=1)
     assert sorted(p.name for p in root.iterdir()) == [other.name, "latest", "step_00000002"]
@@ -431,19 +466,45 @@ def test_every_rank_ends_when_the_rendezvous_cannot_happen(corpus, tmp_path):
     free = _free_port()
     port_of = {"taken": taken.getsockname()[1], "absent_peer": _free_port(), "nobody": free}
     cases = [("taken", 0), ("taken", 1), ("absent_peer", 0), ("nobody", 1)]
-    base = {**subprocess_env(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-            "WORLD_SIZE": "2"}  # fmt: skip
+    base = {
+        **subprocess_env(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "WORLD_SIZE": "2",
+    }
     procs = []
     try:
         for i, (case, rank) in enumerate(cases):
-            overrides = single(corpus, tmp_path / f"ckpt{i}", "trainer.max_steps=2", "dp_size=2",
-                               "trainer.rendezvous_timeout_s=10")  # fmt: skip
-            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                   "MASTER_PORT": str(port_of[case])}  # fmt: skip
-            cmd = [sys.executable, "-m", "engine.pretrain", f"hydra.run.dir={tmp_path / f'run{i}'}",
-                   *overrides]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True))  # fmt: skip
+            overrides = single(
+                corpus,
+                tmp_path / f"ckpt{i}",
+                "trainer.max_steps=2",
+                "dp_size=2",
+                "trainer.rendezvous_timeout_s=10",
+            )
+            env = {
+                **base,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "MASTER_PORT": str(port_of[case]),
+            }
+            cmd = [
+                sys.executable,
+                "-m",
+                "engine.pretrain",
+                f"hydra.run.dir={tmp_path / f'run{i}'}",
+                *overrides,
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         started = time.monotonic()
         for (case, rank), proc in zip(cases, procs, strict=True):
             _, err = proc.communicate(timeout=300)

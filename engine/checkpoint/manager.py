@@ -219,8 +219,14 @@ def _read_rank(path: Path, model: ParallelModel, optimizer, mesh: _Mesh) -> dict
         raise CheckpointError(f"{path / 'index.json'} is malformed ({err!r})") from None
 
 
-_INDEX_SHAPE = {"model_config": dict, "trainer_state": dict, "layout": dict, "optimizer": dict,
-                "tensors": dict, "files": dict}  # fmt: skip
+_INDEX_SHAPE = {
+    "model_config": dict,
+    "trainer_state": dict,
+    "layout": dict,
+    "optimizer": dict,
+    "tensors": dict,
+    "files": dict,
+}
 
 
 def _check_index(path: Path, index: dict) -> None:
@@ -242,8 +248,9 @@ def _check_index(path: Path, index: dict) -> None:
         raise CheckpointError(f"{where}: optimizer.scalars is not a mapping of mappings")
     for fname, record in index["files"].items():
         ok = isinstance(record, dict) and type(record.get("bytes")) is int
-        if not (ok and isinstance(record.get("sha256"), str)
-                and isinstance(record.get("slices"), dict)):  # fmt: skip
+        if not (
+            ok and isinstance(record.get("sha256"), str) and isinstance(record.get("slices"), dict)
+        ):
             raise CheckpointError(f"{where}: the record of {fname!r} is malformed")
 
 
@@ -392,14 +399,21 @@ class CheckpointDirLock:
             ) from None
         previous = _describe_owner(f)
         if previous:
-            log(f"took over the lock of {self.root} from a run that did not end cleanly "
-                f"({previous}; no longer running)")  # fmt: skip
+            log(
+                f"took over the lock of {self.root} from a run that did not end cleanly "
+                f"({previous}; no longer running)"
+            )
             for entry in self.root.iterdir():
                 if entry.is_dir() and entry.name.startswith((".tmp-", ".trash-")):
                     log(f"removed {entry}: an interrupted save of that run")
                     shutil.rmtree(entry, ignore_errors=True)
-        record = {"user": _user(), "host": socket.gethostname(), "pid": os.getpid(),
-                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "run_dir": self.run_dir}  # fmt: skip
+        record = {
+            "user": _user(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "run_dir": self.run_dir,
+        }
         f.seek(0)
         f.truncate()
         f.write(json.dumps(record) + "\n")
@@ -436,7 +450,9 @@ def _describe_owner(f) -> str:
     text = f.read(4096).strip()
     try:
         r = json.loads(text) if text else None
-        return (f"{r['user']}@{r['host']}, PID {r['pid']}, started {r['started']}, "
-                f"run directory {r['run_dir']}")  # fmt: skip
+        return (
+            f"{r['user']}@{r['host']}, PID {r['pid']}, started {r['started']}, "
+            f"run directory {r['run_dir']}"
+        )
     except (ValueError, TypeError, KeyError, RecursionError):
         return f"an unreadable record {text[:60]!r}" if text else ""
