@@ -620,7 +620,14 @@ def test_readme_resume_example_keeps_the_default_schedule():
     ("override", "message"),
     [
         ("trainer.max_bad_steps=0", "trainer.max_bad_steps=0 must be >= 1"),
-        ("trainer.collective_timeout_s=-1", "trainer.collective_timeout_s=-1.0 >= 0 (0: off)"),
+        (
+            "trainer.collective_timeout_s=-1",
+            "trainer.collective_timeout_s=-1.0 must be >= 0 and finite (0: off)",
+        ),
+        (
+            "trainer.rendezvous_timeout_s=0",
+            "trainer.rendezvous_timeout_s=0.0 must be > 0 and finite",
+        ),
     ],
 )
 def test_failure_settings_are_checked_before_any_worker(override, message, capsys, tmp_path,
