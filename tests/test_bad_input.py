@@ -298,6 +298,53 @@ def test_pretrain_device_cuda_without_a_gpu_is_one_line(inputs, monkeypatch, cap
                     "pass trainer.device=cpu (or auto)"), line  # fmt: skip
 
 
+# engine.classify: (id, overrides ({key} = a path of the fixture), message fragment), exit 2
+CLASSIFY = [
+    ("unknown_key", ["trainer.bogus=1"], "unknown key 'trainer.bogus' (python -m engine.classify"),
+    (
+        "mistyped_key",
+        ["trainer.epoch=3"],
+        "unknown key 'trainer.epoch'; did you mean trainer.epochs?",
+    ),
+    ("lr_inf", ["trainer.lr=inf"], "trainer.lr=inf must be in (0, 1000]"),
+    ("lr_absurd", ["trainer.lr=1e30"], "trainer.lr=1e+30 must be in (0, 1000]"),
+    ("seed_negative", ["trainer.seed=-1"], "trainer.seed=-1 must be in [0, 2**63-1]"),
+    ("momentum_nan", ["trainer.momentum=nan"], "trainer.momentum=nan must be in [0, 1)"),
+    ("bucket_0", ["trainer.grad_bucket_mb=0"], "trainer.grad_bucket_mb=0.0 must be > 0"),
+    (
+        "epochs_past_int64",
+        ["trainer.epochs=99999999999999999999999"],
+        "trainer.epochs=99999999999999999999999 must be within 64 bits",
+    ),
+    ("metrics_file_is_a_dir", ["trainer.metrics_file={dir}"], "is a directory; give a file path"),
+    ("run_dir_is_a_file", ["hydra.run.dir={a_file}"], "cannot create the run directory: "),
+    ("hydra_bad_float", ["trainer.lr=abc"], "could not be converted to Float"),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"), [c[1:] for c in CLASSIFY], ids=[c[0] for c in CLASSIFY]
+)
+def test_classify_bad_input_is_one_config_error_line(
+    inputs, overrides, fragment, monkeypatch, capsys, tmp_path
+):
+    """Each refused before any rank starts (they used to be accepted, fail inside a rank,
+    or print Hydra's several lines with exit 1). The data set is stood in for by empty
+    files: nothing is read before the refusal."""
+    from engine.data.fashion_mnist import FILES
+
+    for stem in FILES.values():
+        (tmp_path / stem).write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    argv = [f"data.dir={tmp_path}", *(o.format(**inputs) for o in overrides)]
+    monkeypatch.setattr(sys, "argv", ["classify.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("engine.classify", run_name="__main__")
+    line = _one_line(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and line.startswith("config error: "), line
+    assert fragment in line, line
+
+
 # (id, tool, argv ({key} = a path of the fixture), exit status, message fragment)
 TOOLS = [
     ("convert_tp_0", "checkpoint", ["convert", "{ck}", "--tp-size", "0", "--dp-size", "1", "--out", "{dir}/o1"],
