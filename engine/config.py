@@ -1,10 +1,11 @@
 """Typed configuration: the Hydra schemas (dataclasses) and their validation.
 
 The YAML files under ``configs/`` only choose values; the types, defaults and one-line
-docs live here and are registered in Hydra's ConfigStore, so an unknown key or a value of
-the wrong type is rejected by Hydra before anything runs. ``validate`` then checks what
-types cannot express (divisibility, batch arithmetic, paths) and returns one line per
-problem, naming the key and the numbers.
+docs live here and are registered in Hydra's ConfigStore, so a value of the wrong type is
+rejected by Hydra before anything runs (an unknown key is caught earlier, by
+engine/config_cli.py, which names the nearest real one). ``validate`` then checks what
+types cannot express (ranges, finiteness, 64-bit bounds, divisibility, batch arithmetic,
+paths) and returns one line per problem, naming the key and the numbers.
 """
 
 from __future__ import annotations

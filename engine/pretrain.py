@@ -7,7 +7,9 @@
   ``trainer.max_restarts=N`` here); the restarted workers resume from the newest checkpoint.
 
 The config is validated, and the embedded corpus built, before any worker starts: a bad
-config prints one line per problem and exits with status 2. A worker that fails prints one
+config (a mistyped key included: the nearest real one is named) prints one line per problem,
+exits with status 2 and leaves nothing on disk. The run then holds its checkpoint
+directory's lock for its whole life: a second run on it is refused the same way. A worker that fails prints one
 line (its traceback goes to the run log, ``pretrain.log`` in the run directory) and exits
 non-zero: 3 when the run stopped itself (bad steps, a frozen or lost peer), 1 otherwise.
 SIGTERM, SIGUSR1 or Ctrl-C save a checkpoint after the current step and exit with status 75
