@@ -25,6 +25,7 @@ from engine.observe import RunLogger, format_step_line, maybe_profile, window_me
 from engine.optim import lr_at, schedule_change
 from engine.resilience.guard import BadStepGuard
 from engine.resilience.preemption import EXIT_PREEMPTED, StopRequests
+from engine.resilience.rendezvous import rendezvous
 from engine.resilience.watchdog import Watchdog
 from engine.step_timer import StepTimer, breakdown_metrics, format_breakdown
 from parallel_state import ParallelState
@@ -210,6 +211,7 @@ class Trainer:
     def _finish(self) -> dict:
         """The final checkpoint, evaluation, model export and sample."""
         t = self.cfg.trainer
+        self.guard.check_any_good()
         if self.cfg.checkpoint.every and self._saved_step != self.step:
             self._save_checkpoint()
         evaluated_now = t.eval_every and self.step % t.eval_every == 0
@@ -374,7 +376,11 @@ def run_worker(cfg: Config) -> dict:
     backend = parallel_state.backend_for(
         cfg.trainer.device, detect_launch().local_world_size, warn=False
     )
-    ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend)
+    ps = rendezvous(
+        lambda: parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend),
+        timeout_s=cfg.trainer.rendezvous_timeout_s,
+        run_dir=cfg.run_dir,
+    )
     share_cores(ps)
     watch = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)
     try:

@@ -10,7 +10,8 @@ A step directory is assembled under ``ROOT/.tmp-step_…`` (every file fsynced),
 into place, and only then is ``latest`` moved to it. While ``latest`` exists, only
 directories at or below the step it names are loaded (anything newer is the leftover of an
 interrupted save); without it (a copy that lost it) the newest complete one is. Pruning
-never deletes a complete checkpoint newer than the one just committed. Nothing here unpickles: tensors are safetensors, the rest JSON.
+never deletes a complete checkpoint newer than the one just committed, nor another save's
+temp directory. Nothing here unpickles: tensors are safetensors, the rest JSON.
 """
 
 from __future__ import annotations
@@ -98,13 +99,19 @@ def read_index(directory: Path) -> dict:
         index = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing (not a complete checkpoint)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is damaged: not valid JSON ({err})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError, OSError) as err:
+        # ValueError: bad JSON, or an integer too long to parse; RecursionError: nesting.
+        why = "nested too deeply" if isinstance(err, RecursionError) else str(err)[:120]
+        raise CheckpointError(f"{path} is damaged: not readable JSON ({why})") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a meshtron training checkpoint index")
     if index.get("version") != VERSION:
         raise CheckpointError(f"{path}: version {index.get('version')!r}, this reads {VERSION}")
-    if index.get("index_sha256") != hashlib.sha256(_canonical(index)).hexdigest():
+    try:
+        intact = index.get("index_sha256") == hashlib.sha256(_canonical(index)).hexdigest()
+    except (ValueError, TypeError, RecursionError):  # e.g. NaN, nested too deeply to write
+        intact = False
+    if not intact:
         raise CheckpointError(f"{path} is damaged: its content does not match its checksum")
     return index
 
@@ -300,7 +307,6 @@ def prune(
                 continue
             say(f"removed {path}: newer than step {committed} and not usable ({problem})")
         remove_dir(path)
-    remove_stale_temps(root)
 
 
 def remove_stale_temps(root: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,16 @@ class ModelConfig:
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            raise ValueError(
+                f"model.ffn_hidden_size={self.ffn_hidden_size} must be >= 1 (or null: 4 × "
+                "hidden_size)"
+            )
+        # Written as what must hold, so that NaN (false in every comparison) fails it too.
+        if not 0 < self.layernorm_eps < math.inf:
+            raise ValueError(f"model.layernorm_eps={self.layernorm_eps} must be > 0 and finite")
+        if not 0 <= self.init_std < math.inf:
+            raise ValueError(f"model.init_std={self.init_std} must be >= 0 and finite")
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
