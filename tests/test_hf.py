@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -101,12 +102,20 @@ def test_logits_match_transformers(hf_dirs):
     assert len(results) == 12
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(tool: str, *args: str) -> subprocess.CompletedProcess:
+    """``tool`` (a path under the repository) run from a scratch directory, so that nothing
+    it writes by a relative path lands in the checkout."""
     env = subprocess_env(REPO)
     env.pop("RANK", None)
-    return subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run(
+            [sys.executable, str(REPO / tool), *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
 
 def test_command_line_tools(hf_dirs, tmp_path):
