@@ -14,6 +14,7 @@ from rich.markup import escape
 import parallel_state
 from engine import comm, flops
 from engine.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+from engine.checkpoint.tokenizer import tokenizer_record
 from engine.cluster import describe_mesh
 from engine.config import Config, resolve_precision
 from engine.data.pipeline import build_pipeline, to_device
@@ -31,6 +32,12 @@ from parallel_state import ParallelState
 from parallel_state.launcher import detect_launch
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tensorboard_dir(cfg: Config) -> str | None:
+    """Where the run's TensorBoard scalars go (``None``: off): beside its checkpoints, the
+    directory every resume of the run shares, not Hydra's per-launch folder."""
+    return os.path.join(checkpoint_dir(cfg), "tensorboard") if cfg.trainer.tensorboard else None
 
 
 class Trainer:
@@ -62,6 +69,9 @@ class Trainer:
             DynamicLossScaler(cfg.trainer.loss_scale_init) if self.precision == "fp16" else None
         )
         self.data = build_pipeline(cfg, ps.dp_rank, ps.dp_size)
+        # Recorded in every checkpoint (path and SHA-256) so that generation and evaluation
+        # find the tokenizer and notice if the file there is replaced.
+        self._tokenizer = tokenizer_record(cfg.data.tokenizer) if ps.rank == 0 else None
         self.flops_per_step = flops.model_flops_per_step(cfg)
         peak_dtype = _AUTOCAST.get(self.precision, torch.float32)
         self.peak_flops = flops.peak_flops(ps.device, peak_dtype)
@@ -72,7 +82,7 @@ class Trainer:
         self.timer.attach(self.model, self.dp)
         self.logger = RunLogger(
             enabled=ps.rank == 0, run_dir=cfg.run_dir, max_steps=cfg.trainer.max_steps,
-            tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
+            tensorboard=tensorboard_dir(cfg), wandb_project=cfg.trainer.wandb_project,
             config=asdict(cfg), progress=cfg.trainer.progress,
         )  # fmt: skip
         self.guard = BadStepGuard(cfg.trainer.max_bad_steps, ps.device, self.logger.print)
@@ -283,7 +293,7 @@ class Trainer:
         """What besides tensors a bitwise resume needs (RNG states go with each rank)."""
         scaler = self.scaler and self.scaler.state_dict()
         return {"data": self.data.train.state_dict(), "loss_scaler": scaler,
-                "config": asdict(self.cfg)}  # fmt: skip
+                "config": asdict(self.cfg), "tokenizer": self._tokenizer}  # fmt: skip
 
     def _save_checkpoint(self) -> None:
         self._mark("checkpoint save", "world")
@@ -310,6 +320,7 @@ class Trainer:
         if loaded is None:
             return
         self.step = self._saved_step = loaded.step
+        self.logger.resumed_at(loaded.step)
         self.data.train.load_state_dict(loaded.state["data"])
         if self.scaler is not None and loaded.state.get("loss_scaler"):
             self.scaler.load_state_dict(loaded.state["loss_scaler"])
@@ -350,7 +361,7 @@ class Trainer:
         from engine.checkpoint.format import save_model
 
         directory = os.path.join(checkpoint_dir(self.cfg), "final")
-        save_model(self.model, directory)
+        save_model(self.model, directory, tokenizer=self.cfg.data.tokenizer)
         self.logger.print(f"saved the final model to {directory}")
         return directory
 
