@@ -88,6 +88,12 @@ class ModelSource:
 
         return recorded_tokenizer((index or {}).get("trainer_state"))
 
+    def recorded_run_config(self) -> dict:
+        """The run config a training checkpoint records (``{}`` for any other source)."""
+        if self.kind() != "training":
+            return {}
+        return (self._index().get("trainer_state") or {}).get("config") or {}
+
     def _index(self) -> dict:
         from engine.checkpoint.convert import resolve
         from engine.checkpoint.storage import read_index

@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -17,6 +18,7 @@ from engine.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from engine.checkpoint.tokenizer import tokenizer_record
 from engine.cluster import describe_mesh
 from engine.config import Config, resolve_precision
+from engine.data.loader import DataIterator
 from engine.data.pipeline import build_pipeline, to_device
 from engine.data_parallel import DynamicLossScaler, build_data_parallel
 from engine.generate import generate
@@ -38,6 +40,35 @@ def tensorboard_dir(cfg: Config) -> str | None:
     """Where the run's TensorBoard scalars go (``None``: off): beside its checkpoints, the
     directory every resume of the run shares, not Hydra's per-launch folder."""
     return os.path.join(checkpoint_dir(cfg), "tensorboard") if cfg.trainer.tensorboard else None
+
+
+@torch.no_grad()
+def fixed_set_loss(model, valid: DataIterator, ps: ParallelState, batches: int,
+                   autocast: Callable[[], contextlib.AbstractContextManager]) -> float:  # fmt: skip
+    """Mean loss over micro-batches ``0 .. batches - 1`` of ``valid`` (a one-micro-batch-per-
+    step iterator): micro-batch j runs on DP rank j mod dp_size and the mean is over
+    micro-batches, so the result does not depend on dp_size. Every rank gets it."""
+    model.eval()
+    total = 0.0
+    for j in range(ps.dp_rank, batches, ps.dp_size):
+        valid.consumed_samples = j * valid.global_batch
+        for micro in valid.next_step():  # one micro-batch
+            with autocast():
+                total += model.loss(to_device(micro, ps.device)).float().item()
+    model.train()
+    return comm.mean(total, ps.dp_group, ps.device) * ps.dp_size / batches
+
+
+def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """The forward's autocast for a resolved ``precision`` (none for fp32)."""
+    if precision not in _AUTOCAST:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=_AUTOCAST[precision])
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(50) rather than overflowing for a diverged model."""
+    return math.exp(min(loss, 50.0))
 
 
 class Trainer:
@@ -93,9 +124,7 @@ class Trainer:
             self._resume()
 
     def _autocast(self):
-        if self.precision not in _AUTOCAST:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=_AUTOCAST[self.precision])
+        return autocast_for(self.precision, self.device.type)
 
     def _loss(self, batch) -> torch.Tensor:
         return self.model.loss(to_device(batch, self.device))
@@ -161,17 +190,9 @@ class Trainer:
         t = self.cfg.trainer
         if self.data.valid is None or t.eval_batches < 1:
             return None
-        self.model.eval()
         self._mark("evaluation", "model")
-        total = 0.0
-        for j in range(self.ps.dp_rank, t.eval_batches, self.ps.dp_size):
-            self.data.valid.consumed_samples = j * self.data.valid.global_batch
-            for micro in self.data.valid.next_step():  # one micro-batch
-                with self._autocast():
-                    total += self._loss(micro).float().item()
-        self.model.train()
-        loss = self._dp_mean(total) * self.ps.dp_size / t.eval_batches
-        return {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 50.0))}
+        loss = fixed_set_loss(self.model, self.data.valid, self.ps, t.eval_batches, self._autocast)
+        return {"valid/loss": loss, "valid/ppl": perplexity(loss)}
 
     def _log(self, window: list[dict[str, float]]) -> None:
         loss = self._dp_mean(sum(m["loss"] for m in window) / len(window))
