@@ -211,7 +211,9 @@ def run_worker(cfg: ClassifyConfig) -> dict:
         cfg.dp_size,
         backend=parallel_state.backend_for("auto", local, warn=info.rank == 0),
     )
-    share_cores(ps)
+    threads = share_cores(ps)
+    if threads:
+        _printer(ps)(threads)
     try:
         return train(cfg, ps)
     finally:

@@ -146,7 +146,9 @@ def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
     backend = parallel_state.backend_for(cfg.trainer.device, local, warn=False)
     ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend)
     try:
-        share_cores(ps)
+        threads = share_cores(ps)
+        if threads and ps.rank == 0:  # stdout holds the JSON line alone
+            print(threads, file=sys.stderr)
         _, state = source.load()
         model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
         model.load_full_state_dict(state)

@@ -86,6 +86,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, ps: ParallelState, watch: Watchdog | None = None) -> None:
         self.cfg, self.ps, self.device = cfg, ps, ps.device
+        self.threads = share_cores(ps)  # before any compute; said under the mesh line
         self.watch = watch or Watchdog(0, rank=ps.rank, run_dir=cfg.run_dir)
         self.precision = resolve_precision(cfg.trainer.precision, ps.device.type)
         ps.seed(cfg.trainer.seed)
@@ -223,6 +224,8 @@ class Trainer:
         )
         mesh = describe_mesh(self.ps)  # a collective: every rank takes part
         self.logger.print(mesh, markup=False)
+        if self.threads:
+            self.logger.print(self.threads, markup=False)
         if self.step >= t.max_steps:
             self.logger.print(
                 f"already at step {self.step} >= trainer.max_steps={t.max_steps}: nothing to "
@@ -407,7 +410,6 @@ def run_worker(cfg: Config) -> dict:
         cfg.trainer.device, detect_launch().local_world_size, warn=False
     )
     ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend)
-    share_cores(ps)
     watch = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)
     try:
         with watch.active():
