@@ -66,6 +66,32 @@ def test_mpirun_four_ranks_tp2_dp2(corpus, tmp_path):
         "[0, 1, 2, 3]}"
     ), mesh
     assert "\x1b[" not in proc.stdout  # no colors or progress bar in a relayed log
+    _shown_in_readme(log, README_MPIRUN, host)
+
+
+README_MPIRUN = (
+    "mpirun --allow-run-as-root --oversubscribe -np 4 -x MASTER_ADDR -x MASTER_PORT -x PYTHONPATH "
+    "python -m engine.pretrain tp_size=2 dp_size=2 … trainer.log_every=3"
+)
+
+
+def _shown_in_readme(log: str, command: str, host: str) -> None:
+    """Every line the README shows under ``$ command`` is one this run printed: header and
+    mesh lines as they are (the README's host is "vm"), step and thread lines in their
+    format (their numbers depend on the machine, the corpus and log_every), each cut at the
+    README's "…"."""
+    from tests.test_readme import shown_output
+
+    def normal(line: str, where: str) -> str:
+        line = line.split(" …")[0].replace(f"'{where}'", "'HOST'")
+        if line.startswith(("step", "threads:")):
+            line = re.sub(r"\d+(\.\d+)?(e[+-]\d+)?", "#", line)
+        return re.sub(" +", " ", line)
+
+    printed = [normal(line, host) for line in log.splitlines()]
+    for line in shown_output(command).splitlines():
+        want = normal(line, "vm")
+        assert any(p.startswith(want) for p in printed), (want, log[-3000:])
 
 
 def _two_node_skip_reason() -> str | None:

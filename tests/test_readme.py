@@ -23,7 +23,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from engine.config import register_configs
-from tests.multiproc import subprocess_env
+from tests.multiproc import run_ranks, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -46,8 +46,8 @@ COVERED = {
     "dp_size=2 trainer.max_steps=100": "tests/test_parallel_state.py::test_detect_launch",
     "srun -N 2 --ntasks-per-node 8 --gpus-per-node 8 python -m engine.pretrain "
     "experiment=gpt_125m_bf16 tp_size=4 dp_size=auto": "tests/test_parallel_state.py::test_detect_launch",
-    "mpirun -np 4 -x MASTER_ADDR=node01 python -m engine.pretrain tp_size=2 dp_size=2":
-        "tests/test_parallel_state.py::test_detect_launch",
+    "mpirun --allow-run-as-root --oversubscribe -np 4 python -m engine.pretrain tp_size=2 dp_size=2":
+        "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
     "python -m engine.pretrain -m tp_size=1,2,4 dp_size=1":
         "manual: a sweep of three full runs (minutes); its overrides are composed here",
     "python -m engine.pretrain experiment=bert_tiny_stdlib":
@@ -291,3 +291,40 @@ def test_python_snippets_run_as_shown(ranks, tmp_path):
         if check:
             oks = sorted(ln for ln in done.stdout.splitlines() if ln.startswith("snippet ok"))
             assert oks == [f"snippet ok tp={ranks} rank={r}" for r in range(ranks)], done.stdout
+
+
+def _verify_rows(spec) -> list[tuple[str, str, bool]] | None:
+    import parallel_state
+    from engine.verification.layouts import compare_layouts
+
+    parallel_state.initialize(spec.tp_size, spec.dp_size)
+    report = compare_layouts(spec)
+    return report and [(row.kind, row.name, row.ok) for row in report.rows]
+
+
+@pytest.mark.slow
+def test_the_verifiers_shown_output_is_what_it_prints():
+    """The README's verifier table lists rows the tool really reports, in its order, and its
+    last line counts them: run the README's layout (gpt, tp=2 dp=2, sequence parallel,
+    selective recompute) on 4 gloo ranks. The errors themselves (1e-16 noise) are not
+    compared; every shown row must say ok."""
+    from engine.verification.layouts import VerifySpec
+
+    spec = VerifySpec(
+        model="gpt", tp_size=2, dp_size=2, sequence_parallel=True, recompute="selective"
+    )
+    rows = run_ranks(_verify_rows, 4, spec, timeout=300)[0]
+    block = next(b for b in _blocks("text") if "gpt vs reference, float64" in b)
+    shown = [
+        [cell.strip() for cell in line.split("│")[1:-1]]
+        for line in block.splitlines()
+        if line.startswith("│")
+    ]
+    kinds_names = [(kind, name) for kind, name, *_ in shown if kind != "…"]
+    real = iter((kind, name) for kind, name, _ in rows)
+    assert all(pair in real for pair in kinds_names), kinds_names  # in order, a subsequence
+    assert all(cells[-1] == "ok" for cells in shown if cells[0] != "…")
+    assert all(ok for *_, ok in rows)
+    assert (
+        block.strip().splitlines()[-1] == f"all {len(rows)} tensors within relative tolerance 1e-10"
+    )
