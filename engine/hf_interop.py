@@ -321,6 +321,11 @@ def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelCo
     write_hf_dir(hf_dir, ckpt.config, ckpt.state, ckpt.extra.get("hf_config"))
     tokenizer = Path(ckpt_dir) / TOKENIZER_FILE
     if tokenizer.is_file():  # the model's own tokenizer, in the files AutoTokenizer reads
-        write_hf_tokenizer(tokenizer, hf_dir, arch=ckpt.config.arch,
-                           max_positions=ckpt.config.max_positions)  # fmt: skip
+        ids = write_hf_tokenizer(
+            tokenizer, hf_dir, arch=ckpt.config.arch, max_positions=ckpt.config.max_positions
+        )
+        # config.json names the special tokens by id too (GPT-2's defaults are 50256)
+        config_path = Path(hf_dir) / "config.json"
+        config = {**json.loads(config_path.read_text()), **ids}
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return ckpt.config

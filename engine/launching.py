@@ -68,8 +68,8 @@ def share_cores(ps) -> str | None:
     cores = usable_cores()
     torch.set_num_threads(max(1, cores // local))
     return (
-        f"threads: {torch.get_num_threads()} per rank ({cores} usable cores / {local} ranks "
-        "on this node; OMP_NUM_THREADS=N overrides)"
+        f"threads: {torch.get_num_threads()} per rank ({cores} usable cores / {local} "
+        f"rank{'s' if local > 1 else ''} on this node; OMP_NUM_THREADS=N overrides)"
     )
 
 

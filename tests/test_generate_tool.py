@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -124,6 +125,8 @@ def test_exports_carry_the_tokenizer_so_generation_needs_no_flag(tmp_path, capsy
     assert hf_tokenizer(text)["input_ids"] == reference.encode(text).ids
     assert hf_tokenizer.eos_token == "<|endoftext|>"
     assert hf_tokenizer.eos_token_id == reference.token_to_id("<|endoftext|>")
+    config = json.loads((hf_dir / "config.json").read_text())  # not GPT-2's 50256
+    assert config["eos_token_id"] == config["bos_token_id"] == hf_tokenizer.eos_token_id
 
     new = generate_batch(model, [reference.encode("def add").ids], 5, Sampling(greedy=True))
     expected = ["--- sample 1 ---", "def add" + reference.decode(new[0])]

@@ -76,9 +76,11 @@ def copy_tokenizer(path: str | os.PathLike, directory: str | os.PathLike) -> Non
 
 def write_hf_tokenizer(
     path: str | os.PathLike, hf_dir: str | os.PathLike, *, arch: str, max_positions: int
-) -> None:
+) -> dict[str, int]:
     """Write ``tokenizer.json`` and the Hugging Face files that name its special tokens
-    (only those the vocabulary holds), for ``AutoTokenizer.from_pretrained(hf_dir)``."""
+    (only those the vocabulary holds), for ``AutoTokenizer.from_pretrained(hf_dir)``.
+    Returns their ids by config.json key (``eos_token_id``: 0 ...), which the model's
+    config must carry too."""
     from tokenizers import Tokenizer
 
     copy_tokenizer(path, hf_dir)
@@ -92,3 +94,4 @@ def write_hf_tokenizer(
     }
     for name, body in (("tokenizer_config.json", config), ("special_tokens_map.json", roles)):
         (Path(hf_dir) / name).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    return {f"{role}_id": vocab[token] for role, token in roles.items() if role != "unk_token"}
