@@ -141,6 +141,16 @@ COVERED = {
     '--prompt "import os" --max-new-tokens 40 --top-p 0.95':
         "tests/test_generate_tool.py::test_tool_at_tp2_prints_what_tp1_generates_in_process",
     "python -m pytest -q": "manual: the whole suite (this test is part of it)",
+    "python tools/convert_hf.py export --ckpt weights/ --out weights-hf/":
+        "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
+    'python tools/generate.py --hf-dir weights-hf/ --prompt "def " --max-new-tokens 24 --greedy':
+        "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
+    "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib":
+        "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
+    "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --dp-size 2":
+        "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
+    "python -m engine.evaluate --ckpt weights/ --text docs/ARCHITECTURE.md":
+        "tests/test_evaluate.py::test_text_file_loss_is_the_mean_cross_entropy_of_its_windows",
 }  # fmt: skip
 
 
@@ -179,8 +189,9 @@ def test_every_readme_command_is_run_or_mapped_to_a_test():
 def _program_args(command: str) -> tuple[str, list[str]] | None:
     """(program, its arguments) of a command that runs engine.pretrain or a tool."""
     argv = shlex.split(command)
-    if "engine.pretrain" in argv:
-        return "engine.pretrain", argv[argv.index("engine.pretrain") + 1 :]
+    for module in ("engine.pretrain", "engine.evaluate"):
+        if module in argv:
+            return module, argv[argv.index(module) + 1 :]
     tools = [a for a in argv if a.startswith("tools/") and a.endswith(".py")]
     if tools:
         return tools[0], argv[argv.index(tools[0]) + 1 :]
@@ -224,6 +235,10 @@ def test_every_readme_command_parses_with_its_program():
         program, args = found
         if program == "engine.pretrain":
             _hydra_compose(args)
+        elif program == "engine.evaluate":
+            from engine.evaluate import parse_args
+
+            parse_args(args)
         else:
             _load_tool(program).parse_args(args)
         parsed += 1
