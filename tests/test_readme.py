@@ -246,10 +246,10 @@ def test_every_readme_command_parses_with_its_program():
 
 
 def shown_output(command: str) -> str:
-    """The lines the README shows under ``$ command``, up to the next ``$`` line or the
-    block's end."""
+    """The lines the README shows under ``$ command`` (continuation lines joined), up to
+    the next ``$`` line or the block's end."""
     for block in _blocks("text"):
-        lines = block.splitlines()
+        lines = re.sub(r" *\\\n *", " ", block).splitlines()  # a command's continuations joined
         if f"$ {command}" in lines:
             rest = lines[lines.index(f"$ {command}") + 1 :]
             end = next((i for i, ln in enumerate(rest) if ln[:2] == "$ "), None)
