@@ -66,31 +66,39 @@ def test_mpirun_four_ranks_tp2_dp2(corpus, tmp_path):
         "[0, 1, 2, 3]}"
     ), mesh
     assert "\x1b[" not in proc.stdout  # no colors or progress bar in a relayed log
-    _shown_in_readme(log, README_MPIRUN, host)
+    _shown_in_readme(log, README_MPIRUN, {"vm": host})
 
 
+README_MPIRUN_TWO_NODES = (
+    "tools/launch/mpi/netns-rsh mtrnbe14b8n0 mpirun --allow-run-as-root --hostfile hosts -np 4 "
+    '--map-by ppr:2:node --mca plm_rsh_agent "$PWD/tools/launch/mpi/netns-rsh" -x '
+    "MASTER_ADDR=10.213.0.1 -x MASTER_PORT=29500 -x PYTHONPATH python -m engine.pretrain "
+    "tp_size=2 dp_size=2 … trainer.log_every=3"
+)
 README_MPIRUN = (
     "mpirun --allow-run-as-root --oversubscribe -np 4 -x MASTER_ADDR -x MASTER_PORT -x PYTHONPATH "
     "python -m engine.pretrain tp_size=2 dp_size=2 … trainer.log_every=3"
 )
 
 
-def _shown_in_readme(log: str, command: str, host: str) -> None:
+def _shown_in_readme(log: str, command: str, hosts: dict[str, str]) -> None:
     """Every line the README shows under ``$ command`` is one this run printed: header and
-    mesh lines as they are (the README's host is "vm"), step and thread lines in their
-    format (their numbers depend on the machine, the corpus and log_every), each cut at the
-    README's "…"."""
+    mesh lines as they are (``hosts``: the README's host names to this run's), step and
+    thread lines in their format (their numbers depend on the machine, the corpus and
+    log_every), each cut at the README's "…"."""
     from tests.test_readme import shown_output
 
-    def normal(line: str, where: str) -> str:
-        line = line.split(" …")[0].replace(f"'{where}'", "'HOST'")
+    def normal(line: str, names: list[str]) -> str:
+        line = line.split(" …")[0]
+        for i, name in enumerate(names):
+            line = line.replace(f"'{name}'", f"'HOST{i}'")
         if line.startswith(("step", "threads:")):
             line = re.sub(r"\d+(\.\d+)?(e[+-]\d+)?", "#", line)
         return re.sub(" +", " ", line)
 
-    printed = [normal(line, host) for line in log.splitlines()]
+    printed = [normal(line, list(hosts.values())) for line in log.splitlines()]
     for line in shown_output(command).splitlines():
-        want = normal(line, "vm")
+        want = normal(line, list(hosts))
         assert any(p.startswith(want) for p in printed), (want, log[-3000:])
 
 
@@ -138,6 +146,7 @@ def test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node(corpus, tm
         "mesh: tp groups [[0, 1], [2, 3]]  dp groups [[0, 2], [1, 3]]  hosts "
         f"{{'{n0}': [0, 1], '{n1}': [2, 3]}}"
     ), mesh
+    _shown_in_readme(log, README_MPIRUN_TWO_NODES, {"mtrnbe14b8n0": n0, "mtrnbe14b8n1": n1})
 
 
 def _stop_after(i_signal: int, rank_signalled: int) -> list[int]:
