@@ -58,6 +58,7 @@ def _train(cfg: Config) -> dict:
     return run_worker(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt_tiny", "bert_tiny"])
 def test_tiny_model_trains_at_tp2_dp2(corpus, tmp_path, model):
     observe = ["trainer.tensorboard=true", "trainer.profile_steps=[2,3]"]
@@ -245,6 +246,7 @@ def test_more_data_and_checkpoint_checks(corpus, tmp_path, capsys, monkeypatch):
     assert (taken / "step_00000005" / INDEX).exists()  # nothing was touched
 
 
+@pytest.mark.slow
 def test_cli_rejects_unknown_key_and_bad_layout_without_traceback(tmp_path):
     env = subprocess_env(ROOT)  # cwd: a temporary directory, where Hydra makes outputs/
     unknown = subprocess.run([sys.executable, "-m", "engine.pretrain", "trainer.bogus=1"],

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -51,6 +52,7 @@ def _export(tmp_path: Path) -> tuple[Path, Tokenizer, object]:
     return directory, tokenizer, model
 
 
+@pytest.mark.slow
 def test_tool_at_tp2_prints_what_tp1_generates_in_process(tmp_path):
     directory, tokenizer, model = _export(tmp_path)
     prompts = ["def add", "return a"]

@@ -90,6 +90,7 @@ def _parity(hf_dirs: dict[str, str]) -> list[tuple[str, str, float, bool]]:
     return results
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(hf_dirs):
     results = run_ranks(_parity, 2, hf_dirs, timeout=300)[0]
     for label, logits, err, _ in results:
@@ -118,6 +119,7 @@ def _run(tool: str, *args: str) -> subprocess.CompletedProcess:
         )
 
 
+@pytest.mark.slow
 def test_command_line_tools(hf_dirs, tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     imported = _run("tools/convert_hf.py", "import", "--hf-dir", hf_dirs["gpt"], "--out", str(ckpt))

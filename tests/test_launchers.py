@@ -44,6 +44,7 @@ def check_trained(log: str, steps: int) -> None:
     assert seen[steps] < seen[1] - 0.1 and seen[steps] < UNIFORM - 0.1, seen
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     shutil.which("mpirun") is None, reason="needs Open MPI (apt-get install openmpi-bin)"
 )
@@ -113,6 +114,7 @@ def _two_node_skip_reason() -> str | None:
     return None if reason is None else reason.split(";")[0]
 
 
+@pytest.mark.slow
 def test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node(corpus, tmp_path):
     """mpirun --hostfile over two emulated nodes (network namespaces joined by a bridge),
     its remote daemon started by tools/launch/mpi/netns-rsh instead of ssh: -np 4 with 2
@@ -189,6 +191,7 @@ def _read(log) -> str:
     return log.read()
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
     """SIGTERM mid-run: the process saves a checkpoint at the step it stopped after, says
     so, exits 75 (EX_TEMPFAIL) long before max_steps, and that checkpoint verifies."""
@@ -211,6 +214,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
     assert inspect.returncode == 0 and inspect.stdout.rstrip().endswith("OK"), inspect.stdout
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_path):
     """Two SIGINTs (a double Ctrl-C) while a checkpoint is saved every step: the process
     ends with status 130 before another step boundary, and the newest checkpoint that
@@ -251,6 +255,7 @@ def test_slurm_jobs_on_one_node_get_different_ports_without_master_port():
     assert detect_launch({**env, "SLURM_JOB_ID": "4001", "MASTER_PORT": "1234"}).master_port == 1234
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
     reason="hydra-submitit-launcher not installed (pip install -e .[slurm])",
@@ -280,6 +285,7 @@ def test_hydra_sweep_through_submitit_local_launcher(corpus, tmp_path):
         assert (tmp_path / "sweep" / point / "ckpt" / "step_00000004").is_dir()
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_self_launched_ranks_saves_and_exits_75(corpus, tmp_path):
     """python -m engine.pretrain tp_size=1 dp_size=2 starts its own two workers through
     torch's elastic agent. A terminal's Ctrl-C reaches the whole process group, and the

@@ -94,6 +94,7 @@ def _measured_rows():
     return {k: measure_layer_bytes(c, seq_len=128, batch_size=2) for k, c in cases.items()}
 
 
+@pytest.mark.slow
 def test_activation_memory_against_measured_bytes():
     """perfmodel's layer bytes vs the bytes autograd really keeps (bf16, t=2, 2 gloo ranks).
 

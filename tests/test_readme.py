@@ -222,6 +222,7 @@ def _load_tool(path: str):
     return sys.modules[name]
 
 
+@pytest.mark.slow
 def test_every_readme_command_parses_with_its_program():
     """Hydra composes every engine.pretrain override set; argparse accepts every tool's
     arguments. Catches a README that names a key, a preset or an option that is gone."""
@@ -257,6 +258,7 @@ def shown_output(command: str) -> str:
     raise AssertionError(f"the README shows no output for {command!r}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(RUN))
 def test_cheap_readme_commands_run_as_shown(command, tmp_path):
     argv = [str(ROOT / a) if a.startswith("tools/") else a for a in shlex.split(command)]
@@ -290,6 +292,7 @@ print(f"snippet ok tp={ps.tp_size} rank={ps.rank}")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_python_snippets_run_as_shown(ranks, tmp_path):
     blocks = _blocks("python")

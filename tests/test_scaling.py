@@ -48,6 +48,7 @@ def _rows(out: Path) -> list[dict[str, str]]:
         return list(reader)
 
 
+@pytest.mark.slow
 def test_three_point_study_reports_consistent_speedup(tmp_path, data):
     out = tmp_path / "study"
     # dp=5 cannot split a global batch of 12 into micro-batches of 2: that point fails (a
@@ -111,6 +112,7 @@ def _cluster_yaml(tmp_path: Path, mbit: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NO_NETNS is not None, reason=f"network namespaces refused: {NO_NETNS}")
 def test_emulated_two_nodes_train_and_links_hold_the_configured_rate(tmp_path, data):
     # 200 Mbit/s: a fiftieth of what loopback carried here (≥ 10 Gbit/s), so the measured
@@ -152,6 +154,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_study_killed_midway_leaves_nothing_behind(tmp_path, data, sig):
     # Ctrl-C unwinds the study, which stops its workers and removes its namespaces.
@@ -185,6 +188,7 @@ def test_study_killed_midway_leaves_nothing_behind(tmp_path, data, sig):
     assert leftovers() == []
 
 
+@pytest.mark.slow
 def test_multirun_gives_every_job_its_own_checkpoints(tmp_path, data):
     common = ["tp_size=1", "dp_size=1", "trainer.max_steps=1", "trainer.eval_every=0",
               "trainer.sample_tokens=0", "trainer.tensorboard=false",
