@@ -141,6 +141,7 @@ COVERED = {
     '--prompt "import os" --max-new-tokens 40 --top-p 0.95':
         "tests/test_generate_tool.py::test_tool_at_tp2_prints_what_tp1_generates_in_process",
     "python -m pytest -q": "manual: the whole suite (this test is part of it)",
+    'python -m pytest -q -m "not slow"': "manual: the quick subset of the suite (this test is part of it)",
     "python tools/convert_hf.py export --ckpt weights/ --out weights-hf/":
         "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
     'python tools/generate.py --hf-dir weights-hf/ --prompt "def " --max-new-tokens 24 --greedy':
