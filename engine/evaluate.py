@@ -121,13 +121,14 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
             f"the model's vocabulary ({cfg.model.vocab_size}): not its tokenizer"
         )
     valid, _ = eval_iterator(cfg, args.split, tokenizer)  # ValueError: the split is too small
-    available = len(valid.dataset) // cfg.trainer.micro_batch
-    batches = cfg.trainer.eval_batches or available
-    if not 1 <= batches <= available:
+    # More micro-batches than the split holds read on into its next epoch (reshuffled), as
+    # the trainer's validation does: the same numbers, so the same rule.
+    batches = cfg.trainer.eval_batches or len(valid.dataset) // cfg.trainer.micro_batch
+    if batches < 1:
         raise ValueError(
-            f"the {args.split} split holds {available} micro-batches of "
-            f"{cfg.trainer.micro_batch} x {cfg.data.seq_len} tokens; asked for "
-            f"{batches}: lower --batches, --micro-batch or --seq-len"
+            f"the {args.split} split holds {len(valid.dataset)} sequences of "
+            f"{cfg.data.seq_len} tokens, fewer than one micro-batch of "
+            f"{cfg.trainer.micro_batch}: lower --micro-batch or --seq-len"
         )
     return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, eval_batches=batches))
 

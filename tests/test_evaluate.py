@@ -57,7 +57,7 @@ def test_same_loss_as_the_trainers_validation_at_other_layouts(corpus, tmp_path,
         "tp_size=2",
         "dp_size=2",
         "trainer.max_steps=10",
-        "trainer.eval_batches=4",
+        "trainer.eval_batches=200",  # more than the split holds: it reads on, reshuffled
         "checkpoint.every=10",
     )
     summary = run_ranks(_train, 4, cfg, timeout=240)[0]
@@ -66,7 +66,11 @@ def test_same_loss_as_the_trainers_validation_at_other_layouts(corpus, tmp_path,
     root = str(tmp_path / "ckpt")
     args = _args(ckpt=root, dp_size=2)
     eval_cfg = check(args, evaluation_config(args))
-    assert eval_cfg.trainer.eval_batches == 4 and eval_cfg.data.seq_len == 32
+    assert eval_cfg.trainer.eval_batches == 200 and eval_cfg.data.seq_len == 32
+    from engine.data.pipeline import eval_iterator, load_tokenizer
+
+    valid, _ = eval_iterator(eval_cfg, "valid", load_tokenizer(eval_cfg.data))
+    assert len(valid.dataset) < 200 * 2  # the set wraps into a second epoch, as in the trainer
     got = run_ranks(worker, 2, eval_cfg, ModelSource(ckpt=root), "valid", timeout=240)[0]
     torch.testing.assert_close(got["loss"], reference, rtol=1e-5, atol=0)
 
@@ -76,7 +80,7 @@ def test_same_loss_as_the_trainers_validation_at_other_layouts(corpus, tmp_path,
     result = json.loads(lines[0])
     torch.testing.assert_close(result["loss"], reference, rtol=1e-5, atol=0)
     assert result["perplexity"] == pytest.approx(torch.tensor(result["loss"]).exp().item())
-    assert (result["micro_batches"], result["sequences"], result["tp_size"]) == (4, 8, 1)
+    assert (result["micro_batches"], result["sequences"], result["tp_size"]) == (200, 400, 1)
 
 
 def test_text_file_loss_is_the_mean_cross_entropy_of_its_windows(corpus, tmp_path, capsys):
@@ -129,12 +133,18 @@ def test_bad_inputs_are_one_line_and_exit_2(corpus, tmp_path, capsys):
     write_checkpoint(export, build_model(cfg).full_state_dict(), cfg, tokenizer=tokenizer_path)
     short = tmp_path / "short.txt"
     short.write_text("x")
+    words = tmp_path / "words.txt"
+    words.write_text("def total(items): return sum(items)\n" * 4)
     cases = [
         (["--ckpt", str(export)], "records no training data: pass --data or --text"),
         (["--ckpt", str(export), "--text", str(short)], "fewer than seq_len + 1"),
         (["--ckpt", str(export), "--text", str(short), "--tp-size", "3"], "tp_size=3"),
         (["--ckpt", str(tmp_path / "nothing"), "--text", str(short)], "nothing"),
         (["--ckpt", str(export), "--batches", "0"], "--batches"),
+        (
+            ["--ckpt", str(export), "--text", str(words), "--seq-len", "8", "--micro-batch", "64"],
+            "fewer than one micro-batch of 64",
+        ),
     ]
     for argv, expected in cases:
         assert _exit_code(argv) == 2, argv
