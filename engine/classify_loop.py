@@ -220,7 +220,9 @@ def run_worker(cfg: ClassifyConfig) -> dict:
     except RunStopped as err:
         print(err, file=sys.stderr, flush=True)
         raise SystemExit(3) from None
-    share_cores(ps)
+    threads = share_cores(ps)
+    if threads:
+        _printer(ps)(threads)
     try:
         return train(cfg, ps)
     finally:

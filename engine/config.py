@@ -70,7 +70,7 @@ class TrainerConfig:
     eval_every: int = 50  # validation interval in steps; 0 disables
     eval_batches: int = 4  # validation micro-batches per evaluation (the same at any layout)
     grad_bucket_mb: float = 25.0  # DP all-reduce bucket size
-    tensorboard: bool = True  # write TensorBoard scalars under the run directory
+    tensorboard: bool = True  # TensorBoard scalars in CHECKPOINT_DIR/tensorboard, kept over resumes
     wandb_project: str | None = None  # log to Weights & Biases when set (wandb must be installed)
     profile_steps: list[int] = field(default_factory=list)  # [first, last] step to trace
     sample_tokens: int = 48  # tokens sampled from the GPT after training; 0 disables

@@ -1,6 +1,7 @@
 """Shared pytest setup."""
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,27 @@ def _run_outputs() -> set[str]:
 
 
 @pytest.fixture(autouse=True)
-def _no_writes_into_the_repository():
-    """Fail a test that leaves a run's outputs (Hydra run dirs, checkpoints) in the repo."""
+def _no_writes_into_the_repository(monkeypatch):
+    """Fail a test whose commands ran in the repository and left a run's outputs there
+    (Hydra run dirs, checkpoints): tests must write to temporary directories only.
+
+    Only what the test's own commands could have written is blamed: the check applies when
+    the test started a subprocess whose working directory is the repository root (where a
+    run's relative ``outputs/`` and ``checkpoints/`` land). A user running the README's
+    commands in the same checkout while the suite runs creates the same folders; a test
+    whose commands ran in tmp dirs is not blamed for them.
+    """
+    ran_here = []
+    popen_init = subprocess.Popen.__init__
+
+    def tracking_init(self, args, *rest, **kwargs):
+        cwd = kwargs.get("cwd")
+        ran_here.append(Path(cwd if cwd is not None else os.getcwd()).resolve() == ROOT)
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", tracking_init)
     before = _run_outputs()
     yield
-    new = _run_outputs() - before
-    assert not new, f"the test wrote into the repository: {sorted(new)} (use tmp_path)"
+    if any(ran_here):
+        new = _run_outputs() - before
+        assert not new, f"the test wrote into the repository: {sorted(new)} (use tmp_path)"

@@ -224,6 +224,7 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("overrides", "fragment"), [c[1:] for c in PRETRAIN],
                          ids=[c[0] for c in PRETRAIN])  # fmt: skip
 def test_pretrain_bad_input_is_one_config_error_line(inputs, overrides, fragment, monkeypatch,
@@ -454,6 +455,7 @@ def _command(case_id: str, p: dict[str, str]) -> tuple[list[str], str]:
     return [sys.executable, script, *(a.format(**p) for a in argv)], fragment
 
 
+@pytest.mark.slow
 def test_representative_bad_inputs_as_real_processes(inputs, tmp_path):
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}

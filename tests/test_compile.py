@@ -60,6 +60,7 @@ def _compare(backend: str, **overrides) -> tuple[str, float, int]:
     return (*_worst_error(reference, compiled), counters["stats"]["unique_graphs"])
 
 
+@pytest.mark.slow
 def test_compiled_layers_match_eager_tp1():
     worst, err, graphs = _compare("inductor")
     assert graphs >= 1, f"Dynamo captured {graphs} graphs"
@@ -71,6 +72,7 @@ def _on_tp2(overrides):
     return _compare("aot_eager", **overrides)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [

@@ -58,6 +58,7 @@ def _train(cfg: Config) -> dict:
     return run_worker(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt_tiny", "bert_tiny"])
 def test_tiny_model_trains_at_tp2_dp2(corpus, tmp_path, model):
     observe = ["trainer.tensorboard=true", "trainer.profile_steps=[2,3]"]
@@ -82,7 +83,7 @@ def _check_observability(run_dir: Path, losses: list[float]) -> None:
     """TensorBoard got the console's losses and the metrics; every rank wrote a trace."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events = EventAccumulator(str(run_dir / "ckpt" / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
@@ -91,6 +92,34 @@ def _check_observability(run_dir: Path, losses: list[float]) -> None:
     assert "perf/mfu" not in tags  # no known peak on a CPU: no MFU rather than a wrong one
     for rank in range(4):
         assert (run_dir / f"trace_rank{rank}.json").stat().st_size > 0
+
+
+def test_tensorboard_keeps_one_run_across_resumes(tmp_path):
+    """A run that logged steps 1-10, died, and resumed from its step-6 checkpoint has one
+    TensorBoard run directory whose curve is steps 1-6 of the first launch then 7-9 of the
+    second: the lost steps 7-10 are dropped, not drawn as a second, overlapping line."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from engine.observe import RunLogger
+
+    board = tmp_path / "ckpt" / "tensorboard"
+
+    def launch(first_after: int, steps: range, value: float) -> None:
+        logger = RunLogger(enabled=True, run_dir=str(tmp_path / f"launch{value}"), max_steps=10,
+                           tensorboard=str(board), wandb_project=None, config={}, progress=False)  # fmt: skip
+        if first_after:
+            logger.resumed_at(first_after)
+        for step in steps:
+            logger.scalars(step, {"train/loss": value})
+        logger.close()
+
+    launch(0, range(1, 11), 1.0)
+    launch(6, range(7, 10), 2.0)
+    assert [p.name for p in board.parent.iterdir()] == ["tensorboard"]
+    events = EventAccumulator(str(board))
+    events.Reload()
+    curve = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert curve == [(s, 1.0) for s in range(1, 7)] + [(s, 2.0) for s in range(7, 10)]
 
 
 def _grad_norms(sequence_parallel: bool) -> tuple[float, float]:
@@ -217,6 +246,7 @@ def test_more_data_and_checkpoint_checks(corpus, tmp_path, capsys, monkeypatch):
     assert (taken / "step_00000005" / INDEX).exists()  # nothing was touched
 
 
+@pytest.mark.slow
 def test_cli_rejects_unknown_key_and_bad_layout_without_traceback(tmp_path):
     env = subprocess_env(ROOT)  # cwd: a temporary directory, where Hydra makes outputs/
     unknown = subprocess.run([sys.executable, "-m", "engine.pretrain", "trainer.bogus=1"],

@@ -91,6 +91,7 @@ def _stderr_lines(proc: subprocess.CompletedProcess) -> list[str]:
 # ------------------------------------------------------------------------- bad steps
 
 
+@pytest.mark.slow
 def test_nan_run_skips_steps_stops_and_keeps_the_good_checkpoints(corpus, good_run, tmp_path):
     """lr=1e3 (the largest accepted) from the good step-4 checkpoint: the weights grow until
     a step S is non-finite (NaN or inf). Each bad step is skipped with a line; 3 in a row
@@ -407,6 +408,7 @@ _PEER_LINE = re.compile(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
 def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, sig):
     """4 ranks started by environment (as srun or mpirun start them), tp=2 × dp=2. One
@@ -550,6 +552,7 @@ def _valid_loss(cfg: Config) -> tuple[float, float | None]:
     return got, sum(losses) / len(losses)
 
 
+@pytest.mark.slow
 def test_validation_loss_does_not_depend_on_dp_size(corpus, tmp_path):
     """The same weights at dp 1, 2 and 4 (tp=1): the same fixed validation sequences. Each
     micro-batch's loss is the same fp32 computation at every layout; only the float64

@@ -254,6 +254,7 @@ def _all_layer_checks(tp: int) -> dict[str, float]:
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
 def test_layers_match_unsplit_reference(tp):
     worst = run_ranks(_all_layer_checks, tp, tp)

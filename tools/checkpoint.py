@@ -8,7 +8,8 @@ CKPT is a step directory (``.../step_00000150``) or a checkpoint root, which mea
 step its ``latest`` names. ``inspect`` verifies every file's size and SHA-256 unless
 ``--no-verify``. ``convert`` writes a checkpoint root that a run at the new layout resumes
 from with ``checkpoint.dir=OUT``; ``export-model`` writes the weights alone in the format
-``tools/convert_hf.py export --ckpt`` and ``engine.checkpoint.format.load_model`` read.
+``tools/convert_hf.py export --ckpt`` and ``engine.checkpoint.format.load_model`` read, with
+a copy of the tokenizer the checkpoint records (``tokenizer.json``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.checkpoint import CheckpointError  # noqa: E402
 from engine.checkpoint.convert import convert, export_model, resolve, summarize  # noqa: E402
+from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.cli import ArgumentParser  # noqa: E402
 
 
@@ -83,6 +86,12 @@ def inspect(ckpt: str, verify: bool) -> int:
     return 1 if damaged else 0
 
 
+def _tokenizer_note(out: str) -> str:
+    if (Path(out) / TOKENIZER_FILE).is_file():
+        return f"with its {TOKENIZER_FILE}"
+    return "no tokenizer recorded or found: generate.py will need --tokenizer PATH"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -94,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"checkpoint.dir={args.out} tp_size={args.tp_size} dp_size={args.dp_size}")  # fmt: skip
             return 0
         cfg = export_model(args.ckpt, args.out)
-        print(f"exported the {cfg.arch} weights to {args.out}")
+        print(f"exported the {cfg.arch} weights to {args.out} ({_tokenizer_note(args.out)})")
         return 0
     except (CheckpointError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -111,10 +111,10 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
     import parallel_state
     from engine.generate import generate_batch
     from engine.inference import inference_config
+    from engine.launching import share_cores
     from engine.models import build_model
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     ps = parallel_state.initialize(
         args.tp_size,
         None,
@@ -122,6 +122,9 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
             "auto", local, warn=int(os.environ.get("RANK", "0")) == 0
         ),
     )
+    threads = share_cores(ps)
+    if threads and ps.rank == 0:  # stdout holds the samples alone
+        print(threads, file=sys.stderr)
     try:
         cfg, state = ModelSource(args.ckpt, args.hf_dir).load()
         model = build_model(inference_config(cfg), tp_group=ps.tp_group,

@@ -25,6 +25,7 @@ from engine.checkpoint.storage import (
     write_index,
     write_shard,
 )
+from engine.checkpoint.tokenizer import recorded_tokenizer
 from engine.flops import params_count
 from engine.models import ModelConfig, build_model
 
@@ -141,12 +142,13 @@ def read_model_state(src: str | Path) -> tuple[ModelConfig, dict, dict]:
 
 
 def export_model(src: str | Path, out_dir: str | Path) -> ModelConfig:
-    """Write the model weights alone in engine.checkpoint.format (for HF export, inference)."""
+    """Write the model weights alone in engine.checkpoint.format (for HF export, inference),
+    with a copy of the tokenizer the checkpoint records (when that file is still there)."""
     check_output_dir(out_dir)
     cfg, state, index = read_model_state(src)
-    write_checkpoint(
-        out_dir, state, cfg, extra={"step": index["step"], "source": str(resolve(src))}
-    )
+    tokenizer = recorded_tokenizer(index.get("trainer_state"))
+    extra = {"step": index["step"], "source": str(resolve(src))}
+    write_checkpoint(out_dir, state, cfg, extra=extra, tokenizer=tokenizer)
     return cfg
 
 

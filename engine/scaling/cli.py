@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in rows if r.get("status") != "ok"]
     write_csv(ok, cfg.out / "results.csv")
     if ok:
-        plot(ok, cfg.out)
+        plot(ok, cfg.out, title=f"{cfg.spec.model or cfg.workload}, {cfg.mode} scaling")
     load = f"{load} at the start, {_load()} at the end"
     command = shlex.join(["python", "tools/scaling_study.py", *(argv or sys.argv[1:])])
     report = write_report(ok, failed, out=cfg.out, links=links, command=command, load=load,
