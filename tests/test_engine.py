@@ -105,8 +105,15 @@ def test_tensorboard_keeps_one_run_across_resumes(tmp_path):
     board = tmp_path / "ckpt" / "tensorboard"
 
     def launch(first_after: int, steps: range, value: float) -> None:
-        logger = RunLogger(enabled=True, run_dir=str(tmp_path / f"launch{value}"), max_steps=10,
-                           tensorboard=str(board), wandb_project=None, config={}, progress=False)  # fmt: skip
+        logger = RunLogger(
+            enabled=True,
+            run_dir=str(tmp_path / f"launch{value}"),
+            max_steps=10,
+            tensorboard=str(board),
+            wandb_project=None,
+            config={},
+            progress=False,
+        )
         if first_after:
             logger.resumed_at(first_after)
         for step in steps:
