@@ -26,6 +26,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from engine import comm
+from engine.checkpoint.tensorfile import write_tensors
 from engine.models import ModelConfig, ParallelModel, build_model
 
 FORMAT_VERSION = 1
@@ -73,10 +74,9 @@ def write_checkpoint(
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        # clone: safetensors refuses tensors that share storage (tied or unbound views).
-        tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
-                   for k, v in state.items()}  # fmt: skip
-        save_tensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "meshtron"})
+        # Written from the tensors' own memory (views and shared storage too), fsynced.
+        tensors = {k: v.detach().cpu() for k, v in state.items()}
+        write_tensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "meshtron"})
         meta = {"format_version": FORMAT_VERSION, "model_config": config.to_dict(),
                 "extra": extra or {}}  # fmt: skip
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")

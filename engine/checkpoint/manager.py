@@ -2,7 +2,7 @@
 
 Saving: every rank writes only the slices it owns (``layout.assign_writers``) plus its
 RNG streams into one safetensors file of a shared temp directory; rank 0 writes the index
-(layout, trainer state, scalar optimizer state, per-file size and SHA-256) and commits
+(layout, trainer state, scalar optimizer state, per-file size and BLAKE3 hash) and commits
 (``storage.commit``). Failures on any rank are agreed on, so no rank waits forever.
 
 Loading: candidates are ``latest`` and then older committed steps (without ``latest``,

@@ -84,18 +84,29 @@ def export_local(model: ParallelModel, optimizer) -> tuple[dict, dict, dict]:
 
 
 def read_local(reader, spec: TensorSpec, shape: torch.Size, model: ParallelModel) -> torch.Tensor:
-    """This rank's in-memory tensor of ``shape`` for ``spec`` (padding zeroed), from ``reader``."""
+    """This rank's in-memory tensor of ``shape`` for ``spec`` (padding zeroed), from ``reader``.
+
+    Where the stored slice is the whole local tensor (no vocabulary padding), it is the
+    tensor the reader read from the file: no zeroed buffer, no copy.
+    """
     tp_rank, tp_size = group_rank(model.tp_group), group_size(model.tp_group)
     box = local_box(spec, tp_rank, tp_size, padded_vocab(model))
-    local = torch.zeros(shape, dtype=spec.torch_dtype)
-    if box is not None:
-        lengths = [hi - lo for lo, hi in box]
-        if len(lengths) != len(shape) or any(n > m for n, m in zip(lengths, shape, strict=False)):
-            raise ValueError(
-                f"{spec.name}: stored shape {list(spec.shape)} does not fit the model's "
-                f"{list(shape)} shard at tp_size={tp_size}"
-            )
-        local[tuple(slice(0, n) for n in lengths)] = reader.read(spec.name, box)
+    if box is None:  # a rank holding padding rows only
+        return torch.zeros(shape, dtype=spec.torch_dtype)
+    lengths = [hi - lo for lo, hi in box]
+    if len(lengths) != len(shape) or any(n > m for n, m in zip(lengths, shape, strict=False)):
+        raise ValueError(
+            f"{spec.name}: stored shape {list(spec.shape)} does not fit the model's "
+            f"{list(shape)} shard at tp_size={tp_size}"
+        )
+    stored = reader.read(spec.name, box)
+    if list(shape) == lengths:
+        return stored
+    local = torch.empty(shape, dtype=spec.torch_dtype)
+    if lengths[1:] != list(shape[1:]):  # not the vocabulary rows alone: zero it all first
+        local.zero_()
+    local[tuple(slice(0, n) for n in lengths)] = stored
+    local[lengths[0] :].zero_()  # the vocabulary padding rows
     return local
 
 
