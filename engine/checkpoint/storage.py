@@ -135,6 +135,14 @@ class ShardReader:
             for name, box in record["slices"].items():
                 self._pieces.setdefault(name, []).append((fname, [tuple(p) for p in box]))
         self._files: dict[str, dict[str, torch.Tensor]] = {}
+        self._into: dict[str, dict[str, torch.Tensor]] = {}
+
+    def read_into(self, name: str, box: Box, destination: torch.Tensor) -> None:
+        """Have the stored slice of ``name`` whose box is ``box`` read straight into
+        ``destination`` (its shape), when its file is read (before that file is opened)."""
+        for fname, piece in self._pieces.get(name, []):
+            if piece == [tuple(pair) for pair in box]:
+                self._into.setdefault(fname, {})[name] = destination
 
     def _checked(self, fname: str) -> tuple[Path, dict, str]:
         """(path, index record, hash name) after the checks that need no data read."""
@@ -175,7 +183,7 @@ class ShardReader:
             return self._files[fname]
         path, record, algo = self._checked(fname)
         try:
-            tensors, digest = read_tensors(path, algo)
+            tensors, digest = read_tensors(path, algo, self._into.pop(fname, None))
         except (TensorFileError, OSError) as err:
             # A damaged file usually fails its hash too: name that, the cause, first.
             if hash_file(path, algo) != record[algo]:

@@ -77,7 +77,7 @@ class _Hasher:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The tensor's memory as bytes (little-endian hosts, as safetensors assumes)."""
-    flat = tensor.reshape(-1)
+    flat = tensor.detach().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
@@ -182,11 +182,15 @@ def _parse_header(text: bytes, data_bytes: int) -> list[tuple[str, torch.dtype, 
     return [(name, dtype, shape) for _, _, name, dtype, shape in entries]
 
 
-def read_tensors(path: Path, hash_name: str) -> tuple[dict[str, torch.Tensor], str]:
-    """({name: tensor}, hex digest): each stored tensor read straight into a new tensor of its
-    own, the file hashed with ``hash_name`` while it is read. The caller compares the
-    digest before using any tensor. TensorFileError when the file is not safetensors."""
-    hasher, tensors = _Hasher(hash_name), {}
+def read_tensors(
+    path: Path, hash_name: str, into: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], str]:
+    """({name: tensor}, hex digest): each stored tensor read straight into its destination,
+    the file hashed with ``hash_name`` while it is read. The destination is ``into[name]``
+    where that is a contiguous tensor of the stored dtype and shape, else a new tensor. The
+    caller compares the digest before trusting any tensor. TensorFileError when the file is
+    not safetensors."""
+    hasher, tensors, into = _Hasher(hash_name), {}, into or {}
     try:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
@@ -199,7 +203,10 @@ def read_tensors(path: Path, hash_name: str) -> tuple[dict[str, torch.Tensor], s
             _read_into(f, memoryview(text))
             hasher.update(bytes(prefix + text))
             for name, dtype, shape in _parse_header(bytes(text), size - 8 - length):
-                tensor = torch.empty(shape, dtype=dtype)
+                tensor = into.get(name)
+                fits = tensor is not None and tensor.is_contiguous() and tensor.dtype == dtype
+                if not (fits and list(tensor.shape) == shape):
+                    tensor = torch.empty(shape, dtype=dtype)
                 for chunk in _chunks(_bytes_of(tensor)):
                     _read_into(f, chunk)
                     hasher.update(chunk)  # hashed in the other thread while this one reads
