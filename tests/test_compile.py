@@ -15,6 +15,8 @@ Dynamo captured graphs, so a silent fallback to eager cannot pass.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -117,3 +119,16 @@ def test_whole_step_matches_eager_tp2():
 def test_unknown_compile_backend_is_rejected():
     with pytest.raises(ValueError, match="model.compile_backend='tvm' is not one of"):
         preset("gpt_tiny", compile=True, compile_backend="tvm").validate(1)
+
+
+def test_graph_break_tool_counts_what_dynamo_reports(capsys):
+    """tools/count_graph_breaks.py: the dropout-free step is one graph; with dropout under
+    full recomputation each layer's checkpoint stays eager (a break per layer call)."""
+    from engine.bench.graph_breaks import main
+
+    small = ["--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "128", "--seq", "8"]
+    assert main([*small, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"graphs": 1, "graph_breaks": 0, "reasons": {}}
+    assert main([*small, "--json", "--dropout", "0.1", "--recompute", "full"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["graph_breaks"] >= 2 and result["graphs"] >= 3, result
