@@ -155,3 +155,16 @@ def test_checkpoint_recorded_with_sha256_still_loads_and_verifies(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="SHA-256 hash does not match the index"):
         load_checkpoint(tmp_path, model=fresh, optimizer=fresh_opt, ps=None, log=lambda m: None)
+
+
+def test_checkpoint_benchmark_runs_every_side(tmp_path, capsys):
+    """tools/bench_checkpoint.py saves and loads with all four formats and prints a ratio
+    for each (the times themselves are the benchmark's, not asserted here)."""
+    from engine.bench.checkpoint import main
+
+    assert main(["--preset", "gpt_tiny", "--rounds", "1", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for side in ("dcp", "torch.save", "safetensors"):
+        line = next(row for row in out.splitlines() if row.startswith(side))
+        assert line.count("x") == 2, line
+    assert list(tmp_path.iterdir()) == []  # the scratch directory is removed

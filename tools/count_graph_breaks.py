@@ -12,7 +12,7 @@ import sys
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.bench.graph_breaks import main  # noqa: E402
+from engine.bench.graph_breaks import main, parse_args  # noqa: E402, F401
 
 if __name__ == "__main__":
     raise SystemExit(main())
