@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from layers.mappings import all_reduce_max_, all_reduce_sum_
+from layers.mappings import all_reduce_max_, all_reduce_sum_, reduce_from_tp
 from layers.utils import CommTimer
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
@@ -114,6 +114,42 @@ def vocab_parallel_cross_entropy(
             f"vocab_size {vocab_size} must be in (0, {group_size(group) * logits.shape[-1]}] "
             "(the padded vocabulary across the TP group)"
         )
+    if torch.compiler.is_compiling():
+        return _traced_cross_entropy(
+            logits, target, ignore_index, label_smoothing, vocab_size, group, comm_timer
+        )
     return _VocabParallelCrossEntropy.apply(
         logits, target, ignore_index, label_smoothing, vocab_size, group, comm_timer
     )
+
+
+def _traced_cross_entropy(logits, target, ignore_index, smoothing, vocab_size, group, timer):
+    """The same loss in differentiable ops, for a compiled graph: the compiler derives the
+    backward and fuses both passes (no softmax stored; it is recomputed in backward), which
+    the hand-written Function's in-place buffers would prevent.
+
+    The sums cross TP through ``reduce_from_tp`` (all-reduce forward, identity backward:
+    every rank's loss is the same function of the summed statistics, and each rank's
+    shard enters them once); the max is detached (the log-sum-exp does not depend on it).
+    """
+    world, rank = group_size(group), group_rank(group)
+    local = logits.shape[-1]
+    start = rank * local
+    total = world * local if vocab_size is None else vocab_size
+    valid = min(max(total - start, 0), local)
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits[..., :valid].to(compute)  # padding columns: no probability, no gradient
+    row_max = all_reduce_max_(_local_max(x.detach(), compute), group, timer)
+    sum_exp = reduce_from_tp((x - row_max.unsqueeze(-1)).exp().sum(-1), group, comm_timer=timer)
+    in_block = (target >= start) & (target < start + local)
+    local_target = (target - start).clamp(0, max(valid - 1, 0))
+    picked = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) if valid else x.sum(-1)
+    # A target on a padding column gets infinite loss, as if its logit were -inf.
+    on_padding = in_block & (target - start >= valid)
+    picked = picked.masked_fill(~in_block, 0.0).masked_fill(on_padding, float("-inf"))
+    log_sum_exp = row_max + sum_exp.log()
+    loss = log_sum_exp - reduce_from_tp(picked, group, comm_timer=timer)
+    if smoothing > 0:
+        mean_logit = reduce_from_tp(x.sum(-1), group, comm_timer=timer) / total
+        loss = (1.0 - smoothing) * loss + smoothing * (log_sum_exp - mean_logit)
+    return loss.masked_fill(target == ignore_index, 0.0)
