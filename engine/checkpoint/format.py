@@ -27,8 +27,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from engine import comm
-from engine.checkpoint.tokenizer import TOKENIZER_FILE, copy_tokenizer, tokenizer_record
 from engine.checkpoint.tensorfile import write_tensors
+from engine.checkpoint.tokenizer import TOKENIZER_FILE, copy_tokenizer, tokenizer_record
 from engine.models import ModelConfig, ParallelModel, build_model
 
 FORMAT_VERSION = 1

@@ -51,6 +51,7 @@ from engine.checkpoint.storage import (
     write_index,
     write_shard,
 )
+from engine.checkpoint.tensorfile import HASHES
 from engine.data_parallel import DataParallel, checkpoint_view
 from engine.models import ModelConfig, ParallelModel
 from parallel_state import ParallelState
@@ -254,9 +255,9 @@ def _check_index(path: Path, index: dict) -> None:
         raise CheckpointError(f"{where}: optimizer.scalars is not a mapping of mappings")
     for fname, record in index["files"].items():
         ok = isinstance(record, dict) and type(record.get("bytes")) is int
-        if not (
-            ok and isinstance(record.get("sha256"), str) and isinstance(record.get("slices"), dict)
-        ):
+        # A record names its digest under one of the algorithms a reader verifies.
+        digest = ok and any(isinstance(record.get(name), str) for name in HASHES)
+        if not (digest and isinstance(record.get("slices"), dict)):
             raise CheckpointError(f"{where}: the record of {fname!r} is malformed")
 
 
