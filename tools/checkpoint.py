@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.checkpoint import CheckpointError  # noqa: E402
 from engine.checkpoint.convert import convert, export_model, resolve, summarize  # noqa: E402
-from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.checkpoint.tensorfile import HASHES  # noqa: E402
+from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.cli import ArgumentParser  # noqa: E402
 
 
