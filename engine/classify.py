@@ -15,6 +15,7 @@ every process is one rank. The config and the data set are checked before any ra
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -105,6 +106,7 @@ def validate(cfg: ClassifyConfig, dp_size: int) -> list[str]:
          f"launch.node_id={launch.node_id} must be in [0, launch.num_nodes={launch.num_nodes})"),
     ]  # fmt: skip
     problems += [message for ok, message in checks if not ok]
+    problems += _validate_values(cfg, problems)
     train_images = cfg.data.train_subset or 60_000
     if t.batch_size >= 1 and steps_per_epoch(train_images, t.batch_size, dp_size) < 1:
         problems.append(
@@ -112,6 +114,36 @@ def validate(cfg: ClassifyConfig, dp_size: int) -> list[str]:
             "training images: not one step per epoch"
         )
     return problems
+
+
+def _validate_values(cfg: ClassifyConfig, reported: list[str]) -> list[str]:
+    """Ranges no other check covers, then every number's type range (64 bits, finite)."""
+    from pathlib import Path
+
+    from engine.config import INT64_MAX, MAX_LR, numbers_out_of_range
+    from engine.preflight import probe_writable
+
+    t, launch, problems = cfg.trainer, cfg.launch, []
+    checks = [
+        (t.lr <= MAX_LR, f"trainer.lr={t.lr} must be in (0, {MAX_LR:g}]"),
+        (0 <= t.momentum < 1, f"trainer.momentum={t.momentum} must be in [0, 1)"),
+        (0 <= t.seed <= INT64_MAX, f"trainer.seed={t.seed} must be in [0, 2**63-1]"),
+        (t.grad_bucket_mb > 0, f"trainer.grad_bucket_mb={t.grad_bucket_mb} must be > 0"),
+        (
+            0 < launch.rendezvous_timeout_s < math.inf,
+            f"launch.rendezvous_timeout_s={launch.rendezvous_timeout_s} must be > 0 and finite",
+        ),
+        (
+            cfg.data.train_subset >= 0 and cfg.data.test_subset >= 0,
+            f"data.train_subset={cfg.data.train_subset} and data.test_subset="
+            f"{cfg.data.test_subset} must be >= 0 (0: all)",
+        ),
+    ]
+    problems += [message for ok, message in checks if not ok]
+    problem = t.metrics_file and probe_writable(Path(t.metrics_file), directory=False)
+    if problem:
+        problems.append(f"trainer.metrics_file={t.metrics_file} cannot be written: {problem}")
+    return problems + numbers_out_of_range(cfg, reported + problems)
 
 
 def launch(cfg: ClassifyConfig, per_node: int) -> dict:
@@ -165,6 +197,20 @@ def main(dcfg: DictConfig) -> None:
         raise SystemExit(1)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The command line: tutorial flags, then unknown keys (with the nearest real one), an
+    unusable run directory and Hydra's own errors as one line, exit 2."""
+    from engine.config_cli import run_checked
+
     sys.argv = sys.argv[:1] + translate_aliases(sys.argv[1:])
-    main()
+    argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:
+        main()  # Hydra's help, with the tutorial flags' template
+        return
+    run_checked(
+        main, argv, _fail, schema=ClassifyConfig, prog="engine.classify", default_run_dir="."
+    )
+
+
+if __name__ == "__main__":
+    cli()

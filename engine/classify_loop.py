@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -202,16 +203,26 @@ def run_worker(cfg: ClassifyConfig) -> dict:
     """Entry of every rank: build the mesh, train, tear down; the summary."""
     import parallel_state
     from engine.launching import share_cores
+    from engine.resilience.rendezvous import rendezvous
+    from engine.resilience.watchdog import RunStopped
     from parallel_state.launcher import detect_launch
 
     info = detect_launch()
     local = info.local_world_size or 1 if info.launcher != "none" else 1
-    ps = parallel_state.initialize(
-        cfg.tp_size,
-        cfg.dp_size,
-        backend=parallel_state.backend_for("auto", local, warn=info.rank == 0),
-    )
-    share_cores(ps)
+    backend = parallel_state.backend_for("auto", local, warn=info.rank == 0)
+    try:
+        ps = rendezvous(
+            lambda: parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend),
+            timeout_s=cfg.launch.rendezvous_timeout_s,
+            run_dir=None,  # the classifier keeps no run log
+            key="launch.rendezvous_timeout_s",
+        )
+    except RunStopped as err:
+        print(err, file=sys.stderr, flush=True)
+        raise SystemExit(3) from None
+    threads = share_cores(ps)
+    if threads:
+        _printer(ps)(threads)
     try:
         return train(cfg, ps)
     finally:

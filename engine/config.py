@@ -1,10 +1,11 @@
 """Typed configuration: the Hydra schemas (dataclasses) and their validation.
 
 The YAML files under ``configs/`` only choose values; the types, defaults and one-line
-docs live here and are registered in Hydra's ConfigStore, so an unknown key or a value of
-the wrong type is rejected by Hydra before anything runs. ``validate`` then checks what
-types cannot express (divisibility, batch arithmetic, paths) and returns one line per
-problem, naming the key and the numbers.
+docs live here and are registered in Hydra's ConfigStore, so a value of the wrong type is
+rejected by Hydra before anything runs (an unknown key is caught earlier, by
+engine/config_cli.py, which names the nearest real one). ``validate`` then checks what
+types cannot express (ranges, finiteness, 64-bit bounds, divisibility, batch arithmetic,
+paths) and returns one line per problem, naming the key and the numbers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -68,7 +70,7 @@ class TrainerConfig:
     eval_every: int = 50  # validation interval in steps; 0 disables
     eval_batches: int = 4  # validation micro-batches per evaluation (the same at any layout)
     grad_bucket_mb: float = 25.0  # DP all-reduce bucket size
-    tensorboard: bool = True  # write TensorBoard scalars under the run directory
+    tensorboard: bool = True  # TensorBoard scalars in CHECKPOINT_DIR/tensorboard, kept over resumes
     wandb_project: str | None = None  # log to Weights & Biases when set (wandb must be installed)
     profile_steps: list[int] = field(default_factory=list)  # [first, last] step to trace
     sample_tokens: int = 48  # tokens sampled from the GPT after training; 0 disables
@@ -82,6 +84,7 @@ class TrainerConfig:
     # Failures stop the run with one line and a non-zero exit (issue 10):
     max_bad_steps: int = 10  # bad steps in a row (non-finite, fp16 overflow) that stop the run
     collective_timeout_s: float = 600.0  # no progress this long (a frozen peer) stops; 0: off
+    rendezvous_timeout_s: float = 300.0  # every rank must join the run within this, else stop
     # Scaling studies (issue 12):
     metrics_file: str | None = None  # rank 0 writes every step's time breakdown here as JSON
     step_timing: bool = True  # time TP/DP collectives for the breakdown (off: phases only)
@@ -148,8 +151,8 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
         )
     else:
         problems += _layout_problem(dims.check_batch, t.global_batch, t.micro_batch)
-    if t.max_steps < 1:
-        problems.append(f"trainer.max_steps={t.max_steps} must be >= 1")
+    if not 1 <= t.max_steps <= INT64_MAX:
+        problems.append(f"trainer.max_steps={t.max_steps} must be in [1, 2**63-1]")
     problems += _layout_problem(dims.check_seq_len, cfg.data.seq_len)
     if cfg.data.seq_len < 2 or cfg.data.seq_len > cfg.model.max_positions:
         problems.append(
@@ -163,7 +166,12 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
     if cfg.optim.impl not in ("auto", "torch", "apex"):
         problems.append(f"optim.impl={cfg.optim.impl!r} is not one of auto, torch, apex")
     # Written as what must hold, so that NaN (false in every comparison) fails it too.
-    if not (0 < cfg.optim.lr < math.inf and 0 <= cfg.optim.min_lr <= cfg.optim.lr):
+    if not 0 < cfg.optim.lr <= MAX_LR:
+        problems.append(
+            f"optim.lr={cfg.optim.lr} must be in (0, {MAX_LR:g}] (a larger step size makes "
+            "every step non-finite)"
+        )
+    elif not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
         problems.append(
             f"optim.lr={cfg.optim.lr} must be > 0 and optim.min_lr={cfg.optim.min_lr} in [0, lr]"
         )
@@ -174,9 +182,17 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
         )
     if cfg.optim.distributed and cfg.optim.impl == "apex":
         problems.append("optim.distributed=true (ZeRO-1) runs torch's AdamW: set optim.impl=auto")
-    if t.max_bad_steps < 1 or t.collective_timeout_s < 0:
-        problems.append(f"trainer.max_bad_steps={t.max_bad_steps} must be >= 1 and "
-                        f"trainer.collective_timeout_s={t.collective_timeout_s} >= 0 (0: off)")  # fmt: skip
+    if t.max_bad_steps < 1:
+        problems.append(f"trainer.max_bad_steps={t.max_bad_steps} must be >= 1")
+    if not 0 < t.rendezvous_timeout_s < math.inf:
+        problems.append(
+            f"trainer.rendezvous_timeout_s={t.rendezvous_timeout_s} must be > 0 and finite"
+        )
+    if not 0 <= t.collective_timeout_s < math.inf:
+        problems.append(
+            f"trainer.collective_timeout_s={t.collective_timeout_s} must be >= 0 and finite "
+            "(0: off)"
+        )
     if cfg.optim.scale_lr_with_batch < 0:
         problems.append(
             f"optim.scale_lr_with_batch={cfg.optim.scale_lr_with_batch} must be >= 0 "
@@ -187,7 +203,77 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
     if t.profile_steps and (len(t.profile_steps) != 2 or t.profile_steps[0] > t.profile_steps[1]):
         problems.append(f"trainer.profile_steps={t.profile_steps} must be [first, last]")
     problems += _validate_values(cfg)
+    problems += _validate_run(cfg)
     problems += _validate_data(cfg)
+    return problems + numbers_out_of_range(cfg, problems)
+
+
+INT64_MAX = 2**63 - 1  # steps, seeds and counts a run can store and honour
+MAX_LR = 1e3  # far above any working learning rate, far below what overflows at once
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def numbers_out_of_range(cfg: Any, reported: list[str], prefix: str = "") -> list[str]:
+    """Every number of the config ``cfg`` (a dataclass, its sections recursed into), by
+    type: integers within 64 bits, floats finite.
+
+    Keys a specific check already reported are left to that check's line.
+    """
+    problems = []
+    for f in fields(cfg):
+        key, value = prefix + f.name, getattr(cfg, f.name)
+        if is_dataclass(value):
+            problems += numbers_out_of_range(value, reported, f"{key}.")
+        elif any(line.startswith(f"{key}=") for line in reported):
+            continue
+        elif any(not _in_range(v) for v in (value if isinstance(value, list) else [value])):
+            problems.append(
+                f"{key}={value} must be a finite number within 64 bits (|value| < 2**63)"
+            )
+    return problems
+
+
+def _in_range(value: Any) -> bool:
+    """Whether a config number is one a run can store and honour (non-numbers: True)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -INT64_MAX <= value <= INT64_MAX
+    return True
+
+
+def _validate_run(cfg: Config) -> list[str]:
+    """Seeds, the run's name and the keys that only a worker would otherwise trip over."""
+    o, t, d, problems = cfg.optim, cfg.trainer, cfg.data, []
+    for key, value in (("trainer.seed", t.seed), ("data.seed", d.seed)):
+        if not 0 <= value <= INT64_MAX:
+            problems.append(f"{key}={value} must be in [0, 2**63-1]")
+    if o.decay_steps is not None and not 1 <= o.decay_steps <= INT64_MAX:
+        problems.append(
+            f"optim.decay_steps={o.decay_steps} must be >= 1 (or null: max_steps - warmup_steps)"
+        )
+    if _PLAIN_NAME.fullmatch(cfg.name) is None:
+        problems.append(
+            f"name={cfg.name!r} must be a plain name (letters, digits, '.', '_', '-'; no path "
+            "separators, not empty): it names the directories checkpoints/<name>"
+        )
+    if not d.default_max_bytes >= 1:
+        problems.append(f"data.default_max_bytes={d.default_max_bytes} must be >= 1")
+    if o.impl == "apex" and importlib.util.find_spec("apex") is None:
+        problems.append(
+            "optim.impl=apex needs NVIDIA apex, which is not installed: install it, or use "
+            "optim.impl=auto"
+        )
+    if cfg.model.arch == "gpt" and t.sample_tokens >= cfg.model.max_positions:
+        problems.append(
+            f"trainer.sample_tokens={t.sample_tokens} must be < model.max_positions="
+            f"{cfg.model.max_positions}: the sample and its prompt must fit the positions"
+        )
+    if cfg.model.arch == "gpt" and t.sample_tokens > 0 and not t.sample_prompt:
+        problems.append(
+            "trainer.sample_prompt='' is empty: give a prompt, or trainer.sample_tokens=0 for "
+            "no sample"
+        )
     return problems
 
 
@@ -317,6 +403,7 @@ class ClassifyLaunchConfig:
     ranks_per_node: int | None = None  # processes (GPUs) per node (--num-gpus); None: tp×dp
     master_addr: str | None = None  # node 0's address; default $MASTER_ADDR or 127.0.0.1
     master_port: int | None = None  # rendezvous port; default $MASTER_PORT or 29500
+    rendezvous_timeout_s: float = 300.0  # every rank must join within this, else it stops
 
 
 @dataclass

@@ -13,6 +13,9 @@ Layout differences handled here:
   separate q, k, v; meshtron's fused QKV orders rows per head, ``(heads three d)``, so
   each TP rank's contiguous slice holds whole heads.
 * Vocabulary tables stay unpadded on disk (meshtron pads them when it builds a model).
+
+A ``tokenizer.json`` travels both ways; an export adds ``tokenizer_config.json`` and
+``special_tokens_map.json`` so that ``AutoTokenizer.from_pretrained`` opens the directory.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from engine.checkpoint.format import (
     save_tensors,
     write_checkpoint,
 )
+from engine.checkpoint.tokenizer import TOKENIZER_FILE, write_hf_tokenizer
 from engine.models import ModelConfig
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -299,7 +303,14 @@ def import_hf(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> ModelCo
     """Convert a local HF directory into a meshtron checkpoint (usable at any TP size)."""
     check_output_dir(ckpt_dir)
     cfg, state, hf_config = read_hf_dir(hf_dir)
-    write_checkpoint(ckpt_dir, state, cfg, extra={"hf_config": hf_config})
+    tokenizer = Path(hf_dir) / TOKENIZER_FILE
+    write_checkpoint(
+        ckpt_dir,
+        state,
+        cfg,
+        extra={"hf_config": hf_config},
+        tokenizer=tokenizer if tokenizer.is_file() else None,
+    )
     return cfg
 
 
@@ -313,4 +324,13 @@ def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelCo
         )
     ckpt = read_checkpoint(ckpt_dir)
     write_hf_dir(hf_dir, ckpt.config, ckpt.state, ckpt.extra.get("hf_config"))
+    tokenizer = Path(ckpt_dir) / TOKENIZER_FILE
+    if tokenizer.is_file():  # the model's own tokenizer, in the files AutoTokenizer reads
+        ids = write_hf_tokenizer(
+            tokenizer, hf_dir, arch=ckpt.config.arch, max_positions=ckpt.config.max_positions
+        )
+        # config.json names the special tokens by id too (GPT-2's defaults are 50256)
+        config_path = Path(hf_dir) / "config.json"
+        config = {**json.loads(config_path.read_text()), **ids}
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return ckpt.config

@@ -1,15 +1,13 @@
 """Where a model to sample from comes from: a training checkpoint, a model export or a
 Hugging Face GPT-2 directory, and the tokenizer that belongs to it.
 
-The tokenizer is the one saved with the training data (``PREFIX.tokenizer.json``, whose
-path the training checkpoint records in its run config), or a ``tokenizer.json`` beside
-the weights.
+The tokenizer is a ``tokenizer.json`` beside the weights (every export carries one), or the
+one the training checkpoint records (path and SHA-256: a file replaced since is refused).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -86,9 +84,15 @@ class ModelSource:
             index = self._index()
         elif self.kind() == "export":  # ROOT/final: the run's checkpoints sit beside it
             index = _training_index(directory.parent)
-        recorded = (((index or {}).get("trainer_state") or {}).get("config") or {}).get("data", {})
-        path = recorded.get("tokenizer")
-        return path if path and os.path.isfile(path) else None
+        from engine.checkpoint.tokenizer import recorded_tokenizer
+
+        return recorded_tokenizer((index or {}).get("trainer_state"))
+
+    def recorded_run_config(self) -> dict:
+        """The run config a training checkpoint records (``{}`` for any other source)."""
+        if self.kind() != "training":
+            return {}
+        return (self._index().get("trainer_state") or {}).get("config") or {}
 
     def _index(self) -> dict:
         from engine.checkpoint.convert import resolve

@@ -49,17 +49,55 @@ def launch_workers(
     return elastic_launch(config, fn)(*args)
 
 
-def share_cores(ps) -> None:
-    """Give each CPU rank its share of this machine's cores, as torchrun does, unless
-    OMP_NUM_THREADS says otherwise: oversubscribed intra-op threads spin against each
-    other and can slow a step down several-fold. ``ps``: the rank's ParallelState."""
+def share_cores(ps) -> str | None:
+    """Give each CPU rank its share of the cores this process may use, as torchrun does,
+    unless OMP_NUM_THREADS says otherwise: oversubscribed intra-op threads spin against
+    each other and can slow a step down several-fold. Returns the line that says what was
+    chosen (``None`` on a GPU rank). ``ps``: the rank's ParallelState."""
     import torch
 
     from parallel_state.launcher import detect_launch
 
-    if ps.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return
+    if ps.device.type != "cpu":
+        return None
+    if "OMP_NUM_THREADS" in os.environ:
+        return f"threads: {torch.get_num_threads()} per rank (OMP_NUM_THREADS)"
     info = detect_launch()
     # No launcher (a test harness, a notebook): assume every rank shares this machine.
     local = ps.world_size if info.launcher == "none" else info.local_world_size or 1
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    cores = usable_cores()
+    torch.set_num_threads(max(1, cores // local))
+    return (
+        f"threads: {torch.get_num_threads()} per rank ({cores} usable cores / {local} "
+        f"rank{'s' if local > 1 else ''} on this node; OMP_NUM_THREADS=N overrides)"
+    )
+
+
+def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a
+    container's CPU limit), both of which ``os.cpu_count()`` ignores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root)
+    return max(1, min(cores, int(quota)) if quota else cores)
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs' worth of time the cgroup allows (cgroup v2 ``cpu.max``, v1 ``cfs_quota_us``);
+    ``None`` when unlimited or unknown."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None

@@ -66,7 +66,7 @@ class RunLogger:
     run directory, the file Hydra names after the job).
     """
 
-    def __init__(self, *, enabled: bool, run_dir: str, max_steps: int, tensorboard: bool,
+    def __init__(self, *, enabled: bool, run_dir: str, max_steps: int, tensorboard: str | None,
                  wandb_project: str | None, config: dict, progress: bool) -> None:  # fmt: skip
         self.enabled = enabled
         # mpirun gives each rank a pseudo-terminal that it relays into a log or a pipe:
@@ -76,16 +76,13 @@ class RunLogger:
         self.console = Console(stderr=False, highlight=False, force_terminal=screen)
         self.writer = self.wandb = None
         self.progress = self.log_file = None
+        self.tensorboard_dir, self.first_step = tensorboard, 1
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
         self.log_file = open(run_log_path(run_dir), "a")  # noqa: SIM115 - closed in close()
         self.file_console = Console(file=self.log_file, color_system=None, highlight=False,
                                     force_terminal=False)  # fmt: skip
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if wandb_project:
             import wandb
 
@@ -111,10 +108,24 @@ class RunLogger:
         if self.progress is not None:
             self.progress.update(self.task, completed=step, status=status)
 
+    def resumed_at(self, step: int) -> None:
+        """The run continues after ``step``: TensorBoard drops what a run that died after
+        that checkpoint logged past it, so the curves stay one line."""
+        self.first_step = step + 1
+
+    def _open_writer(self) -> None:
+        # Opened at the first scalars (after any resume), in the run's own directory that
+        # every resume shares: one TensorBoard run per training run, not one per launch.
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(self.tensorboard_dir, purge_step=self.first_step)
+
     def scalars(self, step: int, values: dict[str, float]) -> None:
         """Write scalars to TensorBoard / wandb."""
         if not self.enabled:
             return
+        if self.writer is None and self.tensorboard_dir:
+            self._open_writer()
         for key, value in values.items():
             if self.writer is not None and value is not None:
                 self.writer.add_scalar(key, value, step)

@@ -5,10 +5,13 @@
   (or swapping the machine to a halt) after the workers started.
 - Resume: a checkpoint directory that holds another model's run is named, rather than
   each rank raising its own traceback when it loads it.
+- Output paths: the checkpoint directory and the metrics file are test-written, and what
+  the test created is removed again, so that a refused run leaves nothing on disk.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +123,7 @@ def check_resume_model(cfg: Config, root: Path) -> list[str]:
         return []
     try:
         saved = ModelConfig.from_dict(read_index(steps[step])["model_config"])
-    except (CheckpointError, KeyError, TypeError, ValueError):
+    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
         return []  # a damaged index is the loader's to report (and to fall back from)
     try:
         check_compatible(cfg.model, saved)
@@ -130,3 +133,34 @@ def check_resume_model(cfg: Config, root: Path) -> list[str]:
             "give this run its own name=NAME or checkpoint.dir=DIR, or delete that directory"
         ]
     return []
+
+
+def probe_writable(path: Path, *, directory: bool) -> str | None:
+    """None when ``path`` (a directory, or a file) can be created and written, else why.
+
+    Leaves the disk as it found it: the missing parents made for the test, and the probe
+    file, are removed again (the run creates them for real once nothing refused it).
+    """
+    path = Path(path)
+    if path.exists() and path.is_dir() != directory:
+        kind = "a file; give a directory" if directory else "a directory; give a file path"
+        return f"{path} is {kind}"
+    made, parent = [], path if directory else path.parent
+    while not parent.exists() and parent != parent.parent:
+        made.append(parent)
+        parent = parent.parent
+    # Appending to an existing file changes nothing; a new one is removed after the test.
+    probe = path / f".write-test-{os.getpid()}" if directory else path
+    new_probe = not probe.exists()
+    try:
+        for p in reversed(made):
+            p.mkdir()
+        with open(probe, "a"):
+            pass
+    except OSError as err:
+        return f"{err.filename or path} cannot be written ({err.strerror or err})"
+    finally:
+        for p in ([probe] if new_probe else []) + made:  # made: the deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir() if p.is_dir() else p.unlink()
+    return None

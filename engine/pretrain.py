@@ -7,7 +7,9 @@
   ``trainer.max_restarts=N`` here); the restarted workers resume from the newest checkpoint.
 
 The config is validated, and the embedded corpus built, before any worker starts: a bad
-config prints one line per problem and exits with status 2. A worker that fails prints one
+config (a mistyped key included: the nearest real one is named) prints one line per problem,
+exits with status 2 and leaves nothing on disk. The run then holds its checkpoint
+directory's lock for its whole life: a second run on it is refused the same way. A worker that fails prints one
 line (its traceback goes to the run log, ``pretrain.log`` in the run directory) and exits
 non-zero: 3 when the run stopped itself (bad steps, a frozen or lost peer), 1 otherwise.
 SIGTERM, SIGUSR1 or Ctrl-C save a checkpoint after the current step and exit with status 75
@@ -16,10 +18,14 @@ SIGTERM, SIGUSR1 or Ctrl-C save a checkpoint after the current step and exit wit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -77,19 +83,18 @@ def prepare(cfg: Config) -> Config:
 
 def _check_checkpoint_dir(cfg: Config) -> list[str]:
     """The checkpoint directory must be writable, and a fresh start must not clobber a run."""
-    from pathlib import Path
-
     from engine.checkpoint import checkpoint_dir
     from engine.checkpoint.storage import step_dirs
+    from engine.preflight import probe_writable
 
     root = Path(checkpoint_dir(cfg))
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / f".write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except OSError as err:
-        return [f"checkpoint.dir={root} is not writable: {err.strerror or err}"]
+    problem = probe_writable(root, directory=True)
+    if problem:
+        return [f"checkpoint.dir={root} is not writable: {problem}"]
+    metrics = cfg.trainer.metrics_file
+    problem = metrics and probe_writable(Path(metrics), directory=False)
+    if problem:
+        return [f"trainer.metrics_file={metrics} cannot be written: {problem}"]
     steps = sorted(step_dirs(root))
     if steps and not cfg.checkpoint.resume:
         return [f"checkpoint.resume=false but {root} already holds checkpoints (steps "
@@ -151,9 +156,12 @@ def main(dcfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     cfg = dataclasses.replace(cfg, run_dir=hydra_cfg.runtime.output_dir)
     cfg = per_job_checkpoints(cfg, hydra_cfg.mode == RunMode.MULTIRUN)
-    cfg = prepare(cfg)
+    with refused_leaves_nothing(cfg.run_dir):
+        cfg = prepare(cfg)
+        lock = checkpoint_lock(cfg)
     try:
-        summary = launch(cfg)
+        with lock:
+            summary = launch(cfg)
     except KeyboardInterrupt:
         from engine.checkpoint import checkpoint_dir
 
@@ -171,39 +179,74 @@ def main(dcfg: DictConfig) -> None:
         append_run_log(cfg.run_dir, line)
 
 
-def cli() -> None:
-    """The command line: Hydra's own override and composition errors become one line, exit 2.
-
-    Hydra prints those errors over several lines and exits 1; asking it to raise them
-    instead (HYDRA_FULL_ERROR, for this process only) lets them be reported like every
-    other configuration error.
-    """
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    previous = os.environ.get("HYDRA_FULL_ERROR")
-    os.environ["HYDRA_FULL_ERROR"] = "1"
+@contextlib.contextmanager
+def refused_leaves_nothing(run_dir: str) -> Iterator[None]:
+    """On a refusal (exit 2) inside, remove what Hydra made for this run in ``run_dir``
+    (its ``.hydra`` record and an empty ``pretrain.log``) and the folders left empty
+    (``outputs/DATE``), up to the working directory; an older run's files stay."""
     try:
-        main()
-    except (HydraException, OmegaConfBaseException) as err:
-        _fail([hydra_error_line(err)])
-    finally:
-        if previous is None:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
-        else:
-            os.environ["HYDRA_FULL_ERROR"] = previous
+        yield
+    except SystemExit as exit_:
+        if exit_.code == 2:
+            _remove_fresh_run_dir(Path(run_dir))
+        raise
 
 
-def hydra_error_line(err: BaseException) -> str:
-    """Hydra's message and its cause's (OmegaConf's, naming the key), as one line."""
-    override = getattr(err, "override", None)  # set on Hydra's override parse errors
-    parts = [f"cannot parse the override {override!r}:"] if override else []
-    for e in (err, err.__cause__):
-        for line in str(e or "").split("Config search path")[0].splitlines():
-            skip = ("object_type=", "reference_type=", "See https://hydra.cc")
-            if line.strip() and not line.strip().startswith(skip):
-                parts.append(line.strip())
-    return " ".join(dict.fromkeys(parts)) or type(err).__name__
+def _remove_fresh_run_dir(run_dir: Path) -> None:
+    log = run_dir / "pretrain.log"
+    try:
+        if set(os.listdir(run_dir)) - {".hydra", "pretrain.log"}:
+            return
+        if log.exists() and log.stat().st_size:
+            return
+        shutil.rmtree(run_dir / ".hydra", ignore_errors=True)
+        log.unlink(missing_ok=True)
+        cwd, folder = Path.cwd().resolve(), run_dir.resolve()
+        while folder != cwd and cwd in folder.parents and not os.listdir(folder):
+            folder.rmdir()
+            folder = folder.parent
+    except OSError:
+        pass  # best effort: the refusal's line matters more than its leftovers
+
+
+def checkpoint_lock(cfg: Config) -> contextlib.AbstractContextManager:
+    """The lock on the checkpoint directory, taken here (before any worker starts) by the
+    process that lives as long as the run: the launching process, or rank 0 under an
+    outside launcher. Another run holding it is a refusal (exit 2) naming that run."""
+    from engine.checkpoint import checkpoint_dir
+    from engine.checkpoint.manager import CheckpointDirBusy, CheckpointDirLock
+
+    if detect_launch().rank != 0:
+        return contextlib.nullcontext()
+    lock = CheckpointDirLock(checkpoint_dir(cfg), run_dir=cfg.run_dir)
+    try:
+        lock.acquire(log=print)
+    except CheckpointDirBusy as err:
+        _fail([str(err)])
+    return lock
+
+
+def print_help(argv: list[str]) -> None:
+    """``--help``: every key with its default (as composed with ``argv``) and its doc."""
+    from hydra import compose, initialize_config_dir
+
+    from engine.config_cli import CONFIGS, help_text
+
+    overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        print(help_text(OmegaConf.to_object(compose("config", overrides=overrides))))
+
+
+def cli() -> None:
+    """The command line: ``--help``, unknown keys (with the nearest real one), an unusable
+    run directory and Hydra's own errors become one line and exit 2 before anything runs."""
+    from engine.config_cli import run_checked
+
+    argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:
+        print_help([a for a in argv if a not in ("--help", "-h")])
+        return
+    run_checked(main, argv, _fail)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import torch
@@ -14,8 +15,10 @@ from rich.markup import escape
 import parallel_state
 from engine import comm, flops
 from engine.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+from engine.checkpoint.tokenizer import tokenizer_record
 from engine.cluster import describe_mesh
 from engine.config import Config, resolve_precision
+from engine.data.loader import DataIterator
 from engine.data.pipeline import build_pipeline, to_device
 from engine.data_parallel import DynamicLossScaler, build_data_parallel
 from engine.generate import generate
@@ -25,12 +28,53 @@ from engine.observe import RunLogger, format_step_line, maybe_profile, window_me
 from engine.optim import lr_at, schedule_change
 from engine.resilience.guard import BadStepGuard
 from engine.resilience.preemption import EXIT_PREEMPTED, StopRequests
+from engine.resilience.rendezvous import rendezvous
 from engine.resilience.watchdog import Watchdog
 from engine.step_timer import StepTimer, breakdown_metrics, format_breakdown
 from parallel_state import ParallelState
 from parallel_state.launcher import detect_launch
 
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tensorboard_dir(cfg: Config) -> str | None:
+    """Where the run's TensorBoard scalars go (``None``: off): beside its checkpoints, the
+    directory every resume of the run shares, not Hydra's per-launch folder."""
+    return os.path.join(checkpoint_dir(cfg), "tensorboard") if cfg.trainer.tensorboard else None
+
+
+@torch.no_grad()
+def fixed_set_loss(
+    model,
+    valid: DataIterator,
+    ps: ParallelState,
+    batches: int,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> float:
+    """Mean loss over micro-batches ``0 .. batches - 1`` of ``valid`` (a one-micro-batch-per-
+    step iterator): micro-batch j runs on DP rank j mod dp_size and the mean is over
+    micro-batches, so the result does not depend on dp_size. Every rank gets it."""
+    model.eval()
+    total = 0.0
+    for j in range(ps.dp_rank, batches, ps.dp_size):
+        valid.consumed_samples = j * valid.global_batch
+        for micro in valid.next_step():  # one micro-batch
+            with autocast():
+                total += model.loss(to_device(micro, ps.device)).float().item()
+    model.train()
+    return comm.mean(total, ps.dp_group, ps.device) * ps.dp_size / batches
+
+
+def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager:
+    """The forward's autocast for a resolved ``precision`` (none for fp32)."""
+    if precision not in _AUTOCAST:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=_AUTOCAST[precision])
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(50) rather than overflowing for a diverged model."""
+    return math.exp(min(loss, 50.0))
 
 
 class Trainer:
@@ -48,6 +92,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, ps: ParallelState, watch: Watchdog | None = None) -> None:
         self.cfg, self.ps, self.device = cfg, ps, ps.device
+        self.threads = share_cores(ps)  # before any compute; said under the mesh line
         self.watch = watch or Watchdog(0, rank=ps.rank, run_dir=cfg.run_dir)
         self.precision = resolve_precision(cfg.trainer.precision, ps.device.type)
         ps.seed(cfg.trainer.seed)
@@ -62,6 +107,9 @@ class Trainer:
             DynamicLossScaler(cfg.trainer.loss_scale_init) if self.precision == "fp16" else None
         )
         self.data = build_pipeline(cfg, ps.dp_rank, ps.dp_size)
+        # Recorded in every checkpoint (path and SHA-256) so that generation and evaluation
+        # find the tokenizer and notice if the file there is replaced.
+        self._tokenizer = tokenizer_record(cfg.data.tokenizer) if ps.rank == 0 else None
         self.flops_per_step = flops.model_flops_per_step(cfg)
         peak_dtype = _AUTOCAST.get(self.precision, torch.float32)
         self.peak_flops = flops.peak_flops(ps.device, peak_dtype)
@@ -72,7 +120,7 @@ class Trainer:
         self.timer.attach(self.model, self.dp)
         self.logger = RunLogger(
             enabled=ps.rank == 0, run_dir=cfg.run_dir, max_steps=cfg.trainer.max_steps,
-            tensorboard=cfg.trainer.tensorboard, wandb_project=cfg.trainer.wandb_project,
+            tensorboard=tensorboard_dir(cfg), wandb_project=cfg.trainer.wandb_project,
             config=asdict(cfg), progress=cfg.trainer.progress,
         )  # fmt: skip
         self.guard = BadStepGuard(cfg.trainer.max_bad_steps, ps.device, self.logger.print)
@@ -83,9 +131,7 @@ class Trainer:
             self._resume()
 
     def _autocast(self):
-        if self.precision not in _AUTOCAST:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=_AUTOCAST[self.precision])
+        return autocast_for(self.precision, self.device.type)
 
     def _loss(self, batch) -> torch.Tensor:
         return self.model.loss(to_device(batch, self.device))
@@ -151,17 +197,9 @@ class Trainer:
         t = self.cfg.trainer
         if self.data.valid is None or t.eval_batches < 1:
             return None
-        self.model.eval()
         self._mark("evaluation", "model")
-        total = 0.0
-        for j in range(self.ps.dp_rank, t.eval_batches, self.ps.dp_size):
-            self.data.valid.consumed_samples = j * self.data.valid.global_batch
-            for micro in self.data.valid.next_step():  # one micro-batch
-                with self._autocast():
-                    total += self._loss(micro).float().item()
-        self.model.train()
-        loss = self._dp_mean(total) * self.ps.dp_size / t.eval_batches
-        return {"valid/loss": loss, "valid/ppl": math.exp(min(loss, 50.0))}
+        loss = fixed_set_loss(self.model, self.data.valid, self.ps, t.eval_batches, self._autocast)
+        return {"valid/loss": loss, "valid/ppl": perplexity(loss)}
 
     def _log(self, window: list[dict[str, float]]) -> None:
         loss = self._dp_mean(sum(m["loss"] for m in window) / len(window))
@@ -192,6 +230,8 @@ class Trainer:
         )
         mesh = describe_mesh(self.ps)  # a collective: every rank takes part
         self.logger.print(mesh, markup=False)
+        if self.threads:
+            self.logger.print(self.threads, markup=False)
         if self.step >= t.max_steps:
             self.logger.print(
                 f"already at step {self.step} >= trainer.max_steps={t.max_steps}: nothing to "
@@ -210,6 +250,7 @@ class Trainer:
     def _finish(self) -> dict:
         """The final checkpoint, evaluation, model export and sample."""
         t = self.cfg.trainer
+        self.guard.check_any_good()
         if self.cfg.checkpoint.every and self._saved_step != self.step:
             self._save_checkpoint()
         evaluated_now = t.eval_every and self.step % t.eval_every == 0
@@ -283,7 +324,7 @@ class Trainer:
         """What besides tensors a bitwise resume needs (RNG states go with each rank)."""
         scaler = self.scaler and self.scaler.state_dict()
         return {"data": self.data.train.state_dict(), "loss_scaler": scaler,
-                "config": asdict(self.cfg)}  # fmt: skip
+                "config": asdict(self.cfg), "tokenizer": self._tokenizer}  # fmt: skip
 
     def _save_checkpoint(self) -> None:
         self._mark("checkpoint save", "world")
@@ -310,6 +351,7 @@ class Trainer:
         if loaded is None:
             return
         self.step = self._saved_step = loaded.step
+        self.logger.resumed_at(loaded.step)
         self.data.train.load_state_dict(loaded.state["data"])
         if self.scaler is not None and loaded.state.get("loss_scaler"):
             self.scaler.load_state_dict(loaded.state["loss_scaler"])
@@ -350,7 +392,7 @@ class Trainer:
         from engine.checkpoint.format import save_model
 
         directory = os.path.join(checkpoint_dir(self.cfg), "final")
-        save_model(self.model, directory)
+        save_model(self.model, directory, tokenizer=self.cfg.data.tokenizer)
         self.logger.print(f"saved the final model to {directory}")
         return directory
 
@@ -374,8 +416,11 @@ def run_worker(cfg: Config) -> dict:
     backend = parallel_state.backend_for(
         cfg.trainer.device, detect_launch().local_world_size, warn=False
     )
-    ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend)
-    share_cores(ps)
+    ps = rendezvous(
+        lambda: parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend),
+        timeout_s=cfg.trainer.rendezvous_timeout_s,
+        run_dir=cfg.run_dir,
+    )
     watch = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)
     try:
         with watch.active():

@@ -20,6 +20,7 @@ otherwise the ranks are spawned fresh with them.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import queue
 import tempfile
@@ -41,6 +42,15 @@ class RankFailure(AssertionError):
     """A rank raised; the message carries its traceback."""
 
 
+def _to_bytes(out: Any) -> bytes:
+    """A rank's result as plain bytes. A tensor put on a queue as itself travels as a file
+    descriptor to shared memory, which a busy machine can close before the parent reads it
+    ("received 0 items of ancdata"); bytes are copied through the pipe."""
+    buffer = io.BytesIO()
+    torch.save(out, buffer)
+    return buffer.getvalue()
+
+
 def _worker(rank, world_size, store_path, fn, args, kwargs, results, collective_timeout):
     os.environ.pop("RANK", None)  # never let a surrounding launcher's variables leak in
     # One intra-op thread per rank, whatever the machine's core count: several ranks share
@@ -57,7 +67,7 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, collective_
             timeout=timedelta(seconds=collective_timeout),
         )
         out = fn(*args, **kwargs)
-        results.put((rank, "ok", out))
+        results.put((rank, "ok", _to_bytes(out)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -133,7 +143,7 @@ def run_ranks(
                     ) from None
                 if status == "error":
                     raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
-                outputs[rank] = payload
+                outputs[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         finally:
             for p in procs:
                 p.join(timeout=5)

@@ -82,6 +82,7 @@ def test_bench_train_writes_every_loop_to_csv(tmp_path, monkeypatch):
     assert float(rows[1]["ratio"]) == pytest.approx(want, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_bench_kernel_host_refuses_without_a_gpu_in_one_line(tmp_path):
     """The GPU-only diagnosis tool, shown no GPU (on any machine), says so in one line."""
     import os

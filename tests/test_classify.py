@@ -67,6 +67,7 @@ def test_idx_reader_names_the_fault(tmp_path):
         read_idx(tmp_path / "fake.gz")
 
 
+@pytest.mark.slow
 def test_missing_data_set_is_one_line_with_the_install_command(tmp_path):
     with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
         fashion_mnist.find_files(tmp_path)
@@ -104,6 +105,7 @@ def _grads_vs_whole_batch(tp: int, dp: int) -> float:
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tp", "dp"), [(1, 2), (2, 2)])
 def test_dp_gradients_equal_the_whole_batch_gradients(tp, dp):
     worst = run_ranks(_grads_vs_whole_batch, tp * dp, tp, dp)
@@ -117,6 +119,7 @@ def _classify(cwd: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
+@pytest.mark.slow
 @needs_data
 def test_two_ranks_reach_085_on_the_full_data_set(tmp_path):
     metrics = tmp_path / "m" / "metrics.json"
@@ -140,6 +143,7 @@ def test_two_ranks_reach_085_on_the_full_data_set(tmp_path):
     assert not list(tmp_path.glob("outputs")) and not list(tmp_path.glob(".hydra"))
 
 
+@pytest.mark.slow
 @needs_data
 def test_unreached_target_exits_1(tmp_path):
     out = _classify(tmp_path, "--epochs", "1", "--target-accuracy", "0.99",
@@ -152,6 +156,7 @@ def test_unreached_target_exits_1(tmp_path):
     assert "tp=1 dp=1" in out.stdout
 
 
+@pytest.mark.slow
 def test_config_errors_exit_2_before_any_rank(tmp_path):
     out = _classify(tmp_path, "--tp-size", "3", "--num-gpus", "3", "model.hidden_size=100")
     assert out.returncode == 2

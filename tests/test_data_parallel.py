@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -346,6 +347,7 @@ def _sequence_parallel_pair() -> dict:
     }
 
 
+@pytest.mark.slow
 def test_zero1_sums_sequence_parallel_gradients_over_tp():
     """fp64, 1e-10: with sequence parallelism the norm and LayerNorm gradients are partial
     per TP rank; ZeRO-1 sums them over TP after its reduce-scatter, the all-reduce path in

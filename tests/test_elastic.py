@@ -68,6 +68,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns(corpus, tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",

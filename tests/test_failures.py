@@ -7,6 +7,7 @@ output in tmp_path), the way a user or a launcher would.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,16 @@ import torch
 import torch.nn.functional as F
 
 from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.checkpoint.storage import read_latest, step_dirs, verify_complete, write_latest
+from engine.checkpoint.manager import CheckpointDirBusy, CheckpointDirLock
+from engine.checkpoint.storage import (
+    CheckpointError,
+    read_index,
+    read_latest,
+    step_dirs,
+    verify_complete,
+    write_index,
+    write_latest,
+)
 from engine.config import Config
 from tests.corpus import build_test_corpus
 from tests.multiproc import RankFailure, run_ranks, subprocess_env
@@ -80,24 +91,32 @@ def _stderr_lines(proc: subprocess.CompletedProcess) -> list[str]:
 # ------------------------------------------------------------------------- bad steps
 
 
+@pytest.mark.slow
 def test_nan_run_skips_steps_stops_and_keeps_the_good_checkpoints(corpus, good_run, tmp_path):
-    """lr=1e10 from the good step-4 checkpoint: step 5 blows the weights up, steps 6.. are
-    NaN. Each is skipped with a line; 3 in a row stop the run (exit 3, one line on
-    stderr); no checkpoint is written during the streak, so steps 2 and 4 survive intact
-    (not pruned) and ``final`` is not overwritten with broken weights."""
+    """lr=1e3 (the largest accepted) from the good step-4 checkpoint: the weights grow until
+    a step S is non-finite (NaN or inf). Each bad step is skipped with a line; 3 in a row
+    stop the run at S+2 (exit 3, one line on stderr); no checkpoint is written during the
+    streak, so the two checkpoints saved before it survive intact (finite, verified) and
+    ``final`` is not overwritten with broken weights."""
     ckpt = _copy(good_run, tmp_path)
     final_before = (ckpt / "final" / "model.safetensors").read_bytes()
-    proc = pretrain(tmp_path, *single(corpus, ckpt, "trainer.max_steps=30", "optim.lr=1e10",
+    proc = pretrain(tmp_path, *single(corpus, ckpt, "trainer.max_steps=30", "optim.lr=1e3",
                                       "optim.min_lr=0", "trainer.max_bad_steps=3"))  # fmt: skip
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = _stderr_lines(proc)
-    assert len(lines) == 1 and lines[0].startswith("stopped at step 8: 3 bad steps in a row"), lines
-    # 1e10-sized weights overflow fp32 within two layers: inf, then NaN after a norm.
-    assert re.search(r"step 6: non-finite loss (nan|inf) or gradient norm (nan|inf): step "
-                     "skipped", proc.stdout), proc.stdout[-2000:]  # fmt: skip
-    assert "not saving step 6" in proc.stdout
-    assert sorted(step_dirs(ckpt)) == [2, 4] and read_latest(ckpt) == 4
-    for step in (2, 4):
+    stop = re.match(r"stopped at step (\d+): 3 bad steps in a row", lines[0])
+    assert len(lines) == 1 and stop, lines
+    first_bad = int(stop.group(1)) - 2
+    assert re.search(
+        rf"step {first_bad}: non-finite loss (nan|inf) or gradient norm (nan|inf): "
+        "step skipped",
+        proc.stdout,
+    ), proc.stdout[-2000:]
+    even = first_bad + first_bad % 2  # a save point (every 2 steps) inside the streak
+    assert f"not saving step {even}" in proc.stdout
+    kept = [even - 4, even - 2]  # saved before the streak; older ones pruned (keep=2)
+    assert sorted(step_dirs(ckpt)) == kept and read_latest(ckpt) == kept[-1]
+    for step in kept:
         path = ckpt / f"step_{step:08d}"
         assert verify_complete(path) is None
         assert all(torch.isfinite(t.float()).all() for t in _all_tensors(path).values())
@@ -121,6 +140,27 @@ def test_fp16_scaler_skipping_forever_hits_max_bad_steps(corpus, tmp_path):
     with pytest.raises(RankFailure, match="stopped at step 3: 3 bad steps in a row, the last one "
                        "with the fp16 loss scale overflowed"):  # fmt: skip
         run_ranks(_fp16_forever, 1, cfg, timeout=120)
+    assert not step_dirs(tmp_path / "ckpt")
+
+
+def _every_loss_nan(cfg: Config) -> dict:
+    """The worker, with every training loss made NaN (fault injection in this process)."""
+    from engine.trainer import Trainer, run_worker
+
+    loss = Trainer._loss
+    Trainer._loss = lambda self, batch: loss(self, batch) * float("nan")
+    return run_worker(cfg)
+
+
+def test_a_run_in_which_no_step_succeeded_exits_non_zero(corpus, tmp_path):
+    """2 steps, both NaN, fewer than trainer.max_bad_steps=10: the streak never reaches the
+    limit, yet the run must not end as a success (it used to, exit 0)."""
+    cfg = run_config(corpus, tmp_path / "ckpt", "tp_size=1", "dp_size=1", "trainer.max_steps=2")
+    with pytest.raises(
+        RankFailure,
+        match="no step succeeded: 2 steps of this run were non-finite and skipped, none was good",
+    ):
+        run_ranks(_every_loss_nan, 1, cfg, timeout=120)
     assert not step_dirs(tmp_path / "ckpt")
 
 
@@ -166,12 +206,12 @@ def test_damaged_checkpoint_is_removed_with_its_reason_and_named_plainly(tmp_pat
     loaded, messages = _load_and_save(root, 3)
     assert loaded == 2
     assert messages[0].startswith(f"checkpoint {root / 'step_00000005'} is unusable ({damaged} "
-                                  "is damaged: SHA-256"), messages  # fmt: skip
+                                  "is damaged: its BLAKE3 hash"), messages  # fmt: skip
     assert "rank 0:" not in messages[0]  # the file is named, not a rank that did not own it
     assert messages[1:] == [
         f"pruned {root / 'step_00000001'}: older than the 2 newest kept (checkpoint.keep=2)",
         f"removed {root / 'step_00000005'}: newer than step 3 and not usable ({damaged} is "
-        "damaged: SHA-256 does not match the index)",
+        "damaged: its BLAKE3 hash does not match the index)",
     ], messages
     assert sorted(step_dirs(root)) == [2, 3]
 
@@ -187,6 +227,168 @@ def test_a_verified_checkpoint_newer_than_the_loaded_one_is_never_deleted(tmp_pa
     assert sorted(step_dirs(root)) == [2, 3, 5] and verify_complete(root / "step_00000005") is None
     assert messages == [f"pruned {root / 'step_00000001'}: older than the 2 newest kept "
                         "(checkpoint.keep=2)"], messages  # fmt: skip
+
+
+def _edit_index(change) -> Callable[[Path], None]:
+    """Damage that keeps the index's own checksum right, as whoever edits an index can."""
+
+    def damage(step: Path) -> None:
+        index = read_index(step)
+        change(index)
+        write_index(step, {k: v for k, v in index.items() if k != "index_sha256"})
+
+    return damage
+
+
+def _raw(text: str) -> Callable[[Path], None]:
+    return lambda step: (step / "index.json").write_text(text)
+
+
+# (id, damage to step 2's index.json, fragment of the reason the fallback line gives)
+INDEX_DAMAGE = [
+    ("nested_deeply", _raw("[" * 100_000 + "]" * 100_000), "not readable JSON (nested too deeply)"),
+    ("not_json", _raw("{"), "not readable JSON"),
+    ("a_list", _raw("[]"), "is not a meshtron training checkpoint index"),
+    ("int_of_5000_digits", _raw('{"step": ' + "9" * 5000 + "}"), "not readable JSON"),
+    ("tensors_a_list", _edit_index(lambda i: i.update(tensors=[])), "tensors is not a dict"),
+    (
+        "model_config_a_list",
+        _edit_index(lambda i: i.update(model_config=["x"])),
+        "model_config is not a dict",
+    ),
+    (
+        "model_config_unknown_key",
+        _edit_index(lambda i: i["model_config"].update(bogus=1)),
+        "has a malformed model_config",
+    ),
+    (
+        "step_disagrees",
+        _edit_index(lambda i: i.update(step=7)),
+        "claims step 7, but the directory is step_00000002",
+    ),
+    (
+        "layout_tp_a_string",
+        _edit_index(lambda i: i["layout"].update(tp_size="two")),
+        "layout.tp_size='two' is not a size",
+    ),
+    (
+        "scalars_a_list",
+        _edit_index(lambda i: i["optimizer"].update(scalars=[1])),
+        "optimizer.scalars is not a mapping of mappings",
+    ),
+    (
+        "file_bytes_a_string",
+        _edit_index(lambda i: i["files"]["rank00000.safetensors"].update(bytes="9")),
+        "the record of 'rank00000.safetensors' is malformed",
+    ),
+    (
+        "slice_a_number",
+        _edit_index(
+            lambda i: next(iter(i["files"].values()))["slices"].update(
+                {"model/embedding.position": 5}
+            )
+        ),
+        "is malformed (TypeError",
+    ),
+    (
+        "size_disagrees",
+        _edit_index(lambda i: i["files"]["rank00000.safetensors"].update(bytes=9)),
+        "the index says 9 (truncated?)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("damage", "fragment"), [c[1:] for c in INDEX_DAMAGE], ids=[c[0] for c in INDEX_DAMAGE]
+)
+def test_a_damaged_newest_index_of_any_shape_falls_back_to_the_older_step(
+    tmp_path, damage, fragment
+):
+    """Issue 22: the newest index unreadable in any way (bad JSON of any shape, wrong types,
+    claims the files contradict) is skipped with a line naming why; step 1 loads."""
+    root = tmp_path / "ckpt"
+    _save_steps(root, [1, 2])
+    damage(root / "step_00000002")
+    messages: list[str] = []
+    model, optimizer = _model_and_optimizer(seed=9)
+    loaded = load_checkpoint(root, model=model, optimizer=optimizer, ps=None, log=messages.append)
+    assert loaded is not None and loaded.step == 1, messages
+    assert messages[0].startswith(f"checkpoint {root / 'step_00000002'} is unusable ("), messages
+    assert fragment in messages[0] and "falling back to step_00000001" in messages[0], messages
+
+
+# ------------------------------------------------------------- one run per checkpoint dir
+
+
+def test_a_failed_save_removes_its_own_temp_and_no_other(tmp_path):
+    """Temp names are unique per save; a save that fails removes its own temp directory,
+    and neither a failed nor a good save touches another run's temp directory."""
+    root = tmp_path / "ckpt"
+    model, optimizer = _save_steps(root, [1])
+    other = root / ".tmp-step_00000002-another-run"
+    other.mkdir()
+    (other / "rank00000.safetensors").write_bytes(b"half written by another run")
+
+    def full_disk(point: str) -> None:
+        if point == "before_index":
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        save_checkpoint(
+            root, 2, model=model, optimizer=optimizer, ps=None, state={}, fault=full_disk
+        )
+    assert sorted(p.name for p in root.iterdir()) == [other.name, "latest", "step_00000001"]
+    save_checkpoint(root, 2, model=model, optimizer=optimizer, ps=None, state={}, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == [other.name, "latest", "step_00000002"]
+    assert (other / "rank00000.safetensors").read_bytes() == b"half written by another run"
+
+
+def _dead_pid() -> int:
+    """The PID of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_checkpoint_dir_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path):
+    root = tmp_path / "ckpt"
+    first = CheckpointDirLock(root, run_dir="first-run")
+    first.acquire(log=print)
+    with pytest.raises(CheckpointDirBusy) as busy:
+        CheckpointDirLock(root, run_dir="second-run").acquire(log=print)
+    assert f"PID {os.getpid()}" in str(busy.value) and "run directory first-run" in str(busy.value)
+    first.release()
+    assert (root / ".lock").read_text() == ""  # a clean end leaves no owner behind
+    # A run killed while holding the lock leaves its record and a half-written save.
+    pid = _dead_pid()
+    record = {"user": "u", "host": "h", "pid": pid, "started": "then", "run_dir": "dead-run"}
+    (root / ".lock").write_text(json.dumps(record))
+    (root / ".tmp-step_00000003-dead").mkdir()
+    messages: list[str] = []
+    taker = CheckpointDirLock(root, run_dir="taker")
+    taker.acquire(log=messages.append)
+    taker.release()
+    assert messages == [
+        f"took over the lock of {root} from a run that did not end cleanly (u@h, PID {pid}, "
+        "started then, run directory dead-run; no longer running)",
+        f"removed {root / '.tmp-step_00000003-dead'}: an interrupted save of that run",
+    ], messages
+    assert sorted(p.name for p in root.iterdir()) == [".lock"]
+
+
+def test_a_second_run_in_one_checkpoint_dir_is_refused_up_front(corpus, tmp_path):
+    """While a run holds checkpoint.dir, ``python -m engine.pretrain`` on it exits 2 with
+    one line naming the holder (host, PID), before any worker, leaving nothing behind."""
+    ckpt = tmp_path / "ckpt"
+    with CheckpointDirLock(ckpt, run_dir="the-first-run"):
+        proc = pretrain(tmp_path, *single(corpus, ckpt, "trainer.max_steps=2"))
+    lines = _stderr_lines(proc)
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith(f"config error: checkpoint.dir={ckpt} is in use by another run ("), (
+        lines
+    )
+    assert f"PID {os.getpid()}" in lines[0] and "run directory the-first-run" in lines[0]
+    assert sorted(p.name for p in ckpt.iterdir()) == [".lock"] and not (tmp_path / "run").exists()
 
 
 # ----------------------------------------------------------------- frozen / killed peer
@@ -206,6 +408,7 @@ _PEER_LINE = re.compile(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
 def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, sig):
     """4 ranks started by environment (as srun or mpirun start them), tp=2 × dp=2. One
@@ -254,6 +457,77 @@ def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, 
             f.close()
 
 
+def test_every_rank_ends_when_the_rendezvous_cannot_happen(corpus, tmp_path):
+    """Ranks started by the environment, as srun and mpirun start them, with
+    trainer.rendezvous_timeout_s=10: (a) MASTER_PORT held by another program (rank 1 used
+    to wait forever on it), (b) a peer that never arrives, (c) nothing at the address.
+    Every rank exits non-zero with one line naming the address and port."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()  # accepts connections and never answers, as a foreign server may
+    free = _free_port()
+    port_of = {"taken": taken.getsockname()[1], "absent_peer": _free_port(), "nobody": free}
+    cases = [("taken", 0), ("taken", 1), ("absent_peer", 0), ("nobody", 1)]
+    base = {
+        **subprocess_env(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "WORLD_SIZE": "2",
+    }
+    procs = []
+    try:
+        for i, (case, rank) in enumerate(cases):
+            overrides = single(
+                corpus,
+                tmp_path / f"ckpt{i}",
+                "trainer.max_steps=2",
+                "dp_size=2",
+                "trainer.rendezvous_timeout_s=10",
+            )
+            env = {
+                **base,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "MASTER_PORT": str(port_of[case]),
+            }
+            cmd = [
+                sys.executable,
+                "-m",
+                "engine.pretrain",
+                f"hydra.run.dir={tmp_path / f'run{i}'}",
+                *overrides,
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        started = time.monotonic()
+        for (case, rank), proc in zip(cases, procs, strict=True):
+            _, err = proc.communicate(timeout=300)
+            print(f"{case} rank {rank}: ended {time.monotonic() - started:.1f} s after start")
+            lines = [x for x in err.splitlines() if x.strip()]
+            where = f"127.0.0.1:{port_of[case]}"
+            assert proc.returncode == 3 and len(lines) == 1, (case, rank, proc.returncode, err)
+            if (case, rank) == ("taken", 0):
+                assert lines[0].startswith(f"rank 0 cannot listen on {where}: the port is taken")
+            else:
+                assert lines[0].startswith(f"rank {rank}: no rendezvous at {where} within 10 s"), (
+                    lines
+                )
+    finally:
+        taken.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 # ------------------------------------------------------------------ run-level promises
 
 
@@ -278,6 +552,7 @@ def _valid_loss(cfg: Config) -> tuple[float, float | None]:
     return got, sum(losses) / len(losses)
 
 
+@pytest.mark.slow
 def test_validation_loss_does_not_depend_on_dp_size(corpus, tmp_path):
     """The same weights at dp 1, 2 and 4 (tp=1): the same fixed validation sequences. Each
     micro-batch's loss is the same fp32 computation at every layout; only the float64
@@ -348,7 +623,14 @@ def test_readme_resume_example_keeps_the_default_schedule():
     ("override", "message"),
     [
         ("trainer.max_bad_steps=0", "trainer.max_bad_steps=0 must be >= 1"),
-        ("trainer.collective_timeout_s=-1", "trainer.collective_timeout_s=-1.0 >= 0 (0: off)"),
+        (
+            "trainer.collective_timeout_s=-1",
+            "trainer.collective_timeout_s=-1.0 must be >= 0 and finite (0: off)",
+        ),
+        (
+            "trainer.rendezvous_timeout_s=0",
+            "trainer.rendezvous_timeout_s=0.0 must be > 0 and finite",
+        ),
     ],
 )
 def test_failure_settings_are_checked_before_any_worker(override, message, capsys, tmp_path,

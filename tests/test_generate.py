@@ -158,6 +158,7 @@ def test_same_tokens_at_tp_1_2_4_greedy_and_seeded_sampling():
             assert per_rank[tp] == reference, f"tp={tp} differs"
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_generate(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)

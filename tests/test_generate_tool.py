@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -26,9 +28,9 @@ def _tool(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
-def _tool_main():
-    """tools/generate.py's main, imported in-process (no interpreter start-up per call)."""
-    spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")
+def _tool_main(tool: str = "generate"):
+    """``tools/<tool>.py``'s main, imported in-process (no interpreter start-up per call)."""
+    spec = importlib.util.spec_from_file_location(f"{tool}_tool", REPO / "tools" / f"{tool}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main
@@ -50,6 +52,7 @@ def _export(tmp_path: Path) -> tuple[Path, Tokenizer, object]:
     return directory, tokenizer, model
 
 
+@pytest.mark.slow
 def test_tool_at_tp2_prints_what_tp1_generates_in_process(tmp_path):
     directory, tokenizer, model = _export(tmp_path)
     prompts = ["def add", "return a"]
@@ -79,3 +82,77 @@ def test_tool_rejects_a_bad_layout_and_a_missing_tokenizer_in_one_line(tmp_path,
     assert main(["--ckpt", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "nothing" in err
+
+
+def _trained_checkpoint(tmp_path: Path) -> tuple[Path, Path, object]:
+    """A training checkpoint root (one step, no optimizer) whose run recorded the tokenizer
+    the trainer records: path and SHA-256 of the BPE engine.data.preprocess trains."""
+    from engine.checkpoint import save_checkpoint
+    from engine.checkpoint.tokenizer import tokenizer_record
+    from engine.data.preprocess import save_tokenizer, train_tokenizer
+
+    tokenizer_path = tmp_path / "data" / "corpus.tokenizer.json"
+    tokenizer_path.parent.mkdir()
+    save_tokenizer(
+        train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300), tokenizer_path
+    )
+    cfg = preset(
+        "gpt_tiny",
+        vocab_size=300,
+        hidden_size=32,
+        num_heads=4,
+        max_positions=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(3)
+    model = build_model(cfg)
+    root = tmp_path / "ckpt"
+    state = {"tokenizer": tokenizer_record(tokenizer_path)}
+    save_checkpoint(root, 1, model=model, optimizer=None, ps=None, state=state)
+    return root, tokenizer_path, model
+
+
+def test_exports_carry_the_tokenizer_so_generation_needs_no_flag(tmp_path, capsys):
+    """export-model and convert_hf export write the training tokenizer beside the weights;
+    generate.py reads either with no --tokenizer and prints the in-process reference's text,
+    and transformers' AutoTokenizer opens the Hugging Face export with the same ids."""
+    from transformers import AutoTokenizer
+
+    root, tokenizer_path, model = _trained_checkpoint(tmp_path)
+    weights, hf_dir = tmp_path / "weights", tmp_path / "hf"
+    checkpoint_main, convert_main = _tool_main("checkpoint"), _tool_main("convert_hf")
+    assert checkpoint_main(["export-model", str(root), "--out", str(weights)]) == 0
+    assert "with its tokenizer.json" in capsys.readouterr().out
+    assert (weights / "tokenizer.json").read_bytes() == tokenizer_path.read_bytes()
+    assert convert_main(["export", "--ckpt", str(weights), "--out", str(hf_dir)]) == 0
+    assert "with tokenizer" in capsys.readouterr().out
+
+    reference = Tokenizer.from_file(str(tokenizer_path))
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    text = "def add(a, b):\n    return a"
+    assert hf_tokenizer(text)["input_ids"] == reference.encode(text).ids
+    assert hf_tokenizer.eos_token == "<|endoftext|>"
+    assert hf_tokenizer.eos_token_id == reference.token_to_id("<|endoftext|>")
+    config = json.loads((hf_dir / "config.json").read_text())  # not GPT-2's 50256
+    assert config["eos_token_id"] == config["bos_token_id"] == hf_tokenizer.eos_token_id
+
+    new = generate_batch(model, [reference.encode("def add").ids], 5, Sampling(greedy=True))
+    expected = ["--- sample 1 ---", "def add" + reference.decode(new[0])]
+    main = _tool_main()
+    for source in (["--ckpt", str(root)], ["--ckpt", str(weights)], ["--hf-dir", str(hf_dir)]):
+        assert main([*source, "--prompt", "def add", "--greedy", "--max-new-tokens", "5"]) == 0
+        assert capsys.readouterr().out.splitlines() == expected, source
+
+
+def test_a_replaced_tokenizer_is_refused_by_its_recorded_hash(tmp_path, capsys):
+    """The checkpoint records the tokenizer's SHA-256: a different file at that path would
+    give other ids, so generation stops with one line naming it."""
+    from engine.data.preprocess import save_tokenizer, train_tokenizer
+
+    root, tokenizer_path, _ = _trained_checkpoint(tmp_path)
+    save_tokenizer(train_tokenizer(["other text entirely\n"] * 20, 300), tokenizer_path)
+    assert _tool_main()(["--ckpt", str(root), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "not the tokenizer this model was trained with" in err and str(tokenizer_path) in err

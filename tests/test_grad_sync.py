@@ -123,6 +123,7 @@ def _single_group(ps):
     return groups[ps.rank]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("tp", "dp", "bucket_mb", "micro"),
     [(1, 2, 1e-5, 1), (1, 2, 100.0, 1), (1, 2, 1e-5, 2), (2, 2, 1e-5, 2), (2, 2, 100.0, 1)],

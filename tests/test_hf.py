@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,7 @@ def _parity(hf_dirs: dict[str, str]) -> list[tuple[str, str, float, bool]]:
     return results
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(hf_dirs):
     results = run_ranks(_parity, 2, hf_dirs, timeout=300)[0]
     for label, logits, err, _ in results:
@@ -101,14 +103,23 @@ def test_logits_match_transformers(hf_dirs):
     assert len(results) == 12
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
+def _run(tool: str, *args: str) -> subprocess.CompletedProcess:
+    """``tool`` (a path under the repository) run from a scratch directory, so that nothing
+    it writes by a relative path lands in the checkout."""
     env = subprocess_env(REPO)
     env.pop("RANK", None)
-    return subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run(
+            [sys.executable, str(REPO / tool), *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
 
+@pytest.mark.slow
 def test_command_line_tools(hf_dirs, tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     imported = _run("tools/convert_hf.py", "import", "--hf-dir", hf_dirs["gpt"], "--out", str(ckpt))

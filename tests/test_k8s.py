@@ -132,6 +132,7 @@ def corpus(tmp_path_factory) -> tuple[str, str]:
                                 max_bytes=300_000, progress=False)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_indexed_job_command_trains_as_two_local_pods(corpus, tmp_path):
     """The container command of base/job.yaml, run twice with JOB_COMPLETION_INDEX 0 and 1
     and the ConfigMap's variables (NNODES=2, one process per "node", TP 1, pod 0 = this

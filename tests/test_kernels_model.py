@@ -70,6 +70,7 @@ def _both(sequence_parallel: bool) -> dict[str, float]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tiny_gpt_kernels_at_tp2(sequence_parallel):
     """The kernels inside a TP=2 model (fused cross-entropy with its all-reduces, SP norms)."""

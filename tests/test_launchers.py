@@ -44,6 +44,7 @@ def check_trained(log: str, steps: int) -> None:
     assert seen[steps] < seen[1] - 0.1 and seen[steps] < UNIFORM - 0.1, seen
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     shutil.which("mpirun") is None, reason="needs Open MPI (apt-get install openmpi-bin)"
 )
@@ -66,6 +67,40 @@ def test_mpirun_four_ranks_tp2_dp2(corpus, tmp_path):
         "[0, 1, 2, 3]}"
     ), mesh
     assert "\x1b[" not in proc.stdout  # no colors or progress bar in a relayed log
+    _shown_in_readme(log, README_MPIRUN, {"vm": host})
+
+
+README_MPIRUN_TWO_NODES = (
+    "tools/launch/mpi/netns-rsh mtrnbe14b8n0 mpirun --allow-run-as-root --hostfile hosts -np 4 "
+    '--map-by ppr:2:node --mca plm_rsh_agent "$PWD/tools/launch/mpi/netns-rsh" -x '
+    "MASTER_ADDR=10.213.0.1 -x MASTER_PORT=29500 -x PYTHONPATH python -m engine.pretrain "
+    "tp_size=2 dp_size=2 … trainer.log_every=3"
+)
+README_MPIRUN = (
+    "mpirun --allow-run-as-root --oversubscribe -np 4 -x MASTER_ADDR -x MASTER_PORT -x PYTHONPATH "
+    "python -m engine.pretrain tp_size=2 dp_size=2 … trainer.log_every=3"
+)
+
+
+def _shown_in_readme(log: str, command: str, hosts: dict[str, str]) -> None:
+    """Every line the README shows under ``$ command`` is one this run printed: header and
+    mesh lines as they are (``hosts``: the README's host names to this run's), step and
+    thread lines in their format (their numbers depend on the machine, the corpus and
+    log_every), each cut at the README's "…"."""
+    from tests.test_readme import shown_output
+
+    def normal(line: str, names: list[str]) -> str:
+        line = line.split(" …")[0]
+        for i, name in enumerate(names):
+            line = line.replace(f"'{name}'", f"'HOST{i}'")
+        if line.startswith(("step", "threads:")):
+            line = re.sub(r"\d+(\.\d+)?(e[+-]\d+)?", "#", line)
+        return re.sub(" +", " ", line)
+
+    printed = [normal(line, list(hosts.values())) for line in log.splitlines()]
+    for line in shown_output(command).splitlines():
+        want = normal(line, list(hosts))
+        assert any(p.startswith(want) for p in printed), (want, log[-3000:])
 
 
 def _two_node_skip_reason() -> str | None:
@@ -79,6 +114,7 @@ def _two_node_skip_reason() -> str | None:
     return None if reason is None else reason.split(";")[0]
 
 
+@pytest.mark.slow
 def test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node(corpus, tmp_path):
     """mpirun --hostfile over two emulated nodes (network namespaces joined by a bridge),
     its remote daemon started by tools/launch/mpi/netns-rsh instead of ssh: -np 4 with 2
@@ -112,6 +148,7 @@ def test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node(corpus, tm
         "mesh: tp groups [[0, 1], [2, 3]]  dp groups [[0, 2], [1, 3]]  hosts "
         f"{{'{n0}': [0, 1], '{n1}': [2, 3]}}"
     ), mesh
+    _shown_in_readme(log, README_MPIRUN_TWO_NODES, {"mtrnbe14b8n0": n0, "mtrnbe14b8n1": n1})
 
 
 def _stop_after(i_signal: int, rank_signalled: int) -> list[int]:
@@ -154,6 +191,7 @@ def _read(log) -> str:
     return log.read()
 
 
+@pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
     """SIGTERM mid-run: the process saves a checkpoint at the step it stopped after, says
     so, exits 75 (EX_TEMPFAIL) long before max_steps, and that checkpoint verifies."""
@@ -176,6 +214,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
     assert inspect.returncode == 0 and inspect.stdout.rstrip().endswith("OK"), inspect.stdout
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_path):
     """Two SIGINTs (a double Ctrl-C) while a checkpoint is saved every step: the process
     ends with status 130 before another step boundary, and the newest checkpoint that
@@ -216,6 +255,7 @@ def test_slurm_jobs_on_one_node_get_different_ports_without_master_port():
     assert detect_launch({**env, "SLURM_JOB_ID": "4001", "MASTER_PORT": "1234"}).master_port == 1234
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None,
     reason="hydra-submitit-launcher not installed (pip install -e .[slurm])",
@@ -245,6 +285,7 @@ def test_hydra_sweep_through_submitit_local_launcher(corpus, tmp_path):
         assert (tmp_path / "sweep" / point / "ckpt" / "step_00000004").is_dir()
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_self_launched_ranks_saves_and_exits_75(corpus, tmp_path):
     """python -m engine.pretrain tp_size=1 dp_size=2 starts its own two workers through
     torch's elastic agent. A terminal's Ctrl-C reaches the whole process group, and the

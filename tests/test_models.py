@@ -83,6 +83,7 @@ def _equivalence(specs: list[VerifySpec]) -> list[tuple]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS))
 def test_layouts_match_unsplit_model(world_size):
     results = run_ranks(_equivalence, world_size, LAYOUTS[world_size], timeout=300)[0]
@@ -128,6 +129,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_same_seed_same_full_weights_and_checkpoints_reshard(tmp_path):
     # 1001 rows pad to 1152 at tp=3 but 1024 at tp=1: padding must not shift any RNG draw.
     checks = run_ranks(_weights_and_checkpoints, 3, str(tmp_path), 1001)[0]

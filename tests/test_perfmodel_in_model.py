@@ -63,6 +63,7 @@ def _count_tp_collectives(layers: int, recompute: str) -> int:
     return counter.calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers,recompute", [(2, "none"), (3, "none"), (2, "full"), (3, "full")])
 def test_tp_collective_count_matches_a_real_step(layers, recompute):
     """One micro-batch's forward + backward at tp = 2 makes exactly the collectives the

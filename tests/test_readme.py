@@ -23,7 +23,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from engine.config import register_configs
-from tests.multiproc import subprocess_env
+from tests.multiproc import run_ranks, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -46,8 +46,8 @@ COVERED = {
     "dp_size=2 trainer.max_steps=100": "tests/test_parallel_state.py::test_detect_launch",
     "srun -N 2 --ntasks-per-node 8 --gpus-per-node 8 python -m engine.pretrain "
     "experiment=gpt_125m_bf16 tp_size=4 dp_size=auto": "tests/test_parallel_state.py::test_detect_launch",
-    "mpirun -np 4 -x MASTER_ADDR=node01 python -m engine.pretrain tp_size=2 dp_size=2":
-        "tests/test_parallel_state.py::test_detect_launch",
+    "mpirun --allow-run-as-root --oversubscribe -np 4 python -m engine.pretrain tp_size=2 dp_size=2":
+        "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
     "python -m engine.pretrain -m tp_size=1,2,4 dp_size=1":
         "manual: a sweep of three full runs (minutes); its overrides are composed here",
     "python -m engine.pretrain experiment=bert_tiny_stdlib":
@@ -93,6 +93,10 @@ COVERED = {
         "tests/test_bench_cli.py::test_bench_train_bad_flags",
     "python tools/count_host_syncs.py":
         "tests/test_optim.py::test_norm_and_clipping_are_exact_and_never_sync",
+    "python tools/count_graph_breaks.py --recompute full":
+        "tests/test_compile.py::test_graph_break_tool_counts_what_dynamo_reports",
+    "python tools/bench_checkpoint.py --preset gpt_tiny --rounds 1":
+        "tests/test_tensorfile.py::test_checkpoint_benchmark_runs_every_side",
     "python -m engine.pretrain trainer.max_steps=160 optim.decay_steps=130":
         "tests/test_failures.py::test_extending_max_steps_with_a_fixed_schedule_is_bitwise_the_longer_run",
     "python tools/scaling_study.py --model gpt_tiny --steps 5 --warmup 2 --dp 1,2,4 --nodes 1,2 "
@@ -149,6 +153,17 @@ COVERED = {
     '--prompt "import os" --max-new-tokens 40 --top-p 0.95':
         "tests/test_generate_tool.py::test_tool_at_tp2_prints_what_tp1_generates_in_process",
     "python -m pytest -q": "manual: the whole suite (this test is part of it)",
+    'python -m pytest -q -m "not slow"': "manual: the quick subset of the suite (this test is part of it)",
+    "python tools/convert_hf.py export --ckpt weights/ --out weights-hf/":
+        "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
+    'python tools/generate.py --hf-dir weights-hf/ --prompt "def " --max-new-tokens 24 --greedy':
+        "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
+    "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib":
+        "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
+    "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --dp-size 2":
+        "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
+    "python -m engine.evaluate --ckpt weights/ --text docs/ARCHITECTURE.md":
+        "tests/test_evaluate.py::test_text_file_loss_is_the_mean_cross_entropy_of_its_windows",
 }  # fmt: skip
 
 
@@ -187,8 +202,9 @@ def test_every_readme_command_is_run_or_mapped_to_a_test():
 def _program_args(command: str) -> tuple[str, list[str]] | None:
     """(program, its arguments) of a command that runs engine.pretrain or a tool."""
     argv = shlex.split(command)
-    if "engine.pretrain" in argv:
-        return "engine.pretrain", argv[argv.index("engine.pretrain") + 1 :]
+    for module in ("engine.pretrain", "engine.evaluate"):
+        if module in argv:
+            return module, argv[argv.index(module) + 1 :]
     tools = [a for a in argv if a.startswith("tools/") and a.endswith(".py")]
     if tools:
         return tools[0], argv[argv.index(tools[0]) + 1 :]
@@ -219,6 +235,7 @@ def _load_tool(path: str):
     return sys.modules[name]
 
 
+@pytest.mark.slow
 def test_every_readme_command_parses_with_its_program():
     """Hydra composes every engine.pretrain override set; argparse accepts every tool's
     arguments. Catches a README that names a key, a preset or an option that is gone."""
@@ -232,6 +249,10 @@ def test_every_readme_command_parses_with_its_program():
         program, args = found
         if program == "engine.pretrain":
             _hydra_compose(args)
+        elif program == "engine.evaluate":
+            from engine.evaluate import parse_args
+
+            parse_args(args)
         else:
             _load_tool(program).parse_args(args)
         parsed += 1
@@ -239,10 +260,10 @@ def test_every_readme_command_parses_with_its_program():
 
 
 def shown_output(command: str) -> str:
-    """The lines the README shows under ``$ command``, up to the next ``$`` line or the
-    block's end."""
+    """The lines the README shows under ``$ command`` (continuation lines joined), up to
+    the next ``$`` line or the block's end."""
     for block in _blocks("text"):
-        lines = block.splitlines()
+        lines = re.sub(r" *\\\n *", " ", block).splitlines()  # a command's continuations joined
         if f"$ {command}" in lines:
             rest = lines[lines.index(f"$ {command}") + 1 :]
             end = next((i for i, ln in enumerate(rest) if ln[:2] == "$ "), None)
@@ -250,6 +271,7 @@ def shown_output(command: str) -> str:
     raise AssertionError(f"the README shows no output for {command!r}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", sorted(RUN))
 def test_cheap_readme_commands_run_as_shown(command, tmp_path):
     argv = [str(ROOT / a) if a.startswith("tools/") else a for a in shlex.split(command)]
@@ -283,6 +305,7 @@ print(f"snippet ok tp={ps.tp_size} rank={ps.rank}")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_python_snippets_run_as_shown(ranks, tmp_path):
     blocks = _blocks("python")
@@ -299,3 +322,40 @@ def test_python_snippets_run_as_shown(ranks, tmp_path):
         if check:
             oks = sorted(ln for ln in done.stdout.splitlines() if ln.startswith("snippet ok"))
             assert oks == [f"snippet ok tp={ranks} rank={r}" for r in range(ranks)], done.stdout
+
+
+def _verify_rows(spec) -> list[tuple[str, str, bool]] | None:
+    import parallel_state
+    from engine.verification.layouts import compare_layouts
+
+    parallel_state.initialize(spec.tp_size, spec.dp_size)
+    report = compare_layouts(spec)
+    return report and [(row.kind, row.name, row.ok) for row in report.rows]
+
+
+@pytest.mark.slow
+def test_the_verifiers_shown_output_is_what_it_prints():
+    """The README's verifier table lists rows the tool really reports, in its order, and its
+    last line counts them: run the README's layout (gpt, tp=2 dp=2, sequence parallel,
+    selective recompute) on 4 gloo ranks. The errors themselves (1e-16 noise) are not
+    compared; every shown row must say ok."""
+    from engine.verification.layouts import VerifySpec
+
+    spec = VerifySpec(
+        model="gpt", tp_size=2, dp_size=2, sequence_parallel=True, recompute="selective"
+    )
+    rows = run_ranks(_verify_rows, 4, spec, timeout=300)[0]
+    block = next(b for b in _blocks("text") if "gpt vs reference, float64" in b)
+    shown = [
+        [cell.strip() for cell in line.split("│")[1:-1]]
+        for line in block.splitlines()
+        if line.startswith("│")
+    ]
+    kinds_names = [(kind, name) for kind, name, *_ in shown if kind != "…"]
+    real = iter((kind, name) for kind, name, _ in rows)
+    assert all(pair in real for pair in kinds_names), kinds_names  # in order, a subsequence
+    assert all(cells[-1] == "ok" for cells in shown if cells[0] != "…")
+    assert all(ok for *_, ok in rows)
+    assert (
+        block.strip().splitlines()[-1] == f"all {len(rows)} tensors within relative tolerance 1e-10"
+    )

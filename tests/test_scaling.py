@@ -48,6 +48,7 @@ def _rows(out: Path) -> list[dict[str, str]]:
         return list(reader)
 
 
+@pytest.mark.slow
 def test_three_point_study_reports_consistent_speedup(tmp_path, data):
     out = tmp_path / "study"
     # dp=5 cannot split a global batch of 12 into micro-batches of 2: that point fails (a
@@ -111,6 +112,7 @@ def _cluster_yaml(tmp_path: Path, mbit: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NO_NETNS is not None, reason=f"network namespaces refused: {NO_NETNS}")
 def test_emulated_two_nodes_train_and_links_hold_the_configured_rate(tmp_path, data):
     # 200 Mbit/s: a fiftieth of what loopback carried here (≥ 10 Gbit/s), so the measured
@@ -152,6 +154,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_study_killed_midway_leaves_nothing_behind(tmp_path, data, sig):
     # Ctrl-C unwinds the study, which stops its workers and removes its namespaces.
@@ -185,6 +188,7 @@ def test_study_killed_midway_leaves_nothing_behind(tmp_path, data, sig):
     assert leftovers() == []
 
 
+@pytest.mark.slow
 def test_multirun_gives_every_job_its_own_checkpoints(tmp_path, data):
     common = ["tp_size=1", "dp_size=1", "trainer.max_steps=1", "trainer.eval_every=0",
               "trainer.sample_tokens=0", "trainer.tensorboard=false",
@@ -246,3 +250,52 @@ def test_weak_scaling_speedup_counts_the_larger_batch():
     ok = add_speedup(rows, "weak")
     assert len(ok) == 2
     assert (ok[1]["speedup"], ok[1]["efficiency"]) == pytest.approx((1.6, 0.8))
+
+
+def test_report_leaves_out_tables_that_do_not_apply_and_plots_carry_titles(tmp_path):
+    """A pre-training study's rows carry the time-to-accuracy columns empty: its report has
+    no such table (it would be all n/a); a classification row with an accuracy keeps it.
+    Every figure gets a title naming what it shows and the study."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from engine.scaling.report import plot, write_report
+
+    row = {
+        "status": "ok",
+        "nodes": 1,
+        "procs_per_node": 2,
+        "tp_size": 1,
+        "dp_size": 2,
+        "world_size": 2,
+        "global_batch": 8,
+        "step_time_s": 0.5,
+        "step_time_p10_s": 0.4,
+        "step_time_p90_s": 0.6,
+        "speedup": 1.0,
+        "efficiency": 1.0,
+        "compute_s": 0.4,
+        "time_to_accuracy_s": None,
+        "test_accuracy": None,
+    }
+    kwargs = dict(out=tmp_path, links={}, command="x", load="0", mode="strong")
+    text = write_report([row], [], **kwargs).read_text()
+    assert "Time to accuracy" not in text and "## Speedup" in text
+    reached = {**row, "test_accuracy": 0.86, "time_to_accuracy_s": 12.0, "epochs": 3}
+    assert "## Time to accuracy" in write_report([reached], [], **kwargs).read_text()
+
+    titles = []
+    saved = plt.Figure.savefig
+    plt.Figure.savefig = lambda fig, *a, **k: titles.append(fig.axes[0].get_title())
+    try:
+        paths = plot([row], tmp_path, title="gpt_tiny, strong scaling")
+    finally:
+        plt.Figure.savefig = saved
+    assert [p.name for p in paths] == ["speedup.png", "efficiency.png", "time_shares.png"]
+    assert titles == [
+        "Speedup over 2 rank(s)\ngpt_tiny, strong scaling",
+        "Parallel efficiency\ngpt_tiny, strong scaling",
+        "Where the step time goes\ngpt_tiny, strong scaling",
+    ]

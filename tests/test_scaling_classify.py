@@ -55,6 +55,7 @@ def test_classify_point_with_an_indivisible_batch_is_refused():
         classify_command(point, cfg.spec, Path("m.json"), Path("r"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
                     reason="Fashion-MNIST missing: apt-get install dataset-fashion-mnist")  # fmt: skip
 def test_two_point_classify_study_reports_time_to_accuracy(tmp_path):

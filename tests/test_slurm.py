@@ -35,6 +35,7 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
+@pytest.mark.slow
 def test_srun_four_tasks_dp_auto(slurm, corpus, tmp_path):
     """srun -n 4 with tp_size=2 dp_size=auto: dp resolves to 4 / 2 = 2 from SLURM_NTASKS,
     the mesh is {0,1},{2,3}, and the loss falls (0.1 nat below step 1 and below uniform
@@ -55,6 +56,7 @@ def _job_state(slurm: SlurmCluster, job: str) -> str:
     return slurm.run("squeue", "-h", "-j", job, "-o", "%T", timeout=30).stdout.strip()
 
 
+@pytest.mark.slow
 def test_sbatch_template_requeues_after_usr1_and_finishes(slurm, corpus, tmp_path):
     """sbatch of the real template (overriding only its size: 1 node, 2 tasks, no GPUs).
     USR1 after step 2 -> all ranks stop after one agreed step S, save it and exit 75 ->

@@ -65,6 +65,7 @@ def _recompute_reproduces_dropout() -> dict[str, bool]:
     return checks
 
 
+@pytest.mark.slow
 def test_recompute_with_dropout_gives_the_same_gradients():
     results = run_ranks(_recompute_reproduces_dropout, 2)
     for rank, checks in enumerate(results):
@@ -119,6 +120,7 @@ def _memory(cfg: ModelConfig):
     return activation_memory_table(cfg, seq_len=128, batch_size=2)
 
 
+@pytest.mark.slow
 def test_activation_memory_against_reference_formula():
     """Bytes kept for backward by one bf16 layer at t=2, in units of s·b·h.
 

@@ -69,6 +69,7 @@ def _planted_all() -> dict[str, tuple | None]:
     return found
 
 
+@pytest.mark.slow
 def test_planted_bugs_are_named_where_they_first_show():
     expected = {
         "copy backward skips its all-reduce": ("grad", "final_norm.bias"),

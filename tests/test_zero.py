@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -105,6 +106,7 @@ def _equivalence_and_memory() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_zero1_matches_plain_adamw_and_memory_falls_as_1_over_dp():
     """ZeRO-1 runs the same elementwise AdamW on the same averaged gradients.
 
@@ -163,6 +165,7 @@ def _steps(dp):
     return list(inner.state.values())
 
 
+@pytest.mark.slow
 def test_zero1_checkpoint_loads_at_other_dp_and_without_zero(tmp_path):
     """Exact: loading only moves values between slices, files and ranks."""
     for res in run_ranks(_zero_checkpoint, 4, str(tmp_path / "ckpt"), timeout=240):

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.cli import ArgumentParser, positive_int  # noqa: E402
 from engine.generate import Sampling, generate_batch  # noqa: E402
 from engine.models import build_model  # noqa: E402
 from engine.models.config import preset  # noqa: E402
@@ -28,15 +29,15 @@ from engine.models.config import preset  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512])
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
+    p.add_argument("--new-tokens", type=positive_int, nargs="+", default=[128, 512])
+    p.add_argument("--prompt-len", type=positive_int, default=16)
+    p.add_argument("--hidden", type=positive_int, default=128)
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--vocab", type=positive_int, default=8192)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
 
@@ -64,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = preset("gpt_tiny", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                  num_heads=args.heads, max_positions=longest, hidden_dropout=0.0,
                  attention_dropout=0.0)  # fmt: skip
+    try:
+        cfg.validate()
+    except ValueError as err:  # e.g. --hidden not divisible by --heads
+        print(f"bench_generate.py: error: {err} (see --help)", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     model = build_model(cfg, device=args.device).eval()
     gen = torch.Generator().manual_seed(1)

@@ -8,7 +8,8 @@ CKPT is a step directory (``.../step_00000150``) or a checkpoint root, which mea
 step its ``latest`` names. ``inspect`` verifies every file's size and SHA-256 unless
 ``--no-verify``. ``convert`` writes a checkpoint root that a run at the new layout resumes
 from with ``checkpoint.dir=OUT``; ``export-model`` writes the weights alone in the format
-``tools/convert_hf.py export --ckpt`` and ``engine.checkpoint.format.load_model`` read.
+``tools/convert_hf.py export --ckpt`` and ``engine.checkpoint.format.load_model`` read, with
+a copy of the tokenizer the checkpoint records (``tokenizer.json``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.checkpoint import CheckpointError  # noqa: E402
 from engine.checkpoint.convert import convert, export_model, resolve, summarize  # noqa: E402
+from engine.checkpoint.tensorfile import HASHES  # noqa: E402
+from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.cli import ArgumentParser  # noqa: E402
 
 
@@ -75,12 +79,20 @@ def inspect(ckpt: str, verify: bool) -> int:
         shape = "[" + ", ".join(map(str, spec.shape)) + "]"
         tp_dim = "-" if spec.tp_dim is None else str(spec.tp_dim)
         print(f"{name:<{width}}{shape:<18}{spec.dtype:<10}{tp_dim:<8}{info['pieces'].get(name, 0)}")
-    print(f"\n{'file':<24}{'bytes':>12}  sha256            status")
+    print(f"\n{'file':<24}{'bytes':>12}  {'hash':<24}status")
     damaged = 0
     for fname, f in sorted(info["files"].items()):
         damaged += f["status"].startswith("DAMAGED")
-        print(f"{fname:<24}{f['bytes']:>12}  {f['sha256'][:16]}  {f['status']}")
+        algo = next((a for a in HASHES if a in f), "-")
+        digest = f"{algo} {f.get(algo, '')[:16]}"
+        print(f"{fname:<24}{f['bytes']:>12}  {digest:<24}{f['status']}")
     return 1 if damaged else 0
+
+
+def _tokenizer_note(out: str) -> str:
+    if (Path(out) / TOKENIZER_FILE).is_file():
+        return f"with its {TOKENIZER_FILE}"
+    return "no tokenizer recorded or found: generate.py will need --tokenizer PATH"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"checkpoint.dir={args.out} tp_size={args.tp_size} dp_size={args.dp_size}")  # fmt: skip
             return 0
         cfg = export_model(args.ckpt, args.out)
-        print(f"exported the {cfg.arch} weights to {args.out}")
+        print(f"exported the {cfg.arch} weights to {args.out} ({_tokenizer_note(args.out)})")
         return 0
     except (CheckpointError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

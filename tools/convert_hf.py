@@ -6,8 +6,9 @@
 Import reads a local ``save_pretrained`` directory (config.json + safetensors weights) of
 a GPT2LMHeadModel or BertForPreTraining; the checkpoint loads at any TP size. Export
 writes config.json + model.safetensors that transformers' from_pretrained reads, into a
-new or empty directory; an import followed by an export reproduces every tensor bit for
-bit. A bad input ends in one ``convert_hf.py: error:`` line and exit status 2.
+new or empty directory, with the tokenizer (tokenizer.json, tokenizer_config.json,
+special_tokens_map.json: AutoTokenizer opens it) when the checkpoint carries one; an import
+followed by an export reproduces every tensor bit for bit. A bad input ends in one ``convert_hf.py: error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.cli import ArgumentParser  # noqa: E402
 from engine.hf_interop import export_hf, import_hf  # noqa: E402
 
@@ -48,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"convert_hf.py: error: {message}", file=sys.stderr)
         return 2
+    tokenizer = "with tokenizer" if (Path(args.out) / TOKENIZER_FILE).is_file() else "no tokenizer"
     print(
         f"{args.command}ed {cfg.arch}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_heads} heads, vocab {cfg.vocab_size} -> {args.out}"
+        f"{cfg.num_heads} heads, vocab {cfg.vocab_size}, {tokenizer} -> {args.out}"
     )
     return 0
 

@@ -66,7 +66,35 @@ def check(args: argparse.Namespace) -> str:
         )
     if any(not p for p in args.prompt):
         raise ValueError("--prompt must not be empty")
+    if args.hf_dir:
+        from engine.hf_interop import hf_weight_files
+
+        hf_weight_files(args.hf_dir)  # raises naming the directory when it holds no weights
+    _check_positions(args, tokenizer, cfg.max_positions)
     return tokenizer
+
+
+def _check_positions(args: argparse.Namespace, tokenizer_path: str, positions: int) -> None:
+    """Refuse a generation the model cannot finish: the longest prompt plus the new tokens
+    must fit its learned positions (past them it has no embedding to give)."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(tokenizer_path)
+        longest = max(len(tokenizer.encode(p).ids) for p in args.prompt)
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        first = (str(err).splitlines() or [type(err).__name__])[0][:120]
+        raise ValueError(
+            f"--tokenizer {tokenizer_path} is not a readable tokenizer.json ({first}); pass "
+            "the tokenizer.json the model was trained with"
+        ) from None
+    if longest + args.max_new_tokens > positions:
+        room = positions - longest
+        fix = f"pass --max-new-tokens {room} or less" if room > 0 else "shorten the prompt"
+        raise ValueError(
+            f"--max-new-tokens {args.max_new_tokens} after a prompt of {longest} tokens needs "
+            f"{longest + args.max_new_tokens} positions, the model has {positions}: {fix}"
+        )
 
 
 def sampling(args: argparse.Namespace) -> Sampling:
@@ -83,10 +111,10 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
     import parallel_state
     from engine.generate import generate_batch
     from engine.inference import inference_config
+    from engine.launching import share_cores
     from engine.models import build_model
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     ps = parallel_state.initialize(
         args.tp_size,
         None,
@@ -94,6 +122,9 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
             "auto", local, warn=int(os.environ.get("RANK", "0")) == 0
         ),
     )
+    threads = share_cores(ps)
+    if threads and ps.rank == 0:  # stdout holds the samples alone
+        print(threads, file=sys.stderr)
     try:
         cfg, state = ModelSource(args.ckpt, args.hf_dir).load()
         model = build_model(inference_config(cfg), tp_group=ps.tp_group,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 from engine.checkpoint.format import META_FILE, check_output_dir, write_checkpoint
 from engine.checkpoint.layout import MODEL, OPTIM, RNG, assign_writers
+from engine.checkpoint.manager import CheckpointDirLock
 from engine.checkpoint.state import model_name, optim_name, param_spec
 from engine.checkpoint.storage import (
     INDEX,
@@ -17,12 +20,12 @@ from engine.checkpoint.storage import (
     ShardReader,
     commit,
     read_latest,
-    remove_stale_temps,
     step_dir_name,
     step_dirs,
     write_index,
     write_shard,
 )
+from engine.checkpoint.tokenizer import recorded_tokenizer
 from engine.flops import params_count
 from engine.models import ModelConfig, build_model
 
@@ -81,15 +84,35 @@ def convert(src: str | Path, out_root: str | Path, tp_size: int, dp_size: int) -
     src, out_root = resolve(src), Path(out_root)
     if out_root.exists() and not out_root.is_dir():
         raise ValueError(f"--out {out_root} is a file; give a checkpoint directory to write")
+    if out_root.resolve() in (src.resolve(), src.resolve().parent):
+        raise ValueError(
+            f"--out {out_root} is the source checkpoint's own directory: convert never "
+            "rewrites its input; give a new directory"
+        )
     reader = ShardReader(src)
     index, cfg = reader.index, check_shapes(reader)
     cfg.validate(tp_size)
     specs = [s for s in reader.specs.values() if s.kind != RNG]
     plan = assign_writers(specs, tp_size, dp_size, cfg.padded_vocab_size(tp_size))
-    out_root.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out_root)
-    tmp = out_root / f".tmp-{step_dir_name(index['step'])}"
+    # The output may be a run's checkpoint directory: hold its lock while writing, as a
+    # run does, so neither removes the other's files.
+    with CheckpointDirLock(out_root, run_dir="tools/checkpoint.py convert"):
+        return _write_converted(reader, index, specs, plan, out_root, tp_size, dp_size)
+
+
+def _write_converted(reader, index, specs, plan, out_root: Path, tp_size: int, dp_size: int):
+    """Write the re-cut files and the index into a temp directory of this conversion's
+    own, and commit it as a step of ``out_root``."""
+    tmp = out_root / f".tmp-{step_dir_name(index['step'])}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
+    try:
+        return _fill_and_commit(tmp, reader, index, specs, plan, out_root, tp_size, dp_size)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed conversion leaves nothing half made
+        raise
+
+
+def _fill_and_commit(tmp, reader, index, specs, plan, out_root, tp_size, dp_size) -> Path:
     files = {}
     for rank, mine in plan.items():
         if mine:
@@ -119,12 +142,13 @@ def read_model_state(src: str | Path) -> tuple[ModelConfig, dict, dict]:
 
 
 def export_model(src: str | Path, out_dir: str | Path) -> ModelConfig:
-    """Write the model weights alone in engine.checkpoint.format (for HF export, inference)."""
+    """Write the model weights alone in engine.checkpoint.format (for HF export, inference),
+    with a copy of the tokenizer the checkpoint records (when that file is still there)."""
     check_output_dir(out_dir)
     cfg, state, index = read_model_state(src)
-    write_checkpoint(
-        out_dir, state, cfg, extra={"step": index["step"], "source": str(resolve(src))}
-    )
+    tokenizer = recorded_tokenizer(index.get("trainer_state"))
+    extra = {"step": index["step"], "source": str(resolve(src))}
+    write_checkpoint(out_dir, state, cfg, extra=extra, tokenizer=tokenizer)
     return cfg
 
 

@@ -4,7 +4,8 @@ A checkpoint is a directory holding
 
 * ``model.safetensors``: every parameter at full shape under its stable global name (the
   module path, the same at every TP size), vocabulary unpadded;
-* ``meshtron.json``: the format version, the ModelConfig and optional extra metadata.
+* ``meshtron.json``: the format version, the ModelConfig and optional extra metadata;
+* ``tokenizer.json`` (when the model has one): a copy of the tokenizer it was trained with.
 
 So a checkpoint written at one TP size loads at any other. Writes go to a temporary
 sibling directory that is renamed into place, so a crash never leaves a half-written
@@ -26,6 +27,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from engine import comm
+from engine.checkpoint.tensorfile import write_tensors
+from engine.checkpoint.tokenizer import TOKENIZER_FILE, copy_tokenizer, tokenizer_record
 from engine.models import ModelConfig, ParallelModel, build_model
 
 FORMAT_VERSION = 1
@@ -66,19 +69,24 @@ def write_checkpoint(
     config: ModelConfig,
     *,
     extra: dict[str, Any] | None = None,
+    tokenizer: str | os.PathLike | None = None,
 ) -> None:
-    """Write full-shape ``state`` and ``config`` to ``directory``, replacing it atomically."""
+    """Write full-shape ``state`` and ``config`` to ``directory``, replacing it atomically;
+    with ``tokenizer`` (a tokenizer.json) a copy of it, and its origin in the metadata."""
     final = Path(directory)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        # clone: safetensors refuses tensors that share storage (tied or unbound views).
-        tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
-                   for k, v in state.items()}  # fmt: skip
-        save_tensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "meshtron"})
+        # Written from the tensors' own memory (views and shared storage too), fsynced.
+        tensors = {k: v.detach().cpu() for k, v in state.items()}
+        write_tensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "meshtron"})
+        extra = dict(extra or {})
+        if tokenizer is not None:
+            copy_tokenizer(tokenizer, tmp)
+            extra["tokenizer"] = tokenizer_record(tokenizer)
         meta = {"format_version": FORMAT_VERSION, "model_config": config.to_dict(),
-                "extra": extra or {}}  # fmt: skip
+                "extra": extra}  # fmt: skip
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         _move_into_place(tmp, final)
     except BaseException:
@@ -95,7 +103,9 @@ def check_output_dir(directory: str | os.PathLike) -> None:
         return
     if not path.is_dir():
         raise ValueError(f"{path} is a file; give a new directory to write the model to")
-    extra = sorted(p.name for p in path.iterdir() if p.name not in (META_FILE, WEIGHTS_FILE))
+    extra = sorted(
+        p.name for p in path.iterdir() if p.name not in (META_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
+    )
     if extra or (any(path.iterdir()) and not (path / META_FILE).is_file()):
         raise ValueError(
             f"{path} exists and holds other files ({', '.join(extra[:3]) or 'no ' + META_FILE}); "
@@ -135,16 +145,21 @@ def _rank() -> int:
 
 
 def save_model(
-    model: ParallelModel, directory: str | os.PathLike, *, extra: dict[str, Any] | None = None
+    model: ParallelModel,
+    directory: str | os.PathLike,
+    *,
+    extra: dict[str, Any] | None = None,
+    tokenizer: str | os.PathLike | None = None,
 ) -> None:
-    """Gather ``model``'s full weights and write them (global rank 0 writes).
+    """Gather ``model``'s full weights and write them (global rank 0 writes), with a copy of
+    ``tokenizer`` when given.
 
     Every rank must call this: the gather is collective over TP, and all ranks wait at a
     barrier so that none reads the checkpoint before it exists.
     """
     state = model.full_state_dict()
     if _rank() == 0:
-        write_checkpoint(directory, state, model.cfg, extra=extra)
+        write_checkpoint(directory, state, model.cfg, extra=extra, tokenizer=tokenizer)
     comm.barrier(comm.world())
 
 

@@ -2,7 +2,7 @@
 
 Saving: every rank writes only the slices it owns (``layout.assign_writers``) plus its
 RNG streams into one safetensors file of a shared temp directory; rank 0 writes the index
-(layout, trainer state, scalar optimizer state, per-file size and SHA-256) and commits
+(layout, trainer state, scalar optimizer state, per-file size and BLAKE3 hash) and commits
 (``storage.commit``). Failures on any rank are agreed on, so no rank waits forever.
 
 Loading: candidates are ``latest`` and then older committed steps (without ``latest``,
@@ -13,6 +13,14 @@ agree to fall back to the next candidate, and rank 0 says so.
 
 from __future__ import annotations
 
+import contextlib
+import getpass
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +33,7 @@ from engine import comm
 from engine.checkpoint.format import check_compatible
 from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers, crop_local
 from engine.checkpoint.state import (
+    expect_local,
     export_local,
     load_optimizer,
     model_name,
@@ -37,12 +46,12 @@ from engine.checkpoint.storage import (
     commit,
     read_index,
     read_latest,
-    remove_stale_temps,
     step_dir_name,
     step_dirs,
     write_index,
     write_shard,
 )
+from engine.checkpoint.tensorfile import HASHES
 from engine.data_parallel import DataParallel, checkpoint_view
 from engine.models import ModelConfig, ParallelModel
 from parallel_state import ParallelState
@@ -117,11 +126,12 @@ def save_checkpoint(
     ``log`` (rank 0) hears which older or broken step directories were removed, and why.
     """
     root, mesh, fault = Path(root), _Mesh.of(ps), fault or (lambda point: None)
-    tmp, err = root / f".tmp-{step_dir_name(step)}", None
+    # A name of this save's own: nothing another save (of any run) makes or removes.
+    tmp, err = root / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:12]}", None
     if mesh.rank == 0:
-        _, err = _guard(lambda: (root.mkdir(parents=True, exist_ok=True),
-                                 remove_stale_temps(root), tmp.mkdir()))  # fmt: skip
-    _raise_if(mesh.from_rank0(err), "creating", tmp)
+        _, err = _guard(lambda: (root.mkdir(parents=True, exist_ok=True), tmp.mkdir()))
+    err, tmp = mesh.from_rank0((err, tmp))
+    _raise_if(err, "creating", tmp)
     specs, tensors, scalars = export_local(model, optimizer)  # collective under ZeRO-1
     rng = _rng_tensors(ps, mesh.rank)
     for name, value in rng.items():
@@ -137,7 +147,7 @@ def save_checkpoint(
         return record
 
     records = mesh.all_gather(_guard(write_mine))
-    _raise_if(next((e for _, e in records if e), None), "writing shards of", tmp)
+    _raise_if(next((e for _, e in records if e), None), "writing shards of", tmp, mesh)
     if mesh.rank == 0:
         index = {
             "step": step, "model_config": model.cfg.to_dict(), "trainer_state": state,
@@ -157,12 +167,16 @@ def save_checkpoint(
                           log=log)  # fmt: skip
 
         _, err = _guard(finish)
-    _raise_if(mesh.from_rank0(err), "committing", tmp)
+    _raise_if(mesh.from_rank0(err), "committing", tmp, mesh)
     return root / step_dir_name(step)
 
 
-def _raise_if(err: str | None, doing: str, path: Path) -> None:
+def _raise_if(err: str | None, doing: str, path: Path, mesh: _Mesh | None = None) -> None:
+    """Raise the agreed failure; rank 0 first removes this save's temp directory (every
+    rank is past writing into it: the failure was agreed on)."""
     if err is not None:
+        if mesh is not None and mesh.rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
         raise CheckpointError(f"checkpoint save failed while {doing} {path}: {err}")
 
 
@@ -184,34 +198,88 @@ def _candidates(root: Path, log: Callable[[str], None]) -> list[Path]:
 
 
 def _read_rank(path: Path, model: ParallelModel, optimizer, mesh: _Mesh) -> dict[str, Any]:
-    """Everything this rank needs from ``path``, read and verified, nothing applied yet."""
+    """Everything this rank needs from ``path``, read and verified.
+
+    Parameters (and optimizer state the optimizer already holds, unsharded) are read
+    straight into place, so a failed read leaves them undefined: a fallback overwrites
+    them all, and with nothing usable the load raises. The rest is applied by ``_apply``.
+    """
     index = read_index(path)
+    _check_index(path, index)
     try:
-        check_compatible(model.cfg, ModelConfig.from_dict(index["model_config"]))
+        saved = ModelConfig.from_dict(index["model_config"])
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"{path / 'index.json'} has a malformed model_config ({err})"
+        ) from None
+    try:
+        check_compatible(model.cfg, saved)
     except ValueError as err:
         raise ValueError(
             f"{path} does not fit this model: {err} (choose another checkpoint.dir or name "
             "for a new model; delete the directory only if its checkpoints are not wanted)"
         ) from None
+    try:
+        return _read_tensors(path, index, model, optimizer, mesh)
+    except (KeyError, TypeError, IndexError, AttributeError, OverflowError) as err:
+        # Shapes of the index's entries that its checksum cannot vouch for (an edited index).
+        raise CheckpointError(f"{path / 'index.json'} is malformed ({err!r})") from None
+
+
+_INDEX_SHAPE = {
+    "model_config": dict,
+    "trainer_state": dict,
+    "layout": dict,
+    "optimizer": dict,
+    "tensors": dict,
+    "files": dict,
+}
+
+
+def _check_index(path: Path, index: dict) -> None:
+    """CheckpointError naming the first entry of ``index`` of the wrong type or value, or
+    claiming what the directory contradicts (its step)."""
+    where = path / "index.json"
+    for key, kind in _INDEX_SHAPE.items():
+        if not isinstance(index.get(key), kind):
+            raise CheckpointError(f"{where}: {key} is not a {kind.__name__}")
+    step = index.get("step")
+    if type(step) is not int or path.name != step_dir_name(step):
+        raise CheckpointError(f"{where} claims step {step!r}, but the directory is {path.name}")
+    layout = index["layout"]
+    for key in ("tp_size", "dp_size", "world_size"):
+        if type(layout.get(key)) is not int or layout[key] < 1:
+            raise CheckpointError(f"{where}: layout.{key}={layout.get(key)!r} is not a size")
+    scalars = index["optimizer"].get("scalars")
+    if not isinstance(scalars, dict) or not all(isinstance(v, dict) for v in scalars.values()):
+        raise CheckpointError(f"{where}: optimizer.scalars is not a mapping of mappings")
+    for fname, record in index["files"].items():
+        ok = isinstance(record, dict) and type(record.get("bytes")) is int
+        # A record names its digest under one of the algorithms a reader verifies.
+        digest = ok and any(isinstance(record.get(name), str) for name in HASHES)
+        if not (digest and isinstance(record.get("slices"), dict)):
+            raise CheckpointError(f"{where}: the record of {fname!r} is malformed")
+
+
+def _read_tensors(path: Path, index: dict, model, optimizer, mesh: _Mesh) -> dict[str, Any]:
+    """The parameters, optimizer state and RNG streams this rank needs from ``path``."""
     reader = ShardReader(path, index)
+    wanted = _wanted(reader, model, optimizer, path)
+    for spec, _, into in wanted:
+        if into is not None:
+            expect_local(reader, spec, into, model)
     params, states = {}, {}
-    for name, p in model.named_parameters():
-        spec = reader.specs.get(model_name(name))
-        if spec is None or spec.kind != MODEL:
-            raise ValueError(f"{path} has no parameter {name}: not this model's checkpoint")
-        params[p] = read_local(reader, spec, p.shape, model)
+    for spec, owner, into in wanted:
+        value = read_local(reader, spec, owner.shape, model, into)
+        if spec.kind == MODEL:
+            params[owner] = value
+        else:
+            states.setdefault(owner, {})[spec.name.rsplit("/", 1)[1]] = value
     if optimizer is not None:
-        owner = dict(model.named_parameters())
-        for spec in reader.specs.values():
-            if spec.kind == OPTIM:
-                pname, key = spec.name[len("optim/") :].rsplit("/", 1)
-                if pname not in owner:
-                    raise ValueError(f"{path} has optimizer state of {pname}, not in the model")
-                value = read_local(reader, spec, owner[pname].shape, model)
-                states.setdefault(owner[pname], {})[key] = value
+        owners = dict(model.named_parameters())
         for pname, scalars in index["optimizer"]["scalars"].items():
-            if pname in owner:
-                states.setdefault(owner[pname], {}).update(scalars)
+            if pname in owners:
+                states.setdefault(owners[pname], {}).update(scalars)
     layout, rng = index["layout"], None
     same_layout = (layout["tp_size"], layout["dp_size"]) == (mesh.tp_size, mesh.dp_size)
     # A CUDA generator state cannot seed a CPU generator (nor the reverse): reseed instead.
@@ -221,10 +289,34 @@ def _read_rank(path: Path, model: ParallelModel, optimizer, mesh: _Mesh) -> dict
     return {"index": index, "params": params, "states": states, "rng": rng or None}
 
 
+def _wanted(reader: ShardReader, model: ParallelModel, optimizer, path: Path) -> list[tuple]:
+    """[(spec, parameter it belongs to, tensor to read it into or None)] for this rank."""
+    owners = dict(model.named_parameters())
+    held = {}  # optimizer state tensors already in place (unsharded): read into them
+    if optimizer is not None and not checkpoint_view(optimizer).shards_optimizer:
+        held = checkpoint_view(optimizer).param_states()
+    wanted = []
+    for name, p in owners.items():
+        spec = reader.specs.get(model_name(name))
+        if spec is None or spec.kind != MODEL:
+            raise ValueError(f"{path} has no parameter {name}: not this model's checkpoint")
+        wanted.append((spec, p, p.detach()))
+    for spec in reader.specs.values() if optimizer is not None else ():
+        if spec.kind == OPTIM:
+            pname, key = spec.name[len("optim/") :].rsplit("/", 1)
+            if pname not in owners:
+                raise ValueError(f"{path} has optimizer state of {pname}, not in the model")
+            into = held.get(owners[pname], {}).get(key)
+            fits = torch.is_tensor(into) and into.shape == owners[pname].shape
+            wanted.append((spec, owners[pname], into if fits else None))
+    return wanted
+
+
 @torch.no_grad()
 def _apply(payload: dict, model: nn.Module, optimizer, ps: ParallelState | None) -> None:
     for p, value in payload["params"].items():
-        p.copy_(value)
+        if value.data_ptr() != p.data_ptr():  # not read into place
+            p.copy_(value)
     if optimizer is not None:
         load_optimizer(optimizer, payload["states"])
     rng = payload["rng"]
@@ -298,3 +390,98 @@ def checkpoint_dir(cfg) -> str:
     """The experiment's stable checkpoint directory (not Hydra's per-run folder); ``cfg``:
     the run's Config."""
     return cfg.checkpoint.dir or str(Path("checkpoints") / cfg.name)
+
+
+class CheckpointDirBusy(CheckpointError):
+    """Another live run holds the checkpoint directory's lock."""
+
+
+class CheckpointDirLock:
+    """One run per checkpoint directory: an advisory ``flock`` on ``ROOT/.lock``, held for
+    the run's life, recording who holds it (user, host, PID, start, run directory).
+
+    The kernel drops the lock when its process dies, however it dies, so a lock file that
+    still names an owner but is not locked is a dead run's: it is taken over with a line
+    saying so, and that run's interrupted saves (``.tmp-*``, ``.trash-*``) are removed.
+    A clean release empties the file. Use as ``lock.acquire(log=...)`` then ``with lock:``.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, root: str | Path, *, run_dir: str = ".") -> None:
+        self.root, self.run_dir, self._file = Path(root), run_dir, None
+
+    def acquire(self, *, log: Callable[[str], None] = print) -> None:
+        """Take the lock or raise CheckpointDirBusy naming the run that holds it."""
+        import fcntl
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        f = open(self.root / self.NAME, "a+")  # noqa: SIM115 - held until release()
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            owner = _describe_owner(f)
+            f.close()
+            raise CheckpointDirBusy(
+                f"checkpoint.dir={self.root} is in use by another run ({owner}); wait for it "
+                "to end, or give this run its own name=NAME or checkpoint.dir=DIR"
+            ) from None
+        previous = _describe_owner(f)
+        if previous:
+            log(
+                f"took over the lock of {self.root} from a run that did not end cleanly "
+                f"({previous}; no longer running)"
+            )
+            for entry in self.root.iterdir():
+                if entry.is_dir() and entry.name.startswith((".tmp-", ".trash-")):
+                    log(f"removed {entry}: an interrupted save of that run")
+                    shutil.rmtree(entry, ignore_errors=True)
+        record = {
+            "user": _user(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "run_dir": self.run_dir,
+        }
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        """Empty the record (a clean end) and drop the lock."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.truncate(0)
+            self._file.close()  # closing the last descriptor drops the flock
+            self._file = None
+
+    def __enter__(self) -> CheckpointDirLock:
+        if self._file is None:
+            self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a container's uid without a passwd entry
+        return str(os.getuid())
+
+
+def _describe_owner(f) -> str:
+    """``user@host, PID n, started ..., run dir ...`` from a lock file, '' when empty."""
+    f.seek(0)
+    text = f.read(4096).strip()
+    try:
+        r = json.loads(text) if text else None
+        return (
+            f"{r['user']}@{r['host']}, PID {r['pid']}, started {r['started']}, "
+            f"run directory {r['run_dir']}"
+        )
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return f"an unreadable record {text[:60]!r}" if text else ""

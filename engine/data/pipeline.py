@@ -135,14 +135,19 @@ def build_pipeline(cfg: Config, dp_rank: int, dp_size: int) -> DataPipeline:
     train_set, _ = _dataset(cfg, "train", tokenizer)
     train = DataIterator(train_set, global_batch=t.global_batch, **common)
     try:
-        valid_set, notes = _dataset(cfg, "valid", tokenizer)
+        valid, notes = eval_iterator(cfg, "valid", tokenizer)
     except ValueError as err:  # no prefix can hold one validation sequence: train without
         return DataPipeline(train, None, tokenizer, f"validation split {cfg.data.split!r}: {err}")
-    # Not sharded here: the trainer evaluates a fixed set of micro-batches, the same at
-    # every layout, and deals them out over DP itself.
-    valid = DataIterator(valid_set, global_batch=t.micro_batch, micro_batch=t.micro_batch,
-                         dp_rank=0, dp_size=1)  # fmt: skip
     return DataPipeline(train, valid, tokenizer, "; ".join(notes) or None)
+
+
+def eval_iterator(cfg: Config, split: str, tokenizer: Tokenizer) -> tuple[DataIterator, list[str]]:
+    """The micro-batches of ``split`` an evaluation reads, one per step, and notes on prefixes
+    left out. Not sharded here: evaluation reads a fixed set of micro-batches, the same at
+    every layout, and deals them out over DP itself (engine.trainer.fixed_set_loss)."""
+    dataset, notes = _dataset(cfg, split, tokenizer)
+    mb = cfg.trainer.micro_batch
+    return DataIterator(dataset, global_batch=mb, micro_batch=mb, dp_rank=0, dp_size=1), notes
 
 
 def to_device(batch, device: torch.device):

@@ -378,6 +378,14 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
 def main(argv: list[str], description: str | None = None, formatter=None) -> int:
     """CLI entry of tools/calibrate.py: measure and write the YAML atomically."""
     args = _parser(description, formatter or argparse.HelpFormatter).parse_args(argv)
+    from pathlib import Path
+
+    from engine.preflight import probe_writable
+
+    problem = probe_writable(Path(args.out), directory=False)
+    if problem:  # known now, not after minutes of measuring
+        print(f"calibrate: --out {args.out} cannot be written: {problem}", file=sys.stderr)
+        return 2
     if torch.cuda.is_available():
         print("GPU calibration: run on CPU ranks only in this version", file=sys.stderr)
     try:

@@ -6,23 +6,38 @@ import argparse
 import json
 import sys
 
+from engine.cli import ArgumentParser, positive_int
 from engine.perfmodel.cluster import ClusterSpec, cluster_names, load_cluster
 from engine.perfmodel.model import Layout, Workload, layout_problems, predict
 from engine.perfmodel.presets import model_preset
 from engine.perfmodel.search import best_per_split, search
 
+MAX_GPUS = 1 << 20  # beyond any cluster; the search enumerates every layout of the count
+
+
+def gpu_count(text: str) -> int:
+    """argparse type: a rank count in [1, MAX_GPUS]."""
+    value = positive_int(text)
+    if value > MAX_GPUS:
+        raise argparse.ArgumentTypeError(f"{value} must be <= {MAX_GPUS} (2**20)")
+    return value
+
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="configs/model preset (e.g. gpt_1.3b); flags below override it")
-    p.add_argument("--hidden", type=int, help="hidden size h")
-    p.add_argument("--layers", type=int, help="transformer layers l")
-    p.add_argument("--heads", type=int, help="attention heads a")
-    p.add_argument("--vocab", type=int, help="vocabulary V (padded to a multiple of 128·tp)")
-    p.add_argument("--seq", type=int, help="sequence length s (default: the preset's max)")
-    p.add_argument("--ffn", type=int, help="MLP width (default 4h)")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
-    p.add_argument("--micro-batch", type=int, help="sequences per forward (best if omitted)")
-    p.add_argument("--gpus", type=int, required=True, help="ranks in total")
+    p.add_argument("--hidden", type=positive_int, help="hidden size h")
+    p.add_argument("--layers", type=positive_int, help="transformer layers l")
+    p.add_argument("--heads", type=positive_int, help="attention heads a")
+    p.add_argument(
+        "--vocab", type=positive_int, help="vocabulary V (padded to a multiple of 128·tp)"
+    )
+    p.add_argument("--seq", type=positive_int, help="sequence length s (default: the preset's max)")
+    p.add_argument("--ffn", type=positive_int, help="MLP width (default 4h)")
+    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
+    p.add_argument(
+        "--micro-batch", type=positive_int, help="sequences per forward (best if omitted)"
+    )
+    p.add_argument("--gpus", type=gpu_count, required=True, help="ranks in total")
     p.add_argument("--cluster", default="dgx_h100", help=f"one of {cluster_names()} or a YAML path")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="default: the cluster's")
     p.add_argument("--unfused-attention", action="store_true", help="attention stores s×s scores")
@@ -34,19 +49,19 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The two sub-commands and their flags."""
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = ArgumentParser(description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     pr = sub.add_parser("predict", help="step time, throughput, MFU and memory of one layout")
     _model_flags(pr)
-    pr.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    pr.add_argument("--dp", type=int, help="data-parallel size (default gpus ÷ tp)")
+    pr.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    pr.add_argument("--dp", type=positive_int, help="data-parallel size (default gpus ÷ tp)")
     pr.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     pr.add_argument("--sequence-parallel", action="store_true")
     pr.add_argument("--zero1", action="store_true", help="shard optimizer state over DP")
     se = sub.add_parser("search", help="rank every layout that fits; say why others do not")
     _model_flags(se)
     se.add_argument("--memory-gib", type=float, help="memory per GPU (default: the cluster's)")
-    se.add_argument("--top", type=int, default=10, help="feasible layouts to list")
+    se.add_argument("--top", type=positive_int, default=10, help="feasible layouts to list")
     return parser
 
 

@@ -65,6 +65,11 @@ def time_to_target(
     return sync, updates / async_update_rate(p, compute_s, sigma, n_bytes, servers, link)
 
 
+def _overlaps(a: list[float], b: list[float], rel: float = 0.02) -> bool:
+    """Whether two series would be drawn on top of each other (within 2 % on a log axis)."""
+    return all(abs(x - y) <= rel * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
+
+
 def write_plots(out_dir: str, n_bytes: float = 1.3e9 * 2, compute_s: float = 0.5) -> list[str]:
     """The two PNGs of docs/PERFMODEL.md (matplotlib, no display)."""
     import matplotlib
@@ -76,10 +81,23 @@ def write_plots(out_dir: str, n_bytes: float = 1.3e9 * 2, compute_s: float = 0.5
     ps = [2, 4, 8, 16, 32, 64, 128, 256]
     fig, ax = plt.subplots(figsize=(6, 4))
     rows = [exchange_seconds(n_bytes, p, link) for p in ps]
+    drawn: dict[str, list[float]] = {}
     for key, label in (("ring", "ring all-reduce"), ("tree", "tree all-reduce"),
                        ("ps1", "1 parameter server"), ("ps8", "8 parameter servers"),
                        ("ps_sharded_p", "p sharded servers")):  # fmt: skip
-        ax.plot(ps, [r[key] for r in rows], marker="o", label=label)
+        ys = [r[key] for r in rows]
+        same = next((name for name, other in drawn.items() if _overlaps(ys, other)), None)
+        # A series that would hide under one already drawn (p sharded servers move 2n/bw per
+        # worker, as the tree does, to within latency terms) is drawn dashed with hollow
+        # markers on top, and says so.
+        style = dict(linestyle="--", marker="o", markersize=9, markerfacecolor="none", lw=2)
+        ax.plot(
+            ps,
+            ys,
+            label=f"{label} (≈ {same})" if same else label,
+            **(style if same else dict(marker="o", markersize=5)),
+        )
+        drawn[label] = ys
     ax.set(xscale="log", yscale="log", xlabel="workers p", ylabel="seconds per step",
            title="Gradient exchange, 2.6 GB (1.3B bf16), 25 GB/s links")  # fmt: skip
     ax.legend(fontsize=8)

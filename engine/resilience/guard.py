@@ -36,6 +36,9 @@ class BadStepGuard:
     ) -> None:
         self.max_bad_steps, self.device, self.log = max_bad_steps, device, log
         self.streak = 0  # bad steps in a row, of any kind
+        # Steps of this process's run that succeeded, and that were non-finite; an fp16
+        # overflow is neither (the loss scaler's calibration, normal at the start).
+        self.good = self.bad = 0
         self.nonfinite_streak = 0  # of them, those with a non-finite loss or norm
 
     def check(
@@ -46,12 +49,14 @@ class BadStepGuard:
         loss_bad = _any_rank(not math.isfinite(loss), self.device)
         if not overflow and not loss_bad and math.isfinite(norm):
             self.streak = self.nonfinite_streak = 0
+            self.good += 1
             return False
         self.streak += 1
         if overflow:  # the loss scaler's own business; the log window counts them
             why = f"the fp16 loss scale overflowed (scale now {loss_scale:g})"
         else:
             self.nonfinite_streak += 1
+            self.bad += 1
             why = f"non-finite loss {loss:g} or gradient norm {norm:g}"
             self.log(
                 f"step {step}: {why}: step skipped, weights unchanged "
@@ -65,6 +70,16 @@ class BadStepGuard:
                 agreed=True,
             )
         return True
+
+    def check_any_good(self) -> None:
+        """RunStopped when steps were non-finite and none succeeded, however few there were
+        (a run shorter than ``max_bad_steps`` must not end as a success)."""
+        if self.bad and not self.good:
+            raise RunStopped(
+                f"no step succeeded: {self.bad} steps of this run were non-finite and skipped, "
+                "none was good; lower optim.lr, or check the data and the checkpoint",
+                agreed=True,
+            )
 
     def may_save(self, step: int, params: Iterable[torch.Tensor]) -> bool:
         """False (with a log line) while non-finite steps are being skipped; RunStopped when

@@ -103,6 +103,9 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
         _fail(f"--warmup={args.warmup} must be >= 0")
     if (args.out / "points.jsonl").exists() and not args.resume:
         _fail(f"--out {args.out} holds a study already: add --resume, or choose another --out")
+    problem = _unwritable(args.out)
+    if problem:  # known now, not after the first point's minutes
+        _fail(f"--out {args.out} cannot be written: {problem}")
     spec = RunSpec(args.model, tuple(args.overrides), args.steps, args.warmup)
     return StudyConfig(
         workload=args.workload, spec=spec, tp=args.tp, dp=args.dp, nodes=args.nodes,
@@ -110,6 +113,12 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
         micro_batch=args.micro_batch, repeats=args.repeats, link_mbit=_link_mbit(args.cluster),
         out=args.out, point_timeout_s=args.point_timeout,
     )  # fmt: skip
+
+
+def _unwritable(out: Path) -> str | None:
+    from engine.preflight import probe_writable  # torch-heavy: only when a study starts
+
+    return probe_writable(out, directory=True)
 
 
 def _load() -> str:
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in rows if r.get("status") != "ok"]
     write_csv(ok, cfg.out / "results.csv")
     if ok:
-        plot(ok, cfg.out)
+        plot(ok, cfg.out, title=f"{cfg.spec.model or cfg.workload}, {cfg.mode} scaling")
     load = f"{load} at the start, {_load()} at the end"
     command = shlex.join(["python", "tools/scaling_study.py", *(argv or sys.argv[1:])])
     report = write_report(ok, failed, out=cfg.out, links=links, command=command, load=load,

@@ -61,8 +61,9 @@ def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    """speedup.png, efficiency.png and time_shares.png; returns their paths."""
+def plot(rows: list[dict[str, Any]], out: Path, title: str = "") -> list[Path]:
+    """speedup.png, efficiency.png and time_shares.png; returns their paths. ``title`` (the
+    workload and mode) follows each figure's own title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,33 +72,48 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     series: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in rows:
         series.setdefault((r["nodes"], r["tp_size"]), []).append(r)
+    base = min(r["world_size"] for r in rows)
+    heads = {"speedup": f"Speedup over {base} rank(s)", "efficiency": "Parallel efficiency"}
     paths = []
-    for name, key, ideal in (("speedup", "speedup", True), ("efficiency", "efficiency", False)):
-        fig, ax = plt.subplots(figsize=(5, 3.4), dpi=90)
+    for key, ideal in (("speedup", True), ("efficiency", False)):
+        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
         worlds = sorted({r["world_size"] for r in rows})
-        for (nodes, tp), group in sorted(series.items()):
+        # Each series its own marker and dash, drawn thinner as it comes later, so that
+        # two that coincide (1 and 2 nodes at one rank) both stay visible.
+        for i, ((nodes, tp), group) in enumerate(sorted(series.items())):
             group = sorted(group, key=lambda r: r["world_size"])
-            ax.plot([r["world_size"] for r in group], [r[key] for r in group], "o-",
-                    label=f"{nodes} node(s), tp={tp}")  # fmt: skip
-        base = min(r["world_size"] for r in rows)
+            ax.plot(
+                [r["world_size"] for r in group],
+                [r[key] for r in group],
+                marker="osD^v<>"[i % 7],
+                linestyle=("-", "--", "-.", ":")[i % 4],
+                markersize=9 - 1.5 * (i % 4),
+                lw=2.5 - 0.5 * (i % 4),
+                label=f"{nodes} node{'s' if nodes > 1 else ''}, tp={tp}",
+            )
         ideal_y = [w / base for w in worlds] if ideal else [1.0] * len(worlds)
-        ax.plot(worlds, ideal_y, "k--", lw=1, label="ideal")
-        ax.set_xlabel("ranks")
-        ax.set_ylabel(key)
+        ax.plot(worlds, ideal_y, color="0.5", linestyle=(0, (1, 3)), lw=1.5, label="ideal")
+        ax.set_xlabel("ranks (processes)", fontsize=11)
+        ax.set_ylabel(key, fontsize=11)
+        ax.set_title(heads[key] + (f"\n{title}" if title else ""), fontsize=11)
         ax.set_xticks(worlds)
-        ax.legend(fontsize=7)
+        ax.tick_params(labelsize=10)
+        ax.legend(fontsize=9)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        paths.append(out / f"{name}.png")
+        paths.append(out / f"{key}.png")
         fig.savefig(paths[-1])
         plt.close(fig)
-    paths.append(_plot_shares(rows, out / "time_shares.png", plt))
+    paths.append(_plot_shares(rows, out / "time_shares.png", plt, title))
     return paths
 
 
-def _plot_shares(rows: list[dict[str, Any]], path: Path, plt) -> Path:
-    fig, ax = plt.subplots(figsize=(max(4, 0.7 * len(rows) + 3), 3.4), dpi=90)
-    labels = [f"{r['nodes']}n tp{r['tp_size']} dp{r['dp_size']}" for r in rows]
+def _plot_shares(rows: list[dict[str, Any]], path: Path, plt, title: str) -> Path:
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(rows) + 3), 4.2), dpi=100)
+    labels = [
+        f"{r['nodes']} node{'s' if r['nodes'] > 1 else ''}\ntp={r['tp_size']} dp={r['dp_size']}"
+        for r in rows
+    ]
     bottom = [0.0] * len(rows)
     for key, name in SHARES:
         shares = []
@@ -106,9 +122,11 @@ def _plot_shares(rows: list[dict[str, Any]], path: Path, plt) -> Path:
             shares.append((r.get(key) or 0.0) / total)
         ax.bar(labels, shares, bottom=bottom, label=name)
         bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
-    ax.set_ylabel("share of step time")
-    ax.tick_params(axis="x", labelrotation=45, labelsize=7)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_ylabel("share of step time", fontsize=11)
+    ax.set_title("Where the step time goes" + (f"\n{title}" if title else ""), fontsize=11)
+    ax.tick_params(axis="x", labelsize=10)
+    ax.tick_params(axis="y", labelsize=10)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -156,7 +174,9 @@ def speedup_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def accuracy_table(rows: list[dict[str, Any]]) -> list[str]:
     """Ranks × nodes → time to the target accuracy and its speedup, for workloads with one."""
-    timed = [r for r in rows if "time_to_accuracy_s" in r]
+    # Only workloads with a target accuracy have one (a pre-training study's rows carry the
+    # column empty): no table of n/a cells for them.
+    timed = [r for r in rows if r.get("test_accuracy") is not None]
     if not timed:
         return []
     lines = ["Speedup = time to accuracy of the baseline point ÷ that of the row; efficiency ="

@@ -14,7 +14,7 @@ names where the layouts diverge.
 
 from __future__ import annotations
 
-import os
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -306,12 +306,14 @@ T = TypeVar("T")
 def run_on_mesh(fn: Callable[..., T], spec: VerifySpec, *args: Any) -> T:
     """Rank entry: build the (tp, dp) mesh from the launcher's environment, run
     ``fn(spec, *args)``, tear down."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    if local_world > 1:  # share the cores instead of oversubscribing them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    from engine.launching import share_cores
+
     # The models and batches live on the CPU: the split's math does not depend on the
     # device, and gloo keeps the tool working on GPU nodes too (NCCL would need CUDA tensors).
-    parallel_state.initialize(spec.dims.tp, spec.dims.dp, backend="gloo")
+    ps = parallel_state.initialize(spec.dims.tp, spec.dims.dp, backend="gloo")
+    threads = share_cores(ps)  # the ranks share the cores instead of oversubscribing them
+    if threads and ps.rank == 0:  # stdout holds the report alone
+        print(threads, file=sys.stderr)
     try:
         return fn(spec, *args)
     finally:

@@ -1,0 +1,97 @@
+"""The tokenizer that belongs to a model: recorded by its checkpoints, carried by its exports.
+
+A training checkpoint records the ``tokenizer.json`` its run read (absolute path and
+SHA-256), so generation and evaluation find it and notice when the file there changed. A
+model export (``ROOT/final``, ``tools/checkpoint.py export-model``) holds a copy as
+``tokenizer.json``; a Hugging Face export adds ``tokenizer_config.json`` and
+``special_tokens_map.json``, so ``AutoTokenizer.from_pretrained(DIR)`` opens it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_FILE = "tokenizer.json"
+# The special tokens of engine.data.preprocess (kept literal: checkpoint code does not import
+# the data pipeline), as Hugging Face names their roles.
+_HF_ROLES = {
+    "gpt": {
+        "bos_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+    },
+    "bert": {
+        "pad_token": "[PAD]",
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+        "mask_token": "[MASK]",
+    },
+}
+
+
+def _sha256(path: str | os.PathLike) -> str:
+    from engine.checkpoint.storage import sha256_file  # storage imports format, which imports us
+
+    return sha256_file(Path(path))
+
+
+def tokenizer_record(path: str | os.PathLike | None) -> dict[str, str] | None:
+    """``{"path", "sha256"}`` of the tokenizer file at ``path`` (``None`` if there is none)."""
+    if path is None or not os.path.isfile(path):
+        return None
+    return {"path": str(Path(path).resolve()), "sha256": _sha256(path)}
+
+
+def recorded_tokenizer(trainer_state: dict[str, Any] | None) -> str | None:
+    """The tokenizer a training checkpoint's ``trainer_state`` names, if the file is there.
+
+    Raises ValueError when the file at the recorded path is no longer the one trained with
+    (its SHA-256 differs): its ids would not be the model's. Checkpoints written before the
+    record existed give the run config's ``data.tokenizer``, unchecked.
+    """
+    state = trainer_state or {}
+    record = state.get("tokenizer")
+    if record is None:
+        path = ((state.get("config") or {}).get("data") or {}).get("tokenizer")
+        return path if path and os.path.isfile(path) else None
+    path = record["path"]
+    if not os.path.isfile(path):
+        return None
+    if _sha256(path) != record["sha256"]:
+        raise ValueError(
+            f"{path} is not the tokenizer this model was trained with (SHA-256 "
+            f"{record['sha256'][:12]}… recorded); pass --tokenizer with the original file"
+        )
+    return path
+
+
+def copy_tokenizer(path: str | os.PathLike, directory: str | os.PathLike) -> None:
+    """Put a copy of the tokenizer file at ``directory/tokenizer.json``."""
+    shutil.copyfile(path, Path(directory) / TOKENIZER_FILE)
+
+
+def write_hf_tokenizer(
+    path: str | os.PathLike, hf_dir: str | os.PathLike, *, arch: str, max_positions: int
+) -> dict[str, int]:
+    """Write ``tokenizer.json`` and the Hugging Face files that name its special tokens
+    (only those the vocabulary holds), for ``AutoTokenizer.from_pretrained(hf_dir)``.
+    Returns their ids by config.json key (``eos_token_id``: 0 ...), which the model's
+    config must carry too."""
+    from tokenizers import Tokenizer
+
+    copy_tokenizer(path, hf_dir)
+    vocab = Tokenizer.from_file(str(path)).get_vocab()
+    roles = {k: t for k, t in _HF_ROLES.get(arch, {}).items() if t in vocab}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_positions,
+        "clean_up_tokenization_spaces": False,
+        **roles,
+    }
+    for name, body in (("tokenizer_config.json", config), ("special_tokens_map.json", roles)):
+        (Path(hf_dir) / name).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    return {f"{role}_id": vocab[token] for role, token in roles.items() if role != "unk_token"}

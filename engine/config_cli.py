@@ -1,0 +1,194 @@
+"""The command line of ``python -m engine.pretrain`` around Hydra: its ``--help``, and
+overrides naming keys that do not exist.
+
+Hydra's own ``--help`` dumps the composed config with its internal ``schema`` options, and
+for a mistyped key it suggests appending it (``+trainer.max_step=``), which is the wrong
+fix. Here every key of the schema (engine/config.py) is listed with its default and its
+one-line doc, grouped by section, and an unknown key is refused with the nearest real one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import inspect
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from engine.config import Config
+
+# Keys a user never sets: the run directory is Hydra's, the fault injection a test hook.
+HIDDEN = {"run_dir", "trainer.fail_at_step"}
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+# Hydra's flags that take the next argument as their value.
+_VALUE_FLAGS = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir"}
+_FIELD_DOC = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """{field: its one-line doc}, the comment after each field of the dataclass ``cls``."""
+    docs = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = _FIELD_DOC.match(line)
+        if match:
+            docs[match.group(1)] = match.group(2).strip()
+    return docs
+
+
+def schema_keys(schema: type = Config, *, hidden: bool = False) -> dict[str, tuple[str, str]]:
+    """{dotted key: (section, doc)} of every key of ``schema``, in its order; ``hidden``:
+    with the keys users never set (still accepted, only not shown)."""
+    keys = {}
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(f.default_factory if callable(f.default_factory) else None):
+            cls = f.default_factory
+            docs = field_docs(cls)
+            for sub in dataclasses.fields(cls):
+                keys[f"{f.name}.{sub.name}"] = (f.name, docs.get(sub.name, ""))
+        else:
+            keys[f.name] = ("", field_docs(schema).get(f.name, ""))
+    return {k: v for k, v in keys.items() if hidden or k not in HIDDEN}
+
+
+def presets() -> dict[str, list[str]]:
+    """{config group: its preset names}, read from configs/ (``schema`` is internal)."""
+    groups = {}
+    for group in ("model", "data", "optim", "trainer", "experiment"):
+        names = sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+        groups[group] = [n for n in names if n != "schema"]
+    return groups
+
+
+def unknown_key(
+    argv: list[str], schema: type = Config, prog: str = "engine.pretrain"
+) -> str | None:
+    """One line for the first override in ``argv`` naming no key of ``schema``, else None.
+
+    Group choices (``model=gpt_125m``), Hydra's own keys and flags are left to Hydra.
+    """
+    keys = schema_keys(schema, hidden=True)
+    groups = presets() if schema is Config else {}
+    skip_next = False
+    for arg in argv:
+        if skip_next or arg.startswith("-"):
+            skip_next = arg in _VALUE_FLAGS
+            continue
+        key = arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+        if key.startswith("hydra") or key in groups or key in keys:
+            continue
+        if any(key.startswith(k + ".") for k in keys):  # an element of a list or dict key
+            continue
+        shown = [k for k in keys if k not in HIDDEN]
+        near = difflib.get_close_matches(key, shown, n=1, cutoff=0.8)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        return f"unknown key {key!r}{hint} (python -m {prog} --help lists every key)"
+    return None
+
+
+def run_dir_problem(argv: list[str], default: str = "outputs") -> str | None:
+    """Why Hydra could not create the run directory ``hydra.run.dir`` given in ``argv``
+    (else ``default``), or None; checked without creating anything."""
+    given = [a.split("=", 1)[1] for a in argv if a.startswith("hydra.run.dir=")]
+    target = Path(given[-1] if given else default)
+    while not target.exists() and target != target.parent and not target.is_symlink():
+        target = target.parent
+    if target.exists() and not target.is_dir():
+        return f"cannot create the run directory: {target} is a file (pass hydra.run.dir=DIR)"
+    if not os.access(target, os.W_OK | os.X_OK):
+        return f"cannot create the run directory: {target} is not writable (pass hydra.run.dir=DIR)"
+    return None
+
+
+def hydra_error_line(err: BaseException) -> str:
+    """Hydra's message and its cause's (OmegaConf's, naming the key), as one line."""
+    override = getattr(err, "override", None)  # set on Hydra's override parse errors
+    parts = [f"cannot parse the override {override!r}:"] if override else []
+    for e in (err, err.__cause__):
+        for line in str(e or "").split("Config search path")[0].splitlines():
+            skip = ("object_type=", "reference_type=", "See https://hydra.cc")
+            if line.strip() and not line.strip().startswith(skip):
+                parts.append(line.strip())
+    return " ".join(dict.fromkeys(parts)) or type(err).__name__
+
+
+@contextlib.contextmanager
+def hydra_errors_as_one_line(fail: Callable[[list[str]], None]) -> Iterator[None]:
+    """Inside, Hydra raises its override and composition errors (HYDRA_FULL_ERROR, for this
+    process only) instead of printing them over several lines with exit 1; each becomes
+    ``fail([line])``, as every other configuration error. So does an OSError of Hydra
+    creating its run directory past :func:`run_dir_problem`."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    except (HydraException, OmegaConfBaseException) as err:
+        fail([hydra_error_line(err)])
+    except OSError as err:
+        why = f"{err.filename}: {err.strerror or err}"
+        fail([f"cannot create the run directory: {why} (pass hydra.run.dir=DIR)"])
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
+
+
+def help_text(cfg: Config) -> str:
+    """Every key with its value in ``cfg`` (the composed defaults) and its doc, by section."""
+    lines = [
+        "python -m engine.pretrain [KEY=VALUE ...] [GROUP=PRESET ...]  (-m KEY=A,B sweeps)",
+        "",
+        "Presets:",
+    ]
+    lines += [f"  {group}={'|'.join(names)}" for group, names in presets().items() if names]
+    section_docs = {
+        f.name: inspect.getdoc(f.default_factory).splitlines()[0]
+        for f in dataclasses.fields(Config)
+        if callable(f.default_factory) and dataclasses.is_dataclass(f.default_factory)
+    }
+    current = None
+    for key, (section, doc) in schema_keys().items():
+        if section != current:
+            current = section
+            title = f"{section}: {section_docs[section]}" if section else "run:"
+            lines += ["", title]
+        node = getattr(cfg, section) if section else cfg
+        value = getattr(node, key.rsplit(".", 1)[-1])
+        lines.append(f"  {key}={_show(value)}  # {doc}")
+    lines += ["", "Hydra's own options: --hydra-help"]
+    return "\n".join(lines)
+
+
+def _show(value: object) -> str:
+    """A value as it is written on the command line."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return repr(value) if value == "" or " " in value else value
+    return str(value)
+
+
+def run_checked(
+    main: Callable[[], None],
+    argv: list[str],
+    fail: Callable[[list[str]], None],
+    *,
+    schema: type = Config,
+    prog: str = "engine.pretrain",
+    default_run_dir: str = "outputs",
+) -> None:
+    """Run the Hydra ``main`` of ``python -m prog`` once ``argv`` names only real keys and
+    a usable run directory, its Hydra errors as one line (``fail``, exit 2)."""
+    problem = unknown_key(argv, schema, prog) or run_dir_problem(argv, default_run_dir)
+    if problem:
+        fail([problem])
+    with hydra_errors_as_one_line(fail):
+        main()

@@ -1,0 +1,229 @@
+"""Loss and perplexity of a model on held-out data, at any layout; one JSON line out.
+
+    python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib
+    python -m engine.evaluate --ckpt weights/ --text notes.txt --tp-size 2 --dp-size 2
+    python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib --data data/mycorpus --split test
+
+The model is a training checkpoint (root or step directory), a model export or a Hugging
+Face directory, loaded at ``--tp-size`` whatever layout wrote it (each rank reads the full
+tensors and keeps its shard, as ``tools/checkpoint.py convert`` does). With no data option
+it reads what the run validated on: the recorded data prefixes, split, sequence length,
+micro-batch and ``trainer.eval_batches``, so the number is the trainer's last validation
+loss. ``--data PREFIX`` picks another preprocessed set and ``--text FILE`` a plain text file
+(tokenized into a temporary directory with the model's tokenizer, all of it in the split,
+every full micro-batch read). The loss is the trainer's: the mean over micro-batches, each
+on DP rank j mod dp_size, so it does not depend on dp_size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from engine.checkpoint.storage import CheckpointError
+from engine.cli import ArgumentParser, positive_int
+from engine.config import Config
+from engine.inference import ModelSource, inference_config
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = ArgumentParser(prog="python -m engine.evaluate", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", help="training checkpoint root (or step dir) or model export dir")
+    src.add_argument("--hf-dir", help="local Hugging Face GPT-2 or BERT directory")
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--data", help="PREFIX of a preprocessed .bin/.idx (default: the run's)")
+    data.add_argument("--text", help="a UTF-8 text file, evaluated whole")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the model's own)")
+    p.add_argument(
+        "--split",
+        choices=("train", "valid", "test"),
+        default="valid",
+        help="part of the data's document split to read (default: valid)",
+    )
+    p.add_argument(
+        "--batches",
+        type=positive_int,
+        help="micro-batches to read (default: the run's "
+        "trainer.eval_batches; with --text every full one)",
+    )
+    p.add_argument(
+        "--micro-batch", type=positive_int, help="sequences per micro-batch (default: the run's)"
+    )
+    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the run's)")
+    p.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--dp-size", type=positive_int, default=1, help="data-parallel ranks")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        help="where the ranks run (default: the run's trainer.device, else auto)",
+    )
+    return p.parse_args(argv)
+
+
+def _recorded_config(source: ModelSource) -> Config:
+    """The training run's config (a training checkpoint records it), else the defaults
+    with the model's config."""
+    from omegaconf import OmegaConf
+
+    model = source.config()
+    if source.kind() != "training":
+        return Config(model=model)
+    recorded = source.recorded_run_config()
+    merged = OmegaConf.merge(OmegaConf.structured(Config), recorded)
+    return dataclasses.replace(OmegaConf.to_object(merged), model=model)
+
+
+def evaluation_config(args: argparse.Namespace, text_prefix: str | None = None) -> Config:
+    """The run config the ranks evaluate with: the recorded one, overridden by the flags."""
+    source = ModelSource(args.ckpt, args.hf_dir)
+    cfg = _recorded_config(source)
+    tokenizer = args.tokenizer or source.tokenizer_path() or cfg.data.tokenizer
+    data, trainer = cfg.data, cfg.trainer
+    prefix = text_prefix or args.data
+    if prefix:  # one set, all of it in the chosen split when it is a text file
+        split = {"train": "1,0,0", "valid": "0,1,0", "test": "0,0,1"}[args.split]
+        data = dataclasses.replace(
+            data, prefixes=[prefix], weights=[], split=split if text_prefix else data.split
+        )
+    elif not data.prefixes and not args.text:
+        raise ValueError(
+            f"{args.ckpt or args.hf_dir} records no training data: pass --data or --text"
+        )
+    data = dataclasses.replace(data, tokenizer=tokenizer, seq_len=args.seq_len or data.seq_len)
+    mb = args.micro_batch or trainer.micro_batch
+    trainer = dataclasses.replace(
+        trainer,
+        device=args.device or trainer.device,
+        micro_batch=mb,
+        global_batch=mb,
+        eval_batches=args.batches or (0 if text_prefix else trainer.eval_batches),
+    )
+    model = inference_config(dataclasses.replace(cfg.model, sequence_parallel=False))
+    return dataclasses.replace(
+        cfg, data=data, trainer=trainer, model=model, tp_size=args.tp_size, dp_size=args.dp_size
+    )
+
+
+def check(args: argparse.Namespace, cfg: Config) -> Config:
+    """What can be wrong before a rank starts (ValueError, one line); returns ``cfg`` with
+    the number of micro-batches to read settled."""
+    from engine.data.pipeline import eval_iterator, load_tokenizer
+
+    where = args.ckpt or args.hf_dir
+    if cfg.data.tokenizer is None or not os.path.isfile(cfg.data.tokenizer):
+        raise ValueError(f"no tokenizer for {where}: pass --tokenizer PATH")
+    cfg.model.validate(args.tp_size)
+    tokenizer = load_tokenizer(cfg.data)
+    if tokenizer.get_vocab_size() > cfg.model.vocab_size:
+        raise ValueError(
+            f"{cfg.data.tokenizer} has {tokenizer.get_vocab_size()} ids, more than "
+            f"the model's vocabulary ({cfg.model.vocab_size}): not its tokenizer"
+        )
+    valid, _ = eval_iterator(cfg, args.split, tokenizer)  # ValueError: the split is too small
+    # More micro-batches than the split holds read on into its next epoch (reshuffled), as
+    # the trainer's validation does: the same numbers, so the same rule.
+    batches = cfg.trainer.eval_batches or len(valid.dataset) // cfg.trainer.micro_batch
+    if batches < 1:
+        raise ValueError(
+            f"the {args.split} split holds {len(valid.dataset)} sequences of "
+            f"{cfg.data.seq_len} tokens, fewer than one micro-batch of "
+            f"{cfg.trainer.micro_batch}: lower --micro-batch or --seq-len"
+        )
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, eval_batches=batches))
+
+
+def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
+    """One rank: load this TP shard of the model, read its micro-batches, agree on the mean."""
+    import parallel_state
+    from engine.config import resolve_precision
+    from engine.data.pipeline import eval_iterator, load_tokenizer
+    from engine.launching import share_cores
+    from engine.models import build_model
+    from engine.trainer import autocast_for, fixed_set_loss, perplexity
+    from parallel_state.launcher import detect_launch
+
+    local = detect_launch().local_world_size
+    backend = parallel_state.backend_for(cfg.trainer.device, local, warn=False)
+    ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend)
+    try:
+        threads = share_cores(ps)
+        if threads and ps.rank == 0:  # stdout holds the JSON line alone
+            print(threads, file=sys.stderr)
+        _, state = source.load()
+        model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
+        model.load_full_state_dict(state)
+        del state
+        valid, _ = eval_iterator(cfg, split, load_tokenizer(cfg.data))
+        precision = resolve_precision(cfg.trainer.precision, ps.device.type)
+        autocast = lambda: autocast_for(precision, ps.device.type)  # noqa: E731
+        loss = fixed_set_loss(model, valid, ps, cfg.trainer.eval_batches, autocast)
+    finally:
+        parallel_state.destroy()
+    if ps.rank != 0:
+        return None
+    t = cfg.trainer
+    return {
+        "loss": loss,
+        "perplexity": perplexity(loss),
+        "micro_batches": t.eval_batches,
+        "sequences": t.eval_batches * t.micro_batch,
+        "seq_len": cfg.data.seq_len,
+        "tp_size": cfg.tp_size,
+        "dp_size": cfg.dp_size,
+        "precision": precision,
+    }
+
+
+def _evaluate(args: argparse.Namespace, text_prefix: str | None) -> dict:
+    cfg = check(args, evaluation_config(args, text_prefix))
+    source = ModelSource(args.ckpt, args.hf_dir)
+    world = args.tp_size * args.dp_size
+    if "RANK" in os.environ or world == 1:
+        return worker(cfg, source, args.split)
+    from engine.launching import launch_workers
+
+    return launch_workers(worker, cfg, source, args.split, nproc_per_node=world)[0]
+
+
+def _tokenize_text(path: str, tokenizer: str, directory: str) -> str:
+    """``path`` as one document in ``directory/text.bin/.idx``; returns the prefix."""
+    from engine.data.preprocess import encode_to_indexed, iter_documents, load_tokenizer
+
+    prefix = os.path.join(directory, "text")
+    docs = list(iter_documents([Path(path)]))
+    encode_to_indexed(docs, load_tokenizer(tokenizer), prefix, progress=False)
+    return prefix
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Evaluate and print one JSON line; 2 (one line on stderr) on a bad input."""
+    args = parse_args(argv)
+    try:
+        with tempfile.TemporaryDirectory(prefix="meshtron-eval-") as tmp:
+            text_prefix = None
+            if args.text:
+                tokenizer = evaluation_config(args).data.tokenizer
+                if tokenizer is None or not os.path.isfile(tokenizer):
+                    raise ValueError(
+                        f"no tokenizer for {args.ckpt or args.hf_dir}: pass --tokenizer PATH"
+                    )
+                text_prefix = _tokenize_text(args.text, tokenizer, tmp)
+            result = _evaluate(args, text_prefix)
+    except (OSError, ValueError, KeyError, CheckpointError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"evaluate: error: {message}", file=sys.stderr)
+        return 2
+    if result is not None:
+        print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
