@@ -197,7 +197,7 @@ def make_batch(spec: VerifySpec) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(spec.seed + 1)
     b, s, v = spec.batch_size, spec.seq_len, spec.vocab_size
     ids = torch.randint(0, v, (b, s), generator=g)
-    if spec.model == "gpt":
+    if spec.model != "bert":  # decoders (gpt, llama): next-token batches
         return {"input_ids": ids, "labels": torch.randint(0, v, (b, s), generator=g)}
     lengths = torch.randint(max(4, s // 2), s + 1, (b,), generator=g)
     positions = torch.arange(s)
