@@ -64,7 +64,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
             return llama_hf.config_from_hf(hf)
         values = _config_values(kind, hf)
     except KeyError as missing:
-        raise ValueError(f"{kind} config.json lacks {missing}") from None
+        raise ValueError(f"{kind!r} config.json lacks {missing}") from None
     act = values.pop("act")
     if act not in _ACTIVATIONS:
         raise ValueError(f"activation {act!r} is not supported; use one of {sorted(_ACTIVATIONS)}")

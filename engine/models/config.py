@@ -152,10 +152,10 @@ class ModelConfig:
                 f"gives wrong gradients on this torch ({torch.__version__}); use torch >= "
                 f"{SELECTIVE_UNDER_COMPILE_FROM}, or model.recompute=full or none"
             )
-        self._validate_heads(tp_size)
         dims = ParallelDims(tp=tp_size, dp=1)  # whole heads and MLP columns per TP rank
         dims.check_tp_divides("model.num_heads", self.num_heads)
         dims.check_tp_divides("model.ffn_hidden_size", self.ffn_size)
+        self._validate_heads(tp_size)
         if self.arch == "bert" and self.num_token_types < 1:
             raise ValueError(f"model.num_token_types={self.num_token_types} must be >= 1 for BERT")
 
