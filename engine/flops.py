@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.llama.costs import llama_flops_per_iteration
 from engine.perfmodel.formulas import (  # noqa: F401  (public API of this module)
     bert_flops_per_iteration,
     gpt_flops_per_iteration,
@@ -58,6 +59,17 @@ def model_flops(
     ``batch`` is the global batch for a whole step (all DP ranks); ``tp_size`` only sets the
     vocabulary padding. Model FLOPs for MFU leave ``recompute`` False (recomputation is not model work).
     """
+    if cfg.arch == "llama":
+        return llama_flops_per_iteration(
+            batch,
+            seq,
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.padded_vocab_size(tp_size),
+            ffn_hidden=cfg.ffn_size,
+            kv_width=cfg.kv_heads * cfg.head_dim,
+            recompute=recompute,
+        )
     count = {"gpt": gpt_flops_per_iteration, "bert": bert_flops_per_iteration}[cfg.arch]
     return count(
         batch, seq, cfg.num_layers, cfg.hidden_size, cfg.padded_vocab_size(tp_size),

@@ -9,7 +9,7 @@ from engine.models.base import ParallelModel
 from engine.models.bert import BertModel
 from engine.models.config import ModelConfig, preset, preset_names
 from engine.models.gpt import GPTModel
-from engine.models.llama import LlamaModel
+from engine.models.llama.model import LlamaModel
 
 __all__ = [
     "ModelConfig",
