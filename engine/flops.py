@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.models.config import ModelConfig
-from engine.models.llama.costs import llama_flops_per_iteration
+from engine.models.llama.costs import llama_flops_per_iteration, llama_params_count
 from engine.perfmodel.formulas import (  # noqa: F401  (public API of this module)
     bert_flops_per_iteration,
     gpt_flops_per_iteration,
@@ -91,6 +91,17 @@ def params_count(cfg: ModelConfig) -> int:
     output projections 4h² + 4h, MLP 2·h·f + f + h, two LayerNorms 4h.
     """
     h, f, v = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
+    if cfg.arch == "llama":
+        return llama_params_count(
+            cfg.num_layers,
+            h,
+            v,
+            ffn_hidden=f,
+            kv_width=cfg.kv_heads * cfg.head_dim,
+            qkv_bias=cfg.qkv_bias,
+            linear_bias=cfg.linear_bias,
+            tied=cfg.tie_embeddings,
+        )
     per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
     total = cfg.num_layers * per_layer + (v + cfg.max_positions) * h
     untied_head = 0 if cfg.tie_embeddings else v * h

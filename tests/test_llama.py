@@ -6,6 +6,7 @@ Tiny random models are built with transformers in the test (no hub)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,43 @@ def test_unbuilt_rope_scaling_from_hf_is_one_line(hf_dirs, tmp_path):
     config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
     with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
         config_from_hf(config)
+
+
+def test_flops_match_torchs_flop_counter():
+    # Same method as tests/test_flops.py: torch's FlopCounterMode counts every matmul at 2
+    # FLOPs per MAC, SDPA on its math backend; integers, tolerance 0. GQA (2 of 4 heads)
+    # and an intermediate size not 4h (80) make a wrong K/V or SwiGLU term show; vocab
+    # 101 pads to 128, which the formula must be given.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from engine.flops import model_flops, params_count
+
+    cfg = ModelConfig(
+        arch="llama",
+        vocab_size=101,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        ffn_hidden_size=80,
+        norm="rmsnorm",
+        activation="swiglu",
+        position_embedding="rotary",
+        qkv_bias=False,
+        linear_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tie_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 33))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.loss(ids).backward()
+    assert counter.get_total_flops() == model_flops(cfg, 2, 32)
+    # The parameter count against the model's own tensors, untied and Qwen2-style (biases
+    # on q/k/v only, tied head), each term showing in one of the two.
+    for variant in (cfg, replace(cfg, qkv_bias=True, tie_embeddings=True)):
+        state = build_model(variant).full_state_dict()
+        assert params_count(variant) == sum(t.numel() for t in state.values())

@@ -34,3 +34,25 @@ def llama_flops_per_iteration(
     layer_passes = 4 if recompute else 3
     lm_head = 2 * tokens * hidden * vocab
     return layer_passes * layers * (projections + attention) + 3 * lm_head
+
+
+def llama_params_count(
+    layers: int,
+    hidden: int,
+    vocab: int,
+    *,
+    ffn_hidden: int,
+    kv_width: int,
+    qkv_bias: bool,
+    linear_bias: bool,
+    tied: bool,
+) -> int:
+    """Parameters of the full model (unpadded vocabulary), as ``full_state_dict`` holds.
+
+    Per layer: q and output h² each, K/V 2·h·kv_width, SwiGLU 3·h·f, two RMSNorm weights
+    2h; QKV biases h + 2·kv_width, output and MLP biases 2h + 2f when present.
+    """
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv_width + 3 * hidden * ffn_hidden + 2 * hidden
+    per_layer += (hidden + 2 * kv_width) if qkv_bias else 0
+    per_layer += (2 * hidden + 2 * ffn_hidden) if linear_bias else 0
+    return layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden  # + final norm
