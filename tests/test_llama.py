@@ -239,3 +239,24 @@ def test_flops_match_torchs_flop_counter():
     for variant in (cfg, replace(cfg, qkv_bias=True, tie_embeddings=True)):
         state = build_model(variant).full_state_dict()
         assert params_count(variant) == sum(t.numel() for t in state.values())
+
+
+def test_greedy_generation_with_kv_cache_equals_transformers(hf_dirs, monkeypatch):
+    # fp64 on both sides (HF's RMSNorm kept at input precision, see _fp64_rmsnorm) so no
+    # near-tie can flip an argmax; GQA with 2 KV heads, llama3-scaled rotary positions.
+    from engine.generate import Sampling, generate_batch
+
+    monkeypatch.setattr(
+        transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _fp64_rmsnorm
+    )
+    cfg, state, _ = read_hf_dir(hf_dirs["llama"])
+    model = build_model(cfg, dtype=torch.float64)
+    model.load_full_state_dict(state)
+    ref = transformers.LlamaForCausalLM.from_pretrained(hf_dirs["llama"]).double().eval()
+    prompt = [5, 17, 99, 3, 42]
+    expected = ref.generate(
+        torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    for use_cache in (True, False):
+        got = generate_batch(model, [prompt], 20, Sampling(greedy=True), use_cache=use_cache)
+        assert got == [expected], use_cache
