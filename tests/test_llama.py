@@ -182,13 +182,13 @@ def test_llama3_frequencies_match_transformers():
     "overrides, message",
     [
         (dict(num_kv_heads=5), "model.num_kv_heads=5 must be >= 1 and divide model.num_heads=12"),
-        (dict(num_kv_heads=4, num_heads=8, hidden_size=64), "model.num_kv_heads=4 and tp_size=8"),
+        (dict(num_kv_heads=4), "model.num_kv_heads=4 and tp_size=6"),
         (dict(norm="layernorn"), "model.norm='layernorn' is not one of"),
         (dict(rope_scaling="yarn"), "model.rope_scaling='yarn' is not one of"),
     ],
 )
 def test_bad_family_configs_are_one_line(overrides, message):
-    tp = 8 if "tp_size=8" in message else 1
+    tp = 6 if "tp_size=6" in message else 1
     cfg = ModelConfig(**{"num_heads": 12, **overrides})
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         cfg.validate(tp)

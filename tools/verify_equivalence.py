@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=f"Tolerances: max|Δ| / max|reference| per tensor: {tols}. "
         f"With --hf-dir, on logits: {hf_tols} (absolute; bfloat16 relative).",
     )
-    p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
+    p.add_argument("--model", choices=("gpt", "bert", "llama"), default="gpt")
     p.add_argument("--tp-size", type=int, default=2)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
@@ -63,7 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=12, help="sequence length (divisible by tp-size)")
     p.add_argument("--batch", type=int, default=4, help="global batch (divisible by dp-size)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--hf-dir", help="local Hugging Face GPT-2, BERT, Llama, Mistral or Qwen2 directory to compare with")
+    p.add_argument(
+        "--hf-dir",
+        help="local Hugging Face GPT-2, BERT, Llama, Mistral or Qwen2 directory to compare with",
+    )
     p.add_argument("--failing-only", action="store_true", help="print only out-of-tolerance rows")
     return p.parse_args(argv)
 
