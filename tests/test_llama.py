@@ -158,6 +158,7 @@ def _gradients(hf_dir: str, tp: int) -> tuple[float, float, int]:
     return worst, max(t.abs().max().item() for t in theirs.values()), len(theirs)
 
 
+@pytest.mark.slow
 def test_gqa_gradients_past_the_kv_heads_match_transformers(hf_dirs):
     # llama: 2 KV heads at tp 4, so each is replicated on 2 ranks and its weight gradient
     # must be the sum over exactly those 2 (a missing sum halves it, a TP-wide sum doubles).
