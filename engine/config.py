@@ -264,12 +264,12 @@ def _validate_run(cfg: Config) -> list[str]:
             "optim.impl=apex needs NVIDIA apex, which is not installed: install it, or use "
             "optim.impl=auto"
         )
-    if cfg.model.arch == "gpt" and t.sample_tokens >= cfg.model.max_positions:
+    if cfg.model.causal and t.sample_tokens >= cfg.model.max_positions:
         problems.append(
             f"trainer.sample_tokens={t.sample_tokens} must be < model.max_positions="
             f"{cfg.model.max_positions}: the sample and its prompt must fit the positions"
         )
-    if cfg.model.arch == "gpt" and t.sample_tokens > 0 and not t.sample_prompt:
+    if cfg.model.causal and t.sample_tokens > 0 and not t.sample_prompt:
         problems.append(
             "trainer.sample_prompt='' is empty: give a prompt, or trainer.sample_tokens=0 for "
             "no sample"

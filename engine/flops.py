@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.models.config import ModelConfig
+from engine.models.llama.costs import llama_flops_per_iteration, llama_params_count
 from engine.perfmodel.formulas import (  # noqa: F401  (public API of this module)
     bert_flops_per_iteration,
     gpt_flops_per_iteration,
@@ -58,6 +59,17 @@ def model_flops(
     ``batch`` is the global batch for a whole step (all DP ranks); ``tp_size`` only sets the
     vocabulary padding. Model FLOPs for MFU leave ``recompute`` False (recomputation is not model work).
     """
+    if cfg.arch == "llama":
+        return llama_flops_per_iteration(
+            batch,
+            seq,
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.padded_vocab_size(tp_size),
+            ffn_hidden=cfg.ffn_size,
+            kv_width=cfg.kv_heads * cfg.head_dim,
+            recompute=recompute,
+        )
     count = {"gpt": gpt_flops_per_iteration, "bert": bert_flops_per_iteration}[cfg.arch]
     return count(
         batch, seq, cfg.num_layers, cfg.hidden_size, cfg.padded_vocab_size(tp_size),
@@ -79,6 +91,17 @@ def params_count(cfg: ModelConfig) -> int:
     output projections 4h² + 4h, MLP 2·h·f + f + h, two LayerNorms 4h.
     """
     h, f, v = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
+    if cfg.arch == "llama":
+        return llama_params_count(
+            cfg.num_layers,
+            h,
+            v,
+            ffn_hidden=f,
+            kv_width=cfg.kv_heads * cfg.head_dim,
+            qkv_bias=cfg.qkv_bias,
+            linear_bias=cfg.linear_bias,
+            tied=cfg.tie_embeddings,
+        )
     per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
     total = cfg.num_layers * per_layer + (v + cfg.max_positions) * h
     untied_head = 0 if cfg.tie_embeddings else v * h

@@ -39,6 +39,7 @@ from engine.checkpoint.format import (
 )
 from engine.checkpoint.tokenizer import TOKENIZER_FILE, write_hf_tokenizer
 from engine.models import ModelConfig
+from engine.models.llama import hf as llama_hf
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -59,9 +60,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig for a GPT-2 or BERT ``config.json``; unsupported variants raise."""
     kind = hf.get("model_type")
     try:
+        if kind in llama_hf.ARCHITECTURES:
+            return llama_hf.config_from_hf(hf)
         values = _config_values(kind, hf)
     except KeyError as missing:
-        raise ValueError(f"{kind} config.json lacks {missing}") from None
+        raise ValueError(f"{kind!r} config.json lacks {missing}") from None
     act = values.pop("act")
     if act not in _ACTIVATIONS:
         raise ValueError(f"activation {act!r} is not supported; use one of {sorted(_ACTIVATIONS)}")
@@ -94,12 +97,16 @@ def _config_values(kind: str | None, hf: dict[str, Any]) -> dict[str, Any]:
             layernorm_eps=hf.get("layer_norm_eps", 1e-12), act=hf.get("hidden_act", "gelu"),
         )  # fmt: skip
     else:
-        raise ValueError(f"model_type {kind!r} is not supported; use gpt2 or bert")
+        raise ValueError(
+            f"model_type {kind!r} is not supported; use gpt2, bert, llama, mistral or qwen2"
+        )
     return values
 
 
 def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``config.json`` dict for ``cfg``, on top of ``base`` (the imported original, if any)."""
+    if cfg.arch == "llama":
+        return llama_hf.config_to_hf(cfg, base)
     out = dict(base or {})
     key = "activation_function" if cfg.arch == "gpt" else "hidden_act"
     act = "gelu_new" if cfg.activation == "gelu_tanh" else "gelu"
@@ -179,7 +186,10 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "position_ids", "lm_head
 
 
 def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """meshtron full state dict from an HF GPT2LMHeadModel / BertForPreTraining state dict."""
+    """meshtron full state dict from an HF GPT2LMHeadModel / BertForPreTraining / Llama-family
+    state dict."""
+    if cfg.arch == "llama":
+        return llama_hf.state_from_hf(cfg, hf)
     if cfg.arch == "gpt" and "wte.weight" in hf:  # saved from GPT2Model: no "transformer."
         hf = {f"transformer.{k}": v for k, v in hf.items()}
     used, ours = set(), {}
@@ -206,6 +216,8 @@ def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, to
 
 def state_to_hf(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Inverse of :func:`state_from_hf` (tied copies omitted, as save_pretrained does)."""
+    if cfg.arch == "llama":
+        return llama_hf.state_to_hf(cfg, ours)
     hf = {theirs: ours[mine].t() if tr else ours[mine] for mine, theirs, tr in _renames(cfg)}
     for i in range(cfg.num_layers):
         for kind in ("weight", "bias"):

@@ -398,7 +398,7 @@ class Trainer:
 
     def _sample(self) -> str | None:
         t = self.cfg.trainer
-        if self.cfg.model.arch != "gpt" or t.sample_tokens < 1:
+        if not self.cfg.model.causal or t.sample_tokens < 1:
             return None
         self._mark("sampling", "model")
         tokenizer = self.data.tokenizer

@@ -19,8 +19,10 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from layers.gqa import kv_projection
 from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
 from layers.recompute import checkpointed, dropout_stream
+from layers.rotary import apply_rotary
 from layers.transformer_config import TransformerConfig
 from parallel_state.groups import group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
@@ -147,9 +149,7 @@ class ParallelAttention(nn.Module):
         common = dict(
             tp_group=tp_group, sequence_parallel=cfg.sequence_parallel, dtype=dtype, device=device
         )
-        self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, 3 * cfg.hidden_size, init_method=normal_init(cfg.init_std), **common
-        )
+        self._build_projections(cfg, tp_group, common)
         self.core = CoreAttention(
             cfg.attention_dropout,
             causal=cfg.causal,
@@ -160,31 +160,73 @@ class ParallelAttention(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         # The bias comes back unadded, for the layer's fused bias + dropout + residual add.
         self.dense = RowParallelLinear(
-            cfg.hidden_size, cfg.hidden_size, init_method=normal_init(out_std),
-            skip_bias_add=True, **common,
+            cfg.hidden_size, cfg.hidden_size, getattr(cfg, "linear_bias", True),
+            init_method=normal_init(out_std), skip_bias_add=True, **common,
         )  # fmt: skip
 
+    def _build_projections(self, cfg: TransformerConfig, tp_group, common: dict) -> None:
+        """Multi-head: one fused ``qkv``, rows ``(heads three d)``. Grouped-query (fewer KV
+        heads): ``query`` rows ``(heads d)`` and ``key_value`` rows ``(kv_heads two d)``,
+        the latter split over TP or, past the KV heads, replicated (``layers.gqa``)."""
+        self.kv_heads = getattr(cfg, "num_kv_heads", None) or cfg.num_heads
+        bias, init = getattr(cfg, "qkv_bias", True), normal_init(cfg.init_std)
+        if self.kv_heads == cfg.num_heads:
+            self.qkv = ColumnParallelLinear(
+                cfg.hidden_size, 3 * cfg.hidden_size, bias, init_method=init, **common
+            )
+            return
+        self.query = ColumnParallelLinear(
+            cfg.hidden_size, cfg.hidden_size, bias, init_method=init, **common
+        )
+        self.key_value = kv_projection(
+            cfg.hidden_size, self.kv_heads, self.head_dim, bias, init_method=init, **common
+        )
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q ``[b, heads/tp, s, d]``; k, v ``[b, kv heads on this rank, s, d]``."""
+        if not hasattr(self, "query"):
+            qkv = self.qkv(x)  # [s, b, 3h/tp], whole heads
+            return rearrange(
+                qkv, "s b (heads three d) -> three b heads s d", three=3, d=self.head_dim
+            )
+        q = rearrange(self.query(x), "s b (heads d) -> b heads s d", d=self.head_dim)
+        k, v = rearrange(
+            self.key_value(x), "s b (heads two d) -> two b heads s d", two=2, d=self.head_dim
+        )
+        return q, k, v
+
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output projection without its bias, that bias). ``cache``: this layer's keys and
-        values so far (inference); the new ones are added."""
-        qkv = self.qkv(x)  # [s, b, 3h/tp], whole heads
-        q, k, v = rearrange(
-            qkv, "s b (heads three d) -> three b heads s d", three=3, d=self.head_dim
-        )
+        values so far (inference); the new ones are added. ``rotary``: (cos, sin)
+        ``[b, 1, s, d]`` of the positions, for rotary position embeddings."""
+        q, k, v = self._project(x)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
             past = cache.length
             k, v = cache.append(k, v)  # [b, heads/tp, past + s, d]
             if mask is None and self.core.causal and past:
                 # is_causal aligns the query block with the first keys; decoding needs the last.
                 mask = decoder_mask(None, q.shape[2], past, batch=q.shape[0], device=q.device)
+        if k.shape[1] != q.shape[1]:  # grouped-query: each KV head serves a run of q heads
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return self.dense(self.core(q, k, v, mask))
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty cache for ``batch`` sequences of up to ``capacity`` positions, this rank's heads."""
-        weight = self.qkv.weight  # [3·heads/tp·d, h]
-        heads = weight.shape[0] // (3 * self.head_dim)
+        if hasattr(self, "query"):
+            weight = self.key_value.weight  # [2·(kv heads here)·d, h]
+            heads = weight.shape[0] // (2 * self.head_dim)
+        else:
+            weight = self.qkv.weight  # [3·heads/tp·d, h]
+            heads = weight.shape[0] // (3 * self.head_dim)
         return KVCache(
             batch, heads, self.head_dim, capacity, dtype=weight.dtype, device=weight.device
         )

@@ -1,10 +1,19 @@
-"""The transformer's tensor-parallel MLP: column-parallel h→ffn, GeLU, row-parallel ffn→h."""
+"""The transformer's tensor-parallel MLP: column-parallel h→ffn, GeLU or SwiGLU, row-parallel
+ffn→h.
+
+SwiGLU (Llama) fuses the gate and up projections into one column-parallel weight whose
+rows interleave them, ``(ffn two)``: row 2i is gate_i, row 2i+1 is up_i. Any contiguous
+TP slice then holds matching gate/up pairs, so the stored layout does not depend on the
+TP size and one GEMM (one sequence all-gather under SP) serves both.
+"""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from layers.kernel_set import resolve_kernels
@@ -19,22 +28,34 @@ class ParallelMLP(nn.Module):
         super().__init__()
         self.sequence_parallel = cfg.sequence_parallel
         self.kernels = resolve_kernels(cfg.kernels)
-        self.approximate = {"gelu": "none", "gelu_tanh": "tanh"}[cfg.activation]
+        self.gated = cfg.activation == "swiglu"
+        self.approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None}[cfg.activation]
+        bias = getattr(cfg, "linear_bias", True)
         common = dict(
             tp_group=tp_group, sequence_parallel=cfg.sequence_parallel, dtype=dtype, device=device
         )
         # Both biases are added by the fused ops around them: fc1's by bias + GeLU, fc2's
         # (returned with the output) by the layer's bias + dropout + residual add.
         self.fc1 = ColumnParallelLinear(
-            cfg.hidden_size, cfg.ffn_size, init_method=normal_init(cfg.init_std),
-            skip_bias_add=True, **common,
+            cfg.hidden_size, cfg.ffn_size * (2 if self.gated else 1), bias,
+            init_method=normal_init(cfg.init_std), skip_bias_add=True, **common,
         )  # fmt: skip
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.fc2 = RowParallelLinear(
-            cfg.ffn_size, cfg.hidden_size, init_method=normal_init(out_std),
+            cfg.ffn_size, cfg.hidden_size, bias, init_method=normal_init(out_std),
             skip_bias_add=True, **common,
         )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fc2 output without its bias, fc2's bias) for bias + dropout + add."""
+        if self.gated:
+            return self.fc2(swiglu(*self.fc1(x)))
         return self.fc2(self.kernels.gelu(*self.fc1(x), self.approximate))
+
+
+def swiglu(gate_up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) · up of interleaved ``[..., (f two)]`` columns (plus ``bias``) → ``[..., f]``."""
+    if bias is not None:
+        gate_up = gate_up + bias
+    gate, up = rearrange(gate_up, "... (f two) -> two ... f", two=2)
+    return F.silu(gate) * up

@@ -38,3 +38,49 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim (Llama): ``x / sqrt(mean(x²) + eps) · weight``, no bias.
+
+    Computed in at least fp32 (half inputs are upcast, as Hugging Face does; fp64 stays
+    fp64, where HF would round through fp32). Replicated weight, partial under SP like
+    LayerNorm's. ``kernels`` is accepted for the seam; torch computes it for now.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        eps: float,
+        *,
+        sequence_parallel: bool = False,
+        kernels: str = "auto",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        factory = {"dtype": dtype or torch.get_default_dtype(), "device": device}
+        self.weight = nn.Parameter(torch.ones(size, **factory))
+        self.eps, self.sequence_parallel = eps, sequence_parallel
+        mark_tp_dim(self.weight, None)
+        setattr(self.weight, SP_GRAD_ATTR, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+
+
+def make_norm(cfg, *, dtype=None, device=None) -> nn.Module:
+    """The norm ``cfg.norm`` names ("layernorm" or "rmsnorm"), width ``cfg.hidden_size``."""
+    return NORMS[getattr(cfg, "norm", "layernorm")](
+        cfg.hidden_size,
+        cfg.layernorm_eps,
+        sequence_parallel=cfg.sequence_parallel,
+        kernels=cfg.kernels,
+        dtype=dtype,
+        device=device,
+    )

@@ -20,7 +20,7 @@ from torch import nn
 from layers.attention import KVCache, ParallelAttention
 from layers.kernel_set import resolve_kernels
 from layers.mlp import ParallelMLP
-from layers.norm import LayerNorm
+from layers.norm import LayerNorm, make_norm
 from layers.recompute import checkpointed, default_rng, dropout_stream
 from layers.transformer_config import TransformerConfig
 from parallel_state.groups import group_size, resolve_tp_group
@@ -61,35 +61,48 @@ class ParallelTransformerLayer(nn.Module):
         self.draws_random = dropout  # only then does recomputation replay the RNG streams
         self.sequence_parallel, self.hidden_dropout = cfg.sequence_parallel, cfg.hidden_dropout
         self.kernels = resolve_kernels(cfg.kernels)
-        norm = dict(
-            sequence_parallel=cfg.sequence_parallel, kernels=cfg.kernels, dtype=dtype, device=device
-        )
-        self.attention_norm = LayerNorm(cfg.hidden_size, cfg.layernorm_eps, **norm)
+        # The norm (LayerNorm | RMSNorm), attention (MHA | GQA | MQA, biases) and MLP
+        # (GeLU | SwiGLU) are chosen by cfg; the residual order by cfg.pre_layernorm.
+        self.attention_norm = make_norm(cfg, dtype=dtype, device=device)
         self.attention = ParallelAttention(
             cfg, tp_group=tp_group, rng=self.rng, dtype=dtype, device=device
         )
-        self.mlp_norm = LayerNorm(cfg.hidden_size, cfg.layernorm_eps, **norm)
+        self.mlp_norm = make_norm(cfg, dtype=dtype, device=device)
         self.mlp = ParallelMLP(cfg, tp_group=tp_group, dtype=dtype, device=device)
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``x``: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); same shape out.
 
-        ``cache`` (inference only) holds this layer's past keys and values.
+        ``cache`` (inference only) holds this layer's past keys and values; ``rotary`` the
+        (cos, sin) tables of rotary position embeddings.
         """
         if self.recompute_full and cache is None:
             rng = self.rng if self.draws_random else None  # no draws: a plain checkpoint
-            return checkpointed(self._forward, x, mask, rng=rng)
-        return self._forward(x, mask, cache)
+            if rotary is None:
+                return checkpointed(self._forward, x, mask, rng=rng)
+            return checkpointed(self._forward, x, mask, None, rotary, rng=rng)
+        if rotary is None:
+            return self._forward(x, mask, cache)
+        return self._forward(x, mask, cache, rotary)
 
     def _forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None = None
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if self.pre_layernorm:
-            x = self._residual(self.attention(self.attention_norm(x), mask, cache), x)
+            attn = self.attention(self.attention_norm(x), mask, cache, rotary)
+            x = self._residual(attn, x)
             return self._residual(self.mlp(self.mlp_norm(x)), x)
-        x = self.attention_norm(self._residual(self.attention(x, mask, cache), x))
+        x = self.attention_norm(self._residual(self.attention(x, mask, cache, rotary), x))
         return self.mlp_norm(self._residual(self.mlp(x), x))
 
     def _residual(

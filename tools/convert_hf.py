@@ -1,4 +1,5 @@
-"""Convert between Hugging Face GPT-2 / BERT directories and meshtron checkpoints.
+"""Convert between Hugging Face directories (GPT-2, BERT, Llama, Mistral, Qwen2) and meshtron
+checkpoints.
 
     python tools/convert_hf.py import --hf-dir ./gpt2 --out checkpoints/gpt2
     python tools/convert_hf.py export --ckpt checkpoints/gpt2 --out ./gpt2-again

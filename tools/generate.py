@@ -50,8 +50,10 @@ def check(args: argparse.Namespace) -> str:
     """Everything that can be wrong before a rank starts; returns the tokenizer path."""
     source = ModelSource(args.ckpt, args.hf_dir)
     cfg = source.config()
-    if cfg.arch != "gpt":
-        raise ValueError(f"{args.ckpt or args.hf_dir} holds a {cfg.arch} model; only GPT generates")
+    if not cfg.causal:
+        raise ValueError(
+            f"{args.ckpt or args.hf_dir} holds a {cfg.arch} model; only decoders (gpt, llama) generate"
+        )
     if args.tp_size < 1:
         raise ValueError(f"--tp-size {args.tp_size} must be >= 1")
     cfg.validate(args.tp_size)

@@ -6,8 +6,9 @@ the loss, every parameter gradient (gathered to full shape) and, with --steps N,
 steps' losses. Prints a table in model order, names the first module that diverges and
 exits 1 if any tensor is out of tolerance.
 
-With --hf-dir DIR it instead compares the logits of a local Hugging Face GPT-2 / BERT
-directory loaded by transformers with meshtron's import of it at the given layout.
+With --hf-dir DIR it instead compares the logits of a local Hugging Face GPT-2, BERT,
+Llama, Mistral or Qwen2 directory loaded by transformers with meshtron's import of it at
+the given layout.
 
 Starts its own tp×dp local workers (torch elastic launcher); under torchrun or another
 launcher (RANK set) each process is one rank.
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=f"Tolerances: max|Δ| / max|reference| per tensor: {tols}. "
         f"With --hf-dir, on logits: {hf_tols} (absolute; bfloat16 relative).",
     )
-    p.add_argument("--model", choices=("gpt", "bert"), default="gpt")
+    p.add_argument("--model", choices=("gpt", "bert", "llama"), default="gpt")
     p.add_argument("--tp-size", type=int, default=2)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
@@ -62,7 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=12, help="sequence length (divisible by tp-size)")
     p.add_argument("--batch", type=int, default=4, help="global batch (divisible by dp-size)")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--hf-dir", help="local Hugging Face GPT-2 or BERT directory to compare with")
+    p.add_argument(
+        "--hf-dir",
+        help="local Hugging Face GPT-2, BERT, Llama, Mistral or Qwen2 directory to compare with",
+    )
     p.add_argument("--failing-only", action="store_true", help="print only out-of-tolerance rows")
     return p.parse_args(argv)
 

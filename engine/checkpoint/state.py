@@ -19,6 +19,7 @@ from engine.checkpoint.layout import MODEL, OPTIM, TensorSpec, dtype_name, local
 from engine.data_parallel import checkpoint_view
 from engine.models import ParallelModel
 from engine.models.base import VOCAB_PADDED_ATTR
+from layers.gqa import replicas
 from layers.mappings import gather_along
 from layers.utils import TP_DIM_ATTR, group_rank, group_size
 
@@ -47,6 +48,11 @@ def param_spec(
 ) -> TensorSpec:
     """The full-shape spec of a parameter (or of state shaped like it) on this model."""
     tp_dim = getattr(param, TP_DIM_ATTR, None)
+    if replicas(param) > 1:  # the box plan assumes every TP rank holds a distinct slice
+        raise ValueError(
+            f"{name}: checkpoints at tp_size above model.num_kv_heads are not supported yet; "
+            "use a tp_size that divides model.num_kv_heads (a checkpoint loads at any tp)"
+        )
     vocab = bool(getattr(param, VOCAB_PADDED_ATTR, False))
     shape = list(param.shape)
     if tp_dim is not None:

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from layers.gqa import counted_in_norm
 from layers.mappings import flat_all_gather, flat_reduce_scatter  # one shim across torch versions
-from layers.utils import SP_GRAD_ATTR, TP_DIM_ATTR, group_rank, group_size
+from layers.utils import SP_GRAD_ATTR, group_rank, group_size
 
 
 class ShardedBucket:
@@ -46,9 +47,7 @@ class ShardedBucket:
         self.gather_work: dist.Work | None = None
         # Parts of this slice that count toward the gradient norm: TP-split parameters on
         # every TP rank, replicated ones (identical on all TP ranks) on TP rank 0 only.
-        self.norm_ranges = self._ranges(
-            lambda p: getattr(p, TP_DIM_ATTR, None) is not None or tp_rank == 0
-        )
+        self.norm_ranges = self._ranges(lambda p: counted_in_norm(p, tp_rank))
         # Sequence-parallel parameters saw only this rank's tokens: summed over TP later.
         self.sp_ranges = self._ranges(lambda p: getattr(p, SP_GRAD_ATTR, False), merge=True)
         self.reset()

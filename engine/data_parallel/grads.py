@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layers.utils import TP_DIM_ATTR, group_size
+from layers.gqa import counted_in_norm
+from layers.utils import group_size
 
 
 def global_grad_norm(
@@ -27,11 +28,7 @@ def global_grad_norm(
     reduction is needed.
     """
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    grads = [
-        p.grad.detach()
-        for p in params
-        if p.grad is not None and (getattr(p, TP_DIM_ATTR, None) is not None or tp_rank == 0)
-    ]
+    grads = [p.grad.detach() for p in params if p.grad is not None and counted_in_norm(p, tp_rank)]
     # Squares by multi-tensor ops, each summed in at least fp32 and then together in fp64,
     # all on the device: no host sync here. (Per-tensor sums keep the exact numerics ZeRO's
     # sliced norm reproduces; a different summation would move the clip coefficient.)

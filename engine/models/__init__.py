@@ -9,6 +9,7 @@ from engine.models.base import ParallelModel
 from engine.models.bert import BertModel
 from engine.models.config import ModelConfig, preset, preset_names
 from engine.models.gpt import GPTModel
+from engine.models.llama.model import LlamaModel
 
 __all__ = [
     "ModelConfig",
@@ -16,6 +17,7 @@ __all__ = [
     "preset_names",
     "GPTModel",
     "BertModel",
+    "LlamaModel",
     "ParallelModel",
     "build_model",
 ]
@@ -29,7 +31,7 @@ def build_model(
     device: torch.device | str | None = None,
 ) -> ParallelModel:
     """The GPTModel or BertModel that ``cfg.arch`` names, built on this rank's TP shard."""
-    classes = {"gpt": GPTModel, "bert": BertModel}
+    classes = {"gpt": GPTModel, "bert": BertModel, "llama": LlamaModel}
     if cfg.arch not in classes:
         raise ValueError(f"model.arch={cfg.arch!r} is not one of {tuple(classes)}")
     return classes[cfg.arch](cfg, tp_group=tp_group, dtype=dtype, device=device)

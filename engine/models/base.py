@@ -16,6 +16,7 @@ from torch import nn
 from engine.models.config import ModelConfig
 from layers import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, scatter_to_sequence
 from layers.compile import compile_model
+from layers.gqa import dedupe_gathered, owned_block, replicas
 from layers.linear import InitMethod, build_master_weight, normal_init
 from layers.mappings import gather_along
 from layers.norm import LayerNorm
@@ -90,7 +91,9 @@ class Embeddings(nn.Module):
             device=device,
         )
         setattr(self.word.weight, VOCAB_PADDED_ATTR, True)
-        self.position = self._replicated(cfg.max_positions, cfg, dtype, device)
+        self.position = None  # rotary positions live in attention
+        if getattr(cfg, "position_embedding", "learned") == "learned":
+            self.position = self._replicated(cfg.max_positions, cfg, dtype, device)
         bert = cfg.arch == "bert"
         self.token_type = (
             self._replicated(cfg.num_token_types, cfg, dtype, device) if bert else None
@@ -116,11 +119,13 @@ class Embeddings(nn.Module):
     ):
         """``positions`` ``[b, s]``: each token's position (generation with left padding or
         a KV cache); default 0 … s−1."""
+        words = self.word(input_ids.t())  # [s(/tp), b, h]: reduce-scattered under SP
+        if self.position is None:
+            return self._dropout(words)
         seq = input_ids.shape[1]
         last = seq - 1 if positions is None else int(positions.max())
         if last >= self.position.shape[0]:
             raise ValueError(f"position {last} exceeds max_positions {self.position.shape[0]} - 1")
-        words = self.word(input_ids.t())  # [s(/tp), b, h]: reduce-scattered under SP
         if positions is None:
             extra = self.position[:seq].unsqueeze(1)  # [s, 1, h], same on every TP rank
         else:
@@ -136,6 +141,9 @@ class Embeddings(nn.Module):
         x = words + extra
         if self.norm is not None:
             x = self.norm(x)
+        return self._dropout(x)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         # A zero dropout draws no mask: no stream switch (which would break a compiled graph).
         sharded = self.sequence_parallel and self.training and self.dropout > 0
         with dropout_stream(self.rng, sharded=sharded):
@@ -237,6 +245,7 @@ class ParallelModel(nn.Module):
 
     def _full(self, param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
         full = gather_along(tensor.detach(), getattr(param, TP_DIM_ATTR, None), self.tp_group)
+        full = dedupe_gathered(full, replicas(param), group_size(self.tp_group))
         return full[: self.cfg.vocab_size] if getattr(param, VOCAB_PADDED_ATTR, False) else full
 
     @torch.no_grad()
@@ -257,7 +266,11 @@ class ParallelModel(nn.Module):
                     )
                 rows = param.shape[0] * (size if dim == 0 else 1)
                 full = F.pad(full, (0, 0) * (full.dim() - 1) + (0, rows - full.shape[0]))
-            local = shard(full, dim, rank, size)
+            copies = replicas(param)
+            if copies > 1:  # a block held whole by `copies` ranks (GQA past the KV heads)
+                local = owned_block(full, copies, rank, size)
+            else:
+                local = shard(full, dim, rank, size)
             if local.shape != param.shape:
                 raise ValueError(
                     f"{name}: full shape {tuple(state[name].shape)} does not fit the model's "

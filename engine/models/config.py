@@ -16,11 +16,14 @@ from layers.compile import (
     selective_recompute_compiles,
 )
 from layers.recompute import RECOMPUTE_MODES
+from layers.rotary import ROPE_SCALINGS
 from layers.utils import pad_vocab_size
 from parallel_state.dims import ParallelDims
 
-ARCHS = ("gpt", "bert")
-ACTIVATIONS = ("gelu", "gelu_tanh")
+ARCHS = ("gpt", "bert", "llama")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rotary")
 KERNELS = ("auto", "torch", "triton", "apex")
 
 
@@ -48,6 +51,18 @@ class ModelConfig:
     kernels: str = "auto"  # element-wise ops: "auto" (Triton on CUDA), "triton", "apex", "torch"
     compile: bool = False  # torch.compile each transformer layer (layers.compile)
     compile_backend: str = "inductor"  # torch.compile backend: "inductor", "aot_eager" or "eager"
+    # Component seams (defaults: GPT-2's parts). Llama-family decoders pick the others.
+    norm: str = "layernorm"  # "layernorm" or "rmsnorm" (no bias, no mean subtraction)
+    position_embedding: str = "learned"  # "learned" absolute table or "rotary" (RoPE)
+    num_kv_heads: int | None = None  # key/value heads (GQA; 1 = MQA); None means num_heads
+    qkv_bias: bool = True  # bias on the query/key/value projections (Llama none, Qwen2 yes)
+    linear_bias: bool = True  # bias on attention output and MLP projections (Llama none)
+    rope_theta: float = 10000.0  # RoPE base
+    rope_scaling: str = "none"  # "none" or "llama3" (Llama 3.1+ long-context frequencies)
+    rope_scaling_factor: float = 8.0  # llama3 scaling: factor
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: low_freq_factor
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: high_freq_factor
+    rope_original_max_positions: int = 8192  # llama3 scaling: original context length
 
     @property
     def ffn_size(self) -> int:
@@ -60,14 +75,31 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads with the default (one per query head) applied."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
     def causal(self) -> bool:
-        """GPT attends only to earlier positions; BERT to all unpadded ones."""
-        return self.arch == "gpt"
+        """Decoders (GPT, Llama) attend only to earlier positions; BERT to all unpadded ones."""
+        return self.arch != "bert"
 
     @property
     def pre_layernorm(self) -> bool:
-        """GPT-2 normalizes each sub-layer's input; original BERT its residual sum."""
-        return self.arch == "gpt"
+        """Decoders normalize each sub-layer's input; original BERT its residual sum."""
+        return self.arch != "bert"
+
+    @property
+    def rope_scaling_args(self) -> tuple[float, float, float, int] | None:
+        """The Llama 3 frequency-scaling numbers, or None without scaling."""
+        if self.rope_scaling == "none":
+            return None
+        return (
+            self.rope_scaling_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+            self.rope_original_max_positions,
+        )
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Embedding rows at this TP size: the vocabulary rounded up so every rank gets a block."""
@@ -81,6 +113,9 @@ class ModelConfig:
             ("activation", self.activation, ACTIVATIONS),
             ("kernels", self.kernels, KERNELS),
             ("compile_backend", self.compile_backend, COMPILE_BACKENDS),
+            ("norm", self.norm, NORMS),
+            ("position_embedding", self.position_embedding, POSITIONS),
+            ("rope_scaling", self.rope_scaling, ROPE_SCALINGS),
         ):
             if value not in allowed:
                 raise ValueError(f"model.{key}={value!r} is not one of {allowed}")
@@ -120,8 +155,24 @@ class ModelConfig:
         dims = ParallelDims(tp=tp_size, dp=1)  # whole heads and MLP columns per TP rank
         dims.check_tp_divides("model.num_heads", self.num_heads)
         dims.check_tp_divides("model.ffn_hidden_size", self.ffn_size)
+        self._validate_heads(tp_size)
         if self.arch == "bert" and self.num_token_types < 1:
             raise ValueError(f"model.num_token_types={self.num_token_types} must be >= 1 for BERT")
+
+    def _validate_heads(self, tp_size: int) -> None:
+        """Query heads group evenly over KV heads; KV heads split over TP or TP over them."""
+        kv = self.kv_heads
+        if kv < 1 or self.num_heads % kv:
+            raise ValueError(
+                f"model.num_kv_heads={kv} must be >= 1 and divide model.num_heads={self.num_heads}"
+            )
+        if kv % tp_size and tp_size % kv:
+            raise ValueError(
+                f"model.num_kv_heads={kv} and tp_size={tp_size}: one must divide the other "
+                "(KV heads are split over TP ranks, or each replicated on tp_size/kv ranks)"
+            )
+        if self.position_embedding == "rotary" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head dim, got {self.head_dim}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain field values (for JSON)."""

@@ -1,4 +1,5 @@
-"""GPT (GPT-2 layout): learned positions, pre-LN layers, final LayerNorm, tied LM head."""
+"""The decoder: GPT-2's layout (learned positions, pre-LN, final LayerNorm, tied LM head),
+and through the config's component seams the Llama family's (rotary, RMSNorm, SwiGLU, GQA)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from engine.models.base import ParallelLMHead, ParallelModel
 from engine.models.config import ModelConfig
 from layers.attention import KVCache, decoder_mask
 from layers.kernel_set import resolve_kernels
-from layers.norm import LayerNorm
+from layers.norm import make_norm
+from layers.rotary import inverse_frequencies, rotary_tables
 from layers.utils import comm_timer_of
 from parallel_state.random import RNGTracker
 
@@ -22,6 +24,8 @@ class GPTModel(ParallelModel):
     label -100 ignored). The vocabulary is never gathered.
     """
 
+    ARCH = "gpt"  # the model.arch this class builds (a family's subclass names its own)
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -33,12 +37,13 @@ class GPTModel(ParallelModel):
     ) -> None:
         super().__init__()
         build = self._build_trunk(
-            cfg, "gpt", tp_group=tp_group, rng=rng, dtype=dtype, device=device
+            cfg, self.ARCH, tp_group=tp_group, rng=rng, dtype=dtype, device=device
         )
-        self.final_norm = LayerNorm(
-            cfg.hidden_size, cfg.layernorm_eps, sequence_parallel=cfg.sequence_parallel,
-            kernels=cfg.kernels, dtype=dtype, device=device,
-        )  # fmt: skip
+        self.final_norm = make_norm(cfg, dtype=dtype, device=device)
+        self.rotary = cfg.position_embedding == "rotary"
+        if self.rotary:  # fp32 frequencies, a buffer so .to(device) moves them
+            inv = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_args)
+            self.register_buffer("inv_freq", inv.to(device), persistent=False)
         self.kernels = resolve_kernels(cfg.kernels)
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=False, **build)
         self._compile_if_asked()
@@ -60,8 +65,12 @@ class GPTModel(ParallelModel):
             b, s = input_ids.shape
             past = cache[0].length if cache else 0
             mask = decoder_mask(attention_mask, s, past, batch=b, device=input_ids.device)
+        rotary = self._rotary_tables(input_ids, positions, cache, hidden.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, mask, cache[i] if cache else None)
+            if rotary is None:
+                hidden = layer(hidden, mask, cache[i] if cache else None)
+            else:
+                hidden = layer(hidden, mask, cache[i] if cache else None, rotary)
         logits = self.lm_head(self.final_norm(hidden), self.embedding.word.weight)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)  # [b, s, V/tp]
@@ -71,6 +80,16 @@ class GPTModel(ParallelModel):
             comm_timer=comm_timer_of(self),
         )  # fmt: skip
         return loss.t()  # [b, s]
+
+    def _rotary_tables(self, input_ids, positions, cache, dtype):
+        """(cos, sin) ``[b, 1, s, d]`` for rotary models (positions default to past … past+s−1)."""
+        if not self.rotary:
+            return None
+        if positions is None:
+            past = cache[0].length if cache else 0
+            seq = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
+            positions = seq.expand(input_ids.shape[0], -1)
+        return rotary_tables(self.inv_freq, positions, dtype)
 
     def loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token loss of ``batch``: token windows ``[b, s+1]`` (as GPTDataset yields

@@ -15,6 +15,7 @@ import torch
 import parallel_state
 from engine.hf_interop import config_from_hf, hf_weight_files, read_hf_config, read_hf_dir
 from engine.models import build_model
+from engine.models.llama import hf as llama_hf
 from engine.verification.layouts import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 from layers.mappings import gather_along
 
@@ -66,14 +67,15 @@ def _hf_logits(hf_dir: str, hf_config: dict, batch: dict, dtype) -> dict[str, to
     import transformers
 
     arch = (hf_config.get("architectures") or ["?"])[0]
-    if arch not in ("GPT2LMHeadModel", "BertForPreTraining"):
+    decoders = ("GPT2LMHeadModel", *llama_hf.ARCHITECTURES.values())
+    if arch not in (*decoders, "BertForPreTraining"):
         raise ValueError(
-            f"{hf_dir}: architecture {arch!r}; compare GPT2LMHeadModel or BertForPreTraining"
+            f"{hf_dir}: architecture {arch!r}; compare BertForPreTraining or one of {decoders}"
         )
     model = getattr(transformers, arch).from_pretrained(hf_dir, local_files_only=True)
     model = model.to(dtype).eval()
     with torch.no_grad():
-        if arch == "GPT2LMHeadModel":
+        if arch in decoders:
             return {"logits": model(input_ids=batch["input_ids"]).logits}
         out = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
                     attention_mask=batch["attention_mask"])  # fmt: skip

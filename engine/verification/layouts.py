@@ -32,6 +32,7 @@ from engine.models import ModelConfig, ParallelModel, build_model
 from engine.models.base import ParallelLMHead
 from layers import ColumnParallelLinear
 from layers.attention import CoreAttention
+from layers.gqa import ReplicatedKVLinear
 from layers.mappings import gather_along
 from parallel_state import groups
 from parallel_state.dims import ParallelDims
@@ -51,7 +52,7 @@ TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 5e-2}
 class VerifySpec:
     """The target layout, the tiny model, the batch and the dtype to compare with."""
 
-    model: str = "gpt"  # "gpt" or "bert"
+    model: str = "gpt"  # "gpt", "bert" or "llama"
     tp_size: int = 1
     dp_size: int = 1
     sequence_parallel: bool = False
@@ -89,12 +90,24 @@ class VerifySpec:
         return ParallelDims(self.tp_size, self.dp_size, sequence_parallel=self.sequence_parallel)
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
-        """The target's config, or with ``reference=True`` the plain unsplit one."""
+        """The target's config, or with ``reference=True`` the plain unsplit one. A llama
+        has 2 KV heads, so at tp 4 each is replicated on 2 ranks."""
+        family = {}
+        if self.model == "llama":
+            family = dict(
+                norm="rmsnorm",
+                position_embedding="rotary",
+                num_kv_heads=2,
+                qkv_bias=False,
+                linear_bias=False,
+                tie_embeddings=False,
+            )
         return ModelConfig(
+            **family,
             arch=self.model, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
             num_layers=self.num_layers, num_heads=self.num_heads, max_positions=self.seq_len,
             hidden_dropout=0.0, attention_dropout=0.0,
-            activation="gelu_tanh" if self.model == "gpt" else "gelu",
+            activation={"gpt": "gelu_tanh", "bert": "gelu", "llama": "swiglu"}[self.model],
             sequence_parallel=self.sequence_parallel and not reference,
             recompute="none" if reference else self.recompute,
         )  # fmt: skip
@@ -151,7 +164,9 @@ def output_tp_dim(module: nn.Module) -> int | None:
     ``sequence_parallel`` is True outputs its sequence shard (dim 0, since activations are
     ``[s, b, ...]`` inside the models).
     """
-    if isinstance(module, (ColumnParallelLinear, CoreAttention, ParallelLMHead)):
+    if isinstance(
+        module, (ColumnParallelLinear, CoreAttention, ParallelLMHead, ReplicatedKVLinear)
+    ):
         return None if getattr(module, "gather_output", False) else -1
     return 0 if getattr(module, "sequence_parallel", False) else None
 
@@ -161,6 +176,7 @@ class OutputCapture:
 
     def __init__(self, model: ParallelModel) -> None:
         self.outputs: dict[str, tuple[torch.Tensor, int | None, int | None]] = {}
+        self.copies: dict[str, int] = {}
         vocab = model.cfg.vocab_size
         self._handles = [
             module.register_forward_hook(
@@ -173,6 +189,7 @@ class OutputCapture:
     def _keep(self, name, trim, module, args, out) -> None:
         if name not in self.outputs and isinstance(out, torch.Tensor):
             self.outputs[name] = (out.detach().clone(), output_tp_dim(module), trim)
+            self.copies[name] = getattr(module, "copies", 1)  # KV heads held by several ranks
 
     def gathered(self, tp_group, dp_group) -> dict[str, torch.Tensor]:
         """Every output at full shape, vocabulary unpadded: TP shards joined, then DP batch
@@ -180,6 +197,9 @@ class OutputCapture:
         full = {}
         for name, (out, tp_dim, trim) in self.outputs.items():
             out = gather_along(out, tp_dim, tp_group)
+            if self.copies[name] > 1:  # one copy of each replicated block
+                blocks = out.unflatten(-1, (groups.group_size(tp_group), -1))
+                out = blocks[..., :: self.copies[name], :].flatten(-2)
             # Inside the models 3-D activations are [s, b, ...], 2-D ones [b, ...].
             out = gather_along(out, 1 if out.dim() == 3 else 0, dp_group)
             full[name] = out if trim is None else out[..., :trim]
@@ -197,7 +217,7 @@ def make_batch(spec: VerifySpec) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(spec.seed + 1)
     b, s, v = spec.batch_size, spec.seq_len, spec.vocab_size
     ids = torch.randint(0, v, (b, s), generator=g)
-    if spec.model == "gpt":
+    if spec.model != "bert":  # decoders (gpt, llama): next-token batches
         return {"input_ids": ids, "labels": torch.randint(0, v, (b, s), generator=g)}
     lengths = torch.randint(max(4, s // 2), s + 1, (b,), generator=g)
     positions = torch.arange(s)
