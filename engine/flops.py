@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.models.config import ModelConfig
-from engine.perfmodel.formulas import (  # noqa: F401  (public API of this module)
+from studies.perfmodel.formulas import (  # noqa: F401  (public API of this module)
     bert_flops_per_iteration,
     gpt_flops_per_iteration,
 )

@@ -53,8 +53,8 @@ ALLOWED = (
     "engine/comm.py",  # run-level: metric means, agreement, checkpoint hand-offs, barriers
     "engine/data_parallel/",  # the DP strategies (gradient reduction, ZeRO-1)
     # Benchmarks that time collectives on purpose.
-    "engine/perfmodel/calibrate.py",
-    "engine/scaling/linkbench.py",
+    "studies/perfmodel/calibrate.py",
+    "studies/scaling/linkbench.py",
 )
 
 

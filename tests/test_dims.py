@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from engine.config import parallel_dims, validate
-from engine.verification.layouts import VerifySpec
 from parallel_state.dims import LayoutError, ParallelDims
+from studies.verification.layouts import VerifySpec
 from tests.test_engine import compose_config
 
 # (tp, dp as given, world or None) -> dp resolved, world

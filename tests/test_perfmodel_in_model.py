@@ -1,4 +1,4 @@
-"""The in-model calibration terms (engine/perfmodel/in_model.py) against real counts and
+"""The in-model calibration terms (studies/perfmodel/in_model.py) against real counts and
 hand-computed prices.
 
 The collective count is checked on a real 2-rank step (a timer counts every TP collective
@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.perfmodel import Layout, Workload, predict
-from engine.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict
-from engine.perfmodel.in_model import (
+from studies.perfmodel import Layout, Workload, predict
+from studies.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict
+from studies.perfmodel.in_model import (
     _fit_tp,
     lookup,
     nearest,

@@ -7,10 +7,10 @@ import json
 import sys
 
 from engine.cli import ArgumentParser, positive_int
-from engine.perfmodel.cluster import ClusterSpec, cluster_names, load_cluster
-from engine.perfmodel.model import Layout, Workload, layout_problems, predict
-from engine.perfmodel.presets import model_preset
-from engine.perfmodel.search import best_per_split, search
+from studies.perfmodel.cluster import ClusterSpec, cluster_names, load_cluster
+from studies.perfmodel.model import Layout, Workload, layout_problems, predict
+from studies.perfmodel.presets import model_preset
+from studies.perfmodel.search import best_per_split, search
 
 MAX_GPUS = 1 << 20  # beyond any cluster; the search enumerates every layout of the count
 

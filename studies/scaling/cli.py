@@ -12,9 +12,9 @@ from pathlib import Path
 from rich.console import Console
 
 from engine.cli import ArgumentParser
-from engine.scaling.report import add_speedup, plot, write_csv, write_report
-from engine.scaling.study import StudyConfig, measure_links, run_study
-from engine.scaling.workloads import WORKLOADS, RunSpec
+from studies.scaling.report import add_speedup, plot, write_csv, write_report
+from studies.scaling.study import StudyConfig, measure_links, run_study
+from studies.scaling.workloads import WORKLOADS, RunSpec
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "cluster"
 

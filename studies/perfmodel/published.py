@@ -19,9 +19,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from engine.perfmodel.cluster import load_cluster
-from engine.perfmodel.model import Layout, Workload
-from engine.perfmodel.search import search
+from studies.perfmodel.cluster import load_cluster
+from studies.perfmodel.model import Layout, Workload
+from studies.perfmodel.search import search
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Gloo all-reduce sweep over message sizes: the achieved bandwidth and latency of a link.
 
 Run under torchrun (one rank per node measures the links between nodes):
-``torchrun ... -m engine.scaling.linkbench --out link.json``. For each size the median of
+``torchrun ... -m studies.scaling.linkbench --out link.json``. For each size the median of
 ``--repeats`` timed all-reduces (after one warm-up) is kept, with
 
 - ``algbw`` = bytes / time, and

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from engine.perfmodel.cluster import ClusterSpec
-from engine.perfmodel.model import Layout, Prediction, Workload, layout_problems, predict
+from studies.perfmodel.cluster import ClusterSpec
+from studies.perfmodel.model import Layout, Prediction, Workload, layout_problems, predict
 
 
 @dataclass

@@ -18,7 +18,7 @@ Schema (every number says where it comes from in a ``source`` string next to it)
   ``precision`` (default training precision on this device), ``max_nodes`` (a single
   machine says 1);
 - ``in_model`` (CPU ranks): what collectives and the optimizer phase cost inside real
-  training steps, measured by short trainer runs (engine/perfmodel/in_model.py).
+  training steps, measured by short trainer runs (studies/perfmodel/in_model.py).
 
 Unknown keys (e.g. the emulated clusters' ``emulation``) are ignored.
 """
@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from engine.perfmodel.in_model import parse as parse_in_model
+from studies.perfmodel.in_model import parse as parse_in_model
 
 CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "cluster"
 

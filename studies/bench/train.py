@@ -40,7 +40,11 @@ from rich.console import Console
 
 import parallel_state
 from engine import flops
-from engine.bench.reference_gpt import (
+from engine.cli import ArgumentParser, non_negative_int, positive_int
+from engine.config import OptimConfig
+from engine.data_parallel import DataParallel, build_data_parallel
+from engine.models import ModelConfig, build_model, preset
+from studies.bench.reference_gpt import (
     RefGPT,
     autocast_context,
     check_same_function,
@@ -48,13 +52,9 @@ from engine.bench.reference_gpt import (
     reference_optimizer,
     reference_step,
 )
-from engine.bench.train_report import compare, render, run_meta, summarize, write
-from engine.cli import ArgumentParser, non_negative_int, positive_int
-from engine.config import OptimConfig
-from engine.data_parallel import DataParallel, build_data_parallel
-from engine.models import ModelConfig, build_model, preset
-from engine.verification.layouts import VerifySpec
-from engine.verification.layouts import make_batch as verify_batch
+from studies.bench.train_report import compare, render, run_meta, summarize, write
+from studies.verification.layouts import VerifySpec
+from studies.verification.layouts import make_batch as verify_batch
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -18,9 +18,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from engine.scaling.cluster import EmulatedCluster, unavailable_reason
-from engine.scaling.launch import run_on_nodes
-from engine.scaling.workloads import WORKLOADS, Point, RunSpec
+from studies.scaling.cluster import EmulatedCluster, unavailable_reason
+from studies.scaling.launch import run_on_nodes
+from studies.scaling.workloads import WORKLOADS, Point, RunSpec
 
 PARTS = ("compute_s", "tp_comm_s", "dp_comm_exposed_s", "dp_comm_total_s", "data_s",
          "optimizer_s")  # fmt: skip
@@ -225,7 +225,7 @@ def measure_links(cfg: StudyConfig, console: Console) -> dict[str, Any]:
     layouts = [("intra_node", 1, 2)] + ([("inter_node", 2, 1)] if multi else [])
     for name, nodes, procs in layouts:
         out = cfg.out / f"link_{name}.json"
-        argv = ["-m", "engine.scaling.linkbench", "--out", str(out), "--repeats", "5"]
+        argv = ["-m", "studies.scaling.linkbench", "--out", str(out), "--repeats", "5"]
         log = cfg.out / f"link_{name}.log"
         if multi:
             link = cfg.link_mbit if nodes > 1 else None

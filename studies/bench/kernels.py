@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine.bench.kernel_cases import Case, build_cases, check_against_torch
 from engine.cli import ArgumentParser, positive_int
+from studies.bench.kernel_cases import Case, build_cases, check_against_torch
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 GOALS = (  # issue 16's

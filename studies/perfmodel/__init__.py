@@ -5,9 +5,9 @@ cluster spec (``load_cluster``); ``search`` ranks every layout that fits and div
 says why the others do not. See docs/PERFMODEL.md for the formulas and their validation.
 """
 
-from engine.perfmodel.cluster import ClusterSpec, load_cluster
-from engine.perfmodel.model import Layout, Prediction, Workload, predict
-from engine.perfmodel.search import SearchResult, search
+from studies.perfmodel.cluster import ClusterSpec, load_cluster
+from studies.perfmodel.model import Layout, Prediction, Workload, predict
+from studies.perfmodel.search import SearchResult, search
 
 __all__ = [
     "ClusterSpec",

@@ -15,8 +15,8 @@ import torch
 import parallel_state
 from engine.hf_interop import config_from_hf, hf_weight_files, read_hf_config, read_hf_dir
 from engine.models import build_model
-from engine.verification.layouts import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 from layers.mappings import gather_along
+from studies.verification.layouts import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 
 # Tolerances on logits against Hugging Face. float32 and float64 are absolute: a
 # different summation order (and GeLU-tanh spelled differently) costs ~1e-7 relative per op,

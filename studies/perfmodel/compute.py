@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from engine.perfmodel.cluster import ClusterSpec
+from studies.perfmodel.cluster import ClusterSpec
 
 TILE = 64  # a typical tensor-core tile edge; dims far above it run at full efficiency
 
@@ -66,7 +66,7 @@ def rank_speed(cluster: ClusterSpec, ranks_per_node: int, threads: int | None = 
     Calibration measures one thread. A rank gets ``threads``, by default cores // ranks;
     extra threads add ``thread_efficiency`` each, and more ranks than cores time-share.
     Where calibration measured single-thread ranks computing side by side
-    (``cluster.rank_speed``, engine/perfmodel/concurrency.py), that measurement is used.
+    (``cluster.rank_speed``, studies/perfmodel/concurrency.py), that measurement is used.
     """
     if cluster.cores is None:
         return 1.0

@@ -24,8 +24,8 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.perfmodel.cluster import ClusterSpec
-from engine.perfmodel.model import Layout, Workload, predict
+from studies.perfmodel.cluster import ClusterSpec
+from studies.perfmodel.model import Layout, Workload, predict
 
 ROOT = Path(__file__).resolve().parents[2]
 _TOKS = re.compile(r"step\s+(\d+)/\d+\s.*?\s([\d.]+) tok/s")
@@ -111,7 +111,7 @@ def read_parts(path: Path, skip: int) -> dict[str, float]:
 
 def measure_with_probe(point: Point, steps: int = 16, log_every: int = 4) -> Point:
     """``point`` with its measured step time and the GEMM probe averaged before and after."""
-    from engine.perfmodel.calibrate import probe_gflops
+    from studies.perfmodel.calibrate import probe_gflops
 
     before = probe_gflops()
     seconds, parts = _run_pretrain(point, steps, log_every, timeout=600)

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.perfmodel import comm
-from engine.perfmodel.cluster import ClusterSpec, scale_for
-from engine.perfmodel.compute import gemm_pass_seconds, rank_speed, stream_seconds
-from engine.perfmodel.formulas import gpt_flops_per_iteration, pad_vocab
-from engine.perfmodel.in_model import lookup, nearest, parameter_tensors, tp_collectives
-from engine.perfmodel.memory import MemoryTerms, activation_bytes, state_bytes_per_param
+from studies.perfmodel import comm
+from studies.perfmodel.cluster import ClusterSpec, scale_for
+from studies.perfmodel.compute import gemm_pass_seconds, rank_speed, stream_seconds
+from studies.perfmodel.formulas import gpt_flops_per_iteration, pad_vocab
+from studies.perfmodel.in_model import lookup, nearest, parameter_tensors, tp_collectives
+from studies.perfmodel.memory import MemoryTerms, activation_bytes, state_bytes_per_param
 
 RECOMPUTE = ("none", "selective", "full")
 # Element-wise traffic per token and layer, forward, in elements of width h: two LayerNorms
@@ -202,7 +202,7 @@ def _tp_comm_seconds(
     all-gather + reduce-scatter pair of the same volume each); full recompute repeats the
     first forward one (in_model.tp_collectives). The vocab-parallel embedding (forward) and the LM head's input
     (backward) add one each; the cross-entropy adds two small fp32 all-reduces (b·s and 2·b·s values). Where the
-    cluster has in-model measurements (CPU ranks, engine/perfmodel/in_model.py), TP costs
+    cluster has in-model measurements (CPU ranks, studies/perfmodel/in_model.py), TP costs
     what training steps were measured to lose to it: a time per collective plus a fraction
     of the micro-batch's compute (``compute_s``).
     """

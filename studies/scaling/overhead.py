@@ -2,7 +2,7 @@
 
 Run under a launcher, every rank one process of the mesh::
 
-    torchrun --standalone --nproc-per-node 4 -m engine.scaling.overhead --steps 60 \\
+    torchrun --standalone --nproc-per-node 4 -m studies.scaling.overhead --steps 60 \\
         tp_size=2 dp_size=2
 
 After ``--warmup`` steps, consecutive steps alternate on/off in ABBA order (on, off, off,

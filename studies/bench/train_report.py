@@ -19,7 +19,7 @@ from engine import flops
 from engine.models import ModelConfig
 
 if TYPE_CHECKING:
-    from engine.bench.train import Loop
+    from studies.bench.train import Loop
 
 
 def _percentile(values: list[float], q: float) -> float:

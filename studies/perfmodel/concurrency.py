@@ -22,7 +22,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from engine.perfmodel.model import Layout, Workload, _gemm_shapes
+from studies.perfmodel.model import Layout, Workload, _gemm_shapes
 
 TARGET_S = 2.0  # one timed block alone: 0.3 s blocks read 0.93 at p = 2 where training
 # sustains ~0.5 (a burst allowance of the virtual CPUs); 1.5 s blocks read 0.56

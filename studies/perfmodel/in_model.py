@@ -93,8 +93,8 @@ def parameter_tensors(layers: int) -> int:
 
 def _run(w: Any, tp: int, dp: int, sp: bool, micro_batch: int, cluster: Any):
     """(measured parts, the model's breakdown) of STEPS trainer steps at this layout."""
-    from engine.perfmodel.model import Layout, predict
-    from engine.perfmodel.validate import Point, _run_pretrain
+    from studies.perfmodel.model import Layout, predict
+    from studies.perfmodel.validate import Point, _run_pretrain
 
     lay = Layout(tp, dp, micro_batch, sequence_parallel=sp, fused_attention=False, threads=1)
     label = f"h{w.hidden} tp{tp} dp{dp}{' sp' if sp else ''} mb{micro_batch}"
@@ -121,7 +121,7 @@ def measure(w: Any, hiddens: list[int], spec: dict, quick: bool) -> dict:
     """Run the trainer at the calibration layouts; return ``compute_scale`` and the
     ``in_model`` tables. ``spec`` is the cluster measured so far (its α-β and bandwidths
     price what the runs are compared with)."""
-    from engine.perfmodel.cluster import cluster_from_dict
+    from studies.perfmodel.cluster import cluster_from_dict
 
     w = replace(w, global_batch=16)
     bare = cluster_from_dict({k: v for k, v in spec.items() if k != "in_model"})

@@ -10,10 +10,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from engine.perfmodel import published
-from engine.perfmodel.cluster import load_cluster
-from engine.perfmodel.model import Layout, Workload
-from engine.perfmodel.validate import (
+from studies.perfmodel import published
+from studies.perfmodel.cluster import load_cluster
+from studies.perfmodel.model import Layout, Workload
+from studies.perfmodel.validate import (
     Point,
     breakdown_table,
     compare,
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "dp-plots":
-            from engine.perfmodel.dp_analysis import write_plots
+            from studies.perfmodel.dp_analysis import write_plots
 
             print("\n".join(write_plots(args.out)))
             return 0

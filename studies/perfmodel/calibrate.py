@@ -5,7 +5,7 @@
   time per autograd operator;
 - all-reduce and all-gather time per group size and message size over gloo processes,
   fitted to α + β·bytes;
-- short trainer runs (engine/perfmodel/in_model.py): compute scale, TP, DP-wait and
+- short trainer runs (studies/perfmodel/in_model.py): compute scale, TP, DP-wait and
   optimizer terms as training sees them.
 
 Not on GPUs yet (bf16 GEMMs, NCCL): their specs come from datasheets and published runs.
@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from engine.perfmodel import in_model
-from engine.perfmodel.concurrency import measure_rank_speed
-from engine.perfmodel.model import (
+from studies.perfmodel import in_model
+from studies.perfmodel.concurrency import measure_rank_speed
+from studies.perfmodel.model import (
     Layout,
     Workload,
     _gemm_shapes,
@@ -72,7 +72,7 @@ def model_gemm_shapes(w: Workload, tps: list[int], micro_batches: list[int]) -> 
 
 def measure_gemms(shapes: tuple[set, set], device: torch.device, dtype: torch.dtype,
                   repeats: int) -> list:  # fmt: skip
-    """[m, n, k, TFLOP/s] rows, keyed as engine.perfmodel prices them.
+    """[m, n, k, TFLOP/s] rows, keyed as studies.perfmodel prices them.
 
     A linear layer (m, n, k) is timed as its three real ops: forward x·Wᵀ (row m, n, k),
     input gradient g·W (row m, k, n) and weight gradient gᵀ·x (row k, n, m). Attention
@@ -114,7 +114,7 @@ def measure_elementwise_Bps(w: Workload, micro_batch: int, repeats: int) -> floa
 
     One layer's LayerNorms, dropout-adds and GeLU, the unfused attention's softmax and
     dropout, and the fp32 cross-entropy over the logits, forward and backward (fp32, tp=1),
-    timed together; the bytes are what engine.perfmodel charges for them.
+    timed together; the bytes are what studies.perfmodel charges for them.
     """
     F = torch.nn.functional
     lay = Layout(1, 1, micro_batch)
@@ -292,7 +292,7 @@ def _comm_section(ranks: list[int], quick: bool) -> tuple[dict, list[dict]]:
 
 def calibrate_cpu(args: argparse.Namespace) -> dict:
     """The cluster spec of this CPU machine, every figure measured here."""
-    from engine.perfmodel.presets import model_preset
+    from studies.perfmodel.presets import model_preset
 
     repeats = 3 if args.quick else 7
     pre = model_preset(args.model)
@@ -357,7 +357,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
             "the model's element-wise ops (LayerNorm, GeLU, dropout-add, softmax, "
             f"cross-entropy) in the model's byte count; rank_speed = one rank's "
             "speed while p ranks (1 thread each) compute at once, see "
-            f"engine/perfmodel/concurrency.py; {src}",
+            f"studies/perfmodel/concurrency.py; {src}",
         },
         "efficiency": {
             "gemm": 1.0,
