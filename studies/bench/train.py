@@ -32,8 +32,6 @@ import importlib.util
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from rich.console import Console
@@ -52,7 +50,7 @@ from studies.bench.reference_gpt import (
     reference_optimizer,
     reference_step,
 )
-from studies.bench.train_report import compare, render, run_meta, summarize, write
+from studies.bench.train_report import Loop, compare, render, run_meta, summarize, write
 from studies.verification.layouts import VerifySpec
 from studies.verification.layouts import make_batch as verify_batch
 
@@ -152,21 +150,6 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 # ---------------------------------------------------------------------------------------
 # The plain PyTorch reference: GPT-2 layout, batch-first, nothing of meshtron's.
-
-
-@dataclass
-class Loop:
-    """A named training step and its measured step times (seconds): wall and process CPU.
-
-    ``settle`` ends a block: what the last step left in flight (ZeRO-1's all-gathers) is
-    waited for inside that step's time, so it never runs into another loop's block.
-    """
-
-    name: str
-    step: Callable[[], None]
-    settle: Callable[[], None] = lambda: None
-    times: list[float] = field(default_factory=list)
-    cpu_times: list[float] = field(default_factory=list)
 
 
 def meshtron_step(model, dp: DataParallel, batch, ocfg, device, dtype):

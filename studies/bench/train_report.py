@@ -9,7 +9,8 @@ import os
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from rich.console import Console
@@ -18,8 +19,20 @@ from rich.table import Table
 from engine import flops
 from engine.models import ModelConfig
 
-if TYPE_CHECKING:
-    from studies.bench.train import Loop
+
+@dataclass
+class Loop:
+    """A named training step and its measured step times (seconds): wall and process CPU.
+
+    ``settle`` ends a block: what the last step left in flight (ZeRO-1's all-gathers) is
+    waited for inside that step's time, so it never runs into another loop's block.
+    """
+
+    name: str
+    step: Callable[[], None]
+    settle: Callable[[], None] = lambda: None
+    times: list[float] = field(default_factory=list)
+    cpu_times: list[float] = field(default_factory=list)
 
 
 def _percentile(values: list[float], q: float) -> float:
