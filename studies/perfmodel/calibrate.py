@@ -29,43 +29,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from studies.perfmodel import in_model
+from studies.perfmodel import in_model_runs
 from studies.perfmodel.concurrency import measure_rank_speed
 from studies.perfmodel.model import (
     Layout,
     Workload,
-    _gemm_shapes,
     elementwise_bytes,
+    gemm_shapes,
     score_bytes,
 )
+from studies.perfmodel.probes import median_seconds, probe_gflops
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, min_time: float = 0.02) -> float:
-    """Median wall time of ``fn`` over ``repeats`` blocks, each at least ``min_time`` long."""
-    fn()
-    start, calls = time.perf_counter(), 0
-    while time.perf_counter() - start < min_time:
-        fn()
-        calls += 1
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(max(1, calls)):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t0) / max(1, calls))
-    return statistics.median(times)
-
-
-def model_gemm_shapes(w: Workload, tps: list[int], micro_batches: list[int]) -> tuple[set, set]:
+def modelgemm_shapes(w: Workload, tps: list[int], micro_batches: list[int]) -> tuple[set, set]:
     """Forward (m, n, k) of the model's linear layers, and of its attention matmuls per head."""
     linear, attention = set(), set()
     d = w.hidden // w.heads
     for tp in tps:
         for mb in micro_batches:
-            linear.update((m, n, k) for m, n, k, _ in _gemm_shapes(w, Layout(tp, 1, mb)))
+            linear.update((m, n, k) for m, n, k, _ in gemm_shapes(w, Layout(tp, 1, mb)))
     attention.update({(w.seq, w.seq, d), (w.seq, d, w.seq)})
     return linear, attention
 
@@ -82,7 +64,7 @@ def measure_gemms(shapes: tuple[set, set], device: torch.device, dtype: torch.dt
     rows: dict[tuple[int, int, int], float] = {}
 
     def tflops(fn: Callable[[], object], m: int, n: int, k: int) -> float:
-        return round(2 * m * n * k / _median_seconds(fn, repeats) / 1e12, 6)
+        return round(2 * m * n * k / median_seconds(fn, repeats) / 1e12, 6)
 
     for m, n, k in sorted(linear):
         x, wt = (
@@ -105,7 +87,7 @@ def measure_stream_Bps(device: torch.device, dtype: torch.dtype, repeats: int) -
     """Bytes read + written per second by an out-of-place add of 8M elements."""
     x = torch.randn(8 * 2**20, device=device, dtype=dtype)
     y, out = torch.randn_like(x), torch.empty_like(x)
-    seconds = _median_seconds(lambda: torch.add(x, y, out=out), repeats)
+    seconds = median_seconds(lambda: torch.add(x, y, out=out), repeats)
     return 3 * x.numel() * x.element_size() / seconds
 
 
@@ -135,7 +117,7 @@ def measure_elementwise_Bps(w: Workload, micro_batch: int, repeats: int) -> floa
 
     layer_bytes, logit_bytes = elementwise_bytes(w, lay)
     modeled = 3 * (layer_bytes + score_bytes(w, lay)) + logit_bytes
-    return modeled / _median_seconds(step, repeats)
+    return modeled / median_seconds(step, repeats)
 
 
 def measure_op_overhead_s(repeats: int) -> float:
@@ -148,22 +130,7 @@ def measure_op_overhead_s(repeats: int) -> float:
             y = y * 1.0001
         y.sum().backward()
 
-    return _median_seconds(chain, repeats) / 100
-
-
-def probe_gflops(seconds: float = 0.5) -> float:
-    """GFLOP/s of a 256³ fp32 GEMM on one thread now: how much of a core this process gets.
-
-    Taken at calibration and next to every measured run, so a prediction can be rescaled
-    by the share of the (shared) machine the run actually had.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(256, 256), torch.randn(256, 256)
-        return 2 * 256**3 / _median_seconds(lambda: a @ b, 5, seconds / 5) / 1e9
-    finally:
-        torch.set_num_threads(before)
+    return median_seconds(chain, repeats) / 100
 
 
 def thread_efficiency(repeats: int, size: int = 512) -> float:
@@ -172,9 +139,9 @@ def thread_efficiency(repeats: int, size: int = 512) -> float:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = _median_seconds(lambda: a @ b, repeats)
+        one = median_seconds(lambda: a @ b, repeats)
         torch.set_num_threads(2)
-        two = _median_seconds(lambda: a @ b, repeats)
+        two = median_seconds(lambda: a @ b, repeats)
     finally:
         torch.set_num_threads(before)
     return max(0.0, min(1.0, one / two - 1.0))
@@ -306,7 +273,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     hiddens = [int(x) for x in args.hidden.split(",")] if args.hidden else [w.hidden]
     shapes: tuple[set, set] = (set(), set())
     for h in hiddens:  # e.g. a wider variant of the preset, priced by the same table
-        linear, attention = model_gemm_shapes(replace(w, hidden=h), tps, mbs)
+        linear, attention = modelgemm_shapes(replace(w, hidden=h), tps, mbs)
         shapes[0].update(linear)
         shapes[1].update(attention)
     torch.set_num_threads(1)
@@ -368,9 +335,9 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
         "collective_samples": raw,
     }
     if not args.no_in_model:  # the trainer's own runs, at micro-batches the validation skips
-        found = in_model.measure(w, hiddens, spec, args.quick)
+        found = in_model_runs.measure(w, hiddens, spec, args.quick)
         spec["device"]["compute_scale"] = found["compute_scale"]
-        spec["in_model"] = {"source": f"engine.pretrain, {in_model.STEPS} steps per run; {src}",
+        spec["in_model"] = {"source": f"engine.pretrain, {in_model_runs.STEPS} steps per run; {src}",
                             **found["in_model"]}  # fmt: skip
     return spec  # fmt: skip
 

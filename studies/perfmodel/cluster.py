@@ -18,7 +18,7 @@ Schema (every number says where it comes from in a ``source`` string next to it)
   ``precision`` (default training precision on this device), ``max_nodes`` (a single
   machine says 1);
 - ``in_model`` (CPU ranks): what collectives and the optimizer phase cost inside real
-  training steps, measured by short trainer runs (studies/perfmodel/in_model.py).
+  training steps, measured by short trainer runs (studies/perfmodel/in_model_runs.py).
 
 Unknown keys (e.g. the emulated clusters' ``emulation``) are ignored.
 """

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from studies.perfmodel.model import Layout, Workload, _gemm_shapes
+from studies.perfmodel.model import Layout, Workload, gemm_shapes
 
 TARGET_S = 2.0  # one timed block alone: 0.3 s blocks read 0.93 at p = 2 where training
 # sustains ~0.5 (a burst allowance of the virtual CPUs); 1.5 s blocks read 0.56
@@ -33,7 +33,7 @@ def _make_work(w: Workload, micro_batch: int):
     F = torch.nn.functional
     gemms = [
         (torch.randn(m, k), torch.randn(n, k))
-        for m, n, k, _ in _gemm_shapes(w, Layout(1, 1, micro_batch))
+        for m, n, k, _ in gemm_shapes(w, Layout(1, 1, micro_batch))
     ]
     tokens = micro_batch * w.seq
     x = torch.randn(tokens, w.hidden, requires_grad=True)

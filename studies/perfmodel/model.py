@@ -114,7 +114,7 @@ def params_per_rank(w: Workload, tp: int) -> float:
     return sharded / tp + replicated
 
 
-def _gemm_shapes(w: Workload, lay: Layout) -> list[tuple[int, int, int, int]]:
+def gemm_shapes(w: Workload, lay: Layout) -> list[tuple[int, int, int, int]]:
     """Forward GEMMs of one micro-batch on one rank: (m, n, k, count); layers then LM head."""
     t, tokens, h, f = lay.tp, lay.micro_batch * w.seq, w.hidden, w.ffn_size
     per_layer = [
@@ -160,7 +160,7 @@ def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: floa
     """GEMM, attention, element-wise and recompute seconds of one micro-batch on one rank."""
     passes = [
         (c, gemm_pass_seconds(cluster, m, n, k, w.act_bytes, speed))
-        for m, n, k, c in _gemm_shapes(w, lay)
+        for m, n, k, c in gemm_shapes(w, lay)
     ]
     fwd_layers = sum(c * f for c, (f, _) in passes[:-1])
     gemm = sum(c * (f + b) for c, (f, b) in passes)

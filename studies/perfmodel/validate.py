@@ -26,6 +26,7 @@ from pathlib import Path
 
 from studies.perfmodel.cluster import ClusterSpec
 from studies.perfmodel.model import Layout, Workload, predict
+from studies.perfmodel.probes import probe_gflops
 
 ROOT = Path(__file__).resolve().parents[2]
 _TOKS = re.compile(r"step\s+(\d+)/\d+\s.*?\s([\d.]+) tok/s")
@@ -75,10 +76,10 @@ def measure_pretrain(
     point: Point, steps: int = 16, log_every: int = 4, timeout: int = 600
 ) -> float:
     """Median step time of engine.pretrain at ``point`` (seconds); raises on a failed run."""
-    return _run_pretrain(point, steps, log_every, timeout)[0]
+    return run_pretrain(point, steps, log_every, timeout)[0]
 
 
-def _run_pretrain(
+def run_pretrain(
     point: Point, steps: int, log_every: int, timeout: int
 ) -> tuple[float, dict[str, float]]:
     """(median step time, mean seconds per step of each part) after the first window."""
@@ -111,10 +112,8 @@ def read_parts(path: Path, skip: int) -> dict[str, float]:
 
 def measure_with_probe(point: Point, steps: int = 16, log_every: int = 4) -> Point:
     """``point`` with its measured step time and the GEMM probe averaged before and after."""
-    from studies.perfmodel.calibrate import probe_gflops
-
     before = probe_gflops()
-    seconds, parts = _run_pretrain(point, steps, log_every, timeout=600)
+    seconds, parts = run_pretrain(point, steps, log_every, timeout=600)
     share = (before + probe_gflops()) / 2
     return replace(point, measured_s=seconds, probe_gflops=share, parts=parts)
 
