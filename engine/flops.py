@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.models.config import ModelConfig
-from studies.perfmodel.formulas import (  # noqa: F401  (public API of this module)
+from engine.formulas import (  # noqa: F401  (public API of this module)
     bert_flops_per_iteration,
     gpt_flops_per_iteration,
 )
+from engine.models.config import ModelConfig
 
 if TYPE_CHECKING:
     from engine.config import Config

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.formulas import gpt_flops_per_iteration
 from studies.perfmodel import Layout, Workload, comm, load_cluster, memory, predict, search
 from studies.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict, scale_for
-from studies.perfmodel.formulas import gpt_flops_per_iteration
 
 ROOT = Path(__file__).resolve().parents[1]
 ALPHA, BW = 1e-5, 1e9  # 10 µs, 1 GB/s: round numbers for hand arithmetic

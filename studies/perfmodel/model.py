@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.formulas import gpt_flops_per_iteration, pad_vocab
 from studies.perfmodel import comm
 from studies.perfmodel.cluster import ClusterSpec, scale_for
 from studies.perfmodel.compute import gemm_pass_seconds, rank_speed, stream_seconds
-from studies.perfmodel.formulas import gpt_flops_per_iteration, pad_vocab
 from studies.perfmodel.in_model import lookup, nearest, parameter_tensors, tp_collectives
 from studies.perfmodel.memory import MemoryTerms, activation_bytes, state_bytes_per_param
 

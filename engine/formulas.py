@@ -1,7 +1,9 @@
-"""Matmul FLOP counts of GPT and BERT steps, in plain Python (no torch).
+"""The runtime's closed-form formulas, in plain Python (no torch): matmul FLOPs of GPT and
+BERT steps and the padded vocabulary.
 
-The derivation is in engine.flops, which re-exports these functions; they live here so
-the performance model runs where torch is not installed.
+The trainer (through engine.flops, which re-exports them and derives them), its tests
+and the performance model (studies/perfmodel, which runs where torch is not installed)
+all read them here, so each formula has one source.
 """
 
 from __future__ import annotations
