@@ -200,17 +200,16 @@ def main(dcfg: DictConfig) -> None:
 def cli() -> None:
     """The command line: tutorial flags, then unknown keys (with the nearest real one), an
     unusable run directory and Hydra's own errors as one line, exit 2."""
-    from engine.config_cli import hydra_errors_as_one_line, run_dir_problem, unknown_key
+    from engine.config_cli import run_checked
 
     sys.argv = sys.argv[:1] + translate_aliases(sys.argv[1:])
     argv = sys.argv[1:]
-    if "--help" not in argv and "-h" not in argv:
-        problem = unknown_key(argv, ClassifyConfig, "engine.classify")
-        problem = problem or run_dir_problem(argv, default=".")
-        if problem:
-            _fail([problem])
-    with hydra_errors_as_one_line(_fail):
-        main()
+    if "--help" in argv or "-h" in argv:
+        main()  # Hydra's help, with the tutorial flags' template
+        return
+    run_checked(
+        main, argv, _fail, schema=ClassifyConfig, prog="engine.classify", default_run_dir="."
+    )
 
 
 if __name__ == "__main__":

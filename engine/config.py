@@ -226,12 +226,20 @@ def numbers_out_of_range(cfg: Any, reported: list[str], prefix: str = "") -> lis
             problems += numbers_out_of_range(value, reported, f"{key}.")
         elif any(line.startswith(f"{key}=") for line in reported):
             continue
-        elif isinstance(value, int) and not isinstance(value, bool):
-            if not -INT64_MAX <= value <= INT64_MAX:
-                problems.append(f"{key}={value} must be within 64 bits (|value| < 2**63)")
-        elif isinstance(value, float) and not math.isfinite(value):
-            problems.append(f"{key}={value} must be finite")
+        elif any(not _in_range(v) for v in (value if isinstance(value, list) else [value])):
+            problems.append(
+                f"{key}={value} must be a finite number within 64 bits (|value| < 2**63)"
+            )
     return problems
+
+
+def _in_range(value: Any) -> bool:
+    """Whether a config number is one a run can store and honour (non-numbers: True)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -INT64_MAX <= value <= INT64_MAX
+    return True
 
 
 def _validate_run(cfg: Config) -> list[str]:
@@ -255,6 +263,11 @@ def _validate_run(cfg: Config) -> list[str]:
         problems.append(
             "optim.impl=apex needs NVIDIA apex, which is not installed: install it, or use "
             "optim.impl=auto"
+        )
+    if cfg.model.arch == "gpt" and t.sample_tokens >= cfg.model.max_positions:
+        problems.append(
+            f"trainer.sample_tokens={t.sample_tokens} must be < model.max_positions="
+            f"{cfg.model.max_positions}: the sample and its prompt must fit the positions"
         )
     if cfg.model.arch == "gpt" and t.sample_tokens > 0 and not t.sample_prompt:
         problems.append(

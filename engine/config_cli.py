@@ -174,3 +174,21 @@ def _show(value: object) -> str:
     if isinstance(value, str):
         return repr(value) if value == "" or " " in value else value
     return str(value)
+
+
+def run_checked(
+    main: Callable[[], None],
+    argv: list[str],
+    fail: Callable[[list[str]], None],
+    *,
+    schema: type = Config,
+    prog: str = "engine.pretrain",
+    default_run_dir: str = "outputs",
+) -> None:
+    """Run the Hydra ``main`` of ``python -m prog`` once ``argv`` names only real keys and
+    a usable run directory, its Hydra errors as one line (``fail``, exit 2)."""
+    problem = unknown_key(argv, schema, prog) or run_dir_problem(argv, default_run_dir)
+    if problem:
+        fail([problem])
+    with hydra_errors_as_one_line(fail):
+        main()

@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the run's)")
     p.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks")
     p.add_argument("--dp-size", type=positive_int, default=1, help="data-parallel ranks")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        help="where the ranks run (default: the run's trainer.device, else auto)",
+    )
     return p.parse_args(argv)
 
 
@@ -95,6 +100,7 @@ def evaluation_config(args: argparse.Namespace, text_prefix: str | None = None) 
     mb = args.micro_batch or trainer.micro_batch
     trainer = dataclasses.replace(
         trainer,
+        device=args.device or trainer.device,
         micro_batch=mb,
         global_batch=mb,
         eval_batches=args.batches or (0 if text_prefix else trainer.eval_batches),

@@ -304,8 +304,13 @@ def import_hf(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> ModelCo
     check_output_dir(ckpt_dir)
     cfg, state, hf_config = read_hf_dir(hf_dir)
     tokenizer = Path(hf_dir) / TOKENIZER_FILE
-    write_checkpoint(ckpt_dir, state, cfg, extra={"hf_config": hf_config},
-                     tokenizer=tokenizer if tokenizer.is_file() else None)  # fmt: skip
+    write_checkpoint(
+        ckpt_dir,
+        state,
+        cfg,
+        extra={"hf_config": hf_config},
+        tokenizer=tokenizer if tokenizer.is_file() else None,
+    )
     return cfg
 
 

@@ -240,17 +240,13 @@ def print_help(argv: list[str]) -> None:
 def cli() -> None:
     """The command line: ``--help``, unknown keys (with the nearest real one), an unusable
     run directory and Hydra's own errors become one line and exit 2 before anything runs."""
-    from engine.config_cli import hydra_errors_as_one_line, run_dir_problem, unknown_key
+    from engine.config_cli import run_checked
 
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
         print_help([a for a in argv if a not in ("--help", "-h")])
         return
-    problem = unknown_key(argv) or run_dir_problem(argv)
-    if problem:
-        _fail([problem])
-    with hydra_errors_as_one_line(_fail):
-        main()
+    run_checked(main, argv, _fail)
 
 
 if __name__ == "__main__":

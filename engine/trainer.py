@@ -44,8 +44,13 @@ def tensorboard_dir(cfg: Config) -> str | None:
 
 
 @torch.no_grad()
-def fixed_set_loss(model, valid: DataIterator, ps: ParallelState, batches: int,
-                   autocast: Callable[[], contextlib.AbstractContextManager]) -> float:  # fmt: skip
+def fixed_set_loss(
+    model,
+    valid: DataIterator,
+    ps: ParallelState,
+    batches: int,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+) -> float:
     """Mean loss over micro-batches ``0 .. batches - 1`` of ``valid`` (a one-micro-batch-per-
     step iterator): micro-batch j runs on DP rank j mod dp_size and the mean is over
     micro-batches, so the result does not depend on dp_size. Every rank gets it."""

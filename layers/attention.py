@@ -108,7 +108,9 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         """A ``mask`` given to causal attention is the whole pattern (see ``decoder_mask``)."""
         if self.recompute:
-            return checkpointed(self._attend, q, k, v, mask, rng=self.rng)
+            # No dropout, no draws to replay: a plain checkpoint (Dynamo traces it whole).
+            rng = self.rng if self.dropout > 0 and self.training else None
+            return checkpointed(self._attend, q, k, v, mask, rng=rng)
         return self._attend(q, k, v, mask)
 
     def _attend(self, q, k, v, mask):

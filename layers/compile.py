@@ -1,18 +1,23 @@
-"""``model.compile``: torch.compile of each transformer layer, TP collectives included.
+"""``model.compile``: torch.compile of the whole forward and loss, TP collectives included.
 
-Each layer's forward is compiled in place (``nn.Module.compile``), so parameter names and
-checkpoints stay as they are. The TP collectives live in the conjugate operators'
-autograd Functions (``layers.mappings``, the sequence-parallel column linear); TorchDynamo
-traces them and records ``torch.distributed``'s in-place collectives as functional
-collectives in the graph, so one layer is one graph at any TP size, with or without
-sequence parallelism. Two things stay outside the compiled region on purpose:
+``compile_model`` compiles a model's forward in place (``nn.Module.compile``, so parameter
+names and checkpoints stay as they are): the embedding, every transformer layer, the LM
+head and the vocab-parallel cross-entropy are one region for TorchDynamo. The TP
+collectives live in the conjugate operators' autograd Functions (``layers.mappings``, the
+sequence-parallel column linear, the cross-entropy's statistics); Dynamo traces them and
+records ``torch.distributed``'s in-place collectives as functional collectives in the
+graph, at any TP size, with or without sequence parallelism. What Dynamo cannot trace runs
+eagerly between graphs (graph breaks, counted by ``tools/count_graph_breaks.py``):
 
-- full recomputation: ``torch.utils.checkpoint`` with the RNG tracker's stream replay
-  (``layers.recompute``) wraps the compiled layer body, rather than being traced into it;
-- the Triton kernels and the tracker's stream switches, which Dynamo cannot trace, run
-  eagerly between graphs (graph breaks there, not errors).
+- full recomputation with dropout: ``torch.utils.checkpoint`` with the RNG tracker's
+  stream replay (``layers.recompute``) stays eager around each layer's compiled body
+  (without dropout there is nothing to replay and the checkpoint is traced);
+- the Triton kernels and the tracker's stream switches (dropout > 0 on sharded
+  activations).
 
-Importing this module does not import TorchDynamo; compiling does (it is slow to import).
+``compile_layers`` compiles the transformer layers alone (the narrower form, kept for
+callers that compile their own head). Importing this module does not import TorchDynamo;
+compiling does (it is slow to import).
 """
 
 from __future__ import annotations
@@ -44,17 +49,50 @@ def selective_recompute_compiles() -> bool:
 
 def compile_layers(layers: Iterable[nn.Module], *, backend: str = "inductor") -> None:
     """Compile each ``ParallelTransformerLayer`` in ``layers`` in place."""
-    if backend not in COMPILE_BACKENDS:
-        raise ValueError(f"model.compile_backend={backend!r} is not one of {COMPILE_BACKENDS}")
+    _check_backend(backend)
     for layer in layers:
-        for module in layer.modules():
-            if isinstance(getattr(module, "kernels", None), Kernels):
-                module.kernels = _eager_kernels(module.kernels)
+        _use_eager_kernels(layer)
         if getattr(layer, "recompute_full", False):
             # The checkpoint and its RNG replay stay eager around the compiled body.
             layer._forward = torch.compile(layer._forward, backend=backend)
         else:
             layer.compile(backend=backend)
+
+
+def compile_model(model: nn.Module, *, backend: str = "inductor", kernels: str = "auto") -> None:
+    """Compile ``model``'s whole forward (embedding, layers, head, loss) in place.
+
+    ``kernels`` is the model's ``model.kernels``: under "auto" the compiled graph takes
+    torch's element-wise ops, which the compiler fuses itself (the auto rule weighs the
+    Triton kernels against eager torch, and each would break the graph); "triton" and
+    "apex" keep their kernels, run eagerly between graphs.
+
+    Layers with full recomputation and dropout keep their checkpoint eager (Dynamo skips
+    their ``forward``) around a separately compiled body, so their RNG replay stays exact;
+    without dropout their checkpoint is a plain one, traced into the graph.
+    """
+    _check_backend(backend)
+    if kernels == "auto":
+        for module in model.modules():
+            if isinstance(getattr(module, "kernels", None), Kernels):
+                module.kernels = TORCH_KERNELS
+    _use_eager_kernels(model)
+    for layer in model.modules():
+        if getattr(layer, "recompute_full", False) and getattr(layer, "draws_random", True):
+            layer._forward = torch.compile(layer._forward, backend=backend)
+            layer.forward = torch.compiler.disable(layer.forward)
+    model.compile(backend=backend)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"model.compile_backend={backend!r} is not one of {COMPILE_BACKENDS}")
+
+
+def _use_eager_kernels(root: nn.Module) -> None:
+    for module in root.modules():
+        if isinstance(getattr(module, "kernels", None), Kernels):
+            module.kernels = _eager_kernels(module.kernels)
 
 
 def _eager_kernels(kernels: Kernels) -> Kernels:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from layers.mappings import all_reduce_max_, all_reduce_sum_
+from layers.mappings import all_reduce_max_, all_reduce_sum_, reduce_from_tp
 from layers.utils import CommTimer
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
@@ -17,35 +17,39 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     one all-reduce SUM carrying the sum of exponentials, the target logit (0 off this
     rank's block) and, with label smoothing, the sum of logits. (The reference lists the
     two sums as separate all-reduces; stacking them saves one latency.)
+
+    One logits-sized buffer is made (``x - row_max``, then exponentiated and normalised in
+    place into the softmax that backward reuses): padding columns are left out of the max
+    and the sums by slicing them off (views), and only their few softmax columns are zeroed.
     """
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index, smoothing, vocab_size, group, timer):
         world, rank = group_size(group), group_rank(group)
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        x = logits.to(compute)
-        local = x.shape[-1]
+        local = logits.shape[-1]
         start = rank * local
         total = world * local if vocab_size is None else vocab_size
-        padded = None
-        if total < start + local:  # padding columns of the vocabulary live on this rank
-            padded = torch.arange(start, start + local, device=x.device) >= total
-            x = x.masked_fill(padded, float("-inf"))
+        valid = min(max(total - start, 0), local)  # this rank's columns that are not padding
 
-        row_max = all_reduce_max_(x.max(dim=-1).values, group, timer)
-        z = x - row_max.unsqueeze(-1)  # a fresh buffer: later steps may work in place
+        row_max = _local_max(logits[..., :valid], compute)
+        all_reduce_max_(row_max, group, timer)
+        # The one fresh buffer: logits stay intact for the caller; a converted (bf16 → fp32)
+        # copy is already fresh, so subtract in place there.
+        x = logits.to(compute)
+        z = x.sub_(row_max.unsqueeze(-1)) if x is not logits else x - row_max.unsqueeze(-1)
 
         in_block = (target >= start) & (target < start + local)
         local_target = (target - start).masked_fill(~in_block, 0)
         target_z = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~in_block, 0)
-        smooth_sum = None
+        # A target on a padding column gets infinite loss, as if its logit were -inf.
+        target_z = target_z.masked_fill(in_block & (local_target >= valid), float("-inf"))
+        sums = [None, target_z]
         if smoothing > 0:
-            finite_z = z if padded is None else z.masked_fill(padded, 0.0)
-            smooth_sum = finite_z.sum(dim=-1)
+            sums.append(z[..., :valid].sum(dim=-1))
         exp = z.exp_()  # z is no longer needed: reuse its memory
-        sums = [exp.sum(dim=-1), target_z]
-        if smooth_sum is not None:
-            sums.append(smooth_sum)
+        exp[..., valid:] = 0.0  # padding columns: no probability (a few columns only)
+        sums[0] = exp.sum(dim=-1)
         stats = all_reduce_sum_(torch.stack(sums), group, timer)
         log_sum_exp = stats[0].log()
         loss = log_sum_exp - stats[1]
@@ -56,7 +60,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         softmax = exp.div_(stats[0].unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, in_block, ignored)
-        ctx.smoothing, ctx.total, ctx.padded, ctx.in_dtype = smoothing, total, padded, logits.dtype
+        ctx.smoothing, ctx.total, ctx.valid, ctx.in_dtype = smoothing, total, valid, logits.dtype
         return loss
 
     @staticmethod
@@ -67,10 +71,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         on_target = in_block.unsqueeze(-1).to(grad.dtype) * -(1.0 - ctx.smoothing)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), on_target)
         if ctx.smoothing > 0:
-            uniform = ctx.smoothing / ctx.total
-            grad.sub_(uniform if ctx.padded is None else (~ctx.padded).to(grad.dtype) * uniform)
+            grad[..., : ctx.valid].sub_(ctx.smoothing / ctx.total)  # padding columns: none
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None, None, None, None
+
+
+def _local_max(logits: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """Row max of ``logits`` (a view without the padding columns) in ``compute``; -inf when a
+    rank holds padding only. max is exact in any float dtype, so no converted copy is made."""
+    if logits.shape[-1] == 0:
+        return torch.full(logits.shape[:-1], float("-inf"), dtype=compute, device=logits.device)
+    return logits.amax(dim=-1).to(compute)
 
 
 def vocab_parallel_cross_entropy(
@@ -103,6 +114,42 @@ def vocab_parallel_cross_entropy(
             f"vocab_size {vocab_size} must be in (0, {group_size(group) * logits.shape[-1]}] "
             "(the padded vocabulary across the TP group)"
         )
+    if torch.compiler.is_compiling():
+        return _traced_cross_entropy(
+            logits, target, ignore_index, label_smoothing, vocab_size, group, comm_timer
+        )
     return _VocabParallelCrossEntropy.apply(
         logits, target, ignore_index, label_smoothing, vocab_size, group, comm_timer
     )
+
+
+def _traced_cross_entropy(logits, target, ignore_index, smoothing, vocab_size, group, timer):
+    """The same loss in differentiable ops, for a compiled graph: the compiler derives the
+    backward and fuses both passes (no softmax stored; it is recomputed in backward), which
+    the hand-written Function's in-place buffers would prevent.
+
+    The sums cross TP through ``reduce_from_tp`` (all-reduce forward, identity backward:
+    every rank's loss is the same function of the summed statistics, and each rank's
+    shard enters them once); the max is detached (the log-sum-exp does not depend on it).
+    """
+    world, rank = group_size(group), group_rank(group)
+    local = logits.shape[-1]
+    start = rank * local
+    total = world * local if vocab_size is None else vocab_size
+    valid = min(max(total - start, 0), local)
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits[..., :valid].to(compute)  # padding columns: no probability, no gradient
+    row_max = all_reduce_max_(_local_max(x.detach(), compute), group, timer)
+    sum_exp = reduce_from_tp((x - row_max.unsqueeze(-1)).exp().sum(-1), group, comm_timer=timer)
+    in_block = (target >= start) & (target < start + local)
+    local_target = (target - start).clamp(0, max(valid - 1, 0))
+    picked = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) if valid else x.sum(-1)
+    # A target on a padding column gets infinite loss, as if its logit were -inf.
+    on_padding = in_block & (target - start >= valid)
+    picked = picked.masked_fill(~in_block, 0.0).masked_fill(on_padding, float("-inf"))
+    log_sum_exp = row_max + sum_exp.log()
+    loss = log_sum_exp - reduce_from_tp(picked, group, comm_timer=timer)
+    if smoothing > 0:
+        mean_logit = reduce_from_tp(x.sum(-1), group, comm_timer=timer) / total
+        loss = (1.0 - smoothing) * loss + smoothing * (log_sum_exp - mean_logit)
+    return loss.masked_fill(target == ignore_index, 0.0)

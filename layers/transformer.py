@@ -58,6 +58,7 @@ class ParallelTransformerLayer(nn.Module):
                 "call parallel_state.initialize(...) or pass rng="
             )
         self.pre_layernorm, self.recompute_full = cfg.pre_layernorm, cfg.recompute == "full"
+        self.draws_random = dropout  # only then does recomputation replay the RNG streams
         self.sequence_parallel, self.hidden_dropout = cfg.sequence_parallel, cfg.hidden_dropout
         self.kernels = resolve_kernels(cfg.kernels)
         norm = dict(
@@ -78,7 +79,8 @@ class ParallelTransformerLayer(nn.Module):
         ``cache`` (inference only) holds this layer's past keys and values.
         """
         if self.recompute_full and cache is None:
-            return checkpointed(self._forward, x, mask, rng=self.rng)
+            rng = self.rng if self.draws_random else None  # no draws: a plain checkpoint
+            return checkpointed(self._forward, x, mask, rng=rng)
         return self._forward(x, mask, cache)
 
     def _forward(
@@ -96,7 +98,9 @@ class ParallelTransformerLayer(nn.Module):
         # The residual stream is replicated across TP, or sequence-sharded under SP. The row
         # layers return their bias unadded, so it is added here, after their reduction.
         out, bias = out_and_bias
-        with dropout_stream(self.rng, sharded=self.sequence_parallel and self.training):
+        # A zero dropout draws no mask: no stream switch (which would break a compiled graph).
+        sharded = self.sequence_parallel and self.training and self.hidden_dropout > 0
+        with dropout_stream(self.rng, sharded=sharded):
             return self.kernels.bias_dropout_add(
                 out, bias, residual, self.hidden_dropout, self.training
             )

@@ -25,10 +25,10 @@ def _fresh_seed():
     yield
 
 
-def _run_outputs() -> set[str]:
+def _run_outputs(root: Path) -> set[str]:
     found = set()
     for name in _RUN_OUTPUTS:
-        path = ROOT / name
+        path = root / name
         if path.is_dir():
             found |= {f"{name}/{entry}" for entry in os.listdir(path)}
         elif path.exists():
@@ -36,28 +36,41 @@ def _run_outputs() -> set[str]:
     return found
 
 
+class RepositoryGuard:
+    """What a test's own commands left among a run's outputs in ``root``.
+
+    Only commands started in ``root`` (a run's relative ``outputs/`` and ``checkpoints/``
+    land in its working directory) can put them there; folders that appear while a test ran
+    only commands elsewhere belong to someone else, e.g. a user running the README's
+    commands in the same checkout, and are not blamed on the test.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.before, self.ran_in_root = root, _run_outputs(root), False
+
+    def command_started(self, cwd: str | os.PathLike | None) -> None:
+        """A subprocess started in ``cwd`` (None: this process's working directory)."""
+        here = Path(cwd if cwd is not None else os.getcwd()).resolve() == self.root
+        self.ran_in_root = self.ran_in_root or here
+
+    def blamed(self) -> list[str]:
+        """New run outputs in ``root`` that the test's commands may have written."""
+        return sorted(_run_outputs(self.root) - self.before) if self.ran_in_root else []
+
+
 @pytest.fixture(autouse=True)
 def _no_writes_into_the_repository(monkeypatch):
     """Fail a test whose commands ran in the repository and left a run's outputs there
-    (Hydra run dirs, checkpoints): tests must write to temporary directories only.
-
-    Only what the test's own commands could have written is blamed: the check applies when
-    the test started a subprocess whose working directory is the repository root (where a
-    run's relative ``outputs/`` and ``checkpoints/`` land). A user running the README's
-    commands in the same checkout while the suite runs creates the same folders; a test
-    whose commands ran in tmp dirs is not blamed for them.
-    """
-    ran_here = []
+    (Hydra run dirs, checkpoints): tests must write to temporary directories only
+    (RepositoryGuard says which folders are the test's)."""
+    guard = RepositoryGuard(ROOT)
     popen_init = subprocess.Popen.__init__
 
     def tracking_init(self, args, *rest, **kwargs):
-        cwd = kwargs.get("cwd")
-        ran_here.append(Path(cwd if cwd is not None else os.getcwd()).resolve() == ROOT)
+        guard.command_started(kwargs.get("cwd"))
         popen_init(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", tracking_init)
-    before = _run_outputs()
     yield
-    if any(ran_here):
-        new = _run_outputs() - before
-        assert not new, f"the test wrote into the repository: {sorted(new)} (use tmp_path)"
+    new = guard.blamed()
+    assert not new, f"the test wrote into the repository: {new} (use tmp_path)"

@@ -209,6 +209,10 @@ PRETRAIN = [
     ("apex_missing", ["optim.impl=apex"], "optim.impl=apex needs NVIDIA apex, which is not installed"),
     ("sample_prompt_empty", ["trainer.sample_prompt=''"], "trainer.sample_prompt='' is empty"),
     ("checkpoint_dir_under_a_file", ["checkpoint.dir={a_file}/ck"], "is not writable"),
+    ("profile_steps_past_int64", ["trainer.profile_steps=[1,99999999999999999999]"],
+     "trainer.profile_steps=[1, 99999999999999999999] must be a finite number within 64 bits"),
+    ("sample_past_positions", ["trainer.sample_tokens=100000"],
+     "trainer.sample_tokens=100000 must be < model.max_positions=256"),
 ]  # fmt: skip
 
 
@@ -315,7 +319,7 @@ CLASSIFY = [
     (
         "epochs_past_int64",
         ["trainer.epochs=99999999999999999999999"],
-        "trainer.epochs=99999999999999999999999 must be within 64 bits",
+        "trainer.epochs=99999999999999999999999 must be a finite number within 64 bits",
     ),
     ("metrics_file_is_a_dir", ["trainer.metrics_file={dir}"], "is a directory; give a file path"),
     ("run_dir_is_a_file", ["hydra.run.dir={a_file}"], "cannot create the run directory: "),

@@ -290,7 +290,7 @@ def _flip_bit(path: Path) -> None:
 
 DAMAGE = {
     "truncated": ("step_00000002/rank00001.safetensors", _truncate, "truncated"),
-    "bit_flip": ("step_00000002/rank00000.safetensors", _flip_bit, "SHA-256 does not match"),
+    "bit_flip": ("step_00000002/rank00000.safetensors", _flip_bit, "hash does not match the index"),
     "index_edited": ("step_00000002/index.json",
                      lambda p: p.write_text(p.read_text().replace('"step": 2', '"step": 3')),
                      "does not match its checksum"),

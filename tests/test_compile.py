@@ -1,4 +1,5 @@
-"""``model.compile=true`` against eager: the same loss and gradients, at TP=1 and TP=2.
+"""``model.compile=true`` (the whole forward and loss) against eager: the same loss and
+gradients, at TP=1 and TP=2, with and without sequence parallelism and recomputation.
 
 fp32, dropout 0 (compiled dropout draws its masks differently). Tolerance 2e-5 relative
 (max |Δ| / max |ref| per tensor), as in test_kernels_model.py: a compiled graph fuses the
@@ -13,6 +14,8 @@ Dynamo captured graphs, so a silent fallback to eager cannot pass.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -50,48 +53,84 @@ def _worst_error(reference, compiled) -> tuple[str, float]:
     return worst, errors[worst]
 
 
-def _compare(backend: str, **overrides) -> tuple[str, float, int]:
-    """(worst tensor, its relative error, graphs Dynamo captured) of compiled vs eager."""
+def _compare(backend: str, **overrides) -> tuple[str, float, int, int]:
+    """(worst tensor, its relative error, graphs Dynamo captured, graph breaks) of compiled
+    vs eager."""
+    import torch._dynamo
     from torch._dynamo.utils import counters
 
     reference = _loss_and_grads(None, **overrides)
+    torch._dynamo.reset()  # a fresh cache: no recompilation for an earlier case's model
     counters.clear()
     compiled = _loss_and_grads(backend, **overrides)
-    return (*_worst_error(reference, compiled), counters["stats"]["unique_graphs"])
+    breaks = sum(counters["graph_break"].values())
+    return (*_worst_error(reference, compiled), counters["stats"]["unique_graphs"], breaks)
 
 
 @pytest.mark.slow
-def test_compiled_layers_match_eager_tp1():
-    worst, err, graphs = _compare("inductor")
-    assert graphs >= 1, f"Dynamo captured {graphs} graphs"
+def test_whole_step_compiles_to_one_graph_tp1():
+    """Embedding, layer, head and cross-entropy: one graph, no break, eager's numbers."""
+    worst, err, graphs, breaks = _compare("inductor")
+    assert (graphs, breaks) == (1, 0)
     assert err <= TOL, f"{worst}: {err:.2e}"
 
 
-def _on_tp2(overrides):
+def test_full_recompute_is_traced_whole_without_dropout_tp1():
+    """Without dropout there is no RNG to replay: the checkpoint is traced into the graph."""
+    worst, err, graphs, breaks = _compare("aot_eager", recompute="full")
+    assert (graphs, breaks) == (1, 0)
+    assert err <= TOL, f"{worst}: {err:.2e}"
+
+
+# (overrides, graphs and breaks expected, or None for "at least one graph").
+TP2_CASES = [
+    ({"sequence_parallel": True}, (1, 0)),
+    ({"sequence_parallel": False}, (1, 0)),
+    ({"sequence_parallel": True, "recompute": "full"}, (1, 0)),
+    ({"sequence_parallel": False, "recompute": "selective"}, (1, 0)),
+    # The Triton kernels (interpreted on CPU) run eagerly between graphs.
+    ({"sequence_parallel": True, "recompute": "full", "kernels": "triton"}, None),
+]
+
+
+def _on_tp2(cases):
     parallel_state.initialize(2)
-    return _compare("aot_eager", **overrides)
+    return [_compare("aot_eager", **overrides) for overrides, _ in cases]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {"sequence_parallel": True, "recompute": "full", "kernels": "triton"},
-        {"sequence_parallel": False, "recompute": "selective"},
-    ],
-    ids=str,
-)
-def test_compiled_layers_match_eager_tp2(overrides):
-    if overrides.get("recompute") == "selective" and not selective_recompute_compiles():
+def test_whole_step_matches_eager_tp2():
+    """TP=2 with and without sequence parallelism and recomputation, collectives in the
+    graph: without SP or recomputation the whole step is one graph."""
+    cases = TP2_CASES
+    if not selective_recompute_compiles():
         # This torch traced it into gradients 100 % off (layers/compile.py): refused.
         with pytest.raises(ValueError, match="recompute=selective at tp_size=2 gives wrong"):
-            preset("gpt_tiny", compile=True, **overrides).validate(2)
-        return
-    for worst, err, graphs in run_ranks(_on_tp2, 2, overrides, env=INTERPRETER):
-        assert graphs >= 1, f"Dynamo captured {graphs} graphs"
-        assert err <= TOL, f"{worst}: {err:.2e}"
+            preset("gpt_tiny", compile=True, recompute="selective").validate(2)
+        cases = [c for c in cases if c[0].get("recompute") != "selective"]
+    for rank_results in run_ranks(_on_tp2, 2, cases, env=INTERPRETER):
+        for (overrides, expected), (worst, err, graphs, breaks) in zip(
+            cases, rank_results, strict=True
+        ):
+            assert graphs >= 1, f"{overrides}: Dynamo captured {graphs} graphs"
+            if expected is not None:
+                assert (graphs, breaks) == expected, overrides
+            assert err <= TOL, f"{overrides}: {worst}: {err:.2e}"
 
 
 def test_unknown_compile_backend_is_rejected():
     with pytest.raises(ValueError, match="model.compile_backend='tvm' is not one of"):
         preset("gpt_tiny", compile=True, compile_backend="tvm").validate(1)
+
+
+def test_graph_break_tool_counts_what_dynamo_reports(capsys):
+    """tools/count_graph_breaks.py: the dropout-free step is one graph; with dropout under
+    full recomputation each layer's checkpoint stays eager (a break per layer call)."""
+    from studies.bench.graph_breaks import main
+
+    small = ["--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "128", "--seq", "8"]
+    assert main([*small, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"graphs": 1, "graph_breaks": 0, "reasons": {}}
+    assert main([*small, "--json", "--dropout", "0.1", "--recompute", "full"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["graph_breaks"] >= 2 and result["graphs"] >= 3, result

@@ -105,8 +105,15 @@ def test_tensorboard_keeps_one_run_across_resumes(tmp_path):
     board = tmp_path / "ckpt" / "tensorboard"
 
     def launch(first_after: int, steps: range, value: float) -> None:
-        logger = RunLogger(enabled=True, run_dir=str(tmp_path / f"launch{value}"), max_steps=10,
-                           tensorboard=str(board), wandb_project=None, config={}, progress=False)  # fmt: skip
+        logger = RunLogger(
+            enabled=True,
+            run_dir=str(tmp_path / f"launch{value}"),
+            max_steps=10,
+            tensorboard=str(board),
+            wandb_project=None,
+            config={},
+            progress=False,
+        )
         if first_after:
             logger.resumed_at(first_after)
         for step in steps:
@@ -264,14 +271,25 @@ def test_cli_rejects_unknown_key_and_bad_layout_without_traceback(tmp_path):
     "name", ["gpt_tiny", "gpt_125m", "gpt_350m", "gpt_1.3b", "bert_tiny", "bert_base", "bert_large"]
 )
 def test_model_yaml_matches_its_preset_and_validates(name):
-    """configs/model/*.yaml only choose values: they must agree with engine's presets
-    (gpt_tiny's vocabulary is the embedded corpus's, 8192) and be valid at tp=1 and at the
-    default tp=2 (bert_tiny's 2 heads allow no more)."""
-    from engine.models.config import PRESETS
+    """``engine.models.preset(name)`` is the model Hydra composes for ``model=name`` (every
+    field, gpt_tiny's 8192-word vocabulary included), with the published sizes, and valid at
+    tp=1 and at the default tp=2 (bert_tiny's 2 heads allow no more)."""
+    from engine.models import preset, preset_names
 
     model = compose_config(f"model={name}").model
-    for key, value in PRESETS[name].items():
-        if not (name == "gpt_tiny" and key == "vocab_size"):
-            assert getattr(model, key) == value, (name, key)
+    assert preset(name) == model
+    assert name in preset_names()
+    # Sizes from the papers (Radford et al. 2019; Devlin et al. 2019; Brown et al. 2020),
+    # so a preset cannot drift in both places at once: (hidden, layers, heads, vocab).
+    published = {
+        "gpt_tiny": (128, 2, 4, 8192),
+        "gpt_125m": (768, 12, 12, 50257),
+        "gpt_350m": (1024, 24, 16, 50257),
+        "gpt_1.3b": (2048, 24, 16, 50257),
+        "bert_tiny": (128, 2, 2, 30522),
+        "bert_base": (768, 12, 12, 30522),
+        "bert_large": (1024, 24, 16, 30522),
+    }[name]
+    assert (model.hidden_size, model.num_layers, model.num_heads, model.vocab_size) == published
     for tp in (1, 2):
         model.validate(tp)

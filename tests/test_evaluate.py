@@ -37,6 +37,7 @@ def _args(**flags) -> Namespace:
         seq_len=None,
         tp_size=1,
         dp_size=1,
+        device="cpu",  # the trainer ran its ranks on the CPU too (gloo, any machine)
     )
     return Namespace(**{**defaults, **flags})
 
@@ -59,6 +60,7 @@ def test_same_loss_as_the_trainers_validation_at_other_layouts(corpus, tmp_path,
         "trainer.max_steps=10",
         "trainer.eval_batches=200",  # more than the split holds: it reads on, reshuffled
         "checkpoint.every=10",
+        "trainer.device=cpu",
     )
     summary = run_ranks(_train, 4, cfg, timeout=240)[0]
     reference = summary["eval"]["valid/loss"]
@@ -74,7 +76,7 @@ def test_same_loss_as_the_trainers_validation_at_other_layouts(corpus, tmp_path,
     got = run_ranks(worker, 2, eval_cfg, ModelSource(ckpt=root), "valid", timeout=240)[0]
     torch.testing.assert_close(got["loss"], reference, rtol=1e-5, atol=0)
 
-    assert main(["--ckpt", root]) == 0
+    assert main(["--ckpt", root, "--device", "cpu"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     result = json.loads(lines[0])
@@ -119,7 +121,18 @@ def test_text_file_loss_is_the_mean_cross_entropy_of_its_windows(corpus, tmp_pat
         ]
     reference = sum(losses) / len(losses)
 
-    argv = ["--ckpt", str(export), "--text", str(text), "--seq-len", str(seq), "--micro-batch", "1"]
+    argv = [
+        "--ckpt",
+        str(export),
+        "--text",
+        str(text),
+        "--seq-len",
+        str(seq),
+        "--micro-batch",
+        "1",
+        "--device",
+        "cpu",
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["sequences"] == len(windows) >= 3

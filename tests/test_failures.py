@@ -206,12 +206,12 @@ def test_damaged_checkpoint_is_removed_with_its_reason_and_named_plainly(tmp_pat
     loaded, messages = _load_and_save(root, 3)
     assert loaded == 2
     assert messages[0].startswith(f"checkpoint {root / 'step_00000005'} is unusable ({damaged} "
-                                  "is damaged: SHA-256"), messages  # fmt: skip
+                                  "is damaged: its BLAKE3 hash"), messages  # fmt: skip
     assert "rank 0:" not in messages[0]  # the file is named, not a rank that did not own it
     assert messages[1:] == [
         f"pruned {root / 'step_00000001'}: older than the 2 newest kept (checkpoint.keep=2)",
         f"removed {root / 'step_00000005'}: newer than step 3 and not usable ({damaged} is "
-        "damaged: SHA-256 does not match the index)",
+        "damaged: its BLAKE3 hash does not match the index)",
     ], messages
     assert sorted(step_dirs(root)) == [2, 3]
 

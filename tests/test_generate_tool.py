@@ -96,8 +96,15 @@ def _trained_checkpoint(tmp_path: Path) -> tuple[Path, Path, object]:
     save_tokenizer(
         train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300), tokenizer_path
     )
-    cfg = preset("gpt_tiny", vocab_size=300, hidden_size=32, num_heads=4, max_positions=64,
-                 hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    cfg = preset(
+        "gpt_tiny",
+        vocab_size=300,
+        hidden_size=32,
+        num_heads=4,
+        max_positions=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(3)
     model = build_model(cfg)
     root = tmp_path / "ckpt"

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import parallel_state
 from layers import (
@@ -167,9 +169,11 @@ def _embedding_and_loss_checks(ps, dtype, check):
     target = torch.randint(0, real_vocab, (SEQ, BATCH))
     target[0, 0] = target[3, 1] = -100
     grad_loss = torch.rand(SEQ, BATCH, dtype=dtype)
+    # VOCAB // tp - 1: at tp > 1 every rank past the first holds padding only.
     for smoothing in (0.0, 0.1):
-        for vocab_size in (None, real_vocab):
+        for vocab_size in (None, real_vocab, VOCAB // tp - 1):
             cols = VOCAB if vocab_size is None else vocab_size
+            target = torch.where(target == -100, target, target % cols)
             ref_logits = logits_full[..., :cols].clone().requires_grad_(True)
             ref_loss = F.cross_entropy(
                 ref_logits.reshape(-1, cols), target.reshape(-1), label_smoothing=smoothing,
@@ -323,3 +327,81 @@ def test_cross_entropy_argument_errors():
         vocab_parallel_cross_entropy(
             torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), vocab_size=5
         )
+
+
+class _FreshBuffers(TorchDispatchMode):
+    """Counts the ops that return a new tensor of at least ``numel`` elements (not a view of,
+    or an in-place write into, one of their inputs)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_flatten(out)[0]:
+            fresh = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
+            if fresh and t.numel() >= self.numel:
+                self.ops.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cross_entropy_makes_one_logits_buffer(smoothing):
+    """With a padded vocabulary, forward allocates one logits-sized buffer (the softmax that
+    backward reuses) and backward none: no masked copy, no second buffer for x - max."""
+    logits = torch.randn(8, 64, device="cpu", requires_grad=True)
+    target = torch.randint(0, 50, (8,), device="cpu")
+    with _FreshBuffers(logits.numel()) as forward:
+        loss = vocab_parallel_cross_entropy(
+            logits, target, vocab_size=50, label_smoothing=smoothing
+        )
+    with _FreshBuffers(logits.numel()) as backward:
+        loss.sum().backward()
+    assert len(forward.ops) == 1, forward.ops
+    assert backward.ops == [], backward.ops
+    # The result itself, against F.cross_entropy on the unpadded columns (fp32, 1e-6: the
+    # same sums in another order).
+    ref_logits = logits.detach()[:, :50].clone().requires_grad_(True)
+    ref = F.cross_entropy(ref_logits, target, reduction="none", label_smoothing=smoothing)
+    ref.sum().backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits.grad[:, :50], ref_logits.grad, rtol=1e-6, atol=1e-6)
+    assert (logits.grad[:, 50:] == 0).all()
+
+
+def test_cross_entropy_target_on_padding_is_infinite():
+    """A target id in the padding columns has no probability: infinite loss, as if its
+    logit were -inf (the behaviour of masking the padding to -inf)."""
+    logits = torch.randn(2, 8, device="cpu")
+    loss = vocab_parallel_cross_entropy(logits, torch.tensor([6, 1]), vocab_size=5)
+    assert loss[0] == float("inf") and torch.isfinite(loss[1])
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_compiled_cross_entropy_matches_f_cross_entropy(smoothing):
+    """Under torch.compile the loss is written in differentiable ops (the compiler derives
+    and fuses the backward): the same loss and gradient as F.cross_entropy on the unpadded
+    columns, ignored tokens included (fp32; 1e-6: the same sums in another order)."""
+    logits = torch.randn(12, 64, device="cpu", dtype=torch.float32) * 3
+    target = torch.randint(0, 50, (12,), device="cpu")
+    target[3] = -100
+
+    def loss_of(x):
+        return vocab_parallel_cross_entropy(x, target, vocab_size=50, label_smoothing=smoothing)
+
+    mine = logits.clone().requires_grad_(True)
+    loss = torch.compile(loss_of, backend="aot_eager", fullgraph=True)(mine)
+    grad_loss = torch.rand(12)
+    loss.backward(grad_loss)
+    ref_logits = logits[:, :50].clone().requires_grad_(True)
+    ref = F.cross_entropy(ref_logits, target, reduction="none", label_smoothing=smoothing)
+    ref.backward(grad_loss)
+    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mine.grad[:, :50], ref_logits.grad, rtol=1e-6, atol=1e-6)
+    assert (mine.grad[:, 50:] == 0).all()

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.checkpoint import CheckpointError  # noqa: E402
 from engine.checkpoint.convert import convert, export_model, resolve, summarize  # noqa: E402
+from engine.checkpoint.tensorfile import HASHES  # noqa: E402
 from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.cli import ArgumentParser  # noqa: E402
 
@@ -78,11 +79,13 @@ def inspect(ckpt: str, verify: bool) -> int:
         shape = "[" + ", ".join(map(str, spec.shape)) + "]"
         tp_dim = "-" if spec.tp_dim is None else str(spec.tp_dim)
         print(f"{name:<{width}}{shape:<18}{spec.dtype:<10}{tp_dim:<8}{info['pieces'].get(name, 0)}")
-    print(f"\n{'file':<24}{'bytes':>12}  sha256            status")
+    print(f"\n{'file':<24}{'bytes':>12}  {'hash':<24}status")
     damaged = 0
     for fname, f in sorted(info["files"].items()):
         damaged += f["status"].startswith("DAMAGED")
-        print(f"{fname:<24}{f['bytes']:>12}  {f['sha256'][:16]}  {f['status']}")
+        algo = next((a for a in HASHES if a in f), "-")
+        digest = f"{algo} {f.get(algo, '')[:16]}"
+        print(f"{fname:<24}{f['bytes']:>12}  {digest:<24}{f['status']}")
     return 1 if damaged else 0
 
 

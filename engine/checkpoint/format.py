@@ -27,6 +27,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from engine import comm
+from engine.checkpoint.tensorfile import write_tensors
 from engine.checkpoint.tokenizer import TOKENIZER_FILE, copy_tokenizer, tokenizer_record
 from engine.models import ModelConfig, ParallelModel, build_model
 
@@ -77,10 +78,9 @@ def write_checkpoint(
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        # clone: safetensors refuses tensors that share storage (tied or unbound views).
-        tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
-                   for k, v in state.items()}  # fmt: skip
-        save_tensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "meshtron"})
+        # Written from the tensors' own memory (views and shared storage too), fsynced.
+        tensors = {k: v.detach().cpu() for k, v in state.items()}
+        write_tensors(tmp / WEIGHTS_FILE, tensors, metadata={"format": "meshtron"})
         extra = dict(extra or {})
         if tokenizer is not None:
             copy_tokenizer(tokenizer, tmp)

@@ -2,7 +2,7 @@
 
 Saving: every rank writes only the slices it owns (``layout.assign_writers``) plus its
 RNG streams into one safetensors file of a shared temp directory; rank 0 writes the index
-(layout, trainer state, scalar optimizer state, per-file size and SHA-256) and commits
+(layout, trainer state, scalar optimizer state, per-file size and BLAKE3 hash) and commits
 (``storage.commit``). Failures on any rank are agreed on, so no rank waits forever.
 
 Loading: candidates are ``latest`` and then older committed steps (without ``latest``,
@@ -33,6 +33,7 @@ from engine import comm
 from engine.checkpoint.format import check_compatible
 from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers, crop_local
 from engine.checkpoint.state import (
+    expect_local,
     export_local,
     load_optimizer,
     model_name,
@@ -50,6 +51,7 @@ from engine.checkpoint.storage import (
     write_index,
     write_shard,
 )
+from engine.checkpoint.tensorfile import HASHES
 from engine.data_parallel import DataParallel, checkpoint_view
 from engine.models import ModelConfig, ParallelModel
 from parallel_state import ParallelState
@@ -196,7 +198,12 @@ def _candidates(root: Path, log: Callable[[str], None]) -> list[Path]:
 
 
 def _read_rank(path: Path, model: ParallelModel, optimizer, mesh: _Mesh) -> dict[str, Any]:
-    """Everything this rank needs from ``path``, read and verified, nothing applied yet."""
+    """Everything this rank needs from ``path``, read and verified.
+
+    Parameters (and optimizer state the optimizer already holds, unsharded) are read
+    straight into place, so a failed read leaves them undefined: a fallback overwrites
+    them all, and with nothing usable the load raises. The rest is applied by ``_apply``.
+    """
     index = read_index(path)
     _check_index(path, index)
     try:
@@ -248,33 +255,31 @@ def _check_index(path: Path, index: dict) -> None:
         raise CheckpointError(f"{where}: optimizer.scalars is not a mapping of mappings")
     for fname, record in index["files"].items():
         ok = isinstance(record, dict) and type(record.get("bytes")) is int
-        if not (
-            ok and isinstance(record.get("sha256"), str) and isinstance(record.get("slices"), dict)
-        ):
+        # A record names its digest under one of the algorithms a reader verifies.
+        digest = ok and any(isinstance(record.get(name), str) for name in HASHES)
+        if not (digest and isinstance(record.get("slices"), dict)):
             raise CheckpointError(f"{where}: the record of {fname!r} is malformed")
 
 
 def _read_tensors(path: Path, index: dict, model, optimizer, mesh: _Mesh) -> dict[str, Any]:
     """The parameters, optimizer state and RNG streams this rank needs from ``path``."""
     reader = ShardReader(path, index)
+    wanted = _wanted(reader, model, optimizer, path)
+    for spec, _, into in wanted:
+        if into is not None:
+            expect_local(reader, spec, into, model)
     params, states = {}, {}
-    for name, p in model.named_parameters():
-        spec = reader.specs.get(model_name(name))
-        if spec is None or spec.kind != MODEL:
-            raise ValueError(f"{path} has no parameter {name}: not this model's checkpoint")
-        params[p] = read_local(reader, spec, p.shape, model)
+    for spec, owner, into in wanted:
+        value = read_local(reader, spec, owner.shape, model, into)
+        if spec.kind == MODEL:
+            params[owner] = value
+        else:
+            states.setdefault(owner, {})[spec.name.rsplit("/", 1)[1]] = value
     if optimizer is not None:
-        owner = dict(model.named_parameters())
-        for spec in reader.specs.values():
-            if spec.kind == OPTIM:
-                pname, key = spec.name[len("optim/") :].rsplit("/", 1)
-                if pname not in owner:
-                    raise ValueError(f"{path} has optimizer state of {pname}, not in the model")
-                value = read_local(reader, spec, owner[pname].shape, model)
-                states.setdefault(owner[pname], {})[key] = value
+        owners = dict(model.named_parameters())
         for pname, scalars in index["optimizer"]["scalars"].items():
-            if pname in owner:
-                states.setdefault(owner[pname], {}).update(scalars)
+            if pname in owners:
+                states.setdefault(owners[pname], {}).update(scalars)
     layout, rng = index["layout"], None
     same_layout = (layout["tp_size"], layout["dp_size"]) == (mesh.tp_size, mesh.dp_size)
     # A CUDA generator state cannot seed a CPU generator (nor the reverse): reseed instead.
@@ -284,10 +289,34 @@ def _read_tensors(path: Path, index: dict, model, optimizer, mesh: _Mesh) -> dic
     return {"index": index, "params": params, "states": states, "rng": rng or None}
 
 
+def _wanted(reader: ShardReader, model: ParallelModel, optimizer, path: Path) -> list[tuple]:
+    """[(spec, parameter it belongs to, tensor to read it into or None)] for this rank."""
+    owners = dict(model.named_parameters())
+    held = {}  # optimizer state tensors already in place (unsharded): read into them
+    if optimizer is not None and not checkpoint_view(optimizer).shards_optimizer:
+        held = checkpoint_view(optimizer).param_states()
+    wanted = []
+    for name, p in owners.items():
+        spec = reader.specs.get(model_name(name))
+        if spec is None or spec.kind != MODEL:
+            raise ValueError(f"{path} has no parameter {name}: not this model's checkpoint")
+        wanted.append((spec, p, p.detach()))
+    for spec in reader.specs.values() if optimizer is not None else ():
+        if spec.kind == OPTIM:
+            pname, key = spec.name[len("optim/") :].rsplit("/", 1)
+            if pname not in owners:
+                raise ValueError(f"{path} has optimizer state of {pname}, not in the model")
+            into = held.get(owners[pname], {}).get(key)
+            fits = torch.is_tensor(into) and into.shape == owners[pname].shape
+            wanted.append((spec, owners[pname], into if fits else None))
+    return wanted
+
+
 @torch.no_grad()
 def _apply(payload: dict, model: nn.Module, optimizer, ps: ParallelState | None) -> None:
     for p, value in payload["params"].items():
-        p.copy_(value)
+        if value.data_ptr() != p.data_ptr():  # not read into place
+            p.copy_(value)
     if optimizer is not None:
         load_optimizer(optimizer, payload["states"])
     rng = payload["rng"]

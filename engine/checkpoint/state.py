@@ -83,20 +83,48 @@ def export_local(model: ParallelModel, optimizer) -> tuple[dict, dict, dict]:
     return specs, tensors, scalars
 
 
-def read_local(reader, spec: TensorSpec, shape: torch.Size, model: ParallelModel) -> torch.Tensor:
-    """This rank's in-memory tensor of ``shape`` for ``spec`` (padding zeroed), from ``reader``."""
+def read_local(
+    reader, spec: TensorSpec, shape: torch.Size, model: ParallelModel, into=None
+) -> torch.Tensor:
+    """This rank's in-memory tensor of ``shape`` for ``spec`` (padding zeroed), from ``reader``.
+
+    With ``into`` (a tensor of ``shape``, e.g. the parameter itself) the stored slice is
+    read into it and ``into`` is returned; call :func:`expect_local` for it first and the
+    bytes go from the file straight there. Otherwise, where the stored slice is the whole
+    local tensor, it is the tensor the reader read (no zeroed buffer, no copy).
+    """
     tp_rank, tp_size = group_rank(model.tp_group), group_size(model.tp_group)
     box = local_box(spec, tp_rank, tp_size, padded_vocab(model))
-    local = torch.zeros(shape, dtype=spec.torch_dtype)
-    if box is not None:
-        lengths = [hi - lo for lo, hi in box]
-        if len(lengths) != len(shape) or any(n > m for n, m in zip(lengths, shape, strict=False)):
-            raise ValueError(
-                f"{spec.name}: stored shape {list(spec.shape)} does not fit the model's "
-                f"{list(shape)} shard at tp_size={tp_size}"
-            )
-        local[tuple(slice(0, n) for n in lengths)] = reader.read(spec.name, box)
+    local = into
+    if box is None:  # a rank holding padding rows only
+        return torch.zeros(shape, dtype=spec.torch_dtype) if local is None else local.zero_()
+    lengths = [hi - lo for lo, hi in box]
+    if len(lengths) != len(shape) or any(n > m for n, m in zip(lengths, shape, strict=False)):
+        raise ValueError(
+            f"{spec.name}: stored shape {list(spec.shape)} does not fit the model's "
+            f"{list(shape)} shard at tp_size={tp_size}"
+        )
+    stored = reader.read(spec.name, box)
+    if local is None and list(shape) == lengths:
+        return stored
+    if local is None:
+        local = torch.empty(shape, dtype=spec.torch_dtype)
+    if lengths[1:] != list(shape[1:]):  # not the vocabulary rows alone: zero it all first
+        local.zero_()
+    part = local[tuple(slice(0, n) for n in lengths)]
+    if stored.data_ptr() != part.data_ptr():  # not already read into place
+        part.copy_(stored)
+    local[lengths[0] :].zero_()  # the vocabulary padding rows
     return local
+
+
+def expect_local(reader, spec: TensorSpec, into: torch.Tensor, model: ParallelModel) -> None:
+    """Tell ``reader`` to read ``spec``'s local slice straight into ``into`` (see read_local)."""
+    box = local_box(
+        spec, group_rank(model.tp_group), group_size(model.tp_group), padded_vocab(model)
+    )
+    if box is not None and len(box) == into.dim():
+        reader.read_into(spec.name, box, into[tuple(slice(0, hi - lo) for lo, hi in box)])
 
 
 def load_optimizer(optimizer, states: dict[nn.Parameter, dict[str, Any]]) -> None:

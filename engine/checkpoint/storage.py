@@ -24,13 +24,19 @@ import shutil
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from engine.checkpoint.format import save_tensors
 from engine.checkpoint.layout import Box, TensorSpec, box_numel, intersect
+from engine.checkpoint.tensorfile import (
+    HASH,
+    HASHES,
+    TensorFileError,
+    hash_file,
+    read_names,
+    read_tensors,
+    write_tensors,
+)
 
 FORMAT = "meshtron-train-checkpoint"
 VERSION = 1
@@ -58,22 +64,20 @@ def fsync_dir(path: Path) -> None:
 
 
 def sha256_file(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 4 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(4 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+    """Hex SHA-256 of a file (what checkpoints before BLAKE3 recorded)."""
+    return hash_file(path, "sha256")
 
 
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], boxes: dict[str, Box]) -> dict:
-    """Write one rank's slices as safetensors, fsync it, and return its index record."""
-    data = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
-    save_tensors(data, path, metadata={"format": FORMAT})
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    """Write one rank's slices as safetensors, fsync it, and return its index record.
+
+    The tensors' own memory is written (no copies but of non-contiguous crops) and hashed
+    in the same pass (``engine.checkpoint.tensorfile``).
+    """
+    data = {k: v.detach().cpu() for k, v in tensors.items()}
+    digest = write_tensors(path, data, metadata={"format": FORMAT})
     slices = {name: [list(pair) for pair in boxes[name]] for name in sorted(data)}
-    return {"bytes": path.stat().st_size, "sha256": sha256_file(path), "slices": slices}
+    return {"bytes": path.stat().st_size, HASH: digest, "slices": slices}
 
 
 def _canonical(index: dict) -> bytes:
@@ -119,8 +123,10 @@ def read_index(directory: Path) -> dict:
 class ShardReader:
     """Reads regions of full-shape tensors out of a step directory's shard files.
 
-    Each file is checked against the index (size, then SHA-256) the first time it is
-    opened, so a truncated or flipped file fails with its name before any byte is used.
+    A file is read whole the first time one of its tensors is needed, each tensor into a
+    tensor of its own, and hashed while it is read; it is checked against the index (size
+    before reading, hash after) before any of its tensors is handed out, so a truncated or
+    flipped file fails with its name before any byte is used.
     """
 
     def __init__(self, directory: str | os.PathLike, index: dict | None = None) -> None:
@@ -135,16 +141,18 @@ class ShardReader:
                 raise CheckpointError(f"{self.directory / INDEX} lists a bad file name {fname!r}")
             for name, box in record["slices"].items():
                 self._pieces.setdefault(name, []).append((fname, [tuple(p) for p in box]))
-        self._handles: dict[str, Any] = {}
+        self._files: dict[str, dict[str, torch.Tensor]] = {}
+        self._into: dict[str, dict[str, torch.Tensor]] = {}
 
-    def verify_file(self, fname: str) -> None:
-        """Check one file against the index: size, SHA-256, a safetensors header listing
-        the tensors the index says it holds."""
-        self._open(fname)
+    def read_into(self, name: str, box: Box, destination: torch.Tensor) -> None:
+        """Have the stored slice of ``name`` whose box is ``box`` read straight into
+        ``destination`` (its shape), when its file is read (before that file is opened)."""
+        for fname, piece in self._pieces.get(name, []):
+            if piece == [tuple(pair) for pair in box]:
+                self._into.setdefault(fname, {})[name] = destination
 
-    def _open(self, fname: str):
-        if fname in self._handles:
-            return self._handles[fname]
+    def _checked(self, fname: str) -> tuple[Path, dict, str]:
+        """(path, index record, hash name) after the checks that need no data read."""
         path, record = self.directory / fname, self.index["files"][fname]
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
@@ -153,44 +161,85 @@ class ShardReader:
             raise CheckpointError(
                 f"{path} is damaged: {size} bytes, the index says {record['bytes']} (truncated?)"
             )
-        if sha256_file(path) != record["sha256"]:
-            raise CheckpointError(f"{path} is damaged: SHA-256 does not match the index")
-        try:
-            handle = safe_open(str(path), framework="pt")
-        except (SafetensorError, OSError) as err:
-            raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
-        missing = set(record["slices"]) - set(handle.keys())
+        algo = next((name for name in HASHES if name in record), None)
+        if algo is None:
+            raise CheckpointError(f"{self.directory / INDEX} records no hash of {fname}")
+        return path, record, algo
+
+    def _check_names(self, path: Path, record: dict, names) -> None:
+        missing = set(record["slices"]) - set(names)
         if missing:
             raise CheckpointError(f"{path} lacks tensors the index lists: {sorted(missing)[:3]}")
-        self._handles[fname] = handle
-        return handle
+
+    def verify_file(self, fname: str) -> None:
+        """Check one file against the index: size, hash, a safetensors header listing the
+        tensors the index says it holds (the data is hashed, not kept)."""
+        if fname in self._files:
+            return
+        path, record, algo = self._checked(fname)
+        if hash_file(path, algo) != record[algo]:
+            raise CheckpointError(_damaged(path, algo))
+        try:
+            names = read_names(path)
+        except (TensorFileError, OSError) as err:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
+        self._check_names(path, record, names)
+
+    def _open(self, fname: str) -> dict[str, torch.Tensor]:
+        if fname in self._files:
+            return self._files[fname]
+        path, record, algo = self._checked(fname)
+        try:
+            tensors, digest = read_tensors(path, algo, self._into.pop(fname, None))
+        except (TensorFileError, OSError) as err:
+            # A damaged file usually fails its hash too: name that, the cause, first.
+            if hash_file(path, algo) != record[algo]:
+                raise CheckpointError(_damaged(path, algo)) from None
+            raise CheckpointError(f"{path} is not a readable safetensors file: {err}") from None
+        if digest != record[algo]:
+            raise CheckpointError(_damaged(path, algo))
+        self._check_names(path, record, tensors)
+        self._files[fname] = tensors
+        return tensors
 
     def read(self, name: str, box: Box | None = None) -> torch.Tensor:
-        """The region ``box`` (default: all) of tensor ``name``, assembled from its slices."""
+        """The region ``box`` (default: all) of tensor ``name``, assembled from its slices.
+
+        A region that is exactly one stored slice is the tensor read from the file itself
+        (no copy; the same tensor on every call for it).
+        """
         spec = self.specs.get(name)
         if spec is None:
             raise CheckpointError(f"{self.directory} has no tensor {name}")
-        box = box or [(0, n) for n in spec.shape]
-        out = torch.zeros([hi - lo for lo, hi in box], dtype=spec.torch_dtype)
-        covered = 0
+        box = [tuple(pair) for pair in (box or [(0, n) for n in spec.shape])]
+        out, covered = None, 0
         for fname, piece in self._pieces.get(name, []):
             part = intersect(box, piece)
             if part is None:
                 continue
+            stored = self._open(fname).get(name)
+            if stored is None or list(stored.shape) != [hi - lo for lo, hi in piece]:
+                raise CheckpointError(f"{self.directory / fname}: {name} is not the indexed slice")
+            if part == box == piece:
+                return stored
             src = tuple(
                 slice(lo - p0, hi - p0) for (lo, hi), (p0, _) in zip(part, piece, strict=True)
             )
             dst = tuple(
                 slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(part, box, strict=True)
             )
-            try:
-                out[dst] = self._open(fname).get_slice(name)[src]
-            except SafetensorError as err:
-                raise CheckpointError(f"{self.directory / fname}: {name}: {err}") from None
+            if out is None:  # every element is written below (the coverage check says so)
+                out = torch.empty([hi - lo for lo, hi in box], dtype=spec.torch_dtype)
+            out[dst] = stored[src]
             covered += box_numel(part)
-        if covered != box_numel(box):
+        if out is None or covered != box_numel(box):
             raise CheckpointError(f"{self.directory}: the files do not cover {name} {box}")
         return out
+
+
+def _damaged(path: Path, algo: str) -> str:
+    name = {"blake3": "BLAKE3", "sha256": "SHA-256"}[algo]
+    return f"{path} is damaged: its {name} hash does not match the index"
 
 
 def commit(

@@ -7,13 +7,13 @@ import torch.distributed as dist
 
 from engine.models.base import ParallelModel
 from engine.models.bert import BertModel
-from engine.models.config import PRESETS, ModelConfig, preset
+from engine.models.config import ModelConfig, preset, preset_names
 from engine.models.gpt import GPTModel
 
 __all__ = [
     "ModelConfig",
-    "PRESETS",
     "preset",
+    "preset_names",
     "GPTModel",
     "BertModel",
     "ParallelModel",

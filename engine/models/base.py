@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from layers import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, scatter_to_sequence
-from layers.compile import compile_layers
+from layers.compile import compile_model
 from layers.linear import InitMethod, build_master_weight, normal_init
 from layers.mappings import gather_along
 from layers.norm import LayerNorm
@@ -136,7 +136,9 @@ class Embeddings(nn.Module):
         x = words + extra
         if self.norm is not None:
             x = self.norm(x)
-        with dropout_stream(self.rng, sharded=self.sequence_parallel and self.training):
+        # A zero dropout draws no mask: no stream switch (which would break a compiled graph).
+        sharded = self.sequence_parallel and self.training and self.dropout > 0
+        with dropout_stream(self.rng, sharded=sharded):
             return F.dropout(x, self.dropout, self.training)
 
 
@@ -205,9 +207,13 @@ class ParallelModel(nn.Module):
         self.layers = nn.ModuleList(
             ParallelTransformerLayer(cfg, rng=rng, **build) for _ in range(cfg.num_layers)
         )
-        if cfg.compile:
-            compile_layers(self.layers, backend=cfg.compile_backend)
         return build
+
+    def _compile_if_asked(self) -> None:
+        """``model.compile=true``: compile the whole forward and loss (``layers.compile``).
+        The subclasses call this last, once every module exists."""
+        if self.cfg.compile:
+            compile_model(self, backend=self.cfg.compile_backend, kernels=self.cfg.kernels)
 
     def loss(self, batch) -> torch.Tensor:
         """The scalar training loss of one micro-batch in the form the model's dataset yields

@@ -92,6 +92,7 @@ class BertModel(ParallelModel):
             cfg.hidden_size, 2, std=cfg.init_std, sequence_parallel=False, dtype=dtype,
             device=device,
         )  # fmt: skip
+        self._compile_if_asked()
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """MLM + SOP loss of ``batch`` as BertDataset yields it: ``input_ids``,

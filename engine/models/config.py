@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -136,29 +137,28 @@ class ModelConfig:
         return cls(**values)
 
 
-_GPT2 = dict(arch="gpt", vocab_size=50257, activation="gelu_tanh", layernorm_eps=1e-5)
-_BERT = dict(
-    arch="bert", vocab_size=30522, max_positions=512, activation="gelu", layernorm_eps=1e-12
-)
-
+# The presets' values live in configs/model/NAME.yaml, the files Hydra composes for
+# ``model=NAME``; ``preset`` reads the same files, so a name means one model everywhere.
 # Sources: GPT-2 small/medium (Radford et al. 2019, released configs); BERT base/large
 # (Devlin et al. 2019); the 1.3B model is "GPT-3 XL" (Brown et al. 2020, Table 2.1: 24
 # layers, d_model 2048, context 2048, d_head 128). That table also lists 24 heads, which
 # does not multiply with d_head 128 to 2048; we keep d_head 128, i.e. 16 heads, as
-# Megatron-LM's 1.3B GPT recipe does.
-PRESETS: dict[str, dict[str, Any]] = {
-    "gpt_tiny": dict(_GPT2, hidden_size=128, num_layers=2, num_heads=4, max_positions=256),
-    "gpt_125m": dict(_GPT2, hidden_size=768, num_layers=12, num_heads=12, max_positions=1024),
-    "gpt_350m": dict(_GPT2, hidden_size=1024, num_layers=24, num_heads=16, max_positions=1024),
-    "gpt_1.3b": dict(_GPT2, hidden_size=2048, num_layers=24, num_heads=16, max_positions=2048),
-    "bert_tiny": dict(_BERT, hidden_size=128, num_layers=2, num_heads=2),
-    "bert_base": dict(_BERT, hidden_size=768, num_layers=12, num_heads=12),
-    "bert_large": dict(_BERT, hidden_size=1024, num_layers=24, num_heads=16),
-}
+# Megatron-LM's 1.3B GPT recipe does. gpt_tiny's vocabulary (8192) is the embedded corpus's.
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
+
+
+def preset_names() -> list[str]:
+    """Every model preset: the YAML files in configs/model (the schema aside)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if p.stem != "schema")
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:
-    """The named preset's ModelConfig with ``overrides`` applied."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-    return ModelConfig(**{**PRESETS[name], **overrides})
+    """The ModelConfig of configs/model/NAME.yaml, as Hydra composes it, with ``overrides``."""
+    if name not in preset_names():
+        raise ValueError(f"unknown model preset {name!r}; choose one of {preset_names()}")
+    from omegaconf import OmegaConf  # Hydra's config library, imported when first needed
+
+    values = OmegaConf.load(PRESET_DIR / f"{name}.yaml")
+    values.pop("defaults", None)
+    typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
+    return dataclasses.replace(typed, **overrides)

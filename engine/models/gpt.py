@@ -41,6 +41,7 @@ class GPTModel(ParallelModel):
         )  # fmt: skip
         self.kernels = resolve_kernels(cfg.kernels)
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=False, **build)
+        self._compile_if_asked()
 
     def forward(
         self,

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.config import OptimConfig
 from engine.models import ModelConfig, ParallelModel
+from engine.optim import FUSED_ADAMW_DEVICES
 
 # fp32 losses of the two loops agree to summation order (~1e-7 relative per op; a few
 # layers stay far below 1e-4). A larger gap means the two loops compute different models.
@@ -114,7 +115,7 @@ def reference_optimizer(ref: RefGPT, ocfg: OptimConfig, device: torch.device):
         {"params": decay, "weight_decay": ocfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    fused = device.type == "cuda" or None  # what build_optimizer picks with impl="auto"
+    fused = device.type in FUSED_ADAMW_DEVICES or None  # build_optimizer's impl="auto" choice
     return torch.optim.AdamW(
         groups, lr=ocfg.lr, betas=(ocfg.beta1, ocfg.beta2), eps=ocfg.eps, fused=fused
     )

@@ -28,6 +28,7 @@ the same rotation, and prints ZeRO-1's step time over the all-reduce path's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import statistics
 import sys
@@ -75,7 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile meshtron's transformer layers (model.compile=true)",
+        help="torch.compile meshtron's whole forward and loss (model.compile=true)",
+    )
+    p.add_argument(
+        "--also-eager",
+        action="store_true",
+        help="with --compile, also time meshtron eager (same model and layout) in the rotation",
     )
     p.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
     p.add_argument(
@@ -126,6 +132,8 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--references: unknown {unknown[0]!r}; choose from {', '.join(REFERENCES)}"
         )
     args.references = list(dict.fromkeys(names))
+    if args.also_eager and (not args.compile or args.zero1):
+        raise UsageError("--also-eager compares against --compile: give it, without --zero1")
     if not args.bucket_mb > 0:
         raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
 
@@ -242,27 +250,34 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
     batch = make_batch(cfg, args, ps, ps.device)
     model = None
     loops = []
-    for zero1 in (False, True) if args.zero1 else (False,):
+    variants = [(False, cfg)]
+    if args.zero1:
+        variants.append((True, cfg))
+    if args.also_eager:
+        variants.append((False, dataclasses.replace(cfg, compile=False)))
+    info: dict = {"vocab": {}, "loss_rel_gap": {}}
+    for zero1, mcfg in variants:
         torch.manual_seed(args.seed)
-        m = build_model(cfg, tp_group=ps.tp_group, device=ps.device)
+        m = build_model(mcfg, tp_group=ps.tp_group, device=ps.device)
         dp = build_data_parallel(
             m, OptimConfig(distributed=zero1), dp_group=ps.dp_group, tp_group=ps.tp_group,
             device=ps.device, bucket_size_mb=args.bucket_mb,
             low_precision=torch.bfloat16 if dtype == torch.bfloat16 else None,
         )  # fmt: skip
         name = (
-            f"meshtron{' ZeRO-1' if zero1 else ''}{' compiled' if cfg.compile else ''} "
+            f"meshtron{' ZeRO-1' if zero1 else ''}{' compiled' if mcfg.compile else ''} "
             f"tp={ps.tp_size} dp={ps.dp_size}"
         )
         loops.append(Loop(name, meshtron_step(m, dp, batch, ocfg, ps.device, dtype),
                           settle=dp.wait_params))  # fmt: skip
+        info["vocab"][name] = cfg.padded_vocab_size(ps.tp_size)
+        if model is not None:  # the same function as the first loop's model?
+            info["loss_rel_gap"][name] = _loss_gap(model, m, batch)
         model = model or m
-    info: dict = {"vocab": {lp.name: cfg.padded_vocab_size(ps.tp_size) for lp in loops}}
     if args.zero1:
         return loops, info  # ZeRO-1 ÷ all-reduce only
     if not args.references or ps.world_size > 1 or cfg.arch != "gpt":
         return loops, info  # the references are one process and GPT only
-    info["loss_rel_gap"] = {}
     for kind in args.references:
         if kind == "mcore":
             note = "not importable" if importlib.util.find_spec("megatron") is None else (
@@ -279,6 +294,12 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
         loops.append(Loop(name, step))
         info["vocab"][name] = cfg.vocab_size
     return loops, info
+
+
+def _loss_gap(model, other, batch) -> float:
+    """|loss(other) - loss(model)| / |loss(model)| on ``batch`` (training mode, no step)."""
+    first, second = model.loss(batch).item(), other.loss(batch).item()
+    return abs(second - first) / abs(first)
 
 
 def main(argv: list[str] | None = None) -> int:

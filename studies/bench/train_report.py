@@ -107,6 +107,10 @@ def render(rows: list[dict], meta: dict, console: Console) -> None:
             f"times {c['p10_ratio']:.3f}; process CPU time {c['cpu_ratio']:.3f}. "
             f"Loss agreement before timing: rel {c['loss_rel_gap']:.1e}"
         )
+        console.print(
+            f"  tokens/s: meshtron ÷ {name} = {1 / c['ratio']:.3f}×; "
+            f"load average {meta['load_avg_1min']}"
+        )
 
 
 def write(path: str, rows: list[dict], meta: dict) -> None:

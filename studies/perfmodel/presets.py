@@ -1,7 +1,7 @@
 """Model sizes by preset name, read from configs/model/*.yaml (no torch needed).
 
-A test already checks that those files agree with engine.models' presets, so reading the
-YAML gives the same sizes without importing the model code.
+engine.models.preset reads the same files (one source per preset); reading the
+YAML here gives the same sizes without importing the model code (or torch).
 """
 
 from __future__ import annotations
