@@ -19,10 +19,12 @@ import json
 import torch
 
 import parallel_state
+from engine.bootstrap import bootstrap_rank
 from engine.cli import ArgumentParser, positive_int
 from engine.models import build_model, preset, preset_names
 from layers.compile import COMPILE_BACKENDS
 from layers.recompute import RECOMPUTE_MODES
+from parallel_state import ParallelDims
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,7 +97,7 @@ def count(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ps = parallel_state.initialize(args.tp)
+    ps = bootstrap_rank(lambda world: ParallelDims.resolve(args.tp, None, world), split_cores=False)
     try:
         result = count(args)
     finally:

@@ -39,10 +39,12 @@ from rich.console import Console
 
 import parallel_state
 from engine import flops
+from engine.bootstrap import bootstrap_rank
 from engine.cli import ArgumentParser, non_negative_int, positive_int
 from engine.config import OptimConfig
 from engine.data_parallel import DataParallel, build_data_parallel
 from engine.models import ModelConfig, build_model, preset
+from parallel_state import ParallelDims
 from studies.bench.reference_gpt import (
     RefGPT,
     autocast_context,
@@ -311,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    ps = parallel_state.initialize(args.tp, args.dp)
+    ps = bootstrap_rank(
+        lambda world: ParallelDims.resolve(args.tp, args.dp, world), split_cores=False
+    )
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
     try:
         precision = args.precision

@@ -24,7 +24,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import parallel_state
-from engine.config import register_configs
+from engine.bootstrap import bootstrap_rank
+from engine.config import parallel_dims, register_configs
 from engine.pretrain import prepare
 from layers.utils import timed
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = prepare(OmegaConf.to_object(dcfg))
     from engine.trainer import Trainer
 
-    ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size)
+    ps = bootstrap_rank(lambda world: parallel_dims(cfg, world))
     try:
         trainer = Trainer(cfg, ps)
         times: dict[bool, list[float]] = {True: [], False: []}

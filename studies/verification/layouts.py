@@ -306,14 +306,16 @@ T = TypeVar("T")
 def run_on_mesh(fn: Callable[..., T], spec: VerifySpec, *args: Any) -> T:
     """Rank entry: build the (tp, dp) mesh from the launcher's environment, run
     ``fn(spec, *args)``, tear down."""
-    from engine.launching import share_cores
+    from engine.bootstrap import bootstrap_rank
+
+    def say(ps: parallel_state.ParallelState, line: str) -> None:
+        if ps.rank == 0:  # stdout holds the report alone
+            print(line, file=sys.stderr)
 
     # The models and batches live on the CPU: the split's math does not depend on the
     # device, and gloo keeps the tool working on GPU nodes too (NCCL would need CUDA tensors).
-    ps = parallel_state.initialize(spec.dims.tp, spec.dims.dp, backend="gloo")
-    threads = share_cores(ps)  # the ranks share the cores instead of oversubscribing them
-    if threads and ps.rank == 0:  # stdout holds the report alone
-        print(threads, file=sys.stderr)
+    # The ranks share the cores instead of oversubscribing them.
+    bootstrap_rank(spec.dims, backend="gloo", say=say)
     try:
         return fn(spec, *args)
     finally:
