@@ -194,7 +194,7 @@ def initialize(
     else:
         device = torch.device("cpu")
 
-    grid = torch.arange(world_size).view(*dims.sizes.values())
+    grid = torch.tensor(dims.group_ranks("tp"))  # row dp_rank: that replica's TP group
     groups = {}
     # Every rank must create every group, in the same order: the innermost axis first.
     for axis in reversed(MESH_AXES):

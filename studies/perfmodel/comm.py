@@ -58,7 +58,7 @@ class GroupPlacement:
 
 
 def place_groups(tp: int, dp: int, gpus_per_node: int) -> tuple[GroupPlacement, GroupPlacement]:
-    """TP and DP group placement for ranks laid out as ``rank = dp_rank * tp + tp_rank``.
+    """TP and DP group placement for the mesh's rank layout (parallel_state.dims: TP fastest).
 
     TP ranks are consecutive (inside a node while tp ≤ gpus_per_node); DP ranks are
     ``tp`` apart, so a DP group has ``gpus_per_node // tp`` members per node and the ``tp``
