@@ -26,9 +26,9 @@ import tempfile
 from pathlib import Path
 
 from engine.checkpoint.storage import CheckpointError
-from engine.cli import ArgumentParser, positive_int
 from engine.config import Config
 from engine.inference import ModelSource, inference_config
+from engine.tool_args import ArgumentParser, positive_int
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from engine.formulas import gpt_flops_per_iteration
-from studies.perfmodel import Layout, Workload, comm, load_cluster, memory, predict, search
-from studies.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict, scale_for
+from studies.perfmodel import Layout, Workload, load_cluster, predict, search
+from studies.perfmodel import comm_cost as comm
+from studies.perfmodel import memory_model as memory
+from studies.perfmodel.cluster_spec import ClusterSpec, Link, cluster_from_dict, scale_for
 
 ROOT = Path(__file__).resolve().parents[1]
 ALPHA, BW = 1e-5, 1e9  # 10 µs, 1 GB/s: round numbers for hand arithmetic
@@ -80,7 +82,7 @@ def test_layer_activation_table_by_hand():
 def _measured_rows():
     import parallel_state
     from engine.models import ModelConfig
-    from engine.models.memory import measure_layer_bytes
+    from engine.models.activation_memory import measure_layer_bytes
 
     parallel_state.initialize(2, 1).seed(0)
     base = ModelConfig(hidden_size=256, num_heads=8, num_layers=1, attention_dropout=0.0)
@@ -227,7 +229,7 @@ def test_search_rejects_with_reasons():
 def _plan(*args: str) -> subprocess.CompletedProcess:
     # torch made unimportable: the planner must run without it
     code = "import sys; sys.modules['torch'] = None; sys.argv = ['plan'] + sys.argv[1:]; " \
-           "from studies.perfmodel.cli import main; sys.exit(main())"  # fmt: skip
+           "from studies.perfmodel.plan_cli import main; sys.exit(main())"  # fmt: skip
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           env=_env(), cwd=ROOT, timeout=60)  # fmt: skip
 

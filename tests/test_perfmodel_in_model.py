@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from studies.perfmodel import Layout, Workload, predict
-from studies.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict
+from studies.perfmodel.cluster_spec import ClusterSpec, Link, cluster_from_dict
 from studies.perfmodel.in_model import (
     lookup,
     nearest,

@@ -17,7 +17,7 @@ import torch
 
 from engine.data import build_default_corpus
 from engine.step_timer import _DPClock
-from studies.scaling.cluster import PREFIX, namespaces, unavailable_reason
+from studies.scaling.emulated_cluster import PREFIX, namespaces, unavailable_reason
 from studies.scaling.report import COLUMNS
 from tests.multiproc import subprocess_env
 

@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from studies.perfmodel.cli import build_parser, main  # noqa: E402
+from studies.perfmodel.plan_cli import build_parser, main  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None):

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint import load_checkpoint, save_checkpoint
-from engine.cli import ArgumentParser, positive_int
 from engine.models import build_model, preset, preset_names
+from engine.tool_args import ArgumentParser, positive_int
 
 SIDES = ("meshtron", "dcp", "torch.save", "safetensors")
 

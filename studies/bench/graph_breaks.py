@@ -20,8 +20,8 @@ import torch
 
 import parallel_state
 from engine.bootstrap import bootstrap_rank
-from engine.cli import ArgumentParser, positive_int
 from engine.models import build_model, preset, preset_names
+from engine.tool_args import ArgumentParser, positive_int
 from layers.compile import COMPILE_BACKENDS
 from layers.recompute import RECOMPUTE_MODES
 from parallel_state import ParallelDims

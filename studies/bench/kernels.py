@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.cli import ArgumentParser, positive_int
+from engine.tool_args import ArgumentParser, positive_int
 from studies.bench.kernel_cases import Case, build_cases, check_against_torch
 
 MODES = ("fwd", "bwd", "fwd+bwd")

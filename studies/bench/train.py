@@ -40,10 +40,10 @@ from rich.console import Console
 import parallel_state
 from engine import flops
 from engine.bootstrap import bootstrap_rank
-from engine.cli import ArgumentParser, non_negative_int, positive_int
 from engine.config import OptimConfig
 from engine.data_parallel import DataParallel, build_data_parallel
 from engine.models import ModelConfig, build_model, preset
+from engine.tool_args import ArgumentParser, non_negative_int, positive_int
 from parallel_state import ParallelDims
 from studies.bench.reference_gpt import (
     RefGPT,

@@ -5,7 +5,7 @@ cluster spec (``load_cluster``); ``search`` ranks every layout that fits and div
 says why the others do not. See docs/PERFMODEL.md for the formulas and their validation.
 """
 
-from studies.perfmodel.cluster import ClusterSpec, load_cluster
+from studies.perfmodel.cluster_spec import ClusterSpec, load_cluster
 from studies.perfmodel.model import Layout, Prediction, Workload, predict
 from studies.perfmodel.search import SearchResult, search
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from studies.perfmodel.cluster import ClusterSpec
+from studies.perfmodel.cluster_spec import ClusterSpec
 
 TILE = 64  # a typical tensor-core tile edge; dims far above it run at full efficiency
 

@@ -2,7 +2,7 @@
 
 Model outputs (not measurements) for docs/PERFMODEL.md; every assumption is a parameter:
 
-- gradient exchange per step: ring / tree all-reduce (studies.perfmodel.comm) against a
+- gradient exchange per step: ring / tree all-reduce (studies.perfmodel.comm_cost) against a
   parameter server whose ``servers`` links carry 2·p·n/servers bytes each;
 - stragglers: each worker's compute time is T·(1 + X), X exponential with mean σ. A
   synchronous step waits for the slowest: E[max] = T·(1 + σ·H_p) (H_p the harmonic
@@ -14,7 +14,7 @@ Model outputs (not measurements) for docs/PERFMODEL.md; every assumption is a pa
 
 from __future__ import annotations
 
-from studies.perfmodel.comm import (
+from studies.perfmodel.comm_cost import (
     Link,
     async_staleness,
     parameter_server_time,

@@ -12,7 +12,7 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from studies.perfmodel.cluster import cluster_from_dict
+from studies.perfmodel.cluster_spec import cluster_from_dict
 from studies.perfmodel.in_model import parameter_tensors, tp_collectives
 from studies.perfmodel.model import Layout, predict
 from studies.perfmodel.validate import Point, run_pretrain

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.formulas import gpt_flops_per_iteration, pad_vocab
-from studies.perfmodel import comm
-from studies.perfmodel.cluster import ClusterSpec, scale_for
+from studies.perfmodel import comm_cost as comm
+from studies.perfmodel.cluster_spec import ClusterSpec, scale_for
 from studies.perfmodel.compute import gemm_pass_seconds, rank_speed, stream_seconds
 from studies.perfmodel.in_model import lookup, nearest, parameter_tensors, tp_collectives
-from studies.perfmodel.memory import MemoryTerms, activation_bytes, state_bytes_per_param
+from studies.perfmodel.memory_model import MemoryTerms, activation_bytes, state_bytes_per_param
 
 RECOMPUTE = ("none", "selective", "full")
 # Element-wise traffic per token and layer, forward, in elements of width h: two LayerNorms

@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from studies.perfmodel.cluster import load_cluster
+from studies.perfmodel.cluster_spec import load_cluster
 from studies.perfmodel.model import Layout, Workload
 from studies.perfmodel.search import search
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from studies.perfmodel.cluster import ClusterSpec
+from studies.perfmodel.cluster_spec import ClusterSpec
 from studies.perfmodel.model import Layout, Prediction, Workload, layout_problems, predict
 
 

@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from studies.perfmodel.cluster import ClusterSpec
+from studies.perfmodel.cluster_spec import ClusterSpec
 from studies.perfmodel.model import Layout, Workload, predict
 from studies.perfmodel.probes import probe_gflops
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from studies.perfmodel import published
-from studies.perfmodel.cluster import load_cluster
+from studies.perfmodel.cluster_spec import load_cluster
 from studies.perfmodel.model import Layout, Workload
 from studies.perfmodel.validate import (
     Point,

@@ -11,7 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
-from studies.scaling.cluster import EmulatedCluster
+from studies.scaling.emulated_cluster import EmulatedCluster
 
 RDZV_PORT = 29500  # inside node 0's own namespace, so no other job competes for it
 

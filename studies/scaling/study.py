@@ -18,7 +18,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from studies.scaling.cluster import EmulatedCluster, unavailable_reason
+from studies.scaling.emulated_cluster import EmulatedCluster, unavailable_reason
 from studies.scaling.launch import run_on_nodes
 from studies.scaling.workloads import WORKLOADS, Point, RunSpec
 

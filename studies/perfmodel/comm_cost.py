@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from studies.perfmodel.cluster import ClusterSpec, Link
+from studies.perfmodel.cluster_spec import ClusterSpec, Link
 
 
 def ring_all_reduce(n_bytes: float, p: int, link: Link) -> float:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from engine.cli import ArgumentParser
+from engine.tool_args import ArgumentParser
 from studies.scaling.report import add_speedup, plot, write_csv, write_report
 from studies.scaling.study import StudyConfig, measure_links, run_study
 from studies.scaling.workloads import WORKLOADS, RunSpec

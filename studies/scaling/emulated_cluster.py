@@ -12,7 +12,7 @@ cores. Everything created is removed on exit, on Ctrl-C, and, through a guard pr
 outlives the owner, when the owner is killed: the processes inside the namespaces first,
 then the namespaces (which takes their veths and the bridge with them).
 
-``python -m studies.scaling.cluster --guard PID --tag TAG`` is that guard; ``--cleanup``
+``python -m studies.scaling.emulated_cluster --guard PID --tag TAG`` is that guard; ``--cleanup``
 removes what a previous run of this module left behind.
 """
 
@@ -168,7 +168,7 @@ class EmulatedCluster:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self._guard = subprocess.Popen(
-            [sys.executable, "-m", "studies.scaling.cluster", "--guard", str(os.getpid()),
+            [sys.executable, "-m", "studies.scaling.emulated_cluster", "--guard", str(os.getpid()),
              "--tag", self.tag],
             env=env, start_new_session=True, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

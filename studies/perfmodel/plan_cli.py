@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from engine.cli import ArgumentParser, positive_int
-from studies.perfmodel.cluster import ClusterSpec, cluster_names, load_cluster
+from engine.tool_args import ArgumentParser, positive_int
+from studies.perfmodel.cluster_spec import ClusterSpec, cluster_names, load_cluster
 from studies.perfmodel.model import Layout, Workload, layout_problems, predict
 from studies.perfmodel.presets import model_preset
 from studies.perfmodel.search import best_per_split, search
