@@ -50,6 +50,7 @@ SHIMS = frozenset({"flat_all_gather", "flat_reduce_scatter"})
 # Where communication may happen (docs/ARCHITECTURE.md, "Collectives by file").
 ALLOWED = (
     "layers/mappings.py",  # the TP operators and plain TP helpers
+    "layers/tp_grads.py",  # the TP sum of partial gradients both DP strategies call
     "engine/comm.py",  # run-level: metric means, agreement, checkpoint hand-offs, barriers
     "engine/data_parallel/",  # the DP strategies (gradient reduction, ZeRO-1)
     # Benchmarks that time collectives on purpose.
