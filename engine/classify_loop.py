@@ -202,27 +202,22 @@ def write_metrics(path: str, cfg: ClassifyConfig, ps: ParallelState, timings: Ti
 def run_worker(cfg: ClassifyConfig) -> dict:
     """Entry of every rank: build the mesh, train, tear down; the summary."""
     import parallel_state
-    from engine.launching import share_cores
-    from engine.resilience.rendezvous import rendezvous
+    from engine.bootstrap import bootstrap_rank
     from engine.resilience.watchdog import RunStopped
     from parallel_state.launcher import detect_launch
 
-    info = detect_launch()
-    local = info.local_world_size or 1 if info.launcher != "none" else 1
-    backend = parallel_state.backend_for("auto", local, warn=info.rank == 0)
     try:
-        ps = rendezvous(
-            lambda: parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend),
-            timeout_s=cfg.launch.rendezvous_timeout_s,
+        ps = bootstrap_rank(
+            lambda world: parallel_state.ParallelDims.resolve(cfg.tp_size, cfg.dp_size, world),
+            rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
             run_dir=None,  # the classifier keeps no run log
-            key="launch.rendezvous_timeout_s",
+            timeout_key="launch.rendezvous_timeout_s",
+            warn=detect_launch().rank == 0,
+            say=lambda ps, line: _printer(ps)(line),
         )
     except RunStopped as err:
         print(err, file=sys.stderr, flush=True)
         raise SystemExit(3) from None
-    threads = share_cores(ps)
-    if threads:
-        _printer(ps)(threads)
     try:
         return train(cfg, ps)
     finally:

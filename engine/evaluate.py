@@ -26,9 +26,9 @@ import tempfile
 from pathlib import Path
 
 from engine.checkpoint.storage import CheckpointError
-from engine.cli import ArgumentParser, positive_int
 from engine.config import Config
 from engine.inference import ModelSource, inference_config
+from engine.tool_args import ArgumentParser, positive_int
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,20 +142,18 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
 def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
     """One rank: load this TP shard of the model, read its micro-batches, agree on the mean."""
     import parallel_state
-    from engine.config import resolve_precision
+    from engine.bootstrap import bootstrap_rank
+    from engine.config import parallel_dims, resolve_precision
     from engine.data.pipeline import eval_iterator, load_tokenizer
-    from engine.launching import share_cores
     from engine.models import build_model
     from engine.trainer import autocast_for, fixed_set_loss, perplexity
-    from parallel_state.launcher import detect_launch
 
-    local = detect_launch().local_world_size
-    backend = parallel_state.backend_for(cfg.trainer.device, local, warn=False)
-    ps = parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend)
+    def say(ps, line: str) -> None:
+        if ps.rank == 0:  # stdout holds the JSON line alone
+            print(line, file=sys.stderr)
+
+    ps = bootstrap_rank(lambda world: parallel_dims(cfg, world), device=cfg.trainer.device, say=say)
     try:
-        threads = share_cores(ps)
-        if threads and ps.rank == 0:  # stdout holds the JSON line alone
-            print(threads, file=sys.stderr)
         _, state = source.load()
         model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
         model.load_full_state_dict(state)

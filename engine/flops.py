@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.models.config import ModelConfig
-from engine.models.llama.costs import llama_flops_per_iteration, llama_params_count
-from engine.perfmodel.formulas import (  # noqa: F401  (public API of this module)
+from engine.formulas import (  # noqa: F401  (public API of this module)
     bert_flops_per_iteration,
     gpt_flops_per_iteration,
 )
+from engine.models.config import ModelConfig
+from engine.models.llama.costs import llama_flops_per_iteration, llama_params_count
 
 if TYPE_CHECKING:
     from engine.config import Config

@@ -1,6 +1,6 @@
 """Hugging Face GPT-2 / BERT checkpoints ↔ meshtron's layout-independent weights.
 
-The logits parity check against transformers is engine/verification/hf_parity.py.
+The logits parity check against transformers is studies/verification/hf_parity.py.
 
 Only local ``save_pretrained`` directories are read (``config.json`` and safetensors
 weights); nothing is fetched. The conversions are pure relabelling, transposition and

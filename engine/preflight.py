@@ -21,7 +21,7 @@ import torch
 from engine.config import Config, resolve_precision
 from engine.data_parallel import bytes_per_param
 from engine.flops import params_count
-from engine.models.memory import formula_bytes
+from engine.models.activation_memory import formula_bytes
 
 GIB = 2**30
 
@@ -47,7 +47,7 @@ def estimate_rank_bytes(
     """What one rank holds while training ``cfg`` at ``tp_size`` × ``dp_size``.
 
     Parameters are split over TP (the few replicated LayerNorm and bias vectors are
-    ignored). Activations per layer follow the formula of :mod:`engine.models.memory`
+    ignored). Activations per layer follow the formula of :mod:`engine.models.activation_memory`
     (16-bit activations; doubled for fp32 ones), plus the fp32 logits of one micro-batch
     over this rank's vocabulary shard. It is a floor, not a bound: allocator slack and
     temporaries come on top, so a config refused here could never run.

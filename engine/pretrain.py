@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from engine.config import Config, parallel_dims, register_configs, validate
 from engine.optim import scale_lr
 from engine.resilience.preemption import EXIT_PREEMPTED
-from engine.resilience.watchdog import run_rank
+from engine.worker import run_rank
 from parallel_state.dims import LayoutError
 from parallel_state.launcher import detect_launch
 

@@ -14,21 +14,21 @@ from rich.markup import escape
 
 import parallel_state
 from engine import comm, flops
+from engine.bootstrap import bootstrap_rank
 from engine.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from engine.checkpoint.tokenizer import tokenizer_record
-from engine.cluster import describe_mesh
-from engine.config import Config, resolve_precision
+from engine.config import Config, parallel_dims, resolve_precision
 from engine.data.loader import DataIterator
 from engine.data.pipeline import build_pipeline, to_device
 from engine.data_parallel import DynamicLossScaler, build_data_parallel
 from engine.generate import generate
 from engine.launching import share_cores
+from engine.mesh_report import describe_mesh
 from engine.models import build_model
 from engine.observe import RunLogger, format_step_line, maybe_profile, window_metrics
 from engine.optim import lr_at, schedule_change
 from engine.resilience.guard import BadStepGuard
 from engine.resilience.preemption import EXIT_PREEMPTED, StopRequests
-from engine.resilience.rendezvous import rendezvous
 from engine.resilience.watchdog import Watchdog
 from engine.step_timer import StepTimer, breakdown_metrics, format_breakdown
 from parallel_state import ParallelState
@@ -413,12 +413,10 @@ class Trainer:
 
 def run_worker(cfg: Config) -> dict:
     """Entry of every rank: build the mesh, train, tear down."""
-    backend = parallel_state.backend_for(
-        cfg.trainer.device, detect_launch().local_world_size, warn=False
-    )
-    ps = rendezvous(
-        lambda: parallel_state.initialize(cfg.tp_size, cfg.dp_size, backend=backend),
-        timeout_s=cfg.trainer.rendezvous_timeout_s,
+    ps = bootstrap_rank(
+        lambda world: parallel_dims(cfg, world),
+        device=cfg.trainer.device,
+        rendezvous_timeout_s=cfg.trainer.rendezvous_timeout_s,
         run_dir=cfg.run_dir,
     )
     watch = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel_state.dims import LayoutError, ParallelDims
+from parallel_state.dims import MESH_AXES, LayoutError, ParallelDims
 from parallel_state.launcher import LaunchInfo, detect_launch
 from parallel_state.random import RNGTracker
 
 __all__ = [
     "ParallelState",
     "ParallelDims",
+    "MESH_AXES",
     "LayoutError",
     "initialize",
     "backend_for",
@@ -51,6 +52,12 @@ class ParallelState:
     grid: torch.Tensor = field(repr=False)  # grid[dp_rank, tp_rank] = global rank
     rng: RNGTracker = field(repr=False)
     owns_default_group: bool = field(default=False, repr=False)
+    dims: ParallelDims | None = field(default=None, repr=False)  # the layout it was built from
+
+    @property
+    def groups(self) -> dict[str, dist.ProcessGroup]:
+        """This rank's process group along each mesh axis, keyed by axis name."""
+        return {axis: getattr(self, f"{axis}_group") for axis in MESH_AXES}
 
     @property
     def tp_ranks(self) -> list[int]:
@@ -144,17 +151,18 @@ def _init_default_group(info: LaunchInfo, backend: str, timeout: datetime.timede
 
 
 def initialize(
-    tp_size: int,
+    dims: ParallelDims | int,
     dp_size: int | str | None = None,
     *,
     backend: str | None = None,
     timeout_s: float = 600.0,
 ) -> ParallelState:
-    """Build the (dp, tp) mesh, initializing torch.distributed from the launcher if needed.
+    """Build the mesh of ``dims``, initializing torch.distributed from the launcher if needed.
 
-    ``dp_size=None`` (or ``"auto"``) means world size ÷ tp_size. The sizes are checked as a
-    :class:`ParallelDims` before any collective.
-    The backend is NCCL when every local rank has its own CUDA device, else gloo.
+    ``dims`` is the run's :class:`ParallelDims` (built once, from the config), or, as the
+    short form, a tp size with ``dp_size`` beside it (None or ``"auto"``: world size ÷
+    tp_size), checked as a ParallelDims before any collective. The backend is NCCL when
+    every local rank has its own CUDA device, else gloo.
     """
     global _current
     if _current is not None:
@@ -162,7 +170,12 @@ def initialize(
     info = detect_launch()
     owns = not dist.is_initialized()
     world_size = info.world_size if owns else dist.get_world_size()
-    dp_size = ParallelDims.resolve(tp_size, dp_size, world_size).dp
+    if isinstance(dims, ParallelDims):
+        flags = {"sequence_parallel": dims.sequence_parallel, "zero1": dims.zero1}
+        dims = ParallelDims.resolve(dims.tp, dims.dp, world_size, **flags)
+    else:
+        dims = ParallelDims.resolve(dims, dp_size, world_size)
+    tp_size, dp_size = dims.tp, dims.dp
     # A group made by someone else without a launcher (a test harness, a notebook) says
     # nothing about nodes; only a launcher's count of local processes does.
     if not (info.launcher == "none" and not owns):
@@ -181,31 +194,30 @@ def initialize(
     else:
         device = torch.device("cpu")
 
-    grid = torch.arange(world_size).view(dp_size, tp_size)
-    tp_group = dp_group = None
-    # Every rank must create every group, in the same order.
-    for row in grid.tolist():
-        group = dist.new_group(row)
-        if rank in row:
-            tp_group = group
-    for col in grid.t().tolist():
-        group = dist.new_group(col)
-        if rank in col:
-            dp_group = group
+    grid = torch.tensor(dims.group_ranks("tp"))  # row dp_rank: that replica's TP group
+    groups = {}
+    # Every rank must create every group, in the same order: the innermost axis first.
+    for axis in reversed(MESH_AXES):
+        for ranks in dims.group_ranks(axis):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                groups[axis] = group
+    coords = dims.coords_of(rank)
 
     _current = ParallelState(
         tp_size=tp_size,
         dp_size=dp_size,
-        tp_rank=rank % tp_size,
-        dp_rank=rank // tp_size,
+        tp_rank=coords["tp"],
+        dp_rank=coords["dp"],
         rank=rank,
         world_size=world_size,
-        tp_group=tp_group,
-        dp_group=dp_group,
+        tp_group=groups["tp"],
+        dp_group=groups["dp"],
         device=device,
         grid=grid,
         rng=RNGTracker(device),
         owns_default_group=owns,
+        dims=dims,
     )
     return _current
 

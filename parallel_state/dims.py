@@ -10,11 +10,16 @@ once. Every error is one line that names the bad value and how to fix it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-__all__ = ["AUTO", "LayoutError", "ParallelDims"]
+__all__ = ["AUTO", "MESH_AXES", "LayoutError", "ParallelDims"]
 
 AUTO = "auto"  # dp_size=auto: world size ÷ tp_size
+# The mesh's named axes, outermost first: the last varies fastest over global ranks, so
+# its groups are runs of consecutive ranks (one node). A new axis (pp, a sharded dp) is
+# one more name here and one more size field on ParallelDims.
+MESH_AXES = ("dp", "tp")
 
 
 class LayoutError(ValueError):
@@ -49,8 +54,43 @@ class ParallelDims:
 
     @property
     def world(self) -> int:
-        """Ranks in the job: tp × dp."""
-        return self.tp * self.dp
+        """Ranks in the job: the product of the axis sizes."""
+        return math.prod(self.sizes.values())
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """``{axis: size}`` in :data:`MESH_AXES` order (outermost first)."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    @property
+    def dp_sharding(self) -> str:
+        """How DP replicas hold the optimizer state: ``"zero1"`` (sharded) or ``"none"``."""
+        return "zero1" if self.zero1 else "none"
+
+    def rank_of(self, **coords: int) -> int:
+        """The global rank at ``coords`` (one per axis): the one rank formula of the mesh,
+        ``rank = dp_rank · tp + tp_rank`` for (dp, tp), mixed radix in general."""
+        rank = 0
+        for axis, size in self.sizes.items():
+            rank = rank * size + coords[axis]
+        return rank
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        """``{axis: index}`` of global ``rank``; the inverse of :meth:`rank_of`."""
+        coords = {}
+        for axis, size in reversed(self.sizes.items()):
+            rank, coords[axis] = divmod(rank, size)
+        return {axis: coords[axis] for axis in MESH_AXES}
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``: the global ranks that differ only in that axis's
+        index, each group in that index's order; groups ordered by the lowest rank."""
+        groups: dict[int, list[int]] = {}
+        for rank in range(self.world):
+            coords = self.coords_of(rank)
+            coords[axis] = 0
+            groups.setdefault(self.rank_of(**coords), []).append(rank)
+        return list(groups.values())
 
     @classmethod
     def resolve(

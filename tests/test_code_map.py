@@ -50,11 +50,12 @@ SHIMS = frozenset({"flat_all_gather", "flat_reduce_scatter"})
 # Where communication may happen (docs/ARCHITECTURE.md, "Collectives by file").
 ALLOWED = (
     "layers/mappings.py",  # the TP operators and plain TP helpers
+    "layers/tp_grads.py",  # the TP sum of partial gradients both DP strategies call
     "engine/comm.py",  # run-level: metric means, agreement, checkpoint hand-offs, barriers
     "engine/data_parallel/",  # the DP strategies (gradient reduction, ZeRO-1)
     # Benchmarks that time collectives on purpose.
-    "engine/perfmodel/calibrate.py",
-    "engine/scaling/linkbench.py",
+    "studies/perfmodel/calibrate.py",
+    "studies/scaling/linkbench.py",
 )
 
 
@@ -265,3 +266,169 @@ def test_layers_kernels_is_a_leaf():
             if m.split(".")[0] in ("engine", "parallel_state", "configs", "tools")
         }
         assert not ours, f"{path.relative_to(ROOT)} imports {sorted(ours)}"
+
+
+# The packages in their one-way order: each may import those before it, never after
+# (docs/ARCHITECTURE.md, "The map").
+PACKAGE_ORDER = ("parallel_state", "layers", "engine", "studies")
+# engine's entries: what starts a rank or a run. The packages inside engine/ (data,
+# models, checkpoint, ...) serve them and never import them back.
+ENGINE_ENTRIES = frozenset(
+    {
+        "engine.pretrain",
+        "engine.worker",
+        "engine.bootstrap",
+        "engine.trainer",
+        "engine.evaluate",
+        "engine.classify",
+        "engine.classify_loop",
+    }
+)
+
+
+def tree_graph(packages: tuple[str, ...] = PACKAGE_ORDER, root: Path = ROOT) -> dict:
+    """Module → the modules of any of ``packages`` it imports (lazy and type-only too)."""
+    graph = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            name = _module_name(path, root)
+            imported = imported_modules(path, root)
+            graph[name] = {m for m in imported if m.split(".")[0] in packages} - {name}
+    return graph
+
+
+def back_arrows(graph: dict[str, set[str]], order: tuple[str, ...] = PACKAGE_ORDER) -> list[str]:
+    """Imports that run back up: into a later package, or from a package inside engine/
+    into one of engine's entries."""
+    rank = {p: i for i, p in enumerate(order)}
+    found = []
+    for module, targets in graph.items():
+        for target in targets:
+            upward = rank[target.split(".")[0]] > rank[module.split(".")[0]]
+            inner = module.startswith("engine.") and module.count(".") >= 2
+            if upward or (
+                inner
+                and target.split(".")[:2]
+                and ".".join(target.split(".")[:2]) in ENGINE_ENTRIES
+            ):
+                found.append(f"{module} imports {target}")
+    return sorted(found)
+
+
+def test_back_arrow_checker_catches_planted_upward_imports(tmp_path):
+    root = _plant(
+        tmp_path,
+        {
+            "parallel_state/__init__.py": "",
+            "layers/__init__.py": "",
+            "studies/__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/trainer.py": "import layers\n",
+            "engine/flops.py": "def f():\n    from studies import perf\n",
+            "studies/perf.py": "from engine import flops\n",
+            "engine/resilience/__init__.py": "",
+            "engine/resilience/watchdog.py": "def run():\n    from engine.trainer import x\n",
+        },
+    )
+    assert back_arrows(tree_graph(root=root)) == [
+        "engine.flops imports studies.perf",
+        "engine.resilience.watchdog imports engine.trainer",
+    ]
+
+
+def test_no_import_circles_in_the_runtime_and_the_studies():
+    graph = tree_graph()
+    assert "engine.trainer" in graph and "studies.perfmodel.model" in graph  # it scanned
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_imports_run_back_up():
+    arrows = back_arrows(tree_graph())
+    assert not arrows, "imports against the map's one-way arrows:\n" + "\n".join(arrows)
+
+
+def _calls(source: str, names: frozenset[str]) -> list[tuple[int, str]]:
+    """(line, dotted callee) of every call whose last name is in ``names``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            callee = ast.unparse(node.func)
+            if callee.rsplit(".", 1)[-1] in names:
+                found.append((node.lineno, callee))
+    return found
+
+
+def _callers(names: frozenset[str], *dirs: str) -> dict[str, list]:
+    out = {}
+    for path in _python_files(*dirs):
+        if hits := _calls(path.read_text(), names):
+            out[path.relative_to(ROOT).as_posix()] = hits
+    return out
+
+
+def test_call_finder_sees_aliased_and_plain_calls():
+    src = "import parallel_state as ps\nps.initialize(d)\ndist.new_group([0])\nnew_group(r)\nx.size()\n"
+    assert _calls(src, frozenset({"initialize", "new_group"})) == [
+        (2, "ps.initialize"),
+        (3, "dist.new_group"),
+        (4, "new_group"),
+    ]
+
+
+def test_one_place_initializes_process_groups():
+    """The mesh's process groups are made in parallel_state alone, and only
+    engine/bootstrap.py asks for them: every entry point goes through bootstrap_rank."""
+    dirs = ("parallel_state", "layers", "engine", "studies", "tools")
+    makers = _callers(frozenset({"init_process_group", "new_group"}), *dirs)
+    # Two study benchmarks time raw collectives on a world of their own, outside any mesh.
+    benchmarks = {"studies/perfmodel/calibrate.py", "studies/scaling/linkbench.py"}
+    assert set(makers) - benchmarks == {"parallel_state/__init__.py", "parallel_state/groups.py"}
+    initializers = _callers(frozenset({"initialize"}), *dirs)
+    assert set(initializers) == {"engine/bootstrap.py"}, initializers
+
+
+def rank_formulas(source: str) -> list[int]:
+    """Lines that compute the rank layout: a rank split by the TP size (``rank % tp``,
+    ``rank // tp``), a rank built from coordinates (``dp_rank * tp + tp_rank``), ranks
+    strided by tp (``range(t, world, tp)``) or a grid of ranks (``arange(world).view``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        text = ast.unparse(node) if isinstance(node, (ast.BinOp, ast.Call)) else ""
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mod, ast.FloorDiv)):
+            hit = "rank" in ast.unparse(node.left) and "tp" in ast.unparse(node.right)
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            hit = "rank" in text and "tp" in text and "*" in text
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "range":
+            hit = len(node.args) == 3 and "tp" in ast.unparse(node.args[2])
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            hit = node.func.attr == "view" and "arange" in ast.unparse(node.func.value)
+        else:
+            hit = False
+        if hit:
+            found.append(node.lineno)
+    return sorted(set(found))
+
+
+def test_rank_formula_finder_catches_planted_formulas():
+    planted = (
+        "tp_rank = rank % tp_size\n"
+        "dp = rank // tp\n"
+        "r = dp_rank * tp + tp_rank\n"
+        "replicas = list(range(t, world, tp_size))\n"
+        "grid = torch.arange(world).view(dp, tp)\n"
+        "heads = num_heads // tp_size\n"  # a width split, not the layout
+    )
+    assert rank_formulas(planted) == [1, 2, 3, 4, 5]
+
+
+def test_one_place_builds_the_rank_layout():
+    """Which ranks form which group is computed by ParallelDims (parallel_state/dims.py)
+    alone: no other file writes the rank formula or lays out a grid of ranks."""
+    hits = [
+        f"{path.relative_to(ROOT).as_posix()}:{line}"
+        for path in _python_files("parallel_state", "layers", "engine", "studies", "tools")
+        if path.relative_to(ROOT).as_posix() != "parallel_state/dims.py"
+        for line in rank_formulas(path.read_text())
+    ]
+    assert not hits, "the rank formula outside parallel_state/dims.py:\n" + "\n".join(hits)

@@ -126,7 +126,7 @@ def test_unknown_compile_backend_is_rejected():
 def test_graph_break_tool_counts_what_dynamo_reports(capsys):
     """tools/count_graph_breaks.py: the dropout-free step is one graph; with dropout under
     full recomputation each layer's checkpoint stays eager (a break per layer call)."""
-    from engine.bench.graph_breaks import main
+    from studies.bench.graph_breaks import main
 
     small = ["--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "128", "--seq", "8"]
     assert main([*small, "--json"]) == 0

@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from engine.config import parallel_dims, validate
-from engine.verification.layouts import VerifySpec
 from parallel_state.dims import LayoutError, ParallelDims
+from studies.verification.layouts import VerifySpec
 from tests.test_engine import compose_config
 
 # (tp, dp as given, world or None) -> dp resolved, world
@@ -121,3 +121,28 @@ def test_verifier_checks_its_layout_with_the_same_value():
         dataclasses.replace(spec, seq_len=13).check()
     with pytest.raises(LayoutError, match="batch 6 is not divisible by dp_size 4"):
         VerifySpec(tp_size=1, dp_size=4, batch_size=6).check()
+
+
+@pytest.mark.parametrize(("tp", "dp"), [(1, 1), (2, 1), (1, 3), (2, 3), (4, 2)])
+def test_rank_formula_and_groups_match_the_torch_grid(tp, dp):
+    """The one rank formula against an independent reference: torch's row-major grid
+    ``arange(world).view(dp, tp)``, whose rows are the TP groups and columns the DP groups."""
+    import torch
+
+    dims = ParallelDims(tp, dp)
+    grid = torch.arange(tp * dp).view(dp, tp)
+    assert dims.sizes == {"dp": dp, "tp": tp}
+    assert dims.group_ranks("tp") == grid.tolist()
+    assert dims.group_ranks("dp") == grid.t().tolist()
+    for d in range(dp):
+        for t in range(tp):
+            rank = int(grid[d, t])
+            assert dims.rank_of(dp=d, tp=t) == rank == d * tp + t  # hand-derived too
+            assert dims.coords_of(rank) == {"dp": d, "tp": t}
+
+
+def test_dims_carry_sequence_parallel_and_the_dp_sharding_mode():
+    assert ParallelDims(2, 2, sequence_parallel=True, zero1=True).dp_sharding == "zero1"
+    assert ParallelDims(2, 2).dp_sharding == "none"
+    kept = ParallelDims.resolve(2, "auto", 4, sequence_parallel=True, zero1=True)
+    assert (kept.dp, kept.sequence_parallel, kept.zero1) == (2, True, True)

@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 import parallel_state
 from engine.hf_interop import export_hf, import_hf, read_hf_dir
-from engine.verification.hf_parity import HF_TOLERANCES, compare_with_hf
-from engine.verification.layouts import VerifySpec
+from studies.verification.hf_parity import HF_TOLERANCES, compare_with_hf
+from studies.verification.layouts import VerifySpec
 from tests.multiproc import run_ranks, subprocess_env
 
 transformers = pytest.importorskip("transformers")
@@ -95,7 +95,7 @@ def test_logits_match_transformers(hf_dirs):
     results = run_ranks(_parity, 2, hf_dirs, timeout=300)[0]
     for label, logits, err, _ in results:
         print(f"{label:32s} {logits:10s} max abs error {err:.2e}")
-    # Absolute, engine.verification.hf_parity.HF_TOLERANCES: fp32 1e-4 (~1e-7 per op in another
+    # Absolute, studies.verification.hf_parity.HF_TOLERANCES: fp32 1e-4 (~1e-7 per op in another
     # summation order, on logits of order 1, while a misplaced weight gives O(0.1-1));
     # fp64 1e-8 (errors ~1e-15: the conversion itself is exact).
     for label, logits, err, ok in results:

@@ -104,7 +104,7 @@ def _shown_in_readme(log: str, command: str, hosts: dict[str, str]) -> None:
 
 
 def _two_node_skip_reason() -> str | None:
-    from engine.scaling.cluster import unavailable_reason
+    from studies.scaling.emulated_cluster import unavailable_reason
 
     if shutil.which("mpirun") is None:
         return "needs Open MPI (apt-get install openmpi-bin)"
@@ -125,7 +125,7 @@ def test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node(corpus, tm
     reason = _two_node_skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    from engine.scaling.cluster import PREFIX, EmulatedCluster, namespaces
+    from studies.scaling.emulated_cluster import PREFIX, EmulatedCluster, namespaces
 
     rsh = str(ROOT / "tools" / "launch" / "mpi" / "netns-rsh")
     with EmulatedCluster(2, link_mbit=None) as cluster:

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 import parallel_state
 from engine.hf_interop import config_from_hf, export_hf, import_hf, read_hf_dir, state_from_hf
 from engine.models import ModelConfig, build_model
-from engine.verification.hf_parity import HF_TOLERANCES, compare_with_hf
-from engine.verification.layouts import VerifySpec
 from layers.rotary import inverse_frequencies
+from studies.verification.hf_parity import HF_TOLERANCES, compare_with_hf
+from studies.verification.layouts import VerifySpec
 from tests.multiproc import run_ranks
 
 transformers = pytest.importorskip("transformers")

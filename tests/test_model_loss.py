@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import parallel_state
 from engine.models import ModelConfig, build_model
-from engine.verification.layouts import VerifySpec, make_batch
 from layers.mappings import gather_along
+from studies.verification.layouts import VerifySpec, make_batch
 from tests.multiproc import run_ranks
 
 RTOL, ATOL = 1e-12, 0.0  # float64, see above

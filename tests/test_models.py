@@ -1,6 +1,6 @@
 """GPT and BERT at every (tp, dp, sequence-parallel, recompute) layout match the unsplit model.
 
-Each layout is compared by ``engine.verification.layouts.compare_layouts`` against tp=1,
+Each layout is compared by ``studies.verification.layouts.compare_layouts`` against tp=1,
 dp=1 on the same seed and global batch: every module output, the loss and every parameter
 gradient, all gathered to full shape. Tolerances are relative to max |reference|
 (``layouts.TOLERANCES``):
@@ -21,7 +21,7 @@ import torch
 import parallel_state
 from engine.checkpoint.format import load_model, read_checkpoint, save_model, write_checkpoint
 from engine.models import ModelConfig, build_model, preset
-from engine.verification.layouts import VerifySpec, compare_layouts, solo_group
+from studies.verification.layouts import VerifySpec, compare_layouts, solo_group
 from tests.multiproc import run_ranks
 
 

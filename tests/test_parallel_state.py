@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import parallel_state
+from parallel_state.dims import ParallelDims
 from parallel_state.launcher import detect_launch, first_slurm_host
 from tests.multiproc import run_ranks
 
@@ -19,7 +20,10 @@ LAYOUTS = [(2, 2), (4, 1), (1, 4)]
 def _layouts() -> dict:
     seen = {}
     for tp, dp in LAYOUTS:
-        ps = parallel_state.initialize(tp, dp)
+        # The short form (sizes) and the mesh value (ParallelDims) must build the same mesh.
+        ps = parallel_state.initialize(
+            ParallelDims(tp, dp) if tp == dp else tp, dp if tp != dp else None
+        )
         # Prove the groups really contain those ranks: a sum over each group of the global
         # ranks must equal the sum of the membership it claims.
         t = torch.tensor([float(ps.rank)])
@@ -35,6 +39,7 @@ def _layouts() -> dict:
             "dp_sum": d.item(),
             "sizes": (ps.tp_size, ps.dp_size, ps.world_size),
             "get_is_current": parallel_state.get() is ps,
+            "groups_by_axis": ps.groups == {"dp": ps.dp_group, "tp": ps.tp_group},
         }
         parallel_state.destroy()
     return seen
@@ -61,6 +66,7 @@ def test_rank_layout_and_group_membership():
             assert s["dp_ranks"] == dp_group, (tp, dp, rank)
             assert s["tp_sum"] == sum(tp_group) and s["dp_sum"] == sum(dp_group)
             assert s["sizes"] == (tp, dp, 4) and s["get_is_current"]
+            assert s["groups_by_axis"]
 
 
 def _bad_sizes() -> list[str]:
@@ -98,6 +104,15 @@ def test_tp_group_spanning_nodes_warns():
     messages = run_ranks(_cross_node, 4, env)
     for m in messages:
         assert len(m) == 1 and "tp_size 4 does not fit in the 2 processes of one node" in m[0]
+
+
+def test_initialize_takes_the_mesh_value_and_keeps_its_flags():
+    ps = parallel_state.initialize(ParallelDims(1, 1, sequence_parallel=True, zero1=True))
+    try:
+        assert ps.dims == ParallelDims(1, 1, sequence_parallel=True, zero1=True)
+        assert set(ps.groups) == {"dp", "tp"} and ps.groups["tp"] is ps.tp_group
+    finally:
+        parallel_state.destroy()
 
 
 def test_single_process_initialize_and_destroy():

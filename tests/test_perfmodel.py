@@ -1,4 +1,4 @@
-"""engine/perfmodel against hand-computed cases, measured activation memory, and its CLIs.
+"""studies/perfmodel against hand-computed cases, measured activation memory, and its CLIs.
 
 Every expected number below is derived by hand from the formula it checks (the
 derivation is in the comment next to it), not read back from the code under test.
@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.perfmodel import Layout, Workload, comm, load_cluster, memory, predict, search
-from engine.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict, scale_for
-from engine.perfmodel.formulas import gpt_flops_per_iteration
+from engine.formulas import gpt_flops_per_iteration
+from studies.perfmodel import Layout, Workload, load_cluster, predict, search
+from studies.perfmodel import comm_cost as comm
+from studies.perfmodel import memory_model as memory
+from studies.perfmodel.cluster_spec import ClusterSpec, Link, cluster_from_dict, scale_for
 
 ROOT = Path(__file__).resolve().parents[1]
 ALPHA, BW = 1e-5, 1e9  # 10 µs, 1 GB/s: round numbers for hand arithmetic
@@ -80,7 +82,7 @@ def test_layer_activation_table_by_hand():
 def _measured_rows():
     import parallel_state
     from engine.models import ModelConfig
-    from engine.models.memory import measure_layer_bytes
+    from engine.models.activation_memory import measure_layer_bytes
 
     parallel_state.initialize(2, 1).seed(0)
     base = ModelConfig(hidden_size=256, num_heads=8, num_layers=1, attention_dropout=0.0)
@@ -170,7 +172,7 @@ def test_measured_rank_speed_scales_cpu_compute():
 
 
 def test_compute_scale_multiplies_compute_at_the_nearest_hidden_size():
-    """compute_scale (engine/perfmodel/probes.py, measured per hidden size) multiplies every
+    """compute_scale (studies/perfmodel/probes.py, measured per hidden size) multiplies every
     compute term at the nearest measured size in log space, and nothing else. Tolerance
     rel 1e-9: float rounding only."""
     base = ClusterSpec("hand", 64, LINK, LINK, peak_flops=1e11, mem_bandwidth_Bps=1e10,
@@ -227,7 +229,7 @@ def test_search_rejects_with_reasons():
 def _plan(*args: str) -> subprocess.CompletedProcess:
     # torch made unimportable: the planner must run without it
     code = "import sys; sys.modules['torch'] = None; sys.argv = ['plan'] + sys.argv[1:]; " \
-           "from engine.perfmodel.cli import main; sys.exit(main())"  # fmt: skip
+           "from studies.perfmodel.plan_cli import main; sys.exit(main())"  # fmt: skip
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
                           env=_env(), cwd=ROOT, timeout=60)  # fmt: skip
 
@@ -268,10 +270,10 @@ def test_plan_errors_are_one_line():
 
 
 def test_published_megatron_rows_within_15_percent():
-    """Published Megatron-LM per-GPU TFLOP/s (README tables, cited in engine/perfmodel/published.py)
+    """Published Megatron-LM per-GPU TFLOP/s (README tables, cited in studies/perfmodel/published.py)
     against the model: ±15 % on every row not used to fit the H100's GEMM efficiency, the
     goal this model is held to (docs/PERFMODEL.md)."""
-    from engine.perfmodel import published
+    from studies.perfmodel import published
 
     results = published.evaluate_all()
     for r in results:
@@ -289,15 +291,15 @@ def test_ci_sized_validation_pipeline_runs_here(tmp_path):
     anywhere: the calibration writes a spec whose probe ran, both points are measured and
     priced with positive finite times, and the error is the ratio of the two minus one.
     """
-    from engine.perfmodel.validate import compare, measure_with_probe
-    from engine.perfmodel.validate_cli import MACHINE_POINTS
+    from studies.perfmodel.validate import compare, measure_with_probe
+    from studies.perfmodel.validate_cli import MACHINE_POINTS
 
     spec = tmp_path / "here.yaml"
     cal = subprocess.run([sys.executable, str(ROOT / "tools/calibrate.py"), "--quick", "--out", str(spec)],
                          capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)  # fmt: skip
     assert cal.returncode == 0, cal.stderr
     cluster = load_cluster(str(spec))
-    assert cluster.compute_scale.get(128, 0) > 0  # the probe ran (engine/perfmodel/probes.py)
+    assert cluster.compute_scale.get(128, 0) > 0  # the probe ran (studies/perfmodel/probes.py)
     labels = ("tiny tp2 dp1 mb4", "tiny tp1 dp2 mb4")
     points = [p for p in MACHINE_POINTS if p.label in labels]
     measured = [measure_with_probe(p, steps=8, log_every=2) for p in points]
@@ -309,7 +311,7 @@ def test_ci_sized_validation_pipeline_runs_here(tmp_path):
 
 
 def test_scaling_study_csv_and_console_parsing(tmp_path):
-    from engine.perfmodel.validate import compare, parse_step_times, read_scaling_results
+    from studies.perfmodel.validate import compare, parse_step_times, read_scaling_results
 
     cols = ("nodes,procs_per_node,tp_size,dp_size,world_size,micro_batch,global_batch,"
             "step_time_s,step_time_p10_s,step_time_p90_s,tokens_per_s,tflops_per_rank,speedup,"
@@ -345,7 +347,7 @@ def test_scaling_study_csv_and_console_parsing(tmp_path):
 def test_machine_rounds_take_the_median_per_point():
     """--rounds / --reuse a,b: each point's step time, probe and parts are the median over
     the rounds (of two: their mean); a point missing from a round is left out."""
-    from engine.perfmodel.validate_cli import MACHINE_POINTS, median_points
+    from studies.perfmodel.validate_cli import MACHINE_POINTS, median_points
 
     a, b = MACHINE_POINTS[0].label, MACHINE_POINTS[2].label
 

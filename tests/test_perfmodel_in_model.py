@@ -1,4 +1,4 @@
-"""The in-model calibration terms (engine/perfmodel/in_model.py) against real counts and
+"""The in-model calibration terms (studies/perfmodel/in_model.py) against real counts and
 hand-computed prices.
 
 The collective count is checked on a real 2-rank step (a timer counts every TP collective
@@ -15,16 +15,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.perfmodel import Layout, Workload, predict
-from engine.perfmodel.cluster import ClusterSpec, Link, cluster_from_dict
-from engine.perfmodel.in_model import (
-    _fit_tp,
+from studies.perfmodel import Layout, Workload, predict
+from studies.perfmodel.cluster_spec import ClusterSpec, Link, cluster_from_dict
+from studies.perfmodel.in_model import (
     lookup,
     nearest,
     parameter_tensors,
     parse,
     tp_collectives,
 )
+from studies.perfmodel.in_model_runs import fit_tp
 from tests.multiproc import run_ranks
 
 ALPHA, BW = 1e-5, 1e9
@@ -122,10 +122,10 @@ def test_tp_fit_splits_the_loss_into_its_two_parts():
     exact solution; a fit that would need a negative part puts it all on the collectives."""
     a, f = 2e-3, 0.25
     runs = [(12 * a + f * 0.010, 12, 0.010), (12 * a + f * 0.040, 12, 0.040)]
-    assert _fit_tp(runs) == pytest.approx((a, f), rel=1e-9)
+    assert fit_tp(runs) == pytest.approx((a, f), rel=1e-9)
     falling = [(0.030, 12, 0.010), (0.020, 12, 0.040)]  # more compute, less loss: noise
-    assert _fit_tp(falling) == pytest.approx((0.025 / 12, 0.0), rel=1e-9)
-    assert _fit_tp(runs[:1]) == pytest.approx(((12 * a + f * 0.010) / 12, 0.0), rel=1e-9)
+    assert fit_tp(falling) == pytest.approx((0.025 / 12, 0.0), rel=1e-9)
+    assert fit_tp(runs[:1]) == pytest.approx(((12 * a + f * 0.010) / 12, 0.0), rel=1e-9)
 
 
 def test_in_model_dp_wait_and_optimizer_extra_are_added():

@@ -326,7 +326,7 @@ def test_python_snippets_run_as_shown(ranks, tmp_path):
 
 def _verify_rows(spec) -> list[tuple[str, str, bool]] | None:
     import parallel_state
-    from engine.verification.layouts import compare_layouts
+    from studies.verification.layouts import compare_layouts
 
     parallel_state.initialize(spec.tp_size, spec.dp_size)
     report = compare_layouts(spec)
@@ -339,7 +339,7 @@ def test_the_verifiers_shown_output_is_what_it_prints():
     last line counts them: run the README's layout (gpt, tp=2 dp=2, sequence parallel,
     selective recompute) on 4 gloo ranks. The errors themselves (1e-16 noise) are not
     compared; every shown row must say ok."""
-    from engine.verification.layouts import VerifySpec
+    from studies.verification.layouts import VerifySpec
 
     spec = VerifySpec(
         model="gpt", tp_size=2, dp_size=2, sequence_parallel=True, recompute="selective"

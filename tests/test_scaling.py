@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from engine.data import build_default_corpus
-from engine.scaling.cluster import PREFIX, namespaces, unavailable_reason
-from engine.scaling.report import COLUMNS
 from engine.step_timer import _DPClock
+from studies.scaling.emulated_cluster import PREFIX, namespaces, unavailable_reason
+from studies.scaling.report import COLUMNS
 from tests.multiproc import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,7 +238,7 @@ def test_without_root_the_study_says_so_in_one_line(monkeypatch):
 
 
 def test_weak_scaling_speedup_counts_the_larger_batch():
-    from engine.scaling.report import add_speedup
+    from studies.scaling.report import add_speedup
 
     # Hand-derived: 2 ranks do twice the batch in 1.25× the time: speedup 2/1.25 = 1.6,
     # efficiency 0.8; a failed point is left out.
@@ -261,7 +261,7 @@ def test_report_leaves_out_tables_that_do_not_apply_and_plots_carry_titles(tmp_p
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from engine.scaling.report import plot, write_report
+    from studies.scaling.report import plot, write_report
 
     row = {
         "status": "ok",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.scaling.study import StudyConfig, grid
-from engine.scaling.workloads import RunSpec, classify_command
+from studies.scaling.study import StudyConfig, grid
+from studies.scaling.workloads import RunSpec, classify_command
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path("/usr/share/datasets/fashion-mnist")

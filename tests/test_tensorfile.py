@@ -160,7 +160,7 @@ def test_checkpoint_recorded_with_sha256_still_loads_and_verifies(tmp_path):
 def test_checkpoint_benchmark_runs_every_side(tmp_path, capsys):
     """tools/bench_checkpoint.py saves and loads with all four formats and prints a ratio
     for each (the times themselves are the benchmark's, not asserted here)."""
-    from engine.bench.checkpoint import main
+    from studies.bench.checkpoint import main
 
     assert main(["--preset", "gpt_tiny", "--rounds", "1", "--dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

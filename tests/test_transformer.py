@@ -14,7 +14,7 @@ import layers.transformer
 import parallel_state
 from engine.data_parallel import GradSync
 from engine.models import ModelConfig, build_model
-from engine.models.memory import activation_memory_table
+from engine.models.activation_memory import activation_memory_table
 from layers.attention import heads_per_rank
 from tests.multiproc import run_ranks
 

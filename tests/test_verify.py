@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 import layers.mappings
 import parallel_state
-from engine.verification.layouts import Report, VerifySpec, compare, compare_layouts
 from layers.utils import SP_GRAD_ATTR
+from studies.verification.layouts import Report, VerifySpec, compare, compare_layouts
 from tests.multiproc import run_ranks
 
 

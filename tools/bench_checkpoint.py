@@ -2,7 +2,7 @@
 
     python tools/bench_checkpoint.py --preset gpt_125m --rounds 3
 
-The benchmark lives in engine/bench/checkpoint.py (what it times and how is described there).
+The benchmark lives in studies/bench/checkpoint.py (what it times and how is described there).
 """
 
 import os
@@ -11,7 +11,7 @@ import sys
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.bench.checkpoint import main, parse_args  # noqa: E402, F401
+from studies.bench.checkpoint import main, parse_args  # noqa: E402, F401
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -21,10 +21,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.cli import ArgumentParser, positive_int  # noqa: E402
 from engine.generate import Sampling, generate_batch  # noqa: E402
 from engine.models import build_model  # noqa: E402
 from engine.models.config import preset  # noqa: E402
+from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

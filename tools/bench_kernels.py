@@ -3,7 +3,7 @@
     python tools/bench_kernels.py --out outputs/bench_kernels            # on a CUDA machine
     python tools/bench_kernels.py --smoke --out outputs/bench_smoke      # anywhere: tiny shapes
 
-The benchmark lives in engine/bench/kernels.py (what it measures and writes is described there).
+The benchmark lives in studies/bench/kernels.py (what it measures and writes is described there).
 """
 
 import os
@@ -12,7 +12,7 @@ import sys
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.bench.kernels import main, parse_args  # noqa: E402, F401
+from studies.bench.kernels import main, parse_args  # noqa: E402, F401
 
 if __name__ == "__main__":
     main()

@@ -27,7 +27,6 @@ from pathlib import Path
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.cli import ArgumentParser, positive_int  # noqa: E402
 from engine.data.default_corpus import stdlib_sources  # noqa: E402
 from engine.data.preprocess import (  # noqa: E402
     expand_inputs,
@@ -36,6 +35,7 @@ from engine.data.preprocess import (  # noqa: E402
     save_tokenizer,
     train_tokenizer,
 )
+from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
 
 FORMATS = ("text", "jsonl", "jsonl.gz", "jsonl.zst", "parquet")
 

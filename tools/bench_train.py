@@ -4,7 +4,7 @@
         --seq 128 --micro-batch 8 --vocab 8192 --threads 1 --out bench_train.csv
     torchrun --nproc-per-node 2 tools/bench_train.py --dp 2 --zero1 ...  # ZeRO-1 ÷ all-reduce
 
-The benchmark lives in engine/bench/train.py (what it times and how is described there).
+The benchmark lives in studies/bench/train.py (what it times and how is described there).
 """
 
 import os
@@ -13,7 +13,7 @@ import sys
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.bench.train import main, parse_args  # noqa: E402, F401
+from studies.bench.train import main, parse_args  # noqa: E402, F401
 
 if __name__ == "__main__":
     raise SystemExit(main())

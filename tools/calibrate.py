@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.perfmodel.calibrate import main  # noqa: E402
+from studies.perfmodel.calibrate import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(

@@ -26,7 +26,7 @@ from engine.checkpoint import CheckpointError  # noqa: E402
 from engine.checkpoint.convert import convert, export_model, resolve, summarize  # noqa: E402
 from engine.checkpoint.tensorfile import HASHES  # noqa: E402
 from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
-from engine.cli import ArgumentParser  # noqa: E402
+from engine.tool_args import ArgumentParser  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
-from engine.cli import ArgumentParser  # noqa: E402
 from engine.hf_interop import export_hf, import_hf  # noqa: E402
+from engine.tool_args import ArgumentParser  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,9 +22,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.cli import ArgumentParser, positive_int  # noqa: E402
 from engine.data_parallel import DynamicLossScaler, clip_grads_, global_grad_norm  # noqa: E402
 from engine.models import build_model, preset  # noqa: E402
+from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

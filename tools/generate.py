@@ -111,22 +111,20 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
     from tokenizers import Tokenizer
 
     import parallel_state
+    from engine.bootstrap import bootstrap_rank
     from engine.generate import generate_batch
     from engine.inference import inference_config
-    from engine.launching import share_cores
     from engine.models import build_model
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    ps = parallel_state.initialize(
-        args.tp_size,
-        None,
-        backend=parallel_state.backend_for(
-            "auto", local, warn=int(os.environ.get("RANK", "0")) == 0
-        ),
+    def say(ps, line: str) -> None:
+        if ps.rank == 0:  # stdout holds the samples alone
+            print(line, file=sys.stderr)
+
+    ps = bootstrap_rank(
+        lambda world: parallel_state.ParallelDims.resolve(args.tp_size, None, world),
+        warn=int(os.environ.get("RANK", "0")) == 0,
+        say=say,
     )
-    threads = share_cores(ps)
-    if threads and ps.rank == 0:  # stdout holds the samples alone
-        print(threads, file=sys.stderr)
     try:
         cfg, state = ModelSource(args.ckpt, args.hf_dir).load()
         model = build_model(inference_config(cfg), tp_group=ps.tp_group,

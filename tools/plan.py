@@ -5,7 +5,7 @@
     python tools/plan.py predict --hidden 4096 --layers 32 --heads 32 --vocab 50257 --seq 2048 \\
         --global-batch 1024 --gpus 128 --tp 4 --recompute selective --sequence-parallel --zero1 --json
 
-Pure Python (no torch): the model is engine/perfmodel, the formulas and their validation
+Pure Python (no torch): the model is studies/perfmodel, the formulas and their validation
 are in docs/PERFMODEL.md.
 """
 
@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.perfmodel.cli import build_parser, main  # noqa: E402
+from studies.perfmodel.plan_cli import build_parser, main  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None):

@@ -19,9 +19,9 @@ import sys
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.cli import ArgumentParser, non_negative_int, positive_int  # noqa: E402
 from engine.data.indexed import INDEX_FORMATS, convert_index  # noqa: E402
 from engine.data.preprocess import EOD_TOKEN, load_tokenizer, preprocess  # noqa: E402
+from engine.tool_args import ArgumentParser, non_negative_int, positive_int  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.scaling.cli import main, parse_args  # noqa: E402, F401 (parse_args: README test)
+from studies.scaling.study_cli import main, parse_args  # noqa: E402, F401 (parse_args: README test)
 
 if __name__ == "__main__":
     raise SystemExit(main())

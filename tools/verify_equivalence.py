@@ -28,8 +28,8 @@ from rich.table import Table
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.verification.hf_parity import HF_TOLERANCES, check_hf_layout, compare_with_hf  # noqa: E402
-from engine.verification.layouts import (  # noqa: E402
+from studies.verification.hf_parity import HF_TOLERANCES, check_hf_layout, compare_with_hf  # noqa: E402
+from studies.verification.layouts import (  # noqa: E402
     TOLERANCES,
     Report,
     VerifySpec,

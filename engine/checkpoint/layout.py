@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel_state.dims import ParallelDims
+
 Box = list[tuple[int, int]]
 
 # Tensor kinds: model parameters, optimizer state of the same shape, per-rank RNG states.
@@ -113,17 +115,17 @@ def assign_writers(
     """
     world = tp_size * dp_size
     plan: dict[int, dict[str, Box]] = {r: {} for r in range(world)}
-    load = [0] * world  # bytes planned per global rank (rank = dp_rank * tp_size + tp_rank)
+    load = [0] * world  # bytes planned per global rank
     for spec in sorted(specs, key=lambda s: s.name):
         if spec.kind == RNG:
             plan.setdefault(spec.rank, {})[spec.name] = [(0, n) for n in spec.shape]
             continue
         if spec.tp_dim is None:
             holders = [(list(range(world)), [(0, n) for n in spec.shape])]
-        else:
+        else:  # the DP replicas of each TP rank, from the mesh's one rank formula
             holders = [
-                (list(range(t, world, tp_size)), local_box(spec, t, tp_size, padded_vocab))
-                for t in range(tp_size)
+                (replicas, local_box(spec, t, tp_size, padded_vocab))
+                for t, replicas in enumerate(ParallelDims(tp_size, dp_size).group_ranks("dp"))
             ]
         for ranks, box in holders:
             if box is None:

@@ -9,6 +9,7 @@ model export (``ROOT/final``, ``tools/checkpoint.py export-model``) holds a copy
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,9 +35,10 @@ _HF_ROLES = {
 
 
 def _sha256(path: str | os.PathLike) -> str:
-    from engine.checkpoint.storage import sha256_file  # storage imports format, which imports us
-
-    return sha256_file(Path(path))
+    # hashlib's own file digest: importing storage's would close a circle (storage imports
+    # format, which imports this module).
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def tokenizer_record(path: str | os.PathLike | None) -> dict[str, str] | None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.data_parallel.buckets import BucketLauncher
+from layers.tp_grads import sum_partial_grads_
 from layers.utils import SP_GRAD_ATTR, group_size
 
 
@@ -162,15 +163,7 @@ class GradSync(BucketLauncher):
         self._sync_sequence_parallel_grads()
 
     def _sync_sequence_parallel_grads(self) -> None:
-        grads = [p.grad for p in self.sp_params if p.grad is not None]
-        if not grads or group_size(self.tp_group) == 1:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.tp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        sum_partial_grads_([p.grad for p in self.sp_params if p.grad is not None], self.tp_group)
 
     def remove(self) -> None:
         """Detach the backward hooks."""

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.data_parallel.buckets import BucketLauncher, ShardedBucket, cut_buckets
+from layers.tp_grads import sum_partial_grads_
 from layers.utils import group_rank, group_size
 
 MASTER_KEY = "master"  # exported state key of fp32 masters of lower-precision parameters
@@ -156,17 +157,8 @@ class ZeroOptimizer(BucketLauncher):
     def _sum_sequence_parallel_grads(self) -> None:
         # After the DP average (both are sums, so the order does not change the result).
         # Every TP rank has the same bucket layout, so the ranges line up across TP.
-        if group_size(self.tp_group) == 1:
-            return
         parts = [b.master.grad[lo:hi] for b in self.buckets for lo, hi in b.sp_ranges]
-        if not parts:
-            return
-        flat = torch.cat(parts)
-        dist.all_reduce(flat, group=self.tp_group)
-        offset = 0
-        for part in parts:
-            part.copy_(flat[offset : offset + part.numel()])
-            offset += part.numel()
+        sum_partial_grads_(parts, self.tp_group)
 
     def grad_norm(self) -> torch.Tensor:
         """L2 norm of the whole model's averaged gradient, the same on every rank."""

@@ -24,9 +24,6 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from engine.config import Config
-from parallel_state.launcher import detect_launch
-
 EXIT_STOPPED = 3  # the run stopped itself (bad steps, a lost or frozen peer)
 EXIT_FAILED = 1  # anything else went wrong in a worker
 
@@ -161,18 +158,3 @@ class Watchdog:
             append_run_log(self.run_dir, f"rank {self.rank}: {line}\n{frames}")
             print(line, file=sys.stderr, flush=True)
             os._exit(EXIT_STOPPED)  # the main thread is blocked in C++: only an exit ends it
-
-
-def run_rank(cfg: Config) -> dict:
-    """One worker: train, and turn a failure into one console line and an exit status.
-
-    It lives in an importable module (not the ``__main__`` of ``python -m engine.pretrain``)
-    because the elastic launcher pickles it by name, and under another entry point (a
-    Hydra launcher plugin, submitit) ``__main__`` is not this program.
-    """
-    from engine.trainer import run_worker  # here, not at the top: the trainer imports us
-
-    try:
-        return run_worker(cfg)
-    except Exception as err:  # noqa: BLE001 - reported in one line, traceback in the run log
-        raise SystemExit(report_failure(err, cfg.run_dir, detect_launch().rank)) from None

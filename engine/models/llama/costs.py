@@ -8,7 +8,7 @@ all s positions (every query head, so GQA does not shrink them)::
     per-layer forward = 2·B·s·(2·h² + 2·h·kv·d + 3·h·f) + 4·B·s²·h
 
 Backward is twice the forward, full recomputation one forward more; the LM head adds
-2·B·s·h·V forward, as for GPT (engine.perfmodel.formulas).
+2·B·s·h·V forward, as for GPT (engine.formulas).
 """
 
 from __future__ import annotations

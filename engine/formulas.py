@@ -1,0 +1,86 @@
+"""The runtime's closed-form formulas, in plain Python (no torch): matmul FLOPs of GPT and
+BERT steps and the padded vocabulary.
+
+The trainer (through engine.flops, which re-exports them and derives them), its tests
+and the performance model (studies/perfmodel, which runs where torch is not installed)
+all read them here, so each formula has one source.
+"""
+
+from __future__ import annotations
+
+
+def _layer_forward_flops(batch: int, seq: int, hidden: int, ffn: int) -> int:
+    """Matmul FLOPs of one transformer layer's forward pass (see engine.flops)."""
+    projections = 2 * batch * seq * (4 * hidden * hidden + 2 * hidden * ffn)
+    attention = 4 * batch * seq * seq * hidden  # QKᵀ and scores·V, all s×s entries
+    return projections + attention
+
+
+def gpt_flops_per_iteration(
+    batch: int,
+    seq: int,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    *,
+    recompute: bool = False,
+    ffn_hidden: int | None = None,
+) -> int:
+    """Forward + backward matmul FLOPs of a GPT step on ``batch`` sequences of ``seq`` tokens.
+
+    With ``ffn_hidden`` None (4·hidden) this is exactly the usual model-FLOPs formula,
+    72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)); ``recompute=True`` (full activation
+    recomputation) counts the layers' extra forward: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)).
+    Pass the vocabulary the LM head actually multiplies by (the padded one) to count the
+    work done; MFU conventions (Megatron's included) do the same.
+
+    The recompute count is the usual one (a whole extra forward). torch's non-reentrant
+    checkpoint stops once the last saved tensor is regenerated, so on a pre-LN layer it
+    skips fc2's forward: the hardware then does 2·B·s·f·h·l fewer FLOPs than counted.
+    """
+    ffn = ffn_hidden or 4 * hidden
+    layer_passes = 4 if recompute else 3
+    lm_head = 2 * batch * seq * hidden * vocab
+    return layer_passes * layers * _layer_forward_flops(batch, seq, hidden, ffn) + 3 * lm_head
+
+
+def bert_flops_per_iteration(
+    batch: int,
+    seq: int,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    *,
+    recompute: bool = False,
+    ffn_hidden: int | None = None,
+) -> int:
+    """Forward + backward matmul FLOPs of a BERT pre-training step (MLM on every position + SOP).
+
+    Derived with the same counting as GPT:
+
+    - layers: bidirectional attention forms the same s×s scores as causal attention
+      (neither kernel skips masked blocks), so each layer costs what a GPT layer costs;
+    - MLM head: the transform dense (h×h) and the decoder (h×V) run on all B·s positions,
+      not only the masked ones: 2·B·s·h² + 2·B·s·h·V forward;
+    - pooler dense (h×h) on the [CLS] token and the sentence-order head (h×2):
+      2·B·h² + 4·B·h forward.
+
+    Every one of these matmuls also computes its input and weight gradients, so
+    forward + backward is 3× the forward, and with f = 4h
+
+        F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h) + 1/(12·l)) + 6·B·h² + 12·B·h.
+
+    ``recompute=True`` adds one more forward of the layers only (96 for 72 in the layer
+    term; the heads are not recomputed).
+    """
+    gpt_part = gpt_flops_per_iteration(
+        batch, seq, layers, hidden, vocab, recompute=recompute, ffn_hidden=ffn_hidden
+    )
+    mlm_transform = 2 * batch * seq * hidden * hidden
+    pooler_and_sop = 2 * batch * hidden * hidden + 2 * batch * hidden * 2
+    return gpt_part + 3 * (mlm_transform + pooler_and_sop)
+
+
+def pad_vocab(vocab: int, multiple: int) -> int:
+    """``vocab`` rounded up to a multiple of ``multiple`` (the embedding rows actually allocated)."""
+    return -(-vocab // multiple) * multiple

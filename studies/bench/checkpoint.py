@@ -1,0 +1,164 @@
+"""Checkpoint save and load time of meshtron against PyTorch's own formats, side by side.
+
+One process builds a model of ``--preset`` (tp=1, dp=1, fp32) and an AdamW state for
+every parameter (``exp_avg``, ``exp_avg_sq``: the state a training run saves), then, in
+rounds whose order alternates, saves and loads the same tensors with:
+
+- ``meshtron``: ``engine.checkpoint.save_checkpoint`` / ``load_checkpoint`` (atomic step
+  directory, index, per-file integrity hash written on save and verified on every load);
+- ``dcp``: ``torch.distributed.checkpoint.save`` / ``load`` (no process group; loads in
+  place into the given tensors);
+- ``torch.save``: one file of the flat {name: tensor} dict, then ``torch.load`` and a copy
+  into the model and optimizer tensors;
+- ``safetensors``: ``safetensors.torch.save_file`` / ``load_file`` and the same copy.
+
+Every save is made durable (the last two fsync their file; DCP and meshtron do it
+themselves). Loads read from the page cache (the files were just written), as a resume on
+the same node does. Each side's median over the rounds and meshtron's ratio to the others
+are printed.
+
+    python tools/bench_checkpoint.py --preset gpt_125m --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.models import build_model, preset, preset_names
+from engine.tool_args import ArgumentParser, positive_int
+
+SIDES = ("meshtron", "dcp", "torch.save", "safetensors")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="gpt_125m", choices=preset_names(), help="model size")
+    p.add_argument("--rounds", type=positive_int, default=3, help="timed save+load rounds")
+    p.add_argument("--dir", default=None, help="scratch directory (default: a new temp dir)")
+    return p.parse_args(argv)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _flat(model, optimizer) -> dict[str, torch.Tensor]:
+    """{name: tensor} of every parameter and its AdamW moments (the tensors, not copies)."""
+    flat = {}
+    for name, p in model.named_parameters():
+        flat[f"model/{name}"] = p.data
+        for key, value in optimizer.state[p].items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                flat[f"optim/{name}/{key}"] = value
+    return flat
+
+
+@torch.no_grad()
+def _copy_into(flat: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
+    for name, tensor in flat.items():
+        tensor.copy_(loaded[name])
+
+
+def _sides(model, optimizer, scratch: Path) -> dict[str, tuple[Callable, Callable]]:
+    """{side: (save, load)}; each save writes scratch/side anew."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+
+    flat = _flat(model, optimizer)
+    mesh_dir, dcp_dir = scratch / "meshtron", scratch / "dcp"
+    pt_file, st_file = scratch / "state.pt", scratch / "state.safetensors"
+
+    def mesh_save():
+        save_checkpoint(mesh_dir, 1, model=model, optimizer=optimizer, ps=None, state={})
+
+    def mesh_load():
+        load_checkpoint(mesh_dir, model=model, optimizer=optimizer, ps=None, log=lambda m: None)
+
+    def pt_save():
+        torch.save(flat, pt_file)
+        _fsync(pt_file)
+
+    def st_save():
+        save_file(flat, str(st_file))
+        _fsync(st_file)
+
+    return {
+        "meshtron": (mesh_save, mesh_load),
+        "dcp": (
+            lambda: dcp.save(flat, checkpoint_id=dcp_dir),
+            lambda: dcp.load(flat, checkpoint_id=dcp_dir),
+        ),
+        "torch.save": (pt_save, lambda: _copy_into(flat, torch.load(pt_file, weights_only=True))),
+        "safetensors": (st_save, lambda: _copy_into(flat, load_file(str(st_file)))),
+    }
+
+
+def _model_and_optimizer(name: str):
+    model = build_model(preset(name, hidden_dropout=0.0, attention_dropout=0.0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer.step()  # creates the moments, as a training step does
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def measure(args: argparse.Namespace, scratch: Path) -> dict[str, dict[str, list[float]]]:
+    """{side: {"save": [s...], "load": [s...]}} over ``args.rounds`` rounds (plus a warmup)."""
+    model, optimizer = _model_and_optimizer(args.preset)
+    sides = _sides(model, optimizer, scratch)
+    # DCP warns that it runs without a process group and overwrites its last save: both meant.
+    warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
+    times = {side: {"save": [], "load": []} for side in SIDES}
+    for r in range(args.rounds + 1):
+        order = SIDES if r % 2 == 0 else SIDES[::-1]
+        for side in order:
+            for op, fn in zip(("save", "load"), sides[side], strict=True):
+                start = time.perf_counter()
+                fn()
+                if r > 0:  # round 0 warms caches and imports
+                    times[side][op].append(time.perf_counter() - start)
+    return times
+
+
+def report(times: dict, gigabytes: float, load: str) -> str:
+    lines = [
+        f"checkpoint of {gigabytes:.2f} GB; medians over {len(times['dcp']['save'])} rounds; {load}"
+    ]
+    lines.append(f"{'side':<12} {'save s':>8} {'load s':>8}  meshtron/side save  load")
+    mesh = {op: statistics.median(times["meshtron"][op]) for op in ("save", "load")}
+    for side in SIDES:
+        save, load_ = (statistics.median(times[side][op]) for op in ("save", "load"))
+        ratios = (
+            ""
+            if side == "meshtron"
+            else f"  {mesh['save'] / save:17.2f}x {mesh['load'] / load_:5.2f}x"
+        )
+        lines.append(f"{side:<12} {save:8.2f} {load_:8.2f}{ratios}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    scratch = Path(tempfile.mkdtemp(prefix="bench_ckpt-", dir=args.dir))
+    try:
+        times = measure(args, scratch)
+        model_bytes = sum(f.stat().st_size for f in (scratch / "meshtron").rglob("*.safetensors"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    load = "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(report(times, model_bytes / 1e9, load))
+    return 0

@@ -1,0 +1,113 @@
+"""Graphs and graph breaks of meshtron's compiled training step (``model.compile=true``).
+
+Builds the model of ``--preset`` (with the overrides given) compiled, runs one training
+forward, loss and backward on a random batch, and prints what TorchDynamo captured: the
+number of graphs, the number of graph breaks, and each break's reason with its count. The
+whole step compiles to one graph when nothing in it needs eager Python (no Triton
+kernels, no dropout on sequence-sharded activations, no dropout under full
+recomputation).
+
+    python tools/count_graph_breaks.py --preset gpt_tiny --recompute full
+    torchrun --nproc-per-node 2 tools/count_graph_breaks.py --tp 2 --sequence-parallel
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import parallel_state
+from engine.bootstrap import bootstrap_rank
+from engine.models import build_model, preset, preset_names
+from engine.tool_args import ArgumentParser, positive_int
+from layers.compile import COMPILE_BACKENDS
+from layers.recompute import RECOMPUTE_MODES
+from parallel_state import ParallelDims
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="gpt_tiny", choices=preset_names())
+    for name in ("hidden", "layers", "heads", "vocab"):
+        p.add_argument(f"--{name}", type=positive_int, default=None, help="override the preset")
+    p.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence")
+    p.add_argument("--micro-batch", type=positive_int, default=2)
+    p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
+    p.add_argument("--tp", type=positive_int, default=1, help="TP size (run under torchrun)")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
+    p.add_argument("--kernels", choices=["auto", "triton", "torch", "apex"], default="auto")
+    p.add_argument(
+        "--backend",
+        choices=COMPILE_BACKENDS,
+        default="aot_eager",
+        help="aot_eager traces as inductor does, without code generation",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def count(args: argparse.Namespace) -> dict:
+    """{"graphs": n, "graph_breaks": n, "reasons": {first line of reason: count}}."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    overrides = {
+        "hidden_size": args.hidden,
+        "num_layers": args.layers,
+        "num_heads": args.heads,
+        "vocab_size": args.vocab,
+    }
+    cfg = preset(
+        args.preset,
+        **{k: v for k, v in overrides.items() if v is not None},
+        max_positions=args.seq,
+        hidden_dropout=args.dropout,
+        attention_dropout=args.dropout,
+        sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute,
+        kernels=args.kernels,
+        compile=True,
+        compile_backend=args.backend,
+    )
+    ps = parallel_state.get()
+    ps.seed(0)
+    model = build_model(cfg, tp_group=ps.tp_group, device=ps.device)
+    batch = torch.randint(
+        0,
+        cfg.vocab_size,
+        (args.micro_batch, args.seq + 1),
+        generator=torch.Generator().manual_seed(0),
+    ).to(ps.device)
+    dynamo.reset()
+    counters.clear()
+    model.loss(batch).backward()
+    reasons: dict[str, int] = {}
+    for reason, n in counters["graph_break"].items():
+        first = str(reason).strip().splitlines()[0]
+        reasons[first] = reasons.get(first, 0) + n
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "reasons": reasons,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    ps = bootstrap_rank(lambda world: ParallelDims.resolve(args.tp, None, world), split_cores=False)
+    try:
+        result = count(args)
+    finally:
+        parallel_state.destroy()
+    if ps.rank != 0:
+        return 0
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"graphs: {result['graphs']}  graph breaks: {result['graph_breaks']}")
+    for reason, n in sorted(result["reasons"].items(), key=lambda kv: -kv[1]):
+        print(f"  {n:3d}  {reason}")
+    return 0

@@ -1,0 +1,343 @@
+"""Training throughput: tokens/s, model TFLOP/s and MFU of meshtron, against plain PyTorch.
+
+One process measures meshtron (tp=1, dp=1) and the references named by ``--references``
+(a comma list) side by side: ``eager``, a plain PyTorch loop of the same model and math
+(nn.Embedding, nn.Linear, nn.LayerNorm, F.scaled_dot_product_attention, F.cross_entropy,
+torch.optim.AdamW; same sizes, dropout, precision and optimizer settings); ``compile``, the
+same plain model under ``torch.compile``; ``mcore``, Megatron-Core, which is skipped with
+a note (the comparison is not implemented here, and it is not a dependency). After a
+warmup, blocks of steps rotate through the loops (forward and reversed order in turn, so
+none always runs first after another), and the step-time medians give the ratios. Before
+timing, each reference is loaded with meshtron's weights and the losses must agree, so
+the loops are known to compute the same function.
+
+Model FLOPs come from ``engine.flops`` (no recomputation counted, padded vocabulary); MFU
+is printed only where ``engine.flops.peak_flops`` knows the device (never on CPU).
+
+    python tools/bench_train.py --preset gpt_tiny --hidden 256 --layers 4 --heads 4 \\
+        --seq 128 --micro-batch 8 --vocab 8192 --threads 1 --out bench_train.csv
+    torchrun --nproc-per-node 4 tools/bench_train.py --tp 2 --dp 2 ...   # meshtron only
+    torchrun --nproc-per-node 2 tools/bench_train.py --dp 2 --zero1 ...  # ZeRO-1 ÷ all-reduce
+
+``--zero1`` adds meshtron with ZeRO-1 (same model, seed and layout) as a second loop in
+the same rotation, and prints ZeRO-1's step time over the all-reduce path's.
+
+``--profile N`` then profiles N steps of each loop and prints where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import statistics
+import sys
+import time
+
+import torch
+from rich.console import Console
+
+import parallel_state
+from engine import flops
+from engine.bootstrap import bootstrap_rank
+from engine.config import OptimConfig
+from engine.data_parallel import DataParallel, build_data_parallel
+from engine.models import ModelConfig, build_model, preset
+from engine.tool_args import ArgumentParser, non_negative_int, positive_int
+from parallel_state import ParallelDims
+from studies.bench.reference_gpt import (
+    RefGPT,
+    autocast_context,
+    check_same_function,
+    load_reference,
+    reference_optimizer,
+    reference_step,
+)
+from studies.bench.train_report import Loop, compare, render, run_meta, summarize, write
+from studies.verification.layouts import VerifySpec
+from studies.verification.layouts import make_batch as verify_batch
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+REFERENCES = ("eager", "compile", "mcore")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="gpt_tiny", help="engine.models preset name")
+    for name in ("hidden", "layers", "heads", "ffn", "vocab", "max-positions"):
+        p.add_argument(f"--{name}", type=positive_int, default=None, help="override the preset")
+    p.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout")
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "triton", "torch", "apex"],
+        default=None,
+        help="meshtron's element-wise ops (model.kernels; default: the preset's)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile meshtron's whole forward and loss (model.compile=true)",
+    )
+    p.add_argument(
+        "--also-eager",
+        action="store_true",
+        help="with --compile, also time meshtron eager (same model and layout) in the rotation",
+    )
+    p.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
+    p.add_argument(
+        "--micro-batch", type=positive_int, default=8, help="sequences per rank per step"
+    )
+    p.add_argument("--tp", type=positive_int, default=1)
+    p.add_argument("--dp", type=positive_int, default=1)
+    p.add_argument("--precision", choices=["auto", *PRECISIONS], default="auto",
+                   help="auto: bf16 autocast on CUDA, fp32 on CPU")  # fmt: skip
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps of each loop")
+    p.add_argument(
+        "--blocks", type=positive_int, default=6, help="alternating timed blocks per loop"
+    )
+    p.add_argument("--steps-per-block", type=positive_int, default=4)
+    p.add_argument("--references", default="eager",
+                   help=f"comma list of {', '.join(REFERENCES)} (empty: meshtron only)")  # fmt: skip
+    p.add_argument("--no-reference", action="store_true", help="time meshtron only")
+    p.add_argument(
+        "--zero1",
+        action="store_true",
+        help="also time ZeRO-1 at the same layout, side by side with the all-reduce",
+    )
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="DP bucket size in MiB (trainer.grad_bucket_mb)")  # fmt: skip
+    p.add_argument("--profile", type=non_negative_int, default=0, metavar="N",
+                   help="profile N steps of each loop afterwards")  # fmt: skip
+    p.add_argument("--out", default=None, help="write results: .json, else CSV")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads (default: torch's); 1 is steadiest on a shared CPU")  # fmt: skip
+    args = p.parse_args(argv)
+    _check_args(args)
+    return args
+
+
+class UsageError(ValueError):
+    """A bad command-line value; main prints it as one line and exits 2."""
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Raise UsageError naming the first bad value and what would be valid."""
+    names = (
+        [] if args.no_reference else [n.strip() for n in args.references.split(",") if n.strip()]
+    )
+    unknown = [n for n in names if n not in REFERENCES]
+    if unknown:
+        raise UsageError(
+            f"--references: unknown {unknown[0]!r}; choose from {', '.join(REFERENCES)}"
+        )
+    args.references = list(dict.fromkeys(names))
+    if args.also_eager and (not args.compile or args.zero1):
+        raise UsageError("--also-eager compares against --compile: give it, without --zero1")
+    if not args.bucket_mb > 0:
+        raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    overrides = {
+        "hidden_size": args.hidden, "num_layers": args.layers, "num_heads": args.heads,
+        "ffn_hidden_size": args.ffn, "vocab_size": args.vocab,
+        "max_positions": args.max_positions or max(args.seq, 1),
+        "hidden_dropout": args.dropout, "attention_dropout": args.dropout,
+        "kernels": args.kernels, "compile": args.compile or None,
+    }  # fmt: skip
+    try:
+        cfg = preset(args.preset, **{k: v for k, v in overrides.items() if v is not None})
+        if args.seq > cfg.max_positions:
+            raise UsageError(f"--seq {args.seq} exceeds max_positions {cfg.max_positions}")
+        cfg.validate(args.tp)
+    except (KeyError, ValueError) as err:
+        raise UsageError(str(err).strip("'\"")) from None
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------
+# The plain PyTorch reference: GPT-2 layout, batch-first, nothing of meshtron's.
+
+
+def meshtron_step(model, dp: DataParallel, batch, ocfg, device, dtype):
+    """One step as engine.trainer.Trainer.train_step runs it (one micro-batch per step)."""
+
+    def step() -> None:
+        with autocast_context(device, dtype):
+            loss = model.loss(batch)
+        loss.backward()
+        dp.finish_grads()
+        dp.step(lr=ocfg.lr, max_norm=ocfg.clip_grad, norm=dp.grad_norm())
+        dp.zero_grad()
+
+    return step
+
+
+def make_batch(cfg: ModelConfig, args, ps, device) -> dict[str, torch.Tensor]:
+    """A fixed random micro-batch for this DP rank (the verifier's GPT/BERT batches)."""
+    spec = VerifySpec(
+        model=cfg.arch, vocab_size=cfg.vocab_size, seq_len=args.seq,
+        batch_size=args.micro_batch, seed=args.seed + ps.dp_rank,
+    )  # fmt: skip
+    return {k: v.to(device) for k, v in verify_batch(spec).items()}
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def run_interleaved(loops: list[Loop], args, device: torch.device) -> None:
+    """Warm up every loop, then rotate timed blocks (forward, then reversed order), recording
+    step times."""
+    for loop in loops:
+        for _ in range(args.warmup):
+            loop.step()
+    for block in range(args.blocks):
+        order = loops if block % 2 == 0 else loops[::-1]
+        for loop in order:
+            for i in range(args.steps_per_block):
+                start, cpu_start = _now(device), time.process_time()
+                loop.step()
+                if i == args.steps_per_block - 1:
+                    loop.settle()
+                loop.times.append(_now(device) - start)
+                loop.cpu_times.append(time.process_time() - cpu_start)
+
+
+def matmul_ceiling(device: torch.device, dtype: torch.dtype | None, reps: int = 5) -> float:
+    """Measured FLOP/s of a square matmul: the practical ceiling a step is held against."""
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype or torch.float32)
+    a @ a  # warm up
+    times = []
+    for _ in range(reps):
+        start = _now(device)
+        a @ a
+        times.append(_now(device) - start)
+    return 2 * n**3 / statistics.median(times)
+
+
+def profile_loops(loops: list[Loop], steps: int, console: Console) -> None:
+    """Print each loop's top ops by self CPU time (and CUDA time on GPUs) over ``steps``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    for loop in loops:
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                loop.step()
+        console.print(f"\n[bold]{loop.name}[/]: {steps} steps, top ops by {sort}")
+        console.print(
+            prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60)
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Setup, summary, output.
+
+
+def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
+    """meshtron's step on this rank, and the reference's where it is comparable."""
+    torch.manual_seed(args.seed)
+    ps.seed(args.seed)
+    ocfg = OptimConfig()  # the engine's defaults; the reference copies them
+    batch = make_batch(cfg, args, ps, ps.device)
+    model = None
+    loops = []
+    variants = [(False, cfg)]
+    if args.zero1:
+        variants.append((True, cfg))
+    if args.also_eager:
+        variants.append((False, dataclasses.replace(cfg, compile=False)))
+    info: dict = {"vocab": {}, "loss_rel_gap": {}}
+    for zero1, mcfg in variants:
+        torch.manual_seed(args.seed)
+        m = build_model(mcfg, tp_group=ps.tp_group, device=ps.device)
+        dp = build_data_parallel(
+            m, OptimConfig(distributed=zero1), dp_group=ps.dp_group, tp_group=ps.tp_group,
+            device=ps.device, bucket_size_mb=args.bucket_mb,
+            low_precision=torch.bfloat16 if dtype == torch.bfloat16 else None,
+        )  # fmt: skip
+        name = (
+            f"meshtron{' ZeRO-1' if zero1 else ''}{' compiled' if mcfg.compile else ''} "
+            f"tp={ps.tp_size} dp={ps.dp_size}"
+        )
+        loops.append(Loop(name, meshtron_step(m, dp, batch, ocfg, ps.device, dtype),
+                          settle=dp.wait_params))  # fmt: skip
+        info["vocab"][name] = cfg.padded_vocab_size(ps.tp_size)
+        if model is not None:  # the same function as the first loop's model?
+            info["loss_rel_gap"][name] = _loss_gap(model, m, batch)
+        model = model or m
+    if args.zero1:
+        return loops, info  # ZeRO-1 ÷ all-reduce only
+    if not args.references or ps.world_size > 1 or cfg.arch != "gpt":
+        return loops, info  # the references are one process and GPT only
+    for kind in args.references:
+        if kind == "mcore":
+            note = "not importable" if importlib.util.find_spec("megatron") is None else (
+                "importable, but its loop is not implemented in this tool")  # fmt: skip
+            print(f"note: Megatron-Core reference skipped: {kind} {note}")
+            continue
+        ref = RefGPT(cfg).to(ps.device)
+        load_reference(ref, model)
+        forward = torch.compile(ref) if kind == "compile" else ref
+        name = f"pytorch {kind}"
+        info["loss_rel_gap"][name] = check_same_function(model, forward, batch)
+        ref_opt = reference_optimizer(ref, ocfg, ps.device)
+        step = reference_step(forward, ref.parameters(), ref_opt, batch, ocfg, ps.device, dtype)
+        loops.append(Loop(name, step))
+        info["vocab"][name] = cfg.vocab_size
+    return loops, info
+
+
+def _loss_gap(model, other, batch) -> float:
+    """|loss(other) - loss(model)| / |loss(model)| on ``batch`` (training mode, no step)."""
+    first, second = model.loss(batch).item(), other.loss(batch).item()
+    return abs(second - first) / abs(first)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        cfg = model_config(args)
+    except UsageError as err:
+        print(f"bench_train.py: error: {err}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ps = bootstrap_rank(
+        lambda world: ParallelDims.resolve(args.tp, args.dp, world), split_cores=False
+    )
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
+    try:
+        precision = args.precision
+        if precision == "auto":
+            precision = "bf16" if ps.device.type == "cuda" else "fp32"
+        dtype = PRECISIONS[precision]
+        loops, info = build_loops(cfg, args, ps, dtype)
+        if ps.rank == 0:
+            console.print(f"timing {', '.join(loop.name for loop in loops)} on {ps.device} ...")
+        run_interleaved(loops, args, ps.device)
+        ceiling = matmul_ceiling(ps.device, dtype)
+        peak = flops.peak_flops(ps.device, dtype or torch.float32)
+        rows = [summarize(lp, info["vocab"][lp.name], cfg, args, ps, peak, ceiling) for lp in loops]
+        meta = run_meta(cfg, args, ps, precision, ceiling, peak)
+        meta["comparisons"] = compare(rows, loops, info, args)
+        if ps.rank == 0:
+            render(rows, meta, console)
+            if args.out:
+                write(args.out, rows, meta)
+                console.print(f"wrote {args.out}")
+        if args.profile and ps.rank == 0:
+            profile_loops(loops, args.profile, console)
+    finally:
+        parallel_state.destroy()
+    return 0

@@ -1,0 +1,358 @@
+"""Predict one training step of a GPT at a given tp × dp layout on a cluster spec.
+
+Step time = (micro-batches per rank) × (compute + exposed TP communication of one micro-batch)
+          + exposed DP communication + optimizer step (+ host overhead per operator).
+
+Compute per micro-batch is the sum of its GEMMs (forward; backward costs two GEMMs of the
+same shape per forward GEMM), the attention core, and the element-wise traffic; recompute
+adds the forward of what it recomputes. TP all-reduces sit on the critical path. The DP
+gradient all-reduce (or ZeRO-1's reduce-scatter) overlaps the last micro-batch's backward
+bucket by bucket; what outlasts it is exposed. See docs/PERFMODEL.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.formulas import gpt_flops_per_iteration, pad_vocab
+from studies.perfmodel import comm_cost as comm
+from studies.perfmodel.cluster_spec import ClusterSpec, scale_for
+from studies.perfmodel.compute import gemm_pass_seconds, rank_speed, stream_seconds
+from studies.perfmodel.in_model import lookup, nearest, parameter_tensors, tp_collectives
+from studies.perfmodel.memory_model import MemoryTerms, activation_bytes, state_bytes_per_param
+
+RECOMPUTE = ("none", "selective", "full")
+# Element-wise traffic per token and layer, forward, in elements of width h: two LayerNorms
+# (read + write: 4), two dropout + residual adds (read 2, write 1: 6); the MLP's bias-GeLU
+# reads and writes the f-wide activation (2·f/h). Backward moves about twice as much.
+EW_H_ELEMS = 10
+# Unfused attention core: scale-mask-softmax (read + write) and dropout (read, write, mask)
+# over the a·s scores of each token.
+EW_SCORE_ELEMS = 5
+# Host-side operators per layer per micro-batch (forward ~20, backward ~40): they matter
+# only where ``op_overhead_us`` is measured (CPU ranks, where every op is synchronous).
+OPS_PER_LAYER = 60
+# AdamW + gradient clipping, bytes moved per parameter updated (grads read twice, weights,
+# master and both moments read and written).
+OPTIMIZER_BYTES = {"fp32": 40, "bf16": 42}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and batch: GPT sizes, global batch in sequences, precision."""
+
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    seq: int
+    global_batch: int
+    ffn: int | None = None
+    precision: str = "bf16"  # "bf16"/"fp16" or "fp32"
+    vocab_multiple: int = 128  # vocab padded to a multiple of tp × this
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def ffn_size(self) -> int:
+        """MLP width, 4h by default."""
+        return self.ffn or 4 * self.hidden
+
+    def padded_vocab(self, tp: int) -> int:
+        """Embedding rows at this TP size."""
+        return pad_vocab(self.vocab, tp * self.vocab_multiple)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the work is split and which memory/communication options are on."""
+
+    tp: int
+    dp: int
+    micro_batch: int
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    zero1: bool = False
+    fused_attention: bool = True
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
+    bucket_mb: float = 25.0
+    threads: int | None = None  # CPU threads per rank; None: cores ÷ ranks, as the trainer sets
+
+
+@dataclass
+class Prediction:
+    """The predicted step: times in seconds, throughputs, memory in GiB."""
+
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    hardware_tflops_per_gpu: float
+    mfu: float
+    memory_gib_per_gpu: float
+    micro_batch: int
+    breakdown: dict[str, float | dict[str, float]] = field(default_factory=dict)
+    memory: MemoryTerms | None = None
+
+    def as_json(self) -> dict:
+        """The keys ``plan.py predict --json`` prints."""
+        keys = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu",
+                "hardware_tflops_per_gpu", "mfu", "memory_gib_per_gpu", "micro_batch",
+                "breakdown")  # fmt: skip
+        return {k: getattr(self, k) for k in keys}
+
+
+def params_per_rank(w: Workload, tp: int) -> float:
+    """Parameters one TP rank holds: its weight shards plus the replicated small tensors."""
+    h, f = w.hidden, w.ffn_size
+    sharded = w.layers * (4 * h * h + 2 * h * f + 3 * h + f) + w.padded_vocab(tp) * h
+    replicated = w.layers * 6 * h + w.seq * h + 2 * h  # biases of row-parallel, LNs, positions
+    return sharded / tp + replicated
+
+
+def gemm_shapes(w: Workload, lay: Layout) -> list[tuple[int, int, int, int]]:
+    """Forward GEMMs of one micro-batch on one rank: (m, n, k, count); layers then LM head."""
+    t, tokens, h, f = lay.tp, lay.micro_batch * w.seq, w.hidden, w.ffn_size
+    per_layer = [
+        (tokens, 3 * h // t, h),
+        (tokens, h, h // t),
+        (tokens, f // t, h),
+        (tokens, h, f // t),
+    ]
+    shapes = [(m, n, k, w.layers) for m, n, k in per_layer]
+    return shapes + [(tokens, w.padded_vocab(t) // t, h, 1)]
+
+
+def score_bytes(w: Workload, lay: Layout) -> float:
+    """Forward element-wise bytes of an unfused attention core (scale-mask-softmax, dropout)."""
+    heads = w.heads // lay.tp
+    return EW_SCORE_ELEMS * lay.micro_batch * heads * w.seq * w.seq * w.act_bytes
+
+
+def elementwise_bytes(w: Workload, lay: Layout) -> tuple[float, float]:
+    """(one layer's forward element-wise bytes, the fp32 logits' forward + backward bytes)."""
+    rows = lay.micro_batch * w.seq / (lay.tp if lay.sequence_parallel else 1)
+    elems = rows * w.hidden * EW_H_ELEMS + lay.micro_batch * w.seq * 2 * w.ffn_size / lay.tp
+    logits = lay.micro_batch * w.seq * w.padded_vocab(lay.tp) / lay.tp
+    return elems * w.act_bytes, 3 * 4 * logits * 4  # softmax and its gradient, fp32
+
+
+def _attention_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: float) -> float:
+    """Forward + backward of the attention core (QKᵀ, softmax, ·V) of one micro-batch."""
+    b, s, t = lay.micro_batch, w.seq, lay.tp
+    heads, d = w.heads // t, w.hidden // w.heads
+    if lay.fused_attention:
+        # Flash attention: a causal kernel skips the masked half of the tiles, and its
+        # backward recomputes the scores (2.5× the forward's FLOPs instead of 2×).
+        flops = 0.5 * 4 * b * s * s * w.hidden / t * 3.5
+        return flops / (cluster.peak_flops * cluster.gemm_efficiency * speed)
+    scores_f, scores_b = gemm_pass_seconds(cluster, s, s, d, w.act_bytes, speed)  # QKᵀ
+    context_f, context_b = gemm_pass_seconds(cluster, s, d, s, w.act_bytes, speed)  # ·V
+    softmax = stream_seconds(cluster, score_bytes(w, lay), speed)
+    return b * heads * (scores_f + scores_b + context_f + context_b) + 3 * softmax
+
+
+def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: float) -> dict:
+    """GEMM, attention, element-wise and recompute seconds of one micro-batch on one rank."""
+    passes = [
+        (c, gemm_pass_seconds(cluster, m, n, k, w.act_bytes, speed))
+        for m, n, k, c in gemm_shapes(w, lay)
+    ]
+    fwd_layers = sum(c * f for c, (f, _) in passes[:-1])
+    gemm = sum(c * (f + b) for c, (f, b) in passes)
+    gemm_backward = sum(c * b for c, (_, b) in passes)
+    attention = w.layers * _attention_seconds(w, lay, cluster, speed)
+    layer_bytes, logit_bytes = elementwise_bytes(w, lay)
+    elementwise = stream_seconds(cluster, 3 * w.layers * layer_bytes + logit_bytes, speed)
+    recompute = 0.0
+    if lay.recompute == "full":
+        recompute = fwd_layers + attention / 3 + elementwise / 3
+    elif lay.recompute == "selective" and not lay.fused_attention:
+        recompute = attention / 3
+    overhead = OPS_PER_LAYER * w.layers * cluster.op_overhead_s
+    parts = {
+        "gemm": gemm,
+        "attention": attention,
+        "elementwise": elementwise,
+        "recompute": recompute,
+        "host_overhead": overhead,
+        "total": gemm + attention + elementwise + recompute + overhead,
+        "backward": gemm_backward + (attention + elementwise) * 2 / 3,
+    }
+    # The measured cost of running these ops in the trainer rather than alone (in_model.py).
+    scale = scale_for(cluster.compute_scale, w.hidden)
+    return {k: v * scale for k, v in parts.items()}
+
+
+def _tp_comm_seconds(
+    w: Workload,
+    lay: Layout,
+    cluster: ClusterSpec,
+    link: comm.Link,
+    ranks: int | None,
+    compute_s: float,
+) -> float:
+    """TP collectives of one micro-batch, all on the critical path.
+
+    Each layer all-reduces b·s·h activations twice forward and twice backward (under SP an
+    all-gather + reduce-scatter pair of the same volume each); full recompute repeats the
+    first forward one (in_model.tp_collectives). The vocab-parallel embedding (forward) and the LM head's input
+    (backward) add one each; the cross-entropy adds two small fp32 all-reduces (b·s and 2·b·s values). Where the
+    cluster has in-model measurements (CPU ranks, studies/perfmodel/in_model.py), TP costs
+    what training steps were measured to lose to it: a time per collective plus a fraction
+    of the micro-batch's compute (``compute_s``).
+    """
+    t = lay.tp
+    if t <= 1:
+        return 0.0
+    count = tp_collectives(w.layers, lay.recompute)
+    kind = "sp" if lay.sequence_parallel else "ar"
+    rows = cluster.in_model.get("tp", ()) if ranks else ()  # None: TP spans nodes
+    if measured := nearest(rows, (t, kind), ranks or 0):
+        per_collective_us, fraction = measured[-2:]
+        return count * per_collective_us * 1e-6 + fraction * compute_s
+    n, big = lay.micro_batch * w.seq * w.hidden * w.act_bytes, count - 2
+    if lay.sequence_parallel:
+        one = comm.ring_all_gather(n, t, link) + comm.ring_reduce_scatter(n, t, link)
+    else:
+        one = comm.all_reduce(n, t, link, cluster.collectives)
+    tokens = lay.micro_batch * w.seq  # fp32 row max, then [sum of exp; target logit]
+    small = sum(comm.all_reduce(k * tokens * 4, t, link, cluster.collectives) for k in (1, 2))
+    return big * one + small
+
+
+def _dp_comm_seconds(
+    w: Workload,
+    lay: Layout,
+    cluster: ClusterSpec,
+    link: comm.Link,
+    backward_s: float,
+    ranks: int,
+) -> tuple[float, float]:
+    """(total, exposed) seconds of the DP gradient sync (and ZeRO-1's parameter all-gather).
+
+    Gradients (fp32) are reduced in buckets during the last micro-batch's backward; the
+    first bucket fills only after 1/buckets of it, and the last bucket's reduction always
+    waits. Without overlap (or on a CPU whose cores are all computing) it is all exposed.
+    On CPU ranks the measured in-model wait for the slowest rank is added (in_model.py).
+    """
+    d = lay.dp
+    if d <= 1:
+        return 0.0, 0.0
+    grad_bytes = params_per_rank(w, lay.tp) * 4
+    buckets = max(1, round(grad_bytes / (lay.bucket_mb * 2**20)))
+    if lay.zero1:
+        reduce = comm.ring_reduce_scatter(grad_bytes, d, link)
+        gather = comm.ring_all_gather(params_per_rank(w, lay.tp) * w.act_bytes, d, link)
+    else:
+        reduce = comm.all_reduce(grad_bytes, d, link, cluster.collectives)
+        gather = 0.0
+    exposed = reduce
+    if lay.overlap_grad_reduce:
+        window = backward_s * (1 - 1 / buckets) * cluster.overlap_efficiency
+        exposed = max(reduce / buckets, reduce - window)
+    if lay.overlap_param_gather:  # gathered bucket by bucket ahead of the next forward
+        exposed += gather / buckets
+    else:
+        exposed += gather
+    exposed += lookup(cluster.in_model.get("dp_wait_us", ()), (d,), ranks) or 0.0
+    return reduce + gather, exposed
+
+
+def _optimizer_seconds(
+    w: Workload, lay: Layout, cluster: ClusterSpec, speed: float, ranks: int
+) -> float:
+    """AdamW over this rank's parameters (its 1/d shard under ZeRO-1): memory-bound, plus
+    on CPU ranks the measured rest of the optimizer phase (in_model.py)."""
+    params = params_per_rank(w, lay.tp) / (lay.dp if lay.zero1 else 1)
+    per_param = OPTIMIZER_BYTES["fp32" if w.precision == "fp32" else "bf16"]
+    per_tensor = lookup(cluster.in_model.get("optimizer_us_per_tensor", ()), (), ranks) or 0.0
+    extra = per_tensor * parameter_tensors(w.layers)
+    return stream_seconds(cluster, params * per_param, speed) + extra
+
+
+def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
+    """Bytes per GPU by kind for this layout (before the fragmentation margin)."""
+    params = params_per_rank(w, lay.tp)
+    weights, grads, opt = state_bytes_per_param(w.precision, lay.zero1, lay.dp)
+    acts = activation_bytes(
+        w.seq, lay.micro_batch, w.hidden, w.heads, w.layers, w.padded_vocab(lay.tp), lay.tp,
+        w.act_bytes, sp=lay.sequence_parallel, recompute=lay.recompute,
+        fused_attention=lay.fused_attention,
+    )  # fmt: skip
+    return MemoryTerms(params * weights, params * grads, params * opt, acts)
+
+
+def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
+    """Price one step of ``w`` at ``lay`` on ``cluster`` (the layout must divide; see search)."""
+    gpus = lay.tp * lay.dp
+    micro_steps = w.global_batch // (lay.dp * lay.micro_batch)
+    # CPU specs (cores set) describe one machine: every rank, of every emulated node, shares it
+    ranks_here = gpus if cluster.cores else min(gpus, cluster.gpus_per_node)
+    speed = rank_speed(cluster, ranks_here, lay.threads)
+    tp_group, dp_group = comm.place_groups(lay.tp, lay.dp, cluster.gpus_per_node)
+    c = _compute_seconds(w, lay, cluster, speed)
+    tp_link = comm.group_link(tp_group, cluster)
+    in_node = ranks_here if tp_group.nodes <= 1 else None  # in-model terms: one machine's
+    tp = _tp_comm_seconds(w, lay, cluster, tp_link, in_node, c["total"])
+    if lay.tp_comm_overlap:  # chunked GEMM/collective overlap hides TP comm behind GEMMs
+        tp = max(0.0, tp - c["gemm"])
+    dp_total, dp_exposed = _dp_comm_seconds(
+        w, lay, cluster, comm.group_link(dp_group, cluster), c["backward"], ranks_here
+    )
+    optimizer = _optimizer_seconds(w, lay, cluster, speed, ranks_here)
+    step = micro_steps * (c["total"] + tp) + dp_exposed + optimizer
+    model_flops = gpt_flops_per_iteration(
+        w.global_batch, w.seq, w.layers, w.hidden, w.padded_vocab(lay.tp), ffn_hidden=w.ffn
+    )
+    hw_flops = model_flops
+    if lay.recompute == "full":
+        hw_flops = gpt_flops_per_iteration(
+            w.global_batch, w.seq, w.layers, w.hidden, w.padded_vocab(lay.tp),
+            recompute=True, ffn_hidden=w.ffn,
+        )  # fmt: skip
+    mem = memory_terms(w, lay)
+    breakdown = {
+        "compute_s": micro_steps * c["total"],
+        "tp_comm_s": micro_steps * tp,
+        "dp_comm_exposed_s": dp_exposed,
+        "dp_comm_total_s": dp_total,
+        "optimizer_s": optimizer,
+        "compute_detail_s": {k: micro_steps * v for k, v in c.items() if k != "backward"},
+        "memory_gib": mem.as_dict(),
+    }
+    return Prediction(
+        step_time_s=step,
+        tokens_per_s=w.global_batch * w.seq / step,
+        model_tflops_per_gpu=model_flops / step / gpus / 1e12,
+        hardware_tflops_per_gpu=hw_flops / step / gpus / 1e12,
+        mfu=model_flops / step / gpus / cluster.peak_flops,
+        memory_gib_per_gpu=(mem.total + cluster.reserved_bytes) / 2**30,
+        micro_batch=lay.micro_batch,
+        breakdown=breakdown,
+        memory=mem,
+    )
+
+
+def layout_problems(w: Workload, lay: Layout, gpus: int) -> list[str]:
+    """Why this layout cannot run (sizes that do not divide); empty when it can."""
+    problems = []
+    if lay.tp * lay.dp != gpus:
+        problems.append(f"tp={lay.tp} × dp={lay.dp} != gpus={gpus}")
+    for name, value in (("heads", w.heads), ("ffn", w.ffn_size), ("hidden", w.hidden)):
+        if value % lay.tp:
+            problems.append(f"{name}={value} is not divisible by tp={lay.tp}")
+    if lay.sequence_parallel and w.seq % lay.tp:
+        problems.append(f"seq={w.seq} is not divisible by tp={lay.tp} (sequence parallel)")
+    if w.global_batch % (lay.dp * lay.micro_batch):
+        problems.append(
+            f"global_batch={w.global_batch} is not divisible by dp={lay.dp} × "
+            f"micro_batch={lay.micro_batch}"
+        )
+    if lay.recompute not in RECOMPUTE:
+        problems.append(f"recompute={lay.recompute!r} is not one of {RECOMPUTE}")
+    return problems

@@ -1,0 +1,173 @@
+"""``tools/plan.py``: predict one layout, or search all layouts, of a GPT on a cluster spec."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine.tool_args import ArgumentParser, positive_int
+from studies.perfmodel.cluster_spec import ClusterSpec, cluster_names, load_cluster
+from studies.perfmodel.model import Layout, Workload, layout_problems, predict
+from studies.perfmodel.presets import model_preset
+from studies.perfmodel.search import best_per_split, search
+
+MAX_GPUS = 1 << 20  # beyond any cluster; the search enumerates every layout of the count
+
+
+def gpu_count(text: str) -> int:
+    """argparse type: a rank count in [1, MAX_GPUS]."""
+    value = positive_int(text)
+    if value > MAX_GPUS:
+        raise argparse.ArgumentTypeError(f"{value} must be <= {MAX_GPUS} (2**20)")
+    return value
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="configs/model preset (e.g. gpt_1.3b); flags below override it")
+    p.add_argument("--hidden", type=positive_int, help="hidden size h")
+    p.add_argument("--layers", type=positive_int, help="transformer layers l")
+    p.add_argument("--heads", type=positive_int, help="attention heads a")
+    p.add_argument(
+        "--vocab", type=positive_int, help="vocabulary V (padded to a multiple of 128·tp)"
+    )
+    p.add_argument("--seq", type=positive_int, help="sequence length s (default: the preset's max)")
+    p.add_argument("--ffn", type=positive_int, help="MLP width (default 4h)")
+    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
+    p.add_argument(
+        "--micro-batch", type=positive_int, help="sequences per forward (best if omitted)"
+    )
+    p.add_argument("--gpus", type=gpu_count, required=True, help="ranks in total")
+    p.add_argument("--cluster", default="dgx_h100", help=f"one of {cluster_names()} or a YAML path")
+    p.add_argument("--precision", choices=("bf16", "fp32"), help="default: the cluster's")
+    p.add_argument("--unfused-attention", action="store_true", help="attention stores s×s scores")
+    p.add_argument("--no-overlap", action="store_true", help="DP reduce waits for backward")
+    p.add_argument("--overlap-param-gather", action="store_true", help="ZeRO-1 gather overlaps")
+    p.add_argument("--tp-comm-overlap", action="store_true", help="TP comm hidden behind GEMMs")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The two sub-commands and their flags."""
+    parser = ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    pr = sub.add_parser("predict", help="step time, throughput, MFU and memory of one layout")
+    _model_flags(pr)
+    pr.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    pr.add_argument("--dp", type=positive_int, help="data-parallel size (default gpus ÷ tp)")
+    pr.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    pr.add_argument("--sequence-parallel", action="store_true")
+    pr.add_argument("--zero1", action="store_true", help="shard optimizer state over DP")
+    se = sub.add_parser("search", help="rank every layout that fits; say why others do not")
+    _model_flags(se)
+    se.add_argument("--memory-gib", type=float, help="memory per GPU (default: the cluster's)")
+    se.add_argument("--top", type=positive_int, default=10, help="feasible layouts to list")
+    return parser
+
+
+def workload_from_args(args: argparse.Namespace, cluster: ClusterSpec) -> Workload:
+    """Sizes from --model and the explicit flags (flags win)."""
+    pre = model_preset(args.model) if args.model else {}
+    sizes = {
+        "hidden": args.hidden or pre.get("hidden_size"),
+        "layers": args.layers or pre.get("num_layers"),
+        "heads": args.heads or pre.get("num_heads"),
+        "vocab": args.vocab or pre.get("vocab_size"),
+        "seq": args.seq or pre.get("max_positions"),
+    }
+    missing = [f"--{k}" for k, v in sizes.items() if not v]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}: give them or --model PRESET")
+    return Workload(**sizes, global_batch=args.global_batch, ffn=args.ffn or pre.get("ffn_hidden_size"),
+                    precision=args.precision or cluster.precision)  # fmt: skip
+
+
+def _base_layout(args: argparse.Namespace) -> Layout:
+    return Layout(
+        tp=1, dp=1, micro_batch=1, fused_attention=not args.unfused_attention,
+        overlap_grad_reduce=not args.no_overlap, overlap_param_gather=args.overlap_param_gather,
+        tp_comm_overlap=args.tp_comm_overlap,
+    )  # fmt: skip
+
+
+def _check_nodes(cluster: ClusterSpec, gpus: int) -> None:
+    if cluster.max_nodes and gpus > cluster.max_nodes * cluster.gpus_per_node:
+        raise ValueError(
+            f"--gpus={gpus} exceeds cluster {cluster.name}'s {cluster.max_nodes} node(s) × "
+            f"{cluster.gpus_per_node}; choose a multi-node cluster or fewer GPUs"
+        )
+
+
+def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> int:
+    """Print one prediction; the best micro-batch when --micro-batch is omitted."""
+    dp = args.dp or args.gpus // args.tp
+    base = _base_layout(args)
+    lay = Layout(**{**base.__dict__, "tp": args.tp, "dp": dp, "micro_batch": args.micro_batch or 1,
+                    "recompute": args.recompute, "sequence_parallel": args.sequence_parallel,
+                    "zero1": args.zero1})  # fmt: skip
+    problems = layout_problems(w, lay, args.gpus)
+    if args.micro_batch is None and not problems:
+        per_rank = w.global_batch // dp
+        fits = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        priced = [predict(w, Layout(**{**lay.__dict__, "micro_batch": m}), cluster) for m in fits]
+        limit = cluster.memory_bytes / 2**30
+        ok = [p for p in priced if p.memory_gib_per_gpu <= limit] or priced[:1]
+        lay = Layout(
+            **{**lay.__dict__, "micro_batch": min(ok, key=lambda p: p.step_time_s).micro_batch}
+        )
+    if problems:
+        raise ValueError("; ".join(problems))
+    p = predict(w, lay, cluster)
+    if args.json:
+        print(json.dumps(p.as_json(), indent=1))
+        return 0
+    b = p.breakdown
+    print(f"{cluster.name}: tp={lay.tp} dp={lay.dp} micro_batch={lay.micro_batch} "
+          f"recompute={lay.recompute} sp={lay.sequence_parallel} zero1={lay.zero1}")  # fmt: skip
+    print(f"  step {p.step_time_s:.4g} s   {p.tokens_per_s:,.0f} tokens/s   model "
+          f"{p.model_tflops_per_gpu:.1f} / hardware {p.hardware_tflops_per_gpu:.1f} TFLOP/s per GPU   "
+          f"MFU {100 * p.mfu:.1f}%   memory {p.memory_gib_per_gpu:.1f} GiB/GPU")  # fmt: skip
+    times = {k[:-2]: v for k, v in b.items() if isinstance(v, float)}
+    print("  time: " + "  ".join(f"{k} {v:.4g} s" for k, v in times.items()))
+    print("  memory: " + "  ".join(f"{k} {v:.2f} GiB" for k, v in b["memory_gib"].items()))
+    return 0
+
+
+def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> int:
+    """Print the ranked feasible layouts (best per tp × dp first) and the rejected splits."""
+    res = search(w, cluster, args.gpus, memory_gib=args.memory_gib,
+                 micro_batch=args.micro_batch, base=_base_layout(args))  # fmt: skip
+    best = best_per_split(res)
+    if args.json:
+        rows = [{"tp": c.layout.tp, "dp": c.layout.dp, "micro_batch": c.layout.micro_batch,
+                 "recompute": c.layout.recompute, "sequence_parallel": c.layout.sequence_parallel,
+                 "zero1": c.layout.zero1, "reason": c.reason, **c.prediction.as_json()}
+                for c in res.feasible[: args.top]]  # fmt: skip
+        rejected = [{"tp": r.tp, "dp": r.dp, "reason": r.reason} for r in res.rejected]
+        print(json.dumps({"feasible": rows, "rejected": rejected}, indent=1))
+        return 0
+    print(f"{w.layers}×{w.hidden} GPT (a={w.heads}, s={w.seq}, V={w.vocab}), global batch "
+          f"{w.global_batch}, {args.gpus} GPUs of {cluster.name}")  # fmt: skip
+    print("best layout per tp × dp, fastest first:")
+    for i, c in enumerate(best, 1):
+        lay, p = c.layout, c.prediction
+        print(f" {i}. tp={lay.tp} dp={lay.dp} mb={lay.micro_batch} recompute={lay.recompute} "
+              f"sp={int(lay.sequence_parallel)} zero1={int(lay.zero1)}: {p.tokens_per_s:,.0f} tok/s, "
+              f"MFU {100 * p.mfu:.1f}%, step {p.step_time_s:.3g} s; {c.reason}")  # fmt: skip
+    print(f"({len(res.feasible)} feasible layouts in all)")
+    for r in res.rejected:
+        print(f" rejected tp={r.tp} dp={r.dp}: {r.reason}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; config errors print one line and return 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        cluster = load_cluster(args.cluster)
+        _check_nodes(cluster, args.gpus)
+        w = workload_from_args(args, cluster)
+        return (run_predict if args.command == "predict" else run_search)(args, w, cluster)
+    except ValueError as err:
+        print(f"plan: {err}", file=sys.stderr)
+        return 2

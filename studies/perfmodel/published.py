@@ -1,0 +1,134 @@
+"""Published Megatron-LM throughputs with tensor + data parallelism only, and our predictions.
+
+Sources (read from the Megatron-LM repository's README tables):
+
+- A100: Megatron-LM README, April 2021 (image ``images/cases_april2021.png``, commit
+  50a4b5fa02), the runs of Narayanan et al. 2021 on Selene (DGX A100 80GB nodes), vocab
+  51,200, sequence 2,048. Rows with model-parallel size ≤ 8 are pure TP (no pipeline).
+  The table gives no head count: a = h/128 is assumed (it only sizes the softmax traffic).
+  The software of the time recomputed activations, used a fused (not flash) softmax and
+  all-reduced gradients after backward; the FLOP/s it reports count the recomputation.
+- H100: Megatron-Core README (``images/model_table.png``, commit d98e8a6), vocab 131,072,
+  sequence 4,096, rows with pipeline size 1, reported as model FLOP/s (MFU × 989). The
+  README lists DP and TP communication overlap; we also take flash attention, sequence
+  parallelism and the distributed optimizer (which that DP overlap presumes).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from studies.perfmodel.cluster_spec import load_cluster
+from studies.perfmodel.model import Layout, Workload
+from studies.perfmodel.search import search
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    """One published measurement: sizes, layout, GPUs and per-GPU TFLOP/s."""
+
+    label: str
+    cluster: str
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    seq: int
+    tp: int
+    gpus: int
+    global_batch: int
+    tflops: float
+    hardware_flops: bool  # True: the figure counts recomputation
+    fitted: bool = False  # the row the device's GEMM efficiency was fitted to (not validation)
+
+
+_A100 = dict(cluster="dgx_a100_80gb", vocab=51200, seq=2048, hardware_flops=True)
+_H100 = dict(cluster="dgx_h100", vocab=131072, seq=4096, hardware_flops=False)
+ROWS = (
+    PublishedRow("1.7B (2021)", hidden=2304, layers=24, heads=18, tp=1, gpus=32,
+                 global_batch=512, tflops=137, **_A100),
+    PublishedRow("3.6B (2021)", hidden=3072, layers=30, heads=24, tp=2, gpus=64,
+                 global_batch=512, tflops=138, **_A100),
+    PublishedRow("7.5B (2021)", hidden=4096, layers=36, heads=32, tp=4, gpus=128,
+                 global_batch=512, tflops=142, **_A100),
+    PublishedRow("18.4B (2021)", hidden=6144, layers=40, heads=48, tp=8, gpus=256,
+                 global_batch=1024, tflops=135, **_A100),
+    PublishedRow("1.7B (Core)", hidden=2048, layers=24, heads=16, tp=1, gpus=48,
+                 global_batch=192, tflops=408.8, fitted=True, **_H100),
+    PublishedRow("7.1B (Core)", hidden=4096, layers=30, heads=32, tp=2, gpus=96,
+                 global_batch=192, tflops=465.9, **_H100),
+    PublishedRow("16B (Core)", hidden=6144, layers=32, heads=48, tp=4, gpus=192,
+                 global_batch=192, tflops=489.1, **_H100),
+    PublishedRow("32B (Core)", hidden=7168, layers=48, heads=56, tp=8, gpus=384,
+                 global_batch=192, tflops=459.6, **_H100),
+)  # fmt: skip
+
+
+def _software(row: PublishedRow) -> tuple[Layout, dict]:
+    """The code's fixed options (base layout) and the searched options it allows."""
+    if row.hardware_flops:  # 2021: recompute on, fused softmax, reduce after backward
+        base = Layout(1, 1, 1, fused_attention=False, overlap_grad_reduce=False)
+        return base, {"recompute": ("full",), "sequence_parallel": (False,), "zero1": (False,)}
+    base = Layout(1, 1, 1, overlap_param_gather=True, tp_comm_overlap=True)
+    return base, {"sequence_parallel": (True,), "zero1": (True,)}
+
+
+@dataclass
+class RowResult:
+    """Prediction for one published row at its TP, and the planner's own best TP."""
+
+    row: PublishedRow
+    predicted: float
+    micro_batch: int
+    recompute: str
+    best_tp: int
+
+    @property
+    def error(self) -> float:
+        """Relative error of the prediction (+ means we predict faster)."""
+        return self.predicted / self.row.tflops - 1
+
+
+def evaluate(row: PublishedRow) -> RowResult:
+    """Search the row's GPU count; take the best layout at the published TP."""
+    cluster = load_cluster(row.cluster)
+    w = Workload(row.hidden, row.layers, row.heads, row.vocab, row.seq, row.global_batch)
+    base, only = _software(row)
+    result = search(w, cluster, row.gpus, base=base, only=only)
+    at_tp = [c for c in result.feasible if c.layout.tp == row.tp]
+    if not at_tp:
+        raise ValueError(f"{row.label}: no feasible layout at tp={row.tp}")
+    best = at_tp[0]
+    p = best.prediction
+    value = p.hardware_tflops_per_gpu if row.hardware_flops else p.model_tflops_per_gpu
+    return RowResult(row, value, best.layout.micro_batch, best.layout.recompute,
+                     result.feasible[0].layout.tp)  # fmt: skip
+
+
+def evaluate_all(rows: tuple[PublishedRow, ...] = ROWS) -> list[RowResult]:
+    """Every published row."""
+    return [evaluate(r) for r in rows]
+
+
+def summary(results: list[RowResult]) -> tuple[float, float, int]:
+    """(max |error|, median |error| over the rows not fitted to, rows where the planner's best
+    TP is the published one)."""
+    errors = [abs(r.error) for r in results if not r.row.fitted]
+    agree = sum(r.best_tp == r.row.tp for r in results)
+    return max(errors), statistics.median(errors), agree
+
+
+def markdown_table(results: list[RowResult]) -> str:
+    """The validation table for docs/PERFMODEL.md."""
+    lines = [
+        "| run | GPUs | TP | published TFLOP/s | predicted | error | mb, recompute | planner's TP |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.row.label}{' (fitted)' if r.row.fitted else ''} | {r.row.gpus} | {r.row.tp} | {r.row.tflops:g} | "
+            f"{r.predicted:.1f} | {100 * r.error:+.1f}% | {r.micro_batch}, {r.recompute} | "
+            f"{r.best_tp} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,182 @@
+"""``tools/validate_perfmodel.py``: measured (or published) vs predicted, as markdown tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from studies.perfmodel import published
+from studies.perfmodel.cluster_spec import load_cluster
+from studies.perfmodel.model import Layout, Workload
+from studies.perfmodel.validate import (
+    Point,
+    breakdown_table,
+    compare,
+    error_summary,
+    markdown_table,
+    measure_with_probe,
+    read_scaling_results,
+)  # fmt: skip
+
+TINY = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=16,
+                precision="fp32")  # fmt: skip
+WIDER = replace(TINY, hidden=256, layers=4)
+# The trainer's CPU path: attention dropout 0.1 runs SDPA's math kernel (s×s scores
+# stored); ZeRO-1 reduce-scatters after backward (no overlap). One thread per rank
+# (OMP_NUM_THREADS=1): on a shared machine a 2-thread OpenMP region stalls whenever one of
+# its threads is descheduled, which no hardware model predicts.
+_CPU = dict(fused_attention=False, threads=1)
+MACHINE_POINTS = (
+    Point("tiny tp1 dp1 mb4", TINY, Layout(1, 1, 4, **_CPU)),
+    Point("tiny tp1 dp1 mb16", TINY, Layout(1, 1, 16, **_CPU)),
+    Point("tiny tp2 dp1 mb4", TINY, Layout(2, 1, 4, **_CPU)),
+    Point("tiny tp1 dp2 mb4", TINY, Layout(1, 2, 4, **_CPU)),
+    Point("tiny tp2 dp2 mb4", TINY, Layout(2, 2, 4, **_CPU)),
+    Point("tiny tp4 dp1 mb4", TINY, Layout(4, 1, 4, **_CPU)),
+    Point("tiny tp1 dp4 mb4", TINY, Layout(1, 4, 4, **_CPU)),
+    Point("tiny tp1 dp2 mb4 zero1", TINY, Layout(1, 2, 4, zero1=True, overlap_grad_reduce=False, **_CPU)),
+    Point("tiny tp2 dp1 mb4 sp", TINY, Layout(2, 1, 4, sequence_parallel=True, **_CPU)),
+    Point("wider tp1 dp1 mb4", WIDER, Layout(1, 1, 4, **_CPU)),
+    Point("wider tp2 dp1 mb4", WIDER, Layout(2, 1, 4, **_CPU)),
+    Point("wider tp1 dp2 mb4", WIDER, Layout(1, 2, 4, **_CPU)),
+    Point("tiny tp1 dp1 mb4, 2 threads", TINY, Layout(1, 1, 4, fused_attention=False)),
+)  # fmt: skip
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("machine", help="run engine.pretrain here and compare")
+    m.add_argument("--cluster", required=True, help="the calibrated spec of this machine")
+    m.add_argument("--points", default="all", help="comma list of point indices, or all")
+    m.add_argument("--steps", type=int, default=16, help="steps per run (log every 4)")
+    m.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every point this many times, round by round (median)",
+    )
+    m.add_argument("--save", help="also write the measurements to this JSON file")
+    m.add_argument(
+        "--reuse",
+        help="price the measurements saved by --save instead of measuring "
+        "(a comma list of files: the median of each point over them)",
+    )
+    s = sub.add_parser("scaling", help="compare with a scaling-study results.csv")
+    s.add_argument("--csv", required=True)
+    s.add_argument("--cluster", required=True, help="the study's cluster spec (its links)")
+    s.add_argument("--compute-from", help="spec whose device figures fill the study's (cpu_2core)")
+    s.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="the study ran with trainer.overlap_grad_reduce=false",
+    )
+    for flag, default in (
+        ("hidden", 128),
+        ("layers", 2),
+        ("heads", 4),
+        ("vocab", 8192),
+        ("seq", 128),
+    ):
+        s.add_argument(f"--{flag}", type=int, default=default)
+    sub.add_parser("published", help="published Megatron-LM rows vs predictions")
+    d = sub.add_parser("dp-plots", help="write the parameter-server and async-DP plots")
+    d.add_argument("--out", default="docs", help="directory for the PNGs")
+    return p
+
+
+def median_points(rounds: list) -> list[Point]:
+    """The machine points measured in every one of ``rounds`` (lists of saved rows, or
+    lists of such lists), each with the median step time, probe and parts over them."""
+    flat = [r for rnd in rounds for r in (rnd if isinstance(rnd[0], list) else [rnd])]
+    points = []
+    for p in MACHINE_POINTS:
+        rows = [next((x for x in rnd if x["label"] == p.label), None) for rnd in flat]
+        if not rows or None in rows:
+            continue
+        parts = {k: statistics.median(r["parts"][k] for r in rows) for k in rows[0]["parts"] or {}}
+        points.append(replace(p, measured_s=statistics.median(r["measured_s"] for r in rows),
+                              probe_gflops=statistics.median(r["probe_gflops"] for r in rows),
+                              parts=parts or None))  # fmt: skip
+    return points
+
+
+def _machine(args: argparse.Namespace) -> list:
+    cluster = load_cluster(args.cluster)
+    chosen = (range(len(MACHINE_POINTS)) if args.points == "all"
+              else [int(i) for i in args.points.split(",")])  # fmt: skip
+    if args.reuse:  # re-price earlier measurements (e.g. after a model change)
+        rounds = [json.loads(Path(f).read_text()) for f in args.reuse.split(",")]
+        try:
+            return compare(median_points(rounds), cluster)
+        except (KeyError, TypeError, IndexError, AttributeError) as err:
+            raise ValueError(f"--reuse {args.reuse}: not what --save writes ({err!r})") from err
+    if args.rounds < 1:
+        raise ValueError(f"--rounds={args.rounds}: give 1 or more")
+    rounds = []
+    for r in range(args.rounds):  # round by round: a slow spell of the machine hits all points
+        measured = []
+        for i in chosen:
+            point = measure_with_probe(MACHINE_POINTS[i], steps=args.steps)
+            print(f"round {r + 1}/{args.rounds}: measured {point.label}: {point.measured_s:.4f} "
+                  f"s/step, probe {point.probe_gflops:.1f} GFLOP/s (load "
+                  f"{os.getloadavg()[0]:.2f})", file=sys.stderr)  # fmt: skip
+            measured.append(point)
+        rounds.append([{"label": p.label, "measured_s": p.measured_s,
+                        "probe_gflops": p.probe_gflops, "parts": p.parts} for p in measured])  # fmt: skip
+    measured = median_points(rounds)
+    if args.save:  # one round: a list of points; several: a list of rounds
+        tmp = f"{args.save}.tmp{os.getpid()}"
+        Path(tmp).write_text(json.dumps(rounds[0] if len(rounds) == 1 else rounds, indent=1))
+        os.replace(tmp, args.save)
+    return compare(measured, cluster)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: prints a markdown table and the max / median |error|."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "dp-plots":
+            from studies.perfmodel.dp_analysis import write_plots
+
+            print("\n".join(write_plots(args.out)))
+            return 0
+        if args.command == "published":
+            results = published.evaluate_all()
+            print(published.markdown_table(results))
+            worst, median, agree = published.summary(results)
+            print(f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}% (rows not fitted to), "
+                  f"planner's TP = published TP in {agree}/{len(results)} rows")  # fmt: skip
+            return 0
+        if args.command == "machine":
+            rows = _machine(args)
+            cluster = load_cluster(args.cluster)
+        else:
+            base = Workload(args.hidden, args.layers, args.heads, args.vocab, args.seq, 1,
+                            precision="fp32")  # fmt: skip
+            cluster = load_cluster(args.cluster, base=args.compute_from)
+            rows = compare(read_scaling_results(args.csv, base, not args.no_overlap), cluster)
+    except (ValueError, RuntimeError, OSError) as err:
+        print(f"validate: {err}", file=sys.stderr)
+        return 2
+    print(markdown_table(rows))
+    if any(r.point.parts for r in rows):
+        print("\nWhere the time goes, s/step (the trainer's metrics_file against the model):\n")
+        print(breakdown_table(rows, cluster))
+    worst, median = error_summary(rows)
+    print(f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}% over {len(rows)} points; "
+          f"load average {os.getloadavg()}")  # fmt: skip
+    one = [r for r in rows if r.point.layout.threads == 1]
+    if args.command == "machine" and one:
+        within = sum(abs(r.error) <= 0.10 for r in one)
+        print(f"within ±10 %: {within} of {len(one)} one-thread points")
+    if all(r.share_scale for r in rows):
+        worst, median = error_summary(rows, scaled=True)
+        print(f"rescaled by the machine share: max |error| {100 * worst:.1f}%, "
+              f"median {100 * median:.1f}%")  # fmt: skip
+    return 0

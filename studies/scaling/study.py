@@ -1,0 +1,250 @@
+"""A scaling study: a grid of points, each run on real processes, repeated, then summarized.
+
+Per point and repeat the workload writes its metrics JSON; the warm-up steps are dropped
+and the measured steps of every repeat pooled. ``points.jsonl`` in the output directory
+holds one finished point per line (ok or failed, with its error), which is what
+``--resume`` reads; results.csv, report.md and the plots are rebuilt from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from studies.scaling.emulated_cluster import EmulatedCluster, unavailable_reason
+from studies.scaling.launch import run_on_nodes
+from studies.scaling.workloads import WORKLOADS, Point, RunSpec
+
+PARTS = ("compute_s", "tp_comm_s", "dp_comm_exposed_s", "dp_comm_total_s", "data_s",
+         "optimizer_s")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    """Everything the CLI chose."""
+
+    workload: str
+    spec: RunSpec
+    tp: tuple[int, ...]
+    dp: tuple[int, ...]
+    nodes: tuple[int, ...]
+    procs_per_node: int | None
+    mode: str  # "strong": fixed global batch; "weak": fixed batch per DP rank
+    global_batch: int
+    micro_batch: int
+    repeats: int
+    link_mbit: int | None
+    out: Path
+    point_timeout_s: float = 600.0
+
+
+def grid(cfg: StudyConfig) -> tuple[list[Point], list[str]]:
+    """The points of the study, and one line per combination that cannot be laid out."""
+    points, skipped = [], []
+    for nodes in cfg.nodes:
+        for tp in cfg.tp:
+            for dp in cfg.dp:
+                world = tp * dp
+                procs = cfg.procs_per_node or world // nodes
+                if procs < 1 or nodes * procs != world:
+                    skipped.append(f"tp={tp} dp={dp} ({world} ranks) does not fill {nodes} "
+                                   f"node(s) × {procs} procs")  # fmt: skip
+                    continue
+                batch = cfg.global_batch * (dp if cfg.mode == "weak" else 1)
+                points.append(Point(nodes, procs, tp, dp, cfg.micro_batch, batch))
+    return points, skipped
+
+
+def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """One point's figures from its runs' step records (warm-up steps of each run dropped)."""
+    steps = [r for r in records if r["step"] > warmup]
+    if not steps:
+        raise ValueError("no measured steps (raise --steps)")
+    times = sorted(r["step_time_s"] for r in steps)
+    out = {
+        "step_time_s": statistics.median(times),
+        "step_time_p10_s": _quantile(times, 0.1),
+        "step_time_p90_s": _quantile(times, 0.9),
+        "tokens_per_s": _median(steps, "tokens_per_s"),
+        "tflops_per_rank": _median(steps, "tflops_per_rank"),
+        "peak_mem_gib": max(_present(steps, "peak_mem_gib"), default=None),
+    }
+    for part in PARTS:  # means, so the parts of a step add up to its mean time
+        values = [r[part] for r in steps if r.get(part) is not None]
+        out[part] = sum(values) / len(values) if values else None
+    out["mean_step_time_s"] = sum(times) / len(times)
+    return out
+
+
+def _present(records: list[dict[str, Any]], key: str) -> list[float]:
+    # A workload writes null for what it does not measure (classify: tokens, TP comm).
+    return [r[key] for r in records if r.get(key) is not None]
+
+
+def _median(records: list[dict[str, Any]], key: str) -> float | None:
+    values = _present(records, key)
+    return statistics.median(values) if values else None
+
+
+def summarize_runs(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A point's run-level figures (classify: time to accuracy) from its repeats' summaries.
+
+    Medians over the repeats; time to accuracy is None unless every repeat reached the target.
+    """
+    if not summaries:
+        return {}
+    times = [s.get("time_to_accuracy_s") for s in summaries]
+    return {
+        "time_to_accuracy_s": None if None in times else statistics.median(times),
+        "test_accuracy": _median(summaries, "test_accuracy"),
+        "images_per_s": _median(summaries, "images_per_s"),
+        "epochs": _median(summaries, "epochs"),
+    }
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def load_finished(out: Path) -> dict[str, dict[str, Any]]:
+    """Finished points of an earlier (interrupted) run of the study, by point key."""
+    path = out / "points.jsonl"
+    if not path.exists():
+        return {}
+    done = {}
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a crash: that point runs again
+            continue
+        done[row["key"]] = row
+    return done
+
+
+def _append(out: Path, row: dict[str, Any]) -> None:
+    with open(out / "points.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run_point(cfg: StudyConfig, point: Point, use_cluster: bool, on_repeat) -> dict[str, Any]:
+    """Run every repeat of ``point``; its summary row (status ok or failed, with the error)."""
+    row: dict[str, Any] = {"key": point.key, **asdict(point), "world_size": point.world_size}
+    point_dir = cfg.out / "runs" / point.key
+    point_dir.mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = []
+    summaries: list[dict[str, Any]] = []
+    try:
+        for repeat in range(cfg.repeats):
+            run_dir = point_dir / f"repeat{repeat}"
+            metrics = run_dir / "metrics.json"
+            argv = WORKLOADS[cfg.workload](point, cfg.spec, metrics, run_dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            log = run_dir / "log.txt"
+            if use_cluster:
+                link = cfg.link_mbit if point.nodes > 1 else None
+                cluster = EmulatedCluster(point.nodes, link)
+                (run_dir / "cluster_tag").write_text(cluster.tag)  # for whoever checks clean-up
+                with cluster:
+                    rc = _run(argv, point, cluster, log, cfg.point_timeout_s)
+            else:
+                rc = _run(argv, point, None, log, cfg.point_timeout_s)
+            if rc != 0 or not metrics.exists():
+                raise RuntimeError(f"exit status {rc}: {_last_error(log)} (log: {log})")
+            payload = json.loads(metrics.read_text())
+            records += payload["steps"]
+            if payload.get("summary"):
+                summaries.append(payload["summary"])
+            on_repeat()
+        row |= {"status": "ok", **summarize(records, cfg.spec.warmup), **summarize_runs(summaries)}
+    except (RuntimeError, ValueError, KeyError, json.JSONDecodeError) as err:
+        row |= {"status": "failed", "error": str(err)}
+    return row
+
+
+def _run(argv, point: Point, cluster, log: Path, timeout_s: float) -> int:
+    return run_on_nodes(argv, nodes=point.nodes, procs=point.procs_per_node, cluster=cluster,
+                        log_path=log, timeout_s=timeout_s, self_launching=True)  # fmt: skip
+
+
+def _last_error(log: Path) -> str:
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if "error" in line.lower():
+            return line[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_study(cfg: StudyConfig, *, resume: bool, console: Console) -> list[dict[str, Any]]:
+    """Run (or continue) the study; returns every point's row, in grid order."""
+    nodes_wanted = max(cfg.nodes) > 1
+    reason = unavailable_reason()
+    if reason and nodes_wanted:
+        console.print(f"[yellow]{reason}[/yellow]")
+        cfg = _single_node(cfg)
+    points, skipped = grid(cfg)
+    for line in skipped:
+        console.print(f"[yellow]skipped:[/yellow] {line}")
+    finished = load_finished(cfg.out) if resume else {}
+    todo = [p for p in points if finished.get(p.key, {}).get("status") != "ok"]
+    if len(todo) < len(points):
+        console.print(f"resuming: {len(points) - len(todo)} of {len(points)} points already done")
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("study", total=len(todo) * cfg.repeats)
+        for point in todo:
+            progress.update(task, description=f"{point.key}")
+            row = run_point(cfg, point, reason is None, lambda: progress.advance(task))
+            if row["status"] != "ok":
+                console.print(f"[red]point {point.key} failed:[/red] {row['error']}")
+            finished[point.key] = row
+            _append(cfg.out, row)
+    return [finished[p.key] for p in points if p.key in finished]
+
+
+def measure_links(cfg: StudyConfig, console: Console) -> dict[str, Any]:
+    """Gloo all-reduce sweeps: between two emulated nodes (when the study has several) and
+    between two ranks of one node; cached in links.json for ``--resume``."""
+    path = cfg.out / "links.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    links: dict[str, Any] = {"configured_mbit": cfg.link_mbit}
+    multi = max(cfg.nodes) > 1 and unavailable_reason() is None
+    layouts = [("intra_node", 1, 2)] + ([("inter_node", 2, 1)] if multi else [])
+    for name, nodes, procs in layouts:
+        out = cfg.out / f"link_{name}.json"
+        argv = ["-m", "studies.scaling.linkbench", "--out", str(out), "--repeats", "5"]
+        log = cfg.out / f"link_{name}.log"
+        if multi:
+            link = cfg.link_mbit if nodes > 1 else None
+            cluster = EmulatedCluster(nodes, link)
+            (cfg.out / f"link_{name}.cluster_tag").write_text(cluster.tag)
+            with cluster:
+                rc = run_on_nodes(argv, nodes=nodes, procs=procs, cluster=cluster,
+                                  log_path=log, timeout_s=300)  # fmt: skip
+        else:
+            rc = run_on_nodes(argv, nodes=1, procs=2, cluster=None, log_path=log, timeout_s=300)
+        if rc == 0 and out.exists():
+            links[name] = json.loads(out.read_text())["rows"]
+        else:
+            console.print(f"[yellow]link measurement {name} failed[/yellow] (log: {log})")
+    path.write_text(json.dumps(links, indent=1))
+    return links
+
+
+def _single_node(cfg: StudyConfig) -> StudyConfig:
+    from dataclasses import replace
+
+    return replace(cfg, nodes=(1,), procs_per_node=None)

@@ -1,0 +1,82 @@
+"""Logits parity with Hugging Face transformers: a local GPT-2 / BERT directory loaded by
+transformers against meshtron's import of it (engine/hf_interop.py) at a parallel layout.
+
+Only local ``save_pretrained`` directories are read; nothing is fetched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+import parallel_state
+from engine.hf_interop import config_from_hf, hf_weight_files, read_hf_config, read_hf_dir
+from engine.models import build_model
+from engine.models.llama import hf as llama_hf
+from layers.mappings import gather_along
+from studies.verification.layouts import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
+
+# Tolerances on logits against Hugging Face. float32 and float64 are absolute: a
+# different summation order (and GeLU-tanh spelled differently) costs ~1e-7 relative per op,
+# far below 1e-4 on logits of order 1-10 (observed 3e-7); float64 likewise below 1e-8.
+# bfloat16 is relative to max |logit|, since its absolute spacing grows with the logits
+# (0.5 at 100): 8 mantissa bits, rounded differently by each implementation in every op,
+# give about 1e-2 (observed 0.9% on 4-layer tiny models).
+HF_TOLERANCES = {"float64": 1e-8, "float32": 1e-4, "bfloat16": 3e-2}
+
+
+def check_hf_layout(spec: VerifySpec, hf_dir: str | os.PathLike) -> None:
+    """Raise ValueError (or OSError) if :func:`compare_with_hf` cannot run ``hf_dir``'s model
+    at ``spec``'s layout: heads, hidden, FFN and batch against TP and DP, before any launch."""
+    cfg = config_from_hf(read_hf_config(hf_dir))
+    replace(spec, seq_len=min(spec.seq_len, cfg.max_positions)).check(cfg)
+    missing = [f for f in hf_weight_files(hf_dir) if not (Path(hf_dir) / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{hf_dir}: the weights index names missing files {missing[:3]}")
+
+
+def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:
+    """Logits of ``hf_dir`` loaded by transformers vs meshtron's import of it at ``spec``'s
+    layout, on a fixed random batch (BERT: MLM and seq-relationship logits), within
+    ``HF_TOLERANCES``; the Report on global rank 0, None elsewhere."""
+    ps, dtype = parallel_state.get(), DTYPES[spec.dtype]
+    cfg, state, hf_config = read_hf_dir(hf_dir)
+    cfg = replace(cfg, sequence_parallel=spec.sequence_parallel, recompute=spec.recompute)
+    model = build_model(cfg, tp_group=ps.tp_group, dtype=dtype)
+    model.load_full_state_dict(state)
+    spec = replace(spec, model=cfg.arch, vocab_size=cfg.vocab_size)
+    batch = make_batch(replace(spec, seq_len=min(spec.seq_len, cfg.max_positions)))
+    with torch.no_grad():
+        ours = model.eval().logits(dp_slice(batch, ps))
+    full = {}
+    for name, logits in ours.items():  # [b, s, V/tp] vocab-sharded, or [b, 2] replicated
+        logits = gather_along(logits, -1 if logits.dim() == 3 else None, ps.tp_group)
+        full[name] = gather_along(logits, 0, ps.dp_group)[..., : cfg.vocab_size]
+    if ps.rank != 0:
+        return None
+    theirs = _hf_logits(hf_dir, hf_config, batch, dtype)
+    tol, absolute = HF_TOLERANCES[spec.dtype], spec.dtype != "bfloat16"
+    rows = [compare("logits", n, full[n], theirs[n], tol, absolute=absolute) for n in full]
+    return Report(spec, tol, rows, absolute=absolute)
+
+
+def _hf_logits(hf_dir: str, hf_config: dict, batch: dict, dtype) -> dict[str, torch.Tensor]:
+    import transformers
+
+    arch = (hf_config.get("architectures") or ["?"])[0]
+    decoders = ("GPT2LMHeadModel", *llama_hf.ARCHITECTURES.values())
+    if arch not in (*decoders, "BertForPreTraining"):
+        raise ValueError(
+            f"{hf_dir}: architecture {arch!r}; compare BertForPreTraining or one of {decoders}"
+        )
+    model = getattr(transformers, arch).from_pretrained(hf_dir, local_files_only=True)
+    model = model.to(dtype).eval()
+    with torch.no_grad():
+        if arch in decoders:
+            return {"logits": model(input_ids=batch["input_ids"]).logits}
+        out = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                    attention_mask=batch["attention_mask"])  # fmt: skip
+    return {"mlm_logits": out.prediction_logits, "sop_logits": out.seq_relationship_logits}

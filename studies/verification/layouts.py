@@ -1,0 +1,354 @@
+"""Layout equivalence: a model at (tp, dp, sequence parallel, recompute) against tp=1, dp=1.
+
+Both layouts are built from the same seed (hence hold the same full weights) and see the
+same global batch; each DP rank of the target takes its contiguous slice. The reference
+runs on global rank 0 on a one-rank process group. Every module's output is captured by a
+forward hook, gathered to full shape and compared on rank 0; then the loss and every
+parameter gradient (after the DP average and the sequence-parallel TP sum), in backward
+order; then the loss of each further optimizer step.
+
+Error of a tensor: ``max_abs`` = max |target − reference|, ``max_rel`` = max_abs divided by
+max |reference|. A row fails when max_rel exceeds the tolerance; the first failing row
+names where the layouts diverge.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import parallel_state
+from engine import comm
+from engine.data_parallel import GradSync
+from engine.models import ModelConfig, ParallelModel, build_model
+from engine.models.base import ParallelLMHead
+from layers import ColumnParallelLinear
+from layers.attention import CoreAttention
+from layers.gqa import ReplicatedKVLinear
+from layers.mappings import gather_along
+from parallel_state import groups
+from parallel_state.dims import ParallelDims
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# Relative tolerances (max error / max |reference|). float64 proves the math: layouts differ
+# only in summation order (~1e-16 per op; observed ≤ 3e-15). float32's unit roundoff is
+# 6e-8; reordered reductions over a few layers stay far below 1e-5 (observed ≤ 1e-6).
+# bfloat16 keeps 8 mantissa bits (roundoff 3.9e-3): LayerNorm weight and bias gradients
+# are sums over every token, grouped differently per layout (sequence shards, TP and DP
+# all-reduces in bf16), so they differ by several roundoffs (observed ≤ 2.5e-2); 5e-2
+# bounds that while a real bug still shows as O(1).
+TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 5e-2}
+
+
+@dataclass(frozen=True)
+class VerifySpec:
+    """The target layout, the tiny model, the batch and the dtype to compare with."""
+
+    model: str = "gpt"  # "gpt", "bert" or "llama"
+    tp_size: int = 1
+    dp_size: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"  # "none", "selective" or "full"
+    dtype: str = "float64"
+    num_layers: int = 2
+    hidden_size: int = 48
+    num_heads: int = 12  # divisible by tp 1, 2, 3, 4, 6
+    vocab_size: int = 1001
+    seq_len: int = 12
+    batch_size: int = 4
+    steps: int = 1
+    lr: float = 1e-3
+    seed: int = 1234
+
+    @property
+    def tolerance(self) -> float:
+        """Relative tolerance for this dtype."""
+        return TOLERANCES[self.dtype]
+
+    def check(self, model_config: ModelConfig | None = None) -> None:
+        """Raise ValueError naming the numbers if this layout cannot split the batch/model
+        (``model_config``, by default :meth:`model_config`)."""
+        for key in ("tp_size", "dp_size", "steps", "batch_size", "seq_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        dims = self.dims
+        dims.check_batch(self.batch_size)  # one micro-batch per DP rank
+        dims.check_seq_len(self.seq_len, key="seq_len")
+        (model_config or self.model_config()).validate(dims.tp)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The target layout as a validated value."""
+        return ParallelDims(self.tp_size, self.dp_size, sequence_parallel=self.sequence_parallel)
+
+    def model_config(self, *, reference: bool = False) -> ModelConfig:
+        """The target's config, or with ``reference=True`` the plain unsplit one. A llama
+        has 2 KV heads, so at tp 4 each is replicated on 2 ranks."""
+        family = {}
+        if self.model == "llama":
+            family = dict(
+                norm="rmsnorm",
+                position_embedding="rotary",
+                num_kv_heads=2,
+                qkv_bias=False,
+                linear_bias=False,
+                tie_embeddings=False,
+            )
+        return ModelConfig(
+            **family,
+            arch=self.model, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            num_layers=self.num_layers, num_heads=self.num_heads, max_positions=self.seq_len,
+            hidden_dropout=0.0, attention_dropout=0.0,
+            activation={"gpt": "gelu_tanh", "bert": "gelu", "llama": "swiglu"}[self.model],
+            sequence_parallel=self.sequence_parallel and not reference,
+            recompute="none" if reference else self.recompute,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Row:
+    """One compared tensor."""
+
+    kind: str  # "output", "loss" or "grad"
+    name: str
+    max_abs: float
+    max_rel: float
+    ok: bool
+
+
+@dataclass
+class Report:
+    """All compared tensors in model order; ``first_failure`` is where the layouts diverge."""
+
+    spec: VerifySpec
+    tolerance: float
+    rows: list[Row]
+    absolute: bool = False  # whether ``tolerance`` bounds max_abs rather than max_rel
+
+    @property
+    def first_failure(self) -> Row | None:
+        """The first out-of-tolerance row, in model order."""
+        return next((r for r in self.rows if not r.ok), None)
+
+    @property
+    def ok(self) -> bool:
+        """Whether at least one tensor was compared and every row is within tolerance."""
+        return bool(self.rows) and self.first_failure is None
+
+
+def compare(
+    kind: str, name: str, got: torch.Tensor, want: torch.Tensor, tol: float, *, absolute=False
+) -> Row:
+    """Row for ``got`` against ``want``; ``tol`` bounds the relative (or absolute) error."""
+    if got.shape != want.shape:
+        return Row(kind, name, float("inf"), float("inf"), False)
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    max_abs = (got - want).abs().max().item() if got.numel() else 0.0
+    scale = want.abs().max().item() if want.numel() else 0.0
+    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
+    return Row(kind, name, max_abs, max_rel, (max_abs if absolute else max_rel) <= tol)
+
+
+def output_tp_dim(module: nn.Module) -> int | None:
+    """The dim along which a module's output is split across TP (None: replicated).
+
+    Column-style outputs are split on their last dim; a module whose
+    ``sequence_parallel`` is True outputs its sequence shard (dim 0, since activations are
+    ``[s, b, ...]`` inside the models).
+    """
+    if isinstance(
+        module, (ColumnParallelLinear, CoreAttention, ParallelLMHead, ReplicatedKVLinear)
+    ):
+        return None if getattr(module, "gather_output", False) else -1
+    return 0 if getattr(module, "sequence_parallel", False) else None
+
+
+class OutputCapture:
+    """Forward hooks keeping each module's first output (recomputation reruns forwards)."""
+
+    def __init__(self, model: ParallelModel) -> None:
+        self.outputs: dict[str, tuple[torch.Tensor, int | None, int | None]] = {}
+        self.copies: dict[str, int] = {}
+        vocab = model.cfg.vocab_size
+        self._handles = [
+            module.register_forward_hook(
+                partial(self._keep, name, vocab if isinstance(module, ParallelLMHead) else None)
+            )
+            for name, module in model.named_modules()
+            if name and not isinstance(module, nn.ModuleList)
+        ]
+
+    def _keep(self, name, trim, module, args, out) -> None:
+        if name not in self.outputs and isinstance(out, torch.Tensor):
+            self.outputs[name] = (out.detach().clone(), output_tp_dim(module), trim)
+            self.copies[name] = getattr(module, "copies", 1)  # KV heads held by several ranks
+
+    def gathered(self, tp_group, dp_group) -> dict[str, torch.Tensor]:
+        """Every output at full shape, vocabulary unpadded: TP shards joined, then DP batch
+        slices (collective over both groups; None groups: nothing to join)."""
+        full = {}
+        for name, (out, tp_dim, trim) in self.outputs.items():
+            out = gather_along(out, tp_dim, tp_group)
+            if self.copies[name] > 1:  # one copy of each replicated block
+                blocks = out.unflatten(-1, (groups.group_size(tp_group), -1))
+                out = blocks[..., :: self.copies[name], :].flatten(-2)
+            # Inside the models 3-D activations are [s, b, ...], 2-D ones [b, ...].
+            out = gather_along(out, 1 if out.dim() == 3 else 0, dp_group)
+            full[name] = out if trim is None else out[..., :trim]
+        return full
+
+    def remove(self) -> None:
+        """Detach the hooks."""
+        for h in self._handles:
+            h.remove()
+
+
+def make_batch(spec: VerifySpec) -> dict[str, torch.Tensor]:
+    """A fixed random global batch. BERT: padded rows, two segments, 3 MLM labels per row
+    (the same count in every row, so per-DP-slice mean losses average to the global one)."""
+    g = torch.Generator().manual_seed(spec.seed + 1)
+    b, s, v = spec.batch_size, spec.seq_len, spec.vocab_size
+    ids = torch.randint(0, v, (b, s), generator=g)
+    if spec.model != "bert":  # decoders (gpt, llama): next-token batches
+        return {"input_ids": ids, "labels": torch.randint(0, v, (b, s), generator=g)}
+    lengths = torch.randint(max(4, s // 2), s + 1, (b,), generator=g)
+    positions = torch.arange(s)
+    attention_mask = (positions < lengths[:, None]).long()
+    token_type_ids = (positions >= lengths[:, None] // 2).long() * attention_mask
+    mlm_labels = torch.full((b, s), -100)
+    for row in range(b):
+        picked = 1 + torch.randperm(int(lengths[row]) - 1, generator=g)[:3]
+        mlm_labels[row, picked] = torch.randint(0, v, (3,), generator=g)
+    sop_label = torch.randint(0, 2, (b,), generator=g)
+    return dict(input_ids=ids, token_type_ids=token_type_ids, attention_mask=attention_mask,
+                mlm_labels=mlm_labels, sop_label=sop_label)  # fmt: skip
+
+
+def dp_slice(batch: dict[str, torch.Tensor], ps: parallel_state.ParallelState) -> dict:
+    """This DP rank's contiguous block of the global batch."""
+    return {k: v.chunk(ps.dp_size)[ps.dp_rank] for k, v in batch.items()}
+
+
+def solo_group(ps: parallel_state.ParallelState) -> dist.ProcessGroup:
+    """A one-rank group for this rank (every rank must call this together)."""
+    return groups.solo_group(ps.rank, ps.world_size)
+
+
+def compare_layouts(
+    spec: VerifySpec, *, mutate_target: Callable[[ParallelModel], None] | None = None
+) -> Report | None:
+    """Run ``spec`` on the initialized mesh; the Report on global rank 0, None elsewhere.
+
+    ``mutate_target(model)`` may alter the target after it is built (planting faults).
+    """
+    ps = parallel_state.get()
+    spec.check()
+    if (ps.tp_size, ps.dp_size) != (spec.dims.tp, spec.dims.dp):
+        raise ValueError(
+            f"the mesh is tp={ps.tp_size}, dp={ps.dp_size} but the spec asks for "
+            f"tp={spec.tp_size}, dp={spec.dp_size}"
+        )
+    dtype, solo = DTYPES[spec.dtype], solo_group(ps)
+    ps.seed(spec.seed)
+    target = build_model(spec.model_config(), tp_group=ps.tp_group, dtype=dtype)
+    if mutate_target is not None:
+        mutate_target(target)
+    reference = None
+    if ps.rank == 0:
+        ps.seed(spec.seed)  # the same draws again: the same full weights
+        reference = build_model(spec.model_config(reference=True), tp_group=solo, dtype=dtype)
+    rows = _train_and_compare(spec, target, reference, make_batch(spec), ps)
+    return Report(spec, spec.tolerance, rows) if ps.rank == 0 else None
+
+
+def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
+    tol, rows = spec.tolerance, []
+    grad_sync = GradSync(target.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
+    models = [m for m in (target, reference) if m is not None]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=spec.lr) for m in models]
+    captures = [OutputCapture(m) for m in models]
+    local = dp_slice(batch, ps)
+    for step in range(spec.steps):
+        loss = target.loss(local)
+        loss.backward()
+        grad_sync.finish()
+        loss = loss.detach().double()
+        comm.sum_(loss, ps.dp_group)
+        loss /= ps.dp_size
+        ref_loss = None
+        if reference is not None:
+            ref_loss = reference.loss(batch)
+            ref_loss.backward()
+        if step == 0:
+            rows += _output_rows(captures, ps, tol)
+            for c in captures:
+                c.remove()
+        if ref_loss is not None:
+            rows.append(compare("loss", f"loss (step {step})", loss, ref_loss, tol))
+        if step == 0:
+            rows += _grad_rows(target, reference, tol)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    grad_sync.remove()
+    return rows
+
+
+def _output_rows(captures: list[OutputCapture], ps, tol: float) -> list[Row]:
+    got = captures[0].gathered(ps.tp_group, ps.dp_group)  # collective: every rank takes part
+    if len(captures) == 1:
+        return []
+    want = captures[1].gathered(None, None)  # the reference's outputs are whole already
+    return [compare("output", name, got[name], want[name], tol) for name in got]
+
+
+def _grad_rows(target: ParallelModel, reference: ParallelModel | None, tol: float) -> list[Row]:
+    got = target.full_grad_dict()  # collective over TP
+    if reference is None:
+        return []
+    want = reference.full_grad_dict()
+    # Reverse registration order approximates backward order: the first failing gradient
+    # is the one closest to where backward went wrong.
+    return [compare("grad", name, got[name], want[name], tol) for name in reversed(got)]
+
+
+T = TypeVar("T")
+
+
+def run_on_mesh(fn: Callable[..., T], spec: VerifySpec, *args: Any) -> T:
+    """Rank entry: build the (tp, dp) mesh from the launcher's environment, run
+    ``fn(spec, *args)``, tear down."""
+    from engine.bootstrap import bootstrap_rank
+
+    def say(ps: parallel_state.ParallelState, line: str) -> None:
+        if ps.rank == 0:  # stdout holds the report alone
+            print(line, file=sys.stderr)
+
+    # The models and batches live on the CPU: the split's math does not depend on the
+    # device, and gloo keeps the tool working on GPU nodes too (NCCL would need CUDA tensors).
+    # The ranks share the cores instead of oversubscribing them.
+    bootstrap_rank(spec.dims, backend="gloo", say=say)
+    try:
+        return fn(spec, *args)
+    finally:
+        parallel_state.destroy()
+
+
+def launch_local(fn: Callable[..., T], world_size: int, *args: Any) -> T:
+    """Run ``fn(*args)`` on ``world_size`` local worker processes started by torch's elastic
+    launcher (standalone c10d rendezvous on localhost); return rank 0's result."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"verify-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
+    )  # fmt: skip
+    return elastic_launch(config, fn)(*args)[0]
