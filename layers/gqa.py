@@ -17,12 +17,11 @@ the gradient norm counts one.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from layers.linear import ColumnParallelLinear, InitMethod, build_master_weight
-from layers.mappings import copy_to_tp, gather_from_sequence
+from layers.mappings import all_reduce_sum_, copy_to_tp, gather_from_sequence
 from layers.utils import TP_DIM_ATTR, comm_timer_of, group_rank, group_size, mark_tp_dim
 
 # On a TP-split parameter: each dim-0 block is held by this many consecutive TP ranks.
@@ -72,7 +71,7 @@ class _SumOverCopies(torch.autograd.Function):
         size, rank = group_size(ctx.group), group_rank(ctx.group)
         slots = grad.new_zeros((size // ctx.copies, *grad.shape))
         slots[rank // ctx.copies] = grad
-        dist.all_reduce(slots, group=ctx.group)
+        all_reduce_sum_(slots, ctx.group)
         return slots[rank // ctx.copies], None, None
 
 
