@@ -67,9 +67,14 @@ def _fail(problems: list[str]) -> None:
 def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
     """(world size, dp size, ranks per node) of this run, or exit 2 naming the mismatch."""
     info, launch, tp = detect_launch(), cfg.launch, cfg.tp_size
-    bad = [f"{key}={value} must be >= 1" for key, value in (
-        ("launch.num_nodes", launch.num_nodes),
-        ("launch.ranks_per_node", launch.ranks_per_node or 1)) if value < 1]  # fmt: skip
+    bad = [
+        f"{key}={value} must be >= 1"
+        for key, value in (
+            ("launch.num_nodes", launch.num_nodes),
+            ("launch.ranks_per_node", launch.ranks_per_node or 1),
+        )
+        if value < 1
+    ]
     try:
         asked = ParallelDims.resolve(tp, cfg.dp_size)  # dp_size=auto: 1 until the world is known
     except LayoutError as err:
@@ -94,17 +99,30 @@ def validate(cfg: ClassifyConfig, dp_size: int) -> list[str]:
 
     t, launch, problems = cfg.trainer, cfg.launch, []
     checks = [
-        (cfg.model.hidden_size % cfg.tp_size == 0,
-         f"model.hidden_size={cfg.model.hidden_size} is not divisible by tp_size={cfg.tp_size}"),
-        (cfg.model.dtype in DTYPES, f"model.dtype={cfg.model.dtype!r} is not one of {list(DTYPES)}"),
+        (
+            cfg.model.hidden_size % cfg.tp_size == 0,
+            f"model.hidden_size={cfg.model.hidden_size} is not divisible by tp_size={cfg.tp_size}",
+        ),
+        (
+            cfg.model.dtype in DTYPES,
+            f"model.dtype={cfg.model.dtype!r} is not one of {list(DTYPES)}",
+        ),
         (t.batch_size >= 1, f"trainer.batch_size={t.batch_size} must be >= 1"),
         (t.epochs >= 1, f"trainer.epochs={t.epochs} must be >= 1"),
-        (0 < t.target_accuracy <= 1, f"trainer.target_accuracy={t.target_accuracy} must be in (0, 1]"),
+        (
+            0 < t.target_accuracy <= 1,
+            f"trainer.target_accuracy={t.target_accuracy} must be in (0, 1]",
+        ),
         (t.lr > 0, f"trainer.lr={t.lr} must be > 0"),
-        (t.lr_scaling in ("none", "linear"), f"trainer.lr_scaling={t.lr_scaling!r} is not none or linear"),
-        (0 <= launch.node_id < launch.num_nodes,
-         f"launch.node_id={launch.node_id} must be in [0, launch.num_nodes={launch.num_nodes})"),
-    ]  # fmt: skip
+        (
+            t.lr_scaling in ("none", "linear"),
+            f"trainer.lr_scaling={t.lr_scaling!r} is not none or linear",
+        ),
+        (
+            0 <= launch.node_id < launch.num_nodes,
+            f"launch.node_id={launch.node_id} must be in [0, launch.num_nodes={launch.num_nodes})",
+        ),
+    ]
     problems += [message for ok, message in checks if not ok]
     problems += _validate_values(cfg, problems)
     train_images = cfg.data.train_subset or 60_000
@@ -158,19 +176,29 @@ def launch(cfg: ClassifyConfig, per_node: int) -> dict:
     launch = cfg.launch
     addr = launch.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = launch.master_port or int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT))
-    results = launch_workers(run_worker, cfg, nproc_per_node=per_node,
-                             num_nodes=launch.num_nodes, node_rank=launch.node_id,
-                             master_addr=addr, master_port=port)  # fmt: skip
+    results = launch_workers(
+        run_worker,
+        cfg,
+        nproc_per_node=per_node,
+        num_nodes=launch.num_nodes,
+        node_rank=launch.node_id,
+        master_addr=addr,
+        master_port=port,
+    )
     return results[min(results)]
 
 
 def final_line(summary: dict) -> str:
     """The closing line that scripts and tutorials grep for."""
     if summary["reached"]:
-        return (f"reached test accuracy {summary['test_accuracy']:.4f} at epoch "
-                f"{summary['epochs']} in {summary['time_to_accuracy_s']:.2f} s")  # fmt: skip
-    return (f"did not reach test accuracy {summary['target_accuracy']} in {summary['epochs']} "
-            f"epochs: {summary['test_accuracy']:.4f} after {summary['elapsed_s']:.2f} s")  # fmt: skip
+        return (
+            f"reached test accuracy {summary['test_accuracy']:.4f} at epoch "
+            f"{summary['epochs']} in {summary['time_to_accuracy_s']:.2f} s"
+        )
+    return (
+        f"did not reach test accuracy {summary['target_accuracy']} in {summary['epochs']} "
+        f"epochs: {summary['test_accuracy']:.4f} after {summary['elapsed_s']:.2f} s"
+    )
 
 
 @hydra.main(config_path="../configs", config_name="classify", version_base=None)
@@ -190,8 +218,10 @@ def main(dcfg: DictConfig) -> None:
     summary = launch(cfg, per_node)
     if detect_launch().rank != 0:  # under a launcher, rank 0 speaks for the run
         raise SystemExit(0 if summary["reached"] else 1)
-    print(f"time to accuracy {summary['time_to_accuracy_s'] or float('nan'):.2f} s, "
-          f"{summary['images_per_s']:.0f} training images/s over {summary['epochs']} epochs")  # fmt: skip
+    print(
+        f"time to accuracy {summary['time_to_accuracy_s'] or float('nan'):.2f} s, "
+        f"{summary['images_per_s']:.0f} training images/s over {summary['epochs']} epochs"
+    )
     print(final_line(summary), flush=True)
     if not summary["reached"]:
         raise SystemExit(1)

@@ -59,15 +59,30 @@ class Timings:
 
     records: list[dict] = field(default_factory=list)
 
-    def add(self, step: int, parts: dict[str, float], images: int, flops: float, loss: float,
-            device: torch.device) -> None:  # fmt: skip
+    def add(
+        self,
+        step: int,
+        parts: dict[str, float],
+        images: int,
+        flops: float,
+        loss: float,
+        device: torch.device,
+    ) -> None:
         total = sum(parts.values())
-        self.records.append({
-            "step": step, "step_time_s": total, **parts, "tp_comm_s": None,
-            "dp_comm_total_s": None, "tokens_per_s": None, "images_per_s": images / total,
-            "tflops_per_rank": flops / total / 1e12, "peak_mem_gib": peak_memory_gib(device),
-            "loss": loss,
-        })  # fmt: skip
+        self.records.append(
+            {
+                "step": step,
+                "step_time_s": total,
+                **parts,
+                "tp_comm_s": None,
+                "dp_comm_total_s": None,
+                "tokens_per_s": None,
+                "images_per_s": images / total,
+                "tflops_per_rank": flops / total / 1e12,
+                "peak_mem_gib": peak_memory_gib(device),
+                "loss": loss,
+            }
+        )
 
 
 def train(cfg: ClassifyConfig, ps: ParallelState) -> dict:
@@ -79,13 +94,18 @@ def train(cfg: ClassifyConfig, ps: ParallelState) -> dict:
     train_x, test_x = (x.to(ps.device, dtype) for x in (train_x, test_x))
     train_y, test_y = train_y.to(ps.device), test_y.to(ps.device)
     ps.seed(t.seed)
-    run = _Run(cfg, ps, MLPClassifier(cfg.model.hidden_size, tp_group=ps.tp_group, dtype=dtype,
-                                      device=ps.device))  # fmt: skip
+    run = _Run(
+        cfg,
+        ps,
+        MLPClassifier(cfg.model.hidden_size, tp_group=ps.tp_group, dtype=dtype, device=ps.device),
+    )
     steps = steps_per_epoch(train_x.shape[0], t.batch_size, ps.dp_size)
     say = _printer(ps)
-    say(f"classify: {train_x.shape[0]} training / {test_x.shape[0]} test images, tp={ps.tp_size} "
+    say(
+        f"classify: {train_x.shape[0]} training / {test_x.shape[0]} test images, tp={ps.tp_size} "
         f"dp={ps.dp_size}, batch {t.batch_size}/rank ({t.batch_size * ps.dp_size} global), "
-        f"lr {run.lr:g}, {steps} steps/epoch, target {t.target_accuracy}")  # fmt: skip
+        f"lr {run.lr:g}, {steps} steps/epoch, target {t.target_accuracy}"
+    )
     curve, train_time, accuracy = [], 0.0, 0.0
     start = time.perf_counter()
     for epoch in range(1, t.epochs + 1):
@@ -98,21 +118,34 @@ def train(cfg: ClassifyConfig, ps: ParallelState) -> dict:
         accuracy = evaluate(run.model, test_x, test_y, ps)
         elapsed = time.perf_counter() - start
         rate = steps * t.batch_size * ps.dp_size / epoch_time
-        curve.append({"epoch": epoch, "test_accuracy": accuracy, "elapsed_s": elapsed,
-                      "train_loss": loss, "images_per_s": rate})  # fmt: skip
-        say(f"epoch {epoch:>2}  test accuracy {accuracy:.4f}  train loss {loss:.4f}  "
-            f"elapsed {elapsed:6.2f} s  {rate:8.0f} images/s")  # fmt: skip
+        curve.append(
+            {
+                "epoch": epoch,
+                "test_accuracy": accuracy,
+                "elapsed_s": elapsed,
+                "train_loss": loss,
+                "images_per_s": rate,
+            }
+        )
+        say(
+            f"epoch {epoch:>2}  test accuracy {accuracy:.4f}  train loss {loss:.4f}  "
+            f"elapsed {elapsed:6.2f} s  {rate:8.0f} images/s"
+        )
         if accuracy >= t.target_accuracy:
             break
     run.grad_sync.remove()
     reached = accuracy >= t.target_accuracy
     summary = {
-        "reached": reached, "target_accuracy": t.target_accuracy, "test_accuracy": accuracy,
-        "epochs": len(curve), "time_to_accuracy_s": curve[-1]["elapsed_s"] if reached else None,
+        "reached": reached,
+        "target_accuracy": t.target_accuracy,
+        "test_accuracy": accuracy,
+        "epochs": len(curve),
+        "time_to_accuracy_s": curve[-1]["elapsed_s"] if reached else None,
         "elapsed_s": curve[-1]["elapsed_s"],
         "images_per_s": len(curve) * steps * t.batch_size * ps.dp_size / train_time,
-        "lr": run.lr, "curve": curve,
-    }  # fmt: skip
+        "lr": run.lr,
+        "curve": curve,
+    }
     if t.metrics_file and ps.rank == 0:
         write_metrics(t.metrics_file, cfg, ps, run.timings, summary)
     return summary
@@ -126,8 +159,12 @@ class _Run:
         self.cfg, self.ps, self.model, self.timings = cfg, ps, model, Timings()
         self.lr = t.lr * (ps.dp_size if t.lr_scaling == "linear" else 1)
         self.optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=t.momentum)
-        self.grad_sync = GradSync(model.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group,
-                                  bucket_size_mb=t.grad_bucket_mb)  # fmt: skip
+        self.grad_sync = GradSync(
+            model.parameters(),
+            dp_group=ps.dp_group,
+            tp_group=ps.tp_group,
+            bucket_size_mb=t.grad_bucket_mb,
+        )
         self.flops = model.flops_per_image() * t.batch_size * ps.dp_size / ps.world_size
 
     def epoch(self, x, y, perm: torch.Tensor, steps: int, epoch: int) -> float:
@@ -150,8 +187,12 @@ class _Run:
             value = float(loss.detach())
             total += value
             if ps.rank == 0:
-                parts = {"data_s": t1 - t0, "compute_s": t2 - t1, "dp_comm_exposed_s": t3 - t2,
-                         "optimizer_s": t4 - t3}  # fmt: skip
+                parts = {
+                    "data_s": t1 - t0,
+                    "compute_s": t2 - t1,
+                    "dp_comm_exposed_s": t3 - t2,
+                    "optimizer_s": t4 - t3,
+                }
                 step_no = (epoch - 1) * steps + step + 1
                 self.timings.add(step_no, parts, batch * ps.dp_size, self.flops, value, ps.device)
             if progress is not None:
@@ -180,15 +221,20 @@ def _subset(x: torch.Tensor, y: torch.Tensor, n: int) -> tuple[torch.Tensor, tor
     return (x[:n], y[:n]) if n > 0 else (x, y)
 
 
-def write_metrics(path: str, cfg: ClassifyConfig, ps: ParallelState, timings: Timings,
-                  summary: dict) -> None:  # fmt: skip
+def write_metrics(
+    path: str, cfg: ClassifyConfig, ps: ParallelState, timings: Timings, summary: dict
+) -> None:
     """The per-run metrics JSON, written atomically (temporary file, then rename)."""
     payload = {
-        "workload": "classify", "tp_size": ps.tp_size, "dp_size": ps.dp_size,
-        "world_size": ps.world_size, "micro_batch": cfg.trainer.batch_size,
-        "global_batch": cfg.trainer.batch_size * ps.dp_size, "steps": timings.records,
+        "workload": "classify",
+        "tp_size": ps.tp_size,
+        "dp_size": ps.dp_size,
+        "world_size": ps.world_size,
+        "micro_batch": cfg.trainer.batch_size,
+        "global_batch": cfg.trainer.batch_size * ps.dp_size,
+        "steps": timings.records,
         "summary": summary,
-    }  # fmt: skip
+    }
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")

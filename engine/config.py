@@ -131,9 +131,12 @@ def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
     """The run's layout, validated: ``dp_size=auto`` is world ÷ tp (1 with no launcher yet,
     since this process then starts tp ranks itself). Raises LayoutError, one line."""
     return ParallelDims.resolve(
-        cfg.tp_size, cfg.dp_size, world_size,
-        sequence_parallel=cfg.model.sequence_parallel, zero1=cfg.optim.distributed,
-    )  # fmt: skip
+        cfg.tp_size,
+        cfg.dp_size,
+        world_size,
+        sequence_parallel=cfg.model.sequence_parallel,
+        zero1=cfg.optim.distributed,
+    )
 
 
 def validate(cfg: Config, dims: ParallelDims) -> list[str]:

@@ -72,9 +72,14 @@ def model_flops(
         )
     count = {"gpt": gpt_flops_per_iteration, "bert": bert_flops_per_iteration}[cfg.arch]
     return count(
-        batch, seq, cfg.num_layers, cfg.hidden_size, cfg.padded_vocab_size(tp_size),
-        recompute=recompute, ffn_hidden=cfg.ffn_size,
-    )  # fmt: skip
+        batch,
+        seq,
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.padded_vocab_size(tp_size),
+        recompute=recompute,
+        ffn_hidden=cfg.ffn_size,
+    )
 
 
 def model_flops_per_step(cfg: Config) -> int:

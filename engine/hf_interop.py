@@ -77,25 +77,35 @@ def _config_values(kind: str | None, hf: dict[str, Any]) -> dict[str, Any]:
         if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
             raise ValueError("only GPT-2 attention scaled by 1/sqrt(head_dim) is supported")
         values = dict(
-            arch="gpt", vocab_size=hf["vocab_size"], hidden_size=hf["n_embd"],
-            num_layers=hf["n_layer"], num_heads=hf["n_head"], ffn_hidden_size=hf.get("n_inner"),
-            max_positions=hf["n_positions"], hidden_dropout=hf.get("resid_pdrop", 0.1),
+            arch="gpt",
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["n_embd"],
+            num_layers=hf["n_layer"],
+            num_heads=hf["n_head"],
+            ffn_hidden_size=hf.get("n_inner"),
+            max_positions=hf["n_positions"],
+            hidden_dropout=hf.get("resid_pdrop", 0.1),
             attention_dropout=hf.get("attn_pdrop", 0.1),
             layernorm_eps=hf.get("layer_norm_epsilon", 1e-5),
             act=hf.get("activation_function", "gelu_new"),
-        )  # fmt: skip
+        )
     elif kind == "bert":
         if hf.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError("only BERT with absolute position embeddings is supported")
         values = dict(
-            arch="bert", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-            ffn_hidden_size=hf["intermediate_size"], max_positions=hf["max_position_embeddings"],
+            arch="bert",
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            ffn_hidden_size=hf["intermediate_size"],
+            max_positions=hf["max_position_embeddings"],
             num_token_types=hf.get("type_vocab_size", 2),
             hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
             attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
-            layernorm_eps=hf.get("layer_norm_eps", 1e-12), act=hf.get("hidden_act", "gelu"),
-        )  # fmt: skip
+            layernorm_eps=hf.get("layer_norm_eps", 1e-12),
+            act=hf.get("hidden_act", "gelu"),
+        )
     else:
         raise ValueError(
             f"model_type {kind!r} is not supported; use gpt2, bert, llama, mistral or qwen2"
@@ -115,22 +125,36 @@ def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[s
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tie_embeddings)
     if cfg.arch == "gpt":
         out.update(
-            architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=cfg.hidden_size,
-            n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ffn_hidden_size,
-            n_positions=cfg.max_positions, resid_pdrop=cfg.hidden_dropout,
+            architectures=["GPT2LMHeadModel"],
+            model_type="gpt2",
+            n_embd=cfg.hidden_size,
+            n_layer=cfg.num_layers,
+            n_head=cfg.num_heads,
+            n_inner=cfg.ffn_hidden_size,
+            n_positions=cfg.max_positions,
+            resid_pdrop=cfg.hidden_dropout,
             attn_pdrop=cfg.attention_dropout,
-            layer_norm_epsilon=cfg.layernorm_eps, activation_function=act, **common,
-        )  # fmt: skip
+            layer_norm_epsilon=cfg.layernorm_eps,
+            activation_function=act,
+            **common,
+        )
         out.setdefault("embd_pdrop", cfg.hidden_dropout)  # meshtron has one hidden dropout
     else:
         out.update(
-            architectures=["BertForPreTraining"], model_type="bert", hidden_size=cfg.hidden_size,
-            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-            intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.max_positions,
-            type_vocab_size=cfg.num_token_types, hidden_dropout_prob=cfg.hidden_dropout,
-            attention_probs_dropout_prob=cfg.attention_dropout, layer_norm_eps=cfg.layernorm_eps,
-            hidden_act=act, **common,
-        )  # fmt: skip
+            architectures=["BertForPreTraining"],
+            model_type="bert",
+            hidden_size=cfg.hidden_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            intermediate_size=cfg.ffn_size,
+            max_position_embeddings=cfg.max_positions,
+            type_vocab_size=cfg.num_token_types,
+            hidden_dropout_prob=cfg.hidden_dropout,
+            attention_probs_dropout_prob=cfg.attention_dropout,
+            layer_norm_eps=cfg.layernorm_eps,
+            hidden_act=act,
+            **common,
+        )
     return out
 
 
@@ -138,29 +162,42 @@ def _renames(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
     """(meshtron name, HF name, transposed) for every tensor except the fused QKV."""
     wb = ("weight", "bias")
     if cfg.arch == "gpt":
-        table = [("embedding.word.weight", "transformer.wte.weight", False),
-                 ("embedding.position", "transformer.wpe.weight", False)]  # fmt: skip
+        table = [
+            ("embedding.word.weight", "transformer.wte.weight", False),
+            ("embedding.position", "transformer.wpe.weight", False),
+        ]
         table += [(f"final_norm.{x}", f"transformer.ln_f.{x}", False) for x in wb]
-        sub = [("attention_norm", "ln_1", False), ("attention.dense", "attn.c_proj", True),
-               ("mlp_norm", "ln_2", False), ("mlp.fc1", "mlp.c_fc", True),
-               ("mlp.fc2", "mlp.c_proj", True)]  # fmt: skip
+        sub = [
+            ("attention_norm", "ln_1", False),
+            ("attention.dense", "attn.c_proj", True),
+            ("mlp_norm", "ln_2", False),
+            ("mlp.fc1", "mlp.c_fc", True),
+            ("mlp.fc2", "mlp.c_proj", True),
+        ]
         layer_prefix, head = "transformer.h", [("lm_head.weight", "lm_head.weight", False)]
     else:
         emb = "bert.embeddings"
-        table = [("embedding.word.weight", f"{emb}.word_embeddings.weight", False),
-                 ("embedding.position", f"{emb}.position_embeddings.weight", False),
-                 ("embedding.token_type", f"{emb}.token_type_embeddings.weight", False),
-                 ("lm_head.bias", "cls.predictions.bias", False)]  # fmt: skip
-        for ours, theirs in (("embedding.norm", f"{emb}.LayerNorm"),
-                             ("mlm_transform.dense", "cls.predictions.transform.dense"),
-                             ("mlm_transform.norm", "cls.predictions.transform.LayerNorm"),
-                             ("pooler.dense", "bert.pooler.dense"),
-                             ("sop_head", "cls.seq_relationship")):  # fmt: skip
+        table = [
+            ("embedding.word.weight", f"{emb}.word_embeddings.weight", False),
+            ("embedding.position", f"{emb}.position_embeddings.weight", False),
+            ("embedding.token_type", f"{emb}.token_type_embeddings.weight", False),
+            ("lm_head.bias", "cls.predictions.bias", False),
+        ]
+        for ours, theirs in (
+            ("embedding.norm", f"{emb}.LayerNorm"),
+            ("mlm_transform.dense", "cls.predictions.transform.dense"),
+            ("mlm_transform.norm", "cls.predictions.transform.LayerNorm"),
+            ("pooler.dense", "bert.pooler.dense"),
+            ("sop_head", "cls.seq_relationship"),
+        ):
             table += [(f"{ours}.{x}", f"{theirs}.{x}", False) for x in wb]
-        sub = [("attention.dense", "attention.output.dense", False),
-               ("attention_norm", "attention.output.LayerNorm", False),
-               ("mlp.fc1", "intermediate.dense", False), ("mlp.fc2", "output.dense", False),
-               ("mlp_norm", "output.LayerNorm", False)]  # fmt: skip
+        sub = [
+            ("attention.dense", "attention.output.dense", False),
+            ("attention_norm", "attention.output.LayerNorm", False),
+            ("mlp.fc1", "intermediate.dense", False),
+            ("mlp.fc2", "output.dense", False),
+            ("mlp_norm", "output.LayerNorm", False),
+        ]
         layer_prefix = "bert.encoder.layer"
         head = [("lm_head.weight", "cls.predictions.decoder.weight", False)]
     for i in range(cfg.num_layers):
@@ -181,8 +218,14 @@ def _qkv_names(cfg: ModelConfig, layer: int, kind: str) -> list[str]:
 
 
 # Buffers and tied copies HF may store that carry no parameters of their own.
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "position_ids", "lm_head.weight",
-                     "cls.predictions.decoder.weight", "cls.predictions.decoder.bias")  # fmt: skip
+_IGNORED_SUFFIXES = (
+    ".attn.bias",
+    ".attn.masked_bias",
+    "position_ids",
+    "lm_head.weight",
+    "cls.predictions.decoder.weight",
+    "cls.predictions.decoder.bias",
+)
 
 
 def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -113,5 +113,6 @@ def _training_index(root: Path) -> dict | None:
 
 def inference_config(cfg: ModelConfig) -> ModelConfig:
     """The layout options that only matter for training, switched off."""
-    return replace(cfg, sequence_parallel=False, recompute="none", hidden_dropout=0.0,
-                   attention_dropout=0.0)  # fmt: skip
+    return replace(
+        cfg, sequence_parallel=False, recompute="none", hidden_dropout=0.0, attention_dropout=0.0
+    )

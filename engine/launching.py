@@ -35,12 +35,21 @@ def launch_workers(
     if num_nodes == 1:
         rdzv = dict(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", run_id=str(uuid.uuid4()))
     else:  # every node must name the same run and endpoint: nothing random here
-        rdzv = dict(rdzv_backend="static", rdzv_endpoint=f"{master_addr}:{master_port}",
-                    run_id="meshtron", rdzv_configs={"rank": node_rank})  # fmt: skip
+        rdzv = dict(
+            rdzv_backend="static",
+            rdzv_endpoint=f"{master_addr}:{master_port}",
+            run_id="meshtron",
+            rdzv_configs={"rank": node_rank},
+        )
     config = LaunchConfig(
-        min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nproc_per_node,
-        max_restarts=max_restarts, monitor_interval=0.5, start_method="spawn", **rdzv,
-    )  # fmt: skip
+        min_nodes=num_nodes,
+        max_nodes=num_nodes,
+        nproc_per_node=nproc_per_node,
+        max_restarts=max_restarts,
+        monitor_interval=0.5,
+        start_method="spawn",
+        **rdzv,
+    )
     if max_restarts:
         # The agent otherwise shares one TCPStore across restarts, where the restarted
         # workers' gloo rendezvous reads the dead workers' stale addresses; a store per

@@ -24,9 +24,15 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def window_metrics(
-    window: list[dict[str, float]], *, loss: float, tokens_per_step: int, flops_per_step: float,
-    world_size: int, peak_flops: float | None, device: torch.device,
-) -> dict[str, float | None]:  # fmt: skip
+    window: list[dict[str, float]],
+    *,
+    loss: float,
+    tokens_per_step: int,
+    flops_per_step: float,
+    world_size: int,
+    peak_flops: float | None,
+    device: torch.device,
+) -> dict[str, float | None]:
     """Scalars for a logging window of steps (each a ``Trainer.train_step`` result).
 
     TFLOP/s is per rank, from model FLOPs (docs/PERFMODEL.md); MFU is None when the device's
@@ -66,8 +72,17 @@ class RunLogger:
     run directory, the file Hydra names after the job).
     """
 
-    def __init__(self, *, enabled: bool, run_dir: str, max_steps: int, tensorboard: str | None,
-                 wandb_project: str | None, config: dict, progress: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        run_dir: str,
+        max_steps: int,
+        tensorboard: str | None,
+        wandb_project: str | None,
+        config: dict,
+        progress: bool,
+    ) -> None:
         self.enabled = enabled
         # mpirun gives each rank a pseudo-terminal that it relays into a log or a pipe:
         # that is no screen, so no colors or progress bar (their escape codes would land
@@ -81,18 +96,23 @@ class RunLogger:
             return
         os.makedirs(run_dir, exist_ok=True)
         self.log_file = open(run_log_path(run_dir), "a")  # noqa: SIM115 - closed in close()
-        self.file_console = Console(file=self.log_file, color_system=None, highlight=False,
-                                    force_terminal=False)  # fmt: skip
+        self.file_console = Console(
+            file=self.log_file, color_system=None, highlight=False, force_terminal=False
+        )
         if wandb_project:
             import wandb
 
             self.wandb = wandb.init(project=wandb_project, config=config, dir=run_dir)
         if progress and self.console.is_terminal:
             self.progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                console=self.console, transient=True,
-            )  # fmt: skip
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=True,
+            )
             self.task = self.progress.add_task("train", total=max_steps, status="")
             self.progress.start()
 
@@ -157,10 +177,13 @@ def maybe_profile(steps: list[int], run_dir: str, rank: int) -> Iterator[callabl
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     path = os.path.join(run_dir, f"trace_rank{rank}.json")
-    schedule = torch.profiler.schedule(wait=max(0, first - 1), warmup=1 if first > 0 else 0,
-                                       active=last - first + 1, repeat=1)  # fmt: skip
+    schedule = torch.profiler.schedule(
+        wait=max(0, first - 1), warmup=1 if first > 0 else 0, active=last - first + 1, repeat=1
+    )
     with torch.profiler.profile(
-        activities=activities, schedule=schedule, record_shapes=True,
+        activities=activities,
+        schedule=schedule,
+        record_shapes=True,
         on_trace_ready=lambda prof: prof.export_chrome_trace(path),
-    ) as prof:  # fmt: skip
+    ) as prof:
         yield prof.step

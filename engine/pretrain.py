@@ -97,9 +97,11 @@ def _check_checkpoint_dir(cfg: Config) -> list[str]:
         return [f"trainer.metrics_file={metrics} cannot be written: {problem}"]
     steps = sorted(step_dirs(root))
     if steps and not cfg.checkpoint.resume:
-        return [f"checkpoint.resume=false but {root} already holds checkpoints (steps "
-                f"{', '.join(map(str, steps))}) that a fresh run would replace; choose another "
-                "checkpoint.dir, or delete that directory first"]  # fmt: skip
+        return [
+            f"checkpoint.resume=false but {root} already holds checkpoints (steps "
+            f"{', '.join(map(str, steps))}) that a fresh run would replace; choose another "
+            "checkpoint.dir, or delete that directory first"
+        ]
     from engine.preflight import check_resume_model
 
     return check_resume_model(cfg, root)
@@ -126,17 +128,20 @@ def launch(cfg: Config) -> dict:
 
     with reporting(cfg.run_dir, lambda: resume_step(checkpoint_dir(cfg))) as report:
         try:
-            results = launch_workers(run_rank, cfg, nproc_per_node=world,
-                                     max_restarts=cfg.trainer.max_restarts)  # fmt: skip
+            results = launch_workers(
+                run_rank, cfg, nproc_per_node=world, max_restarts=cfg.trainer.max_restarts
+            )
         except SignalException as err:
             # The agent passed the signal on to the workers, which saved and said so.
             return {"stopped_by": signal.Signals(err.sigval).name}
         except ChildFailedError as err:
             rank, failure = err.get_first_failure()
             report.failure = (rank, failure.exitcode)
-            print(f"{report.who()}; no restart left (trainer.max_restarts="
-                  f"{cfg.trainer.max_restarts}); details in {run_log_path(cfg.run_dir)}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"{report.who()}; no restart left (trainer.max_restarts="
+                f"{cfg.trainer.max_restarts}); details in {run_log_path(cfg.run_dir)}",
+                file=sys.stderr,
+            )
             raise SystemExit(1) from None
     return results.get(0, {})
 
@@ -165,8 +170,11 @@ def main(dcfg: DictConfig) -> None:
     except KeyboardInterrupt:
         from engine.checkpoint import checkpoint_dir
 
-        print(f"interrupted by a second Ctrl-C: not saved; the checkpoints in "
-              f"{checkpoint_dir(cfg)} are intact (a partial one is discarded)", file=sys.stderr)  # fmt: skip
+        print(
+            f"interrupted by a second Ctrl-C: not saved; the checkpoints in "
+            f"{checkpoint_dir(cfg)} are intact (a partial one is discarded)",
+            file=sys.stderr,
+        )
         raise SystemExit(130) from None
     if summary.get("stopped_by"):
         raise SystemExit(EXIT_PREEMPTED)  # the sbatch template requeues on this status

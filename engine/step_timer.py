@@ -110,9 +110,14 @@ class StepTimer:
     """Per-step time breakdown; ``enabled=False`` times phases only (no collective clocks)."""
 
     def __init__(
-        self, device: torch.device, *, enabled: bool = True, tokens_per_step: int = 0,
-        flops_per_step: float = 0.0, world_size: int = 1,
-    ) -> None:  # fmt: skip
+        self,
+        device: torch.device,
+        *,
+        enabled: bool = True,
+        tokens_per_step: int = 0,
+        flops_per_step: float = 0.0,
+        world_size: int = 1,
+    ) -> None:
         self.device, self.enabled = device, enabled
         self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
         self.world_size = world_size
@@ -162,9 +167,13 @@ class StepTimer:
                 "optimizer_s": phase["optimizer"] - dp_in_optimizer,
             }
         else:
-            record |= {"compute_s": phase["forward_backward"], "tp_comm_s": None,
-                       "dp_comm_exposed_s": phase["dp_wait"], "dp_comm_total_s": None,
-                       "optimizer_s": phase["optimizer"]}  # fmt: skip
+            record |= {
+                "compute_s": phase["forward_backward"],
+                "tp_comm_s": None,
+                "dp_comm_exposed_s": phase["dp_wait"],
+                "dp_comm_total_s": None,
+                "optimizer_s": phase["optimizer"],
+            }
         record |= {
             "tokens_per_s": self.tokens_per_step / step_time,
             "tflops_per_rank": self.flops_per_step / step_time / self.world_size / 1e12,

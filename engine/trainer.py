@@ -99,10 +99,15 @@ class Trainer:
         self.model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.dp = build_data_parallel(
-            self.model, cfg.optim, dp_group=ps.dp_group, tp_group=ps.tp_group, device=ps.device,
-            bucket_size_mb=cfg.trainer.grad_bucket_mb, overlap=cfg.trainer.overlap_grad_reduce,
+            self.model,
+            cfg.optim,
+            dp_group=ps.dp_group,
+            tp_group=ps.tp_group,
+            device=ps.device,
+            bucket_size_mb=cfg.trainer.grad_bucket_mb,
+            overlap=cfg.trainer.overlap_grad_reduce,
             low_precision=torch.bfloat16 if self.precision == "bf16" else None,
-        )  # fmt: skip
+        )
         self.scaler = (
             DynamicLossScaler(cfg.trainer.loss_scale_init) if self.precision == "fp16" else None
         )
@@ -114,15 +119,22 @@ class Trainer:
         peak_dtype = _AUTOCAST.get(self.precision, torch.float32)
         self.peak_flops = flops.peak_flops(ps.device, peak_dtype)
         self.timer = StepTimer(
-            ps.device, enabled=cfg.trainer.step_timing, flops_per_step=self.flops_per_step,
-            tokens_per_step=cfg.trainer.global_batch * cfg.data.seq_len, world_size=ps.world_size,
-        )  # fmt: skip
+            ps.device,
+            enabled=cfg.trainer.step_timing,
+            flops_per_step=self.flops_per_step,
+            tokens_per_step=cfg.trainer.global_batch * cfg.data.seq_len,
+            world_size=ps.world_size,
+        )
         self.timer.attach(self.model, self.dp)
         self.logger = RunLogger(
-            enabled=ps.rank == 0, run_dir=cfg.run_dir, max_steps=cfg.trainer.max_steps,
-            tensorboard=tensorboard_dir(cfg), wandb_project=cfg.trainer.wandb_project,
-            config=asdict(cfg), progress=cfg.trainer.progress,
-        )  # fmt: skip
+            enabled=ps.rank == 0,
+            run_dir=cfg.run_dir,
+            max_steps=cfg.trainer.max_steps,
+            tensorboard=tensorboard_dir(cfg),
+            wandb_project=cfg.trainer.wandb_project,
+            config=asdict(cfg),
+            progress=cfg.trainer.progress,
+        )
         self.guard = BadStepGuard(cfg.trainer.max_bad_steps, ps.device, self.logger.print)
         self.step = self._saved_step = 0
         self._last_eval: dict[str, float] | None = None
@@ -173,14 +185,21 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.optim, self.cfg.trainer.max_steps)
         scale = self.scaler and self.scaler.scale
         self._mark("bad-step check", "world", self.step + 1)
-        if not self.guard.check(self.step + 1, total.item(), norm.item(), overflow=skipped,
-                                loss_scale=scale):  # fmt: skip
+        if not self.guard.check(
+            self.step + 1, total.item(), norm.item(), overflow=skipped, loss_scale=scale
+        ):
             self.dp.step(lr=lr, max_norm=self.cfg.optim.clip_grad, norm=norm)
         self.dp.zero_grad()
         self.timer.lap()
         record = self.timer.finish(step=self.step + 1, loss=total.item())
-        return {**record, "grad_norm": norm.item(), "lr": lr, "skipped": float(skipped),
-                "step_time": record["step_time_s"], "dp_comm": record["dp_comm_exposed_s"]}  # fmt: skip
+        return {
+            **record,
+            "grad_norm": norm.item(),
+            "lr": lr,
+            "skipped": float(skipped),
+            "step_time": record["step_time_s"],
+            "dp_comm": record["dp_comm_exposed_s"],
+        }
 
     def _dp_mean(self, value: float) -> float:
         self._mark("loss average", "dp")
@@ -206,10 +225,14 @@ class Trainer:
         self.history.append((self.step, loss))
         t = self.cfg.trainer
         metrics = window_metrics(
-            window, loss=loss, tokens_per_step=t.global_batch * self.cfg.data.seq_len,
-            flops_per_step=self.flops_per_step, world_size=self.ps.world_size,
-            peak_flops=self.peak_flops, device=self.device,
-        )  # fmt: skip
+            window,
+            loss=loss,
+            tokens_per_step=t.global_batch * self.cfg.data.seq_len,
+            flops_per_step=self.flops_per_step,
+            world_size=self.ps.world_size,
+            peak_flops=self.peak_flops,
+            device=self.device,
+        )
         line = format_step_line(self.step, t.max_steps, metrics)
         metrics |= breakdown_metrics(window)
         line += format_breakdown(metrics)
@@ -301,12 +324,22 @@ class Trainer:
         t = self.cfg.trainer
         if not t.metrics_file or self.ps.rank != 0:
             return
-        header = {"workload": "pretrain", "tp_size": self.ps.tp_size, "dp_size": self.ps.dp_size,
-                  "world_size": self.ps.world_size, "micro_batch": t.micro_batch,
-                  "global_batch": t.global_batch}  # fmt: skip
-        extras = {"seq_len": self.cfg.data.seq_len, "precision": self.precision,
-                  "lr": self.cfg.optim.lr, "step_timing": t.step_timing,
-                  "history": self.history, "eval": summary["eval"]}  # fmt: skip
+        header = {
+            "workload": "pretrain",
+            "tp_size": self.ps.tp_size,
+            "dp_size": self.ps.dp_size,
+            "world_size": self.ps.world_size,
+            "micro_batch": t.micro_batch,
+            "global_batch": t.global_batch,
+        }
+        extras = {
+            "seq_len": self.cfg.data.seq_len,
+            "precision": self.precision,
+            "lr": self.cfg.optim.lr,
+            "step_timing": t.step_timing,
+            "history": self.history,
+            "eval": summary["eval"],
+        }
         self.timer.write(t.metrics_file, header, extras)
 
     def _report_eval(self) -> dict[str, float] | None:
@@ -323,8 +356,12 @@ class Trainer:
     def _train_state(self) -> dict:
         """What besides tensors a bitwise resume needs (RNG states go with each rank)."""
         scaler = self.scaler and self.scaler.state_dict()
-        return {"data": self.data.train.state_dict(), "loss_scaler": scaler,
-                "config": asdict(self.cfg), "tokenizer": self._tokenizer}  # fmt: skip
+        return {
+            "data": self.data.train.state_dict(),
+            "loss_scaler": scaler,
+            "config": asdict(self.cfg),
+            "tokenizer": self._tokenizer,
+        }
 
     def _save_checkpoint(self) -> None:
         self._mark("checkpoint save", "world")
@@ -333,10 +370,15 @@ class Trainer:
             return
         start = time.perf_counter()
         path = save_checkpoint(
-            checkpoint_dir(self.cfg), self.step, model=self.model, optimizer=self.dp,
-            ps=self.ps, state=self._train_state(), keep=self.cfg.checkpoint.keep,
+            checkpoint_dir(self.cfg),
+            self.step,
+            model=self.model,
+            optimizer=self.dp,
+            ps=self.ps,
+            state=self._train_state(),
+            keep=self.cfg.checkpoint.keep,
             log=lambda msg: self.logger.print(msg, markup=False),
-        )  # fmt: skip
+        )
         self._saved_step = self.step
         self.logger.print(f"saved checkpoint {path} in {time.perf_counter() - start:.2f} s")
 
@@ -345,9 +387,12 @@ class Trainer:
         start = time.perf_counter()
         self._mark("checkpoint load", "world")
         loaded = load_checkpoint(
-            checkpoint_dir(self.cfg), model=self.model, optimizer=self.dp, ps=self.ps,
+            checkpoint_dir(self.cfg),
+            model=self.model,
+            optimizer=self.dp,
+            ps=self.ps,
             log=self.logger.print,
-        )  # fmt: skip
+        )
         if loaded is None:
             return
         self.step = self._saved_step = loaded.step
@@ -365,8 +410,9 @@ class Trainer:
             f"resuming from step {loaded.step} ({loaded.path}{note}, "
             f"loaded in {time.perf_counter() - start:.2f} s)"
         )
-        change = schedule_change(loaded.state.get("config", {}), self.cfg.optim,
-                                 self.cfg.trainer.max_steps)  # fmt: skip
+        change = schedule_change(
+            loaded.state.get("config", {}), self.cfg.optim, self.cfg.trainer.max_steps
+        )
         if change:
             self.logger.print(change, markup=False)
 
@@ -403,8 +449,14 @@ class Trainer:
         self._mark("sampling", "model")
         tokenizer = self.data.tokenizer
         prompt = tokenizer.encode(t.sample_prompt).ids
-        ids = generate(self.model, prompt, t.sample_tokens, temperature=t.sample_temperature,
-                       top_k=t.sample_top_k, seed=t.seed)  # fmt: skip
+        ids = generate(
+            self.model,
+            prompt,
+            t.sample_tokens,
+            temperature=t.sample_temperature,
+            top_k=t.sample_top_k,
+            seed=t.seed,
+        )
         text = tokenizer.decode(ids)
         self.logger.print("[bold]sample:[/bold]")
         self.logger.print(text, markup=False)

@@ -160,9 +160,13 @@ class ParallelAttention(nn.Module):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         # The bias comes back unadded, for the layer's fused bias + dropout + residual add.
         self.dense = RowParallelLinear(
-            cfg.hidden_size, cfg.hidden_size, getattr(cfg, "linear_bias", True),
-            init_method=normal_init(out_std), skip_bias_add=True, **common,
-        )  # fmt: skip
+            cfg.hidden_size,
+            cfg.hidden_size,
+            getattr(cfg, "linear_bias", True),
+            init_method=normal_init(out_std),
+            skip_bias_add=True,
+            **common,
+        )
 
     def _build_projections(self, cfg: TransformerConfig, tp_group, common: dict) -> None:
         """Multi-head: one fused ``qkv``, rows ``(heads three d)``. Grouped-query (fewer KV

@@ -62,9 +62,14 @@ def cross_entropy_forward(
     if not compute_grad:
         return loss, None
     kernels.cross_entropy_grad_(
-        logits, target, lse, vocab_start=start, vocab_size=total, ignore_index=ignore_index,
+        logits,
+        target,
+        lse,
+        vocab_start=start,
+        vocab_size=total,
+        ignore_index=ignore_index,
         smoothing=label_smoothing,
-    )  # fmt: skip
+    )
     return loss, logits
 
 

@@ -180,9 +180,17 @@ class ColumnParallelLinear(_TPLinearBase):
             raise ValueError("gather_output=True cannot be combined with sequence_parallel=True")
         self.gather_output = gather_output
         super().__init__(
-            in_features, out_features, bias, tp_group, init_method, sequence_parallel,
-            sequence_dim, dtype, device, skip_bias_add,
-        )  # fmt: skip
+            in_features,
+            out_features,
+            bias,
+            tp_group,
+            init_method,
+            sequence_parallel,
+            sequence_dim,
+            dtype,
+            device,
+            skip_bias_add,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
@@ -228,9 +236,17 @@ class RowParallelLinear(_TPLinearBase):
             raise ValueError("sequence_parallel=True needs input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
         super().__init__(
-            in_features, out_features, bias, tp_group, init_method, sequence_parallel,
-            sequence_dim, dtype, device, skip_bias_add,
-        )  # fmt: skip
+            in_features,
+            out_features,
+            bias,
+            tp_group,
+            init_method,
+            sequence_parallel,
+            sequence_dim,
+            dtype,
+            device,
+            skip_bias_add,
+        )
         if self.bias is not None and sequence_parallel:
             # Each rank adds the bias to its own sequence shard only: partial gradient.
             setattr(self.bias, SP_GRAD_ATTR, True)

@@ -37,14 +37,22 @@ class ParallelMLP(nn.Module):
         # Both biases are added by the fused ops around them: fc1's by bias + GeLU, fc2's
         # (returned with the output) by the layer's bias + dropout + residual add.
         self.fc1 = ColumnParallelLinear(
-            cfg.hidden_size, cfg.ffn_size * (2 if self.gated else 1), bias,
-            init_method=normal_init(cfg.init_std), skip_bias_add=True, **common,
-        )  # fmt: skip
+            cfg.hidden_size,
+            cfg.ffn_size * (2 if self.gated else 1),
+            bias,
+            init_method=normal_init(cfg.init_std),
+            skip_bias_add=True,
+            **common,
+        )
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.fc2 = RowParallelLinear(
-            cfg.ffn_size, cfg.hidden_size, bias, init_method=normal_init(out_std),
-            skip_bias_add=True, **common,
-        )  # fmt: skip
+            cfg.ffn_size,
+            cfg.hidden_size,
+            bias,
+            init_method=normal_init(out_std),
+            skip_bias_add=True,
+            **common,
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fc2 output without its bias, fc2's bias) for bias + dropout + add."""

@@ -33,15 +33,28 @@ def tiny_overrides(corpus: tuple[str, str], run: Path, max_steps: int = 6) -> li
     """
     prefix, tokenizer = corpus
     return [
-        f"data.prefixes=[{prefix}]", f"data.tokenizer={tokenizer}", "data.seq_len=16",
-        "data.split='80,20,0'", "model.vocab_size=512", "model.hidden_size=32",
-        "model.num_heads=4", f"trainer.max_steps={max_steps}", "trainer.log_every=1",
-        "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.global_batch=8",
-        "trainer.micro_batch=2", "trainer.tensorboard=false", "trainer.sample_tokens=0",
-        "optim.lr=3e-3", "optim.warmup_steps=1", f"checkpoint.dir={run / 'ckpt'}",
-        "checkpoint.save_final=false", f"hydra.run.dir={run / 'hydra'}",
+        f"data.prefixes=[{prefix}]",
+        f"data.tokenizer={tokenizer}",
+        "data.seq_len=16",
+        "data.split='80,20,0'",
+        "model.vocab_size=512",
+        "model.hidden_size=32",
+        "model.num_heads=4",
+        f"trainer.max_steps={max_steps}",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "trainer.eval_batches=1",
+        "trainer.global_batch=8",
+        "trainer.micro_batch=2",
+        "trainer.tensorboard=false",
+        "trainer.sample_tokens=0",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=1",
+        f"checkpoint.dir={run / 'ckpt'}",
+        "checkpoint.save_final=false",
+        f"hydra.run.dir={run / 'hydra'}",
         "trainer.device=cpu",  # several ranks on one machine: the CPU, on any machine
-    ]  # fmt: skip
+    ]
 
 
 STEP = re.compile(r"^step\s+(\d+)/\d+\s+loss\s+([\d.]+)", re.M)
@@ -68,5 +81,6 @@ def python() -> str:
 
 
 def run(cmd: list[str], cwd: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, env=env_with_repo(**env), capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        cmd, cwd=cwd, env=env_with_repo(**env), capture_output=True, text=True, timeout=timeout
+    )

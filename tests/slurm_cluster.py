@@ -94,16 +94,23 @@ class SlurmCluster:
         self.procs.append(
             subprocess.Popen(
                 cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )  # fmt: skip
+            )
         )
 
     def start(self, timeout: float = 30.0) -> SlurmCluster:
         """Start the three daemons and wait until the node takes jobs."""
         self._write_config()
         m = self.root / "munge"
-        self._spawn("munged", "--foreground", "--force", f"--socket={self.socket}",
-                    f"--key-file={m / 'munge.key'}", f"--pid-file={m / 'munged.pid'}",
-                    f"--log-file={m / 'munged.log'}", f"--seed-file={m / 'munged.seed'}")  # fmt: skip
+        self._spawn(
+            "munged",
+            "--foreground",
+            "--force",
+            f"--socket={self.socket}",
+            f"--key-file={m / 'munge.key'}",
+            f"--pid-file={m / 'munged.pid'}",
+            f"--log-file={m / 'munged.log'}",
+            f"--seed-file={m / 'munged.seed'}",
+        )
         self._wait(lambda: self.socket.exists(), timeout, "munged did not create its socket")
         self._spawn("slurmctld", "-D", "-i", "-f", str(self.conf))
         self._spawn("slurmd", "-D", "-f", str(self.conf), "-N", self.host)
@@ -111,8 +118,13 @@ class SlurmCluster:
         return self
 
     def _node_idle(self) -> bool:
-        out = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=self.env,
-                             capture_output=True, text=True, timeout=10)  # fmt: skip
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%T"],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return out.stdout.strip().startswith("idle")
 
     def _wait(self, ready, timeout: float, what: str) -> None:
@@ -133,8 +145,9 @@ class SlurmCluster:
 
     def stop(self) -> None:
         """Cancel leftover jobs, then end the daemons this object started (newest first)."""
-        subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True,
-                       timeout=10)  # fmt: skip
+        subprocess.run(
+            ["scancel", "--full", "-u", "root"], env=self.env, capture_output=True, timeout=10
+        )
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -147,5 +160,11 @@ class SlurmCluster:
 
     def run(self, *cmd: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
         """A client command against this cluster."""
-        return subprocess.run(cmd, env={**self.env, **kw.pop("env", {})}, capture_output=True,
-                              text=True, timeout=timeout, **kw)  # fmt: skip
+        return subprocess.run(
+            cmd,
+            env={**self.env, **kw.pop("env", {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kw,
+        )

@@ -76,9 +76,21 @@ def _make_data(d: Path) -> dict[str, str]:
     _patch_idx(prefix, d / "eod_99999", 16, 99999)
     _patch_idx(prefix, d / "eod_not_at_ends", 16, eod + 1)
     _patch_idx(prefix, d / "not_monotonic", offsets_at + 8 * 2, 1)  # doc 2 starts before doc 1
-    return {"good": str(prefix), "tokenizer": good.tokenizer_path,
-            **{n: str(d / n) for n in ("big_ids", "v1_big_ids", "flipped", "eod_99999",
-                                       "eod_not_at_ends", "not_monotonic")}}  # fmt: skip
+    return {
+        "good": str(prefix),
+        "tokenizer": good.tokenizer_path,
+        **{
+            n: str(d / n)
+            for n in (
+                "big_ids",
+                "v1_big_ids",
+                "flipped",
+                "eod_99999",
+                "eod_not_at_ends",
+                "not_monotonic",
+            )
+        },
+    }
 
 
 def _make_checkpoints(d: Path) -> dict[str, str]:
@@ -103,8 +115,14 @@ def _make_checkpoints(d: Path) -> dict[str, str]:
 
 
 def _make_hf_dirs(d: Path) -> dict[str, str]:
-    config = {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 4, "n_positions": 16,
-              "vocab_size": 64}  # fmt: skip
+    config = {
+        "model_type": "gpt2",
+        "n_embd": 32,
+        "n_layer": 1,
+        "n_head": 4,
+        "n_positions": 16,
+        "vocab_size": 64,
+    }
     dirs = {}
     for name in ("hf_garbage", "hf_parent", "hf_absolute", "hf_no_weights"):
         (d / name).mkdir()
@@ -130,10 +148,18 @@ def inputs(tmp_path_factory) -> dict[str, str]:
 def _base(p: dict[str, str], prefixes: str = "good") -> list[str]:
     """A run that would be valid (and small), but for the override under test."""
     names = ",".join(p[n] for n in prefixes.split(","))
-    return [f"data.prefixes=[{names}]", f"data.tokenizer={p['tokenizer']}", "model=gpt_tiny",
-            "model.vocab_size=512", "data.seq_len=32", "tp_size=1", "dp_size=1",
-            "trainer.max_steps=1", f"checkpoint.dir={p['dir']}/ck_run",
-            f"hydra.run.dir={p['dir']}/hydra"]  # fmt: skip
+    return [
+        f"data.prefixes=[{names}]",
+        f"data.tokenizer={p['tokenizer']}",
+        "model=gpt_tiny",
+        "model.vocab_size=512",
+        "data.seq_len=32",
+        "tp_size=1",
+        "dp_size=1",
+        "trainer.max_steps=1",
+        f"checkpoint.dir={p['dir']}/ck_run",
+        f"hydra.run.dir={p['dir']}/hydra",
+    ]
 
 
 # (id, overrides ({key} = a path of the fixture), message fragment). Exit status 2 for all.
@@ -146,24 +172,55 @@ PRETRAIN = [
     ("split_abc", ["data.split=abc"], "data.split='abc' is invalid"),
     ("split_zeros", ["data.split='0,0,0'"], "data.split='0,0,0' is invalid"),
     ("hidden_65536", ["model.hidden_size=65536"], "the model cannot fit: about "),
-    ("temperature_0", ["trainer.sample_temperature=0"], "trainer.sample_temperature=0.0 must be > 0"),
+    (
+        "temperature_0",
+        ["trainer.sample_temperature=0"],
+        "trainer.sample_temperature=0.0 must be > 0",
+    ),
     ("wandb_missing", ["trainer.wandb_project=x"], "needs wandb, which is not installed"),
-    ("other_model_ckpt", ["checkpoint.dir={ck}"],
-     "holds a run of another model (checkpoint has model.vocab_size=500, the model 512"),
+    (
+        "other_model_ckpt",
+        ["checkpoint.dir={ck}"],
+        "holds a run of another model (checkpoint has model.vocab_size=500, the model 512",
+    ),
     # item 9: silently accepted
-    ("weights_nan", ["data.weights=[nan,1]", "+prefixes=good,good"], "must be >= 0 with a positive sum, all finite"),
-    ("weights_inf", ["data.weights=[inf,1]", "+prefixes=good,good"], "must be >= 0 with a positive sum, all finite"),
+    (
+        "weights_nan",
+        ["data.weights=[nan,1]", "+prefixes=good,good"],
+        "must be >= 0 with a positive sum, all finite",
+    ),
+    (
+        "weights_inf",
+        ["data.weights=[inf,1]", "+prefixes=good,good"],
+        "must be >= 0 with a positive sum, all finite",
+    ),
     ("warmup_negative", ["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be >= 0"),
     ("clip_negative", ["optim.clip_grad=-1"], "optim.clip_grad=-1.0 must be >= 0"),
     # item 5: corrupt data files
-    ("ids_past_vocab", ["+prefixes=big_ids"], "token ids 0..993, outside the model's vocabulary of 512"),
-    ("ids_past_vocab_v1", ["+prefixes=v1_big_ids"], "token ids 0..999, outside the model's vocabulary of 512"),
+    (
+        "ids_past_vocab",
+        ["+prefixes=big_ids"],
+        "token ids 0..993, outside the model's vocabulary of 512",
+    ),
+    (
+        "ids_past_vocab_v1",
+        ["+prefixes=v1_big_ids"],
+        "token ids 0..999, outside the model's vocabulary of 512",
+    ),
     ("bin_edited", ["+prefixes=flipped"], "SHA-256 does not match the one flipped.idx recorded"),
     ("eod_99999", ["+prefixes=eod_99999"], "eod_id=99999 is outside the model's vocabulary of 512"),
     ("eod_not_at_ends", ["+prefixes=eod_not_at_ends"], "document 0 does not end with eod_id="),
-    ("offsets_not_monotonic", ["+prefixes=not_monotonic"], "document offsets are not increasing at document 1"),
+    (
+        "offsets_not_monotonic",
+        ["+prefixes=not_monotonic"],
+        "document offsets are not increasing at document 1",
+    ),
     # item 10: Hydra's own errors
-    ("hydra_bad_float", ["optim.beta1=abc"], "Value 'abc' of type 'str' could not be converted to Float"),
+    (
+        "hydra_bad_float",
+        ["optim.beta1=abc"],
+        "Value 'abc' of type 'str' could not be converted to Float",
+    ),
     ("hydra_unknown_key", ["trainer.bogus=1"], "unknown key 'trainer.bogus'"),
     ("hydra_unknown_preset", ["model=nope"], "Could not find 'model/nope'"),
     ("hydra_parse_error", ["optim.lr=[1"], "cannot parse the override 'optim.lr=[1': no viable"),
@@ -179,18 +236,45 @@ PRETRAIN = [
     ("lr_nan", ["optim.lr=nan"], "optim.lr=nan must be in (0, 1000]"),
     ("device_tpu", ["trainer.device=tpu"], "trainer.device='tpu' is not one of auto, cuda, cpu"),
     # issue 22 item 4: values no run can honour
-    ("max_steps_past_int64", ["trainer.max_steps=99999999999999999999999"],
-     "trainer.max_steps=99999999999999999999999 must be in [1, 2**63-1]"),
-    ("layernorm_eps_negative", ["model.layernorm_eps=-1"], "model.layernorm_eps=-1.0 must be > 0 and finite"),
-    ("layernorm_eps_nan", ["model.layernorm_eps=nan"], "model.layernorm_eps=nan must be > 0 and finite"),
+    (
+        "max_steps_past_int64",
+        ["trainer.max_steps=99999999999999999999999"],
+        "trainer.max_steps=99999999999999999999999 must be in [1, 2**63-1]",
+    ),
+    (
+        "layernorm_eps_negative",
+        ["model.layernorm_eps=-1"],
+        "model.layernorm_eps=-1.0 must be > 0 and finite",
+    ),
+    (
+        "layernorm_eps_nan",
+        ["model.layernorm_eps=nan"],
+        "model.layernorm_eps=nan must be > 0 and finite",
+    ),
     ("lr_absurd", ["optim.lr=1e30"], "optim.lr=1e+30 must be in (0, 1000]"),
     ("decay_steps_0", ["optim.decay_steps=0"], "optim.decay_steps=0 must be >= 1"),
     ("decay_steps_negative", ["optim.decay_steps=-10"], "optim.decay_steps=-10 must be >= 1"),
-    ("timeout_nan", ["trainer.collective_timeout_s=nan"], "trainer.collective_timeout_s=nan must be >= 0 and finite"),
-    ("timeout_inf", ["trainer.collective_timeout_s=inf"], "trainer.collective_timeout_s=inf must be >= 0 and finite"),
+    (
+        "timeout_nan",
+        ["trainer.collective_timeout_s=nan"],
+        "trainer.collective_timeout_s=nan must be >= 0 and finite",
+    ),
+    (
+        "timeout_inf",
+        ["trainer.collective_timeout_s=inf"],
+        "trainer.collective_timeout_s=inf must be >= 0 and finite",
+    ),
     ("unknown_key_added", ["+foo=1"], "unknown key 'foo'"),
-    ("unknown_key_added_in_group", ["+trainer.max_step=5"], "unknown key 'trainer.max_step'; did you mean trainer.max_steps?"),
-    ("mistyped_key", ["trainer.max_step=5"], "unknown key 'trainer.max_step'; did you mean trainer.max_steps?"),
+    (
+        "unknown_key_added_in_group",
+        ["+trainer.max_step=5"],
+        "unknown key 'trainer.max_step'; did you mean trainer.max_steps?",
+    ),
+    (
+        "mistyped_key",
+        ["trainer.max_step=5"],
+        "unknown key 'trainer.max_step'; did you mean trainer.max_steps?",
+    ),
     # item 7: run names that leave their folder
     ("name_escapes", ["name=../../escaped_run"], "name='../../escaped_run' must be a plain name"),
     ("name_empty", ["name=''"], "name='' must be a plain name"),
@@ -202,18 +286,31 @@ PRETRAIN = [
     ("metrics_file_is_a_dir", ["trainer.metrics_file={dir}"], "trainer.metrics_file="),
     ("metrics_file_unwritable", ["trainer.metrics_file={a_file}/m.json"], "cannot be written"),
     ("data_seed_negative", ["data.seed=-1"], "data.seed=-1 must be in [0, 2**63-1]"),
-    ("seed_past_int64", ["trainer.seed=1267650600228229401496703205376"],
-     "trainer.seed=1267650600228229401496703205376 must be in [0, 2**63-1]"),
+    (
+        "seed_past_int64",
+        ["trainer.seed=1267650600228229401496703205376"],
+        "trainer.seed=1267650600228229401496703205376 must be in [0, 2**63-1]",
+    ),
     ("init_std_negative", ["model.init_std=-0.02"], "model.init_std=-0.02 must be >= 0 and finite"),
     ("ffn_negative", ["model.ffn_hidden_size=-4"], "model.ffn_hidden_size=-4 must be >= 1"),
-    ("apex_missing", ["optim.impl=apex"], "optim.impl=apex needs NVIDIA apex, which is not installed"),
+    (
+        "apex_missing",
+        ["optim.impl=apex"],
+        "optim.impl=apex needs NVIDIA apex, which is not installed",
+    ),
     ("sample_prompt_empty", ["trainer.sample_prompt=''"], "trainer.sample_prompt='' is empty"),
     ("checkpoint_dir_under_a_file", ["checkpoint.dir={a_file}/ck"], "is not writable"),
-    ("profile_steps_past_int64", ["trainer.profile_steps=[1,99999999999999999999]"],
-     "trainer.profile_steps=[1, 99999999999999999999] must be a finite number within 64 bits"),
-    ("sample_past_positions", ["trainer.sample_tokens=100000"],
-     "trainer.sample_tokens=100000 must be < model.max_positions=256"),
-]  # fmt: skip
+    (
+        "profile_steps_past_int64",
+        ["trainer.profile_steps=[1,99999999999999999999]"],
+        "trainer.profile_steps=[1, 99999999999999999999] must be a finite number within 64 bits",
+    ),
+    (
+        "sample_past_positions",
+        ["trainer.sample_tokens=100000"],
+        "trainer.sample_tokens=100000 must be < model.max_positions=256",
+    ),
+]
 
 
 def _pretrain_argv(case: list[str], p: dict[str, str]) -> list[str]:
@@ -229,10 +326,12 @@ def _one_line(err: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("overrides", "fragment"), [c[1:] for c in PRETRAIN],
-                         ids=[c[0] for c in PRETRAIN])  # fmt: skip
-def test_pretrain_bad_input_is_one_config_error_line(inputs, overrides, fragment, monkeypatch,
-                                                     capsys):  # fmt: skip
+@pytest.mark.parametrize(
+    ("overrides", "fragment"), [c[1:] for c in PRETRAIN], ids=[c[0] for c in PRETRAIN]
+)
+def test_pretrain_bad_input_is_one_config_error_line(
+    inputs, overrides, fragment, monkeypatch, capsys
+):
     if "needs wandb" in fragment and importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here, so trainer.wandb_project is valid")
     if "needs NVIDIA apex" in fragment and importlib.util.find_spec("apex") is not None:
@@ -299,8 +398,10 @@ def test_pretrain_device_cuda_without_a_gpu_is_one_line(inputs, monkeypatch, cap
         runpy.run_module("engine.pretrain", run_name="__main__")
     line = _one_line(capsys.readouterr().err)
     assert exit_info.value.code == 2
-    assert line == ("config error: trainer.device=cuda, but no CUDA device is visible; "
-                    "pass trainer.device=cpu (or auto)"), line  # fmt: skip
+    assert line == (
+        "config error: trainer.device=cuda, but no CUDA device is visible; "
+        "pass trainer.device=cpu (or auto)"
+    ), line
 
 
 # engine.classify: (id, overrides ({key} = a path of the fixture), message fragment), exit 2
@@ -352,62 +453,241 @@ def test_classify_bad_input_is_one_config_error_line(
 
 # (id, tool, argv ({key} = a path of the fixture), exit status, message fragment)
 TOOLS = [
-    ("convert_tp_0", "checkpoint", ["convert", "{ck}", "--tp-size", "0", "--dp-size", "1", "--out", "{dir}/o1"],
-     2, "--tp-size 0 and --dp-size 1 must be >= 1"),
-    ("convert_out_is_file", "checkpoint", ["convert", "{ck}", "--tp-size", "1", "--dp-size", "1", "--out", "{a_file}"],
-     2, "is a file; give a checkpoint directory"),
-    ("convert_huge_shape", "checkpoint", ["convert", "{ck_huge}", "--tp-size", "1", "--dp-size", "1", "--out", "{dir}/o2"],
-     2, "model/embedding.position of shape [1000000, 1000000] needs 4000000000000 bytes"),
-    ("export_huge_shape", "checkpoint", ["export-model", "{ck_huge}", "--out", "{dir}/o3"],
-     2, "needs 4000000000000 bytes, more than the checkpoint's files hold"),
-    ("convert_wrong_shape", "checkpoint", ["convert", "{ck_shape}", "--tp-size", "1", "--dp-size", "1", "--out", "{dir}/o4"],
-     2, "model/embedding.position has shape [64, 33], the model_config's model [256, 32]"),
-    ("export_out_is_file", "checkpoint", ["export-model", "{ck}", "--out", "{a_file}"],
-     2, "a_file is a file; give a new directory"),
-    ("export_out_holds_files", "checkpoint", ["export-model", "{ck}", "--out", "{dir}/text"],
-     2, "text exists and holds other files (00.txt, 01.txt, 02.txt)"),
-    ("hf_import_out_is_file", "convert_hf", ["import", "--hf-dir", "{hf_garbage}", "--out", "{a_file}"],
-     2, "a_file is a file; give a new directory"),
-    ("hf_garbage_weights", "convert_hf", ["import", "--hf-dir", "{hf_garbage}", "--out", "{dir}/o5"],
-     2, "model.safetensors is not a readable safetensors file"),
-    ("hf_parent_path", "convert_hf", ["import", "--hf-dir", "{hf_parent}", "--out", "{dir}/o6"],
-     2, "names shard '../secret.safetensors': only a .safetensors file name inside"),
-    ("hf_absolute_path", "convert_hf", ["import", "--hf-dir", "{hf_absolute}", "--out", "{dir}/o7"],
-     2, "x.safetensors': only a .safetensors file name inside that directory"),
-    ("verify_hf_no_weights", "verify_equivalence", ["--hf-dir", "{hf_no_weights}", "--tp-size", "1"],
-     2, "has no model.safetensors"),
-    ("bench_unknown_preset", "bench_train", ["--preset", "nonexistent"], 2, "unknown model preset 'nonexistent'"),
+    (
+        "convert_tp_0",
+        "checkpoint",
+        ["convert", "{ck}", "--tp-size", "0", "--dp-size", "1", "--out", "{dir}/o1"],
+        2,
+        "--tp-size 0 and --dp-size 1 must be >= 1",
+    ),
+    (
+        "convert_out_is_file",
+        "checkpoint",
+        ["convert", "{ck}", "--tp-size", "1", "--dp-size", "1", "--out", "{a_file}"],
+        2,
+        "is a file; give a checkpoint directory",
+    ),
+    (
+        "convert_huge_shape",
+        "checkpoint",
+        ["convert", "{ck_huge}", "--tp-size", "1", "--dp-size", "1", "--out", "{dir}/o2"],
+        2,
+        "model/embedding.position of shape [1000000, 1000000] needs 4000000000000 bytes",
+    ),
+    (
+        "export_huge_shape",
+        "checkpoint",
+        ["export-model", "{ck_huge}", "--out", "{dir}/o3"],
+        2,
+        "needs 4000000000000 bytes, more than the checkpoint's files hold",
+    ),
+    (
+        "convert_wrong_shape",
+        "checkpoint",
+        ["convert", "{ck_shape}", "--tp-size", "1", "--dp-size", "1", "--out", "{dir}/o4"],
+        2,
+        "model/embedding.position has shape [64, 33], the model_config's model [256, 32]",
+    ),
+    (
+        "export_out_is_file",
+        "checkpoint",
+        ["export-model", "{ck}", "--out", "{a_file}"],
+        2,
+        "a_file is a file; give a new directory",
+    ),
+    (
+        "export_out_holds_files",
+        "checkpoint",
+        ["export-model", "{ck}", "--out", "{dir}/text"],
+        2,
+        "text exists and holds other files (00.txt, 01.txt, 02.txt)",
+    ),
+    (
+        "hf_import_out_is_file",
+        "convert_hf",
+        ["import", "--hf-dir", "{hf_garbage}", "--out", "{a_file}"],
+        2,
+        "a_file is a file; give a new directory",
+    ),
+    (
+        "hf_garbage_weights",
+        "convert_hf",
+        ["import", "--hf-dir", "{hf_garbage}", "--out", "{dir}/o5"],
+        2,
+        "model.safetensors is not a readable safetensors file",
+    ),
+    (
+        "hf_parent_path",
+        "convert_hf",
+        ["import", "--hf-dir", "{hf_parent}", "--out", "{dir}/o6"],
+        2,
+        "names shard '../secret.safetensors': only a .safetensors file name inside",
+    ),
+    (
+        "hf_absolute_path",
+        "convert_hf",
+        ["import", "--hf-dir", "{hf_absolute}", "--out", "{dir}/o7"],
+        2,
+        "x.safetensors': only a .safetensors file name inside that directory",
+    ),
+    (
+        "verify_hf_no_weights",
+        "verify_equivalence",
+        ["--hf-dir", "{hf_no_weights}", "--tp-size", "1"],
+        2,
+        "has no model.safetensors",
+    ),
+    (
+        "bench_unknown_preset",
+        "bench_train",
+        ["--preset", "nonexistent"],
+        2,
+        "unknown model preset 'nonexistent'",
+    ),
     ("bench_tp_0", "bench_train", ["--tp", "0"], 2, "argument --tp: 0 must be >= 1"),
-    ("bench_micro_batch_0", "bench_train", ["--micro-batch", "0"], 2, "argument --micro-batch: 0 must be >= 1"),
+    (
+        "bench_micro_batch_0",
+        "bench_train",
+        ["--micro-batch", "0"],
+        2,
+        "argument --micro-batch: 0 must be >= 1",
+    ),
     ("bench_seq_0", "bench_train", ["--seq", "0"], 2, "argument --seq: 0 must be >= 1"),
     ("bench_threads_0", "bench_train", ["--threads", "0"], 2, "argument --threads: 0 must be >= 1"),
-    ("bench_kernels_tokens_0", "bench_kernels", ["--tokens", "0"], 2, "argument --tokens: 0 must be >= 1"),
+    (
+        "bench_kernels_tokens_0",
+        "bench_kernels",
+        ["--tokens", "0"],
+        2,
+        "argument --tokens: 0 must be >= 1",
+    ),
     # issue 22: a tool's bounded job it cannot finish, its own input overwritten, tracebacks
-    ("generate_past_positions", "generate", ["--ckpt", "{ck}", "--tokenizer", "{tokenizer}", "--prompt", "def f",
-                                             "--max-new-tokens", "5000"],
-     2, "--max-new-tokens 5000 after a prompt of "),
-    ("generate_corrupt_tokenizer", "generate", ["--ckpt", "{ck}", "--tokenizer", "{a_file}", "--prompt", "x"],
-     2, "a_file is not a readable tokenizer.json"),
-    ("generate_hf_no_weights", "generate", ["--hf-dir", "{hf_no_weights}", "--tokenizer", "{tokenizer}", "--prompt", "x"],
-     2, "has no model.safetensors"),
-    ("convert_onto_its_source", "checkpoint", ["convert", "{ck}", "--tp-size", "2", "--dp-size", "1", "--out", "{ck}"],
-     2, "is the source checkpoint's own directory: convert never rewrites its input"),
-    ("bench_generate_heads_3", "bench_generate", ["--heads", "3"], 2, "model.hidden_size=128 is not divisible by model.num_heads=3"),
-    ("bench_generate_prompt_negative", "bench_generate", ["--prompt-len", "-5"], 2, "argument --prompt-len: -5 must be >= 1"),
-    ("bench_generate_batches_0", "bench_generate", ["--batches", "0"], 2, "argument --batches: 0 must be >= 1"),
-    ("calibrate_out_under_a_file", "calibrate", ["--quick", "--out", "{a_file}/c.yaml"], 2, "cannot be written"),
-    ("plan_gpus_0", "plan", ["predict", "--model", "gpt_tiny", "--global-batch", "8", "--gpus", "0"],
-     2, "argument --gpus: 0 must be >= 1"),
-    ("plan_gpus_negative", "plan", ["search", "--model", "gpt_tiny", "--global-batch", "8", "--gpus", "-1"],
-     2, "argument --gpus: -1 must be >= 1"),
-    ("plan_gpus_past_any_cluster", "plan", ["search", "--model", "gpt_tiny", "--global-batch", "8", "--gpus", "99999999999"],
-     2, "argument --gpus: 99999999999 must be <= 1048576"),
-    ("scaling_study_out_under_a_file", "scaling_study", ["--out", "{a_file}/study"], 2, "cannot be written"),
-    ("preprocess_workers_0", "preprocess_data", ["--input", "{dir}/text/00.txt", "--output-prefix", "{dir}/o8", "--vocab-size", "300", "--workers", "0"],
-     2, "argument --workers: 0 must be >= 1"),
-    ("preprocess_workers_negative", "preprocess_data", ["--input", "{dir}/text/00.txt", "--output-prefix", "{dir}/o9", "--vocab-size", "300", "--workers", "-3"],
-     2, "argument --workers: -3 must be >= 1"),
-]  # fmt: skip
+    (
+        "generate_past_positions",
+        "generate",
+        [
+            "--ckpt",
+            "{ck}",
+            "--tokenizer",
+            "{tokenizer}",
+            "--prompt",
+            "def f",
+            "--max-new-tokens",
+            "5000",
+        ],
+        2,
+        "--max-new-tokens 5000 after a prompt of ",
+    ),
+    (
+        "generate_corrupt_tokenizer",
+        "generate",
+        ["--ckpt", "{ck}", "--tokenizer", "{a_file}", "--prompt", "x"],
+        2,
+        "a_file is not a readable tokenizer.json",
+    ),
+    (
+        "generate_hf_no_weights",
+        "generate",
+        ["--hf-dir", "{hf_no_weights}", "--tokenizer", "{tokenizer}", "--prompt", "x"],
+        2,
+        "has no model.safetensors",
+    ),
+    (
+        "convert_onto_its_source",
+        "checkpoint",
+        ["convert", "{ck}", "--tp-size", "2", "--dp-size", "1", "--out", "{ck}"],
+        2,
+        "is the source checkpoint's own directory: convert never rewrites its input",
+    ),
+    (
+        "bench_generate_heads_3",
+        "bench_generate",
+        ["--heads", "3"],
+        2,
+        "model.hidden_size=128 is not divisible by model.num_heads=3",
+    ),
+    (
+        "bench_generate_prompt_negative",
+        "bench_generate",
+        ["--prompt-len", "-5"],
+        2,
+        "argument --prompt-len: -5 must be >= 1",
+    ),
+    (
+        "bench_generate_batches_0",
+        "bench_generate",
+        ["--batches", "0"],
+        2,
+        "argument --batches: 0 must be >= 1",
+    ),
+    (
+        "calibrate_out_under_a_file",
+        "calibrate",
+        ["--quick", "--out", "{a_file}/c.yaml"],
+        2,
+        "cannot be written",
+    ),
+    (
+        "plan_gpus_0",
+        "plan",
+        ["predict", "--model", "gpt_tiny", "--global-batch", "8", "--gpus", "0"],
+        2,
+        "argument --gpus: 0 must be >= 1",
+    ),
+    (
+        "plan_gpus_negative",
+        "plan",
+        ["search", "--model", "gpt_tiny", "--global-batch", "8", "--gpus", "-1"],
+        2,
+        "argument --gpus: -1 must be >= 1",
+    ),
+    (
+        "plan_gpus_past_any_cluster",
+        "plan",
+        ["search", "--model", "gpt_tiny", "--global-batch", "8", "--gpus", "99999999999"],
+        2,
+        "argument --gpus: 99999999999 must be <= 1048576",
+    ),
+    (
+        "scaling_study_out_under_a_file",
+        "scaling_study",
+        ["--out", "{a_file}/study"],
+        2,
+        "cannot be written",
+    ),
+    (
+        "preprocess_workers_0",
+        "preprocess_data",
+        [
+            "--input",
+            "{dir}/text/00.txt",
+            "--output-prefix",
+            "{dir}/o8",
+            "--vocab-size",
+            "300",
+            "--workers",
+            "0",
+        ],
+        2,
+        "argument --workers: 0 must be >= 1",
+    ),
+    (
+        "preprocess_workers_negative",
+        "preprocess_data",
+        [
+            "--input",
+            "{dir}/text/00.txt",
+            "--output-prefix",
+            "{dir}/o9",
+            "--vocab-size",
+            "300",
+            "--workers",
+            "-3",
+        ],
+        2,
+        "argument --workers: -3 must be >= 1",
+    ),
+]
 
 
 def _tool(name: str):
@@ -419,8 +699,9 @@ def _tool(name: str):
     return sys.modules[module]
 
 
-@pytest.mark.parametrize(("tool", "argv", "status", "fragment"), [c[1:] for c in TOOLS],
-                         ids=[c[0] for c in TOOLS])  # fmt: skip
+@pytest.mark.parametrize(
+    ("tool", "argv", "status", "fragment"), [c[1:] for c in TOOLS], ids=[c[0] for c in TOOLS]
+)
 def test_tool_bad_input_is_one_error_line(inputs, tool, argv, status, fragment, capsys):
     try:
         code = _tool(tool).main([a.format(**inputs) for a in argv])
@@ -466,8 +747,14 @@ def test_representative_bad_inputs_as_real_processes(inputs, tmp_path):
     procs = {}
     for case_id in SUBPROCESS:  # started together: most of each is importing torch
         command, fragment = _command(case_id, inputs)
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, cwd=tmp_path)  # fmt: skip
+        proc = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+        )
         procs[case_id] = (proc, fragment)
     for case_id, (proc, fragment) in procs.items():
         _, err = proc.communicate(timeout=300)

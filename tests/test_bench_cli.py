@@ -70,10 +70,36 @@ def test_bench_train_writes_every_loop_to_csv(tmp_path, monkeypatch):
 
     bench = _load("bench_train", monkeypatch)
     out = tmp_path / "bench.csv"
-    argv = ["--preset", "gpt_tiny", "--hidden", "32", "--layers", "1", "--heads", "2",
-            "--seq", "16", "--micro-batch", "2", "--vocab", "256", "--threads", "1",
-            "--references", "eager", "--precision", "fp32", "--warmup", "1", "--blocks", "2",
-            "--steps-per-block", "1", "--out", str(out)]  # fmt: skip
+    argv = [
+        "--preset",
+        "gpt_tiny",
+        "--hidden",
+        "32",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--seq",
+        "16",
+        "--micro-batch",
+        "2",
+        "--vocab",
+        "256",
+        "--threads",
+        "1",
+        "--references",
+        "eager",
+        "--precision",
+        "fp32",
+        "--warmup",
+        "1",
+        "--blocks",
+        "2",
+        "--steps-per-block",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert _exit_code(bench.main, argv) in (0, None)
     rows = list(csv.DictReader(out.open()))
     assert [r["loop"].split()[0] for r in rows] == ["meshtron", "pytorch"]
@@ -92,8 +118,14 @@ def test_bench_kernel_host_refuses_without_a_gpu_in_one_line(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {**subprocess_env(root), "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, str(root / "tools" / "bench_kernel_host.py")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, str(root / "tools" / "bench_kernel_host.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [
         "bench_kernel_host.py: needs a CUDA GPU (it times GPU kernels)"

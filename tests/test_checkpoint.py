@@ -49,14 +49,28 @@ def run_overrides(corpus, ckpt_dir) -> list[str]:
     corpus is small: a 20% validation split holds enough sequences to evaluate."""
     prefix, tokenizer = corpus
     return [
-        f"data.prefixes=[{prefix}]", f"data.tokenizer={tokenizer}", "data.seq_len=16",
-        "data.split='80,20,0'", "model.vocab_size=512", "model.hidden_size=32",
-        "model.num_heads=4", "trainer.log_every=1", "trainer.eval_every=0",
-        "trainer.eval_batches=2", "trainer.global_batch=4", "trainer.micro_batch=2",
-        "trainer.tensorboard=false", "trainer.progress=false", "trainer.sample_tokens=0",
-        "optim.lr=3e-3", "optim.warmup_steps=1", "optim.decay_steps=10", "trainer.device=cpu",
-        f"checkpoint.dir={ckpt_dir}", "checkpoint.save_final=false",
-    ]  # fmt: skip
+        f"data.prefixes=[{prefix}]",
+        f"data.tokenizer={tokenizer}",
+        "data.seq_len=16",
+        "data.split='80,20,0'",
+        "model.vocab_size=512",
+        "model.hidden_size=32",
+        "model.num_heads=4",
+        "trainer.log_every=1",
+        "trainer.eval_every=0",
+        "trainer.eval_batches=2",
+        "trainer.global_batch=4",
+        "trainer.micro_batch=2",
+        "trainer.tensorboard=false",
+        "trainer.progress=false",
+        "trainer.sample_tokens=0",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=1",
+        "optim.decay_steps=10",
+        "trainer.device=cpu",
+        f"checkpoint.dir={ckpt_dir}",
+        "checkpoint.save_final=false",
+    ]
 
 
 def run_config(corpus, ckpt_dir, *overrides: str) -> Config:
@@ -83,11 +97,18 @@ RESUME_CASES = {
     # BERT: ZeRO-1 over dp=2 (its sharded Adam state must come back too), fp16 whose first
     # two steps overflow at this initial loss scale: resumed with a fresh scale, step 3
     # would be skipped again.
-    "bert_tp1_dp2_zero1_fp16": ("model=bert_tiny", "model.vocab_size=512", "model.hidden_size=32",
-                                "model.num_heads=4", "tp_size=1", "dp_size=2",
-                                "optim.distributed=true", "trainer.precision=fp16",
-                                "trainer.loss_scale_init=2e5"),
-}  # fmt: skip
+    "bert_tp1_dp2_zero1_fp16": (
+        "model=bert_tiny",
+        "model.vocab_size=512",
+        "model.hidden_size=32",
+        "model.num_heads=4",
+        "tp_size=1",
+        "dp_size=2",
+        "optim.distributed=true",
+        "trainer.precision=fp16",
+        "trainer.loss_scale_init=2e5",
+    ),
+}
 
 
 @pytest.mark.slow
@@ -152,22 +173,26 @@ def test_reshard_model_and_optimizer_across_layouts(corpus, tmp_path):
     """
     ckpt = tmp_path / "ckpt"
     # One sequence per micro-batch at every layout; validation is 8 fixed micro-batches.
-    base = ("model.hidden_dropout=0.0", "model.attention_dropout=0.0", "trainer.micro_batch=1",
-            "trainer.eval_batches=8")  # fmt: skip
+    base = (
+        "model.hidden_dropout=0.0",
+        "model.attention_dropout=0.0",
+        "trainer.micro_batch=1",
+        "trainer.eval_batches=8",
+    )
     resume = (*base, "trainer.max_steps=5", "checkpoint.every=0")  # read-only resumes
 
     def layout(tp: int, dp: int) -> tuple[str, ...]:
         return f"tp_size={tp}", f"dp_size={dp}"
 
     cfgs = {
-        "save": run_config(corpus, ckpt, *base, "trainer.max_steps=3", "checkpoint.every=3",
-                           *layout(2, 2)),
+        "save": run_config(
+            corpus, ckpt, *base, "trainer.max_steps=3", "checkpoint.every=3", *layout(2, 2)
+        ),
         "tp4_dp1": run_config(corpus, ckpt, *resume, *layout(4, 1)),
         "tp4_dp1_converted": run_config(corpus, tmp_path / "converted", *resume, *layout(4, 1)),
-        "tp1_dp4_zero1": run_config(corpus, ckpt, *resume, *layout(1, 4),
-                                    "optim.distributed=true"),
+        "tp1_dp4_zero1": run_config(corpus, ckpt, *resume, *layout(1, 4), "optim.distributed=true"),
         "tp2_dp2": run_config(corpus, ckpt, *resume, *layout(2, 2)),
-    }  # fmt: skip
+    }
     out = run_ranks(_reshard, 4, cfgs, str(tmp_path / "converted"), timeout=400)[0]
     print(out)
     reference = [loss for _, loss in out["tp2_dp2"]["history"]]
@@ -184,8 +209,14 @@ def test_reshard_model_and_optimizer_across_layouts(corpus, tmp_path):
 
 # ----------------------------------------------------------------- crash-safety of saving
 
-CFG = preset("gpt_tiny", vocab_size=500, hidden_size=32, num_heads=4, hidden_dropout=0.0,
-             attention_dropout=0.0)  # fmt: skip
+CFG = preset(
+    "gpt_tiny",
+    vocab_size=500,
+    hidden_size=32,
+    num_heads=4,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 POINTS = ("after_shard", "before_index", "before_rename", "before_latest")
 
 
@@ -291,10 +322,12 @@ def _flip_bit(path: Path) -> None:
 DAMAGE = {
     "truncated": ("step_00000002/rank00001.safetensors", _truncate, "truncated"),
     "bit_flip": ("step_00000002/rank00000.safetensors", _flip_bit, "hash does not match the index"),
-    "index_edited": ("step_00000002/index.json",
-                     lambda p: p.write_text(p.read_text().replace('"step": 2', '"step": 3')),
-                     "does not match its checksum"),
-}  # fmt: skip
+    "index_edited": (
+        "step_00000002/index.json",
+        lambda p: p.write_text(p.read_text().replace('"step": 2', '"step": 3')),
+        "does not match its checksum",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", DAMAGE)
@@ -398,8 +431,14 @@ def test_inspect_convert_and_export_cli(tmp_path, capsys):
     model, optimizer = _model_and_optimizer()
     _train_step(model, optimizer, 1)
     root = tmp_path / "ckpt"
-    save_checkpoint(root, 1, model=model, optimizer=optimizer, ps=None,
-                    state={"data": {"consumed_samples": 8}, "loss_scaler": None})  # fmt: skip
+    save_checkpoint(
+        root,
+        1,
+        model=model,
+        optimizer=optimizer,
+        ps=None,
+        state={"data": {"consumed_samples": 8}, "loss_scaler": None},
+    )
     assert checkpoint_cli.main(["inspect", str(root)]) == 0
     out = capsys.readouterr().out
     assert "step 1" in out and "layout: tp=1 dp=1 (world 1), ZeRO-1 no" in out
@@ -427,13 +466,35 @@ def test_inspect_convert_and_export_cli(tmp_path, capsys):
     assert exported.state.keys() == full.keys()
     assert all(torch.equal(exported.state[k], full[k]) for k in full)
 
-    assert checkpoint_cli.main(["convert", str(root), "--tp-size", "3", "--dp-size", "1",
-                                "--out", str(tmp_path / "bad")]) == 2  # fmt: skip
+    assert (
+        checkpoint_cli.main(
+            [
+                "convert",
+                str(root),
+                "--tp-size",
+                "3",
+                "--dp-size",
+                "1",
+                "--out",
+                str(tmp_path / "bad"),
+            ]
+        )
+        == 2
+    )
     assert "model.num_heads=4 is not divisible by tp_size=3" in capsys.readouterr().err
 
-    script = subprocess.run([sys.executable, str(ROOT / "tools" / "checkpoint.py"), "inspect",
-                             str(out_root), "--no-verify"], capture_output=True, text=True,
-                            timeout=120)  # fmt: skip
+    script = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "checkpoint.py"),
+            "inspect",
+            str(out_root),
+            "--no-verify",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert script.returncode == 0 and "not checked" in script.stdout, script.stderr
 
 
@@ -451,13 +512,23 @@ def test_killed_worker_restarts_and_resumes_bitwise(corpus, tmp_path):
     """
 
     common = ("tp_size=1", "dp_size=2", "trainer.max_steps=4", "checkpoint.every=2")
-    overrides = [*run_overrides(corpus, tmp_path / "elastic"), *common,
-                 f"hydra.run.dir={tmp_path / 'hydra'}", "trainer.max_restarts=1",
-                 "trainer.fail_at_step=3"]  # fmt: skip
+    overrides = [
+        *run_overrides(corpus, tmp_path / "elastic"),
+        *common,
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+        "trainer.max_restarts=1",
+        "trainer.fail_at_step=3",
+    ]
     env = subprocess_env(ROOT)
     env["OMP_NUM_THREADS"] = "1"  # as run_ranks: one intra-op thread, the same sums
-    proc = subprocess.run([sys.executable, "-m", "engine.pretrain", *overrides], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.pretrain", *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert (tmp_path / "elastic" / ".failed_at_step_3").exists()  # the kill did happen

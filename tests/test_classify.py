@@ -115,16 +115,31 @@ def test_dp_gradients_equal_the_whole_batch_gradients(tp, dp):
 def _classify(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "engine.classify", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "engine.classify", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
 @needs_data
 def test_two_ranks_reach_085_on_the_full_data_set(tmp_path):
     metrics = tmp_path / "m" / "metrics.json"
-    out = _classify(tmp_path, "--num-gpus", "2", "--target-accuracy", "0.85", "--epochs", "4",
-                    "trainer.progress=false", f"trainer.metrics_file={metrics}")  # fmt: skip
+    out = _classify(
+        tmp_path,
+        "--num-gpus",
+        "2",
+        "--target-accuracy",
+        "0.85",
+        "--epochs",
+        "4",
+        "trainer.progress=false",
+        f"trainer.metrics_file={metrics}",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     match = re.fullmatch(r"reached test accuracy (0\.\d{4}) at epoch (\d+) in ([\d.]+) s", last)
@@ -146,8 +161,16 @@ def test_two_ranks_reach_085_on_the_full_data_set(tmp_path):
 @pytest.mark.slow
 @needs_data
 def test_unreached_target_exits_1(tmp_path):
-    out = _classify(tmp_path, "--epochs", "1", "--target-accuracy", "0.99",
-                    "data.train_subset=2000", "data.test_subset=1000", "trainer.progress=false")  # fmt: skip
+    out = _classify(
+        tmp_path,
+        "--epochs",
+        "1",
+        "--target-accuracy",
+        "0.99",
+        "data.train_subset=2000",
+        "data.test_subset=1000",
+        "trainer.progress=false",
+    )
     assert out.returncode == 1, out.stderr[-2000:]
     last = out.stdout.strip().splitlines()[-1]
     assert re.fullmatch(

@@ -32,10 +32,19 @@ INTERPRETER = {"TRITON_INTERPRET": "1"}
 
 def _loss_and_grads(compile_backend: str | None, **overrides):
     ps = parallel_state.get() if parallel_state.is_initialized() else None
-    cfg = preset("gpt_tiny", vocab_size=128, hidden_size=32, num_heads=4, num_layers=1,
-                 max_positions=16, hidden_dropout=0.0, attention_dropout=0.0,
-                 compile=compile_backend is not None,
-                 compile_backend=compile_backend or "inductor", **overrides)  # fmt: skip
+    cfg = preset(
+        "gpt_tiny",
+        vocab_size=128,
+        hidden_size=32,
+        num_heads=4,
+        num_layers=1,
+        max_positions=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        compile=compile_backend is not None,
+        compile_backend=compile_backend or "inductor",
+        **overrides,
+    )
     ps.seed(5) if ps is not None else torch.manual_seed(5)
     model = build_model(cfg)
     tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))

@@ -19,8 +19,14 @@ from engine.models import build_model
 from engine.models.config import preset
 from tests.multiproc import run_ranks
 
-CFG = preset("gpt_tiny", vocab_size=500, hidden_size=32, num_heads=4, hidden_dropout=0.0,
-             attention_dropout=0.0)  # fmt: skip
+CFG = preset(
+    "gpt_tiny",
+    vocab_size=500,
+    hidden_size=32,
+    num_heads=4,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 # clip_grad below the gradient norm (~1.5), so every step clips and the norm matters.
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.3)
 CPU = torch.device("cpu")
@@ -36,8 +42,10 @@ def _reference(dtype: torch.dtype, steps: int) -> tuple[list[float], dict[str, t
     torch.manual_seed(0)
     model = build_model(CFG, dtype=dtype, tp_group=_alone())
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": OPTIM.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": OPTIM.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps)
     losses = []
     for step in range(steps):
@@ -63,9 +71,14 @@ def _dp_train(zero: bool, dtype, steps: int, low_precision=None, micro: int = 2)
     torch.manual_seed(0)
     model = build_model(CFG, dtype=dtype, tp_group=ps.tp_group)
     dp = build_data_parallel(
-        model, dataclasses.replace(OPTIM, distributed=zero), dp_group=ps.dp_group,
-        tp_group=ps.tp_group, device=CPU, bucket_size_mb=0.01, low_precision=low_precision,
-    )  # fmt: skip
+        model,
+        dataclasses.replace(OPTIM, distributed=zero),
+        dp_group=ps.dp_group,
+        tp_group=ps.tp_group,
+        device=CPU,
+        bucket_size_mb=0.01,
+        low_precision=low_precision,
+    )
     losses = []
     for step in range(steps):
         rows = _batch(step)[2 * ps.dp_rank : 2 * ps.dp_rank + 2].chunk(micro)
@@ -144,9 +157,15 @@ def _zero_overlap(overlap: bool = True) -> dict:
     serial.load_state_dict(model.state_dict())
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
     F.mse_loss(serial(x), y).backward()
-    dp = build_data_parallel(model, dataclasses.replace(OPTIM, distributed=True),
-                             dp_group=ps.dp_group, tp_group=ps.tp_group, device=CPU,
-                             bucket_size_mb=1e-6, overlap=overlap)  # fmt: skip
+    dp = build_data_parallel(
+        model,
+        dataclasses.replace(OPTIM, distributed=True),
+        dp_group=ps.dp_group,
+        tp_group=ps.tp_group,
+        device=CPU,
+        bucket_size_mb=1e-6,
+        overlap=overlap,
+    )
     zero, record = dp.zero, []
     rows = slice(4 * ps.dp_rank, 4 * ps.dp_rank + 4)
     out = model(x[rows], lambda h: _Probe.apply(h, zero, record))
@@ -165,9 +184,14 @@ def _zero_overlap(overlap: bool = True) -> dict:
     )
     model(x[rows])
     hook.remove()
-    return {"launched": record[0], "buckets": len(zero.buckets), "grad_err": grad_err,
-            "after_step": unwaited_after_step, "at_fc1": seen[0],
-            "after_forward": sum(b.gather_work is not None for b in zero.buckets)}  # fmt: skip
+    return {
+        "launched": record[0],
+        "buckets": len(zero.buckets),
+        "grad_err": grad_err,
+        "after_step": unwaited_after_step,
+        "at_fc1": seen[0],
+        "after_forward": sum(b.gather_work is not None for b in zero.buckets),
+    }
 
 
 def _same(serial: nn.Module, model: nn.Module, bucket) -> list[nn.Parameter]:
@@ -204,8 +228,9 @@ def _held_bytes(model: nn.Module, dp) -> int:
     optimizer's tensors (master slices, their gradients, Adam state) this rank holds."""
     opt = getattr(dp.optimizer, "inner", dp.optimizer)
     tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
-    tensors += [t for g in opt.param_groups for p in g["params"] for t in (p, p.grad)
-                if t is not None]  # fmt: skip
+    tensors += [
+        t for g in opt.param_groups for p in g["params"] for t in (p, p.grad) if t is not None
+    ]
     tensors += [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
@@ -218,17 +243,24 @@ def _memory() -> dict:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp_groups = {1: singles[rank], 2: pairs[rank // 2], 4: dist.new_group([0, 1, 2, 3])}
     out = {}
-    cases = (("zero_bf16", True, torch.bfloat16), ("zero_fp32", True, None),
-             ("allreduce_fp32", False, None))  # fmt: skip
+    cases = (
+        ("zero_bf16", True, torch.bfloat16),
+        ("zero_fp32", True, None),
+        ("allreduce_fp32", False, None),
+    )
     for case, zero, low in cases:
         for d, group in dp_groups.items():
             torch.manual_seed(0)
             model = build_model(CFG, tp_group=singles[rank])
             numel = sum(p.numel() for p in model.parameters())
             dp = build_data_parallel(
-                model, dataclasses.replace(OPTIM, distributed=zero), dp_group=group,
-                tp_group=singles[rank], device=CPU, low_precision=low,
-            )  # fmt: skip
+                model,
+                dataclasses.replace(OPTIM, distributed=zero),
+                dp_group=group,
+                tp_group=singles[rank],
+                device=CPU,
+                low_precision=low,
+            )
             for step in range(2):
                 x = _batch(step)
                 model(x[:, :-1], x[:, 1:]).mean().backward()
@@ -284,9 +316,14 @@ def _bf16_zero_then_plain(cfgs) -> dict:
     parallel_state.destroy()
     resumed = Trainer(plain_cfg, parallel_state.initialize(1, 2))
     exact = all(torch.equal(p.detach(), masters[n]) for n, p in resumed.model.named_parameters())
-    return {"dtypes": dtypes, "master_dtype": str(next(iter(masters.values())).dtype),
-            "params_are_rounded_masters": rounded, "step": resumed.step,
-            "resumed_from_masters": exact, "zero1": trainer.dp.shards_optimizer}  # fmt: skip
+    return {
+        "dtypes": dtypes,
+        "master_dtype": str(next(iter(masters.values())).dtype),
+        "params_are_rounded_masters": rounded,
+        "step": resumed.step,
+        "resumed_from_masters": exact,
+        "zero1": trainer.dp.shards_optimizer,
+    }
 
 
 def test_bf16_zero1_trains_and_its_masters_resume_the_fp32_path(tmp_path):
@@ -298,13 +335,24 @@ def test_bf16_zero1_trains_and_its_masters_resume_the_fp32_path(tmp_path):
     corpus = build_test_corpus(tmp_path / "corpus")
     ckpt = tmp_path / "ckpt"
     common = ("tp_size=1", "dp_size=2", "checkpoint.every=2")
-    zero_cfg = run_config(corpus, ckpt, *common, "trainer.max_steps=2", "trainer.precision=bf16",
-                          "optim.distributed=true")  # fmt: skip
+    zero_cfg = run_config(
+        corpus,
+        ckpt,
+        *common,
+        "trainer.max_steps=2",
+        "trainer.precision=bf16",
+        "optim.distributed=true",
+    )
     plain_cfg = run_config(corpus, ckpt, *common, "trainer.max_steps=3", "trainer.precision=fp32")
     for r in run_ranks(_bf16_zero_then_plain, 2, (zero_cfg, plain_cfg), timeout=180):
-        assert r == {"dtypes": {"torch.bfloat16"}, "master_dtype": "torch.float32",
-                     "params_are_rounded_masters": True, "step": 2,
-                     "resumed_from_masters": True, "zero1": True}, r  # fmt: skip
+        assert r == {
+            "dtypes": {"torch.bfloat16"},
+            "master_dtype": "torch.float32",
+            "params_are_rounded_masters": True,
+            "step": 2,
+            "resumed_from_masters": True,
+            "zero1": True,
+        }, r
 
 
 def test_zero1_without_overlap_communicates_only_between_passes():
@@ -325,9 +373,13 @@ def _sequence_parallel_pair() -> dict:
         ps.seed(0)  # sequence parallelism draws dropout from the TP-sharded stream
         model = build_model(cfg, dtype=torch.float64, tp_group=ps.tp_group)
         dp = build_data_parallel(
-            model, dataclasses.replace(OPTIM, distributed=zero), dp_group=ps.dp_group,
-            tp_group=ps.tp_group, device=CPU, bucket_size_mb=0.01,
-        )  # fmt: skip
+            model,
+            dataclasses.replace(OPTIM, distributed=zero),
+            dp_group=ps.dp_group,
+            tp_group=ps.tp_group,
+            device=CPU,
+            bucket_size_mb=0.01,
+        )
         norms = []
         for step in range(2):
             x = _batch(step)[2 * ps.dp_rank : 2 * ps.dp_rank + 2]
@@ -343,7 +395,7 @@ def _sequence_parallel_pair() -> dict:
         "norm": max(abs(a - b) / b for a, b in zip(zero_norms, plain_norms, strict=True)),
         "params": max(
             ((zero[k] - plain[k]).abs().max() / plain[k].abs().max()).item() for k in plain
-        ),  # fmt: skip
+        ),
     }
 
 

@@ -41,26 +41,47 @@ ERRORS = [
     (lambda: ParallelDims(0, 1), ["tp_size must be an integer >= 1, got 0", "set tp_size"]),
     (lambda: ParallelDims(2, -1), ["dp_size must be an integer >= 1, got -1", "dp_size=auto"]),
     (lambda: ParallelDims(2, True), ["dp_size must be an integer >= 1, got True"]),
-    (lambda: ParallelDims(2, 1, sequence_parallel="yes"),
-     ["sequence_parallel='yes' must be true or false"]),
-    (lambda: ParallelDims.resolve(2, "many"),
-     ["dp_size='many' must be an integer or 'auto'", "set dp_size=N or dp_size=auto"]),
-    (lambda: ParallelDims.resolve(3, "auto", 4),
-     ["world size 4 is not divisible by tp_size 3", "launch a multiple of 3 processes",
-      "choose a tp_size dividing 4"]),
-    (lambda: ParallelDims.resolve(2, 3, 4),
-     ["tp_size × dp_size = 2 × 3 = 6 does not equal the world size 4", "launch 6 processes"]),
-    (lambda: ParallelDims(4, 1, sequence_parallel=True).check_seq_len(30),
-     ["data.seq_len=30 is not divisible by tp_size=4", "choose a multiple of 4"]),
-    (lambda: ParallelDims(1, 3).check_batch(4), ["batch 4 is not divisible by dp_size 3",
-                                                 "choose a multiple of 3"]),
+    (
+        lambda: ParallelDims(2, 1, sequence_parallel="yes"),
+        ["sequence_parallel='yes' must be true or false"],
+    ),
+    (
+        lambda: ParallelDims.resolve(2, "many"),
+        ["dp_size='many' must be an integer or 'auto'", "set dp_size=N or dp_size=auto"],
+    ),
+    (
+        lambda: ParallelDims.resolve(3, "auto", 4),
+        [
+            "world size 4 is not divisible by tp_size 3",
+            "launch a multiple of 3 processes",
+            "choose a tp_size dividing 4",
+        ],
+    ),
+    (
+        lambda: ParallelDims.resolve(2, 3, 4),
+        ["tp_size × dp_size = 2 × 3 = 6 does not equal the world size 4", "launch 6 processes"],
+    ),
+    (
+        lambda: ParallelDims(4, 1, sequence_parallel=True).check_seq_len(30),
+        ["data.seq_len=30 is not divisible by tp_size=4", "choose a multiple of 4"],
+    ),
+    (
+        lambda: ParallelDims(1, 3).check_batch(4),
+        ["batch 4 is not divisible by dp_size 3", "choose a multiple of 3"],
+    ),
     # 20 sequences with micro 2 on dp 4: 20 % (2 × 4) = 4, so no whole number of steps.
-    (lambda: ParallelDims(2, 4).check_batch(20, 2),
-     ["trainer.global_batch=20 is not a multiple of trainer.micro_batch × dp_size = 2 × 4 = 8",
-      "set trainer.global_batch to a multiple of 8"]),
-    (lambda: ParallelDims(4, 1).check_tp_divides("model.num_heads", 6),
-     ["model.num_heads=6 is not divisible by tp_size=4"]),
-]  # fmt: skip
+    (
+        lambda: ParallelDims(2, 4).check_batch(20, 2),
+        [
+            "trainer.global_batch=20 is not a multiple of trainer.micro_batch × dp_size = 2 × 4 = 8",
+            "set trainer.global_batch to a multiple of 8",
+        ],
+    ),
+    (
+        lambda: ParallelDims(4, 1).check_tp_divides("model.num_heads", 6),
+        ["model.num_heads=6 is not divisible by tp_size=4"],
+    ),
+]
 
 
 @pytest.mark.parametrize(("call", "fragments"), ERRORS)
@@ -88,8 +109,9 @@ def test_config_validation_uses_the_layout(tmp_path, monkeypatch):
     dims = parallel_dims(cfg, 8)
     assert (dims.tp, dims.dp, dims.sequence_parallel, dims.zero1) == (2, 4, True, False)
     assert parallel_dims(cfg, None).dp == 1  # no launcher: tp ranks started here
-    bad = compose_config("tp_size=4", "dp_size=1", "model.sequence_parallel=true",
-                         "data.seq_len=30")  # fmt: skip
+    bad = compose_config(
+        "tp_size=4", "dp_size=1", "model.sequence_parallel=true", "data.seq_len=30"
+    )
     problems = validate(bad, parallel_dims(bad, None))
     assert [p for p in problems if "data.seq_len=30 is not divisible by tp_size=4" in p], problems
 
@@ -99,8 +121,14 @@ def test_launcher_world_mismatch_is_one_config_line(tmp_path, monkeypatch, capsy
 
     monkeypatch.chdir(tmp_path)
     # As torchrun sets them for 6 processes, while the config asks for 2 × 2 = 4.
-    env = {"RANK": "0", "WORLD_SIZE": "6", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "6",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # fmt: skip
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "6",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "6",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "1",
+    }
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(SystemExit) as exit_info:

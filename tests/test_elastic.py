@@ -24,8 +24,9 @@ from tests.launch_util import env_with_repo, free_port, tiny_overrides, wait_for
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:
-    return build_default_corpus(tmp_path_factory.mktemp("corpus"), vocab_size=512,
-                                max_bytes=300_000, progress=False)  # fmt: skip
+    return build_default_corpus(
+        tmp_path_factory.mktemp("corpus"), vocab_size=512, max_bytes=300_000, progress=False
+    )
 
 
 def _port_open(port: int) -> bool:
@@ -39,8 +40,9 @@ class Node:
     def __init__(self, name: str, cmd: list[str], cwd, env) -> None:
         self.log = cwd / f"{name}.log"
         with open(self.log, "a") as out:
-            self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the agent and every process below it (torchrun puts its workers in
@@ -71,13 +73,32 @@ def _descendants(pid: int) -> list[int]:
 @pytest.mark.slow
 def test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns(corpus, tmp_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
-           "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-           f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-           "--rdzv-conf", "last_call_timeout=1,join_timeout=60", "--max-restarts", "5",
-           "--monitor-interval", "0.5",
-           "-m", "engine.pretrain", "tp_size=1", "dp_size=auto",
-           *tiny_overrides(corpus, tmp_path, max_steps=100_000), "checkpoint.every=1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id",
+        "elastic-test",
+        "--rdzv-conf",
+        "last_call_timeout=1,join_timeout=60",
+        "--max-restarts",
+        "5",
+        "--monitor-interval",
+        "0.5",
+        "-m",
+        "engine.pretrain",
+        "tp_size=1",
+        "dp_size=auto",
+        *tiny_overrides(corpus, tmp_path, max_steps=100_000),
+        "checkpoint.every=1",
+    ]
     env = env_with_repo(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     logs = lambda: "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))  # noqa: E731
     a = Node("a", cmd, tmp_path, env)  # first: it hosts the rendezvous store
@@ -91,8 +112,11 @@ def test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns(corpus, tmp_path)
         wait_for(lambda: re.search(r"dp=1 .*\n(.*\n)*step\s+\d+/", logs()), 120, "a step at dp=1")
         b2 = Node("b2", cmd, tmp_path, env)
         nodes.append(b2)
-        wait_for(lambda: re.search(r"dp=1 (.*\n)+.*dp=2 .*\n(.*\n)*step\s+\d+/", logs()), 120,
-                 "a step at dp=2 after the node returned")  # fmt: skip
+        wait_for(
+            lambda: re.search(r"dp=1 (.*\n)+.*dp=2 .*\n(.*\n)*step\s+\d+/", logs()),
+            120,
+            "a step at dp=2 after the node returned",
+        )
     finally:
         for node in nodes:
             node.kill(signal.SIGTERM)

@@ -40,15 +40,29 @@ def compose_config(*overrides: str) -> Config:
 def tiny_run(corpus, tmp_path, *overrides: str) -> Config:
     prefix, tokenizer = corpus
     cfg = compose_config(
-        f"data.prefixes=[{prefix}]", f"data.tokenizer={tokenizer}", "data.seq_len=32",
-        "model.vocab_size=512", "model.hidden_size=64", "model.num_heads=4",
-        "model.hidden_dropout=0.0", "model.attention_dropout=0.0",
-        "trainer.max_steps=30", "trainer.log_every=5", "trainer.eval_every=0",
-        "trainer.global_batch=8", "trainer.micro_batch=2", "trainer.tensorboard=false",
-        "trainer.progress=false", "trainer.sample_tokens=8", "optim.lr=3e-3",
-        "optim.warmup_steps=5", "data.split='85,15,0'", f"checkpoint.dir={tmp_path / 'ckpt'}", f"run_dir={tmp_path}",
+        f"data.prefixes=[{prefix}]",
+        f"data.tokenizer={tokenizer}",
+        "data.seq_len=32",
+        "model.vocab_size=512",
+        "model.hidden_size=64",
+        "model.num_heads=4",
+        "model.hidden_dropout=0.0",
+        "model.attention_dropout=0.0",
+        "trainer.max_steps=30",
+        "trainer.log_every=5",
+        "trainer.eval_every=0",
+        "trainer.global_batch=8",
+        "trainer.micro_batch=2",
+        "trainer.tensorboard=false",
+        "trainer.progress=false",
+        "trainer.sample_tokens=8",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=5",
+        "data.split='85,15,0'",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        f"run_dir={tmp_path}",
         *overrides,
-    )  # fmt: skip
+    )
     return dataclasses.replace(cfg, dp_size=int(cfg.dp_size))
 
 
@@ -86,8 +100,16 @@ def _check_observability(run_dir: Path, losses: list[float]) -> None:
     events = EventAccumulator(str(run_dir / "ckpt" / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
-            "perf/dp_comm_share", "perf/peak_mem_gib", "valid/loss", "valid/ppl"} <= tags  # fmt: skip
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/dp_comm_share",
+        "perf/peak_mem_gib",
+        "valid/loss",
+        "valid/ppl",
+    } <= tags
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses, rel=1e-6)
     assert "perf/mfu" not in tags  # no known peak on a CPU: no MFU rather than a wrong one
     for rank in range(4):
@@ -131,8 +153,15 @@ def test_tensorboard_keeps_one_run_across_resumes(tmp_path):
 
 def _grad_norms(sequence_parallel: bool) -> tuple[float, float]:
     ps = parallel_state.initialize(2, 2)
-    cfg = preset("gpt_tiny", vocab_size=500, hidden_size=32, num_heads=4, hidden_dropout=0.0,
-                 attention_dropout=0.0, sequence_parallel=sequence_parallel)  # fmt: skip
+    cfg = preset(
+        "gpt_tiny",
+        vocab_size=500,
+        hidden_size=32,
+        num_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        sequence_parallel=sequence_parallel,
+    )
     ps.seed(3)  # the sharded dropout stream must exist under sequence parallelism
     model = build_model(cfg, dtype=torch.float64)
     full = model.full_state_dict()
@@ -147,8 +176,9 @@ def _grad_norms(sequence_parallel: bool) -> tuple[float, float]:
     import torch.distributed as dist
 
     single = [dist.new_group([r]) for r in range(ps.world_size)][ps.rank]
-    serial = build_model(dataclasses.replace(cfg, sequence_parallel=False), tp_group=single,
-                         dtype=torch.float64)  # fmt: skip
+    serial = build_model(
+        dataclasses.replace(cfg, sequence_parallel=False), tp_group=single, dtype=torch.float64
+    )
     serial.load_full_state_dict(full)
     serial(batch[:, :-1], batch[:, 1:]).mean().backward()
     want = torch.sqrt(sum(p.grad.pow(2).sum() for p in serial.parameters())).item()
@@ -166,17 +196,29 @@ INVALID = [
     (["model.num_heads=2"], "model.num_heads=2 is not divisible by tp_size=4"),
     (["model.hidden_size=130"], "model.hidden_size=130 is not divisible by model.num_heads=4"),
     (["model.ffn_hidden_size=510"], "model.ffn_hidden_size=510 is not divisible by tp_size=4"),
-    (["trainer.global_batch=10"], "trainer.global_batch=10 is not a multiple of trainer.micro_batch × dp_size = 4 × 1 = 4"),
+    (
+        ["trainer.global_batch=10"],
+        "trainer.global_batch=10 is not a multiple of trainer.micro_batch × dp_size = 4 × 1 = 4",
+    ),
     (["data.seq_len=300"], "data.seq_len=300 must be in [2, model.max_positions=256]"),
-    (["data.prefixes=[/nonexistent/corpus]"], "data.prefixes: /nonexistent/corpus.bin and /nonexistent/corpus.idx not found"),
-    (["data.tokenizer=/nonexistent/tok.json"], "data.tokenizer: /nonexistent/tok.json does not exist"),
+    (
+        ["data.prefixes=[/nonexistent/corpus]"],
+        "data.prefixes: /nonexistent/corpus.bin and /nonexistent/corpus.idx not found",
+    ),
+    (
+        ["data.tokenizer=/nonexistent/tok.json"],
+        "data.tokenizer: /nonexistent/tok.json does not exist",
+    ),
     (["trainer.precision=fp8"], "trainer.precision='fp8' is not one of auto, fp32, bf16, fp16"),
     (["optim.min_lr=1.0"], "optim.lr=0.0006 must be > 0 and optim.min_lr=1.0 in [0, lr]"),
     (["model.recompute=sometimes"], "model.recompute='sometimes' is not one of"),
     (["trainer.max_steps=0"], "trainer.max_steps=0 must be in [1, 2**63-1]"),
     (["dp_size=many"], "dp_size='many' must be an integer or 'auto'"),
-    (["model.vocab_size=1000"], "model.vocab_size=1000 is smaller than the embedded corpus's data.default_vocab_size=8192"),
-]  # fmt: skip
+    (
+        ["model.vocab_size=1000"],
+        "model.vocab_size=1000 is smaller than the embedded corpus's data.default_vocab_size=8192",
+    ),
+]
 
 
 @pytest.mark.parametrize(("overrides", "message"), INVALID)
@@ -201,9 +243,12 @@ def test_data_checks_after_resolving_paths(corpus, tmp_path, capsys, monkeypatch
 
     prefix, tokenizer = corpus
     for overrides, message in [
-        ([f"data.tokenizer={tokenizer}", "model.vocab_size=300"], f"model.vocab_size=300 is smaller than the tokenizer's vocabulary (512, {tokenizer})"),
+        (
+            [f"data.tokenizer={tokenizer}", "model.vocab_size=300"],
+            f"model.vocab_size=300 is smaller than the tokenizer's vocabulary (512, {tokenizer})",
+        ),
         ([], f"data.tokenizer: {prefix}.tokenizer.json does not exist"),
-    ]:  # fmt: skip
+    ]:
         cfg = compose_config(f"data.prefixes=[{prefix}]", "tp_size=1", "dp_size=1", *overrides)
         with pytest.raises(SystemExit) as exit_info:
             prepare(cfg)
@@ -232,15 +277,21 @@ def test_more_data_and_checkpoint_checks(corpus, tmp_path, capsys, monkeypatch):
     (taken / "step_00000005" / INDEX).write_text("{}")
     cases = [
         ([f"data.tokenizer={tmp_path / 'bad.json'}"], "is not a tokenizer.json"),
-        (["model=bert_tiny", f"data.tokenizer={tmp_path / 'plain.json'}"],
-         "lacks BERT's special tokens ['[CLS]', '[SEP]', '[MASK]', '[PAD]']"),
-        (["model.max_positions=200000", "data.seq_len=150000"],
-         "fewer than data.seq_len + 1 = 150001; lower data.seq_len or add data"),
+        (
+            ["model=bert_tiny", f"data.tokenizer={tmp_path / 'plain.json'}"],
+            "lacks BERT's special tokens ['[CLS]', '[SEP]', '[MASK]', '[PAD]']",
+        ),
+        (
+            ["model.max_positions=200000", "data.seq_len=150000"],
+            "fewer than data.seq_len + 1 = 150001; lower data.seq_len or add data",
+        ),
         (["data.weights=[-1.0]"], "data.weights=[-1.0] must be >= 0 with a positive sum"),
         ([f"checkpoint.dir={tmp_path / 'a_file' / 'ck'}"], "is not writable"),
-        ([f"checkpoint.dir={taken}", "checkpoint.resume=false"],
-         "already holds checkpoints (steps 5) that a fresh run would replace"),
-    ]  # fmt: skip
+        (
+            [f"checkpoint.dir={taken}", "checkpoint.resume=false"],
+            "already holds checkpoints (steps 5) that a fresh run would replace",
+        ),
+    ]
     for overrides, message in cases:
         base = [f"data.prefixes=[{prefix}]", "model.vocab_size=512", "tp_size=1", "dp_size=1"]
         if not any(o.startswith("data.tokenizer=") for o in overrides):
@@ -256,13 +307,25 @@ def test_more_data_and_checkpoint_checks(corpus, tmp_path, capsys, monkeypatch):
 @pytest.mark.slow
 def test_cli_rejects_unknown_key_and_bad_layout_without_traceback(tmp_path):
     env = subprocess_env(ROOT)  # cwd: a temporary directory, where Hydra makes outputs/
-    unknown = subprocess.run([sys.executable, "-m", "engine.pretrain", "trainer.bogus=1"],
-                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)  # fmt: skip
+    unknown = subprocess.run(
+        [sys.executable, "-m", "engine.pretrain", "trainer.bogus=1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert unknown.returncode != 0
     assert "unknown key 'trainer.bogus'" in unknown.stderr
     assert "Traceback" not in unknown.stderr
-    bad = subprocess.run([sys.executable, "-m", "engine.pretrain", "tp_size=3"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "engine.pretrain", "tp_size=3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip() == "config error: model.num_heads=4 is not divisible by tp_size=3"
 

@@ -64,8 +64,15 @@ def pretrain(cwd: Path, *overrides: str, timeout: float = 120) -> subprocess.Com
 
 def single(corpus, ckpt: Path, *extra: str) -> list[str]:
     """A tiny one-process fp32 run saving every 2 steps, keeping 2."""
-    return [*run_overrides(corpus, ckpt), "tp_size=1", "dp_size=1", "checkpoint.every=2",
-            "trainer.precision=fp32", "checkpoint.save_final=true", *extra]  # fmt: skip
+    return [
+        *run_overrides(corpus, ckpt),
+        "tp_size=1",
+        "dp_size=1",
+        "checkpoint.every=2",
+        "trainer.precision=fp32",
+        "checkpoint.save_final=true",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +107,17 @@ def test_nan_run_skips_steps_stops_and_keeps_the_good_checkpoints(corpus, good_r
     ``final`` is not overwritten with broken weights."""
     ckpt = _copy(good_run, tmp_path)
     final_before = (ckpt / "final" / "model.safetensors").read_bytes()
-    proc = pretrain(tmp_path, *single(corpus, ckpt, "trainer.max_steps=30", "optim.lr=1e3",
-                                      "optim.min_lr=0", "trainer.max_bad_steps=3"))  # fmt: skip
+    proc = pretrain(
+        tmp_path,
+        *single(
+            corpus,
+            ckpt,
+            "trainer.max_steps=30",
+            "optim.lr=1e3",
+            "optim.min_lr=0",
+            "trainer.max_bad_steps=3",
+        ),
+    )
     assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = _stderr_lines(proc)
     stop = re.match(r"stopped at step (\d+): 3 bad steps in a row", lines[0])
@@ -134,11 +150,21 @@ def test_fp16_scaler_skipping_forever_hits_max_bad_steps(corpus, tmp_path):
     """A loss scale of 1e38 overflows every step (the scaled loss alone is near fp32's max);
     the scaler halves it and skips, which took 120 steps to recover from and would never
     end for a model that overflows at any scale. 3 overflow steps in a row stop it."""
-    cfg = run_config(corpus, tmp_path / "ckpt", "tp_size=1", "dp_size=1", "trainer.max_steps=20",
-                     "trainer.precision=fp16", "trainer.loss_scale_init=1e38",
-                     "trainer.max_bad_steps=3")  # fmt: skip
-    with pytest.raises(RankFailure, match="stopped at step 3: 3 bad steps in a row, the last one "
-                       "with the fp16 loss scale overflowed"):  # fmt: skip
+    cfg = run_config(
+        corpus,
+        tmp_path / "ckpt",
+        "tp_size=1",
+        "dp_size=1",
+        "trainer.max_steps=20",
+        "trainer.precision=fp16",
+        "trainer.loss_scale_init=1e38",
+        "trainer.max_bad_steps=3",
+    )
+    with pytest.raises(
+        RankFailure,
+        match="stopped at step 3: 3 bad steps in a row, the last one "
+        "with the fp16 loss scale overflowed",
+    ):
         run_ranks(_fp16_forever, 1, cfg, timeout=120)
     assert not step_dirs(tmp_path / "ckpt")
 
@@ -184,8 +210,7 @@ def _save_steps(root: Path, steps: list[int]):
     model, optimizer = _model_and_optimizer()
     for step in steps:
         _train_step(model, optimizer, step)
-        save_checkpoint(root, step, model=model, optimizer=optimizer, ps=None, state={},
-                        keep=100)  # fmt: skip
+        save_checkpoint(root, step, model=model, optimizer=optimizer, ps=None, state={}, keep=100)
     return model, optimizer
 
 
@@ -193,8 +218,9 @@ def _load_and_save(root: Path, step: int) -> tuple[int, list[str]]:
     messages: list[str] = []
     model, optimizer = _model_and_optimizer(seed=9)
     loaded = load_checkpoint(root, model=model, optimizer=optimizer, ps=None, log=messages.append)
-    save_checkpoint(root, step, model=model, optimizer=optimizer, ps=None, state={}, keep=2,
-                    log=messages.append)  # fmt: skip
+    save_checkpoint(
+        root, step, model=model, optimizer=optimizer, ps=None, state={}, keep=2, log=messages.append
+    )
     return loaded.step, messages
 
 
@@ -205,8 +231,9 @@ def test_damaged_checkpoint_is_removed_with_its_reason_and_named_plainly(tmp_pat
     _flip_bit(damaged)
     loaded, messages = _load_and_save(root, 3)
     assert loaded == 2
-    assert messages[0].startswith(f"checkpoint {root / 'step_00000005'} is unusable ({damaged} "
-                                  "is damaged: its BLAKE3 hash"), messages  # fmt: skip
+    assert messages[0].startswith(
+        f"checkpoint {root / 'step_00000005'} is unusable ({damaged} is damaged: its BLAKE3 hash"
+    ), messages
     assert "rank 0:" not in messages[0]  # the file is named, not a rank that did not own it
     assert messages[1:] == [
         f"pruned {root / 'step_00000001'}: older than the 2 newest kept (checkpoint.keep=2)",
@@ -225,8 +252,9 @@ def test_a_verified_checkpoint_newer_than_the_loaded_one_is_never_deleted(tmp_pa
     loaded, messages = _load_and_save(root, 3)
     assert loaded == 2
     assert sorted(step_dirs(root)) == [2, 3, 5] and verify_complete(root / "step_00000005") is None
-    assert messages == [f"pruned {root / 'step_00000001'}: older than the 2 newest kept "
-                        "(checkpoint.keep=2)"], messages  # fmt: skip
+    assert messages == [
+        f"pruned {root / 'step_00000001'}: older than the 2 newest kept (checkpoint.keep=2)"
+    ], messages
 
 
 def _edit_index(change) -> Callable[[Path], None]:
@@ -416,21 +444,37 @@ def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, 
     non-zero within 60 s (collective_timeout_s=8 plus start-up slack on a loaded
     machine), each with one stderr line naming the step, its rank and the group it
     waited on. Before, they waited forever (SIGSTOP) or printed an 85-line traceback."""
-    env = {**subprocess_env(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "4"}  # fmt: skip
-    overrides = [f"hydra.run.dir={tmp_path / 'run'}", *run_overrides(corpus, tmp_path / "ckpt"),
-                 "tp_size=2", "dp_size=2", "trainer.max_steps=100000", "checkpoint.every=0",
-                 "trainer.collective_timeout_s=8"]  # fmt: skip
+    env = {
+        **subprocess_env(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "4",
+    }
+    overrides = [
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *run_overrides(corpus, tmp_path / "ckpt"),
+        "tp_size=2",
+        "dp_size=2",
+        "trainer.max_steps=100000",
+        "checkpoint.every=0",
+        "trainer.collective_timeout_s=8",
+    ]
     procs, outs = [], []
     try:
         for rank in range(4):
             out = open(tmp_path / f"rank{rank}.out", "w+")  # noqa: SIM115 - closed below
             err = open(tmp_path / f"rank{rank}.err", "w+")  # noqa: SIM115
             outs += [out, err]
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "engine.pretrain", *overrides], cwd=tmp_path,
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out, stderr=err,
-            ))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "engine.pretrain", *overrides],
+                    cwd=tmp_path,
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=out,
+                    stderr=err,
+                )
+            )
         deadline = time.monotonic() + 120
         while "step     3/" not in (tmp_path / "rank0.out").read_text():
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
@@ -545,8 +589,9 @@ def _valid_loss(cfg: Config) -> tuple[float, float | None]:
     losses = []
     with torch.no_grad():
         for j in range(t.eval_batches):
-            seqs = torch.stack([torch.as_tensor(data[j * t.micro_batch + i]).long()
-                                for i in range(t.micro_batch)])  # fmt: skip
+            seqs = torch.stack(
+                [torch.as_tensor(data[j * t.micro_batch + i]).long() for i in range(t.micro_batch)]
+            )
             logits = trainer.model(seqs[:, :-1])[..., : cfg.model.vocab_size]
             losses.append(F.cross_entropy(logits.flatten(0, 1), seqs[:, 1:].flatten()).item())
     return got, sum(losses) / len(losses)
@@ -560,9 +605,16 @@ def test_validation_loss_does_not_depend_on_dp_size(corpus, tmp_path):
     kernel, fp32): 1e-5 relative."""
     results = {}
     for dp in (1, 2, 4):
-        cfg = run_config(corpus, tmp_path / f"ckpt{dp}", "tp_size=1", f"dp_size={dp}",
-                         "trainer.global_batch=8", "trainer.eval_batches=4",
-                         "model.hidden_dropout=0.0", "model.attention_dropout=0.0")  # fmt: skip
+        cfg = run_config(
+            corpus,
+            tmp_path / f"ckpt{dp}",
+            "tp_size=1",
+            f"dp_size={dp}",
+            "trainer.global_batch=8",
+            "trainer.eval_batches=4",
+            "model.hidden_dropout=0.0",
+            "model.attention_dropout=0.0",
+        )
         results[dp] = run_ranks(_valid_loss, dp, cfg, timeout=120)[0]
     base, reference = results[1]
     assert abs(base - reference) <= 1e-5 * reference, (base, reference)
@@ -590,17 +642,20 @@ def test_extending_max_steps_with_a_fixed_schedule_is_bitwise_the_longer_run(cor
     again = cfg("split", "trainer.max_steps=6", "optim.decay_steps=3")
     whole = cfg("whole", "trainer.max_steps=6", "optim.decay_steps=3")
     unset = cfg("split", "trainer.max_steps=6")  # already at step 6: only loads, and says
-    h_first, h_again, h_whole, _ = run_ranks(_run_all, 1, [first, again, whole, unset],
-                                             timeout=240)[0]  # fmt: skip
+    h_first, h_again, h_whole, _ = run_ranks(
+        _run_all, 1, [first, again, whole, unset], timeout=240
+    )[0]
     assert [s for s, _ in h_again] == [5, 6]  # it resumed from step 4
     assert h_first + h_again == h_whole  # losses bit for bit
     a = _all_tensors(tmp_path / "split" / "step_00000006")
     b = _all_tensors(tmp_path / "whole" / "step_00000006")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     log = (tmp_path / "pretrain.log").read_text()  # run_config's run_dir: tmp_path
-    assert ("note: the learning-rate schedule changed on resume (cosine decay over 3 steps "
-            "after warmup, now 5: trainer.max_steps moved its end); to continue the saved "
-            "schedule pass optim.decay_steps=3") in log, log[-2000:]  # fmt: skip
+    assert (
+        "note: the learning-rate schedule changed on resume (cosine decay over 3 steps "
+        "after warmup, now 5: trainer.max_steps moved its end); to continue the saved "
+        "schedule pass optim.decay_steps=3"
+    ) in log, log[-2000:]
 
 
 def test_readme_resume_example_keeps_the_default_schedule():
@@ -633,8 +688,9 @@ def test_readme_resume_example_keeps_the_default_schedule():
         ),
     ],
 )
-def test_failure_settings_are_checked_before_any_worker(override, message, capsys, tmp_path,
-                                                        monkeypatch):  # fmt: skip
+def test_failure_settings_are_checked_before_any_worker(
+    override, message, capsys, tmp_path, monkeypatch
+):
     from engine.pretrain import prepare
     from tests.test_engine import compose_config
 

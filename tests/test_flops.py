@@ -37,9 +37,15 @@ B, S, L, H, V = 2, 32, 2, 64, 200  # V pads to 256: the test must account for it
 
 def _cfg(arch: str, **overrides) -> ModelConfig:
     values = dict(
-        arch=arch, vocab_size=V, hidden_size=H, num_layers=L, num_heads=4, max_positions=S,
-        hidden_dropout=0.0, attention_dropout=0.0,
-    )  # fmt: skip
+        arch=arch,
+        vocab_size=V,
+        hidden_size=H,
+        num_layers=L,
+        num_heads=4,
+        max_positions=S,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     return ModelConfig(**{**values, **overrides})
 
 

@@ -14,8 +14,15 @@ from engine.models import build_model
 from engine.models.config import preset
 from tests.multiproc import run_ranks
 
-CFG = preset("gpt_tiny", vocab_size=300, hidden_size=32, num_heads=4, max_positions=32,
-             hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+CFG = preset(
+    "gpt_tiny",
+    vocab_size=300,
+    hidden_size=32,
+    num_heads=4,
+    max_positions=32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 
 
 def _samples(sequence_parallel: bool) -> tuple[list[int], list[int], list[int]]:
@@ -29,8 +36,11 @@ def _samples(sequence_parallel: bool) -> tuple[list[int], list[int], list[int]]:
     prompt = [5, 17, 42]
     kwargs = dict(temperature=0.7, top_k=20, seed=3)
     # 40 new tokens from a 3-token prompt overflow max_positions=32: the window slides.
-    return (generate(model, prompt, 40, **kwargs), generate(serial, prompt, 40, **kwargs),
-            generate(serial, prompt, 40, temperature=0.7, top_k=20, seed=4))  # fmt: skip
+    return (
+        generate(model, prompt, 40, **kwargs),
+        generate(serial, prompt, 40, **kwargs),
+        generate(serial, prompt, 40, temperature=0.7, top_k=20, seed=4),
+    )
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -58,8 +68,15 @@ from engine.generate import Sampling, generate_batch  # noqa: E402
 from engine.hf_interop import read_hf_dir  # noqa: E402
 from tests.multiproc import run_ranks as _run_ranks  # noqa: E402
 
-BIG = preset("gpt_tiny", vocab_size=300, hidden_size=32, num_heads=4, max_positions=64,
-             hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+BIG = preset(
+    "gpt_tiny",
+    vocab_size=300,
+    hidden_size=32,
+    num_heads=4,
+    max_positions=64,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7], [250, 1, 2, 3]]
 
 
@@ -78,8 +95,12 @@ def _left_padded(prompts, extra):
     ids = torch.tensor(
         [[0] * (width - len(p)) + p + e for p, e in zip(prompts, extra, strict=True)]
     )
-    valid = torch.tensor([[0] * (width - len(p)) + [1] * (len(p) + len(e))
-                          for p, e in zip(prompts, extra, strict=True)])  # fmt: skip
+    valid = torch.tensor(
+        [
+            [0] * (width - len(p)) + [1] * (len(p) + len(e))
+            for p, e in zip(prompts, extra, strict=True)
+        ]
+    )
     return ids, valid, (valid.cumsum(1) - 1).clamp(min=0), width
 
 
@@ -91,11 +112,23 @@ def test_cached_logits_equal_full_forward_and_unpadded_prompts():
     with torch.no_grad():
         full = model(ids, attention_mask=valid, positions=pos)  # one pass, no cache
         cache = model.new_cache(3, ids.shape[1])
-        steps = [model(ids[:, :width], attention_mask=valid[:, :width],
-                       positions=pos[:, :width], cache=cache)]  # fmt: skip
+        steps = [
+            model(
+                ids[:, :width],
+                attention_mask=valid[:, :width],
+                positions=pos[:, :width],
+                cache=cache,
+            )
+        ]
         for i in range(width, ids.shape[1]):  # then one token at a time
-            steps.append(model(ids[:, i : i + 1], attention_mask=valid[:, : i + 1],
-                               positions=pos[:, i : i + 1], cache=cache))  # fmt: skip
+            steps.append(
+                model(
+                    ids[:, i : i + 1],
+                    attention_mask=valid[:, : i + 1],
+                    positions=pos[:, i : i + 1],
+                    cache=cache,
+                )
+            )
         cached = torch.cat(steps, dim=1)
         real = valid.bool()
         # fp32: the cached path multiplies [1 × past] blocks instead of [s × s], a different
@@ -141,9 +174,11 @@ def _tokens_at_tp_1_2_4() -> dict:
         ps.seed(9)  # the same full weights at every TP size
         model = build_model(BIG, tp_group=group, dtype=torch.float64)
         sampled = Sampling(temperature=0.8, top_k=50, top_p=0.9, seed=5)
-        out[tp] = (generate_batch(model, PROMPTS, 12, Sampling(greedy=True)),
-                   generate_batch(model, PROMPTS, 12, sampled),
-                   generate_batch(model, PROMPTS, 12, sampled, use_cache=False))  # fmt: skip
+        out[tp] = (
+            generate_batch(model, PROMPTS, 12, Sampling(greedy=True)),
+            generate_batch(model, PROMPTS, 12, sampled),
+            generate_batch(model, PROMPTS, 12, sampled, use_cache=False),
+        )
     return out
 
 
@@ -162,8 +197,9 @@ def test_same_tokens_at_tp_1_2_4_greedy_and_seeded_sampling():
 def test_greedy_equals_transformers_generate(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, vocab_size=300, n_positions=64))  # fmt: skip
+    hf = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=300, n_positions=64)
+    )
     hf.save_pretrained(tmp_path / "hf")
     cfg, state, _ = read_hf_dir(tmp_path / "hf")
     ours = build_model(cfg, dtype=torch.float64)
@@ -173,8 +209,14 @@ def test_greedy_equals_transformers_generate(tmp_path):
     ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
     # eos_token_id=None: HF would otherwise stop a row at id 50256's stand-in and pad it.
-    theirs = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=15, do_sample=False,
-                         pad_token_id=0, eos_token_id=None)[:, width:].tolist()  # fmt: skip
+    theirs = hf.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=15,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+    )[:, width:].tolist()
     for use_cache in (True, False):
         got = generate_batch(ours, PROMPTS, 15, Sampling(greedy=True), use_cache=use_cache)
         assert got == theirs  # float64 both sides: the argmax agrees token for token

@@ -24,8 +24,13 @@ REPO = Path(__file__).resolve().parents[1]
 def _tool(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, str(REPO / "tools" / "generate.py"), *args], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, str(REPO / "tools" / "generate.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _tool_main(tool: str = "generate"):
@@ -39,11 +44,21 @@ def _tool_main(tool: str = "generate"):
 def _export(tmp_path: Path) -> tuple[Path, Tokenizer, object]:
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["[UNK]"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 20, trainer)
-    cfg = preset("gpt_tiny", vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_heads=4,
-                 max_positions=64, hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    cfg = preset(
+        "gpt_tiny",
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=32,
+        num_heads=4,
+        max_positions=64,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(3)
     model = build_model(cfg)
     directory = tmp_path / "export"
@@ -56,8 +71,19 @@ def _export(tmp_path: Path) -> tuple[Path, Tokenizer, object]:
 def test_tool_at_tp2_prints_what_tp1_generates_in_process(tmp_path):
     directory, tokenizer, model = _export(tmp_path)
     prompts = ["def add", "return a"]
-    out = _tool("--ckpt", str(directory), "--prompt", prompts[0], "--prompt", prompts[1],
-                "--greedy", "--max-new-tokens", "6", "--tp-size", "2")  # fmt: skip
+    out = _tool(
+        "--ckpt",
+        str(directory),
+        "--prompt",
+        prompts[0],
+        "--prompt",
+        prompts[1],
+        "--greedy",
+        "--max-new-tokens",
+        "6",
+        "--tp-size",
+        "2",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     ids = generate_batch(
         model, [tokenizer.encode(p).ids for p in prompts], 6, Sampling(greedy=True)

@@ -40,12 +40,18 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
             n_positions=32,
             bos_token_id=0,
             eos_token_id=0,
-        )  # fmt: skip
+        )
     )
     bert = transformers.BertForPreTraining(
-        transformers.BertConfig(hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                intermediate_size=96, vocab_size=1001, max_position_embeddings=32)
-    )  # fmt: skip
+        transformers.BertConfig(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=96,
+            vocab_size=1001,
+            max_position_embeddings=32,
+        )
+    )
     dirs = {}
     for name, model in (("gpt", gpt), ("bert", bert)):
         # Random LayerNorm parameters and biases, so a swapped or dropped one shows up.
@@ -76,8 +82,12 @@ def _parity(hf_dirs: dict[str, str]) -> list[tuple[str, str, float, bool]]:
     results = []
     # TP 2 (vocabulary block per rank, with and without sequence parallelism) and TP 1 with
     # the batch split over DP 2; float64 shows the conversion itself is exact.
-    layouts = [(2, 1, False, "float32"), (2, 1, True, "float32"), (1, 2, False, "float32"),
-               (2, 1, False, "float64")]  # fmt: skip
+    layouts = [
+        (2, 1, False, "float32"),
+        (2, 1, True, "float32"),
+        (1, 2, False, "float32"),
+        (2, 1, False, "float64"),
+    ]
     for tp, dp, sp, dtype in layouts:
         parallel_state.initialize(tp, dp)
         for name, hf_dir in hf_dirs.items():
@@ -128,8 +138,16 @@ def test_command_line_tools(hf_dirs, tmp_path):
     assert exported.returncode == 0, exported.stderr
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
     # The verifier starts its own 2 workers (elastic launcher) and ends with the error line.
-    verified = _run("tools/verify_equivalence.py", "--hf-dir", str(out), "--tp-size", "2",
-                    "--sequence-parallel", "--dtype", "float32")  # fmt: skip
+    verified = _run(
+        "tools/verify_equivalence.py",
+        "--hf-dir",
+        str(out),
+        "--tp-size",
+        "2",
+        "--sequence-parallel",
+        "--dtype",
+        "float32",
+    )
     assert verified.returncode == 0, verified.stdout + verified.stderr
     last = verified.stdout.strip().splitlines()[-1]
     assert last.startswith("max abs logit error: "), last
@@ -167,9 +185,15 @@ def test_convert_hf_user_errors_are_one_line(hf_dirs, tmp_path, capsys):
     (bad_type / "config.json").write_text(json.dumps({"model_type": "llama"}))
     mlm = tmp_path / "mlm"
     transformers.BertForMaskedLM(
-        transformers.BertConfig(hidden_size=48, num_hidden_layers=1, num_attention_heads=4,
-                                intermediate_size=96, vocab_size=101, max_position_embeddings=16)
-    ).save_pretrained(mlm)  # fmt: skip
+        transformers.BertConfig(
+            hidden_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=96,
+            vocab_size=101,
+            max_position_embeddings=16,
+        )
+    ).save_pretrained(mlm)
     root = tmp_path / "run"
     (root / "final").mkdir(parents=True)
     import_hf(hf_dirs["gpt"], tmp_path / "ckpt")

@@ -50,8 +50,12 @@ def test_base_manifests_are_valid_kubernetes_objects():
 def test_example_overlay_renders_consistent_valid_objects():
     """kubectl kustomize renders the overlay; every object validates, and the values that
     must agree do: NNODES = parallelism = completions, GPUS_PER_NODE = the GPU limit."""
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / "example")],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S / "overlays" / "example")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     docs = {d["kind"]: d for d in yaml.safe_load_all(out.stdout)}
     for doc in docs.values():
@@ -92,18 +96,24 @@ PYTORCHJOB = {
             "additionalProperties": False,
             "properties": {
                 "nprocPerNode": {"type": "string", "pattern": "^([0-9]+|auto|cpu|gpu)$"},
-                "runPolicy": {"type": "object", "properties": {
-                    "backoffLimit": {"type": "integer", "minimum": 0},
-                    "cleanPodPolicy": {"enum": ["All", "Running", "None"]}}},
+                "runPolicy": {
+                    "type": "object",
+                    "properties": {
+                        "backoffLimit": {"type": "integer", "minimum": 0},
+                        "cleanPodPolicy": {"enum": ["All", "Running", "None"]},
+                    },
+                },
                 "elasticPolicy": {"type": "object"},
                 "pytorchReplicaSpecs": {
-                    "type": "object", "required": ["Master"], "additionalProperties": False,
+                    "type": "object",
+                    "required": ["Master"],
+                    "additionalProperties": False,
                     "properties": {"Master": REPLICA, "Worker": REPLICA},
                 },
             },
         },
     },
-}  # fmt: skip
+}
 
 
 def test_pytorchjob_matches_the_operator_fields_and_its_pods_are_valid():
@@ -116,8 +126,9 @@ def test_pytorchjob_matches_the_operator_fields_and_its_pods_are_valid():
     for spec in specs.values():
         template = spec["template"]
         # The pod template is a core PodTemplateSpec: validate it as a Pod.
-        validate_core({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
-                       "spec": template["spec"]})  # fmt: skip
+        validate_core(
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": template["spec"]}
+        )
         container = template["spec"]["containers"][0]
         assert container["name"] == "pytorch"  # the operator injects its env here
         gpus = container["resources"]["limits"]["nvidia.com/gpu"]
@@ -128,8 +139,9 @@ def test_pytorchjob_matches_the_operator_fields_and_its_pods_are_valid():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:
-    return build_default_corpus(tmp_path_factory.mktemp("corpus"), vocab_size=512,
-                                max_bytes=300_000, progress=False)  # fmt: skip
+    return build_default_corpus(
+        tmp_path_factory.mktemp("corpus"), vocab_size=512, max_bytes=300_000, progress=False
+    )
 
 
 @pytest.mark.slow
@@ -145,9 +157,16 @@ def test_indexed_job_command_trains_as_two_local_pods(corpus, tmp_path):
         for o in tiny_overrides(corpus, tmp_path)
         if not o.startswith(("checkpoint.dir", "hydra.run.dir"))
     ]
-    env = env_with_repo(NNODES="2", GPUS_PER_NODE="1", TP_SIZE="1", MASTER_HOST="127.0.0.1",
-                        MASTER_PORT=str(free_port()), RUN_NAME="run", EXTRA_ARGS=" ".join(overrides),
-                        OMP_NUM_THREADS="1")  # fmt: skip
+    env = env_with_repo(
+        NNODES="2",
+        GPUS_PER_NODE="1",
+        TP_SIZE="1",
+        MASTER_HOST="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RUN_NAME="run",
+        EXTRA_ARGS=" ".join(overrides),
+        OMP_NUM_THREADS="1",
+    )
     pods = [
         subprocess.Popen(
             ["bash", "-c", script],
@@ -156,7 +175,7 @@ def test_indexed_job_command_trains_as_two_local_pods(corpus, tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
     try:

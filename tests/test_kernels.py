@@ -519,19 +519,28 @@ def test_fused_linear_cross_entropy_tp1(reduction):
     h, w, target = (t.to(DEVICE) for t in lm_head_inputs(0))
     hl, wl = leaves(h, w)
     loss = fused_linear_cross_entropy(
-        hl, wl, target, label_smoothing=0.1, vocab_size=120, reduction=reduction,
-        chunk_tokens=5, backend="triton",
-    )  # fmt: skip
+        hl,
+        wl,
+        target,
+        label_smoothing=0.1,
+        vocab_size=120,
+        reduction=reduction,
+        chunk_tokens=5,
+        backend="triton",
+    )
     loss.backward()
     ref = lm_head_reference(h, w, target, reduction)
     results = (loss, hl.grad, wl.grad)
     for name, got, exact in zip(("loss", "dhidden", "dweight"), results, ref, strict=True):
         torch.testing.assert_close(got, exact.float(), rtol=1e-5, atol=1e-5, msg=name)
     torch.testing.assert_close(
-        fused_linear_cross_entropy(h, w, target, label_smoothing=0.1, vocab_size=120,
-                                   reduction=reduction, backend="torch"),
-        loss.detach(), rtol=1e-5, atol=1e-5,
-    )  # fmt: skip
+        fused_linear_cross_entropy(
+            h, w, target, label_smoothing=0.1, vocab_size=120, reduction=reduction, backend="torch"
+        ),
+        loss.detach(),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 TP2_CE_CASES = [  # (seed, tokens, vocab per rank, vocab_size, smoothing, dtype)
@@ -558,9 +567,14 @@ def _cross_entropy_on_tp_ranks(cases):
     (hl,) = leaves(h)
     (wl,) = leaves(w[state.tp_rank * 64 : (state.tp_rank + 1) * 64])
     loss = fused_linear_cross_entropy(
-        copy_to_tp(hl), wl, target, label_smoothing=0.1, vocab_size=120, chunk_tokens=5,
+        copy_to_tp(hl),
+        wl,
+        target,
+        label_smoothing=0.1,
+        vocab_size=120,
+        chunk_tokens=5,
         backend="triton",
-    )  # fmt: skip
+    )
     loss.backward()
     return results, portable((loss.detach(), hl.grad, wl.grad))
 

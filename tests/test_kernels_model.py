@@ -30,9 +30,17 @@ INTERPRETER = {"TRITON_INTERPRET": "1"}
 
 def _loss_and_grads(kernels: str, sequence_parallel: bool = False, device="cpu"):
     ps = parallel_state.get() if parallel_state.is_initialized() else None
-    cfg = preset("gpt_tiny", vocab_size=300, hidden_size=32, num_heads=4, num_layers=2,
-                 hidden_dropout=0.0, attention_dropout=0.0, kernels=kernels,
-                 sequence_parallel=sequence_parallel)  # fmt: skip
+    cfg = preset(
+        "gpt_tiny",
+        vocab_size=300,
+        hidden_size=32,
+        num_heads=4,
+        num_layers=2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        kernels=kernels,
+        sequence_parallel=sequence_parallel,
+    )
     if ps is not None:
         ps.seed(5)
     else:

@@ -31,8 +31,9 @@ UNIFORM = math.log(512)
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:
-    return build_default_corpus(tmp_path_factory.mktemp("corpus"), vocab_size=512,
-                                max_bytes=300_000, progress=False)  # fmt: skip
+    return build_default_corpus(
+        tmp_path_factory.mktemp("corpus"), vocab_size=512, max_bytes=300_000, progress=False
+    )
 
 
 def check_trained(log: str, steps: int) -> None:
@@ -52,10 +53,25 @@ def test_mpirun_four_ranks_tp2_dp2(corpus, tmp_path):
     """mpirun -np 4 with tp_size=2 dp_size=2: trains, and the TP groups are the consecutive
     rank pairs {0,1}, {2,3} (DP groups {0,2}, {1,3}) on this one host, as parallel_state
     promises; the launcher's numbering (OMPI_COMM_WORLD_RANK) is the mesh's."""
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4",
-           "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PYTHONPATH",
-           "python", "-m", "engine.pretrain", "tp_size=2", "dp_size=2",
-           *tiny_overrides(corpus, tmp_path)]  # fmt: skip
+    cmd = [
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "4",
+        "-x",
+        "MASTER_ADDR",
+        "-x",
+        "MASTER_PORT",
+        "-x",
+        "PYTHONPATH",
+        "python",
+        "-m",
+        "engine.pretrain",
+        "tp_size=2",
+        "dp_size=2",
+        *tiny_overrides(corpus, tmp_path),
+    ]
     proc = run(cmd, tmp_path, 180, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
@@ -132,11 +148,31 @@ def test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node(corpus, tm
         n0, n1 = cluster.node_ns
         (tmp_path / "hosts").write_text(f"{n0} slots=2\n{n1} slots=2\n")
         # The namespaces are new and private to this test: nothing else listens there.
-        mpirun = ["mpirun", "--allow-run-as-root", "--hostfile", "hosts", "-np", "4",
-                  "--map-by", "ppr:2:node", "--mca", "plm_rsh_agent", rsh,
-                  "-x", f"MASTER_ADDR={cluster.address(0)}", "-x", "MASTER_PORT=29500",
-                  "-x", "PYTHONPATH", "python", "-m", "engine.pretrain", "tp_size=2",
-                  "dp_size=2", *tiny_overrides(corpus, tmp_path)]  # fmt: skip
+        mpirun = [
+            "mpirun",
+            "--allow-run-as-root",
+            "--hostfile",
+            "hosts",
+            "-np",
+            "4",
+            "--map-by",
+            "ppr:2:node",
+            "--mca",
+            "plm_rsh_agent",
+            rsh,
+            "-x",
+            f"MASTER_ADDR={cluster.address(0)}",
+            "-x",
+            "MASTER_PORT=29500",
+            "-x",
+            "PYTHONPATH",
+            "python",
+            "-m",
+            "engine.pretrain",
+            "tp_size=2",
+            "dp_size=2",
+            *tiny_overrides(corpus, tmp_path),
+        ]
         # mpirun itself runs on node 0, as on a cluster (started there the way ssh would).
         proc = run([rsh, n0, shlex.join(mpirun)], tmp_path, 120)
     assert namespaces(PREFIX + cluster.tag) == []
@@ -178,8 +214,16 @@ def test_all_ranks_stop_after_the_same_step():
 
 def _start(corpus, run_dir, *extra: str) -> tuple[subprocess.Popen, object]:
     log = open(run_dir / "log.txt", "w+")  # noqa: SIM115 - closed with the test's tmp_path
-    cmd = ["python", "-m", "engine.pretrain", "tp_size=1", "dp_size=1",
-           *tiny_overrides(corpus, run_dir, max_steps=10_000), "checkpoint.every=1", *extra]  # fmt: skip
+    cmd = [
+        "python",
+        "-m",
+        "engine.pretrain",
+        "tp_size=1",
+        "dp_size=1",
+        *tiny_overrides(corpus, run_dir, max_steps=10_000),
+        "checkpoint.every=1",
+        *extra,
+    ]
     proc = subprocess.Popen(
         cmd, cwd=run_dir, env=env_with_repo(), stdout=log, stderr=subprocess.STDOUT
     )
@@ -209,8 +253,11 @@ def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
     step = int(stop.split("after step ")[1].split("/")[0])
     assert stop.startswith("stopped by SIGTERM") and 2 <= step < 10_000, stop
     assert read_latest(tmp_path / "ckpt") == step
-    inspect = run(["python", str(ROOT / "tools" / "checkpoint.py"), "inspect", str(tmp_path / "ckpt")],
-                  tmp_path, 60)  # fmt: skip
+    inspect = run(
+        ["python", str(ROOT / "tools" / "checkpoint.py"), "inspect", str(tmp_path / "ckpt")],
+        tmp_path,
+        60,
+    )
     assert inspect.returncode == 0 and inspect.stdout.rstrip().endswith("OK"), inspect.stdout
 
 
@@ -240,8 +287,11 @@ def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_p
         proc.kill()
     text = _read(log)
     assert "interrupted by a second Ctrl-C" in text and "stopped by" not in text, text[-2000:]
-    inspect = run(["python", str(ROOT / "tools" / "checkpoint.py"), "inspect", str(tmp_path / "ckpt")],
-                  tmp_path, 60)  # fmt: skip
+    inspect = run(
+        ["python", str(ROOT / "tools" / "checkpoint.py"), "inspect", str(tmp_path / "ckpt")],
+        tmp_path,
+        60,
+    )
     assert inspect.returncode == 0 and inspect.stdout.rstrip().endswith("OK"), inspect.stdout
 
 
@@ -265,11 +315,23 @@ def test_hydra_sweep_through_submitit_local_launcher(corpus, tmp_path):
     point as its own job (process); both train 4 steps into their own checkpoint.dir. The
     two points see the same data and initial weights, so their step-1 losses agree to
     1e-3 (TP splits the same sums in another order; fp32 reorderings stay below 1e-5)."""
-    overrides = [o for o in tiny_overrides(corpus, tmp_path, max_steps=4)
-                 if not o.startswith(("checkpoint.dir=", "hydra.run.dir="))]  # fmt: skip
-    cmd = ["python", "-m", "engine.pretrain", "-m", "hydra/launcher=local", "tp_size=1,2",
-           "dp_size=1", *overrides, "checkpoint.dir=${hydra:runtime.output_dir}/ckpt",
-           f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    overrides = [
+        o
+        for o in tiny_overrides(corpus, tmp_path, max_steps=4)
+        if not o.startswith(("checkpoint.dir=", "hydra.run.dir="))
+    ]
+    cmd = [
+        "python",
+        "-m",
+        "engine.pretrain",
+        "-m",
+        "hydra/launcher=local",
+        "tp_size=1,2",
+        "dp_size=1",
+        *overrides,
+        "checkpoint.dir=${hydra:runtime.output_dir}/ckpt",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
     proc = run(cmd, tmp_path, 300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     logs = {}
@@ -292,10 +354,22 @@ def test_ctrl_c_on_self_launched_ranks_saves_and_exits_75(corpus, tmp_path):
     agent relays it to the workers once more: that counts as one press, so the workers
     save and the command exits 75 promptly (not after the agent's 30 s kill timeout)."""
     log = open(tmp_path / "log.txt", "w+")  # noqa: SIM115 - closed with the test's tmp_path
-    cmd = ["python", "-m", "engine.pretrain", "tp_size=1", "dp_size=2",
-           *tiny_overrides(corpus, tmp_path, max_steps=10_000)]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env_with_repo(), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    cmd = [
+        "python",
+        "-m",
+        "engine.pretrain",
+        "tp_size=1",
+        "dp_size=2",
+        *tiny_overrides(corpus, tmp_path, max_steps=10_000),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env_with_repo(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         wait_for(lambda: "step     2/" in _read(log), 120, "step 2")
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does

@@ -24,10 +24,16 @@ CPU = torch.device("cpu")
 
 def _config(arch: str) -> ModelConfig:
     return ModelConfig(
-        arch=arch, vocab_size=101, hidden_size=32, num_layers=2, num_heads=4,
-        max_positions=16, hidden_dropout=0.0, attention_dropout=0.0,
+        arch=arch,
+        vocab_size=101,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        max_positions=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         activation="gelu_tanh" if arch == "gpt" else "gelu",
-    )  # fmt: skip
+    )
 
 
 def _full_logits(logits: torch.Tensor, vocab: int, tp_group) -> torch.Tensor:
@@ -41,8 +47,9 @@ def _gpt_loss_vs_reference(tp_group=None) -> tuple[torch.Tensor, torch.Tensor, t
     tokens = torch.randint(0, cfg.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
     got = model.loss(tokens)  # windows [b, s+1]: position i predicts i+1
     got_dict = model.loss({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
-    logits = _full_logits(model.logits({"input_ids": tokens[:, :-1]})["logits"],
-                          cfg.vocab_size, model.tp_group)  # fmt: skip
+    logits = _full_logits(
+        model.logits({"input_ids": tokens[:, :-1]})["logits"], cfg.vocab_size, model.tp_group
+    )
     want = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
     return got.detach(), got_dict.detach(), want
 

@@ -27,9 +27,14 @@ from tests.multiproc import run_ranks
 
 def _spec(model, tp, dp, sp=False, rc="none", dtype="float64", steps=1) -> VerifySpec:
     return VerifySpec(
-        model=model, tp_size=tp, dp_size=dp, sequence_parallel=sp, recompute=rc, dtype=dtype,
+        model=model,
+        tp_size=tp,
+        dp_size=dp,
+        sequence_parallel=sp,
+        recompute=rc,
+        dtype=dtype,
         steps=steps,
-    )  # fmt: skip
+    )
 
 
 # Every factor (model, sequence parallelism, each recompute mode, dtype, several steps) is
@@ -76,8 +81,10 @@ def _equivalence(specs: list[VerifySpec]) -> list[tuple]:
         report = compare_layouts(spec)
         parallel_state.destroy()
         if report is not None:
-            worst = {kind: max((r.max_rel for r in report.rows if r.kind == kind), default=0.0)
-                     for kind in ("output", "loss", "grad")}  # fmt: skip
+            worst = {
+                kind: max((r.max_rel for r in report.rows if r.kind == kind), default=0.0)
+                for kind in ("output", "loss", "grad")
+            }
             failure = report.first_failure
             results.append((spec, worst, None if failure is None else (failure.kind, failure.name)))
     return results

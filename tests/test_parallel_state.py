@@ -135,35 +135,60 @@ def test_single_process_initialize_and_destroy():
     ("env", "expected"),
     [
         (
-            {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-             "MASTER_ADDR": "n0", "MASTER_PORT": "1234"},
+            {
+                "RANK": "5",
+                "WORLD_SIZE": "8",
+                "LOCAL_RANK": "1",
+                "LOCAL_WORLD_SIZE": "4",
+                "MASTER_ADDR": "n0",
+                "MASTER_PORT": "1234",
+            },
             ("torchrun", 5, 8, 1, 4, "n0", 1234),
         ),
         (
-            {"SLURM_PROCID": "3", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3",
-             "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_JOB_NODELIST": "gpu[007-008]"},
+            {
+                "SLURM_PROCID": "3",
+                "SLURM_NTASKS": "16",
+                "SLURM_LOCALID": "3",
+                "SLURM_TASKS_PER_NODE": "8(x2)",
+                "SLURM_JOB_NODELIST": "gpu[007-008]",
+            },
             ("slurm", 3, 16, 3, 8, "gpu007", 29500),
         ),
         (
-            {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
-             "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"},
+            {
+                "OMPI_COMM_WORLD_RANK": "2",
+                "OMPI_COMM_WORLD_SIZE": "4",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+            },
             ("mpi", 2, 4, 2, 4, "127.0.0.1", 29500),
         ),
         ({}, ("none", 0, 1, 0, 1, "127.0.0.1", 29500)),
     ],
-)  # fmt: skip
+)
 def test_detect_launch(env, expected):
     info = detect_launch(env)
-    got = (info.launcher, info.rank, info.world_size, info.local_rank, info.local_world_size,
-           info.master_addr, info.master_port)  # fmt: skip
+    got = (
+        info.launcher,
+        info.rank,
+        info.world_size,
+        info.local_rank,
+        info.local_world_size,
+        info.master_addr,
+        info.master_port,
+    )
     assert got == expected
 
 
 def test_launcher_errors_and_slurm_nodelist():
     assert first_slurm_host("node12") == "node12"
     assert first_slurm_host("a[3,5-9],b1") == "a3"
-    multi_node_mpi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8",
-                      "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}  # fmt: skip
+    multi_node_mpi = {
+        "OMPI_COMM_WORLD_RANK": "0",
+        "OMPI_COMM_WORLD_SIZE": "8",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+    }
     with pytest.raises(ValueError, match="needs MASTER_ADDR"):
         detect_launch(multi_node_mpi)
     with pytest.raises(ValueError, match="RANK='x' is not an integer"):

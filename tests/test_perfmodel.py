@@ -156,8 +156,9 @@ def test_measured_rank_speed_scales_cpu_compute():
     """
     # without the in-model terms: their optimizer host time does not scale with speed
     base = replace(load_cluster("cpu_2core"), op_overhead_s=0.0, rank_speed={2: 1.0}, in_model={})
-    w = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=16,
-                 precision="fp32")  # fmt: skip
+    w = Workload(
+        hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=16, precision="fp32"
+    )
     lay = Layout(1, 2, 4, fused_attention=False, threads=1)
     full = predict(w, lay, base).breakdown
     half = predict(w, lay, replace(base, rank_speed={2: 0.5})).breakdown
@@ -175,20 +176,42 @@ def test_compute_scale_multiplies_compute_at_the_nearest_hidden_size():
     """compute_scale (studies/perfmodel/probes.py, measured per hidden size) multiplies every
     compute term at the nearest measured size in log space, and nothing else. Tolerance
     rel 1e-9: float rounding only."""
-    base = ClusterSpec("hand", 64, LINK, LINK, peak_flops=1e11, mem_bandwidth_Bps=1e10,
-                       memory_bytes=2**34, gemm_efficiency=1.0, memory_efficiency=1.0,
-                       network_efficiency=1.0, collectives=("ring",), cores=64)  # fmt: skip
-    w = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=8,
-                 precision="fp32")  # fmt: skip
+    base = ClusterSpec(
+        "hand",
+        64,
+        LINK,
+        LINK,
+        peak_flops=1e11,
+        mem_bandwidth_Bps=1e10,
+        memory_bytes=2**34,
+        gemm_efficiency=1.0,
+        memory_efficiency=1.0,
+        network_efficiency=1.0,
+        collectives=("ring",),
+        cores=64,
+    )
+    w = Workload(
+        hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=8, precision="fp32"
+    )
     lay = Layout(2, 1, 4, fused_attention=False)
     scaled = replace(base, compute_scale={128: 1.25, 512: 2.0})  # the nearest size: 128
     plain, got = predict(w, lay, base).breakdown, predict(w, lay, scaled).breakdown
     assert got["compute_s"] == pytest.approx(1.25 * plain["compute_s"], rel=1e-9)
     assert got["tp_comm_s"] == pytest.approx(plain["tp_comm_s"], rel=1e-9)
-    lone = cluster_from_dict({"name": "x", "gpus_per_node": 1, "intra_node": {"bandwidth_GBps": 1},
-                              "inter_node": {"bandwidth_Gbps": 8},
-                              "device": {"peak_tflops": 0.1, "mem_bandwidth_TBps": 0.01,
-                                         "memory_gib": 16, "compute_scale": 1.5}})  # fmt: skip
+    lone = cluster_from_dict(
+        {
+            "name": "x",
+            "gpus_per_node": 1,
+            "intra_node": {"bandwidth_GBps": 1},
+            "inter_node": {"bandwidth_Gbps": 8},
+            "device": {
+                "peak_tflops": 0.1,
+                "mem_bandwidth_TBps": 0.01,
+                "memory_gib": 16,
+                "compute_scale": 1.5,
+            },
+        }
+    )
     assert [scale_for(lone.compute_scale, h) for h in (64, 4096)] == [1.5, 1.5]  # every size
     wide = replace(w, hidden=384)  # nearer 512 than 128 in log space (ln 4/3 vs ln 3)
     assert predict(wide, lay, scaled).breakdown["compute_s"] == pytest.approx(
@@ -198,11 +221,13 @@ def test_compute_scale_multiplies_compute_at_the_nearest_hidden_size():
 
 def test_cluster_loader_tolerates_extra_keys_and_names_bad_fields(tmp_path):
     raw = {
-        "name": "emu", "gpus_per_node": 2, "emulation": {"link_mbit": 1000},
+        "name": "emu",
+        "gpus_per_node": 2,
+        "emulation": {"link_mbit": 1000},
         "intra_node": {"bandwidth_GBps": 1.0, "latency_us": 50, "source": "measured"},
         "inter_node": {"bandwidth_Gbps": 1.0, "latency_us": 200, "source": "tc tbf"},
         "device": {"peak_tflops": 0.03, "mem_bandwidth_TBps": 0.01, "memory_gib": 24},
-    }  # fmt: skip
+    }
     spec = cluster_from_dict(raw)
     assert isinstance(spec, ClusterSpec) and spec.inter.bandwidth_Bps == 1e9 / 8
     assert spec.extras["emulation"] == {"link_mbit": 1000}
@@ -228,44 +253,118 @@ def test_search_rejects_with_reasons():
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
     # torch made unimportable: the planner must run without it
-    code = "import sys; sys.modules['torch'] = None; sys.argv = ['plan'] + sys.argv[1:]; " \
-           "from studies.perfmodel.plan_cli import main; sys.exit(main())"  # fmt: skip
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          env=_env(), cwd=ROOT, timeout=60)  # fmt: skip
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.argv = ['plan'] + sys.argv[1:]; "
+        "from studies.perfmodel.plan_cli import main; sys.exit(main())"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=60,
+    )
 
 
 def test_plan_predict_json_keys_without_torch():
-    out = _plan("predict", "--model", "gpt_1.3b", "--global-batch", "64", "--gpus", "8",
-                "--tp", "2", "--cluster", "h100_node", "--json")  # fmt: skip
+    out = _plan(
+        "predict",
+        "--model",
+        "gpt_1.3b",
+        "--global-batch",
+        "64",
+        "--gpus",
+        "8",
+        "--tp",
+        "2",
+        "--cluster",
+        "h100_node",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert list(data) == ["step_time_s", "tokens_per_s", "model_tflops_per_gpu",
-                          "hardware_tflops_per_gpu", "mfu", "memory_gib_per_gpu",
-                          "micro_batch", "breakdown"]  # fmt: skip
+    assert list(data) == [
+        "step_time_s",
+        "tokens_per_s",
+        "model_tflops_per_gpu",
+        "hardware_tflops_per_gpu",
+        "mfu",
+        "memory_gib_per_gpu",
+        "micro_batch",
+        "breakdown",
+    ]
     assert data["tokens_per_s"] == pytest.approx(64 * 2048 / data["step_time_s"])
     for key in ("compute_s", "tp_comm_s", "dp_comm_exposed_s", "optimizer_s"):
         assert data["breakdown"][key] >= 0
 
 
 def test_plan_predict_text_and_search_output():
-    out = _plan("predict", "--model", "gpt_1.3b", "--global-batch", "64", "--gpus", "8",
-                "--tp", "2", "--cluster", "h100_node")  # fmt: skip
+    out = _plan(
+        "predict",
+        "--model",
+        "gpt_1.3b",
+        "--global-batch",
+        "64",
+        "--gpus",
+        "8",
+        "--tp",
+        "2",
+        "--cluster",
+        "h100_node",
+    )
     assert out.returncode == 0, out.stderr
     assert "tokens/s" in out.stdout and "time: compute" in out.stdout
-    out = _plan("search", "--hidden", "1536", "--layers", "4", "--heads", "12", "--vocab",
-                "1000", "--seq", "512", "--global-batch", "16", "--gpus", "8",
-                "--cluster", "h100_node")  # fmt: skip
+    out = _plan(
+        "search",
+        "--hidden",
+        "1536",
+        "--layers",
+        "4",
+        "--heads",
+        "12",
+        "--vocab",
+        "1000",
+        "--seq",
+        "512",
+        "--global-batch",
+        "16",
+        "--gpus",
+        "8",
+        "--cluster",
+        "h100_node",
+    )
     assert out.returncode == 0, out.stderr
     assert "rejected tp=8 dp=1: does not divide: heads=12 is not divisible by tp=8" in out.stdout
 
 
 def test_plan_errors_are_one_line():
-    out = _plan("predict", "--model", "gpt_1.3b", "--global-batch", "64", "--gpus", "8",
-                "--tp", "3", "--cluster", "nope")  # fmt: skip
+    out = _plan(
+        "predict",
+        "--model",
+        "gpt_1.3b",
+        "--global-batch",
+        "64",
+        "--gpus",
+        "8",
+        "--tp",
+        "3",
+        "--cluster",
+        "nope",
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.startswith("plan: cluster 'nope' not found")
-    out = _plan("search", "--model", "gpt_1.3b", "--global-batch", "64", "--gpus", "16",
-                "--cluster", "h100_node")  # fmt: skip
+    out = _plan(
+        "search",
+        "--model",
+        "gpt_1.3b",
+        "--global-batch",
+        "64",
+        "--gpus",
+        "16",
+        "--cluster",
+        "h100_node",
+    )
     assert out.returncode == 2 and "exceeds cluster h100_node's 1 node(s)" in out.stderr
 
 
@@ -295,8 +394,14 @@ def test_ci_sized_validation_pipeline_runs_here(tmp_path):
     from studies.perfmodel.validate_cli import MACHINE_POINTS
 
     spec = tmp_path / "here.yaml"
-    cal = subprocess.run([sys.executable, str(ROOT / "tools/calibrate.py"), "--quick", "--out", str(spec)],
-                         capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)  # fmt: skip
+    cal = subprocess.run(
+        [sys.executable, str(ROOT / "tools/calibrate.py"), "--quick", "--out", str(spec)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert cal.returncode == 0, cal.stderr
     cluster = load_cluster(str(spec))
     assert cluster.compute_scale.get(128, 0) > 0  # the probe ran (studies/perfmodel/probes.py)
@@ -313,12 +418,17 @@ def test_ci_sized_validation_pipeline_runs_here(tmp_path):
 def test_scaling_study_csv_and_console_parsing(tmp_path):
     from studies.perfmodel.validate import compare, parse_step_times, read_scaling_results
 
-    cols = ("nodes,procs_per_node,tp_size,dp_size,world_size,micro_batch,global_batch,"
-            "step_time_s,step_time_p10_s,step_time_p90_s,tokens_per_s,tflops_per_rank,speedup,"
-            "efficiency,compute_s,tp_comm_s,dp_comm_exposed_s,dp_comm_total_s,data_s,"
-            "optimizer_s,peak_mem_gib")  # fmt: skip
-    rows = ["1,2,2,1,2,4,16,0.5" + ",0" * 13, "2,2,1,4,4,4,16,0.25" + ",0" * 13,
-            "2,2,1,4,4,4,16," + ",0" * 13]  # the last point failed: no step time  # fmt: skip
+    cols = (
+        "nodes,procs_per_node,tp_size,dp_size,world_size,micro_batch,global_batch,"
+        "step_time_s,step_time_p10_s,step_time_p90_s,tokens_per_s,tflops_per_rank,speedup,"
+        "efficiency,compute_s,tp_comm_s,dp_comm_exposed_s,dp_comm_total_s,data_s,"
+        "optimizer_s,peak_mem_gib"
+    )
+    rows = [
+        "1,2,2,1,2,4,16,0.5" + ",0" * 13,
+        "2,2,1,4,4,4,16,0.25" + ",0" * 13,
+        "2,2,1,4,4,4,16," + ",0" * 13,
+    ]  # the last point failed: no step time
     path = tmp_path / "results.csv"
     path.write_text(cols + "\n" + "\n".join(rows) + "\n")
     base = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=1)
@@ -352,8 +462,12 @@ def test_machine_rounds_take_the_median_per_point():
     a, b = MACHINE_POINTS[0].label, MACHINE_POINTS[2].label
 
     def row(label: str, s: float, tp: float) -> dict:
-        return {"label": label, "measured_s": s, "probe_gflops": 100.0 * s,
-                "parts": {"compute_s": s - tp, "tp_comm_s": tp}}  # fmt: skip
+        return {
+            "label": label,
+            "measured_s": s,
+            "probe_gflops": 100.0 * s,
+            "parts": {"compute_s": s - tp, "tp_comm_s": tp},
+        }
 
     one = [row(a, 0.3, 0.0), row(b, 0.40, 0.10)]
     two = [row(a, 0.5, 0.0)]  # b failed in this round

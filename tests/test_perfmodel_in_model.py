@@ -29,8 +29,7 @@ from tests.multiproc import run_ranks
 
 ALPHA, BW = 1e-5, 1e9
 LINK = Link(BW, ALPHA)
-W = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=16,
-             precision="fp32")  # fmt: skip
+W = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=16, precision="fp32")
 
 
 class _Counter:
@@ -51,9 +50,17 @@ def _count_tp_collectives(layers: int, recompute: str) -> int:
     from layers.utils import attach_comm_timer
 
     # dropout 0: it does not change the collectives, and needs no TP-aware RNG tracker here
-    cfg = ModelConfig(arch="gpt", vocab_size=256, hidden_size=32, num_layers=layers,
-                      num_heads=4, max_positions=16, recompute=recompute,
-                      hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    cfg = ModelConfig(
+        arch="gpt",
+        vocab_size=256,
+        hidden_size=32,
+        num_layers=layers,
+        num_heads=4,
+        max_positions=16,
+        recompute=recompute,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     torch.manual_seed(0)
     model = build_model(cfg, tp_group=dist.group.WORLD, device=torch.device("cpu"))
     counter = _Counter()
@@ -75,10 +82,21 @@ def test_tp_collective_count_matches_a_real_step(layers, recompute):
 
 
 def _hand_cluster(**in_model) -> ClusterSpec:
-    return ClusterSpec("hand", 64, LINK, LINK, peak_flops=1e11, mem_bandwidth_Bps=1e10,
-                       memory_bytes=2**34, gemm_efficiency=1.0, memory_efficiency=1.0,
-                       network_efficiency=1.0, collectives=("ring",), cores=64,
-                       in_model=parse(in_model) if in_model else {})  # fmt: skip
+    return ClusterSpec(
+        "hand",
+        64,
+        LINK,
+        LINK,
+        peak_flops=1e11,
+        mem_bandwidth_Bps=1e10,
+        memory_bytes=2**34,
+        gemm_efficiency=1.0,
+        memory_efficiency=1.0,
+        network_efficiency=1.0,
+        collectives=("ring",),
+        cores=64,
+        in_model=parse(in_model) if in_model else {},
+    )
 
 
 def _ring(n: float, p: int) -> float:
@@ -133,8 +151,10 @@ def test_in_model_dp_wait_and_optimizer_extra_are_added():
     optimizer's extra per parameter tensor (keyed by ranks) times the 12·2 + 4 = 28
     tensors of a 2-layer GPT to the optimizer; both at the nearest rank count."""
     lay = Layout(1, 2, 4, fused_attention=False)
-    cl = _hand_cluster(dp_wait_us=[[2, 2, 5000.0], [4, 4, 20000.0]],
-                       optimizer_us_per_tensor=[[1, 10.0], [2, 100.0], [4, 250.0]])  # fmt: skip
+    cl = _hand_cluster(
+        dp_wait_us=[[2, 2, 5000.0], [4, 4, 20000.0]],
+        optimizer_us_per_tensor=[[1, 10.0], [2, 100.0], [4, 250.0]],
+    )
     plain = predict(W, lay, _hand_cluster()).breakdown
     got = predict(W, lay, cl).breakdown
     assert got["dp_comm_exposed_s"] == pytest.approx(plain["dp_comm_exposed_s"] + 5e-3, rel=1e-9)
@@ -166,18 +186,27 @@ def test_parameter_tensor_count_matches_the_model():
     from engine.models import ModelConfig, build_model
 
     for layers in (2, 4):
-        cfg = ModelConfig(arch="gpt", vocab_size=256, hidden_size=32, num_layers=layers,
-                          num_heads=4, max_positions=16)  # fmt: skip
+        cfg = ModelConfig(
+            arch="gpt",
+            vocab_size=256,
+            hidden_size=32,
+            num_layers=layers,
+            num_heads=4,
+            max_positions=16,
+        )
         model = build_model(cfg, device=torch.device("cpu"))
         assert len(list(model.parameters())) == parameter_tensors(layers)
 
 
 def test_cluster_yaml_in_model_section_round_trips():
-    raw = {"name": "x", "gpus_per_node": 1, "intra_node": {"bandwidth_GBps": 1},
-           "inter_node": {"bandwidth_Gbps": 8},
-           "device": {"peak_tflops": 0.1, "mem_bandwidth_TBps": 0.01, "memory_gib": 16},
-           "in_model": {"source": "hand", "tp": [[2, "sp", 2, 2500.0, 0.1]],
-                        "runs": [{"run": "tp2"}]}}  # fmt: skip
+    raw = {
+        "name": "x",
+        "gpus_per_node": 1,
+        "intra_node": {"bandwidth_GBps": 1},
+        "inter_node": {"bandwidth_Gbps": 8},
+        "device": {"peak_tflops": 0.1, "mem_bandwidth_TBps": 0.01, "memory_gib": 16},
+        "in_model": {"source": "hand", "tp": [[2, "sp", 2, 2500.0, 0.1]], "runs": [{"run": "tp2"}]},
+    }
     cl = cluster_from_dict(raw)
     assert nearest(cl.in_model["tp"], (2, "sp"), 2) == (2, "sp", 2, 2500.0, 0.1)
     assert cluster_from_dict({k: v for k, v in raw.items() if k != "in_model"}).in_model == {}

@@ -38,8 +38,9 @@ def test_zero1_and_tp_divide_what_they_shard():
     zero = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, distributed=True))
     sharded = preflight.estimate_rank_bytes(zero, 4, fp32_activations=False)
     assert sharded.optimizer == plain.optimizer / 4 and sharded.params == plain.params
-    tp2 = preflight.estimate_rank_bytes(dataclasses.replace(cfg, tp_size=2), 1,
-                                        fp32_activations=False)  # fmt: skip
+    tp2 = preflight.estimate_rank_bytes(
+        dataclasses.replace(cfg, tp_size=2), 1, fp32_activations=False
+    )
     assert tp2.params == plain.params / 2
 
 

@@ -46,12 +46,9 @@ COVERED = {
     "dp_size=2 trainer.max_steps=100": "tests/test_parallel_state.py::test_detect_launch",
     "srun -N 2 --ntasks-per-node 8 --gpus-per-node 8 python -m engine.pretrain "
     "experiment=gpt_125m_bf16 tp_size=4 dp_size=auto": "tests/test_parallel_state.py::test_detect_launch",
-    "mpirun --allow-run-as-root --oversubscribe -np 4 python -m engine.pretrain tp_size=2 dp_size=2":
-        "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
-    "python -m engine.pretrain -m tp_size=1,2,4 dp_size=1":
-        "manual: a sweep of three full runs (minutes); its overrides are composed here",
-    "python -m engine.pretrain experiment=bert_tiny_stdlib":
-        "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
+    "mpirun --allow-run-as-root --oversubscribe -np 4 python -m engine.pretrain tp_size=2 dp_size=2": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
+    "python -m engine.pretrain -m tp_size=1,2,4 dp_size=1": "manual: a sweep of three full runs (minutes); its overrides are composed here",
+    "python -m engine.pretrain experiment=bert_tiny_stdlib": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
     "python tools/preprocess_data.py --input 'corpus/*.txt' --output-prefix data/mycorpus "
     "--vocab-size 32000 --workers 8": "tests/test_data.py::test_cli_success_and_errors",
     "python tools/preprocess_data.py --input docs.jsonl --json-key text --output-prefix "
@@ -59,112 +56,73 @@ COVERED = {
     "python -m engine.pretrain data.prefixes=[data/mycorpus,data/docs] data.weights=[0.7,0.3] "
     "model.vocab_size=32000 name=mycorpus": "tests/test_data.py::test_blend_tracks_weights_in_every_prefix",
     "python tools/preprocess_data.py --input 'fineweb/**/*.parquet' --text-key text --output-prefix "
-    "data/fw --tokenizer data/mycorpus.tokenizer.json --format megatron":
-        "tests/test_data_formats.py::test_compressed_and_parquet_inputs_give_plain_jsonl_tokens",
+    "data/fw --tokenizer data/mycorpus.tokenizer.json --format megatron": "tests/test_data_formats.py::test_compressed_and_parquet_inputs_give_plain_jsonl_tokens",
     "python tools/preprocess_data.py convert data/fw --to meshtron --tokenizer "
     "data/mycorpus.tokenizer.json": "tests/test_data_formats.py::test_convert_rewrites_only_the_index",
     "python -m engine.pretrain data.prefixes=[data/my-gpt2_text_document] "
-    "data.tokenizer=gpt2/tokenizer.json model.vocab_size=50304":
-        "tests/test_data_formats.py::test_megatron_core_pair_trains",
-    "python -m engine.pretrain tp_size=4 dp_size=1":
-        "tests/test_checkpoint.py::test_reshard_model_and_optimizer_across_layouts",
-    "python -m engine.pretrain tp_size=1 dp_size=4 optim.distributed=true":
-        "tests/test_zero.py::test_zero1_checkpoint_loads_at_other_dp_and_without_zero",
-    "python -m engine.pretrain trainer.max_restarts=3":
-        "tests/test_checkpoint.py::test_killed_worker_restarts_and_resumes_bitwise",
-    "torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m engine.pretrain":
-        "tests/test_checkpoint.py::test_killed_worker_restarts_and_resumes_bitwise",
-    "python tools/checkpoint.py inspect checkpoints/gpt_tiny_stdlib":
-        "tests/test_checkpoint.py::test_inspect_convert_and_export_cli",
+    "data.tokenizer=gpt2/tokenizer.json model.vocab_size=50304": "tests/test_data_formats.py::test_megatron_core_pair_trains",
+    "python -m engine.pretrain tp_size=4 dp_size=1": "tests/test_checkpoint.py::test_reshard_model_and_optimizer_across_layouts",
+    "python -m engine.pretrain tp_size=1 dp_size=4 optim.distributed=true": "tests/test_zero.py::test_zero1_checkpoint_loads_at_other_dp_and_without_zero",
+    "python -m engine.pretrain trainer.max_restarts=3": "tests/test_checkpoint.py::test_killed_worker_restarts_and_resumes_bitwise",
+    "torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m engine.pretrain": "tests/test_checkpoint.py::test_killed_worker_restarts_and_resumes_bitwise",
+    "python tools/checkpoint.py inspect checkpoints/gpt_tiny_stdlib": "tests/test_checkpoint.py::test_inspect_convert_and_export_cli",
     "python tools/checkpoint.py convert checkpoints/gpt_tiny_stdlib --tp-size 4 --dp-size 1 "
     "--out checkpoints/gpt_tiny_tp4": "tests/test_checkpoint.py::test_inspect_convert_and_export_cli",
-    "python tools/checkpoint.py export-model checkpoints/gpt_tiny_stdlib --out weights/":
-        "tests/test_checkpoint.py::test_inspect_convert_and_export_cli",
+    "python tools/checkpoint.py export-model checkpoints/gpt_tiny_stdlib --out weights/": "tests/test_checkpoint.py::test_inspect_convert_and_export_cli",
     "python tools/verify_equivalence.py --model gpt --tp-size 2 --dp-size 2 --sequence-parallel "
     "--recompute selective": "tests/test_verify.py::test_planted_bugs_are_named_where_they_first_show",
-    "python tools/convert_hf.py import --hf-dir path/to/gpt2 --out ckpt/gpt2":
-        "tests/test_hf.py::test_command_line_tools",
-    "python tools/convert_hf.py export --ckpt ckpt/gpt2 --out path/to/gpt2-again":
-        "tests/test_hf.py::test_command_line_tools",
+    "python tools/convert_hf.py import --hf-dir path/to/gpt2 --out ckpt/gpt2": "tests/test_hf.py::test_command_line_tools",
+    "python tools/convert_hf.py export --ckpt ckpt/gpt2 --out path/to/gpt2-again": "tests/test_hf.py::test_command_line_tools",
     "python tools/bench_kernels.py --smoke": "tests/test_kernels.py::test_bench_kernels_smoke",
     "python tools/bench_kernels.py --out bench/": "manual: GPU timings; CPU path in test_bench_kernels_smoke",
     "python tools/bench_train.py --preset gpt_tiny --hidden 256 --layers 4 --seq 128 "
-    "--micro-batch 8 --vocab 8192 --threads 1 --references eager,compile,mcore":
-        "tests/test_bench_cli.py::test_bench_train_bad_flags",
-    "python tools/count_host_syncs.py":
-        "tests/test_optim.py::test_norm_and_clipping_are_exact_and_never_sync",
-    "python tools/count_graph_breaks.py --recompute full":
-        "tests/test_compile.py::test_graph_break_tool_counts_what_dynamo_reports",
-    "python tools/bench_checkpoint.py --preset gpt_tiny --rounds 1":
-        "tests/test_tensorfile.py::test_checkpoint_benchmark_runs_every_side",
-    "python -m engine.pretrain trainer.max_steps=160 optim.decay_steps=130":
-        "tests/test_failures.py::test_extending_max_steps_with_a_fixed_schedule_is_bitwise_the_longer_run",
+    "--micro-batch 8 --vocab 8192 --threads 1 --references eager,compile,mcore": "tests/test_bench_cli.py::test_bench_train_bad_flags",
+    "python tools/count_host_syncs.py": "tests/test_optim.py::test_norm_and_clipping_are_exact_and_never_sync",
+    "python tools/count_graph_breaks.py --recompute full": "tests/test_compile.py::test_graph_break_tool_counts_what_dynamo_reports",
+    "python tools/bench_checkpoint.py --preset gpt_tiny --rounds 1": "tests/test_tensorfile.py::test_checkpoint_benchmark_runs_every_side",
+    "python -m engine.pretrain trainer.max_steps=160 optim.decay_steps=130": "tests/test_failures.py::test_extending_max_steps_with_a_fixed_schedule_is_bitwise_the_longer_run",
     "python tools/scaling_study.py --model gpt_tiny --steps 5 --warmup 2 --dp 1,2,4 --nodes 1,2 "
-    "--cluster emulated_1gbit --out dp_1gbit":
-        "tests/test_scaling.py::test_emulated_two_nodes_train_and_links_hold_the_configured_rate",
+    "--cluster emulated_1gbit --out dp_1gbit": "tests/test_scaling.py::test_emulated_two_nodes_train_and_links_hold_the_configured_rate",
     "torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK --master-addr node01 "
-    "--master-port 29500 -m engine.pretrain tp_size=8 dp_size=auto":
-        "tests/test_k8s.py::test_indexed_job_command_trains_as_two_local_pods",
+    "--master-port 29500 -m engine.pretrain tp_size=8 dp_size=auto": "tests/test_k8s.py::test_indexed_job_command_trains_as_two_local_pods",
     "torchrun --nnodes 1:2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node01:29400 "
-    "--rdzv-id myjob --max-restarts 5 -m engine.pretrain tp_size=8 dp_size=auto checkpoint.every=100":
-        "tests/test_elastic.py::test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns",
-    "srun -N 2 --ntasks-per-node 8 --gpus-per-node 8 python -m engine.pretrain tp_size=8 dp_size=auto":
-        "tests/test_slurm.py::test_srun_four_tasks_dp_auto",
+    "--rdzv-id myjob --max-restarts 5 -m engine.pretrain tp_size=8 dp_size=auto checkpoint.every=100": "tests/test_elastic.py::test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns",
+    "srun -N 2 --ntasks-per-node 8 --gpus-per-node 8 python -m engine.pretrain tp_size=8 dp_size=auto": "tests/test_slurm.py::test_srun_four_tasks_dp_auto",
     "mkdir -p logs": "manual: a plain mkdir before sbatch (the sbatch test makes its own)",
-    "sbatch tools/launch/slurm/pretrain.sbatch model=gpt_350m tp_size=8":
-        "tests/test_slurm.py::test_sbatch_template_requeues_after_usr1_and_finishes",
-    "sbatch --nodes=4 tools/launch/slurm/pretrain.sbatch model=gpt_1.3b tp_size=8":
-        "tests/test_slurm.py::test_sbatch_template_requeues_after_usr1_and_finishes",
+    "sbatch tools/launch/slurm/pretrain.sbatch model=gpt_350m tp_size=8": "tests/test_slurm.py::test_sbatch_template_requeues_after_usr1_and_finishes",
+    "sbatch --nodes=4 tools/launch/slurm/pretrain.sbatch model=gpt_1.3b tp_size=8": "tests/test_slurm.py::test_sbatch_template_requeues_after_usr1_and_finishes",
     "python -m engine.pretrain -m hydra/launcher=slurm hydra.launcher.partition=gpu tp_size=2,4,8 "
-    "dp_size=auto 'checkpoint.dir=checkpoints/${hydra:job.override_dirname}'":
-        "tests/test_launchers.py::test_hydra_sweep_through_submitit_local_launcher",
+    "dp_size=auto 'checkpoint.dir=checkpoints/${hydra:job.override_dirname}'": "tests/test_launchers.py::test_hydra_sweep_through_submitit_local_launcher",
     "mpirun -np 16 -npernode 8 --hostfile hosts -x MASTER_ADDR=node01 -x MASTER_PORT=29500 -x PATH "
     "python -m engine.pretrain tp_size=8 dp_size=auto": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
     "mpirun --allow-run-as-root --oversubscribe -np 4 -x MASTER_ADDR -x MASTER_PORT -x PYTHONPATH "
-    "python -m engine.pretrain tp_size=2 dp_size=2 … trainer.log_every=3":
-        "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
+    "python -m engine.pretrain tp_size=2 dp_size=2 … trainer.log_every=3": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
     "tools/launch/mpi/netns-rsh mtrnbe14b8n0 mpirun --allow-run-as-root --hostfile hosts -np 4 "
-    "--map-by ppr:2:node --mca plm_rsh_agent \"$PWD/tools/launch/mpi/netns-rsh\" -x "
+    '--map-by ppr:2:node --mca plm_rsh_agent "$PWD/tools/launch/mpi/netns-rsh" -x '
     "MASTER_ADDR=10.213.0.1 -x MASTER_PORT=29500 -x PYTHONPATH python -m engine.pretrain "
-    "tp_size=2 dp_size=2 … trainer.log_every=3":
-        "tests/test_launchers.py::test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node",
-    "kubectl apply -k tools/launch/k8s/overlays/example":
-        "tests/test_k8s.py::test_example_overlay_renders_consistent_valid_objects",
-    "kubectl apply -f tools/launch/k8s/pytorchjob/pytorchjob.yaml":
-        "tests/test_k8s.py::test_pytorchjob_matches_the_operator_fields_and_its_pods_are_valid",
+    "tp_size=2 dp_size=2 … trainer.log_every=3": "tests/test_launchers.py::test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node",
+    "kubectl apply -k tools/launch/k8s/overlays/example": "tests/test_k8s.py::test_example_overlay_renders_consistent_valid_objects",
+    "kubectl apply -f tools/launch/k8s/pytorchjob/pytorchjob.yaml": "tests/test_k8s.py::test_pytorchjob_matches_the_operator_fields_and_its_pods_are_valid",
     "apt-get update -q": "manual: installs packages (network); .ci/run does it",
     "python -m engine.classify --help": "tests/test_classify.py::test_config_errors_exit_2_before_any_rank",
     "python -m engine.classify": "tests/test_classify.py::test_two_ranks_reach_085_on_the_full_data_set",
-    "OMP_NUM_THREADS=1 python -m engine.classify":
-        "tests/test_classify.py::test_two_ranks_reach_085_on_the_full_data_set",
-    "python -m engine.classify --num-gpus 4 --target-accuracy 0.85 --batch-size 64 --epochs 10":
-        "tests/test_classify.py::test_two_ranks_reach_085_on_the_full_data_set",
-    "python -m engine.classify --num-gpus 4 --tp-size 2":
-        "tests/test_classify.py::test_dp_gradients_equal_the_whole_batch_gradients",
-    "MASTER_ADDR=node0 MASTER_PORT=29400 python -m engine.classify --num-nodes 2 --node-id 0 --num-gpus 4":
-        "manual: two machines; run by hand as two 'nodes' on one machine (docs/SCALING.md)",
-    "MASTER_ADDR=node0 MASTER_PORT=29400 python -m engine.classify --num-nodes 2 --node-id 1 --num-gpus 4":
-        "manual: two machines; run by hand as two 'nodes' on one machine (docs/SCALING.md)",
-    "torchrun --standalone --nproc-per-node 4 -m engine.classify":
-        "manual: the same worker as the self-launched test, started by torchrun; run by hand",
-    "apt-get install -y -q openmpi-bin slurm-wlm munge kubernetes-client iproute2 dataset-fashion-mnist":
-        "manual: installs packages (network); .ci/run does it",
+    "OMP_NUM_THREADS=1 python -m engine.classify": "tests/test_classify.py::test_two_ranks_reach_085_on_the_full_data_set",
+    "python -m engine.classify --num-gpus 4 --target-accuracy 0.85 --batch-size 64 --epochs 10": "tests/test_classify.py::test_two_ranks_reach_085_on_the_full_data_set",
+    "python -m engine.classify --num-gpus 4 --tp-size 2": "tests/test_classify.py::test_dp_gradients_equal_the_whole_batch_gradients",
+    "MASTER_ADDR=node0 MASTER_PORT=29400 python -m engine.classify --num-nodes 2 --node-id 0 --num-gpus 4": "manual: two machines; run by hand as two 'nodes' on one machine (docs/SCALING.md)",
+    "MASTER_ADDR=node0 MASTER_PORT=29400 python -m engine.classify --num-nodes 2 --node-id 1 --num-gpus 4": "manual: two machines; run by hand as two 'nodes' on one machine (docs/SCALING.md)",
+    "torchrun --standalone --nproc-per-node 4 -m engine.classify": "manual: the same worker as the self-launched test, started by torchrun; run by hand",
+    "apt-get install -y -q openmpi-bin slurm-wlm munge kubernetes-client iproute2 dataset-fashion-mnist": "manual: installs packages (network); .ci/run does it",
     'python tools/generate.py --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --prompt "def " '
-    '--prompt "import os" --max-new-tokens 40 --top-p 0.95':
-        "tests/test_generate_tool.py::test_tool_at_tp2_prints_what_tp1_generates_in_process",
+    '--prompt "import os" --max-new-tokens 40 --top-p 0.95': "tests/test_generate_tool.py::test_tool_at_tp2_prints_what_tp1_generates_in_process",
     "python -m pytest -q": "manual: the whole suite (this test is part of it)",
     'python -m pytest -q -m "not slow"': "manual: the quick subset of the suite (this test is part of it)",
-    "python tools/convert_hf.py export --ckpt weights/ --out weights-hf/":
-        "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
-    'python tools/generate.py --hf-dir weights-hf/ --prompt "def " --max-new-tokens 24 --greedy':
-        "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
-    "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib":
-        "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
-    "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --dp-size 2":
-        "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
-    "python -m engine.evaluate --ckpt weights/ --text docs/ARCHITECTURE.md":
-        "tests/test_evaluate.py::test_text_file_loss_is_the_mean_cross_entropy_of_its_windows",
-}  # fmt: skip
+    "python tools/convert_hf.py export --ckpt weights/ --out weights-hf/": "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
+    'python tools/generate.py --hf-dir weights-hf/ --prompt "def " --max-new-tokens 24 --greedy': "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
+    "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib": "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
+    "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --dp-size 2": "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
+    "python -m engine.evaluate --ckpt weights/ --text docs/ARCHITECTURE.md": "tests/test_evaluate.py::test_text_file_loss_is_the_mean_cross_entropy_of_its_windows",
+}
 
 
 def _blocks(kind: str) -> list[str]:
@@ -215,9 +173,12 @@ def _hydra_compose(overrides: list[str]) -> None:
     multirun = "-m" in overrides
     overrides = [o for o in overrides if o != "-m"]
     # A sweep (-m key=a,b) runs each value: compose each, one at a time.
-    sweeps = [[o] if not multirun or "," not in o else
-              [o.split("=")[0] + "=" + v for v in o.split("=", 1)[1].split(",")]
-              for o in overrides]  # fmt: skip
+    sweeps = [
+        [o]
+        if not multirun or "," not in o
+        else [o.split("=")[0] + "=" + v for v in o.split("=", 1)[1].split(",")]
+        for o in overrides
+    ]
     runs = [[]]
     for options in sweeps:
         runs = [run + [choice] for run in runs for choice in options]
@@ -276,8 +237,9 @@ def shown_output(command: str) -> str:
 def test_cheap_readme_commands_run_as_shown(command, tmp_path):
     argv = [str(ROOT / a) if a.startswith("tools/") else a for a in shlex.split(command)]
     argv[0] = sys.executable  # cwd is a temporary directory: the tool is named by full path
-    done = subprocess.run(argv,
-                          capture_output=True, text=True, env=subprocess_env(ROOT), cwd=tmp_path, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        argv, capture_output=True, text=True, env=subprocess_env(ROOT), cwd=tmp_path, timeout=120
+    )
     got = (done.stdout + done.stderr).strip()
     assert (done.returncode, got) == (RUN[command], shown_output(command)), done.stderr
 
@@ -314,10 +276,19 @@ def test_python_snippets_run_as_shown(ranks, tmp_path):
         script = tmp_path / f"snippet{i}.py"
         check = _CHECK if "ColumnParallelLinear" in block else ""
         script.write_text(block + check)
-        launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone",
-                                          f"--nproc-per-node={ranks}"]  # fmt: skip
-        done = subprocess.run([sys.executable, *launcher, str(script)], capture_output=True,
-                              text=True, env=subprocess_env(ROOT), cwd=tmp_path, timeout=180)  # fmt: skip
+        launcher = (
+            []
+            if ranks == 1
+            else ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        )
+        done = subprocess.run(
+            [sys.executable, *launcher, str(script)],
+            capture_output=True,
+            text=True,
+            env=subprocess_env(ROOT),
+            cwd=tmp_path,
+            timeout=180,
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         if check:
             oks = sorted(ln for ln in done.stdout.splitlines() if ln.startswith("snippet ok"))

@@ -22,8 +22,13 @@ from studies.scaling.report import COLUMNS
 from tests.multiproc import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.vocab_size=512", "model.hidden_size=32", "model.num_heads=2", "model.num_layers=1",
-        "data.seq_len=16"]  # fmt: skip
+TINY = [
+    "model.vocab_size=512",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_layers=1",
+    "data.seq_len=16",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +41,19 @@ def data(tmp_path_factory) -> list[str]:
 
 
 def _study(out: Path, data: list[str], *args: str, **kwargs) -> subprocess.Popen:
-    argv = [sys.executable, str(ROOT / "tools" / "scaling_study.py"), "--out", str(out),
-            "--steps", "3", "--warmup", "1", *args, *TINY, *data]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(ROOT / "tools" / "scaling_study.py"),
+        "--out",
+        str(out),
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        *args,
+        *TINY,
+        *data,
+    ]
     return subprocess.Popen(argv, env=subprocess_env(ROOT), cwd=out.parent, text=True, **kwargs)
 
 
@@ -53,8 +69,19 @@ def test_three_point_study_reports_consistent_speedup(tmp_path, data):
     out = tmp_path / "study"
     # dp=5 cannot split a global batch of 12 into micro-batches of 2: that point fails (a
     # config error, exit 2) and the study goes on to the next ones.
-    proc = _study(out, data, "--dp", "1,5,2,3", "--global-batch", "12", "--micro-batch", "2",
-                  "--no-links", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = _study(
+        out,
+        data,
+        "--dp",
+        "1,5,2,3",
+        "--global-batch",
+        "12",
+        "--micro-batch",
+        "2",
+        "--no-links",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, log  # 1: some point failed
     assert "point n1x5-tp1-dp5-mb2-gb12 failed" in log and "not a multiple" in log, log
@@ -90,13 +117,26 @@ def test_three_point_study_reports_consistent_speedup(tmp_path, data):
     assert "| ranks | 1 node(s) |" in report and "--dp 1,5,2,3" in report
     assert "## Failed points" in report and "dp5" in report
     # The same command again refuses to overwrite it; --resume re-runs no finished point.
-    again = _study(out, data, "--dp", "1,5,2,3", "--no-links", stdout=subprocess.PIPE,
-                   stderr=subprocess.PIPE)  # fmt: skip
+    again = _study(
+        out, data, "--dp", "1,5,2,3", "--no-links", stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     _, err = again.communicate(timeout=120)
     assert again.returncode == 2 and err.count("\n") == 1 and "--resume" in err
     before = (out / "points.jsonl").read_text()
-    resumed = _study(out, data, "--dp", "1,2,3", "--global-batch", "12", "--micro-batch", "2",
-                     "--no-links", "--resume", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    resumed = _study(
+        out,
+        data,
+        "--dp",
+        "1,2,3",
+        "--global-batch",
+        "12",
+        "--micro-batch",
+        "2",
+        "--no-links",
+        "--resume",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     log, _ = resumed.communicate(timeout=120)
     assert resumed.returncode == 0 and "3 of 3 points already done" in log, log
     assert (out / "points.jsonl").read_text() == before  # nothing ran again
@@ -119,8 +159,18 @@ def test_emulated_two_nodes_train_and_links_hold_the_configured_rate(tmp_path, d
     # rate is the shaper's, not the CPU's.
     out = tmp_path / "study"
     cluster = _cluster_yaml(tmp_path, 200)
-    proc = _study(out, data, "--dp", "4", "--nodes", "2", "--cluster", str(cluster),
-                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = _study(
+        out,
+        data,
+        "--dp",
+        "4",
+        "--nodes",
+        "2",
+        "--cluster",
+        str(cluster),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log
     [row] = _rows(out)
@@ -163,9 +213,21 @@ def test_study_killed_midway_leaves_nothing_behind(tmp_path, data, sig):
     if sig == signal.SIGKILL and NO_NETNS is not None:
         pytest.skip(f"SIGKILL clean-up is the namespaces' guard; namespaces refused: {NO_NETNS}")
     out = tmp_path / "killed"
-    proc = _study(out, data, "--dp", "2", "--nodes", "2", "--cluster",
-                  str(_cluster_yaml(tmp_path, 500)), "--no-links", "--steps", "500",
-                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = _study(
+        out,
+        data,
+        "--dp",
+        "2",
+        "--nodes",
+        "2",
+        "--cluster",
+        str(_cluster_yaml(tmp_path, 500)),
+        "--no-links",
+        "--steps",
+        "500",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while not list(out.glob("runs/*/repeat0/log.txt")) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -190,17 +252,41 @@ def test_study_killed_midway_leaves_nothing_behind(tmp_path, data, sig):
 
 @pytest.mark.slow
 def test_multirun_gives_every_job_its_own_checkpoints(tmp_path, data):
-    common = ["tp_size=1", "dp_size=1", "trainer.max_steps=1", "trainer.eval_every=0",
-              "trainer.sample_tokens=0", "trainer.tensorboard=false",
-              "checkpoint.every=1", "checkpoint.save_final=false", *TINY, *data]  # fmt: skip
+    common = [
+        "tp_size=1",
+        "dp_size=1",
+        "trainer.max_steps=1",
+        "trainer.eval_every=0",
+        "trainer.sample_tokens=0",
+        "trainer.tensorboard=false",
+        "checkpoint.every=1",
+        "checkpoint.save_final=false",
+        *TINY,
+        *data,
+    ]
     single = [sys.executable, "-m", "engine.pretrain", *common, f"hydra.run.dir={tmp_path / 'r'}"]
-    sweep = [sys.executable, "-m", "engine.pretrain", "-m", "trainer.seed=1,2", *common,
-             "trainer.metrics_file=${hydra:runtime.output_dir}/m.json",
-             f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    sweep = [
+        sys.executable,
+        "-m",
+        "engine.pretrain",
+        "-m",
+        "trainer.seed=1,2",
+        *common,
+        "trainer.metrics_file=${hydra:runtime.output_dir}/m.json",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
     runs = []
     for argv in (single, sweep):  # the issue's case: the main job ran before the sweep
-        runs.append(subprocess.run(argv, env=subprocess_env(ROOT), cwd=tmp_path, capture_output=True,
-                                   text=True, timeout=300))  # fmt: skip
+        runs.append(
+            subprocess.run(
+                argv,
+                env=subprocess_env(ROOT),
+                cwd=tmp_path,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        )
         assert runs[-1].returncode == 0, runs[-1].stderr[-2000:]
     assert (tmp_path / "checkpoints" / "gpt_tiny_stdlib" / "step_00000001").is_dir()
     assert "resuming" not in runs[1].stdout and "nothing to train" not in runs[1].stdout
@@ -224,8 +310,9 @@ def test_linear_lr_scaling_rule():
     from engine.config import OptimConfig, TrainerConfig
     from engine.optim import scale_lr
 
-    scaled = scale_lr(OptimConfig(lr=1e-3, min_lr=1e-4, scale_lr_with_batch=16),
-                      TrainerConfig(global_batch=64))  # fmt: skip
+    scaled = scale_lr(
+        OptimConfig(lr=1e-3, min_lr=1e-4, scale_lr_with_batch=16), TrainerConfig(global_batch=64)
+    )
     assert (scaled.lr, scaled.min_lr) == pytest.approx((4e-3, 4e-4))  # × 64 / 16
     plain = OptimConfig(lr=1e-3)
     assert scale_lr(plain, TrainerConfig(global_batch=64)) is plain

@@ -21,10 +21,19 @@ DATA = Path("/usr/share/datasets/fashion-mnist")
 
 def _config(mode: str, global_batch: int) -> StudyConfig:
     return StudyConfig(
-        workload="classify", spec=RunSpec(None, (), 5, 2), tp=(1,), dp=(1, 2, 4), nodes=(1,),
-        procs_per_node=None, mode=mode, global_batch=global_batch, micro_batch=4, repeats=1,
-        link_mbit=None, out=Path("unused"),
-    )  # fmt: skip
+        workload="classify",
+        spec=RunSpec(None, (), 5, 2),
+        tp=(1,),
+        dp=(1, 2, 4),
+        nodes=(1,),
+        procs_per_node=None,
+        mode=mode,
+        global_batch=global_batch,
+        micro_batch=4,
+        repeats=1,
+        link_mbit=None,
+        out=Path("unused"),
+    )
 
 
 def _batch(argv: list[str]) -> int:
@@ -40,8 +49,9 @@ def _batch(argv: list[str]) -> int:
 def test_classify_points_get_images_per_rank(mode, expected):
     cfg = _config(mode, 64)
     points, _ = grid(cfg)
-    got = {p.dp_size: _batch(classify_command(p, cfg.spec, Path("m.json"), Path("r")))
-           for p in points}  # fmt: skip
+    got = {
+        p.dp_size: _batch(classify_command(p, cfg.spec, Path("m.json"), Path("r"))) for p in points
+    }
     assert got == expected
     argv = classify_command(points[0], cfg.spec, Path("m.json"), Path("r"))
     # engine.classify has no step count, micro batch or model preset: none may be passed
@@ -56,16 +66,31 @@ def test_classify_point_with_an_indivisible_batch_is_refused():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (DATA / "train-images-idx3-ubyte.gz").exists(),
-                    reason="Fashion-MNIST missing: apt-get install dataset-fashion-mnist")  # fmt: skip
+@pytest.mark.skipif(
+    not (DATA / "train-images-idx3-ubyte.gz").exists(),
+    reason="Fashion-MNIST missing: apt-get install dataset-fashion-mnist",
+)
 def test_two_point_classify_study_reports_time_to_accuracy(tmp_path):
     out = tmp_path / "study"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, str(ROOT / "tools" / "scaling_study.py"), "--workload", "classify",
-           "--dp", "1,2", "--global-batch", "64", "--no-links", "--out", str(out),
-           "data.train_subset=4096", "data.test_subset=1000", "trainer.target_accuracy=0.5",
-           "trainer.epochs=3"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "scaling_study.py"),
+        "--workload",
+        "classify",
+        "--dp",
+        "1,2",
+        "--global-batch",
+        "64",
+        "--no-links",
+        "--out",
+        str(out),
+        "data.train_subset=4096",
+        "data.test_subset=1000",
+        "trainer.target_accuracy=0.5",
+        "trainer.epochs=3",
+    ]
     done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     lines = (out / "results.csv").read_text().splitlines()

@@ -24,8 +24,9 @@ UNIFORM = math.log(512)  # nats per token of uniform guessing over the 512-token
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[str, str]:
-    return build_default_corpus(tmp_path_factory.mktemp("corpus"), vocab_size=512,
-                                max_bytes=300_000, progress=False)  # fmt: skip
+    return build_default_corpus(
+        tmp_path_factory.mktemp("corpus"), vocab_size=512, max_bytes=300_000, progress=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +41,20 @@ def test_srun_four_tasks_dp_auto(slurm, corpus, tmp_path):
     """srun -n 4 with tp_size=2 dp_size=auto: dp resolves to 4 / 2 = 2 from SLURM_NTASKS,
     the mesh is {0,1},{2,3}, and the loss falls (0.1 nat below step 1 and below uniform
     guessing, as in tests/test_launchers.py)."""
-    cmd = ["srun", "-n", "4", "python", "-m", "engine.pretrain", "tp_size=2", "dp_size=auto",
-           *tiny_overrides(corpus, tmp_path)]  # fmt: skip
-    proc = slurm.run(*cmd, cwd=tmp_path, timeout=240,
-                     env={**env_with_repo(), "MASTER_PORT": str(free_port())})  # fmt: skip
+    cmd = [
+        "srun",
+        "-n",
+        "4",
+        "python",
+        "-m",
+        "engine.pretrain",
+        "tp_size=2",
+        "dp_size=auto",
+        *tiny_overrides(corpus, tmp_path),
+    ]
+    proc = slurm.run(
+        *cmd, cwd=tmp_path, timeout=240, env={**env_with_repo(), "MASTER_PORT": str(free_port())}
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:] + slurm.logs()
     assert "tp=2 dp=2" in log
@@ -68,12 +79,24 @@ def test_sbatch_template_requeues_after_usr1_and_finishes(slurm, corpus, tmp_pat
     args = ["tp_size=2", *tiny_overrides(corpus, tmp_path, max_steps=40)]
     args = [a for a in args if not a.startswith(("checkpoint.dir=", "hydra.run.dir="))]
     submit = slurm.run(
-        "sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0",
-        "--cpus-per-task=1", "--time=10", f"--output={out}",
-        str(ROOT / "tools" / "launch" / "slurm" / "pretrain.sbatch"), *args,
-        cwd=tmp_path, timeout=30,
-        env={**env_with_repo(), "MASTER_PORT": str(free_port()), "CKPT_DIR": str(tmp_path / "ckpt")},
-    )  # fmt: skip
+        "sbatch",
+        "--parsable",
+        "--nodes=1",
+        "--ntasks-per-node=2",
+        "--gpus-per-node=0",
+        "--cpus-per-task=1",
+        "--time=10",
+        f"--output={out}",
+        str(ROOT / "tools" / "launch" / "slurm" / "pretrain.sbatch"),
+        *args,
+        cwd=tmp_path,
+        timeout=30,
+        env={
+            **env_with_repo(),
+            "MASTER_PORT": str(free_port()),
+            "CKPT_DIR": str(tmp_path / "ckpt"),
+        },
+    )
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().split(";")[0]
     text = lambda: out.read_text() if out.exists() else ""  # noqa: E731

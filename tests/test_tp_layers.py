@@ -176,9 +176,11 @@ def _embedding_and_loss_checks(ps, dtype, check):
             target = torch.where(target == -100, target, target % cols)
             ref_logits = logits_full[..., :cols].clone().requires_grad_(True)
             ref_loss = F.cross_entropy(
-                ref_logits.reshape(-1, cols), target.reshape(-1), label_smoothing=smoothing,
+                ref_logits.reshape(-1, cols),
+                target.reshape(-1),
+                label_smoothing=smoothing,
                 reduction="none",
-            ).view(SEQ, BATCH)  # fmt: skip
+            ).view(SEQ, BATCH)
             ref_loss.backward(grad_loss)
             ref_grad = F.pad(ref_logits.grad, (0, VOCAB - cols))  # padded columns: zero grad
             local = shard(logits_full, -1, rank, tp).requires_grad_(True)

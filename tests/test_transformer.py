@@ -19,9 +19,14 @@ from layers.attention import heads_per_rank
 from tests.multiproc import run_ranks
 
 DROPOUT_CFG = ModelConfig(
-    vocab_size=301, hidden_size=32, num_layers=2, num_heads=4, max_positions=8,
-    hidden_dropout=0.2, attention_dropout=0.2,
-)  # fmt: skip
+    vocab_size=301,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    max_positions=8,
+    hidden_dropout=0.2,
+    attention_dropout=0.2,
+)
 
 
 def _grads_and_streams(cfg: ModelConfig, seed: int = 5):

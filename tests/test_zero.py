@@ -16,8 +16,14 @@ from engine.models import build_model
 from engine.models.config import preset
 from tests.multiproc import run_ranks
 
-CFG = preset("gpt_tiny", vocab_size=500, hidden_size=32, num_heads=4, hidden_dropout=0.0,
-             attention_dropout=0.0)  # fmt: skip
+CFG = preset(
+    "gpt_tiny",
+    vocab_size=500,
+    hidden_size=32,
+    num_heads=4,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
 # clip_grad well below the gradient norm (~1.5 here), so clipping scales every step and the
 # sharded norm is exercised, not just computed.
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.3)
@@ -170,5 +176,9 @@ def test_zero1_checkpoint_loads_at_other_dp_and_without_zero(tmp_path):
     """Exact: loading only moves values between slices, files and ranks."""
     for res in run_ranks(_zero_checkpoint, 4, str(tmp_path / "ckpt"), timeout=240):
         for layout, r in res.items():
-            assert r == {"step": 2, "params_equal": True, "moments_equal": True,
-                         "adam_steps": [2.0]}, (layout, r)  # fmt: skip
+            assert r == {
+                "step": 2,
+                "params_equal": True,
+                "moments_equal": True,
+                "adam_steps": [2.0],
+            }, (layout, r)

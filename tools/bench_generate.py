@@ -50,8 +50,9 @@ def timed(model, prompts, new_tokens: int, use_cache: bool) -> tuple[float, list
     if model.parameters().__next__().is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    generate_batch(model, prompts, new_tokens, Sampling(greedy=True), use_cache=use_cache,
-                   stop=record)  # fmt: skip
+    generate_batch(
+        model, prompts, new_tokens, Sampling(greedy=True), use_cache=use_cache, stop=record
+    )
     wall = time.perf_counter() - start
     steps = [b - a for a, b in zip([start, *stamps[:-1]], stamps, strict=True)]
     return wall, steps
@@ -62,9 +63,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     longest = max(args.new_tokens) + args.prompt_len
-    cfg = preset("gpt_tiny", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                 num_heads=args.heads, max_positions=longest, hidden_dropout=0.0,
-                 attention_dropout=0.0)  # fmt: skip
+    cfg = preset(
+        "gpt_tiny",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        max_positions=longest,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     try:
         cfg.validate()
     except ValueError as err:  # e.g. --hidden not divisible by --heads
@@ -73,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = build_model(cfg, device=args.device).eval()
     gen = torch.Generator().manual_seed(1)
-    print(f"model: h={args.hidden} l={args.layers} heads={args.heads} V={args.vocab}, prompt "
-          f"{args.prompt_len} tokens, {args.device}, {args.threads} thread(s)")  # fmt: skip
+    print(
+        f"model: h={args.hidden} l={args.layers} heads={args.heads} V={args.vocab}, prompt "
+        f"{args.prompt_len} tokens, {args.device}, {args.threads} thread(s)"
+    )
     print("\n| batch | new tokens | cache on (tokens/s) | cache off (tokens/s) | speedup |")
     print("|---:|---:|---:|---:|---:|")
     curves = {}

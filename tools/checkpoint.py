@@ -62,14 +62,24 @@ def inspect(ckpt: str, verify: bool) -> int:
     print(
         f"checkpoint {step_dir}: step {index['step']}, {_mib(total)} in {len(info['files'])} files"
     )
-    print(f"layout: tp={layout['tp_size']} dp={layout['dp_size']} (world {layout['world_size']}), "
-          f"ZeRO-1 {'yes' if layout.get('zero1') else 'no'}"
-          + (f", converted from tp={layout['converted_from']['tp_size']} "
-             f"dp={layout['converted_from']['dp_size']}" if "converted_from" in layout else ""))  # fmt: skip
-    print(f"model: {m['arch']} h={m['hidden_size']} layers={m['num_layers']} "
-          f"heads={m['num_heads']} vocab={m['vocab_size']}")  # fmt: skip
-    print(f"data: {data.get('consumed_samples', '?')} samples consumed; loss scale: "
-          f"{scaler['scale'] if scaler else '-'}")  # fmt: skip
+    print(
+        f"layout: tp={layout['tp_size']} dp={layout['dp_size']} (world {layout['world_size']}), "
+        f"ZeRO-1 {'yes' if layout.get('zero1') else 'no'}"
+        + (
+            f", converted from tp={layout['converted_from']['tp_size']} "
+            f"dp={layout['converted_from']['dp_size']}"
+            if "converted_from" in layout
+            else ""
+        )
+    )
+    print(
+        f"model: {m['arch']} h={m['hidden_size']} layers={m['num_layers']} "
+        f"heads={m['num_heads']} vocab={m['vocab_size']}"
+    )
+    print(
+        f"data: {data.get('consumed_samples', '?')} samples consumed; loss scale: "
+        f"{scaler['scale'] if scaler else '-'}"
+    )
     steps = {s.get("step") for s in index["optimizer"]["scalars"].values()}
     print(f"optimizer step counts: {sorted(int(x) for x in steps if x is not None) or '-'}")
     width = max(len(n) for n in info["specs"]) + 2
@@ -102,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             return inspect(args.ckpt, verify=not args.no_verify)
         if args.command == "convert":
             out = convert(args.ckpt, args.out, args.tp_size, args.dp_size)
-            print(f"wrote {out} for tp={args.tp_size} dp={args.dp_size}; resume with "
-                  f"checkpoint.dir={args.out} tp_size={args.tp_size} dp_size={args.dp_size}")  # fmt: skip
+            print(
+                f"wrote {out} for tp={args.tp_size} dp={args.dp_size}; resume with "
+                f"checkpoint.dir={args.out} tp_size={args.tp_size} dp_size={args.dp_size}"
+            )
             return 0
         cfg = export_model(args.ckpt, args.out)
         print(f"exported the {cfg.arch} weights to {args.out} ({_tokenizer_note(args.out)})")

@@ -36,8 +36,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(0)
-    cfg = preset("gpt_tiny", vocab_size=256, hidden_size=64, num_heads=4,
-                 num_layers=args.layers, max_positions=32)  # fmt: skip
+    cfg = preset(
+        "gpt_tiny",
+        vocab_size=256,
+        hidden_size=64,
+        num_heads=4,
+        num_layers=args.layers,
+        max_positions=32,
+    )
     model = build_model(cfg)
     params = [q for q in model.parameters() if q.requires_grad]
     scaler = DynamicLossScaler(2.0**16)

@@ -101,8 +101,13 @@ def _check_positions(args: argparse.Namespace, tokenizer_path: str, positions: i
 
 def sampling(args: argparse.Namespace) -> Sampling:
     """The sampling options as one value."""
-    return Sampling(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed)  # fmt: skip
+    return Sampling(
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
 
 
 def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
@@ -127,8 +132,12 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
     )
     try:
         cfg, state = ModelSource(args.ckpt, args.hf_dir).load()
-        model = build_model(inference_config(cfg), tp_group=ps.tp_group,
-                            dtype=getattr(torch, args.dtype), device=ps.device)  # fmt: skip
+        model = build_model(
+            inference_config(cfg),
+            tp_group=ps.tp_group,
+            dtype=getattr(torch, args.dtype),
+            device=ps.device,
+        )
         model.load_full_state_dict(state)
         tokenizer = Tokenizer.from_file(tokenizer_path)
         prompts = [tokenizer.encode(p).ids for p in args.prompt]
@@ -136,8 +145,14 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
         if args.stop:
             stop = lambda row, new: any(s in tokenizer.decode(new) for s in args.stop)  # noqa: E731
         start = time.perf_counter()
-        new = generate_batch(model, prompts, args.max_new_tokens, sampling(args),
-                             use_cache=not args.no_kv_cache, stop=stop)  # fmt: skip
+        new = generate_batch(
+            model,
+            prompts,
+            args.max_new_tokens,
+            sampling(args),
+            use_cache=not args.no_kv_cache,
+            stop=stop,
+        )
         seconds = time.perf_counter() - start
         texts = [_cut(tokenizer.decode(ids), args.stop) for ids in new]
         tokens = sum(map(len, new))
@@ -172,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- sample {i + 1} ---")
         print(prompt + text)
     rate = result["tokens"] / result["seconds"]
-    print(f"{result['tokens']} new tokens in {result['seconds']:.2f} s ({rate:.1f} tokens/s, "
-          f"tp={args.tp_size}, KV cache {'off' if args.no_kv_cache else 'on'})", file=sys.stderr)  # fmt: skip
+    print(
+        f"{result['tokens']} new tokens in {result['seconds']:.2f} s ({rate:.1f} tokens/s, "
+        f"tp={args.tp_size}, KV cache {'off' if args.no_kv_cache else 'on'})",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -53,8 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
-    p.add_argument("--dtype", choices=tuple(TOLERANCES), default="float64",
-                   help="both layouts run in this dtype; tolerances below")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=tuple(TOLERANCES),
+        default="float64",
+        help="both layouts run in this dtype; tolerances below",
+    )
     p.add_argument("--steps", type=int, default=1, help="optimizer steps whose losses to compare")
     p.add_argument("--layers", type=int, default=2, help="tiny model: transformer layers")
     p.add_argument("--hidden", type=int, default=48, help="tiny model: hidden size")
@@ -104,12 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     """Run the comparison; exit status 0 within tolerance, 1 outside, 2 on a bad layout."""
     args = parse_args(argv)
     spec = VerifySpec(
-        model=args.model, tp_size=args.tp_size, dp_size=args.dp_size,
-        sequence_parallel=args.sequence_parallel, recompute=args.recompute, dtype=args.dtype,
-        num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-        vocab_size=args.vocab, seq_len=args.seq, batch_size=args.batch, steps=args.steps,
+        model=args.model,
+        tp_size=args.tp_size,
+        dp_size=args.dp_size,
+        sequence_parallel=args.sequence_parallel,
+        recompute=args.recompute,
+        dtype=args.dtype,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_heads=args.heads,
+        vocab_size=args.vocab,
+        seq_len=args.seq,
+        batch_size=args.batch,
+        steps=args.steps,
         seed=args.seed,
-    )  # fmt: skip
+    )
     try:
         if args.hf_dir:
             check_hf_layout(spec, args.hf_dir)

@@ -123,9 +123,13 @@ def _fill_and_commit(tmp, reader, index, specs, plan, out_root, tp_size, dp_size
     new = copy.deepcopy({k: v for k, v in index.items() if k not in ("files", "index_sha256")})
     new["tensors"] = {s.name: s.to_json() for s in specs}
     new["files"] = files
-    new["layout"] = {"tp_size": tp_size, "dp_size": dp_size, "world_size": tp_size * dp_size,
-                     "zero1": index["layout"].get("zero1", False),
-                     "converted_from": index["layout"]}  # fmt: skip
+    new["layout"] = {
+        "tp_size": tp_size,
+        "dp_size": dp_size,
+        "world_size": tp_size * dp_size,
+        "zero1": index["layout"].get("zero1", False),
+        "converted_from": index["layout"],
+    }
     config = new.get("trainer_state", {}).get("config")
     if isinstance(config, dict):  # keep the recorded run config consistent with the layout
         config.update(tp_size=tp_size, dp_size=dp_size)

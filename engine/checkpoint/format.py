@@ -37,9 +37,16 @@ META_FILE = "meshtron.json"
 # Fields that fix parameter shapes; the rest (dropout, recompute, sequence parallelism,
 # kernels) may differ between the writer and the reader.
 SHAPE_FIELDS = (
-    "arch", "vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size",
-    "max_positions", "num_token_types", "tie_embeddings",
-)  # fmt: skip
+    "arch",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "ffn_size",
+    "max_positions",
+    "num_token_types",
+    "tie_embeddings",
+)
 
 
 @dataclass
@@ -85,8 +92,7 @@ def write_checkpoint(
         if tokenizer is not None:
             copy_tokenizer(tokenizer, tmp)
             extra["tokenizer"] = tokenizer_record(tokenizer)
-        meta = {"format_version": FORMAT_VERSION, "model_config": config.to_dict(),
-                "extra": extra}  # fmt: skip
+        meta = {"format_version": FORMAT_VERSION, "model_config": config.to_dict(), "extra": extra}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         _move_into_place(tmp, final)
     except BaseException:

@@ -34,8 +34,13 @@ class TensorSpec:
 
     def to_json(self) -> dict:
         """The index entry."""
-        out = {"shape": list(self.shape), "dtype": self.dtype, "kind": self.kind,
-               "tp_dim": self.tp_dim, "vocab_padded": self.vocab_padded}  # fmt: skip
+        out = {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "kind": self.kind,
+            "tp_dim": self.tp_dim,
+            "vocab_padded": self.vocab_padded,
+        }
         if self.rank is not None:
             out["rank"] = self.rank
         return out
@@ -43,8 +48,15 @@ class TensorSpec:
     @classmethod
     def from_json(cls, name: str, entry: dict) -> TensorSpec:
         """Inverse of :meth:`to_json`."""
-        return cls(name, tuple(entry["shape"]), entry["dtype"], entry["kind"],
-                   entry.get("tp_dim"), bool(entry.get("vocab_padded")), entry.get("rank"))  # fmt: skip
+        return cls(
+            name,
+            tuple(entry["shape"]),
+            entry["dtype"],
+            entry["kind"],
+            entry.get("tp_dim"),
+            bool(entry.get("vocab_padded")),
+            entry.get("rank"),
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -150,21 +150,28 @@ def save_checkpoint(
     _raise_if(next((e for _, e in records if e), None), "writing shards of", tmp, mesh)
     if mesh.rank == 0:
         index = {
-            "step": step, "model_config": model.cfg.to_dict(), "trainer_state": state,
-            "layout": {"tp_size": mesh.tp_size, "dp_size": mesh.dp_size, "world_size": mesh.world,
-                       "zero1": optimizer is not None and checkpoint_view(optimizer).shards_optimizer,
-                       "device_type": mesh.device_type},
+            "step": step,
+            "model_config": model.cfg.to_dict(),
+            "trainer_state": state,
+            "layout": {
+                "tp_size": mesh.tp_size,
+                "dp_size": mesh.dp_size,
+                "world_size": mesh.world,
+                "zero1": optimizer is not None and checkpoint_view(optimizer).shards_optimizer,
+                "device_type": mesh.device_type,
+            },
             "optimizer": {"scalars": scalars},
             "tensors": {n: s for r, _ in records for n, s in r.pop("specs").items()},
             "files": {f"rank{i:05d}.safetensors": r for i, (r, _) in enumerate(records)},
-        }  # fmt: skip
+        }
 
         def finish() -> Path:
             fault("before_index")
             write_index(tmp, index)
             fault("before_rename")
-            return commit(tmp, root, step, keep, before_latest=lambda: fault("before_latest"),
-                          log=log)  # fmt: skip
+            return commit(
+                tmp, root, step, keep, before_latest=lambda: fault("before_latest"), log=log
+            )
 
         _, err = _guard(finish)
     _raise_if(mesh.from_rank0(err), "committing", tmp, mesh)
@@ -190,8 +197,10 @@ def _candidates(root: Path, log: Callable[[str], None]) -> list[Path]:
         return [dirs[s] for s in sorted(dirs, reverse=True)]
     if latest is None:
         if dirs:  # e.g. a copy that lost the pointer: the checksums tell what is complete
-            log(f"{root} has no 'latest': trying the newest complete checkpoint of "
-                f"{len(dirs)} ({step_dir_name(max(dirs))}) first")  # fmt: skip
+            log(
+                f"{root} has no 'latest': trying the newest complete checkpoint of "
+                f"{len(dirs)} ({step_dir_name(max(dirs))}) first"
+            )
         return [dirs[s] for s in sorted(dirs, reverse=True)]
     older = [dirs[s] for s in sorted(dirs, reverse=True) if s < latest]
     return [root / step_dir_name(latest), *older]
@@ -361,13 +370,16 @@ def load_checkpoint(
         if errors:
             problems.append(f"{path.name}: {errors[0]}")
             nxt = candidates[i + 1].name if i + 1 < len(candidates) else None
-            say(f"checkpoint {path} is unusable ({errors[0]}); "
-                + (f"falling back to {nxt}" if nxt else "no older checkpoint left"))  # fmt: skip
+            say(
+                f"checkpoint {path} is unusable ({errors[0]}); "
+                + (f"falling back to {nxt}" if nxt else "no older checkpoint left")
+            )
             continue
         _apply(payload, model, optimizer, ps)
         index = payload["index"]
-        return Loaded(path, index["step"], index["trainer_state"], index["layout"],
-                      payload["rng"] is not None)  # fmt: skip
+        return Loaded(
+            path, index["step"], index["trainer_state"], index["layout"], payload["rng"] is not None
+        )
     if problems:
         raise CheckpointError(f"no usable checkpoint in {root}: " + "; ".join(problems))
     return None

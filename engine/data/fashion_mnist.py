@@ -18,8 +18,18 @@ FILES = {
     "test_images": "t10k-images-idx3-ubyte",
     "test_labels": "t10k-labels-idx1-ubyte",
 }
-CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-           "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")  # fmt: skip
+CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,8 @@ def load(directory: str | os.PathLike = DEBIAN_DIR) -> ImageSplits:
             )
     flat = lambda x: x.reshape(x.shape[0], -1).float().div_(255.0)  # noqa: E731
     return ImageSplits(
-        flat(arrays["train_images"]), arrays["train_labels"].long(),
-        flat(arrays["test_images"]), arrays["test_labels"].long(),
-    )  # fmt: skip
+        flat(arrays["train_images"]),
+        arrays["train_labels"].long(),
+        flat(arrays["test_images"]),
+        arrays["test_labels"].long(),
+    )

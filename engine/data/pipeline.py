@@ -51,13 +51,17 @@ def check_data(cfg: Config) -> list[str]:
         return [f"data.tokenizer: {d.tokenizer} is not a tokenizer.json ({err})"]
     vocab = tokenizer.get_vocab_size()
     if vocab > cfg.model.vocab_size:  # ids past the embedding would be silently zeroed at tp>1
-        problems.append(f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
-                        f"tokenizer's vocabulary ({vocab}, {d.tokenizer}); set model.vocab_size={vocab}")  # fmt: skip
+        problems.append(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
+            f"tokenizer's vocabulary ({vocab}, {d.tokenizer}); set model.vocab_size={vocab}"
+        )
     if cfg.model.arch == "bert":
         missing = [t for t in BERT_SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
         if missing:
-            problems.append(f"data.tokenizer: {d.tokenizer} lacks BERT's special tokens "
-                            f"{missing} (tools/preprocess_data.py adds them when it trains one)")  # fmt: skip
+            problems.append(
+                f"data.tokenizer: {d.tokenizer} lacks BERT's special tokens "
+                f"{missing} (tools/preprocess_data.py adds them when it trains one)"
+            )
     for prefix in d.prefixes:
         try:
             indexed = IndexedDataset(prefix, eod_id=tokenizer.token_to_id(EOD_TOKEN))
@@ -69,9 +73,11 @@ def check_data(cfg: Config) -> list[str]:
         start, end = split_documents(len(indexed), d.split)["train"]
         tokens = int(indexed.doc_offsets[end] - indexed.doc_offsets[start])
         if tokens < d.seq_len + 1:
-            problems.append(f"data.prefixes: the train split of {prefix} holds {tokens} tokens, "
-                            f"fewer than data.seq_len + 1 = {d.seq_len + 1}; lower data.seq_len "
-                            "or add data")  # fmt: skip
+            problems.append(
+                f"data.prefixes: the train split of {prefix} holds {tokens} tokens, "
+                f"fewer than data.seq_len + 1 = {d.seq_len + 1}; lower data.seq_len "
+                "or add data"
+            )
     return problems
 
 
@@ -90,8 +96,9 @@ def _part(cfg: Config, i: int, prefix: str, split: str, tokenizer: Tokenizer):
         return GPTDataset(indexed, d.seq_len, seed=seed, doc_range=docs)
     names = ("cls_id", "sep_id", "mask_id", "pad_id")  # check_data made sure they exist
     ids = {k: tokenizer.token_to_id(t) for k, t in zip(names, BERT_SPECIAL_TOKENS, strict=True)}
-    return BertDataset(indexed, d.seq_len, seed=seed, doc_range=docs,
-                       vocab_size=tokenizer.get_vocab_size(), **ids)  # fmt: skip
+    return BertDataset(
+        indexed, d.seq_len, seed=seed, doc_range=docs, vocab_size=tokenizer.get_vocab_size(), **ids
+    )
 
 
 def _dataset(cfg: Config, split: str, tokenizer: Tokenizer) -> tuple[object, list[str]]:

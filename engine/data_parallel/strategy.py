@@ -132,8 +132,14 @@ class PlainOptimizerState:
         opt.load_state_dict(full)
         offset = 0
         for group in opt.param_groups:  # groups that count steps themselves (apex)
-            first = next((group_steps[j] for j in range(offset, offset + len(group["params"]))
-                          if j in group_steps), None)  # fmt: skip
+            first = next(
+                (
+                    group_steps[j]
+                    for j in range(offset, offset + len(group["params"]))
+                    if j in group_steps
+                ),
+                None,
+            )
             if "step" in group and first is not None:
                 group["step"] = int(first.item() if torch.is_tensor(first) else first)
             offset += len(group["params"])
@@ -145,14 +151,24 @@ class AllReduceDP(DataParallel):
     shards_optimizer = False
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-        dp_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None,
-        bucket_size_mb: float = 25.0, overlap: bool = True,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        dp_group: dist.ProcessGroup | None,
+        tp_group: dist.ProcessGroup | None,
+        bucket_size_mb: float = 25.0,
+        overlap: bool = True,
+    ) -> None:
         self.optimizer, self.tp_group = optimizer, tp_group
         self._state = PlainOptimizerState(optimizer)
-        self.grad_sync = GradSync(model.parameters(), dp_group=dp_group, tp_group=tp_group,
-                                  bucket_size_mb=bucket_size_mb, overlap=overlap)  # fmt: skip
+        self.grad_sync = GradSync(
+            model.parameters(),
+            dp_group=dp_group,
+            tp_group=tp_group,
+            bucket_size_mb=bucket_size_mb,
+            overlap=overlap,
+        )
         self.params = self.grad_sync.params
 
     def no_sync(self) -> ContextManager[None]:
@@ -193,14 +209,25 @@ class Zero1DP(DataParallel):
     shards_optimizer = True
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-        dp_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None,
-        bucket_size_mb: float = 25.0, overlap: bool = True, param_dtype: torch.dtype | None = None,
-    ) -> None:  # fmt: skip
-        self.zero = self.optimizer = ZeroOptimizer(optimizer, dp_group=dp_group, tp_group=tp_group,
-                                  bucket_size_mb=bucket_size_mb, param_dtype=param_dtype,
-                                  overlap=overlap,
-                                  registration_order=list(model.parameters()))  # fmt: skip
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        dp_group: dist.ProcessGroup | None,
+        tp_group: dist.ProcessGroup | None,
+        bucket_size_mb: float = 25.0,
+        overlap: bool = True,
+        param_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.zero = self.optimizer = ZeroOptimizer(
+            optimizer,
+            dp_group=dp_group,
+            tp_group=tp_group,
+            bucket_size_mb=bucket_size_mb,
+            param_dtype=param_dtype,
+            overlap=overlap,
+            registration_order=list(model.parameters()),
+        )
         if overlap:
             self.zero.overlap_param_gather(model)
         self.params = self.zero.params
@@ -257,8 +284,12 @@ def build_data_parallel(
     masters). The one place that looks at the mode.
     """
     optimizer = build_optimizer(model, optim, device)
-    common = {"dp_group": dp_group, "tp_group": tp_group, "bucket_size_mb": bucket_size_mb,
-              "overlap": overlap}  # fmt: skip
+    common = {
+        "dp_group": dp_group,
+        "tp_group": tp_group,
+        "bucket_size_mb": bucket_size_mb,
+        "overlap": overlap,
+    }
     if optim.distributed:
         return Zero1DP(model, optimizer, param_dtype=low_precision, **common)
     return AllReduceDP(model, optimizer, **common)

@@ -101,9 +101,13 @@ class Embeddings(nn.Module):
         self.norm = None
         if bert:
             self.norm = LayerNorm(
-                cfg.hidden_size, cfg.layernorm_eps, sequence_parallel=cfg.sequence_parallel,
-                kernels=cfg.kernels, dtype=dtype, device=device,
-            )  # fmt: skip
+                cfg.hidden_size,
+                cfg.layernorm_eps,
+                sequence_parallel=cfg.sequence_parallel,
+                kernels=cfg.kernels,
+                dtype=dtype,
+                device=device,
+            )
 
     @staticmethod
     def _replicated(rows: int, cfg: ModelConfig, dtype, device) -> nn.Parameter:

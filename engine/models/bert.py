@@ -25,13 +25,21 @@ class MLMTransform(nn.Module):
         self.kernels = resolve_kernels(cfg.kernels)
         self.approximate = {"gelu": "none", "gelu_tanh": "tanh"}[cfg.activation]
         self.dense = replicated_linear(
-            cfg.hidden_size, cfg.hidden_size, std=cfg.init_std,
-            sequence_parallel=cfg.sequence_parallel, dtype=dtype, device=device,
-        )  # fmt: skip
+            cfg.hidden_size,
+            cfg.hidden_size,
+            std=cfg.init_std,
+            sequence_parallel=cfg.sequence_parallel,
+            dtype=dtype,
+            device=device,
+        )
         self.norm = LayerNorm(
-            cfg.hidden_size, cfg.layernorm_eps, sequence_parallel=cfg.sequence_parallel,
-            kernels=cfg.kernels, dtype=dtype, device=device,
-        )  # fmt: skip
+            cfg.hidden_size,
+            cfg.layernorm_eps,
+            sequence_parallel=cfg.sequence_parallel,
+            kernels=cfg.kernels,
+            dtype=dtype,
+            device=device,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.kernels.gelu(self.dense(x), None, self.approximate))
@@ -44,9 +52,13 @@ class Pooler(nn.Module):
         super().__init__()
         self.tp_group, self.input_sequence_sharded = tp_group, cfg.sequence_parallel
         self.dense = replicated_linear(
-            cfg.hidden_size, cfg.hidden_size, std=cfg.init_std, sequence_parallel=False,
-            dtype=dtype, device=device,
-        )  # fmt: skip
+            cfg.hidden_size,
+            cfg.hidden_size,
+            std=cfg.init_std,
+            sequence_parallel=False,
+            dtype=dtype,
+            device=device,
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.input_sequence_sharded:
@@ -89,9 +101,13 @@ class BertModel(ParallelModel):
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=True, **build)
         self.pooler = Pooler(cfg, **build)
         self.sop_head = replicated_linear(
-            cfg.hidden_size, 2, std=cfg.init_std, sequence_parallel=False, dtype=dtype,
+            cfg.hidden_size,
+            2,
+            std=cfg.init_std,
+            sequence_parallel=False,
+            dtype=dtype,
             device=device,
-        )  # fmt: skip
+        )
         self._compile_if_asked()
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -99,9 +115,12 @@ class BertModel(ParallelModel):
         ``token_type_ids``, ``attention_mask``, ``mlm_labels`` ``[b, s]`` and ``sop_label``
         ``[b]``."""
         return self(
-            batch["input_ids"], batch["token_type_ids"], batch["attention_mask"],
-            mlm_labels=batch["mlm_labels"], sop_labels=batch["sop_label"],
-        )["loss"]  # fmt: skip
+            batch["input_ids"],
+            batch["token_type_ids"],
+            batch["attention_mask"],
+            mlm_labels=batch["mlm_labels"],
+            sop_labels=batch["sop_label"],
+        )["loss"]
 
     def logits(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``{"mlm_logits": [b, s, V_padded/tp], "sop_logits": [b, 2]}`` of ``batch``."""

@@ -76,9 +76,12 @@ class GPTModel(ParallelModel):
             return logits.transpose(0, 1)  # [b, s, V/tp]
         # The logits are consumed here (a fused kernel may overwrite them with their grad).
         loss = self.kernels.cross_entropy(
-            logits, labels.t(), vocab_size=self.cfg.vocab_size, tp_group=self.tp_group,
+            logits,
+            labels.t(),
+            vocab_size=self.cfg.vocab_size,
+            tp_group=self.tp_group,
             comm_timer=comm_timer_of(self),
-        )  # fmt: skip
+        )
         return loss.t()  # [b, s]
 
     def _rotary_tables(self, input_ids, positions, cache, dtype):

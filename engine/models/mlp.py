@@ -42,17 +42,25 @@ class MLPClassifier(nn.Module):
         super().__init__()
         common = dict(tp_group=tp_group, dtype=dtype, device=device)
         self.fc1 = ColumnParallelLinear(
-            IMAGE_PIXELS, hidden_size, init_method=normal_init(math.sqrt(2 / IMAGE_PIXELS)),
+            IMAGE_PIXELS,
+            hidden_size,
+            init_method=normal_init(math.sqrt(2 / IMAGE_PIXELS)),
             **common,
-        )  # fmt: skip
+        )
         self.fc2 = RowParallelLinear(
-            hidden_size, hidden_size, init_method=normal_init(math.sqrt(2 / hidden_size)),
+            hidden_size,
+            hidden_size,
+            init_method=normal_init(math.sqrt(2 / hidden_size)),
             **common,
-        )  # fmt: skip
+        )
         self.head = replicated_linear(
-            hidden_size, NUM_CLASSES, std=math.sqrt(1 / hidden_size), sequence_parallel=False,
-            dtype=dtype, device=device,
-        )  # fmt: skip
+            hidden_size,
+            NUM_CLASSES,
+            std=math.sqrt(1 / hidden_size),
+            sequence_parallel=False,
+            dtype=dtype,
+            device=device,
+        )
         self.tp_group = tp_group
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:

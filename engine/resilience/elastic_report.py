@@ -61,8 +61,12 @@ class _Reporter(logging.Handler):
             self.failure = (int(args[1]), None if args[0] is None else int(args[0]))
         elif "attempts left" in msg and len(args) >= 4:
             remaining, total = int(args[2]), int(args[3])
-            print(f"{self.who()}; restart {total - remaining + 1}/{total} from step "
-                  f"{self.resume_from()}", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{self.who()}; restart {total - remaining + 1}/{total} from step "
+                f"{self.resume_from()}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def who(self) -> str:
         """'rank N died (exit code C)' for the failure seen last."""

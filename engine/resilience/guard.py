@@ -42,9 +42,14 @@ class BadStepGuard:
         self.nonfinite_streak = 0  # of them, those with a non-finite loss or norm
 
     def check(
-        self, step: int, loss: float, norm: float, *, overflow: bool = False,
+        self,
+        step: int,
+        loss: float,
+        norm: float,
+        *,
+        overflow: bool = False,
         loss_scale: float | None = None,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Whether step ``step`` must be skipped (collective: every rank calls it)."""
         loss_bad = _any_rank(not math.isfinite(loss), self.device)
         if not overflow and not loss_bad and math.isfinite(norm):

@@ -61,7 +61,10 @@ def report_failure(err: BaseException, run_dir: str, rank: int) -> int:
         line, status = str(err), EXIT_STOPPED
     else:
         first = (str(err).strip().splitlines() or [""])[0][:300]
-        line, status = f"rank {rank} failed: {type(err).__name__}: {first} (traceback in {log})", EXIT_FAILED  # fmt: skip
+        line, status = (
+            f"rank {rank} failed: {type(err).__name__}: {first} (traceback in {log})",
+            EXIT_FAILED,
+        )
     trace = "".join(traceback.format_exception(type(err), err, err.__traceback__))
     append_run_log(run_dir, f"rank {rank}: {line}\n{trace}")
     if rank == 0 or not getattr(err, "agreed", False):

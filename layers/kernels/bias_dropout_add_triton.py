@@ -136,11 +136,23 @@ def bias_dropout_add_forward(
         return out.view(x.shape)
     grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
     _bias_dropout_add_fwd_kernel[grid](
-        x2d, x if bias is None else bias, res2d, out, seed,
-        m, n, x2d.stride(0), rows_per_program, p, _scale(p),
-        HAS_BIAS=bias is not None, DROPOUT=dropout and p > 0.0,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
+        x2d,
+        x if bias is None else bias,
+        res2d,
+        out,
+        seed,
+        m,
+        n,
+        x2d.stride(0),
+        rows_per_program,
+        p,
+        _scale(p),
+        HAS_BIAS=bias is not None,
+        DROPOUT=dropout and p > 0.0,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     return out.view(x.shape)
 
 
@@ -156,9 +168,20 @@ def bias_dropout_add_backward(
     db_partial = torch.zeros((grid[0], n), dtype=torch.float32, device=dout.device)
     if dx.numel() > 0:
         _bias_dropout_add_bwd_kernel[grid](
-            dout2d, dx, db_partial, seed, m, n, rows_per_program, p, _scale(p),
-            HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )  # fmt: skip
+            dout2d,
+            dx,
+            db_partial,
+            seed,
+            m,
+            n,
+            rows_per_program,
+            p,
+            _scale(p),
+            HAS_BIAS=has_bias,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
     return dx.view(dout.shape), db_partial.sum(dim=0) if has_bias else None
 
 

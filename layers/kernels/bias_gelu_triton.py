@@ -131,10 +131,19 @@ def bias_gelu_forward(
         return y.view(x.shape)
     grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
     _bias_gelu_fwd_kernel[grid](
-        x2d, x if bias is None else bias, y, m, n, x2d.stride(0), rows_per_program,
-        HAS_BIAS=bias is not None, TANH=approximate == "tanh",
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
+        x2d,
+        x if bias is None else bias,
+        y,
+        m,
+        n,
+        x2d.stride(0),
+        rows_per_program,
+        HAS_BIAS=bias is not None,
+        TANH=approximate == "tanh",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     return y.view(x.shape)
 
 
@@ -153,11 +162,21 @@ def bias_gelu_backward(
     db_partial = torch.zeros((grid[0], n), dtype=torch.float32, device=x.device)
     if dx.numel() > 0:
         _bias_gelu_bwd_kernel[grid](
-            dy2d, x2d, x if bias is None else bias, dx, db_partial,
-            m, n, x2d.stride(0), rows_per_program,
-            HAS_BIAS=bias is not None, TANH=approximate == "tanh",
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )  # fmt: skip
+            dy2d,
+            x2d,
+            x if bias is None else bias,
+            dx,
+            db_partial,
+            m,
+            n,
+            x2d.stride(0),
+            rows_per_program,
+            HAS_BIAS=bias is not None,
+            TANH=approximate == "tanh",
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
     db = None if bias is None else db_partial.sum(dim=0).to(bias.dtype)
     return dx.view(x.shape), db
 

@@ -156,9 +156,18 @@ def cross_entropy_stats(
     stats = torch.empty((4, t), dtype=torch.float32, device=logits.device)
     if t > 0:
         _cross_entropy_fwd_stats_kernel[(t,)](
-            logits, target.contiguous(), stats, t, logits.stride(0), v_local, vocab_start,
-            vocab_size, SMOOTHING=smoothing, BLOCK_V=block, num_warps=num_warps,
-        )  # fmt: skip
+            logits,
+            target.contiguous(),
+            stats,
+            t,
+            logits.stride(0),
+            v_local,
+            vocab_start,
+            vocab_size,
+            SMOOTHING=smoothing,
+            BLOCK_V=block,
+            num_warps=num_warps,
+        )
     return stats
 
 
@@ -180,9 +189,18 @@ def cross_entropy_grad_(
         return logits
     block, num_warps = _block_v(v_local, block_v)
     _cross_entropy_fwd_grad_kernel[(t,)](
-        logits, target.contiguous(), lse, logits.stride(0), v_local, vocab_start, vocab_size,
-        ignore_index, smoothing, BLOCK_V=block, num_warps=num_warps,
-    )  # fmt: skip
+        logits,
+        target.contiguous(),
+        lse,
+        logits.stride(0),
+        v_local,
+        vocab_start,
+        vocab_size,
+        ignore_index,
+        smoothing,
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
     return logits
 
 
@@ -199,7 +217,13 @@ def cross_entropy_backward(
         return grad
     block, num_warps = _block_v(v_local, block_v)
     _cross_entropy_bwd_kernel[(t,)](
-        grad, grad_loss.reshape(t).to(torch.float32).contiguous(), target.contiguous(),
-        grad.stride(0), v_local, ignore_index, BLOCK_V=block, num_warps=num_warps,
-    )  # fmt: skip
+        grad,
+        grad_loss.reshape(t).to(torch.float32).contiguous(),
+        target.contiguous(),
+        grad.stride(0),
+        v_local,
+        ignore_index,
+        BLOCK_V=block,
+        num_warps=num_warps,
+    )
     return grad

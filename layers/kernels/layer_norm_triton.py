@@ -123,11 +123,20 @@ def layer_norm_forward(
         return y.view(x.shape), mean, rstd
     block_n, num_warps = row_settings(n)
     _layer_norm_fwd_kernel[(m,)](
-        x2d, y, x if weight is None else weight, x if bias is None else bias, mean, rstd,
-        x2d.stride(0), n, eps,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
+        x2d,
+        y,
+        x if weight is None else weight,
+        x if bias is None else bias,
+        mean,
+        rstd,
+        x2d.stride(0),
+        n,
+        eps,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
     return y.view(x.shape), mean, rstd
 
 
@@ -153,11 +162,23 @@ def layer_norm_backward(
     db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device)
     if m > 0:
         _layer_norm_bwd_kernel[(programs,)](
-            x2d, dy2d, dx, x if weight is None else weight, mean, rstd, dw_partial, db_partial,
-            x2d.stride(0), m, n, rows_per_program,
-            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_N=block_n, num_warps=num_warps,
-        )  # fmt: skip
+            x2d,
+            dy2d,
+            dx,
+            x if weight is None else weight,
+            mean,
+            rstd,
+            dw_partial,
+            db_partial,
+            x2d.stride(0),
+            m,
+            n,
+            rows_per_program,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
     # Second stage of the reduction: programs x N fp32, small.
     dw = None if weight is None else dw_partial.sum(dim=0).to(weight.dtype)
     db = None if bias is None else db_partial.sum(dim=0).to(bias.dtype)

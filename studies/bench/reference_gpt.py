@@ -65,11 +65,17 @@ class RefGPT(nn.Module):
 
 
 _REF_NAMES = {
-    "embedding.word.weight": "wte.weight", "embedding.position": "wpe.weight",
-    "final_norm": "ln_f", "attention_norm": "ln1", "mlp_norm": "ln2",
-    "attention.qkv": "qkv", "attention.dense": "proj", "mlp.fc1": "fc1", "mlp.fc2": "fc2",
+    "embedding.word.weight": "wte.weight",
+    "embedding.position": "wpe.weight",
+    "final_norm": "ln_f",
+    "attention_norm": "ln1",
+    "mlp_norm": "ln2",
+    "attention.qkv": "qkv",
+    "attention.dense": "proj",
+    "mlp.fc1": "fc1",
+    "mlp.fc2": "fc2",
     "layers.": "blocks.",
-}  # fmt: skip
+}
 
 
 def load_reference(ref: RefGPT, model: ParallelModel) -> None:

@@ -91,29 +91,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--tp", type=positive_int, default=1)
     p.add_argument("--dp", type=positive_int, default=1)
-    p.add_argument("--precision", choices=["auto", *PRECISIONS], default="auto",
-                   help="auto: bf16 autocast on CUDA, fp32 on CPU")  # fmt: skip
+    p.add_argument(
+        "--precision",
+        choices=["auto", *PRECISIONS],
+        default="auto",
+        help="auto: bf16 autocast on CUDA, fp32 on CPU",
+    )
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps of each loop")
     p.add_argument(
         "--blocks", type=positive_int, default=6, help="alternating timed blocks per loop"
     )
     p.add_argument("--steps-per-block", type=positive_int, default=4)
-    p.add_argument("--references", default="eager",
-                   help=f"comma list of {', '.join(REFERENCES)} (empty: meshtron only)")  # fmt: skip
+    p.add_argument(
+        "--references",
+        default="eager",
+        help=f"comma list of {', '.join(REFERENCES)} (empty: meshtron only)",
+    )
     p.add_argument("--no-reference", action="store_true", help="time meshtron only")
     p.add_argument(
         "--zero1",
         action="store_true",
         help="also time ZeRO-1 at the same layout, side by side with the all-reduce",
     )
-    p.add_argument("--bucket-mb", type=float, default=25.0,
-                   help="DP bucket size in MiB (trainer.grad_bucket_mb)")  # fmt: skip
-    p.add_argument("--profile", type=non_negative_int, default=0, metavar="N",
-                   help="profile N steps of each loop afterwards")  # fmt: skip
+    p.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        help="DP bucket size in MiB (trainer.grad_bucket_mb)",
+    )
+    p.add_argument(
+        "--profile",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="profile N steps of each loop afterwards",
+    )
     p.add_argument("--out", default=None, help="write results: .json, else CSV")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: torch's); 1 is steadiest on a shared CPU")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (default: torch's); 1 is steadiest on a shared CPU",
+    )
     args = p.parse_args(argv)
     _check_args(args)
     return args
@@ -142,12 +162,17 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     overrides = {
-        "hidden_size": args.hidden, "num_layers": args.layers, "num_heads": args.heads,
-        "ffn_hidden_size": args.ffn, "vocab_size": args.vocab,
+        "hidden_size": args.hidden,
+        "num_layers": args.layers,
+        "num_heads": args.heads,
+        "ffn_hidden_size": args.ffn,
+        "vocab_size": args.vocab,
         "max_positions": args.max_positions or max(args.seq, 1),
-        "hidden_dropout": args.dropout, "attention_dropout": args.dropout,
-        "kernels": args.kernels, "compile": args.compile or None,
-    }  # fmt: skip
+        "hidden_dropout": args.dropout,
+        "attention_dropout": args.dropout,
+        "kernels": args.kernels,
+        "compile": args.compile or None,
+    }
     try:
         cfg = preset(args.preset, **{k: v for k, v in overrides.items() if v is not None})
         if args.seq > cfg.max_positions:
@@ -179,9 +204,12 @@ def meshtron_step(model, dp: DataParallel, batch, ocfg, device, dtype):
 def make_batch(cfg: ModelConfig, args, ps, device) -> dict[str, torch.Tensor]:
     """A fixed random micro-batch for this DP rank (the verifier's GPT/BERT batches)."""
     spec = VerifySpec(
-        model=cfg.arch, vocab_size=cfg.vocab_size, seq_len=args.seq,
-        batch_size=args.micro_batch, seed=args.seed + ps.dp_rank,
-    )  # fmt: skip
+        model=cfg.arch,
+        vocab_size=cfg.vocab_size,
+        seq_len=args.seq,
+        batch_size=args.micro_batch,
+        seed=args.seed + ps.dp_rank,
+    )
     return {k: v.to(device) for k, v in verify_batch(spec).items()}
 
 
@@ -262,16 +290,21 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
         torch.manual_seed(args.seed)
         m = build_model(mcfg, tp_group=ps.tp_group, device=ps.device)
         dp = build_data_parallel(
-            m, OptimConfig(distributed=zero1), dp_group=ps.dp_group, tp_group=ps.tp_group,
-            device=ps.device, bucket_size_mb=args.bucket_mb,
+            m,
+            OptimConfig(distributed=zero1),
+            dp_group=ps.dp_group,
+            tp_group=ps.tp_group,
+            device=ps.device,
+            bucket_size_mb=args.bucket_mb,
             low_precision=torch.bfloat16 if dtype == torch.bfloat16 else None,
-        )  # fmt: skip
+        )
         name = (
             f"meshtron{' ZeRO-1' if zero1 else ''}{' compiled' if mcfg.compile else ''} "
             f"tp={ps.tp_size} dp={ps.dp_size}"
         )
-        loops.append(Loop(name, meshtron_step(m, dp, batch, ocfg, ps.device, dtype),
-                          settle=dp.wait_params))  # fmt: skip
+        loops.append(
+            Loop(name, meshtron_step(m, dp, batch, ocfg, ps.device, dtype), settle=dp.wait_params)
+        )
         info["vocab"][name] = cfg.padded_vocab_size(ps.tp_size)
         if model is not None:  # the same function as the first loop's model?
             info["loss_rel_gap"][name] = _loss_gap(model, m, batch)
@@ -282,8 +315,11 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
         return loops, info  # the references are one process and GPT only
     for kind in args.references:
         if kind == "mcore":
-            note = "not importable" if importlib.util.find_spec("megatron") is None else (
-                "importable, but its loop is not implemented in this tool")  # fmt: skip
+            note = (
+                "not importable"
+                if importlib.util.find_spec("megatron") is None
+                else ("importable, but its loop is not implemented in this tool")
+            )
             print(f"note: Megatron-Core reference skipped: {kind} {note}")
             continue
         ref = RefGPT(cfg).to(ps.device)

@@ -51,15 +51,20 @@ def summarize(loop: Loop, vocab: int, cfg: ModelConfig, args, ps, peak, ceiling)
     flops_per_s = model_flops / step_s
     utilization = flops.mfu(flops_per_s, peak, ps.world_size)
     return {
-        "loop": loop.name, "tp": ps.tp_size, "dp": ps.dp_size, "steps": len(loop.times),
-        "step_ms_median": 1e3 * step_s, "step_ms_p10": 1e3 * _percentile(loop.times, 0.1),
+        "loop": loop.name,
+        "tp": ps.tp_size,
+        "dp": ps.dp_size,
+        "steps": len(loop.times),
+        "step_ms_median": 1e3 * step_s,
+        "step_ms_p10": 1e3 * _percentile(loop.times, 0.1),
         "step_ms_p90": 1e3 * _percentile(loop.times, 0.9),
         "cpu_ms_median": 1e3 * statistics.median(loop.cpu_times),
-        "tokens_per_s": batch * args.seq / step_s, "model_flops_per_step": model_flops,
+        "tokens_per_s": batch * args.seq / step_s,
+        "model_flops_per_step": model_flops,
         "model_tflops_per_s": flops_per_s / 1e12,
         "pct_of_matmul_ceiling": 100 * flops_per_s / (ceiling * ps.world_size),
         "mfu_pct": None if utilization is None else 100 * utilization,
-    }  # fmt: skip
+    }
 
 
 def paired_ratios(loops: list[Loop], reference: int, args) -> list[float]:
@@ -74,18 +79,30 @@ def paired_ratios(loops: list[Loop], reference: int, args) -> list[float]:
 
 def render(rows: list[dict], meta: dict, console: Console) -> None:
     table = Table(title=f"Training throughput — {meta['device_name']}, {meta['precision']}")
-    for col in ("loop", "step ms (median)", "p10–p90 ms", "CPU ms (median)", "tokens/s",
-                "model TFLOP/s", "% matmul ceiling", "MFU", "ratio"):  # fmt: skip
+    for col in (
+        "loop",
+        "step ms (median)",
+        "p10–p90 ms",
+        "CPU ms (median)",
+        "tokens/s",
+        "model TFLOP/s",
+        "% matmul ceiling",
+        "MFU",
+        "ratio",
+    ):
         table.add_column(col, justify="left" if col == "loop" else "right")
     for r in rows:
         table.add_row(
-            r["loop"], f"{r['step_ms_median']:.1f}",
-            f"{r['step_ms_p10']:.1f}–{r['step_ms_p90']:.1f}", f"{r['cpu_ms_median']:.1f}",
+            r["loop"],
+            f"{r['step_ms_median']:.1f}",
+            f"{r['step_ms_p10']:.1f}–{r['step_ms_p90']:.1f}",
+            f"{r['cpu_ms_median']:.1f}",
             f"{r['tokens_per_s']:,.0f}",
-            f"{r['model_tflops_per_s']:.4f}", f"{r['pct_of_matmul_ceiling']:.1f}%",
+            f"{r['model_tflops_per_s']:.4f}",
+            f"{r['pct_of_matmul_ceiling']:.1f}%",
             "n/a" if r["mfu_pct"] is None else f"{r['mfu_pct']:.1f}%",
             "" if r.get("ratio") is None else f"{r['ratio']:.3f}×",
-        )  # fmt: skip
+        )
     console.print(table)
     console.print(
         f"model: {meta['model']}  seq={meta['seq']} micro_batch={meta['micro_batch']}  "
@@ -139,11 +156,13 @@ def compare(rows: list[dict], loops: list[Loop], info: dict, args) -> dict[str, 
         rows[i]["ratio"] = ratio
         pairs = paired_ratios(loops, i, args)
         out[loops[i].name] = dict(
-            ratio=ratio, cpu_ratio=rows[0]["cpu_ms_median"] / rows[i]["cpu_ms_median"],
-            p10_ratio=rows[0]["step_ms_p10"] / rows[i]["step_ms_p10"], paired_ratios=pairs,
+            ratio=ratio,
+            cpu_ratio=rows[0]["cpu_ms_median"] / rows[i]["cpu_ms_median"],
+            p10_ratio=rows[0]["step_ms_p10"] / rows[i]["step_ms_p10"],
+            paired_ratios=pairs,
             paired_ratio_median=statistics.median(pairs),
             loss_rel_gap=info["loss_rel_gap"][loops[i].name],
-        )  # fmt: skip
+        )
     return out
 
 
@@ -151,29 +170,46 @@ def zero1_ratio(rows: list[dict], loops: list[Loop], args) -> dict:
     """ZeRO-1's step time over the all-reduce path's: medians, p10s, per block pair."""
     k = args.steps_per_block
     plain, zero = loops[0].times, loops[1].times
-    pairs = [statistics.median(zero[i : i + k]) / statistics.median(plain[i : i + k])
-             for i in range(0, len(zero), k)]  # fmt: skip
+    pairs = [
+        statistics.median(zero[i : i + k]) / statistics.median(plain[i : i + k])
+        for i in range(0, len(zero), k)
+    ]
     rows[1]["ratio"] = rows[1]["step_ms_median"] / rows[0]["step_ms_median"]
-    return {"ratio": rows[1]["ratio"], "p10_ratio": rows[1]["step_ms_p10"] / rows[0]["step_ms_p10"],
-            "cpu_ratio": rows[1]["cpu_ms_median"] / rows[0]["cpu_ms_median"],
-            "paired_ratios": pairs, "paired_ratio_median": statistics.median(pairs)}  # fmt: skip
+    return {
+        "ratio": rows[1]["ratio"],
+        "p10_ratio": rows[1]["step_ms_p10"] / rows[0]["step_ms_p10"],
+        "cpu_ratio": rows[1]["cpu_ms_median"] / rows[0]["cpu_ms_median"],
+        "paired_ratios": pairs,
+        "paired_ratio_median": statistics.median(pairs),
+    }
 
 
 def run_meta(cfg: ModelConfig, args, ps, precision: str, ceiling: float, peak) -> dict:
     device_name = (
-        torch.cuda.get_device_name(ps.device) if ps.device.type == "cuda"
+        torch.cuda.get_device_name(ps.device)
+        if ps.device.type == "cuda"
         else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
-    )  # fmt: skip
+    )
     n = 8192 if ps.device.type == "cuda" else 1024
     return {
-        "date": time.strftime("%Y-%m-%d"), "device_name": device_name,
-        "torch": torch.__version__, "precision": precision, "command": " ".join(sys.argv),
-        "model": (f"{cfg.arch} l={cfg.num_layers} h={cfg.hidden_size} a={cfg.num_heads} "
-                  f"ffn={cfg.ffn_size} V={cfg.vocab_size} dropout={cfg.hidden_dropout}"),
-        "seq": args.seq, "micro_batch": args.micro_batch, "world_size": ps.world_size,
-        "params": flops.params_count(cfg), "matmul_ceiling_tflops": ceiling / 1e12,
-        "ceiling_shape": f"{n}³ {precision}", "peak_tflops": None if peak is None else peak / 1e12,
-        "steps_per_loop": args.blocks * args.steps_per_block, "warmup": args.warmup,
+        "date": time.strftime("%Y-%m-%d"),
+        "device_name": device_name,
+        "torch": torch.__version__,
+        "precision": precision,
+        "command": " ".join(sys.argv),
+        "model": (
+            f"{cfg.arch} l={cfg.num_layers} h={cfg.hidden_size} a={cfg.num_heads} "
+            f"ffn={cfg.ffn_size} V={cfg.vocab_size} dropout={cfg.hidden_dropout}"
+        ),
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "world_size": ps.world_size,
+        "params": flops.params_count(cfg),
+        "matmul_ceiling_tflops": ceiling / 1e12,
+        "ceiling_shape": f"{n}³ {precision}",
+        "peak_tflops": None if peak is None else peak / 1e12,
+        "steps_per_loop": args.blocks * args.steps_per_block,
+        "warmup": args.warmup,
         "torch_threads": torch.get_num_threads(),
         "load_avg_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }  # fmt: skip
+    }

@@ -52,8 +52,9 @@ def modelgemm_shapes(w: Workload, tps: list[int], micro_batches: list[int]) -> t
     return linear, attention
 
 
-def measure_gemms(shapes: tuple[set, set], device: torch.device, dtype: torch.dtype,
-                  repeats: int) -> list:  # fmt: skip
+def measure_gemms(
+    shapes: tuple[set, set], device: torch.device, dtype: torch.dtype, repeats: int
+) -> list:
     """[m, n, k, TFLOP/s] rows, keyed as studies.perfmodel prices them.
 
     A linear layer (m, n, k) is timed as its three real ops: forward x·Wᵀ (row m, n, k),
@@ -246,15 +247,24 @@ def _comm_section(ranks: list[int], quick: bool) -> tuple[dict, list[dict]]:
         results = measure_collectives(world, sizes, 3 if quick else 5)
         alpha, bw = fit_ring(results, world)
         fits[world] = (alpha, bw)
-        raw.append({"ranks": world, "alpha_us": round(alpha * 1e6, 2),
-                    "bandwidth_GBps": round(bw / 1e9, 4),
-                    "samples": [[n, round(ar * 1e6, 1), round(ag * 1e6, 1)]
-                                for n, ar, ag in results]})  # fmt: skip
+        raw.append(
+            {
+                "ranks": world,
+                "alpha_us": round(alpha * 1e6, 2),
+                "bandwidth_GBps": round(bw / 1e9, 4),
+                "samples": [[n, round(ar * 1e6, 1), round(ag * 1e6, 1)] for n, ar, ag in results],
+            }
+        )
     alpha, bw = fits[min(ranks)]
-    by_ranks = {p: {"bandwidth_GBps": round(b / 1e9, 4), "latency_us": round(a * 1e6, 2)}
-                for p, (a, b) in fits.items()}  # fmt: skip
-    return {"bandwidth_GBps": round(bw / 1e9, 4), "latency_us": round(alpha * 1e6, 2),
-            "by_ranks": by_ranks}, raw  # fmt: skip
+    by_ranks = {
+        p: {"bandwidth_GBps": round(b / 1e9, 4), "latency_us": round(a * 1e6, 2)}
+        for p, (a, b) in fits.items()
+    }
+    return {
+        "bandwidth_GBps": round(bw / 1e9, 4),
+        "latency_us": round(alpha * 1e6, 2),
+        "by_ranks": by_ranks,
+    }, raw
 
 
 def calibrate_cpu(args: argparse.Namespace) -> dict:
@@ -263,8 +273,15 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
 
     repeats = 3 if args.quick else 7
     pre = model_preset(args.model)
-    w = Workload(pre["hidden_size"], pre["num_layers"], pre["num_heads"], pre["vocab_size"],
-                 args.seq, 1, precision="fp32")  # fmt: skip
+    w = Workload(
+        pre["hidden_size"],
+        pre["num_layers"],
+        pre["num_heads"],
+        pre["vocab_size"],
+        args.seq,
+        1,
+        precision="fp32",
+    )
     tps = [int(x) for x in args.tp.split(",")]
     mbs = [int(x) for x in args.micro_batch.split(",")]
     if args.quick:
@@ -337,9 +354,11 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     if not args.no_in_model:  # the trainer's own runs, at micro-batches the validation skips
         found = in_model_runs.measure(w, hiddens, spec, args.quick)
         spec["device"]["compute_scale"] = found["compute_scale"]
-        spec["in_model"] = {"source": f"engine.pretrain, {in_model_runs.STEPS} steps per run; {src}",
-                            **found["in_model"]}  # fmt: skip
-    return spec  # fmt: skip
+        spec["in_model"] = {
+            "source": f"engine.pretrain, {in_model_runs.STEPS} steps per run; {src}",
+            **found["in_model"],
+        }
+    return spec
 
 
 def main(argv: list[str], description: str | None = None, formatter=None) -> int:
@@ -367,7 +386,9 @@ def main(argv: list[str], description: str | None = None, formatter=None) -> int
         )
         yaml.safe_dump(spec, fh, sort_keys=False, default_flow_style=None, width=100)
     os.replace(tmp, args.out)
-    print(f"wrote {args.out}: GEMM up to {spec['device']['peak_tflops'] * 1e3:.1f} GFLOP/s, "
-          f"stream {spec['device']['mem_bandwidth_TBps'] * 1e3:.2f} GB/s, all-reduce "
-          f"{spec['intra_node']['bandwidth_GBps']:.2f} GB/s α={spec['intra_node']['latency_us']} µs")  # fmt: skip
+    print(
+        f"wrote {args.out}: GEMM up to {spec['device']['peak_tflops'] * 1e3:.1f} GFLOP/s, "
+        f"stream {spec['device']['mem_bandwidth_TBps'] * 1e3:.2f} GB/s, all-reduce "
+        f"{spec['intra_node']['bandwidth_GBps']:.2f} GB/s α={spec['intra_node']['latency_us']} µs"
+    )
     return 0

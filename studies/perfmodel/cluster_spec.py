@@ -148,9 +148,19 @@ def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
 
 
 _KNOWN = {
-    "name", "gpus_per_node", "intra_node", "inter_node", "device", "efficiency",
-    "collectives", "overlap_efficiency", "precision", "defaults", "max_nodes", "in_model",
-}  # fmt: skip
+    "name",
+    "gpus_per_node",
+    "intra_node",
+    "inter_node",
+    "device",
+    "efficiency",
+    "collectives",
+    "overlap_efficiency",
+    "precision",
+    "defaults",
+    "max_nodes",
+    "in_model",
+}
 
 
 def cluster_names(directory: Path = CLUSTER_DIR) -> list[str]:

@@ -52,9 +52,16 @@ def async_update_rate(
 
 
 def time_to_target(
-    p: int, compute_s: float, sigma: float, n_bytes: float, link: Link,
-    *, servers: int, c: float, sync_updates: float = 1e4,
-) -> tuple[float, float]:  # fmt: skip
+    p: int,
+    compute_s: float,
+    sigma: float,
+    n_bytes: float,
+    link: Link,
+    *,
+    servers: int,
+    c: float,
+    sync_updates: float = 1e4,
+) -> tuple[float, float]:
     """(sync, async) seconds to the target loss.
 
     Synchronous DP needs ``sync_updates`` updates of a p× larger batch; asynchronous DP
@@ -82,9 +89,13 @@ def write_plots(out_dir: str, n_bytes: float = 1.3e9 * 2, compute_s: float = 0.5
     fig, ax = plt.subplots(figsize=(6, 4))
     rows = [exchange_seconds(n_bytes, p, link) for p in ps]
     drawn: dict[str, list[float]] = {}
-    for key, label in (("ring", "ring all-reduce"), ("tree", "tree all-reduce"),
-                       ("ps1", "1 parameter server"), ("ps8", "8 parameter servers"),
-                       ("ps_sharded_p", "p sharded servers")):  # fmt: skip
+    for key, label in (
+        ("ring", "ring all-reduce"),
+        ("tree", "tree all-reduce"),
+        ("ps1", "1 parameter server"),
+        ("ps8", "8 parameter servers"),
+        ("ps_sharded_p", "p sharded servers"),
+    ):
         ys = [r[key] for r in rows]
         same = next((name for name, other in drawn.items() if _overlaps(ys, other)), None)
         # A series that would hide under one already drawn (p sharded servers move 2n/bw per
@@ -98,8 +109,13 @@ def write_plots(out_dir: str, n_bytes: float = 1.3e9 * 2, compute_s: float = 0.5
             **(style if same else dict(marker="o", markersize=5)),
         )
         drawn[label] = ys
-    ax.set(xscale="log", yscale="log", xlabel="workers p", ylabel="seconds per step",
-           title="Gradient exchange, 2.6 GB (1.3B bf16), 25 GB/s links")  # fmt: skip
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="workers p",
+        ylabel="seconds per step",
+        title="Gradient exchange, 2.6 GB (1.3B bf16), 25 GB/s links",
+    )
     ax.legend(fontsize=8)
     paths = [f"{out_dir}/perfmodel_ps_vs_ring.png"]
     fig.tight_layout()
@@ -107,12 +123,29 @@ def write_plots(out_dir: str, n_bytes: float = 1.3e9 * 2, compute_s: float = 0.5
     plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
     for c in (0.0, 0.05, 0.2):
-        ax.plot(ps, [time_to_target(p, compute_s, 0.1, n_bytes, link, servers=8, c=c)[1] / 3600
-                     for p in ps], marker="s", label=f"async, 8 servers, c={c}")  # fmt: skip
-    ax.plot(ps, [time_to_target(p, compute_s, 0.1, n_bytes, link, servers=8, c=0)[0] / 3600
-                 for p in ps], marker="o", color="k", label="sync ring all-reduce")  # fmt: skip
-    ax.set(xscale="log", yscale="log", xlabel="workers p", ylabel="hours to target (model)",
-           title="Sync vs async DP (σ=0.1 stragglers, 0.5 s compute)")  # fmt: skip
+        ax.plot(
+            ps,
+            [
+                time_to_target(p, compute_s, 0.1, n_bytes, link, servers=8, c=c)[1] / 3600
+                for p in ps
+            ],
+            marker="s",
+            label=f"async, 8 servers, c={c}",
+        )
+    ax.plot(
+        ps,
+        [time_to_target(p, compute_s, 0.1, n_bytes, link, servers=8, c=0)[0] / 3600 for p in ps],
+        marker="o",
+        color="k",
+        label="sync ring all-reduce",
+    )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="workers p",
+        ylabel="hours to target (model)",
+        title="Sync vs async DP (σ=0.1 stragglers, 0.5 s compute)",
+    )
     ax.legend(fontsize=8)
     paths.append(f"{out_dir}/perfmodel_sync_vs_async.png")
     fig.tight_layout()

@@ -19,8 +19,7 @@ from studies.perfmodel.validate import Point, run_pretrain
 
 # Layouts the calibration runs for communication: (tp, dp, sequence parallel). Each covers
 # one key of the tables; the quick set covers what the CI-sized validation prices.
-RUNS = ((2, 1, False), (2, 1, True), (1, 2, False), (2, 2, False), (4, 1, False),
-        (1, 4, False))  # fmt: skip
+RUNS = ((2, 1, False), (2, 1, True), (1, 2, False), (2, 2, False), (4, 1, False), (1, 4, False))
 QUICK_RUNS = ((2, 1, False), (1, 2, False))
 # Micro-batches of the runs: TP layouts run twice, (smallest hidden, 1) and (largest
 # hidden, 2), so that their cost can be split into a part per collective and a part

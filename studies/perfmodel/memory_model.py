@@ -72,9 +72,19 @@ def layer_activation_bytes(
 
 
 def activation_bytes(
-    s: int, b: int, h: int, a: int, layers: int, vocab: int, t: int, act_bytes: int,
-    *, sp: bool, recompute: str, fused_attention: bool,
-) -> float:  # fmt: skip
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    layers: int,
+    vocab: int,
+    t: int,
+    act_bytes: int,
+    *,
+    sp: bool,
+    recompute: str,
+    fused_attention: bool,
+) -> float:
     """All activation bytes of one micro-batch on one rank (layers, working set, logits)."""
     scale = act_bytes / 2
     kept = layers * layer_activation_bytes(

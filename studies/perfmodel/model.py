@@ -100,9 +100,16 @@ class Prediction:
 
     def as_json(self) -> dict:
         """The keys ``plan.py predict --json`` prints."""
-        keys = ("step_time_s", "tokens_per_s", "model_tflops_per_gpu",
-                "hardware_tflops_per_gpu", "mfu", "memory_gib_per_gpu", "micro_batch",
-                "breakdown")  # fmt: skip
+        keys = (
+            "step_time_s",
+            "tokens_per_s",
+            "model_tflops_per_gpu",
+            "hardware_tflops_per_gpu",
+            "mfu",
+            "memory_gib_per_gpu",
+            "micro_batch",
+            "breakdown",
+        )
         return {k: getattr(self, k) for k in keys}
 
 
@@ -280,10 +287,18 @@ def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
     params = params_per_rank(w, lay.tp)
     weights, grads, opt = state_bytes_per_param(w.precision, lay.zero1, lay.dp)
     acts = activation_bytes(
-        w.seq, lay.micro_batch, w.hidden, w.heads, w.layers, w.padded_vocab(lay.tp), lay.tp,
-        w.act_bytes, sp=lay.sequence_parallel, recompute=lay.recompute,
+        w.seq,
+        lay.micro_batch,
+        w.hidden,
+        w.heads,
+        w.layers,
+        w.padded_vocab(lay.tp),
+        lay.tp,
+        w.act_bytes,
+        sp=lay.sequence_parallel,
+        recompute=lay.recompute,
         fused_attention=lay.fused_attention,
-    )  # fmt: skip
+    )
     return MemoryTerms(params * weights, params * grads, params * opt, acts)
 
 
@@ -312,9 +327,14 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     hw_flops = model_flops
     if lay.recompute == "full":
         hw_flops = gpt_flops_per_iteration(
-            w.global_batch, w.seq, w.layers, w.hidden, w.padded_vocab(lay.tp),
-            recompute=True, ffn_hidden=w.ffn,
-        )  # fmt: skip
+            w.global_batch,
+            w.seq,
+            w.layers,
+            w.hidden,
+            w.padded_vocab(lay.tp),
+            recompute=True,
+            ffn_hidden=w.ffn,
+        )
     mem = memory_terms(w, lay)
     breakdown = {
         "compute_s": micro_steps * c["total"],

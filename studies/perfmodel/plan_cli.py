@@ -78,16 +78,24 @@ def workload_from_args(args: argparse.Namespace, cluster: ClusterSpec) -> Worklo
     missing = [f"--{k}" for k, v in sizes.items() if not v]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}: give them or --model PRESET")
-    return Workload(**sizes, global_batch=args.global_batch, ffn=args.ffn or pre.get("ffn_hidden_size"),
-                    precision=args.precision or cluster.precision)  # fmt: skip
+    return Workload(
+        **sizes,
+        global_batch=args.global_batch,
+        ffn=args.ffn or pre.get("ffn_hidden_size"),
+        precision=args.precision or cluster.precision,
+    )
 
 
 def _base_layout(args: argparse.Namespace) -> Layout:
     return Layout(
-        tp=1, dp=1, micro_batch=1, fused_attention=not args.unfused_attention,
-        overlap_grad_reduce=not args.no_overlap, overlap_param_gather=args.overlap_param_gather,
+        tp=1,
+        dp=1,
+        micro_batch=1,
+        fused_attention=not args.unfused_attention,
+        overlap_grad_reduce=not args.no_overlap,
+        overlap_param_gather=args.overlap_param_gather,
         tp_comm_overlap=args.tp_comm_overlap,
-    )  # fmt: skip
+    )
 
 
 def _check_nodes(cluster: ClusterSpec, gpus: int) -> None:
@@ -102,9 +110,17 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
     """Print one prediction; the best micro-batch when --micro-batch is omitted."""
     dp = args.dp or args.gpus // args.tp
     base = _base_layout(args)
-    lay = Layout(**{**base.__dict__, "tp": args.tp, "dp": dp, "micro_batch": args.micro_batch or 1,
-                    "recompute": args.recompute, "sequence_parallel": args.sequence_parallel,
-                    "zero1": args.zero1})  # fmt: skip
+    lay = Layout(
+        **{
+            **base.__dict__,
+            "tp": args.tp,
+            "dp": dp,
+            "micro_batch": args.micro_batch or 1,
+            "recompute": args.recompute,
+            "sequence_parallel": args.sequence_parallel,
+            "zero1": args.zero1,
+        }
+    )
     problems = layout_problems(w, lay, args.gpus)
     if args.micro_batch is None and not problems:
         per_rank = w.global_batch // dp
@@ -122,11 +138,15 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
         print(json.dumps(p.as_json(), indent=1))
         return 0
     b = p.breakdown
-    print(f"{cluster.name}: tp={lay.tp} dp={lay.dp} micro_batch={lay.micro_batch} "
-          f"recompute={lay.recompute} sp={lay.sequence_parallel} zero1={lay.zero1}")  # fmt: skip
-    print(f"  step {p.step_time_s:.4g} s   {p.tokens_per_s:,.0f} tokens/s   model "
-          f"{p.model_tflops_per_gpu:.1f} / hardware {p.hardware_tflops_per_gpu:.1f} TFLOP/s per GPU   "
-          f"MFU {100 * p.mfu:.1f}%   memory {p.memory_gib_per_gpu:.1f} GiB/GPU")  # fmt: skip
+    print(
+        f"{cluster.name}: tp={lay.tp} dp={lay.dp} micro_batch={lay.micro_batch} "
+        f"recompute={lay.recompute} sp={lay.sequence_parallel} zero1={lay.zero1}"
+    )
+    print(
+        f"  step {p.step_time_s:.4g} s   {p.tokens_per_s:,.0f} tokens/s   model "
+        f"{p.model_tflops_per_gpu:.1f} / hardware {p.hardware_tflops_per_gpu:.1f} TFLOP/s per GPU   "
+        f"MFU {100 * p.mfu:.1f}%   memory {p.memory_gib_per_gpu:.1f} GiB/GPU"
+    )
     times = {k[:-2]: v for k, v in b.items() if isinstance(v, float)}
     print("  time: " + "  ".join(f"{k} {v:.4g} s" for k, v in times.items()))
     print("  memory: " + "  ".join(f"{k} {v:.2f} GiB" for k, v in b["memory_gib"].items()))
@@ -135,25 +155,44 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
 
 def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> int:
     """Print the ranked feasible layouts (best per tp × dp first) and the rejected splits."""
-    res = search(w, cluster, args.gpus, memory_gib=args.memory_gib,
-                 micro_batch=args.micro_batch, base=_base_layout(args))  # fmt: skip
+    res = search(
+        w,
+        cluster,
+        args.gpus,
+        memory_gib=args.memory_gib,
+        micro_batch=args.micro_batch,
+        base=_base_layout(args),
+    )
     best = best_per_split(res)
     if args.json:
-        rows = [{"tp": c.layout.tp, "dp": c.layout.dp, "micro_batch": c.layout.micro_batch,
-                 "recompute": c.layout.recompute, "sequence_parallel": c.layout.sequence_parallel,
-                 "zero1": c.layout.zero1, "reason": c.reason, **c.prediction.as_json()}
-                for c in res.feasible[: args.top]]  # fmt: skip
+        rows = [
+            {
+                "tp": c.layout.tp,
+                "dp": c.layout.dp,
+                "micro_batch": c.layout.micro_batch,
+                "recompute": c.layout.recompute,
+                "sequence_parallel": c.layout.sequence_parallel,
+                "zero1": c.layout.zero1,
+                "reason": c.reason,
+                **c.prediction.as_json(),
+            }
+            for c in res.feasible[: args.top]
+        ]
         rejected = [{"tp": r.tp, "dp": r.dp, "reason": r.reason} for r in res.rejected]
         print(json.dumps({"feasible": rows, "rejected": rejected}, indent=1))
         return 0
-    print(f"{w.layers}×{w.hidden} GPT (a={w.heads}, s={w.seq}, V={w.vocab}), global batch "
-          f"{w.global_batch}, {args.gpus} GPUs of {cluster.name}")  # fmt: skip
+    print(
+        f"{w.layers}×{w.hidden} GPT (a={w.heads}, s={w.seq}, V={w.vocab}), global batch "
+        f"{w.global_batch}, {args.gpus} GPUs of {cluster.name}"
+    )
     print("best layout per tp × dp, fastest first:")
     for i, c in enumerate(best, 1):
         lay, p = c.layout, c.prediction
-        print(f" {i}. tp={lay.tp} dp={lay.dp} mb={lay.micro_batch} recompute={lay.recompute} "
-              f"sp={int(lay.sequence_parallel)} zero1={int(lay.zero1)}: {p.tokens_per_s:,.0f} tok/s, "
-              f"MFU {100 * p.mfu:.1f}%, step {p.step_time_s:.3g} s; {c.reason}")  # fmt: skip
+        print(
+            f" {i}. tp={lay.tp} dp={lay.dp} mb={lay.micro_batch} recompute={lay.recompute} "
+            f"sp={int(lay.sequence_parallel)} zero1={int(lay.zero1)}: {p.tokens_per_s:,.0f} tok/s, "
+            f"MFU {100 * p.mfu:.1f}%, step {p.step_time_s:.3g} s; {c.reason}"
+        )
     print(f"({len(res.feasible)} feasible layouts in all)")
     for r in res.rejected:
         print(f" rejected tp={r.tp} dp={r.dp}: {r.reason}")

@@ -46,23 +46,96 @@ class PublishedRow:
 _A100 = dict(cluster="dgx_a100_80gb", vocab=51200, seq=2048, hardware_flops=True)
 _H100 = dict(cluster="dgx_h100", vocab=131072, seq=4096, hardware_flops=False)
 ROWS = (
-    PublishedRow("1.7B (2021)", hidden=2304, layers=24, heads=18, tp=1, gpus=32,
-                 global_batch=512, tflops=137, **_A100),
-    PublishedRow("3.6B (2021)", hidden=3072, layers=30, heads=24, tp=2, gpus=64,
-                 global_batch=512, tflops=138, **_A100),
-    PublishedRow("7.5B (2021)", hidden=4096, layers=36, heads=32, tp=4, gpus=128,
-                 global_batch=512, tflops=142, **_A100),
-    PublishedRow("18.4B (2021)", hidden=6144, layers=40, heads=48, tp=8, gpus=256,
-                 global_batch=1024, tflops=135, **_A100),
-    PublishedRow("1.7B (Core)", hidden=2048, layers=24, heads=16, tp=1, gpus=48,
-                 global_batch=192, tflops=408.8, fitted=True, **_H100),
-    PublishedRow("7.1B (Core)", hidden=4096, layers=30, heads=32, tp=2, gpus=96,
-                 global_batch=192, tflops=465.9, **_H100),
-    PublishedRow("16B (Core)", hidden=6144, layers=32, heads=48, tp=4, gpus=192,
-                 global_batch=192, tflops=489.1, **_H100),
-    PublishedRow("32B (Core)", hidden=7168, layers=48, heads=56, tp=8, gpus=384,
-                 global_batch=192, tflops=459.6, **_H100),
-)  # fmt: skip
+    PublishedRow(
+        "1.7B (2021)",
+        hidden=2304,
+        layers=24,
+        heads=18,
+        tp=1,
+        gpus=32,
+        global_batch=512,
+        tflops=137,
+        **_A100,
+    ),
+    PublishedRow(
+        "3.6B (2021)",
+        hidden=3072,
+        layers=30,
+        heads=24,
+        tp=2,
+        gpus=64,
+        global_batch=512,
+        tflops=138,
+        **_A100,
+    ),
+    PublishedRow(
+        "7.5B (2021)",
+        hidden=4096,
+        layers=36,
+        heads=32,
+        tp=4,
+        gpus=128,
+        global_batch=512,
+        tflops=142,
+        **_A100,
+    ),
+    PublishedRow(
+        "18.4B (2021)",
+        hidden=6144,
+        layers=40,
+        heads=48,
+        tp=8,
+        gpus=256,
+        global_batch=1024,
+        tflops=135,
+        **_A100,
+    ),
+    PublishedRow(
+        "1.7B (Core)",
+        hidden=2048,
+        layers=24,
+        heads=16,
+        tp=1,
+        gpus=48,
+        global_batch=192,
+        tflops=408.8,
+        fitted=True,
+        **_H100,
+    ),
+    PublishedRow(
+        "7.1B (Core)",
+        hidden=4096,
+        layers=30,
+        heads=32,
+        tp=2,
+        gpus=96,
+        global_batch=192,
+        tflops=465.9,
+        **_H100,
+    ),
+    PublishedRow(
+        "16B (Core)",
+        hidden=6144,
+        layers=32,
+        heads=48,
+        tp=4,
+        gpus=192,
+        global_batch=192,
+        tflops=489.1,
+        **_H100,
+    ),
+    PublishedRow(
+        "32B (Core)",
+        hidden=7168,
+        layers=48,
+        heads=56,
+        tp=8,
+        gpus=384,
+        global_batch=192,
+        tflops=459.6,
+        **_H100,
+    ),
+)
 
 
 def _software(row: PublishedRow) -> tuple[Layout, dict]:
@@ -102,8 +175,9 @@ def evaluate(row: PublishedRow) -> RowResult:
     best = at_tp[0]
     p = best.prediction
     value = p.hardware_tflops_per_gpu if row.hardware_flops else p.model_tflops_per_gpu
-    return RowResult(row, value, best.layout.micro_batch, best.layout.recompute,
-                     result.feasible[0].layout.tp)  # fmt: skip
+    return RowResult(
+        row, value, best.layout.micro_batch, best.layout.recompute, result.feasible[0].layout.tp
+    )
 
 
 def evaluate_all(rows: tuple[PublishedRow, ...] = ROWS) -> list[RowResult]:

@@ -110,8 +110,11 @@ def search(
         if problems:
             rejected.append(Rejected(tp, dp, "does not divide: " + "; ".join(problems)))
             continue
-        options = [lay for lay in _options(tp, dp, micro_batch, w, base, only or {})
-                   if not layout_problems(w, lay, gpus)]  # fmt: skip
+        options = [
+            lay
+            for lay in _options(tp, dp, micro_batch, w, base, only or {})
+            if not layout_problems(w, lay, gpus)
+        ]
         if not options:
             rejected.append(Rejected(tp, dp, f"does not divide: micro_batch={micro_batch}"))
             continue

@@ -53,17 +53,28 @@ PARTS = ("compute_s", "tp_comm_s", "dp_comm_exposed_s", "optimizer_s", "data_s")
 def pretrain_overrides(w: Workload, lay: Layout, steps: int, log_every: int) -> list[str]:
     """Hydra overrides that make engine.pretrain run exactly this point, writing nothing."""
     return [
-        f"tp_size={lay.tp}", f"dp_size={lay.dp}", f"model.hidden_size={w.hidden}",
-        f"model.num_layers={w.layers}", f"model.num_heads={w.heads}",
+        f"tp_size={lay.tp}",
+        f"dp_size={lay.dp}",
+        f"model.hidden_size={w.hidden}",
+        f"model.num_layers={w.layers}",
+        f"model.num_heads={w.heads}",
         f"model.sequence_parallel={str(lay.sequence_parallel).lower()}",
-        f"model.recompute={lay.recompute}", f"data.seq_len={w.seq}",
-        f"trainer.global_batch={w.global_batch}", f"trainer.micro_batch={lay.micro_batch}",
-        f"optim.distributed={str(lay.zero1).lower()}", f"trainer.max_steps={steps}",
+        f"model.recompute={lay.recompute}",
+        f"data.seq_len={w.seq}",
+        f"trainer.global_batch={w.global_batch}",
+        f"trainer.micro_batch={lay.micro_batch}",
+        f"optim.distributed={str(lay.zero1).lower()}",
+        f"trainer.max_steps={steps}",
         f"trainer.overlap_grad_reduce={str(lay.overlap_grad_reduce).lower()}",
-        f"trainer.log_every={log_every}", "trainer.eval_every=0", "trainer.sample_tokens=0",
-        "trainer.tensorboard=false", "trainer.progress=false", "checkpoint.every=0",
-        "checkpoint.save_final=false", "checkpoint.resume=false",
-    ]  # fmt: skip
+        f"trainer.log_every={log_every}",
+        "trainer.eval_every=0",
+        "trainer.sample_tokens=0",
+        "trainer.tensorboard=false",
+        "trainer.progress=false",
+        "checkpoint.every=0",
+        "checkpoint.save_final=false",
+        "checkpoint.resume=false",
+    ]
 
 
 def parse_step_times(console: str, tokens_per_step: int) -> list[float]:
@@ -86,14 +97,23 @@ def run_pretrain(
     w, lay = point.workload, point.layout
     with tempfile.TemporaryDirectory() as tmp:
         args = pretrain_overrides(w, lay, steps, log_every) + list(point.overrides)
-        args += [f"checkpoint.dir={tmp}/ckpt", f"hydra.run.dir={tmp}/run",
-                 f"trainer.metrics_file={tmp}/metrics.json"]  # fmt: skip
+        args += [
+            f"checkpoint.dir={tmp}/ckpt",
+            f"hydra.run.dir={tmp}/run",
+            f"trainer.metrics_file={tmp}/metrics.json",
+        ]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         if lay.threads:  # the trainer keeps an explicit OMP_NUM_THREADS
             env["OMP_NUM_THREADS"] = str(lay.threads)
-        out = subprocess.run([sys.executable, "-m", "engine.pretrain", *args], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "engine.pretrain", *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         times = parse_step_times(out.stdout, w.global_batch * w.seq)
         if out.returncode != 0 or not times:
             tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -128,8 +148,14 @@ def read_scaling_results(path: str | Path, base: Workload, overlap: bool = True)
                 continue  # a failed point
             w = replace(base, global_batch=int(row["global_batch"]))
             # the study's ranks: CPU, one thread each, attention dropout (unfused SDPA)
-            lay = Layout(int(row["tp_size"]), int(row["dp_size"]), int(row["micro_batch"]),
-                         fused_attention=False, threads=1, overlap_grad_reduce=overlap)  # fmt: skip
+            lay = Layout(
+                int(row["tp_size"]),
+                int(row["dp_size"]),
+                int(row["micro_batch"]),
+                fused_attention=False,
+                threads=1,
+                overlap_grad_reduce=overlap,
+            )
             label = f"nodes={row.get('nodes', 1)} tp={lay.tp} dp={lay.dp} mb={lay.micro_batch}"
             label += "" if overlap else " no-overlap"
             per_node = int(row.get("procs_per_node") or 0) or None
@@ -170,8 +196,9 @@ def compare(points: list[Point], cluster: ClusterSpec) -> list[Comparison]:
     rows = []
     for p in points:
         scale = ref / p.probe_gflops if ref and p.probe_gflops else None
-        rows.append(Comparison(p, predict(p.workload, p.layout, _spec(p, cluster)).step_time_s,
-                               scale))  # fmt: skip
+        rows.append(
+            Comparison(p, predict(p.workload, p.layout, _spec(p, cluster)).step_time_s, scale)
+        )
     return rows
 
 
@@ -183,13 +210,17 @@ def error_summary(rows: list[Comparison], scaled: bool = False) -> tuple[float, 
 
 def markdown_table(rows: list[Comparison]) -> str:
     """Measured vs predicted, one line per point."""
-    lines = ["| point | measured s/step | predicted | error | machine share | rescaled error |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| point | measured s/step | predicted | error | machine share | rescaled error |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         share = f"{1 / r.share_scale:.2f}" if r.share_scale else "-"
         scaled = f"{100 * r.scaled_error:+.1f}%" if r.share_scale else "-"
-        lines.append(f"| {r.point.label} | {r.point.measured_s:.4f} | {r.predicted_s:.4f} | "
-                     f"{100 * r.error:+.1f}% | {share} | {scaled} |")  # fmt: skip
+        lines.append(
+            f"| {r.point.label} | {r.point.measured_s:.4f} | {r.predicted_s:.4f} | "
+            f"{100 * r.error:+.1f}% | {share} | {scaled} |"
+        )
     return "\n".join(lines)
 
 

@@ -21,10 +21,11 @@ from studies.perfmodel.validate import (
     markdown_table,
     measure_with_probe,
     read_scaling_results,
-)  # fmt: skip
+)
 
-TINY = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=16,
-                precision="fp32")  # fmt: skip
+TINY = Workload(
+    hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=16, precision="fp32"
+)
 WIDER = replace(TINY, hidden=256, layers=4)
 # The trainer's CPU path: attention dropout 0.1 runs SDPA's math kernel (s×s scores
 # stored); ZeRO-1 reduce-scatters after backward (no overlap). One thread per rank
@@ -39,13 +40,17 @@ MACHINE_POINTS = (
     Point("tiny tp2 dp2 mb4", TINY, Layout(2, 2, 4, **_CPU)),
     Point("tiny tp4 dp1 mb4", TINY, Layout(4, 1, 4, **_CPU)),
     Point("tiny tp1 dp4 mb4", TINY, Layout(1, 4, 4, **_CPU)),
-    Point("tiny tp1 dp2 mb4 zero1", TINY, Layout(1, 2, 4, zero1=True, overlap_grad_reduce=False, **_CPU)),
+    Point(
+        "tiny tp1 dp2 mb4 zero1",
+        TINY,
+        Layout(1, 2, 4, zero1=True, overlap_grad_reduce=False, **_CPU),
+    ),
     Point("tiny tp2 dp1 mb4 sp", TINY, Layout(2, 1, 4, sequence_parallel=True, **_CPU)),
     Point("wider tp1 dp1 mb4", WIDER, Layout(1, 1, 4, **_CPU)),
     Point("wider tp2 dp1 mb4", WIDER, Layout(2, 1, 4, **_CPU)),
     Point("wider tp1 dp2 mb4", WIDER, Layout(1, 2, 4, **_CPU)),
     Point("tiny tp1 dp1 mb4, 2 threads", TINY, Layout(1, 1, 4, fused_attention=False)),
-)  # fmt: skip
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,16 +105,24 @@ def median_points(rounds: list) -> list[Point]:
         if not rows or None in rows:
             continue
         parts = {k: statistics.median(r["parts"][k] for r in rows) for k in rows[0]["parts"] or {}}
-        points.append(replace(p, measured_s=statistics.median(r["measured_s"] for r in rows),
-                              probe_gflops=statistics.median(r["probe_gflops"] for r in rows),
-                              parts=parts or None))  # fmt: skip
+        points.append(
+            replace(
+                p,
+                measured_s=statistics.median(r["measured_s"] for r in rows),
+                probe_gflops=statistics.median(r["probe_gflops"] for r in rows),
+                parts=parts or None,
+            )
+        )
     return points
 
 
 def _machine(args: argparse.Namespace) -> list:
     cluster = load_cluster(args.cluster)
-    chosen = (range(len(MACHINE_POINTS)) if args.points == "all"
-              else [int(i) for i in args.points.split(",")])  # fmt: skip
+    chosen = (
+        range(len(MACHINE_POINTS))
+        if args.points == "all"
+        else [int(i) for i in args.points.split(",")]
+    )
     if args.reuse:  # re-price earlier measurements (e.g. after a model change)
         rounds = [json.loads(Path(f).read_text()) for f in args.reuse.split(",")]
         try:
@@ -123,12 +136,24 @@ def _machine(args: argparse.Namespace) -> list:
         measured = []
         for i in chosen:
             point = measure_with_probe(MACHINE_POINTS[i], steps=args.steps)
-            print(f"round {r + 1}/{args.rounds}: measured {point.label}: {point.measured_s:.4f} "
-                  f"s/step, probe {point.probe_gflops:.1f} GFLOP/s (load "
-                  f"{os.getloadavg()[0]:.2f})", file=sys.stderr)  # fmt: skip
+            print(
+                f"round {r + 1}/{args.rounds}: measured {point.label}: {point.measured_s:.4f} "
+                f"s/step, probe {point.probe_gflops:.1f} GFLOP/s (load "
+                f"{os.getloadavg()[0]:.2f})",
+                file=sys.stderr,
+            )
             measured.append(point)
-        rounds.append([{"label": p.label, "measured_s": p.measured_s,
-                        "probe_gflops": p.probe_gflops, "parts": p.parts} for p in measured])  # fmt: skip
+        rounds.append(
+            [
+                {
+                    "label": p.label,
+                    "measured_s": p.measured_s,
+                    "probe_gflops": p.probe_gflops,
+                    "parts": p.parts,
+                }
+                for p in measured
+            ]
+        )
     measured = median_points(rounds)
     if args.save:  # one round: a list of points; several: a list of rounds
         tmp = f"{args.save}.tmp{os.getpid()}"
@@ -150,15 +175,18 @@ def main(argv: list[str] | None = None) -> int:
             results = published.evaluate_all()
             print(published.markdown_table(results))
             worst, median, agree = published.summary(results)
-            print(f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}% (rows not fitted to), "
-                  f"planner's TP = published TP in {agree}/{len(results)} rows")  # fmt: skip
+            print(
+                f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}% (rows not fitted to), "
+                f"planner's TP = published TP in {agree}/{len(results)} rows"
+            )
             return 0
         if args.command == "machine":
             rows = _machine(args)
             cluster = load_cluster(args.cluster)
         else:
-            base = Workload(args.hidden, args.layers, args.heads, args.vocab, args.seq, 1,
-                            precision="fp32")  # fmt: skip
+            base = Workload(
+                args.hidden, args.layers, args.heads, args.vocab, args.seq, 1, precision="fp32"
+            )
             cluster = load_cluster(args.cluster, base=args.compute_from)
             rows = compare(read_scaling_results(args.csv, base, not args.no_overlap), cluster)
     except (ValueError, RuntimeError, OSError) as err:
@@ -169,14 +197,18 @@ def main(argv: list[str] | None = None) -> int:
         print("\nWhere the time goes, s/step (the trainer's metrics_file against the model):\n")
         print(breakdown_table(rows, cluster))
     worst, median = error_summary(rows)
-    print(f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}% over {len(rows)} points; "
-          f"load average {os.getloadavg()}")  # fmt: skip
+    print(
+        f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}% over {len(rows)} points; "
+        f"load average {os.getloadavg()}"
+    )
     one = [r for r in rows if r.point.layout.threads == 1]
     if args.command == "machine" and one:
         within = sum(abs(r.error) <= 0.10 for r in one)
         print(f"within ±10 %: {within} of {len(one)} one-thread points")
     if all(r.share_scale for r in rows):
         worst, median = error_summary(rows, scaled=True)
-        print(f"rescaled by the machine share: max |error| {100 * worst:.1f}%, "
-              f"median {100 * median:.1f}%")  # fmt: skip
+        print(
+            f"rescaled by the machine share: max |error| {100 * worst:.1f}%, "
+            f"median {100 * median:.1f}%"
+        )
     return 0

@@ -157,8 +157,23 @@ class EmulatedCluster:
         # A burst of ~4 ms of traffic (at least 64 KiB): small enough to hold the rate over
         # the multi-megabyte messages of gradient all-reduces.
         burst = max(64 * 1024, self.link_mbit * 1_000_000 // 8 // 250)
-        cmd = ["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
-               "rate", f"{self.link_mbit}mbit", "burst", str(burst), "latency", "100ms"]  # fmt: skip
+        cmd = [
+            "tc",
+            "-n",
+            ns,
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{self.link_mbit}mbit",
+            "burst",
+            str(burst),
+            "latency",
+            "100ms",
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode:
             raise ClusterUnavailable(f"{' '.join(cmd)}: {result.stderr.strip()}")
@@ -168,11 +183,21 @@ class EmulatedCluster:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         self._guard = subprocess.Popen(
-            [sys.executable, "-m", "studies.scaling.emulated_cluster", "--guard", str(os.getpid()),
-             "--tag", self.tag],
-            env=env, start_new_session=True, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "studies.scaling.emulated_cluster",
+                "--guard",
+                str(os.getpid()),
+                "--tag",
+                self.tag,
+            ],
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
     def close(self) -> None:
         """Remove everything (idempotent)."""

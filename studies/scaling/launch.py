@@ -17,9 +17,15 @@ RDZV_PORT = 29500  # inside node 0's own namespace, so no other job competes for
 
 
 def torchrun_argv(
-    module_argv: list[str], *, nodes: int, procs: int, node: int,
-    cluster: EmulatedCluster | None, run_id: str, self_launching: bool = False,
-) -> list[str]:  # fmt: skip
+    module_argv: list[str],
+    *,
+    nodes: int,
+    procs: int,
+    node: int,
+    cluster: EmulatedCluster | None,
+    run_id: str,
+    self_launching: bool = False,
+) -> list[str]:
     """``torchrun`` for node ``node``: standalone on one node, c10d on node 0 otherwise.
 
     A ``self_launching`` module on one node (engine.pretrain starts its own workers) runs
@@ -31,11 +37,21 @@ def torchrun_argv(
     if cluster is None or nodes == 1:
         return [*argv, "--standalone", *module_argv]
     argv += [
-        "--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{cluster.address(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
-        "--rdzv-conf", f"is_host={'true' if node == 0 else 'false'}",
-        "--local-addr", cluster.address(node),
-    ]  # fmt: skip
+        "--nnodes",
+        str(nodes),
+        "--node-rank",
+        str(node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{cluster.address(0)}:{RDZV_PORT}",
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        f"is_host={'true' if node == 0 else 'false'}",
+        "--local-addr",
+        cluster.address(node),
+    ]
     return [*argv, *module_argv]
 
 
@@ -50,9 +66,16 @@ def _env(threads_per_rank: int) -> dict[str, str]:
 
 
 def run_on_nodes(
-    module_argv: list[str], *, nodes: int, procs: int, cluster: EmulatedCluster | None,
-    log_path: Path, timeout_s: float, threads_per_rank: int = 1, self_launching: bool = False,
-) -> int:  # fmt: skip
+    module_argv: list[str],
+    *,
+    nodes: int,
+    procs: int,
+    cluster: EmulatedCluster | None,
+    log_path: Path,
+    timeout_s: float,
+    threads_per_rank: int = 1,
+    self_launching: bool = False,
+) -> int:
     """Run ``python -m ...`` (``module_argv``) on ``nodes`` × ``procs`` ranks; its exit status.
 
     Every node's output goes to ``log_path``. When one node fails or the time runs out, the
@@ -63,9 +86,15 @@ def run_on_nodes(
     with open(log_path, "ab") as log:
         try:
             for node in range(nodes):
-                argv = torchrun_argv(module_argv, nodes=nodes, procs=procs, node=node,
-                                     cluster=cluster, run_id=run_id,
-                                     self_launching=self_launching)  # fmt: skip
+                argv = torchrun_argv(
+                    module_argv,
+                    nodes=nodes,
+                    procs=procs,
+                    node=node,
+                    cluster=cluster,
+                    run_id=run_id,
+                    self_launching=self_launching,
+                )
                 if cluster is not None:
                     argv = cluster.command(node, argv)
                 procs_list.append(
@@ -76,7 +105,7 @@ def run_on_nodes(
                         env=_env(threads_per_rank),
                         stdin=subprocess.DEVNULL,
                         start_new_session=True,
-                    )  # fmt: skip
+                    )
                 )
             return _wait_all(procs_list, timeout_s)
         finally:

@@ -40,8 +40,14 @@ def sweep(sizes: list[int], repeats: int) -> list[dict[str, float]]:
             times.append(time.perf_counter() - start)
         t = statistics.median(times)
         algbw = x.numel() * 4 / t
-        rows.append({"bytes": x.numel() * 4, "time_s": t, "algbw_Gbps": algbw * 8 / 1e9,
-                     "busbw_Gbps": algbw * 2 * (world - 1) / world * 8 / 1e9})  # fmt: skip
+        rows.append(
+            {
+                "bytes": x.numel() * 4,
+                "time_s": t,
+                "algbw_Gbps": algbw * 8 / 1e9,
+                "busbw_Gbps": algbw * 2 * (world - 1) / world * 8 / 1e9,
+            }
+        )
     return rows
 
 

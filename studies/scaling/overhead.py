@@ -59,8 +59,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        dcfg = compose("config", overrides=[*args.overrides, "trainer.progress=false",
-                                            "checkpoint.resume=false", "checkpoint.every=0"])  # fmt: skip
+        dcfg = compose(
+            "config",
+            overrides=[
+                *args.overrides,
+                "trainer.progress=false",
+                "checkpoint.resume=false",
+                "checkpoint.every=0",
+            ],
+        )
     cfg = prepare(OmegaConf.to_object(dcfg))
     from engine.trainer import Trainer
 
@@ -77,9 +84,14 @@ def main(argv: list[str] | None = None) -> None:
             if i >= args.warmup:
                 times[on].append(step_time)
         cost = per_call_cost_s()
-        result = {"tp_size": ps.tp_size, "dp_size": ps.dp_size, "steps_each": args.steps // 2,
-                  "median_on_s": statistics.median(times[True]),
-                  "median_off_s": statistics.median(times[False]), **cost}  # fmt: skip
+        result = {
+            "tp_size": ps.tp_size,
+            "dp_size": ps.dp_size,
+            "steps_each": args.steps // 2,
+            "median_on_s": statistics.median(times[True]),
+            "median_off_s": statistics.median(times[False]),
+            **cost,
+        }
         result["overhead"] = result["median_on_s"] / result["median_off_s"] - 1
         if ps.rank == 0:
             print(json.dumps(result, indent=1))

@@ -20,16 +20,41 @@ from typing import Any
 import torch
 
 COLUMNS = (
-    "nodes", "procs_per_node", "tp_size", "dp_size", "world_size", "micro_batch",
-    "global_batch", "step_time_s", "step_time_p10_s", "step_time_p90_s", "tokens_per_s",
-    "tflops_per_rank", "speedup", "efficiency", "compute_s", "tp_comm_s",
-    "dp_comm_exposed_s", "dp_comm_total_s", "data_s", "optimizer_s", "peak_mem_gib",
+    "nodes",
+    "procs_per_node",
+    "tp_size",
+    "dp_size",
+    "world_size",
+    "micro_batch",
+    "global_batch",
+    "step_time_s",
+    "step_time_p10_s",
+    "step_time_p90_s",
+    "tokens_per_s",
+    "tflops_per_rank",
+    "speedup",
+    "efficiency",
+    "compute_s",
+    "tp_comm_s",
+    "dp_comm_exposed_s",
+    "dp_comm_total_s",
+    "data_s",
+    "optimizer_s",
+    "peak_mem_gib",
     # run-level figures of workloads that train to a target (classify); empty otherwise
-    "time_to_accuracy_s", "test_accuracy", "images_per_s", "tta_speedup", "tta_efficiency",
-)  # fmt: skip
-SHARES = (("compute_s", "compute"), ("tp_comm_s", "TP comm"),
-          ("dp_comm_exposed_s", "DP comm exposed"), ("data_s", "data"),
-          ("optimizer_s", "optimizer"))  # fmt: skip
+    "time_to_accuracy_s",
+    "test_accuracy",
+    "images_per_s",
+    "tta_speedup",
+    "tta_efficiency",
+)
+SHARES = (
+    ("compute_s", "compute"),
+    ("tp_comm_s", "TP comm"),
+    ("dp_comm_exposed_s", "DP comm exposed"),
+    ("data_s", "data"),
+    ("optimizer_s", "optimizer"),
+)
 
 
 def add_speedup(rows: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
@@ -144,8 +169,10 @@ def machine() -> str:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {gpu}, Linux "
-            f"{platform.release()}, torch {torch.__version__}")  # fmt: skip
+    return (
+        f"{platform.node()}: {cpu}, {os.cpu_count()} cores, {gpu}, Linux "
+        f"{platform.release()}, torch {torch.__version__}"
+    )
 
 
 def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:
@@ -158,15 +185,19 @@ def speedup_table(rows: list[dict[str, Any]]) -> list[str]:
     for tp in sorted({r["tp_size"] for r in rows}):
         sub = [r for r in rows if r["tp_size"] == tp]
         nodes = sorted({r["nodes"] for r in sub})
-        lines += [f"tp={tp}: speedup (efficiency) against the baseline point", "",
-                  "| ranks | " + " | ".join(f"{n} node(s)" for n in nodes) + " |",
-                  "|---:|" + "---:|" * len(nodes)]  # fmt: skip
+        lines += [
+            f"tp={tp}: speedup (efficiency) against the baseline point",
+            "",
+            "| ranks | " + " | ".join(f"{n} node(s)" for n in nodes) + " |",
+            "|---:|" + "---:|" * len(nodes),
+        ]
         for world in sorted({r["world_size"] for r in sub}):
             cells = []
             for n in nodes:
                 hit = [r for r in sub if r["world_size"] == world and r["nodes"] == n]
-                cells.append(f"{hit[0]['speedup']:.2f} ({100 * hit[0]['efficiency']:.0f}%)"
-                             if hit else "–")  # fmt: skip
+                cells.append(
+                    f"{hit[0]['speedup']:.2f} ({100 * hit[0]['efficiency']:.0f}%)" if hit else "–"
+                )
             lines.append(f"| {world} | " + " | ".join(cells) + " |")
         lines.append("")
     return lines
@@ -179,11 +210,14 @@ def accuracy_table(rows: list[dict[str, Any]]) -> list[str]:
     timed = [r for r in rows if r.get("test_accuracy") is not None]
     if not timed:
         return []
-    lines = ["Speedup = time to accuracy of the baseline point ÷ that of the row; efficiency ="
-             " speedup ÷ (ranks ÷ baseline ranks).", "",
-             "| ranks × nodes | tp | global batch | epochs | test accuracy | time to accuracy | "
-             "images/s | speedup | efficiency |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "Speedup = time to accuracy of the baseline point ÷ that of the row; efficiency ="
+        " speedup ÷ (ranks ÷ baseline ranks).",
+        "",
+        "| ranks × nodes | tp | global batch | epochs | test accuracy | time to accuracy | "
+        "images/s | speedup | efficiency |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in sorted(timed, key=lambda r: (r["tp_size"], r["nodes"], r["world_size"])):
         tta = r.get("time_to_accuracy_s")
         lines.append(
@@ -197,11 +231,23 @@ def accuracy_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| point | step ms (p10–p90) | compute | TP comm | DP exposed | DP total | data | "
-             "optimizer | tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "| point | step ms (p10–p90) | compute | TP comm | DP exposed | DP total | data | "
+        "optimizer | tok/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        ms = [_fmt(r.get(k), 1e3) for k in ("compute_s", "tp_comm_s", "dp_comm_exposed_s",
-                                             "dp_comm_total_s", "data_s", "optimizer_s")]  # fmt: skip
+        ms = [
+            _fmt(r.get(k), 1e3)
+            for k in (
+                "compute_s",
+                "tp_comm_s",
+                "dp_comm_exposed_s",
+                "dp_comm_total_s",
+                "data_s",
+                "optimizer_s",
+            )
+        ]
         lines.append(
             f"| {r['nodes']}×{r['procs_per_node']} tp{r['tp_size']} dp{r['dp_size']} | "
             f"{_fmt(r['step_time_s'], 1e3)} ({_fmt(r['step_time_p10_s'], 1e3)}–"
@@ -213,31 +259,57 @@ def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def link_table(links: dict[str, Any]) -> list[str]:
-    lines = [f"Configured inter-node link: {links.get('configured_mbit') or 'unshaped'} Mbit/s "
-             "(tc tbf, each direction). Latency is not injected.", "",
-             "| link | message | all-reduce time | bus bandwidth |", "|---|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        f"Configured inter-node link: {links.get('configured_mbit') or 'unshaped'} Mbit/s "
+        "(tc tbf, each direction). Latency is not injected.",
+        "",
+        "| link | message | all-reduce time | bus bandwidth |",
+        "|---|---:|---:|---:|",
+    ]
     for name in ("intra_node", "inter_node"):
         for row in links.get(name, []):
-            lines.append(f"| {name} | {row['bytes']} B | {row['time_s'] * 1e6:.0f} µs | "
-                         f"{row['busbw_Gbps'] * 1e3:.1f} Mbit/s |")  # fmt: skip
+            lines.append(
+                f"| {name} | {row['bytes']} B | {row['time_s'] * 1e6:.0f} µs | "
+                f"{row['busbw_Gbps'] * 1e3:.1f} Mbit/s |"
+            )
     return lines
 
 
-def write_report(rows: list[dict[str, Any]], failed: list[dict[str, Any]], *, out: Path,
-                 links: dict[str, Any], command: str, load: str, mode: str) -> Path:  # fmt: skip
+def write_report(
+    rows: list[dict[str, Any]],
+    failed: list[dict[str, Any]],
+    *,
+    out: Path,
+    links: dict[str, Any],
+    command: str,
+    load: str,
+    mode: str,
+) -> Path:
     """report.md next to results.csv and the plots."""
-    lines = ["# Scaling study", "", f"- command: `{command}`",
-             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-             f"- machine: {machine()}", f"- load average (1/5/15 min): {load}",
-             f"- mode: {mode} scaling", "", "## Speedup", ""]  # fmt: skip
+    lines = [
+        "# Scaling study",
+        "",
+        f"- command: `{command}`",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- machine: {machine()}",
+        f"- load average (1/5/15 min): {load}",
+        f"- mode: {mode} scaling",
+        "",
+        "## Speedup",
+        "",
+    ]
     lines += speedup_table(rows) if rows else ["no successful points", ""]
     accuracy = accuracy_table(rows)
     if accuracy:
         lines += ["## Time to accuracy", ""] + accuracy
     lines += ["## Where the time goes (mean ms per step)", ""] + breakdown_table(rows)
     lines += ["", "## Links", ""] + link_table(links)
-    lines += ["", "![speedup](speedup.png) ![efficiency](efficiency.png)",
-              "![time shares](time_shares.png)", ""]  # fmt: skip
+    lines += [
+        "",
+        "![speedup](speedup.png) ![efficiency](efficiency.png)",
+        "![time shares](time_shares.png)",
+        "",
+    ]
     if failed:
         lines += ["## Failed points", ""] + [f"- {r['key']}: {r['error']}" for r in failed]
     path = out / "report.md"

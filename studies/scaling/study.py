@@ -22,8 +22,7 @@ from studies.scaling.emulated_cluster import EmulatedCluster, unavailable_reason
 from studies.scaling.launch import run_on_nodes
 from studies.scaling.workloads import WORKLOADS, Point, RunSpec
 
-PARTS = ("compute_s", "tp_comm_s", "dp_comm_exposed_s", "dp_comm_total_s", "data_s",
-         "optimizer_s")  # fmt: skip
+PARTS = ("compute_s", "tp_comm_s", "dp_comm_exposed_s", "dp_comm_total_s", "data_s", "optimizer_s")
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,10 @@ def grid(cfg: StudyConfig) -> tuple[list[Point], list[str]]:
                 world = tp * dp
                 procs = cfg.procs_per_node or world // nodes
                 if procs < 1 or nodes * procs != world:
-                    skipped.append(f"tp={tp} dp={dp} ({world} ranks) does not fill {nodes} "
-                                   f"node(s) × {procs} procs")  # fmt: skip
+                    skipped.append(
+                        f"tp={tp} dp={dp} ({world} ranks) does not fill {nodes} "
+                        f"node(s) × {procs} procs"
+                    )
                     continue
                 batch = cfg.global_batch * (dp if cfg.mode == "weak" else 1)
                 points.append(Point(nodes, procs, tp, dp, cfg.micro_batch, batch))
@@ -174,8 +175,15 @@ def run_point(cfg: StudyConfig, point: Point, use_cluster: bool, on_repeat) -> d
 
 
 def _run(argv, point: Point, cluster, log: Path, timeout_s: float) -> int:
-    return run_on_nodes(argv, nodes=point.nodes, procs=point.procs_per_node, cluster=cluster,
-                        log_path=log, timeout_s=timeout_s, self_launching=True)  # fmt: skip
+    return run_on_nodes(
+        argv,
+        nodes=point.nodes,
+        procs=point.procs_per_node,
+        cluster=cluster,
+        log_path=log,
+        timeout_s=timeout_s,
+        self_launching=True,
+    )
 
 
 def _last_error(log: Path) -> str:
@@ -200,8 +208,12 @@ def run_study(cfg: StudyConfig, *, resume: bool, console: Console) -> list[dict[
     todo = [p for p in points if finished.get(p.key, {}).get("status") != "ok"]
     if len(todo) < len(points):
         console.print(f"resuming: {len(points) - len(todo)} of {len(points)} points already done")
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())  # fmt: skip
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("study", total=len(todo) * cfg.repeats)
         for point in todo:
@@ -232,8 +244,9 @@ def measure_links(cfg: StudyConfig, console: Console) -> dict[str, Any]:
             cluster = EmulatedCluster(nodes, link)
             (cfg.out / f"link_{name}.cluster_tag").write_text(cluster.tag)
             with cluster:
-                rc = run_on_nodes(argv, nodes=nodes, procs=procs, cluster=cluster,
-                                  log_path=log, timeout_s=300)  # fmt: skip
+                rc = run_on_nodes(
+                    argv, nodes=nodes, procs=procs, cluster=cluster, log_path=log, timeout_s=300
+                )
         else:
             rc = run_on_nodes(argv, nodes=1, procs=2, cluster=None, log_path=log, timeout_s=300)
         if rc == 0 and out.exists():

@@ -44,10 +44,12 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
-        prog="scaling_study.py", epilog=EPILOG, formatter_class=argparse.RawTextHelpFormatter,
+        prog="scaling_study.py",
+        epilog=EPILOG,
+        formatter_class=argparse.RawTextHelpFormatter,
         description="Run a grid of training points (tp × dp × nodes) on real processes and "
         "report speedup, efficiency and where each step's time goes.",
-    )  # fmt: skip
+    )
     p.add_argument("overrides", nargs="*", help="Hydra overrides passed to every point")
     p.add_argument("--workload", default="pretrain", choices=sorted(WORKLOADS))
     p.add_argument("--model", help="configs/model preset (default: the workload's)")
@@ -56,10 +58,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=_ints, default=(1,), help="node counts, e.g. 1,2")
     p.add_argument("--procs-per-node", type=int, help="ranks per node (default: ranks ÷ nodes)")
     p.add_argument("--cluster", help="configs/cluster entry shaping the emulated links")
-    p.add_argument("--mode", choices=("strong", "weak"), default="strong",
-                   help="strong: fixed global batch; weak: --global-batch per DP rank")  # fmt: skip
-    p.add_argument("--global-batch", type=int, default=16,
-                   help="sequences per step (weak: per DP rank)")  # fmt: skip
+    p.add_argument(
+        "--mode",
+        choices=("strong", "weak"),
+        default="strong",
+        help="strong: fixed global batch; weak: --global-batch per DP rank",
+    )
+    p.add_argument(
+        "--global-batch", type=int, default=16, help="sequences per step (weak: per DP rank)"
+    )
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per forward")
     p.add_argument("--steps", type=int, default=5, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=2, help="steps run first, not measured")
@@ -108,11 +115,20 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
         _fail(f"--out {args.out} cannot be written: {problem}")
     spec = RunSpec(args.model, tuple(args.overrides), args.steps, args.warmup)
     return StudyConfig(
-        workload=args.workload, spec=spec, tp=args.tp, dp=args.dp, nodes=args.nodes,
-        procs_per_node=args.procs_per_node, mode=args.mode, global_batch=args.global_batch,
-        micro_batch=args.micro_batch, repeats=args.repeats, link_mbit=_link_mbit(args.cluster),
-        out=args.out, point_timeout_s=args.point_timeout,
-    )  # fmt: skip
+        workload=args.workload,
+        spec=spec,
+        tp=args.tp,
+        dp=args.dp,
+        nodes=args.nodes,
+        procs_per_node=args.procs_per_node,
+        mode=args.mode,
+        global_batch=args.global_batch,
+        micro_batch=args.micro_batch,
+        repeats=args.repeats,
+        link_mbit=_link_mbit(args.cluster),
+        out=args.out,
+        point_timeout_s=args.point_timeout,
+    )
 
 
 def _unwritable(out: Path) -> str | None:
@@ -152,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(ok, cfg.out, title=f"{cfg.spec.model or cfg.workload}, {cfg.mode} scaling")
     load = f"{load} at the start, {_load()} at the end"
     command = shlex.join(["python", "tools/scaling_study.py", *(argv or sys.argv[1:])])
-    report = write_report(ok, failed, out=cfg.out, links=links, command=command, load=load,
-                          mode=cfg.mode)  # fmt: skip
+    report = write_report(
+        ok, failed, out=cfg.out, links=links, command=command, load=load, mode=cfg.mode
+    )
     console.print(f"{len(ok)} point(s) measured, {len(failed)} failed: {report}")
     return 0 if ok and not failed else 1

@@ -29,8 +29,10 @@ class Point:
 
     @property
     def key(self) -> str:
-        return (f"n{self.nodes}x{self.procs_per_node}-tp{self.tp_size}-dp{self.dp_size}"
-                f"-mb{self.micro_batch}-gb{self.global_batch}")  # fmt: skip
+        return (
+            f"n{self.nodes}x{self.procs_per_node}-tp{self.tp_size}-dp{self.dp_size}"
+            f"-mb{self.micro_batch}-gb{self.global_batch}"
+        )
 
 
 @dataclass(frozen=True)
@@ -52,15 +54,23 @@ def pretrain_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
     if spec.model:
         argv.append(f"model={spec.model}")
     argv += [
-        f"tp_size={point.tp_size}", f"dp_size={point.dp_size}",
-        f"trainer.micro_batch={point.micro_batch}", f"trainer.global_batch={point.global_batch}",
+        f"tp_size={point.tp_size}",
+        f"dp_size={point.dp_size}",
+        f"trainer.micro_batch={point.micro_batch}",
+        f"trainer.global_batch={point.global_batch}",
         f"trainer.max_steps={spec.warmup + spec.steps}",
-        f"trainer.log_every={spec.warmup + spec.steps}", f"trainer.metrics_file={metrics}",
-        "trainer.eval_every=0", "trainer.sample_tokens=0",
-        "trainer.tensorboard=false", "trainer.progress=false",
-        "checkpoint.every=0", "checkpoint.save_final=false", f"checkpoint.dir={run_dir}/ckpt",
-        f"hydra.run.dir={run_dir}", "hydra.output_subdir=null",
-    ]  # fmt: skip
+        f"trainer.log_every={spec.warmup + spec.steps}",
+        f"trainer.metrics_file={metrics}",
+        "trainer.eval_every=0",
+        "trainer.sample_tokens=0",
+        "trainer.tensorboard=false",
+        "trainer.progress=false",
+        "checkpoint.every=0",
+        "checkpoint.save_final=false",
+        f"checkpoint.dir={run_dir}/ckpt",
+        f"hydra.run.dir={run_dir}",
+        "hydra.output_subdir=null",
+    ]
     return argv + list(spec.overrides)
 
 
@@ -75,18 +85,25 @@ def classify_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
     if importlib.util.find_spec("engine.classify") is None:
         raise RuntimeError("engine.classify is not in this checkout: --workload classify needs it")
     if point.global_batch % point.dp_size:
-        raise ValueError(f"global batch {point.global_batch} is not divisible by dp={point.dp_size}: "
-                         "choose a --global-batch that every dp size divides")  # fmt: skip
+        raise ValueError(
+            f"global batch {point.global_batch} is not divisible by dp={point.dp_size}: "
+            "choose a --global-batch that every dp size divides"
+        )
     if spec.model:
-        raise ValueError(f"--model {spec.model}: the classify workload has one model; set its "
-                         "width with the override model.hidden_size=N")  # fmt: skip
+        raise ValueError(
+            f"--model {spec.model}: the classify workload has one model; set its "
+            "width with the override model.hidden_size=N"
+        )
     argv = ["-m", "engine.classify"]
     argv += [
-        f"tp_size={point.tp_size}", f"dp_size={point.dp_size}",
+        f"tp_size={point.tp_size}",
+        f"dp_size={point.dp_size}",
         f"trainer.batch_size={point.global_batch // point.dp_size}",
-        f"trainer.metrics_file={metrics}", "trainer.progress=false",
-        f"hydra.run.dir={run_dir}", "hydra.output_subdir=null",
-    ]  # fmt: skip
+        f"trainer.metrics_file={metrics}",
+        "trainer.progress=false",
+        f"hydra.run.dir={run_dir}",
+        "hydra.output_subdir=null",
+    ]
     return argv + list(spec.overrides)
 
 

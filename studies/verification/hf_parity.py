@@ -77,6 +77,9 @@ def _hf_logits(hf_dir: str, hf_config: dict, batch: dict, dtype) -> dict[str, to
     with torch.no_grad():
         if arch in decoders:
             return {"logits": model(input_ids=batch["input_ids"]).logits}
-        out = model(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                    attention_mask=batch["attention_mask"])  # fmt: skip
+        out = model(
+            input_ids=batch["input_ids"],
+            token_type_ids=batch["token_type_ids"],
+            attention_mask=batch["attention_mask"],
+        )
     return {"mlm_logits": out.prediction_logits, "sop_logits": out.seq_relationship_logits}

@@ -104,13 +104,18 @@ class VerifySpec:
             )
         return ModelConfig(
             **family,
-            arch=self.model, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-            num_layers=self.num_layers, num_heads=self.num_heads, max_positions=self.seq_len,
-            hidden_dropout=0.0, attention_dropout=0.0,
+            arch=self.model,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            max_positions=self.seq_len,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
             activation={"gpt": "gelu_tanh", "bert": "gelu", "llama": "swiglu"}[self.model],
             sequence_parallel=self.sequence_parallel and not reference,
             recompute="none" if reference else self.recompute,
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -228,8 +233,13 @@ def make_batch(spec: VerifySpec) -> dict[str, torch.Tensor]:
         picked = 1 + torch.randperm(int(lengths[row]) - 1, generator=g)[:3]
         mlm_labels[row, picked] = torch.randint(0, v, (3,), generator=g)
     sop_label = torch.randint(0, 2, (b,), generator=g)
-    return dict(input_ids=ids, token_type_ids=token_type_ids, attention_mask=attention_mask,
-                mlm_labels=mlm_labels, sop_label=sop_label)  # fmt: skip
+    return dict(
+        input_ids=ids,
+        token_type_ids=token_type_ids,
+        attention_mask=attention_mask,
+        mlm_labels=mlm_labels,
+        sop_label=sop_label,
+    )
 
 
 def dp_slice(batch: dict[str, torch.Tensor], ps: parallel_state.ParallelState) -> dict:
@@ -348,7 +358,13 @@ def launch_local(fn: Callable[..., T], world_size: int, *args: Any) -> T:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"verify-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.1,
-    )  # fmt: skip
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"verify-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
     return elastic_launch(config, fn)(*args)[0]
