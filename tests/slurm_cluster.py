@@ -93,7 +93,12 @@ class SlurmCluster:
         log = open(self.root / "log" / f"{Path(cmd[0]).name}.out", "ab")  # noqa: SIM115
         self.procs.append(
             subprocess.Popen(
-                cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                env=self.env,
+                cwd=self.root,  # never the checkout: the repository guard watches it
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         )
 
@@ -121,6 +126,7 @@ class SlurmCluster:
         out = subprocess.run(
             ["sinfo", "-h", "-N", "-o", "%T"],
             env=self.env,
+            cwd=self.root,
             capture_output=True,
             text=True,
             timeout=10,
@@ -146,7 +152,11 @@ class SlurmCluster:
     def stop(self) -> None:
         """Cancel leftover jobs, then end the daemons this object started (newest first)."""
         subprocess.run(
-            ["scancel", "--full", "-u", "root"], env=self.env, capture_output=True, timeout=10
+            ["scancel", "--full", "-u", "root"],
+            env=self.env,
+            cwd=self.root,
+            capture_output=True,
+            timeout=10,
         )
         for proc in reversed(self.procs):
             if proc.poll() is None:
@@ -159,7 +169,8 @@ class SlurmCluster:
                 proc.wait()
 
     def run(self, *cmd: str, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-        """A client command against this cluster."""
+        """A client command against this cluster (run in the cluster's folder unless ``cwd``)."""
+        kw.setdefault("cwd", self.root)
         return subprocess.run(
             cmd,
             env={**self.env, **kw.pop("env", {})},

@@ -373,10 +373,10 @@ def test_ctrl_c_on_self_launched_ranks_saves_and_exits_75(corpus, tmp_path):
     try:
         wait_for(lambda: "step     2/" in _read(log), 120, "step 2")
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        start = time.monotonic()
-        assert proc.wait(timeout=60) == 75, _read(log)[-3000:]
-        # Well under the agent's 30 s timeout; allows for a slow step and exit under load.
-        assert time.monotonic() - start < 25, _read(log)[-3000:]
+        # A hang guard only, no timing band (28 s was seen at load 20). Promptness is
+        # structural: a relayed press counted twice ends "interrupted" with 130, and a
+        # worker left to the agent's kill timeout saves nothing and never says "stopped by".
+        assert proc.wait(timeout=180) == 75, _read(log)[-3000:]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
