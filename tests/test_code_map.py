@@ -435,7 +435,7 @@ def test_one_place_builds_the_rank_layout():
 
 
 def formatter_opt_outs(source: str) -> list[int]:
-    """Lines that hold code out of ``ruff format`` (``fmt: skip`` / ``fmt: off``)."""
+    """Lines that hold code out of ``ruff format`` (its skip and off markers)."""
     marker = "# fmt" + ": "  # split so this file does not flag itself
     return [
         n
