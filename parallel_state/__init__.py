@@ -151,20 +151,24 @@ def _init_default_group(info: LaunchInfo, backend: str, timeout: datetime.timede
 
 
 def initialize(
-    dims: ParallelDims | int,
+    dims: ParallelDims | int | None = None,
     dp_size: int | str | None = None,
     *,
+    tp_size: int | None = None,
     backend: str | None = None,
     timeout_s: float = 600.0,
 ) -> ParallelState:
     """Build the mesh of ``dims``, initializing torch.distributed from the launcher if needed.
 
     ``dims`` is the run's :class:`ParallelDims` (built once, from the config), or, as the
-    short form, a tp size with ``dp_size`` beside it (None or ``"auto"``: world size ÷
-    tp_size), checked as a ParallelDims before any collective. The backend is NCCL when
-    every local rank has its own CUDA device, else gloo.
+    short form, a tp size (positional, or ``tp_size=``) with ``dp_size`` beside it (None or
+    ``"auto"``: world size ÷ tp_size), checked as a ParallelDims before any collective. The
+    backend is NCCL when every local rank has its own CUDA device, else gloo.
     """
     global _current
+    if (dims is None) == (tp_size is None):
+        raise TypeError("initialize() takes a ParallelDims or a tp size, exactly one of them")
+    dims = tp_size if dims is None else dims
     if _current is not None:
         raise RuntimeError("parallel_state is already initialized; call parallel_state.destroy()")
     info = detect_launch()
