@@ -152,15 +152,22 @@ def probe_writable(path: Path, *, directory: bool) -> str | None:
     # Appending to an existing file changes nothing; a new one is removed after the test.
     probe = path / f".write-test-{os.getpid()}" if directory else path
     new_probe = not probe.exists()
-    try:
-        for p in reversed(made):
-            p.mkdir()
-        with open(probe, "a"):
-            pass
-    except OSError as err:
-        return f"{err.filename or path} cannot be written ({err.strerror or err})"
-    finally:
-        for p in ([probe] if new_probe else []) + made:  # made: the deepest first
-            with contextlib.suppress(OSError):
-                p.rmdir() if p.is_dir() else p.unlink()
+    # The ranks a launcher starts probe the same path at once: a folder another rank made
+    # (or removed again) between our steps is no reason to refuse, so retry a few times.
+    for attempt in range(5):
+        try:
+            for p in reversed(made):
+                p.mkdir(exist_ok=True)
+            with open(probe, "a"):
+                pass
+            return None
+        except FileNotFoundError as err:
+            if attempt == 4:
+                return f"{err.filename or path} cannot be written ({err.strerror or err})"
+        except OSError as err:
+            return f"{err.filename or path} cannot be written ({err.strerror or err})"
+        finally:
+            for p in ([probe] if new_probe else []) + made:  # made: the deepest first
+                with contextlib.suppress(OSError):
+                    p.rmdir() if p.is_dir() else p.unlink()
     return None

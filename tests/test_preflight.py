@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +70,25 @@ def test_memory_check_refuses_with_numbers_and_passes_what_fits(monkeypatch):
     assert len(problems := preflight.check_memory(cfg, local_ranks=5, on_gpu=False)) == 1
     assert "× 5 ranks on this machine" in problems[0] and "model.hidden_size=128" in problems[0]
     assert f"free RAM is {4 * need / 2**30:.1f} GiB" in problems[0]
+
+
+def test_a_folder_another_rank_makes_or_removes_meanwhile_is_no_refusal(tmp_path, monkeypatch):
+    """Ranks under srun validate at the same moment ("File exists" ended a 4-task srun run).
+    The two interleavings are replayed exactly: another rank makes the folder just before
+    our mkdir, and removes it (its own probe done) just before our first write."""
+    from engine.preflight import probe_writable
+
+    real_mkdir, calls = Path.mkdir, []
+
+    def racing_mkdir(self, *args, **kwargs):
+        calls.append(self)
+        if len(calls) > 1:
+            return real_mkdir(self, *args, **kwargs)
+        real_mkdir(self)  # the other rank got there first
+        real_mkdir(self, *args, **kwargs)
+        self.rmdir()  # and cleaned up after its own probe before our write
+
+    monkeypatch.setattr(Path, "mkdir", racing_mkdir)
+    assert probe_writable(tmp_path / "ckpt", directory=True) is None
+    assert len(calls) == 2  # made under us and removed, then made again
+    assert list(tmp_path.iterdir()) == []
