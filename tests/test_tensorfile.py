@@ -14,13 +14,12 @@ import torch
 from blake3 import blake3
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from engine.checkpoint import full_optimizer_state, load_checkpoint, save_checkpoint
 from engine.checkpoint.storage import CheckpointError, read_index, sha256_file, write_index
 from engine.checkpoint.tensorfile import TensorFileError, read_tensors, write_tensors
 from engine.models import build_model, preset
+from tests.fresh_buffers import FreshBuffers
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -65,36 +64,14 @@ def test_reads_what_safetensors_wrote_with_the_hash_of_its_bytes(tmp_path):
             assert read[name].dtype == t.dtype and torch.equal(read[name], t), name
 
 
-class _Allocations(TorchDispatchMode):
-    """Records every op that returns new memory (not a view of or a write into one of its
-    inputs) of ``numel`` or more elements."""
-
-    def __init__(self, numel: int) -> None:
-        super().__init__()
-        self.numel, self.ops = numel, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        for t in tree_flatten(out)[0]:
-            fresh = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
-            if fresh and t.numel() >= self.numel:
-                self.ops.append(func.overloadpacket.__name__)
-        return out
-
-
 def test_no_copies_on_save_and_one_tensor_per_tensor_on_load(tmp_path):
     """Saving a contiguous tensor allocates nothing of its size (its memory is written);
     loading allocates exactly its destination, once (no zeroed buffer, no copy)."""
     big = torch.randn(1000, 100, device="cpu")
     path = tmp_path / "c.safetensors"
-    with _Allocations(big.numel()) as saving:
+    with FreshBuffers(big.numel()) as saving:
         write_tensors(path, {"big": big}, metadata={})
-    with _Allocations(big.numel()) as loading:
+    with FreshBuffers(big.numel()) as loading:
         read, _ = read_tensors(path, "blake3")
     assert saving.ops == [], saving.ops
     assert loading.ops == ["empty"], loading.ops

@@ -16,8 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import parallel_state
 from layers import (
@@ -35,6 +33,7 @@ from layers import (
     shard,
     vocab_parallel_cross_entropy,
 )
+from tests.fresh_buffers import FreshBuffers
 from tests.multiproc import run_ranks
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -331,39 +330,17 @@ def test_cross_entropy_argument_errors():
         )
 
 
-class _FreshBuffers(TorchDispatchMode):
-    """Counts the ops that return a new tensor of at least ``numel`` elements (not a view of,
-    or an in-place write into, one of their inputs)."""
-
-    def __init__(self, numel: int) -> None:
-        super().__init__()
-        self.numel, self.ops = numel, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
-        for t in tree_flatten(out)[0]:
-            fresh = isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
-            if fresh and t.numel() >= self.numel:
-                self.ops.append(str(func))
-        return out
-
-
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_cross_entropy_makes_one_logits_buffer(smoothing):
     """With a padded vocabulary, forward allocates one logits-sized buffer (the softmax that
     backward reuses) and backward none: no masked copy, no second buffer for x - max."""
     logits = torch.randn(8, 64, device="cpu", requires_grad=True)
     target = torch.randint(0, 50, (8,), device="cpu")
-    with _FreshBuffers(logits.numel()) as forward:
+    with FreshBuffers(logits.numel()) as forward:
         loss = vocab_parallel_cross_entropy(
             logits, target, vocab_size=50, label_smoothing=smoothing
         )
-    with _FreshBuffers(logits.numel()) as backward:
+    with FreshBuffers(logits.numel()) as backward:
         loss.sum().backward()
     assert len(forward.ops) == 1, forward.ops
     assert backward.ops == [], backward.ops
