@@ -103,6 +103,13 @@ class CheckpointConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """What the mesh shards beyond the sizes (tp_size, dp_size and pp_size are top-level)."""
+
+    dp_shard: str = "none"  # DP shards: none, optimizer (ZeRO-1), gradients (ZeRO-2), full (ZeRO-3)
+
+
+@dataclass
 class Config:
     """Everything a pre-training run needs."""
 
@@ -111,9 +118,11 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     name: str = "gpt_tiny_stdlib"  # experiment name (checkpoint and log directories)
     tp_size: int = 2  # tensor-parallel size (ranks in a node sharing each layer)
-    dp_size: Any = 2  # data-parallel size, or "auto" for world size ÷ tp_size
+    dp_size: Any = 2  # data-parallel size, or "auto" for world size ÷ (tp_size × pp_size)
+    pp_size: int = 1  # pipeline stages the layers are cut into (1: no pipeline)
     run_dir: str = "."  # where logs go; set to Hydra's output directory at launch
 
 
@@ -128,13 +137,17 @@ def register_configs() -> None:
 
 
 def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
-    """The run's layout, validated: ``dp_size=auto`` is world ÷ tp (1 with no launcher yet,
-    since this process then starts tp ranks itself). Raises LayoutError, one line."""
+    """The run's layout, validated: the one place a training config becomes a
+    :class:`ParallelDims`. ``dp_size=auto`` is world ÷ (tp · pp) (1 with no launcher yet,
+    since this process then starts tp · pp ranks itself); ``optim.distributed=true`` is
+    the older spelling of ``parallel.dp_shard=optimizer``. Raises LayoutError, one line."""
     return ParallelDims.resolve(
         cfg.tp_size,
         cfg.dp_size,
         world_size,
+        pp=cfg.pp_size,
         sequence_parallel=cfg.model.sequence_parallel,
+        dp_shard=cfg.parallel.dp_shard,
         zero1=cfg.optim.distributed,
     )
 
@@ -143,6 +156,12 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
     """Every problem of ``cfg`` at the layout ``dims``, one line each (empty when it can run)."""
     problems: list[str] = []
     tp, t = dims.tp, cfg.trainer
+    if dims.pp > 1:  # until the pipeline runtime lands (its issue)
+        problems.append(f"pp_size={dims.pp}: pipeline parallelism is not built yet; set pp_size=1")
+    if dims.dp_shard in ("gradients", "full"):  # until the FSDP2 strategy lands (its issue)
+        problems.append(
+            f"parallel.dp_shard={dims.dp_shard} is not built yet; use none or optimizer"
+        )
     try:
         cfg.model.validate(tp)
     except ValueError as err:

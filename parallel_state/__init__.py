@@ -1,11 +1,13 @@
-"""The 2-D device mesh: tensor parallel (TP) inside a node, data parallel (DP) across nodes.
+"""The device mesh: tensor parallel (TP) inside a node, data parallel (DP) across nodes,
+pipeline stages (PP) outermost.
 
 Ranks are laid out with TP varying fastest::
 
-    grid = torch.arange(world_size).view(dp_size, tp_size)   # grid[dp_rank, tp_rank] = rank
+    grid = torch.arange(world_size).view(pp_size, dp_size, tp_size)  # grid[p, d, t] = rank
 
 so a TP group is a row of consecutive ranks (which launchers place on one node, over the
-fast links) and a DP group is a column striding across nodes.
+fast links), a DP group strides across nodes, and a pipeline group strides widest (a stage
+boundary moves one activation per micro-batch, the least traffic of the three).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ __all__ = [
 
 @dataclass(frozen=True, eq=False)
 class ParallelState:
-    """This rank's place in the (dp, tp) mesh, its process groups and its RNG streams."""
+    """This rank's place in the (pp, dp, tp) mesh, its process groups and its RNG streams."""
 
     tp_size: int
     dp_size: int
@@ -49,10 +51,13 @@ class ParallelState:
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     device: torch.device
-    grid: torch.Tensor = field(repr=False)  # grid[dp_rank, tp_rank] = global rank
+    grid: torch.Tensor = field(repr=False)  # grid[pp_rank, dp_rank, tp_rank] = global rank
     rng: RNGTracker = field(repr=False)
     owns_default_group: bool = field(default=False, repr=False)
     dims: ParallelDims | None = field(default=None, repr=False)  # the layout it was built from
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     @property
     def groups(self) -> dict[str, dist.ProcessGroup]:
@@ -62,12 +67,17 @@ class ParallelState:
     @property
     def tp_ranks(self) -> list[int]:
         """Global ranks of this rank's TP group, in TP-rank order."""
-        return self.grid[self.dp_rank].tolist()
+        return self.grid[self.pp_rank, self.dp_rank].tolist()
 
     @property
     def dp_ranks(self) -> list[int]:
         """Global ranks of this rank's DP group, in DP-rank order."""
-        return self.grid[:, self.tp_rank].tolist()
+        return self.grid[self.pp_rank, :, self.tp_rank].tolist()
+
+    @property
+    def pp_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline group, in stage order."""
+        return self.grid[:, self.dp_rank, self.tp_rank].tolist()
 
     def seed(self, seed: int) -> None:
         """Seed the replicated stream (same on all TP ranks) and this TP rank's sharded stream."""
@@ -175,8 +185,8 @@ def initialize(
     owns = not dist.is_initialized()
     world_size = info.world_size if owns else dist.get_world_size()
     if isinstance(dims, ParallelDims):
-        flags = {"sequence_parallel": dims.sequence_parallel, "zero1": dims.zero1}
-        dims = ParallelDims.resolve(dims.tp, dims.dp, world_size, **flags)
+        flags = {"sequence_parallel": dims.sequence_parallel, "dp_shard": dims.dp_shard}
+        dims = ParallelDims.resolve(dims.tp, dims.dp, world_size, pp=dims.pp, **flags)
     else:
         dims = ParallelDims.resolve(dims, dp_size, world_size)
     tp_size, dp_size = dims.tp, dims.dp
@@ -198,7 +208,7 @@ def initialize(
     else:
         device = torch.device("cpu")
 
-    grid = torch.tensor(dims.group_ranks("tp"))  # row dp_rank: that replica's TP group
+    grid = torch.tensor(dims.rank_grid())
     groups = {}
     # Every rank must create every group, in the same order: the innermost axis first.
     for axis in reversed(MESH_AXES):
@@ -222,6 +232,9 @@ def initialize(
         rng=RNGTracker(device),
         owns_default_group=owns,
         dims=dims,
+        pp_size=dims.pp,
+        pp_rank=coords["pp"],
+        pp_group=groups["pp"],
     )
     return _current
 

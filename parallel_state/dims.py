@@ -1,4 +1,5 @@
-"""The parallel layout as one validated value: tp × dp ranks, sequence parallelism, ZeRO-1.
+"""The parallel layout as one validated value: pp × dp × tp ranks, sequence parallelism and
+how the data-parallel axis shards the training state.
 
 A :class:`ParallelDims` is built once (from the config, a command line, or the launcher's
 world size), checked as it is built, and then handed to whatever needs the layout: config
@@ -13,13 +14,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["AUTO", "MESH_AXES", "LayoutError", "ParallelDims"]
+__all__ = ["AUTO", "DP_SHARD_MODES", "MESH_AXES", "LayoutError", "ParallelDims"]
 
 AUTO = "auto"  # dp_size=auto: world size ÷ tp_size
 # The mesh's named axes, outermost first: the last varies fastest over global ranks, so
-# its groups are runs of consecutive ranks (one node). A new axis (pp, a sharded dp) is
-# one more name here and one more size field on ParallelDims.
-MESH_AXES = ("dp", "tp")
+# its groups are runs of consecutive ranks (one node). TP is innermost because it talks
+# every layer (inside a node, over the fastest links); DP next, its one gradient reduction
+# per step crossing nodes; PP outermost, because a stage boundary moves only one
+# activation per micro-batch, the least traffic, so it may take the slowest links.
+# A new axis is one more name here and one more size field on ParallelDims.
+MESH_AXES = ("pp", "dp", "tp")
+# What the DP axis shards: nothing (replicas all-reduce gradients), Adam's state (ZeRO-1),
+# also the gradients (ZeRO-2), or also the parameters between uses (ZeRO-3, FSDP2).
+DP_SHARD_MODES = ("none", "optimizer", "gradients", "full")
 
 
 class LayoutError(ValueError):
@@ -33,24 +40,36 @@ def _check_size(name: str, value: object, fix: str) -> None:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """How many ranks share each layer (``tp``) and how many replicas train (``dp``).
+    """How many ranks share each layer (``tp``), how many replicas train (``dp``) and how
+    many pipeline stages the layers are cut into (``pp``).
 
-    The rank grid is ``torch.arange(world).view(dp, tp)``: TP varies fastest, so a TP group
-    is a row of consecutive ranks. ``sequence_parallel`` shards activations along the
-    sequence inside TP regions; ``zero1`` shards the optimizer state across DP.
+    The rank grid is ``torch.arange(world).view(pp, dp, tp)``: TP varies fastest, so a TP
+    group is a row of consecutive ranks. ``sequence_parallel`` shards activations along
+    the sequence inside TP regions; ``dp_shard`` (one of :data:`DP_SHARD_MODES`) says
+    what the DP axis shards.
     """
 
     tp: int
     dp: int
+    pp: int = 1
     sequence_parallel: bool = False
-    zero1: bool = False
+    dp_shard: str = "none"
 
     def __post_init__(self) -> None:
         _check_size("tp_size", self.tp, "set tp_size to the ranks sharing each layer (1: none)")
         _check_size("dp_size", self.dp, "set dp_size to the model replicas, or dp_size=auto")
-        for name in ("sequence_parallel", "zero1"):
-            if not isinstance(getattr(self, name), bool):
-                raise LayoutError(f"{name}={getattr(self, name)!r} must be true or false")
+        _check_size("pp_size", self.pp, "set pp_size to the pipeline stages (1: none)")
+        if not isinstance(self.sequence_parallel, bool):
+            raise LayoutError(f"sequence_parallel={self.sequence_parallel!r} must be true or false")
+        if self.dp_shard not in DP_SHARD_MODES:
+            raise LayoutError(
+                f"parallel.dp_shard={self.dp_shard!r} is not one of {', '.join(DP_SHARD_MODES)}"
+            )
+
+    @property
+    def zero1(self) -> bool:
+        """Whether the optimizer state, and only it, is sharded over DP (ZeRO-1)."""
+        return self.dp_shard == "optimizer"
 
     @property
     def world(self) -> int:
@@ -62,17 +81,15 @@ class ParallelDims:
         """``{axis: size}`` in :data:`MESH_AXES` order (outermost first)."""
         return {axis: getattr(self, axis) for axis in MESH_AXES}
 
-    @property
-    def dp_sharding(self) -> str:
-        """How DP replicas hold the optimizer state: ``"zero1"`` (sharded) or ``"none"``."""
-        return "zero1" if self.zero1 else "none"
-
     def rank_of(self, **coords: int) -> int:
-        """The global rank at ``coords`` (one per axis): the one rank formula of the mesh,
-        ``rank = dp_rank · tp + tp_rank`` for (dp, tp), mixed radix in general."""
+        """The global rank at ``coords`` (one per axis; an axis of size 1 may be left out):
+        the one rank formula of the mesh,
+        ``rank = (pp_rank · dp + dp_rank) · tp + tp_rank``: mixed radix over the axes."""
         rank = 0
         for axis, size in self.sizes.items():
-            rank = rank * size + coords[axis]
+            if axis not in coords and size > 1:
+                raise TypeError(f"rank_of() needs the {axis} index ({axis} size {size})")
+            rank = rank * size + coords.get(axis, 0)
         return rank
 
     def coords_of(self, rank: int) -> dict[str, int]:
@@ -81,6 +98,13 @@ class ParallelDims:
         for axis, size in reversed(self.sizes.items()):
             rank, coords[axis] = divmod(rank, size)
         return {axis: coords[axis] for axis in MESH_AXES}
+
+    def rank_grid(self) -> list[list[list[int]]]:
+        """``grid[pp_rank][dp_rank][tp_rank]``: the global rank at every mesh position."""
+        return [
+            [[self.rank_of(pp=p, dp=d, tp=t) for t in range(self.tp)] for d in range(self.dp)]
+            for p in range(self.pp)
+        ]
 
     def group_ranks(self, axis: str) -> list[list[int]]:
         """Every group along ``axis``: the global ranks that differ only in that axis's
@@ -99,16 +123,28 @@ class ParallelDims:
         dp: int | str | None = AUTO,
         world: int | None = None,
         *,
+        pp: int = 1,
         sequence_parallel: bool = False,
+        dp_shard: str = "none",
         zero1: bool = False,
     ) -> ParallelDims:
-        """The layout for ``tp`` and ``dp`` on ``world`` ranks (None: not launched yet).
+        """The layout for ``tp``, ``dp`` and ``pp`` on ``world`` ranks (None: not launched yet).
 
         ``dp`` may be an integer, an integer spelled as a string (a command line), or
-        ``"auto"``/None: world ÷ tp, or 1 when there is no world yet (this process will
-        start tp ranks itself). With a ``world``, tp × dp must equal it.
+        ``"auto"``/None: world ÷ (tp · pp), or 1 when there is no world yet (this process
+        will start tp · pp ranks itself). With a ``world``, pp × dp × tp must equal it.
+        ``zero1=True`` is the older spelling of ``dp_shard="optimizer"``.
         """
         _check_size("tp_size", tp, "set tp_size to the ranks sharing each layer (1: none)")
+        _check_size("pp_size", pp, "set pp_size to the pipeline stages (1: none)")
+        if zero1:
+            if dp_shard not in ("none", "optimizer"):
+                raise LayoutError(
+                    f"optim.distributed=true (ZeRO-1) contradicts parallel.dp_shard={dp_shard}; "
+                    "set one of them"
+                )
+            dp_shard = "optimizer"
+        model = tp * pp  # ranks holding one model replica
         if isinstance(dp, str) and dp != AUTO:
             try:
                 dp = int(dp)
@@ -120,17 +156,25 @@ class ParallelDims:
         if dp is None or dp == AUTO:
             if world is None:
                 dp = 1
-            elif world % tp:
+            elif world % model:
+                sizes, which = (
+                    (f"tp_size {tp}", "a tp_size")
+                    if pp == 1
+                    else (f"tp_size × pp_size = {model}", "sizes whose product is")
+                )
                 raise LayoutError(
-                    f"world size {world} is not divisible by tp_size {tp}; launch a multiple "
-                    f"of {tp} processes or choose a tp_size dividing {world}"
+                    f"world size {world} is not divisible by {sizes}; launch a multiple "
+                    f"of {model} processes or choose {which} dividing {world}"
                 )
             else:
-                dp = world // tp
-        dims = cls(tp, dp, sequence_parallel=sequence_parallel, zero1=zero1)
+                dp = world // model
+        dims = cls(tp, dp, pp, sequence_parallel=sequence_parallel, dp_shard=dp_shard)
         if world is not None and dims.world != world:
+            product = f"tp_size × dp_size = {tp} × {dp}"
+            if pp > 1:
+                product = f"pp_size × dp_size × tp_size = {pp} × {dp} × {tp}"
             raise LayoutError(
-                f"tp_size × dp_size = {tp} × {dp} = {dims.world} does not equal the world size "
+                f"{product} = {dims.world} does not equal the world size "
                 f"{world}; launch {dims.world} processes or change the sizes (dp_size=auto "
                 "follows the world size)"
             )

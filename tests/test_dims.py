@@ -151,26 +151,60 @@ def test_verifier_checks_its_layout_with_the_same_value():
         VerifySpec(tp_size=1, dp_size=4, batch_size=6).check()
 
 
-@pytest.mark.parametrize(("tp", "dp"), [(1, 1), (2, 1), (1, 3), (2, 3), (4, 2)])
-def test_rank_formula_and_groups_match_the_torch_grid(tp, dp):
+@pytest.mark.parametrize(
+    ("tp", "dp", "pp"),
+    [(1, 1, 1), (2, 1, 1), (1, 3, 1), (2, 3, 1), (4, 2, 1), (2, 2, 2), (1, 2, 4)],
+)
+def test_rank_formula_and_groups_match_the_torch_grid(tp, dp, pp):
     """The one rank formula against an independent reference: torch's row-major grid
-    ``arange(world).view(dp, tp)``, whose rows are the TP groups and columns the DP groups."""
+    ``arange(world).view(pp, dp, tp)``, whose last-axis rows are the TP groups, middle
+    columns the DP groups and first-axis fibres the pipeline groups."""
     import torch
 
-    dims = ParallelDims(tp, dp)
-    grid = torch.arange(tp * dp).view(dp, tp)
-    assert dims.sizes == {"dp": dp, "tp": tp}
-    assert dims.group_ranks("tp") == grid.tolist()
-    assert dims.group_ranks("dp") == grid.t().tolist()
-    for d in range(dp):
-        for t in range(tp):
-            rank = int(grid[d, t])
-            assert dims.rank_of(dp=d, tp=t) == rank == d * tp + t  # hand-derived too
-            assert dims.coords_of(rank) == {"dp": d, "tp": t}
+    dims = ParallelDims(tp, dp, pp)
+    grid = torch.arange(tp * dp * pp).view(pp, dp, tp)
+    assert dims.sizes == {"pp": pp, "dp": dp, "tp": tp}
+    assert dims.rank_grid() == grid.tolist()
+    assert dims.group_ranks("tp") == grid.reshape(pp * dp, tp).tolist()
+    assert dims.group_ranks("dp") == grid.permute(0, 2, 1).reshape(pp * tp, dp).tolist()
+    assert dims.group_ranks("pp") == grid.permute(1, 2, 0).reshape(dp * tp, pp).tolist()
+    for p in range(pp):
+        for d in range(dp):
+            for t in range(tp):
+                rank = int(grid[p, d, t])
+                assert dims.rank_of(pp=p, dp=d, tp=t) == rank == (p * dp + d) * tp + t
+                assert dims.coords_of(rank) == {"pp": p, "dp": d, "tp": t}
 
 
 def test_dims_carry_sequence_parallel_and_the_dp_sharding_mode():
-    assert ParallelDims(2, 2, sequence_parallel=True, zero1=True).dp_sharding == "zero1"
-    assert ParallelDims(2, 2).dp_sharding == "none"
+    assert ParallelDims(2, 2, sequence_parallel=True, dp_shard="optimizer").zero1
+    assert ParallelDims(2, 2).dp_shard == "none"
+    assert not ParallelDims(2, 2, dp_shard="full").zero1
     kept = ParallelDims.resolve(2, "auto", 4, sequence_parallel=True, zero1=True)
-    assert (kept.dp, kept.sequence_parallel, kept.zero1) == (2, True, True)
+    assert (kept.dp, kept.sequence_parallel, kept.zero1, kept.dp_shard) == (
+        2,
+        True,
+        True,
+        "optimizer",
+    )
+    with pytest.raises(
+        LayoutError, match="parallel.dp_shard='zero2' is not one of none, optimizer"
+    ):
+        ParallelDims(2, 2, dp_shard="zero2")
+    with pytest.raises(LayoutError, match="contradicts parallel.dp_shard=full"):
+        ParallelDims.resolve(2, 2, zero1=True, dp_shard="full")
+
+
+def test_pipeline_stages_take_their_share_of_the_world():
+    dims = ParallelDims.resolve(2, "auto", 16, pp=4)
+    assert (dims.pp, dims.dp, dims.tp, dims.world) == (4, 2, 2, 16)
+    with pytest.raises(
+        LayoutError, match="world size 12 is not divisible by tp_size × pp_size = 8"
+    ):
+        ParallelDims.resolve(2, "auto", 12, pp=4)
+    with pytest.raises(
+        LayoutError, match="pp_size × dp_size × tp_size = 2 × 2 × 2 = 8 does not equal"
+    ):
+        ParallelDims.resolve(2, 2, 4, pp=2)
+    with pytest.raises(LayoutError, match="pp_size must be an integer >= 1, got 0"):
+        ParallelDims(1, 1, 0)

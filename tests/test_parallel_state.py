@@ -39,7 +39,8 @@ def _layouts() -> dict:
             "dp_sum": d.item(),
             "sizes": (ps.tp_size, ps.dp_size, ps.world_size),
             "get_is_current": parallel_state.get() is ps,
-            "groups_by_axis": ps.groups == {"dp": ps.dp_group, "tp": ps.tp_group},
+            "groups_by_axis": ps.groups
+            == {"pp": ps.pp_group, "dp": ps.dp_group, "tp": ps.tp_group},
         }
         parallel_state.destroy()
     return seen
@@ -107,10 +108,10 @@ def test_tp_group_spanning_nodes_warns():
 
 
 def test_initialize_takes_the_mesh_value_and_keeps_its_flags():
-    ps = parallel_state.initialize(ParallelDims(1, 1, sequence_parallel=True, zero1=True))
+    ps = parallel_state.initialize(ParallelDims(1, 1, sequence_parallel=True, dp_shard="optimizer"))
     try:
-        assert ps.dims == ParallelDims(1, 1, sequence_parallel=True, zero1=True)
-        assert set(ps.groups) == {"dp", "tp"} and ps.groups["tp"] is ps.tp_group
+        assert ps.dims == ParallelDims(1, 1, sequence_parallel=True, dp_shard="optimizer")
+        assert set(ps.groups) == {"pp", "dp", "tp"} and ps.groups["tp"] is ps.tp_group
     finally:
         parallel_state.destroy()
 
