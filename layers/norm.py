@@ -6,14 +6,14 @@ import torch
 from torch import nn
 
 from layers.kernel_set import resolve_kernels
-from layers.utils import SP_GRAD_ATTR, mark_tp_dim
+from layers.param_roles import mark_sp_partial_grad, mark_tp_dim
 
 
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim with replicated weight and bias.
 
     Under sequence parallelism each rank normalizes only its sequence shard, so its
-    parameter gradients are partial sums: they carry ``SP_GRAD_ATTR`` for the TP all-reduce.
+    parameter gradients are partial sums: they are marked (``layers.param_roles``) for the TP all-reduce.
     """
 
     def __init__(
@@ -34,7 +34,7 @@ class LayerNorm(nn.Module):
         self.kernels = resolve_kernels(kernels)
         for p in (self.weight, self.bias):
             mark_tp_dim(p, None)
-            setattr(p, SP_GRAD_ATTR, sequence_parallel)
+            mark_sp_partial_grad(p, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.layer_norm(x, self.weight, self.bias, self.eps)
@@ -63,7 +63,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, **factory))
         self.eps, self.sequence_parallel = eps, sequence_parallel
         mark_tp_dim(self.weight, None)
-        setattr(self.weight, SP_GRAD_ATTR, sequence_parallel)
+        mark_sp_partial_grad(self.weight, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
