@@ -207,3 +207,15 @@ def test_build_model_hands_the_state_to_every_layer():
         assert handed == {True}
         assert "tp_group was not passed" in implicit_uses[0]
         assert any("rng was not passed" in m for m in implicit_uses)
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "bert_tiny", "llama_tiny"])
+def test_one_kernel_set_per_model(name):
+    """``model.kernels`` is resolved once per model and handed down: every module that
+    holds a kernel set holds the model's own (it used to be resolved 4L+2 times per GPT)."""
+    from layers.kernel_set import Kernels
+
+    model = build_model(preset(name, vocab_size=64, hidden_size=32, num_heads=4, num_layers=2))
+    holders = [m for m in model.modules() if isinstance(getattr(m, "kernels", None), Kernels)]
+    assert len(holders) >= 2 * model.cfg.num_layers + 1  # layers, their MLPs and norms, ...
+    assert {id(m.kernels) for m in holders} == {id(model.kernels)}

@@ -17,6 +17,7 @@ from engine.models.config import ModelConfig
 from layers import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, scatter_to_sequence
 from layers.compile import compile_model
 from layers.gqa import dedupe_gathered, owned_block
+from layers.kernel_set import Kernels, resolve_kernels
 from layers.linear import InitMethod, build_master_weight, normal_init
 from layers.mappings import gather_along
 from layers.norm import LayerNorm
@@ -84,7 +85,9 @@ class Embeddings(nn.Module):
     sequence parallelism. BERT gets token types and the embedding LayerNorm.
     """
 
-    def __init__(self, cfg: ModelConfig, *, tp_group, rng: RNGTracker | None, dtype, device):
+    def __init__(
+        self, cfg: ModelConfig, *, tp_group, rng: RNGTracker | None, kernels: Kernels, dtype, device
+    ):
         super().__init__()
         self.tp_group, self.rng = tp_group, rng
         self.sequence_parallel, self.dropout = cfg.sequence_parallel, cfg.hidden_dropout
@@ -111,7 +114,7 @@ class Embeddings(nn.Module):
                 cfg.hidden_size,
                 cfg.layernorm_eps,
                 sequence_parallel=cfg.sequence_parallel,
-                kernels=cfg.kernels,
+                kernels=kernels,
                 dtype=dtype,
                 device=device,
             )
@@ -221,10 +224,12 @@ class ParallelModel(nn.Module):
         cfg.validate(group_size(self.tp_group))
         self.cfg = cfg
         rng = rng if rng is not None else default_rng()
+        self.kernels = resolve_kernels(cfg.kernels)  # once per model, handed to every layer
         build = dict(tp_group=self.tp_group, dtype=dtype, device=device)
-        self.embedding = Embeddings(cfg, rng=rng, **build)
+        one = dict(rng=rng, kernels=self.kernels)
+        self.embedding = Embeddings(cfg, **one, **build)
         self.layers = nn.ModuleList(
-            ParallelTransformerLayer(cfg, rng=rng, **build) for _ in range(cfg.num_layers)
+            ParallelTransformerLayer(cfg, **one, **build) for _ in range(cfg.num_layers)
         )
         return build
 
