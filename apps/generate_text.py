@@ -131,7 +131,7 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
         say=say,
     )
     try:
-        cfg, state = ModelSource(args.ckpt, args.hf_dir).load()
+        cfg, state = ModelSource(args.ckpt, args.hf_dir).load(ps)
         model = build_model(
             inference_config(cfg),
             ps,
