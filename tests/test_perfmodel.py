@@ -59,11 +59,38 @@ def test_group_placement_and_links():
     assert tp16.nodes == 2 and comm.group_link(tp16, cl).latency_s == cl.inter.latency_s
 
 
-def test_state_bytes_match_the_reference_table():
-    # bf16 + fp32 grads + Adam: 18 bytes plain, 6 + 12/d with ZeRO-1 (d = 4: 9)
-    assert sum(memory.state_bytes_per_param("bf16", False, 4)) == 18
-    assert sum(memory.state_bytes_per_param("bf16", True, 4)) == 9
-    assert sum(memory.state_bytes_per_param("fp32", True, 4)) == 10  # 8 + 8/4
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_state_bytes_per_dp_shard_mode_by_hand(d):
+    """Bytes per parameter per rank, written out from what each mode holds (the runtime's
+    engine.data_parallel.bytes_per_param for none and optimizer; FSDP2's sharded fp32
+    master, gradient and moments for gradients and full). Exact: these are small rationals."""
+    hand = {  # (bf16, fp32)
+        "none": (4 + 4 + 8, 4 + 4 + 8),  # fp32 params (own masters), fp32 grads, Adam
+        "optimizer": (2 + 4 + 12 / d, 4 + 4 + 8 / d),  # master + moments sharded
+        "gradients": (2 + 16 / d, 4 + 16 / d),  # gathered params + sharded state
+        "full": (16 / d, 16 / d),  # everything sharded (in-flight layers apart)
+    }
+    for mode, (bf16, fp32) in hand.items():
+        assert sum(memory.state_bytes_per_param("bf16", mode, d)) == pytest.approx(bf16, rel=1e-15)
+        assert sum(memory.state_bytes_per_param("fp32", mode, d)) == pytest.approx(fp32, rel=1e-15)
+    # in flight under full: 2 layers' bf16 parameters and unsharded gradients (2 + 2 bytes)
+    assert memory.in_flight_bytes(1000, "bf16", "full") == 2 * 1000 * 4
+    assert memory.in_flight_bytes(1000, "bf16", "gradients") == 2 * 1000 * 2
+    assert memory.in_flight_bytes(1000, "bf16", "optimizer") == 0
+
+
+def test_runtime_bytes_per_param_and_modes_agree_with_the_planner():
+    """The trainer's own count (engine.data_parallel) and the planner's agree for the modes
+    the runtime has; the planner's mode names are parallel_state's."""
+    from engine.config import OptimConfig
+    from engine.data_parallel import bytes_per_param
+    from parallel_state.dims import DP_SHARD_MODES
+
+    assert memory.DP_SHARD == DP_SHARD_MODES
+    for d in (1, 2, 4):
+        for distributed, mode in ((False, "none"), (True, "optimizer")):
+            runtime = bytes_per_param(OptimConfig(distributed=distributed), d, bf16=True)
+            assert runtime == memory.state_bytes_per_param("bf16", mode, d)
 
 
 def test_layer_activation_table_by_hand():
@@ -335,7 +362,7 @@ def test_plan_predict_text_and_search_output():
         "h100_node",
     )
     assert out.returncode == 0, out.stderr
-    assert "rejected tp=8 dp=1: does not divide: heads=12 is not divisible by tp=8" in out.stdout
+    assert "rejected pp=1 tp=8 dp=1: does not divide: heads=12 is not divisible by tp=8" in out.stdout
 
 
 def test_plan_errors_are_one_line():

@@ -41,13 +41,16 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _pipelines(pp: int, only: dict) -> list[tuple[str, int]]:
+def _pipelines(pp: int, layers: int, only: dict) -> list[tuple[str, int]]:
     """(schedule, virtual stages) tried at ``pp`` stages: 1F1B (GPipe holds more for the
-    same bubble, so only when asked) and interleaved 1F1B with 2 chunks per rank."""
+    same bubble, so only when asked) and interleaved 1F1B at every chunk count that divides
+    the stage's layers (more chunks: a smaller bubble, more hand-offs)."""
     if pp == 1:
         return [("1f1b", 1)]
+    chunks = [v for v in _divisors(layers // pp) if v >= 2]
+    chunks = list(only.get("virtual_stages", chunks))
     schedules = only.get("schedule", ("1f1b", "interleaved_1f1b"))
-    return [(s, 2 if s == "interleaved_1f1b" else 1) for s in schedules]
+    return [(s, v) for s in schedules for v in (chunks if s == "interleaved_1f1b" else [1])]
 
 
 def _options(
@@ -76,7 +79,7 @@ def _options(
         for rc in recomputes
         for sp in sps
         for z in shards
-        for sched, v in _pipelines(pp, only)
+        for sched, v in _pipelines(pp, w.layers, only)
     ]
 
 
