@@ -462,6 +462,29 @@ def test_search_finds_full_sharding_where_replicas_do_not_fit():
     )
 
 
+@pytest.mark.parametrize(
+    "name, sizes",
+    [
+        # GPT-3 13B (Brown et al. 2020, Table 2.1): h, l, a, V, s
+        ("gpt_13b", (5120, 40, 40, None, 50257, 2048, None)),
+        # Llama-3-70B's released config.json: + KV heads and the SwiGLU width
+        ("llama_70b", (8192, 80, 64, 8, 128256, 8192, 28672)),
+    ],
+)
+def test_new_presets_have_the_published_shape_and_one_source(name, sizes):
+    """The planner's preset (read from configs/model without torch) is the model Hydra
+    composes (engine.models.preset), and both have the published shape."""
+    from engine.models import preset
+    from studies.perfmodel.presets import model_preset
+
+    cfg, raw = preset(name), model_preset(name)
+    keys = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "vocab_size")
+    keys += ("max_positions", "ffn_hidden_size")
+    assert tuple(getattr(cfg, k) for k in keys) == sizes
+    assert all(raw.get(k) == getattr(cfg, k) for k in keys)
+    cfg.validate(8)
+
+
 def _plan(*args: str) -> subprocess.CompletedProcess:
     # torch made unimportable: the planner must run without it
     code = (

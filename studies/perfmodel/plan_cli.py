@@ -15,6 +15,7 @@ from studies.perfmodel.pipeline import SCHEDULES
 from studies.perfmodel.presets import model_preset
 from studies.perfmodel.search import best_per_split, search
 
+FAMILY_NAMES = {"gpt": "GPT", "llama": "Llama"}
 MAX_GPUS = 1 << 20  # beyond any cluster; the search enumerates every layout of the count
 
 
@@ -228,7 +229,7 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
         return 0
     kv = f", kv={w.kv}" if w.llama else ""
     print(
-        f"{w.layers}×{w.hidden} {w.family} (a={w.heads}{kv}, s={w.seq}, V={w.vocab}), global "
+        f"{w.layers}×{w.hidden} {FAMILY_NAMES[w.family]} (a={w.heads}{kv}, s={w.seq}, V={w.vocab}), global "
         f"batch {w.global_batch}, {args.gpus} GPUs of {cluster.name}"
     )
     print("best layout per pp × tp × dp, fastest first:")

@@ -58,7 +58,8 @@ def _options(
 ) -> list[Layout]:
     micros = [fixed_micro] if fixed_micro else _divisors(max(1, w.global_batch // dp))
     sps = only.get("sequence_parallel", (False, True) if tp > 1 else (False,))
-    shards = only.get("dp_shard", DP_SHARD if dp > 1 else ("none",))
+    # at dp 1 there is nothing to shard over: every mode is "none"
+    shards = [z for z in only.get("dp_shard", DP_SHARD) if dp > 1 or z == "none"]
     recomputes = only.get(
         "recompute", ("none", "full") if base.fused_attention else ("none", "selective", "full")
     )
@@ -183,6 +184,8 @@ def search(
             ]
             if not options:
                 reason = "does not divide: no micro-batch gives enough micro-batches per stage"
+                if dp == 1 and "none" not in only.get("dp_shard", ("none",)):
+                    reason = "dp=1: no DP axis to shard over (dp_shard none only)"
                 rejected.append(Rejected(tp, dp, reason, pp))
                 continue
             fits, no = _price_split(w, cluster, options, limit, (pp, tp, dp))
