@@ -1,6 +1,7 @@
-"""The runtime's closed-form formulas, in plain Python (no torch): matmul FLOPs of GPT and
-BERT steps, the padded vocabulary, the bytes each rank holds per parameter and the
-activation bytes one transformer layer keeps for backward.
+"""The runtime's closed-form formulas, in plain Python (no torch): matmul FLOPs of GPT,
+BERT and Llama-family steps, the Llama family's parameter count, the padded vocabulary,
+the bytes each rank holds per parameter and the activation bytes one transformer layer
+keeps for backward.
 
 The trainer (through engine.flops, which re-exports them and derives them), its tests
 and the performance model (studies/perfmodel, which runs where torch is not installed)
@@ -89,20 +90,27 @@ def pad_vocab(vocab: int, multiple: int) -> int:
 
 def state_bytes_per_param(precision: str, dp_shard: str, dp: int) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state incl. masters) bytes one rank holds per
-    parameter, as the runtime's data-parallel strategies hold them.
+    parameter between layers, as the runtime's data-parallel strategies hold them
+    (``dp_shard`` one of none, optimizer, gradients, full; ``dp`` the DP size).
 
-    ``dp_shard="none"`` (the all-reduce path): fp32 parameters, their own masters, under
-    autocast in every precision; fp32 gradients; Adam's two fp32 moments: 4 + 4 + 8 = 16.
-    (The 18 of a bf16-parameter layout counts a bf16 copy this path never keeps.)
+    ``"none"`` (the all-reduce path): fp32 parameters, their own masters, under autocast
+    in every precision; fp32 gradients; Adam's two fp32 moments: 4 + 4 + 8 = 16. (The 18
+    of a bf16-parameter layout counts a bf16 copy this path never keeps.)
     ``"optimizer"`` (ZeRO-1): the fp32 gradient buffer (4) and a 1/dp slice of the moments
     (8/dp); in bf16, bf16 parameters (2) with fp32 master slices (4/dp), else fp32
     parameters that are their own masters (4). Measured per rank in
-    tests/test_data_parallel.py. A new sharding mode adds its branch here.
+    tests/test_data_parallel.py.
+    ``"gradients"`` (ZeRO-2): compute-width parameters kept whole (2 in bf16, 4 in fp32),
+    gradients sharded (4/dp) and the fp32 master and moments sharded (12/dp).
+    ``"full"`` (ZeRO-3): everything sharded, 16/dp; the layers gathered in flight are extra.
     """
     if dp_shard == "none":
         return 4.0, 4.0, 8.0
+    compute = 4.0 if precision == "fp32" else 2.0
     if dp_shard == "optimizer":
         return (2.0, 4.0, 12.0 / dp) if precision == "bf16" else (4.0, 4.0, 8.0 / dp)
+    if dp_shard in ("gradients", "full"):
+        return (compute if dp_shard == "gradients" else 0.0), 4.0 / dp, 12.0 / dp
     raise ValueError(f"parallel.dp_shard={dp_shard!r} has no bytes-per-parameter formula")
 
 
@@ -124,3 +132,90 @@ def layer_activation_bytes(
     if sp:
         return s * b * h * (34 / t + scores)
     return s * b * h * (10 + 24 / t + scores)
+
+
+# The Llama family (engine/models/llama/costs.py re-exports these). Per layer and token
+# the forward multiplies by the query (h×h), key/value (h×2·kv·d, smaller than h×2h under
+# grouped-query attention), output (h×h) and the SwiGLU MLP's three matrices, gate and up
+# (h×f each) and down (f×h), and forms QKᵀ and attention·V against all s positions (every
+# query head, so GQA does not shrink them)::
+#
+#     per-layer forward = 2·B·s·(2·h² + 2·h·kv·d + 3·h·f) + 4·B·s²·h
+#
+# Backward is twice the forward, full recomputation one forward more; the LM head adds
+# 2·B·s·h·V forward, as for GPT.
+
+
+def llama_layer_weights(hidden: int, ffn_hidden: int, kv_width: int) -> dict[str, int]:
+    """Weights of one Llama layer by group (no biases): query and output projections,
+    key/value projections, the SwiGLU MLP's three matrices, the two RMSNorm weights."""
+    return {
+        "q_out": 2 * hidden * hidden,
+        "kv": 2 * hidden * kv_width,
+        "mlp": 3 * hidden * ffn_hidden,
+        "norms": 2 * hidden,
+    }
+
+
+def llama_flops_per_iteration(
+    batch: int,
+    seq: int,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    *,
+    ffn_hidden: int,
+    kv_width: int,
+    recompute: bool = False,
+) -> int:
+    """Forward + backward matmul FLOPs of a Llama-family step; ``kv_width`` = kv_heads · d."""
+    tokens = batch * seq
+    projections = (
+        2 * tokens * (2 * hidden * hidden + 2 * hidden * kv_width + 3 * hidden * ffn_hidden)
+    )
+    attention = 4 * batch * seq * seq * hidden
+    layer_passes = 4 if recompute else 3
+    lm_head = 2 * tokens * hidden * vocab
+    return layer_passes * layers * (projections + attention) + 3 * lm_head
+
+
+def llama_params_count(
+    layers: int,
+    hidden: int,
+    vocab: int,
+    *,
+    ffn_hidden: int,
+    kv_width: int,
+    qkv_bias: bool,
+    linear_bias: bool,
+    tied: bool,
+) -> int:
+    """Parameters of the full model (unpadded vocabulary), as ``full_state_dict`` holds.
+
+    Per layer: q and output h² each, K/V 2·h·kv_width, SwiGLU 3·h·f, two RMSNorm weights
+    2h; QKV biases h + 2·kv_width, output and MLP biases 2h + 2f when present.
+    """
+    per_layer = sum(llama_layer_weights(hidden, ffn_hidden, kv_width).values())
+    per_layer += (hidden + 2 * kv_width) if qkv_bias else 0
+    per_layer += (2 * hidden + 2 * ffn_hidden) if linear_bias else 0
+    return layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden  # + final norm
+
+
+def llama_layer_activation_bytes(
+    s: int, b: int, h: int, a: int, kv: int, f: int, t: int, *, sp: bool, recompute: str
+) -> float:
+    """16-bit bytes one Llama layer keeps for backward (fused attention, no dropout).
+
+    In s·b·h units: the two RMSNorm inputs (4), the QKV input (2), Q (2), K and V (4·kv/a:
+    grouped-query attention's smaller projections), the output projection's input (2), the
+    MLP input (2) and the f-wide gate, silu(gate), up and product tensors (8·f/h). Heads
+    and f are split over TP (a rank holds kv/t KV heads, at least one); the norm, QKV and
+    MLP inputs (8) are whole on every TP rank unless sequence parallelism splits them.
+    Full recompute keeps the layer input.
+    """
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    split = (4 + 8 * f / h) / t
+    kv_part = 4 * kv / a / min(t, kv)
+    whole = 8.0 / (t if sp else 1)
+    return s * b * h * (whole + split + kv_part)

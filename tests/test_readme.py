@@ -34,6 +34,9 @@ register_configs()
 RUN = {
     "python -m engine.pretrain tp_size=3": 2,
     "python tools/plan.py search --model gpt_1.3b --global-batch 512 --gpus 16 --cluster dgx_h100": 0,
+    "python tools/plan.py search --model gpt_13b --global-batch 512 --gpus 8 --cluster dgx_h100 --pp 1": 0,
+    "python tools/plan.py search --model llama_8b --global-batch 256 --gpus 16 --cluster dgx_h100 --top 3": 0,
+    "python tools/plan.py search --model llama_8b --global-batch 256 --gpus 32 --cluster dgx_h100 --top 3": 0,
 }
 
 # Every other README command: the test that exercises it ("tests/FILE.py::NAME"), or

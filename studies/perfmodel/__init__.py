@@ -1,4 +1,5 @@
-"""A performance model of tensor × data parallel training: step time, MFU and memory per GPU.
+"""A performance model of pipeline × data × tensor parallel training (GPT and Llama-family
+models, every DP sharding mode): step time, MFU and memory per GPU.
 
 Plain Python (no torch), so a plan can be made anywhere. ``predict`` prices one layout on a
 cluster spec (``load_cluster``); ``search`` ranks every layout that fits and divides, and

@@ -1,19 +1,40 @@
 """Memory per GPU: weights, gradients, optimizer state and activations.
 
-Bytes per parameter and the activations of one layer are the runtime's formulas
-(``engine.formulas.state_bytes_per_param``, ``layer_activation_bytes``); full recompute
-adds one layer's working set while it is recomputed. fp32 activations take twice the
-16-bit bytes. The LM head keeps fp32 logits (4·s·b·V/t). A fragmentation margin is added
-on top of the sum.
+Bytes per parameter per rank, by what the DP axis shards (``dp_shard``, d = DP size), in
+the layout the runtime holds (engine.data_parallel; docs/PERFMODEL.md derives them):
+
+- ``none`` (gradient all-reduce): fp32 parameters that are their own masters (4), fp32
+  gradients (4), Adam's two fp32 moments (8): 16 in either precision.
+- ``optimizer`` (ZeRO-1): bf16 parameters (2), the fp32 gradient buffer (4), fp32 master
+  and moments sharded (12/d): 6 + 12/d; in fp32 4 + 4 + 8/d.
+- ``gradients`` (ZeRO-2, FSDP2 keeping parameters gathered between forward and backward):
+  the gathered 16-bit parameters (2) plus the sharded fp32 master, gradient and moments
+  (16/d): 2 + 16/d (fp32: 4 + 16/d).
+- ``full`` (ZeRO-3, FSDP2): 16/d, plus the layers gathered in flight: ``IN_FLIGHT_LAYERS``
+  layers' parameters and unsharded gradients at the compute width (2 + 2 bytes in bf16).
+
+These and the activations of one layer are the runtime's formulas (``engine.formulas``:
+``state_bytes_per_param``, ``layer_activation_bytes``, ``llama_layer_activation_bytes``);
+full recompute adds one layer's working set while it is recomputed. fp32 activations take twice the 16-bit bytes. The LM head keeps
+fp32 logits (4·s·b·V/t). A fragmentation margin is added on top of the sum.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.formulas import layer_activation_bytes
+from engine.formulas import (
+    layer_activation_bytes,
+    llama_layer_activation_bytes,
+)
 
 FRAGMENTATION = 0.10  # allocator fragmentation and workspace, as a fraction of the total
+# What the DP axis may shard; parallel_state.dims.DP_SHARD_MODES (which imports torch through
+# its package) names the same four, and a test holds them equal.
+DP_SHARD = ("none", "optimizer", "gradients", "full")
+# Layers whose parameters FSDP2 holds gathered at once under ``full``: the one computing and
+# the one prefetched behind it.
+IN_FLIGHT_LAYERS = 2
 
 
 @dataclass(frozen=True)
@@ -43,6 +64,15 @@ class MemoryTerms:
         return {k: v / 2**30 for k, v in terms.items()}
 
 
+def in_flight_bytes(layer_params: float, precision: str, dp_shard: str) -> float:
+    """Bytes of the layers FSDP2 holds gathered at once: parameters and their unsharded
+    gradients at the compute width (``full``); ``gradients`` keeps parameters whole
+    already, so only the unsharded gradients of those layers; nothing otherwise."""
+    width = 4.0 if precision == "fp32" else 2.0
+    per_param = {"full": 2 * width, "gradients": width}.get(dp_shard, 0.0)
+    return IN_FLIGHT_LAYERS * layer_params * per_param
+
+
 def activation_bytes(
     s: int,
     b: int,
@@ -56,15 +86,28 @@ def activation_bytes(
     sp: bool,
     recompute: str,
     fused_attention: bool,
+    llama: tuple[int, int] | None = None,
+    in_flight: float = 1.0,
 ) -> float:
-    """All activation bytes of one micro-batch on one rank (layers, working set, logits)."""
+    """Activation bytes on the rank that holds the most: ``layers`` layers of ``in_flight``
+    micro-batches plus the rebuilt layer (a pipeline's first stage), or of one micro-batch
+    plus the fp32 logits (the last stage, or the whole model when both are one rank).
+
+    ``llama`` = (kv_heads, ffn) prices a Llama layer; None a GPT layer.
+    """
     scale = act_bytes / 2
-    kept = layers * layer_activation_bytes(
-        s, b, h, a, t, sp=sp, recompute=recompute, fused_attention=fused_attention
-    )
-    if recompute == "full":  # one layer is rebuilt at a time in backward
-        kept += layer_activation_bytes(
-            s, b, h, a, t, sp=sp, recompute="none", fused_attention=fused_attention
+
+    def one_layer(rc: str) -> float:
+        if llama:
+            kv, f = llama
+            return llama_layer_activation_bytes(s, b, h, a, kv, f, t, sp=sp, recompute=rc)
+        return layer_activation_bytes(
+            s, b, h, a, t, sp=sp, recompute=rc, fused_attention=fused_attention
         )
+
+    kept = layers * one_layer(recompute)
+    working = one_layer("none") if recompute == "full" else 0.0  # rebuilt one at a time
     logits = 4 * s * b * vocab / t
-    return kept * scale + logits
+    first = (kept * in_flight + working) * scale
+    last = (kept + working) * scale + logits
+    return max(first, last) if in_flight > 1 else last

@@ -1,27 +1,43 @@
-"""Predict one training step of a GPT at a given tp × dp layout on a cluster spec.
+"""Predict one training step of a GPT or Llama-family model at a pp × dp × tp layout.
 
-Step time = (micro-batches per rank) × (compute + exposed TP communication of one micro-batch)
+Step time = (micro-batches per rank) × (compute + exposed TP communication + pipeline
+          hand-off of one micro-batch on the slowest stage) × (1 + bubble)
           + exposed DP communication + optimizer step (+ host overhead per operator).
 
 Compute per micro-batch is the sum of its GEMMs (forward; backward costs two GEMMs of the
 same shape per forward GEMM), the attention core, and the element-wise traffic; recompute
 adds the forward of what it recomputes. TP all-reduces sit on the critical path. The DP
 gradient all-reduce (or ZeRO-1's reduce-scatter) overlaps the last micro-batch's backward
-bucket by bucket; what outlasts it is exposed. See docs/PERFMODEL.md.
+bucket by bucket; what outlasts it is exposed. Under ZeRO-2/3 (``dp_shard`` gradients or
+full) the gathers and reduce-scatters overlap compute layer by layer (FSDP2 prefetching).
+See docs/PERFMODEL.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.formulas import gpt_flops_per_iteration, pad_vocab, state_bytes_per_param
+from engine.formulas import (
+    gpt_flops_per_iteration,
+    llama_flops_per_iteration,
+    llama_layer_weights,
+    pad_vocab,
+    state_bytes_per_param,
+)
 from studies.perfmodel import comm_cost as comm
+from studies.perfmodel import pipeline as pipe
 from studies.perfmodel.cluster_spec import ClusterSpec, scale_for
 from studies.perfmodel.compute import gemm_pass_seconds, rank_speed, stream_seconds
 from studies.perfmodel.in_model import lookup, nearest, parameter_tensors, tp_collectives
-from studies.perfmodel.memory_model import MemoryTerms, activation_bytes
+from studies.perfmodel.memory_model import (
+    DP_SHARD,
+    MemoryTerms,
+    activation_bytes,
+    in_flight_bytes,
+)
 
 RECOMPUTE = ("none", "selective", "full")
+FAMILIES = ("gpt", "llama")
 # Element-wise traffic per token and layer, forward, in elements of width h: two LayerNorms
 # (read + write: 4), two dropout + residual adds (read 2, write 1: 6); the MLP's bias-GeLU
 # reads and writes the f-wide activation (2·f/h). Backward moves about twice as much.
@@ -39,7 +55,11 @@ OPTIMIZER_BYTES = {"fp32": 40, "bf16": 42}
 
 @dataclass(frozen=True)
 class Workload:
-    """The model and batch: GPT sizes, global batch in sequences, precision."""
+    """The model and batch: sizes, global batch in sequences, precision, family.
+
+    ``family`` "llama": SwiGLU MLP of width ``ffn`` (three matrices), ``kv_heads`` key/value
+    heads (grouped-query attention), untied LM head, no biases, RMSNorm, rotary positions.
+    """
 
     hidden: int
     layers: int
@@ -50,11 +70,23 @@ class Workload:
     ffn: int | None = None
     precision: str = "bf16"  # "bf16"/"fp16" or "fp32"
     vocab_multiple: int = 128  # vocab padded to a multiple of tp × this
+    family: str = "gpt"
+    kv_heads: int | None = None  # Llama: key/value heads (None: as many as query heads)
 
     @property
     def act_bytes(self) -> int:
         """Bytes per activation element."""
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def llama(self) -> bool:
+        """Whether the layers are Llama-family ones."""
+        return self.family == "llama"
+
+    @property
+    def kv(self) -> int:
+        """Key/value heads."""
+        return self.kv_heads or self.heads
 
     @property
     def ffn_size(self) -> int:
@@ -75,13 +107,26 @@ class Layout:
     micro_batch: int
     recompute: str = "none"
     sequence_parallel: bool = False
-    zero1: bool = False
+    dp_shard: str = "none"  # none | optimizer (ZeRO-1) | gradients (ZeRO-2) | full (ZeRO-3)
     fused_attention: bool = True
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
     bucket_mb: float = 25.0
     threads: int | None = None  # CPU threads per rank; None: cores ÷ ranks, as the trainer sets
+    pp: int = 1
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    virtual_stages: int = 1  # layer chunks per rank (interleaved_1f1b)
+
+    @property
+    def zero1(self) -> bool:
+        """The older name of ``dp_shard="optimizer"``."""
+        return self.dp_shard == "optimizer"
+
+    @property
+    def gpus(self) -> int:
+        """Ranks of the layout."""
+        return self.pp * self.dp * self.tp
 
 
 @dataclass
@@ -113,12 +158,29 @@ class Prediction:
         return {k: getattr(self, k) for k in keys}
 
 
-def params_per_rank(w: Workload, tp: int) -> float:
-    """Parameters one TP rank holds: its weight shards plus the replicated small tensors."""
+def layer_params_per_rank(w: Workload, tp: int) -> float:
+    """Parameters of one layer on one TP rank: its weight shards plus replicated vectors."""
     h, f = w.hidden, w.ffn_size
-    sharded = w.layers * (4 * h * h + 2 * h * f + 3 * h + f) + w.padded_vocab(tp) * h
-    replicated = w.layers * 6 * h + w.seq * h + 2 * h  # biases of row-parallel, LNs, positions
-    return sharded / tp + replicated
+    if w.llama:  # KV heads split over TP, each held by t/kv ranks when TP exceeds them
+        g = llama_layer_weights(h, f, w.kv * (h // w.heads))
+        return (g["q_out"] + g["mlp"]) / tp + g["kv"] / min(tp, w.kv) + g["norms"]
+    return (4 * h * h + 2 * h * f + 3 * h + f) / tp + 6 * h  # row biases and LNs replicated
+
+
+def vocab_params_per_rank(w: Workload, tp: int, pp: int = 1) -> float:
+    """Embedding-side parameters of the rank holding the most: both ends at pp 1; under a
+    pipeline the first stage's embedding (GPT: with positions) or the last stage's head
+    (GPT keeps a tied copy there; its final LayerNorm)."""
+    table = w.padded_vocab(tp) * w.hidden / tp
+    if w.llama:
+        return (2 if pp == 1 else 1) * table + w.hidden  # untied head; final RMSNorm
+    return table + w.seq * w.hidden + 2 * w.hidden
+
+
+def params_per_rank(w: Workload, tp: int, pp: int = 1) -> float:
+    """Parameters one rank holds: its stage's layers (l/pp) and embedding-side share."""
+    stage = pipe.stage_layers(w.layers, pp) * layer_params_per_rank(w, tp)
+    return stage + vocab_params_per_rank(w, tp, pp)
 
 
 def gemm_shapes(w: Workload, lay: Layout) -> list[tuple[int, int, int, int]]:
@@ -130,7 +192,12 @@ def gemm_shapes(w: Workload, lay: Layout) -> list[tuple[int, int, int, int]]:
         (tokens, f // t, h),
         (tokens, h, f // t),
     ]
-    shapes = [(m, n, k, w.layers) for m, n, k in per_layer]
+    if w.llama:  # Q + the rank's KV heads; gate and up as one column-parallel GEMM
+        kv_cols = 2 * w.kv * (h // w.heads) // min(t, w.kv)
+        per_layer[0] = (tokens, h // t + kv_cols, h)
+        per_layer[2] = (tokens, 2 * f // t, h)
+    layers = pipe.stage_layers(w.layers, lay.pp)
+    shapes = [(m, n, k, layers) for m, n, k in per_layer]
     return shapes + [(tokens, w.padded_vocab(t) // t, h, 1)]
 
 
@@ -143,7 +210,8 @@ def score_bytes(w: Workload, lay: Layout) -> float:
 def elementwise_bytes(w: Workload, lay: Layout) -> tuple[float, float]:
     """(one layer's forward element-wise bytes, the fp32 logits' forward + backward bytes)."""
     rows = lay.micro_batch * w.seq / (lay.tp if lay.sequence_parallel else 1)
-    elems = rows * w.hidden * EW_H_ELEMS + lay.micro_batch * w.seq * 2 * w.ffn_size / lay.tp
+    mlp = 3 if w.llama else 2  # SwiGLU reads gate and up, writes the product; bias-GeLU 2
+    elems = rows * w.hidden * EW_H_ELEMS + lay.micro_batch * w.seq * mlp * w.ffn_size / lay.tp
     logits = lay.micro_batch * w.seq * w.padded_vocab(lay.tp) / lay.tp
     return elems * w.act_bytes, 3 * 4 * logits * 4  # softmax and its gradient, fp32
 
@@ -172,15 +240,16 @@ def _compute_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: floa
     fwd_layers = sum(c * f for c, (f, _) in passes[:-1])
     gemm = sum(c * (f + b) for c, (f, b) in passes)
     gemm_backward = sum(c * b for c, (_, b) in passes)
-    attention = w.layers * _attention_seconds(w, lay, cluster, speed)
+    layers = pipe.stage_layers(w.layers, lay.pp)
+    attention = layers * _attention_seconds(w, lay, cluster, speed)
     layer_bytes, logit_bytes = elementwise_bytes(w, lay)
-    elementwise = stream_seconds(cluster, 3 * w.layers * layer_bytes + logit_bytes, speed)
+    elementwise = stream_seconds(cluster, 3 * layers * layer_bytes + logit_bytes, speed)
     recompute = 0.0
     if lay.recompute == "full":
         recompute = fwd_layers + attention / 3 + elementwise / 3
     elif lay.recompute == "selective" and not lay.fused_attention:
         recompute = attention / 3
-    overhead = OPS_PER_LAYER * w.layers * cluster.op_overhead_s
+    overhead = OPS_PER_LAYER * layers * cluster.op_overhead_s
     parts = {
         "gemm": gemm,
         "attention": attention,
@@ -216,7 +285,7 @@ def _tp_comm_seconds(
     t = lay.tp
     if t <= 1:
         return 0.0
-    count = tp_collectives(w.layers, lay.recompute)
+    count = tp_collectives(pipe.stage_layers(w.layers, lay.pp), lay.recompute)
     kind = "sp" if lay.sequence_parallel else "ar"
     rows = cluster.in_model.get("tp", ()) if ranks else ()  # None: TP spans nodes
     if measured := nearest(rows, (t, kind), ranks or 0):
@@ -237,30 +306,36 @@ def _dp_comm_seconds(
     lay: Layout,
     cluster: ClusterSpec,
     link: comm.Link,
-    backward_s: float,
+    passes: tuple[float, float],
     ranks: int,
 ) -> tuple[float, float]:
-    """(total, exposed) seconds of the DP gradient sync (and ZeRO-1's parameter all-gather).
+    """(total, exposed) seconds per step of the DP collectives, ``passes`` = (forward,
+    backward) seconds of one micro-batch.
 
-    Gradients (fp32) are reduced in buckets during the last micro-batch's backward; the
-    first bucket fills only after 1/buckets of it, and the last bucket's reduction always
-    waits. Without overlap (or on a CPU whose cores are all computing) it is all exposed.
-    On CPU ranks the measured in-model wait for the slowest rank is added (in_model.py).
+    none / optimizer: fp32 gradients are reduced in buckets during the last micro-batch's
+    backward; the first bucket fills only after 1/buckets of it, and the last bucket's
+    reduction always waits (ZeRO-1 then all-gathers the 16-bit parameters). Without overlap
+    (or on a CPU whose cores are all computing) it is all exposed. On CPU ranks the
+    measured in-model wait for the slowest rank is added (in_model.py).
     """
     d = lay.dp
     if d <= 1:
         return 0.0, 0.0
-    grad_bytes = params_per_rank(w, lay.tp) * 4
+    if lay.dp_shard in ("gradients", "full"):
+        total, exposed = _fsdp_comm_seconds(w, lay, link, passes, cluster)
+        return total, exposed + (lookup(cluster.in_model.get("dp_wait_us", ()), (d,), ranks) or 0)
+    params = params_per_rank(w, lay.tp, lay.pp)
+    grad_bytes = params * 4
     buckets = max(1, round(grad_bytes / (lay.bucket_mb * 2**20)))
     if lay.zero1:
         reduce = comm.ring_reduce_scatter(grad_bytes, d, link)
-        gather = comm.ring_all_gather(params_per_rank(w, lay.tp) * w.act_bytes, d, link)
+        gather = comm.ring_all_gather(params * w.act_bytes, d, link)
     else:
         reduce = comm.all_reduce(grad_bytes, d, link, cluster.collectives)
         gather = 0.0
     exposed = reduce
     if lay.overlap_grad_reduce:
-        window = backward_s * (1 - 1 / buckets) * cluster.overlap_efficiency
+        window = passes[1] * (1 - 1 / buckets) * cluster.overlap_efficiency
         exposed = max(reduce / buckets, reduce - window)
     if lay.overlap_param_gather:  # gathered bucket by bucket ahead of the next forward
         exposed += gather / buckets
@@ -270,42 +345,124 @@ def _dp_comm_seconds(
     return reduce + gather, exposed
 
 
+def dp_traffic_bytes(
+    params: float, act_bytes: int, d: int, dp_shard: str, micro_steps: int
+) -> float:
+    """Bytes one rank sends per step in its DP collectives (ring volumes, (d−1)/d of each).
+
+    none: an all-reduce of the fp32 gradients (2·4·P); optimizer: their reduce-scatter plus
+    the parameters' all-gather (4P + aP, a the 16-bit width); gradients (ZeRO-2): the same,
+    the gradients reduce-scattered every micro-batch; full (ZeRO-3): per micro-batch the
+    parameters gathered for forward and again for backward and the gradients
+    reduce-scattered (2·aP + 4P: 1.5× the all-reduce where a = 4).
+    """
+    ring = (d - 1) / d
+    grads, gather = 4 * params, act_bytes * params
+    per_mode = {
+        "none": 2 * grads,
+        "optimizer": grads + gather,
+        "gradients": micro_steps * grads + gather,
+        "full": micro_steps * (2 * gather + grads),
+    }
+    return ring * per_mode[dp_shard]
+
+
+def _fsdp_comm_seconds(
+    w: Workload, lay: Layout, link: comm.Link, passes: tuple[float, float], cluster: ClusterSpec
+) -> tuple[float, float]:
+    """(total, exposed) per step under FSDP2 (ZeRO-2/3), layer by layer with prefetching.
+
+    Each layer's collective runs while the previous layer computes: per pass, the exposed
+    part is the first layer's (nothing computes before it) or what outlasts the pass's
+    compute, whichever is larger. ZeRO-3 gathers forward and backward and reduce-scatters
+    every micro-batch; ZeRO-2 gathers once per step (the parameters stay whole) and
+    reduce-scatters every micro-batch.
+    """
+    d, m = lay.dp, w.global_batch // (lay.dp * lay.micro_batch)
+    params = params_per_rank(w, lay.tp, lay.pp)
+    units = pipe.stage_layers(w.layers, lay.pp) + 1  # the layers and the embedding-side unit
+    gather = comm.ring_all_gather(params * w.act_bytes, d, link)
+    reduce = comm.ring_reduce_scatter(params * 4, d, link)
+    eff = cluster.overlap_efficiency
+
+    def exposed(t_comm: float, t_compute: float) -> float:
+        return max(t_comm / units, t_comm - t_compute * eff)
+
+    fwd, bwd = passes
+    if lay.dp_shard == "full":
+        total = m * (2 * gather + reduce)
+        return total, m * (exposed(gather, fwd) + exposed(gather + reduce, bwd))
+    return m * reduce + gather, m * exposed(reduce, bwd) + exposed(gather, fwd)
+
+
 def _optimizer_seconds(
     w: Workload, lay: Layout, cluster: ClusterSpec, speed: float, ranks: int
 ) -> float:
     """AdamW over this rank's parameters (its 1/d shard under ZeRO-1): memory-bound, plus
     on CPU ranks the measured rest of the optimizer phase (in_model.py)."""
-    params = params_per_rank(w, lay.tp) / (lay.dp if lay.zero1 else 1)
+    sharded = lay.dp_shard != "none"
+    params = params_per_rank(w, lay.tp, lay.pp) / (lay.dp if sharded else 1)
     per_param = OPTIMIZER_BYTES["fp32" if w.precision == "fp32" else "bf16"]
     per_tensor = lookup(cluster.in_model.get("optimizer_us_per_tensor", ()), (), ranks) or 0.0
-    extra = per_tensor * parameter_tensors(w.layers)
+    extra = per_tensor * parameter_tensors(pipe.stage_layers(w.layers, lay.pp))
     return stream_seconds(cluster, params * per_param, speed) + extra
 
 
 def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
-    """Bytes per GPU by kind for this layout (before the fragmentation margin)."""
-    params = params_per_rank(w, lay.tp)
-    dp_shard = "optimizer" if lay.zero1 else "none"
-    weights, grads, opt = state_bytes_per_param(w.precision, dp_shard, lay.dp)
+    """Bytes per GPU by kind on the rank holding the most (before the fragmentation margin)."""
+    params = params_per_rank(w, lay.tp, lay.pp)
+    weights, grads, opt = state_bytes_per_param(w.precision, lay.dp_shard, lay.dp)
+    in_flight = in_flight_bytes(layer_params_per_rank(w, lay.tp), w.precision, lay.dp_shard)
+    micro_steps = w.global_batch // (lay.dp * lay.micro_batch)
     acts = activation_bytes(
         w.seq,
         lay.micro_batch,
         w.hidden,
         w.heads,
-        w.layers,
+        pipe.stage_layers(w.layers, lay.pp),
         w.padded_vocab(lay.tp),
         lay.tp,
         w.act_bytes,
         sp=lay.sequence_parallel,
         recompute=lay.recompute,
         fused_attention=lay.fused_attention,
+        llama=(w.kv, w.ffn_size) if w.llama else None,
+        in_flight=pipe.in_flight_micro_batches(
+            lay.pp, micro_steps, lay.schedule, lay.virtual_stages
+        ),
     )
-    return MemoryTerms(params * weights, params * grads, params * opt, acts)
+    return MemoryTerms(params * weights + in_flight, params * grads, params * opt, acts)
+
+
+def model_flops(w: Workload, tp: int, *, recompute: bool = False) -> int:
+    """Matmul FLOPs of one step (engine.formulas: the family's formula, padded vocabulary)."""
+    args = (w.global_batch, w.seq, w.layers, w.hidden, w.padded_vocab(tp))
+    if w.llama:
+        kv_width = w.kv * (w.hidden // w.heads)
+        return llama_flops_per_iteration(
+            *args, ffn_hidden=w.ffn_size, kv_width=kv_width, recompute=recompute
+        )
+    return gpt_flops_per_iteration(*args, recompute=recompute, ffn_hidden=w.ffn)
+
+
+def _pipeline_seconds(
+    w: Workload, lay: Layout, cluster: ClusterSpec, micro_steps: int
+) -> tuple[float, float]:
+    """(hand-off seconds per micro-batch on the critical path, bubble fraction)."""
+    if lay.pp <= 1:
+        return 0.0, 0.0
+    n = pipe.p2p_bytes(
+        lay.micro_batch, w.seq, w.hidden, w.act_bytes, lay.tp, sp=lay.sequence_parallel
+    )
+    link = pipe.p2p_link(lay.pp, lay.tp * lay.dp, cluster)
+    p2p = pipe.p2p_seconds_per_micro_batch(n, lay.schedule, lay.virtual_stages, link, lay.pp)
+    bubble = pipe.bubble_fraction(lay.pp, micro_steps, lay.schedule, lay.virtual_stages)
+    return p2p, bubble
 
 
 def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     """Price one step of ``w`` at ``lay`` on ``cluster`` (the layout must divide; see search)."""
-    gpus = lay.tp * lay.dp
+    gpus = lay.gpus
     micro_steps = w.global_batch // (lay.dp * lay.micro_batch)
     # CPU specs (cores set) describe one machine: every rank, of every emulated node, shares it
     ranks_here = gpus if cluster.cores else min(gpus, cluster.gpus_per_node)
@@ -317,29 +474,21 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     tp = _tp_comm_seconds(w, lay, cluster, tp_link, in_node, c["total"])
     if lay.tp_comm_overlap:  # chunked GEMM/collective overlap hides TP comm behind GEMMs
         tp = max(0.0, tp - c["gemm"])
-    dp_total, dp_exposed = _dp_comm_seconds(
-        w, lay, cluster, comm.group_link(dp_group, cluster), c["backward"], ranks_here
-    )
+    passes = (c["total"] - c["backward"], c["backward"])
+    dp_link = comm.group_link(dp_group, cluster)
+    dp_total, dp_exposed = _dp_comm_seconds(w, lay, cluster, dp_link, passes, ranks_here)
     optimizer = _optimizer_seconds(w, lay, cluster, speed, ranks_here)
-    step = micro_steps * (c["total"] + tp) + dp_exposed + optimizer
-    model_flops = gpt_flops_per_iteration(
-        w.global_batch, w.seq, w.layers, w.hidden, w.padded_vocab(lay.tp), ffn_hidden=w.ffn
-    )
-    hw_flops = model_flops
-    if lay.recompute == "full":
-        hw_flops = gpt_flops_per_iteration(
-            w.global_batch,
-            w.seq,
-            w.layers,
-            w.hidden,
-            w.padded_vocab(lay.tp),
-            recompute=True,
-            ffn_hidden=w.ffn,
-        )
+    p2p, bubble = _pipeline_seconds(w, lay, cluster, micro_steps)
+    busy = micro_steps * (c["total"] + tp + p2p)
+    step = busy * (1 + bubble) + dp_exposed + optimizer
+    model = model_flops(w, lay.tp)
+    hardware = model_flops(w, lay.tp, recompute=True) if lay.recompute == "full" else model
     mem = memory_terms(w, lay)
     breakdown = {
         "compute_s": micro_steps * c["total"],
         "tp_comm_s": micro_steps * tp,
+        "pp_p2p_s": micro_steps * p2p,
+        "pp_bubble_s": busy * bubble,
         "dp_comm_exposed_s": dp_exposed,
         "dp_comm_total_s": dp_total,
         "optimizer_s": optimizer,
@@ -349,9 +498,9 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     return Prediction(
         step_time_s=step,
         tokens_per_s=w.global_batch * w.seq / step,
-        model_tflops_per_gpu=model_flops / step / gpus / 1e12,
-        hardware_tflops_per_gpu=hw_flops / step / gpus / 1e12,
-        mfu=model_flops / step / gpus / cluster.peak_flops,
+        model_tflops_per_gpu=model / step / gpus / 1e12,
+        hardware_tflops_per_gpu=hardware / step / gpus / 1e12,
+        mfu=model / step / gpus / cluster.peak_flops,
         memory_gib_per_gpu=(mem.total + cluster.reserved_bytes) / 2**30,
         micro_batch=lay.micro_batch,
         breakdown=breakdown,
@@ -362,11 +511,13 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
 def layout_problems(w: Workload, lay: Layout, gpus: int) -> list[str]:
     """Why this layout cannot run (sizes that do not divide); empty when it can."""
     problems = []
-    if lay.tp * lay.dp != gpus:
-        problems.append(f"tp={lay.tp} × dp={lay.dp} != gpus={gpus}")
+    if lay.gpus != gpus:
+        problems.append(f"pp={lay.pp} × dp={lay.dp} × tp={lay.tp} != gpus={gpus}")
     for name, value in (("heads", w.heads), ("ffn", w.ffn_size), ("hidden", w.hidden)):
         if value % lay.tp:
             problems.append(f"{name}={value} is not divisible by tp={lay.tp}")
+    if w.llama and lay.tp % w.kv and w.kv % lay.tp:
+        problems.append(f"kv_heads={w.kv} and tp={lay.tp}: one must divide the other")
     if lay.sequence_parallel and w.seq % lay.tp:
         problems.append(f"seq={w.seq} is not divisible by tp={lay.tp} (sequence parallel)")
     if w.global_batch % (lay.dp * lay.micro_batch):
@@ -376,4 +527,29 @@ def layout_problems(w: Workload, lay: Layout, gpus: int) -> list[str]:
         )
     if lay.recompute not in RECOMPUTE:
         problems.append(f"recompute={lay.recompute!r} is not one of {RECOMPUTE}")
+    if lay.dp_shard not in DP_SHARD:
+        problems.append(f"dp_shard={lay.dp_shard!r} is not one of {DP_SHARD}")
+    if w.family not in FAMILIES:
+        problems.append(f"family={w.family!r} is not one of {FAMILIES}")
+    return problems + pipeline_problems(w, lay)
+
+
+def pipeline_problems(w: Workload, lay: Layout) -> list[str]:
+    """Why the pipeline part of a layout cannot run, as the runtime's checks say it."""
+    if lay.pp == 1:
+        return []
+    if lay.schedule not in pipe.SCHEDULES:
+        return [f"schedule={lay.schedule!r} is not one of {pipe.SCHEDULES}"]
+    chunks = lay.pp * (lay.virtual_stages if lay.schedule == "interleaved_1f1b" else 1)
+    problems = []
+    if w.layers % chunks:
+        problems.append(f"layers={w.layers} is not divisible by {chunks} stage chunks")
+    m = w.global_batch // (lay.dp * lay.micro_batch)
+    if lay.schedule != "gpipe" and m < lay.pp:
+        problems.append(f"{m} micro-batches < pp={lay.pp} stages ({lay.schedule})")
+    if lay.schedule == "interleaved_1f1b" and (lay.virtual_stages < 2 or m % lay.pp):
+        problems.append(
+            f"interleaved_1f1b needs virtual_stages >= 2 and micro-batches ({m}) divisible "
+            f"by pp={lay.pp}"
+        )
     return problems

@@ -1,4 +1,5 @@
-"""``tools/plan.py``: predict one layout, or search all layouts, of a GPT on a cluster spec."""
+"""``tools/plan.py``: predict one layout, or search all layouts, of a GPT or Llama-family model
+on a cluster spec."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import sys
 
 from engine.tool_args import ArgumentParser, positive_int
 from studies.perfmodel.cluster_spec import ClusterSpec, cluster_names, load_cluster
+from studies.perfmodel.memory_model import DP_SHARD
 from studies.perfmodel.model import Layout, Workload, layout_problems, predict
+from studies.perfmodel.pipeline import SCHEDULES
 from studies.perfmodel.presets import model_preset
 from studies.perfmodel.search import best_per_split, search
 
+FAMILY_NAMES = {"gpt": "GPT", "llama": "Llama"}
 MAX_GPUS = 1 << 20  # beyond any cluster; the search enumerates every layout of the count
 
 
@@ -33,6 +37,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seq", type=positive_int, help="sequence length s (default: the preset's max)")
     p.add_argument("--ffn", type=positive_int, help="MLP width (default 4h)")
+    p.add_argument("--kv-heads", type=positive_int, help="key/value heads (Llama; GQA)")
     p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
     p.add_argument(
         "--micro-batch", type=positive_int, help="sequences per forward (best if omitted)"
@@ -45,6 +50,17 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-param-gather", action="store_true", help="ZeRO-1 gather overlaps")
     p.add_argument("--tp-comm-overlap", action="store_true", help="TP comm hidden behind GEMMs")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--dp-shard", choices=DP_SHARD, help="what DP shards (search: all if omitted)")
+    p.add_argument(
+        "--zero1", action="store_true", help="the older spelling of --dp-shard optimizer"
+    )
+    p.add_argument(
+        "--pp", type=positive_int, help="pipeline stages (predict: 1; search: all if omitted)"
+    )
+    p.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
+    p.add_argument(
+        "--virtual-stages", type=positive_int, help="layer chunks per rank (interleaved_1f1b)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,10 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("predict", help="step time, throughput, MFU and memory of one layout")
     _model_flags(pr)
     pr.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
-    pr.add_argument("--dp", type=positive_int, help="data-parallel size (default gpus ÷ tp)")
+    pr.add_argument("--dp", type=positive_int, help="data-parallel size (default gpus ÷ (pp·tp))")
     pr.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     pr.add_argument("--sequence-parallel", action="store_true")
-    pr.add_argument("--zero1", action="store_true", help="shard optimizer state over DP")
     se = sub.add_parser("search", help="rank every layout that fits; say why others do not")
     _model_flags(se)
     se.add_argument("--memory-gib", type=float, help="memory per GPU (default: the cluster's)")
@@ -68,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def workload_from_args(args: argparse.Namespace, cluster: ClusterSpec) -> Workload:
     """Sizes from --model and the explicit flags (flags win)."""
     pre = model_preset(args.model) if args.model else {}
+    family = pre.get("arch", "gpt")
     sizes = {
         "hidden": args.hidden or pre.get("hidden_size"),
         "layers": args.layers or pre.get("num_layers"),
@@ -83,14 +99,27 @@ def workload_from_args(args: argparse.Namespace, cluster: ClusterSpec) -> Worklo
         global_batch=args.global_batch,
         ffn=args.ffn or pre.get("ffn_hidden_size"),
         precision=args.precision or cluster.precision,
+        family=family,
+        kv_heads=args.kv_heads or pre.get("num_kv_heads"),
     )
 
 
+def dp_shard_of(args: argparse.Namespace) -> str | None:
+    """--dp-shard, with --zero1 as the older spelling of ``optimizer``."""
+    if args.zero1 and args.dp_shard not in (None, "optimizer"):
+        raise ValueError(f"--zero1 means --dp-shard optimizer, not {args.dp_shard}: give one")
+    return "optimizer" if args.zero1 else args.dp_shard
+
+
 def _base_layout(args: argparse.Namespace) -> Layout:
+    schedule = args.schedule or "1f1b"
+    v = args.virtual_stages or (2 if schedule == "interleaved_1f1b" else 1)
     return Layout(
         tp=1,
         dp=1,
         micro_batch=1,
+        schedule=schedule,
+        virtual_stages=v,
         fused_attention=not args.unfused_attention,
         overlap_grad_reduce=not args.no_overlap,
         overlap_param_gather=args.overlap_param_gather,
@@ -108,17 +137,19 @@ def _check_nodes(cluster: ClusterSpec, gpus: int) -> None:
 
 def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> int:
     """Print one prediction; the best micro-batch when --micro-batch is omitted."""
-    dp = args.dp or args.gpus // args.tp
+    pp = args.pp or 1
+    dp = args.dp or args.gpus // (args.tp * pp)
     base = _base_layout(args)
     lay = Layout(
         **{
             **base.__dict__,
+            "pp": pp,
             "tp": args.tp,
             "dp": dp,
             "micro_batch": args.micro_batch or 1,
             "recompute": args.recompute,
             "sequence_parallel": args.sequence_parallel,
-            "zero1": args.zero1,
+            "dp_shard": dp_shard_of(args) or "none",
         }
     )
     problems = layout_problems(w, lay, args.gpus)
@@ -138,9 +169,10 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
         print(json.dumps(p.as_json(), indent=1))
         return 0
     b = p.breakdown
+    pipeline = f" schedule={lay.schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""
     print(
-        f"{cluster.name}: tp={lay.tp} dp={lay.dp} micro_batch={lay.micro_batch} "
-        f"recompute={lay.recompute} sp={lay.sequence_parallel} zero1={lay.zero1}"
+        f"{cluster.name}: pp={lay.pp} tp={lay.tp} dp={lay.dp} micro_batch={lay.micro_batch} "
+        f"recompute={lay.recompute} sp={lay.sequence_parallel} dp_shard={lay.dp_shard}{pipeline}"
     )
     print(
         f"  step {p.step_time_s:.4g} s   {p.tokens_per_s:,.0f} tokens/s   model "
@@ -155,6 +187,13 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
 
 def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> int:
     """Print the ranked feasible layouts (best per tp × dp first) and the rejected splits."""
+    only: dict[str, tuple] = {}
+    if shard := dp_shard_of(args):
+        only["dp_shard"] = (shard,)
+    if args.pp:
+        only["pp"] = (args.pp,)
+    if args.schedule:
+        only["schedule"] = (args.schedule,)
     res = search(
         w,
         cluster,
@@ -162,41 +201,58 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
         memory_gib=args.memory_gib,
         micro_batch=args.micro_batch,
         base=_base_layout(args),
+        only=only,
     )
     best = best_per_split(res)
     if args.json:
         rows = [
             {
+                "pp": c.layout.pp,
                 "tp": c.layout.tp,
                 "dp": c.layout.dp,
                 "micro_batch": c.layout.micro_batch,
                 "recompute": c.layout.recompute,
                 "sequence_parallel": c.layout.sequence_parallel,
-                "zero1": c.layout.zero1,
+                "dp_shard": c.layout.dp_shard,
+                "schedule": c.layout.schedule,
+                "virtual_stages": c.layout.virtual_stages,
                 "reason": c.reason,
                 **c.prediction.as_json(),
             }
             for c in res.feasible[: args.top]
         ]
-        rejected = [{"tp": r.tp, "dp": r.dp, "reason": r.reason} for r in res.rejected]
+        rejected = [
+            {"pp": r.pp, "tp": r.tp, "dp": r.dp, "dp_shard": r.dp_shard, "reason": r.reason}
+            for r in res.rejected
+        ]
         print(json.dumps({"feasible": rows, "rejected": rejected}, indent=1))
         return 0
+    kv = f", kv={w.kv}" if w.llama else ""
     print(
-        f"{w.layers}×{w.hidden} GPT (a={w.heads}, s={w.seq}, V={w.vocab}), global batch "
-        f"{w.global_batch}, {args.gpus} GPUs of {cluster.name}"
+        f"{w.layers}×{w.hidden} {FAMILY_NAMES[w.family]} (a={w.heads}{kv}, s={w.seq}, V={w.vocab}), global "
+        f"batch {w.global_batch}, {args.gpus} GPUs of {cluster.name}"
     )
-    print("best layout per tp × dp, fastest first:")
-    for i, c in enumerate(best, 1):
-        lay, p = c.layout, c.prediction
-        print(
-            f" {i}. tp={lay.tp} dp={lay.dp} mb={lay.micro_batch} recompute={lay.recompute} "
-            f"sp={int(lay.sequence_parallel)} zero1={int(lay.zero1)}: {p.tokens_per_s:,.0f} tok/s, "
-            f"MFU {100 * p.mfu:.1f}%, step {p.step_time_s:.3g} s; {c.reason}"
-        )
+    print("best layout per pp × tp × dp, fastest first:")
+    for i, c in enumerate(best[: args.top], 1):
+        print(f" {i}. {_layout_text(c.layout)}: {_rate_text(c.prediction)}; {c.reason}")
     print(f"({len(res.feasible)} feasible layouts in all)")
     for r in res.rejected:
-        print(f" rejected tp={r.tp} dp={r.dp}: {r.reason}")
+        mode = f" dp_shard={r.dp_shard}" if r.dp_shard else ""
+        print(f" rejected pp={r.pp} tp={r.tp} dp={r.dp}{mode}: {r.reason}")
     return 0
+
+
+def _layout_text(lay: Layout) -> str:
+    pipeline = f" {lay.schedule}" + (f"×{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+    return (
+        f"pp={lay.pp} tp={lay.tp} dp={lay.dp} mb={lay.micro_batch} recompute={lay.recompute} "
+        f"sp={int(lay.sequence_parallel)} dp_shard={lay.dp_shard}"
+        + (pipeline if lay.pp > 1 else "")
+    )
+
+
+def _rate_text(p) -> str:
+    return f"{p.tokens_per_s:,.0f} tok/s, MFU {100 * p.mfu:.1f}%, step {p.step_time_s:.3g} s"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,8 @@ def model_preset(name: str, directory: Path = MODEL_DIR) -> dict:
         raise ValueError(f"unknown model preset {name!r}; choose one of {choices}")
     values = yaml.safe_load(path.read_text()) or {}
     values.pop("defaults", None)
-    if values.get("arch", "gpt") != "gpt":
-        raise ValueError(f"model preset {name!r} is {values['arch']}: the planner models GPT only")
+    if values.get("arch", "gpt") not in ("gpt", "llama"):
+        raise ValueError(
+            f"model preset {name!r} is {values['arch']}: the planner models GPT and Llama only"
+        )
     return values

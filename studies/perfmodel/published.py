@@ -41,6 +41,7 @@ class PublishedRow:
     tflops: float
     hardware_flops: bool  # True: the figure counts recomputation
     fitted: bool = False  # the row the device's GEMM efficiency was fitted to (not validation)
+    pp: int = 1  # pipeline stages
 
 
 _A100 = dict(cluster="dgx_a100_80gb", vocab=51200, seq=2048, hardware_flops=True)
@@ -136,15 +137,158 @@ ROWS = (
         **_H100,
     ),
 )
+# The rows with pipeline parallelism, read from the same two images. The 2021 table gives
+# only the model-parallel size: tp 8 (one node) × pp = size ÷ 8 is the split of the paper's
+# Table 1 that the README's sizes allow (every layer count divides by it); the schedule
+# (1F1B or interleaved with 2 chunks) and micro-batch are the planner's best.
+PIPELINE_ROWS = (
+    PublishedRow(
+        "39B (2021)",
+        hidden=8192,
+        layers=48,
+        heads=64,
+        tp=8,
+        pp=2,
+        gpus=512,
+        global_batch=1536,
+        tflops=138,
+        **_A100,
+    ),
+    PublishedRow(
+        "76B (2021)",
+        hidden=10240,
+        layers=60,
+        heads=80,
+        tp=8,
+        pp=4,
+        gpus=1024,
+        global_batch=1792,
+        tflops=140,
+        **_A100,
+    ),
+    PublishedRow(
+        "145B (2021)",
+        hidden=12288,
+        layers=80,
+        heads=96,
+        tp=8,
+        pp=8,
+        gpus=1536,
+        global_batch=2304,
+        tflops=148,
+        **_A100,
+    ),
+    PublishedRow(
+        "310B (2021)",
+        hidden=16384,
+        layers=96,
+        heads=128,
+        tp=8,
+        pp=16,
+        gpus=1920,
+        global_batch=2160,
+        tflops=155,
+        **_A100,
+    ),
+    PublishedRow(
+        "530B (2021)",
+        hidden=20480,
+        layers=105,
+        heads=160,
+        tp=8,
+        pp=35,
+        gpus=2520,
+        global_batch=2520,
+        tflops=163,
+        **_A100,
+    ),
+    PublishedRow(
+        "1T (2021)",
+        hidden=25600,
+        layers=128,
+        heads=200,
+        tp=8,
+        pp=64,
+        gpus=3072,
+        global_batch=3072,
+        tflops=163,
+        **_A100,
+    ),
+    PublishedRow(
+        "70B (Core)",
+        hidden=8192,
+        layers=84,
+        heads=64,
+        tp=8,
+        pp=2,
+        gpus=768,
+        global_batch=384,
+        tflops=419.7,
+        **_H100,
+    ),
+    PublishedRow(
+        "119B (Core)",
+        hidden=10240,
+        layers=92,
+        heads=80,
+        tp=8,
+        pp=4,
+        gpus=1536,
+        global_batch=768,
+        tflops=420.5,
+        **_H100,
+    ),
+    PublishedRow(
+        "177B (Core)",
+        hidden=12288,
+        layers=96,
+        heads=96,
+        tp=8,
+        pp=6,
+        gpus=2304,
+        global_batch=1152,
+        tflops=432.8,
+        **_H100,
+    ),
+    PublishedRow(
+        "314B (Core)",
+        hidden=16384,
+        layers=96,
+        heads=128,
+        tp=8,
+        pp=8,
+        gpus=3072,
+        global_batch=1536,
+        tflops=474.4,
+        **_H100,
+    ),
+    PublishedRow(
+        "462B (Core)",
+        hidden=18432,
+        layers=112,
+        heads=144,
+        tp=8,
+        pp=16,
+        gpus=6144,
+        global_batch=3072,
+        tflops=459.9,
+        **_H100,
+    ),
+)
 
 
 def _software(row: PublishedRow) -> tuple[Layout, dict]:
     """The code's fixed options (base layout) and the searched options it allows."""
     if row.hardware_flops:  # 2021: recompute on, fused softmax, reduce after backward
         base = Layout(1, 1, 1, fused_attention=False, overlap_grad_reduce=False)
-        return base, {"recompute": ("full",), "sequence_parallel": (False,), "zero1": (False,)}
+        return base, {
+            "recompute": ("full",),
+            "sequence_parallel": (False,),
+            "dp_shard": ("none",),
+            "pp": (row.pp,),
+        }
     base = Layout(1, 1, 1, overlap_param_gather=True, tp_comm_overlap=True)
-    return base, {"sequence_parallel": (True,), "zero1": (True,)}
+    return base, {"sequence_parallel": (True,), "dp_shard": ("optimizer",), "pp": (row.pp,)}
 
 
 @dataclass
@@ -156,6 +300,7 @@ class RowResult:
     micro_batch: int
     recompute: str
     best_tp: int
+    schedule: str = "-"
 
     @property
     def error(self) -> float:
@@ -164,7 +309,7 @@ class RowResult:
 
 
 def evaluate(row: PublishedRow) -> RowResult:
-    """Search the row's GPU count; take the best layout at the published TP."""
+    """Search the row's GPU count at its pipeline size; take the best layout at its TP."""
     cluster = load_cluster(row.cluster)
     w = Workload(row.hidden, row.layers, row.heads, row.vocab, row.seq, row.global_batch)
     base, only = _software(row)
@@ -175,8 +320,12 @@ def evaluate(row: PublishedRow) -> RowResult:
     best = at_tp[0]
     p = best.prediction
     value = p.hardware_tflops_per_gpu if row.hardware_flops else p.model_tflops_per_gpu
+    lay = best.layout
+    schedule = "-" if lay.pp == 1 else lay.schedule
+    if lay.schedule == "interleaved_1f1b":
+        schedule += f" v={lay.virtual_stages}"
     return RowResult(
-        row, value, best.layout.micro_batch, best.layout.recompute, result.feasible[0].layout.tp
+        row, value, lay.micro_batch, lay.recompute, result.feasible[0].layout.tp, schedule
     )
 
 
@@ -194,15 +343,18 @@ def summary(results: list[RowResult]) -> tuple[float, float, int]:
 
 
 def markdown_table(results: list[RowResult]) -> str:
-    """The validation table for docs/PERFMODEL.md."""
+    """The validation table for docs/PERFMODEL.md (the pipeline rows add PP and schedule)."""
+    piped = any(r.row.pp > 1 for r in results)
+    head = "| run | GPUs | TP | " + ("PP | schedule | " if piped else "")
     lines = [
-        "| run | GPUs | TP | published TFLOP/s | predicted | error | mb, recompute | planner's TP |",
-        "|---|---|---|---|---|---|---|---|",
+        head + "published TFLOP/s | predicted | error | mb, recompute | planner's TP |",
+        "|---" * (8 + 2 * piped) + "|",
     ]
     for r in results:
+        pipe_cells = f"{r.row.pp} | {r.schedule} | " if piped else ""
         lines.append(
-            f"| {r.row.label}{' (fitted)' if r.row.fitted else ''} | {r.row.gpus} | {r.row.tp} | {r.row.tflops:g} | "
-            f"{r.predicted:.1f} | {100 * r.error:+.1f}% | {r.micro_batch}, {r.recompute} | "
-            f"{r.best_tp} |"
+            f"| {r.row.label}{' (fitted)' if r.row.fitted else ''} | {r.row.gpus} | {r.row.tp} | "
+            f"{pipe_cells}{r.row.tflops:g} | {r.predicted:.1f} | {100 * r.error:+.1f}% | "
+            f"{r.micro_batch}, {r.recompute} | {r.best_tp} |"
         )
     return "\n".join(lines)

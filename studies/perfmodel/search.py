@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from studies.perfmodel.cluster_spec import ClusterSpec
+from studies.perfmodel.memory_model import DP_SHARD
 from studies.perfmodel.model import Layout, Prediction, Workload, layout_problems, predict
 
 
@@ -19,16 +20,18 @@ class Candidate:
 
 @dataclass
 class Rejected:
-    """A tp × dp split that cannot run, and why."""
+    """A pp × tp × dp split (or one DP sharding mode of it) that cannot run, and why."""
 
     tp: int
     dp: int
     reason: str
+    pp: int = 1
+    dp_shard: str | None = None  # None: the whole split
 
 
 @dataclass
 class SearchResult:
-    """Feasible layouts, fastest first, and the rejected tp × dp splits."""
+    """Feasible layouts, fastest first, and the rejected splits and modes."""
 
     feasible: list[Candidate]
     rejected: list[Rejected]
@@ -38,21 +41,46 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _pipelines(pp: int, layers: int, only: dict) -> list[tuple[str, int]]:
+    """(schedule, virtual stages) tried at ``pp`` stages: 1F1B (GPipe holds more for the
+    same bubble, so only when asked) and interleaved 1F1B at every chunk count that divides
+    the stage's layers (more chunks: a smaller bubble, more hand-offs)."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    chunks = [v for v in _divisors(layers // pp) if v >= 2]
+    chunks = list(only.get("virtual_stages", chunks))
+    schedules = only.get("schedule", ("1f1b", "interleaved_1f1b"))
+    return [(s, v) for s in schedules for v in (chunks if s == "interleaved_1f1b" else [1])]
+
+
 def _options(
-    tp: int, dp: int, fixed_micro: int | None, w: Workload, base: Layout, only: dict
+    pp: int, tp: int, dp: int, fixed_micro: int | None, w: Workload, base: Layout, only: dict
 ) -> list[Layout]:
     micros = [fixed_micro] if fixed_micro else _divisors(max(1, w.global_batch // dp))
     sps = only.get("sequence_parallel", (False, True) if tp > 1 else (False,))
-    zeros = only.get("zero1", (False, True) if dp > 1 else (False,))
+    # at dp 1 there is nothing to shard over: every mode is "none"
+    shards = [z for z in only.get("dp_shard", DP_SHARD) if dp > 1 or z == "none"]
     recomputes = only.get(
         "recompute", ("none", "full") if base.fused_attention else ("none", "selective", "full")
     )
     return [
-        replace(base, tp=tp, dp=dp, micro_batch=mb, recompute=rc, sequence_parallel=sp, zero1=z)
+        replace(
+            base,
+            pp=pp,
+            tp=tp,
+            dp=dp,
+            micro_batch=mb,
+            recompute=rc,
+            sequence_parallel=sp,
+            dp_shard=z,
+            schedule=sched,
+            virtual_stages=v,
+        )
         for mb in micros
         for rc in recomputes
         for sp in sps
-        for z in zeros
+        for z in shards
+        for sched, v in _pipelines(pp, w.layers, only)
     ]
 
 
@@ -62,6 +90,9 @@ def _why_fast(p: Prediction) -> str:
     parts = [f"compute {100 * b['compute_s'] / step:.0f}%"]
     if b["tp_comm_s"]:
         parts.append(f"TP comm {100 * b['tp_comm_s'] / step:.0f}%")
+    if b["pp_bubble_s"] or b["pp_p2p_s"]:
+        parts.append(f"PP bubble {100 * b['pp_bubble_s'] / step:.0f}%")
+        parts.append(f"p2p {100 * b['pp_p2p_s'] / step:.0f}%")
     if b["dp_comm_total_s"]:
         parts.append(f"DP exposed {100 * b['dp_comm_exposed_s'] / step:.0f}%")
     parts.append(f"optimizer {100 * b['optimizer_s'] / step:.0f}%")
@@ -75,9 +106,41 @@ def _no_fit_reason(options: list[tuple[Layout, Prediction]], limit_gib: float) -
     return (
         f"does not fit: needs >= {p.memory_gib_per_gpu:.1f} GiB > {limit_gib:.1f} GiB even at "
         f"micro_batch={lay.micro_batch}, recompute={lay.recompute}, "
-        f"sp={lay.sequence_parallel}, zero1={lay.zero1}; largest term {worst} "
-        f"{terms.get(worst, 0.0):.1f} GiB"
+        f"sp={lay.sequence_parallel}; largest term {worst} {terms.get(worst, 0.0):.1f} GiB"
     )
+
+
+def _split_problems(w: Workload, probe: Layout, gpus: int) -> list[str]:
+    """What stops a split whatever its micro-batch and options."""
+    problems = [
+        p
+        for p in layout_problems(w, probe, gpus)
+        if "micro_batch" not in p and "micro-batches" not in p
+    ]
+    if w.global_batch % probe.dp:
+        problems.append(f"global_batch={w.global_batch} is not divisible by dp={probe.dp}")
+    return problems
+
+
+def _price_split(
+    w: Workload,
+    cluster: ClusterSpec,
+    options: list[Layout],
+    limit: float,
+    split: tuple[int, int, int],
+) -> tuple[list[Candidate], list[Rejected]]:
+    """The fitting layouts of one split, and one rejection per DP sharding mode with none."""
+    pp, tp, dp = split
+    feasible, rejected = [], []
+    for mode in dict.fromkeys(lay.dp_shard for lay in options):
+        priced = [(lay, predict(w, lay, cluster)) for lay in options if lay.dp_shard == mode]
+        fits = [(lay, p) for lay, p in priced if p.memory_gib_per_gpu <= limit]
+        if not fits:
+            rejected.append(Rejected(tp, dp, _no_fit_reason(priced, limit), pp, mode))
+        for lay, p in fits:
+            reason = f"fits {p.memory_gib_per_gpu:.1f}/{limit:.0f} GiB; {_why_fast(p)}"
+            feasible.append(Candidate(lay, p, reason))
+    return feasible, rejected
 
 
 def search(
@@ -90,49 +153,51 @@ def search(
     base: Layout | None = None,
     only: dict[str, tuple] | None = None,
 ) -> SearchResult:
-    """Every tp × dp = ``gpus`` split: the fitting layouts ranked by tokens/s, the rest explained.
+    """Every pp × tp × dp = ``gpus`` split: the fitting layouts ranked by tokens/s, the rest
+    explained (a split that does not divide once; a DP sharding mode that fits nowhere in a
+    split once).
 
-    Within a split, micro-batch, recompute, sequence parallelism and ZeRO-1 are varied
-    (selective recompute only with unfused attention: a fused kernel already stores no scores);
-    ``base`` carries the options not searched (overlap, fused attention); ``only`` restricts
-    the searched ones (e.g. ``{"recompute": ("full",)}``).
+    Within a split, micro-batch, recompute, sequence parallelism, the DP sharding mode and
+    (pp > 1) the schedule are varied (selective recompute only with unfused attention: a
+    fused kernel already stores no scores); ``base`` carries the options not searched
+    (overlap, fused attention); ``only`` restricts the searched ones (e.g.
+    ``{"recompute": ("full",)}``, ``{"pp": (1,)}``, ``{"dp_shard": ("optimizer",)}``).
     """
+    only = only or {}
     limit = memory_gib if memory_gib is not None else cluster.memory_bytes / 2**30
     base = base or Layout(tp=1, dp=1, micro_batch=1)
     feasible: list[Candidate] = []
     rejected: list[Rejected] = []
-    for tp in _divisors(gpus):
-        dp = gpus // tp
-        probe = replace(base, tp=tp, dp=dp, micro_batch=micro_batch or 1)
-        problems = [p for p in layout_problems(w, probe, gpus) if "micro_batch" not in p]
-        if w.global_batch % dp:
-            problems.append(f"global_batch={w.global_batch} is not divisible by dp={dp}")
-        if problems:
-            rejected.append(Rejected(tp, dp, "does not divide: " + "; ".join(problems)))
+    for pp in only.get("pp", _divisors(gpus)):
+        if gpus % pp or pp > w.layers:
             continue
-        options = [
-            lay
-            for lay in _options(tp, dp, micro_batch, w, base, only or {})
-            if not layout_problems(w, lay, gpus)
-        ]
-        if not options:
-            rejected.append(Rejected(tp, dp, f"does not divide: micro_batch={micro_batch}"))
-            continue
-        priced = [(lay, predict(w, lay, cluster)) for lay in options]
-        fits = [(lay, p) for lay, p in priced if p.memory_gib_per_gpu <= limit]
-        if not fits:
-            rejected.append(Rejected(tp, dp, _no_fit_reason(priced, limit)))
-            continue
-        for lay, p in fits:
-            reason = f"fits {p.memory_gib_per_gpu:.1f}/{limit:.0f} GiB; {_why_fast(p)}"
-            feasible.append(Candidate(lay, p, reason))
+        for tp in _divisors(gpus // pp):
+            dp = gpus // (pp * tp)
+            probe = replace(base, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch or 1)
+            if problems := _split_problems(w, probe, gpus):
+                rejected.append(Rejected(tp, dp, "does not divide: " + "; ".join(problems), pp))
+                continue
+            options = [
+                lay
+                for lay in _options(pp, tp, dp, micro_batch, w, base, only)
+                if not layout_problems(w, lay, gpus)
+            ]
+            if not options:
+                reason = "does not divide: no micro-batch gives enough micro-batches per stage"
+                if dp == 1 and "none" not in only.get("dp_shard", ("none",)):
+                    reason = "dp=1: no DP axis to shard over (dp_shard none only)"
+                rejected.append(Rejected(tp, dp, reason, pp))
+                continue
+            fits, no = _price_split(w, cluster, options, limit, (pp, tp, dp))
+            feasible += fits
+            rejected += no
     feasible.sort(key=lambda c: (-c.prediction.tokens_per_s, c.prediction.memory_gib_per_gpu))
     return SearchResult(feasible, rejected)
 
 
 def best_per_split(result: SearchResult) -> list[Candidate]:
-    """The fastest feasible layout of each tp × dp split, fastest first."""
-    seen: dict[tuple[int, int], Candidate] = {}
+    """The fastest feasible layout of each pp × tp × dp split, fastest first."""
+    seen: dict[tuple[int, int, int], Candidate] = {}
     for cand in result.feasible:
-        seen.setdefault((cand.layout.tp, cand.layout.dp), cand)
+        seen.setdefault((cand.layout.pp, cand.layout.tp, cand.layout.dp), cand)
     return list(seen.values())
