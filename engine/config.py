@@ -152,6 +152,15 @@ def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
     )
 
 
+def sized_dims(
+    tp_size: int, dp_size: int | str | None, world_size: int | None = None
+) -> ParallelDims:
+    """The layout of a run given by its sizes alone (classification, generation, the
+    studies' tools): ``parallel_dims``'s checks and ``dp_size=auto`` rule, without pipeline
+    stages, sequence parallelism or DP sharding. Raises LayoutError, one line."""
+    return ParallelDims.resolve(tp_size, dp_size, world_size)
+
+
 def validate(cfg: Config, dims: ParallelDims) -> list[str]:
     """Every problem of ``cfg`` at the layout ``dims``, one line each (empty when it can run)."""
     problems: list[str] = []
@@ -380,7 +389,7 @@ def _validate_data(cfg: Config) -> list[str]:
     return problems
 
 
-# --- python -m engine.classify: the Fashion-MNIST classifier (its own config tree) ---------
+# --- python -m apps.classify: the Fashion-MNIST classifier (its own config tree) ---------
 
 
 @dataclass
@@ -430,7 +439,7 @@ class ClassifyLaunchConfig:
 
 @dataclass
 class ClassifyConfig:
-    """Everything ``python -m engine.classify`` needs."""
+    """Everything ``python -m apps.classify`` needs."""
 
     data: ClassifyDataConfig = field(default_factory=ClassifyDataConfig)
     model: ClassifyModelConfig = field(default_factory=ClassifyModelConfig)
