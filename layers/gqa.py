@@ -26,6 +26,9 @@ from layers.utils import TP_DIM_ATTR, comm_timer_of, group_rank, group_size, mar
 
 # On a TP-split parameter: each dim-0 block is held by this many consecutive TP ranks.
 REPLICAS_ATTR = "tp_replicas"
+# On a parameter that is a second copy of another rank's (a pipeline's tied embedding on the
+# last stage): its gradient is counted once, by the rank holding the original.
+NOT_IN_NORM_ATTR = "not_in_norm"
 
 
 def replicas(param: torch.Tensor) -> int:
@@ -36,7 +39,9 @@ def replicas(param: torch.Tensor) -> int:
 def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
     """Whether this TP rank's copy of ``param`` counts toward the gradient norm: split
     parameters on every rank, replicated blocks on the first rank holding each, fully
-    replicated parameters on TP rank 0."""
+    replicated parameters on TP rank 0; never a copy marked ``NOT_IN_NORM_ATTR``."""
+    if getattr(param, NOT_IN_NORM_ATTR, False):
+        return False
     if getattr(param, TP_DIM_ATTR, None) is None:
         return tp_rank == 0
     return tp_rank % replicas(param) == 0

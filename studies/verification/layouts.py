@@ -67,6 +67,10 @@ class VerifySpec:
     steps: int = 1
     lr: float = 1e-3
     seed: int = 1234
+    pp_size: int = 1  # pipeline stages (>1: the decoders through a pipelining schedule)
+    schedule: str = "1f1b"  # "gpipe", "1f1b" or "interleaved_1f1b" (pp_size > 1)
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
+    microbatches: int = 1  # micro-batches each DP rank's slice is cut into (pp_size > 1)
 
     @property
     def tolerance(self) -> float:
@@ -76,18 +80,26 @@ class VerifySpec:
     def check(self, model_config: ModelConfig | None = None) -> None:
         """Raise ValueError naming the numbers if this layout cannot split the batch/model
         (``model_config``, by default :meth:`model_config`)."""
-        for key in ("tp_size", "dp_size", "steps", "batch_size", "seq_len"):
+        keys = ("tp_size", "dp_size", "pp_size", "virtual_stages", "microbatches", "steps")
+        for key in (*keys, "batch_size", "seq_len"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         dims = self.dims
-        dims.check_batch(self.batch_size)  # one micro-batch per DP rank
+        dims.check_batch(self.batch_size)  # one slice per DP rank
+        if self.batch_size % (self.dp_size * self.microbatches):
+            raise ValueError(
+                f"batch_size={self.batch_size} is not divisible by dp_size × microbatches = "
+                f"{self.dp_size} × {self.microbatches}"
+            )
         dims.check_seq_len(self.seq_len, key="seq_len")
         (model_config or self.model_config()).validate(dims.tp)
 
     @property
     def dims(self) -> ParallelDims:
         """The target layout as a validated value."""
-        return ParallelDims(self.tp_size, self.dp_size, sequence_parallel=self.sequence_parallel)
+        return ParallelDims(
+            self.tp_size, self.dp_size, self.pp_size, sequence_parallel=self.sequence_parallel
+        )
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
         """The target's config, or with ``reference=True`` the plain unsplit one. A llama
@@ -253,18 +265,22 @@ def solo_group(ps: parallel_state.ParallelState) -> dist.ProcessGroup:
 
 
 def compare_layouts(
-    spec: VerifySpec, *, mutate_target: Callable[[ParallelModel], None] | None = None
+    spec: VerifySpec,
+    *,
+    mutate_target: Callable[[ParallelModel], None] | None = None,
+    mutate_runner: Callable[[Any], None] | None = None,
 ) -> Report | None:
     """Run ``spec`` on the initialized mesh; the Report on global rank 0, None elsewhere.
 
-    ``mutate_target(model)`` may alter the target after it is built (planting faults).
+    ``mutate_target(model)`` may alter the target after it is built, ``mutate_runner`` the
+    pipeline runner (pp_size > 1) after it is built (planting faults).
     """
     ps = parallel_state.get()
     spec.check()
-    if (ps.tp_size, ps.dp_size) != (spec.dims.tp, spec.dims.dp):
+    if (ps.tp_size, ps.dp_size, ps.pp_size) != (spec.tp_size, spec.dp_size, spec.pp_size):
         raise ValueError(
-            f"the mesh is tp={ps.tp_size}, dp={ps.dp_size} but the spec asks for "
-            f"tp={spec.tp_size}, dp={spec.dp_size}"
+            f"the mesh is tp={ps.tp_size}, dp={ps.dp_size}, pp={ps.pp_size} but the spec asks "
+            f"for tp={spec.tp_size}, dp={spec.dp_size}, pp={spec.pp_size}"
         )
     dtype, solo = DTYPES[spec.dtype], solo_group(ps)
     ps.seed(spec.seed)
@@ -275,7 +291,13 @@ def compare_layouts(
     if ps.rank == 0:
         ps.seed(spec.seed)  # the same draws again: the same full weights
         reference = build_model(spec.model_config(reference=True), tp_group=solo, dtype=dtype)
-    rows = _train_and_compare(spec, target, reference, make_batch(spec), ps)
+    if spec.pp_size > 1:
+        from studies.verification.pipeline_layouts import train_and_compare_pipeline
+
+        batch = make_batch(spec)
+        rows = train_and_compare_pipeline(spec, target, reference, batch, ps, mutate_runner)
+    else:
+        rows = _train_and_compare(spec, target, reference, make_batch(spec), ps)
     return Report(spec, spec.tolerance, rows) if ps.rank == 0 else None
 
 
