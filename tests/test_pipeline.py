@@ -10,6 +10,7 @@ gradient lost between stages) shows as O(1).
 from __future__ import annotations
 
 import pytest
+import torch
 
 import parallel_state
 from engine.pipeline import layer_split
@@ -59,3 +60,50 @@ def _check(results):
 def test_pp2_schedules_match_unsplit_gpt():
     specs = [_pp("gpipe"), _pp("1f1b"), _pp("interleaved_1f1b", virtual_stages=2)]
     _check(run_ranks(_compare, 2, specs, timeout=300)[0])
+
+
+@pytest.mark.slow
+def test_pp2_with_tp_dp_sp_and_llama_match_unsplit():
+    specs = [
+        _pp("1f1b", tp_size=2),
+        _pp("1f1b", tp_size=2, sequence_parallel=True, recompute="full"),
+        _pp("1f1b", dp_size=2, batch_size=8),
+        _pp("interleaved_1f1b", model="llama", tp_size=2, virtual_stages=2),
+    ]
+    _check(run_ranks(_compare, 4, specs, timeout=600)[0])
+
+
+def _delay_labels(runner) -> None:
+    """Planted: the last stage scores each micro-batch against the previous one's labels."""
+    inner, previous = runner.model.micro_loss, []
+
+    def shifted(logits, labels):
+        previous.append(labels)
+        return inner(logits, previous[-2] if len(previous) > 1 else labels)
+
+    runner.model.micro_loss = shifted
+
+
+def _drop_input_grad(runner) -> None:
+    """Planted: stage 1 sends a zero gradient back to stage 0."""
+    for chunk, stage in zip(runner.model.chunks, runner.model.stage_ids, strict=True):
+        if stage > 0:
+            chunk.register_forward_pre_hook(
+                lambda _, args: args[0].register_hook(torch.zeros_like) and None
+            )
+
+
+def _planted(name: str) -> tuple:
+    bug = {"order": _delay_labels, "dropped": _drop_input_grad}[name]
+    parallel_state.initialize(ParallelDims(1, 1, 2))
+    report = compare_layouts(_pp(), mutate_runner=bug)
+    parallel_state.destroy()
+    return report and (report.first_failure.kind, report.first_failure.name)
+
+
+@pytest.mark.parametrize(
+    "bug, kind, where", [("order", "loss", "loss (step 0)"), ("dropped", "grad", "layers.1.")]
+)
+def test_planted_handoff_bugs_are_caught(bug, kind, where):
+    got_kind, got_name = run_ranks(_planted, 2, bug, timeout=300)[0]
+    assert got_kind == kind and got_name.startswith(where), (got_kind, got_name)

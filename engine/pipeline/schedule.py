@@ -22,6 +22,7 @@ from torch.distributed.pipelining import (
 
 from engine import comm
 from engine.data.pipeline import to_device
+from engine.models import ParallelModel
 from engine.pipeline.stages import PipelineModel
 from parallel_state import ParallelState
 
@@ -43,6 +44,23 @@ def ids_and_labels(micro_batches: list, device: torch.device) -> tuple[torch.Ten
         ids.append(micro["input_ids"])
         labels.append(micro["labels"])
     return torch.cat(ids), torch.cat(labels)
+
+
+def pipeline_runner(model: ParallelModel, cfg, ps: ParallelState) -> PipelineRunner:
+    """The runner of a training config (``cfg.pipeline``) for the built ``model``: its
+    micro-batches per step are the gradient accumulation steps."""
+    t, p = cfg.trainer, cfg.pipeline
+    stages = PipelineModel(
+        model,
+        pp_rank=ps.pp_rank,
+        pp_size=ps.pp_size,
+        pp_group=ps.pp_group,
+        virtual=p.virtual_stages,
+        layers_per_stage=list(p.layers_per_stage) or None,
+        embedding_group=ps.embedding_group,
+    )
+    microbatches = t.global_batch // (t.micro_batch * ps.dp_size)
+    return PipelineRunner(stages, schedule=p.schedule, microbatches=microbatches, ps=ps)
 
 
 class PipelineRunner:
@@ -87,6 +105,19 @@ class PipelineRunner:
         if count not in self._eval:
             self._eval[count] = self._build("gpipe", count)
         return self._run(self._eval[count], micro_batches, forward_only=True)
+
+    @torch.no_grad()
+    def fixed_set_loss(self, valid, batches: int) -> float:
+        """``engine.trainer.fixed_set_loss`` through the stages: the mean loss over
+        micro-batches ``0 .. batches - 1`` of ``valid`` (j on DP rank j mod dp_size)."""
+        micro = []
+        for j in range(self.ps.dp_rank, batches, self.ps.dp_size):
+            valid.consumed_samples = j * valid.global_batch
+            micro += valid.next_step()  # one micro-batch
+        self.model.eval()
+        total = self.eval_loss_sum(micro) if micro else 0.0
+        self.model.train()
+        return comm.mean(total, self.ps.dp_group, self.ps.device) * self.ps.dp_size / batches
 
     def _run(self, schedule, micro_batches: list, *, forward_only: bool) -> float:
         ids, labels = ids_and_labels(micro_batches, self.ps.device)

@@ -15,8 +15,6 @@ is left out of the gradient norm and out of checkpoints (the first stage's is st
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,35 +22,11 @@ from torch import nn
 from engine import comm
 from engine.models.base import ParallelModel
 from engine.models.gpt import GPTModel
+from engine.pipeline.split import layer_split
 from layers.gqa import NOT_IN_NORM_ATTR
 from layers.rotary import rotary_tables
 from layers.utils import comm_timer_of
 from parallel_state.groups import group_size
-
-
-def layer_split(
-    num_layers: int, stages: int, layers_per_stage: list[int] | None = None
-) -> list[range]:
-    """The layer indices of each of ``stages`` stages: equal runs, or ``layers_per_stage``.
-
-    Raises ValueError (one line) when the layers do not divide or the list does not fit.
-    """
-    if layers_per_stage:
-        counts = list(layers_per_stage)
-        if len(counts) != stages or sum(counts) != num_layers or min(counts) < 1:
-            raise ValueError(
-                f"pipeline.layers_per_stage={counts} must have {stages} entries (pp_size × "
-                f"pipeline.virtual_stages), each >= 1, summing to model.num_layers={num_layers}"
-            )
-    elif num_layers % stages:
-        raise ValueError(
-            f"model.num_layers={num_layers} is not divisible by the {stages} pipeline stages "
-            "(pp_size × pipeline.virtual_stages); change one, or give pipeline.layers_per_stage"
-        )
-    else:
-        counts = [num_layers // stages] * stages
-    starts = itertools.accumulate(counts, initial=0)
-    return [range(start, start + n) for start, n in zip(starts, counts, strict=False)]
 
 
 class _TiedWord(nn.Module):
@@ -115,7 +89,7 @@ class PipelineModel(ParallelModel):
             )
         self.cfg, self.tp_group = model.cfg, model.tp_group
         self.pp_group, self.embedding_group = pp_group, embedding_group
-        self.full_names = tuple(name for name, _ in model.named_parameters())
+        self._full_names = model.full_names
         self.num_stages = pp_size * virtual
         split = layer_split(self.cfg.num_layers, self.num_stages, layers_per_stage)
         self.stage_ids = [pp_rank + v * pp_size for v in range(virtual)]
@@ -123,13 +97,13 @@ class PipelineModel(ParallelModel):
         self.kernels, self.rotary = model.kernels, model.rotary
         if self.rotary:
             self.register_buffer("inv_freq", model.inv_freq, persistent=False)
-        self.tied_copy = None
+        self.holds_tied_copy = False  # the last stage's copy of the first stage's word embedding
         if self.is_first:
             self.embedding = model.embedding
         elif self.is_last and self.cfg.tie_embeddings:
             self.embedding = _TiedWord(model.embedding.word)
-            self.tied_copy = model.embedding.word.weight
-            setattr(self.tied_copy, NOT_IN_NORM_ATTR, True)
+            self.holds_tied_copy = True
+            setattr(model.embedding.word.weight, NOT_IN_NORM_ATTR, True)
         self.layers = nn.ModuleDict(
             {str(i): model.layers[i] for s in self.stage_ids for i in split[s]}
         )
@@ -139,6 +113,13 @@ class PipelineModel(ParallelModel):
             StageChunk(self, split[s], first=s == 0, last=s == self.num_stages - 1)
             for s in self.stage_ids
         ]
+
+    @property
+    def full_names(self) -> tuple[str, ...]:
+        return self._full_names
+
+    def stored_elsewhere(self) -> tuple[str, ...]:
+        return ("embedding.word.weight",) if self.holds_tied_copy else ()
 
     def rotary_for(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(cos, sin) for positions 0 … s−1 of ``hidden`` (a sequence shard under SP)."""
