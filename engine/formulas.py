@@ -1,5 +1,6 @@
 """The runtime's closed-form formulas, in plain Python (no torch): matmul FLOPs of GPT and
-BERT steps and the padded vocabulary.
+BERT steps, the padded vocabulary, the bytes each rank holds per parameter and the
+activation bytes one transformer layer keeps for backward.
 
 The trainer (through engine.flops, which re-exports them and derives them), its tests
 and the performance model (studies/perfmodel, which runs where torch is not installed)
@@ -84,3 +85,42 @@ def bert_flops_per_iteration(
 def pad_vocab(vocab: int, multiple: int) -> int:
     """``vocab`` rounded up to a multiple of ``multiple`` (the embedding rows actually allocated)."""
     return -(-vocab // multiple) * multiple
+
+
+def state_bytes_per_param(precision: str, dp_shard: str, dp: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state incl. masters) bytes one rank holds per
+    parameter, as the runtime's data-parallel strategies hold them.
+
+    ``dp_shard="none"`` (the all-reduce path): fp32 parameters, their own masters, under
+    autocast in every precision; fp32 gradients; Adam's two fp32 moments: 4 + 4 + 8 = 16.
+    (The 18 of a bf16-parameter layout counts a bf16 copy this path never keeps.)
+    ``"optimizer"`` (ZeRO-1): the fp32 gradient buffer (4) and a 1/dp slice of the moments
+    (8/dp); in bf16, bf16 parameters (2) with fp32 master slices (4/dp), else fp32
+    parameters that are their own masters (4). Measured per rank in
+    tests/test_data_parallel.py. A new sharding mode adds its branch here.
+    """
+    if dp_shard == "none":
+        return 4.0, 4.0, 8.0
+    if dp_shard == "optimizer":
+        return (2.0, 4.0, 12.0 / dp) if precision == "bf16" else (4.0, 4.0, 8.0 / dp)
+    raise ValueError(f"parallel.dp_shard={dp_shard!r} has no bytes-per-parameter formula")
+
+
+def layer_activation_bytes(
+    s: int, b: int, h: int, a: int, t: int, *, sp: bool, recompute: str, fused_attention: bool
+) -> float:
+    """16-bit activation bytes one transformer layer keeps for backward (Korthikanti et al.'s
+    table, sequence ``s``, micro-batch ``b``, hidden ``h``, ``a`` heads, TP size ``t``).
+
+    Without TP 34 + 5as/h (in s·b·h bytes); with TP 10 + 24/t + 5as/(ht); with TP + sequence
+    parallelism (``sp``) 34/t + 5as/(ht). The 5as/h term (the stored s×s softmax, its
+    dropout mask and output) is gone with selective recompute or a fused attention
+    kernel; full recompute keeps only the layer input (2sbh, /t under SP). Measured per
+    layer in tests/test_transformer.py.
+    """
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    scores = 0.0 if (recompute == "selective" or fused_attention) else 5 * a * s / (h * t)
+    if sp:
+        return s * b * h * (34 / t + scores)
+    return s * b * h * (10 + 24 / t + scores)

@@ -97,7 +97,7 @@ class Trainer:
         self.watch = watch or Watchdog(0, rank=ps.rank, run_dir=cfg.run_dir)
         self.precision = resolve_precision(cfg.trainer.precision, ps.device.type)
         ps.seed(cfg.trainer.seed)
-        self.model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
+        self.model = build_model(cfg.model, ps, device=ps.device)
         self.pipeline: PipelineRunner | None = None  # pp_size > 1: this rank's stages
         if ps.pp_size > 1:
             self.pipeline = pipeline_runner(self.model, cfg, ps)

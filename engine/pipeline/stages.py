@@ -23,7 +23,7 @@ from engine import comm
 from engine.models.base import ParallelModel
 from engine.models.gpt import GPTModel
 from engine.pipeline.split import layer_split
-from layers.gqa import NOT_IN_NORM_ATTR
+from layers.param_roles import mark_copy
 from layers.rotary import rotary_tables
 from layers.utils import comm_timer_of
 from parallel_state.groups import group_size
@@ -103,7 +103,7 @@ class PipelineModel(ParallelModel):
         elif self.is_last and self.cfg.tie_embeddings:
             self.embedding = _TiedWord(model.embedding.word)
             self.holds_tied_copy = True
-            setattr(model.embedding.word.weight, NOT_IN_NORM_ATTR, True)
+            mark_copy(model.embedding.word.weight)
         self.layers = nn.ModuleDict(
             {str(i): model.layers[i] for s in self.stage_ids for i in split[s]}
         )

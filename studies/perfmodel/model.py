@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.formulas import gpt_flops_per_iteration, pad_vocab
+from engine.formulas import gpt_flops_per_iteration, pad_vocab, state_bytes_per_param
 from studies.perfmodel import comm_cost as comm
 from studies.perfmodel.cluster_spec import ClusterSpec, scale_for
 from studies.perfmodel.compute import gemm_pass_seconds, rank_speed, stream_seconds
 from studies.perfmodel.in_model import lookup, nearest, parameter_tensors, tp_collectives
-from studies.perfmodel.memory_model import MemoryTerms, activation_bytes, state_bytes_per_param
+from studies.perfmodel.memory_model import MemoryTerms, activation_bytes
 
 RECOMPUTE = ("none", "selective", "full")
 # Element-wise traffic per token and layer, forward, in elements of width h: two LayerNorms
@@ -285,7 +285,8 @@ def _optimizer_seconds(
 def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
     """Bytes per GPU by kind for this layout (before the fragmentation margin)."""
     params = params_per_rank(w, lay.tp)
-    weights, grads, opt = state_bytes_per_param(w.precision, lay.zero1, lay.dp)
+    dp_shard = "optimizer" if lay.zero1 else "none"
+    weights, grads, opt = state_bytes_per_param(w.precision, dp_shard, lay.dp)
     acts = activation_bytes(
         w.seq,
         lay.micro_batch,
