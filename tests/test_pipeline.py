@@ -107,3 +107,41 @@ def _planted(name: str) -> tuple:
 def test_planted_handoff_bugs_are_caught(bug, kind, where):
     got_kind, got_name = run_ranks(_planted, 2, bug, timeout=300)[0]
     assert got_kind == kind and got_name.startswith(where), (got_kind, got_name)
+
+
+@pytest.mark.parametrize(
+    "changes, line",
+    [
+        ({"model.num_layers": 3}, "model.num_layers=3 is not divisible by the 2 pipeline stages"),
+        ({"pipeline.layers_per_stage": [1, 2]}, "pipeline.layers_per_stage=[1, 2] must have 2"),
+        ({"trainer.global_batch": 4}, "needs at least pp_size=2 micro-batches per step, got"),
+        ({"pipeline.schedule": "zb"}, "pipeline.schedule='zb' is not one of gpipe, 1f1b"),
+        ({"pipeline.schedule": "interleaved_1f1b"}, "virtual_stages=1 must be >= 2 for inter"),
+        ({"pipeline.virtual_stages": 2}, "pipeline.virtual_stages=2 must be 1 for 1f1b"),
+        ({"model.arch": "bert"}, "pp_size=2 is built for model.arch gpt and llama, not 'bert'"),
+        ({"optim.distributed": True}, "with tied embeddings under ZeRO-1 is not built yet"),
+    ],
+)
+def test_pipeline_config_errors_are_one_line(changes, line):
+    from engine.config import Config, parallel_dims, validate
+
+    cfg = Config(tp_size=1, dp_size=1, pp_size=2)
+    cfg.model.num_layers, cfg.trainer.global_batch, cfg.trainer.micro_batch = 4, 8, 4
+    for key, value in changes.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    problems = validate(cfg, parallel_dims(cfg, None))
+    assert any(line in p for p in problems), problems
+    assert all("\n" not in p for p in problems)
+
+
+def test_valid_pipeline_configs_pass():
+    from engine.config import Config, parallel_dims, validate
+
+    cfg = Config(tp_size=1, dp_size=1, pp_size=2)
+    cfg.model.num_layers = 4
+    cfg.pipeline.schedule, cfg.pipeline.virtual_stages = "interleaved_1f1b", 2
+    assert validate(cfg, parallel_dims(cfg, None)) == []  # 16 ÷ 4 = 4 micro-batches
+    cfg.pipeline.schedule, cfg.pipeline.virtual_stages = "gpipe", 1
+    cfg.pipeline.layers_per_stage = [3, 1]
+    assert validate(cfg, parallel_dims(cfg, None)) == []

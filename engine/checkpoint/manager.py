@@ -55,6 +55,7 @@ from engine.checkpoint.tensorfile import HASHES
 from engine.data_parallel import DataParallel, checkpoint_view
 from engine.models import ModelConfig, ParallelModel
 from parallel_state import ParallelState
+from parallel_state.dims import ParallelDims
 
 Fault = Callable[[str], None]  # test hook: called at "after_shard", "before_index", ...
 
@@ -78,9 +79,10 @@ class _Mesh:
 
     @property
     def stage_rank(self) -> int:
-        """This rank's index among the tp × dp ranks of its pipeline stage (the grid is
-        pp-outermost, so each stage's ranks are a contiguous block)."""
-        return self.rank % (self.tp_size * self.dp_size)
+        """This rank's index in the tp × dp mesh of its pipeline stage (``assign_writers``
+        plans each stage's own parameters over that mesh)."""
+        coords = ParallelDims(self.tp_size, self.dp_size, self.pp_size).coords_of(self.rank)
+        return ParallelDims(self.tp_size, self.dp_size).rank_of(dp=coords["dp"], tp=coords["tp"])
 
     @property
     def sizes(self) -> tuple[int, int, int]:

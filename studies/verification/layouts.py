@@ -36,6 +36,7 @@ from layers.gqa import ReplicatedKVLinear
 from layers.mappings import gather_along
 from parallel_state import groups
 from parallel_state.dims import ParallelDims
+from studies.verification.pipeline_layouts import pipeline_steps
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Relative tolerances (max error / max |reference|). float64 proves the math: layouts differ
@@ -292,10 +293,7 @@ def compare_layouts(
         ps.seed(spec.seed)  # the same draws again: the same full weights
         reference = build_model(spec.model_config(reference=True), tp_group=solo, dtype=dtype)
     if spec.pp_size > 1:
-        from studies.verification.pipeline_layouts import train_and_compare_pipeline
-
-        batch = make_batch(spec)
-        rows = train_and_compare_pipeline(spec, target, reference, batch, ps, mutate_runner)
+        rows = _pipeline_rows(spec, target, reference, make_batch(spec), ps, mutate_runner)
     else:
         rows = _train_and_compare(spec, target, reference, make_batch(spec), ps)
     return Report(spec, spec.tolerance, rows) if ps.rank == 0 else None
@@ -331,6 +329,26 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
             opt.step()
             opt.zero_grad(set_to_none=True)
     grad_sync.remove()
+    return rows
+
+
+def _pipeline_rows(spec, target, reference, batch, ps, mutate_runner) -> list[Row]:
+    """The loss of every step and every gradient of the first, the target pipelined."""
+    tol, rows = spec.tolerance, []
+    optimizer = reference and torch.optim.AdamW(reference.parameters(), lr=spec.lr)
+    steps = pipeline_steps(spec, target, dp_slice(batch, ps), ps, mutate_runner)
+    for step, (loss, grads) in enumerate(steps):
+        if reference is None:
+            continue
+        ref_loss = reference.loss(batch)
+        ref_loss.backward()
+        got = torch.tensor(loss, dtype=torch.float64)
+        rows.append(compare("loss", f"loss (step {step})", got, ref_loss, tol))
+        if grads is not None:  # reverse registration order: the first failure nearest the bug
+            want = reference.full_grad_dict()
+            rows += [compare("grad", n, grads[n], want[n], tol) for n in reversed(grads)]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     return rows
 
 

@@ -1,5 +1,6 @@
-"""Layout equivalence through the pipeline: the target cut into ``pp × virtual`` stages and
-run by its schedule, against the unsplit reference (``layouts.compare_layouts`` calls this).
+"""The target side of layout equivalence through the pipeline: the model cut into
+``pp × virtual`` stages and trained by its schedule (``layouts.compare_layouts`` compares
+what this yields with the unsplit reference).
 
 Each DP rank's slice is cut into ``spec.microbatches`` micro-batches; the loss is their
 mean (the last stage's, broadcast), the gradients are DP-averaged, the tied embedding's
@@ -9,7 +10,7 @@ copies summed, and every gradient is gathered to full shape over TP and the stag
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -33,55 +34,34 @@ def pipeline_target(spec, model: ParallelModel, ps: ParallelState) -> PipelineRu
     return PipelineRunner(stages, schedule=spec.schedule, microbatches=spec.microbatches, ps=ps)
 
 
-def train_and_compare_pipeline(
+def pipeline_steps(
     spec,
     target: ParallelModel,
-    reference: ParallelModel | None,
-    batch: dict[str, torch.Tensor],
+    local: dict[str, torch.Tensor],
     ps: ParallelState,
     mutate_runner: Callable[[PipelineRunner], None] | None = None,
-) -> list:
-    """Rows of the loss (every step) and of every gradient (the first step), on rank 0."""
-    from studies.verification.layouts import _grad_rows, compare, dp_slice
-
+) -> Iterator[tuple[float, dict[str, torch.Tensor] | None]]:
+    """Per optimizer step of ``target`` on this DP rank's slice ``local``: (the mean loss
+    over DP, every full gradient on the first step else None), before the update."""
     runner = pipeline_target(spec, target, ps)
     if mutate_runner is not None:
         mutate_runner(runner)
-    stages, tol, rows = runner.model, spec.tolerance, []
+    stages = runner.model
     grad_sync = GradSync(stages.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
-    models = [m for m in (stages, reference) if m is not None]
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=spec.lr) for m in models]
-    local = dp_slice(batch, ps)
-    micro = [
-        {"input_ids": ids, "labels": labels}
-        for ids, labels in zip(
-            local["input_ids"].chunk(spec.microbatches),
-            local["labels"].chunk(spec.microbatches),
-            strict=True,
-        )
-    ]
+    optimizer = torch.optim.AdamW(stages.parameters(), lr=spec.lr)
+    pairs = zip(
+        local["input_ids"].chunk(spec.microbatches),
+        local["labels"].chunk(spec.microbatches),
+        strict=True,
+    )
+    micro = [{"input_ids": ids, "labels": labels} for ids, labels in pairs]
     for step in range(spec.steps):
         with grad_sync.no_sync():
             loss = runner.train(micro)
         grad_sync.finish()
         stages.sum_tied_grads()
-        loss = comm.mean(loss, ps.dp_group, ps.device)
-        if reference is not None:
-            ref_loss = reference.loss(batch)
-            ref_loss.backward()
-            rows.append(
-                compare(
-                    "loss",
-                    f"loss (step {step})",
-                    torch.tensor(loss, dtype=torch.float64),
-                    ref_loss,
-                    tol,
-                )
-            )
-        if step == 0:
-            rows += _grad_rows(stages, reference, tol)  # collective over TP and the stages
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        grads = stages.full_grad_dict() if step == 0 else None  # over TP and the stages
+        yield comm.mean(loss, ps.dp_group, ps.device), grads
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     grad_sync.remove()
-    return rows
