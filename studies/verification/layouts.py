@@ -30,6 +30,7 @@ from engine import comm
 from engine.data_parallel import GradSync
 from engine.models import ModelConfig, ParallelModel, build_model
 from engine.models.base import ParallelLMHead
+from engine.pipeline import SCHEDULES, layer_split
 from layers import ColumnParallelLinear
 from layers.attention import CoreAttention
 from layers.gqa import ReplicatedKVLinear
@@ -94,6 +95,25 @@ class VerifySpec:
             )
         dims.check_seq_len(self.seq_len, key="seq_len")
         (model_config or self.model_config()).validate(dims.tp)
+        if self.pp_size > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """The stage split and torch's micro-batch rules for the schedule."""
+        if self.model not in ("gpt", "llama"):
+            raise ValueError(f"pp_size={self.pp_size} is built for gpt and llama, not {self.model}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        interleaved = self.schedule == "interleaved_1f1b"
+        if (self.virtual_stages >= 2) != interleaved:
+            rule = ">= 2 for interleaved_1f1b" if interleaved else f"1 for {self.schedule}"
+            raise ValueError(f"virtual_stages={self.virtual_stages} must be {rule}")
+        layer_split(self.num_layers, self.pp_size * self.virtual_stages)
+        m = self.microbatches
+        if self.schedule != "gpipe" and m < self.pp_size:
+            raise ValueError(f"{self.schedule} needs microbatches={m} >= pp_size={self.pp_size}")
+        if interleaved and m % self.pp_size:
+            raise ValueError(f"interleaved_1f1b needs microbatches={m} divisible by pp_size")
 
     @property
     def dims(self) -> ParallelDims:
@@ -374,7 +394,7 @@ T = TypeVar("T")
 
 
 def run_on_mesh(fn: Callable[..., T], spec: VerifySpec, *args: Any) -> T:
-    """Rank entry: build the (tp, dp) mesh from the launcher's environment, run
+    """Rank entry: build the (pp, dp, tp) mesh from the launcher's environment, run
     ``fn(spec, *args)``, tear down."""
     from engine.bootstrap import bootstrap_rank
 
