@@ -2,7 +2,7 @@
 
 float64 proves the math: the stages run the same operations as the unsplit model, only the
 sums over micro-batches, the DP average and the tied embedding's two copies are grouped
-differently (~1e-16 per op; observed below 1e-14), so 1e-10 (the verifier's float64
+differently (~1e-16 per op; observed below 2e-15), so 1e-10 (the verifier's float64
 tolerance) leaves room while a real bug (a micro-batch paired with another's labels, a
 gradient lost between stages) shows as O(1).
 """
@@ -66,7 +66,6 @@ def test_pp2_schedules_match_unsplit_gpt():
 def test_pp2_with_tp_dp_sp_and_llama_match_unsplit():
     specs = [
         _pp("1f1b", tp_size=2),
-        _pp("1f1b", tp_size=2, sequence_parallel=True, recompute="full"),
         _pp("1f1b", dp_size=2, batch_size=8),
         _pp("interleaved_1f1b", model="llama", tp_size=2, virtual_stages=2),
     ]
@@ -93,20 +92,24 @@ def _drop_input_grad(runner) -> None:
             )
 
 
-def _planted(name: str) -> tuple:
-    bug = {"order": _delay_labels, "dropped": _drop_input_grad}[name]
-    parallel_state.initialize(ParallelDims(1, 1, 2))
-    report = compare_layouts(_pp(), mutate_runner=bug)
-    parallel_state.destroy()
-    return report and (report.first_failure.kind, report.first_failure.name)
+def _planted(names: list[str]) -> list[tuple]:
+    found = []
+    for name in names:
+        bug = {"order": _delay_labels, "dropped": _drop_input_grad}[name]
+        parallel_state.initialize(ParallelDims(1, 1, 2))
+        report = compare_layouts(_pp(), mutate_runner=bug)
+        parallel_state.destroy()
+        found.append(report and (report.first_failure.kind, report.first_failure.name))
+    return found
 
 
-@pytest.mark.parametrize(
-    "bug, kind, where", [("order", "loss", "loss (step 0)"), ("dropped", "grad", "layers.1.")]
-)
-def test_planted_handoff_bugs_are_caught(bug, kind, where):
-    got_kind, got_name = run_ranks(_planted, 2, bug, timeout=300)[0]
-    assert got_kind == kind and got_name.startswith(where), (got_kind, got_name)
+@pytest.mark.slow
+def test_planted_handoff_bugs_are_caught():
+    """A wrong micro-batch order shows first in the loss; a gradient dropped between the
+    stages in the last parameter of stage 0 (layers.1, in backward order)."""
+    order, dropped = run_ranks(_planted, 2, ["order", "dropped"], timeout=300)[0]
+    assert order == ("loss", "loss (step 0)"), order
+    assert dropped[0] == "grad" and dropped[1].startswith("layers.1."), dropped
 
 
 @pytest.mark.parametrize(
