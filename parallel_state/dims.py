@@ -106,6 +106,12 @@ class ParallelDims:
             rank, coords[axis] = divmod(rank, size)
         return {axis: coords[axis] for axis in MESH_AXES}
 
+    def rank_in_stage(self, rank: int) -> int:
+        """``rank``'s index among the dp × tp ranks of its pipeline stage (``dp_rank · tp +
+        tp_rank``); with pp outermost a stage's ranks are consecutive."""
+        coords = self.coords_of(rank)
+        return coords["dp"] * self.tp + coords["tp"]
+
     def rank_grid(self) -> list[list[list[int]]]:
         """``grid[pp_rank][dp_rank][tp_rank]``: the global rank at every mesh position."""
         return [

@@ -70,19 +70,21 @@ class _Mesh:
     dp_size: int = 1
     device_type: str = "cpu"  # RNG states only transfer between generators of one kind
     pp_size: int = 1
+    dims: ParallelDims | None = None  # the run's layout (None: a lone process)
 
     @classmethod
     def of(cls, ps: ParallelState | None) -> _Mesh:
         if ps is None:
             return cls()
-        return cls(ps.rank, ps.world_size, ps.tp_size, ps.dp_size, ps.device.type, ps.pp_size)
+        return cls(
+            ps.rank, ps.world_size, ps.tp_size, ps.dp_size, ps.device.type, ps.pp_size, ps.dims
+        )
 
     @property
     def stage_rank(self) -> int:
         """This rank's index in the tp × dp mesh of its pipeline stage (``assign_writers``
         plans each stage's own parameters over that mesh)."""
-        coords = ParallelDims(self.tp_size, self.dp_size, self.pp_size).coords_of(self.rank)
-        return ParallelDims(self.tp_size, self.dp_size).rank_of(dp=coords["dp"], tp=coords["tp"])
+        return self.dims.rank_in_stage(self.rank) if self.dims else self.rank
 
     @property
     def sizes(self) -> tuple[int, int, int]:
