@@ -96,7 +96,7 @@ class PipelineRunner:
         for stage in stages if timed else ():
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk)
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
-        loss_fn: Callable = self._loss
+        loss_fn: Callable = self._timed(self._loss) if timed else self._loss
         if name == "interleaved_1f1b":
             return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
         return SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -107,8 +107,8 @@ class PipelineRunner:
         return time.perf_counter()
 
     def _timed(self, method: Callable) -> Callable:
-        """``method`` (a stage's forward or backward of one micro-batch) adding its time to
-        ``compute_s``: what the step spends outside it is waiting for the other stages."""
+        """``method`` (a stage's forward, backward or loss of one micro-batch) adding its
+        time to ``compute_s``: what the step spends outside these waits on other stages."""
 
         def run(*args, **kwargs):
             start = self._now()
