@@ -604,6 +604,40 @@ def test_plan_errors_are_one_line():
     assert out.returncode == 2 and "exceeds cluster h100_node's 1 node(s)" in out.stderr
 
 
+def test_plan_prices_pipeline_and_sharding_flags_without_torch():
+    """--pp/--schedule/--virtual-stages/--dp-shard reach the layout; --zero1 is
+    --dp-shard optimizer; a contradiction or an undividable pipeline is one line, exit 2."""
+    common = ("--model", "llama_70b", "--seq", "4096", "--global-batch", "256", "--gpus", "32")
+    out = _plan(
+        "predict",
+        *common,
+        "--pp",
+        "4",
+        "--tp",
+        "4",
+        "--dp-shard",
+        "full",
+        "--schedule",
+        "interleaved_1f1b",
+        "--virtual-stages",
+        "4",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    b = json.loads(out.stdout)["breakdown"]
+    assert b["pp_bubble_s"] > 0 and b["pp_p2p_s"] > 0
+    # full: master + moments 12/d and gradients 4/d per parameter, a ratio of 3 (exact
+    # up to the JSON's float printing)
+    assert b["memory_gib"]["optimizer"] == pytest.approx(3 * b["memory_gib"]["gradients"])
+    zero1 = _plan("predict", *common, "--tp", "8", "--zero1", "--json")
+    spelled = _plan("predict", *common, "--tp", "8", "--dp-shard", "optimizer", "--json")
+    assert zero1.returncode == 0 and zero1.stdout == spelled.stdout
+    both = _plan("predict", *common, "--tp", "8", "--zero1", "--dp-shard", "full")
+    assert both.returncode == 2 and both.stderr.count("\n") == 1 and "--zero1" in both.stderr
+    odd = _plan("predict", *common, "--tp", "8", "--pp", "3", "--dp", "1")
+    assert odd.returncode == 2 and "layers=80 is not divisible by 3" in odd.stderr
+
+
 def test_published_megatron_rows_within_15_percent():
     """Published Megatron-LM per-GPU TFLOP/s (README tables, cited in studies/perfmodel/published.py)
     against the model: ±15 % on every row not used to fit the H100's GEMM efficiency, the
