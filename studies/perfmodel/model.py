@@ -179,9 +179,9 @@ def vocab_params_per_rank(w: Workload, tp: int, pp: int = 1) -> float:
 
 def params_per_rank(w: Workload, tp: int, pp: int = 1) -> float:
     """Parameters one rank holds: its stage's layers (l/pp) and embedding-side share."""
-    return pipe.stage_layers(w.layers, pp) * layer_params_per_rank(w, tp) + vocab_params_per_rank(
-        w, tp, pp
-    )
+    per_layer = layer_params_per_rank(w, tp)
+    embedding = vocab_params_per_rank(w, tp, pp)
+    return pipe.stage_layers(w.layers, pp) * per_layer + embedding
 
 
 def gemm_shapes(w: Workload, lay: Layout) -> list[tuple[int, int, int, int]]:
