@@ -155,7 +155,7 @@ def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
     ps = bootstrap_rank(lambda world: parallel_dims(cfg, world), device=cfg.trainer.device, say=say)
     try:
         _, state = source.load()
-        model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
+        model = build_model(cfg.model, ps, device=ps.device)
         model.load_full_state_dict(state)
         del state
         valid, _ = eval_iterator(cfg, split, load_tokenizer(cfg.data))

@@ -1,5 +1,7 @@
 """The runtime's closed-form formulas, in plain Python (no torch): matmul FLOPs of GPT,
-BERT and Llama-family steps, the Llama family's parameter count and the padded vocabulary.
+BERT and Llama-family steps, the Llama family's parameter count, the padded vocabulary,
+the bytes each rank holds per parameter and the activation bytes one transformer layer
+keeps for backward.
 
 The trainer (through engine.flops, which re-exports them and derives them), its tests
 and the performance model (studies/perfmodel, which runs where torch is not installed)
@@ -86,6 +88,52 @@ def pad_vocab(vocab: int, multiple: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
+def state_bytes_per_param(precision: str, dp_shard: str, dp: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state incl. masters) bytes one rank holds per
+    parameter between layers, as the runtime's data-parallel strategies hold them
+    (``dp_shard`` one of none, optimizer, gradients, full; ``dp`` the DP size).
+
+    ``"none"`` (the all-reduce path): fp32 parameters, their own masters, under autocast
+    in every precision; fp32 gradients; Adam's two fp32 moments: 4 + 4 + 8 = 16. (The 18
+    of a bf16-parameter layout counts a bf16 copy this path never keeps.)
+    ``"optimizer"`` (ZeRO-1): the fp32 gradient buffer (4) and a 1/dp slice of the moments
+    (8/dp); in bf16, bf16 parameters (2) with fp32 master slices (4/dp), else fp32
+    parameters that are their own masters (4). Measured per rank in
+    tests/test_data_parallel.py.
+    ``"gradients"`` (ZeRO-2): compute-width parameters kept whole (2 in bf16, 4 in fp32),
+    gradients sharded (4/dp) and the fp32 master and moments sharded (12/dp).
+    ``"full"`` (ZeRO-3): everything sharded, 16/dp; the layers gathered in flight are extra.
+    """
+    if dp_shard == "none":
+        return 4.0, 4.0, 8.0
+    compute = 4.0 if precision == "fp32" else 2.0
+    if dp_shard == "optimizer":
+        return (2.0, 4.0, 12.0 / dp) if precision == "bf16" else (4.0, 4.0, 8.0 / dp)
+    if dp_shard in ("gradients", "full"):
+        return (compute if dp_shard == "gradients" else 0.0), 4.0 / dp, 12.0 / dp
+    raise ValueError(f"parallel.dp_shard={dp_shard!r} has no bytes-per-parameter formula")
+
+
+def layer_activation_bytes(
+    s: int, b: int, h: int, a: int, t: int, *, sp: bool, recompute: str, fused_attention: bool
+) -> float:
+    """16-bit activation bytes one transformer layer keeps for backward (Korthikanti et al.'s
+    table, sequence ``s``, micro-batch ``b``, hidden ``h``, ``a`` heads, TP size ``t``).
+
+    Without TP 34 + 5as/h (in s·b·h bytes); with TP 10 + 24/t + 5as/(ht); with TP + sequence
+    parallelism (``sp``) 34/t + 5as/(ht). The 5as/h term (the stored s×s softmax, its
+    dropout mask and output) is gone with selective recompute or a fused attention
+    kernel; full recompute keeps only the layer input (2sbh, /t under SP). Measured per
+    layer in tests/test_transformer.py.
+    """
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    scores = 0.0 if (recompute == "selective" or fused_attention) else 5 * a * s / (h * t)
+    if sp:
+        return s * b * h * (34 / t + scores)
+    return s * b * h * (10 + 24 / t + scores)
+
+
 # The Llama family (engine/models/llama/costs.py re-exports these). Per layer and token
 # the forward multiplies by the query (h×h), key/value (h×2·kv·d, smaller than h×2h under
 # grouped-query attention), output (h×h) and the SwiGLU MLP's three matrices, gate and up
@@ -151,3 +199,23 @@ def llama_params_count(
     per_layer += (hidden + 2 * kv_width) if qkv_bias else 0
     per_layer += (2 * hidden + 2 * ffn_hidden) if linear_bias else 0
     return layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden  # + final norm
+
+
+def llama_layer_activation_bytes(
+    s: int, b: int, h: int, a: int, kv: int, f: int, t: int, *, sp: bool, recompute: str
+) -> float:
+    """16-bit bytes one Llama layer keeps for backward (fused attention, no dropout).
+
+    In s·b·h units: the two RMSNorm inputs (4), the QKV input (2), Q (2), K and V (4·kv/a:
+    grouped-query attention's smaller projections), the output projection's input (2), the
+    MLP input (2) and the f-wide gate, silu(gate), up and product tensors (8·f/h). Heads
+    and f are split over TP (a rank holds kv/t KV heads, at least one); the norm, QKV and
+    MLP inputs (8) are whole on every TP rank unless sequence parallelism splits them.
+    Full recompute keeps the layer input.
+    """
+    if recompute == "full":
+        return 2 * s * b * h / (t if sp else 1)
+    split = (4 + 8 * f / h) / t
+    kv_part = 4 * kv / a / min(t, kv)
+    whole = 8.0 / (t if sp else 1)
+    return s * b * h * (whole + split + kv_part)

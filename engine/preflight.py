@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from engine.config import Config, resolve_precision
-from engine.data_parallel import bytes_per_param
 from engine.flops import params_count
+from engine.formulas import state_bytes_per_param
 from engine.models.activation_memory import formula_bytes
 
 GIB = 2**30
@@ -58,7 +58,9 @@ def estimate_rank_bytes(
     per_layer = formula_bytes(m, seq_len=s, batch_size=b, tp_size=t)
     logits = 4 * s * b * m.padded_vocab_size(t) / t
     activations = per_layer * m.num_layers * (2 if fp32_activations else 1) + logits
-    weights, grads, optimizer = bytes_per_param(cfg.optim, dp_size, bf16=bf16)
+    precision = "bf16" if bf16 else "fp32"
+    dp_shard = "optimizer" if cfg.optim.distributed else "none"
+    weights, grads, optimizer = state_bytes_per_param(precision, dp_shard, dp_size)
     return MemoryEstimate(weights * params, grads * params, optimizer * params, activations)
 
 

@@ -96,7 +96,7 @@ class Trainer:
         self.watch = watch or Watchdog(0, rank=ps.rank, run_dir=cfg.run_dir)
         self.precision = resolve_precision(cfg.trainer.precision, ps.device.type)
         ps.seed(cfg.trainer.seed)
-        self.model = build_model(cfg.model, tp_group=ps.tp_group, device=ps.device)
+        self.model = build_model(cfg.model, ps, device=ps.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.dp = build_data_parallel(
             self.model,

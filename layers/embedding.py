@@ -9,7 +9,8 @@ from torch import nn
 
 from layers.linear import InitMethod, build_master_weight, normal_init
 from layers.mappings import reduce_from_tp, reduce_scatter_to_sequence
-from layers.utils import comm_timer_of, divide, mark_tp_dim, shard
+from layers.param_roles import mark_tp_dim
+from layers.utils import comm_timer_of, divide, shard
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
 

@@ -9,9 +9,9 @@ With ``kv_heads`` key/value heads and TP size ``tp``:
   gradients are summed over exactly those ranks in backward, and the copies stay equal.
 
 The weight's rows are ``(kv_heads two d)`` (each head's k rows, then its v rows) at every
-TP size, so full state dicts do not depend on the layout. Replicated parameters carry
-``REPLICAS_ATTR`` (how many ranks hold each block): gathers keep one copy per block and
-the gradient norm counts one.
+TP size, so full state dicts do not depend on the layout. Replicated parameters declare
+their replica count (``layers.param_roles``): gathers keep one copy per block and the
+gradient norm counts one.
 """
 
 from __future__ import annotations
@@ -22,24 +22,8 @@ from torch import nn
 
 from layers.linear import ColumnParallelLinear, InitMethod, build_master_weight
 from layers.mappings import all_reduce_sum_, copy_to_tp, gather_from_sequence
-from layers.utils import TP_DIM_ATTR, comm_timer_of, group_rank, group_size, mark_tp_dim
-
-# On a TP-split parameter: each dim-0 block is held by this many consecutive TP ranks.
-REPLICAS_ATTR = "tp_replicas"
-
-
-def replicas(param: torch.Tensor) -> int:
-    """How many TP ranks hold each of ``param``'s blocks (1: an ordinary split)."""
-    return getattr(param, REPLICAS_ATTR, 1)
-
-
-def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
-    """Whether this TP rank's copy of ``param`` counts toward the gradient norm: split
-    parameters on every rank, replicated blocks on the first rank holding each, fully
-    replicated parameters on TP rank 0."""
-    if getattr(param, TP_DIM_ATTR, None) is None:
-        return tp_rank == 0
-    return tp_rank % replicas(param) == 0
+from layers.param_roles import mark_replicas, mark_tp_dim
+from layers.utils import comm_timer_of, group_rank, group_size
 
 
 def dedupe_gathered(full: torch.Tensor, copies: int, tp_size: int) -> torch.Tensor:
@@ -102,7 +86,7 @@ class ReplicatedKVLinear(nn.Module):
         for p in (self.weight, self.bias):
             if p is not None:
                 mark_tp_dim(p, 0)
-                setattr(p, REPLICAS_ATTR, self.copies)
+                mark_replicas(p, self.copies)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         timer = comm_timer_of(self)

@@ -15,9 +15,7 @@ import torch.nn.functional as F
 from layers.cross_entropy import vocab_parallel_cross_entropy
 from layers.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from layers.kernels import functional as fused
-from layers.kernels.dispatch import choose_backend
-
-KERNEL_CHOICES = ("auto", "triton", "apex", "torch")
+from layers.kernels.dispatch import BACKENDS, choose_backend
 
 
 def _torch_bias_dropout_add(
@@ -90,6 +88,12 @@ def resolve_kernels(name: str) -> Kernels:
     - ``apex``: apex's FusedLayerNorm (it must be importable), ``auto`` for the rest;
     - ``torch``: torch's ops everywhere.
     """
-    if name not in KERNEL_CHOICES:
-        raise ValueError(f"model.kernels={name!r} is not one of auto, triton, apex, torch")
+    if name not in BACKENDS:
+        raise ValueError(f"model.kernels={name!r} is not one of {', '.join(BACKENDS)}")
     return TORCH_KERNELS if name == "torch" else _fused_kernels(name)
+
+
+def as_kernels(kernels: str | Kernels) -> Kernels:
+    """A kernel set already resolved (a model resolves its one set and hands it to every
+    layer), or the name of one, resolved here (a layer built on its own)."""
+    return kernels if isinstance(kernels, Kernels) else resolve_kernels(kernels)

@@ -22,7 +22,8 @@ from layers.mappings import (
     reduce_scatter_to_sequence,
     scatter_to_tp,
 )
-from layers.utils import SP_GRAD_ATTR, comm_timer_of, divide, mark_tp_dim, shard
+from layers.param_roles import mark_sp_partial_grad, mark_tp_dim, tp_dim
+from layers.utils import comm_timer_of, divide, shard
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
 InitMethod = Callable[[torch.Tensor], object]
@@ -128,7 +129,7 @@ class _TPLinearBase(nn.Module):
         if bias is not None:
             if self.bias is None:
                 raise ValueError("this layer was built with bias=False but a bias was given")
-            self.bias.copy_(shard(bias, self.bias.tp_split_dim, self.tp_rank, self.tp_size))
+            self.bias.copy_(shard(bias, tp_dim(self.bias), self.tp_rank, self.tp_size))
 
     @classmethod
     def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, **kwargs):
@@ -249,7 +250,7 @@ class RowParallelLinear(_TPLinearBase):
         )
         if self.bias is not None and sequence_parallel:
             # Each rank adds the bias to its own sequence shard only: partial gradient.
-            setattr(self.bias, SP_GRAD_ATTR, True)
+            mark_sp_partial_grad(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         timer = comm_timer_of(self)

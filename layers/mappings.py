@@ -40,7 +40,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from layers.utils import TP_DIM_ATTR, CommTimer, divide, timed
+from layers.param_roles import tp_dim
+from layers.utils import CommTimer, divide, timed
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
 # torch 2.13 renamed the flat collectives; keep older torch working too.
@@ -117,7 +118,7 @@ def gather_along(
 
 def gather_full(param: torch.Tensor, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """All-gather a TP-split parameter (or its grad, given ``param``'s split) to full shape."""
-    dim = getattr(param, TP_DIM_ATTR, None)
+    dim = tp_dim(param)
     return gather_along(param.detach(), dim, resolve_tp_group(tp_group))
 
 

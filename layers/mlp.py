@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from layers.kernel_set import resolve_kernels
+from layers.kernel_set import Kernels, resolve_kernels
 from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
 from layers.transformer_config import TransformerConfig
 
@@ -24,10 +24,12 @@ from layers.transformer_config import TransformerConfig
 class ParallelMLP(nn.Module):
     """Column-parallel h→ffn, GeLU on the TP shard, row-parallel ffn→h."""
 
-    def __init__(self, cfg: TransformerConfig, *, tp_group, dtype, device) -> None:
+    def __init__(
+        self, cfg: TransformerConfig, *, tp_group, dtype, device, kernels: Kernels | None = None
+    ) -> None:
         super().__init__()
         self.sequence_parallel = cfg.sequence_parallel
-        self.kernels = resolve_kernels(cfg.kernels)
+        self.kernels = kernels or resolve_kernels(cfg.kernels)
         self.gated = cfg.activation == "swiglu"
         self.approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None}[cfg.activation]
         bias = getattr(cfg, "linear_bias", True)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layers.kernel_set import resolve_kernels
-from layers.utils import SP_GRAD_ATTR, mark_tp_dim
+from layers.kernel_set import Kernels, as_kernels
+from layers.param_roles import mark_sp_partial_grad, mark_tp_dim
 
 
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim with replicated weight and bias.
 
     Under sequence parallelism each rank normalizes only its sequence shard, so its
-    parameter gradients are partial sums: they carry ``SP_GRAD_ATTR`` for the TP all-reduce.
+    parameter gradients are partial sums: they are marked (``layers.param_roles``) for the TP all-reduce.
     """
 
     def __init__(
@@ -22,7 +22,7 @@ class LayerNorm(nn.Module):
         eps: float,
         *,
         sequence_parallel: bool = False,
-        kernels: str = "auto",
+        kernels: str | Kernels = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -31,10 +31,10 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, **factory))
         self.bias = nn.Parameter(torch.zeros(size, **factory))
         self.eps, self.sequence_parallel = eps, sequence_parallel
-        self.kernels = resolve_kernels(kernels)
+        self.kernels = as_kernels(kernels)
         for p in (self.weight, self.bias):
             mark_tp_dim(p, None)
-            setattr(p, SP_GRAD_ATTR, sequence_parallel)
+            mark_sp_partial_grad(p, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.layer_norm(x, self.weight, self.bias, self.eps)
@@ -54,7 +54,7 @@ class RMSNorm(nn.Module):
         eps: float,
         *,
         sequence_parallel: bool = False,
-        kernels: str = "auto",
+        kernels: str | Kernels = "auto",
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -63,7 +63,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, **factory))
         self.eps, self.sequence_parallel = eps, sequence_parallel
         mark_tp_dim(self.weight, None)
-        setattr(self.weight, SP_GRAD_ATTR, sequence_parallel)
+        mark_sp_partial_grad(self.weight, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -74,13 +74,14 @@ class RMSNorm(nn.Module):
 NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
 
 
-def make_norm(cfg, *, dtype=None, device=None) -> nn.Module:
-    """The norm ``cfg.norm`` names ("layernorm" or "rmsnorm"), width ``cfg.hidden_size``."""
+def make_norm(cfg, *, kernels: Kernels | None = None, dtype=None, device=None) -> nn.Module:
+    """The norm ``cfg.norm`` names ("layernorm" or "rmsnorm"), width ``cfg.hidden_size``,
+    on the model's resolved ``kernels`` (None: ``cfg.kernels``, resolved here)."""
     return NORMS[getattr(cfg, "norm", "layernorm")](
         cfg.hidden_size,
         cfg.layernorm_eps,
         sequence_parallel=cfg.sequence_parallel,
-        kernels=cfg.kernels,
+        kernels=kernels or cfg.kernels,
         dtype=dtype,
         device=device,
     )

@@ -53,8 +53,10 @@ def checkpointed(fn: Callable[..., Any], *args: Any, rng: RNGTracker | None) -> 
 
 
 def default_rng() -> RNGTracker | None:
-    """The current ParallelState's tracker, or None when parallel_state is not initialized."""
-    return parallel_state.get().rng if parallel_state.is_initialized() else None
+    """The default ParallelState's tracker, with an ImplicitStateWarning (the runtime passes
+    ``rng=``); None when parallel_state is not initialized."""
+    state = parallel_state.implicit("rng")
+    return state.rng if state is not None else None
 
 
 def dropout_stream(rng: RNGTracker | None, *, sharded: bool) -> AbstractContextManager:

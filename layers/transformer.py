@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from layers.attention import KVCache, ParallelAttention
-from layers.kernel_set import resolve_kernels
+from layers.kernel_set import Kernels, resolve_kernels
 from layers.mlp import ParallelMLP
 from layers.norm import LayerNorm, make_norm
 from layers.recompute import checkpointed, default_rng, dropout_stream
@@ -45,6 +45,7 @@ class ParallelTransformerLayer(nn.Module):
         *,
         tp_group: dist.ProcessGroup | None = None,
         rng: RNGTracker | None = None,
+        kernels: Kernels | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -60,15 +61,17 @@ class ParallelTransformerLayer(nn.Module):
         self.pre_layernorm, self.recompute_full = cfg.pre_layernorm, cfg.recompute == "full"
         self.draws_random = dropout  # only then does recomputation replay the RNG streams
         self.sequence_parallel, self.hidden_dropout = cfg.sequence_parallel, cfg.hidden_dropout
-        self.kernels = resolve_kernels(cfg.kernels)
+        self.kernels = kernels or resolve_kernels(cfg.kernels)  # the model hands its one set
         # The norm (LayerNorm | RMSNorm), attention (MHA | GQA | MQA, biases) and MLP
         # (GeLU | SwiGLU) are chosen by cfg; the residual order by cfg.pre_layernorm.
-        self.attention_norm = make_norm(cfg, dtype=dtype, device=device)
+        self.attention_norm = make_norm(cfg, kernels=self.kernels, dtype=dtype, device=device)
         self.attention = ParallelAttention(
             cfg, tp_group=tp_group, rng=self.rng, dtype=dtype, device=device
         )
-        self.mlp_norm = make_norm(cfg, dtype=dtype, device=device)
-        self.mlp = ParallelMLP(cfg, tp_group=tp_group, dtype=dtype, device=device)
+        self.mlp_norm = make_norm(cfg, kernels=self.kernels, dtype=dtype, device=device)
+        self.mlp = ParallelMLP(
+            cfg, tp_group=tp_group, kernels=self.kernels, dtype=dtype, device=device
+        )
 
     def forward(
         self,

@@ -15,14 +15,6 @@ from parallel_state.groups import group_rank as group_rank  # re-exported, see a
 from parallel_state.groups import group_size as group_size
 from parallel_state.groups import resolve_tp_group as resolve_tp_group
 
-# Attribute set on every parameter: the tensor dim it is split along across TP, or None
-# when each TP rank holds the whole tensor. Checkpointing and HF import read it to
-# shard/unshard without knowing the layer type.
-TP_DIM_ATTR = "tp_split_dim"
-# Attribute set on replicated parameters whose gradient is only partial on each TP rank
-# (LayerNorm weights under sequence parallelism); gradient sync sums them across TP.
-SP_GRAD_ATTR = "sequence_parallel_grad"
-
 
 class CommTimer(Protocol):
     """Times blocking TP collectives; the engine's step timer implements it.
@@ -85,9 +77,3 @@ def shard(full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Te
         return full.detach().clone()
     block = divide(full.shape[dim], size, f"dim {dim} of a tensor of shape {tuple(full.shape)}")
     return full.detach().narrow(dim, rank * block, block).clone()
-
-
-def mark_tp_dim(param: torch.nn.Parameter, dim: int | None) -> torch.nn.Parameter:
-    """Record how ``param`` is split across TP (see ``TP_DIM_ATTR``)."""
-    setattr(param, TP_DIM_ATTR, dim)
-    return param

@@ -33,6 +33,8 @@ __all__ = [
     "backend_for",
     "DEVICES",
     "get",
+    "implicit",
+    "ImplicitStateWarning",
     "destroy",
     "LaunchInfo",
 ]
@@ -246,6 +248,28 @@ def get() -> ParallelState:
             "parallel_state is not initialized: call parallel_state.initialize(tp_size, dp_size) "
             "first, or pass tp_group= explicitly"
         )
+    return _current
+
+
+class ImplicitStateWarning(UserWarning):
+    """Code reached the default ParallelState instead of being handed its group or RNG."""
+
+
+def implicit(what: str) -> ParallelState | None:
+    """The default state, for code that was not handed ``what`` (None when there is none).
+
+    The runtime passes its state explicitly (``build_model(cfg, state)``, ``tp_group=``);
+    this fallback keeps a notebook's or a test's short form working, and warns (as
+    Megatron-Core does) so that a missing argument in the runtime does not go unseen.
+    """
+    if _current is None:
+        return None
+    warnings.warn(
+        f"{what} was not passed, so the default ParallelState's is used; pass it "
+        "explicitly (build_model(cfg, state), tp_group=, rng=)",
+        ImplicitStateWarning,
+        stacklevel=3,
+    )
     return _current
 
 

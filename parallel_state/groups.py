@@ -23,11 +23,12 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
 
 
 def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """``tp_group`` itself, or the current ParallelState's TP group; None when not distributed."""
+    """``tp_group`` itself; else the default ParallelState's TP group, with an
+    ImplicitStateWarning; None in a plain single process."""
     if tp_group is not None:
         return tp_group
-    if parallel_state.is_initialized():
-        return parallel_state.get().tp_group
+    if (state := parallel_state.implicit("tp_group")) is not None:
+        return state.tp_group
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(
             "torch.distributed runs on several ranks but parallel_state is not initialized: "

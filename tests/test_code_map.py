@@ -459,3 +459,63 @@ def test_the_formatter_sees_all_the_code():
         for n in formatter_opt_outs(path.read_text())
     ]
     assert not found, f"remove the formatter opt-outs: {found[:10]}"
+
+
+def role_writes(source: str, roles: frozenset[str]) -> list[int]:
+    """Lines that set or read a parameter role's attribute by hand: ``setattr`` on anything,
+    ``getattr(p, "<role>")``, or ``p.<role> = ...``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("setattr", "getattr"):
+            name = node.args[1] if len(node.args) > 1 else None
+            by_hand = ast.unparse(node.func) == "setattr"
+            by_hand |= isinstance(name, ast.Constant) and name.value in roles
+            if by_hand:
+                found.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr in roles:
+            if isinstance(node.ctx, ast.Store):
+                found.append(node.lineno)
+    return sorted(set(found))
+
+
+def _role_names() -> frozenset[str]:
+    from layers import param_roles
+
+    names = {v for k, v in vars(param_roles).items() if k.startswith("_") and k[1:].isupper()}
+    return frozenset(n for n in names if isinstance(n, str))
+
+
+def test_role_finder_catches_planted_attributes():
+    roles = _role_names()
+    assert "tp_split_dim" in roles and "sequence_parallel_grad" in roles  # it found them
+    planted = (
+        "setattr(p, SP_GRAD, True)\n"
+        "d = getattr(p, 'tp_split_dim', None)\n"
+        "p.tp_replicas = 2\n"
+        "getattr(module, 'weight')\n"  # not a role
+        "flag = spec.vocab_padded\n"  # a checkpoint index field of that name, read
+    )
+    assert role_writes(planted, roles) == [1, 2, 3]
+
+
+# Files that may call setattr for something other than a parameter role.
+SETATTR_ALLOWED = frozenset(
+    {
+        "layers/param_roles.py",  # the roles themselves
+        "layers/utils.py",  # attach_comm_timer: a timer on modules, not a parameter role
+    }
+)
+
+
+def test_parameter_roles_are_declared_in_one_module():
+    """TP split dim, replicas, the sequence-parallel partial gradient and the padded
+    vocabulary are set and read through layers/param_roles.py alone (the layers set them,
+    the DP strategies, checkpoints and HF interop read them)."""
+    roles = _role_names()
+    hits = [
+        f"{path.relative_to(ROOT).as_posix()}:{line}"
+        for path in _python_files("layers", "engine", "studies", "tools")
+        if path.relative_to(ROOT).as_posix() not in SETATTR_ALLOWED
+        for line in role_writes(path.read_text(), roles)
+    ]
+    assert not hits, "set parameter roles through layers.param_roles:\n" + "\n".join(hits)

@@ -15,6 +15,7 @@ from torch import nn
 import parallel_state
 from engine.config import OptimConfig
 from engine.data_parallel import build_data_parallel
+from engine.formulas import state_bytes_per_param
 from engine.models import build_model
 from engine.models.config import preset
 from tests.multiproc import run_ranks
@@ -247,6 +248,7 @@ def _memory() -> dict:
         ("zero_bf16", True, torch.bfloat16),
         ("zero_fp32", True, None),
         ("allreduce_fp32", False, None),
+        ("allreduce_bf16", False, torch.bfloat16),  # as the trainer builds it for bf16
     )
     for case, zero, low in cases:
         for d, group in dp_groups.items():
@@ -281,23 +283,24 @@ def test_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
     the storages actually held. Tolerance +0.1 %: each bucket is padded to a multiple of
     d (at most d - 1 elements) and AdamW keeps a 4-byte step counter per bucket. The
     all-reduce path in fp32 keeps fp32 parameters (its masters), fp32 gradients and Adam:
-    16 at every d (+0.1 %: torch's AdamW keeps a 4-byte step counter per tensor). ZeRO-1
+    16 at every d (+0.1 %: torch's AdamW keeps a 4-byte step counter per tensor), and so
+    does it when the trainer trains in bf16 (autocast over fp32 parameters). ZeRO-1
     in fp32: the parameters are their own masters, so 4 + 4 (gradient buffer) + 8/d
     (exp_avg, exp_avg_sq), not a second fp32 copy (+0.1 % as above)."""
+    hand = {  # case: (param dtype, bytes per parameter at d, formula's precision, mode)
+        "zero_bf16": ("torch.bfloat16", lambda d: 6 + 12 / d, "bf16", "optimizer"),
+        "zero_fp32": ("torch.float32", lambda d: 8 + 8 / d, "fp32", "optimizer"),
+        "allreduce_fp32": ("torch.float32", lambda d: 16.0, "fp32", "none"),
+        "allreduce_bf16": ("torch.float32", lambda d: 16.0, "bf16", "none"),
+    }
     for rank, res in enumerate(run_ranks(_memory, 4, timeout=180)):
         print(f"rank {rank}: {res}")
-        for d in (1, 2, 4):
-            zero = res[("zero_bf16", d)]
-            assert zero["param_dtype"] == "torch.bfloat16"
-            want = 6 + 12 / d
-            assert want <= zero["bytes_per_param"] <= want * 1.001, (d, zero)
-            zero32 = res[("zero_fp32", d)]
-            assert zero32["param_dtype"] == "torch.float32"
-            want = 8 + 8 / d
-            assert want <= zero32["bytes_per_param"] <= want * 1.001, (d, zero32)
-            plain = res[("allreduce_fp32", d)]
-            assert plain["param_dtype"] == "torch.float32"
-            assert 16.0 <= plain["bytes_per_param"] <= 16.0 * 1.001, (d, plain)
+        for (case, d), got in res.items():
+            dtype, want, precision, mode = hand[case]
+            assert got["param_dtype"] == dtype, (case, d, got)
+            assert want(d) <= got["bytes_per_param"] <= want(d) * 1.001, (case, d, got)
+            # The runtime's formula (preflight and the performance model read it) agrees.
+            assert sum(state_bytes_per_param(precision, mode, d)) == want(d), (case, d)
 
 
 def _bf16_zero_then_plain(cfgs) -> dict:

@@ -17,7 +17,7 @@ from torch import nn
 import parallel_state
 from engine.data_parallel import GradSync
 from layers import ColumnParallelLinear, RowParallelLinear, shard
-from layers.utils import SP_GRAD_ATTR
+from layers.param_roles import mark_sp_partial_grad
 from tests.multiproc import run_ranks
 
 GLOBAL_BATCH, H, FFN = 8, 12, 24
@@ -142,7 +142,7 @@ def test_dp_gradients_equal_whole_batch(tp, dp, bucket_mb, micro):
 def _sp_grads(reduce_dtype) -> list[torch.Tensor]:
     ps = parallel_state.initialize(2, 1)
     norm_w = nn.Parameter(torch.zeros(4))
-    setattr(norm_w, SP_GRAD_ATTR, True)
+    mark_sp_partial_grad(norm_w)
     plain = nn.Parameter(torch.zeros(4))
     sync = GradSync(
         [norm_w, plain], dp_group=ps.dp_group, tp_group=ps.tp_group, reduce_dtype=reduce_dtype

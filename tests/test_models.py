@@ -21,6 +21,7 @@ import torch
 import parallel_state
 from engine.checkpoint.format import load_model, read_checkpoint, save_model, write_checkpoint
 from engine.models import ModelConfig, build_model, preset
+from parallel_state import ImplicitStateWarning
 from studies.verification.layouts import VerifySpec, compare_layouts, solo_group
 from tests.multiproc import run_ranks
 
@@ -169,3 +170,52 @@ def test_model_config_is_a_structured_config_schema():
     node.ffn_hidden_size = 256  # Optional[int] field accepts ints and None
     node.ffn_hidden_size = None
     assert omegaconf.OmegaConf.to_object(node) == ModelConfig()
+
+
+def _state_in_layers(implicit: bool) -> tuple[set[bool], list[str]]:
+    import warnings
+
+    ps = parallel_state.initialize(2, 1)
+    ps.seed(11)
+    cfg = preset(
+        "gpt_tiny",
+        vocab_size=64,
+        hidden_size=32,
+        num_heads=4,
+        num_layers=2,
+        hidden_dropout=0.1,
+        attention_dropout=0.1,
+        recompute="selective",
+    )
+    batch = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = build_model(cfg) if implicit else build_model(cfg, ps)
+        model(batch[:, :-1], batch[:, 1:]).mean().backward()
+    handed = {model.tp_group is ps.tp_group} | {layer.rng is ps.rng for layer in model.layers}
+    implicit_uses = [str(w.message) for w in caught if w.category is ImplicitStateWarning]
+    return handed, implicit_uses
+
+
+def test_build_model_hands_the_state_to_every_layer():
+    """``build_model(cfg, state)``: every layer gets the state's TP group and RNG tracker
+    (dropout and selective recompute on, so the tracker is really drawn from) and nothing
+    reaches the default state; the short form still works but says it fell back."""
+    for handed, implicit_uses in run_ranks(_state_in_layers, 2, False):
+        assert handed == {True} and implicit_uses == []
+    for handed, implicit_uses in run_ranks(_state_in_layers, 2, True):
+        assert handed == {True}
+        assert "tp_group was not passed" in implicit_uses[0]
+        assert any("rng was not passed" in m for m in implicit_uses)
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "bert_tiny", "llama_tiny"])
+def test_one_kernel_set_per_model(name):
+    """``model.kernels`` is resolved once per model and handed down: every module that
+    holds a kernel set holds the model's own (it used to be resolved 4L+2 times per GPT)."""
+    from layers.kernel_set import Kernels
+
+    model = build_model(preset(name, vocab_size=64, hidden_size=32, num_heads=4, num_layers=2))
+    holders = [m for m in model.modules() if isinstance(getattr(m, "kernels", None), Kernels)]
+    assert len(holders) >= 2 * model.cfg.num_layers + 1  # layers, their MLPs and norms, ...
+    assert {id(m.kernels) for m in holders} == {id(model.kernels)}

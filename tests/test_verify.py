@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import layers.mappings
 import parallel_state
-from layers.utils import SP_GRAD_ATTR
+from layers.param_roles import mark_sp_partial_grad
 from studies.verification.layouts import Report, VerifySpec, compare, compare_layouts
 from tests.multiproc import run_ranks
 
@@ -29,7 +29,7 @@ def _swap_q_and_k_across_ranks(model) -> None:
 def _forget_sequence_parallel_grad_sum(model) -> None:
     """One LayerNorm loses its mark, so GradSync never sums its partial gradients over TP."""
     for p in model.layers[1].mlp_norm.parameters():
-        setattr(p, SP_GRAD_ATTR, False)
+        mark_sp_partial_grad(p, False)
 
 
 def _no_reduce_in_reduce_scatter(ctx, x, group, dim, timer):

@@ -134,7 +134,7 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
         cfg, state = ModelSource(args.ckpt, args.hf_dir).load()
         model = build_model(
             inference_config(cfg),
-            tp_group=ps.tp_group,
+            ps,
             dtype=getattr(torch, args.dtype),
             device=ps.device,
         )

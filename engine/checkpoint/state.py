@@ -18,10 +18,9 @@ from torch import nn
 from engine.checkpoint.layout import MODEL, OPTIM, TensorSpec, dtype_name, local_box
 from engine.data_parallel import checkpoint_view
 from engine.models import ParallelModel
-from engine.models.base import VOCAB_PADDED_ATTR
-from layers.gqa import replicas
 from layers.mappings import gather_along
-from layers.utils import TP_DIM_ATTR, group_rank, group_size
+from layers.param_roles import is_vocab_padded, replicas, tp_dim
+from layers.utils import group_rank, group_size
 
 
 def model_name(param_name: str) -> str:
@@ -47,19 +46,19 @@ def param_spec(
     dtype: torch.dtype | None = None,
 ) -> TensorSpec:
     """The full-shape spec of a parameter (or of state shaped like it) on this model."""
-    tp_dim = getattr(param, TP_DIM_ATTR, None)
+    split = tp_dim(param)
     if replicas(param) > 1:  # the box plan assumes every TP rank holds a distinct slice
         raise ValueError(
             f"{name}: checkpoints at tp_size above model.num_kv_heads are not supported yet; "
             "use a tp_size that divides model.num_kv_heads (a checkpoint loads at any tp)"
         )
-    vocab = bool(getattr(param, VOCAB_PADDED_ATTR, False))
+    vocab = is_vocab_padded(param)
     shape = list(param.shape)
-    if tp_dim is not None:
-        shape[tp_dim] *= group_size(model.tp_group)
+    if split is not None:
+        shape[split] *= group_size(model.tp_group)
     if vocab:
         shape[0] = model.cfg.vocab_size
-    return TensorSpec(name, tuple(shape), dtype_name(dtype or param.dtype), kind, tp_dim, vocab)
+    return TensorSpec(name, tuple(shape), dtype_name(dtype or param.dtype), kind, split, vocab)
 
 
 def param_states(optimizer) -> dict[nn.Parameter, dict[str, Any]]:
@@ -148,8 +147,8 @@ def full_optimizer_state(model: ParallelModel, optimizer) -> dict[str, torch.Ten
     for name, p in model.named_parameters():
         for key, value in sorted(states.get(p, {}).items()):
             if torch.is_tensor(value) and value.shape == p.shape:
-                full = gather_along(value, getattr(p, TP_DIM_ATTR, None), model.tp_group)
-                if getattr(p, VOCAB_PADDED_ATTR, False):
+                full = gather_along(value, tp_dim(p), model.tp_group)
+                if is_vocab_padded(p):
                     full = full[: model.cfg.vocab_size]
                 out[optim_name(name, key)] = full
     return out

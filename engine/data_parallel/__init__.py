@@ -17,7 +17,6 @@ from engine.data_parallel.strategy import (
     PlainOptimizerState,
     Zero1DP,
     build_data_parallel,
-    bytes_per_param,
     checkpoint_view,
 )
 from engine.data_parallel.zero import MASTER_KEY, ZeroOptimizer
@@ -32,7 +31,6 @@ __all__ = [
     "Zero1DP",
     "ZeroOptimizer",
     "build_data_parallel",
-    "bytes_per_param",
     "checkpoint_view",
     "clip_grads_",
     "global_grad_norm",

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layers.gqa import counted_in_norm
 from layers.mappings import flat_all_gather, flat_reduce_scatter  # one shim across torch versions
-from layers.utils import SP_GRAD_ATTR, group_rank, group_size
+from layers.param_roles import counted_in_norm, has_sp_partial_grad
+from layers.utils import group_rank, group_size
 
 
 class ShardedBucket:
@@ -49,7 +49,7 @@ class ShardedBucket:
         # every TP rank, replicated ones (identical on all TP ranks) on TP rank 0 only.
         self.norm_ranges = self._ranges(lambda p: counted_in_norm(p, tp_rank))
         # Sequence-parallel parameters saw only this rank's tokens: summed over TP later.
-        self.sp_ranges = self._ranges(lambda p: getattr(p, SP_GRAD_ATTR, False), merge=True)
+        self.sp_ranges = self._ranges(has_sp_partial_grad, merge=True)
         self.reset()
 
     def _ranges(self, keep, merge: bool = False) -> list[tuple[int, int]]:

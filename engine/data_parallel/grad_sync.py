@@ -11,7 +11,7 @@ backward continues with earlier layers. ``finish()`` waits and copies the averag
 
 With sequence parallelism some replicated parameters (norm weights, row-parallel biases)
 see only this rank's sequence shard, so their gradients are partial across TP: they are
-marked with ``layers.utils.SP_GRAD_ATTR`` and summed over the TP group in ``finish()``.
+marked in ``layers.param_roles`` and summed over the TP group in ``finish()``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.data_parallel.buckets import BucketLauncher
+from layers.param_roles import has_sp_partial_grad
 from layers.tp_grads import sum_partial_grads_
-from layers.utils import SP_GRAD_ATTR, group_size
+from layers.utils import group_size
 
 
 class _Bucket:
@@ -93,7 +94,7 @@ class GradSync(BucketLauncher):
         self.comm_timer = None  # when set, told of each all-reduce: ``comm_timer.launched(work)``
         params = [p for p in dict.fromkeys(params) if p.requires_grad]  # unique, in order
         self.params = params
-        self.sp_params = [p for p in params if getattr(p, SP_GRAD_ATTR, False)]
+        self.sp_params = [p for p in params if has_sp_partial_grad(p)]
         self._capacity, self._reduce_dtype = bucket_size_mb * 2**20, reduce_dtype
         self._set_buckets(list(reversed(params)))
         self._ready_order: list[int] | None = []  # None once the buckets were rebuilt

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layers.gqa import counted_in_norm
+from layers.param_roles import counted_in_norm
 from layers.utils import group_size
 
 

@@ -295,23 +295,6 @@ def build_data_parallel(
     return AllReduceDP(model, optimizer, **common)
 
 
-def bytes_per_param(optim: OptimConfig, dp: int, *, bf16: bool) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer state incl. masters) bytes one rank holds per
-    parameter under the strategy ``build_data_parallel`` picks (``bf16``: its
-    ``low_precision`` is bf16).
-
-    All-reduce: fp32 parameters (their own masters) + fp32 gradients + Adam's two fp32
-    moments = 4 + 4 + 8. ZeRO-1: the fp32 gradient buffer (4) and a 1/dp slice of the
-    moments (8/dp); bf16 parameters (2) with fp32 master slices (4/dp) in bf16, else fp32
-    parameters that are their own masters (4).
-    """
-    if not optim.distributed:
-        return 4.0, 4.0, 8.0
-    if bf16:
-        return 2.0, 4.0, 12.0 / dp
-    return 4.0, 4.0, 8.0 / dp
-
-
 def checkpoint_view(optimizer: DataParallel | torch.optim.Optimizer | None):
     """What checkpoints read and write: a strategy as it is, a bare torch optimizer (tools,
     tests) as every replica's full state; None stays None."""

@@ -21,9 +21,9 @@ masters: the optimizer updates the owned slice of ``param_buffer`` in place). On
    ``overlap_param_gather(model)`` the forward pre-hook of each module waits only for the
    buckets of its own parameters, so later buckets arrive during the next forward.
 
-Bytes held per parameter (``bytes_per_param``): bf16 parameters 2 (parameters) + 4
-(gradient buffer) + 12/dp (fp32 master, exp_avg, exp_avg_sq) = 6 + 12/dp, the plain
-optimizer's 18 at dp=1; fp32 parameters 4 + 4 + 8/dp.
+Bytes held per parameter (``engine.formulas.state_bytes_per_param``): bf16 parameters 2
+(parameters) + 4 (gradient buffer) + 12/dp (fp32 master, exp_avg, exp_avg_sq) = 6 + 12/dp;
+fp32 parameters 4 + 4 + 8/dp.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from engine.models.bert import BertModel
 from engine.models.config import ModelConfig, preset, preset_names
 from engine.models.gpt import GPTModel
 from engine.models.llama.model import LlamaModel
+from parallel_state import ParallelState
+from parallel_state.random import RNGTracker
 
 __all__ = [
     "ModelConfig",
@@ -25,13 +27,23 @@ __all__ = [
 
 def build_model(
     cfg: ModelConfig,
+    state: ParallelState | None = None,
     *,
     tp_group: dist.ProcessGroup | None = None,
+    rng: RNGTracker | None = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> ParallelModel:
-    """The GPTModel or BertModel that ``cfg.arch`` names, built on this rank's TP shard."""
+    """The model that ``cfg.arch`` names, built on this rank's TP shard.
+
+    ``state`` is the rank's ParallelState: its TP group and dropout RNG tracker go to every
+    layer. Without one, ``tp_group`` and ``rng`` say them (None and None: one process).
+    """
     classes = {"gpt": GPTModel, "bert": BertModel, "llama": LlamaModel}
     if cfg.arch not in classes:
         raise ValueError(f"model.arch={cfg.arch!r} is not one of {tuple(classes)}")
-    return classes[cfg.arch](cfg, tp_group=tp_group, dtype=dtype, device=device)
+    if state is not None:
+        if tp_group is not None or rng is not None:
+            raise TypeError("build_model takes a ParallelState or tp_group=/rng=, not both")
+        tp_group, rng = state.tp_group, state.rng
+    return classes[cfg.arch](cfg, tp_group=tp_group, rng=rng, dtype=dtype, device=device)

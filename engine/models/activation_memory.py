@@ -13,20 +13,25 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from engine.formulas import layer_activation_bytes
 from engine.models.config import ModelConfig
 from layers.transformer import ParallelTransformerLayer
 from parallel_state.groups import group_size, resolve_tp_group
 
 
 def formula_bytes(cfg: ModelConfig, *, seq_len: int, batch_size: int, tp_size: int) -> float:
-    """The formula table's bytes per layer for ``cfg``'s sequence parallelism and recompute mode."""
-    s, b, h, a, t = seq_len, batch_size, cfg.hidden_size, cfg.num_heads, tp_size
-    if cfg.recompute == "full":  # only the layer input, sharded under SP
-        return 2 * s * b * h / (t if cfg.sequence_parallel else 1)
-    scores = 0.0 if cfg.recompute == "selective" else 5 * a * s / (h * t)
-    if cfg.sequence_parallel:
-        return s * b * h * (34 / t + scores)
-    return s * b * h * (10 + 24 / t + scores)
+    """The formula table's bytes per layer for ``cfg``'s sequence parallelism and recompute
+    mode (``engine.formulas.layer_activation_bytes``, attention unfused)."""
+    return layer_activation_bytes(
+        seq_len,
+        batch_size,
+        cfg.hidden_size,
+        cfg.num_heads,
+        tp_size,
+        sp=cfg.sequence_parallel,
+        recompute=cfg.recompute,
+        fused_attention=False,
+    )
 
 
 def measure_layer_bytes(

@@ -16,19 +16,27 @@ from torch import nn
 from engine.models.config import ModelConfig
 from layers import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, scatter_to_sequence
 from layers.compile import compile_model
-from layers.gqa import dedupe_gathered, owned_block, replicas
+from layers.gqa import dedupe_gathered, owned_block
+from layers.kernel_set import Kernels, resolve_kernels
 from layers.linear import InitMethod, build_master_weight, normal_init
 from layers.mappings import gather_along
 from layers.norm import LayerNorm
+from layers.param_roles import (
+    is_vocab_padded,
+    mark_sp_partial_grad,
+    mark_tp_dim,
+    mark_vocab_padded,
+    replicas,
+    tp_dim,
+)
 from layers.recompute import default_rng, dropout_stream
 from layers.transformer import ParallelTransformerLayer
-from layers.utils import SP_GRAD_ATTR, TP_DIM_ATTR, comm_timer_of, mark_tp_dim, shard
+from layers.utils import comm_timer_of, shard
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
 
 # Set on parameters whose dim 0 is the padded vocabulary: trimmed to vocab_size in full
 # state dicts, zero-padded again on load.
-VOCAB_PADDED_ATTR = "vocab_padded"
 
 
 def unpadded_normal_init(vocab_size: int, std: float) -> InitMethod:
@@ -66,7 +74,7 @@ def replicated_linear(
     layer.sequence_parallel = sequence_parallel  # its output is a sequence shard too
     for p in layer.parameters():
         mark_tp_dim(p, None)
-        setattr(p, SP_GRAD_ATTR, sequence_parallel)
+        mark_sp_partial_grad(p, sequence_parallel)
     return layer
 
 
@@ -77,7 +85,9 @@ class Embeddings(nn.Module):
     sequence parallelism. BERT gets token types and the embedding LayerNorm.
     """
 
-    def __init__(self, cfg: ModelConfig, *, tp_group, rng: RNGTracker | None, dtype, device):
+    def __init__(
+        self, cfg: ModelConfig, *, tp_group, rng: RNGTracker | None, kernels: Kernels, dtype, device
+    ):
         super().__init__()
         self.tp_group, self.rng = tp_group, rng
         self.sequence_parallel, self.dropout = cfg.sequence_parallel, cfg.hidden_dropout
@@ -90,7 +100,7 @@ class Embeddings(nn.Module):
             dtype=dtype,
             device=device,
         )
-        setattr(self.word.weight, VOCAB_PADDED_ATTR, True)
+        mark_vocab_padded(self.word.weight)
         self.position = None  # rotary positions live in attention
         if getattr(cfg, "position_embedding", "learned") == "learned":
             self.position = self._replicated(cfg.max_positions, cfg, dtype, device)
@@ -104,7 +114,7 @@ class Embeddings(nn.Module):
                 cfg.hidden_size,
                 cfg.layernorm_eps,
                 sequence_parallel=cfg.sequence_parallel,
-                kernels=cfg.kernels,
+                kernels=kernels,
                 dtype=dtype,
                 device=device,
             )
@@ -182,7 +192,7 @@ class ParallelLMHead(nn.Module):
         for p in (self.weight, self.bias):
             if p is not None:
                 mark_tp_dim(p, 0)
-                setattr(p, VOCAB_PADDED_ATTR, True)
+                mark_vocab_padded(p)
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
         if self.sequence_parallel:
@@ -214,10 +224,12 @@ class ParallelModel(nn.Module):
         cfg.validate(group_size(self.tp_group))
         self.cfg = cfg
         rng = rng if rng is not None else default_rng()
+        self.kernels = resolve_kernels(cfg.kernels)  # once per model, handed to every layer
         build = dict(tp_group=self.tp_group, dtype=dtype, device=device)
-        self.embedding = Embeddings(cfg, rng=rng, **build)
+        one = dict(rng=rng, kernels=self.kernels)
+        self.embedding = Embeddings(cfg, **one, **build)
         self.layers = nn.ModuleList(
-            ParallelTransformerLayer(cfg, rng=rng, **build) for _ in range(cfg.num_layers)
+            ParallelTransformerLayer(cfg, **one, **build) for _ in range(cfg.num_layers)
         )
         return build
 
@@ -248,9 +260,9 @@ class ParallelModel(nn.Module):
         }
 
     def _full(self, param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
-        full = gather_along(tensor.detach(), getattr(param, TP_DIM_ATTR, None), self.tp_group)
+        full = gather_along(tensor.detach(), tp_dim(param), self.tp_group)
         full = dedupe_gathered(full, replicas(param), group_size(self.tp_group))
-        return full[: self.cfg.vocab_size] if getattr(param, VOCAB_PADDED_ATTR, False) else full
+        return full[: self.cfg.vocab_size] if is_vocab_padded(param) else full
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -262,8 +274,8 @@ class ParallelModel(nn.Module):
         size, rank = group_size(self.tp_group), group_rank(self.tp_group)
         for name, param in own.items():
             full = state[name]
-            dim = getattr(param, TP_DIM_ATTR, None)
-            if getattr(param, VOCAB_PADDED_ATTR, False):
+            dim = tp_dim(param)
+            if is_vocab_padded(param):
                 if full.shape[0] != self.cfg.vocab_size:
                     raise ValueError(
                         f"{name}: {full.shape[0]} vocabulary rows, config says {self.cfg.vocab_size}"

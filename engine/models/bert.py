@@ -10,7 +10,7 @@ from torch import nn
 from engine.models.base import ParallelLMHead, ParallelModel, replicated_linear
 from engine.models.config import ModelConfig
 from layers import gather_from_tp, vocab_parallel_cross_entropy
-from layers.kernel_set import resolve_kernels
+from layers.kernel_set import Kernels
 from layers.norm import LayerNorm
 from layers.utils import comm_timer_of
 from parallel_state.random import RNGTracker
@@ -19,10 +19,10 @@ from parallel_state.random import RNGTracker
 class MLMTransform(nn.Module):
     """dense → GeLU → LayerNorm before the MLM decoder; on the sequence shard under SP."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, *, kernels: Kernels, dtype, device) -> None:
         super().__init__()
         self.sequence_parallel = cfg.sequence_parallel
-        self.kernels = resolve_kernels(cfg.kernels)
+        self.kernels = kernels
         self.approximate = {"gelu": "none", "gelu_tanh": "tanh"}[cfg.activation]
         self.dense = replicated_linear(
             cfg.hidden_size,
@@ -36,7 +36,7 @@ class MLMTransform(nn.Module):
             cfg.hidden_size,
             cfg.layernorm_eps,
             sequence_parallel=cfg.sequence_parallel,
-            kernels=cfg.kernels,
+            kernels=kernels,
             dtype=dtype,
             device=device,
         )
@@ -97,7 +97,7 @@ class BertModel(ParallelModel):
         build = self._build_trunk(
             cfg, "bert", tp_group=tp_group, rng=rng, dtype=dtype, device=device
         )
-        self.mlm_transform = MLMTransform(cfg, dtype=dtype, device=device)
+        self.mlm_transform = MLMTransform(cfg, kernels=self.kernels, dtype=dtype, device=device)
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=True, **build)
         self.pooler = Pooler(cfg, **build)
         self.sop_head = replicated_linear(

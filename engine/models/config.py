@@ -15,6 +15,7 @@ from layers.compile import (
     SELECTIVE_UNDER_COMPILE_FROM,
     selective_recompute_compiles,
 )
+from layers.kernels.dispatch import BACKENDS as KERNELS
 from layers.recompute import RECOMPUTE_MODES
 from layers.rotary import ROPE_SCALINGS
 from layers.utils import pad_vocab_size
@@ -24,7 +25,6 @@ ARCHS = ("gpt", "bert", "llama")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
-KERNELS = ("auto", "torch", "triton", "apex")
 
 
 @dataclass

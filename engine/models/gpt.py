@@ -9,7 +9,6 @@ import torch.distributed as dist
 from engine.models.base import ParallelLMHead, ParallelModel
 from engine.models.config import ModelConfig
 from layers.attention import KVCache, decoder_mask
-from layers.kernel_set import resolve_kernels
 from layers.norm import make_norm
 from layers.rotary import inverse_frequencies, rotary_tables
 from layers.utils import comm_timer_of
@@ -39,12 +38,11 @@ class GPTModel(ParallelModel):
         build = self._build_trunk(
             cfg, self.ARCH, tp_group=tp_group, rng=rng, dtype=dtype, device=device
         )
-        self.final_norm = make_norm(cfg, dtype=dtype, device=device)
+        self.final_norm = make_norm(cfg, kernels=self.kernels, dtype=dtype, device=device)
         self.rotary = cfg.position_embedding == "rotary"
         if self.rotary:  # fp32 frequencies, a buffer so .to(device) moves them
             inv = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_args)
             self.register_buffer("inv_freq", inv.to(device), persistent=False)
-        self.kernels = resolve_kernels(cfg.kernels)
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=False, **build)
         self._compile_if_asked()
 

@@ -18,7 +18,7 @@ from torch import nn
 from engine.models.base import replicated_linear
 from layers import ColumnParallelLinear, RowParallelLinear, gather_full, normal_init
 from layers.mappings import gather_along
-from layers.utils import TP_DIM_ATTR
+from layers.param_roles import tp_dim
 
 IMAGE_PIXELS = 28 * 28
 NUM_CLASSES = 10
@@ -75,8 +75,7 @@ class MLPClassifier(nn.Module):
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
         """Full-shape gradients, gathered over TP (every TP rank must call this)."""
         return {
-            n: gather_along(p.grad, getattr(p, TP_DIM_ATTR, None), self.tp_group)
-            for n, p in self.named_parameters()
+            n: gather_along(p.grad, tp_dim(p), self.tp_group) for n, p in self.named_parameters()
         }
 
     def flops_per_image(self) -> int:

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+# The kernel choices: the functional ops' ``backend=`` and ``model.kernels`` alike (the one list).
 BACKENDS = ("auto", "torch", "triton", "apex")
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -74,7 +74,7 @@ def count(args: argparse.Namespace) -> dict:
     )
     ps = parallel_state.get()
     ps.seed(0)
-    model = build_model(cfg, tp_group=ps.tp_group, device=ps.device)
+    model = build_model(cfg, ps, device=ps.device)
     batch = torch.randint(
         0,
         cfg.vocab_size,

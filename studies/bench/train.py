@@ -288,7 +288,7 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
     info: dict = {"vocab": {}, "loss_rel_gap": {}}
     for zero1, mcfg in variants:
         torch.manual_seed(args.seed)
-        m = build_model(mcfg, tp_group=ps.tp_group, device=ps.device)
+        m = build_model(mcfg, ps, device=ps.device)
         dp = build_data_parallel(
             m,
             OptimConfig(distributed=zero1),

@@ -22,6 +22,7 @@ from engine.formulas import (
     llama_flops_per_iteration,
     llama_layer_weights,
     pad_vocab,
+    state_bytes_per_param,
 )
 from studies.perfmodel import comm_cost as comm
 from studies.perfmodel import pipeline as pipe
@@ -33,7 +34,6 @@ from studies.perfmodel.memory_model import (
     MemoryTerms,
     activation_bytes,
     in_flight_bytes,
-    state_bytes_per_param,
 )
 
 RECOMPUTE = ("none", "selective", "full")
@@ -179,9 +179,8 @@ def vocab_params_per_rank(w: Workload, tp: int, pp: int = 1) -> float:
 
 def params_per_rank(w: Workload, tp: int, pp: int = 1) -> float:
     """Parameters one rank holds: its stage's layers (l/pp) and embedding-side share."""
-    per_layer = layer_params_per_rank(w, tp)
-    embedding = vocab_params_per_rank(w, tp, pp)
-    return pipe.stage_layers(w.layers, pp) * per_layer + embedding
+    stage = pipe.stage_layers(w.layers, pp) * layer_params_per_rank(w, tp)
+    return stage + vocab_params_per_rank(w, tp, pp)
 
 
 def gemm_shapes(w: Workload, lay: Layout) -> list[tuple[int, int, int, int]]:

@@ -45,7 +45,7 @@ def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:
     ps, dtype = parallel_state.get(), DTYPES[spec.dtype]
     cfg, state, hf_config = read_hf_dir(hf_dir)
     cfg = replace(cfg, sequence_parallel=spec.sequence_parallel, recompute=spec.recompute)
-    model = build_model(cfg, tp_group=ps.tp_group, dtype=dtype)
+    model = build_model(cfg, ps, dtype=dtype)
     model.load_full_state_dict(state)
     spec = replace(spec, model=cfg.arch, vocab_size=cfg.vocab_size)
     batch = make_batch(replace(spec, seq_len=min(spec.seq_len, cfg.max_positions)))

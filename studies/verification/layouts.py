@@ -268,7 +268,7 @@ def compare_layouts(
         )
     dtype, solo = DTYPES[spec.dtype], solo_group(ps)
     ps.seed(spec.seed)
-    target = build_model(spec.model_config(), tp_group=ps.tp_group, dtype=dtype)
+    target = build_model(spec.model_config(), ps, dtype=dtype)
     if mutate_target is not None:
         mutate_target(target)
     reference = None

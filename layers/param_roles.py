@@ -1,0 +1,79 @@
+"""What a parameter is to the mesh, declared in one place.
+
+The layers set a parameter's roles here when they make it; the data-parallel strategies,
+the gradient norm, checkpoints and HF interop read them here, so none of them needs to
+know which layer made the parameter. The roles:
+
+* **TP split dim**: the tensor dim split across TP, or None when every TP rank holds the
+  whole tensor.
+* **replicas**: how many consecutive TP ranks hold each dim-0 block of a split parameter
+  (1: an ordinary split; more when there are fewer KV heads than TP ranks, ``layers.gqa``).
+* **sequence-parallel partial gradient**: a replicated parameter whose gradient on each
+  TP rank covers only that rank's sequence block (norms, the row-parallel bias under
+  sequence parallelism); ``layers.tp_grads`` sums it over TP after backward.
+* **padded vocabulary**: dim 0 is the vocabulary, padded per TP size in memory and cut
+  back to the true vocabulary in full state dicts.
+
+A tied LM head holds no parameter of its own (it reads the word embedding's), so tying
+needs no role. Each role is an attribute on the parameter, named only in this module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_TP_DIM = "tp_split_dim"
+_REPLICAS = "tp_replicas"
+_SP_PARTIAL_GRAD = "sequence_parallel_grad"
+_VOCAB_PADDED = "vocab_padded"
+
+
+def mark_tp_dim(param: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """Declare the dim ``param`` is split along across TP (None: replicated); returns it."""
+    setattr(param, _TP_DIM, dim)
+    return param
+
+
+def tp_dim(param: torch.Tensor) -> int | None:
+    """The dim ``param`` is split along across TP; None when replicated (or undeclared)."""
+    return getattr(param, _TP_DIM, None)
+
+
+def mark_replicas(param: torch.Tensor, copies: int) -> None:
+    """Declare that each dim-0 block of ``param`` is held by ``copies`` consecutive TP ranks."""
+    setattr(param, _REPLICAS, copies)
+
+
+def replicas(param: torch.Tensor) -> int:
+    """How many TP ranks hold each of ``param``'s blocks (1: an ordinary split)."""
+    return getattr(param, _REPLICAS, 1)
+
+
+def mark_sp_partial_grad(param: torch.Tensor, partial: bool = True) -> None:
+    """Declare whether ``param``'s gradient is a per-rank partial sum under sequence
+    parallelism (summed over TP after backward)."""
+    setattr(param, _SP_PARTIAL_GRAD, partial)
+
+
+def has_sp_partial_grad(param: torch.Tensor) -> bool:
+    """Whether ``param``'s gradient must be summed over TP after backward."""
+    return getattr(param, _SP_PARTIAL_GRAD, False)
+
+
+def mark_vocab_padded(param: torch.Tensor) -> None:
+    """Declare that ``param``'s dim 0 is the vocabulary, padded per TP size."""
+    setattr(param, _VOCAB_PADDED, True)
+
+
+def is_vocab_padded(param: torch.Tensor) -> bool:
+    """Whether ``param``'s dim 0 is the padded vocabulary."""
+    return getattr(param, _VOCAB_PADDED, False)
+
+
+def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
+    """Whether this TP rank's copy of ``param`` counts toward the gradient norm: split
+    parameters on every rank, replicated blocks on the first rank holding each, fully
+    replicated parameters on TP rank 0."""
+    if tp_dim(param) is None:
+        return tp_rank == 0
+    return tp_rank % replicas(param) == 0
