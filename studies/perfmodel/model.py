@@ -426,7 +426,7 @@ def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
         sp=lay.sequence_parallel,
         recompute=lay.recompute,
         fused_attention=lay.fused_attention,
-        llama=(w.kv, w.ffn_size) if w.llama else None,
+        llama_ffn=w.ffn_size if w.llama else None,
         in_flight=pipe.in_flight_micro_batches(
             lay.pp, micro_steps, lay.schedule, lay.virtual_stages
         ),
