@@ -109,6 +109,19 @@ class ParallelConfig:
     dp_shard: str = "none"  # DP shards: none, optimizer (ZeRO-1), gradients (ZeRO-2), full (ZeRO-3)
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass
+class PipelineConfig:
+    """How pipeline stages run (pp_size is top-level; the micro-batches of the schedule
+    are the step's gradient accumulation, global_batch ÷ (micro_batch × dp_size))."""
+
+    schedule: str = "1f1b"  # gpipe, 1f1b or interleaved_1f1b
+    virtual_stages: int = 1  # stages per pipeline rank; interleaved_1f1b needs >= 2
+    layers_per_stage: list[int] = field(default_factory=list)  # per stage; empty: equal runs
+
+
 @dataclass
 class Config:
     """Everything a pre-training run needs."""
@@ -119,6 +132,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     name: str = "gpt_tiny_stdlib"  # experiment name (checkpoint and log directories)
     tp_size: int = 2  # tensor-parallel size (ranks in a node sharing each layer)
     dp_size: Any = 2  # data-parallel size, or "auto" for world size ÷ (tp_size × pp_size)
@@ -152,12 +166,21 @@ def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
     )
 
 
+def sized_dims(
+    tp_size: int, dp_size: int | str | None, world_size: int | None = None
+) -> ParallelDims:
+    """The layout of a run given by its sizes alone (classification, generation, the
+    studies' tools): ``parallel_dims``'s checks and ``dp_size=auto`` rule, without pipeline
+    stages, sequence parallelism or DP sharding. Raises LayoutError, one line."""
+    return ParallelDims.resolve(tp_size, dp_size, world_size)
+
+
 def validate(cfg: Config, dims: ParallelDims) -> list[str]:
     """Every problem of ``cfg`` at the layout ``dims``, one line each (empty when it can run)."""
     problems: list[str] = []
     tp, t = dims.tp, cfg.trainer
-    if dims.pp > 1:  # until the pipeline runtime lands (its issue)
-        problems.append(f"pp_size={dims.pp}: pipeline parallelism is not built yet; set pp_size=1")
+    if dims.pp > 1:
+        problems += _validate_pipeline(cfg, dims)
     if dims.dp_shard in ("gradients", "full"):  # until the FSDP2 strategy lands (its issue)
         problems.append(
             f"parallel.dp_shard={dims.dp_shard} is not built yet; use none or optimizer"
@@ -299,6 +322,52 @@ def _validate_run(cfg: Config) -> list[str]:
     return problems
 
 
+def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
+    """What pp_size > 1 needs: a decoder, a known schedule, layers and micro-batches that
+    the stages and the schedule can split (torch's rules for 1F1B and interleaved)."""
+    from engine.pipeline.split import layer_split
+
+    p, t, m = cfg.pipeline, cfg.trainer, cfg.model
+    problems = []
+    if m.arch not in ("gpt", "llama"):
+        problems.append(f"pp_size={dims.pp} is built for model.arch gpt and llama, not {m.arch!r}")
+    if m.compile:
+        problems.append(f"pp_size={dims.pp} runs the stages eagerly: set model.compile=false")
+    if dims.zero1 and m.tie_embeddings:
+        problems.append(
+            f"pp_size={dims.pp} with tied embeddings under ZeRO-1 is not built yet: set "
+            "model.tie_embeddings=false or parallel.dp_shard=none"
+        )
+    if p.schedule not in PIPELINE_SCHEDULES:
+        problems.append(
+            f"pipeline.schedule={p.schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}"
+        )
+        return problems
+    interleaved = p.schedule == "interleaved_1f1b"
+    if (p.virtual_stages >= 2) != interleaved or p.virtual_stages < 1:
+        rule = ">= 2 for interleaved_1f1b" if interleaved else f"1 for {p.schedule}"
+        problems.append(f"pipeline.virtual_stages={p.virtual_stages} must be {rule}")
+        return problems
+    try:
+        layer_split(m.num_layers, dims.pp * p.virtual_stages, p.layers_per_stage)
+    except ValueError as err:
+        problems.append(str(err))
+    per_step = t.micro_batch * dims.dp
+    micro = t.global_batch // per_step if per_step > 0 else 0
+    if p.schedule != "gpipe" and 0 < micro < dims.pp:
+        problems.append(
+            f"pipeline.schedule={p.schedule} needs at least pp_size={dims.pp} micro-batches "
+            f"per step, got global_batch ÷ (micro_batch × dp_size) = {micro}; raise "
+            "trainer.global_batch"
+        )
+    elif interleaved and micro % dims.pp:
+        problems.append(
+            f"pipeline.schedule=interleaved_1f1b needs micro-batches per step ({micro}) "
+            f"divisible by pp_size={dims.pp}; change trainer.global_batch"
+        )
+    return problems
+
+
 def _layout_problem(check, *args) -> list[str]:
     """The one-line LayoutError of ``check(*args)`` as a problem list."""
     try:
@@ -380,7 +449,7 @@ def _validate_data(cfg: Config) -> list[str]:
     return problems
 
 
-# --- python -m engine.classify: the Fashion-MNIST classifier (its own config tree) ---------
+# --- python -m apps.classify: the Fashion-MNIST classifier (its own config tree) ---------
 
 
 @dataclass
@@ -430,7 +499,7 @@ class ClassifyLaunchConfig:
 
 @dataclass
 class ClassifyConfig:
-    """Everything ``python -m engine.classify`` needs."""
+    """Everything ``python -m apps.classify`` needs."""
 
     data: ClassifyDataConfig = field(default_factory=ClassifyDataConfig)
     model: ClassifyModelConfig = field(default_factory=ClassifyModelConfig)

@@ -154,7 +154,7 @@ def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
 
     ps = bootstrap_rank(lambda world: parallel_dims(cfg, world), device=cfg.trainer.device, say=say)
     try:
-        _, state = source.load()
+        _, state = source.load(ps)
         model = build_model(cfg.model, ps, device=ps.device)
         model.load_full_state_dict(state)
         del state

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.models import ModelConfig
+from parallel_state import ParallelState
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,11 @@ class ModelSource:
             return ModelConfig.from_dict(meta["model_config"])
         return ModelConfig.from_dict(self._index()["model_config"])
 
-    def load(self) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-        """(config, full-shape weights), read on the calling rank."""
+    def load(
+        self, state: ParallelState | None = None
+    ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+        """(config, full-shape weights), read on the calling rank (``state``: its mesh, for
+        the training checkpoint's shape check)."""
         kind = self.kind()
         if kind == "hf":
             from engine.hf_interop import read_hf_dir
@@ -71,8 +75,8 @@ class ModelSource:
             return ckpt.config, ckpt.state
         from engine.checkpoint.convert import read_model_state
 
-        cfg, state, _ = read_model_state(self.ckpt)
-        return cfg, state
+        cfg, weights, _ = read_model_state(self.ckpt, state)
+        return cfg, weights
 
     def tokenizer_path(self) -> str | None:
         """The tokenizer saved with the model's data, if one can be found."""

@@ -1,6 +1,6 @@
 """Start local worker processes the way ``torchrun`` would, for entry points run without one.
 
-``python -m engine.pretrain`` and ``python -m engine.classify`` call :func:`launch_workers`
+``python -m engine.pretrain`` and ``python -m apps.classify`` call :func:`launch_workers`
 when no launcher (torchrun, srun, mpirun) started them. One node uses a standalone c10d
 rendezvous on a free localhost port; several nodes use torchrun's static rendezvous: each
 node runs the same command with its own ``node_rank``, and node 0's ``master_addr:port``

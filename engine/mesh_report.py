@@ -12,7 +12,7 @@ from parallel_state.launcher import detect_launch
 
 
 def describe_mesh(ps: ParallelState) -> str:
-    """One line naming every TP and DP group and the ranks on each host (a collective).
+    """One line naming every TP and DP (and pipeline) group and the ranks on each host (a collective).
 
     The groups are read back from torch.distributed (the ranks each process group really
     holds), not recomputed from the grid, so the line shows what the launch produced.
@@ -24,6 +24,7 @@ def describe_mesh(ps: ParallelState) -> str:
         "host": socket.gethostname(),
         "tp": dist.get_process_group_ranks(ps.tp_group),
         "dp": dist.get_process_group_ranks(ps.dp_group),
+        "pp": dist.get_process_group_ranks(ps.pp_group) if ps.pp_size > 1 else [],
     }
     everyone: list[dict] = comm.all_gather_object(mine, comm.world(ps))
     tp_groups = sorted({tuple(r["tp"]) for r in everyone})
@@ -31,9 +32,11 @@ def describe_mesh(ps: ParallelState) -> str:
     hosts: dict[str, list[int]] = {}
     for r in everyone:
         hosts.setdefault(r["host"], []).append(r["rank"])
+    pp_groups = sorted({tuple(r["pp"]) for r in everyone if r["pp"]})
+    pp = f"  pp groups {_brief([list(g) for g in pp_groups])}" if pp_groups else ""
     line = (
         f"mesh: tp groups {_brief([list(g) for g in tp_groups])}  dp groups "
-        f"{_brief([list(g) for g in dp_groups])}  hosts {_brief_hosts(hosts)}"
+        f"{_brief([list(g) for g in dp_groups])}{pp}  hosts {_brief_hosts(hosts)}"
     )
     moved = [r["rank"] for r in everyone if r["launcher_rank"] not in (None, r["rank"])]
     if moved:

@@ -27,6 +27,7 @@ from engine.mesh_report import describe_mesh
 from engine.models import build_model
 from engine.observe import RunLogger, format_step_line, maybe_profile, window_metrics
 from engine.optim import lr_at, schedule_change
+from engine.pipeline import PipelineRunner, pipeline_runner
 from engine.resilience.guard import BadStepGuard
 from engine.resilience.preemption import EXIT_PREEMPTED, StopRequests
 from engine.resilience.watchdog import Watchdog
@@ -97,6 +98,10 @@ class Trainer:
         self.precision = resolve_precision(cfg.trainer.precision, ps.device.type)
         ps.seed(cfg.trainer.seed)
         self.model = build_model(cfg.model, ps, device=ps.device)
+        self.pipeline: PipelineRunner | None = None  # pp_size > 1: this rank's stages
+        if ps.pp_size > 1:
+            self.pipeline = pipeline_runner(self.model, cfg, ps)
+            self.model = self.pipeline.model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.dp = build_data_parallel(
             self.model,
@@ -152,7 +157,7 @@ class Trainer:
         """Tell the watchdog what this rank does now and which group it may wait on."""
         if group == "model":  # the model's collectives: TP, or the DP buckets at tp=1
             group = "tp" if self.ps.tp_size > 1 else "dp"
-        ranks = {"tp": self.ps.tp_ranks, "dp": self.ps.dp_ranks}
+        ranks = {"tp": self.ps.tp_ranks, "dp": self.ps.dp_ranks, "pp": self.ps.pp_ranks}
         members = ranks.get(group, list(range(self.ps.world_size)))
         self.watch.mark(what, self.step if step is None else step, group, members)
 
@@ -162,26 +167,25 @@ class Trainer:
         self.timer.start()
         micro_batches = self.data.train.next_step()
         self.timer.lap()
-        total = torch.zeros((), device=self.device)
-        for i, micro in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            with contextlib.nullcontext() if last else self.dp.no_sync():
-                with self._autocast():
-                    loss = self._loss(micro) / len(micro_batches)
-                (loss * self.scaler.scale if self.scaler else loss).backward()
-            total += loss.detach().float()
+        total = self._forward_backward(micro_batches)
         self.timer.lap()
         self._mark("gradient all-reduce", "dp", self.step + 1)
         grads = self.dp.finish_grads()
+        if self.pipeline is not None:
+            self._mark("tied embedding gradient sum", "pp", self.step + 1)
+            self.model.sum_tied_grads()
         self.timer.lap()
         skipped = False
         self._mark("gradient norm and optimizer step", "model", self.step + 1)
         if self.scaler is not None:
-            skipped = self.scaler.found_overflow(grads, (self.ps.tp_group, self.ps.dp_group))
+            groups = (self.ps.tp_group, self.ps.dp_group, self.ps.pp_group)
+            skipped = self.scaler.found_overflow(grads, groups)
             if not skipped:
                 self.scaler.unscale_(grads)
             self.scaler.update(skipped)
         norm = self.dp.grad_norm()
+        if self.pipeline is not None:  # every stage's share: the whole model's norm
+            norm = self.pipeline.global_norm(norm)
         lr = lr_at(self.step, self.cfg.optim, self.cfg.trainer.max_steps)
         scale = self.scaler and self.scaler.scale
         self._mark("bad-step check", "world", self.step + 1)
@@ -201,6 +205,26 @@ class Trainer:
             "dp_comm": record["dp_comm_exposed_s"],
         }
 
+    def _forward_backward(self, micro_batches: list) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches (gradients accumulated, the DP
+        reduction launched on the last); returns their mean loss, detached."""
+        if self.pipeline is not None:  # the schedule's micro-batches are the accumulation
+            stage = ", ".join(str(s) for s in self.model.stage_ids)
+            self._mark(f"pipeline schedule (stage {stage})", "pp", self.step + 1)
+            scale = self.scaler.scale if self.scaler else 1.0
+            with self.dp.no_sync(), self._autocast():
+                loss = self.pipeline.train(micro_batches, loss_scale=scale)
+            return torch.tensor(loss, dtype=torch.float32, device=self.device)
+        total = torch.zeros((), device=self.device)
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else self.dp.no_sync():
+                with self._autocast():
+                    loss = self._loss(micro) / len(micro_batches)
+                (loss * self.scaler.scale if self.scaler else loss).backward()
+            total += loss.detach().float()
+        return total
+
     def _dp_mean(self, value: float) -> float:
         self._mark("loss average", "dp")
         return comm.mean(value, self.ps.dp_group, self.device)
@@ -217,7 +241,13 @@ class Trainer:
         if self.data.valid is None or t.eval_batches < 1:
             return None
         self._mark("evaluation", "model")
-        loss = fixed_set_loss(self.model, self.data.valid, self.ps, t.eval_batches, self._autocast)
+        if self.pipeline is not None:
+            with self._autocast():
+                loss = self.pipeline.fixed_set_loss(self.data.valid, t.eval_batches)
+        else:
+            loss = fixed_set_loss(
+                self.model, self.data.valid, self.ps, t.eval_batches, self._autocast
+            )
         return {"valid/loss": loss, "valid/ppl": perplexity(loss)}
 
     def _log(self, window: list[dict[str, float]]) -> None:
@@ -248,7 +278,7 @@ class Trainer:
         self.logger.print(
             f"[bold]meshtron[/bold] {self.cfg.name}: {self.cfg.model.arch} "
             f"h={self.cfg.model.hidden_size} l={self.cfg.model.num_layers}  tp={self.ps.tp_size} "
-            f"dp={self.ps.dp_size}  precision={self.precision}  global batch {t.global_batch} = "
+            f"dp={self.ps.dp_size}{self._pp_note()}  precision={self.precision}  global batch {t.global_batch} = "
             f"{t.micro_batch} micro × {self.ps.dp_size} dp × {self.data.train.accum_steps} accum"
         )
         mesh = describe_mesh(self.ps)  # a collective: every rank takes part
@@ -269,6 +299,12 @@ class Trainer:
             if self._train_loop(stop):
                 return self._stop_now(stop)
             return self._finish()
+
+    def _pp_note(self) -> str:
+        if self.pipeline is None:
+            return ""
+        p = self.cfg.pipeline
+        return f" pp={self.ps.pp_size} ({p.schedule}, {self.pipeline.model.num_stages} stages)"
 
     def _finish(self) -> dict:
         """The final checkpoint, evaluation, model export and sample."""
@@ -403,6 +439,8 @@ class Trainer:
         was, note = loaded.layout, ""
         if (was["tp_size"], was["dp_size"]) != (self.ps.tp_size, self.ps.dp_size):
             note = f", resharded from tp={was['tp_size']} dp={was['dp_size']}"
+        if was.get("pp_size", 1) != self.ps.pp_size:
+            note += f", resharded from pp={was.get('pp_size', 1)}"
         if not loaded.rng_restored:  # other ranks, other streams: fresh ones from this step
             self.ps.seed(self.cfg.trainer.seed + loaded.step)
             note += ", RNG reseeded"
@@ -445,6 +483,9 @@ class Trainer:
     def _sample(self) -> str | None:
         t = self.cfg.trainer
         if not self.cfg.model.causal or t.sample_tokens < 1:
+            return None
+        if self.pipeline is not None:
+            self.logger.print("no sample: generation runs unpipelined (pp_size=1)")
             return None
         self._mark("sampling", "model")
         tokenizer = self.data.tokenizer

@@ -13,6 +13,8 @@ know which layer made the parameter. The roles:
   sequence parallelism); ``layers.tp_grads`` sums it over TP after backward.
 * **padded vocabulary**: dim 0 is the vocabulary, padded per TP size in memory and cut
   back to the true vocabulary in full state dicts.
+* **copy of another rank's**: a pipeline's tied word embedding on the last stage, whose
+  gradient the first stage's original already counts in the norm.
 
 A tied LM head holds no parameter of its own (it reads the word embedding's), so tying
 needs no role. Each role is an attribute on the parameter, named only in this module.
@@ -26,6 +28,7 @@ _TP_DIM = "tp_split_dim"
 _REPLICAS = "tp_replicas"
 _SP_PARTIAL_GRAD = "sequence_parallel_grad"
 _VOCAB_PADDED = "vocab_padded"
+_COPY = "copy_of_another_rank"
 
 
 def mark_tp_dim(param: torch.Tensor, dim: int | None) -> torch.Tensor:
@@ -70,10 +73,18 @@ def is_vocab_padded(param: torch.Tensor) -> bool:
     return getattr(param, _VOCAB_PADDED, False)
 
 
+def mark_copy(param: torch.Tensor) -> None:
+    """Declare ``param`` a copy of a parameter another rank holds and counts (a pipeline's
+    tied embedding on the last stage)."""
+    setattr(param, _COPY, True)
+
+
 def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
     """Whether this TP rank's copy of ``param`` counts toward the gradient norm: split
     parameters on every rank, replicated blocks on the first rank holding each, fully
-    replicated parameters on TP rank 0."""
+    replicated parameters on TP rank 0; never a copy of another rank's (``mark_copy``)."""
+    if getattr(param, _COPY, False):
+        return False
     if tp_dim(param) is None:
         return tp_rank == 0
     return tp_rank % replicas(param) == 0

@@ -60,6 +60,9 @@ class ParallelState:
     pp_size: int = 1
     pp_rank: int = 0
     pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # The first and last pipeline stage of this rank's (dp, tp) column (tied embeddings'
+    # gradient sum); None off those stages or without a pipeline.
+    embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     @property
     def groups(self) -> dict[str, dist.ProcessGroup]:
@@ -219,6 +222,12 @@ def initialize(
             if rank in ranks:
                 groups[axis] = group
     coords = dims.coords_of(rank)
+    embedding_group = None
+    if dims.pp > 1:  # after the axes' groups, in the same order on every rank
+        for ranks in dims.group_ranks("pp"):
+            group = dist.new_group([ranks[0], ranks[-1]])
+            if rank in (ranks[0], ranks[-1]):
+                embedding_group = group
 
     _current = ParallelState(
         tp_size=tp_size,
@@ -237,6 +246,7 @@ def initialize(
         pp_size=dims.pp,
         pp_rank=coords["pp"],
         pp_group=groups["pp"],
+        embedding_group=embedding_group,
     )
     return _current
 

@@ -33,6 +33,13 @@ class LayoutError(ValueError):
     """A layout that cannot run; the message is one line naming the value and the fix."""
 
 
+def check_width_split(key: str, value: int, tp_size: int) -> None:
+    """Raise unless ``value`` (a width split over TP, named ``key``) divides by ``tp_size``
+    (a model config checks its heads and MLP columns with it, no layout needed)."""
+    if value % tp_size:
+        raise LayoutError(f"{key}={value} is not divisible by tp_size={tp_size}")
+
+
 def _check_size(name: str, value: object, fix: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise LayoutError(f"{name} must be an integer >= 1, got {value!r}; {fix}")
@@ -98,6 +105,12 @@ class ParallelDims:
         for axis, size in reversed(self.sizes.items()):
             rank, coords[axis] = divmod(rank, size)
         return {axis: coords[axis] for axis in MESH_AXES}
+
+    def rank_in_stage(self, rank: int) -> int:
+        """``rank``'s index among the dp × tp ranks of its pipeline stage (``dp_rank · tp +
+        tp_rank``); with pp outermost a stage's ranks are consecutive."""
+        coords = self.coords_of(rank)
+        return coords["dp"] * self.tp + coords["tp"]
 
     def rank_grid(self) -> list[list[list[int]]]:
         """``grid[pp_rank][dp_rank][tp_rank]``: the global rank at every mesh position."""
@@ -182,8 +195,7 @@ class ParallelDims:
 
     def check_tp_divides(self, key: str, value: int) -> None:
         """Raise unless ``value`` (a width split over TP, named ``key``) divides by tp."""
-        if value % self.tp:
-            raise LayoutError(f"{key}={value} is not divisible by tp_size={self.tp}")
+        check_width_split(key, value, self.tp)
 
     def check_seq_len(self, seq_len: int, *, key: str = "data.seq_len") -> None:
         """Under sequence parallelism each TP rank holds seq_len ÷ tp positions."""

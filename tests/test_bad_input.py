@@ -404,9 +404,9 @@ def test_pretrain_device_cuda_without_a_gpu_is_one_line(inputs, monkeypatch, cap
     ), line
 
 
-# engine.classify: (id, overrides ({key} = a path of the fixture), message fragment), exit 2
+# apps.classify: (id, overrides ({key} = a path of the fixture), message fragment), exit 2
 CLASSIFY = [
-    ("unknown_key", ["trainer.bogus=1"], "unknown key 'trainer.bogus' (python -m engine.classify"),
+    ("unknown_key", ["trainer.bogus=1"], "unknown key 'trainer.bogus' (python -m apps.classify"),
     (
         "mistyped_key",
         ["trainer.epoch=3"],
@@ -445,7 +445,7 @@ def test_classify_bad_input_is_one_config_error_line(
     argv = [f"data.dir={tmp_path}", *(o.format(**inputs) for o in overrides)]
     monkeypatch.setattr(sys, "argv", ["classify.py", *argv])
     with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("engine.classify", run_name="__main__")
+        runpy.run_module("apps.classify", run_name="__main__")
     line = _one_line(capsys.readouterr().err)
     assert exit_info.value.code == 2 and line.startswith("config error: "), line
     assert fragment in line, line

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import parallel_state
-from engine.classify_loop import local_batch
+from apps.classify_loop import local_batch
 from engine.data import fashion_mnist
 from engine.data.idx import IDXError, read_idx
 from engine.models.mlp import MLPClassifier
@@ -116,7 +116,7 @@ def _classify(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "engine.classify", *args],
+        [sys.executable, "-m", "apps.classify", *args],
         cwd=cwd,
         env=env,
         capture_output=True,

@@ -121,7 +121,7 @@ def test_collective_scanner_catches_planted_calls():
 def test_collectives_only_in_the_files_the_map_names():
     """``grep -rn "dist\\." layers/ engine/`` reads as a map: no collective elsewhere."""
     outside = []
-    for path in _python_files("layers", "engine"):
+    for path in _python_files("layers", "engine", "apps"):
         rel = path.relative_to(ROOT).as_posix()
         if rel.startswith(ALLOWED):
             continue
@@ -263,14 +263,15 @@ def test_layers_kernels_is_a_leaf():
         ours = {
             m
             for m in imported_modules(path, ROOT)
-            if m.split(".")[0] in ("engine", "parallel_state", "configs", "tools")
+            if m.split(".")[0]
+            in ("engine", "parallel_state", "apps", "studies", "configs", "tools")
         }
         assert not ours, f"{path.relative_to(ROOT)} imports {sorted(ours)}"
 
 
 # The packages in their one-way order: each may import those before it, never after
 # (docs/ARCHITECTURE.md, "The map").
-PACKAGE_ORDER = ("parallel_state", "layers", "engine", "studies")
+PACKAGE_ORDER = ("parallel_state", "layers", "engine", "apps", "studies")
 # engine's entries: what starts a rank or a run. The packages inside engine/ (data,
 # models, checkpoint, ...) serve them and never import them back.
 ENGINE_ENTRIES = frozenset(
@@ -280,8 +281,6 @@ ENGINE_ENTRIES = frozenset(
         "engine.bootstrap",
         "engine.trainer",
         "engine.evaluate",
-        "engine.classify",
-        "engine.classify_loop",
     }
 )
 
@@ -338,7 +337,7 @@ def test_back_arrow_checker_catches_planted_upward_imports(tmp_path):
 
 def test_no_import_circles_in_the_runtime_and_the_studies():
     graph = tree_graph()
-    assert "engine.trainer" in graph and "studies.perfmodel.model" in graph  # it scanned
+    assert {"engine.trainer", "apps.classify_loop", "studies.perfmodel.model"} <= set(graph)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -379,13 +378,61 @@ def test_call_finder_sees_aliased_and_plain_calls():
 def test_one_place_initializes_process_groups():
     """The mesh's process groups are made in parallel_state alone, and only
     engine/bootstrap.py asks for them: every entry point goes through bootstrap_rank."""
-    dirs = ("parallel_state", "layers", "engine", "studies", "tools")
+    dirs = ("parallel_state", "layers", "engine", "apps", "studies", "tools")
     makers = _callers(frozenset({"init_process_group", "new_group"}), *dirs)
     # Two study benchmarks time raw collectives on a world of their own, outside any mesh.
     benchmarks = {"studies/perfmodel/calibrate.py", "studies/scaling/linkbench.py"}
     assert set(makers) - benchmarks == {"parallel_state/__init__.py", "parallel_state/groups.py"}
     initializers = _callers(frozenset({"initialize"}), *dirs)
     assert set(initializers) == {"engine/bootstrap.py"}, initializers
+
+
+def layout_builds(source: str) -> list[tuple[int, str]]:
+    """(line, callee) of every ``ParallelDims(...)`` or ``ParallelDims.resolve(...)`` call."""
+    return [
+        (line, callee)
+        for line, callee in _calls(source, frozenset({"ParallelDims", "resolve"}))
+        if callee.rsplit(".", 1)[0].endswith("ParallelDims") or callee.endswith("ParallelDims")
+    ]
+
+
+def test_layout_finder_catches_planted_builds():
+    planted = (
+        "dims = ParallelDims(2, 1)\n"
+        "d = parallel_state.ParallelDims.resolve(tp, dp, world)\n"
+        "root = Path(x).resolve()\n"  # not a layout
+    )
+    assert layout_builds(planted) == [
+        (1, "ParallelDims"),
+        (2, "parallel_state.ParallelDims.resolve"),
+    ]
+
+
+# Where a ParallelDims may be built, besides parallel_state/ itself (its own short form).
+LAYOUT_BUILDERS = frozenset(
+    {
+        # The one place a run's config (parallel_dims) or sizes (sized_dims: classify,
+        # generate, the studies' tools) become the layout.
+        "engine/config.py",
+        # The layout a checkpoint was saved at (not this run's), asked which ranks held what.
+        "engine/checkpoint/layout.py",
+        # The verifier compares many layouts in one process: each spec is a layout of its own.
+        "studies/verification/layouts.py",
+    }
+)
+
+
+def test_one_place_builds_the_layout():
+    """A run's ParallelDims is built once, in the entry, from engine/config.py; the runtime
+    and the applications are handed it (docs/ARCHITECTURE.md, "The map")."""
+    found = {
+        rel: hits
+        for path in _python_files("layers", "engine", "apps", "studies", "tools")
+        if (hits := layout_builds(path.read_text()))
+        and (rel := path.relative_to(ROOT).as_posix()) not in LAYOUT_BUILDERS
+    }
+    assert not found, f"build the layout through engine/config.py: {found}"
+    assert layout_builds((ROOT / "engine/config.py").read_text())  # the scan sees the place
 
 
 def rank_formulas(source: str) -> list[int]:
@@ -427,7 +474,7 @@ def test_one_place_builds_the_rank_layout():
     alone: no other file writes the rank formula or lays out a grid of ranks."""
     hits = [
         f"{path.relative_to(ROOT).as_posix()}:{line}"
-        for path in _python_files("parallel_state", "layers", "engine", "studies", "tools")
+        for path in _python_files("parallel_state", "layers", "engine", "apps", "studies", "tools")
         if path.relative_to(ROOT).as_posix() != "parallel_state/dims.py"
         for line in rank_formulas(path.read_text())
     ]
@@ -454,7 +501,7 @@ def test_the_formatter_sees_all_the_code():
     they are (the tree had 417 such markers)."""
     found = [
         f"{path.relative_to(ROOT)}:{n}"
-        for top in ("parallel_state", "layers", "engine", "studies", "tools", "tests")
+        for top in ("parallel_state", "layers", "engine", "apps", "studies", "tools", "tests")
         for path in (ROOT / top).rglob("*.py")
         for n in formatter_opt_outs(path.read_text())
     ]
@@ -473,8 +520,7 @@ def role_writes(source: str, roles: frozenset[str]) -> list[int]:
             if by_hand:
                 found.append(node.lineno)
         elif isinstance(node, ast.Attribute) and node.attr in roles:
-            if isinstance(node.ctx, ast.Store):
-                found.append(node.lineno)
+            found += [node.lineno] if isinstance(node.ctx, ast.Store) else []
     return sorted(set(found))
 
 
@@ -514,7 +560,7 @@ def test_parameter_roles_are_declared_in_one_module():
     roles = _role_names()
     hits = [
         f"{path.relative_to(ROOT).as_posix()}:{line}"
-        for path in _python_files("layers", "engine", "studies", "tools")
+        for path in _python_files("layers", "engine", "apps", "studies", "tools")
         if path.relative_to(ROOT).as_posix() not in SETATTR_ALLOWED
         for line in role_writes(path.read_text(), roles)
     ]

@@ -174,6 +174,7 @@ def test_rank_formula_and_groups_match_the_torch_grid(tp, dp, pp):
                 rank = int(grid[p, d, t])
                 assert dims.rank_of(pp=p, dp=d, tp=t) == rank == (p * dp + d) * tp + t
                 assert dims.coords_of(rank) == {"pp": p, "dp": d, "tp": t}
+                assert dims.rank_in_stage(rank) == int(grid[p].flatten().tolist().index(rank))
 
 
 def test_dims_carry_sequence_parallel_and_the_dp_sharding_mode():

@@ -54,7 +54,7 @@ def test_classify_points_get_images_per_rank(mode, expected):
     }
     assert got == expected
     argv = classify_command(points[0], cfg.spec, Path("m.json"), Path("r"))
-    # engine.classify has no step count, micro batch or model preset: none may be passed
+    # apps.classify has no step count, micro batch or model preset: none may be passed
     assert not [a for a in argv if a.startswith(("trainer.max_steps", "trainer.micro", "model="))]
 
 

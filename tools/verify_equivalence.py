@@ -1,7 +1,7 @@
 """Check that a parallel layout computes what the unsplit model computes.
 
-Compares a target layout (--tp-size, --dp-size, --sequence-parallel, --recompute) with
-tp=1, dp=1 on the same weights and the same global batch: every module's forward output,
+Compares a target layout (--tp-size, --dp-size, --pp-size with --schedule,
+--sequence-parallel, --recompute) with tp=1, dp=1, pp=1 on the same weights and the same global batch: every module's forward output,
 the loss, every parameter gradient (gathered to full shape) and, with --steps N, N AdamW
 steps' losses. Prints a table in model order, names the first module that diverges and
 exits 1 if any tensor is out of tolerance.
@@ -14,6 +14,7 @@ Starts its own tp×dp local workers (torch elastic launcher); under torchrun or 
 launcher (RANK set) each process is one rank.
 
     python tools/verify_equivalence.py --model gpt --tp-size 2 --dp-size 2 --sequence-parallel
+    python tools/verify_equivalence.py --pp-size 2 --tp-size 1 --schedule 1f1b --layers 4
     python tools/verify_equivalence.py --hf-dir ./gpt2-tiny --tp-size 2 --dtype float32
 """
 
@@ -51,6 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=("gpt", "bert", "llama"), default="gpt")
     p.add_argument("--tp-size", type=int, default=2)
     p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (gpt, llama)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default="1f1b")
+    p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank")
+    p.add_argument(
+        "--microbatches", type=int, default=None, help="per DP rank (default: pp × virtual)"
+    )
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument(
@@ -122,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch,
         steps=args.steps,
         seed=args.seed,
+        pp_size=args.pp_size,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        microbatches=args.microbatches or args.pp_size * args.virtual_stages,
     )
     try:
         if args.hf_dir:

@@ -28,6 +28,7 @@ from engine.checkpoint.storage import (
 from engine.checkpoint.tokenizer import recorded_tokenizer
 from engine.flops import params_count
 from engine.models import ModelConfig, build_model
+from parallel_state import ParallelState
 
 
 def resolve(path: str | Path) -> Path:
@@ -137,12 +138,17 @@ def _fill_and_commit(tmp, reader, index, specs, plan, out_root, tp_size, dp_size
     return commit(tmp, out_root, index["step"], keep=1 << 30)
 
 
-def read_model_state(src: str | Path) -> tuple[ModelConfig, dict, dict]:
-    """(model config, full model weights, index) of a training checkpoint (root or step)."""
+def read_model_state(
+    src: str | Path, state: ParallelState | None = None
+) -> tuple[ModelConfig, dict, dict]:
+    """(model config, full model weights, index) of a training checkpoint (root or step);
+    ``state``: the calling rank's mesh, if it has one (the shape check builds on it)."""
     reader = ShardReader(resolve(src))
-    cfg = check_shapes(reader)  # before any tensor is allocated
-    state = {n[len("model/") :]: reader.read(n) for n, s in reader.specs.items() if s.kind == MODEL}
-    return cfg, state, reader.index
+    cfg = check_shapes(reader, state)  # before any tensor is allocated
+    weights = {
+        n[len("model/") :]: reader.read(n) for n, s in reader.specs.items() if s.kind == MODEL
+    }
+    return cfg, weights, reader.index
 
 
 def export_model(src: str | Path, out_dir: str | Path) -> ModelConfig:
@@ -156,7 +162,7 @@ def export_model(src: str | Path, out_dir: str | Path) -> ModelConfig:
     return cfg
 
 
-def check_shapes(reader: ShardReader) -> ModelConfig:
+def check_shapes(reader: ShardReader, state: ParallelState | None = None) -> ModelConfig:
     """The index's model config, once its tensor shapes are known to be sane; before any
     tensor is allocated.
 
@@ -187,12 +193,14 @@ def check_shapes(reader: ShardReader) -> ModelConfig:
             f"{where}: model_config describes {params_count(cfg)} parameters, more than the "
             f"files ({on_disk} bytes) can hold; the index is edited or damaged"
         )
-    _check_model_shapes(reader, cfg, where)
+    _check_model_shapes(reader, cfg, where, state)
     return cfg
 
 
-def _check_model_shapes(reader: ShardReader, cfg: ModelConfig, where: Path) -> None:
-    model = build_model(cfg, device="meta")  # shapes only: the meta device allocates nothing
+def _check_model_shapes(
+    reader: ShardReader, cfg: ModelConfig, where: Path, state: ParallelState | None
+) -> None:
+    model = build_model(cfg, state, device="meta")  # shapes only: meta allocates nothing
     expected = {}
     for name, param in model.named_parameters():
         shape = param_spec(name, param, MODEL, model).shape

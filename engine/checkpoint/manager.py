@@ -55,6 +55,7 @@ from engine.checkpoint.tensorfile import HASHES
 from engine.data_parallel import DataParallel, checkpoint_view
 from engine.models import ModelConfig, ParallelModel
 from parallel_state import ParallelState
+from parallel_state.dims import ParallelDims
 
 Fault = Callable[[str], None]  # test hook: called at "after_shard", "before_index", ...
 
@@ -68,12 +69,26 @@ class _Mesh:
     tp_size: int = 1
     dp_size: int = 1
     device_type: str = "cpu"  # RNG states only transfer between generators of one kind
+    pp_size: int = 1
+    dims: ParallelDims | None = None  # the run's layout (None: a lone process)
 
     @classmethod
     def of(cls, ps: ParallelState | None) -> _Mesh:
         if ps is None:
             return cls()
-        return cls(ps.rank, ps.world_size, ps.tp_size, ps.dp_size, ps.device.type)
+        return cls(
+            ps.rank, ps.world_size, ps.tp_size, ps.dp_size, ps.device.type, ps.pp_size, ps.dims
+        )
+
+    @property
+    def stage_rank(self) -> int:
+        """This rank's index in the tp × dp mesh of its pipeline stage (``assign_writers``
+        plans each stage's own parameters over that mesh)."""
+        return self.dims.rank_in_stage(self.rank) if self.dims else self.rank
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        return self.tp_size, self.dp_size, self.pp_size
 
     def all_gather(self, obj: Any) -> list[Any]:
         return comm.all_gather_object(obj, comm.world() if self.world > 1 else None)
@@ -133,22 +148,31 @@ def save_checkpoint(
     err, tmp = mesh.from_rank0((err, tmp))
     _raise_if(err, "creating", tmp)
     specs, tensors, scalars = export_local(model, optimizer)  # collective under ZeRO-1
+    copies = set(model.stored_elsewhere())  # a pipeline's tied copy: its original is stored
+    specs = {n: spec for n, spec in specs.items() if _param_of(n) not in copies}
+    # Each pipeline stage plans the slices of its own parameters among its tp × dp ranks.
+    plan = assign_writers(list(specs.values()), mesh.tp_size, mesh.dp_size, padded_vocab(model))
+    mine = dict(plan.get(mesh.stage_rank, {}))
     rng = _rng_tensors(ps, mesh.rank)
     for name, value in rng.items():
         specs[name] = TensorSpec(name, tuple(value.shape), "uint8", RNG, rank=mesh.rank)
-    plan = assign_writers(list(specs.values()), mesh.tp_size, mesh.dp_size, padded_vocab(model))
-    mine = plan.get(mesh.rank, {})
+        mine[name] = [(0, n) for n in value.shape]
 
     def write_mine() -> dict:
         local = {n: rng[n] if n in rng else crop_local(tensors[n], box) for n, box in mine.items()}
         record = write_shard(tmp / f"rank{mesh.rank:05d}.safetensors", local, mine)
         record["specs"] = {n: specs[n].to_json() for n in mine}
+        record["scalars"] = scalars  # each pipeline stage has its own parameters' scalars
         fault("after_shard")
         return record
 
     records = mesh.all_gather(_guard(write_mine))
     _raise_if(next((e for _, e in records if e), None), "writing shards of", tmp, mesh)
     if mesh.rank == 0:
+        merged: dict[str, dict] = {}
+        for record, _ in records:  # rank 0's first: without a pipeline, rank 0's alone
+            for pname, values in record.pop("scalars").items():
+                merged.setdefault(pname, values)
         index = {
             "step": step,
             "model_config": model.cfg.to_dict(),
@@ -156,11 +180,12 @@ def save_checkpoint(
             "layout": {
                 "tp_size": mesh.tp_size,
                 "dp_size": mesh.dp_size,
+                "pp_size": mesh.pp_size,
                 "world_size": mesh.world,
                 "zero1": optimizer is not None and checkpoint_view(optimizer).shards_optimizer,
                 "device_type": mesh.device_type,
             },
-            "optimizer": {"scalars": scalars},
+            "optimizer": {"scalars": merged},
             "tensors": {n: s for r, _ in records for n, s in r.pop("specs").items()},
             "files": {f"rank{i:05d}.safetensors": r for i, (r, _) in enumerate(records)},
         }
@@ -176,6 +201,12 @@ def save_checkpoint(
         _, err = _guard(finish)
     _raise_if(mesh.from_rank0(err), "committing", tmp, mesh)
     return root / step_dir_name(step)
+
+
+def _param_of(stored: str) -> str:
+    """The parameter a stored tensor name belongs to (``model/P``, ``optim/P/key``)."""
+    kind, rest = stored.split("/", 1)
+    return rest.rsplit("/", 1)[0] if kind == "optim" else rest
 
 
 def _raise_if(err: str | None, doing: str, path: Path, mesh: _Mesh | None = None) -> None:
@@ -290,7 +321,8 @@ def _read_tensors(path: Path, index: dict, model, optimizer, mesh: _Mesh) -> dic
             if pname in owners:
                 states.setdefault(owners[pname], {}).update(scalars)
     layout, rng = index["layout"], None
-    same_layout = (layout["tp_size"], layout["dp_size"]) == (mesh.tp_size, mesh.dp_size)
+    saved = (layout["tp_size"], layout["dp_size"], layout.get("pp_size", 1))
+    same_layout = saved == mesh.sizes
     # A CUDA generator state cannot seed a CPU generator (nor the reverse): reseed instead.
     if same_layout and layout.get("device_type", "cpu") == mesh.device_type:
         prefix = f"rng/rank{mesh.rank:05d}/"
@@ -313,6 +345,8 @@ def _wanted(reader: ShardReader, model: ParallelModel, optimizer, path: Path) ->
     for spec in reader.specs.values() if optimizer is not None else ():
         if spec.kind == OPTIM:
             pname, key = spec.name[len("optim/") :].rsplit("/", 1)
+            if pname not in owners and pname in model.full_names:
+                continue  # another pipeline stage's parameter
             if pname not in owners:
                 raise ValueError(f"{path} has optimizer state of {pname}, not in the model")
             into = held.get(owners[pname], {}).get(key)

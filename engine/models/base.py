@@ -248,6 +248,16 @@ class ParallelModel(nn.Module):
         """The model's named output logits for ``batch`` (vocabulary blocks stay sharded)."""
         raise NotImplementedError
 
+    @property
+    def full_names(self) -> tuple[str, ...]:
+        """Every parameter name of the whole model (a pipeline stage holds some of them)."""
+        return tuple(name for name, _ in self.named_parameters())
+
+    def stored_elsewhere(self) -> tuple[str, ...]:
+        """Names of parameters this rank holds as a copy whose original another rank
+        checkpoints (a pipeline's tied embedding on the last stage)."""
+        return ()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: full-shape parameter}, gathered across TP."""
         return {name: self._full(p, p.detach()) for name, p in self.named_parameters()}

@@ -19,7 +19,7 @@ from layers.kernels.dispatch import BACKENDS as KERNELS
 from layers.recompute import RECOMPUTE_MODES
 from layers.rotary import ROPE_SCALINGS
 from layers.utils import pad_vocab_size
-from parallel_state.dims import ParallelDims
+from parallel_state.dims import check_width_split
 
 ARCHS = ("gpt", "bert", "llama")
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
@@ -152,9 +152,9 @@ class ModelConfig:
                 f"gives wrong gradients on this torch ({torch.__version__}); use torch >= "
                 f"{SELECTIVE_UNDER_COMPILE_FROM}, or model.recompute=full or none"
             )
-        dims = ParallelDims(tp=tp_size, dp=1)  # whole heads and MLP columns per TP rank
-        dims.check_tp_divides("model.num_heads", self.num_heads)
-        dims.check_tp_divides("model.ffn_hidden_size", self.ffn_size)
+        # Whole heads and MLP columns per TP rank.
+        check_width_split("model.num_heads", self.num_heads, tp_size)
+        check_width_split("model.ffn_hidden_size", self.ffn_size, tp_size)
         self._validate_heads(tp_size)
         if self.arch == "bert" and self.num_token_types < 1:
             raise ValueError(f"model.num_token_types={self.num_token_types} must be >= 1 for BERT")

@@ -20,11 +20,12 @@ import torch
 
 import parallel_state
 from engine.bootstrap import bootstrap_rank
+from engine.config import sized_dims
 from engine.models import build_model, preset, preset_names
 from engine.tool_args import ArgumentParser, positive_int
 from layers.compile import COMPILE_BACKENDS
 from layers.recompute import RECOMPUTE_MODES
-from parallel_state import ParallelDims
+from parallel_state import ParallelState
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def count(args: argparse.Namespace) -> dict:
+def count(args: argparse.Namespace, ps: ParallelState) -> dict:
     """{"graphs": n, "graph_breaks": n, "reasons": {first line of reason: count}}."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
@@ -72,7 +73,6 @@ def count(args: argparse.Namespace) -> dict:
         compile=True,
         compile_backend=args.backend,
     )
-    ps = parallel_state.get()
     ps.seed(0)
     model = build_model(cfg, ps, device=ps.device)
     batch = torch.randint(
@@ -97,9 +97,9 @@ def count(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ps = bootstrap_rank(lambda world: ParallelDims.resolve(args.tp, None, world), split_cores=False)
+    ps = bootstrap_rank(lambda world: sized_dims(args.tp, None, world), split_cores=False)
     try:
-        result = count(args)
+        result = count(args, ps)
     finally:
         parallel_state.destroy()
     if ps.rank != 0:

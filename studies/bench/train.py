@@ -40,11 +40,10 @@ from rich.console import Console
 import parallel_state
 from engine import flops
 from engine.bootstrap import bootstrap_rank
-from engine.config import OptimConfig
+from engine.config import OptimConfig, sized_dims
 from engine.data_parallel import DataParallel, build_data_parallel
 from engine.models import ModelConfig, build_model, preset
 from engine.tool_args import ArgumentParser, non_negative_int, positive_int
-from parallel_state import ParallelDims
 from studies.bench.reference_gpt import (
     RefGPT,
     autocast_context,
@@ -349,9 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    ps = bootstrap_rank(
-        lambda world: ParallelDims.resolve(args.tp, args.dp, world), split_cores=False
-    )
+    ps = bootstrap_rank(lambda world: sized_dims(args.tp, args.dp, world), split_cores=False)
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
     try:
         precision = args.precision

@@ -75,15 +75,15 @@ def pretrain_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
 
 
 def classify_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) -> list[str]:
-    """``engine.classify`` (Fashion-MNIST) until its target accuracy or ``trainer.epochs``.
+    """``apps.classify`` (Fashion-MNIST) until its target accuracy or ``trainer.epochs``.
 
     Its ``trainer.batch_size`` is images per DP rank per step: the point's global batch split
     over dp (in weak mode that global batch is already ``--global-batch`` × dp). It has no
     step count: ``spec.steps`` is unused, and ``spec.warmup`` only drops the first step
     records from the step-time figures; time to accuracy comes from the run's summary.
     """
-    if importlib.util.find_spec("engine.classify") is None:
-        raise RuntimeError("engine.classify is not in this checkout: --workload classify needs it")
+    if importlib.util.find_spec("apps.classify") is None:
+        raise RuntimeError("apps.classify is not in this checkout: --workload classify needs it")
     if point.global_batch % point.dp_size:
         raise ValueError(
             f"global batch {point.global_batch} is not divisible by dp={point.dp_size}: "
@@ -94,7 +94,7 @@ def classify_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
             f"--model {spec.model}: the classify workload has one model; set its "
             "width with the override model.hidden_size=N"
         )
-    argv = ["-m", "engine.classify"]
+    argv = ["-m", "apps.classify"]
     argv += [
         f"tp_size={point.tp_size}",
         f"dp_size={point.dp_size}",

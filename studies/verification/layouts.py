@@ -30,12 +30,14 @@ from engine import comm
 from engine.data_parallel import GradSync
 from engine.models import ModelConfig, ParallelModel, build_model
 from engine.models.base import ParallelLMHead
+from engine.pipeline import SCHEDULES, layer_split
 from layers import ColumnParallelLinear
 from layers.attention import CoreAttention
 from layers.gqa import ReplicatedKVLinear
 from layers.mappings import gather_along
 from parallel_state import groups
 from parallel_state.dims import ParallelDims
+from studies.verification.pipeline_layouts import pipeline_steps
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Relative tolerances (max error / max |reference|). float64 proves the math: layouts differ
@@ -67,6 +69,10 @@ class VerifySpec:
     steps: int = 1
     lr: float = 1e-3
     seed: int = 1234
+    pp_size: int = 1  # pipeline stages (>1: the decoders through a pipelining schedule)
+    schedule: str = "1f1b"  # "gpipe", "1f1b" or "interleaved_1f1b" (pp_size > 1)
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
+    microbatches: int = 1  # micro-batches each DP rank's slice is cut into (pp_size > 1)
 
     @property
     def tolerance(self) -> float:
@@ -76,18 +82,45 @@ class VerifySpec:
     def check(self, model_config: ModelConfig | None = None) -> None:
         """Raise ValueError naming the numbers if this layout cannot split the batch/model
         (``model_config``, by default :meth:`model_config`)."""
-        for key in ("tp_size", "dp_size", "steps", "batch_size", "seq_len"):
+        keys = ("tp_size", "dp_size", "pp_size", "virtual_stages", "microbatches", "steps")
+        for key in (*keys, "batch_size", "seq_len"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         dims = self.dims
-        dims.check_batch(self.batch_size)  # one micro-batch per DP rank
+        dims.check_batch(self.batch_size)  # one slice per DP rank
+        if self.batch_size % (self.dp_size * self.microbatches):
+            raise ValueError(
+                f"batch_size={self.batch_size} is not divisible by dp_size × microbatches = "
+                f"{self.dp_size} × {self.microbatches}"
+            )
         dims.check_seq_len(self.seq_len, key="seq_len")
         (model_config or self.model_config()).validate(dims.tp)
+        if self.pp_size > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """The stage split and torch's micro-batch rules for the schedule."""
+        if self.model not in ("gpt", "llama"):
+            raise ValueError(f"pp_size={self.pp_size} is built for gpt and llama, not {self.model}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        interleaved = self.schedule == "interleaved_1f1b"
+        if (self.virtual_stages >= 2) != interleaved:
+            rule = ">= 2 for interleaved_1f1b" if interleaved else f"1 for {self.schedule}"
+            raise ValueError(f"virtual_stages={self.virtual_stages} must be {rule}")
+        layer_split(self.num_layers, self.pp_size * self.virtual_stages)
+        m = self.microbatches
+        if self.schedule != "gpipe" and m < self.pp_size:
+            raise ValueError(f"{self.schedule} needs microbatches={m} >= pp_size={self.pp_size}")
+        if interleaved and m % self.pp_size:
+            raise ValueError(f"interleaved_1f1b needs microbatches={m} divisible by pp_size")
 
     @property
     def dims(self) -> ParallelDims:
         """The target layout as a validated value."""
-        return ParallelDims(self.tp_size, self.dp_size, sequence_parallel=self.sequence_parallel)
+        return ParallelDims(
+            self.tp_size, self.dp_size, self.pp_size, sequence_parallel=self.sequence_parallel
+        )
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
         """The target's config, or with ``reference=True`` the plain unsplit one. A llama
@@ -253,18 +286,22 @@ def solo_group(ps: parallel_state.ParallelState) -> dist.ProcessGroup:
 
 
 def compare_layouts(
-    spec: VerifySpec, *, mutate_target: Callable[[ParallelModel], None] | None = None
+    spec: VerifySpec,
+    *,
+    mutate_target: Callable[[ParallelModel], None] | None = None,
+    mutate_runner: Callable[[Any], None] | None = None,
 ) -> Report | None:
     """Run ``spec`` on the initialized mesh; the Report on global rank 0, None elsewhere.
 
-    ``mutate_target(model)`` may alter the target after it is built (planting faults).
+    ``mutate_target(model)`` may alter the target after it is built, ``mutate_runner`` the
+    pipeline runner (pp_size > 1) after it is built (planting faults).
     """
     ps = parallel_state.get()
     spec.check()
-    if (ps.tp_size, ps.dp_size) != (spec.dims.tp, spec.dims.dp):
+    if (ps.tp_size, ps.dp_size, ps.pp_size) != (spec.tp_size, spec.dp_size, spec.pp_size):
         raise ValueError(
-            f"the mesh is tp={ps.tp_size}, dp={ps.dp_size} but the spec asks for "
-            f"tp={spec.tp_size}, dp={spec.dp_size}"
+            f"the mesh is tp={ps.tp_size}, dp={ps.dp_size}, pp={ps.pp_size} but the spec asks "
+            f"for tp={spec.tp_size}, dp={spec.dp_size}, pp={spec.pp_size}"
         )
     dtype, solo = DTYPES[spec.dtype], solo_group(ps)
     ps.seed(spec.seed)
@@ -275,7 +312,10 @@ def compare_layouts(
     if ps.rank == 0:
         ps.seed(spec.seed)  # the same draws again: the same full weights
         reference = build_model(spec.model_config(reference=True), tp_group=solo, dtype=dtype)
-    rows = _train_and_compare(spec, target, reference, make_batch(spec), ps)
+    if spec.pp_size > 1:
+        rows = _pipeline_rows(spec, target, reference, make_batch(spec), ps, mutate_runner)
+    else:
+        rows = _train_and_compare(spec, target, reference, make_batch(spec), ps)
     return Report(spec, spec.tolerance, rows) if ps.rank == 0 else None
 
 
@@ -312,6 +352,26 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
     return rows
 
 
+def _pipeline_rows(spec, target, reference, batch, ps, mutate_runner) -> list[Row]:
+    """The loss of every step and every gradient of the first, the target pipelined."""
+    tol, rows = spec.tolerance, []
+    optimizer = reference and torch.optim.AdamW(reference.parameters(), lr=spec.lr)
+    steps = pipeline_steps(spec, target, dp_slice(batch, ps), ps, mutate_runner)
+    for step, (loss, grads) in enumerate(steps):
+        if reference is None:
+            continue
+        ref_loss = reference.loss(batch)
+        ref_loss.backward()
+        got = torch.tensor(loss, dtype=torch.float64)
+        rows.append(compare("loss", f"loss (step {step})", got, ref_loss, tol))
+        if grads is not None:  # reverse registration order: the first failure nearest the bug
+            want = reference.full_grad_dict()
+            rows += [compare("grad", n, grads[n], want[n], tol) for n in reversed(grads)]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return rows
+
+
 def _output_rows(captures: list[OutputCapture], ps, tol: float) -> list[Row]:
     got = captures[0].gathered(ps.tp_group, ps.dp_group)  # collective: every rank takes part
     if len(captures) == 1:
@@ -334,7 +394,7 @@ T = TypeVar("T")
 
 
 def run_on_mesh(fn: Callable[..., T], spec: VerifySpec, *args: Any) -> T:
-    """Rank entry: build the (tp, dp) mesh from the launcher's environment, run
+    """Rank entry: build the (pp, dp, tp) mesh from the launcher's environment, run
     ``fn(spec, *args)``, tear down."""
     from engine.bootstrap import bootstrap_rank
 

@@ -1,4 +1,4 @@
-"""One rank of ``python -m engine.classify``: train the MLP until the test accuracy target.
+"""One rank of ``python -m apps.classify``: train the MLP until the test accuracy target.
 
 Every optimizer step takes a global batch of ``batch_size × dp_size`` images from this
 epoch's permutation and gives DP rank r the r-th contiguous block of ``batch_size``, so a
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import comm
-from engine.config import ClassifyConfig
+from engine.config import ClassifyConfig, sized_dims
 from engine.data import fashion_mnist
 from engine.data_parallel import GradSync
 from engine.models.mlp import MLPClassifier
@@ -254,7 +254,7 @@ def run_worker(cfg: ClassifyConfig) -> dict:
 
     try:
         ps = bootstrap_rank(
-            lambda world: parallel_state.ParallelDims.resolve(cfg.tp_size, cfg.dp_size, world),
+            lambda world: sized_dims(cfg.tp_size, cfg.dp_size, world),
             rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
             run_dir=None,  # the classifier keeps no run log
             timeout_key="launch.rendezvous_timeout_s",

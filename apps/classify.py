@@ -1,10 +1,10 @@
-"""``python -m engine.classify``: a Fashion-MNIST MLP, data (and tensor) parallel, trained
+"""``python -m apps.classify``: a Fashion-MNIST MLP, data (and tensor) parallel, trained
 until its test accuracy reaches a target.
 
 The tutorials' flags are aliases of Hydra keys (``--help`` lists them)::
 
-    python -m engine.classify --num-gpus 4 --target-accuracy 0.85 --batch-size 64
-    MASTER_ADDR=node0 MASTER_PORT=29400 python -m engine.classify --num-nodes 2 --node-id 1 --num-gpus 4
+    python -m apps.classify --num-gpus 4 --target-accuracy 0.85 --batch-size 64
+    MASTER_ADDR=node0 MASTER_PORT=29400 python -m apps.classify --num-nodes 2 --node-id 1 --num-gpus 4
 
 Without a launcher it starts ``num_gpus`` local ranks itself (torchrun-style, several nodes
 through a static rendezvous at MASTER_ADDR:MASTER_PORT); under torchrun, srun or mpirun
@@ -22,8 +22,8 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from engine.config import ClassifyConfig, register_classify_configs
-from parallel_state.dims import LayoutError, ParallelDims
+from engine.config import ClassifyConfig, register_classify_configs, sized_dims
+from parallel_state.dims import LayoutError
 from parallel_state.launcher import DEFAULT_MASTER_PORT, detect_launch
 
 register_classify_configs()
@@ -76,7 +76,7 @@ def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
         if value < 1
     ]
     try:
-        asked = ParallelDims.resolve(tp, cfg.dp_size)  # dp_size=auto: 1 until the world is known
+        asked = sized_dims(tp, cfg.dp_size)  # dp_size=auto: 1 until the world is known
     except LayoutError as err:
         bad.insert(0, str(err))
     if bad:
@@ -87,7 +87,7 @@ def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
         per_node = launch.ranks_per_node or max(1, asked.world // launch.num_nodes)
         world = per_node * launch.num_nodes
     try:
-        dims = ParallelDims.resolve(tp, cfg.dp_size, world)
+        dims = sized_dims(tp, cfg.dp_size, world)
     except LayoutError as err:
         _fail([f"{err}; the run has {launch.num_nodes} nodes × {per_node} ranks per node"])
     return world, dims.dp, per_node
@@ -95,7 +95,7 @@ def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
 
 def validate(cfg: ClassifyConfig, dp_size: int) -> list[str]:
     """Every problem of ``cfg`` at this layout, one line each."""
-    from engine.classify_loop import DTYPES, steps_per_epoch
+    from apps.classify_loop import DTYPES, steps_per_epoch
 
     t, launch, problems = cfg.trainer, cfg.launch, []
     checks = [
@@ -166,7 +166,7 @@ def _validate_values(cfg: ClassifyConfig, reported: list[str]) -> list[str]:
 
 def launch(cfg: ClassifyConfig, per_node: int) -> dict:
     """Run here under a launcher (or alone), else start this node's ranks; a rank's summary."""
-    from engine.classify_loop import run_worker
+    from apps.classify_loop import run_worker
 
     info = detect_launch()
     if info.launcher != "none" or per_node * cfg.launch.num_nodes == 1:
@@ -237,9 +237,7 @@ def cli() -> None:
     if "--help" in argv or "-h" in argv:
         main()  # Hydra's help, with the tutorial flags' template
         return
-    run_checked(
-        main, argv, _fail, schema=ClassifyConfig, prog="engine.classify", default_run_dir="."
-    )
+    run_checked(main, argv, _fail, schema=ClassifyConfig, prog="apps.classify", default_run_dir=".")
 
 
 if __name__ == "__main__":

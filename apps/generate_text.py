@@ -1,0 +1,199 @@
+"""Sample text from a trained meshtron GPT, an exported model or a Hugging Face GPT-2.
+
+    python -m apps.generate_text --ckpt checkpoints/gpt_tiny_stdlib --prompt "def "
+    python tools/generate.py --ckpt checkpoints/gpt_tiny_stdlib --prompt "def " --prompt "class "
+    python tools/generate.py --ckpt checkpoints/gpt_tiny_stdlib/final --tp-size 2 --greedy
+    python tools/generate.py --hf-dir ./gpt2 --tokenizer ./gpt2/tokenizer.json --prompt "Hello"
+
+Loads the weights at any --tp-size: it starts that many local ranks itself (under torchrun
+each process is one rank). Prompts run as one left-padded batch with a KV cache; each
+continuation is printed after its prompt, and the speed goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from engine.checkpoint.storage import CheckpointError
+from engine.config import sized_dims
+from engine.generate import Sampling
+from engine.inference import ModelSource
+
+DTYPES = ("float32", "float64", "bfloat16")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", help="training checkpoint root (or step dir) or model export dir")
+    src.add_argument("--hf-dir", help="local Hugging Face GPT-2 directory")
+    p.add_argument("--tokenizer", help="tokenizer.json (default: the one saved with the data)")
+    p.add_argument("--prompt", action="append", required=True, help="repeatable: one per sample")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks to start")
+    p.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40, help="0: no top-k filter")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
+    p.add_argument("--stop", action="append", default=[], help="repeatable: end a sample at it")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-kv-cache", action="store_true", help="re-encode the context each token")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    return p.parse_args(argv)
+
+
+def check(args: argparse.Namespace) -> str:
+    """Everything that can be wrong before a rank starts; returns the tokenizer path."""
+    source = ModelSource(args.ckpt, args.hf_dir)
+    cfg = source.config()
+    if not cfg.causal:
+        raise ValueError(
+            f"{args.ckpt or args.hf_dir} holds a {cfg.arch} model; only decoders (gpt, llama) generate"
+        )
+    if args.tp_size < 1:
+        raise ValueError(f"--tp-size {args.tp_size} must be >= 1")
+    cfg.validate(args.tp_size)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
+    sampling(args).check()
+    tokenizer = args.tokenizer or source.tokenizer_path()
+    if tokenizer is None or not os.path.isfile(tokenizer):
+        raise FileNotFoundError(
+            f"no tokenizer for {args.ckpt or args.hf_dir}: pass --tokenizer PATH (the "
+            "PREFIX.tokenizer.json saved with the training data, or a tokenizer.json)"
+        )
+    if any(not p for p in args.prompt):
+        raise ValueError("--prompt must not be empty")
+    if args.hf_dir:
+        from engine.hf_interop import hf_weight_files
+
+        hf_weight_files(args.hf_dir)  # raises naming the directory when it holds no weights
+    _check_positions(args, tokenizer, cfg.max_positions)
+    return tokenizer
+
+
+def _check_positions(args: argparse.Namespace, tokenizer_path: str, positions: int) -> None:
+    """Refuse a generation the model cannot finish: the longest prompt plus the new tokens
+    must fit its learned positions (past them it has no embedding to give)."""
+    from tokenizers import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_file(tokenizer_path)
+        longest = max(len(tokenizer.encode(p).ids) for p in args.prompt)
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        first = (str(err).splitlines() or [type(err).__name__])[0][:120]
+        raise ValueError(
+            f"--tokenizer {tokenizer_path} is not a readable tokenizer.json ({first}); pass "
+            "the tokenizer.json the model was trained with"
+        ) from None
+    if longest + args.max_new_tokens > positions:
+        room = positions - longest
+        fix = f"pass --max-new-tokens {room} or less" if room > 0 else "shorten the prompt"
+        raise ValueError(
+            f"--max-new-tokens {args.max_new_tokens} after a prompt of {longest} tokens needs "
+            f"{longest + args.max_new_tokens} positions, the model has {positions}: {fix}"
+        )
+
+
+def sampling(args: argparse.Namespace) -> Sampling:
+    """The sampling options as one value."""
+    return Sampling(
+        greedy=args.greedy,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+
+
+def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
+    """One rank: build the model on this TP shard, generate; rank 0 returns the texts."""
+    import torch
+    from tokenizers import Tokenizer
+
+    import parallel_state
+    from engine.bootstrap import bootstrap_rank
+    from engine.generate import generate_batch
+    from engine.inference import inference_config
+    from engine.models import build_model
+
+    def say(ps, line: str) -> None:
+        if ps.rank == 0:  # stdout holds the samples alone
+            print(line, file=sys.stderr)
+
+    ps = bootstrap_rank(
+        lambda world: sized_dims(args.tp_size, None, world),
+        warn=int(os.environ.get("RANK", "0")) == 0,
+        say=say,
+    )
+    try:
+        cfg, state = ModelSource(args.ckpt, args.hf_dir).load(ps)
+        model = build_model(
+            inference_config(cfg),
+            ps,
+            dtype=getattr(torch, args.dtype),
+            device=ps.device,
+        )
+        model.load_full_state_dict(state)
+        tokenizer = Tokenizer.from_file(tokenizer_path)
+        prompts = [tokenizer.encode(p).ids for p in args.prompt]
+        stop = None
+        if args.stop:
+            stop = lambda row, new: any(s in tokenizer.decode(new) for s in args.stop)  # noqa: E731
+        start = time.perf_counter()
+        new = generate_batch(
+            model,
+            prompts,
+            args.max_new_tokens,
+            sampling(args),
+            use_cache=not args.no_kv_cache,
+            stop=stop,
+        )
+        seconds = time.perf_counter() - start
+        texts = [_cut(tokenizer.decode(ids), args.stop) for ids in new]
+        tokens = sum(map(len, new))
+        return {"texts": texts, "tokens": tokens, "seconds": seconds} if ps.rank == 0 else None
+    finally:
+        parallel_state.destroy()
+
+
+def _cut(text: str, stops: list[str]) -> str:
+    """``text`` up to the first stop string (which is dropped)."""
+    ends = [text.find(s) for s in stops if s in text]
+    return text[: min(ends)] if ends else text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check, start the ranks, print the samples; 2 on a bad argument."""
+    args = parse_args(argv)
+    try:
+        tokenizer = check(args)
+    except (OSError, ValueError, CheckpointError) as err:
+        print(f"generate: {err}", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ or args.tp_size == 1:
+        result = worker(args, tokenizer)
+    else:
+        from engine.launching import launch_workers
+
+        result = launch_workers(worker, args, tokenizer, nproc_per_node=args.tp_size)[0]
+    if result is None:  # not rank 0
+        return 0
+    for i, (prompt, text) in enumerate(zip(args.prompt, result["texts"], strict=True)):
+        print(f"--- sample {i + 1} ---")
+        print(prompt + text)
+    rate = result["tokens"] / result["seconds"]
+    print(
+        f"{result['tokens']} new tokens in {result['seconds']:.2f} s ({rate:.1f} tokens/s, "
+        f"tp={args.tp_size}, KV cache {'off' if args.no_kv_cache else 'on'})",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Running micro-batches through this rank's stages with a ``torch.distributed.pipelining``
+schedule: GPipe, 1F1B or interleaved 1F1B (the point-to-point traffic between stages is
+torch's, over the pipeline group).
+
+The schedule's micro-batches are the step's gradient accumulation: each micro-batch's
+loss is divided by their count before its backward (``scale_grads=False``: torch would
+rescale ``.grad`` afterwards, which ZeRO-1 has already moved into its buckets), exactly
+as the unpipelined loop does, so the gradients are the mean over micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from engine import comm
+from engine.data.pipeline import to_device
+from engine.models import ParallelModel
+from engine.pipeline.stages import PipelineModel
+from parallel_state import ParallelState
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+
+
+def ids_and_labels(micro_batches: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batches (token windows ``[b, s+1]`` or ``{"input_ids", "labels"}``) stacked
+    in order into one ``[m·b, s]`` batch of inputs and one of labels."""
+    ids, labels = [], []
+    for micro in micro_batches:
+        micro = to_device(micro, device)
+        if isinstance(micro, torch.Tensor):  # position i predicts i+1
+            micro = {"input_ids": micro[:, :-1], "labels": micro[:, 1:]}
+        ids.append(micro["input_ids"])
+        labels.append(micro["labels"])
+    return torch.cat(ids), torch.cat(labels)
+
+
+def pipeline_runner(model: ParallelModel, cfg, ps: ParallelState) -> PipelineRunner:
+    """The runner of a training config (``cfg.pipeline``) for the built ``model``: its
+    micro-batches per step are the gradient accumulation steps."""
+    t, p = cfg.trainer, cfg.pipeline
+    stages = PipelineModel(
+        model,
+        pp_rank=ps.pp_rank,
+        pp_size=ps.pp_size,
+        pp_group=ps.pp_group,
+        virtual=p.virtual_stages,
+        layers_per_stage=list(p.layers_per_stage) or None,
+        embedding_group=ps.embedding_group,
+    )
+    microbatches = t.global_batch // (t.micro_batch * ps.dp_size)
+    return PipelineRunner(stages, schedule=p.schedule, microbatches=microbatches, ps=ps)
+
+
+class PipelineRunner:
+    """This rank's stages of ``model`` under the schedule ``schedule`` with ``microbatches``
+    micro-batches per step; evaluation runs a forward-only GPipe schedule."""
+
+    def __init__(
+        self, model: PipelineModel, *, schedule: str, microbatches: int, ps: ParallelState
+    ) -> None:
+        self.model, self.ps, self.name = model, ps, schedule
+        self.microbatches = microbatches
+        self._factor = 1.0  # what each micro-batch's loss is multiplied by before backward
+        self._train = self._build(schedule, microbatches)
+        self._eval: dict[int, object] = {}  # forward-only schedules by micro-batch count
+
+    def _build(self, name: str, microbatches: int):
+        stages = [
+            PipelineStage(
+                chunk, index, self.model.num_stages, self.ps.device, group=self.ps.pp_group
+            )
+            for index, chunk in zip(self.model.stage_ids, self.model.chunks, strict=True)
+        ]
+        loss_fn: Callable = self._loss
+        if name == "interleaved_1f1b":
+            return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+        return SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model.micro_loss(logits, labels) * self._factor
+
+    def train(self, micro_batches: list, loss_scale: float = 1.0) -> float:
+        """Forward and backward of the step's micro-batches; the mean micro-batch loss, on
+        every stage (the last stage's, broadcast over the pipeline group)."""
+        self._factor = loss_scale / len(micro_batches)
+        total = self._run(self._train, micro_batches, forward_only=False)
+        return total / loss_scale
+
+    def eval_loss_sum(self, micro_batches: list) -> float:
+        """The sum of the micro-batches' losses (no backward), on every stage."""
+        self._factor = 1.0
+        count = len(micro_batches)
+        if count not in self._eval:
+            self._eval[count] = self._build("gpipe", count)
+        return self._run(self._eval[count], micro_batches, forward_only=True)
+
+    @torch.no_grad()
+    def fixed_set_loss(self, valid, batches: int) -> float:
+        """``engine.trainer.fixed_set_loss`` through the stages: the mean loss over
+        micro-batches ``0 .. batches - 1`` of ``valid`` (j on DP rank j mod dp_size)."""
+        micro = []
+        for j in range(self.ps.dp_rank, batches, self.ps.dp_size):
+            valid.consumed_samples = j * valid.global_batch
+            micro += valid.next_step()  # one micro-batch
+        self.model.eval()
+        total = self.eval_loss_sum(micro) if micro else 0.0
+        self.model.train()
+        return comm.mean(total, self.ps.dp_group, self.ps.device) * self.ps.dp_size / batches
+
+    def _run(self, schedule, micro_batches: list, *, forward_only: bool) -> float:
+        ids, labels = ids_and_labels(micro_batches, self.ps.device)
+        args = (ids,) if self.model.is_first else ()
+        losses: list[torch.Tensor] = []
+        if forward_only:
+            schedule.eval(*args, target=labels, losses=losses)
+        else:
+            schedule.step(*args, target=labels, losses=losses, return_outputs=False)
+        total = torch.stack(losses).detach().double().sum().item() if losses else 0.0
+        return comm.broadcast_object(total, self.ps.pp_group, src=self.ps.pp_size - 1)
+
+    def global_norm(self, stage_norm: torch.Tensor) -> torch.Tensor:
+        """The gradient norm over every stage from this stage's (TP- and DP-aware) one."""
+        squared = stage_norm.double() ** 2
+        device = comm.collective_device(self.ps.pp_group, self.ps.device)
+        total = comm.sum_(squared.to(device), self.ps.pp_group)
+        return total.sqrt().to(stage_norm.device)

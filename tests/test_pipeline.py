@@ -1,0 +1,150 @@
+"""Pipeline parallelism: the stage split, and the pipelined model against the unsplit one.
+
+float64 proves the math: the stages run the same operations as the unsplit model, only the
+sums over micro-batches, the DP average and the tied embedding's two copies are grouped
+differently (~1e-16 per op; observed below 2e-15), so 1e-10 (the verifier's float64
+tolerance) leaves room while a real bug (a micro-batch paired with another's labels, a
+gradient lost between stages) shows as O(1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import parallel_state
+from engine.pipeline import layer_split
+from parallel_state.dims import ParallelDims
+from studies.verification.layouts import VerifySpec, compare_layouts
+from tests.multiproc import run_ranks
+
+
+def test_layer_split_even_and_explicit():
+    assert layer_split(8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert layer_split(5, 2, [2, 3]) == [range(0, 2), range(2, 5)]
+    with pytest.raises(ValueError, match="not divisible by the 3 pipeline stages"):
+        layer_split(4, 3)
+    with pytest.raises(ValueError, match="must have 2 entries"):
+        layer_split(4, 2, [1, 1, 2])
+
+
+def _compare(specs: list[VerifySpec]) -> list[tuple]:
+    out = []
+    for spec in specs:
+        dims = ParallelDims(spec.tp_size, spec.dp_size, spec.pp_size)
+        parallel_state.initialize(dims)
+        report = compare_layouts(spec)
+        parallel_state.destroy()
+        if report is not None:
+            failure = report.first_failure
+            worst = max(r.max_rel for r in report.rows)
+            out.append((spec, len(report.rows), worst, failure and (failure.kind, failure.name)))
+    return out
+
+
+def _pp(schedule="1f1b", **kw) -> VerifySpec:
+    base = dict(pp_size=2, num_layers=4, batch_size=4, microbatches=4, schedule=schedule)
+    return VerifySpec(**(base | kw))
+
+
+def _check(results):
+    for spec, rows, worst, failure in results:
+        print(
+            f"{spec.model} pp={spec.pp_size} tp={spec.tp_size} dp={spec.dp_size} "
+            f"{spec.schedule} v={spec.virtual_stages}: {rows} rows, max rel {worst:.2e}"
+        )
+        assert failure is None, (spec, failure)
+        assert rows > 10  # the loss and every parameter's gradient were compared
+
+
+def test_pp2_schedules_match_unsplit_gpt():
+    specs = [_pp("gpipe"), _pp("1f1b"), _pp("interleaved_1f1b", virtual_stages=2)]
+    _check(run_ranks(_compare, 2, specs, timeout=300)[0])
+
+
+@pytest.mark.slow
+def test_pp2_with_tp_dp_sp_and_llama_match_unsplit():
+    specs = [
+        _pp("1f1b", tp_size=2),
+        _pp("1f1b", dp_size=2, batch_size=8),
+        _pp("interleaved_1f1b", model="llama", tp_size=2, virtual_stages=2),
+    ]
+    _check(run_ranks(_compare, 4, specs, timeout=600)[0])
+
+
+def _delay_labels(runner) -> None:
+    """Planted: the last stage scores each micro-batch against the previous one's labels."""
+    inner, previous = runner.model.micro_loss, []
+
+    def shifted(logits, labels):
+        previous.append(labels)
+        return inner(logits, previous[-2] if len(previous) > 1 else labels)
+
+    runner.model.micro_loss = shifted
+
+
+def _drop_input_grad(runner) -> None:
+    """Planted: stage 1 sends a zero gradient back to stage 0."""
+    for chunk, stage in zip(runner.model.chunks, runner.model.stage_ids, strict=True):
+        if stage > 0:
+            chunk.register_forward_pre_hook(
+                lambda _, args: args[0].register_hook(torch.zeros_like) and None
+            )
+
+
+def _planted(names: list[str]) -> list[tuple]:
+    found = []
+    for name in names:
+        bug = {"order": _delay_labels, "dropped": _drop_input_grad}[name]
+        parallel_state.initialize(ParallelDims(1, 1, 2))
+        report = compare_layouts(_pp(), mutate_runner=bug)
+        parallel_state.destroy()
+        found.append(report and (report.first_failure.kind, report.first_failure.name))
+    return found
+
+
+@pytest.mark.slow
+def test_planted_handoff_bugs_are_caught():
+    """A wrong micro-batch order shows first in the loss; a gradient dropped between the
+    stages in the last parameter of stage 0 (layers.1, in backward order)."""
+    order, dropped = run_ranks(_planted, 2, ["order", "dropped"], timeout=300)[0]
+    assert order == ("loss", "loss (step 0)"), order
+    assert dropped[0] == "grad" and dropped[1].startswith("layers.1."), dropped
+
+
+@pytest.mark.parametrize(
+    "changes, line",
+    [
+        ({"model.num_layers": 3}, "model.num_layers=3 is not divisible by the 2 pipeline stages"),
+        ({"pipeline.layers_per_stage": [1, 2]}, "pipeline.layers_per_stage=[1, 2] must have 2"),
+        ({"trainer.global_batch": 4}, "needs at least pp_size=2 micro-batches per step, got"),
+        ({"pipeline.schedule": "zb"}, "pipeline.schedule='zb' is not one of gpipe, 1f1b"),
+        ({"pipeline.schedule": "interleaved_1f1b"}, "virtual_stages=1 must be >= 2 for inter"),
+        ({"pipeline.virtual_stages": 2}, "pipeline.virtual_stages=2 must be 1 for 1f1b"),
+        ({"model.arch": "bert"}, "pp_size=2 is built for model.arch gpt and llama, not 'bert'"),
+        ({"optim.distributed": True}, "with tied embeddings under ZeRO-1 is not built yet"),
+    ],
+)
+def test_pipeline_config_errors_are_one_line(changes, line):
+    from engine.config import Config, parallel_dims, validate
+
+    cfg = Config(tp_size=1, dp_size=1, pp_size=2)
+    cfg.model.num_layers, cfg.trainer.global_batch, cfg.trainer.micro_batch = 4, 8, 4
+    for key, value in changes.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    problems = validate(cfg, parallel_dims(cfg, None))
+    assert any(line in p for p in problems), problems
+    assert all("\n" not in p for p in problems)
+
+
+def test_valid_pipeline_configs_pass():
+    from engine.config import Config, parallel_dims, validate
+
+    cfg = Config(tp_size=1, dp_size=1, pp_size=2)
+    cfg.model.num_layers = 4
+    cfg.pipeline.schedule, cfg.pipeline.virtual_stages = "interleaved_1f1b", 2
+    assert validate(cfg, parallel_dims(cfg, None)) == []  # 16 ÷ 4 = 4 micro-batches
+    cfg.pipeline.schedule, cfg.pipeline.virtual_stages = "gpipe", 1
+    cfg.pipeline.layers_per_stage = [3, 1]
+    assert validate(cfg, parallel_dims(cfg, None)) == []
