@@ -91,10 +91,14 @@ def test_state_bytes_per_dp_shard_mode_by_hand(d):
 
 
 def test_the_planners_dp_shard_modes_are_parallel_states():
-    """The planner (torch-free) names the modes itself; they must be parallel_state's."""
+    """The planner (torch-free) names the DP sharding modes and pipeline schedules itself;
+    they must be the runtime's (parallel_state's modes, the config's schedules)."""
+    from engine.config import PIPELINE_SCHEDULES
     from parallel_state.dims import DP_SHARD_MODES
+    from studies.perfmodel.pipeline import SCHEDULES
 
     assert memory.DP_SHARD == DP_SHARD_MODES
+    assert SCHEDULES == PIPELINE_SCHEDULES
 
 
 def test_layer_activation_table_by_hand():
