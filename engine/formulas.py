@@ -202,20 +202,20 @@ def llama_params_count(
 
 
 def llama_layer_activation_bytes(
-    s: int, b: int, h: int, a: int, kv: int, f: int, t: int, *, sp: bool, recompute: str
+    s: int, b: int, h: int, f: int, t: int, *, sp: bool, recompute: str
 ) -> float:
-    """16-bit bytes one Llama layer keeps for backward (fused attention, no dropout).
+    """16-bit bytes one Llama layer keeps for backward (fused attention, no dropout), as the
+    runtime's torch path keeps them (measured in tests/test_perfmodel.py).
 
-    In s·b·h units: the two RMSNorm inputs (4), the QKV input (2), Q (2), K and V (4·kv/a:
-    grouped-query attention's smaller projections), the output projection's input (2), the
-    MLP input (2) and the f-wide gate, silu(gate), up and product tensors (8·f/h). Heads
-    and f are split over TP (a rank holds kv/t KV heads, at least one); the norm, QKV and
-    MLP inputs (8) are whole on every TP rank unless sequence parallelism splits them.
-    Full recompute keeps the layer input.
+    In s·b·h units, whole on every TP rank unless sequence parallelism splits them (16):
+    each RMSNorm's fp32 input (4 + 4) and 16-bit output (2 + 2), and the 16-bit inputs the
+    column-parallel QKV and gate/up projections save (2 + 2). Split over TP (8 + 8f/h): Q,
+    K and V (K and V expanded to the query heads for the attention kernel, so grouped-query
+    attention saves no activation memory here), the attention output (2), the f-wide gate
+    and up (4f/h), their SwiGLU product and the down projection's input (2f/h each). Full
+    recompute keeps the layer input.
     """
     if recompute == "full":
         return 2 * s * b * h / (t if sp else 1)
-    split = (4 + 8 * f / h) / t
-    kv_part = 4 * kv / a / min(t, kv)
-    whole = 8.0 / (t if sp else 1)
-    return s * b * h * (whole + split + kv_part)
+    whole = 16.0 / (t if sp else 1)
+    return s * b * h * (whole + (8 + 8 * f / h) / t)

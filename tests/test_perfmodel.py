@@ -91,10 +91,14 @@ def test_state_bytes_per_dp_shard_mode_by_hand(d):
 
 
 def test_the_planners_dp_shard_modes_are_parallel_states():
-    """The planner (torch-free) names the modes itself; they must be parallel_state's."""
+    """The planner (torch-free) names the DP sharding modes and pipeline schedules itself;
+    they must be the runtime's (parallel_state's modes, the config's schedules)."""
+    from engine.config import PIPELINE_SCHEDULES
     from parallel_state.dims import DP_SHARD_MODES
+    from studies.perfmodel.pipeline import SCHEDULES
 
     assert memory.DP_SHARD == DP_SHARD_MODES
+    assert SCHEDULES == PIPELINE_SCHEDULES
 
 
 def test_layer_activation_table_by_hand():
@@ -152,6 +156,46 @@ def test_activation_memory_against_measured_bytes():
         predicted = layer_activation_bytes(s, b, h, a, t, **kw)
         gap = (predicted - measured[key]) / (s * b * h)
         assert abs(gap) < 0.1, f"{key}: predicted {predicted} measured {measured[key]}"
+
+
+def _measured_llama_rows():
+    import parallel_state
+    from engine.models import preset
+    from engine.models.activation_memory import measure_layer_bytes
+
+    parallel_state.initialize(2, 1).seed(0)
+    shape = dict(hidden_size=256, num_heads=8, num_kv_heads=2, num_layers=1)
+    base = replace(preset("llama_tiny"), ffn_hidden_size=704, **shape)
+    cases = {
+        "tp": base,
+        "tp+sp": replace(base, sequence_parallel=True),
+        "full": replace(base, sequence_parallel=True, recompute="full"),
+        "f 1024": replace(base, ffn_hidden_size=1024),
+    }
+    return {k: measure_layer_bytes(c, seq_len=128, batch_size=2) for k, c in cases.items()}
+
+
+@pytest.mark.slow
+def test_llama_activation_memory_against_measured_bytes():
+    """The Llama layer's bytes (engine.formulas.llama_layer_activation_bytes) vs what autograd
+    keeps (bf16, t = 2, 2 gloo ranks, GQA with 2 KV heads, f not 4h). Tolerance 0.2·s·b·h:
+    the formula leaves out the RMSNorm's fp32 1/rms per token and the attention's
+    log-sum-exp (0.03 + 0.125/t units here)."""
+    from engine.formulas import llama_layer_activation_bytes
+    from tests.multiproc import run_ranks
+
+    measured = run_ranks(_measured_llama_rows, 2)[0]
+    s, b, h, t = 128, 2, 256, 2
+    opts = {
+        "tp": (704, dict(sp=False, recompute="none")),
+        "tp+sp": (704, dict(sp=True, recompute="none")),
+        "full": (704, dict(sp=True, recompute="full")),
+        "f 1024": (1024, dict(sp=False, recompute="none")),
+    }
+    for key, (f, kw) in opts.items():
+        predicted = llama_layer_activation_bytes(s, b, h, f, t, **kw)
+        gap = (predicted - measured[key]) / (s * b * h)
+        assert abs(gap) < 0.2, f"{key}: predicted {predicted} measured {measured[key]}"
 
 
 def test_predict_flops_and_throughput_identities():
@@ -606,6 +650,40 @@ def test_plan_errors_are_one_line():
         "h100_node",
     )
     assert out.returncode == 2 and "exceeds cluster h100_node's 1 node(s)" in out.stderr
+
+
+def test_plan_prices_pipeline_and_sharding_flags_without_torch():
+    """--pp/--schedule/--virtual-stages/--dp-shard reach the layout; --zero1 is
+    --dp-shard optimizer; a contradiction or an undividable pipeline is one line, exit 2."""
+    common = ("--model", "llama_70b", "--seq", "4096", "--global-batch", "256", "--gpus", "32")
+    out = _plan(
+        "predict",
+        *common,
+        "--pp",
+        "4",
+        "--tp",
+        "4",
+        "--dp-shard",
+        "full",
+        "--schedule",
+        "interleaved_1f1b",
+        "--virtual-stages",
+        "4",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    b = json.loads(out.stdout)["breakdown"]
+    assert b["pp_bubble_s"] > 0 and b["pp_p2p_s"] > 0
+    # full: master + moments 12/d and gradients 4/d per parameter, a ratio of 3 (exact
+    # up to the JSON's float printing)
+    assert b["memory_gib"]["optimizer"] == pytest.approx(3 * b["memory_gib"]["gradients"])
+    zero1 = _plan("predict", *common, "--tp", "8", "--zero1", "--json")
+    spelled = _plan("predict", *common, "--tp", "8", "--dp-shard", "optimizer", "--json")
+    assert zero1.returncode == 0 and zero1.stdout == spelled.stdout
+    both = _plan("predict", *common, "--tp", "8", "--zero1", "--dp-shard", "full")
+    assert both.returncode == 2 and both.stderr.count("\n") == 1 and "--zero1" in both.stderr
+    odd = _plan("predict", *common, "--tp", "8", "--pp", "3", "--dp", "1")
+    assert odd.returncode == 2 and "layers=80 is not divisible by 3" in odd.stderr
 
 
 def test_published_megatron_rows_within_15_percent():

@@ -1,7 +1,11 @@
-"""Plan a tensor × data parallel GPT run: predict one layout or search them all.
+"""Plan a pipeline × data × tensor parallel run of a GPT or Llama-family model: predict one
+layout or search them all.
 
     python tools/plan.py predict --model gpt_1.3b --global-batch 512 --gpus 16 --tp 2 --cluster dgx_h100
     python tools/plan.py search --model gpt_1.3b --global-batch 512 --gpus 16 --cluster dgx_h100
+    python tools/plan.py search --model gpt_13b --global-batch 512 --gpus 8 --dp-shard full
+    python tools/plan.py predict --model llama_70b --seq 4096 --global-batch 256 --gpus 32 \\
+        --pp 4 --tp 4 --dp-shard full --schedule interleaved_1f1b --virtual-stages 4 --sequence-parallel
     python tools/plan.py predict --hidden 4096 --layers 32 --heads 32 --vocab 50257 --seq 2048 \\
         --global-batch 1024 --gpus 128 --tp 4 --recompute selective --sequence-parallel --zero1 --json
 

@@ -426,7 +426,7 @@ def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
         sp=lay.sequence_parallel,
         recompute=lay.recompute,
         fused_attention=lay.fused_attention,
-        llama=(w.kv, w.ffn_size) if w.llama else None,
+        llama_ffn=w.ffn_size if w.llama else None,
         in_flight=pipe.in_flight_micro_batches(
             lay.pp, micro_steps, lay.schedule, lay.virtual_stages
         ),
@@ -547,6 +547,10 @@ def pipeline_problems(w: Workload, lay: Layout) -> list[str]:
     m = w.global_batch // (lay.dp * lay.micro_batch)
     if lay.schedule != "gpipe" and m < lay.pp:
         problems.append(f"{m} micro-batches < pp={lay.pp} stages ({lay.schedule})")
+    if (lay.virtual_stages >= 2) != (lay.schedule == "interleaved_1f1b"):
+        problems.append(
+            f"virtual_stages={lay.virtual_stages} must be >= 2 for interleaved_1f1b, 1 otherwise"
+        )
     if lay.schedule == "interleaved_1f1b" and (lay.virtual_stages < 2 or m % lay.pp):
         problems.append(
             f"interleaved_1f1b needs virtual_stages >= 2 and micro-batches ({m}) divisible "
