@@ -200,7 +200,7 @@ BREAKDOWN = ("data_s", "compute_s", "tp_comm_s", "dp_comm_exposed_s", "optimizer
 def breakdown_metrics(window: list[dict[str, Any]]) -> dict[str, float]:
     """Mean seconds per step of each part of a logging window (TensorBoard ``time/*``)."""
     out = {}
-    for key in (*BREAKDOWN, "dp_comm_total_s"):
+    for key in (*BREAKDOWN, "dp_comm_total_s", "pp_wait_s", "pp_bubble_ratio"):
         values = [m[key] for m in window if m.get(key) is not None]
         if values:
             out[f"time/{key}"] = sum(values) / len(values)
@@ -218,4 +218,9 @@ def format_breakdown(metrics: dict[str, float]) -> str:
     dp_total = metrics.get("time/dp_comm_total_s")
     if dp_total is not None:
         shares.append(f"(dp total {1e3 * dp_total:.1f} ms)")
+    bubble = metrics.get("time/pp_bubble_ratio")
+    if bubble is not None:  # pipelined: compute includes waiting on the other stages
+        shares.append(
+            f"(pp wait {1e3 * metrics['time/pp_wait_s']:.1f} ms = {bubble:.2f} × stage compute)"
+        )
     return "  time: " + " ".join(shares)

@@ -195,7 +195,8 @@ class Trainer:
             self.dp.step(lr=lr, max_norm=self.cfg.optim.clip_grad, norm=norm)
         self.dp.zero_grad()
         self.timer.lap()
-        record = self.timer.finish(step=self.step + 1, loss=total.item())
+        stages = self.pipeline.timings() if self.pipeline and self.timer.enabled else {}
+        record = self.timer.finish(step=self.step + 1, loss=total.item(), **stages)
         return {
             **record,
             "grad_norm": norm.item(),

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import parallel_state
-from engine.pipeline import layer_split
+from engine.models import build_model
+from engine.pipeline import PipelineModel, PipelineRunner, layer_split
 from parallel_state.dims import ParallelDims
-from studies.verification.layouts import VerifySpec, compare_layouts
+from studies.verification.layouts import VerifySpec, compare_layouts, make_batch
 from tests.multiproc import run_ranks
 
 
@@ -148,3 +149,29 @@ def test_valid_pipeline_configs_pass():
     cfg.pipeline.schedule, cfg.pipeline.virtual_stages = "gpipe", 1
     cfg.pipeline.layers_per_stage = [3, 1]
     assert validate(cfg, parallel_dims(cfg, None)) == []
+
+
+def _timed_step() -> dict:
+    ps = parallel_state.initialize(ParallelDims(1, 1, 2))
+    spec = _pp()
+    ps.seed(spec.seed)
+    model = build_model(spec.model_config(), ps, dtype=torch.float64)
+    stages = PipelineModel(model, pp_rank=ps.pp_rank, pp_size=2, pp_group=ps.pp_group)
+    runner = PipelineRunner(stages, schedule="1f1b", microbatches=4, ps=ps, timed=True)
+    batch = make_batch(spec)
+    micro = [
+        {"input_ids": i, "labels": j}
+        for i, j in zip(batch["input_ids"].chunk(4), batch["labels"].chunk(4), strict=True)
+    ]
+    runner.train(micro)
+    out = runner.timings() | {"wall_s": runner.wall_s}
+    parallel_state.destroy()
+    return out
+
+
+def test_step_timing_splits_the_step_into_compute_and_wait():
+    """Behaviour, not speed: both parts are measured and add up to the step's wall time."""
+    for t in run_ranks(_timed_step, 2, timeout=300):
+        assert t["pp_compute_s"] > 0 and t["pp_wait_s"] >= 0, t
+        torch.testing.assert_close(t["pp_compute_s"] + t["pp_wait_s"], t["wall_s"])
+        assert t["pp_bubble_ratio"] == t["pp_wait_s"] / t["pp_compute_s"]

@@ -10,6 +10,7 @@ as the unpipelined loop does, so the gradients are the mean over micro-batches.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -60,7 +61,9 @@ def pipeline_runner(model: ParallelModel, cfg, ps: ParallelState) -> PipelineRun
         embedding_group=ps.embedding_group,
     )
     microbatches = t.global_batch // (t.micro_batch * ps.dp_size)
-    return PipelineRunner(stages, schedule=p.schedule, microbatches=microbatches, ps=ps)
+    return PipelineRunner(
+        stages, schedule=p.schedule, microbatches=microbatches, ps=ps, timed=t.step_timing
+    )
 
 
 class PipelineRunner:
@@ -68,25 +71,63 @@ class PipelineRunner:
     micro-batches per step; evaluation runs a forward-only GPipe schedule."""
 
     def __init__(
-        self, model: PipelineModel, *, schedule: str, microbatches: int, ps: ParallelState
+        self,
+        model: PipelineModel,
+        *,
+        schedule: str,
+        microbatches: int,
+        ps: ParallelState,
+        timed: bool = False,
     ) -> None:
         self.model, self.ps, self.name = model, ps, schedule
         self.microbatches = microbatches
         self._factor = 1.0  # what each micro-batch's loss is multiplied by before backward
-        self._train = self._build(schedule, microbatches)
+        self._train = self._build(schedule, microbatches, timed=timed)
         self._eval: dict[int, object] = {}  # forward-only schedules by micro-batch count
+        self.compute_s = self.wall_s = 0.0  # the last training step's (timed=True)
 
-    def _build(self, name: str, microbatches: int):
+    def _build(self, name: str, microbatches: int, *, timed: bool = False):
         stages = [
             PipelineStage(
                 chunk, index, self.model.num_stages, self.ps.device, group=self.ps.pp_group
             )
             for index, chunk in zip(self.model.stage_ids, self.model.chunks, strict=True)
         ]
-        loss_fn: Callable = self._loss
+        for stage in stages if timed else ():
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk)
+            stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
+        loss_fn: Callable = self._timed(self._loss) if timed else self._loss
         if name == "interleaved_1f1b":
             return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
         return SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def _now(self) -> float:
+        if self.ps.device.type == "cuda":  # kernels run asynchronously: wait for them
+            torch.cuda.synchronize(self.ps.device)
+        return time.perf_counter()
+
+    def _timed(self, method: Callable) -> Callable:
+        """``method`` (a stage's forward, backward or loss of one micro-batch) adding its
+        time to ``compute_s``: what the step spends outside these waits on other stages."""
+
+        def run(*args, **kwargs):
+            start = self._now()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.compute_s += self._now() - start
+
+        return run
+
+    def timings(self) -> dict[str, float]:
+        """The last step's stage compute, the time waiting on the other stages (the bubble
+        and the hand-offs), and the wait over compute, to compare with (p − 1)/m."""
+        wait = max(0.0, self.wall_s - self.compute_s)
+        return {
+            "pp_compute_s": self.compute_s,
+            "pp_wait_s": wait,
+            "pp_bubble_ratio": wait / self.compute_s if self.compute_s > 0 else 0.0,
+        }
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.model.micro_loss(logits, labels) * self._factor
@@ -95,7 +136,9 @@ class PipelineRunner:
         """Forward and backward of the step's micro-batches; the mean micro-batch loss, on
         every stage (the last stage's, broadcast over the pipeline group)."""
         self._factor = loss_scale / len(micro_batches)
+        self.compute_s, start = 0.0, self._now()
         total = self._run(self._train, micro_batches, forward_only=False)
+        self.wall_s = self._now() - start
         return total / loss_scale
 
     def eval_loss_sum(self, micro_batches: list) -> float:
