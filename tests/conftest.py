@@ -48,8 +48,15 @@ class RepositoryGuard:
     def __init__(self, root: Path) -> None:
         self.root, self.before, self.ran_in_root = root, _run_outputs(root), False
 
-    def command_started(self, cwd: str | os.PathLike | None) -> None:
-        """A subprocess started in ``cwd`` (None: this process's working directory)."""
+    # Programs a test runs to look at the machine (network namespaces, processes, the
+    # repository's own history): they write no run outputs wherever they start.
+    QUERIES = frozenset({"ip", "ps", "git", "tc", "ss"})
+
+    def command_started(self, cwd: str | os.PathLike | None, args: object = None) -> None:
+        """A subprocess ``args`` started in ``cwd`` (None: this process's working directory)."""
+        argv = [args] if isinstance(args, (str, os.PathLike)) else list(args or [])
+        if argv and not isinstance(args, str) and Path(str(argv[0])).name in self.QUERIES:
+            return
         here = Path(cwd if cwd is not None else os.getcwd()).resolve() == self.root
         self.ran_in_root = self.ran_in_root or here
 
@@ -67,7 +74,7 @@ def _no_writes_into_the_repository(monkeypatch):
     popen_init = subprocess.Popen.__init__
 
     def tracking_init(self, args, *rest, **kwargs):
-        guard.command_started(kwargs.get("cwd"))
+        guard.command_started(kwargs.get("cwd"), args)
         popen_init(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", tracking_init)

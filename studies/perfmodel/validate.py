@@ -109,7 +109,7 @@ def run_pretrain(
             env["OMP_NUM_THREADS"] = str(lay.threads)
         out = subprocess.run(
             [sys.executable, "-m", "engine.pretrain", *args],
-            cwd=ROOT,
+            cwd=tmp,  # whatever the run writes beside it stays in the temporary folder
             env=env,
             capture_output=True,
             text=True,
