@@ -73,7 +73,7 @@ def _train(cfg: Config) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["gpt_tiny", "bert_tiny"])
+@pytest.mark.parametrize("model", ["gpt_tiny", "bert_tiny", "llama_tiny"])
 def test_tiny_model_trains_at_tp2_dp2(corpus, tmp_path, model):
     observe = ["trainer.tensorboard=true", "trainer.profile_steps=[2,3]"]
     cfg = tiny_run(corpus, tmp_path, f"model={model}", "tp_size=2", "dp_size=2", *observe)

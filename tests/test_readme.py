@@ -52,6 +52,7 @@ COVERED = {
     "mpirun --allow-run-as-root --oversubscribe -np 4 python -m engine.pretrain tp_size=2 dp_size=2": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
     "python -m engine.pretrain -m tp_size=1,2,4 dp_size=1": "manual: a sweep of three full runs (minutes); its overrides are composed here",
     "python -m engine.pretrain experiment=bert_tiny_stdlib": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
+    "python -m engine.pretrain experiment=llama_tiny_tp2": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
     "python -m engine.pretrain pp_size=4 tp_size=1 dp_size=1 model.num_layers=4": "tests/test_checkpoint.py::test_reshard_across_pipeline_stages",
     "python tools/preprocess_data.py --input 'corpus/*.txt' --output-prefix data/mycorpus "
     "--vocab-size 32000 --workers 8": "tests/test_data.py::test_cli_success_and_errors",
