@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from engine.models.base import ParallelLMHead, ParallelModel
 from engine.models.config import ModelConfig
@@ -72,15 +73,7 @@ class GPTModel(ParallelModel):
         logits = self.lm_head(self.final_norm(hidden), self.embedding.word.weight)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)  # [b, s, V/tp]
-        # The logits are consumed here (a fused kernel may overwrite them with their grad).
-        loss = self.kernels.cross_entropy(
-            logits,
-            labels.t(),
-            vocab_size=self.cfg.vocab_size,
-            tp_group=self.tp_group,
-            comm_timer=comm_timer_of(self),
-        )
-        return loss.t()  # [b, s]
+        return vocab_parallel_losses(self, logits, labels)
 
     def _rotary_tables(self, input_ids, positions, cache, dtype):
         """(cos, sin) ``[b, 1, s, d]`` for rotary models (positions default to past … past+s−1)."""
@@ -107,3 +100,20 @@ class GPTModel(ParallelModel):
         """Empty KV caches (one per layer, this rank's heads) for ``batch`` sequences of up to
         ``capacity`` positions."""
         return [layer.attention.new_cache(batch, capacity) for layer in self.layers]
+
+
+def vocab_parallel_losses(
+    module: nn.Module, logits: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Per-token losses ``[b, s]`` of ``logits`` ``[s, b, V/tp]`` against ``labels``
+    ``[b, s]``, with ``module``'s kernels, vocabulary and TP group (the whole model, or a
+    pipeline's last stage). The logits are consumed: a fused kernel may overwrite them
+    with their gradient."""
+    loss = module.kernels.cross_entropy(
+        logits,
+        labels.t(),
+        vocab_size=module.cfg.vocab_size,
+        tp_group=module.tp_group,
+        comm_timer=comm_timer_of(module),
+    )
+    return loss.t()

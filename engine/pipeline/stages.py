@@ -21,11 +21,10 @@ from torch import nn
 
 from engine import comm
 from engine.models.base import ParallelModel
-from engine.models.gpt import GPTModel
+from engine.models.gpt import GPTModel, vocab_parallel_losses
 from engine.pipeline.split import layer_split
 from layers.param_roles import mark_copy
 from layers.rotary import rotary_tables
-from layers.utils import comm_timer_of
 from parallel_state.groups import group_size
 
 
@@ -131,14 +130,7 @@ class PipelineModel(ParallelModel):
 
     def micro_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean loss of one micro-batch: logits ``[s, b, V/tp]``, labels ``[b, s]``."""
-        loss = self.kernels.cross_entropy(
-            logits,
-            labels.t(),
-            vocab_size=self.cfg.vocab_size,
-            tp_group=self.tp_group,
-            comm_timer=comm_timer_of(self),
-        )
-        return loss.t().mean()
+        return vocab_parallel_losses(self, logits, labels).mean()
 
     @torch.no_grad()
     def sum_tied_grads(self) -> None:
