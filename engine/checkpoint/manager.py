@@ -6,9 +6,11 @@ RNG streams into one safetensors file of a shared temp directory; rank 0 writes 
 (``storage.commit``). Failures on any rank are agreed on, so no rank waits forever.
 
 Loading: candidates are ``latest`` and then older committed steps (without ``latest``,
-every step directory, newest first). Each rank reads what
-its own layout needs, verifying every file it opens; if any rank found damage the ranks
-agree to fall back to the next candidate, and rank 0 says so.
+every step directory, newest first). Each rank reads what its own layout needs, the
+parameters straight into place, verifying every file it opens; if any rank found damage
+the ranks agree to fall back to the next candidate (which overwrites every parameter
+again), and rank 0 says so. A load that finds nothing usable raises, and the parameters
+it had begun to overwrite are then undefined.
 """
 
 from __future__ import annotations
