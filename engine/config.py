@@ -175,16 +175,30 @@ def sized_dims(
     return ParallelDims.resolve(tp_size, dp_size, world_size)
 
 
+def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:
+    """What FSDP2 (``parallel.dp_shard`` gradients or full) does not run with, one line each."""
+    mode, problems = f"parallel.dp_shard={dims.dp_shard}", []
+    if dims.pp > 1:
+        problems.append(
+            f"{mode} with pp_size={dims.pp} is not built: set pp_size=1 or dp_shard=none"
+        )
+    if cfg.trainer.precision == "fp16":
+        problems.append(f"{mode} trains in bf16 or fp32, not fp16: set trainer.precision=bf16")
+    if cfg.model.compile:
+        problems.append(f"{mode} runs the model eagerly: set model.compile=false")
+    if cfg.optim.impl == "apex":
+        problems.append(f"{mode} runs torch's AdamW on the shards: set optim.impl=auto")
+    return problems
+
+
 def validate(cfg: Config, dims: ParallelDims) -> list[str]:
     """Every problem of ``cfg`` at the layout ``dims``, one line each (empty when it can run)."""
     problems: list[str] = []
     tp, t = dims.tp, cfg.trainer
     if dims.pp > 1:
         problems += _validate_pipeline(cfg, dims)
-    if dims.dp_shard in ("gradients", "full"):  # until the FSDP2 strategy lands (its issue)
-        problems.append(
-            f"parallel.dp_shard={dims.dp_shard} is not built yet; use none or optimizer"
-        )
+    if dims.dp_shard in ("gradients", "full"):
+        problems += _validate_fsdp(cfg, dims)
     try:
         cfg.model.validate(tp)
     except ValueError as err:

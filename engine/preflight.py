@@ -59,7 +59,9 @@ def estimate_rank_bytes(
     logits = 4 * s * b * m.padded_vocab_size(t) / t
     activations = per_layer * m.num_layers * (2 if fp32_activations else 1) + logits
     precision = "bf16" if bf16 else "fp32"
-    dp_shard = "optimizer" if cfg.optim.distributed else "none"
+    dp_shard = cfg.parallel.dp_shard
+    if dp_shard == "none" and cfg.optim.distributed:  # the older spelling of optimizer
+        dp_shard = "optimizer"
     weights, grads, optimizer = state_bytes_per_param(precision, dp_shard, dp_size)
     return MemoryEstimate(weights * params, grads * params, optimizer * params, activations)
 

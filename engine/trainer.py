@@ -54,14 +54,19 @@ def fixed_set_loss(
 ) -> float:
     """Mean loss over micro-batches ``0 .. batches - 1`` of ``valid`` (a one-micro-batch-per-
     step iterator): micro-batch j runs on DP rank j mod dp_size and the mean is over
-    micro-batches, so the result does not depend on dp_size. Every rank gets it."""
+    micro-batches, so the result does not depend on dp_size. Every rank gets it.
+
+    Every DP rank runs the same number of forward passes, ⌈batches / dp_size⌉: a rank past
+    the last micro-batch runs one again and drops its loss, because under FSDP each forward
+    gathers parameters over the DP group and all its ranks must take part."""
     model.eval()
     total = 0.0
-    for j in range(ps.dp_rank, batches, ps.dp_size):
-        valid.consumed_samples = j * valid.global_batch
+    for j in range(ps.dp_rank, -(-batches // ps.dp_size) * ps.dp_size, ps.dp_size):
+        valid.consumed_samples = (j % batches) * valid.global_batch
         for micro in valid.next_step():  # one micro-batch
             with autocast():
-                total += model.loss(to_device(micro, ps.device)).float().item()
+                loss = model.loss(to_device(micro, ps.device)).float().item()
+            total += loss if j < batches else 0.0
     model.train()
     return comm.mean(total, ps.dp_group, ps.device) * ps.dp_size / batches
 
@@ -102,7 +107,6 @@ class Trainer:
         if ps.pp_size > 1:
             self.pipeline = pipeline_runner(self.model, cfg, ps)
             self.model = self.pipeline.model
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.dp = build_data_parallel(
             self.model,
             cfg.optim,
@@ -112,7 +116,9 @@ class Trainer:
             bucket_size_mb=cfg.trainer.grad_bucket_mb,
             overlap=cfg.trainer.overlap_grad_reduce,
             low_precision=torch.bfloat16 if self.precision == "bf16" else None,
+            dp_shard=ps.dims.dp_shard,
         )
+        self.params = self.dp.params  # FSDP registers sharded parameters of its own
         self.scaler = (
             DynamicLossScaler(cfg.trainer.loss_scale_init) if self.precision == "fp16" else None
         )

@@ -77,3 +77,38 @@ def shard(full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Te
         return full.detach().clone()
     block = divide(full.shape[dim], size, f"dim {dim} of a tensor of shape {tuple(full.shape)}")
     return full.detach().narrow(dim, rank * block, block).clone()
+
+
+# A parameter sharded over DP by FSDP2 is a DTensor whose logical shape is the TP-local
+# one; the helpers below let layout-aware code (checkpoints, full state dicts) read and
+# write the TP-local value without asking which DP mode made the parameter.
+
+
+def dp_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a parameter, gradient or state sharded by FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this rank stores: its DP shard for a DTensor, else ``t`` itself."""
+    return t.to_local() if dp_sharded(t) else t
+
+
+def tp_local(t: torch.Tensor) -> torch.Tensor:
+    """This TP rank's whole tensor: a DTensor gathered over its DP group (collective: every
+    DP rank calls it), else ``t`` detached."""
+    return t.detach().full_tensor() if dp_sharded(t) else t.detach()
+
+
+@torch.no_grad()
+def assign_tp_local_(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set ``param`` to the TP-local ``value`` (a DTensor keeps only its DP shard of it)."""
+    if dp_sharded(param):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(
+            value.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None
+        )
+    param.copy_(value)

@@ -29,6 +29,7 @@ from rich.table import Table
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from parallel_state.dims import DP_SHARD_MODES  # noqa: E402
 from studies.verification.hf_parity import HF_TOLERANCES, check_hf_layout, compare_with_hf  # noqa: E402
 from studies.verification.layouts import (  # noqa: E402
     TOLERANCES,
@@ -59,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--microbatches", type=int, default=None, help="per DP rank (default: pp × virtual)"
     )
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument(
+        "--dp-shard",
+        choices=DP_SHARD_MODES,
+        default="none",
+        help="the DP mode the target trains under: none (all-reduce), optimizer (ZeRO-1), "
+        "gradients (ZeRO-2) or full (ZeRO-3), the last two through FSDP2",
+    )
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument(
         "--dtype",
@@ -119,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         tp_size=args.tp_size,
         dp_size=args.dp_size,
         sequence_parallel=args.sequence_parallel,
+        dp_shard=args.dp_shard,
         recompute=args.recompute,
         dtype=args.dtype,
         num_layers=args.layers,

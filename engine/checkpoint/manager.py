@@ -56,6 +56,7 @@ from engine.checkpoint.storage import (
 from engine.checkpoint.tensorfile import HASHES
 from engine.data_parallel import DataParallel, checkpoint_view
 from engine.models import ModelConfig, ParallelModel
+from layers.utils import assign_tp_local_, dp_sharded
 from parallel_state import ParallelState
 from parallel_state.dims import ParallelDims
 
@@ -343,7 +344,7 @@ def _wanted(reader: ShardReader, model: ParallelModel, optimizer, path: Path) ->
         spec = reader.specs.get(model_name(name))
         if spec is None or spec.kind != MODEL:
             raise ValueError(f"{path} has no parameter {name}: not this model's checkpoint")
-        wanted.append((spec, p, p.detach()))
+        wanted.append((spec, p, None if dp_sharded(p) else p.detach()))
     for spec in reader.specs.values() if optimizer is not None else ():
         if spec.kind == OPTIM:
             pname, key = spec.name[len("optim/") :].rsplit("/", 1)
@@ -360,8 +361,8 @@ def _wanted(reader: ShardReader, model: ParallelModel, optimizer, path: Path) ->
 @torch.no_grad()
 def _apply(payload: dict, model: nn.Module, optimizer, ps: ParallelState | None) -> None:
     for p, value in payload["params"].items():
-        if value.data_ptr() != p.data_ptr():  # not read into place
-            p.copy_(value)
+        if dp_sharded(p) or value.data_ptr() != p.data_ptr():  # not read into place
+            assign_tp_local_(p, value)
     if optimizer is not None:
         load_optimizer(optimizer, payload["states"])
     rng = payload["rng"]

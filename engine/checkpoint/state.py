@@ -20,7 +20,7 @@ from engine.data_parallel import checkpoint_view
 from engine.models import ParallelModel
 from layers.mappings import gather_along
 from layers.param_roles import is_vocab_padded, replicas, tp_dim
-from layers.utils import group_rank, group_size
+from layers.utils import group_rank, group_size, tp_local
 
 
 def model_name(param_name: str) -> str:
@@ -75,7 +75,7 @@ def export_local(model: ParallelModel, optimizer) -> tuple[dict, dict, dict]:
     states = param_states(optimizer) if optimizer is not None else {}
     for name, p in model.named_parameters():
         key = model_name(name)
-        specs[key], tensors[key] = param_spec(key, p, MODEL, model), p.detach()
+        specs[key], tensors[key] = param_spec(key, p, MODEL, model), tp_local(p)
         for skey, value in sorted(states.get(p, {}).items()):
             if torch.is_tensor(value) and value.shape == p.shape:
                 oname = optim_name(name, skey)

@@ -5,20 +5,17 @@
 - ``zero``: ZeRO-1, bucketed reduce-scatter / all-gather with sharded master weights
   (``buckets``: its flat parameter and gradient buffers and their collectives);
 - ``grads``: the global gradient norm, clipping and fp16 overflow agreement;
-- ``strategy``: one object per mode behind one interface, chosen once by
+- ``fsdp``: ZeRO-2 and ZeRO-3 through PyTorch's FSDP2, per transformer layer;
+- ``interface``: what every strategy presents to the trainer and the checkpoints;
+- ``strategy``: one object per mode behind that interface, chosen once by
   :func:`build_data_parallel`.
 """
 
+from engine.data_parallel.fsdp import FullyShardedDP
 from engine.data_parallel.grad_sync import GradSync
 from engine.data_parallel.grads import DynamicLossScaler, clip_grads_, global_grad_norm
-from engine.data_parallel.strategy import (
-    AllReduceDP,
-    DataParallel,
-    PlainOptimizerState,
-    Zero1DP,
-    build_data_parallel,
-    checkpoint_view,
-)
+from engine.data_parallel.interface import DataParallel, PlainOptimizerState
+from engine.data_parallel.strategy import AllReduceDP, Zero1DP, build_data_parallel, checkpoint_view
 from engine.data_parallel.zero import MASTER_KEY, ZeroOptimizer
 
 __all__ = [
@@ -26,6 +23,7 @@ __all__ = [
     "AllReduceDP",
     "DataParallel",
     "DynamicLossScaler",
+    "FullyShardedDP",
     "GradSync",
     "PlainOptimizerState",
     "Zero1DP",

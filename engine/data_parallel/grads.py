@@ -75,10 +75,14 @@ def clip_grads_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor)
     A non-finite ``norm`` cannot be fixed by any coefficient: the trainer's bad-step guard
     (engine/resilience/guard.py) skips such a step before it reaches clipping.
     """
+    scale_grads_([p.grad for p in params if p.grad is not None], max_norm, norm)
+
+
+def scale_grads_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """:func:`clip_grads_` on the gradient tensors themselves (e.g. FSDP's local shards)."""
     if max_norm <= 0:
         return
     coef = (max_norm / (norm.double() + 1e-6)).clamp_max(1.0)
-    grads = [p.grad for p in params if p.grad is not None]
     for (device, dtype), group in _by_device_and_dtype(grads).items():
         # Cast to the op's accumulation dtype, as a Python float scalar would be.
         torch._foreach_mul_(group, coef.to(device=device, dtype=_accumulation(dtype)))

@@ -31,7 +31,7 @@ from layers.param_roles import (
 )
 from layers.recompute import default_rng, dropout_stream
 from layers.transformer import ParallelTransformerLayer
-from layers.utils import comm_timer_of, shard
+from layers.utils import assign_tp_local_, comm_timer_of, shard, tp_local
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
 
@@ -270,7 +270,7 @@ class ParallelModel(nn.Module):
         }
 
     def _full(self, param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
-        full = gather_along(tensor.detach(), tp_dim(param), self.tp_group)
+        full = gather_along(tp_local(tensor), tp_dim(param), self.tp_group)
         full = dedupe_gathered(full, replicas(param), group_size(self.tp_group))
         return full[: self.cfg.vocab_size] if is_vocab_padded(param) else full
 
@@ -302,4 +302,4 @@ class ParallelModel(nn.Module):
                     f"{name}: full shape {tuple(state[name].shape)} does not fit the model's "
                     f"{tuple(param.shape)} shard at tp_size={size}"
                 )
-            param.copy_(local)
+            assign_tp_local_(param, local)

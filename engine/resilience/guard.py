@@ -16,6 +16,7 @@ import torch
 
 from engine import comm
 from engine.resilience.watchdog import RunStopped
+from layers.utils import local_part
 
 
 def _any_rank(flag: bool, device: torch.device) -> bool:
@@ -95,7 +96,7 @@ class BadStepGuard:
                 "as non-finite (the previous checkpoints stay as they are)"
             )
             return False
-        local_bad = any(not bool(torch.isfinite(p.detach()).all()) for p in params)
+        local_bad = any(not bool(torch.isfinite(local_part(p.detach())).all()) for p in params)
         if _any_rank(local_bad, self.device):
             raise RunStopped(
                 f"stopped at step {step}: the weights are non-finite, so no checkpoint was "

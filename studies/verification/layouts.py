@@ -27,7 +27,8 @@ from torch import nn
 
 import parallel_state
 from engine import comm
-from engine.data_parallel import GradSync
+from engine.config import OptimConfig
+from engine.data_parallel import GradSync, build_data_parallel
 from engine.models import ModelConfig, ParallelModel, build_model
 from engine.models.base import ParallelLMHead
 from engine.pipeline import SCHEDULES, layer_split
@@ -48,6 +49,7 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 # all-reduces in bf16), so they differ by several roundoffs (observed ≤ 2.5e-2); 5e-2
 # bounds that while a real bug still shows as O(1).
 TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 5e-2}
+ADAMW_DEFAULTS = ((0.9, 0.999), 1e-8)  # torch's AdamW betas and eps, the reference's
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class VerifySpec:
     schedule: str = "1f1b"  # "gpipe", "1f1b" or "interleaved_1f1b" (pp_size > 1)
     virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
     microbatches: int = 1  # micro-batches each DP rank's slice is cut into (pp_size > 1)
+    dp_shard: str = "none"  # the DP mode the target trains under (none: plain AdamW + GradSync)
 
     @property
     def tolerance(self) -> float:
@@ -119,7 +122,11 @@ class VerifySpec:
     def dims(self) -> ParallelDims:
         """The target layout as a validated value."""
         return ParallelDims(
-            self.tp_size, self.dp_size, self.pp_size, sequence_parallel=self.sequence_parallel
+            self.tp_size,
+            self.dp_size,
+            self.pp_size,
+            sequence_parallel=self.sequence_parallel,
+            dp_shard=self.dp_shard,
         )
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
@@ -321,15 +328,16 @@ def compare_layouts(
 
 def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
     tol, rows = spec.tolerance, []
-    grad_sync = GradSync(target.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
-    models = [m for m in (target, reference) if m is not None]
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=spec.lr) for m in models]
-    captures = [OutputCapture(m) for m in models]
+    captures = [OutputCapture(m) for m in (target, reference) if m is not None]
+    dp = _TargetStep(spec, target, ps)
+    optimizers = [dp]
+    if reference is not None:
+        optimizers.append(torch.optim.AdamW(reference.parameters(), lr=spec.lr, weight_decay=0.0))
     local = dp_slice(batch, ps)
     for step in range(spec.steps):
         loss = target.loss(local)
         loss.backward()
-        grad_sync.finish()
+        dp.finish_grads()
         loss = loss.detach().double()
         comm.sum_(loss, ps.dp_group)
         loss /= ps.dp_size
@@ -343,13 +351,56 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
                 c.remove()
         if ref_loss is not None:
             rows.append(compare("loss", f"loss (step {step})", loss, ref_loss, tol))
-        if step == 0:
+        if step == 0 and spec.dp_shard != "optimizer":  # ZeRO-1 keeps them in its buckets
             rows += _grad_rows(target, reference, tol)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
-    grad_sync.remove()
+    dp.remove()
     return rows
+
+
+class _TargetStep:
+    """The target's gradient reduction and AdamW step (torch's AdamW without weight decay,
+    as the reference's) through the DP mode ``spec.dp_shard`` names: GradSync's all-reduce
+    for none, else the runtime's strategy (ZeRO-1, FSDP2) with clipping off."""
+
+    def __init__(self, spec, target, ps) -> None:
+        self.lr, self.sync = spec.lr, None
+        if spec.dp_shard == "none":
+            self.sync = GradSync(target.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
+            self.optimizer = torch.optim.AdamW(target.parameters(), lr=spec.lr, weight_decay=0.0)
+            return
+        betas, eps = ADAMW_DEFAULTS
+        self.optimizer = build_data_parallel(
+            target,
+            OptimConfig(
+                lr=spec.lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=0.0, clip_grad=0
+            ),
+            dp_group=ps.dp_group,
+            tp_group=ps.tp_group,
+            device=ps.device,
+            dp_shard=spec.dp_shard,
+        )
+
+    def finish_grads(self) -> None:
+        if self.sync is not None:
+            self.sync.finish()
+        else:
+            self.optimizer.finish_grads()
+
+    def step(self) -> None:
+        if self.sync is not None:
+            self.optimizer.step()
+        else:
+            self.optimizer.step(lr=self.lr, max_norm=0.0, norm=torch.zeros(()))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad()
+
+    def remove(self) -> None:
+        if self.sync is not None:
+            self.sync.remove()
 
 
 def _pipeline_rows(spec, target, reference, batch, ps, mutate_runner) -> list[Row]:

@@ -1,0 +1,172 @@
+"""ZeRO-2 and ZeRO-3 through PyTorch's FSDP2 (``fully_shard``) on each TP rank's DP group.
+
+Every transformer layer is one FSDP unit and the model itself (embeddings, final norm,
+head) the root unit, all on a one-axis device mesh made from this rank's DP group: TP
+stays the runtime's own (plain TP-local tensors to FSDP), so FSDP shards each TP rank's
+slices across the DP ranks that hold the same slices.
+
+- ``dp_shard=full`` (ZeRO-3): parameters are gathered per unit for forward, freed after
+  it, and gathered again for backward (``reshard_after_forward=True``);
+- ``dp_shard=gradients`` (ZeRO-2): gathered once for forward and kept until backward has
+  used them (``reshard_after_forward=False``).
+
+Between steps a rank holds 1/dp of the fp32 parameters (FSDP's sharded parameters are the
+master weights), of their gradients (reduce-scattered, averaged over DP) and of Adam's
+moments. In bf16 the gathers carry bf16 copies (``MixedPrecisionPolicy``) and gradients are
+reduced in fp32. Each layer prefetches the next one's gather in forward and the previous
+one's in backward, so gathers can overlap compute where the backend runs collectives
+asynchronously (NCCL; gloo on CPU runs them in line).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from engine.config import OptimConfig
+from engine.data_parallel.grads import scale_grads_
+from engine.data_parallel.interface import DataParallel, PlainOptimizerState
+from engine.optim import build_optimizer, set_lr
+from layers.param_roles import counted_in_norm, has_sp_partial_grad
+from layers.utils import dp_sharded, group_rank, group_size, local_part, tp_local
+
+
+class FullyShardedDP(DataParallel):
+    """FSDP2 per transformer layer on the DP group (ZeRO-2 or ZeRO-3), torch's AdamW on
+    the sharded parameters."""
+
+    shards_optimizer = True  # the moments are DP shards: checkpoints never read into them
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim: OptimConfig,
+        *,
+        dp_group: dist.ProcessGroup,
+        tp_group: dist.ProcessGroup | None,
+        device: torch.device,
+        reshard_after_forward: bool,
+        low_precision: torch.dtype | None = None,
+    ) -> None:
+        self.model, self.dp_group, self.tp_group = model, dp_group, tp_group
+        self.mesh = DeviceMesh.from_group(dp_group, device.type)
+        policy = MixedPrecisionPolicy(
+            param_dtype=low_precision, reduce_dtype=torch.float32 if low_precision else None
+        )
+        # The models return views (a transposed loss or logits); nothing of ours writes into
+        # them in place, which is what FSDP warns about on every forward.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
+        roles = {name: dict(vars(p)) for name, p in model.named_parameters()}
+        units = list(getattr(model, "layers", ()))
+        for unit in [*units, model]:
+            fully_shard(
+                unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy
+            )
+        for earlier, later in zip(units, units[1:], strict=False):
+            earlier.set_modules_to_forward_prefetch([later])
+            later.set_modules_to_backward_prefetch([earlier])
+        # FSDP registers new (sharded) parameters: they keep the roles the layers declared.
+        for name, p in model.named_parameters():
+            vars(p).update(roles[name])
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(model, optim, device)
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate unsharded gradients locally; the last micro-batch reduce-scatters."""
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def finish_grads(self) -> list[torch.Tensor]:
+        """FSDP has reduce-scattered by the end of backward; sum the sequence-parallel
+        partial gradients over TP (each TP rank holds the same DP shard of them)."""
+        if group_size(self.tp_group) > 1:
+            for p in self.params:
+                if p.grad is not None and has_sp_partial_grad(p):
+                    dist.all_reduce(local_part(p.grad), group=self.tp_group)
+        return self.params
+
+    def grad_norm(self) -> torch.Tensor:
+        """The L2 norm of the whole model's gradient: this rank's shards squared and summed
+        over DP, then over TP (replicated parameters counted on TP rank 0 only)."""
+        tp_rank = group_rank(self.tp_group)
+        total = torch.zeros((), dtype=torch.float64, device=self._collective_device())
+        for p in self.params:
+            if p.grad is not None and counted_in_norm(p, tp_rank):
+                g = local_part(p.grad)
+                wide = g.to(torch.promote_types(g.dtype, torch.float32))
+                total += wide.pow(2).sum().double().to(total.device)
+        for group in (self.dp_group, self.tp_group):
+            if group_size(group) > 1:
+                dist.all_reduce(total, group=group)
+        return total.sqrt()
+
+    def _collective_device(self) -> torch.device:
+        if dist.get_backend(self.dp_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def step(self, *, lr: float, max_norm: float, norm: torch.Tensor) -> None:
+        grads = [local_part(p.grad) for p in self.params if p.grad is not None]
+        scale_grads_(grads, max_norm, norm)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def wait_params(self) -> None:
+        """Nothing is in flight between steps."""
+
+    def param_states(self) -> dict[nn.Parameter, dict[str, Any]]:
+        """Adam's state per parameter at TP-local shapes (gathered over DP: collective)."""
+        states = PlainOptimizerState(self.optimizer).param_states()
+        return {
+            p: {
+                k: tp_local(v) if torch.is_tensor(v) and dp_sharded(v) else v for k, v in st.items()
+            }
+            for p, st in states.items()
+        }
+
+    def load_param_states(self, states: dict[nn.Parameter, dict[str, Any]]) -> None:
+        """Install TP-local state saved at any layout: each rank keeps its DP shard."""
+        sharded = {
+            p: {k: _shard_like(p, v) if _whole_of(p, v) else v for k, v in st.items()}
+            for p, st in states.items()
+        }
+        PlainOptimizerState(self.optimizer).load_param_states(sharded)
+
+    def set_comm_timer(self, timer: Any | None) -> None:
+        """FSDP runs its collectives inside its own hooks: they count as forward/backward
+        time, not as the step timer's DP communication."""
+
+    def state_bytes(self) -> int:
+        tensors = [local_part(v) for st in self.optimizer.state.values() for v in st.values()]
+        return sum(t.nbytes for t in tensors if torch.is_tensor(t) and t.dim() > 0)
+
+
+def _whole_of(param: torch.Tensor, value: Any) -> bool:
+    """Whether ``value`` is a TP-local tensor of ``param``'s shape (moments, a master)."""
+    return torch.is_tensor(value) and not dp_sharded(value) and value.shape == param.shape
+
+
+def _shard_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value``'s DP shard as a DTensor placed as ``param`` is (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(
+        value.to(device=param.device, dtype=param.dtype),
+        param.device_mesh,
+        param.placements,
+        src_data_rank=None,
+    )
