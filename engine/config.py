@@ -70,6 +70,7 @@ class TrainerConfig:
     eval_every: int = 50  # validation interval in steps; 0 disables
     eval_batches: int = 4  # validation micro-batches per evaluation (the same at any layout)
     grad_bucket_mb: float = 25.0  # DP all-reduce bucket size
+    memory_cap_gib: float = 0.0  # per-rank memory budget (0: the device's); enforced on CUDA
     tensorboard: bool = True  # TensorBoard scalars in CHECKPOINT_DIR/tensorboard, kept over resumes
     wandb_project: str | None = None  # log to Weights & Biases when set (wandb must be installed)
     profile_steps: list[int] = field(default_factory=list)  # [first, last] step to trace
@@ -495,6 +496,7 @@ class ClassifyTrainerConfig:
     target_accuracy: float = 0.75  # stop once the test accuracy reaches this (--target-accuracy)
     seed: int = 1234  # init and shuffling seed
     grad_bucket_mb: float = 25.0  # DP all-reduce bucket size
+    memory_cap_gib: float = 0.0  # per-rank memory budget (0: the device's); enforced on CUDA
     progress: bool = True  # rich progress bar on rank 0
     metrics_file: str | None = None  # rank 0 writes per-step timings and a summary here (JSON)
 

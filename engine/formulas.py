@@ -114,6 +114,28 @@ def state_bytes_per_param(precision: str, dp_shard: str, dp: int) -> tuple[float
     raise ValueError(f"parallel.dp_shard={dp_shard!r} has no bytes-per-parameter formula")
 
 
+# Units FSDP2 (ZeRO-2/3) holds gathered at once at its peak: the one computing and the one
+# prefetched behind it (engine/data_parallel/fsdp.py prefetches one unit ahead).
+IN_FLIGHT_UNITS = 2
+
+
+def fsdp_in_flight_bytes(
+    layer_params: float, root_params: float, precision: str, dp_shard: str
+) -> float:
+    """Bytes one rank holds gathered beyond :func:`state_bytes_per_param`'s shards under
+    FSDP2, at its peak: :data:`IN_FLIGHT_UNITS` units, the largest of which may be the root
+    unit (embeddings, final norm, head: ``root_params``) rather than a layer
+    (``layer_params``), both per TP rank. ``full`` gathers their parameters and holds their
+    unsharded gradients until reduce-scattered, at the compute width (2 bytes each in
+    bf16/fp16, 4 in fp32); ``gradients`` keeps its parameters whole already (counted per
+    parameter), so only the unsharded gradients; nothing for the other modes.
+    """
+    width = 4.0 if precision == "fp32" else 2.0
+    per_param = {"full": 2 * width, "gradients": width}.get(dp_shard, 0.0)
+    units = max(layer_params, root_params) + (IN_FLIGHT_UNITS - 1) * layer_params
+    return units * per_param
+
+
 def layer_activation_bytes(
     s: int, b: int, h: int, a: int, t: int, *, sp: bool, recompute: str, fused_attention: bool
 ) -> float:

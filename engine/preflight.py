@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 
 from engine.config import Config, resolve_precision
 from engine.flops import params_count
-from engine.formulas import state_bytes_per_param
+from engine.formulas import fsdp_in_flight_bytes, state_bytes_per_param
 from engine.models.activation_memory import formula_bytes
 
 GIB = 2**30
@@ -47,23 +48,27 @@ def estimate_rank_bytes(
     """What one rank holds while training ``cfg`` at ``tp_size`` × ``dp_size``.
 
     Parameters are split over TP (the few replicated LayerNorm and bias vectors are
-    ignored). Activations per layer follow the formula of :mod:`engine.models.activation_memory`
+    ignored) and, by ``parallel.dp_shard``, over DP (engine.formulas); under FSDP the units
+    gathered in flight count as parameters. Activations per layer follow the formula of :mod:`engine.models.activation_memory`
     (16-bit activations; doubled for fp32 ones), plus the fp32 logits of one micro-batch
     over this rank's vocabulary shard. It is a floor, not a bound: allocator slack and
     temporaries come on top, so a config refused here could never run.
     """
     m, t = cfg.model, cfg.tp_size
     params = params_count(m) / t
+    root = params_count(dataclasses.replace(m, num_layers=0)) / t  # embeddings, norm, head
     s, b = cfg.data.seq_len, cfg.trainer.micro_batch
     per_layer = formula_bytes(m, seq_len=s, batch_size=b, tp_size=t)
     logits = 4 * s * b * m.padded_vocab_size(t) / t
     activations = per_layer * m.num_layers * (2 if fp32_activations else 1) + logits
     precision = "bf16" if bf16 else "fp32"
-    dp_shard = cfg.parallel.dp_shard
-    if dp_shard == "none" and cfg.optim.distributed:  # the older spelling of optimizer
-        dp_shard = "optimizer"
-    weights, grads, optimizer = state_bytes_per_param(precision, dp_shard, dp_size)
-    return MemoryEstimate(weights * params, grads * params, optimizer * params, activations)
+    mode = _dp_shard(cfg)
+    weights, grads, optimizer = state_bytes_per_param(precision, mode, dp_size)
+    layer = (params - root) / max(1, m.num_layers)
+    in_flight = fsdp_in_flight_bytes(layer, root, precision, mode)  # FSDP's gathered units
+    return MemoryEstimate(
+        weights * params + in_flight, grads * params, optimizer * params, activations
+    )
 
 
 def available_ram_bytes() -> int | None:
@@ -82,7 +87,8 @@ def available_ram_bytes() -> int | None:
 
 
 def check_memory(cfg: Config, local_ranks: int, *, on_gpu: bool) -> list[str]:
-    """One line when ``cfg`` cannot fit in this machine's device memory, else nothing.
+    """One line when ``cfg`` cannot fit in this machine's device memory, or in
+    ``trainer.memory_cap_gib`` per rank when that is set, else nothing.
 
     ``on_gpu``: every rank has a GPU of its own; else the ``local_ranks`` processes on
     this machine share its free RAM.
@@ -95,18 +101,30 @@ def check_memory(cfg: Config, local_ranks: int, *, on_gpu: bool) -> list[str]:
         have, sharing, where = torch.cuda.get_device_properties(0).total_memory, 1, "GPU"
     else:
         have, sharing, where = available_ram_bytes(), max(1, local_ranks), "free RAM"
+    cap = cfg.trainer.memory_cap_gib * GIB
+    if cap > 0 and (have is None or cap * sharing <= have):
+        have, sharing, where = cap, 1, "cap (trainer.memory_cap_gib)"
     if have is None or need.total * sharing <= have:
         return []
     ranks = f" × {sharing} ranks on this machine" if sharing > 1 else ""
     return [
-        f"the model cannot fit: about {need.total / GIB:.1f} GiB per rank (parameters "
-        f"{need.params / GIB:.1f} + gradients {need.grads / GIB:.1f} + optimizer "
-        f"{need.optimizer / GIB:.1f} + activations {need.activations / GIB:.1f} GiB; "
+        f"the model cannot fit: about {need.total / GIB:.2f} GiB per rank (parameters "
+        f"{need.params / GIB:.2f} + gradients {need.grads / GIB:.2f} + optimizer "
+        f"{need.optimizer / GIB:.2f} + activations {need.activations / GIB:.2f} GiB; "
         f"model.hidden_size={cfg.model.hidden_size} model.num_layers={cfg.model.num_layers} "
-        f"trainer.micro_batch={cfg.trainer.micro_batch} data.seq_len={cfg.data.seq_len})"
-        f"{ranks}, but the {where} is {have / GIB:.1f} GiB; use a smaller model or "
-        "micro-batch, a larger tp_size, or optim.distributed=true"
+        f"trainer.micro_batch={cfg.trainer.micro_batch} data.seq_len={cfg.data.seq_len} "
+        f"parallel.dp_shard={_dp_shard(cfg)} dp_size={cfg.dp_size})"
+        f"{ranks}, but the {where} is {have / GIB:.2f} GiB per {'machine' if ranks else 'rank'}; "
+        "use a smaller model or micro-batch, a larger tp_size, or shard over DP "
+        "(parallel.dp_shard=optimizer, gradients or full)"
     ]
+
+
+def _dp_shard(cfg: Config) -> str:
+    """The DP sharding mode, ``optim.distributed=true`` read as its older spelling."""
+    if cfg.parallel.dp_shard == "none" and cfg.optim.distributed:
+        return "optimizer"
+    return cfg.parallel.dp_shard
 
 
 def check_resume_model(cfg: Config, root: Path) -> list[str]:

@@ -71,6 +71,15 @@ def fixed_set_loss(
     return comm.mean(total, ps.dp_group, ps.device) * ps.dp_size / batches
 
 
+def cap_device_memory(cap_gib: float, device: torch.device) -> None:
+    """Hold a GPU rank to ``trainer.memory_cap_gib`` (its allocator then raises an
+    out-of-memory error past it, as a smaller GPU would). CPU ranks have no allocator cap:
+    there the preflight holds the estimate to it and the log's peak_mem shows the use."""
+    if cap_gib > 0 and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), device)
+
+
 def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContextManager:
     """The forward's autocast for a resolved ``precision`` (none for fp32)."""
     if precision not in _AUTOCAST:
@@ -101,6 +110,7 @@ class Trainer:
         self.threads = share_cores(ps)  # before any compute; said under the mesh line
         self.watch = watch or Watchdog(0, rank=ps.rank, run_dir=cfg.run_dir)
         self.precision = resolve_precision(cfg.trainer.precision, ps.device.type)
+        cap_device_memory(cfg.trainer.memory_cap_gib, ps.device)
         ps.seed(cfg.trainer.seed)
         self.model = build_model(cfg.model, ps, device=ps.device)
         self.pipeline: PipelineRunner | None = None  # pp_size > 1: this rank's stages
@@ -161,9 +171,17 @@ class Trainer:
 
     def _mark(self, what: str, group: str, step: int | None = None) -> None:
         """Tell the watchdog what this rank does now and which group it may wait on."""
-        if group == "model":  # the model's collectives: TP, or the DP buckets at tp=1
+        if group == "model":  # the model's collectives: TP, and DP (its buckets at tp=1,
+            # FSDP's gathers in every forward and backward)
+            fsdp = self.ps.dims.dp_shard in ("gradients", "full") and self.ps.dp_size > 1
             group = "tp" if self.ps.tp_size > 1 else "dp"
-        ranks = {"tp": self.ps.tp_ranks, "dp": self.ps.dp_ranks, "pp": self.ps.pp_ranks}
+            group = "tp and dp" if fsdp and self.ps.tp_size > 1 else group
+        ranks = {
+            "tp": self.ps.tp_ranks,
+            "dp": self.ps.dp_ranks,
+            "pp": self.ps.pp_ranks,
+            "tp and dp": sorted({*self.ps.tp_ranks, *self.ps.dp_ranks}),
+        }
         members = ranks.get(group, list(range(self.ps.world_size)))
         self.watch.mark(what, self.step if step is None else step, group, members)
 

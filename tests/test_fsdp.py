@@ -4,6 +4,8 @@ torch reference, bf16 FSDP against bf16 ZeRO-1, and what FSDP holds between laye
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 
 import pytest
@@ -352,7 +354,7 @@ def _fsdp_memory() -> dict:
 
 def test_fsdp_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
     """What one rank holds per parameter, counted from the storages themselves, against
-    engine.formulas.state_bytes_per_param (the hand derivation in docs/MEMORY.md):
+    engine.formulas.state_bytes_per_param (derived in docs/PERFMODEL.md, "Memory per GPU"):
     ZeRO-3 16/d (fp32 shards of parameters, which are the masters, gradients and Adam's two
     moments); ZeRO-2 the same plus the whole compute-width parameters it keeps from
     forward to backward (4 in fp32, 2 when gathered as bf16). Tolerance 5 %: FSDP pads
@@ -365,3 +367,96 @@ def test_fsdp_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
             hand = 16 / d + {"full": 0, "gradients": 4 if precision == "fp32" else 2}[mode]
             assert want == hand, (mode, precision, d)
             assert abs(got - want) <= 0.05 * want, (mode, precision, d, got, want)
+
+
+BIG = preset(  # ~63 M parameters: its fp32 training state (16 B each) dwarfs the runtime
+    "gpt_tiny",
+    vocab_size=8192,
+    hidden_size=768,
+    num_heads=12,
+    num_layers=8,
+    max_positions=64,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+
+
+def _status_bytes(key: str) -> int:
+    """A ``/proc/self/status`` memory line (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def _peak_growth(mode: str) -> dict:
+    """This rank's peak resident memory while it builds BIG and trains 3 steps on one
+    batch under ``mode`` at dp 4 (fp32), above its resident memory before: the kernel's
+    peak counter is reset first (``5`` to clear_refs), so the window is exactly that.
+
+    glibc would keep freed tensor buffers under its mmap threshold, which it raises as
+    large buffers are freed (to 32 MiB), so resident memory would count what torch has
+    already freed; pinning the threshold at 64 KiB (M_MMAP_THRESHOLD, -3) maps every
+    tensor buffer on its own and returns it on free, and resident memory follows the
+    tensors alive."""
+    ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 64 * 1024)
+    ps = parallel_state.initialize(ParallelDims(1, 4))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_bytes("VmRSS")
+    torch.manual_seed(0)
+    model = build_model(BIG, ps)
+    optim = OptimConfig(lr=1e-3, weight_decay=0.0)
+    dp = build_data_parallel(
+        model, optim, dp_group=ps.dp_group, tp_group=ps.tp_group, device=CPU, dp_shard=mode
+    )
+    x = torch.randint(0, 8192, (1, 33), generator=torch.Generator().manual_seed(ps.dp_rank))
+    losses = []
+    for _ in range(3):
+        loss = model(x[:, :-1], x[:, 1:]).mean()
+        loss.backward()
+        dp.finish_grads()
+        dp.step(lr=1e-3, max_norm=0.0, norm=dp.grad_norm())
+        dp.zero_grad()
+        losses.append(loss.item())
+    growth = _status_bytes("VmHWM") - before
+    parallel_state.destroy()
+    return {"growth": growth, "losses": losses}
+
+
+@pytest.mark.slow
+def test_a_model_over_the_memory_cap_under_none_trains_under_full(monkeypatch):
+    """BIG at dp 4 in fp32 with trainer.memory_cap_gib halfway between the preflight's
+    estimates for none (16 B per parameter: ~1.0 GiB) and full (16/4 B plus the units in
+    flight: ~0.37 GiB): 0.65 GiB. The preflight refuses none and passes full; measured,
+    every rank under none grows past the cap and every rank under full stays under it while
+    its loss falls. Measured here: none 1.33 GiB (Adam's temporaries and the gradient
+    buckets on top of the estimate), full 0.51 GiB: each side clears the cap by over 20 %
+    of it, far beyond what the run-to-run spread of a few MiB could move."""
+    import engine.preflight as preflight
+    from engine.config import Config
+
+    monkeypatch.setattr(preflight, "available_ram_bytes", lambda: 2**50)  # the cap decides
+    base = Config(model=BIG, tp_size=1, dp_size=4)
+    base = dataclasses.replace(base, data=dataclasses.replace(base.data, seq_len=32))
+
+    def at(mode: str, cap: float = 0.0) -> Config:
+        trainer = dataclasses.replace(
+            base.trainer, micro_batch=1, precision="fp32", memory_cap_gib=cap
+        )
+        parallel = dataclasses.replace(base.parallel, dp_shard=mode)
+        return dataclasses.replace(base, trainer=trainer, parallel=parallel)
+
+    need = {
+        m: preflight.estimate_rank_bytes(at(m), 4, fp32_activations=True).total
+        for m in ("none", "full")
+    }
+    cap = (need["none"] + need["full"]) / 2
+    assert len(preflight.check_memory(at("none", cap / 2**30), 4, on_gpu=False)) == 1
+    assert preflight.check_memory(at("full", cap / 2**30), 4, on_gpu=False) == []
+    for mode in ("none", "full"):
+        for rank, r in enumerate(run_ranks(_peak_growth, 4, mode, timeout=600)):
+            print(f"{mode} rank {rank}: {r['growth'] / 2**30:.3f} GiB (cap {cap / 2**30:.3f})")
+            if mode == "none":
+                assert r["growth"] > cap, (mode, rank, r)
+            else:
+                assert r["growth"] <= cap and r["losses"][-1] < r["losses"][0], (mode, rank, r)

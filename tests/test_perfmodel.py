@@ -15,7 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.formulas import gpt_flops_per_iteration, layer_activation_bytes, state_bytes_per_param
+from engine.formulas import (
+    fsdp_in_flight_bytes,
+    gpt_flops_per_iteration,
+    layer_activation_bytes,
+    state_bytes_per_param,
+)
 from studies.perfmodel import Layout, Workload, load_cluster, predict, search
 from studies.perfmodel import comm_cost as comm
 from studies.perfmodel import memory_model as memory
@@ -84,10 +89,13 @@ def test_state_bytes_per_dp_shard_mode_by_hand(d):
     for mode, (bf16, fp32) in hand.items():
         assert sum(state_bytes_per_param("bf16", mode, d)) == pytest.approx(bf16, rel=1e-15)
         assert sum(state_bytes_per_param("fp32", mode, d)) == pytest.approx(fp32, rel=1e-15)
-    # in flight under full: 2 layers' bf16 parameters and unsharded gradients (2 + 2 bytes)
-    assert memory.in_flight_bytes(1000, "bf16", "full") == 2 * 1000 * 4
-    assert memory.in_flight_bytes(1000, "bf16", "gradients") == 2 * 1000 * 2
-    assert memory.in_flight_bytes(1000, "bf16", "optimizer") == 0
+    # In flight under full: the computing unit and the prefetched one, bf16 parameters and
+    # unsharded gradients (2 + 2 bytes); the larger unit may be the embedding-side root.
+    assert fsdp_in_flight_bytes(1000, 300, "bf16", "full") == 2 * 1000 * 4
+    assert fsdp_in_flight_bytes(1000, 5000, "bf16", "full") == (5000 + 1000) * 4
+    assert fsdp_in_flight_bytes(1000, 300, "bf16", "gradients") == 2 * 1000 * 2
+    assert fsdp_in_flight_bytes(1000, 300, "fp32", "full") == 2 * 1000 * 8
+    assert fsdp_in_flight_bytes(1000, 300, "bf16", "optimizer") == 0
 
 
 def test_the_planners_dp_shard_modes_are_parallel_states():
@@ -384,19 +392,25 @@ def test_dp_traffic_per_mode_by_hand():
 def test_fsdp_modes_price_memory_and_traffic():
     """The planner's memory for each mode is the hand formula × the rank's parameters, and
     ZeRO-3's DP traffic exceeds the all-reduce's (it regathers every micro-batch)."""
-    from studies.perfmodel.model import layer_params_per_rank, params_per_rank
+    from studies.perfmodel.model import (
+        layer_params_per_rank,
+        params_per_rank,
+        vocab_params_per_rank,
+    )
 
     cl = load_cluster("dgx_h100")
     w = Workload(hidden=5120, layers=40, heads=40, vocab=50257, seq=2048, global_batch=64)
     params = params_per_rank(w, 8)
-    layer = layer_params_per_rank(w, 8)
+    layer, root = layer_params_per_rank(w, 8), vocab_params_per_rank(w, 8)
+    assert root > layer  # the embedding-side unit is the larger one here (V·h/t + s·h)
     d = 4
     mem = {}
     for mode, per_param in (("none", 16), ("optimizer", 6 + 12 / d), ("full", 16 / d)):
         lay = Layout(tp=8, dp=d, micro_batch=1, dp_shard=mode)
         terms = predict(w, lay, cl).memory
         state = terms.weights + terms.gradients + terms.optimizer
-        in_flight = 2 * layer * 4 if mode == "full" else 0  # 2 layers × (bf16 param + grad)
+        # the root unit computing and a layer prefetched: bf16 parameters + gradients
+        in_flight = (root + layer) * 4 if mode == "full" else 0
         assert state == pytest.approx(params * per_param + in_flight, rel=1e-12)
         mem[mode] = state
     assert mem["full"] < mem["optimizer"] < mem["none"]
@@ -408,7 +422,10 @@ def test_fsdp_modes_price_memory_and_traffic():
 def test_pipeline_step_and_memory_by_hand():
     """pp 4 with 1F1B: the step is the busy time × (1 + 3/m), the stage holds l/4 layers
     of weights and 4 micro-batches of activations (the first stage)."""
-    from studies.perfmodel.model import layer_params_per_rank, params_per_rank
+    from studies.perfmodel.model import (
+        layer_params_per_rank,
+        params_per_rank,
+    )
 
     cl = load_cluster("dgx_h100")
     w = Workload(hidden=4096, layers=32, heads=32, vocab=50257, seq=2048, global_batch=64)

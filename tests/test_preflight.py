@@ -60,6 +60,50 @@ def test_zero1_in_bf16_counts_bf16_parameters_and_sharded_masters():
     assert (plain.params, plain.grads, plain.optimizer) == (4 * n, 4 * n, 8 * n)
 
 
+def test_fsdp_modes_count_their_shards_and_the_units_in_flight():
+    """gpt_tiny at dp 4, fp32, by hand: ZeRO-3 holds 16/d per parameter plus, at its peak,
+    the larger of the embedding-side unit and a layer, and one more layer, gathered as
+    parameters and unsharded gradients (4 + 4 bytes); ZeRO-2 keeps the parameters whole (4)
+    with sharded gradients and state (16/d), and the same units' unsharded gradients (4).
+    The embedding side (V + 256 positions)·h + 2h is larger than a layer 12h² + 13h here."""
+    h, v, d = 128, 8192, 4
+    layer, root = 12 * h * h + 13 * h, (v + 256) * h + 2 * h
+    n = 2 * layer + root
+    for mode, params, grads, state, per_unit in (
+        ("full", 0, 4 / d, 12 / d, 8),
+        ("gradients", 4, 4 / d, 12 / d, 4),
+    ):
+        cfg = _cfg()
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_shard=mode))
+        est = preflight.estimate_rank_bytes(cfg, d, fp32_activations=True)
+        assert est.params == pytest.approx(params * n + per_unit * (root + layer), rel=1e-12)
+        assert (est.grads, est.optimizer) == pytest.approx((grads * n, state * n), rel=1e-12)
+
+
+def test_the_memory_cap_refuses_a_layout_over_it_and_names_the_sharded_fix(monkeypatch):
+    """trainer.memory_cap_gib is a per-rank budget below the machine's: halfway between the
+    full-replica and the ZeRO-3 estimates at dp 4, it refuses the first (one line naming the
+    cap and parallel.dp_shard) and passes the second, whatever RAM the machine has free."""
+    monkeypatch.setattr(preflight, "available_ram_bytes", lambda: 2**50)
+    cfg = dataclasses.replace(_cfg(micro_batch=1), dp_size=4)
+
+    def at(mode: str, cap: float) -> Config:
+        trainer = dataclasses.replace(cfg.trainer, memory_cap_gib=cap)
+        parallel = dataclasses.replace(cfg.parallel, dp_shard=mode)
+        return dataclasses.replace(cfg, trainer=trainer, parallel=parallel)
+
+    need = {
+        mode: preflight.estimate_rank_bytes(at(mode, 0), 4, fp32_activations=True).total
+        for mode in ("none", "full")
+    }
+    assert need["full"] < need["none"]
+    cap = (need["none"] + need["full"]) / 2 / 2**30
+    (line,) = preflight.check_memory(at("none", cap), local_ranks=4, on_gpu=False)
+    assert f"cap (trainer.memory_cap_gib) is {cap:.2f} GiB per rank" in line
+    assert "parallel.dp_shard=none" in line and "parallel.dp_shard=optimizer" in line
+    assert preflight.check_memory(at("full", cap), local_ranks=4, on_gpu=False) == []
+
+
 def test_memory_check_refuses_with_numbers_and_passes_what_fits(monkeypatch):
     cfg = _cfg()  # on_gpu=False: the CPU path, on any machine
     need = preflight.estimate_rank_bytes(cfg, 1, fp32_activations=True).total
@@ -69,7 +113,7 @@ def test_memory_check_refuses_with_numbers_and_passes_what_fits(monkeypatch):
     )  # 4 ranks × need fits exactly
     assert len(problems := preflight.check_memory(cfg, local_ranks=5, on_gpu=False)) == 1
     assert "× 5 ranks on this machine" in problems[0] and "model.hidden_size=128" in problems[0]
-    assert f"free RAM is {4 * need / 2**30:.1f} GiB" in problems[0]
+    assert f"free RAM is {4 * need / 2**30:.2f} GiB" in problems[0]
 
 
 def test_a_folder_another_rank_makes_or_removes_meanwhile_is_no_refusal(tmp_path, monkeypatch):

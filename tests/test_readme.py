@@ -33,6 +33,8 @@ register_configs()
 # output the README shows under their ``$ `` line.
 RUN = {
     "python -m engine.pretrain tp_size=3": 2,
+    "python -m engine.pretrain model.hidden_size=768 model.num_heads=12 model.num_layers=8 "
+    "tp_size=1 dp_size=4 trainer.micro_batch=1 trainer.memory_cap_gib=0.75": 2,
     "python tools/plan.py search --model gpt_1.3b --global-batch 512 --gpus 16 --cluster dgx_h100": 0,
     "python tools/plan.py search --model gpt_13b --global-batch 512 --gpus 8 --cluster dgx_h100 --pp 1": 0,
     "python tools/plan.py search --model llama_8b --global-batch 256 --gpus 16 --cluster dgx_h100 --top 3": 0,
@@ -54,6 +56,7 @@ COVERED = {
     "python -m engine.pretrain experiment=bert_tiny_stdlib": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
     "python -m engine.pretrain experiment=llama_tiny_tp2": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
     "python -m engine.pretrain pp_size=4 tp_size=1 dp_size=1 model.num_layers=4": "tests/test_checkpoint.py::test_reshard_across_pipeline_stages",
+    "python -m engine.pretrain tp_size=2 dp_size=2 parallel.dp_shard=full": "tests/test_fsdp.py::test_checkpoints_move_between_every_dp_shard_mode_exactly",
     "python tools/preprocess_data.py --input 'corpus/*.txt' --output-prefix data/mycorpus "
     "--vocab-size 32000 --workers 8": "tests/test_data.py::test_cli_success_and_errors",
     "python tools/preprocess_data.py --input docs.jsonl --json-key text --output-prefix "

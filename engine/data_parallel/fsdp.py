@@ -7,8 +7,12 @@ slices across the DP ranks that hold the same slices.
 
 - ``dp_shard=full`` (ZeRO-3): parameters are gathered per unit for forward, freed after
   it, and gathered again for backward (``reshard_after_forward=True``);
-- ``dp_shard=gradients`` (ZeRO-2): gathered once for forward and kept until backward has
-  used them (``reshard_after_forward=False``).
+- ``dp_shard=gradients`` (ZeRO-2): gathered once per step and kept through every
+  micro-batch's forward and backward (``reshard_after_forward=False``, and no resharding
+  after backward until the step's last micro-batch).
+
+Under both, every micro-batch reduce-scatters its gradients into the 1/dp shard, so
+gradient accumulation never holds whole gradients.
 
 Between steps a rank holds 1/dp of the fp32 parameters (FSDP's sharded parameters are the
 master weights), of their gradients (reduce-scattered, averaged over DP) and of Adam's
@@ -56,6 +60,7 @@ class FullyShardedDP(DataParallel):
         low_precision: torch.dtype | None = None,
     ) -> None:
         self.model, self.dp_group, self.tp_group = model, dp_group, tp_group
+        self.reshard_after_forward = reshard_after_forward
         self.mesh = DeviceMesh.from_group(dp_group, device.type)
         policy = MixedPrecisionPolicy(
             param_dtype=low_precision, reduce_dtype=torch.float32 if low_precision else None
@@ -80,12 +85,18 @@ class FullyShardedDP(DataParallel):
 
     @contextmanager
     def no_sync(self):
-        """Accumulate unsharded gradients locally; the last micro-batch reduce-scatters."""
-        self.model.set_requires_gradient_sync(False)
+        """Every micro-batch reduce-scatters its gradients (they stay 1/dp: holding whole
+        ones across micro-batches would undo the sharding a large model needs). ZeRO-2 keeps
+        its parameters gathered from one micro-batch to the next, so it gathers once per
+        step; ZeRO-3 gathers them again in every forward and backward."""
+        if self.reshard_after_forward:
+            yield
+            return
+        self.model.set_reshard_after_backward(False)
         try:
             yield
         finally:
-            self.model.set_requires_gradient_sync(True)
+            self.model.set_reshard_after_backward(True)
 
     def finish_grads(self) -> list[torch.Tensor]:
         """FSDP has reduce-scattered by the end of backward; sum the sequence-parallel

@@ -17,10 +17,12 @@ is printed only where ``engine.flops.peak_flops`` knows the device (never on CPU
     python tools/bench_train.py --preset gpt_tiny --hidden 256 --layers 4 --heads 4 \\
         --seq 128 --micro-batch 8 --vocab 8192 --threads 1 --out bench_train.csv
     torchrun --nproc-per-node 4 tools/bench_train.py --tp 2 --dp 2 ...   # meshtron only
-    torchrun --nproc-per-node 2 tools/bench_train.py --dp 2 --zero1 ...  # ZeRO-1 ÷ all-reduce
+    torchrun --nproc-per-node 2 tools/bench_train.py --dp 2 --dp-shard optimizer,full ...
 
-``--zero1`` adds meshtron with ZeRO-1 (same model, seed and layout) as a second loop in
-the same rotation, and prints ZeRO-1's step time over the all-reduce path's.
+``--dp-shard optimizer,gradients,full`` adds meshtron under each DP sharding mode (ZeRO-1;
+FSDP2's ZeRO-2 and ZeRO-3; same model, seed and layout) as further loops in the same
+rotation, and prints each one's step time over the all-reduce path's (``--zero1`` is
+``--dp-shard optimizer``).
 
 ``--profile N`` then profiles N steps of each loop and prints where the time goes.
 """
@@ -60,6 +62,8 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 REFERENCES = ("eager", "compile", "mcore")
+SHARDED_MODES = ("optimizer", "gradients", "full")  # parallel.dp_shard's modes beyond none
+MODE_NAMES = {"optimizer": " ZeRO-1", "gradients": " ZeRO-2", "full": " ZeRO-3"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,10 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-reference", action="store_true", help="time meshtron only")
     p.add_argument(
-        "--zero1",
-        action="store_true",
-        help="also time ZeRO-1 at the same layout, side by side with the all-reduce",
+        "--dp-shard",
+        default="",
+        metavar="MODES",
+        help="comma list of optimizer, gradients, full: also time these DP sharding modes "
+        "(ZeRO-1, FSDP2 ZeRO-2, ZeRO-3) at the same layout, side by side with the all-reduce",
     )
+    p.add_argument("--zero1", action="store_true", help="the same as --dp-shard optimizer")
     p.add_argument(
         "--bucket-mb",
         type=float,
@@ -153,8 +160,14 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--references: unknown {unknown[0]!r}; choose from {', '.join(REFERENCES)}"
         )
     args.references = list(dict.fromkeys(names))
-    if args.also_eager and (not args.compile or args.zero1):
-        raise UsageError("--also-eager compares against --compile: give it, without --zero1")
+    modes = [m.strip() for m in args.dp_shard.split(",") if m.strip()]
+    modes += ["optimizer"] if args.zero1 else []
+    bad = [m for m in modes if m not in SHARDED_MODES]
+    if bad:
+        raise UsageError(f"--dp-shard: unknown {bad[0]!r}; choose from {', '.join(SHARDED_MODES)}")
+    args.dp_shard = list(dict.fromkeys(modes))
+    if args.also_eager and (not args.compile or args.dp_shard):
+        raise UsageError("--also-eager compares against --compile: give it, without --dp-shard")
     if not args.bucket_mb > 0:
         raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
 
@@ -279,26 +292,25 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
     batch = make_batch(cfg, args, ps, ps.device)
     model = None
     loops = []
-    variants = [(False, cfg)]
-    if args.zero1:
-        variants.append((True, cfg))
+    variants = [("none", cfg)] + [(mode, cfg) for mode in args.dp_shard]
     if args.also_eager:
-        variants.append((False, dataclasses.replace(cfg, compile=False)))
+        variants.append(("none", dataclasses.replace(cfg, compile=False)))
     info: dict = {"vocab": {}, "loss_rel_gap": {}}
-    for zero1, mcfg in variants:
+    for mode, mcfg in variants:
         torch.manual_seed(args.seed)
         m = build_model(mcfg, ps, device=ps.device)
         dp = build_data_parallel(
             m,
-            OptimConfig(distributed=zero1),
+            OptimConfig(),
             dp_group=ps.dp_group,
             tp_group=ps.tp_group,
             device=ps.device,
             bucket_size_mb=args.bucket_mb,
             low_precision=torch.bfloat16 if dtype == torch.bfloat16 else None,
+            dp_shard=mode,
         )
         name = (
-            f"meshtron{' ZeRO-1' if zero1 else ''}{' compiled' if mcfg.compile else ''} "
+            f"meshtron{MODE_NAMES.get(mode, '')}{' compiled' if mcfg.compile else ''} "
             f"tp={ps.tp_size} dp={ps.dp_size}"
         )
         loops.append(
@@ -308,8 +320,8 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
         if model is not None:  # the same function as the first loop's model?
             info["loss_rel_gap"][name] = _loss_gap(model, m, batch)
         model = model or m
-    if args.zero1:
-        return loops, info  # ZeRO-1 ÷ all-reduce only
+    if args.dp_shard:
+        return loops, info  # the sharded modes ÷ the all-reduce only
     if not args.references or ps.world_size > 1 or cfg.arch != "gpt":
         return loops, info  # the references are one process and GPT only
     for kind in args.references:

@@ -149,8 +149,11 @@ def write(path: str, rows: list[dict], meta: dict) -> None:
 def compare(rows: list[dict], loops: list[Loop], info: dict, args) -> dict[str, dict]:
     """meshtron against each reference: ratios of medians, p10s, CPU time, block pairs."""
     out = {}
-    if args.zero1:
-        return {"ZeRO-1 ÷ all-reduce": zero1_ratio(rows, loops, args)}
+    if args.dp_shard:
+        return {
+            f"{loops[i].name.split()[1]} ÷ all-reduce": sharded_ratio(rows, loops, i, args)
+            for i in range(1, len(loops))
+        }
     for i in range(1, len(loops)):
         ratio = rows[0]["step_ms_median"] / rows[i]["step_ms_median"]
         rows[i]["ratio"] = ratio
@@ -166,19 +169,20 @@ def compare(rows: list[dict], loops: list[Loop], info: dict, args) -> dict[str, 
     return out
 
 
-def zero1_ratio(rows: list[dict], loops: list[Loop], args) -> dict:
-    """ZeRO-1's step time over the all-reduce path's: medians, p10s, per block pair."""
+def sharded_ratio(rows: list[dict], loops: list[Loop], i: int, args) -> dict:
+    """Loop ``i``'s (a DP sharding mode's) step time over the all-reduce path's (loop 0):
+    medians, p10s, per block pair."""
     k = args.steps_per_block
-    plain, zero = loops[0].times, loops[1].times
+    plain, zero = loops[0].times, loops[i].times
     pairs = [
-        statistics.median(zero[i : i + k]) / statistics.median(plain[i : i + k])
-        for i in range(0, len(zero), k)
+        statistics.median(zero[j : j + k]) / statistics.median(plain[j : j + k])
+        for j in range(0, len(zero), k)
     ]
-    rows[1]["ratio"] = rows[1]["step_ms_median"] / rows[0]["step_ms_median"]
+    rows[i]["ratio"] = rows[i]["step_ms_median"] / rows[0]["step_ms_median"]
     return {
-        "ratio": rows[1]["ratio"],
-        "p10_ratio": rows[1]["step_ms_p10"] / rows[0]["step_ms_p10"],
-        "cpu_ratio": rows[1]["cpu_ms_median"] / rows[0]["cpu_ms_median"],
+        "ratio": rows[i]["ratio"],
+        "p10_ratio": rows[i]["step_ms_p10"] / rows[0]["step_ms_p10"],
+        "cpu_ratio": rows[i]["cpu_ms_median"] / rows[0]["cpu_ms_median"],
         "paired_ratios": pairs,
         "paired_ratio_median": statistics.median(pairs),
     }

@@ -10,8 +10,10 @@ the layout the runtime holds (engine.data_parallel; docs/PERFMODEL.md derives th
 - ``gradients`` (ZeRO-2, FSDP2 keeping parameters gathered between forward and backward):
   the gathered 16-bit parameters (2) plus the sharded fp32 master, gradient and moments
   (16/d): 2 + 16/d (fp32: 4 + 16/d).
-- ``full`` (ZeRO-3, FSDP2): 16/d, plus the layers gathered in flight: ``IN_FLIGHT_LAYERS``
-  layers' parameters and unsharded gradients at the compute width (2 + 2 bytes in bf16).
+- ``full`` (ZeRO-3, FSDP2): 16/d, plus the units gathered in flight
+  (``engine.formulas.fsdp_in_flight_bytes``: the computing unit, the largest of which may
+  be the embedding-side root, and the one prefetched behind it, parameters and unsharded
+  gradients at the compute width, 2 + 2 bytes in bf16).
 
 These and the activations of one layer are the runtime's formulas (``engine.formulas``:
 ``state_bytes_per_param``, ``layer_activation_bytes``, ``llama_layer_activation_bytes``);
@@ -32,9 +34,6 @@ FRAGMENTATION = 0.10  # allocator fragmentation and workspace, as a fraction of 
 # What the DP axis may shard; parallel_state.dims.DP_SHARD_MODES (which imports torch through
 # its package) names the same four, and a test holds them equal.
 DP_SHARD = ("none", "optimizer", "gradients", "full")
-# Layers whose parameters FSDP2 holds gathered at once under ``full``: the one computing and
-# the one prefetched behind it.
-IN_FLIGHT_LAYERS = 2
 
 
 @dataclass(frozen=True)
@@ -62,15 +61,6 @@ class MemoryTerms:
             "activations": self.activations,
         }
         return {k: v / 2**30 for k, v in terms.items()}
-
-
-def in_flight_bytes(layer_params: float, precision: str, dp_shard: str) -> float:
-    """Bytes of the layers FSDP2 holds gathered at once: parameters and their unsharded
-    gradients at the compute width (``full``); ``gradients`` keeps parameters whole
-    already, so only the unsharded gradients of those layers; nothing otherwise."""
-    width = 4.0 if precision == "fp32" else 2.0
-    per_param = {"full": 2 * width, "gradients": width}.get(dp_shard, 0.0)
-    return IN_FLIGHT_LAYERS * layer_params * per_param
 
 
 def activation_bytes(

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.formulas import (
+    fsdp_in_flight_bytes,
     gpt_flops_per_iteration,
     llama_flops_per_iteration,
     llama_layer_weights,
@@ -33,7 +34,6 @@ from studies.perfmodel.memory_model import (
     DP_SHARD,
     MemoryTerms,
     activation_bytes,
-    in_flight_bytes,
 )
 
 RECOMPUTE = ("none", "selective", "full")
@@ -412,7 +412,12 @@ def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
     """Bytes per GPU by kind on the rank holding the most (before the fragmentation margin)."""
     params = params_per_rank(w, lay.tp, lay.pp)
     weights, grads, opt = state_bytes_per_param(w.precision, lay.dp_shard, lay.dp)
-    in_flight = in_flight_bytes(layer_params_per_rank(w, lay.tp), w.precision, lay.dp_shard)
+    in_flight = fsdp_in_flight_bytes(
+        layer_params_per_rank(w, lay.tp),
+        vocab_params_per_rank(w, lay.tp, lay.pp),
+        w.precision,
+        lay.dp_shard,
+    )
     micro_steps = w.global_batch // (lay.dp * lay.micro_batch)
     acts = activation_bytes(
         w.seq,
