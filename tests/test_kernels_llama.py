@@ -287,7 +287,7 @@ def _llama_loss_and_grads(kernels: str, sequence_parallel: bool = False, device=
         ps.seed(5)
     else:
         torch.manual_seed(5)
-    model = build_model(cfg, device=device)
+    model = build_model(cfg, ps, device=device)
     with torch.no_grad():  # non-trivial norm weights, so a wrong dw or w-scaling shows
         for name, p in model.named_parameters():
             if "norm" in name:
