@@ -33,7 +33,10 @@ class Kernels:
     """The element-wise ops of a layer, as one swappable set."""
 
     layer_norm: Callable[..., torch.Tensor]  # (x, weight, bias, eps)
+    rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps)
     gelu: Callable[..., torch.Tensor]  # (x, bias | None, approximate: "none" | "tanh")
+    # (gate_up with interleaved [..., (f two)] columns, bias | None) -> silu(gate) * up
+    swiglu: Callable[..., torch.Tensor]
     bias_dropout_add: Callable[..., torch.Tensor]  # (x, bias | None, residual, p, training)
     # (logits, target, *, vocab_size, tp_group, comm_timer): vocab_parallel_cross_entropy's
     cross_entropy: Callable[..., torch.Tensor]
@@ -41,7 +44,9 @@ class Kernels:
 
 TORCH_KERNELS = Kernels(
     layer_norm=lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
+    rms_norm=lambda x, w, eps: fused.rms_norm(x, w, eps, backend="torch"),
     gelu=lambda x, b, approximate: F.gelu(x if b is None else x + b, approximate=approximate),
+    swiglu=lambda gate_up, b: fused.swiglu(gate_up, b, backend="torch"),
     bias_dropout_add=_torch_bias_dropout_add,
     cross_entropy=vocab_parallel_cross_entropy,
 )
@@ -58,10 +63,20 @@ def _fused_kernels(name: str) -> Kernels:
             return TORCH_KERNELS.layer_norm(x, w, b, eps)
         return fused.layer_norm(x, w, b, eps, backend=backend)
 
+    def rms_norm(x, w, eps):
+        if choose_backend("rms_norm", x, other) == "torch":
+            return TORCH_KERNELS.rms_norm(x, w, eps)
+        return fused.rms_norm(x, w, eps, backend="triton")
+
     def gelu(x, bias, approximate):
         if choose_backend("bias_gelu", x, other) == "torch":
             return TORCH_KERNELS.gelu(x, bias, approximate)
         return fused.bias_gelu(x, bias, approximate=approximate, backend="triton")
+
+    def swiglu(gate_up, bias):
+        if choose_backend("swiglu", gate_up, other) == "torch":
+            return TORCH_KERNELS.swiglu(gate_up, bias)
+        return fused.swiglu(gate_up, bias, backend="triton")
 
     def bias_dropout_add(x, bias, residual, p, training):
         if choose_backend("bias_dropout_add", x, other) == "torch":
@@ -74,7 +89,7 @@ def _fused_kernels(name: str) -> Kernels:
             return TORCH_KERNELS.cross_entropy(logits, target, **kwargs)
         return fused_vocab_parallel_cross_entropy(logits, target, backend="triton", **kwargs)
 
-    return Kernels(layer_norm, gelu, bias_dropout_add, cross_entropy)
+    return Kernels(layer_norm, rms_norm, gelu, swiglu, bias_dropout_add, cross_entropy)
 
 
 def resolve_kernels(name: str) -> Kernels:
@@ -82,7 +97,7 @@ def resolve_kernels(name: str) -> Kernels:
 
     - ``auto``: per op, ``choose_backend``'s rule: the fused kernel on CUDA tensors where
       ``layers.kernels.dispatch.MODEL_AUTO`` measured it faster than torch at that width;
-      torch otherwise;
+      torch otherwise, and always for RMSNorm and SwiGLU (not measured on a GPU yet);
     - ``triton``: always the Triton kernels (on CPU they run under ``TRITON_INTERPRET=1``,
       which is how CI checks them inside a whole model);
     - ``apex``: apex's FusedLayerNorm (it must be importable), ``auto`` for the rest;

@@ -4,7 +4,9 @@ ffn→h.
 SwiGLU (Llama) fuses the gate and up projections into one column-parallel weight whose
 rows interleave them, ``(ffn two)``: row 2i is gate_i, row 2i+1 is up_i. Any contiguous
 TP slice then holds matching gate/up pairs, so the stored layout does not depend on the
-TP size and one GEMM (one sequence all-gather under SP) serves both.
+TP size and one GEMM (one sequence all-gather under SP) serves both. The element-wise
+silu(gate) · up on that interleaved output is the kernel set's ``swiglu``
+(``layers.kernels.swiglu``; the fused kernel writes dgate/dup straight into it).
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
-from einops import rearrange
 from torch import nn
 
 from layers.kernel_set import Kernels, resolve_kernels
@@ -59,13 +59,5 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fc2 output without its bias, fc2's bias) for bias + dropout + add."""
         if self.gated:
-            return self.fc2(swiglu(*self.fc1(x)))
+            return self.fc2(self.kernels.swiglu(*self.fc1(x)))
         return self.fc2(self.kernels.gelu(*self.fc1(x), self.approximate))
-
-
-def swiglu(gate_up: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) · up of interleaved ``[..., (f two)]`` columns (plus ``bias``) → ``[..., f]``."""
-    if bias is not None:
-        gate_up = gate_up + bias
-    gate, up = rearrange(gate_up, "... (f two) -> two ... f", two=2)
-    return F.silu(gate) * up

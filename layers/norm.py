@@ -44,8 +44,8 @@ class RMSNorm(nn.Module):
     """RMSNorm over the last dim (Llama): ``x / sqrt(mean(x²) + eps) · weight``, no bias.
 
     Computed in at least fp32 (half inputs are upcast, as Hugging Face does; fp64 stays
-    fp64, where HF would round through fp32). Replicated weight, partial under SP like
-    LayerNorm's. ``kernels`` is accepted for the seam; torch computes it for now.
+    fp64, where HF would round through fp32), by the kernel set's ``rms_norm``
+    (``layers.kernels.rms_norm``). Replicated weight, partial under SP like LayerNorm's.
     """
 
     def __init__(
@@ -62,13 +62,12 @@ class RMSNorm(nn.Module):
         factory = {"dtype": dtype or torch.get_default_dtype(), "device": device}
         self.weight = nn.Parameter(torch.ones(size, **factory))
         self.eps, self.sequence_parallel = eps, sequence_parallel
+        self.kernels = as_kernels(kernels)
         mark_tp_dim(self.weight, None)
         mark_sp_partial_grad(self.weight, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
 NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}

@@ -6,9 +6,10 @@ contiguous blocks. Under sequence parallelism everything outside the TP regions
 column-parallel layers all-gather the sequence on entry and the row-parallel layers
 reduce-scatter it on exit.
 
-LayerNorm, GeLU and bias-dropout-add go through ``layers.kernel_set.resolve_kernels``, the
-one place where fused kernels get wired in. The parts live by concept: the config protocol
-(``transformer_config``), the MLP (``mlp``), the norm (``norm``), attention (``attention``).
+The norms (LayerNorm, RMSNorm), the activations (GeLU, SwiGLU) and bias-dropout-add go
+through ``layers.kernel_set.resolve_kernels``, the one place where fused kernels get wired
+in. The parts live by concept: the config protocol (``transformer_config``), the MLP
+(``mlp``), the norm (``norm``), attention (``attention``).
 """
 
 from __future__ import annotations

@@ -730,6 +730,8 @@ def test_bench_kernels_smoke(tmp_path, monkeypatch):
         "bias_gelu",
         "bias_dropout_add",
         "cross_entropy",
+        "rms_norm",
+        "swiglu",
     }
     assert all(r["max_err_vs_torch"] <= 1e-4 for r in rows)
     for name in ("kernels.csv", "kernels.md", "kernels.png"):

@@ -102,9 +102,15 @@ def choose_backend(op: str, x: torch.Tensor, backend: str = "auto") -> str:
 #   without. So the element-wise kernels start at h 2048 (bias-GeLU's input is the 4h-wide
 #   MLP activation: 8192). The fused cross-entropy was level with torch.compile at
 #   V = 50304 and used 1 MB where F.cross_entropy took 9.4 GB: always.
+# The Llama family's RMSNorm and SwiGLU kernels have not been measured on a GPU (only
+# checked for correctness, in the interpreter): None, so "auto" keeps torch for them until
+# a GPU run of tools/bench_kernels.py and a model step say where they pay. (SwiGLU's last
+# dimension is the interleaved gate/up width, 2 x ffn.)
 MODEL_AUTO: dict[str, int | None] = {
     "layer_norm": 2048,
     "bias_gelu": 8192,
     "bias_dropout_add": 2048,
     "cross_entropy": 0,
+    "rms_norm": None,
+    "swiglu": None,
 }

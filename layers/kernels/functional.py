@@ -75,6 +75,47 @@ def bias_gelu(
     return F.gelu(x if bias is None else x + bias, approximate=approximate)
 
 
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """RMSNorm over the last dim, ``x / sqrt(mean(x²) + eps) · weight``, fused.
+
+    The torch path computes in at least fp32 (half inputs are upcast, as Hugging Face's
+    Llama does; fp64 stays fp64), rounds the normalized x back to x's dtype and multiplies
+    by the weight: the output has the promoted dtype of x and weight. The Triton path keeps
+    everything in fp32 and rounds once, to that same dtype.
+    """
+    if choose_backend("rms_norm", x, backend) == "triton":
+        from layers.kernels.rms_norm_triton import RMSNormFunction
+
+        return RMSNormFunction.apply(x, weight, eps)
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    normed = (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if weight is None else weight * normed
+
+
+def swiglu(
+    gate_up: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str = "auto"
+) -> torch.Tensor:
+    """``F.silu(gate) * up`` of interleaved ``[..., (f two)]`` columns (gate at even, up at
+    odd; ``layers.mlp``'s layout), plus ``bias`` first when given, → ``[..., f]``, fused.
+
+    The Triton path writes dgate and dup interleaved straight into gate_up's gradient. A
+    bias is added by torch before the kernel (the Llama family has none).
+    """
+    if bias is not None:
+        gate_up = gate_up + bias
+    if choose_backend("swiglu", gate_up, backend) == "triton":
+        from layers.kernels.swiglu_triton import SwiGLUFunction
+
+        return SwiGLUFunction.apply(gate_up)
+    return F.silu(gate_up[..., 0::2]) * gate_up[..., 1::2]
+
+
 def bias_dropout_add(
     x: torch.Tensor,
     bias: torch.Tensor | None,

@@ -1,11 +1,11 @@
-"""``LayerNorm``: a drop-in for ``torch.nn.LayerNorm`` over the last dim, on the fused kernel."""
+"""``LayerNorm`` and ``RMSNorm``: drop-ins for ``torch.nn``'s over the last dim, on the fused kernels."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from layers.kernels.functional import layer_norm
+from layers.kernels.functional import layer_norm, rms_norm
 
 
 class LayerNorm(nn.Module):
@@ -49,3 +49,30 @@ class LayerNorm(nn.Module):
             f"{self.normalized_shape}, eps={self.eps}, "
             f"elementwise_affine={self.elementwise_affine}, backend={self.backend!r}"
         )
+
+
+class RMSNorm(nn.Module):
+    """``torch.nn.RMSNorm`` over the last dim, with the same parameter and state_dict name
+    (``weight``), computed by ``layers.kernels.rms_norm`` (output in the promoted dtype of
+    the input and the weight)."""
+
+    def __init__(
+        self,
+        size: int,
+        eps: float = 1e-6,
+        elementwise_affine: bool = True,
+        *,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.size, self.eps, self.backend = size, eps, backend
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.ones(size, **factory)) if elementwise_affine else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"{self.size}, eps={self.eps}, affine={self.weight is not None}, backend={self.backend!r}"

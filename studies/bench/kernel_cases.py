@@ -42,6 +42,8 @@ def build_cases(tokens_list, hidden_list, vocab_list, dtype, device, compile_tor
     size = torch.tensor([], dtype=dtype).element_size()
     maybe_compile = (lambda f: torch.compile(f)) if compile_torch else None
     liger_ln = _optional("liger_kernel.transformers.functional", "liger_layer_norm")
+    liger_rms = _optional("liger_kernel.transformers.functional", "liger_rms_norm")
+    liger_swiglu = _optional("liger_kernel.transformers.functional", "liger_swiglu")
     liger_ce = _optional("liger_kernel.transformers.functional", "liger_cross_entropy")
     apex_ln = _optional("apex.normalization.fused_layer_norm", "fused_layer_norm_affine")
     cases = []
@@ -61,11 +63,25 @@ def build_cases(tokens_list, hidden_list, vocab_list, dtype, device, compile_tor
                 "triton": lambda x, b, r: K.bias_dropout_add(x, b, r, 0.1, True, backend="triton"),
                 "torch": lambda x, b, r: r + F.dropout(x + b, 0.1, True),
             }
-            for impls in (ln, gelu, bda):
+            rms = {
+                "triton": lambda x, w: K.rms_norm(x, w, 1e-5, backend="triton"),
+                "torch": lambda x, w: K.rms_norm(x, w, 1e-5, backend="torch"),
+            }
+            # SwiGLU's input is the interleaved gate/up projection, 2 x ffn wide; ffn = 4h
+            # here (Llama's ffn is ~2.7-3.5h, so these are its ffn widths at h 1.4x larger).
+            swi = {
+                "triton": lambda gu: K.swiglu(gu, backend="triton"),
+                "torch": lambda gu: K.swiglu(gu, backend="torch"),
+            }
+            for impls in (ln, gelu, bda, rms, swi):
                 if maybe_compile:
                     impls["compile"] = maybe_compile(impls["torch"])
             if liger_ln:
                 ln["liger"] = lambda x, w, b: liger_ln(x, w, b, 1e-5)
+            if liger_rms:
+                rms["liger"] = lambda x, w: liger_rms(x, w, 1e-5, in_place=False)
+            if liger_swiglu:  # separate gate and up: its input is de-interleaved (a copy)
+                swi["liger"] = lambda gu: liger_swiglu(gu[..., 0::2], gu[..., 1::2])
             if apex_ln:
                 ln["apex"] = lambda x, w, b: apex_ln(x, w, b, x.shape[-1:], 1e-5)
             vec = lambda h=h: _leaf(h, dtype=dtype, device=device)
@@ -91,6 +107,23 @@ def build_cases(tokens_list, hidden_list, vocab_list, dtype, device, compile_tor
                     lambda mk=mk, vec=vec: (*mk(), vec(), *mk()),
                     bda,
                     {"fwd": 3 * e, "bwd": 2 * e, "fwd+bwd": 5 * e},
+                ),
+                # Forward reads x, writes y; backward reads x and dy, writes dx.
+                Case(
+                    "rms_norm",
+                    label,
+                    lambda mk=mk, vec=vec: (*mk(), vec()),
+                    rms,
+                    {"fwd": 2 * e, "bwd": 3 * e, "fwd+bwd": 5 * e},
+                ),
+                # f = 4h: forward reads gate/up (8e), writes the product (4e); backward
+                # reads gate/up and dy (12e), writes d gate/up (8e).
+                Case(
+                    "swiglu",
+                    f"tokens={t} ffn={4 * h}",
+                    lambda t=t, h=h: (_leaf(t, 8 * h, dtype=dtype, device=device),),
+                    swi,
+                    {"fwd": 12 * e, "bwd": 20 * e, "fwd+bwd": 32 * e},
                 ),
             ]
         for v in vocab_list:
