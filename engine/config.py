@@ -253,6 +253,11 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
             f"trainer.collective_timeout_s={t.collective_timeout_s} must be >= 0 and finite "
             "(0: off)"
         )
+    if not 0 <= t.memory_cap_gib < math.inf:
+        problems.append(
+            f"trainer.memory_cap_gib={t.memory_cap_gib} must be >= 0 and finite "
+            "(0: the device's memory)"
+        )
     if cfg.optim.scale_lr_with_batch < 0:
         problems.append(
             f"optim.scale_lr_with_batch={cfg.optim.scale_lr_with_batch} must be >= 0 "

@@ -20,6 +20,7 @@ from engine.models import build_model
 from engine.models.config import preset
 from layers.utils import dp_sharded, local_part
 from parallel_state.dims import DP_SHARD_MODES, ParallelDims
+from parallel_state.random import RNGTracker
 from tests.multiproc import run_ranks
 
 CFG = preset(
@@ -47,9 +48,14 @@ def _alone() -> dist.ProcessGroup:
     return [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
 
 
+def _unsplit(dtype: torch.dtype | None = None):
+    """CFG whole on this rank (its own one-rank TP group; dropout is 0, so its RNG is idle)."""
+    return build_model(CFG, dtype=dtype, tp_group=_alone(), rng=RNGTracker())
+
+
 def _reference(initial: dict[str, torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Unsplit fp64 model on the whole batch, torch's AdamW and clip_grad_norm_ (not ours)."""
-    model = build_model(CFG, dtype=torch.float64, tp_group=_alone())
+    model = _unsplit(torch.float64)
     model.load_full_state_dict(initial)
     params = list(model.parameters())
     groups = [
@@ -116,7 +122,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 def _modes_vs_reference(tp: int, dp: int, sp: bool) -> dict:
     ps = parallel_state.initialize(ParallelDims(tp, dp, sequence_parallel=sp))
     torch.manual_seed(0)
-    initial = build_model(CFG, dtype=torch.float64, tp_group=_alone()).full_state_dict()
+    initial = _unsplit(torch.float64).full_state_dict()
     ref_losses, ref = _reference(initial)
     cfg = dataclasses.replace(CFG, sequence_parallel=sp)
     out = {}
@@ -148,7 +154,7 @@ def test_every_dp_shard_mode_matches_the_unsplit_reference(tp, dp, sp):
 def _bf16_full_vs_optimizer() -> dict:
     ps = parallel_state.initialize(ParallelDims(1, 2))
     torch.manual_seed(0)
-    initial = build_model(CFG, tp_group=_alone()).full_state_dict()
+    initial = _unsplit().full_state_dict()
     runs = {
         mode: _train(
             ps, mode, CFG, initial, dtype=torch.float32, low_precision=torch.bfloat16, autocast=True
@@ -221,6 +227,35 @@ def test_zero3_holds_a_1_over_d_shard_of_every_layer_not_running(d):
         for i, s in enumerate(r["seen"][1:], start=1):
             assert s["sharded"] and 0 < s["held"] <= s["bound"], (i, s)
             assert s["bound"] <= s["whole"] / d * 1.05, (i, s)  # the padding is small here
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("pp_size=2", "dp_size=2", "model.num_layers=2"),
+            "parallel.dp_shard=full with pp_size=2 is not built: set pp_size=1 or dp_shard=none",
+        ),
+        (("trainer.precision=fp16",), "parallel.dp_shard=full trains in bf16 or fp32"),
+        (("model.compile=true",), "parallel.dp_shard=full runs the model eagerly"),
+        (("trainer.memory_cap_gib=-1",), "trainer.memory_cap_gib=-1.0 must be >= 0 and finite"),
+    ],
+)
+def test_what_fsdp_does_not_run_with_is_refused_before_any_worker(
+    overrides, message, capsys, tmp_path, monkeypatch
+):
+    """One line, exit 2, nothing started, for the combinations FSDP2 is not built for."""
+    from engine.pretrain import prepare
+    from tests.test_engine import compose_config
+
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_config("tp_size=1", "dp_size=2", "parallel.dp_shard=full", *overrides)
+    with pytest.raises(SystemExit) as exit_info:
+        prepare(cfg)
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+    assert not any(tmp_path.iterdir())  # a refused run leaves nothing on disk
 
 
 def _reshard_modes(cfgs: dict) -> dict:
