@@ -173,14 +173,16 @@ def _bf16_full_vs_optimizer() -> dict:
 
 
 def test_bf16_full_matches_bf16_zero1():
-    """bf16 under autocast: FSDP's fp32 masters gathered as bf16 against ZeRO-1's bf16
-    parameters beside fp32 master slices, 5 steps. Both compute in bf16 (8 significant
-    bits, relative rounding 2**-9 ≈ 2e-3 per op) and the two differ in where the rounding
-    happens, so losses agree to 1e-2 and the fp32 masters to 2e-2 of their largest entry
-    (a few bf16 rounding steps of an lr-1e-2 update)."""
+    """bf16 under autocast, 5 steps: FSDP gathers bf16 casts of its fp32 master shards,
+    ZeRO-1 keeps bf16 parameters rounded from its fp32 master slices: the same bf16 values
+    either way, so the forward and backward compute the same thing and the two differ only
+    in the order of their fp32 gradient reductions (reduce-scatter vs bucketed reduce-
+    scatter), a few fp32 roundings amplified by Adam: measured 0 on the losses and 3.0e-8
+    of the largest master entry. 1e-5 allows that a hundredfold while a bf16-sized
+    discrepancy (a cast in the wrong place, 2**-9 ≈ 2e-3) still fails."""
     for r in run_ranks(_bf16_full_vs_optimizer, 2, timeout=300):
         print(f"bf16 full vs ZeRO-1: {r}")
-        assert r["loss"] <= 1e-2 and r["params"] <= 2e-2, r
+        assert r["loss"] <= 1e-5 and r["params"] <= 1e-5, r
 
 
 def _held_between_layers(d: int) -> dict:
