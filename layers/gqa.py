@@ -11,7 +11,8 @@ With ``kv_heads`` key/value heads and TP size ``tp``:
 The weight's rows are ``(kv_heads two d)`` (each head's k rows, then its v rows) at every
 TP size, so full state dicts do not depend on the layout. Replicated parameters declare
 their replica count (``layers.param_roles``): gathers keep one copy per block and the
-gradient norm counts one.
+gradient norm counts one. At every TP size the parameters also declare ``kv_heads`` as
+their block count, which checkpoints read to cut them for any other TP size.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 
 from layers.linear import ColumnParallelLinear, InitMethod, build_master_weight
 from layers.mappings import all_reduce_sum_, copy_to_tp, gather_from_sequence
-from layers.param_roles import mark_replicas, mark_tp_dim
+from layers.param_roles import mark_replicas, mark_tp_blocks, mark_tp_dim
 from layers.utils import comm_timer_of, group_rank, group_size
 
 
@@ -107,5 +108,9 @@ def kv_projection(
     """The KV projection for ``kv_heads`` heads: column-parallel, or replicated per head."""
     out = 2 * kv_heads * head_dim
     if kv_heads % group_size(tp_group) == 0:
-        return ColumnParallelLinear(hidden, out, bias, tp_group=tp_group, **common)
-    return ReplicatedKVLinear(hidden, out, bias, blocks=kv_heads, tp_group=tp_group, **common)
+        layer = ColumnParallelLinear(hidden, out, bias, tp_group=tp_group, **common)
+    else:
+        layer = ReplicatedKVLinear(hidden, out, bias, blocks=kv_heads, tp_group=tp_group, **common)
+    for p in layer.parameters():
+        mark_tp_blocks(p, kv_heads)
+    return layer

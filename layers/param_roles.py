@@ -8,6 +8,9 @@ know which layer made the parameter. The roles:
   whole tensor.
 * **replicas**: how many consecutive TP ranks hold each dim-0 block of a split parameter
   (1: an ordinary split; more when there are fewer KV heads than TP ranks, ``layers.gqa``).
+* **block count**: the most dim-0 blocks a split parameter is cut into at any TP size (its
+  KV heads); past it each block is replicated. Unlike the replicas it does not depend on
+  the layout, so checkpoints cut and place such a parameter for any TP size with it.
 * **sequence-parallel partial gradient**: a replicated parameter whose gradient on each
   TP rank covers only that rank's sequence block (norms, the row-parallel bias under
   sequence parallelism); ``layers.tp_grads`` sums it over TP after backward.
@@ -26,6 +29,7 @@ import torch
 
 _TP_DIM = "tp_split_dim"
 _REPLICAS = "tp_replicas"
+_BLOCKS = "tp_blocks_at_most"
 _SP_PARTIAL_GRAD = "sequence_parallel_grad"
 _VOCAB_PADDED = "vocab_padded"
 _COPY = "copy_of_another_rank"
@@ -50,6 +54,17 @@ def mark_replicas(param: torch.Tensor, copies: int) -> None:
 def replicas(param: torch.Tensor) -> int:
     """How many TP ranks hold each of ``param``'s blocks (1: an ordinary split)."""
     return getattr(param, _REPLICAS, 1)
+
+
+def mark_tp_blocks(param: torch.Tensor, blocks: int) -> None:
+    """Declare that ``param``'s dim 0 is cut into at most ``blocks`` blocks over TP (each
+    held by ``tp_size / blocks`` ranks when TP is larger)."""
+    setattr(param, _BLOCKS, blocks)
+
+
+def tp_blocks(param: torch.Tensor) -> int | None:
+    """The most dim-0 blocks ``param`` is cut into over TP; None: no limit."""
+    return getattr(param, _BLOCKS, None)
 
 
 def mark_sp_partial_grad(param: torch.Tensor, partial: bool = True) -> None:

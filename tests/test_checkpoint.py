@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,11 +26,15 @@ from engine.checkpoint import (
 )
 from engine.checkpoint.convert import convert
 from engine.checkpoint.format import read_checkpoint
+from engine.checkpoint.layout import MODEL, TensorSpec, assign_writers, local_box
+from engine.checkpoint.state import as_held_by, param_states, read_local
 from engine.checkpoint.storage import write_index
 from engine.config import Config, OptimConfig, parallel_dims
 from engine.models import build_model
 from engine.models.config import preset
 from engine.optim import build_optimizer
+from layers.param_roles import mark_tp_blocks, mark_tp_dim, replicas
+from parallel_state.dims import ParallelDims
 from tests.corpus import build_test_corpus
 from tests.multiproc import run_ranks, subprocess_env
 from tests.test_engine import ROOT, compose_config
@@ -108,6 +113,15 @@ RESUME_CASES = {
         "optim.distributed=true",
         "trainer.precision=fp16",
         "trainer.loss_scale_init=2e5",
+    ),
+    # Llama with 2 KV heads at tp=4: each KV head's projection is held by two TP ranks and
+    # written by one; both must read it back.
+    "llama_tp4_kv2": (
+        "model=llama_tiny",
+        "model.num_kv_heads=2",
+        "model.ffn_hidden_size=64",
+        "tp_size=4",
+        "dp_size=1",
     ),
 }
 
@@ -206,6 +220,181 @@ def test_reshard_model_and_optimizer_across_layouts(corpus, tmp_path):
             assert [s for s, _ in r["history"]] == [4, 5]
             losses = [loss for _, loss in r["history"]]
             torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0)
+
+
+KV = TensorSpec("model/kv", (32, 8), "float32", MODEL, tp_dim=0, tp_blocks=2)
+
+
+def test_a_block_past_the_kv_heads_is_written_once_and_read_by_every_holder():
+    """2 KV-head blocks at tp=4 × dp=2: TP ranks 0, 1 hold rows 0:16, TP ranks 2, 3 rows
+    16:32 (and their DP replicas the same); one of each block's four holders writes it."""
+    top, bottom = [(0, 16), (0, 8)], [(16, 32), (0, 8)]
+    assert [local_box(KV, t, 4, 128) for t in range(4)] == [top, top, bottom, bottom]
+    assert [local_box(KV, t, 2, 128) for t in range(2)] == [top, bottom]  # an ordinary split
+    plan = assign_writers([KV], tp_size=4, dp_size=2, padded_vocab=128)
+    writers = {r: mine["model/kv"] for r, mine in plan.items() if mine}
+    assert sorted(writers.values()) == [top, bottom]
+    dp_groups = ParallelDims(4, 2).group_ranks("dp")  # the DP replicas of each TP rank
+    for rank, box in writers.items():
+        holders = [r for t in range(4) if local_box(KV, t, 4, 128) == box for r in dp_groups[t]]
+        assert rank in holders and len(holders) == 4
+    with pytest.raises(ValueError, match="2 blocks .* and tp_size=3"):
+        local_box(KV, 0, 3, 128)
+
+
+def test_an_index_without_block_counts_is_cut_as_the_model_says():
+    """An index written before block counts were recorded (at a tp up to the KV heads) is
+    read past the KV heads with the count the model's parameter declares."""
+    param = torch.nn.Parameter(torch.zeros(16, 8))
+    mark_tp_dim(param, 0)
+    mark_tp_blocks(param, 2)
+    spec = as_held_by(dataclasses.replace(KV, tp_blocks=None), param)
+    assert spec == KV and local_box(spec, 1, 4, 128) == [(0, 16), (0, 8)]
+
+
+def test_a_stored_tensor_smaller_than_the_models_is_refused():
+    """Only vocabulary padding may be missing from a stored slice: a tensor cut wrong (or
+    another model's) is an error, not a partly filled parameter."""
+
+    class Reader:
+        def read(self, name, box):
+            return torch.ones([hi - lo for lo, hi in box])
+
+    model = build_model(dataclasses.replace(CFG, num_layers=1))
+    small = dataclasses.replace(KV, tp_blocks=None, shape=(16, 8))
+    with pytest.raises(ValueError, match=r"model/kv: stored shape \[16, 8\] does not fit"):
+        read_local(Reader(), small, torch.Size([32, 8]), model)
+    padded = dataclasses.replace(small, vocab_padded=True)  # vocabulary rows: zero-padded
+    assert read_local(Reader(), padded, torch.Size([32, 8]), model).sum() == 16 * 8
+
+
+def _holders_agree(t) -> bool:
+    """Every TP rank holding a KV head's block (GQA past the KV heads) holds the same values
+    as the block's first holder: weights, and the Adam moments beside them."""
+    size, states = t.ps.tp_size, param_states(t.dp)
+    for p in t.model.parameters():
+        copies = replicas(p)
+        moments = [v for _, v in sorted(states.get(p, {}).items()) if torch.is_tensor(v)]
+        for local in (p.detach(), *moments) if copies > 1 else ():
+            held = torch.stack(comm.all_gather_object(local, t.ps.tp_group))
+            if not torch.equal(held, held[torch.arange(size) // copies * copies]):
+                return False
+    return True
+
+
+def _reshard_llama(cfgs: dict[str, Config], spare: str) -> dict:
+    """Save a Llama with 2 KV heads at tp=4 (each head held by two TP ranks), resume at
+    other layouts, and the reverse (see the test)."""
+    from engine.trainer import Trainer
+
+    def trainer(cfg: Config) -> Trainer:
+        parallel_state.destroy()
+        return Trainer(cfg, parallel_state.initialize(parallel_dims(cfg, 4)))
+
+    def state_of(t: Trainer) -> tuple[dict, dict]:
+        return t.model.full_state_dict(), full_optimizer_state(t.model, t.dp)
+
+    saver = trainer(cfgs["save"])
+    saver.fit()
+    saved = {("a", 3): state_of(saver), ("b", 3): state_of(saver)}
+    if dist.get_rank() == 0:  # a second root, for a second resume that saves
+        shutil.copytree(cfgs["save"].checkpoint.dir, spare)
+    dist.barrier()
+    out = {}
+    for name in ("tp4", "tp2_dp2", "tp1_dp4_zero1", "tp4_from_tp2", "tp4_from_tp1"):
+        cfg = cfgs[name]
+        root = "b" if cfg.checkpoint.dir == spare else "a"
+        t = trainer(cfg)
+        (params, moments), (want_params, want_moments) = state_of(t), saved[(root, t.step)]
+        out[name] = {
+            "step": t.step,
+            "params_equal": params.keys() == want_params.keys()
+            and all(torch.equal(params[k], want_params[k]) for k in params),
+            "moments_equal": moments.keys() == want_moments.keys()
+            and all(torch.equal(moments[k], want_moments[k]) for k in moments),
+            "holders_agree": _holders_agree(t),
+            "history": t.fit()["history"],
+        }
+        if cfg.checkpoint.every:  # it saved its last step: a reverse resume reads that
+            saved[(root, t.step)] = state_of(t)
+        out[name]["holders_agree_after"] = _holders_agree(t)
+    if dist.get_rank() == 0:
+        out["saved"] = {k: v for k, v in saved.items() if k[0] == "a" and k[1] == 3}
+    return out
+
+
+@pytest.mark.slow
+def test_reshard_llama_past_the_kv_heads(corpus, tmp_path, capsys):
+    """Llama with 2 KV heads saved at tp=4, where each KV head's projection is replicated
+    on two TP ranks: resumed at tp 4, tp 2 × dp 2 and tp 1 × dp 4 under ZeRO-1; the last
+    two save again and are resumed at tp 4 (the reverse). Then the checkpoint tools read
+    the tp=4 checkpoint.
+
+    Weights and Adam moments only move between files and ranks: exact (torch.equal), on
+    every rank holding a replicated block. The two steps after a resume at another layout
+    sum the same fp32 products in another order: 1e-5 relative to the resume at tp 4, as
+    in test_reshard_model_and_optimizer_across_layouts.
+    """
+    a, b = tmp_path / "a", tmp_path / "b"
+    base = (
+        "model=llama_tiny",
+        "model.num_kv_heads=2",
+        "model.ffn_hidden_size=64",
+        "trainer.micro_batch=1",
+    )
+
+    def layout(tp: int, dp: int) -> tuple[str, ...]:
+        return f"tp_size={tp}", f"dp_size={dp}"
+
+    def resume(root: Path, steps: int, save: bool, *more: str) -> Config:
+        every = f"checkpoint.every={steps if save else 0}"
+        return run_config(corpus, root, *base, f"trainer.max_steps={steps}", every, *more)
+
+    cfgs = {
+        "save": resume(a, 3, True, *layout(4, 1)),
+        "tp4": resume(a, 5, False, *layout(4, 1)),
+        "tp2_dp2": resume(a, 5, True, *layout(2, 2)),
+        "tp1_dp4_zero1": resume(b, 5, True, *layout(1, 4), "parallel.dp_shard=optimizer"),
+        "tp4_from_tp2": resume(a, 6, False, *layout(4, 1)),
+        "tp4_from_tp1": resume(b, 6, False, *layout(4, 1)),
+    }
+    out = run_ranks(_reshard_llama, 4, cfgs, str(b), timeout=500)[0]
+    saved_params, saved_moments = out.pop("saved")[("a", 3)]
+    for name, r in out.items():
+        assert r["params_equal"] and r["moments_equal"], (name, r)
+        assert r["holders_agree"] and r["holders_agree_after"], (name, r)
+    assert [r["step"] for r in out.values()] == [3, 3, 3, 5, 5]
+    reference = [loss for _, loss in out["tp4"]["history"]]
+    for name in ("tp2_dp2", "tp1_dp4_zero1"):
+        assert [s for s, _ in out[name]["history"]] == [4, 5]
+        losses = [loss for _, loss in out[name]["history"]]
+        torch.testing.assert_close(losses, reference, rtol=1e-5, atol=0)
+
+    # The tools on the tp=4 checkpoint: one file piece per KV head (one writer per block).
+    step3 = a / "step_00000003"
+    capsys.readouterr()
+    assert checkpoint_cli.main(["inspect", str(step3)]) == 0
+    kv = "layers.0.attention.key_value.weight"
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith(f"model/{kv} "))
+    assert line.split()[1:6] == ["[32,", "32]", "float32", "0", "2"], line
+    stored = _all_tensors(step3)
+    for name, value in saved_params.items():
+        assert torch.equal(stored[f"model/{name}"], value), name
+    for name, value in saved_moments.items():
+        assert torch.equal(stored[name], value), name
+    for tp, dp in ((1, 1), (4, 2)):
+        root = tmp_path / f"tp{tp}dp{dp}"
+        args = ["convert", str(step3), "--tp-size", str(tp), "--dp-size", str(dp)]
+        assert checkpoint_cli.main([*args, "--out", str(root)]) == 0
+        converted = _all_tensors(root / "step_00000003")
+        assert converted.keys() == {k for k in stored if not k.startswith("rng/")}
+        assert all(torch.equal(converted[k], stored[k]) for k in converted)
+        pieces = ShardReader(root / "step_00000003").index["files"].values()
+        assert sum(f"model/{kv}" in f["slices"] for f in pieces) == min(tp, 2)
+    assert checkpoint_cli.main(["export-model", str(step3), "--out", str(tmp_path / "m")]) == 0
+    exported = read_checkpoint(tmp_path / "m").state
+    assert exported.keys() == saved_params.keys()
+    assert all(torch.equal(exported[k], saved_params[k]) for k in exported)
 
 
 # ----------------------------------------------------------------- crash-safety of saving

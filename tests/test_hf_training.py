@@ -88,9 +88,18 @@ def _check(losses: list[tuple[float, float]], label: str, tol: float = 1e-12) ->
 @pytest.mark.parametrize(("tp", "dp"), [(1, 2), (2, 2)])  # tp 1 and 2 alone: the closing note
 def test_llama_trains_like_transformers(tmp_path, tp, dp):
     """Llama with one KV head (MQA: the head is replicated on both TP ranks past tp 1),
-    untied head, prime vocabulary. At tp 2 the replicated head's gradient is summed over
-    the TP ranks and enters the bucketed DP gradients in another order than transformers
-    sums it: measured 1.6e-12 after 50 steps (8.3e-13 at tp 1), hence 2e-12 there."""
+    untied head, prime vocabulary.
+
+    The error comes from one gradient entry: token 43 occurs twice in the first batch and
+    its two contributions to embedding entry (43, 29), +-2.95e-3, cancel to -3.13e-9, below
+    AdamW's eps (1e-8), where the first update turns that entry's absolute rounding (a few
+    ulp of 2.95e-3, 4.3e-18 at tp 1) into a 5e-13 weight difference (gain ~lr / eps). Giving
+    transformers meshtron's tp-1 value of that one entry alone reproduces the whole error
+    (9.2e-13). So its size follows the CPU's kernels, not the layout: on an AVX-512 CPU
+    9.1e-13 at tp 1 and 3.7e-13 at tp 2, under ATen's AVX2 kernels 5.5e-13 and 1.9e-13; an
+    earlier run on another machine gave 8.3e-13 and 1.6e-12, hence 2e-12 at tp 2. The
+    replicated KV head's summation order is not it: after step 1 its weights differ from
+    transformers' by 2e-16, the embedding by 2e-13."""
     torch.manual_seed(1)
     config = transformers.LlamaConfig(
         vocab_size=101,

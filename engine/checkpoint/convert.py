@@ -6,13 +6,14 @@ import copy
 import math
 import shutil
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from engine.checkpoint.format import META_FILE, check_output_dir, write_checkpoint
-from engine.checkpoint.layout import MODEL, OPTIM, RNG, assign_writers
+from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers
 from engine.checkpoint.manager import CheckpointDirLock
-from engine.checkpoint.state import model_name, optim_name, param_spec
+from engine.checkpoint.state import model_name, optim_name, param_of, param_spec
 from engine.checkpoint.storage import (
     INDEX,
     LATEST,
@@ -91,9 +92,17 @@ def convert(src: str | Path, out_root: str | Path, tp_size: int, dp_size: int) -
             "rewrites its input; give a new directory"
         )
     reader = ShardReader(src)
-    index, cfg = reader.index, check_shapes(reader)
+    cfg, model_specs = check_shapes(reader)
+    index = reader.index
     cfg.validate(tp_size)
-    specs = [s for s in reader.specs.values() if s.kind != RNG]
+    # Every tensor of a parameter is cut as the model's layers cut the parameter (the block
+    # count of a KV projection past its heads), whatever the index recorded.
+    blocks = {param_of(n): s.tp_blocks for n, s in model_specs.items() if s.kind == MODEL}
+    specs = [
+        replace(s, tp_blocks=blocks.get(param_of(s.name), s.tp_blocks))
+        for s in reader.specs.values()
+        if s.kind != RNG
+    ]
     plan = assign_writers(specs, tp_size, dp_size, cfg.padded_vocab_size(tp_size))
     # The output may be a run's checkpoint directory: hold its lock while writing, as a
     # run does, so neither removes the other's files.
@@ -144,7 +153,7 @@ def read_model_state(
     """(model config, full model weights, index) of a training checkpoint (root or step);
     ``state``: the calling rank's mesh, if it has one (the shape check builds on it)."""
     reader = ShardReader(resolve(src))
-    cfg = check_shapes(reader, state)  # before any tensor is allocated
+    cfg, _ = check_shapes(reader, state)  # before any tensor is allocated
     weights = {
         n[len("model/") :]: reader.read(n) for n, s in reader.specs.items() if s.kind == MODEL
     }
@@ -162,9 +171,11 @@ def export_model(src: str | Path, out_dir: str | Path) -> ModelConfig:
     return cfg
 
 
-def check_shapes(reader: ShardReader, state: ParallelState | None = None) -> ModelConfig:
-    """The index's model config, once its tensor shapes are known to be sane; before any
-    tensor is allocated.
+def check_shapes(
+    reader: ShardReader, state: ParallelState | None = None
+) -> tuple[ModelConfig, dict[str, TensorSpec]]:
+    """The index's model config, once its tensor shapes are known to be sane, and the specs
+    of the tensors the config's model holds (by stored name); before any tensor is allocated.
 
     The index's self-checksum catches accidents, not edits: an edited index can ask for
     any shape. So every tensor must fit in the bytes its files hold on disk, and the model
@@ -193,26 +204,26 @@ def check_shapes(reader: ShardReader, state: ParallelState | None = None) -> Mod
             f"{where}: model_config describes {params_count(cfg)} parameters, more than the "
             f"files ({on_disk} bytes) can hold; the index is edited or damaged"
         )
-    _check_model_shapes(reader, cfg, where, state)
-    return cfg
+    return cfg, _check_model_shapes(reader, cfg, where, state)
 
 
 def _check_model_shapes(
     reader: ShardReader, cfg: ModelConfig, where: Path, state: ParallelState | None
-) -> None:
+) -> dict[str, TensorSpec]:
     model = build_model(cfg, state, device="meta")  # shapes only: meta allocates nothing
     expected = {}
     for name, param in model.named_parameters():
-        shape = param_spec(name, param, MODEL, model).shape
-        expected[model_name(name)] = shape
+        expected[model_name(name)] = param_spec(model_name(name), param, MODEL, model)
         for key in ("exp_avg", "exp_avg_sq"):
-            expected[optim_name(name, key)] = shape
+            oname = optim_name(name, key)
+            expected[oname] = param_spec(oname, param, OPTIM, model)
     for spec in reader.specs.values():
         want = expected.get(spec.name)
         if spec.kind == MODEL and want is None:
             raise CheckpointError(f"{where}: {spec.name} is not a parameter of this model")
-        if spec.kind in (MODEL, OPTIM) and want is not None and spec.shape != want:
+        if spec.kind in (MODEL, OPTIM) and want is not None and spec.shape != want.shape:
             raise CheckpointError(
                 f"{where}: {spec.name} has shape {list(spec.shape)}, the model_config's model "
-                f"{list(want)}; the index is edited or damaged"
+                f"{list(want.shape)}; the index is edited or damaged"
             )
+    return expected

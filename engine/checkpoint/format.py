@@ -43,10 +43,13 @@ SHAPE_FIELDS = (
     "num_layers",
     "num_heads",
     "ffn_size",
+    "kv_heads",
     "max_positions",
     "num_token_types",
     "tie_embeddings",
 )
+# The config key a user sets for a derived field above.
+_CONFIG_KEY = {"ffn_size": "ffn_hidden_size", "kv_heads": "num_kv_heads"}
 
 
 @dataclass
@@ -174,6 +177,7 @@ def check_compatible(model_cfg: ModelConfig, ckpt_cfg: ModelConfig) -> None:
     for key in SHAPE_FIELDS:
         mine, theirs = getattr(model_cfg, key), getattr(ckpt_cfg, key)
         if mine != theirs:
+            key = _CONFIG_KEY.get(key, key)
             raise ValueError(f"checkpoint has model.{key}={theirs!r}, the model {mine!r}")
 
 

@@ -31,6 +31,9 @@ class TensorSpec:
     tp_dim: int | None = None  # dim split across TP; None: replicated
     vocab_padded: bool = False  # dim 0 is the vocabulary, padded per TP size in memory
     rank: int | None = None  # RNG only: the global rank whose stream this is
+    # The most blocks TP cuts dim tp_dim into (a GQA KV projection's heads); at a larger
+    # TP size each block is held whole by tp_size / tp_blocks consecutive ranks. None: any.
+    tp_blocks: int | None = None
 
     def to_json(self) -> dict:
         """The index entry."""
@@ -43,6 +46,8 @@ class TensorSpec:
         }
         if self.rank is not None:
             out["rank"] = self.rank
+        if self.tp_blocks is not None:
+            out["tp_blocks"] = self.tp_blocks
         return out
 
     @classmethod
@@ -56,6 +61,7 @@ class TensorSpec:
             entry.get("tp_dim"),
             bool(entry.get("vocab_padded")),
             entry.get("rank"),
+            entry.get("tp_blocks"),
         )
 
     @property
@@ -72,14 +78,29 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def copies_at(spec: TensorSpec, tp_size: int) -> int:
+    """How many consecutive TP ranks hold each block of ``spec`` at ``tp_size`` (1 unless TP
+    exceeds the spec's block count)."""
+    blocks = spec.tp_blocks
+    if spec.tp_dim is None or blocks is None or tp_size <= blocks:
+        return 1
+    if tp_size % blocks:
+        raise ValueError(
+            f"{spec.name}: its {blocks} blocks (KV heads) and tp_size={tp_size}: one must "
+            "divide the other; choose a tp_size that does"
+        )
+    return tp_size // blocks
+
+
 def split_rows(spec: TensorSpec, tp_size: int, padded_vocab: int) -> int:
     """Rows of the TP-split dim that each TP rank holds in memory (padding included)."""
     rows = padded_vocab if spec.vocab_padded else spec.shape[spec.tp_dim]
-    if rows % tp_size:
+    pieces = tp_size // copies_at(spec, tp_size)
+    if rows % pieces:
         raise ValueError(
             f"{spec.name}: dim {spec.tp_dim} of size {rows} does not split over tp_size={tp_size}"
         )
-    return rows // tp_size
+    return rows // pieces
 
 
 def local_box(spec: TensorSpec, tp_rank: int, tp_size: int, padded_vocab: int) -> Box | None:
@@ -92,8 +113,8 @@ def local_box(spec: TensorSpec, tp_rank: int, tp_size: int, padded_vocab: int) -
     box = [(0, n) for n in spec.shape]
     if spec.tp_dim is None:
         return box
-    block = split_rows(spec, tp_size, padded_vocab)
-    start = tp_rank * block
+    block, copies = split_rows(spec, tp_size, padded_vocab), copies_at(spec, tp_size)
+    start = (tp_rank // copies) * block  # consecutive holders share a block (layers.gqa)
     stop = min(start + block, spec.shape[spec.tp_dim])
     if stop <= start:
         return None
@@ -120,8 +141,9 @@ def assign_writers(
 ) -> dict[int, dict[str, Box]]:
     """{global rank: {tensor name: box}}: the slices each rank writes, each exactly once.
 
-    A TP-split tensor's box on TP rank t is held identically by the DP replicas of t, and
-    a replicated tensor by every rank, so each piece goes to the least-loaded rank holding
+    A TP-split tensor's box on TP rank t is held identically by the DP replicas of t (and,
+    past its block count, by those of the other TP ranks holding the same block), and a
+    replicated tensor by every rank, so each piece goes to the least-loaded rank holding
     it (greedy by bytes, in name order): deterministic, so every rank computes the same
     plan alone. An RNG state is written by the rank it belongs to.
     """
@@ -135,10 +157,11 @@ def assign_writers(
         if spec.tp_dim is None:
             holders = [(list(range(world)), [(0, n) for n in spec.shape])]
         else:  # the DP replicas of each TP rank, from the mesh's one rank formula
-            holders = [
-                (replicas, local_box(spec, t, tp_size, padded_vocab))
-                for t, replicas in enumerate(ParallelDims(tp_size, dp_size).group_ranks("dp"))
-            ]
+            by_box: dict[tuple, list[int]] = {}  # one entry per distinct box, all its holders
+            for t, replicas in enumerate(ParallelDims(tp_size, dp_size).group_ranks("dp")):
+                box = local_box(spec, t, tp_size, padded_vocab)
+                by_box.setdefault(tuple(box) if box else None, []).extend(replicas)
+            holders = [(ranks, list(box) if box else None) for box, ranks in by_box.items()]
         for ranks, box in holders:
             if box is None:
                 continue

@@ -35,11 +35,13 @@ from engine import comm
 from engine.checkpoint.format import check_compatible
 from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers, crop_local
 from engine.checkpoint.state import (
+    as_held_by,
     expect_local,
     export_local,
     load_optimizer,
     model_name,
     padded_vocab,
+    param_of,
     read_local,
 )
 from engine.checkpoint.storage import (
@@ -152,7 +154,7 @@ def save_checkpoint(
     _raise_if(err, "creating", tmp)
     specs, tensors, scalars = export_local(model, optimizer)  # collective under ZeRO-1
     copies = set(model.stored_elsewhere())  # a pipeline's tied copy: its original is stored
-    specs = {n: spec for n, spec in specs.items() if _param_of(n) not in copies}
+    specs = {n: spec for n, spec in specs.items() if param_of(n) not in copies}
     # Each pipeline stage plans the slices of its own parameters among its tp × dp ranks.
     plan = assign_writers(list(specs.values()), mesh.tp_size, mesh.dp_size, padded_vocab(model))
     mine = dict(plan.get(mesh.stage_rank, {}))
@@ -204,12 +206,6 @@ def save_checkpoint(
         _, err = _guard(finish)
     _raise_if(mesh.from_rank0(err), "committing", tmp, mesh)
     return root / step_dir_name(step)
-
-
-def _param_of(stored: str) -> str:
-    """The parameter a stored tensor name belongs to (``model/P``, ``optim/P/key``)."""
-    kind, rest = stored.split("/", 1)
-    return rest.rsplit("/", 1)[0] if kind == "optim" else rest
 
 
 def _raise_if(err: str | None, doing: str, path: Path, mesh: _Mesh | None = None) -> None:
@@ -344,7 +340,7 @@ def _wanted(reader: ShardReader, model: ParallelModel, optimizer, path: Path) ->
         spec = reader.specs.get(model_name(name))
         if spec is None or spec.kind != MODEL:
             raise ValueError(f"{path} has no parameter {name}: not this model's checkpoint")
-        wanted.append((spec, p, None if dp_sharded(p) else p.detach()))
+        wanted.append((as_held_by(spec, p), p, None if dp_sharded(p) else p.detach()))
     for spec in reader.specs.values() if optimizer is not None else ():
         if spec.kind == OPTIM:
             pname, key = spec.name[len("optim/") :].rsplit("/", 1)
@@ -352,9 +348,10 @@ def _wanted(reader: ShardReader, model: ParallelModel, optimizer, path: Path) ->
                 continue  # another pipeline stage's parameter
             if pname not in owners:
                 raise ValueError(f"{path} has optimizer state of {pname}, not in the model")
-            into = held.get(owners[pname], {}).get(key)
-            fits = torch.is_tensor(into) and into.shape == owners[pname].shape
-            wanted.append((spec, owners[pname], into if fits else None))
+            owner = owners[pname]
+            into = held.get(owner, {}).get(key)
+            fits = torch.is_tensor(into) and into.shape == owner.shape
+            wanted.append((as_held_by(spec, owner), owner, into if fits else None))
     return wanted
 
 

@@ -10,6 +10,7 @@ is read as every replica's full state.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,8 +19,9 @@ from torch import nn
 from engine.checkpoint.layout import MODEL, OPTIM, TensorSpec, dtype_name, local_box
 from engine.data_parallel import checkpoint_view
 from engine.models import ParallelModel
+from layers.gqa import dedupe_gathered
 from layers.mappings import gather_along
-from layers.param_roles import is_vocab_padded, replicas, tp_dim
+from layers.param_roles import is_vocab_padded, replicas, tp_blocks, tp_dim
 from layers.utils import group_rank, group_size, tp_local
 
 
@@ -31,6 +33,12 @@ def model_name(param_name: str) -> str:
 def optim_name(param_name: str, key: str) -> str:
     """Stored name of a parameter's optimizer state ``key``."""
     return f"optim/{param_name}/{key}"
+
+
+def param_of(stored: str) -> str:
+    """The parameter a stored tensor name belongs to (``model/P``, ``optim/P/key``)."""
+    kind, rest = stored.split("/", 1)
+    return rest.rsplit("/", 1)[0] if kind == "optim" else rest
 
 
 def padded_vocab(model: ParallelModel) -> int:
@@ -45,20 +53,34 @@ def param_spec(
     model: ParallelModel,
     dtype: torch.dtype | None = None,
 ) -> TensorSpec:
-    """The full-shape spec of a parameter (or of state shaped like it) on this model."""
+    """The full-shape spec of a parameter (or of state shaped like it) on this model.
+
+    A block held by several TP ranks (GQA past the KV heads) counts once in the full shape.
+    """
     split = tp_dim(param)
-    if replicas(param) > 1:  # the box plan assumes every TP rank holds a distinct slice
-        raise ValueError(
-            f"{name}: checkpoints at tp_size above model.num_kv_heads are not supported yet; "
-            "use a tp_size that divides model.num_kv_heads (a checkpoint loads at any tp)"
-        )
     vocab = is_vocab_padded(param)
     shape = list(param.shape)
     if split is not None:
-        shape[split] *= group_size(model.tp_group)
+        shape[split] *= group_size(model.tp_group) // replicas(param)
     if vocab:
         shape[0] = model.cfg.vocab_size
-    return TensorSpec(name, tuple(shape), dtype_name(dtype or param.dtype), kind, split, vocab)
+    return TensorSpec(
+        name,
+        tuple(shape),
+        dtype_name(dtype or param.dtype),
+        kind,
+        split,
+        vocab,
+        tp_blocks=tp_blocks(param) if split is not None else None,
+    )
+
+
+def as_held_by(spec: TensorSpec, param: nn.Parameter) -> TensorSpec:
+    """``spec`` (as stored) with the block count of the model's ``param``: the model's
+    layers, not the index, say how its tensors are cut (an index written before the count
+    was recorded has none, and at a TP size up to the KV heads it needed none)."""
+    blocks = tp_blocks(param) if spec.tp_dim is not None else None
+    return spec if spec.tp_blocks == blocks else replace(spec, tp_blocks=blocks)
 
 
 def param_states(optimizer) -> dict[nn.Parameter, dict[str, Any]]:
@@ -104,7 +126,12 @@ def read_local(
     if box is None:  # a rank holding padding rows only
         return torch.zeros(shape, dtype=spec.torch_dtype) if local is None else local.zero_()
     lengths = [hi - lo for lo, hi in box]
-    if len(lengths) != len(shape) or any(n > m for n, m in zip(lengths, shape, strict=False)):
+    # Only vocabulary padding may make the in-memory tensor larger than its stored slice;
+    # anything else is another model (or a misplaced cut) and must not load half-filled.
+    fits = len(lengths) == len(shape) and lengths[1:] == list(shape[1:])
+    if fits and lengths:
+        fits = lengths[0] <= shape[0] if spec.vocab_padded else lengths[0] == shape[0]
+    if not fits:
         raise ValueError(
             f"{spec.name}: stored shape {list(spec.shape)} does not fit the model's "
             f"{list(shape)} shard at tp_size={tp_size}"
@@ -114,8 +141,6 @@ def read_local(
         return stored
     if local is None:
         local = torch.empty(shape, dtype=spec.torch_dtype)
-    if lengths[1:] != list(shape[1:]):  # not the vocabulary rows alone: zero it all first
-        local.zero_()
     part = local[tuple(slice(0, n) for n in lengths)]
     if stored.data_ptr() != part.data_ptr():  # not already read into place
         part.copy_(stored)
@@ -148,6 +173,7 @@ def full_optimizer_state(model: ParallelModel, optimizer) -> dict[str, torch.Ten
         for key, value in sorted(states.get(p, {}).items()):
             if torch.is_tensor(value) and value.shape == p.shape:
                 full = gather_along(value, tp_dim(p), model.tp_group)
+                full = dedupe_gathered(full, replicas(p), group_size(model.tp_group))
                 if is_vocab_padded(p):
                     full = full[: model.cfg.vocab_size]
                 out[optim_name(name, key)] = full
