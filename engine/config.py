@@ -337,14 +337,12 @@ def _validate_run(cfg: Config) -> list[str]:
 
 
 def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
-    """What pp_size > 1 needs: a decoder, a known schedule, layers and micro-batches that
-    the stages and the schedule can split (torch's rules for 1F1B and interleaved)."""
+    """What pp_size > 1 needs: eager stages, a known schedule, layers and micro-batches
+    that the stages and the schedule can split (torch's rules for 1F1B and interleaved)."""
     from engine.pipeline.split import layer_split
 
     p, t, m = cfg.pipeline, cfg.trainer, cfg.model
     problems = []
-    if m.arch not in ("gpt", "llama"):
-        problems.append(f"pp_size={dims.pp} is built for model.arch gpt and llama, not {m.arch!r}")
     if m.compile:
         problems.append(f"pp_size={dims.pp} runs the stages eagerly: set model.compile=false")
     if dims.zero1 and m.tie_embeddings:

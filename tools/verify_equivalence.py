@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=("gpt", "bert", "llama"), default="gpt")
     p.add_argument("--tp-size", type=int, default=2)
     p.add_argument("--dp-size", type=int, default=1)
-    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (gpt, llama)")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default="1f1b")
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank")
     p.add_argument(

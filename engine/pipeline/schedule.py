@@ -22,7 +22,6 @@ from torch.distributed.pipelining import (
 )
 
 from engine import comm
-from engine.data.pipeline import to_device
 from engine.models import ParallelModel
 from engine.pipeline.stages import PipelineModel
 from parallel_state import ParallelState
@@ -32,19 +31,6 @@ SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
-
-
-def ids_and_labels(micro_batches: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Micro-batches (token windows ``[b, s+1]`` or ``{"input_ids", "labels"}``) stacked
-    in order into one ``[m·b, s]`` batch of inputs and one of labels."""
-    ids, labels = [], []
-    for micro in micro_batches:
-        micro = to_device(micro, device)
-        if isinstance(micro, torch.Tensor):  # position i predicts i+1
-            micro = {"input_ids": micro[:, :-1], "labels": micro[:, 1:]}
-        ids.append(micro["input_ids"])
-        labels.append(micro["labels"])
-    return torch.cat(ids), torch.cat(labels)
 
 
 def pipeline_runner(model: ParallelModel, cfg, ps: ParallelState) -> PipelineRunner:
@@ -163,13 +149,13 @@ class PipelineRunner:
         return comm.mean(total, self.ps.dp_group, self.ps.device) * self.ps.dp_size / batches
 
     def _run(self, schedule, micro_batches: list, *, forward_only: bool) -> float:
-        ids, labels = ids_and_labels(micro_batches, self.ps.device)
-        args = (ids,) if self.model.is_first else ()
+        args, kwargs, target = self.model.schedule_inputs(micro_batches, self.ps.device)
+        args = args if self.model.is_first else ()  # the others receive their inputs
         losses: list[torch.Tensor] = []
         if forward_only:
-            schedule.eval(*args, target=labels, losses=losses)
+            schedule.eval(*args, target=target, losses=losses, **kwargs)
         else:
-            schedule.step(*args, target=labels, losses=losses, return_outputs=False)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         total = torch.stack(losses).detach().double().sum().item() if losses else 0.0
         return comm.broadcast_object(total, self.ps.pp_group, src=self.ps.pp_size - 1)
 

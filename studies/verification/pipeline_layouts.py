@@ -49,12 +49,8 @@ def pipeline_steps(
     stages = runner.model
     grad_sync = GradSync(stages.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
     optimizer = torch.optim.AdamW(stages.parameters(), lr=spec.lr)
-    pairs = zip(
-        local["input_ids"].chunk(spec.microbatches),
-        local["labels"].chunk(spec.microbatches),
-        strict=True,
-    )
-    micro = [{"input_ids": ids, "labels": labels} for ids, labels in pairs]
+    chunks = {key: value.chunk(spec.microbatches) for key, value in local.items()}
+    micro = [{key: value[j] for key, value in chunks.items()} for j in range(spec.microbatches)]
     for step in range(spec.steps):
         with grad_sync.no_sync():
             loss = runner.train(micro)
