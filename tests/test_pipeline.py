@@ -97,10 +97,18 @@ def _drop_input_grad(runner) -> None:
             )
 
 
+def _corrupt_stage_output(runner) -> None:
+    """Planted: stage 0 sends its output off by one part in a million."""
+    for chunk, stage in zip(runner.model.chunks, runner.model.stage_ids, strict=True):
+        if stage == 0:
+            chunk.register_forward_hook(lambda _, args, out: out * (1 + 1e-6))
+
+
 def _planted(names: list[str]) -> list[tuple]:
     found = []
+    bugs = {"order": _delay_labels, "dropped": _drop_input_grad, "sent": _corrupt_stage_output}
     for name in names:
-        bug = {"order": _delay_labels, "dropped": _drop_input_grad}[name]
+        bug = bugs[name]
         parallel_state.initialize(ParallelDims(1, 1, 2))
         report = compare_layouts(_pp(), mutate_runner=bug)
         parallel_state.destroy()
@@ -111,10 +119,14 @@ def _planted(names: list[str]) -> list[tuple]:
 @pytest.mark.slow
 def test_planted_handoff_bugs_are_caught():
     """A wrong micro-batch order shows first in the loss; a gradient dropped between the
-    stages in the last parameter of stage 0 (layers.1, in backward order)."""
-    order, dropped = run_ranks(_planted, 2, ["order", "dropped"], timeout=300)[0]
+    stages in the last parameter of stage 0 (layers.1, in backward order); a corrupted
+    stage output in what stage 0 sent, named by its last module and the first micro-batch
+    (every module's own output before it still agrees)."""
+    bugs = ["order", "dropped", "sent"]
+    order, dropped, sent = run_ranks(_planted, 2, bugs, timeout=300)[0]
     assert order == ("loss", "loss (step 0)"), order
     assert dropped[0] == "grad" and dropped[1].startswith("layers.1."), dropped
+    assert sent == ("stage out", "layers.1 (stage 0), micro-batch 0"), sent
 
 
 @pytest.mark.parametrize(

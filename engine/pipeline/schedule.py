@@ -54,7 +54,8 @@ def pipeline_runner(model: ParallelModel, cfg, ps: ParallelState) -> PipelineRun
 
 class PipelineRunner:
     """This rank's stages of ``model`` under the schedule ``schedule`` with ``microbatches``
-    micro-batches per step; evaluation runs a forward-only GPipe schedule."""
+    micro-batches per step; evaluation runs a forward-only GPipe schedule. ``stages`` are
+    the training schedule's ``PipelineStage``s (the verifier watches their hand-offs)."""
 
     def __init__(
         self,
@@ -68,11 +69,12 @@ class PipelineRunner:
         self.model, self.ps, self.name = model, ps, schedule
         self.microbatches = microbatches
         self._factor = 1.0  # what each micro-batch's loss is multiplied by before backward
-        self._train = self._build(schedule, microbatches, timed=timed)
+        self._train, self.stages = self._build(schedule, microbatches, timed=timed)
         self._eval: dict[int, object] = {}  # forward-only schedules by micro-batch count
         self.compute_s = self.wall_s = 0.0  # the last training step's (timed=True)
 
-    def _build(self, name: str, microbatches: int, *, timed: bool = False):
+    def _build(self, name: str, microbatches: int, *, timed: bool = False) -> tuple:
+        """A schedule of ``microbatches`` over this rank's stages, and its PipelineStages."""
         stages = [
             PipelineStage(
                 chunk, index, self.model.num_stages, self.ps.device, group=self.ps.pp_group
@@ -84,8 +86,12 @@ class PipelineRunner:
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
         loss_fn: Callable = self._timed(self._loss) if timed else self._loss
         if name == "interleaved_1f1b":
-            return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
-        return SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+            schedule = ScheduleInterleaved1F1B(
+                stages, microbatches, loss_fn=loss_fn, scale_grads=False
+            )
+        else:
+            schedule = SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+        return schedule, stages
 
     def _now(self) -> float:
         if self.ps.device.type == "cuda":  # kernels run asynchronously: wait for them
@@ -132,7 +138,7 @@ class PipelineRunner:
         self._factor = 1.0
         count = len(micro_batches)
         if count not in self._eval:
-            self._eval[count] = self._build("gpipe", count)
+            self._eval[count] = self._build("gpipe", count)[0]
         return self._run(self._eval[count], micro_batches, forward_only=True)
 
     @torch.no_grad()
