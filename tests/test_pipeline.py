@@ -16,7 +16,7 @@ import parallel_state
 from engine.models import build_model
 from engine.pipeline import PipelineModel, PipelineRunner, layer_split
 from parallel_state.dims import ParallelDims
-from studies.verification.layouts import VerifySpec, compare_layouts, make_batch
+from studies.verification.layouts import VerifySpec, compare_layouts, make_batch, solo_group
 from tests.multiproc import run_ranks
 
 
@@ -58,13 +58,41 @@ def _check(results):
         assert rows > 10  # the loss and every parameter's gradient were compared
 
 
+def _interleaved_eval() -> tuple[float, float]:
+    """Evaluation through interleaved stages (a forward-only schedule over both chunks of
+    each rank), 3 micro-batches: the pipeline's loss sum and the unsplit model's."""
+    ps = parallel_state.initialize(ParallelDims(1, 1, 2))
+    spec = _pp("interleaved_1f1b", virtual_stages=2, batch_size=6)
+    models = []
+    for tp_group in (ps.tp_group, solo_group(ps)):  # the same seed: the same weights
+        ps.seed(spec.seed)
+        models.append(build_model(spec.model_config(), tp_group=tp_group, dtype=torch.float64))
+    stages = PipelineModel(
+        models[0], pp_rank=ps.pp_rank, pp_size=2, pp_group=ps.pp_group, virtual=2
+    )
+    runner = PipelineRunner(stages, schedule="interleaved_1f1b", microbatches=4, ps=ps)
+    batch = make_batch(spec)
+    micro = [{k: v.chunk(3)[j] for k, v in batch.items()} for j in range(3)]
+    with torch.no_grad():
+        got = runner.eval_loss_sum(micro)
+        want = sum(models[1].loss(m).item() for m in micro)
+    parallel_state.destroy()
+    return got, want
+
+
+def _fast(specs: list[VerifySpec]) -> tuple:
+    return _compare(specs), _interleaved_eval()
+
+
 def test_pp2_schedules_match_unsplit_gpt_and_bert():
     """BERT: token types on stage 0, the MLM and sentence-order heads and the tied word
     embedding on stage 1, the padding mask given to both (the batch pads its rows, so a
-    stage without it diverges)."""
+    stage without it diverges). Evaluation through interleaved stages too."""
     specs = [_pp("gpipe"), _pp("1f1b"), _pp("interleaved_1f1b", virtual_stages=2)]
     specs.append(_pp("1f1b", model="bert", microbatches=2))
-    _check(run_ranks(_compare, 2, specs, timeout=300)[0])
+    results, (got, want) = run_ranks(_fast, 2, specs, timeout=300)[0]
+    _check(results)
+    assert abs(got - want) <= 1e-10 * abs(want), (got, want)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
 )
 
 from engine import comm
@@ -89,6 +90,8 @@ class PipelineRunner:
             schedule = ScheduleInterleaved1F1B(
                 stages, microbatches, loss_fn=loss_fn, scale_grads=False
             )
+        elif len(stages) > 1:  # evaluation of interleaved stages: GPipe over every chunk
+            schedule = ScheduleLoopedBFS(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
         else:
             schedule = SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
         return schedule, stages
