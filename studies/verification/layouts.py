@@ -31,6 +31,7 @@ from engine.config import OptimConfig
 from engine.data_parallel import GradSync, build_data_parallel
 from engine.models import ModelConfig, ParallelModel, build_model
 from engine.pipeline import SCHEDULES, layer_split
+from engine.pipeline.split import microbatch_rule
 from parallel_state import groups
 from parallel_state.dims import ParallelDims
 from studies.verification.outputs import OutputCapture, Row, compare
@@ -106,11 +107,9 @@ class VerifySpec:
             rule = ">= 2 for interleaved_1f1b" if interleaved else f"1 for {self.schedule}"
             raise ValueError(f"virtual_stages={self.virtual_stages} must be {rule}")
         layer_split(self.num_layers, self.pp_size * self.virtual_stages)
-        m = self.microbatches
-        if self.schedule != "gpipe" and m < self.pp_size:
-            raise ValueError(f"{self.schedule} needs microbatches={m} >= pp_size={self.pp_size}")
-        if interleaved and m % self.pp_size:
-            raise ValueError(f"interleaved_1f1b needs microbatches={m} divisible by pp_size")
+        rule = microbatch_rule(self.schedule, self.pp_size, self.microbatches)
+        if rule:
+            raise ValueError(f"{rule}: change --microbatches")
 
     @property
     def dims(self) -> ParallelDims:
