@@ -5,14 +5,15 @@ weights do not depend on pp) and then cut: stage ``k`` of ``pp × virtual`` hold
 contiguous run of transformer layers, stage 0 also the embedding, the last stage the
 heads and the loss (a decoder's final norm and LM head; BERT's MLM transform and head,
 pooler and sentence-order head). BERT's padding mask is no activation: every stage gets
-its micro-batch's mask from the batch itself (a keyword argument of the schedule). Pipeline rank ``r`` holds stages ``r, r + pp, …``
-(the loop placement ``ScheduleInterleaved1F1B`` expects). Parameters keep their full names
-(``layers.7.mlp…``), so checkpoints and the verifier see the unsplit model at any pp.
+its micro-batch's mask from the batch (a keyword argument of the schedule). Pipeline rank
+``r`` holds stages ``r, r + pp, …`` (the loop placement ``ScheduleInterleaved1F1B``
+expects). Parameters keep their full names (``layers.7.mlp…``), so checkpoints and the
+verifier see the unsplit model at any pp.
 
-Tied embeddings (GPT-2, BERT): the last stage keeps a copy of the word embedding for its LM head;
-after the DP reduction the two copies' gradients are summed over the embedding group
-(first and last stage, Megatron's), so both take the same step and stay equal. The copy
-is left out of the gradient norm and out of checkpoints (the first stage's is stored).
+Tied embeddings (GPT-2, BERT): the last stage keeps a copy of the word embedding for its
+head; after the DP reduction the two copies' gradients are summed over the embedding
+group (first and last stage, Megatron's), so both take the same step and stay equal. The
+copy is left out of the gradient norm and out of checkpoints (the first stage's is stored).
 """
 
 from __future__ import annotations
