@@ -343,14 +343,12 @@ def _validate_run(cfg: Config) -> list[str]:
 
 
 def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
-    """What pp_size > 1 needs: a decoder, a known schedule, layers and micro-batches that
-    the stages and the schedule can split (torch's rules for 1F1B and interleaved)."""
-    from engine.pipeline.split import layer_split
+    """What pp_size > 1 needs: eager stages, a known schedule, layers and micro-batches
+    that the stages and the schedule can split (torch's rules for 1F1B and interleaved)."""
+    from engine.pipeline.split import layer_split, microbatch_rule
 
     p, t, m = cfg.pipeline, cfg.trainer, cfg.model
     problems = []
-    if m.arch not in ("gpt", "llama"):
-        problems.append(f"pp_size={dims.pp} is built for model.arch gpt and llama, not {m.arch!r}")
     if m.compile:
         problems.append(f"pp_size={dims.pp} runs the stages eagerly: set model.compile=false")
     if dims.zero1 and m.tie_embeddings:
@@ -374,16 +372,10 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
         problems.append(str(err))
     per_step = t.micro_batch * dims.dp
     micro = t.global_batch // per_step if per_step > 0 else 0
-    if p.schedule != "gpipe" and 0 < micro < dims.pp:
+    rule = microbatch_rule(p.schedule, dims.pp, micro) if micro > 0 else None
+    if rule:
         problems.append(
-            f"pipeline.schedule={p.schedule} needs at least pp_size={dims.pp} micro-batches "
-            f"per step, got global_batch ÷ (micro_batch × dp_size) = {micro}; raise "
-            "trainer.global_batch"
-        )
-    elif interleaved and micro % dims.pp:
-        problems.append(
-            f"pipeline.schedule=interleaved_1f1b needs micro-batches per step ({micro}) "
-            f"divisible by pp_size={dims.pp}; change trainer.global_batch"
+            f"pipeline.{rule} (global_batch ÷ (micro_batch × dp_size)); change trainer.global_batch"
         )
     return problems
 

@@ -16,7 +16,7 @@ import parallel_state
 from engine.models import build_model
 from engine.pipeline import PipelineModel, PipelineRunner, layer_split
 from parallel_state.dims import ParallelDims
-from studies.verification.layouts import VerifySpec, compare_layouts, make_batch
+from studies.verification.layouts import VerifySpec, compare_layouts, make_batch, solo_group
 from tests.multiproc import run_ranks
 
 
@@ -58,9 +58,41 @@ def _check(results):
         assert rows > 10  # the loss and every parameter's gradient were compared
 
 
-def test_pp2_schedules_match_unsplit_gpt():
+def _interleaved_eval() -> tuple[float, float]:
+    """Evaluation through interleaved stages (a forward-only schedule over both chunks of
+    each rank), 3 micro-batches: the pipeline's loss sum and the unsplit model's."""
+    ps = parallel_state.initialize(ParallelDims(1, 1, 2))
+    spec = _pp("interleaved_1f1b", virtual_stages=2, batch_size=6)
+    models = []
+    for tp_group in (ps.tp_group, solo_group(ps)):  # the same seed: the same weights
+        ps.seed(spec.seed)
+        models.append(build_model(spec.model_config(), tp_group=tp_group, dtype=torch.float64))
+    stages = PipelineModel(
+        models[0], pp_rank=ps.pp_rank, pp_size=2, pp_group=ps.pp_group, virtual=2
+    )
+    runner = PipelineRunner(stages, schedule="interleaved_1f1b", microbatches=4, ps=ps)
+    batch = make_batch(spec)
+    micro = [{k: v.chunk(3)[j] for k, v in batch.items()} for j in range(3)]
+    with torch.no_grad():
+        got = runner.eval_loss_sum(micro)
+        want = sum(models[1].loss(m).item() for m in micro)
+    parallel_state.destroy()
+    return got, want
+
+
+def _fast(specs: list[VerifySpec]) -> tuple:
+    return _compare(specs), _interleaved_eval()
+
+
+def test_pp2_schedules_match_unsplit_gpt_and_bert():
+    """BERT: token types on stage 0, the MLM and sentence-order heads and the tied word
+    embedding on stage 1, the padding mask given to both (the batch pads its rows, so a
+    stage without it diverges). Evaluation through interleaved stages too."""
     specs = [_pp("gpipe"), _pp("1f1b"), _pp("interleaved_1f1b", virtual_stages=2)]
-    _check(run_ranks(_compare, 2, specs, timeout=300)[0])
+    specs.append(_pp("1f1b", model="bert", microbatches=2))
+    results, (got, want) = run_ranks(_fast, 2, specs, timeout=300)[0]
+    _check(results)
+    assert abs(got - want) <= 1e-10 * abs(want), (got, want)
 
 
 @pytest.mark.slow
@@ -93,10 +125,18 @@ def _drop_input_grad(runner) -> None:
             )
 
 
+def _corrupt_stage_output(runner) -> None:
+    """Planted: stage 0 sends its output off by one part in a million."""
+    for chunk, stage in zip(runner.model.chunks, runner.model.stage_ids, strict=True):
+        if stage == 0:
+            chunk.register_forward_hook(lambda _, args, out: out * (1 + 1e-6))
+
+
 def _planted(names: list[str]) -> list[tuple]:
     found = []
+    bugs = {"order": _delay_labels, "dropped": _drop_input_grad, "sent": _corrupt_stage_output}
     for name in names:
-        bug = {"order": _delay_labels, "dropped": _drop_input_grad}[name]
+        bug = bugs[name]
         parallel_state.initialize(ParallelDims(1, 1, 2))
         report = compare_layouts(_pp(), mutate_runner=bug)
         parallel_state.destroy()
@@ -107,10 +147,14 @@ def _planted(names: list[str]) -> list[tuple]:
 @pytest.mark.slow
 def test_planted_handoff_bugs_are_caught():
     """A wrong micro-batch order shows first in the loss; a gradient dropped between the
-    stages in the last parameter of stage 0 (layers.1, in backward order)."""
-    order, dropped = run_ranks(_planted, 2, ["order", "dropped"], timeout=300)[0]
+    stages in the last parameter of stage 0 (layers.1, in backward order); a corrupted
+    stage output in what stage 0 sent, named by its last module and the first micro-batch
+    (every module's own output before it still agrees)."""
+    bugs = ["order", "dropped", "sent"]
+    order, dropped, sent = run_ranks(_planted, 2, bugs, timeout=300)[0]
     assert order == ("loss", "loss (step 0)"), order
     assert dropped[0] == "grad" and dropped[1].startswith("layers.1."), dropped
+    assert sent == ("stage out", "layers.1 (stage 0), micro-batch 0"), sent
 
 
 @pytest.mark.parametrize(
@@ -122,7 +166,6 @@ def test_planted_handoff_bugs_are_caught():
         ({"pipeline.schedule": "zb"}, "pipeline.schedule='zb' is not one of gpipe, 1f1b"),
         ({"pipeline.schedule": "interleaved_1f1b"}, "virtual_stages=1 must be >= 2 for inter"),
         ({"pipeline.virtual_stages": 2}, "pipeline.virtual_stages=2 must be 1 for 1f1b"),
-        ({"model.arch": "bert"}, "pp_size=2 is built for model.arch gpt and llama, not 'bert'"),
         ({"optim.distributed": True}, "with tied embeddings under ZeRO-1 is not built yet"),
     ],
 )

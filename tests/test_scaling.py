@@ -386,3 +386,82 @@ def test_report_leaves_out_tables_that_do_not_apply_and_plots_carry_titles(tmp_p
         "Parallel efficiency\ngpt_tiny, strong scaling",
         "Where the step time goes\ngpt_tiny, strong scaling",
     ]
+
+
+def test_pp_sweep_plans_what_the_trainer_accepts_and_reports_the_bubble(tmp_path):
+    """--pp × --dp on 2 emulated nodes: the planned points are those the trainer's own
+    config check accepts (one-line skips for the rest); their commands carry the pipeline
+    keys (a pp 1 point's command and key are as before the axis). The report gets a bubble
+    table and plot only when a point is pipelined, and no link table without links."""
+    from engine.config import Config, parallel_dims, validate
+    from studies.scaling.report import plot, write_report
+    from studies.scaling.study import StudyConfig, grid
+    from studies.scaling.workloads import RunSpec, pretrain_command
+
+    cfg = StudyConfig(
+        workload="pretrain",
+        spec=RunSpec(None, (), 1, 0),
+        tp=(1,),
+        dp=(1, 2),
+        nodes=(2,),
+        procs_per_node=None,
+        mode="strong",
+        global_batch=16,
+        micro_batch=4,
+        repeats=1,
+        link_mbit=1000,
+        out=tmp_path,
+        pp=(1, 2, 4),
+        schedules=("1f1b", "interleaved_1f1b"),
+    )
+    points, skipped = grid(cfg)
+    assert [(p.dp_size, p.pp_size, p.schedule, p.microbatches) for p in points] == [
+        (2, 1, "1f1b", 2),
+        (1, 2, "1f1b", 4),
+        (1, 2, "interleaved_1f1b", 4),
+        (2, 2, "1f1b", 2),
+        (2, 2, "interleaved_1f1b", 2),
+        (1, 4, "1f1b", 4),
+        (1, 4, "interleaved_1f1b", 4),
+    ]
+    assert len(skipped) == 3 and all("\n" not in line for line in skipped)
+    assert "tp=1 dp=2 pp=4 on 2 node(s): schedule=1f1b needs at least pp_size=4" in skipped[1]
+    for point in points:  # the runtime's own check, with 8 layers for 4 × 2 stages
+        run = Config(tp_size=1, dp_size=point.dp_size, pp_size=point.pp_size)
+        run.model.num_layers = 8
+        run.trainer.global_batch, run.trainer.micro_batch = 16, 4
+        run.pipeline.schedule, run.pipeline.virtual_stages = point.schedule, point.virtual_stages
+        assert validate(run, parallel_dims(run, None)) == [], point
+    argv = pretrain_command(points[2], cfg.spec, tmp_path / "m.json", tmp_path)
+    assert {"pp_size=2", "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2"} <= set(
+        argv
+    )
+    assert points[2].key == "n2x1-tp1-dp1-mb4-gb16-pp2-interleaved_1f1b-v2"
+    assert points[0].key == "n2x1-tp1-dp2-mb4-gb16"
+    plain_argv = pretrain_command(points[0], cfg.spec, tmp_path, tmp_path)
+    assert not [a for a in plain_argv if a.startswith(("pp_size", "pipeline."))]
+
+    base = dict(status="ok", step_time_s=0.5, step_time_p10_s=0.4, step_time_p90_s=0.6)
+    base |= dict(speedup=1.0, efficiency=1.0, compute_s=0.4)
+    rows = [
+        {**base, **vars(p), "world_size": p.world_size, "layout": p.layout}
+        | {"microbatches": p.microbatches, "pp_compute_s": 0.2, "pp_wait_s": 0.1}
+        | ({"pp_bubble": 0.5} if p.pp_size > 1 else {})
+        for p in points[:3]
+    ]
+    kwargs = dict(out=tmp_path, links={}, command="x", load="0", mode="strong")
+    plain = write_report(rows[:1], [], **kwargs).read_text()
+    assert "Pipeline bubble" not in plain and "## Links" not in plain and "bubble.png" not in plain
+    text = write_report(rows, [], **kwargs).read_text()
+    # Hand-derived: (2 − 1)/4 for 1F1B, (2 − 1)/(2 · 4) interleaved.
+    assert "| 2×1 tp1 dp1 pp2 1f1b | 2 | 1 | 4 | 200.0 | 100.0 | 0.500 | 0.250 |" in text
+    assert (
+        "| 2×1 tp1 dp1 pp2 interleaved_1f1b v2 | 2 | 2 | 4 | 200.0 | 100.0 | 0.500 | 0.125 |"
+        in text
+    )
+    assert [p.name for p in plot(rows[:1], tmp_path)] == [
+        "speedup.png",
+        "efficiency.png",
+        "time_shares.png",
+    ]
+    assert plot(rows, tmp_path, title="t")[-1].name == "bubble.png"

@@ -1,9 +1,10 @@
 """Check that a parallel layout computes what the unsplit model computes.
 
 Compares a target layout (--tp-size, --dp-size, --pp-size with --schedule,
---sequence-parallel, --recompute) with tp=1, dp=1, pp=1 on the same weights and the same global batch: every module's forward output,
-the loss, every parameter gradient (gathered to full shape) and, with --steps N, N AdamW
-steps' losses. Prints a table in model order, names the first module that diverges and
+--sequence-parallel, --recompute) with tp=1, dp=1, pp=1 on the same weights and the same
+global batch: every module's forward output (through a pipeline also what each stage sent
+and the next received, per micro-batch), the loss, every parameter gradient (gathered to
+full shape) and, with --steps N, N AdamW steps' losses. Prints a table in model order, names the first module that diverges and
 exits 1 if any tensor is out of tolerance.
 
 With --hf-dir DIR it instead compares the logits of a local Hugging Face GPT-2, BERT,
@@ -53,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", choices=("gpt", "bert", "llama"), default="gpt")
     p.add_argument("--tp-size", type=int, default=2)
     p.add_argument("--dp-size", type=int, default=1)
-    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages (gpt, llama)")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline stages")
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default="1f1b")
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank")
     p.add_argument(

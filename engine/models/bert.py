@@ -140,28 +140,36 @@ class BertModel(ParallelModel):
         for layer in self.layers:
             hidden = layer(hidden, mask)
         logits = self.lm_head(self.mlm_transform(hidden), self.embedding.word.weight)
-        out = {
-            "mlm_logits": logits.transpose(0, 1),
-            "sop_logits": self.sop_head(self.pooler(hidden)),
-        }
-        losses = []
-        if mlm_labels is not None:
-            per_token = vocab_parallel_cross_entropy(
-                logits,
-                mlm_labels.t(),
-                vocab_size=self.cfg.vocab_size,
-                tp_group=self.tp_group,
-                comm_timer=comm_timer_of(self),
-            )
-            labelled = (mlm_labels != -100).sum().clamp(min=1)
-            out["mlm_loss"] = per_token.sum() / labelled
-            losses.append(out["mlm_loss"])
-        if sop_labels is not None:
-            sop = out["sop_logits"]
-            out["sop_loss"] = F.cross_entropy(
-                sop.to(torch.promote_types(sop.dtype, torch.float32)), sop_labels
-            )
-            losses.append(out["sop_loss"])
-        if losses:
-            out["loss"] = sum(losses)
-        return out
+        sop = self.sop_head(self.pooler(hidden))
+        out = {"mlm_logits": logits.transpose(0, 1), "sop_logits": sop}
+        return out | bert_losses(self, logits, sop, mlm_labels, sop_labels)
+
+
+def bert_losses(
+    module: nn.Module,
+    mlm_logits: torch.Tensor,
+    sop_logits: torch.Tensor,
+    mlm_labels: torch.Tensor | None = None,
+    sop_labels: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """``mlm_loss`` (mean over the labelled tokens) of ``mlm_logits`` ``[s, b, V/tp]``
+    against ``mlm_labels`` ``[b, s]`` (-100 = not masked), ``sop_loss`` of ``sop_logits``
+    ``[b, 2]`` against ``sop_labels`` ``[b]``, and their sum ``loss`` (those given), with
+    ``module``'s vocabulary and TP group (the whole BERT, or a pipeline's last stage)."""
+    out = {}
+    if mlm_labels is not None:
+        per_token = vocab_parallel_cross_entropy(
+            mlm_logits,
+            mlm_labels.t(),
+            vocab_size=module.cfg.vocab_size,
+            tp_group=module.tp_group,
+            comm_timer=comm_timer_of(module),
+        )
+        labelled = (mlm_labels != -100).sum().clamp(min=1)
+        out["mlm_loss"] = per_token.sum() / labelled
+    if sop_labels is not None:
+        sop = sop_logits.to(torch.promote_types(sop_logits.dtype, torch.float32))
+        out["sop_loss"] = F.cross_entropy(sop, sop_labels)
+    if out:
+        out["loss"] = sum(out.values())
+    return out

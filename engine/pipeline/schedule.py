@@ -19,10 +19,10 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
 )
 
 from engine import comm
-from engine.data.pipeline import to_device
 from engine.models import ParallelModel
 from engine.pipeline.stages import PipelineModel
 from parallel_state import ParallelState
@@ -32,19 +32,6 @@ SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
-
-
-def ids_and_labels(micro_batches: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Micro-batches (token windows ``[b, s+1]`` or ``{"input_ids", "labels"}``) stacked
-    in order into one ``[m·b, s]`` batch of inputs and one of labels."""
-    ids, labels = [], []
-    for micro in micro_batches:
-        micro = to_device(micro, device)
-        if isinstance(micro, torch.Tensor):  # position i predicts i+1
-            micro = {"input_ids": micro[:, :-1], "labels": micro[:, 1:]}
-        ids.append(micro["input_ids"])
-        labels.append(micro["labels"])
-    return torch.cat(ids), torch.cat(labels)
 
 
 def pipeline_runner(model: ParallelModel, cfg, ps: ParallelState) -> PipelineRunner:
@@ -68,7 +55,8 @@ def pipeline_runner(model: ParallelModel, cfg, ps: ParallelState) -> PipelineRun
 
 class PipelineRunner:
     """This rank's stages of ``model`` under the schedule ``schedule`` with ``microbatches``
-    micro-batches per step; evaluation runs a forward-only GPipe schedule."""
+    micro-batches per step; evaluation runs a forward-only GPipe schedule. ``stages`` are
+    the training schedule's ``PipelineStage``s (the verifier watches their hand-offs)."""
 
     def __init__(
         self,
@@ -82,11 +70,12 @@ class PipelineRunner:
         self.model, self.ps, self.name = model, ps, schedule
         self.microbatches = microbatches
         self._factor = 1.0  # what each micro-batch's loss is multiplied by before backward
-        self._train = self._build(schedule, microbatches, timed=timed)
+        self._train, self.stages = self._build(schedule, microbatches, timed=timed)
         self._eval: dict[int, object] = {}  # forward-only schedules by micro-batch count
         self.compute_s = self.wall_s = 0.0  # the last training step's (timed=True)
 
-    def _build(self, name: str, microbatches: int, *, timed: bool = False):
+    def _build(self, name: str, microbatches: int, *, timed: bool = False) -> tuple:
+        """A schedule of ``microbatches`` over this rank's stages, and its PipelineStages."""
         stages = [
             PipelineStage(
                 chunk, index, self.model.num_stages, self.ps.device, group=self.ps.pp_group
@@ -98,8 +87,14 @@ class PipelineRunner:
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
         loss_fn: Callable = self._timed(self._loss) if timed else self._loss
         if name == "interleaved_1f1b":
-            return ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
-        return SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+            schedule = ScheduleInterleaved1F1B(
+                stages, microbatches, loss_fn=loss_fn, scale_grads=False
+            )
+        elif len(stages) > 1:  # evaluation of interleaved stages: GPipe over every chunk
+            schedule = ScheduleLoopedBFS(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+        else:
+            schedule = SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+        return schedule, stages
 
     def _now(self) -> float:
         if self.ps.device.type == "cuda":  # kernels run asynchronously: wait for them
@@ -146,7 +141,7 @@ class PipelineRunner:
         self._factor = 1.0
         count = len(micro_batches)
         if count not in self._eval:
-            self._eval[count] = self._build("gpipe", count)
+            self._eval[count] = self._build("gpipe", count)[0]
         return self._run(self._eval[count], micro_batches, forward_only=True)
 
     @torch.no_grad()
@@ -163,13 +158,13 @@ class PipelineRunner:
         return comm.mean(total, self.ps.dp_group, self.ps.device) * self.ps.dp_size / batches
 
     def _run(self, schedule, micro_batches: list, *, forward_only: bool) -> float:
-        ids, labels = ids_and_labels(micro_batches, self.ps.device)
-        args = (ids,) if self.model.is_first else ()
+        args, kwargs, target = self.model.schedule_inputs(micro_batches, self.ps.device)
+        args = args if self.model.is_first else ()  # the others receive their inputs
         losses: list[torch.Tensor] = []
         if forward_only:
-            schedule.eval(*args, target=labels, losses=losses)
+            schedule.eval(*args, target=target, losses=losses, **kwargs)
         else:
-            schedule.step(*args, target=labels, losses=losses, return_outputs=False)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         total = torch.stack(losses).detach().double().sum().item() if losses else 0.0
         return comm.broadcast_object(total, self.ps.pp_group, src=self.ps.pp_size - 1)
 

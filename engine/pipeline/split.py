@@ -29,3 +29,19 @@ def layer_split(
         counts = [num_layers // stages] * stages
     starts = itertools.accumulate(counts, initial=0)
     return [range(start, start + n) for start, n in zip(starts, counts, strict=False)]
+
+
+def microbatch_rule(schedule: str, pp: int, microbatches: int) -> str | None:
+    """What ``schedule`` at ``pp`` stages needs of the micro-batches per step and
+    ``microbatches`` lacks (torch's rules for 1F1B and interleaved 1F1B), else None."""
+    if schedule != "gpipe" and microbatches < pp:
+        return (
+            f"schedule={schedule} needs at least pp_size={pp} micro-batches per step, "
+            f"got {microbatches}"
+        )
+    if schedule == "interleaved_1f1b" and microbatches % pp:
+        return (
+            f"schedule=interleaved_1f1b needs micro-batches per step ({microbatches}) "
+            f"divisible by pp_size={pp}"
+        )
+    return None

@@ -1,5 +1,9 @@
 """A study's outputs: results.csv, report.md and PNG plots, from its points' rows.
 
+Points through a pipeline (pp > 1) also get the measured bubble, rank 0's (stage 0's) wait
+on the other stages over its stage compute, set against the textbook (p − 1)/m (GPipe,
+1F1B) or (p − 1)/(v·m) (interleaved) in a table and ``bubble.png``.
+
 Speedup is measured against the baseline point, the successful point with the fewest
 ranks (the 1-rank point when the grid has one), with n = world_size / baseline world size:
 
@@ -19,14 +23,20 @@ from typing import Any
 
 import torch
 
+from studies.perfmodel.pipeline import bubble_fraction
+
 COLUMNS = (
     "nodes",
     "procs_per_node",
     "tp_size",
     "dp_size",
+    "pp_size",
     "world_size",
     "micro_batch",
     "global_batch",
+    "schedule",
+    "virtual_stages",
+    "microbatches",
     "step_time_s",
     "step_time_p10_s",
     "step_time_p90_s",
@@ -40,6 +50,10 @@ COLUMNS = (
     "dp_comm_total_s",
     "data_s",
     "optimizer_s",
+    "pp_compute_s",
+    "pp_wait_s",
+    "pp_bubble",
+    "bubble_formula",
     "peak_mem_gib",
     # run-level figures of workloads that train to a target (classify); empty otherwise
     "time_to_accuracy_s",
@@ -48,6 +62,7 @@ COLUMNS = (
     "tta_speedup",
     "tta_efficiency",
 )
+SHORT = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interl."}  # bar labels
 SHARES = (
     ("compute_s", "compute"),
     ("tp_comm_s", "TP comm"),
@@ -58,7 +73,8 @@ SHARES = (
 
 
 def add_speedup(rows: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-    """The successful rows with speedup and efficiency against the baseline point."""
+    """The successful rows with speedup and efficiency against the baseline point (and
+    the pipelined ones their ``bubble_formula``)."""
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return []
@@ -73,7 +89,24 @@ def add_speedup(rows: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
         if t_base is not None and t_n is not None:
             r["tta_speedup"] = t_base / t_n
             r["tta_efficiency"] = r["tta_speedup"] / n
+    pipelined(ok)
     return ok
+
+
+def layout(row: dict[str, Any]) -> str:
+    """The point's model-parallel layout (``tp=1``, ``tp=1 pp=2 1f1b``); rows of studies
+    made before the pipeline axis have only a tp size."""
+    return row.get("layout") or f"tp={row['tp_size']}"
+
+
+def pipelined(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows through a pipeline, each given ``bubble_formula``: (p − 1)/m, or
+    (p − 1)/(v·m) interleaved (``studies.perfmodel.pipeline``, the planner's term)."""
+    out = [r for r in rows if r.get("pp_size", 1) > 1]
+    for r in out:
+        m, v = r["microbatches"], r.get("virtual_stages", 1)
+        r["bubble_formula"] = bubble_fraction(r["pp_size"], m, r["schedule"], v)
+    return out
 
 
 def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
@@ -94,18 +127,18 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str = "") -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    series: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for r in rows:
-        series.setdefault((r["nodes"], r["tp_size"]), []).append(r)
+        series.setdefault((r["nodes"], layout(r)), []).append(r)
     base = min(r["world_size"] for r in rows)
     heads = {"speedup": f"Speedup over {base} rank(s)", "efficiency": "Parallel efficiency"}
     paths = []
     for key, ideal in (("speedup", True), ("efficiency", False)):
-        fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+        fig, ax = plt.subplots(figsize=(8.5, 4), dpi=100)  # the legend beside the lines
         worlds = sorted({r["world_size"] for r in rows})
         # Each series its own marker and dash, drawn thinner as it comes later, so that
         # two that coincide (1 and 2 nodes at one rank) both stay visible.
-        for i, ((nodes, tp), group) in enumerate(sorted(series.items())):
+        for i, ((nodes, lay), group) in enumerate(sorted(series.items())):
             group = sorted(group, key=lambda r: r["world_size"])
             ax.plot(
                 [r["world_size"] for r in group],
@@ -114,7 +147,7 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str = "") -> list[Path]:
                 linestyle=("-", "--", "-.", ":")[i % 4],
                 markersize=9 - 1.5 * (i % 4),
                 lw=2.5 - 0.5 * (i % 4),
-                label=f"{nodes} node{'s' if nodes > 1 else ''}, tp={tp}",
+                label=f"{nodes} node{'s' if nodes > 1 else ''}, {lay}",
             )
         ideal_y = [w / base for w in worlds] if ideal else [1.0] * len(worlds)
         ax.plot(worlds, ideal_y, color="0.5", linestyle=(0, (1, 3)), lw=1.5, label="ideal")
@@ -123,28 +156,83 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str = "") -> list[Path]:
         ax.set_title(heads[key] + (f"\n{title}" if title else ""), fontsize=11)
         ax.set_xticks(worlds)
         ax.tick_params(labelsize=10)
-        ax.legend(fontsize=9)
+        ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.grid(alpha=0.3)
         fig.tight_layout()
         paths.append(out / f"{key}.png")
         fig.savefig(paths[-1])
         plt.close(fig)
     paths.append(_plot_shares(rows, out / "time_shares.png", plt, title))
+    if pipelined(rows):
+        paths.append(_plot_bubble(pipelined(rows), out / "bubble.png", plt, title))
     return paths
+
+
+def _plot_bubble(rows: list[dict[str, Any]], path: Path, plt, title: str) -> Path:
+    """Measured bubble (wait ÷ stage compute) against the formula, one marker per point;
+    the dotted diagonal is where they would agree."""
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
+    # One legend entry per point (its layout, dp and m) instead of labels beside the
+    # markers, which collide where two points measure alike.
+    for i, r in enumerate(rows):
+        y = r["pp_bubble"] if r.get("pp_bubble") is not None else float("nan")
+        nodes = f"{r['nodes']} node{'s' if r['nodes'] > 1 else ''}"
+        ax.scatter(
+            [r["bubble_formula"]],
+            [y],
+            marker="osD^v<>P"[i % 8],
+            s=70 - 10 * (i % 4),
+            zorder=3,
+            label=f"{nodes}, {layout(r)}, dp={r['dp_size']}, m={r['microbatches']}",
+        )
+    top = max([r["bubble_formula"] for r in rows] + [r.get("pp_bubble") or 0 for r in rows])
+    ax.plot(
+        [0, top * 1.1],
+        [0, top * 1.1],
+        color="0.5",
+        linestyle=(0, (1, 3)),
+        lw=1.5,
+        label="measured = formula",
+    )
+    ax.set_xlabel("formula: (p − 1)/m, interleaved (p − 1)/(v·m)", fontsize=11)
+    ax.set_ylabel("measured: stage 0 wait ÷ its compute", fontsize=11)
+    ax.set_title(
+        "Pipeline bubble, measured against the formula" + (f"\n{title}" if title else ""),
+        fontsize=11,
+    )
+    ax.tick_params(labelsize=10)
+    ax.legend(fontsize=9, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _step_parts(row: dict[str, Any]) -> dict[str, float]:
+    """Seconds of each part of a mean step; a pipelined step's compute split into the
+    stages' own work and their wait on each other (the bubble and the hand-offs)."""
+    parts = {name: row.get(key) or 0.0 for key, name in SHARES}
+    wait = row.get("pp_wait_s") or 0.0
+    parts["compute"] = max(0.0, parts["compute"] - wait)
+    return {"compute": parts.pop("compute"), "pipeline wait": wait, **parts}
 
 
 def _plot_shares(rows: list[dict[str, Any]], path: Path, plt, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(rows) + 3), 4.2), dpi=100)
+    # Every label distinct: bars with one label would be drawn on top of each other.
     labels = [
         f"{r['nodes']} node{'s' if r['nodes'] > 1 else ''}\ntp={r['tp_size']} dp={r['dp_size']}"
+        + (f"\npp={r['pp_size']} {SHORT[r['schedule']]}" if r.get("pp_size", 1) > 1 else "")
+        + (f" v{r['virtual_stages']}" if r.get("virtual_stages", 1) > 1 else "")
         for r in rows
     ]
     bottom = [0.0] * len(rows)
-    for key, name in SHARES:
-        shares = []
-        for r in rows:
-            total = sum(r.get(k) or 0.0 for k, _ in SHARES) or 1.0
-            shares.append((r.get(key) or 0.0) / total)
+    parts = [_step_parts(r) for r in rows]
+    for name in parts[0]:
+        if name == "pipeline wait" and not pipelined(rows):
+            continue  # no bar part, no legend entry, for what no point has
+        shares = [part[name] / (sum(part.values()) or 1.0) for part in parts]
         ax.bar(labels, shares, bottom=bottom, label=name)
         bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
     ax.set_ylabel("share of step time", fontsize=11)
@@ -180,13 +268,14 @@ def _fmt(value: Any, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def speedup_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Ranks down, nodes across: 'speedup (efficiency)', one table per tp size."""
+    """Ranks down, nodes across: 'speedup (efficiency)', one table per layout (tp size,
+    and pipeline)."""
     lines = []
-    for tp in sorted({r["tp_size"] for r in rows}):
-        sub = [r for r in rows if r["tp_size"] == tp]
+    for lay in sorted({layout(r) for r in rows}):
+        sub = [r for r in rows if layout(r) == lay]
         nodes = sorted({r["nodes"] for r in sub})
         lines += [
-            f"tp={tp}: speedup (efficiency) against the baseline point",
+            f"{lay}: speedup (efficiency) against the baseline point",
             "",
             "| ranks | " + " | ".join(f"{n} node(s)" for n in nodes) + " |",
             "|---:|" + "---:|" * len(nodes),
@@ -230,6 +319,36 @@ def accuracy_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines + [""]
 
 
+def _point(row: dict[str, Any]) -> str:
+    """``nodes×procs tpT dpD`` (and ``ppP schedule``): a row's name in the tables."""
+    name = f"{row['nodes']}×{row['procs_per_node']} tp{row['tp_size']} dp{row['dp_size']}"
+    if row.get("pp_size", 1) > 1:
+        virtual = f" v{row['virtual_stages']}" if row.get("virtual_stages", 1) > 1 else ""
+        name += f" pp{row['pp_size']} {row['schedule']}{virtual}"
+    return name
+
+
+def pipeline_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The pipelined points' stage compute, wait and measured bubble against the formula."""
+    lines = [
+        "Rank 0 (stage 0) times its stages' forward, backward and loss of every micro-batch"
+        " (stage compute); the rest of the schedule's wall time is its wait on the other"
+        " stages (the bubble and the hand-offs). Measured bubble = wait ÷ stage compute;"
+        " formula = (p − 1)/m, interleaved (p − 1)/(v·m), for equal stages.",
+        "",
+        "| point | p | v | m | stage compute ms | wait ms | measured bubble | formula |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in pipelined(rows):
+        lines.append(
+            f"| {_point(r)} | {r['pp_size']} | {r.get('virtual_stages', 1)} | "
+            f"{r['microbatches']} | {_fmt(r.get('pp_compute_s'), 1e3)} | "
+            f"{_fmt(r.get('pp_wait_s'), 1e3)} | {_fmt(r.get('pp_bubble'), digits=3)} | "
+            f"{r['bubble_formula']:.3f} |"
+        )
+    return lines + [""]
+
+
 def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| point | step ms (p10–p90) | compute | TP comm | DP exposed | DP total | data | "
@@ -249,7 +368,7 @@ def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
             )
         ]
         lines.append(
-            f"| {r['nodes']}×{r['procs_per_node']} tp{r['tp_size']} dp{r['dp_size']} | "
+            f"| {_point(r)} | "
             f"{_fmt(r['step_time_s'], 1e3)} ({_fmt(r['step_time_p10_s'], 1e3)}–"
             f"{_fmt(r['step_time_p90_s'], 1e3)}) | "
             + " | ".join(ms)
@@ -303,13 +422,15 @@ def write_report(
     if accuracy:
         lines += ["## Time to accuracy", ""] + accuracy
     lines += ["## Where the time goes (mean ms per step)", ""] + breakdown_table(rows)
-    lines += ["", "## Links", ""] + link_table(links)
-    lines += [
-        "",
-        "![speedup](speedup.png) ![efficiency](efficiency.png)",
-        "![time shares](time_shares.png)",
-        "",
-    ]
+    bubble = pipelined(rows)
+    if bubble:
+        lines += ["", "## Pipeline bubble", ""] + pipeline_table(rows)
+    if links.get("intra_node") or links.get("inter_node"):  # none with --no-links
+        lines += ["", "## Links", ""] + link_table(links)
+    images = (
+        "![speedup](speedup.png) ![efficiency](efficiency.png)\n![time shares](time_shares.png)"
+    )
+    lines += ["", images + (" ![bubble](bubble.png)" if bubble else ""), ""]
     if failed:
         lines += ["## Failed points", ""] + [f"- {r['key']}: {r['error']}" for r in failed]
     path = out / "report.md"

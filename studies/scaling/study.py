@@ -8,6 +8,7 @@ holds one finished point per line (ok or failed, with its error), which is what
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -18,11 +19,14 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from engine.pipeline.split import microbatch_rule
 from studies.scaling.emulated_cluster import EmulatedCluster, unavailable_reason
 from studies.scaling.launch import run_on_nodes
 from studies.scaling.workloads import WORKLOADS, Point, RunSpec
 
 PARTS = ("compute_s", "tp_comm_s", "dp_comm_exposed_s", "dp_comm_total_s", "data_s", "optimizer_s")
+# A pipelined step's stage compute and its wait on the other stages (inside compute_s).
+PIPELINE_PARTS = ("pp_compute_s", "pp_wait_s")
 
 
 @dataclass(frozen=True)
@@ -42,24 +46,31 @@ class StudyConfig:
     link_mbit: int | None
     out: Path
     point_timeout_s: float = 600.0
+    pp: tuple[int, ...] = (1,)
+    schedules: tuple[str, ...] = ("1f1b",)  # pipeline schedules swept at pp > 1
+    virtual_stages: int = 2  # stages per pipeline rank under interleaved_1f1b
 
 
 def grid(cfg: StudyConfig) -> tuple[list[Point], list[str]]:
-    """The points of the study, and one line per combination that cannot be laid out."""
+    """The points of the study, and one line per combination that cannot be laid out (the
+    ranks do not fill the nodes, or a schedule lacks micro-batches)."""
     points, skipped = [], []
-    for nodes in cfg.nodes:
-        for tp in cfg.tp:
-            for dp in cfg.dp:
-                world = tp * dp
-                procs = cfg.procs_per_node or world // nodes
-                if procs < 1 or nodes * procs != world:
-                    skipped.append(
-                        f"tp={tp} dp={dp} ({world} ranks) does not fill {nodes} "
-                        f"node(s) × {procs} procs"
-                    )
-                    continue
-                batch = cfg.global_batch * (dp if cfg.mode == "weak" else 1)
-                points.append(Point(nodes, procs, tp, dp, cfg.micro_batch, batch))
+    for nodes, tp, pp, dp in itertools.product(cfg.nodes, cfg.tp, cfg.pp, cfg.dp):
+        world = tp * dp * pp
+        procs = cfg.procs_per_node or world // nodes
+        name = f"tp={tp} dp={dp}" + (f" pp={pp}" if pp > 1 else "")
+        if procs < 1 or nodes * procs != world:
+            skipped.append(f"{name} ({world} ranks) does not fill {nodes} node(s) × {procs} procs")
+            continue
+        batch = cfg.global_batch * (dp if cfg.mode == "weak" else 1)
+        for schedule in cfg.schedules if pp > 1 else ("1f1b",):
+            virtual = cfg.virtual_stages if schedule == "interleaved_1f1b" else 1
+            point = Point(nodes, procs, tp, dp, cfg.micro_batch, batch, pp, schedule, virtual)
+            rule = pp > 1 and microbatch_rule(schedule, pp, point.microbatches)
+            if rule:
+                skipped.append(f"{name} on {nodes} node(s): {rule}; raise --global-batch")
+                continue
+            points.append(point)
     return points, skipped
 
 
@@ -77,9 +88,11 @@ def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "tflops_per_rank": _median(steps, "tflops_per_rank"),
         "peak_mem_gib": max(_present(steps, "peak_mem_gib"), default=None),
     }
-    for part in PARTS:  # means, so the parts of a step add up to its mean time
+    for part in (*PARTS, *PIPELINE_PARTS):  # means: the parts add up to the mean step
         values = [r[part] for r in steps if r.get(part) is not None]
         out[part] = sum(values) / len(values) if values else None
+    compute, wait = out["pp_compute_s"], out["pp_wait_s"]  # stage 0's (rank 0 writes)
+    out["pp_bubble"] = wait / compute if compute and wait is not None else None
     out["mean_step_time_s"] = sum(times) / len(times)
     return out
 
@@ -142,6 +155,7 @@ def _append(out: Path, row: dict[str, Any]) -> None:
 def run_point(cfg: StudyConfig, point: Point, use_cluster: bool, on_repeat) -> dict[str, Any]:
     """Run every repeat of ``point``; its summary row (status ok or failed, with the error)."""
     row: dict[str, Any] = {"key": point.key, **asdict(point), "world_size": point.world_size}
+    row |= {"layout": point.layout, "microbatches": point.microbatches}
     point_dir = cfg.out / "runs" / point.key
     point_dir.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []

@@ -22,8 +22,12 @@ EPILOG = """\
 example (DP 1→2→4 on one node and on two emulated nodes at 1 Gbit/s):
   python tools/scaling_study.py --model gpt_tiny --tp 1 --dp 1,2,4 --nodes 1,2 \\
       --cluster emulated_1gbit --global-batch 16 --micro-batch 4 --steps 5 --out study/
+example (one rank per emulated node: pp across 2 and 4 nodes against dp across them):
+  python tools/scaling_study.py --model gpt_tiny --dp 1,2,4 --pp 1,2,4 --nodes 1,2,4 \\
+      --procs-per-node 1 --cluster emulated_1gbit --out pp_study/ model.num_layers=4
 
 Outputs in --out: results.csv, report.md, speedup.png, efficiency.png, time_shares.png,
+bubble.png (points with pp > 1: measured bubble against (p-1)/m and (p-1)/(v*m)),
 points.jsonl (finished points; --resume skips those that succeeded) and runs/ (logs).
 --nodes > 1 needs root and `ip netns` (namespaces + tc tbf); without them every point
 runs on one node.
@@ -42,12 +46,24 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _schedules(text: str) -> tuple[str, ...]:
+    from engine.config import PIPELINE_SCHEDULES
+
+    values = tuple(text.split(","))
+    bad = [v for v in values if v not in PIPELINE_SCHEDULES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{bad[0]!r} is not a schedule: one of {', '.join(PIPELINE_SCHEDULES)}"
+        )
+    return values
+
+
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="scaling_study.py",
         epilog=EPILOG,
         formatter_class=argparse.RawTextHelpFormatter,
-        description="Run a grid of training points (tp × dp × nodes) on real processes and "
+        description="Run a grid of training points (tp × dp × pp × nodes) on real processes and "
         "report speedup, efficiency and where each step's time goes.",
     )
     p.add_argument("overrides", nargs="*", help="Hydra overrides passed to every point")
@@ -55,6 +71,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="configs/model preset (default: the workload's)")
     p.add_argument("--tp", type=_ints, default=(1,), help="tp sizes, e.g. 1,2")
     p.add_argument("--dp", type=_ints, default=(1, 2), help="dp sizes, e.g. 1,2,4")
+    p.add_argument("--pp", type=_ints, default=(1,), help="pipeline stages, e.g. 1,2,4")
+    p.add_argument(
+        "--schedule",
+        type=_schedules,
+        default=("1f1b",),
+        help="pipeline schedules at pp > 1, e.g. 1f1b,interleaved_1f1b",
+    )
+    p.add_argument(
+        "--virtual-stages", type=int, default=2, help="stages per rank under interleaved_1f1b"
+    )
     p.add_argument("--nodes", type=_ints, default=(1,), help="node counts, e.g. 1,2")
     p.add_argument("--procs-per-node", type=int, help="ranks per node (default: ranks ÷ nodes)")
     p.add_argument("--cluster", help="configs/cluster entry shaping the emulated links")
@@ -108,6 +134,10 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
             _fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.warmup < 0:
         _fail(f"--warmup={args.warmup} must be >= 0")
+    if args.virtual_stages < 2:
+        _fail(f"--virtual-stages={args.virtual_stages} must be >= 2 (interleaved_1f1b)")
+    if max(args.pp) > 1 and args.workload != "pretrain":
+        _fail(f"--pp {max(args.pp)}: the {args.workload} workload has no pipeline; use --pp 1")
     if (args.out / "points.jsonl").exists() and not args.resume:
         _fail(f"--out {args.out} holds a study already: add --resume, or choose another --out")
     problem = _unwritable(args.out)
@@ -128,6 +158,9 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
         link_mbit=_link_mbit(args.cluster),
         out=args.out,
         point_timeout_s=args.point_timeout,
+        pp=args.pp,
+        schedules=args.schedule,
+        virtual_stages=args.virtual_stages,
     )
 
 

@@ -22,17 +22,37 @@ class Point:
     dp_size: int
     micro_batch: int
     global_batch: int
+    pp_size: int = 1
+    schedule: str = "1f1b"  # the pipeline schedule (pp_size > 1)
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.dp_size
+        return self.tp_size * self.dp_size * self.pp_size
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step and DP rank: the pipeline schedule's m."""
+        return self.global_batch // (self.micro_batch * self.dp_size)
+
+    @property
+    def layout(self) -> str:
+        """``tp=T``, and through a pipeline ``tp=T pp=P schedule`` (``v=V`` interleaved)."""
+        if self.pp_size == 1:
+            return f"tp={self.tp_size}"
+        virtual = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"tp={self.tp_size} pp={self.pp_size} {self.schedule}{virtual}"
 
     @property
     def key(self) -> str:
-        return (
+        key = (
             f"n{self.nodes}x{self.procs_per_node}-tp{self.tp_size}-dp{self.dp_size}"
             f"-mb{self.micro_batch}-gb{self.global_batch}"
         )
+        if self.pp_size > 1:  # pp 1 keeps the keys of studies made before the axis
+            key += f"-pp{self.pp_size}-{self.schedule}"
+            key += f"-v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return key
 
 
 @dataclass(frozen=True)
@@ -58,6 +78,7 @@ def pretrain_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
         f"dp_size={point.dp_size}",
         f"trainer.micro_batch={point.micro_batch}",
         f"trainer.global_batch={point.global_batch}",
+        *pipeline_overrides(point),
         f"trainer.max_steps={spec.warmup + spec.steps}",
         f"trainer.log_every={spec.warmup + spec.steps}",
         f"trainer.metrics_file={metrics}",
@@ -72,6 +93,17 @@ def pretrain_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
         "hydra.output_subdir=null",
     ]
     return argv + list(spec.overrides)
+
+
+def pipeline_overrides(point: Point) -> list[str]:
+    """The pipeline keys of a point (none at pp 1, so those commands stay as they were)."""
+    if point.pp_size == 1:
+        return []
+    return [
+        f"pp_size={point.pp_size}",
+        f"pipeline.schedule={point.schedule}",
+        f"pipeline.virtual_stages={point.virtual_stages}",
+    ]
 
 
 def classify_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) -> list[str]:
@@ -89,6 +121,8 @@ def classify_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
             f"global batch {point.global_batch} is not divisible by dp={point.dp_size}: "
             "choose a --global-batch that every dp size divides"
         )
+    if point.pp_size > 1:
+        raise ValueError(f"pp={point.pp_size}: the classify workload has no pipeline; use --pp 1")
     if spec.model:
         raise ValueError(
             f"--model {spec.model}: the classify workload has one model; set its "

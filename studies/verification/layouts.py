@@ -5,7 +5,9 @@ same global batch; each DP rank of the target takes its contiguous slice. The re
 runs on global rank 0 on a one-rank process group. Every module's output is captured by a
 forward hook, gathered to full shape and compared on rank 0; then the loss and every
 parameter gradient (after the DP average and the sequence-parallel TP sum), in backward
-order; then the loss of each further optimizer step.
+order; then the loss of each further optimizer step. Through a pipeline (pp > 1,
+``pipeline_layouts``) the outputs are watched per micro-batch, and each stage's hand-off
+(what it sent, what the next stage received) is compared too.
 
 Error of a tensor: ``max_abs`` = max |target − reference|, ``max_rel`` = max_abs divided by
 max |reference|. A row fails when max_rel exceeds the tolerance; the first failing row
@@ -18,27 +20,22 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import parallel_state
 from engine import comm
 from engine.config import OptimConfig
 from engine.data_parallel import GradSync, build_data_parallel
 from engine.models import ModelConfig, ParallelModel, build_model
-from engine.models.base import ParallelLMHead
 from engine.pipeline import SCHEDULES, layer_split
-from layers import ColumnParallelLinear
-from layers.attention import CoreAttention
-from layers.gqa import ReplicatedKVLinear
-from layers.mappings import gather_along
+from engine.pipeline.split import microbatch_rule
 from parallel_state import groups
 from parallel_state.dims import ParallelDims
-from studies.verification.pipeline_layouts import pipeline_steps
+from studies.verification.outputs import OutputCapture, Row, compare
+from studies.verification.pipeline_layouts import pipeline_rows
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 # Relative tolerances (max error / max |reference|). float64 proves the math: layouts differ
@@ -71,7 +68,7 @@ class VerifySpec:
     steps: int = 1
     lr: float = 1e-3
     seed: int = 1234
-    pp_size: int = 1  # pipeline stages (>1: the decoders through a pipelining schedule)
+    pp_size: int = 1  # pipeline stages (>1: the model cut and run by a pipelining schedule)
     schedule: str = "1f1b"  # "gpipe", "1f1b" or "interleaved_1f1b" (pp_size > 1)
     virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
     microbatches: int = 1  # micro-batches each DP rank's slice is cut into (pp_size > 1)
@@ -103,8 +100,6 @@ class VerifySpec:
 
     def _check_pipeline(self) -> None:
         """The stage split and torch's micro-batch rules for the schedule."""
-        if self.model not in ("gpt", "llama"):
-            raise ValueError(f"pp_size={self.pp_size} is built for gpt and llama, not {self.model}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
         interleaved = self.schedule == "interleaved_1f1b"
@@ -112,11 +107,9 @@ class VerifySpec:
             rule = ">= 2 for interleaved_1f1b" if interleaved else f"1 for {self.schedule}"
             raise ValueError(f"virtual_stages={self.virtual_stages} must be {rule}")
         layer_split(self.num_layers, self.pp_size * self.virtual_stages)
-        m = self.microbatches
-        if self.schedule != "gpipe" and m < self.pp_size:
-            raise ValueError(f"{self.schedule} needs microbatches={m} >= pp_size={self.pp_size}")
-        if interleaved and m % self.pp_size:
-            raise ValueError(f"interleaved_1f1b needs microbatches={m} divisible by pp_size")
+        rule = microbatch_rule(self.schedule, self.pp_size, self.microbatches)
+        if rule:
+            raise ValueError(f"{rule}: change --microbatches")
 
     @property
     def dims(self) -> ParallelDims:
@@ -158,17 +151,6 @@ class VerifySpec:
         )
 
 
-@dataclass(frozen=True)
-class Row:
-    """One compared tensor."""
-
-    kind: str  # "output", "loss" or "grad"
-    name: str
-    max_abs: float
-    max_rel: float
-    ok: bool
-
-
 @dataclass
 class Report:
     """All compared tensors in model order; ``first_failure`` is where the layouts diverge."""
@@ -187,73 +169,6 @@ class Report:
     def ok(self) -> bool:
         """Whether at least one tensor was compared and every row is within tolerance."""
         return bool(self.rows) and self.first_failure is None
-
-
-def compare(
-    kind: str, name: str, got: torch.Tensor, want: torch.Tensor, tol: float, *, absolute=False
-) -> Row:
-    """Row for ``got`` against ``want``; ``tol`` bounds the relative (or absolute) error."""
-    if got.shape != want.shape:
-        return Row(kind, name, float("inf"), float("inf"), False)
-    got, want = got.detach().double().cpu(), want.detach().double().cpu()
-    max_abs = (got - want).abs().max().item() if got.numel() else 0.0
-    scale = want.abs().max().item() if want.numel() else 0.0
-    max_rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-    return Row(kind, name, max_abs, max_rel, (max_abs if absolute else max_rel) <= tol)
-
-
-def output_tp_dim(module: nn.Module) -> int | None:
-    """The dim along which a module's output is split across TP (None: replicated).
-
-    Column-style outputs are split on their last dim; a module whose
-    ``sequence_parallel`` is True outputs its sequence shard (dim 0, since activations are
-    ``[s, b, ...]`` inside the models).
-    """
-    if isinstance(
-        module, (ColumnParallelLinear, CoreAttention, ParallelLMHead, ReplicatedKVLinear)
-    ):
-        return None if getattr(module, "gather_output", False) else -1
-    return 0 if getattr(module, "sequence_parallel", False) else None
-
-
-class OutputCapture:
-    """Forward hooks keeping each module's first output (recomputation reruns forwards)."""
-
-    def __init__(self, model: ParallelModel) -> None:
-        self.outputs: dict[str, tuple[torch.Tensor, int | None, int | None]] = {}
-        self.copies: dict[str, int] = {}
-        vocab = model.cfg.vocab_size
-        self._handles = [
-            module.register_forward_hook(
-                partial(self._keep, name, vocab if isinstance(module, ParallelLMHead) else None)
-            )
-            for name, module in model.named_modules()
-            if name and not isinstance(module, nn.ModuleList)
-        ]
-
-    def _keep(self, name, trim, module, args, out) -> None:
-        if name not in self.outputs and isinstance(out, torch.Tensor):
-            self.outputs[name] = (out.detach().clone(), output_tp_dim(module), trim)
-            self.copies[name] = getattr(module, "copies", 1)  # KV heads held by several ranks
-
-    def gathered(self, tp_group, dp_group) -> dict[str, torch.Tensor]:
-        """Every output at full shape, vocabulary unpadded: TP shards joined, then DP batch
-        slices (collective over both groups; None groups: nothing to join)."""
-        full = {}
-        for name, (out, tp_dim, trim) in self.outputs.items():
-            out = gather_along(out, tp_dim, tp_group)
-            if self.copies[name] > 1:  # one copy of each replicated block
-                blocks = out.unflatten(-1, (groups.group_size(tp_group), -1))
-                out = blocks[..., :: self.copies[name], :].flatten(-2)
-            # Inside the models 3-D activations are [s, b, ...], 2-D ones [b, ...].
-            out = gather_along(out, 1 if out.dim() == 3 else 0, dp_group)
-            full[name] = out if trim is None else out[..., :trim]
-        return full
-
-    def remove(self) -> None:
-        """Detach the hooks."""
-        for h in self._handles:
-            h.remove()
 
 
 def make_batch(spec: VerifySpec) -> dict[str, torch.Tensor]:
@@ -320,7 +235,8 @@ def compare_layouts(
         ps.seed(spec.seed)  # the same draws again: the same full weights
         reference = build_model(spec.model_config(reference=True), tp_group=solo, dtype=dtype)
     if spec.pp_size > 1:
-        rows = _pipeline_rows(spec, target, reference, make_batch(spec), ps, mutate_runner)
+        batch = make_batch(spec)
+        rows = pipeline_rows(spec, target, reference, batch, dp_slice(batch, ps), ps, mutate_runner)
     else:
         rows = _train_and_compare(spec, target, reference, make_batch(spec), ps)
     return Report(spec, spec.tolerance, rows) if ps.rank == 0 else None
@@ -401,26 +317,6 @@ class _TargetStep:
     def remove(self) -> None:
         if self.sync is not None:
             self.sync.remove()
-
-
-def _pipeline_rows(spec, target, reference, batch, ps, mutate_runner) -> list[Row]:
-    """The loss of every step and every gradient of the first, the target pipelined."""
-    tol, rows = spec.tolerance, []
-    optimizer = reference and torch.optim.AdamW(reference.parameters(), lr=spec.lr)
-    steps = pipeline_steps(spec, target, dp_slice(batch, ps), ps, mutate_runner)
-    for step, (loss, grads) in enumerate(steps):
-        if reference is None:
-            continue
-        ref_loss = reference.loss(batch)
-        ref_loss.backward()
-        got = torch.tensor(loss, dtype=torch.float64)
-        rows.append(compare("loss", f"loss (step {step})", got, ref_loss, tol))
-        if grads is not None:  # reverse registration order: the first failure nearest the bug
-            want = reference.full_grad_dict()
-            rows += [compare("grad", n, grads[n], want[n], tol) for n in reversed(grads)]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return rows
 
 
 def _output_rows(captures: list[OutputCapture], ps, tol: float) -> list[Row]:

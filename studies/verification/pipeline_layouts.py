@@ -1,24 +1,34 @@
 """The target side of layout equivalence through the pipeline: the model cut into
-``pp × virtual`` stages and trained by its schedule (``layouts.compare_layouts`` compares
-what this yields with the unsplit reference).
+``pp × virtual`` stages and trained by its schedule, compared with the unsplit reference.
 
 Each DP rank's slice is cut into ``spec.microbatches`` micro-batches; the loss is their
 mean (the last stage's, broadcast), the gradients are DP-averaged, the tied embedding's
 copies summed, and every gradient is gathered to full shape over TP and the stages.
 ``mutate_runner(runner)`` may plant a fault in the hand-off between stages.
+
+The forwards of the first step are watched (``StageCapture``): every module's output, and
+at each stage boundary what the stage sent and what the next stage received, per
+micro-batch. They are compared with the reference's output of the same module (for a
+hand-off, the rows of the reference's batch that micro-batch holds), in model order, so
+the first failing row names the module, the stage and the micro-batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 
 from engine import comm
 from engine.data_parallel import GradSync
 from engine.models import ParallelModel
+from engine.models.base import ParallelLMHead
 from engine.pipeline import PipelineModel, PipelineRunner
 from parallel_state import ParallelState
+from studies.verification.outputs import OutputCapture, Row, compare, output_tp_dim
+
+SENT, RECEIVED = "stage out", "stage in"  # the row kinds of a hand-off
 
 
 def pipeline_target(spec, model: ParallelModel, ps: ParallelState) -> PipelineRunner:
@@ -34,34 +44,172 @@ def pipeline_target(spec, model: ParallelModel, ps: ParallelState) -> PipelineRu
     return PipelineRunner(stages, schedule=spec.schedule, microbatches=spec.microbatches, ps=ps)
 
 
+class StageCapture(OutputCapture):
+    """The outputs of this rank's stages in the forwards the schedule runs, per micro-batch:
+    every module's, and per hand-off what a stage sends (its return value, after any hook)
+    and what the next stage receives. Keys: module names; hand-offs are
+    ``(kind, module, stage, micro-batch, reference module)``.
+
+    Only ``forward_one_chunk`` counts: torch's shape inference and recomputation in
+    backward run the modules too, on other inputs or again.
+    """
+
+    def __init__(self, runner: PipelineRunner) -> None:
+        self.micro: int | None = None  # the micro-batch a stage is running forward
+        self.per_micro: dict[str, dict[int, torch.Tensor]] = {}
+        self.handoffs: dict[tuple, torch.Tensor] = {}
+        self.layout: dict = {}  # key -> (TP dim of the output, vocabulary trim)
+        super().__init__(runner.model)
+        self.model, self.stages = runner.model, runner.stages
+        self._forwards = [stage.forward_one_chunk for stage in self.stages]
+        for stage, forward in zip(self.stages, self._forwards, strict=True):
+            stage.forward_one_chunk = partial(self._forward, stage, forward)
+            if not stage.is_first:
+                hook = partial(self._received, stage.stage_index)
+                self._handles.append(stage.submod.register_forward_pre_hook(hook))
+
+    def _layout(self, name: str) -> tuple[int | None, int | None]:
+        module = self.model.get_submodule(name)
+        trim = self.model.cfg.vocab_size if isinstance(module, ParallelLMHead) else None
+        return output_tp_dim(module), trim
+
+    def _keep(self, name, trim, module, args, out) -> None:
+        if self.micro is None or not isinstance(out, torch.Tensor):
+            return
+        self.per_micro.setdefault(name, {}).setdefault(self.micro, out.detach().clone())
+        self.layout[name] = (output_tp_dim(module), trim)
+        self.copies[name] = getattr(module, "copies", 1)  # KV heads held by several ranks
+
+    def _forward(self, stage, forward, micro: int, *args, **kwargs):
+        self.micro = micro
+        try:
+            out = forward(micro, *args, **kwargs)
+        finally:
+            self.micro = None
+        split = self.model.split[stage.stage_index]
+        if stage.is_last:
+            names = ("lm_head", "sop_head") if self.model.bert else ("lm_head",)
+        else:
+            names = (f"layers.{split[-1]}",)
+        outs = out if isinstance(out, tuple) else (out,)
+        for name, tensor in zip(names, outs, strict=True):
+            self._hand_off((SENT, name, stage.stage_index, micro, name), tensor, name)
+        return out
+
+    def _received(self, stage: int, module, args) -> None:
+        if self.micro is None:  # torch's shape inference
+            return
+        first = self.model.split[stage][0]
+        key = (RECEIVED, f"layers.{first}", stage, self.micro, f"layers.{first - 1}")
+        self._hand_off(key, args[0], f"layers.{first}")  # its input: the same layout
+
+    def _hand_off(self, key: tuple, tensor: torch.Tensor, layout_of: str) -> None:
+        self.handoffs[key] = tensor.detach().clone()
+        self.layout[key], self.copies[key] = self._layout(layout_of), 1
+
+    def merged(self, ps: ParallelState) -> dict:
+        """Every output at full shape (module outputs with their micro-batches joined in
+        order: this DP rank's slice), from every stage (collective over TP, DP and PP)."""
+        for name, micros in self.per_micro.items():
+            parts = [micros[j] for j in sorted(micros)]
+            joined = torch.cat(parts, dim=1 if parts[0].dim() == 3 else 0)  # [s, b, …] / [b, …]
+            self.outputs[name] = (joined, *self.layout[name])
+        for key, tensor in self.handoffs.items():
+            self.outputs[key] = (tensor, *self.layout[key])
+        full = self.gathered(ps.tp_group, ps.dp_group)
+        merged: dict = {}
+        for part in comm.all_gather_object(full, ps.pp_group):
+            merged.update(part)
+        return merged
+
+    def remove(self) -> None:
+        """Detach the hooks and give the stages their own forward back."""
+        super().remove()
+        for stage, forward in zip(self.stages, self._forwards, strict=True):
+            stage.forward_one_chunk = forward
+
+
+def micro_rows(spec, reference: torch.Tensor, micro: int) -> torch.Tensor:
+    """The rows of the reference's whole-batch ``reference`` that micro-batch ``micro``
+    holds, every DP rank's together (each rank's slice is contiguous, cut in order)."""
+    per_rank = spec.batch_size // spec.dp_size
+    size = per_rank // spec.microbatches
+    rows = [d * per_rank + micro * size + r for d in range(spec.dp_size) for r in range(size)]
+    dim = 1 if reference.dim() == 3 else 0
+    return reference.index_select(dim, torch.tensor(rows))
+
+
+def stage_output_rows(spec, got: dict, want: dict[str, torch.Tensor]) -> list[Row]:
+    """In the reference's module order: each module's output, and after a stage's last
+    module what the stage sent and the next one received, per micro-batch."""
+    tol, rows = spec.tolerance, []
+    handoffs = sorted((k for k in got if isinstance(k, tuple)), key=lambda k: (k[2], k[0], k[3]))
+    for name, reference in want.items():
+        if name in got:
+            rows.append(compare("output", name, got[name], reference, tol))
+        for key in (k for k in handoffs if k[4] == name):
+            kind, module, stage, micro, _ = key
+            label = f"{module} (stage {stage}), micro-batch {micro}"
+            rows.append(compare(kind, label, got[key], micro_rows(spec, reference, micro), tol))
+    missed = [k for k in got if (k[4] if isinstance(k, tuple) else k) not in want]
+    return rows + [Row("output", str(k), float("inf"), float("inf"), False) for k in missed]
+
+
 def pipeline_steps(
     spec,
     target: ParallelModel,
     local: dict[str, torch.Tensor],
     ps: ParallelState,
     mutate_runner: Callable[[PipelineRunner], None] | None = None,
-) -> Iterator[tuple[float, dict[str, torch.Tensor] | None]]:
+) -> Iterator[tuple[float, dict | None, dict | None]]:
     """Per optimizer step of ``target`` on this DP rank's slice ``local``: (the mean loss
-    over DP, every full gradient on the first step else None), before the update."""
+    over DP, every full gradient and every stage's outputs on the first step else None),
+    before the update."""
     runner = pipeline_target(spec, target, ps)
     if mutate_runner is not None:
         mutate_runner(runner)
+    capture = StageCapture(runner)  # after the planted fault: what the stages really send
     stages = runner.model
     grad_sync = GradSync(stages.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
     optimizer = torch.optim.AdamW(stages.parameters(), lr=spec.lr)
-    pairs = zip(
-        local["input_ids"].chunk(spec.microbatches),
-        local["labels"].chunk(spec.microbatches),
-        strict=True,
-    )
-    micro = [{"input_ids": ids, "labels": labels} for ids, labels in pairs]
+    chunks = {key: value.chunk(spec.microbatches) for key, value in local.items()}
+    micro = [{key: value[j] for key, value in chunks.items()} for j in range(spec.microbatches)]
     for step in range(spec.steps):
         with grad_sync.no_sync():
             loss = runner.train(micro)
         grad_sync.finish()
         stages.sum_tied_grads()
-        grads = stages.full_grad_dict() if step == 0 else None  # over TP and the stages
-        yield comm.mean(loss, ps.dp_group, ps.device), grads
+        grads = outputs = None
+        if step == 0:
+            grads = stages.full_grad_dict()  # over TP and the stages
+            outputs = capture.merged(ps)
+            capture.remove()
+        yield comm.mean(loss, ps.dp_group, ps.device), grads, outputs
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     grad_sync.remove()
+
+
+def pipeline_rows(spec, target, reference, batch, local, ps, mutate_runner) -> list[Row]:
+    """Every stage's outputs, the loss of every step and every gradient of the first, the
+    target pipelined (rows on global rank 0, where ``reference`` is; [] elsewhere)."""
+    tol, rows = spec.tolerance, []
+    capture = OutputCapture(reference) if reference is not None else None
+    optimizer = reference and torch.optim.AdamW(reference.parameters(), lr=spec.lr)
+    steps = pipeline_steps(spec, target, local, ps, mutate_runner)
+    for step, (loss, grads, outputs) in enumerate(steps):
+        if reference is None:
+            continue
+        ref_loss = reference.loss(batch)
+        ref_loss.backward()
+        if outputs is not None:
+            rows += stage_output_rows(spec, outputs, capture.gathered(None, None))
+            capture.remove()
+        got = torch.tensor(loss, dtype=torch.float64)
+        rows.append(compare("loss", f"loss (step {step})", got, ref_loss, tol))
+        if grads is not None:  # reverse registration order: the first failure nearest the bug
+            want = reference.full_grad_dict()
+            rows += [compare("grad", n, grads[n], want[n], tol) for n in reversed(grads)]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return rows
