@@ -179,10 +179,6 @@ def sized_dims(
 def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:
     """What FSDP2 (``parallel.dp_shard`` gradients or full) does not run with, one line each."""
     mode, problems = f"parallel.dp_shard={dims.dp_shard}", []
-    if dims.pp > 1:
-        problems.append(
-            f"{mode} with pp_size={dims.pp} is not built: set pp_size=1 or dp_shard=none"
-        )
     if cfg.trainer.precision == "fp16":
         problems.append(f"{mode} trains in bf16 or fp32, not fp16: set trainer.precision=bf16")
     if cfg.model.compile:

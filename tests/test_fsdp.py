@@ -234,10 +234,6 @@ def test_zero3_holds_a_1_over_d_shard_of_every_layer_not_running(d):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (
-            ("pp_size=2", "dp_size=2", "model.num_layers=2"),
-            "parallel.dp_shard=full with pp_size=2 is not built: set pp_size=1 or dp_shard=none",
-        ),
         (("trainer.precision=fp16",), "parallel.dp_shard=full trains in bf16 or fp32"),
         (("model.compile=true",), "parallel.dp_shard=full runs the model eagerly"),
         (("trainer.memory_cap_gib=-1",), "trainer.memory_cap_gib=-1.0 must be >= 0 and finite"),

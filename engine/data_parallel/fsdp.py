@@ -69,14 +69,22 @@ class FullyShardedDP(DataParallel):
         # them in place, which is what FSDP warns about on every forward.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
         roles = {name: dict(vars(p)) for name, p in model.named_parameters()}
-        units = list(getattr(model, "layers", ()))
-        for unit in [*units, model]:
-            fully_shard(
-                unit, mesh=self.mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy
-            )
-        for earlier, later in zip(units, units[1:], strict=False):
-            earlier.set_modules_to_forward_prefetch([later])
-            later.set_modules_to_backward_prefetch([earlier])
+        # A pipelined model's roots are its stage chunks (each one a PipelineStage's module,
+        # which torch's schedule then drives as FSDP); else the model itself.
+        self.roots = list(getattr(model, "chunks", None) or [model])
+        self.pipelined = self.roots != [model]
+        for root in self.roots:
+            units = list(root.layers)
+            for unit in [*units, root]:
+                fully_shard(
+                    unit,
+                    mesh=self.mesh,
+                    reshard_after_forward=reshard_after_forward,
+                    mp_policy=policy,
+                )
+            for earlier, later in zip(units, units[1:], strict=False):
+                earlier.set_modules_to_forward_prefetch([later])
+                later.set_modules_to_backward_prefetch([earlier])
         # FSDP registers new (sharded) parameters: they keep the roles the layers declared.
         for name, p in model.named_parameters():
             vars(p).update(roles[name])
@@ -88,8 +96,13 @@ class FullyShardedDP(DataParallel):
         """Every micro-batch reduce-scatters its gradients (they stay 1/dp: holding whole
         ones across micro-batches would undo the sharding a large model needs). ZeRO-2 keeps
         its parameters gathered from one micro-batch to the next, so it gathers once per
-        step; ZeRO-3 gathers them again in every forward and backward."""
-        if self.reshard_after_forward:
+        step; ZeRO-3 gathers them again in every forward and backward.
+
+        Under a pipeline torch's schedule drives each stage's FSDP itself: it keeps the
+        parameters and the unsharded gradients over the step's micro-batches and
+        reduce-scatters after the last (``PipelineStage``'s own rule), so nothing is left
+        to do here."""
+        if self.reshard_after_forward or self.pipelined:
             yield
             return
         self.model.set_reshard_after_backward(False)

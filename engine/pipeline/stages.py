@@ -30,6 +30,7 @@ from engine.models.gpt import GPTModel, vocab_parallel_losses
 from engine.pipeline.split import layer_split
 from layers.param_roles import mark_copy
 from layers.rotary import rotary_tables
+from layers.utils import local_part
 from parallel_state.groups import group_size
 
 HEADS = ("final_norm", "lm_head")  # a decoder's last-stage modules
@@ -53,7 +54,9 @@ class StageChunk(nn.Module):
     def __init__(self, owner: PipelineModel, layers: range, *, first: bool, last: bool) -> None:
         super().__init__()
         self.first, self.last = first, last
-        if first:  # registered here too, so the chunk's parameters are the stage's
+        # Registered here too, so the chunk's parameters are the stage's (FSDP shards a
+        # chunk's tree): the first stage's embedding, or the last stage's tied copy.
+        if first or (last and owner.holds_tied_copy):
             self.embedding = owner.embedding
         self.layers = nn.ModuleList(owner.layers[str(i)] for i in layers)
         for name in owner.head_names if last else ():
@@ -192,7 +195,8 @@ class PipelineModel(ParallelModel):
         word = self.embedding.word.weight
         if word.grad is None:
             word.grad = torch.zeros_like(word)
-        comm.sum_(word.grad, self.embedding_group)
+        # Under FSDP both copies are DP-sharded alike: each rank sums its own shard.
+        comm.sum_(local_part(word.grad), self.embedding_group)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self._gather_stages(super().full_state_dict())

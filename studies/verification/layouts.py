@@ -27,13 +27,12 @@ import torch.distributed as dist
 
 import parallel_state
 from engine import comm
-from engine.config import OptimConfig
-from engine.data_parallel import GradSync, build_data_parallel
 from engine.models import ModelConfig, ParallelModel, build_model
 from engine.pipeline import SCHEDULES, layer_split
 from engine.pipeline.split import microbatch_rule
 from parallel_state import groups
 from parallel_state.dims import ParallelDims
+from studies.verification.dp_step import TargetStep
 from studies.verification.outputs import OutputCapture, Row, compare
 from studies.verification.pipeline_layouts import pipeline_rows
 
@@ -46,7 +45,6 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 # all-reduces in bf16), so they differ by several roundoffs (observed ≤ 2.5e-2); 5e-2
 # bounds that while a real bug still shows as O(1).
 TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 5e-2}
-ADAMW_DEFAULTS = ((0.9, 0.999), 1e-8)  # torch's AdamW betas and eps, the reference's
 
 
 @dataclass(frozen=True)
@@ -233,7 +231,9 @@ def compare_layouts(
     reference = None
     if ps.rank == 0:
         ps.seed(spec.seed)  # the same draws again: the same full weights
-        reference = build_model(spec.model_config(reference=True), tp_group=solo, dtype=dtype)
+        reference = build_model(  # dropout is off: the RNG is passed, never drawn from
+            spec.model_config(reference=True), tp_group=solo, rng=ps.rng, dtype=dtype
+        )
     if spec.pp_size > 1:
         batch = make_batch(spec)
         rows = pipeline_rows(spec, target, reference, batch, dp_slice(batch, ps), ps, mutate_runner)
@@ -245,7 +245,7 @@ def compare_layouts(
 def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
     tol, rows = spec.tolerance, []
     captures = [OutputCapture(m) for m in (target, reference) if m is not None]
-    dp = _TargetStep(spec, target, ps)
+    dp = TargetStep(spec, target, ps)
     optimizers = [dp]
     if reference is not None:
         optimizers.append(torch.optim.AdamW(reference.parameters(), lr=spec.lr, weight_decay=0.0))
@@ -274,49 +274,6 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
             opt.zero_grad(set_to_none=True)
     dp.remove()
     return rows
-
-
-class _TargetStep:
-    """The target's gradient reduction and AdamW step (torch's AdamW without weight decay,
-    as the reference's) through the DP mode ``spec.dp_shard`` names: GradSync's all-reduce
-    for none, else the runtime's strategy (ZeRO-1, FSDP2) with clipping off."""
-
-    def __init__(self, spec, target, ps) -> None:
-        self.lr, self.sync = spec.lr, None
-        if spec.dp_shard == "none":
-            self.sync = GradSync(target.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
-            self.optimizer = torch.optim.AdamW(target.parameters(), lr=spec.lr, weight_decay=0.0)
-            return
-        betas, eps = ADAMW_DEFAULTS
-        self.optimizer = build_data_parallel(
-            target,
-            OptimConfig(
-                lr=spec.lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=0.0, clip_grad=0
-            ),
-            dp_group=ps.dp_group,
-            tp_group=ps.tp_group,
-            device=ps.device,
-            dp_shard=spec.dp_shard,
-        )
-
-    def finish_grads(self) -> None:
-        if self.sync is not None:
-            self.sync.finish()
-        else:
-            self.optimizer.finish_grads()
-
-    def step(self) -> None:
-        if self.sync is not None:
-            self.optimizer.step()
-        else:
-            self.optimizer.step(lr=self.lr, max_norm=0.0, norm=torch.zeros(()))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad()
-
-    def remove(self) -> None:
-        if self.sync is not None:
-            self.sync.remove()
 
 
 def _output_rows(captures: list[OutputCapture], ps, tol: float) -> list[Row]:

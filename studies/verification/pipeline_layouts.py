@@ -21,11 +21,11 @@ from functools import partial
 import torch
 
 from engine import comm
-from engine.data_parallel import GradSync
 from engine.models import ParallelModel
 from engine.models.base import ParallelLMHead
 from engine.pipeline import PipelineModel, PipelineRunner
 from parallel_state import ParallelState
+from studies.verification.dp_step import TargetStep
 from studies.verification.outputs import OutputCapture, Row, compare, output_tp_dim
 
 SENT, RECEIVED = "stage out", "stage in"  # the row kinds of a hand-off
@@ -170,14 +170,13 @@ def pipeline_steps(
         mutate_runner(runner)
     capture = StageCapture(runner)  # after the planted fault: what the stages really send
     stages = runner.model
-    grad_sync = GradSync(stages.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
-    optimizer = torch.optim.AdamW(stages.parameters(), lr=spec.lr)
+    dp = TargetStep(spec, stages, ps)  # after the runner: FSDP shards its stage chunks
     chunks = {key: value.chunk(spec.microbatches) for key, value in local.items()}
     micro = [{key: value[j] for key, value in chunks.items()} for j in range(spec.microbatches)]
     for step in range(spec.steps):
-        with grad_sync.no_sync():
+        with dp.no_sync():
             loss = runner.train(micro)
-        grad_sync.finish()
+        dp.finish_grads()
         stages.sum_tied_grads()
         grads = outputs = None
         if step == 0:
@@ -185,9 +184,9 @@ def pipeline_steps(
             outputs = capture.merged(ps)
             capture.remove()
         yield comm.mean(loss, ps.dp_group, ps.device), grads, outputs
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    grad_sync.remove()
+        dp.step()
+        dp.zero_grad()
+    dp.remove()
 
 
 def pipeline_rows(spec, target, reference, batch, local, ps, mutate_runner) -> list[Row]:
@@ -195,7 +194,9 @@ def pipeline_rows(spec, target, reference, batch, local, ps, mutate_runner) -> l
     target pipelined (rows on global rank 0, where ``reference`` is; [] elsewhere)."""
     tol, rows = spec.tolerance, []
     capture = OutputCapture(reference) if reference is not None else None
-    optimizer = reference and torch.optim.AdamW(reference.parameters(), lr=spec.lr)
+    optimizer = reference and torch.optim.AdamW(
+        reference.parameters(), lr=spec.lr, weight_decay=0.0
+    )  # as the target's (dp_step)
     steps = pipeline_steps(spec, target, local, ps, mutate_runner)
     for step, (loss, grads, outputs) in enumerate(steps):
         if reference is None:
