@@ -12,7 +12,9 @@ Schema (every number says where it comes from in a ``source`` string next to it)
   ({ranks: speed of one single-thread rank while that many compute at once}), ``reserved_gib``
   (runtime memory outside the model: CUDA context, NCCL buffers, library workspaces);
 - ``efficiency: {gemm, memory, network}``: the fraction of peak a large GEMM, a streaming
-  kernel and a collective reach (global per device, never per workload);
+  kernel and a collective reach (global per device, never per workload), and ``gemm_k0``:
+  the per-tile fixed cost of a GEMM in steps of its reduction length (efficiency
+  × k/(k + k0); 0 or absent: none);
 - ``collectives`` (algorithms the library chooses from), ``overlap_efficiency`` (how much
   of backward can hide communication: 0 when communication needs the busy cores),
   ``precision`` (default training precision on this device), ``max_nodes`` (a single
@@ -57,6 +59,7 @@ class ClusterSpec:
     mem_bandwidth_Bps: float
     memory_bytes: float
     gemm_efficiency: float = 0.8
+    gemm_k0: float = 0.0  # per-tile fixed cost, in reduction steps (compute.reduction_factor)
     memory_efficiency: float = 0.8
     network_efficiency: float = 0.8
     gemm_table: tuple[tuple[int, int, int, float], ...] = ()  # (m, n, k, FLOP/s) measured
@@ -125,6 +128,7 @@ def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
         mem_bandwidth_Bps=_need(dev, "mem_bandwidth_TBps", f"{name}.device") * 1e12,
         memory_bytes=_need(dev, "memory_gib", f"{name}.device") * 2**30,
         gemm_efficiency=float(eff.get("gemm", 0.8)),
+        gemm_k0=float(eff.get("gemm_k0", 0.0)),
         memory_efficiency=float(eff.get("memory", 0.8)),
         network_efficiency=float(eff.get("network", 0.8)),
         gemm_table=table,

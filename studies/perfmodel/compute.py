@@ -2,8 +2,11 @@
 
 A GEMM of (m×k)·(k×n) does 2·m·n·k FLOPs and moves at least (m·k + k·n + m·n) elements.
 Without a measured table its time is a roofline: the larger of FLOPs ÷ (peak × GEMM
-efficiency × shape factor) and bytes ÷ (memory bandwidth × memory efficiency). The shape
-factor d/(d + TILE) per dimension charges small dimensions for partly empty tiles. With a
+efficiency) and bytes ÷ (memory bandwidth × memory efficiency). The GEMM efficiency is
+e_max · Π d/(d + TILE) · k/(k + k0): the shape factor charges small dimensions for partly
+empty tiles, and k/(k + k0) a fixed cost per output tile (filling the operand pipeline,
+the epilogue that converts and writes the tile), worth k0 steps of the reduction loop, that
+the tile's k/TILE loop steps amortise (docs/PERFMODEL.md, "Cluster specs"). With a
 ``gemm_table`` measured by tools/calibrate.py, the throughput of the nearest measured shape
 (in log space) is used instead.
 """
@@ -19,6 +22,18 @@ TILE = 64  # a typical tensor-core tile edge; dims far above it run at full effi
 
 def _shape_factor(m: int, n: int, k: int) -> float:
     return (m / (m + TILE)) * (n / (n + TILE)) * (k / (k + TILE))
+
+
+def reduction_factor(cluster: ClusterSpec, k: float) -> float:
+    """Share of a tile's time spent in its reduction loop of length ``k``: k/(k + k0),
+    1 where the spec sets no per-tile fixed cost (``gemm_k0`` 0)."""
+    return k / (k + cluster.gemm_k0)
+
+
+def gemm_efficiency(cluster: ClusterSpec, m: int, n: int, k: int) -> float:
+    """Fraction of peak an (m×k)·(k×n) GEMM reaches: the ceiling, partly empty tiles and
+    the per-tile fixed cost amortised over the reduction length k."""
+    return cluster.gemm_efficiency * _shape_factor(m, n, k) * reduction_factor(cluster, k)
 
 
 def _table_flops(cluster: ClusterSpec, m: int, n: int, k: int) -> float:
@@ -37,7 +52,7 @@ def gemm_seconds(
     flops = 2.0 * m * n * k
     if cluster.gemm_table:
         return flops / (_table_flops(cluster, m, n, k) * speed)
-    compute = flops / (cluster.peak_flops * cluster.gemm_efficiency * _shape_factor(m, n, k))
+    compute = flops / (cluster.peak_flops * gemm_efficiency(cluster, m, n, k))
     traffic = elem_bytes * (m * k + k * n + m * n)
     memory = traffic / (cluster.mem_bandwidth_Bps * cluster.memory_efficiency)
     return max(compute, memory) / speed

@@ -28,7 +28,12 @@ from engine.formulas import (
 from studies.perfmodel import comm_cost as comm
 from studies.perfmodel import pipeline as pipe
 from studies.perfmodel.cluster_spec import ClusterSpec, scale_for
-from studies.perfmodel.compute import gemm_pass_seconds, rank_speed, stream_seconds
+from studies.perfmodel.compute import (
+    gemm_pass_seconds,
+    rank_speed,
+    reduction_factor,
+    stream_seconds,
+)
 from studies.perfmodel.in_model import lookup, nearest, parameter_tensors, tp_collectives
 from studies.perfmodel.memory_model import (
     DP_SHARD,
@@ -222,9 +227,12 @@ def _attention_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: fl
     heads, d = w.heads // t, w.hidden // w.heads
     if lay.fused_attention:
         # Flash attention: a causal kernel skips the masked half of the tiles, and its
-        # backward recomputes the scores (2.5× the forward's FLOPs instead of 2×).
+        # backward recomputes the scores (2.5× the forward's FLOPs instead of 2×). A query
+        # tile's loop runs over the keys before its one epilogue, s/2 of them on average
+        # under the causal mask: that is its reduction length.
         flops = 0.5 * 4 * b * s * s * w.hidden / t * 3.5
-        return flops / (cluster.peak_flops * cluster.gemm_efficiency * speed)
+        eff = cluster.gemm_efficiency * reduction_factor(cluster, s / 2)
+        return flops / (cluster.peak_flops * eff * speed)
     scores_f, scores_b = gemm_pass_seconds(cluster, s, s, d, w.act_bytes, speed)  # QKᵀ
     context_f, context_b = gemm_pass_seconds(cluster, s, d, s, w.act_bytes, speed)  # ·V
     softmax = stream_seconds(cluster, score_bytes(w, lay), speed)

@@ -40,7 +40,7 @@ class PublishedRow:
     global_batch: int
     tflops: float
     hardware_flops: bool  # True: the figure counts recomputation
-    fitted: bool = False  # the row the device's GEMM efficiency was fitted to (not validation)
+    fitted: bool = False  # the row the H100's per-tile GEMM cost k0 was fitted to (not validation)
     pp: int = 1  # pipeline stages
 
 
