@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from layers.kernel_set import TORCH_KERNELS, Kernels
+from layers.mlp import ParallelMLP
 
 # torch's built-in backends: "inductor" generates fused kernels (needs a C compiler on
 # CPU); "aot_eager" traces forward and backward but runs them eagerly (checks tracing,
@@ -69,6 +70,12 @@ def compile_model(model: nn.Module, *, backend: str = "inductor", kernels: str =
         for module in model.modules():
             if isinstance(getattr(module, "kernels", None), Kernels):
                 module.kernels = TORCH_KERNELS
+    for module in model.modules():
+        if isinstance(module, ParallelMLP) and module.kernels is TORCH_KERNELS:
+            # The GEMM adds fc1's bias (addmm): the compiled activation's backward then
+            # reads the stored pre-activation instead of recomputing bias + GeLU twice
+            # (once for the input gradient, once for the bias gradient's column sums).
+            module.fc1.skip_bias_add = False
     _use_eager_kernels(model)
     for layer in model.modules():
         if _needs_eager_checkpoint(layer):
