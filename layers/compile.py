@@ -57,15 +57,26 @@ def compile_layers(layers: Iterable[nn.Module], *, backend: str = "inductor") ->
             layer.compile(backend=backend)
 
 
-def compile_model(model: nn.Module, *, backend: str = "inductor", kernels: str = "auto") -> None:
+def compile_model(
+    model: nn.Module, *, backend: str = "inductor", kernels: str = "auto", cuda_graphs: bool = False
+) -> None:
     """Compile ``model``'s whole forward (embedding, layers, head, loss) in place.
 
     ``kernels`` is the model's ``model.kernels``: under "auto" the compiled graph takes
     torch's element-wise ops, which the compiler fuses itself (the auto rule weighs the
     Triton kernels against eager torch, and each would break the graph); "triton" and
     "apex" keep their kernels, run eagerly between graphs.
+
+    ``cuda_graphs`` (``model.cuda_graphs``) compiles with inductor's
+    ``mode="reduce-overhead"``: each graph's kernels are recorded once per shape as a CUDA
+    graph and replayed, one launch instead of one per kernel. The model must be on a CUDA
+    device (checked here); ``ModelConfig.validate`` refuses the settings it cannot replay.
+    A graph output (the loss) is valid until the next forward replays over it: the
+    trainer reads it before then.
     """
     _check_backend(backend)
+    if cuda_graphs:
+        check_cuda_graphs(model, backend)
     if kernels == "auto":
         for module in model.modules():
             if isinstance(getattr(module, "kernels", None), Kernels):
@@ -81,7 +92,19 @@ def compile_model(model: nn.Module, *, backend: str = "inductor", kernels: str =
         if _needs_eager_checkpoint(layer):
             layer._forward = torch.compile(layer._forward, backend=backend)
             layer.forward = torch.compiler.disable(layer.forward)
-    model.compile(backend=backend)
+    model.compile(backend=backend, **({"mode": "reduce-overhead"} if cuda_graphs else {}))
+
+
+def check_cuda_graphs(model: nn.Module, backend: str) -> None:
+    """Raise ValueError, one line, where ``model`` cannot run as CUDA graphs."""
+    if backend != "inductor":
+        raise ValueError(f"model.cuda_graphs=true needs compile_backend=inductor, not {backend!r}")
+    devices = sorted({p.device.type for p in model.parameters()})
+    if devices != ["cuda"]:
+        raise ValueError(
+            "model.cuda_graphs=true needs the model on a CUDA device; its parameters are on "
+            + ", ".join(devices)
+        )
 
 
 def _needs_eager_checkpoint(layer: nn.Module) -> bool:

@@ -48,6 +48,8 @@ def _loss_and_grads(compile_backend: str | None, **overrides):
         compile=compile_backend is not None,
         compile_backend=compile_backend or "inductor",
     )
+    if compile_backend is None:
+        overrides.pop("cuda_graphs", None)  # the eager reference has no graphs to replay
     cfg = preset("gpt_tiny", **{**settings, **overrides})
     ps.seed(5) if ps is not None else torch.manual_seed(5)
     model = build_model(cfg, ps) if ps is not None else build_model(cfg)
@@ -206,6 +208,47 @@ def test_compiled_dropout_keeps_the_tp_streams():
 def test_unknown_compile_backend_is_rejected():
     with pytest.raises(ValueError, match="model.compile_backend='tvm' is not one of"):
         preset("gpt_tiny", compile=True, compile_backend="tvm").validate(1)
+
+
+def test_cuda_graphs_are_refused_where_they_cannot_replay(monkeypatch):
+    """model.cuda_graphs: one-line errors for an eager or non-inductor model, dropout (its
+    masks switch RNG streams on the host) and a run or model off CUDA (here: the CPU; the
+    trainer's CLI cases are in test_bad_input.py)."""
+    from engine.config import _cuda_graphs_device_problem
+    from layers.compile import compile_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _cuda_graphs_device_problem("auto") == [
+        "model.cuda_graphs=true replays CUDA graphs, but no CUDA device is visible"
+    ]
+
+    graphs = {"cuda_graphs": True, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+    with pytest.raises(ValueError, match="set model.compile=true and model.compile_backend=in"):
+        preset("gpt_tiny", **graphs).validate(1)
+    with pytest.raises(ValueError, match="compile_backend='aot_eager'"):
+        preset("gpt_tiny", compile=True, compile_backend="aot_eager", **graphs).validate(1)
+    with pytest.raises(ValueError, match="needs model.hidden_dropout=0 and model.attention_"):
+        preset("gpt_tiny", compile=True, cuda_graphs=True).validate(1)
+    preset("gpt_tiny", compile=True, **graphs).validate(2)  # the settings themselves are fine
+    with pytest.raises(ValueError, match="on a CUDA device; its parameters are on cpu$"):
+        compile_model(torch.nn.Linear(2, 2, device="cpu"), cuda_graphs=True)
+
+
+@pytest.mark.slow
+def test_cuda_graphs_mode_compiles_the_step_on_cpu(monkeypatch):
+    """The reduce-overhead compile of the whole step, run on CPU with the device check
+    lifted: inductor's CUDA-graph wrapper skips CPU graphs, so this checks the mode's
+    compile path (one graph, no break) and eager's numbers, not a replay (no GPU here)."""
+    from torch._dynamo.utils import counters
+
+    import layers.compile
+
+    monkeypatch.setattr(layers.compile, "check_cuda_graphs", lambda model, backend: None)
+    worst, err, graphs, breaks = _compare("inductor", cuda_graphs=True)
+    assert (graphs, breaks) == (1, 0)
+    assert err <= TOL, f"{worst}: {err:.2e}"
+    # The mode reached inductor: its CUDA-graph wrapper saw the graphs (and skipped them).
+    assert counters["inductor"]["cudagraph_skips"] >= 1
 
 
 def test_graph_break_tool_counts_what_dynamo_reports(capsys):

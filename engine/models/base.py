@@ -236,7 +236,12 @@ class ParallelModel(nn.Module):
         """``model.compile=true``: compile the whole forward and loss (``layers.compile``).
         The subclasses call this last, once every module exists."""
         if self.cfg.compile:
-            compile_model(self, backend=self.cfg.compile_backend, kernels=self.cfg.kernels)
+            compile_model(
+                self,
+                backend=self.cfg.compile_backend,
+                kernels=self.cfg.kernels,
+                cuda_graphs=self.cfg.cuda_graphs,
+            )
 
     def loss(self, batch) -> torch.Tensor:
         """The scalar training loss of one micro-batch in the form the model's dataset yields
