@@ -112,7 +112,10 @@ def attention(
     mask comes from the sharded stream (attention heads are TP-sharded).
 
     While compiling with ``p > 0`` it is the math of torch's reference path (the one CPU
-    takes with dropout) written out, its mask from ``dropout_mask``; inductor fuses it.
+    takes with dropout) written out, its mask from ``dropout_mask``; inductor fuses it. On
+    CUDA that gives up the flash kernels (the s×s scores are materialized) and eager's
+    masks (eager CUDA attention draws its own inside the kernel): the streams' semantics
+    hold, but long sequences want ``attention_dropout=0`` there (not measured: no GPU).
     """
     if p > 0 and torch.compiler.is_compiling():
         return _attention_math(q, k, v, mask, p, causal=causal, rng=rng)
