@@ -200,6 +200,9 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
         cfg.model.validate(tp)
     except ValueError as err:
         problems.append(str(err))
+    else:
+        if cfg.model.cuda_graphs:  # settings that could replay, but on which device?
+            problems += _cuda_graphs_device_problem(t.device)
     if min(t.global_batch, t.micro_batch) < 1:
         problems.append(
             f"trainer.global_batch={t.global_batch} and trainer.micro_batch={t.micro_batch} "
@@ -336,6 +339,17 @@ def _validate_run(cfg: Config) -> list[str]:
             "no sample"
         )
     return problems
+
+
+def _cuda_graphs_device_problem(device: str) -> list[str]:
+    """model.cuda_graphs on a run that will not have CUDA devices, one line."""
+    import torch
+
+    if device == "cpu":
+        return ["model.cuda_graphs=true replays CUDA graphs, but trainer.device=cpu"]
+    if not torch.cuda.is_available():
+        return ["model.cuda_graphs=true replays CUDA graphs, but no CUDA device is visible"]
+    return []
 
 
 def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:

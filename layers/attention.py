@@ -15,13 +15,13 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from layers import dropout
 from layers.gqa import kv_projection
 from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
-from layers.recompute import checkpointed, dropout_stream
+from layers.recompute import checkpointed
 from layers.rotary import apply_rotary
 from layers.transformer_config import TransformerConfig
 from parallel_state.groups import group_size, resolve_tp_group
@@ -118,10 +118,7 @@ class CoreAttention(nn.Module):
     def _attend(self, q, k, v, mask):
         p = self.dropout if self.training else 0.0
         # Attention probabilities are TP-sharded (each rank has its own heads): sharded stream.
-        with dropout_stream(self.rng, sharded=p > 0):
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=self.causal and mask is None
-            )
+        out = dropout.attention(q, k, v, mask, p, causal=self.causal, rng=self.rng)
         return rearrange(out, "b heads s d -> s b (heads d)")
 
 

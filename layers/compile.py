@@ -6,14 +6,12 @@ head and the vocab-parallel cross-entropy are one region for TorchDynamo. The TP
 collectives live in the conjugate operators' autograd Functions (``layers.mappings``, the
 sequence-parallel column linear, the cross-entropy's statistics); Dynamo traces them and
 records ``torch.distributed``'s in-place collectives as functional collectives in the
-graph, at any TP size, with or without sequence parallelism. What Dynamo cannot trace runs
-eagerly between graphs (graph breaks, counted by ``tools/count_graph_breaks.py``):
-
-- full recomputation with dropout: ``torch.utils.checkpoint`` with the RNG tracker's
-  stream replay (``layers.recompute``) stays eager around each layer's compiled body
-  (without dropout there is nothing to replay and the checkpoint is traced);
-- the Triton kernels and the tracker's stream switches (dropout > 0 on sharded
-  activations).
+graph, at any TP size, with or without sequence parallelism. Dropout is in the graph too:
+its masks come from ``layers.dropout``'s op, which draws from the RNG tracker's streams
+what eager dropout draws, and recomputation (full or selective) is a traced checkpoint
+that keeps those masks. What Dynamo cannot trace runs eagerly between graphs (graph
+breaks, counted by ``tools/count_graph_breaks.py``): the Triton kernels, and with them
+the checkpoint of a layer with full recomputation and dropout (``_needs_eager_checkpoint``).
 
 ``compile_layers`` compiles the transformer layers alone (the narrower form, kept for
 callers that compile their own head). Importing this module does not import TorchDynamo;
@@ -29,6 +27,7 @@ import torch
 from torch import nn
 
 from layers.kernel_set import TORCH_KERNELS, Kernels
+from layers.mlp import ParallelMLP
 
 # torch's built-in backends: "inductor" generates fused kernels (needs a C compiler on
 # CPU); "aot_eager" traces forward and backward but runs them eagerly (checks tracing,
@@ -52,14 +51,15 @@ def compile_layers(layers: Iterable[nn.Module], *, backend: str = "inductor") ->
     _check_backend(backend)
     for layer in layers:
         _use_eager_kernels(layer)
-        if getattr(layer, "recompute_full", False):
-            # The checkpoint and its RNG replay stay eager around the compiled body.
+        if _needs_eager_checkpoint(layer):
             layer._forward = torch.compile(layer._forward, backend=backend)
         else:
             layer.compile(backend=backend)
 
 
-def compile_model(model: nn.Module, *, backend: str = "inductor", kernels: str = "auto") -> None:
+def compile_model(
+    model: nn.Module, *, backend: str = "inductor", kernels: str = "auto", cuda_graphs: bool = False
+) -> None:
     """Compile ``model``'s whole forward (embedding, layers, head, loss) in place.
 
     ``kernels`` is the model's ``model.kernels``: under "auto" the compiled graph takes
@@ -67,21 +67,56 @@ def compile_model(model: nn.Module, *, backend: str = "inductor", kernels: str =
     Triton kernels against eager torch, and each would break the graph); "triton" and
     "apex" keep their kernels, run eagerly between graphs.
 
-    Layers with full recomputation and dropout keep their checkpoint eager (Dynamo skips
-    their ``forward``) around a separately compiled body, so their RNG replay stays exact;
-    without dropout their checkpoint is a plain one, traced into the graph.
+    ``cuda_graphs`` (``model.cuda_graphs``) compiles with inductor's
+    ``mode="reduce-overhead"``: each graph's kernels are recorded once per shape as a CUDA
+    graph and replayed, one launch instead of one per kernel. The model must be on a CUDA
+    device (checked here); ``ModelConfig.validate`` refuses the settings it cannot replay.
+    A graph output (the loss) is valid until the next forward replays over it: the
+    trainer reads it before then.
     """
     _check_backend(backend)
+    if cuda_graphs:
+        check_cuda_graphs(model, backend)
     if kernels == "auto":
         for module in model.modules():
             if isinstance(getattr(module, "kernels", None), Kernels):
                 module.kernels = TORCH_KERNELS
+    for module in model.modules():
+        if isinstance(module, ParallelMLP) and module.kernels is TORCH_KERNELS:
+            # The GEMM adds fc1's bias (addmm): the compiled activation's backward then
+            # reads the stored pre-activation instead of recomputing bias + GeLU twice
+            # (once for the input gradient, once for the bias gradient's column sums).
+            module.fc1.skip_bias_add = False
     _use_eager_kernels(model)
     for layer in model.modules():
-        if getattr(layer, "recompute_full", False) and getattr(layer, "draws_random", True):
+        if _needs_eager_checkpoint(layer):
             layer._forward = torch.compile(layer._forward, backend=backend)
             layer.forward = torch.compiler.disable(layer.forward)
-    model.compile(backend=backend)
+    model.compile(backend=backend, **({"mode": "reduce-overhead"} if cuda_graphs else {}))
+
+
+def check_cuda_graphs(model: nn.Module, backend: str) -> None:
+    """Raise ValueError, one line, where ``model`` cannot run as CUDA graphs."""
+    if backend != "inductor":
+        raise ValueError(f"model.cuda_graphs=true needs compile_backend=inductor, not {backend!r}")
+    devices = sorted({p.device.type for p in model.parameters()})
+    if devices != ["cuda"]:
+        raise ValueError(
+            "model.cuda_graphs=true needs the model on a CUDA device; its parameters are on "
+            + ", ".join(devices)
+        )
+
+
+def _needs_eager_checkpoint(layer: nn.Module) -> bool:
+    """A layer with full recomputation and dropout whose kernels run eagerly: a kernel's
+    graph break inside the traced checkpoint would leave that checkpoint running eagerly
+    without the tracker's replay (wrong masks in backward), so the checkpoint stays eager,
+    with its replay, around a separately compiled body."""
+    return (
+        getattr(layer, "recompute_full", False)
+        and getattr(layer, "draws_random", False)
+        and layer.kernels is not TORCH_KERNELS
+    )
 
 
 def _check_backend(backend: str) -> None:

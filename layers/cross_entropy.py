@@ -123,6 +123,26 @@ def vocab_parallel_cross_entropy(
     )
 
 
+class _PickTarget(torch.autograd.Function):
+    """``x.gather(-1, index[..., None])[..., 0]`` whose backward is a comparison with the
+    column index. Autograd's gather backward zero-fills a logits-sized buffer and scatters
+    into it, two extra passes over the largest tensor of a small model's step; the
+    comparison fuses into the softmax's gradient in the compiled backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.columns = x.shape[-1]
+        return x.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        columns = torch.arange(ctx.columns, device=grad.device)
+        hit = columns == index.unsqueeze(-1)
+        return torch.where(hit, grad.unsqueeze(-1), 0.0), None
+
+
 def _traced_cross_entropy(logits, target, ignore_index, smoothing, vocab_size, group, timer):
     """The same loss in differentiable ops, for a compiled graph: the compiler derives the
     backward and fuses both passes (no softmax stored; it is recomputed in backward), which
@@ -143,7 +163,7 @@ def _traced_cross_entropy(logits, target, ignore_index, smoothing, vocab_size, g
     sum_exp = reduce_from_tp((x - row_max.unsqueeze(-1)).exp().sum(-1), group, comm_timer=timer)
     in_block = (target >= start) & (target < start + local)
     local_target = (target - start).clamp(0, max(valid - 1, 0))
-    picked = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) if valid else x.sum(-1)
+    picked = _PickTarget.apply(x, local_target) if valid else x.sum(-1)
     # A target on a padding column gets infinite loss, as if its logit were -inf.
     on_padding = in_block & (target - start >= valid)
     picked = picked.masked_fill(~in_block, 0.0).masked_fill(on_padding, float("-inf"))

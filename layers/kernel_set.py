@@ -12,19 +12,28 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from layers import dropout
 from layers.cross_entropy import vocab_parallel_cross_entropy
 from layers.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 from layers.kernels import functional as fused
 from layers.kernels.dispatch import BACKENDS, choose_backend
+from parallel_state.random import RNGTracker
 
 
 def _torch_bias_dropout_add(
-    x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float, training: bool
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor,
+    p: float,
+    training: bool,
+    *,
+    rng: RNGTracker | None = None,
+    sharded: bool = False,
 ) -> torch.Tensor:
     x = x if bias is None else x + bias
     if training and p > 0:
         # native_dropout keeps a 1-byte mask for backward; F.dropout keeps an x-sized one on CPU.
-        x = torch.native_dropout(x, p, True)[0]
+        x = dropout.native_dropout(x, p, rng=rng, sharded=sharded)
     return residual + x
 
 
@@ -37,7 +46,9 @@ class Kernels:
     gelu: Callable[..., torch.Tensor]  # (x, bias | None, approximate: "none" | "tanh")
     # (gate_up with interleaved [..., (f two)] columns, bias | None) -> silu(gate) * up
     swiglu: Callable[..., torch.Tensor]
-    bias_dropout_add: Callable[..., torch.Tensor]  # (x, bias | None, residual, p, training)
+    # (x, bias | None, residual, p, training, *, rng, sharded): the mask from the tracker
+    # ``rng``'s sharded stream if ``sharded`` (layers.dropout), else from the default one
+    bias_dropout_add: Callable[..., torch.Tensor]
     # (logits, target, *, vocab_size, tp_group, comm_timer): vocab_parallel_cross_entropy's
     cross_entropy: Callable[..., torch.Tensor]
 
@@ -78,10 +89,14 @@ def _fused_kernels(name: str) -> Kernels:
             return TORCH_KERNELS.swiglu(gate_up, bias)
         return fused.swiglu(gate_up, bias, backend="triton")
 
-    def bias_dropout_add(x, bias, residual, p, training):
+    def bias_dropout_add(x, bias, residual, p, training, *, rng=None, sharded=False):
         if choose_backend("bias_dropout_add", x, other) == "torch":
-            return TORCH_KERNELS.bias_dropout_add(x, bias, residual, p, training)
-        return fused.bias_dropout_add(x, bias, residual, p, training, backend="triton")
+            return TORCH_KERNELS.bias_dropout_add(
+                x, bias, residual, p, training, rng=rng, sharded=sharded
+            )
+        # The kernel's seed is drawn from the current generator: fork to the stream.
+        with dropout.dropout_stream(rng, sharded=sharded and training and p > 0):
+            return fused.bias_dropout_add(x, bias, residual, p, training, backend="triton")
 
     def cross_entropy(logits, target, **kwargs):
         # Overwrites the logits with their gradient: callers pass logits nothing else reads.

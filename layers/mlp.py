@@ -58,6 +58,9 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fc2 output without its bias, fc2's bias) for bias + dropout + add."""
+        # fc1 hands its bias to the activation unless a compiled graph has it added in
+        # the GEMM (``layers.compile``).
+        h, bias = self.fc1(x) if self.fc1.skip_bias_add else (self.fc1(x), None)
         if self.gated:
-            return self.fc2(self.kernels.swiglu(*self.fc1(x)))
-        return self.fc2(self.kernels.gelu(*self.fc1(x), self.approximate))
+            return self.fc2(self.kernels.swiglu(h, bias))
+        return self.fc2(self.kernels.gelu(h, bias, self.approximate))

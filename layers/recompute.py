@@ -1,4 +1,4 @@
-"""Activation recomputation that replays the TP-aware RNG streams, and dropout stream choice.
+"""Activation recomputation that replays the TP-aware RNG streams.
 
 ``torch.utils.checkpoint`` restores the default RNG stream before recomputing, but it
 knows nothing of the tracker's named streams (the sharded dropout stream). Without them a
@@ -6,19 +6,21 @@ recomputed attention dropout would draw a different mask than the forward pass d
 the gradients would silently belong to another network. So the tracker's states are
 snapshotted at the original forward; recomputation runs from that snapshot and then puts
 back whatever the streams held before it, so later draws are not perturbed.
+
+While compiling, the snapshot cannot be traced; there the masks come from
+``layers.dropout``'s op and the recomputation keeps them instead of redrawing them.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 import parallel_state
+from layers.dropout import save_dropout_masks
 from parallel_state.random import RNGTracker
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -34,6 +36,8 @@ def checkpointed(fn: Callable[..., Any], *args: Any, rng: RNGTracker | None) -> 
         return fn(*args)
     if rng is None:
         return checkpoint(fn, *args, use_reentrant=False)
+    if torch.compiler.is_compiling():
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=save_dropout_masks)
     snapshot = rng.get_states()
     calls = 0
 
@@ -57,13 +61,3 @@ def default_rng() -> RNGTracker | None:
     ``rng=``); None when parallel_state is not initialized."""
     state = parallel_state.implicit("rng")
     return state.rng if state is not None else None
-
-
-def dropout_stream(rng: RNGTracker | None, *, sharded: bool) -> AbstractContextManager:
-    """Where a dropout mask is drawn from.
-
-    A TP- or sequence-sharded activation needs a different mask on each TP rank: the
-    tracker's sharded stream. A replicated activation needs the same mask on every TP
-    rank: the default stream, seeded identically across TP.
-    """
-    return rng.fork() if sharded and rng is not None else contextlib.nullcontext()

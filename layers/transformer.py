@@ -22,7 +22,7 @@ from layers.attention import KVCache, ParallelAttention
 from layers.kernel_set import Kernels, resolve_kernels
 from layers.mlp import ParallelMLP
 from layers.norm import LayerNorm, make_norm
-from layers.recompute import checkpointed, default_rng, dropout_stream
+from layers.recompute import checkpointed, default_rng
 from layers.transformer_config import TransformerConfig
 from parallel_state.groups import group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
@@ -115,9 +115,12 @@ class ParallelTransformerLayer(nn.Module):
         # The residual stream is replicated across TP, or sequence-sharded under SP. The row
         # layers return their bias unadded, so it is added here, after their reduction.
         out, bias = out_and_bias
-        # A zero dropout draws no mask: no stream switch (which would break a compiled graph).
-        sharded = self.sequence_parallel and self.training and self.hidden_dropout > 0
-        with dropout_stream(self.rng, sharded=sharded):
-            return self.kernels.bias_dropout_add(
-                out, bias, residual, self.hidden_dropout, self.training
-            )
+        return self.kernels.bias_dropout_add(
+            out,
+            bias,
+            residual,
+            self.hidden_dropout,
+            self.training,
+            rng=self.rng,
+            sharded=self.sequence_parallel,
+        )

@@ -9,11 +9,17 @@ The default torch generator serves the replicated stream: it is seeded identical
 TP ranks. Each named stream keeps its own generator state; ``fork(name)`` swaps that state
 in for the duration of a block and saves where it got to, so the default stream is never
 disturbed by sharded draws.
+
+Each tracker has a process-wide integer ``key`` (``tracker_of(key)`` finds it again), so
+that a custom op in a compiled graph, which takes no Python objects, can name the tracker
+it draws from (``layers.dropout``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -22,6 +28,17 @@ TP_SHARDED = "tp-sharded"
 # Offset between the replicated seed and the sharded seeds, so no TP rank's sharded stream
 # coincides with the replicated stream of the same base seed.
 _SHARDED_SEED_OFFSET = 2718
+
+_keys = itertools.count()
+_trackers: weakref.WeakValueDictionary[int, RNGTracker] = weakref.WeakValueDictionary()
+
+
+def tracker_of(key: int) -> RNGTracker:
+    """The live tracker whose ``key`` is ``key``."""
+    try:
+        return _trackers[key]
+    except KeyError:
+        raise KeyError(f"no live RNG tracker has key {key}") from None
 
 
 def _get_state(device: torch.device) -> torch.Tensor:
@@ -43,6 +60,8 @@ class RNGTracker:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._states: dict[str, torch.Tensor] = {}
+        self.key = next(_keys)
+        _trackers[self.key] = self
 
     def seed(self, seed: int, *, tp_rank: int) -> None:
         """Seed the replicated (default) stream with ``seed`` and the sharded one per TP rank."""

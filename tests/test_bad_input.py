@@ -164,6 +164,28 @@ def _base(p: dict[str, str], prefixes: str = "good") -> list[str]:
 
 # (id, overrides ({key} = a path of the fixture), message fragment). Exit status 2 for all.
 PRETRAIN = [
+    # issue 25: CUDA graphs where they cannot apply
+    (
+        "cuda_graphs_eager",
+        ["model.cuda_graphs=true"],
+        "model.cuda_graphs=true replays the compiled step: set model.compile=true",
+    ),
+    (
+        "cuda_graphs_dropout",
+        ["model.cuda_graphs=true", "model.compile=true"],
+        "model.cuda_graphs=true needs model.hidden_dropout=0 and model.attention_dropout=0",
+    ),
+    (
+        "cuda_graphs_cpu",
+        [
+            "model.cuda_graphs=true",
+            "model.compile=true",
+            "model.hidden_dropout=0",
+            "model.attention_dropout=0",
+            "trainer.device=cpu",
+        ],
+        "model.cuda_graphs=true replays CUDA graphs, but trainer.device=cpu",
+    ),
     # issue 10 item 8: tracebacks
     ("beta1_2", ["optim.beta1=2"], "optim.beta1=2.0 must be in [0, 1)"),
     ("eps_negative", ["optim.eps=-1"], "optim.eps=-1.0 must be > 0"),

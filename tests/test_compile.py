@@ -1,7 +1,10 @@
 """``model.compile=true`` (the whole forward and loss) against eager: the same loss and
-gradients, at TP=1 and TP=2, with and without sequence parallelism and recomputation.
+gradients, at TP=1 and TP=2, with and without sequence parallelism, recomputation and
+dropout.
 
-fp32, dropout 0 (compiled dropout draws its masks differently). Tolerance 2e-5 relative
+fp32. With dropout the compiled step draws eager's masks from the same RNG streams
+(``layers.dropout``), so the same tolerance holds, and afterwards every stream of the
+tracker is where eager left it (compared bitwise). Tolerance 2e-5 relative
 (max |Δ| / max |ref| per tensor), as in test_kernels_model.py: a compiled graph fuses the
 element-wise ops and may reorder the LayerNorm and bias-gradient reductions, each off by a
 few fp32 ulps, compounding through the layer, the LM head and the cross-entropy.
@@ -16,6 +19,7 @@ Dynamo captured graphs, so a silent fallback to eager cannot pass.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -28,12 +32,12 @@ from tests.multiproc import run_ranks
 
 TOL = 2e-5
 INTERPRETER = {"TRITON_INTERPRET": "1"}
+DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
 
 
 def _loss_and_grads(compile_backend: str | None, **overrides):
     ps = parallel_state.get() if parallel_state.is_initialized() else None
-    cfg = preset(
-        "gpt_tiny",
+    settings = dict(
         vocab_size=128,
         hidden_size=32,
         num_heads=4,
@@ -43,21 +47,26 @@ def _loss_and_grads(compile_backend: str | None, **overrides):
         attention_dropout=0.0,
         compile=compile_backend is not None,
         compile_backend=compile_backend or "inductor",
-        **overrides,
     )
+    if compile_backend is None:
+        overrides.pop("cuda_graphs", None)  # the eager reference has no graphs to replay
+    cfg = preset("gpt_tiny", **{**settings, **overrides})
     ps.seed(5) if ps is not None else torch.manual_seed(5)
-    model = build_model(cfg)
+    model = build_model(cfg, ps) if ps is not None else build_model(cfg)
     tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     loss = model(tokens[:, :-1], tokens[:, 1:]).mean()
     loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    streams = ps.rng.get_states() if ps is not None else {"default": torch.get_rng_state()}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, streams
 
 
 def _worst_error(reference, compiled) -> tuple[str, float]:
-    (ref_loss, ref_grads), (loss, grads) = reference, compiled
+    (ref_loss, ref_grads, ref_streams), (loss, grads, streams) = reference, compiled
     errors = {"loss": ((loss - ref_loss).abs() / ref_loss.abs()).item()}
     for name, ref in ref_grads.items():
         errors[name] = ((grads[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    for name, ref in ref_streams.items():  # the RNG streams: bitwise, or an infinite error
+        errors[f"RNG stream {name}"] = 0.0 if torch.equal(streams[name], ref) else math.inf
     worst = max(errors, key=errors.get)
     return worst, errors[worst]
 
@@ -76,12 +85,23 @@ def _compare(backend: str, **overrides) -> tuple[str, float, int, int]:
     return (*_worst_error(reference, compiled), counters["stats"]["unique_graphs"], breaks)
 
 
+def _on_tp(tp_size: int, backend: str, cases: list[dict]):
+    """``_compare`` of each case on a ParallelState of ``tp_size`` (its RNG tracker: the
+    attention's dropout draws from the sharded stream at TP=1 too)."""
+    parallel_state.initialize(tp_size)
+    return [_compare(backend, **overrides) for overrides in cases]
+
+
 @pytest.mark.slow
 def test_whole_step_compiles_to_one_graph_tp1():
-    """Embedding, layer, head and cross-entropy: one graph, no break, eager's numbers."""
+    """Embedding, layer, head and cross-entropy: one graph, no break, eager's numbers (with
+    dropout: eager's masks, drawn by the op inductor calls between its kernels)."""
     worst, err, graphs, breaks = _compare("inductor")
     assert (graphs, breaks) == (1, 0)
     assert err <= TOL, f"{worst}: {err:.2e}"
+    ((worst, err, graphs, breaks),) = run_ranks(_on_tp, 1, 1, "inductor", [DROPOUT])[0]
+    assert (graphs, breaks) == (1, 0)
+    assert err <= TOL, f"dropout: {worst}: {err:.2e}"
 
 
 def test_full_recompute_is_traced_whole_without_dropout_tp1():
@@ -89,6 +109,17 @@ def test_full_recompute_is_traced_whole_without_dropout_tp1():
     worst, err, graphs, breaks = _compare("aot_eager", recompute="full")
     assert (graphs, breaks) == (1, 0)
     assert err <= TOL, f"{worst}: {err:.2e}"
+
+
+def test_dropout_is_traced_and_draws_eagers_masks_tp1():
+    """Dropout 0.1 (embedding, attention on the sharded stream, residuals), with and without
+    recomputation: one graph, and eager's masks (a mask from another stream, or redrawn in
+    the recomputation, moves the loss or the gradients by 1e-3 to 1, and the streams)."""
+    cases = [{"recompute": mode, **DROPOUT} for mode in ("none", "full", "selective")]
+    (results,) = run_ranks(_on_tp, 1, 1, "aot_eager", cases)
+    for overrides, (worst, err, graphs, breaks) in zip(cases, results, strict=True):
+        assert (graphs, breaks) == (1, 0), overrides
+        assert err <= TOL, f"{overrides}: {worst}: {err:.2e}"
 
 
 # (overrides, graphs and breaks expected, or None for "at least one graph").
@@ -99,12 +130,13 @@ TP2_CASES = [
     ({"sequence_parallel": False, "recompute": "selective"}, (1, 0)),
     # The Triton kernels (interpreted on CPU) run eagerly between graphs.
     ({"sequence_parallel": True, "recompute": "full", "kernels": "triton"}, None),
+    # Dropout: replicated masks (no SP) and sequence-sharded ones (SP), attention's sharded.
+    ({"sequence_parallel": False, **DROPOUT}, (1, 0)),
+    ({"sequence_parallel": True, "recompute": "full", **DROPOUT}, (1, 0)),
+    ({"sequence_parallel": True, "recompute": "selective", **DROPOUT}, (1, 0)),
+    # With eager kernels the checkpoint stays eager, with its replay (layers/compile.py).
+    ({"sequence_parallel": True, "recompute": "full", "kernels": "triton", **DROPOUT}, None),
 ]
-
-
-def _on_tp2(cases):
-    parallel_state.initialize(2)
-    return [_compare("aot_eager", **overrides) for overrides, _ in cases]
 
 
 @pytest.mark.slow
@@ -117,7 +149,8 @@ def test_whole_step_matches_eager_tp2():
         with pytest.raises(ValueError, match="recompute=selective at tp_size=2 gives wrong"):
             preset("gpt_tiny", compile=True, recompute="selective").validate(2)
         cases = [c for c in cases if c[0].get("recompute") != "selective"]
-    for rank_results in run_ranks(_on_tp2, 2, cases, env=INTERPRETER):
+    overrides = [c[0] for c in cases]
+    for rank_results in run_ranks(_on_tp, 2, 2, "aot_eager", overrides, env=INTERPRETER):
         for (overrides, expected), (worst, err, graphs, breaks) in zip(
             cases, rank_results, strict=True
         ):
@@ -127,19 +160,106 @@ def test_whole_step_matches_eager_tp2():
             assert err <= TOL, f"{overrides}: {worst}: {err:.2e}"
 
 
+def _compiled_draws() -> dict[str, bool]:
+    from layers import dropout
+
+    ps = parallel_state.initialize(2)
+    x = torch.ones(64, 64)
+    qkv = torch.randn(2, 2, 8, 4, generator=torch.Generator().manual_seed(0))  # same on both
+
+    def draws(x, qkv):
+        return (
+            dropout.dropout(x, 0.5, True, rng=ps.rng, sharded=False),
+            dropout.native_dropout(x, 0.5, rng=ps.rng, sharded=False),
+            dropout.dropout(x, 0.5, True, rng=ps.rng, sharded=True),
+            dropout.attention(qkv, qkv, qkv, None, 0.5, causal=True, rng=ps.rng),
+        )
+
+    ps.seed(3)
+    eager = draws(x, qkv)
+    ps.seed(3)
+    compiled = torch.compile(draws, backend="aot_eager", fullgraph=True)(x, qkv)
+    across_tp = []
+    for t in compiled:
+        parts = [torch.empty_like(t) for _ in range(2)]
+        torch.distributed.all_gather(parts, t, group=ps.tp_group)
+        across_tp.append(torch.equal(*parts))
+    return {
+        # Scaling by 1 / (1 - 0.5) = 2 is exact: the masked ones are bitwise eager's.
+        "compiled dropout = eager's": all(
+            torch.equal(a, b) for a, b in zip(compiled[:3], eager[:3], strict=True)
+        ),
+        # The compiled attention is torch's math written out: a few fp32 ulps off.
+        "compiled attention ~ eager's": torch.allclose(compiled[3], eager[3], rtol=1e-6, atol=0),
+        "replicated masks equal across TP": across_tp[0] and across_tp[1],
+        "sharded masks differ across TP": not (across_tp[2] or across_tp[3]),
+    }
+
+
+def test_compiled_dropout_keeps_the_tp_streams():
+    """At TP=2, in one compiled graph (no break): replicated dropout draws the same mask on
+    both TP ranks, sharded dropout and attention dropout a mask of each rank's own (the
+    inputs are equal on both ranks, so only the masks can differ), each the mask eager
+    draws from the same seed. P[two independent 4096-element masks equal] = 2^-4096."""
+    for checks in run_ranks(_compiled_draws, 2):
+        assert all(checks.values()), checks
+
+
 def test_unknown_compile_backend_is_rejected():
     with pytest.raises(ValueError, match="model.compile_backend='tvm' is not one of"):
         preset("gpt_tiny", compile=True, compile_backend="tvm").validate(1)
 
 
+def test_cuda_graphs_are_refused_where_they_cannot_replay(monkeypatch):
+    """model.cuda_graphs: one-line errors for an eager or non-inductor model, dropout (its
+    masks switch RNG streams on the host) and a run or model off CUDA (here: the CPU; the
+    trainer's CLI cases are in test_bad_input.py)."""
+    from engine.config import _cuda_graphs_device_problem
+    from layers.compile import compile_model
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _cuda_graphs_device_problem("auto") == [
+        "model.cuda_graphs=true replays CUDA graphs, but no CUDA device is visible"
+    ]
+
+    graphs = {"cuda_graphs": True, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+    with pytest.raises(ValueError, match="set model.compile=true and model.compile_backend=in"):
+        preset("gpt_tiny", **graphs).validate(1)
+    with pytest.raises(ValueError, match="compile_backend='aot_eager'"):
+        preset("gpt_tiny", compile=True, compile_backend="aot_eager", **graphs).validate(1)
+    with pytest.raises(ValueError, match="needs model.hidden_dropout=0 and model.attention_"):
+        preset("gpt_tiny", compile=True, cuda_graphs=True).validate(1)
+    preset("gpt_tiny", compile=True, **graphs).validate(2)  # the settings themselves are fine
+    with pytest.raises(ValueError, match="on a CUDA device; its parameters are on cpu$"):
+        compile_model(torch.nn.Linear(2, 2, device="cpu"), cuda_graphs=True)
+
+
+@pytest.mark.slow
+def test_cuda_graphs_mode_compiles_the_step_on_cpu(monkeypatch):
+    """The reduce-overhead compile of the whole step, run on CPU with the device check
+    lifted: inductor's CUDA-graph wrapper skips CPU graphs, so this checks the mode's
+    compile path (one graph, no break) and eager's numbers, not a replay (no GPU here)."""
+    from torch._dynamo.utils import counters
+
+    import layers.compile
+
+    monkeypatch.setattr(layers.compile, "check_cuda_graphs", lambda model, backend: None)
+    worst, err, graphs, breaks = _compare("inductor", cuda_graphs=True)
+    assert (graphs, breaks) == (1, 0)
+    assert err <= TOL, f"{worst}: {err:.2e}"
+    # The mode reached inductor: its CUDA-graph wrapper saw the graphs (and skipped them).
+    assert counters["inductor"]["cudagraph_skips"] >= 1
+
+
 def test_graph_break_tool_counts_what_dynamo_reports(capsys):
-    """tools/count_graph_breaks.py: the dropout-free step is one graph; with dropout under
-    full recomputation each layer's checkpoint stays eager (a break per layer call)."""
+    """tools/count_graph_breaks.py: the step is one graph, with dropout and full
+    recomputation too; a Triton kernel (run eagerly) breaks it."""
     from studies.bench.graph_breaks import main
 
     small = ["--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "128", "--seq", "8"]
-    assert main([*small, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"graphs": 1, "graph_breaks": 0, "reasons": {}}
+    one_graph = {"graphs": 1, "graph_breaks": 0, "reasons": {}}
     assert main([*small, "--json", "--dropout", "0.1", "--recompute", "full"]) == 0
+    assert json.loads(capsys.readouterr().out) == one_graph
+    assert main([*small, "--json", "--kernels", "triton"]) == 0  # interpreted (conftest)
     result = json.loads(capsys.readouterr().out)
     assert result["graph_breaks"] >= 2 and result["graphs"] >= 3, result

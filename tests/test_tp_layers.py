@@ -384,3 +384,26 @@ def test_compiled_cross_entropy_matches_f_cross_entropy(smoothing):
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(mine.grad[:, :50], ref_logits.grad, rtol=1e-6, atol=1e-6)
     assert (mine.grad[:, 50:] == 0).all()
+
+
+def test_compiled_cross_entropy_backward_has_no_scatter():
+    """The compiled backward forms the target's gradient by comparing column indices: no
+    logits-sized zero-fill and scatter (gather's autograd backward), which cost two extra
+    passes over the logits (the largest tensor of a small model's step)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_ops = []
+
+    def keep_ops(graph, _inputs):
+        backward_ops.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+        return graph.forward
+
+    backend = aot_autograd(fw_compiler=lambda g, _: g.forward, bw_compiler=keep_ops)
+    logits = torch.randn(12, 64, device="cpu", requires_grad=True)
+    target = torch.randint(0, 50, (12,), device="cpu")
+    loss = torch.compile(
+        lambda x: vocab_parallel_cross_entropy(x, target, vocab_size=50), backend=backend
+    )(logits)
+    loss.sum().backward()
+    assert backward_ops, "no backward graph captured"
+    assert not [op for op in backward_ops if "scatter" in op or "zeros" in op], backward_ops

@@ -16,6 +16,7 @@ from torch import nn
 from engine.models.config import ModelConfig
 from layers import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, scatter_to_sequence
 from layers.compile import compile_model
+from layers.dropout import dropout
 from layers.gqa import dedupe_gathered, owned_block
 from layers.kernel_set import Kernels, resolve_kernels
 from layers.linear import InitMethod, build_master_weight, normal_init
@@ -29,7 +30,7 @@ from layers.param_roles import (
     replicas,
     tp_dim,
 )
-from layers.recompute import default_rng, dropout_stream
+from layers.recompute import default_rng
 from layers.transformer import ParallelTransformerLayer
 from layers.utils import assign_tp_local_, comm_timer_of, shard, tp_local
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
@@ -158,10 +159,8 @@ class Embeddings(nn.Module):
         return self._dropout(x)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        # A zero dropout draws no mask: no stream switch (which would break a compiled graph).
-        sharded = self.sequence_parallel and self.training and self.dropout > 0
-        with dropout_stream(self.rng, sharded=sharded):
-            return F.dropout(x, self.dropout, self.training)
+        # Sequence-sharded under SP, replicated across TP otherwise.
+        return dropout(x, self.dropout, self.training, rng=self.rng, sharded=self.sequence_parallel)
 
 
 class ParallelLMHead(nn.Module):
@@ -237,7 +236,12 @@ class ParallelModel(nn.Module):
         """``model.compile=true``: compile the whole forward and loss (``layers.compile``).
         The subclasses call this last, once every module exists."""
         if self.cfg.compile:
-            compile_model(self, backend=self.cfg.compile_backend, kernels=self.cfg.kernels)
+            compile_model(
+                self,
+                backend=self.cfg.compile_backend,
+                kernels=self.cfg.kernels,
+                cuda_graphs=self.cfg.cuda_graphs,
+            )
 
     def loss(self, batch) -> torch.Tensor:
         """The scalar training loss of one micro-batch in the form the model's dataset yields

@@ -49,8 +49,9 @@ class ModelConfig:
     activation: str = "gelu_tanh"  # "gelu_tanh" (GPT-2's tanh approximation) or "gelu" (exact)
     tie_embeddings: bool = True  # LM head reuses the word embedding
     kernels: str = "auto"  # element-wise ops: "auto" (Triton on CUDA), "triton", "apex", "torch"
-    compile: bool = False  # torch.compile each transformer layer (layers.compile)
+    compile: bool = False  # torch.compile the whole forward and loss (layers.compile)
     compile_backend: str = "inductor"  # torch.compile backend: "inductor", "aot_eager" or "eager"
+    cuda_graphs: bool = False  # the compiled step replayed as CUDA graphs (reduce-overhead)
     # Component seams (defaults: GPT-2's parts). Llama-family decoders pick the others.
     norm: str = "layernorm"  # "layernorm" or "rmsnorm" (no bias, no mean subtraction)
     position_embedding: str = "learned"  # "learned" absolute table or "rotary" (RoPE)
@@ -145,6 +146,8 @@ class ModelConfig:
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_heads={self.num_heads}"
             )
+        if self.cuda_graphs:
+            self._validate_cuda_graphs()
         selective = self.compile and self.recompute == "selective" and tp_size > 1
         if selective and not selective_recompute_compiles():
             raise ValueError(
@@ -158,6 +161,22 @@ class ModelConfig:
         self._validate_heads(tp_size)
         if self.arch == "bert" and self.num_token_types < 1:
             raise ValueError(f"model.num_token_types={self.num_token_types} must be >= 1 for BERT")
+
+    def _validate_cuda_graphs(self) -> None:
+        """CUDA graphs are inductor's ``mode="reduce-overhead"`` of the compiled step, which
+        replays static shapes and device work only."""
+        if not self.compile or self.compile_backend != "inductor":
+            raise ValueError(
+                "model.cuda_graphs=true replays the compiled step: set model.compile=true "
+                f"and model.compile_backend=inductor (got compile={self.compile}, "
+                f"compile_backend={self.compile_backend!r})"
+            )
+        if self.hidden_dropout > 0 or self.attention_dropout > 0:
+            raise ValueError(
+                "model.cuda_graphs=true needs model.hidden_dropout=0 and "
+                "model.attention_dropout=0: dropout masks are drawn by switching RNG streams on "
+                "the host, which a CUDA graph cannot replay"
+            )
 
     def _validate_heads(self, tp_size: int) -> None:
         """Query heads group evenly over KV heads; KV heads split over TP or TP over them."""

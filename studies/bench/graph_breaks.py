@@ -75,12 +75,7 @@ def count(args: argparse.Namespace, ps: ParallelState) -> dict:
     )
     ps.seed(0)
     model = build_model(cfg, ps, device=ps.device)
-    batch = torch.randint(
-        0,
-        cfg.vocab_size,
-        (args.micro_batch, args.seq + 1),
-        generator=torch.Generator().manual_seed(0),
-    ).to(ps.device)
+    batch = _random_batch(cfg, args.micro_batch, args.seq, ps.device)
     dynamo.reset()
     counters.clear()
     model.loss(batch).backward()
@@ -93,6 +88,24 @@ def count(args: argparse.Namespace, ps: ParallelState) -> dict:
         "graph_breaks": sum(counters["graph_break"].values()),
         "reasons": reasons,
     }
+
+
+def _random_batch(cfg, micro_batch: int, seq: int, device):
+    """A batch of random tokens in the form the model's ``loss`` takes."""
+    gen = torch.Generator().manual_seed(0)
+    if cfg.arch != "bert":
+        return torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=gen).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq), generator=gen)
+    labels = torch.where(torch.rand(ids.shape, generator=gen) < 0.15, ids, -100)
+    padding = torch.arange(seq) >= seq - seq // 4  # the last quarter of the last row
+    batch = {
+        "input_ids": ids,
+        "token_type_ids": (torch.arange(seq) >= seq // 2).long().expand_as(ids),
+        "attention_mask": ~(padding & (torch.arange(micro_batch) == micro_batch - 1)[:, None]),
+        "mlm_labels": labels,
+        "sop_label": torch.randint(0, 2, (micro_batch,), generator=gen),
+    }
+    return {k: v.long().to(device) for k, v in batch.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
