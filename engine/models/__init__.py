@@ -1,4 +1,4 @@
-"""GPT and BERT built from the tensor-parallel layers, and their config."""
+"""The model families built from the tensor-parallel layers, their config and registry."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch.distributed as dist
 from engine.models.base import ParallelModel
 from engine.models.bert import BertModel
 from engine.models.config import ModelConfig, preset, preset_names
+from engine.models.families import FAMILIES, Family, family
 from engine.models.gpt import GPTModel
 from engine.models.llama.model import LlamaModel
 from parallel_state import ParallelState
@@ -21,6 +22,9 @@ __all__ = [
     "BertModel",
     "LlamaModel",
     "ParallelModel",
+    "FAMILIES",
+    "Family",
+    "family",
     "build_model",
 ]
 
@@ -39,11 +43,9 @@ def build_model(
     ``state`` is the rank's ParallelState: its TP group and dropout RNG tracker go to every
     layer. Without one, ``tp_group`` and ``rng`` say them (None and None: one process).
     """
-    classes = {"gpt": GPTModel, "bert": BertModel, "llama": LlamaModel}
-    if cfg.arch not in classes:
-        raise ValueError(f"model.arch={cfg.arch!r} is not one of {tuple(classes)}")
+    model_class = family(cfg.arch).model_class()
     if state is not None:
         if tp_group is not None or rng is not None:
             raise TypeError("build_model takes a ParallelState or tp_group=/rng=, not both")
         tp_group, rng = state.tp_group, state.rng
-    return classes[cfg.arch](cfg, tp_group=tp_group, rng=rng, dtype=dtype, device=device)
+    return model_class(cfg, tp_group=tp_group, rng=rng, dtype=dtype, device=device)

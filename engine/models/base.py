@@ -1,4 +1,4 @@
-"""Pieces shared by GPT and BERT: embeddings, the vocab-parallel LM head, full-weight I/O.
+"""Pieces the model families share: embeddings, the vocab-parallel LM head, full-weight I/O.
 
 Every parameter is built from the default (replicated) RNG stream at full size and then
 sliced, in the same order at every TP size, so a model's full weights depend only on the
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
+from engine.models.families import family
 from layers import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, scatter_to_sequence
 from layers.compile import compile_model
 from layers.dropout import dropout
@@ -83,7 +84,7 @@ class Embeddings(nn.Module):
     """Word (vocab-parallel) + position (+ token-type) embeddings, (LayerNorm), dropout.
 
     ``[b, s]`` ids in, ``[s, b, h]`` out, or this rank's ``[s/tp, b, h]`` shard under
-    sequence parallelism. BERT gets token types and the embedding LayerNorm.
+    sequence parallelism. Families with token types (BERT) also get the embedding LayerNorm.
     """
 
     def __init__(
@@ -105,12 +106,12 @@ class Embeddings(nn.Module):
         self.position = None  # rotary positions live in attention
         if getattr(cfg, "position_embedding", "learned") == "learned":
             self.position = self._replicated(cfg.max_positions, cfg, dtype, device)
-        bert = cfg.arch == "bert"
+        token_types = family(cfg.arch).token_types
         self.token_type = (
-            self._replicated(cfg.num_token_types, cfg, dtype, device) if bert else None
+            self._replicated(cfg.num_token_types, cfg, dtype, device) if token_types else None
         )
         self.norm = None
-        if bert:
+        if token_types:
             self.norm = LayerNorm(
                 cfg.hidden_size,
                 cfg.layernorm_eps,
@@ -208,17 +209,20 @@ class ParallelModel(nn.Module):
     (vocabulary unpadded). Every TP rank must call these together (they all-gather).
     """
 
+    ARCH: str  # the model.arch (engine/models/families.py) a concrete class builds
     cfg: ModelConfig
     tp_group: dist.ProcessGroup | None
 
-    def _build_trunk(self, cfg: ModelConfig, arch: str, *, tp_group, rng, dtype, device) -> dict:
+    def _build_trunk(self, cfg: ModelConfig, *, tp_group, rng, dtype, device) -> dict:
         """Validate ``cfg`` and build the embeddings and the layers, in that order.
 
         The order fixes the RNG draws of the master weights, so it must not change.
         Returns the keyword arguments the subclass builds its heads with.
         """
-        if cfg.arch != arch:
-            raise ValueError(f"{type(self).__name__} needs model.arch={arch!r}, got {cfg.arch!r}")
+        if cfg.arch != self.ARCH:
+            raise ValueError(
+                f"{type(self).__name__} needs model.arch={self.ARCH!r}, got {cfg.arch!r}"
+            )
         self.tp_group = resolve_tp_group(tp_group)
         cfg.validate(group_size(self.tp_group))
         self.cfg = cfg

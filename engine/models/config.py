@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from engine.models.families import FAMILIES
 from layers.compile import (
     COMPILE_BACKENDS,
     SELECTIVE_UNDER_COMPILE_FROM,
@@ -21,7 +22,7 @@ from layers.rotary import ROPE_SCALINGS
 from layers.utils import pad_vocab_size
 from parallel_state.dims import check_width_split
 
-ARCHS = ("gpt", "bert", "llama")
+ARCHS = tuple(FAMILIES)  # engine/models/families.py
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
@@ -29,9 +30,9 @@ POSITIONS = ("learned", "rotary")
 
 @dataclass
 class ModelConfig:
-    """Architecture and per-layer options of a GPT or BERT model (defaults: GPT-2 small)."""
+    """Architecture and per-layer options of a model of any family (defaults: GPT-2 small)."""
 
-    arch: str = "gpt"  # "gpt" (pre-LN causal LM) or "bert" (post-LN masked LM + sentence order)
+    arch: str = "gpt"  # the family (engine/models/families.py): "gpt", "bert" or "llama"
     vocab_size: int = 50257  # real vocabulary; the embedding is padded beyond it
     hidden_size: int = 768  # model width h
     num_layers: int = 12  # transformer layers
@@ -80,15 +81,20 @@ class ModelConfig:
         """Key/value heads with the default (one per query head) applied."""
         return self.num_kv_heads or self.num_heads
 
+    def _trait(self, name: str) -> bool:
+        """A trait of the family ``arch`` names. A name validate refuses reads as GPT's, so
+        that a run's other checks still run and report beside that error."""
+        return getattr(FAMILIES.get(self.arch, FAMILIES["gpt"]), name)
+
     @property
     def causal(self) -> bool:
         """Decoders (GPT, Llama) attend only to earlier positions; BERT to all unpadded ones."""
-        return self.arch != "bert"
+        return self._trait("causal")
 
     @property
     def pre_layernorm(self) -> bool:
         """Decoders normalize each sub-layer's input; original BERT its residual sum."""
-        return self.arch != "bert"
+        return self._trait("pre_norm")
 
     @property
     def rope_scaling_args(self) -> tuple[float, float, float, int] | None:
@@ -159,8 +165,10 @@ class ModelConfig:
         check_width_split("model.num_heads", self.num_heads, tp_size)
         check_width_split("model.ffn_hidden_size", self.ffn_size, tp_size)
         self._validate_heads(tp_size)
-        if self.arch == "bert" and self.num_token_types < 1:
-            raise ValueError(f"model.num_token_types={self.num_token_types} must be >= 1 for BERT")
+        if self._trait("token_types") and self.num_token_types < 1:
+            raise ValueError(
+                f"model.num_token_types={self.num_token_types} must be >= 1 for model.arch={self.arch}"
+            )
 
     def _validate_cuda_graphs(self) -> None:
         """CUDA graphs are inductor's ``mode="reduce-overhead"`` of the compiled step, which

@@ -36,9 +36,7 @@ class GPTModel(ParallelModel):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        build = self._build_trunk(
-            cfg, self.ARCH, tp_group=tp_group, rng=rng, dtype=dtype, device=device
-        )
+        build = self._build_trunk(cfg, tp_group=tp_group, rng=rng, dtype=dtype, device=device)
         self.final_norm = make_norm(cfg, kernels=self.kernels, dtype=dtype, device=device)
         self.rotary = cfg.position_embedding == "rotary"
         if self.rotary:  # fp32 frequencies, a buffer so .to(device) moves them

@@ -84,6 +84,8 @@ class BertModel(ParallelModel):
     with its parts ``mlm_loss`` and ``sop_loss``.
     """
 
+    ARCH = "bert"
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -94,9 +96,7 @@ class BertModel(ParallelModel):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        build = self._build_trunk(
-            cfg, "bert", tp_group=tp_group, rng=rng, dtype=dtype, device=device
-        )
+        build = self._build_trunk(cfg, tp_group=tp_group, rng=rng, dtype=dtype, device=device)
         self.mlm_transform = MLMTransform(cfg, kernels=self.kernels, dtype=dtype, device=device)
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=True, **build)
         self.pooler = Pooler(cfg, **build)

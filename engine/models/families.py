@@ -1,0 +1,65 @@
+"""The model families ``model.arch`` names, and where each family's parts live.
+
+A family is a folder ``engine/models/<arch>/``: ``model.py`` (its class, built from the
+component seams in ``layers/``), ``hf.py`` (its Hugging Face config and weight names),
+``costs.py`` (its FLOP and parameter terms); its presets are ``configs/model/*.yaml``.
+This table is the one list of them: ``build_model``, ``engine.hf_interop`` and
+``engine.flops`` look a family up here instead of asking which one it is, and the config
+reads the traits that the layers and the data take from the family.
+
+The table imports nothing of ours, because the config reads it and every family module
+imports the config: a family's modules are imported when first asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family: its folder's name, its model class and its traits."""
+
+    arch: str  # the model.arch value, and the folder engine/models/<arch>/
+    model: str  # the class in the folder's model.py
+    causal: bool = True  # a decoder: causal attention, next-token data, generation
+    pre_norm: bool = True  # sub-layers normalize their input (post-norm: the residual sum)
+    token_types: bool = False  # segment embeddings and a LayerNorm on the embeddings
+
+    def module(self, part: str) -> ModuleType:
+        """The folder's ``model``, ``hf`` or ``costs`` module."""
+        return importlib.import_module(f"engine.models.{self.arch}.{part}")
+
+    def model_class(self) -> type:
+        """The class ``build_model`` builds for this family."""
+        return getattr(self.module("model"), self.model)
+
+    @property
+    def hf(self) -> ModuleType:
+        """The Hugging Face map: ``ARCHITECTURES`` (config.json ``model_type`` → class
+        name), ``config_from_hf``, ``config_to_hf``, ``state_from_hf``, ``state_to_hf``."""
+        return self.module("hf")
+
+    @property
+    def costs(self) -> ModuleType:
+        """``model_flops(cfg, batch, seq, vocab=, recompute=)`` and ``params_count(cfg)``."""
+        return self.module("costs")
+
+
+FAMILIES: dict[str, Family] = {
+    f.arch: f
+    for f in (
+        Family("gpt", "GPTModel"),
+        Family("bert", "BertModel", causal=False, pre_norm=False, token_types=True),
+        Family("llama", "LlamaModel"),
+    )
+}
+
+
+def family(arch: str) -> Family:
+    """The family ``arch`` names; a one-line error naming the known ones otherwise."""
+    if arch not in FAMILIES:
+        raise ValueError(f"model.arch={arch!r} is not one of {tuple(FAMILIES)}")
+    return FAMILIES[arch]
