@@ -1,4 +1,4 @@
-"""Logits parity with Hugging Face transformers: a local GPT-2 / BERT directory loaded by
+"""Logits parity with Hugging Face transformers: a local directory of any family loaded by
 transformers against meshtron's import of it (engine/hf_interop.py) at a parallel layout.
 
 Only local ``save_pretrained`` directories are read; nothing is fetched.
@@ -13,9 +13,14 @@ from pathlib import Path
 import torch
 
 import parallel_state
-from engine.hf_interop import config_from_hf, hf_weight_files, read_hf_config, read_hf_dir
+from engine.hf_interop import (
+    config_from_hf,
+    hf_architectures,
+    hf_weight_files,
+    read_hf_config,
+    read_hf_dir,
+)
 from engine.models import build_model
-from engine.models.llama import hf as llama_hf
 from layers.mappings import gather_along
 from studies.verification.layouts import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 
@@ -57,25 +62,25 @@ def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:
         full[name] = gather_along(logits, 0, ps.dp_group)[..., : cfg.vocab_size]
     if ps.rank != 0:
         return None
-    theirs = _hf_logits(hf_dir, hf_config, batch, dtype)
+    theirs = _hf_logits(hf_dir, cfg, hf_config, batch, dtype)
     tol, absolute = HF_TOLERANCES[spec.dtype], spec.dtype != "bfloat16"
     rows = [compare("logits", n, full[n], theirs[n], tol, absolute=absolute) for n in full]
     return Report(spec, tol, rows, absolute=absolute)
 
 
-def _hf_logits(hf_dir: str, hf_config: dict, batch: dict, dtype) -> dict[str, torch.Tensor]:
+def _hf_logits(hf_dir: str, cfg, hf_config: dict, batch: dict, dtype) -> dict[str, torch.Tensor]:
     import transformers
 
     arch = (hf_config.get("architectures") or ["?"])[0]
-    decoders = ("GPT2LMHeadModel", *llama_hf.ARCHITECTURES.values())
-    if arch not in (*decoders, "BertForPreTraining"):
+    known = hf_architectures(cfg.arch)
+    if arch not in known:
         raise ValueError(
-            f"{hf_dir}: architecture {arch!r}; compare BertForPreTraining or one of {decoders}"
+            f"{hf_dir}: architecture {arch!r}; a {cfg.arch} directory compares one of {known}"
         )
     model = getattr(transformers, arch).from_pretrained(hf_dir, local_files_only=True)
     model = model.to(dtype).eval()
     with torch.no_grad():
-        if arch in decoders:
+        if cfg.causal:  # a decoder's LM logits
             return {"logits": model(input_ids=batch["input_ids"]).logits}
         out = model(
             input_ids=batch["input_ids"],
