@@ -29,7 +29,7 @@ from engine.formulas import (  # noqa: F401  (public API of this module)
     gpt_flops_per_iteration,
 )
 from engine.models.config import ModelConfig
-from engine.models.llama.costs import llama_flops_per_iteration, llama_params_count
+from engine.models.families import family
 
 if TYPE_CHECKING:
     from engine.config import Config
@@ -54,32 +54,14 @@ _PEAK_DTYPES = (torch.bfloat16, torch.float16)
 def model_flops(
     cfg: ModelConfig, batch: int, seq: int, *, tp_size: int = 1, recompute: bool = False
 ) -> int:
-    """Forward + backward FLOPs of ``cfg`` on ``batch`` sequences, with the padded vocabulary.
+    """Forward + backward FLOPs of ``cfg`` on ``batch`` sequences, with the padded vocabulary
+    (the family's formula: ``engine/models/<arch>/costs.py``).
 
     ``batch`` is the global batch for a whole step (all DP ranks); ``tp_size`` only sets the
     vocabulary padding. Model FLOPs for MFU leave ``recompute`` False (recomputation is not model work).
     """
-    if cfg.arch == "llama":
-        return llama_flops_per_iteration(
-            batch,
-            seq,
-            cfg.num_layers,
-            cfg.hidden_size,
-            cfg.padded_vocab_size(tp_size),
-            ffn_hidden=cfg.ffn_size,
-            kv_width=cfg.kv_heads * cfg.head_dim,
-            recompute=recompute,
-        )
-    count = {"gpt": gpt_flops_per_iteration, "bert": bert_flops_per_iteration}[cfg.arch]
-    return count(
-        batch,
-        seq,
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.padded_vocab_size(tp_size),
-        recompute=recompute,
-        ffn_hidden=cfg.ffn_size,
-    )
+    vocab = cfg.padded_vocab_size(tp_size)
+    return family(cfg.arch).costs.model_flops(cfg, batch, seq, vocab=vocab, recompute=recompute)
 
 
 def model_flops_per_step(cfg: Config) -> int:
@@ -88,34 +70,9 @@ def model_flops_per_step(cfg: Config) -> int:
 
 
 def params_count(cfg: ModelConfig) -> int:
-    """Parameters of the full model, unpadded vocabulary (what ``full_state_dict`` holds).
-
-    For GPT with f = 4h and tied embeddings this is the usual
-    12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h)), with s = max_positions, plus the 2h of the
-    final LayerNorm that the approximation leaves out. Per layer: QKV and
-    output projections 4h² + 4h, MLP 2·h·f + f + h, two LayerNorms 4h.
-    """
-    h, f, v = cfg.hidden_size, cfg.ffn_size, cfg.vocab_size
-    if cfg.arch == "llama":
-        return llama_params_count(
-            cfg.num_layers,
-            h,
-            v,
-            ffn_hidden=f,
-            kv_width=cfg.kv_heads * cfg.head_dim,
-            qkv_bias=cfg.qkv_bias,
-            linear_bias=cfg.linear_bias,
-            tied=cfg.tie_embeddings,
-        )
-    per_layer = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
-    total = cfg.num_layers * per_layer + (v + cfg.max_positions) * h
-    untied_head = 0 if cfg.tie_embeddings else v * h
-    if cfg.arch == "gpt":
-        return total + 2 * h + untied_head  # final LayerNorm
-    embedding_extra = cfg.num_token_types * h + 2 * h  # token types, embedding LayerNorm
-    mlm_head = h * h + h + 2 * h + v  # transform dense, its LayerNorm, decoder bias
-    pooler_and_sop = h * h + h + 2 * h + 2
-    return total + embedding_extra + mlm_head + untied_head + pooler_and_sop
+    """Parameters of the full model, unpadded vocabulary (what ``full_state_dict`` holds),
+    by the family's count (``engine/models/<arch>/costs.py``)."""
+    return family(cfg.arch).costs.params_count(cfg)
 
 
 def peak_flops_for_name(name: str, dtype: torch.dtype = torch.bfloat16) -> float | None:

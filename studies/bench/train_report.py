@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine import flops
-from engine.models import ModelConfig
+from engine.models import ModelConfig, family
 
 
 @dataclass
@@ -44,10 +44,7 @@ def summarize(loop: Loop, vocab: int, cfg: ModelConfig, args, ps, peak, ceiling)
     """One result row: step time statistics, tokens/s, model TFLOP/s, MFU."""
     step_s = statistics.median(loop.times)
     batch = args.micro_batch * ps.dp_size  # global sequences per step
-    count = {"gpt": flops.gpt_flops_per_iteration, "bert": flops.bert_flops_per_iteration}
-    model_flops = count[cfg.arch](
-        batch, args.seq, cfg.num_layers, cfg.hidden_size, vocab, ffn_hidden=cfg.ffn_size
-    )
+    model_flops = family(cfg.arch).costs.model_flops(cfg, batch, args.seq, vocab=vocab)
     flops_per_s = model_flops / step_s
     utilization = flops.mfu(flops_per_s, peak, ps.world_size)
     return {

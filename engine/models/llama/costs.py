@@ -1,7 +1,8 @@
 """The Llama family's FLOP and parameter terms.
 
 The formulas live in ``engine.formulas`` (plain Python, so the performance model reads them
-without torch); this module is where the family's folder names them.
+without torch); this module is where the family's folder names them and applies them to
+a config.
 """
 
 from __future__ import annotations
@@ -11,3 +12,35 @@ from engine.formulas import (  # noqa: F401  (the family's public cost terms)
     llama_layer_weights,
     llama_params_count,
 )
+from engine.models.config import ModelConfig
+
+
+def model_flops(
+    cfg: ModelConfig, batch: int, seq: int, *, vocab: int, recompute: bool = False
+) -> int:
+    """Forward + backward matmul FLOPs on ``batch`` sequences, LM head ``vocab`` wide:
+    SwiGLU's three matrices, the K/V projection ``kv_heads · head_dim`` wide."""
+    return llama_flops_per_iteration(
+        batch,
+        seq,
+        cfg.num_layers,
+        cfg.hidden_size,
+        vocab,
+        ffn_hidden=cfg.ffn_size,
+        kv_width=cfg.kv_heads * cfg.head_dim,
+        recompute=recompute,
+    )
+
+
+def params_count(cfg: ModelConfig) -> int:
+    """Parameters of the full model, unpadded vocabulary (what ``full_state_dict`` holds)."""
+    return llama_params_count(
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.vocab_size,
+        ffn_hidden=cfg.ffn_size,
+        kv_width=cfg.kv_heads * cfg.head_dim,
+        qkv_bias=cfg.qkv_bias,
+        linear_bias=cfg.linear_bias,
+        tied=cfg.tie_embeddings,
+    )
