@@ -55,7 +55,7 @@ def check_data(cfg: Config) -> list[str]:
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the "
             f"tokenizer's vocabulary ({vocab}, {d.tokenizer}); set model.vocab_size={vocab}"
         )
-    if cfg.model.arch == "bert":
+    if not cfg.model.causal:  # the masked-LM data (_part's BertDataset) needs them
         missing = [t for t in BERT_SPECIAL_TOKENS if tokenizer.token_to_id(t) is None]
         if missing:
             problems.append(

@@ -93,7 +93,7 @@ def count(args: argparse.Namespace, ps: ParallelState) -> dict:
 def _random_batch(cfg, micro_batch: int, seq: int, device):
     """A batch of random tokens in the form the model's ``loss`` takes."""
     gen = torch.Generator().manual_seed(0)
-    if cfg.arch != "bert":
+    if cfg.causal:  # a decoder's loss takes next-token windows
         return torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=gen).to(device)
     ids = torch.randint(0, cfg.vocab_size, (micro_batch, seq), generator=gen)
     labels = torch.where(torch.rand(ids.shape, generator=gen) < 0.15, ids, -100)
