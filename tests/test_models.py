@@ -219,3 +219,40 @@ def test_one_kernel_set_per_model(name):
     holders = [m for m in model.modules() if isinstance(getattr(m, "kernels", None), Kernels)]
     assert len(holders) >= 2 * model.cfg.num_layers + 1  # layers, their MLPs and norms, ...
     assert {id(m.kernels) for m in holders} == {id(model.kernels)}
+
+
+def test_every_family_is_a_folder_the_registry_reaches():
+    """Each ``FAMILIES`` entry names a folder with the model class (of that arch), the HF
+    map and the cost terms; the tiny preset's parameter count is the built model's; an
+    unknown arch is one line naming the known ones, from the config and from build_model."""
+    import ast
+    from pathlib import Path
+
+    from engine.hf_interop import config_from_hf, config_to_hf
+    from engine.models import FAMILIES, ParallelModel
+
+    for arch, fam in FAMILIES.items():
+        cls = fam.model_class()
+        assert issubclass(cls, ParallelModel) and arch == cls.ARCH
+        hf_map = ("ARCHITECTURES", "config_from_hf", "config_to_hf", "state_from_hf", "state_to_hf")
+        assert all(hasattr(fam.hf, name) for name in hf_map), arch
+        assert hasattr(fam.costs, "model_flops") and hasattr(fam.costs, "params_count")
+        cfg = preset(f"{arch}_tiny", vocab_size=64, hidden_size=32, num_heads=4, num_layers=2)
+        state = build_model(cfg).full_state_dict()  # the vocabulary unpadded
+        assert fam.costs.params_count(cfg) == sum(t.numel() for t in state.values())
+        assert config_from_hf(config_to_hf(cfg)).arch == arch
+    message = "model.arch='t5' is not one of ('gpt', 'bert', 'llama')"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig(arch="t5").validate()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_model(ModelConfig(arch="t5"))
+    # The config reads the table, and every family imports the config: so the table
+    # imports nothing of ours (the families' modules are imported when asked for).
+    source = (Path(__file__).resolve().parents[1] / "engine/models/families.py").read_text()
+    imported = [
+        a.name if isinstance(node, ast.Import) else node.module
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for a in node.names
+    ]
+    assert not [m for m in imported if m.split(".")[0] in ("engine", "layers", "parallel_state")]
