@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import parallel_state
 from engine import comm
-from engine.models import ModelConfig, ParallelModel, build_model
+from engine.models import ModelConfig, ParallelModel, build_model, family
 from engine.pipeline import SCHEDULES, layer_split
 from engine.pipeline.split import microbatch_rule
 from parallel_state import groups
@@ -123,9 +123,9 @@ class VerifySpec:
     def model_config(self, *, reference: bool = False) -> ModelConfig:
         """The target's config, or with ``reference=True`` the plain unsplit one. A llama
         has 2 KV heads, so at tp 4 each is replicated on 2 ranks."""
-        family = {}
+        parts = {}
         if self.model == "llama":
-            family = dict(
+            parts = dict(
                 norm="rmsnorm",
                 position_embedding="rotary",
                 num_kv_heads=2,
@@ -134,7 +134,7 @@ class VerifySpec:
                 tie_embeddings=False,
             )
         return ModelConfig(
-            **family,
+            **parts,
             arch=self.model,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
@@ -175,7 +175,7 @@ def make_batch(spec: VerifySpec) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(spec.seed + 1)
     b, s, v = spec.batch_size, spec.seq_len, spec.vocab_size
     ids = torch.randint(0, v, (b, s), generator=g)
-    if spec.model != "bert":  # decoders (gpt, llama): next-token batches
+    if family(spec.model).causal:  # decoders (gpt, llama): next-token batches
         return {"input_ids": ids, "labels": torch.randint(0, v, (b, s), generator=g)}
     lengths = torch.randint(max(4, s // 2), s + 1, (b,), generator=g)
     positions = torch.arange(s)
