@@ -44,7 +44,8 @@ class Family:
 
     @property
     def costs(self) -> ModuleType:
-        """``model_flops(cfg, batch, seq, vocab=, recompute=)`` and ``params_count(cfg)``."""
+        """``model_flops(cfg, batch, seq, vocab=, recompute=)``, ``params_count(cfg)`` and
+        ``layer_activation_bytes(cfg, seq_len=, batch_size=, tp_size=)``."""
         return self.module("costs")
 
 

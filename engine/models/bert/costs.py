@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from engine.formulas import bert_flops_per_iteration
 from engine.models.config import ModelConfig
-from engine.models.gpt.costs import trunk_params
+from engine.models.gpt.costs import (  # noqa: F401  (BERT's layers are GPT's)
+    layer_activation_bytes,
+    trunk_params,
+)
 
 
 def model_flops(

@@ -4,6 +4,7 @@ plain Python, so the performance model reads it without torch)."""
 from __future__ import annotations
 
 from engine.formulas import gpt_flops_per_iteration
+from engine.formulas import layer_activation_bytes as layer_activation_bytes_formula
 from engine.models.config import ModelConfig
 
 
@@ -41,3 +42,20 @@ def params_count(cfg: ModelConfig) -> int:
     """
     untied_head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
     return trunk_params(cfg) + 2 * cfg.hidden_size + untied_head  # final LayerNorm
+
+
+def layer_activation_bytes(
+    cfg: ModelConfig, *, seq_len: int, batch_size: int, tp_size: int
+) -> float:
+    """16-bit bytes one layer keeps for backward (``engine.formulas.layer_activation_bytes``
+    with the attention unfused, as the runtime's GPT and BERT layers store it)."""
+    return layer_activation_bytes_formula(
+        seq_len,
+        batch_size,
+        cfg.hidden_size,
+        cfg.num_heads,
+        tp_size,
+        sp=cfg.sequence_parallel,
+        recompute=cfg.recompute,
+        fused_attention=False,
+    )

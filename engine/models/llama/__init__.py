@@ -2,6 +2,8 @@
 config variants of one decoder built through the layer seams (RMSNorm, SwiGLU, rotary,
 grouped-query attention).
 
-``model`` holds the class, ``presets`` the named sizes, ``hf`` the Hugging Face name map,
-``costs`` the FLOP terms. Nothing is imported here, so config.py can read the presets.
+``model`` holds the class, ``hf`` the Hugging Face name map, ``costs`` the FLOP,
+parameter and activation terms; the presets are ``configs/model/llama_*.yaml`` and
+``qwen2_0.5b.yaml`` (one source: ``engine.models.config.preset`` reads them). Nothing is
+imported here, so the family table can name this folder without an import circle.
 """

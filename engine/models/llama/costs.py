@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from engine.formulas import (  # noqa: F401  (the family's public cost terms)
     llama_flops_per_iteration,
+    llama_layer_activation_bytes,
     llama_layer_weights,
     llama_params_count,
 )
@@ -43,4 +44,20 @@ def params_count(cfg: ModelConfig) -> int:
         qkv_bias=cfg.qkv_bias,
         linear_bias=cfg.linear_bias,
         tied=cfg.tie_embeddings,
+    )
+
+
+def layer_activation_bytes(
+    cfg: ModelConfig, *, seq_len: int, batch_size: int, tp_size: int
+) -> float:
+    """16-bit bytes one Llama layer keeps for backward (``engine.formulas``' Llama term:
+    RMSNorm inputs in fp32, SwiGLU's f-wide tensors, fused attention)."""
+    return llama_layer_activation_bytes(
+        seq_len,
+        batch_size,
+        cfg.hidden_size,
+        cfg.ffn_size,
+        tp_size,
+        sp=cfg.sequence_parallel,
+        recompute=cfg.recompute,
     )
