@@ -262,8 +262,10 @@ def matmul_ceiling(device: torch.device, dtype: torch.dtype | None, reps: int = 
     return 2 * n**3 / statistics.median(times)
 
 
-def profile_loops(loops: list[Loop], steps: int, console: Console) -> None:
-    """Print each loop's top ops by self CPU time (and CUDA time on GPUs) over ``steps``."""
+def profile_loops(loops: list[Loop], steps: int, console: Console, *, show: bool) -> None:
+    """Print each loop's top ops by self CPU time (and CUDA time on GPUs) over ``steps``.
+    Every rank runs the steps (their collectives need all of them); ``show``: this rank
+    prints its table."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -274,10 +276,11 @@ def profile_loops(loops: list[Loop], steps: int, console: Console) -> None:
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 loop.step()
-        console.print(f"\n[bold]{loop.name}[/]: {steps} steps, top ops by {sort}")
-        console.print(
-            prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60)
-        )
+        if show:
+            console.print(f"\n[bold]{loop.name}[/]: {steps} steps, top ops by {sort}")
+            console.print(
+                prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60)
+            )
 
 
 # ---------------------------------------------------------------------------------------
@@ -381,8 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 write(args.out, rows, meta)
                 console.print(f"wrote {args.out}")
-        if args.profile and ps.rank == 0:
-            profile_loops(loops, args.profile, console)
+        if args.profile:
+            profile_loops(loops, args.profile, console, show=ps.rank == 0)
     finally:
         parallel_state.destroy()
     return 0
