@@ -19,6 +19,7 @@ from engine.formulas import state_bytes_per_param
 from engine.models import build_model
 from engine.models.config import preset
 from tests.multiproc import run_ranks
+from tests.torch_reference import alone_group, train_unsplit
 
 CFG = preset(
     "gpt_tiny",
@@ -41,29 +42,9 @@ def _batch(step: int) -> torch.Tensor:
 def _reference(dtype: torch.dtype, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Unsplit model, whole batch, torch's AdamW and clip_grad_norm_ (not our code)."""
     torch.manual_seed(0)
-    model = build_model(CFG, dtype=dtype, tp_group=_alone())
-    params = list(model.parameters())
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": OPTIM.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps)
-    losses = []
-    for step in range(steps):
-        x = _batch(step)
-        loss = model(x[:, :-1], x[:, 1:]).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, OPTIM.clip_grad)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    model = build_model(CFG, dtype=dtype, tp_group=alone_group())
+    losses = train_unsplit(model, OPTIM, (_batch(step) for step in range(steps)))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _alone() -> dist.ProcessGroup:
-    """A TP group of this rank only (every rank creates every group, in the same order)."""
-    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-    return groups[dist.get_rank()]
 
 
 def _dp_train(zero: bool, dtype, steps: int, low_precision=None, micro: int = 2):

@@ -22,6 +22,7 @@ from layers.utils import dp_sharded, local_part
 from parallel_state.dims import DP_SHARD_MODES, ParallelDims
 from parallel_state.random import RNGTracker
 from tests.multiproc import run_ranks
+from tests.torch_reference import alone_group, train_unsplit
 
 CFG = preset(
     "gpt_tiny",
@@ -43,35 +44,16 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, 500, (ROWS, 17), generator=torch.Generator().manual_seed(100 + step))
 
 
-def _alone() -> dist.ProcessGroup:
-    """A group of this rank only (every rank creates every group, in the same order)."""
-    return [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
-
-
 def _unsplit(dtype: torch.dtype | None = None):
     """CFG whole on this rank (its own one-rank TP group; dropout is 0, so its RNG is idle)."""
-    return build_model(CFG, dtype=dtype, tp_group=_alone(), rng=RNGTracker())
+    return build_model(CFG, dtype=dtype, tp_group=alone_group(), rng=RNGTracker())
 
 
 def _reference(initial: dict[str, torch.Tensor]) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Unsplit fp64 model on the whole batch, torch's AdamW and clip_grad_norm_ (not ours)."""
     model = _unsplit(torch.float64)
     model.load_full_state_dict(initial)
-    params = list(model.parameters())
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": OPTIM.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps)
-    losses = []
-    for step in range(STEPS):
-        x = _batch(step)
-        loss = model(x[:, :-1], x[:, 1:]).mean()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, OPTIM.clip_grad)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_unsplit(model, OPTIM, (_batch(step) for step in range(STEPS)))
     return losses, model.full_state_dict()
 
 
