@@ -22,7 +22,7 @@ import torch
 from engine.config import Config, resolve_precision
 from engine.flops import params_count
 from engine.formulas import fsdp_in_flight_bytes, state_bytes_per_param
-from engine.models.families import family
+from engine.models.activation_memory import formula_bytes
 
 GIB = 2**30
 
@@ -59,7 +59,7 @@ def estimate_rank_bytes(
     params = params_count(m) / t
     root = params_count(dataclasses.replace(m, num_layers=0)) / t  # embeddings, norm, head
     s, b = cfg.data.seq_len, cfg.trainer.micro_batch
-    per_layer = family(m.arch).costs.layer_activation_bytes(m, seq_len=s, batch_size=b, tp_size=t)
+    per_layer = formula_bytes(m, seq_len=s, batch_size=b, tp_size=t)
     logits = 4 * s * b * m.padded_vocab_size(t) / t
     activations = per_layer * m.num_layers * (2 if fp32_activations else 1) + logits
     precision = "bf16" if bf16 else "fp32"

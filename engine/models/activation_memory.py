@@ -13,24 +13,18 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from engine.formulas import layer_activation_bytes
 from engine.models.config import ModelConfig
+from engine.models.families import family
 from layers.transformer import ParallelTransformerLayer
 from parallel_state.groups import group_size, resolve_tp_group
 
 
 def formula_bytes(cfg: ModelConfig, *, seq_len: int, batch_size: int, tp_size: int) -> float:
-    """The formula table's bytes per layer for ``cfg``'s sequence parallelism and recompute
-    mode (``engine.formulas.layer_activation_bytes``, attention unfused)."""
-    return layer_activation_bytes(
-        seq_len,
-        batch_size,
-        cfg.hidden_size,
-        cfg.num_heads,
-        tp_size,
-        sp=cfg.sequence_parallel,
-        recompute=cfg.recompute,
-        fused_attention=False,
+    """The formula's bytes per layer for ``cfg``'s family, sequence parallelism and
+    recompute mode (its ``costs.layer_activation_bytes``: for GPT and BERT the table's
+    ``engine.formulas.layer_activation_bytes`` with the attention unfused)."""
+    return family(cfg.arch).costs.layer_activation_bytes(
+        cfg, seq_len=seq_len, batch_size=batch_size, tp_size=tp_size
     )
 
 
