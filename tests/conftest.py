@@ -1,7 +1,9 @@
 """Shared pytest setup."""
 
+import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,31 @@ def _run_outputs(root: Path) -> set[str]:
         elif path.exists():
             found.add(name)
     return found
+
+
+def _compiler_dirs() -> tuple[str, ...]:
+    """The packages whose subprocesses are a compiler's toolchain: inductor's C++ builds,
+    their loader checks and ``g++ --version`` probes, and Triton's, all started with the
+    caller's working directory but writing only into their own cache folders."""
+    dirs = [os.path.join(os.path.dirname(torch.__file__), "_inductor")]
+    triton = importlib.util.find_spec("triton")
+    if triton is not None and triton.origin:
+        dirs.append(os.path.dirname(triton.origin))
+    return tuple(d + os.sep for d in dirs)
+
+
+COMPILER_DIRS = _compiler_dirs()
+
+
+def started_by_compiler(frame=None) -> bool:
+    """Whether the subprocess being started (from ``frame``, default the caller's) comes from
+    torch's or Triton's compiler rather than from a test's own command."""
+    frame = frame or sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(COMPILER_DIRS):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class RepositoryGuard:
@@ -74,7 +101,8 @@ def _no_writes_into_the_repository(monkeypatch):
     popen_init = subprocess.Popen.__init__
 
     def tracking_init(self, args, *rest, **kwargs):
-        guard.command_started(kwargs.get("cwd"), args)
+        if not started_by_compiler():
+            guard.command_started(kwargs.get("cwd"), args)
         popen_init(self, args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", tracking_init)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import RepositoryGuard
+import pytest
+import torch
+
+from tests.conftest import RepositoryGuard, started_by_compiler
 
 
 def test_folders_made_beside_a_test_are_not_its_own(tmp_path):
@@ -29,3 +32,31 @@ def test_every_subprocess_of_a_test_is_seen():
     reports each command's working directory to the test's guard."""
     assert subprocess.Popen.__init__.__name__ == "tracking_init"
     assert subprocess.run([sys.executable, "-c", "pass"], check=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_the_compilers_own_commands_are_not_the_tests(tmp_path, monkeypatch):
+    """torch.compile's C++ builds start g++ and a loader check in this process's working
+    directory (the checkout, under pytest). Counted as the test's commands, they made every
+    compile test take the blame for a run beside the suite (test_compile, under load)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # a real build
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)  # built in this process
+    seen = []
+    tracking = subprocess.Popen.__init__  # the guard's, from the autouse fixture
+
+    def recording(self, args, *rest, **kwargs):
+        seen.append((args if isinstance(args, str) else list(args), started_by_compiler()))
+        tracking(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", recording)
+    torch._dynamo.reset()
+    x = torch.randn(16, dtype=torch.float32, device="cpu")
+    compiled = torch.compile(lambda t: (t.sin() + 0.25).relu(), backend="inductor")
+    torch.testing.assert_close(compiled(x), (x.sin() + 0.25).relu(), rtol=1e-6, atol=1e-6)
+    subprocess.run([sys.executable, "-c", "pass"], check=True)  # the test's own command
+    assert seen[-1] == ([sys.executable, "-c", "pass"], False)
+    builds = seen[:-1]
+    assert builds, "inductor built nothing: the cache was not fresh"
+    assert all(by_compiler for _, by_compiler in builds), builds
