@@ -66,30 +66,48 @@ def started_by_compiler(frame=None) -> bool:
 class RepositoryGuard:
     """What a test's own commands left among a run's outputs in ``root``.
 
-    Only commands started in ``root`` (a run's relative ``outputs/`` and ``checkpoints/``
-    land in its working directory) can put them there; folders that appear while a test ran
-    only commands elsewhere belong to someone else, e.g. a user running the README's
-    commands in the same checkout, and are not blamed on the test.
+    Only a command started in ``root`` (a run's relative ``outputs/`` and ``checkpoints/``
+    land in its working directory) can put them there, and only while it runs: the guard
+    notes the outputs when such a command starts and again when it has ended, and blames
+    the test for what appeared in between. Folders that appear at any other time, or while
+    the test runs commands elsewhere only, belong to someone else (a user running the
+    README's commands in the same checkout, a training run beside the suite).
     """
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.before, self.ran_in_root = root, _run_outputs(root), False
 
     # Programs a test runs to look at the machine (network namespaces, processes, the
     # repository's own history): they write no run outputs wherever they start.
     QUERIES = frozenset({"ip", "ps", "git", "tc", "ss"})
 
-    def command_started(self, cwd: str | os.PathLike | None, args: object = None) -> None:
-        """A subprocess ``args`` started in ``cwd`` (None: this process's working directory)."""
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.running: dict[int, set[str]] = {}  # a command's token: the outputs at its start
+        self.appeared: set[str] = set()  # outputs that appeared while a command of ours ran
+        self._tokens = 0
+
+    def command_started(self, cwd: str | os.PathLike | None, args: object = None) -> int | None:
+        """A subprocess ``args`` starts in ``cwd`` (None: this process's working directory).
+        Returns a token for ``command_ended`` if it can write run outputs into ``root``."""
         argv = [args] if isinstance(args, (str, os.PathLike)) else list(args or [])
         if argv and not isinstance(args, str) and Path(str(argv[0])).name in self.QUERIES:
-            return
-        here = Path(cwd if cwd is not None else os.getcwd()).resolve() == self.root
-        self.ran_in_root = self.ran_in_root or here
+            return None
+        if Path(cwd if cwd is not None else os.getcwd()).resolve() != self.root:
+            return None
+        self._tokens += 1
+        self.running[self._tokens] = _run_outputs(self.root)
+        return self._tokens
+
+    def command_ended(self, token: int | None) -> None:
+        """The command of ``token`` has exited: what appeared since its start is the test's."""
+        before = self.running.pop(token, None) if token is not None else None
+        if before is not None:
+            self.appeared |= _run_outputs(self.root) - before
 
     def blamed(self) -> list[str]:
-        """New run outputs in ``root`` that the test's commands may have written."""
-        return sorted(_run_outputs(self.root) - self.before) if self.ran_in_root else []
+        """Run outputs in ``root`` that the test's commands may have written (a command
+        still running is charged with everything new since its start)."""
+        now = _run_outputs(self.root)
+        still = set().union(*(now - before for before in self.running.values()))
+        return sorted((self.appeared & now) | still)
 
 
 @pytest.fixture(autouse=True)
@@ -98,14 +116,26 @@ def _no_writes_into_the_repository(monkeypatch):
     (Hydra run dirs, checkpoints): tests must write to temporary directories only
     (RepositoryGuard says which folders are the test's)."""
     guard = RepositoryGuard(ROOT)
-    popen_init = subprocess.Popen.__init__
+    popen_init, popen_wait = subprocess.Popen.__init__, subprocess.Popen.wait
 
     def tracking_init(self, args, *rest, **kwargs):
-        if not started_by_compiler():
-            guard.command_started(kwargs.get("cwd"), args)
-        popen_init(self, args, *rest, **kwargs)
+        self._guard_token = (
+            None if started_by_compiler() else guard.command_started(kwargs.get("cwd"), args)
+        )
+        try:
+            popen_init(self, args, *rest, **kwargs)
+        except BaseException:  # it never started (no such program, bad arguments)
+            guard.command_ended(self._guard_token)
+            raise
+
+    def tracking_wait(self, *args, **kwargs):
+        code = popen_wait(self, *args, **kwargs)  # raises TimeoutExpired while it runs
+        guard.command_ended(getattr(self, "_guard_token", None))
+        self._guard_token = None
+        return code
 
     monkeypatch.setattr(subprocess.Popen, "__init__", tracking_init)
+    monkeypatch.setattr(subprocess.Popen, "wait", tracking_wait)
     yield
     new = guard.blamed()
     assert not new, f"the test wrote into the repository: {new} (use tmp_path)"

@@ -683,6 +683,7 @@ def test_inspect_convert_and_export_cli(tmp_path, capsys):
         ],
         capture_output=True,
         text=True,
+        cwd=tmp_path,
         timeout=120,
     )
     assert script.returncode == 0 and "not checked" in script.stdout, script.stderr

@@ -599,6 +599,7 @@ def test_default_corpus_concurrent_callers_build_once(tmp_path: Path) -> None:
         subprocess.Popen(
             [sys.executable, "-c", script, str(tmp_path)],
             env=env,
+            cwd=tmp_path,
             stdout=subprocess.PIPE,
             text=True,
         )

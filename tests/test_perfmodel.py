@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -605,7 +606,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         env=_env(),
-        cwd=ROOT,
+        cwd=tempfile.gettempdir(),  # writes nothing; imports come from PYTHONPATH
         timeout=60,
     )
 

@@ -12,25 +12,39 @@ from tests.conftest import RepositoryGuard, started_by_compiler
 
 
 def test_folders_made_beside_a_test_are_not_its_own(tmp_path):
-    """A user's run in the checkout makes outputs/ and checkpoints/ while a test runs only
-    commands elsewhere: not blamed. The same folders after a command run in the checkout
-    are: that command may have written them."""
+    """A user's run in the checkout makes outputs/ and checkpoints/ while a test runs: not
+    blamed, unless they appear while a command of the test runs in the checkout (that
+    command may have written them). A query run there blames nothing."""
     (tmp_path / "outputs").mkdir()
     guard = RepositoryGuard(tmp_path)
     (tmp_path / "outputs" / "2026-11-23").mkdir()  # a README command beside the suite
-    (tmp_path / "checkpoints" / "gpt_tiny_stdlib").mkdir(parents=True)
-    guard.command_started(tmp_path / "elsewhere")
+    assert guard.command_started(tmp_path / "elsewhere") is None
+    assert guard.command_started(tmp_path, ["ip", "netns", "list"]) is None  # a query
+    quick = guard.command_started(tmp_path, [sys.executable, "-m", "tools.checkpoint"])
+    guard.command_ended(quick)  # ran and exited with nothing made
+    (tmp_path / "checkpoints" / "beside1").mkdir(parents=True)  # the run beside, again
     assert guard.blamed() == []
-    guard.command_started(tmp_path, ["ip", "netns", "list"])  # a query in the checkout
-    assert guard.blamed() == []
-    guard.command_started(tmp_path, [sys.executable, "-m", "engine.pretrain"])
-    assert guard.blamed() == ["checkpoints/gpt_tiny_stdlib", "outputs/2026-11-23"]
+
+    ours = guard.command_started(tmp_path, [sys.executable, "-m", "engine.pretrain"])
+    (tmp_path / "checkpoints" / "gpt_tiny_stdlib").mkdir()  # while ours runs
+    (tmp_path / "outputs" / "2026-11-24").mkdir()
+    guard.command_ended(ours)
+    (tmp_path / "checkpoints" / "beside2").mkdir()  # after it ended
+    assert guard.blamed() == ["checkpoints/gpt_tiny_stdlib", "outputs/2026-11-24"]
+
+    (tmp_path / "outputs" / "2026-11-24").rmdir()  # the test cleaned up after itself
+    assert guard.blamed() == ["checkpoints/gpt_tiny_stdlib"]
+    running = guard.command_started(tmp_path, ["torchrun"])
+    (tmp_path / "pretrain.log").write_text("")  # a command not waited for: charged to the end
+    assert guard.blamed() == ["checkpoints/gpt_tiny_stdlib", "pretrain.log"]
+    guard.command_ended(running)
 
 
 def test_every_subprocess_of_a_test_is_seen():
     """During a test, subprocess.Popen (which subprocess.run and the launch helpers use)
-    reports each command's working directory to the test's guard."""
+    reports each command's working directory to the test's guard, and its end."""
     assert subprocess.Popen.__init__.__name__ == "tracking_init"
+    assert subprocess.Popen.wait.__name__ == "tracking_wait"
     assert subprocess.run([sys.executable, "-c", "pass"], check=True).returncode == 0
 
 
