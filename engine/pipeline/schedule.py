@@ -27,6 +27,10 @@ from engine.models import ParallelModel
 from engine.pipeline.stages import PipelineModel
 from parallel_state import ParallelState
 
+# The stage methods a schedule's first step calls to infer the shapes a stage sends and
+# receives (torch.distributed.pipelining's private names, torch 2.13): they run the stage.
+_METADATA_INFERENCE = ("_prepare_forward_infra", "_prepare_backward_infra")
+
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -82,6 +86,10 @@ class PipelineRunner:
             )
             for index, chunk in zip(self.model.stage_ids, self.model.chunks, strict=True)
         ]
+        for stage in stages:
+            for method in _METADATA_INFERENCE:
+                if hasattr(stage, method):
+                    setattr(stage, method, self._keeping_rng(getattr(stage, method)))
         for stage in stages if timed else ():
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk)
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
@@ -95,6 +103,24 @@ class PipelineRunner:
         else:
             schedule = SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
         return schedule, stages
+
+    def _keeping_rng(self, method: Callable) -> Callable:
+        """``method`` (a stage's metadata inference) leaving every random stream as it
+        found it. The first step of a schedule runs each stage's forward (and backward) once
+        on empty tensors to learn the shapes it sends; torch restores the default generator
+        around that, and this restores the RNG tracker's named streams too, whose dropout
+        draws would otherwise shift every later mask: a run resumed from a checkpoint (whose
+        first step infers again) would then draw other masks than the run it continues."""
+        tracker = self.ps.rng
+
+        def run(*args, **kwargs):
+            states = tracker.get_states()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                tracker.set_states(states)
+
+        return run
 
     def _now(self) -> float:
         if self.ps.device.type == "cuda":  # kernels run asynchronously: wait for them
