@@ -191,11 +191,18 @@ def main(dcfg: DictConfig) -> None:
 def refused_leaves_nothing(run_dir: str) -> Iterator[None]:
     """On a refusal (exit 2) inside, remove what Hydra made for this run in ``run_dir``
     (its ``.hydra`` record and an empty ``pretrain.log``) and the folders left empty
-    (``outputs/DATE``), up to the working directory; an older run's files stay."""
+    (``outputs/DATE``), up to the working directory; an older run's files stay.
+
+    Not when an outside launcher (srun, mpirun, torchrun) started this process as one of
+    several ranks: they share the run directory and refuse each on its own, and one rank's
+    removal would pull the directory from under another still opening its log there (a
+    traceback instead of its one line). Such a refused run leaves its run directory."""
+    launch = detect_launch()
+    shared = launch.launcher != "none" and launch.world_size > 1
     try:
         yield
     except SystemExit as exit_:
-        if exit_.code == 2:
+        if exit_.code == 2 and not shared:
             _remove_fresh_run_dir(Path(run_dir))
         raise
 

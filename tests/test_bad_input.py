@@ -804,3 +804,55 @@ def test_good_inputs_pass_the_same_checks(inputs, monkeypatch):
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
         cfg = OmegaConf.to_object(compose("config", overrides=overrides))
     assert prepare(cfg).data.prefixes == [inputs["good"]]
+
+
+@pytest.mark.slow
+def test_a_refused_launch_of_several_ranks_is_one_line_on_each(
+    inputs, tmp_path, monkeypatch, capsys
+):
+    """Four ranks started by environment (as srun, mpirun or torchrun start them), sharing
+    one run directory, each refusing the layout: each prints its one line and exits 2. A
+    rank used to remove the refused run's directory while another was still opening its
+    log there, and that rank's refusal became a Hydra traceback. So a rank of several
+    leaves the shared run directory where it is (checked first in this process, where the
+    race cannot decide it)."""
+    mine = ("hydra.run.dir=", "checkpoint.dir=", "tp_size=", "dp_size=")
+    argv = [a for a in _base(inputs) if not a.startswith(mine)]
+    argv += [
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+        "tp_size=2",
+        "dp_size=4",  # 8 ranks asked, 4 started
+    ]
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("engine.pretrain", run_name="__main__")
+    assert exit_info.value.code == 2, capsys.readouterr().err
+    assert "does not equal the world size 4" in _one_line(capsys.readouterr().err)
+    assert (tmp_path / "run").is_dir()  # the other ranks' run directory stays
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key)
+
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+    env |= {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "engine.pretrain", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cwd=tmp_path,
+        )
+        for rank in range(4)
+    ]
+    for rank, proc in enumerate(procs):
+        _, err = proc.communicate(timeout=300)
+        line = _one_line(err)
+        assert proc.returncode == 2, (rank, proc.returncode, err)
+        assert "does not equal the world size 4" in line, (rank, line)
+    assert not (tmp_path / "ck").exists()  # no checkpoint folder; the run folder may stay
