@@ -431,19 +431,29 @@ def _free_port() -> int:
 # One line per surviving rank: the watchdog's (no progress), or a collective's failure
 # (a peer's connection closed), each naming the step, the rank and the group.
 _PEER_LINE = re.compile(
-    r"rank (\d) (stopped: no progress for 8 s in|lost a peer in) the [\w/ -]+ of step \d+, "
-    r"waiting on its (tp|dp|world) group \(ranks \[[\d, ]+\]\)"
+    r"rank (\d) (stopped: no progress for 8 s in|lost a peer in) the [\w/() -]+ of step \d+, "
+    r"waiting on its (tp|dp|pp|world) group \(ranks \[[\d, ]+\]\)"
 )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", ["SIGSTOP", "SIGKILL"])
-def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, sig):
-    """4 ranks started by environment (as srun or mpirun start them), tp=2 × dp=2. One
-    rank is frozen (SIGSTOP) or killed (SIGKILL) mid-run; the other three must exit
-    non-zero within 60 s (collective_timeout_s=8 plus start-up slack on a loaded
+@pytest.mark.parametrize(
+    ("sig", "layout"),
+    [
+        ("SIGSTOP", "tp_size=2"),
+        ("SIGKILL", "tp_size=2"),
+        ("SIGSTOP", "pp_size=2 tp_size=1 trainer.micro_batch=1"),  # 2 micro-batches, 2 stages
+    ],
+)
+def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, sig, layout):
+    """4 ranks started by environment (as srun or mpirun start them), tp=2 × dp=2 or
+    pp=2 × dp=2. One rank is frozen (SIGSTOP) or killed (SIGKILL) mid-run; the other three
+    must exit non-zero within 60 s (collective_timeout_s=8 plus start-up slack on a loaded
     machine), each with one stderr line naming the step, its rank and the group it
-    waited on. Before, they waited forever (SIGSTOP) or printed an 85-line traceback."""
+    waited on. Before, they waited forever (SIGSTOP) or printed an 85-line traceback. Under
+    pp, what each rank waits on depends on where the signal lands: a rank stuck in the
+    schedule names its stage and pp group ("the pipeline schedule (stage 0) of step 4,
+    waiting on its pp group (ranks [1, 3])"), one past it the bad-step check of the world."""
     env = {
         **subprocess_env(ROOT),
         "OMP_NUM_THREADS": "1",
@@ -451,10 +461,11 @@ def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, 
         "MASTER_PORT": str(_free_port()),
         "WORLD_SIZE": "4",
     }
+    named = {o.split("=")[0] for o in layout.split()}  # the layout's keys replace the base's
     overrides = [
         f"hydra.run.dir={tmp_path / 'run'}",
-        *run_overrides(corpus, tmp_path / "ckpt"),
-        "tp_size=2",
+        *(o for o in run_overrides(corpus, tmp_path / "ckpt") if o.split("=")[0] not in named),
+        *layout.split(),
         "dp_size=2",
         "trainer.max_steps=100000",
         "checkpoint.every=0",
