@@ -27,10 +27,6 @@ from engine.models import ParallelModel
 from engine.pipeline.stages import PipelineModel
 from parallel_state import ParallelState
 
-# The stage methods a schedule's first step calls to infer the shapes a stage sends and
-# receives (torch.distributed.pipelining's private names, torch 2.13): they run the stage.
-_METADATA_INFERENCE = ("_prepare_forward_infra", "_prepare_backward_infra")
-
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -86,10 +82,9 @@ class PipelineRunner:
             )
             for index, chunk in zip(self.model.stage_ids, self.model.chunks, strict=True)
         ]
-        for stage in stages:
-            for method in _METADATA_INFERENCE:
-                if hasattr(stage, method):
-                    setattr(stage, method, self._keeping_rng(getattr(stage, method)))
+        for stage in stages:  # the shape inference of a schedule's first step (torch 2.13)
+            stage._prepare_forward_infra = self._keeping_rng(stage._prepare_forward_infra)
+            stage._prepare_backward_infra = self._keeping_rng(stage._prepare_backward_infra)
         for stage in stages if timed else ():
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk)
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
