@@ -49,6 +49,11 @@ def corpus(tmp_path_factory) -> tuple[str, str]:
     return build_test_corpus(tmp_path_factory.mktemp("corpus"))
 
 
+def _same_tensors(got: dict, want: dict) -> bool:
+    """The same names, each tensor bitwise equal."""
+    return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
 def run_overrides(corpus, ckpt_dir) -> list[str]:
     """A tiny run whose LR schedule does not depend on max_steps (decay_steps fixed), so a
     run stopped early and re-run longer follows the same schedule as one long run. The
@@ -308,10 +313,8 @@ def _reshard_llama(cfgs: dict[str, Config], spare: str) -> dict:
         (params, moments), (want_params, want_moments) = state_of(t), saved[(root, t.step)]
         out[name] = {
             "step": t.step,
-            "params_equal": params.keys() == want_params.keys()
-            and all(torch.equal(params[k], want_params[k]) for k in params),
-            "moments_equal": moments.keys() == want_moments.keys()
-            and all(torch.equal(moments[k], want_moments[k]) for k in moments),
+            "params_equal": _same_tensors(params, want_params),
+            "moments_equal": _same_tensors(moments, want_moments),
             "holders_agree": _holders_agree(t),
             "history": t.fit()["history"],
         }
@@ -879,10 +882,8 @@ def _reshard_pp(cfgs: dict[str, Config]) -> dict:
         want_params, want_moments = saved[t.step]
         out[name] = {
             "step": t.step,
-            "params_equal": params.keys() == want_params.keys()
-            and all(torch.equal(params[k], want_params[k]) for k in params),
-            "moments_equal": moments.keys() == want_moments.keys()
-            and all(torch.equal(moments[k], want_moments[k]) for k in moments),
+            "params_equal": _same_tensors(params, want_params),
+            "moments_equal": _same_tensors(moments, want_moments),
             "history": t.fit()["history"],
         }
         if name == "pp1_tp2_dp2":  # it saved step 5: the reverse resume reads that
