@@ -148,9 +148,10 @@ def _traced_cross_entropy(logits, target, ignore_index, smoothing, vocab_size, g
     backward and fuses both passes (no softmax stored; it is recomputed in backward), which
     the hand-written Function's in-place buffers would prevent.
 
-    The sums cross TP through ``reduce_from_tp`` (all-reduce forward, identity backward:
-    every rank's loss is the same function of the summed statistics, and each rank's
-    shard enters them once); the max is detached (the log-sum-exp does not depend on it).
+    The sums cross TP stacked in one ``reduce_from_tp`` (all-reduce forward, identity
+    backward: every rank's loss is the same function of the summed statistics, and each
+    rank's shard enters them once); the max is detached (the log-sum-exp does not depend
+    on it).
     """
     world, rank = group_size(group), group_rank(group)
     local = logits.shape[-1]
@@ -160,16 +161,19 @@ def _traced_cross_entropy(logits, target, ignore_index, smoothing, vocab_size, g
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits[..., :valid].to(compute)  # padding columns: no probability, no gradient
     row_max = all_reduce_max_(_local_max(x.detach(), compute), group, timer)
-    sum_exp = reduce_from_tp((x - row_max.unsqueeze(-1)).exp().sum(-1), group, comm_timer=timer)
+    sums = [(x - row_max.unsqueeze(-1)).exp().sum(-1)]
     in_block = (target >= start) & (target < start + local)
     local_target = (target - start).clamp(0, max(valid - 1, 0))
     picked = _PickTarget.apply(x, local_target) if valid else x.sum(-1)
     # A target on a padding column gets infinite loss, as if its logit were -inf.
     on_padding = in_block & (target - start >= valid)
-    picked = picked.masked_fill(~in_block, 0.0).masked_fill(on_padding, float("-inf"))
-    log_sum_exp = row_max + sum_exp.log()
-    loss = log_sum_exp - reduce_from_tp(picked, group, comm_timer=timer)
+    sums.append(picked.masked_fill(~in_block, 0.0).masked_fill(on_padding, float("-inf")))
     if smoothing > 0:
-        mean_logit = reduce_from_tp(x.sum(-1), group, comm_timer=timer) / total
-        loss = (1.0 - smoothing) * loss + smoothing * (log_sum_exp - mean_logit)
+        sums.append(x.sum(-1))
+    # One all-reduce carries every sum, as in the eager Function.
+    sums = reduce_from_tp(torch.stack(sums), group, comm_timer=timer)
+    log_sum_exp = row_max + sums[0].log()
+    loss = log_sum_exp - sums[1]
+    if smoothing > 0:
+        loss = (1.0 - smoothing) * loss + smoothing * (log_sum_exp - sums[2] / total)
     return loss.masked_fill(target == ignore_index, 0.0)

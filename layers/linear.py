@@ -16,14 +16,13 @@ from torch import nn
 
 from layers import mappings
 from layers.mappings import (
-    copy_to_tp,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sequence,
     scatter_to_tp,
 )
 from layers.param_roles import mark_sp_partial_grad, mark_tp_dim, tp_dim
-from layers.utils import comm_timer_of, divide, shard
+from layers.utils import CommTimer, comm_timer_of, divide, shard
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
 InitMethod = Callable[[torch.Tensor], object]
@@ -75,6 +74,59 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         grad_w = rows.t().matmul(total.reshape(-1, total.shape[-1]))
         grad_b = rows.sum(0) if ctx.has_bias else None
         return grad_x.to(x_shard.dtype), grad_w.to(weight.dtype), grad_b, None, None, None
+
+
+class _LinearAfterCopy(torch.autograd.Function):
+    """F.linear(copy_to_tp(x), weight, bias) with f's backward all-reduce overlapped.
+
+    Backward computes the input gradient first, starts its all-reduce over the TP group,
+    computes the weight and bias gradients while it runs, then waits (Megatron's
+    asynchronous input-gradient all-reduce). The sums are the ones ``copy_to_tp`` makes,
+    in the input's dtype, so the numbers are those of the composed ops.
+
+    Under autocast the input and weight are cast here, as F.linear would cast them, and
+    the cast copies are what is saved for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, timer):
+        ctx.group, ctx.timer, ctx.has_bias = group, timer, bias is not None
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        ctx.save_for_backward(x, weight)
+        with torch.autocast(device, enabled=False):
+            return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        grad_x = grad_out.matmul(weight.to(grad_out.dtype)).to(x_dtype)
+        pending = mappings.start_input_grad_sum(grad_x, ctx.group)
+        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_w = rows.t().matmul(x.reshape(-1, x.shape[-1]).to(rows.dtype)).to(w_dtype)
+        grad_b = rows.sum(0).to(b_dtype) if ctx.has_bias else None
+        return mappings.finish_input_grad_sum(pending, ctx.timer), grad_w, grad_b, None, None
+
+
+def linear_after_copy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    comm_timer: CommTimer | None = None,
+) -> torch.Tensor:
+    """``F.linear(copy_to_tp(x, group), weight, bias)``: a column-parallel product of a
+    replicated input, whose backward overlaps the input gradient's all-reduce with the
+    weight and bias gradients. One rank: plain F.linear."""
+    group = resolve_tp_group(group)
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _LinearAfterCopy.apply(x, weight, bias, group, comm_timer)
 
 
 class _TPLinearBase(nn.Module):
@@ -202,7 +254,7 @@ class ColumnParallelLinear(_TPLinearBase):
             )
         else:
             timer = comm_timer_of(self)
-            y = F.linear(copy_to_tp(x, self.tp_group, comm_timer=timer), self.weight, bias)
+            y = linear_after_copy(x, self.weight, bias, self.tp_group, timer)
             y = gather_from_tp(y, self.tp_group, comm_timer=timer) if self.gather_output else y
         return (y, self.bias) if self.skip_bias_add else y
 

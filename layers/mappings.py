@@ -23,6 +23,9 @@ statistics of the vocab-parallel cross-entropy:
   operators above and the sequence-parallel column linear both call these, so a fault
   planted here reaches every sequence-parallel path;
 - ``all_reduce_max_`` / ``all_reduce_sum_``: in place, for per-token statistics;
+- ``start_input_grad_sum`` / ``finish_input_grad_sum``: f's backward all-reduce split in
+  two, so that a linear layer can compute its weight gradient while it runs
+  (``layers.linear.linear_after_copy``);
 - ``gather_along`` / ``gather_full``: a TP-split tensor (or parameter) to its full shape,
   for checkpoints, verification and HF export.
 
@@ -57,6 +60,24 @@ def _all_reduce(
     out = x.clone(memory_format=torch.contiguous_format)
     timed(timer, dist.all_reduce, out, group=group)
     return out
+
+
+def start_input_grad_sum(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Start f's backward: sum ``grad`` over ``group`` into a fresh tensor, without waiting.
+
+    Returns the pending sum (torch's functional all-reduce: in eager the collective runs
+    on the backend's own thread or stream; in a compiled graph the wait is a node of its
+    own), which ``finish_input_grad_sum`` completes. Work done in between overlaps the
+    collective. Every f's backward goes through this pair, so a fault planted here reaches
+    them all.
+    """
+    return torch.ops._c10d_functional.all_reduce(grad.contiguous(), "sum", group.group_name)
+
+
+def finish_input_grad_sum(pending: torch.Tensor, timer: CommTimer | None = None) -> torch.Tensor:
+    """Wait for ``start_input_grad_sum``'s collective; the timer sees only this wait (the
+    communication left exposed)."""
+    return timed(timer, torch.ops._c10d_functional.wait_tensor, pending)
 
 
 def _split(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -132,7 +153,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group, ctx.timer), None, None
+        pending = start_input_grad_sum(grad, ctx.group)
+        return finish_input_grad_sum(pending, ctx.timer), None, None
 
 
 class _ReduceFromTP(torch.autograd.Function):

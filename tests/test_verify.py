@@ -49,11 +49,11 @@ FAULTS = {
 def _planted_all() -> dict[str, tuple | None]:
     found = {}
     mappings = layers.mappings
-    originals = (mappings._CopyToTP.backward, mappings._ReduceScatterToSequence.forward)
+    originals = (mappings.start_input_grad_sum, mappings._ReduceScatterToSequence.forward)
     mutate = {"swap": _swap_q_and_k_across_ranks, "sp-mark": _forget_sequence_parallel_grad_sum}
     for name, (model, sequence_parallel, fault) in FAULTS.items():
         if fault == "copy":
-            mappings._CopyToTP.backward = staticmethod(lambda ctx, grad: (grad, None, None))
+            mappings.start_input_grad_sum = lambda grad, group: grad.clone()
         if fault == "reduce-scatter":
             mappings._ReduceScatterToSequence.forward = staticmethod(_no_reduce_in_reduce_scatter)
         parallel_state.initialize(2, 1)
@@ -62,7 +62,7 @@ def _planted_all() -> dict[str, tuple | None]:
             report = compare_layouts(spec, mutate_target=mutate.get(fault))
         finally:
             parallel_state.destroy()
-            mappings._CopyToTP.backward = staticmethod(originals[0])
+            mappings.start_input_grad_sum = originals[0]
             mappings._ReduceScatterToSequence.forward = staticmethod(originals[1])
         failure = report and report.first_failure
         found[name] = failure and (failure.kind, failure.name, failure.max_rel)

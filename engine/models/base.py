@@ -15,12 +15,12 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from engine.models.families import family
-from layers import VocabParallelEmbedding, copy_to_tp, gather_from_sequence, scatter_to_sequence
+from layers import VocabParallelEmbedding, gather_from_sequence, scatter_to_sequence
 from layers.compile import compile_model
 from layers.dropout import dropout
 from layers.gqa import dedupe_gathered, owned_block
 from layers.kernel_set import Kernels, resolve_kernels
-from layers.linear import InitMethod, build_master_weight, normal_init
+from layers.linear import InitMethod, build_master_weight, linear_after_copy, normal_init
 from layers.mappings import gather_along
 from layers.norm import LayerNorm
 from layers.param_roles import (
@@ -195,11 +195,11 @@ class ParallelLMHead(nn.Module):
                 mark_vocab_padded(p)
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if self.weight is not None else tied_weight
         if self.sequence_parallel:
             x = gather_from_sequence(x, self.tp_group, comm_timer=comm_timer_of(self))
-        else:
-            x = copy_to_tp(x, self.tp_group, comm_timer=comm_timer_of(self))
-        return F.linear(x, self.weight if self.weight is not None else tied_weight, self.bias)
+            return F.linear(x, weight, self.bias)
+        return linear_after_copy(x, weight, self.bias, self.tp_group, comm_timer_of(self))
 
 
 class ParallelModel(nn.Module):
