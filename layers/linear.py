@@ -47,6 +47,15 @@ def build_master_weight(
     return full
 
 
+def _weight_and_bias_grads(
+    grad_out: torch.Tensor, x: torch.Tensor, has_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """d W = grad_outᵀ · x and d b = Σ grad_out over every token (x in grad_out's dtype)."""
+    rows = grad_out.reshape(-1, grad_out.shape[-1])
+    grad_w = rows.t().matmul(x.reshape(-1, x.shape[-1]))
+    return grad_w, rows.sum(0) if has_bias else None
+
+
 class _SequenceParallelColumnLinear(torch.autograd.Function):
     """all-gather(x along the sequence) · Wᵀ + b, keeping only the local shard of x.
 
@@ -70,9 +79,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         total = mappings.all_gather_dim(x_shard, ctx.dim, ctx.group, ctx.timer).to(dtype)
         grad_x = grad_out.matmul(weight.to(dtype))
         grad_x = mappings.reduce_scatter_dim(grad_x, ctx.dim, ctx.group, ctx.timer)
-        rows = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_w = rows.t().matmul(total.reshape(-1, total.shape[-1]))
-        grad_b = rows.sum(0) if ctx.has_bias else None
+        grad_w, grad_b = _weight_and_bias_grads(grad_out, total, ctx.has_bias)
         return grad_x.to(x_shard.dtype), grad_w.to(weight.dtype), grad_b, None, None, None
 
 
@@ -107,10 +114,10 @@ class _LinearAfterCopy(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         grad_x = grad_out.matmul(weight.to(grad_out.dtype)).to(x_dtype)
         pending = mappings.start_input_grad_sum(grad_x, ctx.group)
-        rows = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_w = rows.t().matmul(x.reshape(-1, x.shape[-1]).to(rows.dtype)).to(w_dtype)
-        grad_b = rows.sum(0).to(b_dtype) if ctx.has_bias else None
-        return mappings.finish_input_grad_sum(pending, ctx.timer), grad_w, grad_b, None, None
+        grad_w, grad_b = _weight_and_bias_grads(grad_out, x.to(grad_out.dtype), ctx.has_bias)
+        grad_b = None if grad_b is None else grad_b.to(b_dtype)
+        grad_x = mappings.finish_input_grad_sum(pending, ctx.timer)
+        return grad_x, grad_w.to(w_dtype), grad_b, None, None
 
 
 def linear_after_copy(
