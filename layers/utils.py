@@ -17,7 +17,10 @@ from parallel_state.groups import resolve_tp_group as resolve_tp_group
 
 
 class CommTimer(Protocol):
-    """Times blocking TP collectives; the engine's step timer implements it.
+    """Times the TP collectives the step waits on; the engine's step timer implements it.
+
+    A blocking collective is timed whole; one that overlaps work (f's all-reduce in
+    ``layers.linear.linear_after_copy``) only for its wait, the part left exposed.
 
     Layers never build one: the trainer attaches it to a model with ``attach_comm_timer``
     and each module hands its own ``comm_timer`` to the collectives it calls.
