@@ -148,10 +148,15 @@ def _traced_cross_entropy(logits, target, ignore_index, smoothing, vocab_size, g
     backward and fuses both passes (no softmax stored; it is recomputed in backward), which
     the hand-written Function's in-place buffers would prevent.
 
-    The sums cross TP stacked in one ``reduce_from_tp`` (all-reduce forward, identity
-    backward: every rank's loss is the same function of the summed statistics, and each
-    rank's shard enters them once); the max is detached (the log-sum-exp does not depend
-    on it).
+    Each rank reduces its own shard first: its row max m_r and s_r = sum exp(x - m_r), in
+    one pass over the logits (the compiler fuses the max into the sum, an online softmax),
+    with the target logit (and the row sum, for smoothing). One all-reduce then hands every
+    rank every rank's statistics (each fills its own slot of a zero tensor), and the
+    log-sum-exp is M + log(sum_r s_r exp(m_r - M)) with M = max_r m_r: one collective and
+    one read of the logits, where a global max first would need two of each. The slots'
+    all-reduce is ``reduce_from_tp`` (identity backward: every rank's loss is the same
+    function of the statistics, and each rank's shard enters them once, in its own slot);
+    the maxes are detached (the log-sum-exp does not depend on them).
     """
     world, rank = group_size(group), group_rank(group)
     local = logits.shape[-1]
@@ -160,20 +165,28 @@ def _traced_cross_entropy(logits, target, ignore_index, smoothing, vocab_size, g
     valid = min(max(total - start, 0), local)
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits[..., :valid].to(compute)  # padding columns: no probability, no gradient
-    row_max = all_reduce_max_(_local_max(x.detach(), compute), group, timer)
-    sums = [(x - row_max.unsqueeze(-1)).exp().sum(-1)]
+    row_max = _local_max(x.detach(), compute)
+    stats = [row_max, (x - row_max.unsqueeze(-1)).exp().sum(-1)]
     in_block = (target >= start) & (target < start + local)
     local_target = (target - start).clamp(0, max(valid - 1, 0))
     picked = _PickTarget.apply(x, local_target) if valid else x.sum(-1)
     # A target on a padding column gets infinite loss, as if its logit were -inf.
     on_padding = in_block & (target - start >= valid)
-    sums.append(picked.masked_fill(~in_block, 0.0).masked_fill(on_padding, float("-inf")))
+    stats.append(picked.masked_fill(~in_block, 0.0).masked_fill(on_padding, float("-inf")))
     if smoothing > 0:
-        sums.append(x.sum(-1))
-    # One all-reduce carries every sum, as in the eager Function.
-    sums = reduce_from_tp(torch.stack(sums), group, comm_timer=timer)
-    log_sum_exp = row_max + sums[0].log()
-    loss = log_sum_exp - sums[1]
+        stats.append(x.sum(-1))
+    mine = torch.stack(stats)
+    if world > 1:
+        slots = [mine if r == rank else torch.zeros_like(mine) for r in range(world)]
+        every = reduce_from_tp(torch.stack(slots), group, comm_timer=timer)
+    else:
+        every = mine.unsqueeze(0)
+    maxes = every[:, 0].detach()
+    row_max = maxes.amax(0)
+    sum_exp = (every[:, 1] * (maxes - row_max).exp()).sum(0)
+    sums = every[:, 2:].sum(0)
+    log_sum_exp = row_max + sum_exp.log()
+    loss = log_sum_exp - sums[0]
     if smoothing > 0:
-        loss = (1.0 - smoothing) * loss + smoothing * (log_sum_exp - sums[2] / total)
+        loss = (1.0 - smoothing) * loss + smoothing * (log_sum_exp - sums[1] / total)
     return loss.masked_fill(target == ignore_index, 0.0)

@@ -163,6 +163,13 @@ def _embedding_and_loss_checks(ps, dtype, check):
         check(f"embedding(sp={sp}).out", out, shard(ref(ids), 0, rank, tp) if sp else ref(ids))
         check("embedding.grad_weight", emb.weight.grad, shard(ref.weight.grad, 0, rank, tp))
 
+    _loss_checks(ps, dtype, check, compiled=False)
+
+
+def _loss_checks(ps, dtype, check, *, compiled: bool) -> None:
+    """The vocab-parallel cross-entropy against F.cross_entropy on the gathered, unpadded
+    logits; ``compiled``: its traced form, under torch.compile (aot_eager, one graph)."""
+    rank, tp, group = ps.tp_rank, ps.tp_size, ps.tp_group
     real_vocab = VOCAB - 5  # the last 5 columns are padding and must get no probability
     logits_full = torch.randn(SEQ, BATCH, VOCAB, dtype=dtype) * 3
     target = torch.randint(0, real_vocab, (SEQ, BATCH))
@@ -183,11 +190,18 @@ def _embedding_and_loss_checks(ps, dtype, check):
             ref_loss.backward(grad_loss)
             ref_grad = F.pad(ref_logits.grad, (0, VOCAB - cols))  # padded columns: zero grad
             local = shard(logits_full, -1, rank, tp).requires_grad_(True)
-            loss = vocab_parallel_cross_entropy(
-                local, target, label_smoothing=smoothing, vocab_size=vocab_size
-            )
+
+            def loss_of(x, target=target, smoothing=smoothing, vocab_size=vocab_size):
+                return vocab_parallel_cross_entropy(
+                    x, target, label_smoothing=smoothing, vocab_size=vocab_size, tp_group=group
+                )
+
+            if compiled:
+                torch._dynamo.reset()
+                loss_of = torch.compile(loss_of, backend="aot_eager", fullgraph=True)
+            loss = loss_of(local)
             loss.backward(grad_loss)
-            tag = f"cross_entropy(smoothing={smoothing}, vocab={cols})"
+            tag = f"cross_entropy(smoothing={smoothing}, vocab={cols}, compiled={compiled})"
             check(f"{tag}.loss", loss, ref_loss)
             check(f"{tag}.grad", local.grad, shard(ref_grad, -1, rank, tp))
             assert (loss[0, 0] == 0) and (local.grad[0, 0] == 0).all(), "ignore_index leaked"
@@ -407,6 +421,55 @@ def test_compiled_cross_entropy_backward_has_no_scatter():
     loss.sum().backward()
     assert backward_ops, "no backward graph captured"
     assert not [op for op in backward_ops if "scatter" in op or "zeros" in op], backward_ops
+
+
+def _compiled_loss_checks(tp: int) -> dict[str, object]:
+    """The traced cross-entropy at ``tp`` against F.cross_entropy (fp64 and fp32, every
+    vocabulary case of ``_loss_checks``), and the TP collectives of its forward graph."""
+    import torch._dynamo
+    from torch._dynamo.backends.common import aot_autograd
+
+    ps = parallel_state.initialize(tp)
+    worst = {}
+    for dtype in (torch.float64, torch.float32):
+        torch.manual_seed(1234)  # the same full logits and targets on every rank
+        check = Checker(dtype)
+        _loss_checks(ps, dtype, check, compiled=True)
+        worst[str(dtype)] = max(check.worst.values())
+    forward_ops = []
+
+    def keep_ops(graph, _inputs):
+        forward_ops.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+        return graph.forward
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=keep_ops, bw_compiler=lambda g, _: g.forward)
+    logits = torch.randn(6, VOCAB // tp, requires_grad=True)
+    target = torch.randint(0, VOCAB - 5, (6,))
+    loss_of = torch.compile(
+        lambda x: vocab_parallel_cross_entropy(
+            x, target, vocab_size=VOCAB - 5, tp_group=ps.tp_group
+        ),
+        backend=backend,
+    )
+    loss_of(logits).sum().backward()
+    worst["forward collectives"] = [op for op in forward_ops if "c10d_functional" in op]
+    return worst
+
+
+@pytest.mark.parametrize("tp", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_compiled_cross_entropy_matches_f_cross_entropy_across_tp(tp):
+    """At TP > 1 the traced loss reduces each shard to its own max and sum of exponentials
+    and sends every rank's statistics in one all-reduce: the same loss and gradients as
+    F.cross_entropy on the gathered logits (fp64 1e-12, fp32 1e-5, the file's tolerances),
+    with padding columns, a rank of padding only (vocabulary VOCAB // tp - 1), label
+    smoothing and ignored tokens; the forward graph holds one all-reduce and its wait."""
+    for result in run_ranks(_compiled_loss_checks, tp, tp):
+        assert result["forward collectives"] == [
+            "_c10d_functional.all_reduce.default",
+            "_c10d_functional.wait_tensor.default",
+        ], result["forward collectives"]
+        print(f"tp={tp} compiled cross-entropy, worst relative error: {result}")
 
 
 def _overlap_checks() -> dict[str, object]:
