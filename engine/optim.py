@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -100,6 +101,45 @@ def schedule_change(saved: dict, cfg: OptimConfig, max_steps: int) -> str | None
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Apply ``lr`` to every parameter group."""
+    """Apply ``lr`` to every parameter group (in place where the group holds it as a
+    tensor, as a compiled step does: see :func:`compile_update`)."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if torch.is_tensor(group["lr"]):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def compiles_update(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :func:`compile_update` compiles this optimizer's step: torch's AdamW in its
+    per-tensor or multi-tensor form, on fp32 (or narrower) parameters.
+
+    The fused AdamW (CUDA) and apex's FusedAdam already run one kernel over every tensor
+    and stay as they are. fp64 parameters stay eager too: traced, AdamW computes its bias
+    corrections from the step counter, an fp32 tensor, where eager takes the count as a
+    Python number, so an fp64 run would move by ~1e-8 relative per step (measured), and
+    fp64 runs are the ones that check the math to 1e-15. In fp32 the same rounding is one
+    ulp of the parameters.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return (
+        type(optimizer) is torch.optim.AdamW
+        and not any(group.get("fused") for group in optimizer.param_groups)
+        and all(p.dtype != torch.float64 for p in params)
+    )
+
+
+def compile_update(
+    update: Callable[..., None], optimizer: torch.optim.Optimizer, backend: str
+) -> Callable[..., None]:
+    """``update`` (gradient clipping and ``optimizer.step()``) compiled as one region.
+
+    The per-tensor AdamW runs ~10 element-wise ops per parameter tensor; compiled, each
+    tensor's update is one fused loop (measured on gpt_tiny's 28 tensors, one CPU thread:
+    ~8 ms eager, ~2 ms compiled). The learning rate becomes a 0-d fp64 tensor in each
+    group, written in place by :func:`set_lr`, so that the schedule changing it every step
+    does not recompile the graph. Call only where :func:`compiles_update` says so.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
+    return torch.compile(update, backend=backend)

@@ -117,8 +117,12 @@ class StepTimer:
         tokens_per_step: int = 0,
         flops_per_step: float = 0.0,
         world_size: int = 1,
+        time_tp: bool = True,
     ) -> None:
         self.device, self.enabled = device, enabled
+        # False for a compiled model (model.compile): its TP collectives are graph nodes,
+        # not timed (layers.utils.timed), and their waits count as compute.
+        self.time_tp = time_tp
         self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
         self.world_size = world_size
         self.tp, self.dp = _Clock(device), _DPClock(device)
@@ -131,7 +135,7 @@ class StepTimer:
         ``data_parallel``: the DP strategy (``engine.data_parallel``), which passes the DP
         clock to the gradient sync or ZeRO-1 it runs.
         """
-        attach_comm_timer(model, self.tp if self.enabled else None)
+        attach_comm_timer(model, self.tp if self.enabled and self.time_tp else None)
         data_parallel.set_comm_timer(self.dp if self.enabled else None)
 
     def _now(self) -> float:
@@ -161,7 +165,7 @@ class StepTimer:
             dp_in_optimizer = self._marks[-1][1] - self._marks[-2][1]
             record |= {
                 "compute_s": phase["forward_backward"] - tp,
-                "tp_comm_s": tp,
+                "tp_comm_s": tp if self.time_tp else None,
                 "dp_comm_exposed_s": phase["dp_wait"] + dp_in_optimizer,
                 "dp_comm_total_s": self.dp.async_busy(self._marks[3][0]) + self.dp.total(),
                 "optimizer_s": phase["optimizer"] - dp_in_optimizer,

@@ -127,6 +127,7 @@ class Trainer:
             overlap=cfg.trainer.overlap_grad_reduce,
             low_precision=torch.bfloat16 if self.precision == "bf16" else None,
             dp_shard=ps.dims.dp_shard,
+            compile_backend=cfg.model.compile_backend if cfg.model.compile else None,
         )
         self.params = self.dp.params  # FSDP registers sharded parameters of its own
         self.scaler = (
@@ -145,6 +146,7 @@ class Trainer:
             flops_per_step=self.flops_per_step,
             tokens_per_step=cfg.trainer.global_batch * cfg.data.seq_len,
             world_size=ps.world_size,
+            time_tp=not cfg.model.compile,
         )
         self.timer.attach(self.model, self.dp)
         self.logger = RunLogger(

@@ -47,8 +47,13 @@ def comm_timer_of(module: torch.nn.Module) -> CommTimer | None:
 
 
 def timed(timer: CommTimer | None, collective: Callable, *args, **kwargs):
-    """Run ``collective``, timed by ``timer`` when there is one."""
-    if timer is None:
+    """Run ``collective``, timed by ``timer`` when there is one.
+
+    Not while compiling: in a compiled graph the collective is a node that runs later, so
+    a clock read here would time the tracing, and Dynamo would break the graph at every
+    collective to run it (the waits of a compiled step count as compute instead).
+    """
+    if timer is None or torch.compiler.is_compiling():
         return collective(*args, **kwargs)
     token = timer.begin()
     try:

@@ -253,13 +253,55 @@ def test_cuda_graphs_mode_compiles_the_step_on_cpu(monkeypatch):
 
 def test_graph_break_tool_counts_what_dynamo_reports(capsys):
     """tools/count_graph_breaks.py: the step is one graph, with dropout and full
-    recomputation too; a Triton kernel (run eagerly) breaks it."""
+    recomputation too; a Triton kernel (run eagerly) breaks it. The optimizer update is
+    two graphs, the clipping's and AdamW's, split by the two breaks torch puts around
+    every ``Optimizer.step`` (``torch._dynamo.graph_break()`` in torch/optim)."""
     from studies.bench.graph_breaks import main
 
     small = ["--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "128", "--seq", "8"]
-    one_graph = {"graphs": 1, "graph_breaks": 0, "reasons": {}}
     assert main([*small, "--json", "--dropout", "0.1", "--recompute", "full"]) == 0
-    assert json.loads(capsys.readouterr().out) == one_graph
+    result = json.loads(capsys.readouterr().out)
+    update = result.pop("update")
+    assert result == {"graphs": 1, "graph_breaks": 0, "reasons": {}}
+    assert update["compiled"] and (update["graphs"], update["graph_breaks"]) == (2, 2), update
+    assert all("graph_break()" in reason for reason in update["reasons"]), update
     assert main([*small, "--json", "--kernels", "triton"]) == 0  # interpreted (conftest)
     result = json.loads(capsys.readouterr().out)
     assert result["graph_breaks"] >= 2 and result["graphs"] >= 3, result
+
+
+def _graphs_with_step_timer(tp: int) -> tuple[int, int]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from engine.step_timer import _Clock
+    from layers.utils import attach_comm_timer
+
+    ps = parallel_state.initialize(tp)
+    cfg = preset(
+        "gpt_tiny",
+        vocab_size=128,
+        hidden_size=32,
+        num_heads=4,
+        num_layers=1,
+        max_positions=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        compile=True,
+        compile_backend="aot_eager",
+    )
+    model = build_model(cfg, ps)
+    attach_comm_timer(model, _Clock(torch.device("cpu")))
+    tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    counters.clear()
+    model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def test_step_timer_does_not_break_the_compiled_graph():
+    """The trainer hands the layers its TP clock (engine.step_timer); its host clock reads
+    would break a compiled graph at every collective, so a compiled step leaves them out:
+    still one graph, no break, at TP=2."""
+    for graphs, breaks in run_ranks(_graphs_with_step_timer, 2, 2):
+        assert (graphs, breaks) == (1, 0)

@@ -35,7 +35,7 @@ from engine.data_parallel.grad_sync import GradSync
 from engine.data_parallel.grads import clip_grads_, global_grad_norm
 from engine.data_parallel.interface import DataParallel, PlainOptimizerState
 from engine.data_parallel.zero import ZeroOptimizer
-from engine.optim import build_optimizer, set_lr
+from engine.optim import build_optimizer, compile_update, compiles_update, set_lr
 
 
 class AllReduceDP(DataParallel):
@@ -52,6 +52,7 @@ class AllReduceDP(DataParallel):
         tp_group: dist.ProcessGroup | None,
         bucket_size_mb: float = 25.0,
         overlap: bool = True,
+        compile_backend: str | None = None,
     ) -> None:
         self.optimizer, self.tp_group = optimizer, tp_group
         self._state = PlainOptimizerState(optimizer)
@@ -63,6 +64,9 @@ class AllReduceDP(DataParallel):
             overlap=overlap,
         )
         self.params = self.grad_sync.params
+        self._update = self._clip_and_step
+        if compile_backend is not None and compiles_update(optimizer):
+            self._update = compile_update(self._clip_and_step, optimizer, compile_backend)
 
     def no_sync(self) -> ContextManager[None]:
         return self.grad_sync.no_sync()
@@ -75,8 +79,11 @@ class AllReduceDP(DataParallel):
         return global_grad_norm(self.params, self.tp_group)
 
     def step(self, *, lr: float, max_norm: float, norm: torch.Tensor) -> None:
-        clip_grads_(self.params, max_norm, norm)
         set_lr(self.optimizer, lr)
+        self._update(max_norm, norm)
+
+    def _clip_and_step(self, max_norm: float, norm: torch.Tensor) -> None:
+        clip_grads_(self.params, max_norm, norm)
         self.optimizer.step()
 
     def zero_grad(self) -> None:
@@ -170,6 +177,7 @@ def build_data_parallel(
     overlap: bool = True,
     low_precision: torch.dtype | None = None,
     dp_shard: str | None = None,
+    compile_backend: str | None = None,
 ) -> DataParallel:
     """The strategy of ``dp_shard`` (none, optimizer, gradients or full; by default
     ``optim.distributed``'s: optimizer or none), with its optimizer, for ``model``.
@@ -177,6 +185,11 @@ def build_data_parallel(
     ``low_precision`` (bf16 training): ZeRO-1 then stores the parameters in that dtype
     beside its fp32 master slices, FSDP gathers them in it; the all-reduce path keeps fp32
     parameters (they are its masters). The one place that looks at the mode.
+
+    ``compile_backend`` (``model.compile_backend`` when ``model.compile=true``): the
+    all-reduce path compiles its clipping and optimizer step with it, where the optimizer
+    is torch's unfused AdamW (``engine.optim.compile_update``); ZeRO-1 and FSDP step
+    eagerly. None: every step eager.
     """
     mode = dp_shard if dp_shard not in (None, "none") else "none"
     if mode == "none" and optim.distributed:  # the older spelling of optimizer
@@ -202,7 +215,7 @@ def build_data_parallel(
     }
     if mode == "optimizer":
         return Zero1DP(model, optimizer, param_dtype=low_precision, **common)
-    return AllReduceDP(model, optimizer, **common)
+    return AllReduceDP(model, optimizer, compile_backend=compile_backend, **common)
 
 
 def checkpoint_view(optimizer: DataParallel | torch.optim.Optimizer | None):

@@ -5,7 +5,10 @@ forward, loss and backward on a random batch, and prints what TorchDynamo captur
 number of graphs, the number of graph breaks, and each break's reason with its count. The
 whole step compiles to one graph when nothing in it needs eager Python (no Triton
 kernels, no dropout on sequence-sharded activations, no dropout under full
-recomputation).
+recomputation). Then the optimizer update (clipping and AdamW, as the trainer runs it at
+``parallel.dp_shard=none``), counted apart: compiled where ``engine.optim.compiles_update``
+allows, it is two graphs (the clipping's, AdamW's) with torch's own two breaks around
+``Optimizer.step``.
 
     python tools/count_graph_breaks.py --preset gpt_tiny --recompute full
     torchrun --nproc-per-node 2 tools/count_graph_breaks.py --tp 2 --sequence-parallel
@@ -20,8 +23,10 @@ import torch
 
 import parallel_state
 from engine.bootstrap import bootstrap_rank
-from engine.config import sized_dims
+from engine.config import OptimConfig, sized_dims
+from engine.data_parallel import build_data_parallel
 from engine.models import build_model, preset, preset_names
+from engine.optim import compiles_update
 from engine.tool_args import ArgumentParser, positive_int
 from layers.compile import COMPILE_BACKENDS
 from layers.recompute import RECOMPUTE_MODES
@@ -51,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def count(args: argparse.Namespace, ps: ParallelState) -> dict:
-    """{"graphs": n, "graph_breaks": n, "reasons": {first line of reason: count}}."""
+    """{"graphs": n, "graph_breaks": n, "reasons": {first line of reason: count},
+    "update": the same three for the optimizer update, and "compiled": bool}."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
 
@@ -76,9 +82,27 @@ def count(args: argparse.Namespace, ps: ParallelState) -> dict:
     ps.seed(0)
     model = build_model(cfg, ps, device=ps.device)
     batch = _random_batch(cfg, args.micro_batch, args.seq, ps.device)
+    dp = build_data_parallel(
+        model,
+        OptimConfig(),
+        dp_group=ps.dp_group,
+        tp_group=ps.tp_group,
+        device=ps.device,
+        compile_backend=args.backend,
+    )
     dynamo.reset()
     counters.clear()
     model.loss(batch).backward()
+    step = _counted(counters)
+    dp.finish_grads()
+    counters.clear()
+    dp.step(lr=1e-4, max_norm=1.0, norm=dp.grad_norm())
+    update = {**_counted(counters), "compiled": compiles_update(dp.optimizer)}
+    return {**step, "update": update}
+
+
+def _counted(counters) -> dict:
+    """Graphs, breaks and break reasons (first lines) in Dynamo's ``counters``."""
     reasons: dict[str, int] = {}
     for reason, n in counters["graph_break"].items():
         first = str(reason).strip().splitlines()[0]
@@ -122,5 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"graphs: {result['graphs']}  graph breaks: {result['graph_breaks']}")
     for reason, n in sorted(result["reasons"].items(), key=lambda kv: -kv[1]):
+        print(f"  {n:3d}  {reason}")
+    update = result["update"]
+    how = "compiled" if update["compiled"] else "eager (engine.optim.compiles_update)"
+    print(
+        f"optimizer update, {how}: graphs: {update['graphs']}  "
+        f"graph breaks: {update['graph_breaks']}"
+    )
+    for reason, n in sorted(update["reasons"].items(), key=lambda kv: -kv[1]):
         print(f"  {n:3d}  {reason}")
     return 0

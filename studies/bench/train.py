@@ -311,6 +311,7 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
             bucket_size_mb=args.bucket_mb,
             low_precision=torch.bfloat16 if dtype == torch.bfloat16 else None,
             dp_shard=mode,
+            compile_backend=mcfg.compile_backend if mcfg.compile else None,
         )
         name = (
             f"meshtron{MODE_NAMES.get(mode, '')}{' compiled' if mcfg.compile else ''} "
