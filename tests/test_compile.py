@@ -35,16 +35,22 @@ INTERPRETER = {"TRITON_INTERPRET": "1"}
 DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
 
 
+# The tests' model: gpt_tiny cut to one small layer, dropout off unless a case sets it.
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_heads=4,
+    num_layers=1,
+    max_positions=16,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+
+
 def _loss_and_grads(compile_backend: str | None, **overrides):
     ps = parallel_state.get() if parallel_state.is_initialized() else None
     settings = dict(
-        vocab_size=128,
-        hidden_size=32,
-        num_heads=4,
-        num_layers=1,
-        max_positions=16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        SMALL,
         compile=compile_backend is not None,
         compile_backend=compile_backend or "inductor",
     )
@@ -278,18 +284,7 @@ def _graphs_with_step_timer(tp: int) -> tuple[int, int]:
     from layers.utils import attach_comm_timer
 
     ps = parallel_state.initialize(tp)
-    cfg = preset(
-        "gpt_tiny",
-        vocab_size=128,
-        hidden_size=32,
-        num_heads=4,
-        num_layers=1,
-        max_positions=16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        compile=True,
-        compile_backend="aot_eager",
-    )
+    cfg = preset("gpt_tiny", **SMALL, compile=True, compile_backend="aot_eager")
     model = build_model(cfg, ps)
     attach_comm_timer(model, _Clock(torch.device("cpu")))
     tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
