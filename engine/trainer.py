@@ -19,12 +19,13 @@ from engine.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from engine.checkpoint.tokenizer import tokenizer_record
 from engine.config import Config, parallel_dims, resolve_precision
 from engine.data.loader import DataIterator
-from engine.data.pipeline import build_pipeline, to_device
+from engine.data.pipeline import build_pipeline
 from engine.data_parallel import DynamicLossScaler, build_data_parallel
 from engine.generate import generate
 from engine.launching import share_cores
 from engine.mesh_report import describe_mesh
 from engine.models import build_model
+from engine.models.base import to_device
 from engine.observe import RunLogger, format_step_line, maybe_profile, window_metrics
 from engine.optim import lr_at, schedule_change
 from engine.pipeline import PipelineRunner, pipeline_runner

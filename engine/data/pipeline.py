@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
 from tokenizers import Tokenizer
 
 from engine.config import Config, DataConfig
@@ -155,10 +154,3 @@ def eval_iterator(cfg: Config, split: str, tokenizer: Tokenizer) -> tuple[DataIt
     dataset, notes = _dataset(cfg, split, tokenizer)
     mb = cfg.trainer.micro_batch
     return DataIterator(dataset, global_batch=mb, micro_batch=mb, dp_rank=0, dp_size=1), notes
-
-
-def to_device(batch, device: torch.device):
-    """Move a batch (tensor or dict of tensors) to ``device``."""
-    if isinstance(batch, dict):
-        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    return batch.to(device, non_blocking=True)

@@ -41,6 +41,13 @@ from parallel_state.random import RNGTracker
 # state dicts, zero-padded again on load.
 
 
+def to_device(batch, device: torch.device):
+    """Move a batch (what ``ParallelModel.loss`` takes: a tensor or a dict of tensors) to ``device``."""
+    if isinstance(batch, dict):
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return batch.to(device, non_blocking=True)
+
+
 def unpadded_normal_init(vocab_size: int, std: float) -> InitMethod:
     """N(0, std²) for the real vocabulary rows, zeros for the padding.
 

@@ -23,8 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import comm
-from engine.data.pipeline import to_device
-from engine.models.base import ParallelModel
+from engine.models.base import ParallelModel, to_device
 from engine.models.bert import BertModel, bert_losses
 from engine.models.gpt import GPTModel, vocab_parallel_losses
 from engine.pipeline.split import layer_split
