@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel_state.dims import MESH_AXES, LayoutError, ParallelDims
+from parallel_state.dims import MESH_AXES, ROLES, LayoutError, ParallelDims
 from parallel_state.launcher import LaunchInfo, detect_launch
 from parallel_state.random import RNGTracker
 
@@ -28,6 +28,7 @@ __all__ = [
     "ParallelState",
     "ParallelDims",
     "MESH_AXES",
+    "ROLES",
     "LayoutError",
     "initialize",
     "backend_for",
@@ -42,47 +43,66 @@ __all__ = [
 
 @dataclass(frozen=True, eq=False)
 class ParallelState:
-    """This rank's place in the (pp, dp, tp) mesh, its process groups and its RNG streams."""
+    """This rank's place in the mesh of ``dims``: its index along each axis, its process
+    groups keyed by axis and by role, its device and its RNG streams.
 
-    tp_size: int
-    dp_size: int
-    tp_rank: int
-    dp_rank: int
+    Code asks by role what it means (:data:`ROLES`): ``ps.group("grad")`` where gradients
+    are reduced, ``ps.rank_in("batch")``/``ps.size("batch")`` which part of the data this
+    rank reads, ``ps.group("loss")`` where metrics are averaged, ``ps.ranks("replica")``
+    who holds the same checkpoint shard, ``ps.group("embedding")`` the first and last
+    pipeline stage (tied embeddings; None elsewhere). An axis name (``"tp"``) answers too.
+    """
+
+    dims: ParallelDims
     rank: int
-    world_size: int
-    tp_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup
+    coords: dict[str, int]  # this rank's index along each mesh axis
+    groups: dict[str, dist.ProcessGroup | None] = field(repr=False)  # by axis and by role
     device: torch.device
     grid: torch.Tensor = field(repr=False)  # grid[pp_rank, dp_rank, tp_rank] = global rank
     rng: RNGTracker = field(repr=False)
     owns_default_group: bool = field(default=False, repr=False)
-    dims: ParallelDims | None = field(default=None, repr=False)  # the layout it was built from
-    pp_size: int = 1
-    pp_rank: int = 0
-    pp_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    # The first and last pipeline stage of this rank's (dp, tp) column (tied embeddings'
-    # gradient sum); None off those stages or without a pipeline.
-    embedding_group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group of role or axis ``name`` that holds this rank."""
+        if name not in self.groups:
+            raise KeyError(
+                f"{name!r} is neither a mesh axis {MESH_AXES} nor a role {(*ROLES, 'embedding')}"
+            )
+        return self.groups[name]
+
+    def size(self, name: str) -> int:
+        """How many ranks a group of role or axis ``name`` holds."""
+        return self.dims.size_of(name)
+
+    def rank_in(self, name: str) -> int:
+        """This rank's index in its group of role or axis ``name`` (outer axes vary slowest)."""
+        index = 0
+        for axis in self.dims.axes_of(name):
+            index = index * self.dims.sizes[axis] + self.coords[axis]
+        return index
+
+    def ranks(self, name: str) -> list[int]:
+        """The global ranks of this rank's group of role or axis ``name``, in rank order."""
+        return next(g for g in self.dims.group_ranks(name) if self.rank in g)
 
     @property
-    def groups(self) -> dict[str, dist.ProcessGroup]:
-        """This rank's process group along each mesh axis, keyed by axis name."""
-        return {axis: getattr(self, f"{axis}_group") for axis in MESH_AXES}
+    def world_size(self) -> int:
+        return self.dims.world
 
-    @property
-    def tp_ranks(self) -> list[int]:
-        """Global ranks of this rank's TP group, in TP-rank order."""
-        return self.grid[self.pp_rank, self.dp_rank].tolist()
-
-    @property
-    def dp_ranks(self) -> list[int]:
-        """Global ranks of this rank's DP group, in DP-rank order."""
-        return self.grid[self.pp_rank, :, self.tp_rank].tolist()
-
-    @property
-    def pp_ranks(self) -> list[int]:
-        """Global ranks of this rank's pipeline group, in stage order."""
-        return self.grid[:, self.dp_rank, self.tp_rank].tolist()
+    # The axes' sizes, indices and groups by their short names (tests, the layers' API).
+    tp_size = property(lambda self: self.dims.tp)
+    dp_size = property(lambda self: self.dims.dp)
+    pp_size = property(lambda self: self.dims.pp)
+    tp_rank = property(lambda self: self.coords["tp"])
+    dp_rank = property(lambda self: self.coords["dp"])
+    pp_rank = property(lambda self: self.coords["pp"])
+    tp_group = property(lambda self: self.groups["tp"])
+    dp_group = property(lambda self: self.groups["dp"])
+    pp_group = property(lambda self: self.groups["pp"])
+    embedding_group = property(lambda self: self.groups["embedding"])
+    tp_ranks = property(lambda self: self.ranks("tp"))
+    dp_ranks = property(lambda self: self.ranks("dp"))
+    pp_ranks = property(lambda self: self.ranks("pp"))
 
     def seed(self, seed: int) -> None:
         """Seed the replicated stream (same on all TP ranks) and this TP rank's sharded stream."""
@@ -173,38 +193,44 @@ def initialize(
     backend: str | None = None,
     timeout_s: float = 600.0,
 ) -> ParallelState:
-    """Build the mesh of ``dims``, initializing torch.distributed from the launcher if needed.
+    """Build the mesh of ``dims`` (the run's :class:`ParallelDims`, built once from its
+    config), initializing torch.distributed from the launcher if needed.
 
-    ``dims`` is the run's :class:`ParallelDims` (built once, from the config), or, as the
-    short form, a tp size (positional, or ``tp_size=``) with ``dp_size`` beside it (None or
-    ``"auto"``: world size ÷ tp_size), checked as a ParallelDims before any collective. The
-    backend is NCCL when every local rank has its own CUDA device, else gloo.
+    The short form for notebooks and tests, ``initialize(tp_size, dp_size)`` (or
+    ``tp_size=``; ``dp_size`` None or ``"auto"``: world size ÷ tp_size), builds that
+    ParallelDims for the world size and goes the same way. The backend is NCCL when every
+    local rank has its own CUDA device, else gloo.
     """
-    global _current
     if (dims is None) == (tp_size is None):
         raise TypeError("initialize() takes a ParallelDims or a tp size, exactly one of them")
-    dims = tp_size if dims is None else dims
     if _current is not None:
         raise RuntimeError("parallel_state is already initialized; call parallel_state.destroy()")
     info = detect_launch()
     owns = not dist.is_initialized()
     world_size = info.world_size if owns else dist.get_world_size()
-    if isinstance(dims, ParallelDims):
-        flags = {"sequence_parallel": dims.sequence_parallel, "dp_shard": dims.dp_shard}
-        dims = ParallelDims.resolve(dims.tp, dims.dp, world_size, pp=dims.pp, **flags)
-    else:
-        dims = ParallelDims.resolve(dims, dp_size, world_size)
-    tp_size, dp_size = dims.tp, dims.dp
+    if not isinstance(dims, ParallelDims):
+        dims = ParallelDims.resolve(tp_size if dims is None else dims, dp_size, world_size)
+    elif dims.world != world_size:
+        raise LayoutError(
+            f"the layout pp × dp × tp = {dims.pp} × {dims.dp} × {dims.tp} = {dims.world} does "
+            f"not equal the world size {world_size}; launch {dims.world} processes"
+        )
+    return _build_state(dims, info, owns, backend, timeout_s)
+
+
+def _build_state(
+    dims: ParallelDims, info: LaunchInfo, owns: bool, backend: str | None, timeout_s: float
+) -> ParallelState:
+    global _current
     # A group made by someone else without a launcher (a test harness, a notebook) says
     # nothing about nodes; only a launcher's count of local processes does.
     if not (info.launcher == "none" and not owns):
-        _warn_if_tp_spans_nodes(tp_size, info.local_world_size)
+        _warn_if_tp_spans_nodes(dims.tp, info.local_world_size)
     if owns:
         backend = backend or backend_for("auto", info.local_world_size, warn=info.rank == 0)
         _init_default_group(info, backend, datetime.timedelta(seconds=timeout_s))
-    backend = dist.get_backend()
     rank = dist.get_rank()
-    if backend == "nccl":
+    if dist.get_backend() == "nccl":
         # A group made without a launcher (notebook, harness) gives no local rank: use the
         # global one, so ranks on one machine do not all pick cuda:0.
         local_rank = info.local_rank if info.launcher != "none" else rank
@@ -212,43 +238,41 @@ def initialize(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    _current = ParallelState(
+        dims=dims,
+        rank=rank,
+        coords=dims.coords_of(rank),
+        groups=_new_groups(dims, rank),
+        device=device,
+        grid=torch.tensor(dims.rank_grid()),
+        rng=RNGTracker(device),
+        owns_default_group=owns,
+    )
+    return _current
 
-    grid = torch.tensor(dims.rank_grid())
-    groups = {}
-    # Every rank must create every group, in the same order: the innermost axis first.
-    for axis in reversed(MESH_AXES):
-        for ranks in dims.group_ranks(axis):
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                groups[axis] = group
-    coords = dims.coords_of(rank)
-    embedding_group = None
-    if dims.pp > 1:  # after the axes' groups, in the same order on every rank
+
+def _new_groups(dims: ParallelDims, rank: int) -> dict[str, dist.ProcessGroup | None]:
+    """This rank's group of every axis and role (and the embedding group). Every rank
+    creates every group, in the same order: the axes innermost first, then the roles that
+    span several axes, then the pipeline's first-and-last-stage pairs."""
+    groups: dict[str, dist.ProcessGroup | None] = {}
+    made: dict[tuple[str, ...], dist.ProcessGroup] = {}
+    names = [*reversed(MESH_AXES), *ROLES]
+    for name in names:
+        axes = dims.axes_of(name)
+        if axes not in made:
+            for ranks in dims.group_ranks(axes):
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    made[axes] = group
+        groups[name] = made[axes]
+    groups["embedding"] = None
+    if dims.pp > 1:
         for ranks in dims.group_ranks("pp"):
             group = dist.new_group([ranks[0], ranks[-1]])
             if rank in (ranks[0], ranks[-1]):
-                embedding_group = group
-
-    _current = ParallelState(
-        tp_size=tp_size,
-        dp_size=dp_size,
-        tp_rank=coords["tp"],
-        dp_rank=coords["dp"],
-        rank=rank,
-        world_size=world_size,
-        tp_group=groups["tp"],
-        dp_group=groups["dp"],
-        device=device,
-        grid=grid,
-        rng=RNGTracker(device),
-        owns_default_group=owns,
-        dims=dims,
-        pp_size=dims.pp,
-        pp_rank=coords["pp"],
-        pp_group=groups["pp"],
-        embedding_group=embedding_group,
-    )
-    return _current
+                groups["embedding"] = group
+    return groups
 
 
 def get() -> ParallelState:

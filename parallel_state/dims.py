@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["AUTO", "DP_SHARD_MODES", "MESH_AXES", "LayoutError", "ParallelDims"]
+__all__ = ["AUTO", "DP_SHARD_MODES", "MESH_AXES", "ROLES", "LayoutError", "ParallelDims"]
 
 AUTO = "auto"  # dp_size=auto: world size ÷ tp_size
 # The mesh's named axes, outermost first: the last varies fastest over global ranks, so
@@ -24,6 +24,16 @@ AUTO = "auto"  # dp_size=auto: world size ÷ tp_size
 # activation per micro-batch, the least traffic, so it may take the slowest links.
 # A new axis is one more name here and one more size field on ParallelDims.
 MESH_AXES = ("pp", "dp", "tp")
+# The roles ranks play together, and the mesh axes each spans. Code asks the mesh for a
+# role ("where are gradients reduced?"), not for an axis: a new axis changes which ranks
+# answer, not the question (a context-parallel axis joins "grad" and "loss"; an expert
+# axis gives expert parameters a "grad" group of their own).
+ROLES: dict[str, tuple[str, ...]] = {
+    "grad": ("dp",),  # where data-parallel gradients are reduced (and DP state sharded)
+    "batch": ("dp",),  # where the global batch is split: each index reads its own samples
+    "loss": ("dp",),  # where per-rank metrics (loss, evaluation) are averaged
+    "replica": ("dp",),  # ranks holding identical checkpoint shards (one of them writes)
+}
 # What the DP axis shards: nothing (replicas all-reduce gradients), Adam's state (ZeRO-1),
 # also the gradients (ZeRO-2), or also the parameters between uses (ZeRO-3, FSDP2).
 DP_SHARD_MODES = ("none", "optimizer", "gradients", "full")
@@ -119,13 +129,31 @@ class ParallelDims:
             for p in range(self.pp)
         ]
 
-    def group_ranks(self, axis: str) -> list[list[int]]:
-        """Every group along ``axis``: the global ranks that differ only in that axis's
-        index, each group in that index's order; groups ordered by the lowest rank."""
+    def axes_of(self, name: str | tuple[str, ...]) -> tuple[str, ...]:
+        """The mesh axes a role (:data:`ROLES`), an axis name or a tuple of axes spans, in
+        :data:`MESH_AXES` order; a one-line KeyError for an unknown name."""
+        axes = ROLES.get(name, (name,)) if isinstance(name, str) else tuple(name)
+        unknown = [axis for axis in axes if axis not in MESH_AXES]
+        if unknown:
+            raise KeyError(
+                f"{unknown[0]!r} is neither a mesh axis {MESH_AXES} nor a role {tuple(ROLES)}"
+            )
+        return tuple(axis for axis in MESH_AXES if axis in axes)
+
+    def size_of(self, name: str | tuple[str, ...]) -> int:
+        """How many ranks a group of ``name`` (a role, an axis or axes) holds."""
+        return math.prod(self.sizes[axis] for axis in self.axes_of(name))
+
+    def group_ranks(self, name: str | tuple[str, ...]) -> list[list[int]]:
+        """Every group of ``name`` (an axis, a tuple of axes, or a role): the global ranks
+        that differ only in those axes' indices, each group in rank order (for one axis:
+        that axis's index order); groups ordered by their lowest rank."""
+        axes = self.axes_of(name)
         groups: dict[int, list[int]] = {}
         for rank in range(self.world):
             coords = self.coords_of(rank)
-            coords[axis] = 0
+            for axis in axes:
+                coords[axis] = 0
             groups.setdefault(self.rank_of(**coords), []).append(rank)
         return list(groups.values())
 

@@ -168,6 +168,14 @@ def test_rank_formula_and_groups_match_the_torch_grid(tp, dp, pp):
     assert dims.group_ranks("tp") == grid.reshape(pp * dp, tp).tolist()
     assert dims.group_ranks("dp") == grid.permute(0, 2, 1).reshape(pp * tp, dp).tolist()
     assert dims.group_ranks("pp") == grid.permute(1, 2, 0).reshape(dp * tp, pp).tolist()
+    # Composite groups: the ranks that differ only in those axes, in rank order.
+    assert dims.group_ranks(("dp", "tp")) == grid.reshape(pp, dp * tp).tolist()
+    pp_tp = grid.permute(1, 0, 2).reshape(dp, pp * tp).sort(dim=1).values
+    assert dims.group_ranks(("tp", "pp")) == pp_tp.tolist()
+    assert dims.size_of(("pp", "tp")) == pp * tp and dims.size_of("grad") == dp
+    # Every role today spans the dp axis alone, so its groups are the DP groups.
+    for role in ("grad", "batch", "loss", "replica"):
+        assert dims.group_ranks(role) == dims.group_ranks("dp")
     for p in range(pp):
         for d in range(dp):
             for t in range(tp):
@@ -209,3 +217,8 @@ def test_pipeline_stages_take_their_share_of_the_world():
         ParallelDims.resolve(2, 2, 4, pp=2)
     with pytest.raises(LayoutError, match="pp_size must be an integer >= 1, got 0"):
         ParallelDims(1, 1, 0)
+
+
+def test_an_unknown_axis_or_role_is_one_line_naming_both_lists():
+    with pytest.raises(KeyError, match="'cp' is neither a mesh axis .* nor a role"):
+        ParallelDims(2, 1).group_ranks("cp")

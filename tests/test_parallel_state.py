@@ -39,8 +39,18 @@ def _layouts() -> dict:
             "dp_sum": d.item(),
             "sizes": (ps.tp_size, ps.dp_size, ps.world_size),
             "get_is_current": parallel_state.get() is ps,
-            "groups_by_axis": ps.groups
+            "groups_by_axis": {a: ps.group(a) for a in ("pp", "dp", "tp")}
             == {"pp": ps.pp_group, "dp": ps.dp_group, "tp": ps.tp_group},
+            # Today every role spans the dp axis alone: its group is the DP group itself.
+            "roles": {
+                role: (
+                    ps.group(role) is ps.dp_group,
+                    ps.ranks(role),
+                    ps.rank_in(role),
+                    ps.size(role),
+                )
+                for role in ("grad", "batch", "loss", "replica")
+            },
         }
         parallel_state.destroy()
     return seen
@@ -68,6 +78,9 @@ def test_rank_layout_and_group_membership():
             assert s["tp_sum"] == sum(tp_group) and s["dp_sum"] == sum(dp_group)
             assert s["sizes"] == (tp, dp, 4) and s["get_is_current"]
             assert s["groups_by_axis"]
+            for role, (same, ranks, index, size) in s["roles"].items():
+                assert same and ranks == dp_group, (role, tp, dp, rank)
+                assert (index, size) == (dp_group.index(rank), dp), (role, tp, dp, rank)
 
 
 def _bad_sizes() -> list[str]:
@@ -111,7 +124,8 @@ def test_initialize_takes_the_mesh_value_and_keeps_its_flags():
     ps = parallel_state.initialize(ParallelDims(1, 1, sequence_parallel=True, dp_shard="optimizer"))
     try:
         assert ps.dims == ParallelDims(1, 1, sequence_parallel=True, dp_shard="optimizer")
-        assert set(ps.groups) == {"pp", "dp", "tp"} and ps.groups["tp"] is ps.tp_group
+        assert set(ps.groups) == {"pp", "dp", "tp", "grad", "batch", "loss", "replica", "embedding"}
+        assert ps.groups["tp"] is ps.tp_group and ps.group("embedding") is None  # pp 1
     finally:
         parallel_state.destroy()
 
