@@ -7,37 +7,33 @@ import socket
 import torch.distributed as dist
 
 from engine import comm
-from parallel_state import ParallelState
+from parallel_state import MESH_AXES, ParallelState
 from parallel_state.launcher import detect_launch
 
 
 def describe_mesh(ps: ParallelState) -> str:
-    """One line naming every TP and DP (and pipeline) group and the ranks on each host (a collective).
+    """One line naming every group of each mesh axis (pipeline ones when pp > 1) and the ranks on each host (a collective).
 
     The groups are read back from torch.distributed (the ranks each process group really
     holds), not recomputed from the grid, so the line shows what the launch produced.
     """
     info = detect_launch()
+    shown = [axis for axis in reversed(MESH_AXES) if axis != "pp" or ps.size("pp") > 1]
     mine = {
         "rank": dist.get_rank(),
         "launcher_rank": info.rank if info.launcher != "none" else None,
         "host": socket.gethostname(),
-        "tp": dist.get_process_group_ranks(ps.tp_group),
-        "dp": dist.get_process_group_ranks(ps.dp_group),
-        "pp": dist.get_process_group_ranks(ps.pp_group) if ps.pp_size > 1 else [],
+        **{axis: dist.get_process_group_ranks(ps.group(axis)) for axis in shown},
     }
     everyone: list[dict] = comm.all_gather_object(mine, comm.world(ps))
-    tp_groups = sorted({tuple(r["tp"]) for r in everyone})
-    dp_groups = sorted({tuple(r["dp"]) for r in everyone})
     hosts: dict[str, list[int]] = {}
     for r in everyone:
         hosts.setdefault(r["host"], []).append(r["rank"])
-    pp_groups = sorted({tuple(r["pp"]) for r in everyone if r["pp"]})
-    pp = f"  pp groups {_brief([list(g) for g in pp_groups])}" if pp_groups else ""
-    line = (
-        f"mesh: tp groups {_brief([list(g) for g in tp_groups])}  dp groups "
-        f"{_brief([list(g) for g in dp_groups])}{pp}  hosts {_brief_hosts(hosts)}"
-    )
+    groups = [
+        f"{axis} groups {_brief([list(g) for g in sorted({tuple(r[axis]) for r in everyone})])}"
+        for axis in shown
+    ]
+    line = f"mesh: {'  '.join(groups)}  hosts {_brief_hosts(hosts)}"
     moved = [r["rank"] for r in everyone if r["launcher_rank"] not in (None, r["rank"])]
     if moved:
         line += f"  (ranks {moved} differ from the launcher's numbering)"

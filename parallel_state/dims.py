@@ -11,6 +11,7 @@ once. Every error is one line that names the bad value and how to fix it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -115,6 +116,10 @@ class ParallelDims:
         for axis, size in reversed(self.sizes.items()):
             rank, coords[axis] = divmod(rank, size)
         return {axis: coords[axis] for axis in MESH_AXES}
+
+    def stage(self) -> ParallelDims:
+        """The layout of one pipeline stage's ranks: this one without the pp axis."""
+        return dataclasses.replace(self, pp=1)
 
     def rank_in_stage(self, rank: int) -> int:
         """``rank``'s index among the dp × tp ranks of its pipeline stage (``dp_rank · tp +

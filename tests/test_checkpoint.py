@@ -236,7 +236,7 @@ def test_a_block_past_the_kv_heads_is_written_once_and_read_by_every_holder():
     top, bottom = [(0, 16), (0, 8)], [(16, 32), (0, 8)]
     assert [local_box(KV, t, 4, 128) for t in range(4)] == [top, top, bottom, bottom]
     assert [local_box(KV, t, 2, 128) for t in range(2)] == [top, bottom]  # an ordinary split
-    plan = assign_writers([KV], tp_size=4, dp_size=2, padded_vocab=128)
+    plan = assign_writers([KV], ParallelDims(4, 2), padded_vocab=128)
     writers = {r: mine["model/kv"] for r, mine in plan.items() if mine}
     assert sorted(writers.values()) == [top, bottom]
     dp_groups = ParallelDims(4, 2).group_ranks("dp")  # the DP replicas of each TP rank

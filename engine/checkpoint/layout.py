@@ -137,17 +137,19 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 
 def assign_writers(
-    specs: list[TensorSpec], tp_size: int, dp_size: int, padded_vocab: int
+    specs: list[TensorSpec], stage: ParallelDims, padded_vocab: int
 ) -> dict[int, dict[str, Box]]:
-    """{global rank: {tensor name: box}}: the slices each rank writes, each exactly once.
+    """{rank in the stage: {tensor name: box}}: the slices each rank of one pipeline stage
+    (``stage``, the layout of its ranks) writes, each exactly once.
 
-    A TP-split tensor's box on TP rank t is held identically by the DP replicas of t (and,
-    past its block count, by those of the other TP ranks holding the same block), and a
-    replicated tensor by every rank, so each piece goes to the least-loaded rank holding
-    it (greedy by bytes, in name order): deterministic, so every rank computes the same
-    plan alone. An RNG state is written by the rank it belongs to.
+    A TP-split tensor's box on TP rank t is held identically by t's checkpoint replicas
+    (the mesh's ``replica`` role; and, past its block count, by those of the other TP
+    ranks holding the same block), and a replicated tensor by every rank, so each piece
+    goes to the least-loaded rank holding it (greedy by bytes, in name order):
+    deterministic, so every rank computes the same plan alone. An RNG state is written
+    by the rank it belongs to.
     """
-    world = tp_size * dp_size
+    world = stage.world
     plan: dict[int, dict[str, Box]] = {r: {} for r in range(world)}
     load = [0] * world  # bytes planned per global rank
     for spec in sorted(specs, key=lambda s: s.name):
@@ -158,8 +160,9 @@ def assign_writers(
             holders = [(list(range(world)), [(0, n) for n in spec.shape])]
         else:  # the DP replicas of each TP rank, from the mesh's one rank formula
             by_box: dict[tuple, list[int]] = {}  # one entry per distinct box, all its holders
-            for t, replicas in enumerate(ParallelDims(tp_size, dp_size).group_ranks("dp")):
-                box = local_box(spec, t, tp_size, padded_vocab)
+            for replicas in stage.group_ranks("replica"):
+                t = stage.coords_of(replicas[0])["tp"]
+                box = local_box(spec, t, stage.tp, padded_vocab)
                 by_box.setdefault(tuple(box) if box else None, []).extend(replicas)
             holders = [(ranks, list(box) if box else None) for box, ranks in by_box.items()]
         for ranks, box in holders:

@@ -67,33 +67,25 @@ Fault = Callable[[str], None]  # test hook: called at "after_shard", "before_ind
 
 @dataclass(frozen=True)
 class _Mesh:
-    """The layout and the few world-wide agreements the protocol needs."""
+    """This rank in the run's layout, and the few world-wide agreements the protocol needs."""
 
     rank: int = 0
-    world: int = 1
-    tp_size: int = 1
-    dp_size: int = 1
+    dims: ParallelDims = ParallelDims(1, 1)  # the run's layout (a lone process: 1 × 1)
     device_type: str = "cpu"  # RNG states only transfer between generators of one kind
-    pp_size: int = 1
-    dims: ParallelDims | None = None  # the run's layout (None: a lone process)
 
     @classmethod
     def of(cls, ps: ParallelState | None) -> _Mesh:
-        if ps is None:
-            return cls()
-        return cls(
-            ps.rank, ps.world_size, ps.tp_size, ps.dp_size, ps.device.type, ps.pp_size, ps.dims
-        )
+        return cls() if ps is None else cls(ps.rank, ps.dims, ps.device.type)
+
+    @property
+    def world(self) -> int:
+        return self.dims.world
 
     @property
     def stage_rank(self) -> int:
-        """This rank's index in the tp × dp mesh of its pipeline stage (``assign_writers``
-        plans each stage's own parameters over that mesh)."""
-        return self.dims.rank_in_stage(self.rank) if self.dims else self.rank
-
-    @property
-    def sizes(self) -> tuple[int, int, int]:
-        return self.tp_size, self.dp_size, self.pp_size
+        """This rank's index among the ranks of its pipeline stage (``assign_writers``
+        plans each stage's own parameters over them)."""
+        return self.dims.rank_in_stage(self.rank)
 
     def all_gather(self, obj: Any) -> list[Any]:
         return comm.all_gather_object(obj, comm.world() if self.world > 1 else None)
@@ -156,7 +148,7 @@ def save_checkpoint(
     copies = set(model.stored_elsewhere())  # a pipeline's tied copy: its original is stored
     specs = {n: spec for n, spec in specs.items() if param_of(n) not in copies}
     # Each pipeline stage plans the slices of its own parameters among its tp × dp ranks.
-    plan = assign_writers(list(specs.values()), mesh.tp_size, mesh.dp_size, padded_vocab(model))
+    plan = assign_writers(list(specs.values()), mesh.dims.stage(), padded_vocab(model))
     mine = dict(plan.get(mesh.stage_rank, {}))
     rng = _rng_tensors(ps, mesh.rank)
     for name, value in rng.items():
@@ -183,9 +175,9 @@ def save_checkpoint(
             "model_config": model.cfg.to_dict(),
             "trainer_state": state,
             "layout": {
-                "tp_size": mesh.tp_size,
-                "dp_size": mesh.dp_size,
-                "pp_size": mesh.pp_size,
+                "tp_size": mesh.dims.tp,
+                "dp_size": mesh.dims.dp,
+                "pp_size": mesh.dims.pp,
                 "world_size": mesh.world,
                 "zero1": optimizer is not None and checkpoint_view(optimizer).shards_optimizer,
                 "device_type": mesh.device_type,
@@ -321,7 +313,7 @@ def _read_tensors(path: Path, index: dict, model, optimizer, mesh: _Mesh) -> dic
                 states.setdefault(owners[pname], {}).update(scalars)
     layout, rng = index["layout"], None
     saved = (layout["tp_size"], layout["dp_size"], layout.get("pp_size", 1))
-    same_layout = saved == mesh.sizes
+    same_layout = saved == (mesh.dims.tp, mesh.dims.dp, mesh.dims.pp)
     # A CUDA generator state cannot seed a CPU generator (nor the reverse): reseed instead.
     if same_layout and layout.get("device_type", "cpu") == mesh.device_type:
         prefix = f"rng/rank{mesh.rank:05d}/"
