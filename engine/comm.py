@@ -2,7 +2,7 @@
 
 One of the three places where meshtron communicates (the others: the TP operators of
 ``layers.mappings``, and the data-parallel gradient code). Every helper takes its group
-explicitly: a mesh group (``ps.dp_group``, ``ps.tp_group``), ``world(ps)`` for every rank
+explicitly: a mesh group by role or axis (``ps.group("loss")``, ``ps.tp_group``), ``world(ps)`` for every rank
 of the run, or None for a single process, where each helper returns without
 communicating. Every rank of the group must call the helper together.
 """
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel_state import ParallelState
+from parallel_state import ParallelState, groups
 from parallel_state.groups import group_size
 
 
@@ -30,9 +30,7 @@ def world(ps: ParallelState | None = None) -> dist.ProcessGroup | None:
 
 def collective_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
     """``device`` for an NCCL group (it only moves CUDA tensors), the CPU otherwise."""
-    if group is not None and dist.get_backend(group) == "nccl":
-        return device
-    return torch.device("cpu")
+    return device if groups.collective_device(group).type == "cuda" else torch.device("cpu")
 
 
 def any_rank(flag: bool, group: dist.ProcessGroup | None, device: torch.device) -> bool:

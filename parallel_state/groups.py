@@ -7,6 +7,7 @@ them treat ``None`` as a group of one rank, so a single process needs no
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 import parallel_state
@@ -20,6 +21,14 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank in ``group``; 0 for None."""
     return 0 if group is None else dist.get_rank(group)
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where a tensor must be to take part in a collective of ``group``: this rank's
+    current GPU for NCCL (it moves CUDA tensors only), the CPU otherwise (gloo, or none)."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:

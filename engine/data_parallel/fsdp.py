@@ -40,6 +40,7 @@ from engine.data_parallel.interface import DataParallel, PlainOptimizerState
 from engine.optim import build_optimizer, set_lr
 from layers.param_roles import counted_in_norm, has_sp_partial_grad
 from layers.utils import dp_sharded, group_rank, group_size, local_part, tp_local
+from parallel_state.groups import collective_device
 
 
 class FullyShardedDP(DataParallel):
@@ -124,7 +125,7 @@ class FullyShardedDP(DataParallel):
         """The L2 norm of the whole model's gradient: this rank's shards squared and summed
         over DP, then over TP (replicated parameters counted on TP rank 0 only)."""
         tp_rank = group_rank(self.tp_group)
-        total = torch.zeros((), dtype=torch.float64, device=self._collective_device())
+        total = torch.zeros((), dtype=torch.float64, device=collective_device(self.dp_group))
         for p in self.params:
             if p.grad is not None and counted_in_norm(p, tp_rank):
                 g = local_part(p.grad)
@@ -134,11 +135,6 @@ class FullyShardedDP(DataParallel):
             if group_size(group) > 1:
                 dist.all_reduce(total, group=group)
         return total.sqrt()
-
-    def _collective_device(self) -> torch.device:
-        if dist.get_backend(self.dp_group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def step(self, *, lr: float, max_norm: float, norm: torch.Tensor) -> None:
         grads = [local_part(p.grad) for p in self.params if p.grad is not None]

@@ -15,6 +15,7 @@ from torch import nn
 
 from layers.param_roles import counted_in_norm
 from layers.utils import group_size
+from parallel_state.groups import collective_device
 
 
 def global_grad_norm(
@@ -40,7 +41,7 @@ def global_grad_norm(
     squares = [square_sums[id(g)] for g in grads]  # in parameter order, as summed before
     total = torch.stack(squares).double().sum() if squares else torch.zeros((), dtype=torch.float64)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        total = total.to(_collective_device(tp_group))
+        total = total.to(collective_device(tp_group))
         dist.all_reduce(total, group=tp_group)
     return total.sqrt()
 
@@ -58,13 +59,6 @@ def _by_device_and_dtype(
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
     """At least fp32 (bf16/fp16 gradients are summed in fp32, fp64 ones in fp64)."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _collective_device(group: dist.ProcessGroup) -> torch.device:
-    """gloo reduces CPU tensors; NCCL needs them on this rank's GPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def clip_grads_(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
@@ -112,7 +106,7 @@ class DynamicLossScaler:
             flag = flag.maximum(found.cpu().squeeze())
         for group in groups:
             if group_size(group) > 1:
-                flag = flag.to(_collective_device(group))
+                flag = flag.to(collective_device(group))
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
