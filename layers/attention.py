@@ -20,6 +20,7 @@ from torch import nn
 
 from layers import dropout
 from layers.gqa import kv_projection
+from layers.kernel_set import Kernels
 from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
 from layers.recompute import checkpointed
 from layers.rotary import apply_rotary
@@ -127,6 +128,9 @@ class ParallelAttention(nn.Module):
 
     ``mask``: None (causal or full attention, per ``cfg.causal``) or a boolean tensor
     broadcastable to ``[b, heads, s, s]``, True where a query may attend to a key.
+
+    The "standard" entry of ``layers.spec.ATTENTIONS``; constructed as every attention slot
+    is (``kernels`` unused: the attention core is torch's).
     """
 
     def __init__(
@@ -135,8 +139,9 @@ class ParallelAttention(nn.Module):
         *,
         tp_group: dist.ProcessGroup | None,
         rng: RNGTracker | None,
-        dtype: torch.dtype | None,
-        device: torch.device | str | None,
+        kernels: Kernels | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         tp_group = resolve_tp_group(tp_group)
@@ -159,7 +164,7 @@ class ParallelAttention(nn.Module):
         self.dense = RowParallelLinear(
             cfg.hidden_size,
             cfg.hidden_size,
-            getattr(cfg, "linear_bias", True),
+            cfg.linear_bias,
             init_method=normal_init(out_std),
             skip_bias_add=True,
             **common,
@@ -169,8 +174,8 @@ class ParallelAttention(nn.Module):
         """Multi-head: one fused ``qkv``, rows ``(heads three d)``. Grouped-query (fewer KV
         heads): ``query`` rows ``(heads d)`` and ``key_value`` rows ``(kv_heads two d)``,
         the latter split over TP or, past the KV heads, replicated (``layers.gqa``)."""
-        self.kv_heads = getattr(cfg, "num_kv_heads", None) or cfg.num_heads
-        bias, init = getattr(cfg, "qkv_bias", True), normal_init(cfg.init_std)
+        self.kv_heads = cfg.num_kv_heads or cfg.num_heads
+        bias, init = cfg.qkv_bias, normal_init(cfg.init_std)
         if self.kv_heads == cfg.num_heads:
             self.qkv = ColumnParallelLinear(
                 cfg.hidden_size, 3 * cfg.hidden_size, bias, init_method=init, **common

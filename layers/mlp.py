@@ -14,25 +14,38 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from layers.kernel_set import Kernels, resolve_kernels
 from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
 from layers.transformer_config import TransformerConfig
+from parallel_state.random import RNGTracker
 
 
 class ParallelMLP(nn.Module):
-    """Column-parallel h→ffn, GeLU on the TP shard, row-parallel ffn→h."""
+    """Column-parallel h→ffn, GeLU or SwiGLU on the TP shard, row-parallel ffn→h.
+
+    The "dense" entry of ``layers.spec.MLPS``; constructed as every MLP slot is (``rng``
+    unused: it draws no dropout).
+    """
 
     def __init__(
-        self, cfg: TransformerConfig, *, tp_group, dtype, device, kernels: Kernels | None = None
+        self,
+        cfg: TransformerConfig,
+        *,
+        tp_group: dist.ProcessGroup | None,
+        rng: RNGTracker | None = None,
+        kernels: Kernels | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.sequence_parallel = cfg.sequence_parallel
         self.kernels = kernels or resolve_kernels(cfg.kernels)
         self.gated = cfg.activation == "swiglu"
         self.approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None}[cfg.activation]
-        bias = getattr(cfg, "linear_bias", True)
+        bias = cfg.linear_bias
         common = dict(
             tp_group=tp_group, sequence_parallel=cfg.sequence_parallel, dtype=dtype, device=device
         )

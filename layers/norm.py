@@ -70,13 +70,13 @@ class RMSNorm(nn.Module):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
-NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}  # the norm slot's registry (layers.spec)
 
 
 def make_norm(cfg, *, kernels: Kernels | None = None, dtype=None, device=None) -> nn.Module:
     """The norm ``cfg.norm`` names ("layernorm" or "rmsnorm"), width ``cfg.hidden_size``,
     on the model's resolved ``kernels`` (None: ``cfg.kernels``, resolved here)."""
-    return NORMS[getattr(cfg, "norm", "layernorm")](
+    return NORMS[cfg.norm](
         cfg.hidden_size,
         cfg.layernorm_eps,
         sequence_parallel=cfg.sequence_parallel,

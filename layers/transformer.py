@@ -8,8 +8,12 @@ reduce-scatter it on exit.
 
 The norms (LayerNorm, RMSNorm), the activations (GeLU, SwiGLU) and bias-dropout-add go
 through ``layers.kernel_set.resolve_kernels``, the one place where fused kernels get wired
-in. The parts live by concept: the config protocol (``transformer_config``), the MLP
-(``mlp``), the norm (``norm``), attention (``attention``).
+in. The slots (norm, attention, MLP) are filled from a ``layers.spec.LayerSpec``: by
+default the one the config names (``spec_for(cfg)``: ``cfg.norm``, ``cfg.attention``,
+``cfg.mlp``), or one passed as ``spec=``. This module owns only the residual order,
+dropout and recomputation around them. The parts live by concept: the config protocol
+(``transformer_config``), the slot registries (``spec``), the MLP (``mlp``), the norm
+(``norm``), attention (``attention``).
 """
 
 from __future__ import annotations
@@ -18,16 +22,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layers.attention import KVCache, ParallelAttention
+from layers.attention import KVCache
 from layers.kernel_set import Kernels, resolve_kernels
 from layers.mlp import ParallelMLP
-from layers.norm import LayerNorm, make_norm
+from layers.norm import LayerNorm
 from layers.recompute import checkpointed, default_rng
+from layers.spec import LayerSpec, spec_for
 from layers.transformer_config import TransformerConfig
 from parallel_state.groups import group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
 
-__all__ = ["LayerNorm", "ParallelMLP", "ParallelTransformerLayer", "TransformerConfig"]
+__all__ = [
+    "LayerNorm",
+    "LayerSpec",
+    "ParallelMLP",
+    "ParallelTransformerLayer",
+    "TransformerConfig",
+]
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -37,13 +48,15 @@ class ParallelTransformerLayer(nn.Module):
     Post-LN: x = LN₁(x + drop(attn(x)));   x = LN₂(x + drop(mlp(x)))
 
     ``cfg.recompute``: "selective" recomputes the attention core only, "full" the whole
-    layer (keeping just its input), "none" keeps everything.
+    layer (keeping just its input), "none" keeps everything. ``spec`` names the classes of
+    the norm, attention and MLP slots (None: ``spec_for(cfg)``, the ones ``cfg`` names).
     """
 
     def __init__(
         self,
         cfg: TransformerConfig,
         *,
+        spec: LayerSpec | None = None,
         tp_group: dist.ProcessGroup | None = None,
         rng: RNGTracker | None = None,
         kernels: Kernels | None = None,
@@ -63,16 +76,22 @@ class ParallelTransformerLayer(nn.Module):
         self.draws_random = dropout  # only then does recomputation replay the RNG streams
         self.sequence_parallel, self.hidden_dropout = cfg.sequence_parallel, cfg.hidden_dropout
         self.kernels = kernels or resolve_kernels(cfg.kernels)  # the model hands its one set
-        # The norm (LayerNorm | RMSNorm), attention (MHA | GQA | MQA, biases) and MLP
-        # (GeLU | SwiGLU) are chosen by cfg; the residual order by cfg.pre_layernorm.
-        self.attention_norm = make_norm(cfg, kernels=self.kernels, dtype=dtype, device=device)
-        self.attention = ParallelAttention(
-            cfg, tp_group=tp_group, rng=self.rng, dtype=dtype, device=device
+        spec = spec or spec_for(cfg)
+        # Built in this order (the master weights' RNG draws follow it); the slot
+        # constructors are layers.spec's. The residual order is cfg.pre_layernorm's.
+        slot = dict(
+            tp_group=tp_group, rng=self.rng, kernels=self.kernels, dtype=dtype, device=device
         )
-        self.mlp_norm = make_norm(cfg, kernels=self.kernels, dtype=dtype, device=device)
-        self.mlp = ParallelMLP(
-            cfg, tp_group=tp_group, kernels=self.kernels, dtype=dtype, device=device
+        norm = dict(
+            sequence_parallel=cfg.sequence_parallel,
+            kernels=self.kernels,
+            dtype=dtype,
+            device=device,
         )
+        self.attention_norm = spec.norm(cfg.hidden_size, cfg.layernorm_eps, **norm)
+        self.attention = spec.attention(cfg, **slot)
+        self.mlp_norm = spec.norm(cfg.hidden_size, cfg.layernorm_eps, **norm)
+        self.mlp = spec.mlp(cfg, **slot)
 
     def forward(
         self,

@@ -111,7 +111,7 @@ class Embeddings(nn.Module):
         )
         mark_vocab_padded(self.word.weight)
         self.position = None  # rotary positions live in attention
-        if getattr(cfg, "position_embedding", "learned") == "learned":
+        if cfg.position_embedding == "learned":
             self.position = self._replicated(cfg.max_positions, cfg, dtype, device)
         token_types = family(cfg.arch).token_types
         self.token_type = (

@@ -19,12 +19,13 @@ from layers.compile import (
 from layers.kernels.dispatch import BACKENDS as KERNELS
 from layers.recompute import RECOMPUTE_MODES
 from layers.rotary import ROPE_SCALINGS
+from layers.spec import ATTENTIONS, MLPS
+from layers.spec import NORMS as NORM_CLASSES
 from layers.utils import pad_vocab_size
 from parallel_state.dims import check_width_split
 
 ARCHS = tuple(FAMILIES)  # engine/models/families.py
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
-NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rotary")
 
 
@@ -47,7 +48,7 @@ class ModelConfig:
     recompute: str = "none"  # activation recomputation: "none", "selective" or "full"
     num_token_types: int = 2  # BERT segment (token type) embeddings
     init_std: float = 0.02  # std of the normal init of weights
-    activation: str = "gelu_tanh"  # "gelu_tanh" (GPT-2's tanh approximation) or "gelu" (exact)
+    activation: str = "gelu_tanh"  # "gelu_tanh" (GPT-2's tanh), "gelu" (exact), "swiglu" (Llama)
     tie_embeddings: bool = True  # LM head reuses the word embedding
     kernels: str = "auto"  # element-wise ops: "auto" (Triton on CUDA), "triton", "apex", "torch"
     compile: bool = False  # torch.compile the whole forward and loss (layers.compile)
@@ -55,6 +56,8 @@ class ModelConfig:
     cuda_graphs: bool = False  # the compiled step replayed as CUDA graphs (reduce-overhead)
     # Component seams (defaults: GPT-2's parts). Llama-family decoders pick the others.
     norm: str = "layernorm"  # "layernorm" or "rmsnorm" (no bias, no mean subtraction)
+    attention: str = "standard"  # the attention class (layers/spec.py ATTENTIONS): "standard"
+    mlp: str = "dense"  # the MLP class (layers/spec.py MLPS): "dense" (GeLU or SwiGLU)
     position_embedding: str = "learned"  # "learned" absolute table or "rotary" (RoPE)
     num_kv_heads: int | None = None  # key/value heads (GQA; 1 = MQA); None means num_heads
     qkv_bias: bool = True  # bias on the query/key/value projections (Llama none, Qwen2 yes)
@@ -120,7 +123,10 @@ class ModelConfig:
             ("activation", self.activation, ACTIVATIONS),
             ("kernels", self.kernels, KERNELS),
             ("compile_backend", self.compile_backend, COMPILE_BACKENDS),
-            ("norm", self.norm, NORMS),
+            # The slot registries are read now, so a class registered at run time counts.
+            ("norm", self.norm, tuple(NORM_CLASSES)),
+            ("attention", self.attention, tuple(ATTENTIONS)),
+            ("mlp", self.mlp, tuple(MLPS)),
             ("position_embedding", self.position_embedding, POSITIONS),
             ("rope_scaling", self.rope_scaling, ROPE_SCALINGS),
         ):

@@ -1,0 +1,62 @@
+"""Which classes fill a transformer layer's slots: the norm, the attention, the MLP.
+
+A ``LayerSpec`` names one class per slot; ``spec_for(cfg)`` picks them from the registries
+below by the names the model config carries (``cfg.norm``, ``cfg.attention``, ``cfg.mlp``).
+A new attention or MLP (sliding-window, ring, mixture of experts) is a class plus an entry
+in ``ATTENTIONS`` or ``MLPS``; the layer (``layers.transformer``) is not edited.
+
+The slot constructors, which the layer calls in this order (it fixes the RNG draws of the
+master weights):
+
+* attention and MLP: ``cls(cfg, *, tp_group, rng, kernels, dtype, device)``. The layer
+  passes every keyword; a class ignores those it has no use for (the dense MLP draws no
+  dropout, so ignores ``rng``; attention has no element-wise kernel, so ignores
+  ``kernels``). ``forward`` takes ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
+  parallelism) and returns ``(out, bias or None)``: the bias unadded, for the layer's fused
+  bias + dropout + residual add. Attention's forward also takes ``mask, cache, rotary``.
+* norm (both ``attention_norm`` and ``mlp_norm``): ``cls(width, eps, *,
+  sequence_parallel, kernels, dtype, device)``, the form the embedding and head norms are
+  built with too; ``forward`` maps ``[..., width]`` to the same shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from layers.attention import ParallelAttention
+from layers.mlp import ParallelMLP
+from layers.norm import NORMS
+from layers.transformer_config import TransformerConfig
+
+ATTENTIONS: dict[str, type[nn.Module]] = {"standard": ParallelAttention}  # MHA, GQA, MQA
+MLPS: dict[str, type[nn.Module]] = {"dense": ParallelMLP}  # GeLU or SwiGLU per cfg.activation
+
+__all__ = ["ATTENTIONS", "MLPS", "NORMS", "LayerSpec", "pick", "spec_for"]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """The classes a ``ParallelTransformerLayer`` builds its slots from (see the module
+    docstring for the constructor each slot is called with)."""
+
+    norm: type[nn.Module]  # attention_norm and mlp_norm
+    attention: type[nn.Module]
+    mlp: type[nn.Module]
+
+
+def pick(slot: str, name: str, registry: dict[str, type[nn.Module]]) -> type[nn.Module]:
+    """``registry[name]``; a one-line ValueError naming ``name`` and the known names."""
+    if name not in registry:
+        raise ValueError(f"unknown {slot} {name!r}; known: {sorted(registry)}")
+    return registry[name]
+
+
+def spec_for(cfg: TransformerConfig) -> LayerSpec:
+    """The spec ``cfg.norm``, ``cfg.attention`` and ``cfg.mlp`` name."""
+    return LayerSpec(
+        norm=pick("norm", cfg.norm, NORMS),
+        attention=pick("attention", cfg.attention, ATTENTIONS),
+        mlp=pick("mlp", cfg.mlp, MLPS),
+    )
