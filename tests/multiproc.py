@@ -67,6 +67,11 @@ def _worker(rank, world_size, store_path, fn, args, kwargs, results, collective_
             timeout=timedelta(seconds=collective_timeout),
         )
         out = fn(*args, **kwargs)
+        if dist.is_initialized():
+            # No rank tears down while another is still inside the body: gloo's full-mesh
+            # connect of a new group fails with "Connection closed by peer" on a rank whose
+            # peer already finished its part of the connect and exited (seen under load).
+            dist.barrier()
         results.put((rank, "ok", _to_bytes(out)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         results.put((rank, "error", traceback.format_exc()))

@@ -156,6 +156,24 @@ def _module_name(path: Path, package_root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def with_package_inits(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` plus the package ``__init__`` each import runs first: importing
+    ``a.b.c`` from outside ``a.b`` executes ``a/b/__init__.py`` before ``c``, so a loop
+    through a package's ``__init__`` (hidden behind a lazy, function-local import of a
+    submodule) is a loop too."""
+    out = {}
+    for module, targets in graph.items():
+        mine = module.split(".")
+        inits = {
+            ".".join(parts[:i])
+            for parts in (t.split(".") for t in targets)
+            for i in range(1, len(parts))
+            if mine[:i] != parts[:i] and ".".join(parts[:i]) in graph
+        }
+        out[module] = (targets | inits) - {module}
+    return out
+
+
 def import_graph(package: str, package_root: Path = ROOT) -> dict[str, set[str]]:
     """Module → the modules of ``package`` it imports."""
     graph = {}
@@ -164,7 +182,7 @@ def import_graph(package: str, package_root: Path = ROOT) -> dict[str, set[str]]
         graph[name] = {
             m for m in imported_modules(path, package_root) if m.split(".")[0] == package
         } - {name}
-    return graph
+    return with_package_inits(graph)
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -217,6 +235,32 @@ def test_cycle_finder_catches_a_planted_circle(tmp_path):
         "pkg.transformer",
     ]
     (root / "pkg/attention.py").write_text("from pkg import leaf\n")
+    assert find_cycle(import_graph("pkg", root)) is None
+
+
+def test_cycle_finder_sees_a_loop_through_a_package_init(tmp_path):
+    """The loop issue 38 found: the config imported the pipeline cut lazily, the cut's
+    package ``__init__`` imported its stages, the stages the data pipeline, and that the
+    config. No module names the config's importer directly: the ``__init__`` closes it."""
+    root = _plant(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/config.py": "def check():\n    from pkg.cut.split import rule\n",
+            "pkg/cut/__init__.py": "from pkg.cut.stages import Stages\n",
+            "pkg/cut/split.py": "",
+            "pkg/cut/stages.py": "from pkg.feed import to_device\n",
+            "pkg/feed.py": "from pkg.config import Config\n",
+        },
+    )
+    assert find_cycle(import_graph("pkg", root)) == [
+        "pkg.config",
+        "pkg.cut",
+        "pkg.cut.stages",
+        "pkg.feed",
+        "pkg.config",
+    ]
+    (root / "pkg/cut/stages.py").write_text("")
     assert find_cycle(import_graph("pkg", root)) is None
 
 
@@ -293,7 +337,7 @@ def tree_graph(packages: tuple[str, ...] = PACKAGE_ORDER, root: Path = ROOT) -> 
             name = _module_name(path, root)
             imported = imported_modules(path, root)
             graph[name] = {m for m in imported if m.split(".")[0] in packages} - {name}
-    return graph
+    return with_package_inits(graph)
 
 
 def back_arrows(graph: dict[str, set[str]], order: tuple[str, ...] = PACKAGE_ORDER) -> list[str]:
@@ -330,6 +374,7 @@ def test_back_arrow_checker_catches_planted_upward_imports(tmp_path):
         },
     )
     assert back_arrows(tree_graph(root=root)) == [
+        "engine.flops imports studies",  # the package __init__ that import runs first
         "engine.flops imports studies.perf",
         "engine.resilience.watchdog imports engine.trainer",
     ]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.checkpoint.format import META_FILE, check_output_dir, write_checkpoint
-from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers
+from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers, written_layout
 from engine.checkpoint.manager import CheckpointDirLock
 from engine.checkpoint.state import model_name, optim_name, param_of, param_spec
 from engine.checkpoint.storage import (
@@ -30,7 +30,6 @@ from engine.checkpoint.tokenizer import recorded_tokenizer
 from engine.flops import params_count
 from engine.models import ModelConfig, build_model
 from parallel_state import ParallelState
-from parallel_state.dims import ParallelDims
 
 
 def resolve(path: str | Path) -> Path:
@@ -104,7 +103,7 @@ def convert(src: str | Path, out_root: str | Path, tp_size: int, dp_size: int) -
         for s in reader.specs.values()
         if s.kind != RNG
     ]
-    plan = assign_writers(specs, ParallelDims(tp_size, dp_size), cfg.padded_vocab_size(tp_size))
+    plan = assign_writers(specs, written_layout(tp_size, dp_size), cfg.padded_vocab_size(tp_size))
     # The output may be a run's checkpoint directory: hold its lock while writing, as a
     # run does, so neither removes the other's files.
     with CheckpointDirLock(out_root, run_dir="tools/checkpoint.py convert"):

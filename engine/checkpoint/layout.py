@@ -136,6 +136,12 @@ def intersect(a: Box, b: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
+def written_layout(tp_size: int = 1, dp_size: int = 1) -> ParallelDims:
+    """The layout a checkpoint is written at when no run hands one: a lone process's
+    (1 × 1), or the sizes a conversion targets."""
+    return ParallelDims(tp_size, dp_size)
+
+
 def assign_writers(
     specs: list[TensorSpec], stage: ParallelDims, padded_vocab: int
 ) -> dict[int, dict[str, Box]]:

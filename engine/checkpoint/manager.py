@@ -33,7 +33,15 @@ from torch import nn
 
 from engine import comm
 from engine.checkpoint.format import check_compatible
-from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers, crop_local
+from engine.checkpoint.layout import (
+    MODEL,
+    OPTIM,
+    RNG,
+    TensorSpec,
+    assign_writers,
+    crop_local,
+    written_layout,
+)
 from engine.checkpoint.state import (
     as_held_by,
     expect_local,
@@ -70,7 +78,7 @@ class _Mesh:
     """This rank in the run's layout, and the few world-wide agreements the protocol needs."""
 
     rank: int = 0
-    dims: ParallelDims = ParallelDims(1, 1)  # the run's layout (a lone process: 1 × 1)
+    dims: ParallelDims = written_layout()  # the run's layout (a lone process: 1 × 1)
     device_type: str = "cpu"  # RNG states only transfer between generators of one kind
 
     @classmethod
