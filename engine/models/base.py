@@ -236,10 +236,14 @@ class ParallelModel(nn.Module):
     # ``self``). So a hook reads only what a stage shares with the whole model: ``cfg``,
     # ``tp_group``, ``kernels``, ``embedding`` (on the last stage only ``embedding.word``, and
     # only when the embeddings are tied), the modules in ``pipeline_heads``, the model's own
-    # buffers and the attributes in ``stage_attributes``; it calls module-level functions,
-    # not the model's other methods. Empty ``pipeline_heads``: the model cannot be cut.
+    # buffers and its properties (``rotary``); it calls module-level functions, not the model's
+    # other methods. Empty ``pipeline_heads``: the model cannot be cut.
     pipeline_heads: tuple[str, ...] = ()  # the last stage's modules, in registration order
-    stage_attributes: tuple[str, ...] = ()  # plain attributes the hooks read, copied to stages
+
+    @property
+    def rotary(self) -> bool:
+        """Rotary positions: the attention rotates queries and keys (no position table)."""
+        return self.cfg.position_embedding == "rotary"
 
     def embed(self, *inputs: torch.Tensor) -> torch.Tensor:
         """The first stage's hidden ``[s(/tp), b, h]`` of its positional inputs (those

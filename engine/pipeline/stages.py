@@ -97,8 +97,6 @@ class PipelineModel(ParallelModel):
             )
         self._hooks = type(model)  # the class whose hooks run on this stage
         self.cfg, self.tp_group, self.kernels = model.cfg, model.tp_group, model.kernels
-        for name in model.stage_attributes:
-            setattr(self, name, getattr(model, name))
         for name, buffer in model.named_buffers(recurse=False):  # constants (rotary frequencies)
             self.register_buffer(name, buffer, persistent=False)
         self.pp_group, self.embedding_group = pp_group, embedding_group

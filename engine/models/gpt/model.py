@@ -27,7 +27,6 @@ class GPTModel(ParallelModel):
 
     ARCH = "gpt"  # the model.arch this class builds (a family's subclass names its own)
     pipeline_heads = ("final_norm", "lm_head")
-    stage_attributes = ("rotary",)
 
     def __init__(
         self,
@@ -41,7 +40,6 @@ class GPTModel(ParallelModel):
         super().__init__()
         build = self._build_trunk(cfg, tp_group=tp_group, rng=rng, dtype=dtype, device=device)
         self.final_norm = make_norm(cfg, kernels=self.kernels, dtype=dtype, device=device)
-        self.rotary = cfg.position_embedding == "rotary"
         if self.rotary:  # fp32 frequencies, a buffer so .to(device) moves them
             inv = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_args)
             self.register_buffer("inv_freq", inv.to(device), persistent=False)
