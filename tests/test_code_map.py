@@ -8,6 +8,7 @@ silently finds nothing cannot pass.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -610,3 +611,98 @@ def test_parameter_roles_are_declared_in_one_module():
         for line in role_writes(path.read_text(), roles)
     ]
     assert not hits, "set parameter roles through layers.param_roles:\n" + "\n".join(hits)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings (module, class, function)."""
+    found = set()
+    for node in ast.walk(tree):
+        kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        if isinstance(node, kinds) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def family_mentions(source: str, names: frozenset[str]) -> list[tuple[int, str]]:
+    """(line, word) where code names a family: a word of an identifier (a name, attribute,
+    definition, argument, keyword or imported module, split at ``_`` and ``.``) or of a
+    string that is no docstring (split at anything not a letter or digit) equals one of
+    ``names`` (compared lowercase)."""
+    tree = ast.parse(source)
+    skip, found = _docstrings(tree), []
+
+    def check(line: int, text: str, pattern: str) -> None:
+        found.extend((line, w) for w in re.findall(pattern, text) if w.lower() in names)
+
+    for node in ast.walk(tree):
+        line = getattr(node, "lineno", 0)
+        identifiers = []
+        if isinstance(node, ast.Name):
+            identifiers = [node.id]
+        elif isinstance(node, ast.Attribute | ast.FunctionDef | ast.AsyncFunctionDef):
+            identifiers = [getattr(node, "attr", None) or node.name]
+        elif isinstance(node, ast.ClassDef):
+            identifiers = [node.name]
+        elif isinstance(node, ast.arg | ast.keyword):
+            identifiers = [node.arg or ""]
+        elif isinstance(node, ast.alias):
+            identifiers = [node.name, node.asname or ""]
+        elif isinstance(node, ast.ImportFrom):
+            identifiers = [node.module or ""]
+        elif (
+            isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip
+        ):
+            check(line, node.value, r"[A-Za-z0-9]+")
+        for identifier in identifiers:
+            check(line, identifier, r"[^_.]+")
+    return sorted(set(found))
+
+
+def _family_names() -> frozenset[str]:
+    from engine.models.families import FAMILIES
+
+    return frozenset(n.lower() for f in FAMILIES.values() for n in (f.arch, f.model))
+
+
+def test_family_finder_catches_planted_mentions():
+    names = _family_names()
+    assert {"gpt", "bert", "llama", "gptmodel", "bertmodel", "llamamodel"} <= names
+    planted = (
+        '"""A docstring may say GPT-2: prose is not code."""\n'
+        "from engine.models.bert import BertModel\n"
+        "if isinstance(model, GPTModel): pass\n"
+        "self.bert = True\n"
+        'roles = {"llama": 1}\n'
+        "def llama_roles(gpt_heads=None): pass\n"
+        'x = f"{arch}_bert_tiny"\n'
+        "decoder, robert, gpt2 = 1, 2, 3\n"  # no family's name as a word
+        "# a comment about BERT\n"
+    )
+    assert family_mentions(planted, names) == [
+        (2, "BertModel"),
+        (2, "bert"),
+        (3, "GPTModel"),
+        (4, "bert"),
+        (5, "llama"),
+        (6, "gpt"),
+        (6, "llama"),
+        (7, "bert"),
+    ]
+
+
+def test_the_pipeline_cut_and_checkpoints_name_no_family():
+    """engine/pipeline/ and engine/checkpoint/ ask the model (its hooks, ``Family`` data)
+    instead of naming a family: no family name (``FAMILIES``' keys) or model class name is
+    an identifier, attribute, imported module or string there. Compared word by word
+    through ``ast``, not as raw text: comments and docstrings are prose about the code,
+    which may describe "a decoder" or "an encoder" (they are not what the code branches
+    on), and a word such as ``robert`` or ``gpt2`` is not a family's name."""
+    names = _family_names()
+    hits = [
+        f"{path.relative_to(ROOT).as_posix()}:{line} {word}"
+        for path in _python_files("engine/pipeline", "engine/checkpoint")
+        for line, word in family_mentions(path.read_text(), names)
+    ]
+    assert not hits, "ask the model or its Family entry instead:\n" + "\n".join(hits)

@@ -224,3 +224,73 @@ def test_verify_rejects_bad_hf_layouts_before_launching(hf_dirs, capsys):
         assert expected in capsys.readouterr().err, flags
     assert main(["--hf-dir", "/nonexistent", "--tp-size", "1"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def _llama_style_tokenizer(path: Path) -> None:
+    """A byte-level BPE whose specials are Llama 2's ``<s>``/``</s>`` beside the document end
+    a tokenizer trained here has (the family prefers its own tokens)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 20, trainer)
+    tokenizer.save(str(path))
+
+
+# What AutoTokenizer reads back from each family's export: (tokenizer, {role: token}).
+EXPORT_ROLES = {
+    "gpt": ("preprocess", {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}),
+    "bert": (
+        "preprocess",
+        {"cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]", "pad_token": "[PAD]"},
+    ),
+    "llama": ("preprocess", {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}),
+    "llama-own-tokens": ("llama-style", {"bos_token": "<s>", "eos_token": "</s>"}),
+}
+
+
+@pytest.mark.parametrize("case", EXPORT_ROLES)
+def test_hf_export_tokenizer_names_the_family_special_tokens(case, tmp_path):
+    """An HF export's tokenizer files name the special tokens of the model's family
+    (``Family.special_tokens``), as transformers' AutoTokenizer reads them from the folder,
+    and config.json carries their ids. A Llama export names bos and eos: the document end
+    of a tokenizer trained here, or Llama's own ``<s>``/``</s>`` where the vocabulary has
+    them."""
+    from transformers import AutoTokenizer
+
+    from engine.checkpoint.format import write_checkpoint
+    from engine.data.preprocess import EOD_TOKEN, save_tokenizer, train_tokenizer
+    from engine.models import build_model, preset
+
+    kind, roles = EXPORT_ROLES[case]
+    tokenizer_path = tmp_path / "tokenizer.json"
+    if kind == "preprocess":
+        save_tokenizer(
+            train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300), tokenizer_path
+        )
+    else:
+        _llama_style_tokenizer(tokenizer_path)
+    arch = case.split("-")[0]
+    cfg = preset(f"{arch}_tiny", vocab_size=300, hidden_size=32, num_heads=4, num_layers=2)
+    torch.manual_seed(0)
+    ckpt, hf_dir = tmp_path / "ckpt", tmp_path / "hf"
+    write_checkpoint(ckpt, build_model(cfg).full_state_dict(), cfg, tokenizer=tokenizer_path)
+    export_hf(ckpt, hf_dir)
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
+    vocab = hf_tokenizer.get_vocab()
+    config = json.loads((hf_dir / "config.json").read_text())
+    for role, token in roles.items():
+        assert getattr(hf_tokenizer, role) == token, role
+        assert getattr(hf_tokenizer, f"{role}_id") == vocab[token], role
+        assert config[f"{role}_id"] == vocab[token], role
+    if arch != "bert":  # a decoder's end of sequence is its document end
+        assert hf_tokenizer.eos_token is not None
+        assert hf_tokenizer.eos_token == roles["eos_token"]
+        if kind == "preprocess":
+            assert hf_tokenizer.eos_token == EOD_TOKEN

@@ -16,22 +16,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from engine.models.families import family
+
 TOKENIZER_FILE = "tokenizer.json"
-# The special tokens of engine.data.preprocess (kept literal: checkpoint code does not import
-# the data pipeline), as Hugging Face names their roles.
-_HF_ROLES = {
-    "gpt": {
-        "bos_token": "<|endoftext|>",
-        "eos_token": "<|endoftext|>",
-        "unk_token": "<|endoftext|>",
-    },
-    "bert": {
-        "pad_token": "[PAD]",
-        "cls_token": "[CLS]",
-        "sep_token": "[SEP]",
-        "mask_token": "[MASK]",
-    },
-}
 
 
 def _sha256(path: str | os.PathLike) -> str:
@@ -80,14 +67,19 @@ def write_hf_tokenizer(
     path: str | os.PathLike, hf_dir: str | os.PathLike, *, arch: str, max_positions: int
 ) -> dict[str, int]:
     """Write ``tokenizer.json`` and the Hugging Face files that name its special tokens
-    (only those the vocabulary holds), for ``AutoTokenizer.from_pretrained(hf_dir)``.
+    (the roles ``arch``'s family names, ``Family.special_tokens``; only tokens the
+    vocabulary holds), for ``AutoTokenizer.from_pretrained(hf_dir)``.
     Returns their ids by config.json key (``eos_token_id``: 0 ...), which the model's
     config must carry too."""
     from tokenizers import Tokenizer
 
     copy_tokenizer(path, hf_dir)
     vocab = Tokenizer.from_file(str(path)).get_vocab()
-    roles = {k: t for k, t in _HF_ROLES.get(arch, {}).items() if t in vocab}
+    roles = {}  # each role the family names: its first token the vocabulary holds
+    for role, tokens in family(arch).special_tokens.items():
+        held = [token for token in tokens if token in vocab]
+        if held:
+            roles[role] = held[0]
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_positions,

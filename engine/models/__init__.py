@@ -1,4 +1,9 @@
-"""The model families built from the tensor-parallel layers, their config and registry."""
+"""The model families built from the tensor-parallel layers, their config and registry.
+
+No family's module is imported here: ``build_model`` asks the family table
+(``engine.models.families``) for the class, and ``GPTModel``, ``BertModel`` and
+``LlamaModel`` (any family's ``Family.model``) are imported on first use (PEP 562).
+"""
 
 from __future__ import annotations
 
@@ -6,27 +11,35 @@ import torch
 import torch.distributed as dist
 
 from engine.models.base import ParallelModel
-from engine.models.bert import BertModel
 from engine.models.config import ModelConfig, preset, preset_names
 from engine.models.families import FAMILIES, Family, family
-from engine.models.gpt import GPTModel
-from engine.models.llama.model import LlamaModel
 from parallel_state import ParallelState
 from parallel_state.random import RNGTracker
+
+_MODEL_CLASSES = {f.model: f for f in FAMILIES.values()}  # class name -> its family
 
 __all__ = [
     "ModelConfig",
     "preset",
     "preset_names",
-    "GPTModel",
-    "BertModel",
-    "LlamaModel",
+    *_MODEL_CLASSES,
     "ParallelModel",
     "FAMILIES",
     "Family",
     "family",
     "build_model",
 ]
+
+
+def __getattr__(name: str) -> type:
+    """A family's model class by its name (``engine.models.GPTModel``), imported now."""
+    if name in _MODEL_CLASSES:
+        return _MODEL_CLASSES[name].model_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODEL_CLASSES))
 
 
 def build_model(

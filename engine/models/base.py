@@ -48,6 +48,16 @@ def to_device(batch, device: torch.device):
     return batch.to(device, non_blocking=True)
 
 
+def stack_batches(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Dict batches concatenated key by key along dim 0, in order (micro-batches into the
+    whole batch a pipeline schedule splits again)."""
+    stacked: dict[str, list[torch.Tensor]] = {}
+    for batch in batches:
+        for key, value in batch.items():
+            stacked.setdefault(key, []).append(value)
+    return {key: torch.cat(values) for key, values in stacked.items()}
+
+
 def unpadded_normal_init(vocab_size: int, std: float) -> InitMethod:
     """N(0, std²) for the real vocabulary rows, zeros for the padding.
 
@@ -219,6 +229,54 @@ class ParallelModel(nn.Module):
     ARCH: str  # the model.arch (engine/models/families.py) a concrete class builds
     cfg: ModelConfig
     tp_group: dist.ProcessGroup | None
+
+    # What a pipeline cut (engine/pipeline/stages.py) asks the model. The cut keeps the
+    # embedding on the first stage, a run of layers on each, the modules named here on the
+    # last, and runs the hooks below on each stage (the class's functions with the stage as
+    # ``self``). So a hook reads only what a stage shares with the whole model: ``cfg``,
+    # ``tp_group``, ``kernels``, ``embedding`` (on the last stage only ``embedding.word``, and
+    # only when the embeddings are tied), the modules in ``pipeline_heads``, the model's own
+    # buffers and its properties (``rotary``); it calls module-level functions, not the model's
+    # other methods. Empty ``pipeline_heads``: the model cannot be cut.
+    pipeline_heads: tuple[str, ...] = ()  # the last stage's modules, in registration order
+
+    @property
+    def rotary(self) -> bool:
+        """Rotary positions: the attention rotates queries and keys (no position table)."""
+        return self.cfg.position_embedding == "rotary"
+
+    def embed(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The first stage's hidden ``[s(/tp), b, h]`` of its positional inputs (those
+        :meth:`stage_inputs` gives, ids ``[b, s]`` first)."""
+        raise NotImplementedError
+
+    def rotary_for(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary (cos, sin) for positions 0 … s−1 of a stage's ``hidden`` (a sequence shard
+        under SP), passed to every layer; None: the layers take no rotary tables."""
+        return None
+
+    def head(self, hidden: torch.Tensor):
+        """The last stage's outputs of the final hidden ``[s(/tp), b, h]`` (a tensor or a
+        tuple of tensors), as :meth:`stage_loss` takes them."""
+        raise NotImplementedError
+
+    def stage_inputs(self, micro_batches: list, device: torch.device) -> tuple:
+        """The micro-batches (as the model's dataset yields them) moved to ``device`` and
+        stacked in order into a pipeline schedule's whole-batch inputs: (the first stage's
+        positional inputs, every stage's keyword inputs, the target). The target is one
+        tensor, split by the schedule along dim 0 like the inputs."""
+        raise NotImplementedError
+
+    def stage_loss(self, outputs, target: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one micro-batch: the :meth:`head` outputs against its rows of the
+        :meth:`stage_inputs` target (the same value :meth:`loss` gives the unsplit model)."""
+        raise NotImplementedError
+
+    @property
+    def bert(self) -> bool:
+        """Transitional: studies/verification/pipeline_layouts.py reads ``stages.bert`` to
+        name the last stage's outputs; remove once it asks the model instead."""
+        return self.cfg.arch == "bert"
 
     def _build_trunk(self, cfg: ModelConfig, *, tp_group, rng, dtype, device) -> dict:
         """Validate ``cfg`` and build the embeddings and the layers, in that order.

@@ -14,8 +14,13 @@ imports the config: a family's modules are imported when first asked for.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import ModuleType
+
+# The end-of-document token engine.data.preprocess appends (kept literal: the table imports
+# nothing of ours).
+_DOCUMENT_END = "<|endoftext|>"
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,9 @@ class Family:
     causal: bool = True  # a decoder: causal attention, next-token data, generation
     pre_norm: bool = True  # sub-layers normalize their input (post-norm: the residual sum)
     token_types: bool = False  # segment embeddings and a LayerNorm on the embeddings
+    # A Hugging Face export's special-token roles ("eos_token": ...), each with its tokens
+    # in preference order: the first one the exported tokenizer's vocabulary holds.
+    special_tokens: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def module(self, part: str) -> ModuleType:
         """The folder's ``model``, ``hf`` or ``costs`` module."""
@@ -52,9 +60,38 @@ class Family:
 FAMILIES: dict[str, Family] = {
     f.arch: f
     for f in (
-        Family("gpt", "GPTModel"),
-        Family("bert", "BertModel", causal=False, pre_norm=False, token_types=True),
-        Family("llama", "LlamaModel"),
+        Family(
+            "gpt",
+            "GPTModel",
+            special_tokens={
+                "bos_token": (_DOCUMENT_END,),
+                "eos_token": (_DOCUMENT_END,),
+                "unk_token": (_DOCUMENT_END,),
+            },
+        ),
+        Family(
+            "bert",
+            "BertModel",
+            causal=False,
+            pre_norm=False,
+            token_types=True,
+            special_tokens={
+                "pad_token": ("[PAD]",),
+                "cls_token": ("[CLS]",),
+                "sep_token": ("[SEP]",),
+                "mask_token": ("[MASK]",),
+            },
+        ),
+        Family(
+            "llama",
+            "LlamaModel",
+            # Llama 2's and Llama 3's own tokens first (an imported tokenizer), then the
+            # document end of a tokenizer trained here.
+            special_tokens={
+                "bos_token": ("<s>", "<|begin_of_text|>", _DOCUMENT_END),
+                "eos_token": ("</s>", "<|end_of_text|>", _DOCUMENT_END),
+            },
+        ),
     )
 }
 

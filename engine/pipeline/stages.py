@@ -1,19 +1,22 @@
-"""Cutting a built model (GPT, Llama family, BERT) into pipeline stages.
+"""Cutting a built model into pipeline stages.
 
 The model is built whole on every rank (the same RNG draws as the unsplit model, so the
 weights do not depend on pp) and then cut: stage ``k`` of ``pp × virtual`` holds a
 contiguous run of transformer layers, stage 0 also the embedding, the last stage the
-heads and the loss (a decoder's final norm and LM head; BERT's MLM transform and head,
-pooler and sentence-order head). BERT's padding mask is no activation: every stage gets
-its micro-batch's mask from the batch (a keyword argument of the schedule). Pipeline rank
-``r`` holds stages ``r, r + pp, …`` (the loop placement ``ScheduleInterleaved1F1B``
-expects). Parameters keep their full names (``layers.7.mlp…``), so checkpoints and the
-verifier see the unsplit model at any pp.
+modules the model names as its heads (``pipeline_heads``: a decoder's final norm and LM
+head; an encoder's MLM transform and head, pooler and sentence-order head). The model
+answers what the cut asks (``engine.models.base.ParallelModel``'s hooks): the first
+stage's embedding, the rotary tables, the heads' outputs, the schedule's inputs and the
+micro-batch loss; the cut runs them on each stage and names no family. Keyword inputs
+(an encoder's padding mask) are no activations: every stage gets its micro-batch's from
+the batch. Pipeline rank ``r`` holds stages ``r, r + pp, …`` (the loop placement
+``ScheduleInterleaved1F1B`` expects). Parameters keep their full names (``layers.7.mlp…``),
+so checkpoints and the verifier see the unsplit model at any pp.
 
-Tied embeddings (GPT-2, BERT): the last stage keeps a copy of the word embedding for its
-head; after the DP reduction the two copies' gradients are summed over the embedding
-group (first and last stage, Megatron's), so both take the same step and stay equal. The
-copy is left out of the gradient norm and out of checkpoints (the first stage's is stored).
+Tied embeddings: the last stage keeps a copy of the word embedding for its head; after
+the DP reduction the two copies' gradients are summed over the embedding group (first and
+last stage, Megatron's), so both take the same step and stay equal. The copy is left out
+of the gradient norm and out of checkpoints (the first stage's is stored).
 """
 
 from __future__ import annotations
@@ -23,17 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import comm
-from engine.models.base import ParallelModel, to_device
-from engine.models.bert import BertModel, bert_losses
-from engine.models.gpt import GPTModel, vocab_parallel_losses
+from engine.models.base import ParallelModel
 from engine.pipeline.split import layer_split
 from layers.param_roles import mark_copy
-from layers.rotary import rotary_tables
 from layers.utils import local_part
-from parallel_state.groups import group_size
-
-HEADS = ("final_norm", "lm_head")  # a decoder's last-stage modules
-BERT_HEADS = ("mlm_transform", "lm_head", "pooler", "sop_head")
 
 
 class _TiedWord(nn.Module):
@@ -45,10 +41,10 @@ class _TiedWord(nn.Module):
 
 
 class StageChunk(nn.Module):
-    """One stage's forward: the first stage's inputs (ids ``[b, s]``; BERT: and token types)
-    or the hidden ``[s(/tp), b, h]`` received → hidden, and on the last stage → the heads'
-    outputs (:meth:`PipelineModel.head`). ``attention_mask`` ``[b, s]`` (BERT's padding)
-    reaches every stage from the batch."""
+    """One stage's forward: the first stage's inputs (ids ``[b, s]``, and whatever else the
+    model embeds) or the hidden ``[s(/tp), b, h]`` received → hidden, and on the last stage
+    → the heads' outputs (:meth:`PipelineModel.head`). ``attention_mask`` ``[b, s]`` (an
+    encoder's padding) reaches every stage from the batch."""
 
     def __init__(self, owner: PipelineModel, layers: range, *, first: bool, last: bool) -> None:
         super().__init__()
@@ -77,7 +73,9 @@ class PipelineModel(ParallelModel):
 
     ``chunks`` are the stage modules in stage order (one, or ``virtual`` interleaved ones).
     ``full_state_dict`` and ``full_grad_dict`` gather over TP and the pipeline group, so
-    they return the unsplit model's tensors on every rank (collective).
+    they return the unsplit model's tensors on every rank (collective). The model's hooks
+    (``embed``, ``rotary_for``, ``head``, ``stage_inputs``, ``stage_loss``) run on this
+    object: it holds what they read (``ParallelModel.pipeline_heads``).
     """
 
     def __init__(
@@ -92,20 +90,21 @@ class PipelineModel(ParallelModel):
         embedding_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(model, (GPTModel, BertModel)):
+        if not getattr(model, "pipeline_heads", ()):
             raise ValueError(
-                f"pp_size>1 cuts gpt, llama and bert models, not {type(model).__name__}"
+                f"pp_size>1 cuts models that name their last-stage heads (pipeline_heads), "
+                f"not {type(model).__name__}"
             )
-        self.cfg, self.tp_group, self.bert = model.cfg, model.tp_group, isinstance(model, BertModel)
+        self._hooks = type(model)  # the class whose hooks run on this stage
+        self.cfg, self.tp_group, self.kernels = model.cfg, model.tp_group, model.kernels
+        for name, buffer in model.named_buffers(recurse=False):  # constants (rotary frequencies)
+            self.register_buffer(name, buffer, persistent=False)
         self.pp_group, self.embedding_group = pp_group, embedding_group
         self._full_names = model.full_names
         self.num_stages = pp_size * virtual
         self.split = layer_split(self.cfg.num_layers, self.num_stages, layers_per_stage)
         self.stage_ids = [pp_rank + v * pp_size for v in range(virtual)]
         self.is_first, self.is_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
-        self.kernels, self.rotary = model.kernels, getattr(model, "rotary", False)
-        if self.rotary:
-            self.register_buffer("inv_freq", model.inv_freq, persistent=False)
         self.holds_tied_copy = False  # the last stage's copy of the first stage's word embedding
         if self.is_first:
             self.embedding = model.embedding
@@ -116,7 +115,7 @@ class PipelineModel(ParallelModel):
         self.layers = nn.ModuleDict(
             {str(i): model.layers[i] for s in self.stage_ids for i in self.split[s]}
         )
-        self.head_names = BERT_HEADS if self.bert else HEADS
+        self.head_names = model.pipeline_heads
         for name in self.head_names if self.is_last else ():
             self.add_module(name, getattr(model, name))
         self.chunks = [  # a list: the chunks' parameters are already registered above
@@ -132,57 +131,28 @@ class PipelineModel(ParallelModel):
         return ("embedding.word.weight",) if self.holds_tied_copy else ()
 
     def rotary_for(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(cos, sin) for positions 0 … s−1 of ``hidden`` (a sequence shard under SP)."""
-        if not self.rotary:
-            return None
-        seq = hidden.shape[0] * (group_size(self.tp_group) if self.cfg.sequence_parallel else 1)
-        positions = torch.arange(seq, device=hidden.device).expand(hidden.shape[1], -1)
-        return rotary_tables(self.inv_freq, positions, hidden.dtype)
+        """The model's rotary tables for ``hidden`` (None: its layers take none)."""
+        return self._hooks.rotary_for(self, hidden)
 
-    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None):
-        """The first stage's hidden ``[s(/tp), b, h]`` of ids ``[b, s]`` (BERT: and types)."""
-        if self.bert:
-            return self.embedding(input_ids, token_type_ids)
-        return self.embedding(input_ids)
+    def embed(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The first stage's hidden ``[s(/tp), b, h]`` of the schedule's positional inputs."""
+        return self._hooks.embed(self, *inputs)
 
     def head(self, hidden: torch.Tensor):
-        """The last stage's outputs: vocab-sharded logits ``[s, b, V/tp]``; BERT's are the
-        MLM logits and the sentence-order logits ``[b, 2]``."""
-        word = self.embedding.word.weight if self.cfg.tie_embeddings else None
-        if self.bert:
-            mlm = self.lm_head(self.mlm_transform(hidden), word)
-            return mlm, self.sop_head(self.pooler(hidden))
-        return self.lm_head(self.final_norm(hidden), word)
+        """The last stage's outputs (the model's heads: vocab-sharded logits ``[s, b, V/tp]``,
+        and whatever else its loss takes)."""
+        return self._hooks.head(self, hidden)
 
     def micro_loss(self, outputs, target: torch.Tensor) -> torch.Tensor:
         """Mean loss of one micro-batch: the :meth:`head` outputs against the target of
-        :meth:`schedule_inputs` (labels ``[b, s]``; BERT: MLM labels and the SOP label)."""
-        if self.bert:
-            mlm, sop = outputs
-            return bert_losses(self, mlm, sop, target[:, :-1], target[:, -1])["loss"]
-        return vocab_parallel_losses(self, outputs, target).mean()
+        :meth:`schedule_inputs` (the model's ``stage_loss``)."""
+        return self._hooks.stage_loss(self, outputs, target)
 
     def schedule_inputs(self, micro_batches: list, device: torch.device) -> tuple:
         """The micro-batches stacked in order into the schedule's whole-batch inputs:
-        (the first stage's positional inputs, every stage's keyword inputs, the target).
-
-        Decoders take token windows ``[b, s+1]`` or ``{"input_ids", "labels"}``; BERT its
-        dataset's dicts: its target is the MLM labels with the SOP label as a last column
-        (the schedule splits one target tensor), its padding mask goes to every stage.
-        """
-        stacked: dict[str, list[torch.Tensor]] = {}
-        for micro in micro_batches:
-            micro = to_device(micro, device)
-            if isinstance(micro, torch.Tensor):  # position i predicts i+1
-                micro = {"input_ids": micro[:, :-1], "labels": micro[:, 1:]}
-            for key, value in micro.items():
-                stacked.setdefault(key, []).append(value)
-        batch = {key: torch.cat(values) for key, values in stacked.items()}
-        if not self.bert:
-            return (batch["input_ids"],), {}, batch["labels"]
-        target = torch.cat([batch["mlm_labels"], batch["sop_label"][:, None]], dim=1)
-        inputs = (batch["input_ids"], batch["token_type_ids"])
-        return inputs, {"attention_mask": batch["attention_mask"]}, target
+        (the first stage's positional inputs, every stage's keyword inputs, the target),
+        as the model's ``stage_inputs`` says."""
+        return self._hooks.stage_inputs(self, micro_batches, device)
 
     @torch.no_grad()
     def sum_tied_grads(self) -> None:

@@ -7,7 +7,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.base import ParallelLMHead, ParallelModel, replicated_linear
+from engine.models.base import (
+    ParallelLMHead,
+    ParallelModel,
+    replicated_linear,
+    stack_batches,
+    to_device,
+)
 from engine.models.config import ModelConfig
 from layers import gather_from_tp, vocab_parallel_cross_entropy
 from layers.kernel_set import Kernels
@@ -85,6 +91,7 @@ class BertModel(ParallelModel):
     """
 
     ARCH = "bert"
+    pipeline_heads = ("mlm_transform", "lm_head", "pooler", "sop_head")
 
     def __init__(
         self,
@@ -139,10 +146,37 @@ class BertModel(ParallelModel):
         hidden = self.embedding(input_ids, token_type_ids)  # [s(/tp), b, h]
         for layer in self.layers:
             hidden = layer(hidden, mask)
-        logits = self.lm_head(self.mlm_transform(hidden), self.embedding.word.weight)
-        sop = self.sop_head(self.pooler(hidden))
+        logits, sop = self.head(hidden)
         out = {"mlm_logits": logits.transpose(0, 1), "sop_logits": sop}
         return out | bert_losses(self, logits, sop, mlm_labels, sop_labels)
+
+    # The pipeline cut's hooks (ParallelModel): a stage runs them on itself. The padding
+    # mask is no activation: every stage gets its micro-batch's mask as a keyword input.
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's hidden ``[s(/tp), b, h]`` of ids and token types ``[b, s]``."""
+        return self.embedding(input_ids, token_type_ids)
+
+    def head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLM logits ``[s, b, V/tp]`` (vocab-sharded) and the sentence-order logits
+        ``[b, 2]`` of the final hidden."""
+        word = self.embedding.word.weight if self.cfg.tie_embeddings else None
+        return self.lm_head(self.mlm_transform(hidden), word), self.sop_head(self.pooler(hidden))
+
+    def stage_inputs(self, micro_batches: list, device: torch.device) -> tuple:
+        """BertDataset's dicts: ids and token types go to the first stage, the padding mask
+        to every stage; the target is the MLM labels with the SOP label as a last column
+        (the schedule splits one target tensor)."""
+        batch = stack_batches([to_device(m, device) for m in micro_batches])
+        target = torch.cat([batch["mlm_labels"], batch["sop_label"][:, None]], dim=1)
+        inputs = (batch["input_ids"], batch["token_type_ids"])
+        return inputs, {"attention_mask": batch["attention_mask"]}, target
+
+    def stage_loss(self, outputs: tuple, target: torch.Tensor) -> torch.Tensor:
+        """MLM + SOP loss of the :meth:`head` outputs against the :meth:`stage_inputs`
+        target (MLM labels ``[b, s]``, SOP label as the last column)."""
+        mlm, sop = outputs
+        return bert_losses(self, mlm, sop, target[:, :-1], target[:, -1])["loss"]
 
 
 def bert_losses(

@@ -7,12 +7,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.models.base import ParallelLMHead, ParallelModel
+from engine.models.base import ParallelLMHead, ParallelModel, stack_batches, to_device
 from engine.models.config import ModelConfig
 from layers.attention import KVCache, decoder_mask
 from layers.norm import make_norm
 from layers.rotary import inverse_frequencies, rotary_tables
 from layers.utils import comm_timer_of
+from parallel_state.groups import group_size
 from parallel_state.random import RNGTracker
 
 
@@ -25,6 +26,7 @@ class GPTModel(ParallelModel):
     """
 
     ARCH = "gpt"  # the model.arch this class builds (a family's subclass names its own)
+    pipeline_heads = ("final_norm", "lm_head")
 
     def __init__(
         self,
@@ -38,7 +40,6 @@ class GPTModel(ParallelModel):
         super().__init__()
         build = self._build_trunk(cfg, tp_group=tp_group, rng=rng, dtype=dtype, device=device)
         self.final_norm = make_norm(cfg, kernels=self.kernels, dtype=dtype, device=device)
-        self.rotary = cfg.position_embedding == "rotary"
         if self.rotary:  # fp32 frequencies, a buffer so .to(device) moves them
             inv = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_args)
             self.register_buffer("inv_freq", inv.to(device), persistent=False)
@@ -68,7 +69,7 @@ class GPTModel(ParallelModel):
                 hidden = layer(hidden, mask, cache[i] if cache else None)
             else:
                 hidden = layer(hidden, mask, cache[i] if cache else None, rotary)
-        logits = self.lm_head(self.final_norm(hidden), self.embedding.word.weight)  # [s, b, V/tp]
+        logits = self.head(hidden)  # [s, b, V/tp]
         if labels is None:
             return logits.transpose(0, 1)  # [b, s, V/tp]
         return vocab_parallel_losses(self, logits, labels)
@@ -86,9 +87,37 @@ class GPTModel(ParallelModel):
     def loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token loss of ``batch``: token windows ``[b, s+1]`` (as GPTDataset yields
         them; position i predicts i+1), or ``{"input_ids", "labels"}``, each ``[b, s]``."""
-        if isinstance(batch, torch.Tensor):
-            batch = {"input_ids": batch[:, :-1], "labels": batch[:, 1:]}
+        batch = next_token_pairs(batch)
         return self(batch["input_ids"], batch["labels"]).mean()
+
+    # The pipeline cut's hooks (ParallelModel): a stage runs them on itself.
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's hidden ``[s(/tp), b, h]`` of ids ``[b, s]``."""
+        return self.embedding(input_ids)
+
+    def rotary_for(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) for positions 0 … s−1 of ``hidden`` (a sequence shard under SP)."""
+        if not self.rotary:
+            return None
+        seq = hidden.shape[0] * (group_size(self.tp_group) if self.cfg.sequence_parallel else 1)
+        positions = torch.arange(seq, device=hidden.device).expand(hidden.shape[1], -1)
+        return rotary_tables(self.inv_freq, positions, hidden.dtype)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocab-sharded logits ``[s, b, V/tp]`` of the final hidden (norm, LM head)."""
+        word = self.embedding.word.weight if self.cfg.tie_embeddings else None
+        return self.lm_head(self.final_norm(hidden), word)
+
+    def stage_inputs(self, micro_batches: list, device: torch.device) -> tuple:
+        """Token windows ``[b, s+1]`` or ``{"input_ids", "labels"}``: the ids go to the first
+        stage, the labels are the target; no keyword inputs."""
+        batch = stack_batches([next_token_pairs(to_device(m, device)) for m in micro_batches])
+        return (batch["input_ids"],), {}, batch["labels"]
+
+    def stage_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of the logits ``[s, b, V/tp]`` against labels ``[b, s]``."""
+        return vocab_parallel_losses(self, outputs, target).mean()
 
     def logits(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``{"logits": [b, s, V_padded/tp]}`` of ``batch["input_ids"]`` (vocab-sharded)."""
@@ -98,6 +127,14 @@ class GPTModel(ParallelModel):
         """Empty KV caches (one per layer, this rank's heads) for ``batch`` sequences of up to
         ``capacity`` positions."""
         return [layer.attention.new_cache(batch, capacity) for layer in self.layers]
+
+
+def next_token_pairs(batch: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{"input_ids", "labels"}`` of a batch: token windows ``[b, s+1]`` are split (position
+    i predicts i+1); a dict is returned as it is."""
+    if isinstance(batch, torch.Tensor):
+        return {"input_ids": batch[:, :-1], "labels": batch[:, 1:]}
+    return batch
 
 
 def vocab_parallel_losses(
