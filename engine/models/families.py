@@ -8,7 +8,9 @@ This table is the one list of them: ``build_model``, ``engine.hf_interop`` and
 reads the traits that the layers and the data take from the family.
 
 The table imports nothing of ours, because the config reads it and every family module
-imports the config: a family's modules are imported when first asked for.
+imports the config: a family's modules are imported when first asked for. The torch-free
+performance model reads this file on its own (``studies/perfmodel/family_table.py``), since
+importing it through its package runs ``engine/models/__init__.py``, which imports torch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Family:
     causal: bool = True  # a decoder: causal attention, next-token data, generation
     pre_norm: bool = True  # sub-layers normalize their input (post-norm: the residual sum)
     token_types: bool = False  # segment embeddings and a LayerNorm on the embeddings
+    gated_mlp: bool = False  # a gated MLP (SwiGLU's three matrices), as the planner prices it
 
     def module(self, part: str) -> ModuleType:
         """The folder's ``model``, ``hf`` or ``costs`` module."""
@@ -54,7 +57,7 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("gpt", "GPTModel"),
         Family("bert", "BertModel", causal=False, pre_norm=False, token_types=True),
-        Family("llama", "LlamaModel"),
+        Family("llama", "LlamaModel", gated_mlp=True),
     )
 }
 
