@@ -565,3 +565,62 @@ def test_parameter_roles_are_declared_in_one_module():
         for line in role_writes(path.read_text(), roles)
     ]
     assert not hits, "set parameter roles through layers.param_roles:\n" + "\n".join(hits)
+
+
+def family_names_used(source: str, names: frozenset[str]) -> list[int]:
+    """Lines where one of ``names`` (compared lower-case) is an identifier, an attribute, a
+    definition's or argument's or import's name, or a whole string constant. A preset name
+    such as "gpt_tiny", or prose that mentions a family, is not one of them."""
+    fields = ("id", "attr", "name", "asname", "arg")
+    lines = set()
+    for node in ast.walk(ast.parse(source)):
+        values = [getattr(node, f, None) for f in fields]
+        if isinstance(node, ast.Constant):
+            values.append(node.value)
+        if any(isinstance(v, str) and v.lower() in names for v in values):
+            lines.add(node.lineno)
+    return sorted(lines)
+
+
+def _family_names() -> frozenset[str]:
+    from engine.models.families import FAMILIES
+
+    names = {n.lower() for fam in FAMILIES.values() for n in (fam.arch, fam.model)}
+    assert {"gpt", "bertmodel", "llama"} <= names  # it found them
+    return frozenset(names)
+
+
+def test_family_name_finder_catches_planted_uses():
+    planted = (
+        "from engine.models import GPTModel\n"
+        "if cfg.arch == 'llama':\n"
+        "    pass\n"
+        "ok = w.bert\n"
+        "def gpt(x): return x\n"
+        "name = 'gpt_tiny'  # a preset name: data\n"
+        "title = 'GPT'\n"
+        "isinstance(m, BertModel)\n"
+        "f(model='LlamaModel', family=arch)\n"
+        '"""Prices a Llama-family model."""\n'
+    )
+    assert family_names_used(planted, _family_names()) == [1, 2, 4, 5, 7, 8, 9]
+
+
+def test_studies_name_no_model_family():
+    """studies/ (the planner, the verifier, benchmarks, scaling) asks the family table
+    (engine/models/families.py: traits, each family's costs.py and tiny preset) instead of
+    branching on a family's name or class; a new family then needs no edit there. The
+    planner reads the table without torch (studies/perfmodel/family_table.py): the same
+    rows, and its default family is the config's."""
+    from engine.models import FAMILIES, ModelConfig
+    from studies.perfmodel import family_table
+
+    names = _family_names()
+    hits = [
+        f"{path.relative_to(ROOT).as_posix()}:{line}"
+        for path in _python_files("studies")
+        for line in family_names_used(path.read_text(), names)
+    ]
+    assert not hits, "ask engine/models/families.py, not a family's name:\n" + "\n".join(hits)
+    assert repr(family_table.FAMILIES) == repr(FAMILIES)
+    assert ModelConfig.arch == family_table.DEFAULT_ARCH
