@@ -625,16 +625,21 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return found
 
 
-def family_mentions(source: str, names: frozenset[str]) -> list[tuple[int, str]]:
+def family_mentions(
+    source: str, names: frozenset[str], *, words: bool = True
+) -> list[tuple[int, str]]:
     """(line, word) where code names a family: a word of an identifier (a name, attribute,
     definition, argument, keyword or imported module, split at ``_`` and ``.``) or of a
     string that is no docstring (split at anything not a letter or digit) equals one of
-    ``names`` (compared lowercase)."""
+    ``names`` (compared lowercase). ``words=False`` compares whole identifiers and whole
+    strings instead, so a preset name ("gpt_tiny") or a formula named after the family
+    that first needed it does not count, while ``arch == "llama"`` or ``w.bert`` does."""
     tree = ast.parse(source)
     skip, found = _docstrings(tree), []
 
     def check(line: int, text: str, pattern: str) -> None:
-        found.extend((line, w) for w in re.findall(pattern, text) if w.lower() in names)
+        parts = re.findall(pattern, text) if words else [text]
+        found.extend((line, w) for w in parts if w.lower() in names)
 
     for node in ast.walk(tree):
         line = getattr(node, "lineno", 0)
@@ -692,6 +697,21 @@ def test_family_finder_catches_planted_mentions():
     ]
 
 
+def test_whole_name_finder_catches_planted_uses():
+    planted = (
+        "from engine.models import GPTModel\n"
+        "if cfg.arch == 'llama':\n"
+        "    pass\n"
+        "ok = w.bert\n"
+        "def gpt(x): return x\n"
+        "name = 'gpt_tiny'  # a preset name: data\n"
+        "isinstance(m, BertModel)\n"
+        "flops = llama_flops_per_iteration(w)\n"
+    )
+    found = family_mentions(planted, _family_names(), words=False)
+    assert [line for line, _ in found] == [1, 2, 4, 5, 7]
+
+
 def test_the_pipeline_cut_and_checkpoints_name_no_family():
     """engine/pipeline/ and engine/checkpoint/ ask the model (its hooks, ``Family`` data)
     instead of naming a family: no family name (``FAMILIES``' keys) or model class name is
@@ -706,3 +726,23 @@ def test_the_pipeline_cut_and_checkpoints_name_no_family():
         for line, word in family_mentions(path.read_text(), names)
     ]
     assert not hits, "ask the model or its Family entry instead:\n" + "\n".join(hits)
+
+
+def test_studies_name_no_model_family():
+    """studies/ (the planner, the verifier, benchmarks, scaling) asks the family table
+    (engine/models/families.py: traits, each family's costs.py and tiny preset) instead of
+    branching on a family's name or class; a new family then needs no edit there. The
+    planner reads the table without torch (studies/perfmodel/family_table.py): the same
+    rows, and its default family is the config's."""
+    from engine.models import FAMILIES, ModelConfig
+    from studies.perfmodel import family_table
+
+    names = _family_names()
+    hits = [
+        f"{path.relative_to(ROOT).as_posix()}:{line} {word}"
+        for path in _python_files("studies")
+        for line, word in family_mentions(path.read_text(), names, words=False)
+    ]
+    assert not hits, "ask engine/models/families.py, not a family's name:\n" + "\n".join(hits)
+    assert repr(family_table.FAMILIES) == repr(FAMILIES)
+    assert ModelConfig.arch == family_table.DEFAULT_ARCH

@@ -30,6 +30,7 @@ from rich.table import Table
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.models import FAMILIES  # noqa: E402
 from parallel_state.dims import DP_SHARD_MODES  # noqa: E402
 from studies.verification.hf_parity import HF_TOLERANCES, check_hf_layout, compare_with_hf  # noqa: E402
 from studies.verification.layouts import (  # noqa: E402
@@ -51,7 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog=f"Tolerances: max|Δ| / max|reference| per tensor: {tols}. "
         f"With --hf-dir, on logits: {hf_tols} (absolute; bfloat16 relative).",
     )
-    p.add_argument("--model", choices=("gpt", "bert", "llama"), default="gpt")
+    p.add_argument(
+        "--model", choices=tuple(FAMILIES), default=VerifySpec.model, help="the family (model.arch)"
+    )
     p.add_argument("--tp-size", type=int, default=2)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--pp-size", type=int, default=1, help="pipeline stages")

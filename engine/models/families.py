@@ -8,7 +8,9 @@ This table is the one list of them: ``build_model``, ``engine.hf_interop`` and
 reads the traits that the layers and the data take from the family.
 
 The table imports nothing of ours, because the config reads it and every family module
-imports the config: a family's modules are imported when first asked for.
+imports the config: a family's modules are imported when first asked for. The torch-free
+performance model reads this file on its own (``studies/perfmodel/family_table.py``), since
+importing it through its package runs ``engine/models/__init__.py``, which imports torch.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Family:
     causal: bool = True  # a decoder: causal attention, next-token data, generation
     pre_norm: bool = True  # sub-layers normalize their input (post-norm: the residual sum)
     token_types: bool = False  # segment embeddings and a LayerNorm on the embeddings
+    gated_mlp: bool = False  # a gated MLP (SwiGLU's three matrices), as the planner prices it
     # A Hugging Face export's special-token roles ("eos_token": ...), each with its tokens
     # in preference order: the first one the exported tokenizer's vocabulary holds.
     special_tokens: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -85,6 +88,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "llama",
             "LlamaModel",
+            gated_mlp=True,
             # Llama 2's and Llama 3's own tokens first (an imported tokenizer), then the
             # document end of a tokenizer trained here.
             special_tokens={

@@ -11,12 +11,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import OptimConfig
-from engine.models import ModelConfig, ParallelModel
+from engine.models import ModelConfig, ParallelModel, family
 from engine.optim import FUSED_ADAMW_DEVICES
 
 # fp32 losses of the two loops agree to summation order (~1e-7 relative per op; a few
 # layers stay far below 1e-4). A larger gap means the two loops compute different models.
 LOSS_RTOL = 1e-4
+
+
+def builds(cfg: ModelConfig) -> bool:
+    """Whether ``RefGPT`` is the model ``cfg`` describes: a decoder family of pre-norm
+    layers, LayerNorm, learned positions, a bias-GeLU MLP, one KV head per query head,
+    biases everywhere and a tied LM head (GPT-2's parts; the others it does not build)."""
+    fam = family(cfg.arch)
+    return (
+        fam.causal
+        and fam.pre_norm
+        and not fam.token_types
+        and cfg.norm == "layernorm"
+        and cfg.position_embedding == "learned"
+        and cfg.activation in ("gelu", "gelu_tanh")
+        and cfg.kv_heads == cfg.num_heads
+        and cfg.qkv_bias
+        and cfg.linear_bias
+        and cfg.tie_embeddings
+    )
 
 
 class RefBlock(nn.Module):

@@ -49,6 +49,7 @@ from engine.tool_args import ArgumentParser, non_negative_int, positive_int
 from studies.bench.reference_gpt import (
     RefGPT,
     autocast_context,
+    builds,
     check_same_function,
     load_reference,
     reference_optimizer,
@@ -326,8 +327,8 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
         model = model or m
     if args.dp_shard:
         return loops, info  # the sharded modes ÷ the all-reduce only
-    if not args.references or ps.world_size > 1 or cfg.arch != "gpt":
-        return loops, info  # the references are one process and GPT only
+    if not args.references or ps.world_size > 1 or not builds(cfg):
+        return loops, info  # the references are one process and GPT-2's parts only
     for kind in args.references:
         if kind == "mcore":
             note = (

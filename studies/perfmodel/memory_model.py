@@ -76,20 +76,20 @@ def activation_bytes(
     sp: bool,
     recompute: str,
     fused_attention: bool,
-    llama_ffn: int | None = None,
+    gated_ffn: int | None = None,
     in_flight: float = 1.0,
 ) -> float:
     """Activation bytes on the rank that holds the most: ``layers`` layers of ``in_flight``
     micro-batches plus the rebuilt layer (a pipeline's first stage), or of one micro-batch
     plus the fp32 logits (the last stage, or the whole model when both are one rank).
 
-    ``llama_ffn`` (the SwiGLU width) prices a Llama layer; None a GPT layer.
+    ``gated_ffn`` (the SwiGLU width) prices a gated (Llama) layer; None a GPT layer.
     """
     scale = act_bytes / 2
 
     def one_layer(rc: str) -> float:
-        if llama_ffn:
-            return llama_layer_activation_bytes(s, b, h, llama_ffn, t, sp=sp, recompute=rc)
+        if gated_ffn:
+            return llama_layer_activation_bytes(s, b, h, gated_ffn, t, sp=sp, recompute=rc)
         return layer_activation_bytes(
             s, b, h, a, t, sp=sp, recompute=rc, fused_attention=fused_attention
         )

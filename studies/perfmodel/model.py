@@ -1,4 +1,5 @@
-"""Predict one training step of a GPT or Llama-family model at a pp × dp × tp layout.
+"""Predict one training step of a decoder (GPT, or a gated-MLP family such as Llama) at a
+pp × dp × tp layout.
 
 Step time = (micro-batches per rank) × (compute + exposed TP communication + pipeline
           hand-off of one micro-batch on the slowest stage) × (1 + bubble)
@@ -34,6 +35,7 @@ from studies.perfmodel.compute import (
     reduction_factor,
     stream_seconds,
 )
+from studies.perfmodel.family_table import DEFAULT_ARCH, FAMILIES, PLANNED
 from studies.perfmodel.in_model import lookup, nearest, parameter_tensors, tp_collectives
 from studies.perfmodel.memory_model import (
     DP_SHARD,
@@ -42,7 +44,6 @@ from studies.perfmodel.memory_model import (
 )
 
 RECOMPUTE = ("none", "selective", "full")
-FAMILIES = ("gpt", "llama")
 # Element-wise traffic per token and layer, forward, in elements of width h: two LayerNorms
 # (read + write: 4), two dropout + residual adds (read 2, write 1: 6); the MLP's bias-GeLU
 # reads and writes the f-wide activation (2·f/h). Backward moves about twice as much.
@@ -62,8 +63,10 @@ OPTIMIZER_BYTES = {"fp32": 40, "bf16": 42}
 class Workload:
     """The model and batch: sizes, global batch in sequences, precision, family.
 
-    ``family`` "llama": SwiGLU MLP of width ``ffn`` (three matrices), ``kv_heads`` key/value
-    heads (grouped-query attention), untied LM head, no biases, RMSNorm, rotary positions.
+    ``family`` is a ``model.arch`` (engine/models/families.py). A family with a gated MLP
+    (``gated_mlp``: Llama's) is priced as that family's layers are built: SwiGLU MLP of
+    width ``ffn`` (three matrices), ``kv_heads`` key/value heads (grouped-query attention),
+    untied LM head, no biases, RMSNorm, rotary positions. The others: GPT-2's layers.
     """
 
     hidden: int
@@ -75,8 +78,8 @@ class Workload:
     ffn: int | None = None
     precision: str = "bf16"  # "bf16"/"fp16" or "fp32"
     vocab_multiple: int = 128  # vocab padded to a multiple of tp × this
-    family: str = "gpt"
-    kv_heads: int | None = None  # Llama: key/value heads (None: as many as query heads)
+    family: str = DEFAULT_ARCH
+    kv_heads: int | None = None  # gated families: key/value heads (None: as many as query heads)
 
     @property
     def act_bytes(self) -> int:
@@ -84,9 +87,12 @@ class Workload:
         return 4 if self.precision == "fp32" else 2
 
     @property
-    def llama(self) -> bool:
-        """Whether the layers are Llama-family ones."""
-        return self.family == "llama"
+    def gated(self) -> bool:
+        """Whether the family's MLP is gated, so its layers are priced as Llama's (an
+        arch the table lacks reads as GPT's, as the config reads it; layout_problems
+        names it)."""
+        fam = FAMILIES.get(self.family)
+        return fam is not None and fam.gated_mlp
 
     @property
     def kv(self) -> int:
@@ -166,7 +172,7 @@ class Prediction:
 def layer_params_per_rank(w: Workload, tp: int) -> float:
     """Parameters of one layer on one TP rank: its weight shards plus replicated vectors."""
     h, f = w.hidden, w.ffn_size
-    if w.llama:  # KV heads split over TP, each held by t/kv ranks when TP exceeds them
+    if w.gated:  # KV heads split over TP, each held by t/kv ranks when TP exceeds them
         g = llama_layer_weights(h, f, w.kv * (h // w.heads))
         return (g["q_out"] + g["mlp"]) / tp + g["kv"] / min(tp, w.kv) + g["norms"]
     return (4 * h * h + 2 * h * f + 3 * h + f) / tp + 6 * h  # row biases and LNs replicated
@@ -177,7 +183,7 @@ def vocab_params_per_rank(w: Workload, tp: int, pp: int = 1) -> float:
     pipeline the first stage's embedding (GPT: with positions) or the last stage's head
     (GPT keeps a tied copy there; its final LayerNorm)."""
     table = w.padded_vocab(tp) * w.hidden / tp
-    if w.llama:
+    if w.gated:
         return (2 if pp == 1 else 1) * table + w.hidden  # untied head; final RMSNorm
     return table + w.seq * w.hidden + 2 * w.hidden
 
@@ -197,7 +203,7 @@ def gemm_shapes(w: Workload, lay: Layout) -> list[tuple[int, int, int, int]]:
         (tokens, f // t, h),
         (tokens, h, f // t),
     ]
-    if w.llama:  # Q + the rank's KV heads; gate and up as one column-parallel GEMM
+    if w.gated:  # Q + the rank's KV heads; gate and up as one column-parallel GEMM
         kv_cols = 2 * w.kv * (h // w.heads) // min(t, w.kv)
         per_layer[0] = (tokens, h // t + kv_cols, h)
         per_layer[2] = (tokens, 2 * f // t, h)
@@ -215,7 +221,7 @@ def score_bytes(w: Workload, lay: Layout) -> float:
 def elementwise_bytes(w: Workload, lay: Layout) -> tuple[float, float]:
     """(one layer's forward element-wise bytes, the fp32 logits' forward + backward bytes)."""
     rows = lay.micro_batch * w.seq / (lay.tp if lay.sequence_parallel else 1)
-    mlp = 3 if w.llama else 2  # SwiGLU reads gate and up, writes the product; bias-GeLU 2
+    mlp = 3 if w.gated else 2  # SwiGLU reads gate and up, writes the product; bias-GeLU 2
     elems = rows * w.hidden * EW_H_ELEMS + lay.micro_batch * w.seq * mlp * w.ffn_size / lay.tp
     logits = lay.micro_batch * w.seq * w.padded_vocab(lay.tp) / lay.tp
     return elems * w.act_bytes, 3 * 4 * logits * 4  # softmax and its gradient, fp32
@@ -439,7 +445,7 @@ def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
         sp=lay.sequence_parallel,
         recompute=lay.recompute,
         fused_attention=lay.fused_attention,
-        llama_ffn=w.ffn_size if w.llama else None,
+        gated_ffn=w.ffn_size if w.gated else None,
         in_flight=pipe.in_flight_micro_batches(
             lay.pp, micro_steps, lay.schedule, lay.virtual_stages
         ),
@@ -450,7 +456,7 @@ def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
 def model_flops(w: Workload, tp: int, *, recompute: bool = False) -> int:
     """Matmul FLOPs of one step (engine.formulas: the family's formula, padded vocabulary)."""
     args = (w.global_batch, w.seq, w.layers, w.hidden, w.padded_vocab(tp))
-    if w.llama:
+    if w.gated:
         kv_width = w.kv * (w.hidden // w.heads)
         return llama_flops_per_iteration(
             *args, ffn_hidden=w.ffn_size, kv_width=kv_width, recompute=recompute
@@ -529,7 +535,7 @@ def layout_problems(w: Workload, lay: Layout, gpus: int) -> list[str]:
     for name, value in (("heads", w.heads), ("ffn", w.ffn_size), ("hidden", w.hidden)):
         if value % lay.tp:
             problems.append(f"{name}={value} is not divisible by tp={lay.tp}")
-    if w.llama and lay.tp % w.kv and w.kv % lay.tp:
+    if w.gated and lay.tp % w.kv and w.kv % lay.tp:
         problems.append(f"kv_heads={w.kv} and tp={lay.tp}: one must divide the other")
     if lay.sequence_parallel and w.seq % lay.tp:
         problems.append(f"seq={w.seq} is not divisible by tp={lay.tp} (sequence parallel)")
@@ -542,8 +548,8 @@ def layout_problems(w: Workload, lay: Layout, gpus: int) -> list[str]:
         problems.append(f"recompute={lay.recompute!r} is not one of {RECOMPUTE}")
     if lay.dp_shard not in DP_SHARD:
         problems.append(f"dp_shard={lay.dp_shard!r} is not one of {DP_SHARD}")
-    if w.family not in FAMILIES:
-        problems.append(f"family={w.family!r} is not one of {FAMILIES}")
+    if w.family not in PLANNED:
+        problems.append(f"family={w.family!r} is not one of {PLANNED}")
     return problems + pipeline_problems(w, lay)
 
 

@@ -9,13 +9,13 @@ import sys
 
 from engine.tool_args import ArgumentParser, positive_int
 from studies.perfmodel.cluster_spec import ClusterSpec, cluster_names, load_cluster
+from studies.perfmodel.family_table import DEFAULT_ARCH, display_name
 from studies.perfmodel.memory_model import DP_SHARD
 from studies.perfmodel.model import Layout, Workload, layout_problems, predict
 from studies.perfmodel.pipeline import SCHEDULES
 from studies.perfmodel.presets import model_preset
 from studies.perfmodel.search import best_per_split, search
 
-FAMILY_NAMES = {"gpt": "GPT", "llama": "Llama"}
 MAX_GPUS = 1 << 20  # beyond any cluster; the search enumerates every layout of the count
 
 
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def workload_from_args(args: argparse.Namespace, cluster: ClusterSpec) -> Workload:
     """Sizes from --model and the explicit flags (flags win)."""
     pre = model_preset(args.model) if args.model else {}
-    family = pre.get("arch", "gpt")
+    family = pre.get("arch", DEFAULT_ARCH)
     sizes = {
         "hidden": args.hidden or pre.get("hidden_size"),
         "layers": args.layers or pre.get("num_layers"),
@@ -227,9 +227,9 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
         ]
         print(json.dumps({"feasible": rows, "rejected": rejected}, indent=1))
         return 0
-    kv = f", kv={w.kv}" if w.llama else ""
+    kv = f", kv={w.kv}" if w.gated else ""
     print(
-        f"{w.layers}×{w.hidden} {FAMILY_NAMES[w.family]} (a={w.heads}{kv}, s={w.seq}, V={w.vocab}), global "
+        f"{w.layers}×{w.hidden} {display_name(w.family)} (a={w.heads}{kv}, s={w.seq}, V={w.vocab}), global "
         f"batch {w.global_batch}, {args.gpus} GPUs of {cluster.name}"
     )
     print("best layout per pp × tp × dp, fastest first:")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from studies.perfmodel.family_table import DEFAULT_ARCH, PLANNED
+
 MODEL_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
 
 
@@ -21,8 +23,9 @@ def model_preset(name: str, directory: Path = MODEL_DIR) -> dict:
         raise ValueError(f"unknown model preset {name!r}; choose one of {choices}")
     values = yaml.safe_load(path.read_text()) or {}
     values.pop("defaults", None)
-    if values.get("arch", "gpt") not in ("gpt", "llama"):
+    if values.get("arch", DEFAULT_ARCH) not in PLANNED:
         raise ValueError(
-            f"model preset {name!r} is {values['arch']}: the planner models GPT and Llama only"
+            f"model preset {name!r} is {values['arch']}: the planner models the decoder "
+            f"families only ({', '.join(PLANNED)})"
         )
     return values

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import parallel_state
 from engine import comm
-from engine.models import ModelConfig, ParallelModel, build_model, family
+from engine.models import ModelConfig, ParallelModel, build_model, family, preset
 from engine.pipeline import SCHEDULES, layer_split
 from engine.pipeline.split import microbatch_rule
 from parallel_state import groups
@@ -45,13 +45,24 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 # all-reduces in bf16), so they differ by several roundoffs (observed ≤ 2.5e-2); 5e-2
 # bounds that while a real bug still shows as O(1).
 TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 5e-2}
+# What the verifier's tiny model takes from its family's ``<arch>_tiny`` preset: the
+# component choices. Sizes, dropout and epsilon are the spec's (or the schema's) instead.
+TINY_PARTS = (
+    "norm",
+    "position_embedding",
+    "activation",
+    "num_kv_heads",
+    "qkv_bias",
+    "linear_bias",
+    "tie_embeddings",
+)
 
 
 @dataclass(frozen=True)
 class VerifySpec:
     """The target layout, the tiny model, the batch and the dtype to compare with."""
 
-    model: str = "gpt"  # "gpt", "bert" or "llama"
+    model: str = ModelConfig.arch  # a family of engine/models/families.py
     tp_size: int = 1
     dp_size: int = 1
     sequence_parallel: bool = False
@@ -121,18 +132,11 @@ class VerifySpec:
         )
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
-        """The target's config, or with ``reference=True`` the plain unsplit one. A llama
-        has 2 KV heads, so at tp 4 each is replicated on 2 ranks."""
-        parts = {}
-        if self.model == "llama":
-            parts = dict(
-                norm="rmsnorm",
-                position_embedding="rotary",
-                num_kv_heads=2,
-                qkv_bias=False,
-                linear_bias=False,
-                tie_embeddings=False,
-            )
+        """The target's config, or with ``reference=True`` the plain unsplit one. Its
+        components are the family's tiny preset's (``TINY_PARTS``): the Llama one has 2 KV
+        heads, so at tp 4 each is replicated on 2 ranks."""
+        tiny = preset(f"{family(self.model).arch}_tiny")
+        parts = {k: getattr(tiny, k) for k in TINY_PARTS}
         return ModelConfig(
             **parts,
             arch=self.model,
@@ -143,7 +147,6 @@ class VerifySpec:
             max_positions=self.seq_len,
             hidden_dropout=0.0,
             attention_dropout=0.0,
-            activation={"gpt": "gelu_tanh", "bert": "gelu", "llama": "swiglu"}[self.model],
             sequence_parallel=self.sequence_parallel and not reference,
             recompute="none" if reference else self.recompute,
         )
@@ -175,7 +178,7 @@ def make_batch(spec: VerifySpec) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(spec.seed + 1)
     b, s, v = spec.batch_size, spec.seq_len, spec.vocab_size
     ids = torch.randint(0, v, (b, s), generator=g)
-    if family(spec.model).causal:  # decoders (gpt, llama): next-token batches
+    if family(spec.model).causal:  # decoders: next-token batches
         return {"input_ids": ids, "labels": torch.randint(0, v, (b, s), generator=g)}
     lengths = torch.randint(max(4, s // 2), s + 1, (b,), generator=g)
     positions = torch.arange(s)

@@ -87,11 +87,10 @@ class StageCapture(OutputCapture):
         finally:
             self.micro = None
         split = self.model.split[stage.stage_index]
-        if stage.is_last:
-            names = ("lm_head", "sop_head") if self.model.bert else ("lm_head",)
-        else:
-            names = (f"layers.{split[-1]}",)
         outs = out if isinstance(out, tuple) else (out,)
+        # The last stage returns the LM head's logits, then a sentence-order head's if any.
+        last = ("lm_head", "sop_head")[: len(outs)]
+        names = last if stage.is_last else (f"layers.{split[-1]}",)
         for name, tensor in zip(names, outs, strict=True):
             self._hand_off((SENT, name, stage.stage_index, micro, name), tensor, name)
         return out
