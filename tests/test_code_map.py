@@ -565,3 +565,18 @@ def test_parameter_roles_are_declared_in_one_module():
         for line in role_writes(path.read_text(), roles)
     ]
     assert not hits, "set parameter roles through layers.param_roles:\n" + "\n".join(hits)
+
+
+def test_engine_imports_no_app_and_its_config_no_dataset():
+    """apps/ are built on engine/, never the reverse (the classifier's schemas live in
+    apps/classify_config.py); engine/config.py checks the data config through the leaf
+    engine/data/weights.py, not the datasets of engine/data/blend.py."""
+    hits = [
+        f"{path.relative_to(ROOT).as_posix()} imports {module}"
+        for path in _python_files("engine")
+        for module in sorted(imported_modules(path, ROOT))
+        if module.split(".")[0] == "apps"
+    ]
+    assert not hits, hits
+    config = imported_modules(ROOT / "engine" / "config.py", ROOT)
+    assert "engine.data.blend" not in config and "engine.data.weights" in config, config
