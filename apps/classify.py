@@ -22,7 +22,8 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from engine.config import ClassifyConfig, register_classify_configs, sized_dims
+from apps.classify_config import ClassifyConfig, register_classify_configs
+from engine.config import INT64_MAX, MAX_LR, numbers_out_of_range, sized_dims
 from parallel_state.dims import LayoutError
 from parallel_state.launcher import DEFAULT_MASTER_PORT, detect_launch
 
@@ -138,7 +139,6 @@ def _validate_values(cfg: ClassifyConfig, reported: list[str]) -> list[str]:
     """Ranges no other check covers, then every number's type range (64 bits, finite)."""
     from pathlib import Path
 
-    from engine.config import INT64_MAX, MAX_LR, numbers_out_of_range
     from engine.preflight import probe_writable
 
     t, launch, problems = cfg.trainer, cfg.launch, []

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from apps.classify_config import ClassifyConfig
 from engine import comm
-from engine.config import ClassifyConfig, sized_dims
+from engine.config import sized_dims
 from engine.data import fashion_mnist
 from engine.data_parallel import GradSync
 from engine.models.mlp import MLPClassifier

@@ -10,6 +10,7 @@ paths) and returns one line per problem, naming the key and the numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -19,7 +20,9 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from engine.data.weights import normalized, split_fractions
 from engine.models.config import ModelConfig
+from engine.pipeline.split import layer_split, microbatch_rule
 from parallel_state.dims import LayoutError, ParallelDims
 
 
@@ -105,18 +108,23 @@ class CheckpointConfig:
 
 @dataclass
 class ParallelConfig:
-    """What the mesh shards beyond the sizes (tp_size, dp_size and pp_size are top-level)."""
+    """The layout: ranks per layer, replicas and stages, and what the DP axis shards."""
 
+    tp: int = 2  # tensor-parallel size, ranks sharing each layer (short form: tp_size=)
+    dp: Any = 2  # data-parallel size, or "auto": world ÷ (tp × pp) (short form: dp_size=)
+    pp: int = 1  # pipeline stages the layers are cut into; 1: none (short form: pp_size=)
     dp_shard: str = "none"  # DP shards: none, optimizer (ZeRO-1), gradients (ZeRO-2), full (ZeRO-3)
 
 
+# The sizes' short forms, top-level keys: ``tp_size=2`` sets ``parallel.tp``.
+SHORT_FORMS = {"tp_size": "tp", "dp_size": "dp", "pp_size": "pp"}
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
 @dataclass
 class PipelineConfig:
-    """How pipeline stages run (pp_size is top-level; the micro-batches of the schedule
-    are the step's gradient accumulation, global_batch ÷ (micro_batch × dp_size))."""
+    """How pipeline stages run (parallel.pp sets the stages; the micro-batches of the
+    schedule are the step's gradient accumulation, global_batch ÷ (micro_batch × dp))."""
 
     schedule: str = "1f1b"  # gpipe, 1f1b or interleaved_1f1b
     virtual_stages: int = 1  # stages per pipeline rank; interleaved_1f1b needs >= 2
@@ -125,7 +133,14 @@ class PipelineConfig:
 
 @dataclass
 class Config:
-    """Everything a pre-training run needs."""
+    """Everything a pre-training run needs.
+
+    The sizes live in ``parallel``; ``tp_size``, ``dp_size`` and ``pp_size`` are their
+    short forms. One given (not None) overrides the section's size, one left out mirrors
+    it, so after construction both spellings read the same value. In code, change a size
+    through its short form (``dataclasses.replace(cfg, dp_size=4)``): a replaced
+    ``parallel`` section does not beat a short form the config already holds.
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -135,10 +150,18 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     name: str = "gpt_tiny_stdlib"  # experiment name (checkpoint and log directories)
-    tp_size: int = 2  # tensor-parallel size (ranks in a node sharing each layer)
-    dp_size: Any = 2  # data-parallel size, or "auto" for world size ÷ (tp_size × pp_size)
-    pp_size: int = 1  # pipeline stages the layers are cut into (1: no pipeline)
+    tp_size: int | None = None  # short for parallel.tp (null: the section's)
+    dp_size: Any = None  # short for parallel.dp, an integer or auto (null: the section's)
+    pp_size: int | None = None  # short for parallel.pp (null: the section's)
     run_dir: str = "."  # where logs go; set to Hydra's output directory at launch
+
+    def __post_init__(self) -> None:
+        short = {"tp": self.tp_size, "dp": self.dp_size, "pp": self.pp_size}
+        given = {axis: value for axis, value in short.items() if value is not None}
+        if given:  # a new section: the old one may be shared with another Config
+            self.parallel = dataclasses.replace(self.parallel, **given)
+        p = self.parallel
+        self.tp_size, self.dp_size, self.pp_size = p.tp, p.dp, p.pp
 
 
 def register_configs() -> None:
@@ -149,20 +172,23 @@ def register_configs() -> None:
     cs.store(group="data", name="schema", node=DataConfig)
     cs.store(group="optim", name="schema", node=OptimConfig)
     cs.store(group="trainer", name="schema", node=TrainerConfig)
+    cs.store(group="parallel", name="schema", node=ParallelConfig)
 
 
 def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
     """The run's layout, validated: the one place a training config becomes a
-    :class:`ParallelDims`. ``dp_size=auto`` is world ÷ (tp · pp) (1 with no launcher yet,
-    since this process then starts tp · pp ranks itself); ``optim.distributed=true`` is
-    the older spelling of ``parallel.dp_shard=optimizer``. Raises LayoutError, one line."""
+    :class:`ParallelDims`, read from the ``parallel`` section (``dp=auto`` is world ÷
+    (tp · pp), 1 with no launcher yet, since this process then starts tp · pp ranks
+    itself; ``optim.distributed=true`` is the older spelling of
+    ``parallel.dp_shard=optimizer``). Raises LayoutError, one line."""
+    p = cfg.parallel
     return ParallelDims.resolve(
-        cfg.tp_size,
-        cfg.dp_size,
+        p.tp,
+        p.dp,
         world_size,
-        pp=cfg.pp_size,
+        pp=p.pp,
         sequence_parallel=cfg.model.sequence_parallel,
-        dp_shard=cfg.parallel.dp_shard,
+        dp_shard=p.dp_shard,
         zero1=cfg.optim.distributed,
     )
 
@@ -174,6 +200,36 @@ def sized_dims(
     studies' tools): ``parallel_dims``'s checks and ``dp_size=auto`` rule, without pipeline
     stages, sequence parallelism or DP sharding. Raises LayoutError, one line."""
     return ParallelDims.resolve(tp_size, dp_size, world_size)
+
+
+INT64_MAX = 2**63 - 1  # steps, seeds and counts a run can store and honour
+MAX_LR = 1e3  # far above any working learning rate, far below what overflows at once
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def validate(cfg: Config, dims: ParallelDims) -> list[str]:
+    """Every problem of ``cfg`` at the layout ``dims``, one line each (empty when it can run):
+    each section's rules, then every number's type range for the keys none of them named."""
+    problems = [
+        *_validate_parallel(cfg, dims),
+        *_validate_model(cfg, dims),
+        *_validate_trainer(cfg, dims),
+        *_validate_sampling(cfg),
+        *_validate_optim(cfg),
+        *_validate_checkpoint(cfg),
+        *_validate_data(cfg, dims),
+    ]
+    return problems + numbers_out_of_range(cfg, problems)
+
+
+def _validate_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
+    """What the layout's pipeline stages and DP sharding need of the rest of the config."""
+    problems = _validate_pipeline(cfg, dims) if dims.pp > 1 else []
+    if dims.dp_shard in ("gradients", "full"):
+        problems += _validate_fsdp(cfg, dims)
+    if cfg.optim.distributed and cfg.optim.impl == "apex":
+        problems.append("optim.distributed=true (ZeRO-1) runs torch's AdamW: set optim.impl=auto")
+    return problems
 
 
 def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:
@@ -188,175 +244,9 @@ def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:
     return problems
 
 
-def validate(cfg: Config, dims: ParallelDims) -> list[str]:
-    """Every problem of ``cfg`` at the layout ``dims``, one line each (empty when it can run)."""
-    problems: list[str] = []
-    tp, t = dims.tp, cfg.trainer
-    if dims.pp > 1:
-        problems += _validate_pipeline(cfg, dims)
-    if dims.dp_shard in ("gradients", "full"):
-        problems += _validate_fsdp(cfg, dims)
-    try:
-        cfg.model.validate(tp)
-    except ValueError as err:
-        problems.append(str(err))
-    else:
-        if cfg.model.cuda_graphs:  # settings that could replay, but on which device?
-            problems += _cuda_graphs_device_problem(t.device)
-    if min(t.global_batch, t.micro_batch) < 1:
-        problems.append(
-            f"trainer.global_batch={t.global_batch} and trainer.micro_batch={t.micro_batch} "
-            "must be >= 1"
-        )
-    else:
-        problems += _layout_problem(dims.check_batch, t.global_batch, t.micro_batch)
-    if not 1 <= t.max_steps <= INT64_MAX:
-        problems.append(f"trainer.max_steps={t.max_steps} must be in [1, 2**63-1]")
-    problems += _layout_problem(dims.check_seq_len, cfg.data.seq_len)
-    if cfg.data.seq_len < 2 or cfg.data.seq_len > cfg.model.max_positions:
-        problems.append(
-            f"data.seq_len={cfg.data.seq_len} must be in [2, model.max_positions="
-            f"{cfg.model.max_positions}]"
-        )
-    if t.precision not in ("auto", "fp32", "bf16", "fp16"):
-        problems.append(f"trainer.precision={t.precision!r} is not one of auto, fp32, bf16, fp16")
-    if t.device not in ("auto", "cuda", "cpu"):
-        problems.append(f"trainer.device={t.device!r} is not one of auto, cuda, cpu")
-    if cfg.optim.impl not in ("auto", "torch", "apex"):
-        problems.append(f"optim.impl={cfg.optim.impl!r} is not one of auto, torch, apex")
-    # Written as what must hold, so that NaN (false in every comparison) fails it too.
-    if not 0 < cfg.optim.lr <= MAX_LR:
-        problems.append(
-            f"optim.lr={cfg.optim.lr} must be in (0, {MAX_LR:g}] (a larger step size makes "
-            "every step non-finite)"
-        )
-    elif not 0 <= cfg.optim.min_lr <= cfg.optim.lr:
-        problems.append(
-            f"optim.lr={cfg.optim.lr} must be > 0 and optim.min_lr={cfg.optim.min_lr} in [0, lr]"
-        )
-    ck = cfg.checkpoint
-    if ck.every < 0 or ck.keep < 1:
-        problems.append(
-            f"checkpoint.every={ck.every} must be >= 0 and checkpoint.keep={ck.keep} >= 1"
-        )
-    if cfg.optim.distributed and cfg.optim.impl == "apex":
-        problems.append("optim.distributed=true (ZeRO-1) runs torch's AdamW: set optim.impl=auto")
-    if t.max_bad_steps < 1:
-        problems.append(f"trainer.max_bad_steps={t.max_bad_steps} must be >= 1")
-    if not 0 < t.rendezvous_timeout_s < math.inf:
-        problems.append(
-            f"trainer.rendezvous_timeout_s={t.rendezvous_timeout_s} must be > 0 and finite"
-        )
-    if not 0 <= t.collective_timeout_s < math.inf:
-        problems.append(
-            f"trainer.collective_timeout_s={t.collective_timeout_s} must be >= 0 and finite "
-            "(0: off)"
-        )
-    if not 0 <= t.memory_cap_gib < math.inf:
-        problems.append(
-            f"trainer.memory_cap_gib={t.memory_cap_gib} must be >= 0 and finite "
-            "(0: the device's memory)"
-        )
-    if cfg.optim.scale_lr_with_batch < 0:
-        problems.append(
-            f"optim.scale_lr_with_batch={cfg.optim.scale_lr_with_batch} must be >= 0 "
-            "(the reference global batch of optim.lr; 0 disables scaling)"
-        )
-    if t.max_restarts < 0:
-        problems.append(f"trainer.max_restarts={t.max_restarts} must be >= 0")
-    if t.profile_steps and (len(t.profile_steps) != 2 or t.profile_steps[0] > t.profile_steps[1]):
-        problems.append(f"trainer.profile_steps={t.profile_steps} must be [first, last]")
-    problems += _validate_values(cfg)
-    problems += _validate_run(cfg)
-    problems += _validate_data(cfg)
-    return problems + numbers_out_of_range(cfg, problems)
-
-
-INT64_MAX = 2**63 - 1  # steps, seeds and counts a run can store and honour
-MAX_LR = 1e3  # far above any working learning rate, far below what overflows at once
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-
-
-def numbers_out_of_range(cfg: Any, reported: list[str], prefix: str = "") -> list[str]:
-    """Every number of the config ``cfg`` (a dataclass, its sections recursed into), by
-    type: integers within 64 bits, floats finite.
-
-    Keys a specific check already reported are left to that check's line.
-    """
-    problems = []
-    for f in fields(cfg):
-        key, value = prefix + f.name, getattr(cfg, f.name)
-        if is_dataclass(value):
-            problems += numbers_out_of_range(value, reported, f"{key}.")
-        elif any(line.startswith(f"{key}=") for line in reported):
-            continue
-        elif any(not _in_range(v) for v in (value if isinstance(value, list) else [value])):
-            problems.append(
-                f"{key}={value} must be a finite number within 64 bits (|value| < 2**63)"
-            )
-    return problems
-
-
-def _in_range(value: Any) -> bool:
-    """Whether a config number is one a run can store and honour (non-numbers: True)."""
-    if isinstance(value, float):
-        return math.isfinite(value)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return -INT64_MAX <= value <= INT64_MAX
-    return True
-
-
-def _validate_run(cfg: Config) -> list[str]:
-    """Seeds, the run's name and the keys that only a worker would otherwise trip over."""
-    o, t, d, problems = cfg.optim, cfg.trainer, cfg.data, []
-    for key, value in (("trainer.seed", t.seed), ("data.seed", d.seed)):
-        if not 0 <= value <= INT64_MAX:
-            problems.append(f"{key}={value} must be in [0, 2**63-1]")
-    if o.decay_steps is not None and not 1 <= o.decay_steps <= INT64_MAX:
-        problems.append(
-            f"optim.decay_steps={o.decay_steps} must be >= 1 (or null: max_steps - warmup_steps)"
-        )
-    if _PLAIN_NAME.fullmatch(cfg.name) is None:
-        problems.append(
-            f"name={cfg.name!r} must be a plain name (letters, digits, '.', '_', '-'; no path "
-            "separators, not empty): it names the directories checkpoints/<name>"
-        )
-    if not d.default_max_bytes >= 1:
-        problems.append(f"data.default_max_bytes={d.default_max_bytes} must be >= 1")
-    if o.impl == "apex" and importlib.util.find_spec("apex") is None:
-        problems.append(
-            "optim.impl=apex needs NVIDIA apex, which is not installed: install it, or use "
-            "optim.impl=auto"
-        )
-    if cfg.model.causal and t.sample_tokens >= cfg.model.max_positions:
-        problems.append(
-            f"trainer.sample_tokens={t.sample_tokens} must be < model.max_positions="
-            f"{cfg.model.max_positions}: the sample and its prompt must fit the positions"
-        )
-    if cfg.model.causal and t.sample_tokens > 0 and not t.sample_prompt:
-        problems.append(
-            "trainer.sample_prompt='' is empty: give a prompt, or trainer.sample_tokens=0 for "
-            "no sample"
-        )
-    return problems
-
-
-def _cuda_graphs_device_problem(device: str) -> list[str]:
-    """model.cuda_graphs on a run that will not have CUDA devices, one line."""
-    import torch
-
-    if device == "cpu":
-        return ["model.cuda_graphs=true replays CUDA graphs, but trainer.device=cpu"]
-    if not torch.cuda.is_available():
-        return ["model.cuda_graphs=true replays CUDA graphs, but no CUDA device is visible"]
-    return []
-
-
 def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
-    """What pp_size > 1 needs: eager stages, a known schedule, layers and micro-batches
-    that the stages and the schedule can split (torch's rules for 1F1B and interleaved)."""
-    from engine.pipeline.split import layer_split, microbatch_rule
-
+    """What pp > 1 needs: eager stages, a known schedule, layers and micro-batches that the
+    stages and the schedule can split (torch's rules for 1F1B and interleaved)."""
     p, t, m = cfg.pipeline, cfg.trainer, cfg.model
     problems = []
     if m.compile:
@@ -390,6 +280,216 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
     return problems
 
 
+def _validate_model(cfg: Config, dims: ParallelDims) -> list[str]:
+    """The model's own rules at this TP size, and CUDA graphs only where a GPU will run."""
+    try:
+        cfg.model.validate(dims.tp)
+    except ValueError as err:
+        return [str(err)]
+    if cfg.model.cuda_graphs:  # settings that could replay, but on which device?
+        return _cuda_graphs_device_problem(cfg.trainer.device)
+    return []
+
+
+def _cuda_graphs_device_problem(device: str) -> list[str]:
+    """model.cuda_graphs on a run that will not have CUDA devices, one line."""
+    import torch
+
+    if device == "cpu":
+        return ["model.cuda_graphs=true replays CUDA graphs, but trainer.device=cpu"]
+    if not torch.cuda.is_available():
+        return ["model.cuda_graphs=true replays CUDA graphs, but no CUDA device is visible"]
+    return []
+
+
+def _validate_trainer(cfg: Config, dims: ParallelDims) -> list[str]:
+    """The loop's batch arithmetic at ``dims``, its choices, counts, intervals and timeouts."""
+    t, problems = cfg.trainer, []
+    if min(t.global_batch, t.micro_batch) < 1:
+        problems.append(
+            f"trainer.global_batch={t.global_batch} and trainer.micro_batch={t.micro_batch} "
+            "must be >= 1"
+        )
+    else:
+        problems += _layout_problem(dims.check_batch, t.global_batch, t.micro_batch)
+    if not 1 <= t.max_steps <= INT64_MAX:
+        problems.append(f"trainer.max_steps={t.max_steps} must be in [1, 2**63-1]")
+    problems += _not_one_of("trainer.precision", t.precision, ("auto", "fp32", "bf16", "fp16"))
+    problems += _not_one_of("trainer.device", t.device, ("auto", "cuda", "cpu"))
+    if not 0 <= t.collective_timeout_s < math.inf:
+        problems.append(
+            f"trainer.collective_timeout_s={t.collective_timeout_s} must be >= 0 and finite "
+            "(0: off)"
+        )
+    if not 0 <= t.memory_cap_gib < math.inf:
+        problems.append(
+            f"trainer.memory_cap_gib={t.memory_cap_gib} must be >= 0 and finite "
+            "(0: the device's memory)"
+        )
+    if t.profile_steps and (len(t.profile_steps) != 2 or t.profile_steps[0] > t.profile_steps[1]):
+        problems.append(f"trainer.profile_steps={t.profile_steps} must be [first, last]")
+    if t.wandb_project and importlib.util.find_spec("wandb") is None:
+        problems.append(
+            f"trainer.wandb_project={t.wandb_project!r} needs wandb, which is not installed: "
+            "pip install wandb, or leave trainer.wandb_project unset"
+        )
+    return problems + _out_of_range(
+        ("trainer.seed", t.seed, 0 <= t.seed <= INT64_MAX, "in [0, 2**63-1]"),
+        ("trainer.grad_bucket_mb", t.grad_bucket_mb, t.grad_bucket_mb > 0, "> 0"),
+        ("trainer.log_every", t.log_every, t.log_every >= 1, ">= 1"),
+        ("trainer.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0 disables)"),
+        ("trainer.eval_batches", t.eval_batches, t.eval_batches >= 0, ">= 0 (0: no evaluation)"),
+        ("trainer.loss_scale_init", t.loss_scale_init, t.loss_scale_init > 0, "> 0"),
+        ("trainer.fail_at_step", t.fail_at_step, t.fail_at_step >= 0, ">= 0 (0 disables)"),
+        ("trainer.max_bad_steps", t.max_bad_steps, t.max_bad_steps >= 1, ">= 1"),
+        ("trainer.max_restarts", t.max_restarts, t.max_restarts >= 0, ">= 0"),
+        ("trainer.rendezvous_timeout_s", t.rendezvous_timeout_s, t.rendezvous_timeout_s > 0, "> 0"),
+    )
+
+
+def _validate_sampling(cfg: Config) -> list[str]:
+    """The sample a causal model writes after training: a prompt and a length that fit."""
+    t, m, problems = cfg.trainer, cfg.model, []
+    if t.sample_tokens > 0 and not t.sample_temperature > 0:
+        problems.append(
+            f"trainer.sample_temperature={t.sample_temperature} must be > 0 "
+            "(or trainer.sample_tokens=0 for no sample)"
+        )
+    if m.causal and t.sample_tokens >= m.max_positions:
+        problems.append(
+            f"trainer.sample_tokens={t.sample_tokens} must be < model.max_positions="
+            f"{m.max_positions}: the sample and its prompt must fit the positions"
+        )
+    if m.causal and t.sample_tokens > 0 and not t.sample_prompt:
+        problems.append(
+            "trainer.sample_prompt='' is empty: give a prompt, or trainer.sample_tokens=0 for "
+            "no sample"
+        )
+    return problems + _out_of_range(
+        ("trainer.sample_tokens", t.sample_tokens, t.sample_tokens >= 0, ">= 0 (0 disables)"),
+        ("trainer.sample_top_k", t.sample_top_k, t.sample_top_k >= 0, ">= 0 (0: no top-k)"),
+    )
+
+
+def _validate_optim(cfg: Config) -> list[str]:
+    """The optimizer: its implementation, learning-rate schedule and AdamW's numbers."""
+    o, problems = cfg.optim, []
+    problems += _not_one_of("optim.impl", o.impl, ("auto", "torch", "apex"))
+    if o.impl == "apex" and importlib.util.find_spec("apex") is None:
+        problems.append(
+            "optim.impl=apex needs NVIDIA apex, which is not installed: install it, or use "
+            "optim.impl=auto"
+        )
+    # Written as what must hold, so that NaN (false in every comparison) fails it too.
+    if not 0 < o.lr <= MAX_LR:
+        problems.append(
+            f"optim.lr={o.lr} must be in (0, {MAX_LR:g}] (a larger step size makes "
+            "every step non-finite)"
+        )
+    elif not 0 <= o.min_lr <= o.lr:
+        problems.append(f"optim.lr={o.lr} must be > 0 and optim.min_lr={o.min_lr} in [0, lr]")
+    if o.decay_steps is not None and not 1 <= o.decay_steps <= INT64_MAX:
+        problems.append(
+            f"optim.decay_steps={o.decay_steps} must be >= 1 (or null: max_steps - warmup_steps)"
+        )
+    if o.scale_lr_with_batch < 0:
+        problems.append(
+            f"optim.scale_lr_with_batch={o.scale_lr_with_batch} must be >= 0 "
+            "(the reference global batch of optim.lr; 0 disables scaling)"
+        )
+    for key, value in (("beta1", o.beta1), ("beta2", o.beta2)):
+        if not 0.0 <= value < 1.0:
+            problems.append(f"optim.{key}={value} must be in [0, 1)")
+    return problems + _out_of_range(
+        ("optim.eps", o.eps, o.eps > 0, "> 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
+        ("optim.clip_grad", o.clip_grad, o.clip_grad >= 0, ">= 0 (0 disables clipping)"),
+    )
+
+
+def _validate_checkpoint(cfg: Config) -> list[str]:
+    """The checkpoint cadence and the run's name, which names its directories."""
+    ck, problems = cfg.checkpoint, []
+    if ck.every < 0 or ck.keep < 1:
+        problems.append(
+            f"checkpoint.every={ck.every} must be >= 0 and checkpoint.keep={ck.keep} >= 1"
+        )
+    if _PLAIN_NAME.fullmatch(cfg.name) is None:
+        problems.append(
+            f"name={cfg.name!r} must be a plain name (letters, digits, '.', '_', '-'; no path "
+            "separators, not empty): it names the directories checkpoints/<name>"
+        )
+    return problems
+
+
+def _validate_data(cfg: Config, dims: ParallelDims) -> list[str]:
+    """The data files, their blend and split, the sequence length and the vocabulary."""
+    d, problems = cfg.data, []
+    problems += _layout_problem(dims.check_seq_len, d.seq_len)
+    if d.seq_len < 2 or d.seq_len > cfg.model.max_positions:
+        problems.append(
+            f"data.seq_len={d.seq_len} must be in [2, model.max_positions="
+            f"{cfg.model.max_positions}]"
+        )
+    for prefix in d.prefixes:
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.exists(prefix + ext)]
+        if missing:
+            problems.append(
+                f"data.prefixes: {' and '.join(missing)} not found (make them with "
+                "tools/preprocess_data.py)"
+            )
+    problems += _blend_problems(d)
+    if d.tokenizer is not None and not os.path.exists(d.tokenizer):
+        problems.append(f"data.tokenizer: {d.tokenizer} does not exist")
+    if not d.prefixes and cfg.model.vocab_size < d.default_vocab_size:
+        problems.append(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the embedded corpus's "
+            f"data.default_vocab_size={d.default_vocab_size}"
+        )
+    return problems + _out_of_range(
+        ("data.seed", d.seed, 0 <= d.seed <= INT64_MAX, "in [0, 2**63-1]"),
+        ("data.default_max_bytes", d.default_max_bytes, d.default_max_bytes >= 1, ">= 1"),
+    )
+
+
+def _blend_problems(d: DataConfig) -> list[str]:
+    """data.weights and data.split, by the rules the data pipeline blends and cuts with."""
+    problems = []
+    if d.weights:
+        try:
+            normalized(d.weights)
+        except ValueError:
+            problems.append(
+                f"data.weights={list(d.weights)} must be >= 0 with a positive sum, all finite"
+            )
+        if len(d.weights) != len(d.prefixes):
+            problems.append(
+                f"data.weights has {len(d.weights)} entries for {len(d.prefixes)} data.prefixes"
+            )
+    try:
+        split_fractions(d.split)
+    except ValueError as err:
+        problems.append(f"data.split={d.split!r} is invalid ({err}); e.g. data.split=949,50,1")
+    return problems
+
+
+def _out_of_range(*checks: tuple[str, Any, bool, str]) -> list[str]:
+    """``key=value must be RULE`` for each ``(key, value, ok, rule)`` that is not ok; a
+    float must also be finite (NaN fails every comparison, so ``ok`` is False for it)."""
+    problems = []
+    for key, value, ok, rule in checks:
+        if not ok or (isinstance(value, float) and not math.isfinite(value)):
+            finite = " and finite" if isinstance(value, float) else ""
+            problems.append(f"{key}={value} must be {rule}{finite}")
+    return problems
+
+
+def _not_one_of(key: str, value: str, choices: tuple[str, ...]) -> list[str]:
+    """``key=value is not one of ...``, or nothing when ``value`` is a choice."""
+    return [] if value in choices else [f"{key}={value!r} is not one of {', '.join(choices)}"]
+
+
 def _layout_problem(check, *args) -> list[str]:
     """The one-line LayoutError of ``check(*args)`` as a problem list."""
     try:
@@ -399,142 +499,33 @@ def _layout_problem(check, *args) -> list[str]:
     return []
 
 
-def _validate_values(cfg: Config) -> list[str]:
-    """Ranges of the optimizer and loop settings that would otherwise fail mid-run or be ignored."""
-    o, t, problems = cfg.optim, cfg.trainer, []
-    for key, value in (("beta1", o.beta1), ("beta2", o.beta2)):
-        if not 0.0 <= value < 1.0:
-            problems.append(f"optim.{key}={value} must be in [0, 1)")
-    checks = (
-        ("optim.eps", o.eps, o.eps > 0, "> 0"),
-        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
-        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0"),
-        ("optim.clip_grad", o.clip_grad, o.clip_grad >= 0, ">= 0 (0 disables clipping)"),
-        ("trainer.grad_bucket_mb", t.grad_bucket_mb, t.grad_bucket_mb > 0, "> 0"),
-        ("trainer.log_every", t.log_every, t.log_every >= 1, ">= 1"),
-        ("trainer.eval_every", t.eval_every, t.eval_every >= 0, ">= 0 (0 disables)"),
-        ("trainer.eval_batches", t.eval_batches, t.eval_batches >= 0, ">= 0 (0: no evaluation)"),
-        ("trainer.sample_tokens", t.sample_tokens, t.sample_tokens >= 0, ">= 0 (0 disables)"),
-        ("trainer.sample_top_k", t.sample_top_k, t.sample_top_k >= 0, ">= 0 (0: no top-k)"),
-        ("trainer.loss_scale_init", t.loss_scale_init, t.loss_scale_init > 0, "> 0"),
-        ("trainer.fail_at_step", t.fail_at_step, t.fail_at_step >= 0, ">= 0 (0 disables)"),
-    )
-    for key, value, ok, rule in checks:
-        # NaN fails every comparison, so `ok` is False for it as well.
-        if not ok or (isinstance(value, float) and not math.isfinite(value)):
-            finite = " and finite" if isinstance(value, float) else ""
-            problems.append(f"{key}={value} must be {rule}{finite}")
-    if t.sample_tokens > 0 and not t.sample_temperature > 0:
-        problems.append(
-            f"trainer.sample_temperature={t.sample_temperature} must be > 0 "
-            "(or trainer.sample_tokens=0 for no sample)"
-        )
-    if t.wandb_project and importlib.util.find_spec("wandb") is None:
-        problems.append(
-            f"trainer.wandb_project={t.wandb_project!r} needs wandb, which is not installed: "
-            "pip install wandb, or leave trainer.wandb_project unset"
-        )
-    return problems
+def numbers_out_of_range(cfg: Any, reported: list[str], prefix: str = "") -> list[str]:
+    """Every number of the config ``cfg`` (a dataclass, its sections recursed into), by
+    type: integers within 64 bits, floats finite.
 
-
-def _validate_data(cfg: Config) -> list[str]:
-    d = cfg.data
+    Keys a specific check already reported are left to that check's line.
+    """
     problems = []
-    for prefix in d.prefixes:
-        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.exists(prefix + ext)]
-        if missing:
+    for f in fields(cfg):
+        key, value = prefix + f.name, getattr(cfg, f.name)
+        if is_dataclass(value):
+            problems += numbers_out_of_range(value, reported, f"{key}.")
+        elif any(line.startswith(f"{key}=") for line in reported):
+            continue
+        elif any(not _in_range(v) for v in (value if isinstance(value, list) else [value])):
             problems.append(
-                f"data.prefixes: {' and '.join(missing)} not found (make them with "
-                "tools/preprocess_data.py)"
+                f"{key}={value} must be a finite number within 64 bits (|value| < 2**63)"
             )
-    if d.weights and not (all(0 <= w < math.inf for w in d.weights) and sum(d.weights) > 0):
-        problems.append(
-            f"data.weights={list(d.weights)} must be >= 0 with a positive sum, all finite"
-        )
-    if d.weights and len(d.weights) != len(d.prefixes):
-        problems.append(
-            f"data.weights has {len(d.weights)} entries for {len(d.prefixes)} data.prefixes"
-        )
-    from engine.data.blend import split_documents
-
-    try:
-        split_documents(1, d.split)
-    except ValueError as err:
-        problems.append(f"data.split={d.split!r} is invalid ({err}); e.g. data.split=949,50,1")
-    if d.tokenizer is not None and not os.path.exists(d.tokenizer):
-        problems.append(f"data.tokenizer: {d.tokenizer} does not exist")
-    if not d.prefixes and cfg.model.vocab_size < d.default_vocab_size:
-        problems.append(
-            f"model.vocab_size={cfg.model.vocab_size} is smaller than the embedded corpus's "
-            f"data.default_vocab_size={d.default_vocab_size}"
-        )
     return problems
 
 
-# --- python -m apps.classify: the Fashion-MNIST classifier (its own config tree) ---------
-
-
-@dataclass
-class ClassifyDataConfig:
-    """Where the IDX files are and how much of them to use."""
-
-    dir: str = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist location
-    train_subset: int = 0  # use only the first N training images; 0: all 60,000
-    test_subset: int = 0  # evaluate on the first N test images; 0: all 10,000
-
-
-@dataclass
-class ClassifyModelConfig:
-    """An MLP: 784 → hidden (column-parallel) → hidden (row-parallel) → 10."""
-
-    hidden_size: int = 256  # width of the two hidden layers; divisible by tp_size
-    dtype: str = "float32"  # "float32" or "float64" (float64 for exactness tests)
-
-
-@dataclass
-class ClassifyTrainerConfig:
-    """The loop: epochs of SGD with momentum, evaluated on the test set after each."""
-
-    batch_size: int = 64  # images per rank per step (the tutorials' --batch-size)
-    lr: float = 0.02  # SGD learning rate (see docs/SCALING.md for larger global batches)
-    lr_scaling: str = "none"  # "linear": multiply lr by dp_size (the large-batch rule)
-    momentum: float = 0.9  # SGD momentum
-    epochs: int = 10  # stop after this many epochs even below the target (--epochs)
-    target_accuracy: float = 0.75  # stop once the test accuracy reaches this (--target-accuracy)
-    seed: int = 1234  # init and shuffling seed
-    grad_bucket_mb: float = 25.0  # DP all-reduce bucket size
-    memory_cap_gib: float = 0.0  # per-rank memory budget (0: the device's); enforced on CUDA
-    progress: bool = True  # rich progress bar on rank 0
-    metrics_file: str | None = None  # rank 0 writes per-step timings and a summary here (JSON)
-
-
-@dataclass
-class ClassifyLaunchConfig:
-    """Self-launch: ranks per node and nodes, torchrun-style (ignored under a launcher)."""
-
-    num_nodes: int = 1  # nodes taking part (--num-nodes)
-    node_id: int = 0  # this node's index in [0, num_nodes) (--node-id)
-    ranks_per_node: int | None = None  # processes (GPUs) per node (--num-gpus); None: tp×dp
-    master_addr: str | None = None  # node 0's address; default $MASTER_ADDR or 127.0.0.1
-    master_port: int | None = None  # rendezvous port; default $MASTER_PORT or 29500
-    rendezvous_timeout_s: float = 300.0  # every rank must join within this, else it stops
-
-
-@dataclass
-class ClassifyConfig:
-    """Everything ``python -m apps.classify`` needs."""
-
-    data: ClassifyDataConfig = field(default_factory=ClassifyDataConfig)
-    model: ClassifyModelConfig = field(default_factory=ClassifyModelConfig)
-    trainer: ClassifyTrainerConfig = field(default_factory=ClassifyTrainerConfig)
-    launch: ClassifyLaunchConfig = field(default_factory=ClassifyLaunchConfig)
-    tp_size: int = 1  # tensor-parallel size of the hidden layers
-    dp_size: Any = "auto"  # data-parallel size, or "auto" for world size ÷ tp_size
-
-
-def register_classify_configs() -> None:
-    """Register the classifier's schema in Hydra's ConfigStore (idempotent)."""
-    ConfigStore.instance().store(name="classify_schema", node=ClassifyConfig)
+def _in_range(value: Any) -> bool:
+    """Whether a config number is one a run can store and honour (non-numbers: True)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return -INT64_MAX <= value <= INT64_MAX
+    return True
 
 
 def resolve_precision(precision: str, device_type: str) -> str:

@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from engine.config import Config
+from engine.config import SHORT_FORMS, Config
 
 # Keys a user never sets: the run directory is Hydra's, the fault injection a test hook.
 HIDDEN = {"run_dir", "trainer.fail_at_step"}
@@ -56,7 +56,7 @@ def schema_keys(schema: type = Config, *, hidden: bool = False) -> dict[str, tup
 def presets() -> dict[str, list[str]]:
     """{config group: its preset names}, read from configs/ (``schema`` is internal)."""
     groups = {}
-    for group in ("model", "data", "optim", "trainer", "experiment"):
+    for group in ("model", "data", "optim", "trainer", "parallel", "experiment"):
         names = sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
         groups[group] = [n for n in names if n != "schema"]
     return groups
@@ -86,6 +86,32 @@ def unknown_key(
         hint = f"; did you mean {near[0]}?" if near else ""
         return f"unknown key {key!r}{hint} (python -m {prog} --help lists every key)"
     return None
+
+
+def short_form_conflict(argv: list[str]) -> str | None:
+    """One line when ``argv`` gives a size in both spellings with different values
+    (``tp_size=2 parallel.tp=4``), naming both keys; else None."""
+    given = {}
+    for arg in argv:
+        if "=" in arg and not arg.startswith("-"):
+            key, value = arg.split("=", 1)
+            given[key.lstrip("+~")] = value.strip()
+    for short, axis in SHORT_FORMS.items():
+        values = given.get(short), given.get(f"parallel.{axis}")
+        if None not in values and _as_size(values[0]) != _as_size(values[1]):
+            return (
+                f"{short}={values[0]} and parallel.{axis}={values[1]} disagree: {short} is "
+                f"short for parallel.{axis}; give one of them"
+            )
+    return None
+
+
+def _as_size(value: str) -> int | str:
+    """A size as written on the command line, compared by value (``02`` is ``2``)."""
+    try:
+        return int(value)
+    except ValueError:
+        return value
 
 
 def run_dir_problem(argv: list[str], default: str = "outputs") -> str | None:
@@ -188,6 +214,8 @@ def run_checked(
     """Run the Hydra ``main`` of ``python -m prog`` once ``argv`` names only real keys and
     a usable run directory, its Hydra errors as one line (``fail``, exit 2)."""
     problem = unknown_key(argv, schema, prog) or run_dir_problem(argv, default_run_dir)
+    if schema is Config:
+        problem = problem or short_form_conflict(argv)
     if problem:
         fail([problem])
     with hydra_errors_as_one_line(fail):

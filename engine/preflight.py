@@ -23,6 +23,7 @@ from engine.config import Config, resolve_precision
 from engine.flops import params_count
 from engine.formulas import fsdp_in_flight_bytes, state_bytes_per_param
 from engine.models.activation_memory import formula_bytes
+from parallel_state.dims import resolve_dp_shard
 
 GIB = 2**30
 
@@ -55,7 +56,7 @@ def estimate_rank_bytes(
     over this rank's vocabulary shard. It is a floor, not a bound: allocator slack and
     temporaries come on top, so a config refused here could never run.
     """
-    m, t = cfg.model, cfg.tp_size
+    m, t = cfg.model, cfg.parallel.tp
     params = params_count(m) / t
     root = params_count(dataclasses.replace(m, num_layers=0)) / t  # embeddings, norm, head
     s, b = cfg.data.seq_len, cfg.trainer.micro_batch
@@ -97,7 +98,7 @@ def check_memory(cfg: Config, local_ranks: int, *, on_gpu: bool) -> list[str]:
     cuda = on_gpu
     precision = resolve_precision(cfg.trainer.precision, "cuda" if cuda else "cpu")
     fp32, bf16 = precision == "fp32", precision == "bf16"
-    need = estimate_rank_bytes(cfg, int(cfg.dp_size), fp32_activations=fp32, bf16=bf16)
+    need = estimate_rank_bytes(cfg, int(cfg.parallel.dp), fp32_activations=fp32, bf16=bf16)
     if cuda:
         have, sharing, where = torch.cuda.get_device_properties(0).total_memory, 1, "GPU"
     else:
@@ -114,7 +115,7 @@ def check_memory(cfg: Config, local_ranks: int, *, on_gpu: bool) -> list[str]:
         f"{need.optimizer / GIB:.2f} + activations {need.activations / GIB:.2f} GiB; "
         f"model.hidden_size={cfg.model.hidden_size} model.num_layers={cfg.model.num_layers} "
         f"trainer.micro_batch={cfg.trainer.micro_batch} data.seq_len={cfg.data.seq_len} "
-        f"parallel.dp_shard={_dp_shard(cfg)} dp_size={cfg.dp_size})"
+        f"parallel.dp_shard={_dp_shard(cfg)} dp_size={cfg.parallel.dp})"
         f"{ranks}, but the {where} is {have / GIB:.2f} GiB per {'machine' if ranks else 'rank'}; "
         "use a smaller model or micro-batch, a larger tp_size, or shard over DP "
         "(parallel.dp_shard=optimizer, gradients or full)"
@@ -122,10 +123,8 @@ def check_memory(cfg: Config, local_ranks: int, *, on_gpu: bool) -> list[str]:
 
 
 def _dp_shard(cfg: Config) -> str:
-    """The DP sharding mode, ``optim.distributed=true`` read as its older spelling."""
-    if cfg.parallel.dp_shard == "none" and cfg.optim.distributed:
-        return "optimizer"
-    return cfg.parallel.dp_shard
+    """The DP sharding mode of ``cfg`` (its ``optim.distributed`` spelling resolved)."""
+    return resolve_dp_shard(cfg.parallel.dp_shard, cfg.optim.distributed)
 
 
 def check_resume_model(cfg: Config, root: Path) -> list[str]:

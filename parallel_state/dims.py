@@ -15,7 +15,15 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-__all__ = ["AUTO", "DP_SHARD_MODES", "MESH_AXES", "ROLES", "LayoutError", "ParallelDims"]
+__all__ = [
+    "AUTO",
+    "DP_SHARD_MODES",
+    "MESH_AXES",
+    "ROLES",
+    "LayoutError",
+    "ParallelDims",
+    "resolve_dp_shard",
+]
 
 AUTO = "auto"  # dp_size=auto: world size ÷ tp_size
 # The mesh's named axes, outermost first: the last varies fastest over global ranks, so
@@ -49,6 +57,19 @@ def check_width_split(key: str, value: int, tp_size: int) -> None:
     (a model config checks its heads and MLP columns with it, no layout needed)."""
     if value % tp_size:
         raise LayoutError(f"{key}={value} is not divisible by tp_size={tp_size}")
+
+
+def resolve_dp_shard(dp_shard: str, zero1: bool) -> str:
+    """The DP sharding mode of ``parallel.dp_shard`` with ``optim.distributed`` (``zero1``),
+    the older spelling of ``dp_shard="optimizer"``: the one place that spelling is read."""
+    if not zero1:
+        return dp_shard
+    if dp_shard not in ("none", "optimizer"):
+        raise LayoutError(
+            f"optim.distributed=true (ZeRO-1) contradicts parallel.dp_shard={dp_shard}; "
+            "set one of them"
+        )
+    return "optimizer"
 
 
 def _check_size(name: str, value: object, fix: str) -> None:
@@ -183,13 +204,7 @@ class ParallelDims:
         """
         _check_size("tp_size", tp, "set tp_size to the ranks sharing each layer (1: none)")
         _check_size("pp_size", pp, "set pp_size to the pipeline stages (1: none)")
-        if zero1:
-            if dp_shard not in ("none", "optimizer"):
-                raise LayoutError(
-                    f"optim.distributed=true (ZeRO-1) contradicts parallel.dp_shard={dp_shard}; "
-                    "set one of them"
-                )
-            dp_shard = "optimizer"
+        dp_shard = resolve_dp_shard(dp_shard, zero1)
         model = tp * pp  # ranks holding one model replica
         if isinstance(dp, str) and dp != AUTO:
             try:

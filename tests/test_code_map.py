@@ -746,3 +746,18 @@ def test_studies_name_no_model_family():
     assert not hits, "ask engine/models/families.py, not a family's name:\n" + "\n".join(hits)
     assert repr(family_table.FAMILIES) == repr(FAMILIES)
     assert ModelConfig.arch == family_table.DEFAULT_ARCH
+
+
+def test_engine_imports_no_app_and_its_config_no_dataset():
+    """apps/ are built on engine/, never the reverse (the classifier's schemas live in
+    apps/classify_config.py); engine/config.py checks the data config through the leaf
+    engine/data/weights.py, not the datasets of engine/data/blend.py."""
+    hits = [
+        f"{path.relative_to(ROOT).as_posix()} imports {module}"
+        for path in _python_files("engine")
+        for module in sorted(imported_modules(path, ROOT))
+        if module.split(".")[0] == "apps"
+    ]
+    assert not hits, hits
+    config = imported_modules(ROOT / "engine" / "config.py", ROOT)
+    assert "engine.data.blend" not in config and "engine.data.weights" in config, config

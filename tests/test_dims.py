@@ -222,3 +222,82 @@ def test_pipeline_stages_take_their_share_of_the_world():
 def test_an_unknown_axis_or_role_is_one_line_naming_both_lists():
     with pytest.raises(KeyError, match="'cp' is neither a mesh axis .* nor a role"):
         ParallelDims(2, 1).group_ranks("cp")
+
+
+# The parallel: section and its short forms (tp_size=, dp_size=, pp_size=): one layout.
+# (short forms, the section's keys, a launcher's world size: 4 = 1 × 4; 16 = 2 × 4 × 2 and
+# 4 × 4 with dp=auto)
+SPELLINGS = [
+    (("tp_size=1", "dp_size=4"), ("parallel.tp=1", "parallel.dp=4"), 4),
+    (
+        ("tp_size=2", "dp_size=auto", "pp_size=2"),
+        ("parallel.tp=2", "parallel.dp=auto", "parallel.pp=2"),
+        16,
+    ),
+    (
+        ("tp_size=4", "experiment=gpt_125m_bf16"),
+        ("parallel.tp=4", "experiment=gpt_125m_bf16"),
+        16,
+    ),
+]
+
+
+@pytest.mark.parametrize(("short", "section", "world"), SPELLINGS)
+def test_short_forms_and_the_section_give_the_same_dims(
+    tmp_path, monkeypatch, short, section, world
+):
+    monkeypatch.chdir(tmp_path)
+    a, b = compose_config(*short), compose_config(*section)
+    for launched in (None, world):
+        assert parallel_dims(a, launched) == parallel_dims(b, launched)
+    # Both spellings read the same sizes afterwards, whichever was given.
+    assert (a.tp_size, a.dp_size, a.pp_size) == (a.parallel.tp, a.parallel.dp, a.parallel.pp)
+    assert (b.tp_size, b.dp_size, b.pp_size) == (b.parallel.tp, b.parallel.dp, b.parallel.pp)
+
+
+def test_a_short_form_overrides_a_preset_and_replace_keeps_the_spellings_together(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    cfg = compose_config("experiment=gpt_tiny_cpu1", "tp_size=2")  # the preset says tp 1
+    assert parallel_dims(cfg, None) == ParallelDims(2, 1)
+    wider = dataclasses.replace(cfg, dp_size=4)  # as prepare() resolves dp_size=auto
+    assert (wider.parallel.dp, wider.dp_size, cfg.parallel.dp) == (4, 4, 1)
+
+
+def test_both_spellings_with_different_values_are_one_line_naming_both_keys():
+    from engine.config_cli import run_checked
+
+    def main():
+        raise AssertionError("a refused command line must not run")
+
+    failed = []
+    with pytest.raises(SystemExit):
+        run_checked(main, ["tp_size=2", "parallel.tp=4"], lambda lines: _exit(failed, lines))
+    assert len(failed) == 1 and "\n" not in failed[0], failed
+    assert "tp_size=2" in failed[0] and "parallel.tp=4" in failed[0], failed
+    ran = []
+    run_checked(lambda: ran.append(1), ["dp_size=2", "parallel.dp=2"], failed.append)
+    assert ran == [1]  # the same value twice is no conflict
+
+
+def _exit(failed: list[str], lines: list[str]) -> None:
+    failed.extend(lines)
+    raise SystemExit(2)
+
+
+def test_legacy_zero1_spelling_resolves_as_dp_shard_optimizer(tmp_path, monkeypatch):
+    from engine.preflight import estimate_rank_bytes
+    from parallel_state.dims import resolve_dp_shard
+
+    monkeypatch.chdir(tmp_path)
+    legacy = compose_config("optim.distributed=true", "dp_size=auto")
+    current = compose_config("parallel.dp_shard=optimizer", "dp_size=auto")
+    assert parallel_dims(legacy, 8) == parallel_dims(current, 8)
+    assert parallel_dims(legacy, 8).dp_shard == "optimizer"
+    # The memory estimate reads the mode through the same function.
+    sizes = [estimate_rank_bytes(c, 4, fp32_activations=True) for c in (legacy, current)]
+    assert sizes[0] == sizes[1]
+    assert resolve_dp_shard("none", True) == resolve_dp_shard("optimizer", False) == "optimizer"
+    with pytest.raises(LayoutError, match="contradicts parallel.dp_shard=gradients"):
+        resolve_dp_shard("gradients", True)

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
-SPLIT_NAMES = ("train", "valid", "test")
-
-
-def _normalized(weights: Sequence[float]) -> list[float]:
-    weights = [float(w) for w in weights]
-    # Written so that NaN (which fails every comparison) is rejected too.
-    if not weights or not all(0 <= w < math.inf for w in weights) or not sum(weights) > 0:
-        raise ValueError(f"weights must be finite, >= 0, with a positive sum, got {weights}")
-    total = sum(weights)
-    return [w / total for w in weights]
-
+from engine.data.weights import SPLIT_NAMES, normalized, split_fractions
 
 # Assignment is computed lazily in blocks: a blend laid out for millions of samples costs
 # only the samples actually drawn (about a microsecond each).
@@ -49,7 +38,7 @@ def blend_assignment(weights: Sequence[float], size: int) -> tuple[np.ndarray, n
     ``weight * n``. Every prefix then stays less than one sample ahead of its target for each
     dataset, and less than ``len(weights) - 1`` behind.
     """
-    blocks = _largest_deficit_blocks(_normalized(weights))
+    blocks = _largest_deficit_blocks(normalized(weights))
     parts = [next(blocks) for _ in range(-(-size // _BLOCK))]
     which = np.concatenate([w for w, _ in parts] or [np.empty(0, np.int64)])
     index = np.concatenate([i for _, i in parts] or [np.empty(0, np.int64)])
@@ -68,7 +57,7 @@ class BlendedDataset(Dataset):
         if len(datasets) != len(weights):
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = list(datasets)
-        self.weights = _normalized(weights)
+        self.weights = normalized(weights)
         self.size = size
         self._blocks = _largest_deficit_blocks(self.weights)
         self._assigned: list[tuple[np.ndarray, np.ndarray]] = []
@@ -99,14 +88,7 @@ def split_documents(
     ``split`` is like Megatron's ``"949,50,1"`` (``/`` also separates); missing parts are 0.
     The ranges are ``(start, end)``, half-open, in order, and together cover every document.
     """
-    parts = split.replace("/", ",").split(",") if isinstance(split, str) else split
-    if len(parts) > len(SPLIT_NAMES):
-        raise ValueError(f"split {split!r} has more than {len(SPLIT_NAMES)} parts")
-    try:
-        fractions = _normalized([float(p) for p in parts])
-    except ValueError as e:
-        raise ValueError(f"bad split {split!r}: {e}") from None
-    fractions += [0.0] * (len(SPLIT_NAMES) - len(fractions))
+    fractions = split_fractions(split)
     # Rounding cumulative (not per-part) sizes keeps every boundary within half a document
     # of exact, so no part drifts by more than one document.
     cumulative = np.cumsum(fractions[:-1]) * num_docs

@@ -272,12 +272,6 @@ class ParallelModel(nn.Module):
         :meth:`stage_inputs` target (the same value :meth:`loss` gives the unsplit model)."""
         raise NotImplementedError
 
-    @property
-    def bert(self) -> bool:
-        """Transitional: studies/verification/pipeline_layouts.py reads ``stages.bert`` to
-        name the last stage's outputs; remove once it asks the model instead."""
-        return self.cfg.arch == "bert"
-
     def _build_trunk(self, cfg: ModelConfig, *, tp_group, rng, dtype, device) -> dict:
         """Validate ``cfg`` and build the embeddings and the layers, in that order.
 
