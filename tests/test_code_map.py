@@ -732,8 +732,8 @@ def test_studies_name_no_model_family():
     """studies/ (the planner, the verifier, benchmarks, scaling) asks the family table
     (engine/models/families.py: traits, each family's costs.py and tiny preset) instead of
     branching on a family's name or class; a new family then needs no edit there. The
-    planner reads the table without torch (studies/perfmodel/family_table.py): the same
-    rows, and its default family is the config's."""
+    planner reads the table without torch (studies/perfmodel/family_table.py), and its
+    default family is the config's."""
     from engine.models import FAMILIES, ModelConfig
     from studies.perfmodel import family_table
 
@@ -744,7 +744,7 @@ def test_studies_name_no_model_family():
         for line, word in family_mentions(path.read_text(), names, words=False)
     ]
     assert not hits, "ask engine/models/families.py, not a family's name:\n" + "\n".join(hits)
-    assert repr(family_table.FAMILIES) == repr(FAMILIES)
+    assert family_table.FAMILIES is FAMILIES
     assert ModelConfig.arch == family_table.DEFAULT_ARCH
 
 

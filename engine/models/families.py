@@ -8,9 +8,9 @@ This table is the one list of them: ``build_model``, ``engine.hf_interop`` and
 reads the traits that the layers and the data take from the family.
 
 The table imports nothing of ours, because the config reads it and every family module
-imports the config: a family's modules are imported when first asked for. The torch-free
-performance model reads this file on its own (``studies/perfmodel/family_table.py``), since
-importing it through its package runs ``engine/models/__init__.py``, which imports torch.
+imports the config: a family's modules are imported when first asked for. Neither this
+table nor its package's ``__init__`` imports torch, so the torch-free performance model
+reads it too (``studies/perfmodel/family_table.py``).
 """
 
 from __future__ import annotations

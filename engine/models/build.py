@@ -1,0 +1,34 @@
+"""``build_model``: the model a config names, built on this rank's TP shard."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from engine.models.base import ParallelModel
+from engine.models.config import ModelConfig
+from engine.models.families import family
+from parallel_state import ParallelState
+from parallel_state.random import RNGTracker
+
+
+def build_model(
+    cfg: ModelConfig,
+    state: ParallelState | None = None,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    rng: RNGTracker | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> ParallelModel:
+    """The model that ``cfg.arch`` names, built on this rank's TP shard.
+
+    ``state`` is the rank's ParallelState: its TP group and dropout RNG tracker go to every
+    layer. Without one, ``tp_group`` and ``rng`` say them (None and None: one process).
+    """
+    model_class = family(cfg.arch).model_class()
+    if state is not None:
+        if tp_group is not None or rng is not None:
+            raise TypeError("build_model takes a ParallelState or tp_group=/rng=, not both")
+        tp_group, rng = state.tp_group, state.rng
+    return model_class(cfg, tp_group=tp_group, rng=rng, dtype=dtype, device=device)
