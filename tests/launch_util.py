@@ -25,6 +25,16 @@ def env_with_repo(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+# The model and data of every tiny run: a 32-wide GPT with 512 tokens on 16-token sequences.
+TINY_RUN = [
+    "data.seq_len=16",
+    "data.split='80,20,0'",
+    "model.vocab_size=512",
+    "model.hidden_size=32",
+    "model.num_heads=4",
+]
+
+
 def tiny_overrides(corpus: tuple[str, str], run: Path, max_steps: int = 6) -> list[str]:
     """A run small enough for launcher tests: a 2-layer, 32-wide GPT on 16-token sequences.
 
@@ -35,11 +45,7 @@ def tiny_overrides(corpus: tuple[str, str], run: Path, max_steps: int = 6) -> li
     return [
         f"data.prefixes=[{prefix}]",
         f"data.tokenizer={tokenizer}",
-        "data.seq_len=16",
-        "data.split='80,20,0'",
-        "model.vocab_size=512",
-        "model.hidden_size=32",
-        "model.num_heads=4",
+        *TINY_RUN,
         f"trainer.max_steps={max_steps}",
         "trainer.log_every=1",
         "trainer.eval_every=0",

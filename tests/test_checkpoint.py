@@ -36,8 +36,10 @@ from engine.optim import build_optimizer
 from layers.param_roles import mark_tp_blocks, mark_tp_dim, replicas
 from parallel_state.dims import ParallelDims
 from tests.corpus import build_test_corpus
+from tests.launch_util import TINY_RUN
 from tests.multiproc import run_ranks, subprocess_env
 from tests.test_engine import ROOT, compose_config
+from tests.torch_reference import tiny_gpt
 
 sys.path.insert(0, str(ROOT / "tools"))
 import checkpoint as checkpoint_cli  # noqa: E402 - tools/checkpoint.py
@@ -62,11 +64,7 @@ def run_overrides(corpus, ckpt_dir) -> list[str]:
     return [
         f"data.prefixes=[{prefix}]",
         f"data.tokenizer={tokenizer}",
-        "data.seq_len=16",
-        "data.split='80,20,0'",
-        "model.vocab_size=512",
-        "model.hidden_size=32",
-        "model.num_heads=4",
+        *TINY_RUN,
         "trainer.log_every=1",
         "trainer.eval_every=0",
         "trainer.eval_batches=2",
@@ -402,14 +400,7 @@ def test_reshard_llama_past_the_kv_heads(corpus, tmp_path, capsys):
 
 # ----------------------------------------------------------------- crash-safety of saving
 
-CFG = preset(
-    "gpt_tiny",
-    vocab_size=500,
-    hidden_size=32,
-    num_heads=4,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
+CFG = tiny_gpt(500)
 POINTS = ("after_shard", "before_index", "before_rename", "before_latest")
 
 

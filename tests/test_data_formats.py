@@ -31,6 +31,7 @@ from engine.data.preprocess import (
     vocab_ceiling,
 )
 from tests.corpus import build_test_corpus, documents
+from tests.launch_util import TINY_RUN
 from tests.multiproc import subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,11 +117,7 @@ def test_megatron_core_pair_trains(corpus, tmp_path: Path) -> None:
     assert Path(prefix + ".bin").read_bytes() == (tmp_path / "mc.bin").read_bytes()
     overrides = [
         f"data.tokenizer={tokenizer}",
-        "data.seq_len=16",
-        "data.split='80,20,0'",
-        "model.vocab_size=512",
-        "model.hidden_size=32",
-        "model.num_heads=4",
+        *TINY_RUN,
         "trainer.global_batch=4",
         "trainer.micro_batch=2",
         "trainer.eval_every=0",

@@ -13,25 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import parallel_state
-from engine.config import OptimConfig
-from engine.data_parallel import build_data_parallel
 from engine.formulas import state_bytes_per_param
 from engine.models import build_model
-from engine.models.config import preset
 from tests.multiproc import run_ranks
-from tests.torch_reference import alone_group, train_unsplit
+from tests.torch_reference import DP_OPTIM, alone_group, cpu_data_parallel, tiny_gpt, train_unsplit
 
-CFG = preset(
-    "gpt_tiny",
-    vocab_size=500,
-    hidden_size=32,
-    num_heads=4,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
-# clip_grad below the gradient norm (~1.5), so every step clips and the norm matters.
-OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.3)
-CPU = torch.device("cpu")
+CFG = tiny_gpt(500)
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -43,7 +30,7 @@ def _reference(dtype: torch.dtype, steps: int) -> tuple[list[float], dict[str, t
     """Unsplit model, whole batch, torch's AdamW and clip_grad_norm_ (not our code)."""
     torch.manual_seed(0)
     model = build_model(CFG, dtype=dtype, tp_group=alone_group())
-    losses = train_unsplit(model, OPTIM, (_batch(step) for step in range(steps)))
+    losses = train_unsplit(model, DP_OPTIM, (_batch(step) for step in range(steps)))
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -52,14 +39,8 @@ def _dp_train(zero: bool, dtype, steps: int, low_precision=None, micro: int = 2)
     ps = parallel_state.initialize(1, 2)
     torch.manual_seed(0)
     model = build_model(CFG, dtype=dtype, tp_group=ps.tp_group)
-    dp = build_data_parallel(
-        model,
-        dataclasses.replace(OPTIM, distributed=zero),
-        dp_group=ps.dp_group,
-        tp_group=ps.tp_group,
-        device=CPU,
-        bucket_size_mb=0.01,
-        low_precision=low_precision,
+    dp = cpu_data_parallel(
+        model, ps.dp_group, ps.tp_group, zero=zero, bucket_size_mb=0.01, low_precision=low_precision
     )
     losses = []
     for step in range(steps):
@@ -71,7 +52,7 @@ def _dp_train(zero: bool, dtype, steps: int, low_precision=None, micro: int = 2)
                 loss.backward()
             total += loss.item()
         dp.finish_grads()
-        dp.step(lr=OPTIM.lr, max_norm=OPTIM.clip_grad, norm=dp.grad_norm())
+        dp.step(lr=DP_OPTIM.lr, max_norm=DP_OPTIM.clip_grad, norm=dp.grad_norm())
         dp.zero_grad()
         losses.append(total)
     dp.wait_params()
@@ -123,30 +104,28 @@ def _compiled_update_run(grads: list[list[torch.Tensor]], lrs: list[float], stop
     params = list(reference.parameters())
     opt = torch.optim.AdamW(
         [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": OPTIM.weight_decay},
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": DP_OPTIM.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ],
-        betas=(OPTIM.beta1, OPTIM.beta2),
-        eps=OPTIM.eps,
+        betas=(DP_OPTIM.beta1, DP_OPTIM.beta2),
+        eps=DP_OPTIM.eps,
     )
     for step_grads, lr in zip(grads, lrs, strict=True):
         for p, g in zip(params, step_grads, strict=True):
             p.grad = g.clone()
-        torch.nn.utils.clip_grad_norm_(params, OPTIM.clip_grad)
+        torch.nn.utils.clip_grad_norm_(params, DP_OPTIM.clip_grad)
         for group in opt.param_groups:
             group["lr"] = lr
         opt.step()
 
     def train(model, steps, states=None):
-        dp = build_data_parallel(
-            model, OPTIM, dp_group=None, tp_group=None, device=CPU, compile_backend="inductor"
-        )
+        dp = cpu_data_parallel(model, None, None, compile_backend="inductor")
         if states is not None:
             dp.load_param_states(dict(zip(model.parameters(), states, strict=True)))
         for step in steps:
             for p, g in zip(model.parameters(), grads[step], strict=True):
                 p.grad = g.clone()
-            dp.step(lr=lrs[step], max_norm=OPTIM.clip_grad, norm=dp.grad_norm())
+            dp.step(lr=lrs[step], max_norm=DP_OPTIM.clip_grad, norm=dp.grad_norm())
             dp.zero_grad()
         return dp
 
@@ -183,7 +162,7 @@ def test_compiled_update_matches_torch_adamw():
     gen = torch.Generator().manual_seed(3)
     shapes = [(32, 16), (32,), (32,), (32,), (8, 32), (8,)]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(5)]
-    lrs = [OPTIM.lr * f for f in (0.25, 0.5, 1.0, 0.7, 0.3)]
+    lrs = [DP_OPTIM.lr * f for f in (0.25, 0.5, 1.0, 0.7, 0.3)]
     res = _compiled_update_run(grads, lrs, stop=2)
     assert res["graphs"] == 2, res
     assert res["whole"] <= 1e-6 and res["resumed"] <= 1e-6, res
@@ -235,14 +214,8 @@ def _zero_overlap(overlap: bool = True) -> dict:
     serial.load_state_dict(model.state_dict())
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
     F.mse_loss(serial(x), y).backward()
-    dp = build_data_parallel(
-        model,
-        dataclasses.replace(OPTIM, distributed=True),
-        dp_group=ps.dp_group,
-        tp_group=ps.tp_group,
-        device=CPU,
-        bucket_size_mb=1e-6,
-        overlap=overlap,
+    dp = cpu_data_parallel(
+        model, ps.dp_group, ps.tp_group, zero=True, bucket_size_mb=1e-6, overlap=overlap
     )
     zero, record = dp.zero, []
     rows = slice(4 * ps.dp_rank, 4 * ps.dp_rank + 4)
@@ -254,7 +227,7 @@ def _zero_overlap(overlap: bool = True) -> dict:
         _rel_err(b.master.grad, _serial_slice(b, [q.grad for q in _same(serial, model, b)]))
         for b in zero.buckets
     )
-    dp.step(lr=OPTIM.lr, max_norm=0.0, norm=dp.grad_norm())
+    dp.step(lr=DP_OPTIM.lr, max_norm=0.0, norm=dp.grad_norm())
     unwaited_after_step = sum(b.gather_work is not None for b in zero.buckets)
     seen = []
     hook = model.fc1.register_forward_hook(
@@ -332,20 +305,13 @@ def _memory() -> dict:
             torch.manual_seed(0)
             model = build_model(CFG, tp_group=singles[rank])
             numel = sum(p.numel() for p in model.parameters())
-            dp = build_data_parallel(
-                model,
-                dataclasses.replace(OPTIM, distributed=zero),
-                dp_group=group,
-                tp_group=singles[rank],
-                device=CPU,
-                low_precision=low,
-            )
+            dp = cpu_data_parallel(model, group, singles[rank], zero=zero, low_precision=low)
             for step in range(2):
                 x = _batch(step)
                 model(x[:, :-1], x[:, 1:]).mean().backward()
                 dp.finish_grads()
                 if step == 0:
-                    dp.step(lr=OPTIM.lr, max_norm=OPTIM.clip_grad, norm=dp.grad_norm())
+                    dp.step(lr=DP_OPTIM.lr, max_norm=DP_OPTIM.clip_grad, norm=dp.grad_norm())
                     dp.zero_grad()
             out[(case, d)] = {
                 "bytes_per_param": _held_bytes(model, dp) / numel,
@@ -452,21 +418,14 @@ def _sequence_parallel_pair() -> dict:
         torch.manual_seed(0)
         ps.seed(0)  # sequence parallelism draws dropout from the TP-sharded stream
         model = build_model(cfg, dtype=torch.float64, tp_group=ps.tp_group)
-        dp = build_data_parallel(
-            model,
-            dataclasses.replace(OPTIM, distributed=zero),
-            dp_group=ps.dp_group,
-            tp_group=ps.tp_group,
-            device=CPU,
-            bucket_size_mb=0.01,
-        )
+        dp = cpu_data_parallel(model, ps.dp_group, ps.tp_group, zero=zero, bucket_size_mb=0.01)
         norms = []
         for step in range(2):
             x = _batch(step)[2 * ps.dp_rank : 2 * ps.dp_rank + 2]
             model(x[:, :-1], x[:, 1:]).mean().backward()
             dp.finish_grads()
             norms.append(dp.grad_norm().item())
-            dp.step(lr=OPTIM.lr, max_norm=OPTIM.clip_grad, norm=torch.tensor(norms[-1]))
+            dp.step(lr=DP_OPTIM.lr, max_norm=DP_OPTIM.clip_grad, norm=torch.tensor(norms[-1]))
             dp.zero_grad()
         dp.wait_params()
         out[zero] = (norms, model.full_state_dict())

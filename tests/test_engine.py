@@ -17,9 +17,9 @@ import parallel_state
 from engine.config import Config, register_configs
 from engine.data_parallel import GradSync, global_grad_norm
 from engine.models import build_model
-from engine.models.config import preset
 from tests.corpus import build_test_corpus
 from tests.multiproc import run_ranks, subprocess_env
+from tests.torch_reference import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -153,15 +153,7 @@ def test_tensorboard_keeps_one_run_across_resumes(tmp_path):
 
 def _grad_norms(sequence_parallel: bool) -> tuple[float, float]:
     ps = parallel_state.initialize(2, 2)
-    cfg = preset(
-        "gpt_tiny",
-        vocab_size=500,
-        hidden_size=32,
-        num_heads=4,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        sequence_parallel=sequence_parallel,
-    )
+    cfg = tiny_gpt(500, sequence_parallel=sequence_parallel)
     ps.seed(3)  # the sharded dropout stream must exist under sequence parallelism
     model = build_model(cfg, dtype=torch.float64)
     full = model.full_state_dict()

@@ -17,6 +17,7 @@ from engine.models.config import preset
 from tests.corpus import build_test_corpus
 from tests.multiproc import run_ranks
 from tests.test_engine import _train, tiny_run
+from tests.torch_reference import tiny_gpt
 
 
 @pytest.fixture(scope="module")
@@ -93,15 +94,7 @@ def test_text_file_loss_is_the_mean_cross_entropy_of_its_windows(corpus, tmp_pat
 
     _, tokenizer_path = corpus
     tokenizer = Tokenizer.from_file(tokenizer_path)
-    cfg = preset(
-        "gpt_tiny",
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=32,
-        num_heads=4,
-        max_positions=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    cfg = tiny_gpt(tokenizer.get_vocab_size(), max_positions=64)
     torch.manual_seed(7)
     model = build_model(cfg).eval()
     export = tmp_path / "export"

@@ -22,19 +22,9 @@ from layers.utils import dp_sharded, local_part
 from parallel_state.dims import DP_SHARD_MODES, ParallelDims
 from parallel_state.random import RNGTracker
 from tests.multiproc import run_ranks
-from tests.torch_reference import alone_group, train_unsplit
+from tests.torch_reference import DP_OPTIM, alone_group, cpu_data_parallel, tiny_gpt, train_unsplit
 
-CFG = preset(
-    "gpt_tiny",
-    vocab_size=500,
-    hidden_size=32,
-    num_heads=4,
-    num_layers=3,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
-# clip_grad below the gradient norm (~1.5), so every step clips and the norm matters.
-OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.3)
+CFG = tiny_gpt(500, num_layers=3)
 CPU = torch.device("cpu")
 STEPS, MICRO, ROWS = 5, 2, 8  # 5 steps, 2 accumulation micro-batches, 8 sequences per step
 
@@ -53,7 +43,7 @@ def _reference(initial: dict[str, torch.Tensor]) -> tuple[list[float], dict[str,
     """Unsplit fp64 model on the whole batch, torch's AdamW and clip_grad_norm_ (not ours)."""
     model = _unsplit(torch.float64)
     model.load_full_state_dict(initial)
-    losses = train_unsplit(model, OPTIM, (_batch(step) for step in range(STEPS)))
+    losses = train_unsplit(model, DP_OPTIM, (_batch(step) for step in range(STEPS)))
     return losses, model.full_state_dict()
 
 
@@ -62,12 +52,10 @@ def _train(ps, mode: str, cfg, initial, *, dtype, low_precision=None, autocast=F
     no_sync on all but the last; returns the DP-mean losses and the full final weights."""
     model = build_model(cfg, ps, dtype=dtype)
     model.load_full_state_dict(initial)
-    dp = build_data_parallel(
+    dp = cpu_data_parallel(
         model,
-        OPTIM,
-        dp_group=ps.dp_group,
-        tp_group=ps.tp_group,
-        device=CPU,
+        ps.dp_group,
+        ps.tp_group,
         bucket_size_mb=0.01,
         low_precision=low_precision,
         dp_shard=mode,
@@ -83,7 +71,7 @@ def _train(ps, mode: str, cfg, initial, *, dtype, low_precision=None, autocast=F
                 loss.backward()
             total += loss.detach().double()
         dp.finish_grads()
-        dp.step(lr=OPTIM.lr, max_norm=OPTIM.clip_grad, norm=dp.grad_norm())
+        dp.step(lr=DP_OPTIM.lr, max_norm=DP_OPTIM.clip_grad, norm=dp.grad_norm())
         dp.zero_grad()
         dist.all_reduce(total, group=ps.dp_group)
         losses.append(total.item() / ps.dp_size)
@@ -172,9 +160,7 @@ def _held_between_layers(d: int) -> dict:
     ps = parallel_state.initialize(ParallelDims(1, d))
     torch.manual_seed(0)
     model = build_model(CFG, ps)
-    dp = build_data_parallel(
-        model, OPTIM, dp_group=ps.dp_group, tp_group=ps.tp_group, device=CPU, dp_shard="full"
-    )
+    dp = cpu_data_parallel(model, ps.dp_group, ps.tp_group, dp_shard="full")
     layers, seen = list(model.layers), []
 
     def check(index):
@@ -338,14 +324,8 @@ def _fsdp_memory() -> dict:
                 torch.manual_seed(0)
                 model = build_model(CFG, tp_group=singles[rank])
                 numel = sum(p.numel() for p in model.parameters())
-                dp = build_data_parallel(
-                    model,
-                    OPTIM,
-                    dp_group=group,
-                    tp_group=singles[rank],
-                    device=CPU,
-                    low_precision=low,
-                    dp_shard=mode,
+                dp = cpu_data_parallel(
+                    model, group, singles[rank], low_precision=low, dp_shard=mode
                 )
                 for step in range(2):
                     x = _batch(step)[:2]
@@ -356,7 +336,7 @@ def _fsdp_memory() -> dict:
                     loss.backward()
                     dp.finish_grads()
                     if step == 0:
-                        dp.step(lr=OPTIM.lr, max_norm=OPTIM.clip_grad, norm=dp.grad_norm())
+                        dp.step(lr=DP_OPTIM.lr, max_norm=DP_OPTIM.clip_grad, norm=dp.grad_norm())
                         dp.zero_grad()
                 grads = _storage_bytes(p.grad for p in dp.params)
                 state = _storage_bytes(

@@ -11,18 +11,10 @@ import torch.distributed as dist
 import parallel_state
 from engine.generate import generate
 from engine.models import build_model
-from engine.models.config import preset
 from tests.multiproc import run_ranks
+from tests.torch_reference import tiny_gpt
 
-CFG = preset(
-    "gpt_tiny",
-    vocab_size=300,
-    hidden_size=32,
-    num_heads=4,
-    max_positions=32,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
+CFG = tiny_gpt(300, max_positions=32)
 
 
 def _samples(sequence_parallel: bool) -> tuple[list[int], list[int], list[int]]:
@@ -68,15 +60,7 @@ from engine.generate import Sampling, generate_batch  # noqa: E402
 from engine.hf_interop import read_hf_dir  # noqa: E402
 from tests.multiproc import run_ranks as _run_ranks  # noqa: E402
 
-BIG = preset(
-    "gpt_tiny",
-    vocab_size=300,
-    hidden_size=32,
-    num_heads=4,
-    max_positions=64,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
+BIG = tiny_gpt(300, max_positions=64)
 PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7], [250, 1, 2, 3]]
 
 

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from engine.checkpoint.format import write_checkpoint
 from engine.generate import Sampling, generate_batch
 from engine.models import build_model
-from engine.models.config import preset
+from tests.torch_reference import tiny_gpt
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,15 +50,7 @@ def _export(tmp_path: Path) -> tuple[Path, Tokenizer, object]:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 20, trainer)
-    cfg = preset(
-        "gpt_tiny",
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=32,
-        num_heads=4,
-        max_positions=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    cfg = tiny_gpt(tokenizer.get_vocab_size(), max_positions=64)
     torch.manual_seed(3)
     model = build_model(cfg)
     directory = tmp_path / "export"
@@ -122,15 +114,7 @@ def _trained_checkpoint(tmp_path: Path) -> tuple[Path, Path, object]:
     save_tokenizer(
         train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300), tokenizer_path
     )
-    cfg = preset(
-        "gpt_tiny",
-        vocab_size=300,
-        hidden_size=32,
-        num_heads=4,
-        max_positions=64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    cfg = tiny_gpt(300, max_positions=64)
     torch.manual_seed(3)
     model = build_model(cfg)
     root = tmp_path / "ckpt"

@@ -16,6 +16,7 @@ from engine.data_parallel import build_data_parallel
 from engine.hf_interop import read_hf_dir
 from engine.models import build_model
 from tests.multiproc import run_ranks
+from tests.test_llama import COMMON
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,17 +102,7 @@ def test_llama_trains_like_transformers(tmp_path, tp, dp):
     replicated KV head's summation order is not it: after step 1 its weights differ from
     transformers' by 2e-16, the embedding by 2e-13."""
     torch.manual_seed(1)
-    config = transformers.LlamaConfig(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    config = transformers.LlamaConfig(**COMMON, num_key_value_heads=1, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
     hf_dir = str(tmp_path / "llama")
     losses = run_ranks(_train_both, tp * dp, hf_dir, "LlamaForCausalLM", tp, dp, timeout=600)

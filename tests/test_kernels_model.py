@@ -22,6 +22,7 @@ import parallel_state
 from engine.models import build_model
 from engine.models.config import preset
 from tests.multiproc import run_ranks
+from tests.torch_reference import tiny_gpt
 
 TOL = 2e-5
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -30,17 +31,7 @@ INTERPRETER = {"TRITON_INTERPRET": "1"}
 
 def _loss_and_grads(kernels: str, sequence_parallel: bool = False, device="cpu"):
     ps = parallel_state.get() if parallel_state.is_initialized() else None
-    cfg = preset(
-        "gpt_tiny",
-        vocab_size=300,
-        hidden_size=32,
-        num_heads=4,
-        num_layers=2,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        kernels=kernels,
-        sequence_parallel=sequence_parallel,
-    )
+    cfg = tiny_gpt(300, num_layers=2, kernels=kernels, sequence_parallel=sequence_parallel)
     if ps is not None:
         ps.seed(5)
     else:

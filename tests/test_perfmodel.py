@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -611,21 +612,14 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+# gpt_1.3b, 64 sequences a step, 8 GPUs at tp 2 on one H100 node
+PREDICT = shlex.split(
+    "predict --model gpt_1.3b --global-batch 64 --gpus 8 --tp 2 --cluster h100_node"
+)
+
+
 def test_plan_predict_json_keys_without_torch():
-    out = _plan(
-        "predict",
-        "--model",
-        "gpt_1.3b",
-        "--global-batch",
-        "64",
-        "--gpus",
-        "8",
-        "--tp",
-        "2",
-        "--cluster",
-        "h100_node",
-        "--json",
-    )
+    out = _plan(*PREDICT, "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert list(data) == [
@@ -644,19 +638,7 @@ def test_plan_predict_json_keys_without_torch():
 
 
 def test_plan_predict_text_and_search_output():
-    out = _plan(
-        "predict",
-        "--model",
-        "gpt_1.3b",
-        "--global-batch",
-        "64",
-        "--gpus",
-        "8",
-        "--tp",
-        "2",
-        "--cluster",
-        "h100_node",
-    )
+    out = _plan(*PREDICT)
     assert out.returncode == 0, out.stderr
     assert "tokens/s" in out.stdout and "time: compute" in out.stdout
     out = _plan(

@@ -45,22 +45,27 @@ class _Counter:
         pass
 
 
-def _count_tp_collectives(layers: int, recompute: str) -> int:
-    from engine.models import ModelConfig, build_model
-    from layers.utils import attach_comm_timer
+def _small_gpt(layers: int, **overrides):
+    """A 32-wide, 4-head GPT of ``layers`` layers (256 tokens, 16 positions)."""
+    from engine.models import ModelConfig
 
-    # dropout 0: it does not change the collectives, and needs no TP-aware RNG tracker here
-    cfg = ModelConfig(
+    return ModelConfig(
         arch="gpt",
         vocab_size=256,
         hidden_size=32,
         num_layers=layers,
         num_heads=4,
         max_positions=16,
-        recompute=recompute,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        **overrides,
     )
+
+
+def _count_tp_collectives(layers: int, recompute: str) -> int:
+    from engine.models import build_model
+    from layers.utils import attach_comm_timer
+
+    # dropout 0: it does not change the collectives, and needs no TP-aware RNG tracker here
+    cfg = _small_gpt(layers, recompute=recompute, hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)
     model = build_model(cfg, tp_group=dist.group.WORLD, device=torch.device("cpu"))
     counter = _Counter()
@@ -183,17 +188,10 @@ def test_lookup_takes_the_nearest_rank_count():
 
 def test_parameter_tensor_count_matches_the_model():
     """parameter_tensors against the tensors a real GPT holds (torch counts them)."""
-    from engine.models import ModelConfig, build_model
+    from engine.models import build_model
 
     for layers in (2, 4):
-        cfg = ModelConfig(
-            arch="gpt",
-            vocab_size=256,
-            hidden_size=32,
-            num_layers=layers,
-            num_heads=4,
-            max_positions=16,
-        )
+        cfg = _small_gpt(layers)
         model = build_model(cfg, device=torch.device("cpu"))
         assert len(list(model.parameters())) == parameter_tensors(layers)
 

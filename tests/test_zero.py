@@ -10,23 +10,12 @@ import torch.distributed as dist
 
 import parallel_state
 from engine.checkpoint import full_optimizer_state, load_checkpoint, save_checkpoint
-from engine.config import OptimConfig
 from engine.data_parallel import build_data_parallel
 from engine.models import build_model
-from engine.models.config import preset
 from tests.multiproc import run_ranks
+from tests.torch_reference import DP_OPTIM, tiny_gpt
 
-CFG = preset(
-    "gpt_tiny",
-    vocab_size=500,
-    hidden_size=32,
-    num_heads=4,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
-# clip_grad well below the gradient norm (~1.5 here), so clipping scales every step and the
-# sharded norm is exercised, not just computed.
-OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.3)
+CFG = tiny_gpt(500)
 
 
 def _batch(step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
@@ -45,7 +34,7 @@ def _train(model, dp, dp_rank, dp_size, steps=3) -> dict:
         loss.backward()
         dp.finish_grads()
         norm = dp.grad_norm()
-        dp.step(lr=OPTIM.lr, max_norm=OPTIM.clip_grad, norm=norm)
+        dp.step(lr=DP_OPTIM.lr, max_norm=DP_OPTIM.clip_grad, norm=norm)
         dp.zero_grad()
         losses.append(loss.item())
         norms.append(norm.item())
@@ -54,7 +43,7 @@ def _train(model, dp, dp_rank, dp_size, steps=3) -> dict:
 
 
 def _strategy(model, zero: bool, tp_group, dp_group):
-    cfg = dataclasses.replace(OPTIM, distributed=zero)
+    cfg = dataclasses.replace(DP_OPTIM, distributed=zero)
     return build_data_parallel(
         model, cfg, dp_group=dp_group, tp_group=tp_group, device=torch.device("cpu")
     )

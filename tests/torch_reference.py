@@ -1,9 +1,11 @@
 """The unsplit reference the data-parallel tests compare against: one process, the whole
 batch, torch's own AdamW (the trainer's decay grouping: weight matrices decay, vectors do
-not) and ``clip_grad_norm_``, none of meshtron's optimizer or gradient code."""
+not) and ``clip_grad_norm_``, none of meshtron's optimizer or gradient code. Also the tiny
+GPT and the optimizer settings those tests (and others that need a small model) share."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -11,6 +13,35 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import OptimConfig
+from engine.data_parallel import build_data_parallel
+from engine.models.config import ModelConfig, preset
+
+# clip_grad below the gradient norm of tiny_gpt(500) (~1.5), so every step clips and the
+# (possibly sharded) norm is exercised, not just computed.
+DP_OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.3)
+
+
+def cpu_data_parallel(model: nn.Module, dp_group, tp_group, *, zero: bool = False, **options):
+    """``build_data_parallel`` on the CPU with ``DP_OPTIM`` (``zero``: ZeRO-1, sharded
+    optimizer state) and the strategy ``options`` a test varies."""
+    optim = dataclasses.replace(DP_OPTIM, distributed=zero)
+    return build_data_parallel(
+        model, optim, dp_group=dp_group, tp_group=tp_group, device=torch.device("cpu"), **options
+    )
+
+
+def tiny_gpt(vocab_size: int, **overrides) -> ModelConfig:
+    """gpt_tiny at width 32 with 4 heads and no dropout (so runs compare exactly), with
+    ``overrides``."""
+    return preset(
+        "gpt_tiny",
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_heads=4,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **overrides,
+    )
 
 
 def alone_group() -> dist.ProcessGroup:

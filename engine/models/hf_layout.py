@@ -1,10 +1,22 @@
-"""What the families' Hugging Face maps share: per-head QKV rows, GeLU spellings, and the
-contiguous copies a converted state dict is made of."""
+"""What the families' Hugging Face maps share: the two tables a family declares (config keys,
+weight names with their layout change) and the functions that read them in each direction,
+plus per-group row interleaving and GeLU spellings.
+
+A family's ``hf.py`` states its map once, as ``ConfigKey`` and ``Weights`` rows; import and
+export both walk those rows, so the two directions cannot drift apart.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
 import torch
 from einops import rearrange
+
+if TYPE_CHECKING:
+    from engine.models.config import ModelConfig
 
 # config.json activation names → ModelConfig.activation
 GELU_NAMES = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -25,17 +37,211 @@ def activation_to_hf(activation: str, original: str | None) -> str:
     return "gelu_new" if activation == "gelu_tanh" else "gelu"
 
 
-def qkv_to_meshtron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
-    """Fuse q, k, v (rows ``(heads d)``) into meshtron's per-head ``(heads three d)`` rows,
-    so that each TP rank's contiguous slice holds whole heads."""
-    return rearrange(
-        torch.stack([q, k, v]), "three (heads d) ... -> (heads three d) ...", heads=heads
+REQUIRED = object()  # a ConfigKey default: config.json must have the key
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One ``config.json`` key ``theirs`` ↔ one ModelConfig field ``ours``.
+
+    Import reads ``theirs`` (``default`` when absent; a KeyError when REQUIRED) through
+    ``to_ours``; export writes attribute ``export`` (default ``ours``: a derived property
+    such as ``ffn_size`` where the field may be None) through ``to_hf``, which also gets
+    the value the imported original held (None if none).
+    """
+
+    ours: str
+    theirs: str
+    default: Any = REQUIRED
+    export: str | None = None
+    to_ours: Callable[[Any], Any] | None = None
+    to_hf: Callable[[Any, Any], Any] | None = None
+
+
+# The sizes under transformers' usual names (BERT, Llama, Mistral, Qwen2; GPT-2 has its own).
+SIZE_KEYS = (
+    ConfigKey("vocab_size", "vocab_size"),
+    ConfigKey("hidden_size", "hidden_size"),
+    ConfigKey("num_layers", "num_hidden_layers"),
+    ConfigKey("num_heads", "num_attention_heads"),
+    ConfigKey("ffn_hidden_size", "intermediate_size", export="ffn_size"),
+    ConfigKey("max_positions", "max_position_embeddings"),
+)
+
+
+def gelu_key(theirs: str, default: str) -> ConfigKey:
+    """``ModelConfig.activation`` ↔ a GeLU name under key ``theirs`` (see ``GELU_NAMES``)."""
+    return ConfigKey(
+        "activation", theirs, default, to_ours=activation_from_hf, to_hf=activation_to_hf
     )
 
 
-def qkv_from_meshtron(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
-    """Inverse of :func:`qkv_to_meshtron`: (q, k, v), each with rows ``(heads d)``."""
-    return tuple(rearrange(qkv, "(heads three d) ... -> three (heads d) ...", heads=heads, three=3))
+def config_values(hf: dict[str, Any], keys: Sequence[ConfigKey]) -> dict[str, Any]:
+    """ModelConfig fields read from ``config.json`` dict ``hf`` through ``keys``, in order."""
+    values = {}
+    for key in keys:
+        value = hf[key.theirs] if key.default is REQUIRED else hf.get(key.theirs, key.default)
+        values[key.ours] = key.to_ours(value) if key.to_ours else value
+    return values
+
+
+def config_json(
+    cfg: ModelConfig,
+    keys: Sequence[ConfigKey],
+    base: dict[str, Any] | None,
+    model_type: str,
+    architectures: dict[str, str],
+) -> dict[str, Any]:
+    """``config.json`` of ``cfg`` through ``keys``, on top of ``base`` (the imported
+    original, if any), naming ``model_type`` and its transformers class."""
+    out = dict(base or {})
+    out.update(architectures=[architectures[model_type]], model_type=model_type)
+    out.update(config_items(cfg, keys, out))
+    return out
+
+
+def config_items(
+    cfg: ModelConfig, keys: Sequence[ConfigKey], original: dict[str, Any]
+) -> dict[str, Any]:
+    """The ``config.json`` entries ``keys`` write for ``cfg`` (``original``: the imported
+    values, which a key's ``to_hf`` may keep)."""
+    items = {}
+    for key in keys:
+        value = getattr(cfg, key.export or key.ours)
+        items[key.theirs] = key.to_hf(value, original.get(key.theirs)) if key.to_hf else value
+    return items
+
+
+@dataclass(frozen=True)
+class Transform:
+    """HF tensors → meshtron tensors (``to_ours``) and its inverse (``to_hf``); each takes
+    the tensors positionally and returns a tuple. Pure permutations, so round trips are
+    bitwise."""
+
+    to_ours: Callable[..., tuple[torch.Tensor, ...]]
+    to_hf: Callable[..., tuple[torch.Tensor, ...]]
+
+
+SAME = Transform(lambda *tensors: tensors, lambda *tensors: tensors)
+# Conv1D [in, out] ↔ nn.Linear [out, in]
+TRANSPOSE = Transform(lambda w: (w.t(),), lambda w: (w.t(),))
+
+
+def interleave_rows(parts: Sequence[torch.Tensor], groups: int | None) -> torch.Tensor:
+    """Stack ``parts`` (each with rows ``(groups d)``) into rows ``(groups n d)``, so that
+    each TP rank's contiguous slice holds whole groups (heads); ``groups`` None: every row
+    is a group (d = 1)."""
+    groups = groups or len(parts[0])
+    return rearrange(torch.stack(list(parts)), "n (g d) ... -> (g n d) ...", g=groups)
+
+
+def split_rows(fused: torch.Tensor, groups: int | None, n: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`interleave_rows`: the ``n`` parts, each with rows ``(groups d)``."""
+    groups = groups or len(fused) // n
+    return tuple(rearrange(fused, "(g n d) ... -> n (g d) ...", g=groups, n=n))
+
+
+def interleaved(groups: int | None, n: int) -> Transform:
+    """``n`` HF tensors ↔ one meshtron tensor with rows ``(groups n d)`` (``groups`` None:
+    rows alternate, d = 1)."""
+    return Transform(
+        lambda *parts: (interleave_rows(parts, groups),),
+        lambda fused: split_rows(fused, groups, n),
+    )
+
+
+@dataclass(frozen=True)
+class Weights:
+    """meshtron tensors ``ours`` ↔ HF tensors ``theirs`` through ``transform``. Names may
+    hold ``{i}``, the layer index (see :func:`per_layer`)."""
+
+    ours: tuple[str, ...]
+    theirs: tuple[str, ...]
+    transform: Transform = SAME
+
+
+def weights(
+    ours: str | Sequence[str],
+    theirs: str | Sequence[str],
+    transform: Transform = SAME,
+    kinds: Iterable[str] = ("weight", "bias"),
+) -> list[Weights]:
+    """One ``Weights`` row per parameter kind: ``.weight`` and ``.bias`` (``kinds``)
+    appended to every name."""
+    ours, theirs = _names(ours), _names(theirs)
+    return [
+        Weights(tuple(f"{n}.{k}" for n in ours), tuple(f"{n}.{k}" for n in theirs), transform)
+        for k in kinds
+    ]
+
+
+def rename(ours: str, theirs: str, transform: Transform = SAME) -> Weights:
+    """One tensor under a new name (through ``transform``)."""
+    return Weights((ours,), (theirs,), transform)
+
+
+def _names(names: str | Sequence[str]) -> tuple[str, ...]:
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
+def per_layer(rows: Sequence[Weights], num_layers: int) -> list[Weights]:
+    """``rows`` for each layer in turn, ``{i}`` in their names filled in."""
+    return [
+        Weights(
+            tuple(n.format(i=i) for n in row.ours),
+            tuple(n.format(i=i) for n in row.theirs),
+            row.transform,
+        )
+        for i in range(num_layers)
+        for row in rows
+    ]
+
+
+def weight_map(
+    cfg: ModelConfig,
+    *,
+    top: list[Weights],
+    layer: list[Weights],
+    head: Weights,
+    fused: list[Weights],
+) -> list[Weights]:
+    """A family's rows in the order import reads them: ``top``, ``layer`` for each layer,
+    the LM ``head`` unless tied to the embedding, then the ``fused`` rows for each layer."""
+    n = cfg.num_layers
+    untied = [] if cfg.tie_embeddings else [head]
+    return top + per_layer(layer, n) + untied + per_layer(fused, n)
+
+
+def state_from_hf(
+    rows: Sequence[Weights],
+    hf: dict[str, torch.Tensor],
+    checkpoint: str,
+    ignored: Callable[[str], bool],
+) -> dict[str, torch.Tensor]:
+    """meshtron state dict from HF state dict ``hf`` through ``rows``: a one-line KeyError
+    naming the expected ``checkpoint`` for a missing tensor, a ValueError for a tensor no
+    row places unless ``ignored`` (buffers, tied copies)."""
+    used, ours = set(), {}
+    try:
+        for row in rows:
+            converted = row.transform.to_ours(*(hf[name] for name in row.theirs))
+            used.update(row.theirs)
+            ours.update(zip(row.ours, converted, strict=True))
+    except KeyError as missing:
+        raise KeyError(f"HF weights lack {missing}; expected a {checkpoint} checkpoint") from None
+    unused = [k for k in hf if k not in used and not ignored(k)]
+    if unused:
+        raise ValueError(f"HF weights meshtron does not know how to place: {unused[:5]}")
+    return contiguous_copies(ours)
+
+
+def state_to_hf(rows: Sequence[Weights], ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`state_from_hf`: HF state dict of meshtron state dict ``ours``."""
+    hf = {}
+    for row in rows:
+        converted = row.transform.to_hf(*(ours[name] for name in row.ours))
+        hf.update(zip(row.theirs, converted, strict=True))
+    return contiguous_copies(hf)
 
 
 def contiguous_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

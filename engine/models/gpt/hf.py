@@ -12,16 +12,25 @@ from typing import Any
 
 import torch
 
+from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
-from engine.models.hf_layout import (
-    activation_from_hf,
-    activation_to_hf,
-    contiguous_copies,
-    qkv_from_meshtron,
-    qkv_to_meshtron,
-)
+from engine.models.hf_layout import TRANSPOSE, ConfigKey, Transform, rename, weights
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel"}
+
+_CONFIG = (
+    ConfigKey("vocab_size", "vocab_size"),
+    ConfigKey("hidden_size", "n_embd"),
+    ConfigKey("num_layers", "n_layer"),
+    ConfigKey("num_heads", "n_head"),
+    ConfigKey("ffn_hidden_size", "n_inner", None),
+    ConfigKey("max_positions", "n_positions"),
+    ConfigKey("hidden_dropout", "resid_pdrop", 0.1),
+    ConfigKey("attention_dropout", "attn_pdrop", 0.1),
+    ConfigKey("layernorm_eps", "layer_norm_epsilon", 1e-5),
+    layout.gelu_key("activation_function", "gelu_new"),
+    ConfigKey("tie_embeddings", "tie_word_embeddings", True),
+)
 
 # Buffers and the tied head copy HF may store, which hold no parameters of their own.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "lm_head.weight")
@@ -31,100 +40,76 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig of a GPT-2 ``config.json``; unsupported variants raise."""
     if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
         raise ValueError("only GPT-2 attention scaled by 1/sqrt(head_dim) is supported")
-    values = dict(
-        arch="gpt",
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["n_embd"],
-        num_layers=hf["n_layer"],
-        num_heads=hf["n_head"],
-        ffn_hidden_size=hf.get("n_inner"),
-        max_positions=hf["n_positions"],
-        hidden_dropout=hf.get("resid_pdrop", 0.1),
-        attention_dropout=hf.get("attn_pdrop", 0.1),
-        layernorm_eps=hf.get("layer_norm_epsilon", 1e-5),
-    )
-    activation = activation_from_hf(hf.get("activation_function", "gelu_new"))
-    tie = hf.get("tie_word_embeddings", True)
-    return ModelConfig(**values, activation=activation, tie_embeddings=tie)
+    return ModelConfig(arch="gpt", **layout.config_values(hf, _CONFIG))
 
 
 def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``config.json`` dict for ``cfg`` on top of ``base`` (the imported original, if any)."""
-    out = dict(base or {})
-    out.update(
-        architectures=["GPT2LMHeadModel"],
-        model_type="gpt2",
-        n_embd=cfg.hidden_size,
-        n_layer=cfg.num_layers,
-        n_head=cfg.num_heads,
-        n_inner=cfg.ffn_hidden_size,
-        n_positions=cfg.max_positions,
-        resid_pdrop=cfg.hidden_dropout,
-        attn_pdrop=cfg.attention_dropout,
-        layer_norm_epsilon=cfg.layernorm_eps,
-        activation_function=activation_to_hf(cfg.activation, out.get("activation_function")),
-        vocab_size=cfg.vocab_size,
-        tie_word_embeddings=cfg.tie_embeddings,
-    )
+    out = layout.config_json(cfg, _CONFIG, base, "gpt2", ARCHITECTURES)
     out.setdefault("embd_pdrop", cfg.hidden_dropout)  # meshtron has one hidden dropout
     return out
 
 
-def _renames(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
-    """(meshtron name, HF name, transposed) of every tensor except the fused QKV."""
-    table = [
-        ("embedding.word.weight", "transformer.wte.weight", False),
-        ("embedding.position", "transformer.wpe.weight", False),
+def _conv1d(ours: str, theirs: str) -> list[layout.Weights]:
+    """A Conv1D: its ``[in, out]`` weight transposed, its bias as is."""
+    return [
+        rename(f"{ours}.weight", f"{theirs}.weight", TRANSPOSE),
+        rename(f"{ours}.bias", f"{theirs}.bias"),
     ]
-    table += [(f"final_norm.{x}", f"transformer.ln_f.{x}", False) for x in ("weight", "bias")]
-    sub = [
-        ("attention_norm", "ln_1", False),
-        ("attention.dense", "attn.c_proj", True),
-        ("mlp_norm", "ln_2", False),
-        ("mlp.fc1", "mlp.c_fc", True),
-        ("mlp.fc2", "mlp.c_proj", True),
+
+
+def _fused_qkv(heads: int, conv1d: bool) -> Transform:
+    """``c_attn`` (rows ``[q | k | v]``; a Conv1D ``[in, 3h]`` weight) ↔ per-head QKV."""
+
+    def to_ours(fused: torch.Tensor) -> tuple[torch.Tensor]:
+        rows = fused.t() if conv1d else fused
+        return (layout.interleave_rows(rows.chunk(3), heads),)
+
+    def to_hf(qkv: torch.Tensor) -> tuple[torch.Tensor]:
+        fused = torch.cat(layout.split_rows(qkv, heads, 3))
+        return (fused.t() if conv1d else fused,)
+
+    return Transform(to_ours, to_hf)
+
+
+def _weights(cfg: ModelConfig) -> list[layout.Weights]:
+    """Every tensor's meshtron name ↔ HF name, with its layout change."""
+    ours, h = "layers.{i}", "transformer.h.{i}"
+    qkv = [
+        rename(f"{ours}.attention.qkv.{kind}", f"{h}.attn.c_attn.{kind}", transform)
+        for kind, transform in (
+            ("weight", _fused_qkv(cfg.num_heads, conv1d=True)),
+            ("bias", _fused_qkv(cfg.num_heads, conv1d=False)),
+        )
     ]
-    for i in range(cfg.num_layers):
-        for ours, theirs, transposed in sub:
-            layer = f"transformer.h.{i}.{theirs}"
-            table.append((f"layers.{i}.{ours}.weight", f"{layer}.weight", transposed))
-            table.append((f"layers.{i}.{ours}.bias", f"{layer}.bias", False))
-    head = [] if cfg.tie_embeddings else [("lm_head.weight", "lm_head.weight", False)]
-    return table + head
+    return layout.weight_map(
+        cfg,
+        top=[
+            rename("embedding.word.weight", "transformer.wte.weight"),
+            rename("embedding.position", "transformer.wpe.weight"),
+            *weights("final_norm", "transformer.ln_f"),
+        ],
+        layer=[
+            *weights(f"{ours}.attention_norm", f"{h}.ln_1"),
+            *_conv1d(f"{ours}.attention.dense", f"{h}.attn.c_proj"),
+            *weights(f"{ours}.mlp_norm", f"{h}.ln_2"),
+            *_conv1d(f"{ours}.mlp.fc1", f"{h}.mlp.c_fc"),
+            *_conv1d(f"{ours}.mlp.fc2", f"{h}.mlp.c_proj"),
+        ],
+        head=rename("lm_head.weight", "lm_head.weight"),
+        fused=qkv,
+    )
 
 
 def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """meshtron full state dict from an HF GPT2LMHeadModel (or GPT2Model) state dict."""
     if "wte.weight" in hf:  # saved from GPT2Model: no "transformer." prefix
         hf = {f"transformer.{k}": v for k, v in hf.items()}
-    used, ours = set(), {}
-    try:
-        for mine, theirs, transposed in _renames(cfg):
-            ours[mine] = hf[theirs].t() if transposed else hf[theirs]
-            used.add(theirs)
-        for i in range(cfg.num_layers):
-            for kind in ("weight", "bias"):
-                name = f"transformer.h.{i}.attn.c_attn.{kind}"
-                fused = hf[name].t() if kind == "weight" else hf[name]  # Conv1D [in, 3h]
-                used.add(name)
-                qkv = qkv_to_meshtron(*fused.chunk(3), cfg.num_heads)  # rows [q | k | v]
-                ours[f"layers.{i}.attention.qkv.{kind}"] = qkv
-    except KeyError as missing:
-        raise KeyError(
-            f"HF weights lack {missing}; expected a GPT2LMHeadModel checkpoint"
-        ) from None
-    unused = [k for k in hf if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
-    if unused:
-        raise ValueError(f"HF weights meshtron does not know how to place: {unused[:5]}")
-    return contiguous_copies(ours)
+    return layout.state_from_hf(
+        _weights(cfg), hf, "GPT2LMHeadModel", lambda k: k.endswith(_IGNORED_SUFFIXES)
+    )
 
 
 def state_to_hf(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Inverse of :func:`state_from_hf` (a tied head omitted, as save_pretrained does)."""
-    hf = {theirs: ours[mine].t() if tr else ours[mine] for mine, theirs, tr in _renames(cfg)}
-    for i in range(cfg.num_layers):
-        for kind in ("weight", "bias"):
-            q, k, v = qkv_from_meshtron(ours[f"layers.{i}.attention.qkv.{kind}"], cfg.num_heads)
-            fused = torch.cat([q, k, v])
-            hf[f"transformer.h.{i}.attn.c_attn.{kind}"] = fused.t() if kind == "weight" else fused
-    return contiguous_copies(hf)
+    return layout.state_to_hf(_weights(cfg), ours)
