@@ -36,6 +36,7 @@ from engine.data_parallel.grads import clip_grads_, global_grad_norm
 from engine.data_parallel.interface import DataParallel, PlainOptimizerState
 from engine.data_parallel.zero import ZeroOptimizer
 from engine.optim import build_optimizer, compile_update, compiles_update, set_lr
+from parallel_state.dims import resolve_dp_shard
 
 
 class AllReduceDP(DataParallel):
@@ -191,9 +192,7 @@ def build_data_parallel(
     is torch's unfused AdamW (``engine.optim.compile_update``); ZeRO-1 and FSDP step
     eagerly. None: every step eager.
     """
-    mode = dp_shard if dp_shard not in (None, "none") else "none"
-    if mode == "none" and optim.distributed:  # the older spelling of optimizer
-        mode = "optimizer"
+    mode = resolve_dp_shard(dp_shard or "none", optim.distributed)
     if mode in ("gradients", "full"):
         return FullyShardedDP(
             model,
