@@ -146,7 +146,8 @@ def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
     from engine.config import parallel_dims, resolve_precision
     from engine.data.pipeline import eval_iterator, load_tokenizer
     from engine.models import build_model
-    from engine.trainer import autocast_for, fixed_set_loss, perplexity
+    from engine.observe import perplexity
+    from engine.runner import autocast_for, fixed_set_loss
 
     def say(ps, line: str) -> None:
         if ps.rank == 0:  # stdout holds the JSON line alone

@@ -153,3 +153,18 @@ def generate(
             0
         ]
     )
+
+
+def sample_text(model, tokenizer, t) -> str:
+    """The trainer's closing sample: ``t.sample_prompt`` and ``t.sample_tokens`` more, as
+    text (``t``: the trainer config, whose seed, temperature and top-k it samples with)."""
+    prompt = tokenizer.encode(t.sample_prompt).ids
+    ids = generate(
+        model,
+        prompt,
+        t.sample_tokens,
+        temperature=t.sample_temperature,
+        top_k=t.sample_top_k,
+        seed=t.seed,
+    )
+    return tokenizer.decode(ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import resource
 from collections.abc import Iterator
@@ -13,6 +14,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from engine.resilience.watchdog import run_log_path
 from parallel_state.launcher import detect_launch
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(50) rather than overflowing for a diverged model."""
+    return math.exp(min(loss, 50.0))
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -6,12 +6,15 @@ trainer, observability and the watchdog form no circle.
 
 from __future__ import annotations
 
-from engine.config import Config
-from engine.resilience.watchdog import report_failure
-from engine.trainer import run_worker
+import parallel_state
+from engine.bootstrap import bootstrap_rank
+from engine.config import Config, parallel_dims
+from engine.resilience.preemption import EXIT_PREEMPTED
+from engine.resilience.watchdog import Watchdog, report_failure
+from engine.trainer import Trainer
 from parallel_state.launcher import detect_launch
 
-__all__ = ["run_rank"]
+__all__ = ["run_rank", "run_worker"]
 
 
 def run_rank(cfg: Config) -> dict:
@@ -25,3 +28,29 @@ def run_rank(cfg: Config) -> dict:
         return run_worker(cfg)
     except Exception as err:  # noqa: BLE001 - reported in one line, traceback in the run log
         raise SystemExit(report_failure(err, cfg.run_dir, detect_launch().rank)) from None
+
+
+def run_worker(cfg: Config) -> dict:
+    """Entry of every rank: build the mesh, train, tear down."""
+    threads: list[str] = []  # the core split, done once, by the bootstrap
+    ps = bootstrap_rank(
+        lambda world: parallel_dims(cfg, world),
+        device=cfg.trainer.device,
+        rendezvous_timeout_s=cfg.trainer.rendezvous_timeout_s,
+        run_dir=cfg.run_dir,
+        say=lambda _, line: threads.append(line),
+    )
+    watch = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)
+    try:
+        with watch.active():
+            summary = Trainer(cfg, ps, watch, threads=next(iter(threads), None)).fit()
+    finally:
+        watch.close()
+        parallel_state.destroy()
+    if summary.get("stopped_by") and detect_launch().launcher == "torchrun":
+        # Exit now rather than return to torch's elastic agent: an agent that is itself
+        # shutting down on the signal never collects the return value, and its worker
+        # would wait for that until the agent kills it, 30 s later.
+        raise SystemExit(EXIT_PREEMPTED)
+    # Every rank reports a stop, so each launcher-started process can exit with its code.
+    return summary if ps.rank == 0 else {k: v for k, v in summary.items() if k == "stopped_by"}

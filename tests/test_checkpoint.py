@@ -90,7 +90,7 @@ def run_config(corpus, ckpt_dir, *overrides: str) -> Config:
 
 
 def _run_all(cfgs: list[Config]) -> list[list[tuple[int, float]]]:
-    from engine.trainer import run_worker
+    from engine.worker import run_worker
 
     return [run_worker(cfg).get("history") for cfg in cfgs]
 

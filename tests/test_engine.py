@@ -67,7 +67,7 @@ def tiny_run(corpus, tmp_path, *overrides: str) -> Config:
 
 
 def _train(cfg: Config) -> dict:
-    from engine.trainer import run_worker
+    from engine.worker import run_worker
 
     return run_worker(cfg)
 

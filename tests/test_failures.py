@@ -141,7 +141,7 @@ def test_nan_run_skips_steps_stops_and_keeps_the_good_checkpoints(corpus, good_r
 
 
 def _fp16_forever(cfg: Config) -> dict:
-    from engine.trainer import run_worker
+    from engine.worker import run_worker
 
     return run_worker(cfg)
 
@@ -171,10 +171,11 @@ def test_fp16_scaler_skipping_forever_hits_max_bad_steps(corpus, tmp_path):
 
 def _every_loss_nan(cfg: Config) -> dict:
     """The worker, with every training loss made NaN (fault injection in this process)."""
-    from engine.trainer import Trainer, run_worker
+    from engine.runner import LocalRunner
+    from engine.worker import run_worker
 
-    loss = Trainer._loss
-    Trainer._loss = lambda self, batch: loss(self, batch) * float("nan")
+    loss = LocalRunner._loss
+    LocalRunner._loss = lambda self, batch: loss(self, batch) * float("nan")
     return run_worker(cfg)
 
 
@@ -634,7 +635,7 @@ def test_validation_loss_does_not_depend_on_dp_size(corpus, tmp_path):
 
 
 def _run_all(cfgs: list[Config]) -> list:
-    from engine.trainer import run_worker
+    from engine.worker import run_worker
 
     return [run_worker(cfg).get("history") for cfg in cfgs]
 

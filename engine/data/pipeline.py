@@ -150,7 +150,7 @@ def build_pipeline(cfg: Config, dp_rank: int, dp_size: int) -> DataPipeline:
 def eval_iterator(cfg: Config, split: str, tokenizer: Tokenizer) -> tuple[DataIterator, list[str]]:
     """The micro-batches of ``split`` an evaluation reads, one per step, and notes on prefixes
     left out. Not sharded here: evaluation reads a fixed set of micro-batches, the same at
-    every layout, and deals them out over DP itself (engine.trainer.fixed_set_loss)."""
+    every layout, and deals them out over DP itself (engine.runner.fixed_set_loss)."""
     dataset, notes = _dataset(cfg, split, tokenizer)
     mb = cfg.trainer.micro_batch
     return DataIterator(dataset, global_batch=mb, micro_batch=mb, dp_rank=0, dp_size=1), notes

@@ -110,6 +110,17 @@ class DynamicLossScaler:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
+    def skip_or_unscale(
+        self, params: list[nn.Parameter], groups: Sequence[dist.ProcessGroup | None] = ()
+    ) -> bool:
+        """A step's check: whether it overflowed anywhere in ``groups`` (then it is to be
+        skipped), else its gradients unscaled; either way the scale adapts."""
+        overflow = self.found_overflow(params, groups)
+        if not overflow:
+            self.unscale_(params)
+        self.update(overflow)
+        return overflow
+
     def unscale_(self, params: list[nn.Parameter]) -> None:
         grads = [p.grad for p in params if p.grad is not None]
         if grads:

@@ -6,10 +6,16 @@ The schedule's micro-batches are the step's gradient accumulation: each micro-ba
 loss is divided by their count before its backward (``scale_grads=False``: torch would
 rescale ``.grad`` afterwards, which ZeRO-1 has already moved into its buckets), exactly
 as the unpipelined loop does, so the gradients are the mean over micro-batches.
+
+:class:`PipelineRunner` is also the trainer's step runner for pp_size > 1 (the
+``engine.runner.StepRunner`` interface): besides the schedule it adds the stages' share to
+the gradient norm, sums the tied embedding's gradient after the DP reduction, times the
+bubble and declines the closing sample (generation runs unpipelined).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -23,10 +29,12 @@ from torch.distributed.pipelining import (
 )
 
 from engine import comm
+from engine.data_parallel import DataParallel
 from engine.models import ParallelModel
 from engine.pipeline.stages import PipelineModel
 from parallel_state import ParallelState
 
+Autocast = Callable[[], contextlib.AbstractContextManager]
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -34,29 +42,40 @@ SCHEDULES = {
 }
 
 
-def pipeline_runner(model: ParallelModel, cfg, ps: ParallelState) -> PipelineRunner:
+def pipeline_runner(
+    model: ParallelModel, cfg, ps: ParallelState, *, autocast: Autocast = contextlib.nullcontext
+) -> PipelineRunner:
     """The runner of a training config (``cfg.pipeline``) for the built ``model``: its
     micro-batches per step are the gradient accumulation steps."""
     t, p = cfg.trainer, cfg.pipeline
     stages = PipelineModel(
         model,
-        pp_rank=ps.pp_rank,
-        pp_size=ps.pp_size,
-        pp_group=ps.pp_group,
+        pp_rank=ps.rank_in("pp"),
+        pp_size=ps.size("pp"),
+        pp_group=ps.group("pp"),
         virtual=p.virtual_stages,
         layers_per_stage=list(p.layers_per_stage) or None,
-        embedding_group=ps.embedding_group,
+        embedding_group=ps.group("embedding"),
     )
-    microbatches = t.global_batch // (t.micro_batch * ps.dp_size)
+    microbatches = t.global_batch // (t.micro_batch * ps.size("batch"))
     return PipelineRunner(
-        stages, schedule=p.schedule, microbatches=microbatches, ps=ps, timed=t.step_timing
+        stages,
+        schedule=p.schedule,
+        microbatches=microbatches,
+        ps=ps,
+        timed=t.step_timing,
+        autocast=autocast,
     )
 
 
 class PipelineRunner:
     """This rank's stages of ``model`` under the schedule ``schedule`` with ``microbatches``
     micro-batches per step; evaluation runs a forward-only GPipe schedule. ``stages`` are
-    the training schedule's ``PipelineStage``s (the verifier watches their hand-offs)."""
+    the training schedule's ``PipelineStage``s (the verifier watches their hand-offs).
+    ``autocast()`` wraps the trainer's steps and evaluations (:meth:`forward_backward`,
+    :meth:`fixed_set_loss`)."""
+
+    sample_refusal = "no sample: generation runs unpipelined (pp_size=1)"
 
     def __init__(
         self,
@@ -66,8 +85,9 @@ class PipelineRunner:
         microbatches: int,
         ps: ParallelState,
         timed: bool = False,
+        autocast: Autocast = contextlib.nullcontext,
     ) -> None:
-        self.model, self.ps, self.name = model, ps, schedule
+        self.model, self.ps, self.name, self.autocast = model, ps, schedule, autocast
         self.microbatches = microbatches
         self._factor = 1.0  # what each micro-batch's loss is multiplied by before backward
         self._train, self.stages = self._build(schedule, microbatches, timed=timed)
@@ -78,7 +98,7 @@ class PipelineRunner:
         """A schedule of ``microbatches`` over this rank's stages, and its PipelineStages."""
         stages = [
             PipelineStage(
-                chunk, index, self.model.num_stages, self.ps.device, group=self.ps.pp_group
+                chunk, index, self.model.num_stages, self.ps.device, group=self.ps.group("pp")
             )
             for index, chunk in zip(self.model.stage_ids, self.model.chunks, strict=True)
         ]
@@ -165,18 +185,28 @@ class PipelineRunner:
             self._eval[count] = self._build("gpipe", count)[0]
         return self._run(self._eval[count], micro_batches, forward_only=True)
 
+    def forward_backward(
+        self, micro_batches: list, dp: DataParallel, loss_scale: float = 1.0
+    ) -> torch.Tensor:
+        """:meth:`train` as the trainer's step: the schedule's micro-batches are the
+        accumulation, so the DP reduction waits for :meth:`DataParallel.finish_grads`."""
+        with dp.no_sync(), self.autocast():
+            loss = self.train(micro_batches, loss_scale=loss_scale)
+        return torch.tensor(loss, dtype=torch.float32, device=self.ps.device)
+
     @torch.no_grad()
     def fixed_set_loss(self, valid, batches: int) -> float:
-        """``engine.trainer.fixed_set_loss`` through the stages: the mean loss over
-        micro-batches ``0 .. batches - 1`` of ``valid`` (j on DP rank j mod dp_size)."""
-        micro = []
-        for j in range(self.ps.dp_rank, batches, self.ps.dp_size):
+        """``engine.runner.fixed_set_loss`` through the stages: the mean loss over
+        micro-batches ``0 .. batches - 1`` of ``valid`` (j on batch rank j mod its size)."""
+        micro, size = [], self.ps.size("batch")
+        for j in range(self.ps.rank_in("batch"), batches, size):
             valid.consumed_samples = j * valid.global_batch
             micro += valid.next_step()  # one micro-batch
         self.model.eval()
-        total = self.eval_loss_sum(micro) if micro else 0.0
+        with self.autocast():
+            total = self.eval_loss_sum(micro) if micro else 0.0
         self.model.train()
-        return comm.mean(total, self.ps.dp_group, self.ps.device) * self.ps.dp_size / batches
+        return comm.mean(total, self.ps.group("loss"), self.ps.device) * size / batches
 
     def _run(self, schedule, micro_batches: list, *, forward_only: bool) -> float:
         args, kwargs, target = self.model.schedule_inputs(micro_batches, self.ps.device)
@@ -187,11 +217,23 @@ class PipelineRunner:
         else:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         total = torch.stack(losses).detach().double().sum().item() if losses else 0.0
-        return comm.broadcast_object(total, self.ps.pp_group, src=self.ps.pp_size - 1)
+        return comm.broadcast_object(total, self.ps.group("pp"), src=self.ps.size("pp") - 1)
 
     def global_norm(self, stage_norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over every stage from this stage's (TP- and DP-aware) one."""
         squared = stage_norm.double() ** 2
-        device = comm.collective_device(self.ps.pp_group, self.ps.device)
-        total = comm.sum_(squared.to(device), self.ps.pp_group)
+        device = comm.collective_device(self.ps.group("pp"), self.ps.device)
+        total = comm.sum_(squared.to(device), self.ps.group("pp"))
         return total.sqrt().to(stage_norm.device)
+
+    def post_reduction(self) -> list[tuple[str, str, Callable[[], None]]]:
+        """After the DP reduction: the tied embedding's gradient summed over the first and
+        last stage (``PipelineModel.sum_tied_grads``)."""
+        return [("tied embedding gradient sum", "pp", self.model.sum_tied_grads)]
+
+    def waits_on(self) -> tuple[str, str]:
+        stage = ", ".join(str(s) for s in self.model.stage_ids)
+        return f"pipeline schedule (stage {stage})", "pp"
+
+    def console_note(self) -> str:
+        return f" pp={self.ps.size('pp')} ({self.name}, {self.model.num_stages} stages)"

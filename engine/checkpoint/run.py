@@ -1,0 +1,108 @@
+"""A training run's checkpoint directory (``checkpoint_dir(cfg)``): the resumable
+checkpoints saved during the run, the newest one loaded to resume it, the final model
+export. The trainer decides when (and whether the weights are fit to save); this says
+where, and in the console lines, what was done."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+from torch import nn
+
+from engine.checkpoint.format import save_model
+from engine.checkpoint.manager import Loaded, checkpoint_dir, load_checkpoint, save_checkpoint
+from engine.checkpoint.tokenizer import tokenizer_record
+from engine.data_parallel import DataParallel
+from parallel_state import ParallelState
+
+
+def tensorboard_dir(cfg) -> str | None:
+    """Where the run's TensorBoard scalars go (``None``: off): beside its checkpoints, the
+    directory every resume of the run shares, not Hydra's per-launch folder."""
+    return os.path.join(checkpoint_dir(cfg), "tensorboard") if cfg.trainer.tensorboard else None
+
+
+def reshard_note(was: dict, ps: ParallelState) -> str:
+    """What the resume line adds when checkpoint layout ``was`` differs from this mesh's."""
+    note = ""
+    if (was["tp_size"], was["dp_size"]) != (ps.size("tp"), ps.size("dp")):
+        note = f", resharded from tp={was['tp_size']} dp={was['dp_size']}"
+    if was.get("pp_size", 1) != ps.size("pp"):
+        note += f", resharded from pp={was.get('pp_size', 1)}"
+    return note
+
+
+class RunCheckpoints:
+    """Checkpoints of ``model`` and ``optimizer`` in the directory of run ``cfg``; every
+    rank calls each method together. ``say(line, markup)`` prints a console line."""
+
+    def __init__(
+        self,
+        cfg,
+        *,
+        model: nn.Module,
+        optimizer: DataParallel,
+        ps: ParallelState,
+        say: Callable[..., None],
+    ) -> None:
+        self.cfg, self.model, self.optimizer, self.ps, self.say = cfg, model, optimizer, ps, say
+        self.directory = checkpoint_dir(cfg)
+        self.saved_step = 0  # the step of the newest checkpoint saved or resumed
+        # Recorded in every checkpoint (path and SHA-256) so that generation and evaluation
+        # find the tokenizer and notice if the file there is replaced.
+        self.tokenizer = tokenizer_record(cfg.data.tokenizer) if ps.rank == 0 else None
+
+    def save(self, step: int, *, data: dict, loss_scaler: dict | None) -> None:
+        """A resumable checkpoint of ``step``, pruned to ``checkpoint.keep``. Beside the
+        tensors, what a bitwise resume needs: the data loader's and loss scaler's states
+        (RNG states go with each rank), the config and the tokenizer record."""
+        start = time.perf_counter()
+        state = {
+            "data": data,
+            "loss_scaler": loss_scaler,
+            "config": asdict(self.cfg),
+            "tokenizer": self.tokenizer,
+        }
+        path = save_checkpoint(
+            self.directory,
+            step,
+            model=self.model,
+            optimizer=self.optimizer,
+            ps=self.ps,
+            state=state,
+            keep=self.cfg.checkpoint.keep,
+            log=lambda msg: self.say(msg, markup=False),
+        )
+        self.saved_step = step
+        self.say(f"saved checkpoint {path} in {time.perf_counter() - start:.2f} s")
+
+    def load(self) -> tuple[Loaded, str] | None:
+        """The newest usable checkpoint loaded into the model and optimizer (resharded if
+        the layout changed), and the line that says so; None when there is none. Where the
+        saved RNG states do not fit this mesh, the streams are reseeded from its step."""
+        start = time.perf_counter()
+        loaded = load_checkpoint(
+            self.directory, model=self.model, optimizer=self.optimizer, ps=self.ps, log=self.say
+        )
+        if loaded is None:
+            return None
+        self.saved_step = loaded.step
+        note = reshard_note(loaded.layout, self.ps)
+        if not loaded.rng_restored:  # other ranks, other streams: fresh ones from this step
+            self.ps.seed(self.cfg.trainer.seed + loaded.step)
+            note += ", RNG reseeded"
+        line = (
+            f"resuming from step {loaded.step} ({loaded.path}{note}, "
+            f"loaded in {time.perf_counter() - start:.2f} s)"
+        )
+        return loaded, line
+
+    def export(self) -> str:
+        """The model's weights alone (for inference and conversion) in ``<dir>/final``."""
+        directory = os.path.join(self.directory, "final")
+        save_model(self.model, directory, tokenizer=self.cfg.data.tokenizer)
+        self.say(f"saved the final model to {directory}")
+        return directory

@@ -1,0 +1,92 @@
+"""The local step runner: the whole model on this rank, its micro-batches run one after
+another, each backward accumulating into the same gradients (pp_size=1)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine import comm
+from engine.data.loader import DataIterator
+from engine.data_parallel import DataParallel
+from engine.models.base import to_device
+from parallel_state import ParallelState
+
+Autocast = Callable[[], contextlib.AbstractContextManager]
+
+
+@torch.no_grad()
+def fixed_set_loss(
+    model: nn.Module, valid: DataIterator, ps: ParallelState, batches: int, autocast: Autocast
+) -> float:
+    """Mean loss over micro-batches ``0 .. batches - 1`` of ``valid`` (a one-micro-batch-per-
+    step iterator): micro-batch j runs on batch rank j mod the batch group's size and the
+    mean is over micro-batches, so the result does not depend on how the data is split.
+    Every rank gets it.
+
+    Every batch rank runs the same number of forward passes, ⌈batches / size⌉: a rank past
+    the last micro-batch runs one again and drops its loss, because under FSDP each forward
+    gathers parameters over the gradient group and all its ranks must take part."""
+    model.eval()
+    total, size = 0.0, ps.size("batch")
+    for j in range(ps.rank_in("batch"), -(-batches // size) * size, size):
+        valid.consumed_samples = (j % batches) * valid.global_batch
+        for micro in valid.next_step():  # one micro-batch
+            with autocast():
+                loss = model.loss(to_device(micro, ps.device)).float().item()
+            total += loss if j < batches else 0.0
+    model.train()
+    return comm.mean(total, ps.group("loss"), ps.device) * size / batches
+
+
+class LocalRunner:
+    """Runs a step's micro-batches through the whole ``model`` in turn: gradients accumulate
+    locally and the DP reduction is launched with the last backward. Nothing to add to the
+    gradient norm, no hook after the reduction, and it can sample."""
+
+    sample_refusal: str | None = None
+
+    def __init__(self, model: nn.Module, ps: ParallelState, autocast: Autocast) -> None:
+        self.model, self.ps, self.autocast = model, ps, autocast
+
+    def _loss(self, batch) -> torch.Tensor:
+        return self.model.loss(to_device(batch, self.ps.device))
+
+    def forward_backward(
+        self, micro_batches: list, dp: DataParallel, loss_scale: float = 1.0
+    ) -> torch.Tensor:
+        """Forward and backward of each micro-batch, its loss divided by their count (and
+        multiplied by ``loss_scale`` for backward: × 1.0 is exact); the mean loss, detached."""
+        total = torch.zeros((), device=self.ps.device)
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with contextlib.nullcontext() if last else dp.no_sync():
+                with self.autocast():
+                    loss = self._loss(micro) / len(micro_batches)
+                (loss * loss_scale).backward()
+            total += loss.detach().float()
+        return total
+
+    def fixed_set_loss(self, valid: DataIterator, batches: int) -> float:
+        """:func:`fixed_set_loss` of this runner's model."""
+        return fixed_set_loss(self.model, valid, self.ps, batches, self.autocast)
+
+    def global_norm(self, norm: torch.Tensor) -> torch.Tensor:
+        """The DP strategy's norm already covers the whole model."""
+        return norm
+
+    def post_reduction(self) -> list:
+        """Nothing to do between the DP reduction and the norm."""
+        return []
+
+    def timings(self) -> dict[str, float]:
+        return {}
+
+    def waits_on(self) -> tuple[str, str]:
+        return "forward/backward", "model"
+
+    def console_note(self) -> str:
+        return ""
