@@ -44,13 +44,14 @@ def steps_per_epoch(num_images: int, batch_size: int, dp_size: int) -> int:
 @torch.no_grad()
 def evaluate(model: MLPClassifier, x: torch.Tensor, y: torch.Tensor, ps: ParallelState) -> float:
     """Accuracy on (x, y): each DP rank scores its contiguous block, the counts are summed."""
-    mine = torch.tensor_split(torch.arange(x.shape[0], device=x.device), ps.dp_size)[ps.dp_rank]
+    blocks = torch.tensor_split(torch.arange(x.shape[0], device=x.device), ps.size("batch"))
+    mine = blocks[ps.rank_in("batch")]
     counts = torch.zeros(2, dtype=torch.float64, device=x.device)  # correct, seen
     for block in torch.split(mine, 2048):
         pred = model(x[block]).argmax(dim=-1)
         counts[0] += (pred == y[block]).sum()
         counts[1] += len(block)
-    comm.sum_(counts, ps.dp_group)
+    comm.sum_(counts, ps.group("loss"))
     return float(counts[0] / counts[1])
 
 
@@ -162,7 +163,7 @@ class _Run:
         self.optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=t.momentum)
         self.grad_sync = GradSync(
             model.parameters(),
-            dp_group=ps.dp_group,
+            grad_group=ps.group("grad"),
             tp_group=ps.tp_group,
             bucket_size_mb=t.grad_bucket_mb,
         )
@@ -174,7 +175,8 @@ class _Run:
         progress = self._progress(steps, epoch)
         for step in range(steps):
             t0 = time.perf_counter()
-            idx = local_batch(perm, step, batch, ps.dp_rank, ps.dp_size).to(x.device)
+            idx = local_batch(perm, step, batch, ps.rank_in("batch"), ps.size("batch"))
+            idx = idx.to(x.device)
             xb, yb = x[idx], y[idx]
             t1 = time.perf_counter()
             loss = F.cross_entropy(self.model(xb), yb)

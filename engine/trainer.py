@@ -100,7 +100,7 @@ class Trainer:
         return build_data_parallel(
             self.model,
             cfg.optim,
-            dp_group=ps.group("grad"),
+            grad_group=ps.group("grad"),
             tp_group=ps.group("tp"),
             device=ps.device,
             bucket_size_mb=cfg.trainer.grad_bucket_mb,

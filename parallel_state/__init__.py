@@ -82,7 +82,11 @@ class ParallelState:
         return index
 
     def ranks(self, name: str) -> list[int]:
-        """The global ranks of this rank's group of role or axis ``name``, in rank order."""
+        """The global ranks of this rank's group of role or axis ``name``, in rank order
+        (``"embedding"``: its pipeline's first and last stage, [] off those stages)."""
+        if name == "embedding":
+            ends = sorted({self.ranks("pp")[0], self.ranks("pp")[-1]})
+            return ends if self.dims.pp > 1 and self.rank in ends else []
         return next(g for g in self.dims.group_ranks(name) if self.rank in g)
 
     @property

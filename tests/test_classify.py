@@ -87,7 +87,7 @@ def _grads_vs_whole_batch(tp: int, dp: int) -> float:
     y = torch.randint(0, 10, (12,), generator=gen)
     from engine.data_parallel import GradSync
 
-    sync = GradSync(model.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
+    sync = GradSync(model.parameters(), grad_group=ps.dp_group, tp_group=ps.tp_group)
     idx = local_batch(torch.arange(12), 0, 12 // dp, ps.dp_rank, dp)
     F.cross_entropy(model(x[idx]), y[idx]).backward()
     sync.finish()

@@ -137,18 +137,38 @@ def test_collectives_only_in_the_files_the_map_names():
     assert collective_uses((ROOT / "engine/comm.py").read_text())
 
 
+def lazy_exports(init: Path) -> dict[str, str]:
+    """A package's names loaded on first use (PEP 562): its ``_EXPORTS`` literal, name →
+    the submodule defining it (empty when the package has none)."""
+    if not init.exists():
+        return {}
+    for node in ast.parse(init.read_text()).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "_EXPORTS":
+            return ast.literal_eval(node.value)
+    return {}
+
+
 def imported_modules(path: Path, package_root: Path) -> set[str]:
     """Every module ``path`` imports (also inside functions and ``TYPE_CHECKING``), with
-    ``from pkg import name`` resolved to ``pkg.name`` when that is a module of the tree."""
+    ``from pkg import name`` resolved to ``pkg.name`` when that is a module of the tree,
+    or to the submodule a lazy package loads for ``name`` (its ``_EXPORTS``)."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            package = package_root / node.module.replace(".", "/")
+            lazy = lazy_exports(package / "__init__.py")
             for a in node.names:
-                sub = package_root / node.module.replace(".", "/") / a.name
+                sub = package / a.name
                 is_module = sub.with_suffix(".py").exists() or (sub / "__init__.py").exists()
-                out.add(f"{node.module}.{a.name}" if is_module else node.module)
+                if is_module:
+                    out.add(f"{node.module}.{a.name}")
+                elif a.name in lazy:
+                    out |= {node.module, f"{node.module}.{lazy[a.name]}"}
+                else:
+                    out.add(node.module)
     return out
 
 
@@ -263,6 +283,16 @@ def test_cycle_finder_sees_a_loop_through_a_package_init(tmp_path):
     ]
     (root / "pkg/cut/stages.py").write_text("")
     assert find_cycle(import_graph("pkg", root)) is None
+    # A lazy package (PEP 562) loads the submodule of the name asked for: still a loop.
+    (root / "pkg/config.py").write_text("def check():\n    from pkg.cut import Runner\n")
+    (root / "pkg/cut/__init__.py").write_text('_EXPORTS = {"Runner": "run"}\n')
+    (root / "pkg/cut/run.py").write_text("from pkg.feed import to_device\n")
+    assert find_cycle(import_graph("pkg", root)) == [
+        "pkg.config",
+        "pkg.cut.run",
+        "pkg.feed",
+        "pkg.config",
+    ]
 
 
 def test_no_import_cycle_among_layers():
@@ -761,3 +791,54 @@ def test_engine_imports_no_app_and_its_config_no_dataset():
     assert not hits, hits
     config = imported_modules(ROOT / "engine" / "config.py", ROOT)
     assert "engine.data.blend" not in config and "engine.data.weights" in config, config
+
+
+def pipeline_branches(source: str) -> list[int]:
+    """Lines of an ``if``/conditional expression/``match`` whose test names the pipeline: a
+    ``pipeline`` attribute or name, ``pp_size``/``pp_rank``, a ``PipelineRunner``."""
+    words = ("pipeline", "pp_size", "pp_rank", "PipelineRunner", "is_first", "is_last")
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        test = node.test if isinstance(node, ast.If | ast.IfExp | ast.While) else None
+        test = node.subject if isinstance(node, ast.Match) else test
+        if test is not None and any(w in ast.unparse(test) for w in words):
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_branch_finder_catches_planted_pipeline_branches():
+    planted = (
+        "if self.pipeline is not None:\n    pass\n"
+        "x = a if ps.pp_size > 1 else b\n"
+        "if self.step > 3:\n    pass\n"
+        "while isinstance(r, PipelineRunner):\n    break\n"
+    )
+    assert pipeline_branches(planted) == [1, 3, 6]
+
+
+def test_the_trainer_is_mode_blind_and_short():
+    """The trainer holds one step runner, chosen once (engine/runner/); it never asks
+    whether the step is pipelined (eight such branches at fcedf18), and stays under 400
+    lines (555 at fcedf18)."""
+    source = (ROOT / "engine/trainer.py").read_text()
+    assert not pipeline_branches(source), pipeline_branches(source)
+    assert len(source.splitlines()) < 400
+
+
+def test_the_runtime_asks_the_mesh_by_role():
+    """engine/ and apps/ ask ``ps.group("grad" | "batch" | "loss" | "replica")`` for what
+    they mean; only the mesh itself (parallel_state/) and the DP strategies, which are
+    handed the grad group and reduce over it, say ``dp_group`` (22 runtime files asked for
+    dp_group, dp_rank or dp_size at fcedf18)."""
+    allowed = "engine/data_parallel/"
+    hits = [
+        f"{path.relative_to(ROOT).as_posix()}:{node.lineno}"
+        for path in _python_files("engine", "apps")
+        if not path.relative_to(ROOT).as_posix().startswith(allowed)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.Name) and node.id == "dp_group")
+        or (isinstance(node, ast.Attribute) and node.attr == "dp_group")
+        or (isinstance(node, ast.keyword) and node.arg == "dp_group")
+        or (isinstance(node, ast.arg) and node.arg == "dp_group")
+    ]
+    assert not hits, "ask the mesh by role (ps.group('grad'), ...):\n" + "\n".join(hits)

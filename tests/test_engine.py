@@ -159,7 +159,7 @@ def _grad_norms(sequence_parallel: bool) -> tuple[float, float]:
     full = model.full_state_dict()
     batch = torch.randint(0, 500, (4, 17), generator=torch.Generator().manual_seed(5))
     mine = batch[2 * ps.dp_rank : 2 * ps.dp_rank + 2]
-    sync = GradSync(model.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
+    sync = GradSync(model.parameters(), grad_group=ps.dp_group, tp_group=ps.tp_group)
     model(mine[:, :-1], mine[:, 1:]).mean().backward()
     sync.finish()
     got = global_grad_norm(list(model.parameters()), ps.tp_group).item()

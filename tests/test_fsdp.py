@@ -402,7 +402,7 @@ def _peak_growth(mode: str) -> dict:
     model = build_model(BIG, ps)
     optim = OptimConfig(lr=1e-3, weight_decay=0.0)
     dp = build_data_parallel(
-        model, optim, dp_group=ps.dp_group, tp_group=ps.tp_group, device=CPU, dp_shard=mode
+        model, optim, grad_group=ps.group("grad"), tp_group=ps.tp_group, device=CPU, dp_shard=mode
     )
     x = torch.randint(0, 8192, (1, 33), generator=torch.Generator().manual_seed(ps.dp_rank))
     losses = []

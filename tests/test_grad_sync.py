@@ -80,7 +80,7 @@ def _dp_equivalence(
 
     model = TinyNet(*weights)
     sync = GradSync(
-        model.parameters(), dp_group=ps.dp_group, bucket_size_mb=bucket_mb, overlap=overlap
+        model.parameters(), grad_group=ps.dp_group, bucket_size_mb=bucket_mb, overlap=overlap
     )
     per_rank = GLOBAL_BATCH // dp
     for _ in range(2):  # the first step also teaches GradSync the real gradient order
@@ -145,7 +145,7 @@ def _sp_grads(reduce_dtype) -> list[torch.Tensor]:
     mark_sp_partial_grad(norm_w)
     plain = nn.Parameter(torch.zeros(4))
     sync = GradSync(
-        [norm_w, plain], dp_group=ps.dp_group, tp_group=ps.tp_group, reduce_dtype=reduce_dtype
+        [norm_w, plain], grad_group=ps.dp_group, tp_group=ps.tp_group, reduce_dtype=reduce_dtype
     )
     (norm_w * (ps.tp_rank + 1.0)).sum().backward(retain_graph=True)
     (plain * (ps.tp_rank + 1.0)).sum().backward()
@@ -169,7 +169,7 @@ def test_sequence_parallel_grads_summed_across_tp():
 def _bf16_fp32_reduce() -> tuple[torch.Tensor, torch.Tensor]:
     ps = parallel_state.initialize(1, 2)
     p = nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
-    sync = GradSync([p], dp_group=ps.dp_group, reduce_dtype=torch.float32)
+    sync = GradSync([p], grad_group=ps.dp_group, reduce_dtype=torch.float32)
     assert sync.buckets[0].dtype == torch.float32
     torch.manual_seed(ps.dp_rank)
     g = torch.randn(64)
@@ -188,4 +188,4 @@ def test_low_precision_grads_reduced_in_fp32():
 
 def test_bucket_size_must_be_positive():
     with pytest.raises(ValueError, match="bucket_size_mb must be > 0, got 0"):
-        GradSync([nn.Parameter(torch.zeros(1))], dp_group=None, bucket_size_mb=0)
+        GradSync([nn.Parameter(torch.zeros(1))], grad_group=None, bucket_size_mb=0)

@@ -50,7 +50,7 @@ def _train_both(hf_dir: str, hf_class: str, tp: int, dp: int) -> list[tuple[floa
     model.load_full_state_dict(state)
     optim = OptimConfig(lr=LR, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, clip_grad=1.0)
     ours = build_data_parallel(
-        model, optim, dp_group=ps.dp_group, tp_group=ps.tp_group, device=ps.device
+        model, optim, grad_group=ps.group("grad"), tp_group=ps.tp_group, device=ps.device
     )
     ref = getattr(transformers, hf_class).from_pretrained(hf_dir).double()
     ref_opt = _reference_optimizer(ref)

@@ -281,3 +281,22 @@ def test_backend_for_gives_each_rank_a_gpu_or_stays_on_the_cpu(monkeypatch):
         backend_for("cuda", 1)
     with pytest.raises(ValueError, match="trainer.device='tpu' is not one of auto, cuda, cpu"):
         backend_for("tpu", 1)
+
+
+def test_ranks_by_role_need_no_process_group():
+    """``ranks`` answers from the layout alone: at pp 4 × tp 2 the embedding role is the
+    first and last stage of a rank's pipeline (hand-listed from the grid view(pp, dp, tp))."""
+    from parallel_state.random import RNGTracker
+
+    dims = ParallelDims(2, 1, 4)  # grid[p, 0, t] = 2p + t
+    cpu = torch.device("cpu")
+
+    def state(rank: int) -> parallel_state.ParallelState:
+        grid = torch.tensor(dims.rank_grid())
+        coords = dims.coords_of(rank)
+        return parallel_state.ParallelState(dims, rank, coords, {}, cpu, grid, RNGTracker(cpu))
+
+    assert state(0).ranks("embedding") == [0, 6] and state(7).ranks("embedding") == [1, 7]
+    assert state(3).ranks("embedding") == []  # a middle stage holds no embedding copy
+    assert state(3).ranks("pp") == [1, 3, 5, 7] and state(3).ranks("tp") == [2, 3]
+    assert state(5).ranks("grad") == [5] and state(5).rank_in("pp") == 2

@@ -42,7 +42,7 @@ def _local_step_and_reference() -> dict[str, object]:
     micro_batches = list(batch.chunk(2))  # token windows [2, 17], as the loader yields them
 
     dp = build_data_parallel(
-        model, OptimConfig(), dp_group=ps.group("grad"), tp_group=ps.group("tp"), device=ps.device
+        model, OptimConfig(), grad_group=ps.group("grad"), tp_group=ps.group("tp"), device=ps.device
     )
     runner = LocalRunner(model, ps, contextlib.nullcontext)
     loss = runner.forward_backward(micro_batches, dp).item()

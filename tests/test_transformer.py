@@ -36,7 +36,7 @@ def _grads_and_streams(cfg: ModelConfig, seed: int = 5):
     ids = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
     loss = model(ids, ids).mean()
     loss.backward()
-    GradSync(model.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group).finish()
+    GradSync(model.parameters(), grad_group=ps.dp_group, tp_group=ps.tp_group).finish()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return loss.detach(), grads, ps.rng.get_states()
 

@@ -45,7 +45,7 @@ def _train(model, dp, dp_rank, dp_size, steps=3) -> dict:
 def _strategy(model, zero: bool, tp_group, dp_group):
     cfg = dataclasses.replace(DP_OPTIM, distributed=zero)
     return build_data_parallel(
-        model, cfg, dp_group=dp_group, tp_group=tp_group, device=torch.device("cpu")
+        model, cfg, grad_group=dp_group, tp_group=tp_group, device=torch.device("cpu")
     )
 
 

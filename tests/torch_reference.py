@@ -26,7 +26,7 @@ def cpu_data_parallel(model: nn.Module, dp_group, tp_group, *, zero: bool = Fals
     optimizer state) and the strategy ``options`` a test varies."""
     optim = dataclasses.replace(DP_OPTIM, distributed=zero)
     return build_data_parallel(
-        model, optim, dp_group=dp_group, tp_group=tp_group, device=torch.device("cpu"), **options
+        model, optim, grad_group=dp_group, tp_group=tp_group, device=torch.device("cpu"), **options
     )
 
 

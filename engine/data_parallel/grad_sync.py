@@ -80,7 +80,7 @@ class GradSync(BucketLauncher):
         self,
         params: Iterable[nn.Parameter],
         *,
-        dp_group: dist.ProcessGroup | None,
+        grad_group: dist.ProcessGroup | None,
         tp_group: dist.ProcessGroup | None = None,
         bucket_size_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
@@ -88,8 +88,9 @@ class GradSync(BucketLauncher):
     ) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
-        self.dp_group, self.tp_group = dp_group, tp_group
-        self.dp_size = group_size(dp_group)
+        # The mesh's grad role: the DP group, whatever axes it spans.
+        self.dp_group, self.tp_group = grad_group, tp_group
+        self.dp_size = group_size(grad_group)
         self.overlap = overlap  # False: every bucket waits for finish(), after backward
         self.comm_timer = None  # when set, told of each all-reduce: ``comm_timer.launched(work)``
         params = [p for p in dict.fromkeys(params) if p.requires_grad]  # unique, in order

@@ -59,7 +59,7 @@ class AllReduceDP(DataParallel):
         self._state = PlainOptimizerState(optimizer)
         self.grad_sync = GradSync(
             model.parameters(),
-            dp_group=dp_group,
+            grad_group=dp_group,
             tp_group=tp_group,
             bucket_size_mb=bucket_size_mb,
             overlap=overlap,
@@ -171,7 +171,7 @@ def build_data_parallel(
     model: nn.Module,
     optim: OptimConfig,
     *,
-    dp_group: dist.ProcessGroup | None,
+    grad_group: dist.ProcessGroup | None,
     tp_group: dist.ProcessGroup | None,
     device: torch.device,
     bucket_size_mb: float = 25.0,
@@ -181,7 +181,8 @@ def build_data_parallel(
     compile_backend: str | None = None,
 ) -> DataParallel:
     """The strategy of ``dp_shard`` (none, optimizer, gradients or full; by default
-    ``optim.distributed``'s: optimizer or none), with its optimizer, for ``model``.
+    ``optim.distributed``'s: optimizer or none), with its optimizer, for ``model``,
+    reducing gradients (and sharding state) over ``grad_group``: the mesh's ``grad`` role.
 
     ``low_precision`` (bf16 training): ZeRO-1 then stores the parameters in that dtype
     beside its fp32 master slices, FSDP gathers them in it; the all-reduce path keeps fp32
@@ -192,7 +193,7 @@ def build_data_parallel(
     is torch's unfused AdamW (``engine.optim.compile_update``); ZeRO-1 and FSDP step
     eagerly. None: every step eager.
     """
-    mode = resolve_dp_shard(dp_shard or "none", optim.distributed)
+    mode, dp_group = resolve_dp_shard(dp_shard or "none", optim.distributed), grad_group
     if mode in ("gradients", "full"):
         return FullyShardedDP(
             model,

@@ -85,7 +85,7 @@ def count(args: argparse.Namespace, ps: ParallelState) -> dict:
     dp = build_data_parallel(
         model,
         OptimConfig(),
-        dp_group=ps.dp_group,
+        grad_group=ps.group("grad"),
         tp_group=ps.tp_group,
         device=ps.device,
         compile_backend=args.backend,

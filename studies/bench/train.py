@@ -306,7 +306,7 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
         dp = build_data_parallel(
             m,
             OptimConfig(),
-            dp_group=ps.dp_group,
+            grad_group=ps.group("grad"),
             tp_group=ps.tp_group,
             device=ps.device,
             bucket_size_mb=args.bucket_mb,

@@ -21,7 +21,9 @@ class TargetStep:
     def __init__(self, spec, target, ps) -> None:
         self.lr, self.sync = spec.lr, None
         if spec.dp_shard == "none":
-            self.sync = GradSync(target.parameters(), dp_group=ps.dp_group, tp_group=ps.tp_group)
+            self.sync = GradSync(
+                target.parameters(), grad_group=ps.group("grad"), tp_group=ps.tp_group
+            )
             self.optimizer = torch.optim.AdamW(target.parameters(), lr=spec.lr, weight_decay=0.0)
             return
         betas, eps = ADAMW_DEFAULTS
@@ -30,7 +32,7 @@ class TargetStep:
             OptimConfig(
                 lr=spec.lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=0.0, clip_grad=0
             ),
-            dp_group=ps.dp_group,
+            grad_group=ps.group("grad"),
             tp_group=ps.tp_group,
             device=ps.device,
             dp_shard=spec.dp_shard,
