@@ -250,13 +250,12 @@ def write_metrics(
 
 def run_worker(cfg: ClassifyConfig) -> dict:
     """Entry of every rank: build the mesh, train, tear down; the summary."""
-    import parallel_state
     from engine.bootstrap import bootstrap_rank
     from engine.resilience.watchdog import RunStopped
     from parallel_state.launcher import detect_launch
 
     try:
-        ps = bootstrap_rank(
+        mesh = bootstrap_rank(
             lambda world: sized_dims(cfg.tp_size, cfg.dp_size, world),
             rendezvous_timeout_s=cfg.launch.rendezvous_timeout_s,
             run_dir=None,  # the classifier keeps no run log
@@ -267,7 +266,5 @@ def run_worker(cfg: ClassifyConfig) -> dict:
     except RunStopped as err:
         print(err, file=sys.stderr, flush=True)
         raise SystemExit(3) from None
-    try:
+    with mesh as ps:
         return train(cfg, ps)
-    finally:
-        parallel_state.destroy()

@@ -6,7 +6,8 @@ trainer, observability and the watchdog form no circle.
 
 from __future__ import annotations
 
-import parallel_state
+import contextlib
+
 from engine.bootstrap import bootstrap_rank
 from engine.config import Config, parallel_dims
 from engine.resilience.preemption import EXIT_PREEMPTED
@@ -33,20 +34,17 @@ def run_rank(cfg: Config) -> dict:
 def run_worker(cfg: Config) -> dict:
     """Entry of every rank: build the mesh, train, tear down."""
     threads: list[str] = []  # the core split, done once, by the bootstrap
-    ps = bootstrap_rank(
+    mesh = bootstrap_rank(
         lambda world: parallel_dims(cfg, world),
         device=cfg.trainer.device,
         rendezvous_timeout_s=cfg.trainer.rendezvous_timeout_s,
         run_dir=cfg.run_dir,
         say=lambda _, line: threads.append(line),
     )
-    watch = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)
-    try:
-        with watch.active():
+    with mesh as ps:
+        watchdog = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)
+        with contextlib.closing(watchdog) as watch, watch.active():
             summary = Trainer(cfg, ps, watch, threads=next(iter(threads), None)).fit()
-    finally:
-        watch.close()
-        parallel_state.destroy()
     if summary.get("stopped_by") and detect_launch().launcher == "torchrun":
         # Exit now rather than return to torch's elastic agent: an agent that is itself
         # shutting down on the signal never collects the return value, and its worker

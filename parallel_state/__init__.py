@@ -112,6 +112,15 @@ class ParallelState:
         """Seed the replicated stream (same on all TP ranks) and this TP rank's sharded stream."""
         self.rng.seed(seed, tp_rank=self.tp_rank)
 
+    def __enter__(self) -> ParallelState:
+        """``with bootstrap_rank(...) as ps:``: the mesh is torn down when the block ends,
+        however it ends."""
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if _current is self:
+            destroy()
+
 
 _current: ParallelState | None = None  # the default state that ``get()`` returns
 

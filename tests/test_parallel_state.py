@@ -300,3 +300,14 @@ def test_ranks_by_role_need_no_process_group():
     assert state(3).ranks("embedding") == []  # a middle stage holds no embedding copy
     assert state(3).ranks("pp") == [1, 3, 5, 7] and state(3).ranks("tp") == [2, 3]
     assert state(5).ranks("grad") == [5] and state(5).rank_in("pp") == 2
+
+
+def test_a_mesh_used_as_a_context_tears_down_however_the_block_ends():
+    with parallel_state.initialize(1) as ps:
+        assert parallel_state.get() is ps
+    assert not parallel_state.is_initialized()
+    with pytest.raises(ZeroDivisionError), parallel_state.initialize(1):
+        1 / 0
+    assert not parallel_state.is_initialized()
+    parallel_state.initialize(1).__exit__(None, None, None)  # the plain form still works
+    assert not parallel_state.is_initialized()

@@ -21,7 +21,6 @@ import json
 
 import torch
 
-import parallel_state
 from engine.bootstrap import bootstrap_rank
 from engine.config import OptimConfig, sized_dims
 from engine.data_parallel import build_data_parallel
@@ -134,11 +133,8 @@ def _random_batch(cfg, micro_batch: int, seq: int, device):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    ps = bootstrap_rank(lambda world: sized_dims(args.tp, None, world), split_cores=False)
-    try:
+    with bootstrap_rank(lambda world: sized_dims(args.tp, None, world), split_cores=False) as ps:
         result = count(args, ps)
-    finally:
-        parallel_state.destroy()
     if ps.rank != 0:
         return 0
     if args.json:

@@ -39,7 +39,6 @@ import time
 import torch
 from rich.console import Console
 
-import parallel_state
 from engine import flops
 from engine.bootstrap import bootstrap_rank
 from engine.config import OptimConfig, sized_dims
@@ -365,9 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    ps = bootstrap_rank(lambda world: sized_dims(args.tp, args.dp, world), split_cores=False)
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)
-    try:
+    mesh = bootstrap_rank(lambda world: sized_dims(args.tp, args.dp, world), split_cores=False)
+    with mesh as ps:
         precision = args.precision
         if precision == "auto":
             precision = "bf16" if ps.device.type == "cuda" else "fp32"
@@ -388,6 +387,4 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"wrote {args.out}")
         if args.profile:
             profile_loops(loops, args.profile, console, show=ps.rank == 0)
-    finally:
-        parallel_state.destroy()
     return 0

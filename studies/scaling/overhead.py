@@ -23,7 +23,6 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import parallel_state
 from engine.bootstrap import bootstrap_rank
 from engine.config import parallel_dims, register_configs
 from engine.pretrain import prepare
@@ -71,8 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = prepare(OmegaConf.to_object(dcfg))
     from engine.trainer import Trainer
 
-    ps = bootstrap_rank(lambda world: parallel_dims(cfg, world))
-    try:
+    with bootstrap_rank(lambda world: parallel_dims(cfg, world)) as ps:
         trainer = Trainer(cfg, ps)
         times: dict[bool, list[float]] = {True: [], False: []}
         for i in range(args.warmup + args.steps):
@@ -97,8 +95,6 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(result, indent=1))
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1))
-    finally:
-        parallel_state.destroy()
 
 
 if __name__ == "__main__":

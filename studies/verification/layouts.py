@@ -312,11 +312,8 @@ def run_on_mesh(fn: Callable[..., T], spec: VerifySpec, *args: Any) -> T:
     # The models and batches live on the CPU: the split's math does not depend on the
     # device, and gloo keeps the tool working on GPU nodes too (NCCL would need CUDA tensors).
     # The ranks share the cores instead of oversubscribing them.
-    bootstrap_rank(spec.dims, backend="gloo", say=say)
-    try:
+    with bootstrap_rank(spec.dims, backend="gloo", say=say):
         return fn(spec, *args)
-    finally:
-        parallel_state.destroy()
 
 
 def launch_local(fn: Callable[..., T], world_size: int, *args: Any) -> T:
