@@ -114,6 +114,10 @@ class ParallelConfig:
     dp: Any = 2  # data-parallel size, or "auto": world ÷ (tp × pp) (short form: dp_size=)
     pp: int = 1  # pipeline stages the layers are cut into; 1: none (short form: pp_size=)
     dp_shard: str = "none"  # DP shards: none, optimizer (ZeRO-1), gradients (ZeRO-2), full (ZeRO-3)
+    # Shard norms, dropout and residuals along the sequence inside TP regions (also
+    # model.sequence_parallel=true, which the layers read; either turns it on).
+    sequence_parallel: bool = False
+    schedule: str | None = None  # the pipeline schedule (null: pipeline.schedule's, 1f1b)
 
 
 # The sizes' short forms, top-level keys: ``tp_size=2`` sets ``parallel.tp``.
@@ -162,6 +166,17 @@ class Config:
             self.parallel = dataclasses.replace(self.parallel, **given)
         p = self.parallel
         self.tp_size, self.dp_size, self.pp_size = p.tp, p.dp, p.pp
+        # Sequence parallelism and the schedule are layout choices too: the section and
+        # the keys the layers and the pipeline read agree after construction.
+        sp = p.sequence_parallel or self.model.sequence_parallel
+        if self.model.sequence_parallel != sp:
+            self.model = dataclasses.replace(self.model, sequence_parallel=sp)
+        if p.schedule is not None and p.schedule != self.pipeline.schedule:
+            self.pipeline = dataclasses.replace(self.pipeline, schedule=p.schedule)
+        if (p.sequence_parallel, p.schedule) != (sp, self.pipeline.schedule):
+            self.parallel = dataclasses.replace(
+                p, sequence_parallel=sp, schedule=self.pipeline.schedule
+            )
 
 
 def register_configs() -> None:
@@ -187,7 +202,7 @@ def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
         p.dp,
         world_size,
         pp=p.pp,
-        sequence_parallel=cfg.model.sequence_parallel,
+        sequence_parallel=p.sequence_parallel,
         dp_shard=p.dp_shard,
         zero1=cfg.optim.distributed,
     )

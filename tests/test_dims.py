@@ -301,3 +301,22 @@ def test_legacy_zero1_spelling_resolves_as_dp_shard_optimizer(tmp_path, monkeypa
     assert resolve_dp_shard("none", True) == resolve_dp_shard("optimizer", False) == "optimizer"
     with pytest.raises(LayoutError, match="contradicts parallel.dp_shard=gradients"):
         resolve_dp_shard("gradients", True)
+
+
+def test_sequence_parallelism_and_the_schedule_are_in_the_section_too(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    section = compose_config(
+        "tp_size=2", "dp_size=1", "parallel.sequence_parallel=true", "pp_size=2"
+    )
+    model_key = compose_config(
+        "tp_size=2", "dp_size=1", "model.sequence_parallel=true", "pp_size=2"
+    )
+    for cfg in (section, model_key):  # either spelling: the layout and the layers agree
+        assert parallel_dims(cfg, None) == ParallelDims(2, 1, 2, sequence_parallel=True)
+        assert cfg.model.sequence_parallel and cfg.parallel.sequence_parallel
+    assert not compose_config("tp_size=2").parallel.sequence_parallel
+    gpipe = compose_config("pp_size=2", "parallel.schedule=gpipe")
+    assert (gpipe.pipeline.schedule, gpipe.parallel.schedule) == ("gpipe", "gpipe")
+    old = compose_config("pp_size=2", "pipeline.schedule=gpipe")  # the pipeline section's key
+    assert (old.pipeline.schedule, old.parallel.schedule) == ("gpipe", "gpipe")
+    assert compose_config("pp_size=2").parallel.schedule == "1f1b"
