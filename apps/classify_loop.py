@@ -87,14 +87,19 @@ class Timings:
         )
 
 
-def train(cfg: ClassifyConfig, ps: ParallelState) -> dict:
-    """Train until the target or the epoch cap; the summary (the same on every rank)."""
-    t, dtype = cfg.trainer, DTYPES[cfg.model.dtype]
+def _images(cfg: ClassifyConfig, device: torch.device, dtype: torch.dtype) -> tuple:
+    """The training and test images (in ``dtype``) and labels of ``cfg.data``, on ``device``."""
     data = fashion_mnist.load(cfg.data.dir)
     train_x, train_y = _subset(data.train_x, data.train_y, cfg.data.train_subset)
     test_x, test_y = _subset(data.test_x, data.test_y, cfg.data.test_subset)
-    train_x, test_x = (x.to(ps.device, dtype) for x in (train_x, test_x))
-    train_y, test_y = train_y.to(ps.device), test_y.to(ps.device)
+    train_x, test_x = (x.to(device, dtype) for x in (train_x, test_x))
+    return train_x, train_y.to(device), test_x, test_y.to(device)
+
+
+def train(cfg: ClassifyConfig, ps: ParallelState) -> dict:
+    """Train until the target or the epoch cap; the summary (the same on every rank)."""
+    t, dtype = cfg.trainer, DTYPES[cfg.model.dtype]
+    train_x, train_y, test_x, test_y = _images(cfg, ps.device, dtype)
     ps.seed(t.seed)
     run = _Run(
         cfg,

@@ -174,26 +174,7 @@ def save_checkpoint(
     records = mesh.all_gather(_guard(write_mine))
     _raise_if(next((e for _, e in records if e), None), "writing shards of", tmp, mesh)
     if mesh.rank == 0:
-        merged: dict[str, dict] = {}
-        for record, _ in records:  # rank 0's first: without a pipeline, rank 0's alone
-            for pname, values in record.pop("scalars").items():
-                merged.setdefault(pname, values)
-        index = {
-            "step": step,
-            "model_config": model.cfg.to_dict(),
-            "trainer_state": state,
-            "layout": {
-                "tp_size": mesh.dims.tp,
-                "dp_size": mesh.dims.dp,
-                "pp_size": mesh.dims.pp,
-                "world_size": mesh.world,
-                "zero1": optimizer is not None and checkpoint_view(optimizer).shards_optimizer,
-                "device_type": mesh.device_type,
-            },
-            "optimizer": {"scalars": merged},
-            "tensors": {n: s for r, _ in records for n, s in r.pop("specs").items()},
-            "files": {f"rank{i:05d}.safetensors": r for i, (r, _) in enumerate(records)},
-        }
+        index = _index(step, model, optimizer, state, records, mesh)
 
         def finish() -> Path:
             fault("before_index")
@@ -206,6 +187,31 @@ def save_checkpoint(
         _, err = _guard(finish)
     _raise_if(mesh.from_rank0(err), "committing", tmp, mesh)
     return root / step_dir_name(step)
+
+
+def _index(step: int, model, optimizer, state: dict, records: list, mesh: _Mesh) -> dict:
+    """index.json of a save: the step, the model config, the trainer state, the layout it
+    was written at, the optimizer's scalars and every rank's file and slice records."""
+    merged: dict[str, dict] = {}
+    for record, _ in records:  # rank 0's first: without a pipeline, rank 0's alone
+        for pname, values in record.pop("scalars").items():
+            merged.setdefault(pname, values)
+    return {
+        "step": step,
+        "model_config": model.cfg.to_dict(),
+        "trainer_state": state,
+        "layout": {
+            "tp_size": mesh.dims.tp,
+            "dp_size": mesh.dims.dp,
+            "pp_size": mesh.dims.pp,
+            "world_size": mesh.world,
+            "zero1": optimizer is not None and checkpoint_view(optimizer).shards_optimizer,
+            "device_type": mesh.device_type,
+        },
+        "optimizer": {"scalars": merged},
+        "tensors": {n: s for r, _ in records for n, s in r.pop("specs").items()},
+        "files": {f"rank{i:05d}.safetensors": r for i, (r, _) in enumerate(records)},
+    }
 
 
 def _raise_if(err: str | None, doing: str, path: Path, mesh: _Mesh | None = None) -> None:
