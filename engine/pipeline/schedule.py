@@ -177,13 +177,14 @@ class PipelineRunner:
         self.wall_s = self._now() - start
         return total / loss_scale
 
-    def eval_loss_sum(self, micro_batches: list) -> float:
-        """The sum of the micro-batches' losses (no backward), on every stage."""
+    def eval_loss_sum(self, micro_batches: list, counted: int | None = None) -> float:
+        """The sum of the first ``counted`` (default: all) micro-batches' losses (no
+        backward), on every stage."""
         self._factor = 1.0
         count = len(micro_batches)
         if count not in self._eval:
             self._eval[count] = self._build("gpipe", count)[0]
-        return self._run(self._eval[count], micro_batches, forward_only=True)
+        return self._run(self._eval[count], micro_batches, forward_only=True, counted=counted)
 
     def forward_backward(
         self, micro_batches: list, dp: DataParallel, loss_scale: float = 1.0
@@ -197,18 +198,27 @@ class PipelineRunner:
     @torch.no_grad()
     def fixed_set_loss(self, valid, batches: int) -> float:
         """``engine.runner.fixed_set_loss`` through the stages: the mean loss over
-        micro-batches ``0 .. batches - 1`` of ``valid`` (j on batch rank j mod its size)."""
-        micro, size = [], self.ps.size("batch")
-        for j in range(self.ps.rank_in("batch"), batches, size):
-            valid.consumed_samples = j * valid.global_batch
+        micro-batches ``0 .. batches - 1`` of ``valid`` (j on batch rank j mod its size).
+
+        Every batch rank runs the same number of micro-batches, ⌈batches / size⌉: under
+        FSDP each stage's forward gathers its parameters over the grad group, so a rank
+        past the last micro-batch runs one again and drops its loss (as the local runner
+        does); with fewer forwards on some ranks the others waited forever."""
+        size = self.ps.size("batch")
+        rounds = range(self.ps.rank_in("batch"), -(-batches // size) * size, size)
+        micro = []
+        for j in rounds:
+            valid.consumed_samples = (j % batches) * valid.global_batch
             micro += valid.next_step()  # one micro-batch
         self.model.eval()
         with self.autocast():
-            total = self.eval_loss_sum(micro) if micro else 0.0
+            total = self.eval_loss_sum(micro, counted=sum(j < batches for j in rounds))
         self.model.train()
         return comm.mean(total, self.ps.group("loss"), self.ps.device) * size / batches
 
-    def _run(self, schedule, micro_batches: list, *, forward_only: bool) -> float:
+    def _run(
+        self, schedule, micro_batches: list, *, forward_only: bool, counted: int | None = None
+    ) -> float:
         args, kwargs, target = self.model.schedule_inputs(micro_batches, self.ps.device)
         args = args if self.model.is_first else ()  # the others receive their inputs
         losses: list[torch.Tensor] = []
@@ -216,6 +226,7 @@ class PipelineRunner:
             schedule.eval(*args, target=target, losses=losses, **kwargs)
         else:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        losses = losses[:counted]  # micro-batch order: the repeats come last
         total = torch.stack(losses).detach().double().sum().item() if losses else 0.0
         return comm.broadcast_object(total, self.ps.group("pp"), src=self.ps.size("pp") - 1)
 
