@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
-import os
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from engine.data.fsutil import MISSING, file_problem
 from engine.data.weights import normalized, split_fractions
 from engine.models.config import ModelConfig
 from engine.pipeline.split import layer_split, microbatch_rule
@@ -448,15 +448,21 @@ def _validate_data(cfg: Config, dims: ParallelDims) -> list[str]:
             f"{cfg.model.max_positions}]"
         )
     for prefix in d.prefixes:
-        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.exists(prefix + ext)]
+        found = {prefix + ext: file_problem(prefix + ext) for ext in (".bin", ".idx")}
+        missing = [path for path, problem in found.items() if problem == MISSING]
         if missing:
             problems.append(
                 f"data.prefixes: {' and '.join(missing)} not found (make them with "
                 "tools/preprocess_data.py)"
             )
+        # A FIFO would be read for ever, a directory blamed on something else later.
+        problems += [
+            f"data.prefixes: {p} {why}" for p, why in found.items() if why not in (None, MISSING)
+        ]
     problems += _blend_problems(d)
-    if d.tokenizer is not None and not os.path.exists(d.tokenizer):
-        problems.append(f"data.tokenizer: {d.tokenizer} does not exist")
+    problem = file_problem(d.tokenizer) if d.tokenizer is not None else None
+    if problem is not None:
+        problems.append(f"data.tokenizer: {d.tokenizer} {problem}")
     if not d.prefixes and cfg.model.vocab_size < d.default_vocab_size:
         problems.append(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the embedded corpus's "

@@ -856,3 +856,73 @@ def test_a_refused_launch_of_several_ranks_is_one_line_on_each(
         assert proc.returncode == 2, (rank, proc.returncode, err)
         assert "does not equal the world size 4" in line, (rank, line)
     assert not (tmp_path / "ck").exists()  # no checkpoint folder; the run folder may stay
+
+
+# issue 39 item 4: a FIFO or a directory where a data file belongs. Each was blamed on the
+# run directory (IndexedDataset's FileNotFoundError reached Hydra's run-directory handler);
+# a FIFO tokenizer was read for ever.
+NOT_FILES = [
+    (
+        "bin_fifo",
+        "data.prefixes=[{x}]",
+        "x.bin",
+        "fifo",
+        "data.prefixes: {x}.bin is not a regular file (a FIFO)",
+    ),
+    ("idx_dir", "data.prefixes=[{x}]", "x.idx", "dir", "data.prefixes: {x}.idx is a directory"),
+    ("tokenizer_dir", "data.tokenizer={x}", "x", "dir", "data.tokenizer: {x} is a directory"),
+]
+
+
+def _not_a_file(inputs, tmp_path: Path, name: str, kind: str) -> str:
+    """The good pair copied to ``tmp_path/x`` with ``name`` there made a FIFO or a folder."""
+    for ext in (".bin", ".idx"):
+        shutil.copy(inputs["good"] + ext, tmp_path / f"x{ext}")
+    (tmp_path / name).unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(tmp_path / name)
+    else:
+        (tmp_path / name).mkdir()
+    return str(tmp_path / "x")
+
+
+@pytest.mark.parametrize(
+    ("override", "name", "kind", "message"),
+    [c[1:] for c in NOT_FILES],
+    ids=[c[0] for c in NOT_FILES],
+)
+def test_pretrain_refuses_a_fifo_or_directory_as_data_as_such(
+    inputs, tmp_path, monkeypatch, capsys, override, name, kind, message
+):
+    x = _not_a_file(inputs, tmp_path, name, kind)
+    monkeypatch.chdir(tmp_path)
+    key = override.split("=")[0] + "="
+    argv = [a for a in _base(inputs) if not a.startswith((key, "hydra.run.dir="))]
+    argv += [override.format(x=x), f"hydra.run.dir={tmp_path}/run"]
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("engine.pretrain", run_name="__main__")
+    line = _one_line(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and line == f"config error: {message.format(x=x)}", line
+
+
+def test_pretrain_refuses_a_fifo_tokenizer_without_reading_it(inputs, tmp_path):
+    """In a real process: before the fix it waited for a writer for ever (the timeout)."""
+    os.mkfifo(tmp_path / "tok.json")
+    argv = [a for a in _base(inputs) if not a.startswith(("data.tokenizer=", "hydra.run.dir="))]
+    argv += [f"data.tokenizer={tmp_path / 'tok.json'}", f"hydra.run.dir={tmp_path}/run"]
+    path = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.pretrain", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    line = _one_line(done.stderr)
+    assert done.returncode == 2, done.stderr
+    assert (
+        line == f"config error: data.tokenizer: {tmp_path}/tok.json is not a regular file (a FIFO)"
+    )

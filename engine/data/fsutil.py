@@ -1,4 +1,5 @@
-"""Crash-safe file helpers: write-to-temp-then-rename and an advisory inter-process lock."""
+"""File helpers: write-to-temp-then-rename, an advisory inter-process lock, and the check
+that an input is a regular file (a FIFO would block its reader for ever)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ import contextlib
 import fcntl
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
+
+MISSING = "does not exist"
+"""What :func:`file_problem` says of a path that names nothing."""
 
 
 def temp_path_beside(path: str | os.PathLike) -> Path:
@@ -50,3 +56,48 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _kind_problem(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    kinds = (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    kind = next((name for test, name in kinds if test(mode)), "of an unknown kind")
+    return f"is not a regular file ({kind})"
+
+
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be read as a data file (symlinks followed), or ``None`` when it is a
+    regular file: :data:`MISSING`, "is a directory", "is not a regular file (a FIFO)", ..."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return MISSING
+    except OSError as err:  # a symlink loop, a file where a folder should be, a name too long
+        return f"cannot be opened ({err.strerror or err})"
+    return _kind_problem(mode)
+
+
+def open_regular_file(path: str | os.PathLike) -> BinaryIO:
+    """``open(path, "rb")`` for a regular file; anything else is a ``ValueError`` naming it.
+
+    Opened non-blocking first, so a FIFO is refused at once instead of waiting for a writer,
+    and checked on the open descriptor, so what is read is what was checked.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        problem = _kind_problem(os.fstat(fd).st_mode)
+        if problem is not None:
+            raise ValueError(f"{path} {problem}; give a data file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")

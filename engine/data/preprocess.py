@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engine.data.fsutil import atomic_output
+from engine.data.fsutil import MISSING, atomic_output, file_problem
 from engine.data.indexed import IndexedDatasetWriter
 from engine.data.sources import Document, is_parquet, iter_source
 
@@ -69,6 +69,9 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
                 )
             paths.extend(shards)
             continue
+        problem = None if glob.has_magic(pattern) else file_problem(pattern)
+        if problem not in (None, MISSING):  # a FIFO would be read for ever
+            raise ValueError(f"{pattern} {problem}; give a data file")
         matches = (
             sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
         )
@@ -131,8 +134,11 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike) -> None:
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """Load a ``tokenizer.json``, requiring the end-of-document token."""
-    if not os.path.isfile(path):
+    problem = file_problem(path)
+    if problem == MISSING:
         raise FileNotFoundError(f"tokenizer not found: {path}")
+    if problem is not None:  # a FIFO would be read for ever
+        raise ValueError(f"{path} {problem}; give a tokenizer.json")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as err:  # the tokenizers library raises a bare Exception
