@@ -56,13 +56,14 @@ def prepare(cfg: Config) -> Config:
     problems = validate(cfg, dims)
     if problems:
         _fail(problems)
+    from engine.data.fsutil import file_problem
     from engine.data.pipeline import resolve_data
 
     cfg = dataclasses.replace(
         cfg, dp_size=dims.dp, data=resolve_data(cfg.data), optim=scale_lr(cfg.optim, cfg.trainer)
     )
-    if not os.path.exists(cfg.data.tokenizer):
-        _fail([f"data.tokenizer: {cfg.data.tokenizer} does not exist (pass data.tokenizer=PATH)"])
+    if (problem := file_problem(cfg.data.tokenizer)) is not None:  # a FIFO would block the read
+        _fail([f"data.tokenizer: {cfg.data.tokenizer} {problem} (pass data.tokenizer=PATH)"])
     import parallel_state
     from engine.data.pipeline import check_data
     from engine.preflight import check_memory

@@ -906,11 +906,19 @@ def test_pretrain_refuses_a_fifo_or_directory_as_data_as_such(
     assert exit_info.value.code == 2 and line == f"config error: {message.format(x=x)}", line
 
 
-def test_pretrain_refuses_a_fifo_tokenizer_without_reading_it(inputs, tmp_path):
-    """In a real process: before the fix it waited for a writer for ever (the timeout)."""
-    os.mkfifo(tmp_path / "tok.json")
-    argv = [a for a in _base(inputs) if not a.startswith(("data.tokenizer=", "hydra.run.dir="))]
-    argv += [f"data.tokenizer={tmp_path / 'tok.json'}", f"hydra.run.dir={tmp_path}/run"]
+@pytest.mark.parametrize("named", [True, False])
+def test_pretrain_refuses_a_fifo_tokenizer_without_reading_it(inputs, tmp_path, named):
+    """In a real process: before the fix it waited for a writer for ever (the timeout).
+    Named (data.tokenizer=) or the default beside the data (PREFIX.tokenizer.json)."""
+    drop = ("data.tokenizer=", "hydra.run.dir=", "data.prefixes=")
+    argv = [a for a in _base(inputs) if not a.startswith(drop)]
+    prefix = tmp_path / "corpus"
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(inputs["good"] + suffix, f"{prefix}{suffix}")
+    tokenizer = tmp_path / "tok.json" if named else tmp_path / "corpus.tokenizer.json"
+    os.mkfifo(tokenizer)
+    argv += [f"data.prefixes=[{prefix}]", f"hydra.run.dir={tmp_path}/run"]
+    argv += [f"data.tokenizer={tokenizer}"] if named else []
     path = os.environ.get("PYTHONPATH")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
     done = subprocess.run(
@@ -923,6 +931,7 @@ def test_pretrain_refuses_a_fifo_tokenizer_without_reading_it(inputs, tmp_path):
     )
     line = _one_line(done.stderr)
     assert done.returncode == 2, done.stderr
-    assert (
-        line == f"config error: data.tokenizer: {tmp_path}/tok.json is not a regular file (a FIFO)"
-    )
+    assert line.startswith("config error: data.tokenizer: ") and line.endswith(
+        f"{tokenizer} is not a regular file (a FIFO)"
+        + ("" if named else " (pass data.tokenizer=PATH)")
+    ), line
