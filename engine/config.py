@@ -224,7 +224,7 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
 
 def _validate_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     """What the layout's pipeline stages and DP sharding need of the rest of the config."""
-    problems = _validate_pipeline(cfg, dims) if dims.pp > 1 else []
+    problems = _validate_pipeline(cfg, dims)
     if dims.dp_shard in ("gradients", "full"):
         problems += _validate_fsdp(cfg, dims)
     if cfg.optim.distributed and cfg.optim.impl == "apex":
@@ -245,9 +245,13 @@ def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:
 
 
 def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
-    """What pp > 1 needs: eager stages, a known schedule, layers and micro-batches that the
-    stages and the schedule can split (torch's rules for 1F1B and interleaved)."""
+    """A known schedule, and what pp > 1 needs: eager stages, layers and micro-batches that
+    the stages and the schedule can split (torch's rules for 1F1B and interleaved). At pp 1
+    the pipeline keys would be ignored, so one set there is refused."""
     p, t, m = cfg.pipeline, cfg.trainer, cfg.model
+    unknown = _not_one_of("pipeline.schedule", p.schedule, PIPELINE_SCHEDULES)
+    if dims.pp == 1:
+        return unknown or _pipeline_keys_unused(p)
     problems = []
     if m.compile:
         problems.append(f"pp_size={dims.pp} runs the stages eagerly: set model.compile=false")
@@ -256,11 +260,8 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
             f"pp_size={dims.pp} with tied embeddings under ZeRO-1 is not built yet: set "
             "model.tie_embeddings=false or parallel.dp_shard=none"
         )
-    if p.schedule not in PIPELINE_SCHEDULES:
-        problems.append(
-            f"pipeline.schedule={p.schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}"
-        )
-        return problems
+    if unknown:
+        return problems + unknown
     interleaved = p.schedule == "interleaved_1f1b"
     if (p.virtual_stages >= 2) != interleaved or p.virtual_stages < 1:
         rule = ">= 2 for interleaved_1f1b" if interleaved else f"1 for {p.schedule}"
@@ -278,6 +279,22 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
             f"pipeline.{rule} (global_batch ÷ (micro_batch × dp_size)); change trainer.global_batch"
         )
     return problems
+
+
+def _pipeline_keys_unused(p: PipelineConfig) -> list[str]:
+    """One line naming the pipeline keys set away from their defaults at pp 1, if any."""
+    default = PipelineConfig()
+    changed = [
+        f"pipeline.{f.name}={getattr(p, f.name)}"
+        for f in fields(p)
+        if getattr(p, f.name) != getattr(default, f.name)
+    ]
+    if not changed:
+        return []
+    return [
+        f"{' and '.join(changed)} would be ignored at pp_size=1 (no pipeline): set pp_size "
+        "(parallel.pp) > 1, or leave the pipeline keys at their defaults"
+    ]
 
 
 def _validate_model(cfg: Config, dims: ParallelDims) -> list[str]:
@@ -328,6 +345,10 @@ def _validate_trainer(cfg: Config, dims: ParallelDims) -> list[str]:
         )
     if t.profile_steps and (len(t.profile_steps) != 2 or t.profile_steps[0] > t.profile_steps[1]):
         problems.append(f"trainer.profile_steps={t.profile_steps} must be [first, last]")
+    elif t.profile_steps and t.profile_steps[0] < 0:
+        problems.append(
+            f"trainer.profile_steps={t.profile_steps} must be >= 0: the [first, last] steps to trace"
+        )
     if t.wandb_project and importlib.util.find_spec("wandb") is None:
         problems.append(
             f"trainer.wandb_project={t.wandb_project!r} needs wandb, which is not installed: "
