@@ -376,7 +376,8 @@ def _validate_sampling(cfg: Config) -> list[str]:
             f"trainer.sample_temperature={t.sample_temperature} must be > 0 "
             "(or trainer.sample_tokens=0 for no sample)"
         )
-    if m.causal and t.sample_tokens >= m.max_positions:
+    # Against a max_positions the model's own rule refuses, only that rule's line is shown.
+    if m.causal and 1 <= m.max_positions <= t.sample_tokens:
         problems.append(
             f"trainer.sample_tokens={t.sample_tokens} must be < model.max_positions="
             f"{m.max_positions}: the sample and its prompt must fit the positions"
@@ -448,7 +449,7 @@ def _validate_data(cfg: Config, dims: ParallelDims) -> list[str]:
     """The data files, their blend and split, the sequence length and the vocabulary."""
     d, problems = cfg.data, []
     problems += _layout_problem(dims.check_seq_len, d.seq_len)
-    if d.seq_len < 2 or d.seq_len > cfg.model.max_positions:
+    if d.seq_len < 2 or 1 <= cfg.model.max_positions < d.seq_len:  # 0: the model's line
         problems.append(
             f"data.seq_len={d.seq_len} must be in [2, model.max_positions="
             f"{cfg.model.max_positions}]"
@@ -524,14 +525,14 @@ def numbers_out_of_range(cfg: Any, reported: list[str], prefix: str = "") -> lis
     """Every number of the config ``cfg`` (a dataclass, its sections recursed into), by
     type: integers within 64 bits, floats finite.
 
-    Keys a specific check already reported are left to that check's line.
+    Keys a specific check already reported (named in its line) are left to that line.
     """
     problems = []
     for f in fields(cfg):
         key, value = prefix + f.name, getattr(cfg, f.name)
         if is_dataclass(value):
             problems += numbers_out_of_range(value, reported, f"{key}.")
-        elif any(line.startswith(f"{key}=") for line in reported):
+        elif any(re.search(rf"(^| ){re.escape(key)}=", line) for line in reported):
             continue
         elif any(not _in_range(v) for v in (value if isinstance(value, list) else [value])):
             problems.append(

@@ -919,6 +919,9 @@ SILENT = [
         ["trainer.profile_steps=[-1,2]"],
         "trainer.profile_steps=[-1, 2] must be >= 0",
     ),
+    # the adversarial pass: one bad value, several lines
+    ("min_lr_nan", ["optim.min_lr=nan"], "optim.min_lr=nan in [0, lr]"),
+    ("max_positions_0", ["model.max_positions=0"], "model.max_positions=0 must be >= 1"),
 ]
 
 
