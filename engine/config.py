@@ -239,7 +239,7 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
 
 def _validate_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     """What the layout's pipeline stages and DP sharding need of the rest of the config."""
-    problems = _validate_pipeline(cfg, dims) if dims.pp > 1 else []
+    problems = _validate_pipeline(cfg, dims)
     if dims.dp_shard in ("gradients", "full"):
         problems += _validate_fsdp(cfg, dims)
     if cfg.optim.distributed and cfg.optim.impl == "apex":
@@ -260,9 +260,13 @@ def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:
 
 
 def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
-    """What pp > 1 needs: eager stages, a known schedule, layers and micro-batches that the
-    stages and the schedule can split (torch's rules for 1F1B and interleaved)."""
+    """A known schedule, and what pp > 1 needs: eager stages, layers and micro-batches that
+    the stages and the schedule can split (torch's rules for 1F1B and interleaved). At pp 1
+    the pipeline keys would be ignored, so one set there is refused."""
     p, t, m = cfg.pipeline, cfg.trainer, cfg.model
+    unknown = _not_one_of("pipeline.schedule", p.schedule, PIPELINE_SCHEDULES)
+    if dims.pp == 1:
+        return unknown or _pipeline_keys_unused(p)
     problems = []
     if m.compile:
         problems.append(f"pp_size={dims.pp} runs the stages eagerly: set model.compile=false")
@@ -271,11 +275,8 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
             f"pp_size={dims.pp} with tied embeddings under ZeRO-1 is not built yet: set "
             "model.tie_embeddings=false or parallel.dp_shard=none"
         )
-    if p.schedule not in PIPELINE_SCHEDULES:
-        problems.append(
-            f"pipeline.schedule={p.schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}"
-        )
-        return problems
+    if unknown:
+        return problems + unknown
     interleaved = p.schedule == "interleaved_1f1b"
     if (p.virtual_stages >= 2) != interleaved or p.virtual_stages < 1:
         rule = ">= 2 for interleaved_1f1b" if interleaved else f"1 for {p.schedule}"
@@ -293,6 +294,22 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
             f"pipeline.{rule} (global_batch ÷ (micro_batch × dp_size)); change trainer.global_batch"
         )
     return problems
+
+
+def _pipeline_keys_unused(p: PipelineConfig) -> list[str]:
+    """One line naming the pipeline keys set away from their defaults at pp 1, if any."""
+    default = PipelineConfig()
+    changed = [
+        f"pipeline.{f.name}={getattr(p, f.name)}"
+        for f in fields(p)
+        if getattr(p, f.name) != getattr(default, f.name)
+    ]
+    if not changed:
+        return []
+    return [
+        f"{' and '.join(changed)} would be ignored at pp_size=1 (no pipeline): set pp_size "
+        "(parallel.pp) > 1, or leave the pipeline keys at their defaults"
+    ]
 
 
 def _validate_model(cfg: Config, dims: ParallelDims) -> list[str]:
@@ -343,6 +360,10 @@ def _validate_trainer(cfg: Config, dims: ParallelDims) -> list[str]:
         )
     if t.profile_steps and (len(t.profile_steps) != 2 or t.profile_steps[0] > t.profile_steps[1]):
         problems.append(f"trainer.profile_steps={t.profile_steps} must be [first, last]")
+    elif t.profile_steps and t.profile_steps[0] < 0:
+        problems.append(
+            f"trainer.profile_steps={t.profile_steps} must be >= 0: the [first, last] steps to trace"
+        )
     if t.wandb_project and importlib.util.find_spec("wandb") is None:
         problems.append(
             f"trainer.wandb_project={t.wandb_project!r} needs wandb, which is not installed: "
@@ -370,7 +391,8 @@ def _validate_sampling(cfg: Config) -> list[str]:
             f"trainer.sample_temperature={t.sample_temperature} must be > 0 "
             "(or trainer.sample_tokens=0 for no sample)"
         )
-    if m.causal and t.sample_tokens >= m.max_positions:
+    # Against a max_positions the model's own rule refuses, only that rule's line is shown.
+    if m.causal and 1 <= m.max_positions <= t.sample_tokens:
         problems.append(
             f"trainer.sample_tokens={t.sample_tokens} must be < model.max_positions="
             f"{m.max_positions}: the sample and its prompt must fit the positions"
@@ -442,7 +464,7 @@ def _validate_data(cfg: Config, dims: ParallelDims) -> list[str]:
     """The data files, their blend and split, the sequence length and the vocabulary."""
     d, problems = cfg.data, []
     problems += _layout_problem(dims.check_seq_len, d.seq_len)
-    if d.seq_len < 2 or d.seq_len > cfg.model.max_positions:
+    if d.seq_len < 2 or 1 <= cfg.model.max_positions < d.seq_len:  # 0: the model's line
         problems.append(
             f"data.seq_len={d.seq_len} must be in [2, model.max_positions="
             f"{cfg.model.max_positions}]"
@@ -524,14 +546,14 @@ def numbers_out_of_range(cfg: Any, reported: list[str], prefix: str = "") -> lis
     """Every number of the config ``cfg`` (a dataclass, its sections recursed into), by
     type: integers within 64 bits, floats finite.
 
-    Keys a specific check already reported are left to that check's line.
+    Keys a specific check already reported (named in its line) are left to that line.
     """
     problems = []
     for f in fields(cfg):
         key, value = prefix + f.name, getattr(cfg, f.name)
         if is_dataclass(value):
             problems += numbers_out_of_range(value, reported, f"{key}.")
-        elif any(line.startswith(f"{key}=") for line in reported):
+        elif any(re.search(rf"(^| ){re.escape(key)}=", line) for line in reported):
             continue
         elif any(not _in_range(v) for v in (value if isinstance(value, list) else [value])):
             problems.append(

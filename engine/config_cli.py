@@ -186,12 +186,12 @@ def help_text(cfg: Config) -> str:
             lines += ["", title]
         node = getattr(cfg, section) if section else cfg
         value = getattr(node, key.rsplit(".", 1)[-1])
-        lines.append(f"  {key}={_show(value)}  # {doc}")
+        lines.append(f"  {key}={override_value(value)}  # {doc}")
     lines += ["", "Hydra's own options: --hydra-help"]
     return "\n".join(lines)
 
 
-def _show(value: object) -> str:
+def override_value(value: object) -> str:
     """A value as it is written on the command line."""
     if value is None:
         return "null"

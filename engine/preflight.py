@@ -127,36 +127,6 @@ def _dp_shard(cfg: Config) -> str:
     return resolve_dp_shard(cfg.parallel.dp_shard, cfg.optim.distributed)
 
 
-def check_resume_model(cfg: Config, root: Path) -> list[str]:
-    """One line when the checkpoint a run would resume from holds a different model."""
-    from engine.checkpoint.format import check_compatible
-    from engine.checkpoint.storage import CheckpointError, read_index, read_latest, step_dirs
-    from engine.models import ModelConfig
-
-    if not cfg.checkpoint.resume:
-        return []
-    steps = step_dirs(root)
-    try:
-        latest = read_latest(root)
-    except CheckpointError:
-        latest = None
-    step = latest if latest in steps else max(steps, default=None)
-    if step is None:
-        return []
-    try:
-        saved = ModelConfig.from_dict(read_index(steps[step])["model_config"])
-    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError):
-        return []  # a damaged index is the loader's to report (and to fall back from)
-    try:
-        check_compatible(cfg.model, saved)
-    except ValueError as err:
-        return [
-            f"checkpoint.dir={root} holds a run of another model ({err}, step {step}); "
-            "give this run its own name=NAME or checkpoint.dir=DIR, or delete that directory"
-        ]
-    return []
-
-
 def probe_writable(path: Path, *, directory: bool) -> str | None:
     """None when ``path`` (a directory, or a file) can be created and written, else why.
 

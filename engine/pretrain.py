@@ -53,7 +53,7 @@ def prepare(cfg: Config) -> Config:
         dims = parallel_dims(cfg, world)
     except LayoutError as err:
         _fail([str(err)])
-    problems = validate(cfg, dims)
+    problems = validate(cfg, dims) + _step_limit_problem(cfg)
     if problems:
         _fail(problems)
     from engine.data.fsutil import file_problem
@@ -103,9 +103,49 @@ def _check_checkpoint_dir(cfg: Config) -> list[str]:
             f"{', '.join(map(str, steps))}) that a fresh run would replace; choose another "
             "checkpoint.dir, or delete that directory first"
         ]
-    from engine.preflight import check_resume_model
+    return _resume_problem(cfg, root)
 
-    return check_resume_model(cfg, root)
+
+def _step_limit_problem(cfg: Config) -> list[str]:
+    """A run whose later checkpoints would be named past the step directories' digits (the
+    storage's rule, checked here: engine.config cannot import the storage back)."""
+    from engine.checkpoint.storage import MAX_STEP, STEP_DIGITS
+    from engine.config import INT64_MAX
+
+    steps = cfg.trainer.max_steps
+    if cfg.checkpoint.every < 1 or not MAX_STEP < steps <= INT64_MAX:
+        return []  # past 64 bits is validate's line
+    return [
+        f"trainer.max_steps={steps} is past the last step a checkpoint directory can name "
+        f"({MAX_STEP}, {STEP_DIGITS} digits): later checkpoints would never be found again; "
+        f"give trainer.max_steps <= {MAX_STEP}, or checkpoint.every=0 (no checkpoints)"
+    ]
+
+
+def _resume_problem(cfg: Config, root: Path) -> list[str]:
+    """One line when the checkpoint this run would resume from holds another model: one
+    of the keys a resume keeps (engine/models/config.py RESUME_FIXED) changed."""
+    from engine.checkpoint.manager import newest_index
+    from engine.config_cli import override_value
+    from engine.models.config import ModelConfig
+
+    found = newest_index(root) if cfg.checkpoint.resume else None
+    if found is None:
+        return []
+    try:
+        saved = ModelConfig.from_dict(found[1]["model_config"])
+    except (TypeError, ValueError):
+        return []  # a malformed model_config is the loader's to report (and to fall back from)
+    changes = cfg.model.resume_changes(saved)
+    if not changes:
+        return []
+    differ = "; ".join(f"model.{key}={old!r}, the model {new!r}" for key, old, new in changes)
+    back = " ".join(f"model.{key}={override_value(old)}" for key, old, _ in changes)
+    return [
+        f"checkpoint.dir={root} holds a run of another model (checkpoint has {differ}, step "
+        f"{found[1]['step']}); set {back} back to resume it, or give this run its own "
+        "name=NAME or checkpoint.dir=DIR, or delete that directory"
+    ]
 
 
 def _fail(problems: list[str]) -> None:

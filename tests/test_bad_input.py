@@ -935,3 +935,109 @@ def test_pretrain_refuses_a_fifo_tokenizer_without_reading_it(inputs, tmp_path, 
         f"{tokenizer} is not a regular file (a FIFO)"
         + ("" if named else " (pass data.tokenizer=PATH)")
     ), line
+
+
+# issue 39 (items 9 and 11): values that made every step NaN, and keys read as unset or
+# ignored. Each is refused by the launching process's check (``prepare``), one line, exit 2.
+LLAMA3 = "model.rope_scaling=llama3"
+SILENT = [
+    ("rope_theta_0", ["model.rope_theta=0"], "model.rope_theta=0.0 must be > 0 and finite"),
+    ("rope_theta_negative", ["model.rope_theta=-1e4"], "model.rope_theta=-10000.0 must be > 0"),
+    ("rope_theta_nan", ["model.rope_theta=nan"], "model.rope_theta=nan must be > 0 and finite"),
+    (
+        "rope_factor_0",
+        [LLAMA3, "model.rope_scaling_factor=0"],
+        "model.rope_scaling_factor=0.0 must be > 0 and finite under model.rope_scaling=llama3",
+    ),
+    (
+        "rope_factor_negative",
+        [LLAMA3, "model.rope_scaling_factor=-8"],
+        "model.rope_scaling_factor=-8.0 must be > 0",
+    ),
+    (
+        "rope_factor_nan",
+        [LLAMA3, "model.rope_scaling_factor=nan"],
+        "model.rope_scaling_factor=nan must be > 0",
+    ),
+    (
+        "rope_freq_factors_equal",
+        [LLAMA3, "model.rope_low_freq_factor=4"],
+        "model.rope_low_freq_factor=4.0 and model.rope_high_freq_factor=4.0 must be finite "
+        "with 0 < low < high",
+    ),
+    ("init_std_0", ["model.init_std=0"], "model.init_std=0.0 starts every weight at zero"),
+    ("num_kv_heads_0", ["model.num_kv_heads=0"], "model.num_kv_heads=0 must be >= 1 (or null"),
+    (
+        "interleaved_at_pp_1",
+        ["pipeline.schedule=interleaved_1f1b", "pp_size=1"],
+        "pipeline.schedule=interleaved_1f1b would be ignored at pp_size=1 (no pipeline)",
+    ),
+    (
+        "virtual_stages_at_pp_1",
+        ["pipeline.virtual_stages=2"],
+        "pipeline.virtual_stages=2 would be ignored at pp_size=1",
+    ),
+    (
+        "layers_per_stage_at_pp_1",
+        ["pipeline.layers_per_stage=[1,1]"],
+        "pipeline.layers_per_stage=[1, 1] would be ignored at pp_size=1",
+    ),
+    (
+        "schedule_unknown_at_pp_1",
+        ["pipeline.schedule=zb"],
+        "pipeline.schedule='zb' is not one of gpipe, 1f1b, interleaved_1f1b",
+    ),
+    (
+        "max_steps_past_step_dirs",
+        ["trainer.max_steps=100000000"],
+        "trainer.max_steps=100000000 is past the last step a checkpoint directory can name "
+        "(99999999, 8 digits)",
+    ),
+    (
+        "profile_steps_negative",
+        ["trainer.profile_steps=[-1,2]"],
+        "trainer.profile_steps=[-1, 2] must be >= 0",
+    ),
+    # the adversarial pass: one bad value, several lines
+    ("min_lr_nan", ["optim.min_lr=nan"], "optim.min_lr=nan in [0, lr]"),
+    ("max_positions_0", ["model.max_positions=0"], "model.max_positions=0 must be >= 1"),
+]
+
+
+def _prepare(inputs, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from engine.pretrain import prepare
+
+    base = [o for o in _base(inputs) if not o.startswith("hydra.")]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return prepare(OmegaConf.to_object(compose("config", overrides=base + overrides)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"), [c[1:] for c in SILENT], ids=[c[0] for c in SILENT]
+)
+def test_silently_accepted_values_are_refused(inputs, overrides, fragment, monkeypatch, capsys):
+    monkeypatch.chdir(inputs["dir"])
+    with pytest.raises(SystemExit) as exit_info:
+        _prepare(inputs, overrides)
+    line = _one_line(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and line.startswith("config error: "), line
+    assert fragment in line, line
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.num_kv_heads=null"],  # unset: one KV head per query head
+        ["model.rope_scaling_factor=0"],  # not read without llama3 scaling
+        ["pipeline.schedule=1f1b", "pipeline.virtual_stages=1"],  # the defaults, at pp 1
+        ["trainer.max_steps=100000000", "checkpoint.every=0"],  # no step directories
+        ["trainer.max_steps=99999999"],
+        ["trainer.profile_steps=[0,2]"],
+    ],
+)
+def test_the_limits_of_the_new_rules_pass(inputs, overrides, monkeypatch):
+    monkeypatch.chdir(inputs["dir"])
+    assert _prepare(inputs, overrides).trainer.max_steps >= 1

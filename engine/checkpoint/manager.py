@@ -242,6 +242,20 @@ def _candidates(root: Path, log: Callable[[str], None]) -> list[Path]:
     return [root / step_dir_name(latest), *older]
 
 
+def newest_index(root: str | Path) -> tuple[Path, dict] | None:
+    """The step directory a resume from ``root`` tries first whose index reads and is well
+    formed (the loader's order: ``latest``, then older steps), with that index; None when
+    there is none. Its shard files are not read: the load may still fall back further."""
+    for path in _candidates(Path(root), lambda msg: None):
+        try:
+            index = read_index(path)
+            _check_index(path, index)
+        except CheckpointError:
+            continue
+        return path, index
+    return None
+
+
 def _read_rank(path: Path, model: ParallelModel, optimizer, mesh: _Mesh) -> dict[str, Any]:
     """Everything this rank needs from ``path``, read and verified.
 

@@ -42,7 +42,9 @@ FORMAT = "meshtron-train-checkpoint"
 VERSION = 1
 INDEX = "index.json"
 LATEST = "latest"
-_STEP_DIR = re.compile(r"step_(\d{8})")
+STEP_DIGITS = 8  # step_00000120: fixed width, so names sort by step
+MAX_STEP = 10**STEP_DIGITS - 1  # the last step whose directory can be found again
+_STEP_DIR = re.compile(rf"step_(\d{{{STEP_DIGITS}}})")
 
 
 class CheckpointError(RuntimeError):
@@ -51,7 +53,7 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     """``step_00000120``: fixed width, so names sort by step."""
-    return f"step_{step:08d}"
+    return f"step_{step:0{STEP_DIGITS}d}"
 
 
 def fsync_dir(path: Path) -> None:

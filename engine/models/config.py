@@ -27,6 +27,38 @@ from parallel_state.dims import check_width_split
 ARCHS = tuple(FAMILIES)  # engine/models/families.py
 ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
 POSITIONS = ("learned", "rotary")
+# What a resumed run must keep as its checkpoint has it: the keys that decide which weights
+# exist, their shapes and the function they were trained to compute. Everything else
+# (dropout, init, recompute, kernels, compile, sequence_parallel, the vocabulary padding,
+# the layout, the optimizer and the loop) may change on resume.
+RESUME_FIXED = (
+    "arch",
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "max_positions",
+    "num_token_types",
+    "tie_embeddings",
+    "norm",
+    "attention",
+    "mlp",
+    "position_embedding",
+    "activation",
+    "qkv_bias",
+    "linear_bias",
+    "layernorm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_positions",
+)
+# Keys whose null means a default from the others: compared with that default applied.
+_APPLIED = {"num_kv_heads": "kv_heads", "ffn_hidden_size": "ffn_size"}
 
 
 @dataclass
@@ -111,6 +143,18 @@ class ModelConfig:
             self.rope_original_max_positions,
         )
 
+    def resume_changes(self, saved: ModelConfig) -> list[tuple[str, Any, Any]]:
+        """``(key, saved value, this value)`` of every :data:`RESUME_FIXED` key in which
+        this config differs from the ``saved`` one a run would resume from."""
+        changes = []
+        for key in RESUME_FIXED:
+            if getattr(saved, key) is None and getattr(self, key) is None:
+                continue  # both follow the keys they default from, compared on their own
+            old, new = (getattr(c, _APPLIED.get(key, key)) for c in (saved, self))
+            if old != new:
+                changes.append((key, old, new))
+        return changes
+
     def padded_vocab_size(self, tp_size: int) -> int:
         """Embedding rows at this TP size: the vocabulary rounded up so every rank gets a block."""
         return pad_vocab_size(self.vocab_size, tp_size * self.make_vocab_size_divisible_by)
@@ -145,6 +189,11 @@ class ModelConfig:
             raise ValueError(f"model.layernorm_eps={self.layernorm_eps} must be > 0 and finite")
         if not 0 <= self.init_std < math.inf:
             raise ValueError(f"model.init_std={self.init_std} must be >= 0 and finite")
+        if self.init_std == 0:
+            raise ValueError(
+                "model.init_std=0.0 starts every weight at zero, where every gradient is "
+                "zero too and no step moves them: give it > 0 (GPT-2's 0.02)"
+            )
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
@@ -158,6 +207,7 @@ class ModelConfig:
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_heads={self.num_heads}"
             )
+        self._validate_rope()
         if self.cuda_graphs:
             self._validate_cuda_graphs()
         selective = self.compile and self.recompute == "selective" and tp_size > 1
@@ -192,8 +242,40 @@ class ModelConfig:
                 "the host, which a CUDA graph cannot replay"
             )
 
+    def _validate_rope(self) -> None:
+        """RoPE's base, and Llama 3's scaling numbers when it scales: any other value
+        makes every rotation, and so every step, NaN (or divides by zero)."""
+        if not 0 < self.rope_theta < math.inf:
+            raise ValueError(f"model.rope_theta={self.rope_theta} must be > 0 and finite")
+        if self.rope_scaling != "llama3":
+            return
+        factor, low, high = (
+            self.rope_scaling_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+        )
+        if not 0 < factor < math.inf:
+            raise ValueError(
+                f"model.rope_scaling_factor={factor} must be > 0 and finite under "
+                "model.rope_scaling=llama3 (or model.rope_scaling=none)"
+            )
+        if not 0 < low < high < math.inf:
+            raise ValueError(
+                f"model.rope_low_freq_factor={low} and model.rope_high_freq_factor={high} "
+                "must be finite with 0 < low < high under model.rope_scaling=llama3"
+            )
+        if self.rope_original_max_positions < 1:
+            raise ValueError(
+                f"model.rope_original_max_positions={self.rope_original_max_positions} "
+                "must be >= 1 under model.rope_scaling=llama3"
+            )
+
     def _validate_heads(self, tp_size: int) -> None:
         """Query heads group evenly over KV heads; KV heads split over TP or TP over them."""
+        if self.num_kv_heads is not None and self.num_kv_heads < 1:
+            raise ValueError(
+                f"model.num_kv_heads={self.num_kv_heads} must be >= 1 (or null: one per query head)"
+            )
         kv = self.kv_heads
         if kv < 1 or self.num_heads % kv:
             raise ValueError(
