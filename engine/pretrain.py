@@ -138,13 +138,49 @@ def _resume_problem(cfg: Config, root: Path) -> list[str]:
         return []  # a malformed model_config is the loader's to report (and to fall back from)
     changes = cfg.model.resume_changes(saved)
     if not changes:
-        return []
+        return _finished_run_problem(cfg, root, found[1])
     differ = "; ".join(f"model.{key}={old!r}, the model {new!r}" for key, old, new in changes)
     back = " ".join(f"model.{key}={override_value(old)}" for key, old, _ in changes)
     return [
         f"checkpoint.dir={root} holds a run of another model (checkpoint has {differ}, step "
         f"{found[1]['step']}); set {back} back to resume it, or give this run its own "
         "name=NAME or checkpoint.dir=DIR, or delete that directory"
+    ]
+
+
+# Keys that may differ between a run and the same run started again: where its logs go.
+_RERUN_FREE = frozenset({"run_dir"})
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _finished_run_problem(cfg: Config, root: Path, index: dict) -> list[str]:
+    """One line when the run this one would resume has already trained its steps under
+    another config: it would find the finished run, train nothing and exit 0 (a layout or
+    data change after the quick start did exactly that). The same command again is fine:
+    it says there is nothing to train."""
+    step, saved = index.get("step"), index.get("trainer_state", {}).get("config")
+    if not isinstance(step, int) or step < cfg.trainer.max_steps or not isinstance(saved, dict):
+        return []
+    mine, theirs = _flat(dataclasses.asdict(cfg)), _flat(saved)
+    differ = [k for k in mine if k not in _RERUN_FREE and k in theirs and mine[k] != theirs[k]]
+    if not differ:
+        return []
+    shown = ", ".join(f"{k}={theirs[k]!r} (this run: {mine[k]!r})" for k in differ[:3])
+    more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+    return [
+        f"checkpoint.dir={root} holds a finished run (step {step}, trainer.max_steps="
+        f"{cfg.trainer.max_steps}) of another config: {shown}{more}; this run would train "
+        "nothing: give it its own name=NAME (or checkpoint.dir=DIR), or raise "
+        "trainer.max_steps to continue that run"
     ]
 
 

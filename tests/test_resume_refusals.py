@@ -131,3 +131,23 @@ def test_the_refusal_comes_before_any_worker(run, tmp_path, monkeypatch, capsys)
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("config error: ") and "model.norm='layernorm'" in err, err
+
+
+def test_a_finished_run_under_another_config_is_refused(tmp_path, capsys):
+    """Issue 45: a run without name= after the quick start found the quick start's
+    finished run and exited 0 having trained nothing. A finished run (its step at
+    trainer.max_steps) started again under another config is refused in one line naming
+    what differs; the very same command is still accepted (it says nothing is left)."""
+    import dataclasses
+
+    base = _base(build_test_corpus(tmp_path), tmp_path / "ck")
+    cfg = prepare(compose_config(*base))
+    model = build_model(cfg.model)
+    optimizer = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+    state = {"config": dataclasses.asdict(cfg)}
+    save_checkpoint(tmp_path / "ck", 2, model=model, optimizer=optimizer, ps=None, state=state)
+    assert prepare(compose_config(*base)).trainer.max_steps == 2  # the same command again
+    line = _refusal([*base, "data.seq_len=16"], capsys)
+    assert "holds a finished run (step 2, trainer.max_steps=2)" in line, line
+    assert "data.seq_len=32 (this run: 16)" in line and "name=NAME" in line, line
+    assert prepare(compose_config(*base, "data.seq_len=16", "trainer.max_steps=3"))  # continues
