@@ -114,9 +114,8 @@ class ParallelConfig:
     dp: Any = 2  # data-parallel size, or "auto": world ÷ (tp × pp) (short form: dp_size=)
     pp: int = 1  # pipeline stages the layers are cut into; 1: none (short form: pp_size=)
     dp_shard: str = "none"  # DP shards: none, optimizer (ZeRO-1), gradients (ZeRO-2), full (ZeRO-3)
-    # Shard norms, dropout and residuals along the sequence inside TP regions (also
-    # model.sequence_parallel=true, which the layers read; either turns it on).
-    sequence_parallel: bool = False
+    # Also model.sequence_parallel=true, the key the layers read: either turns it on.
+    sequence_parallel: bool = False  # shard norms and dropout along the sequence inside TP
     schedule: str | None = None  # the pipeline schedule (null: pipeline.schedule's, 1f1b)
 
 
