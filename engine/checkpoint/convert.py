@@ -32,6 +32,8 @@ from engine.flops import params_count
 from engine.models import ModelConfig, build_model
 from parallel_state import ParallelState
 
+MAX_WORLD = 1 << 16  # ranks a conversion plans for, one by one (~1 min at the bound)
+
 
 def resolve(path: str | Path) -> Path:
     """A step directory, given either it or a checkpoint root (then the one ``latest`` names)."""
@@ -84,6 +86,11 @@ def convert(src: str | Path, out_root: str | Path, tp_size: int, dp_size: int) -
     """
     if tp_size < 1 or dp_size < 1:
         raise ValueError(f"--tp-size {tp_size} and --dp-size {dp_size} must be >= 1")
+    if tp_size * dp_size > MAX_WORLD:  # the plan is made per rank: bound it before making it
+        raise ValueError(
+            f"--tp-size {tp_size} × --dp-size {dp_size} = {tp_size * dp_size} ranks must be "
+            f"<= {MAX_WORLD} (2**16)"
+        )
     src, out_root = resolve(src), Path(out_root)
     reader = ShardReader(src)
     check_out_root(out_root, src, tp_size, dp_size, reader.index["step"])
