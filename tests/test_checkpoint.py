@@ -922,3 +922,119 @@ def test_reshard_across_pipeline_stages(corpus, tmp_path):
     step4 = [out[n]["history"][0] for n in ("pp4", "pp1_dp4_zero1", "pp1_tp2_dp2")]
     assert all(s == 4 for s, _ in step4)
     torch.testing.assert_close([x for _, x in step4], [step4[2][1]] * 3, rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------ convert --out never damages another run
+
+
+def _saved_run(root: Path, steps, cfg=CFG) -> Path:
+    """A run's checkpoint root holding ``steps`` of a tiny model, saved at tp=1."""
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2), torch.device("cpu"))
+    for step in steps:
+        save_checkpoint(root, step, model=model, optimizer=optimizer, ps=None, state={}, keep=9)
+    return root
+
+
+def _tree_hashes(root: Path) -> dict[str, str]:
+    """{relative path: SHA-256} of every file under ``root`` (and '' per directory)."""
+    import hashlib
+
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+        for p in sorted(root.rglob("*"))
+    }
+
+
+LLAMA = preset("llama_tiny", vocab_size=500, hidden_size=32, ffn_hidden_size=64)
+OTHER_SOURCES = {  # a source another run's root must refuse, whatever it is
+    "same_model_older_step": ([2], CFG),  # would move latest back from 5 to 2
+    "same_model_newer_step": ([7], CFG),  # would put a foreign step 7 after the run's 5
+    "same_step": ([5], CFG),  # would replace the run's own step 5
+    "another_family": ([3], LLAMA),
+}
+
+
+@pytest.mark.parametrize("case", OTHER_SOURCES)
+def test_convert_refuses_a_root_holding_another_runs_steps(tmp_path, case, capsys):
+    """A run root with steps 1..5 is refused as --out (one line, exit 2) and is left
+    byte-identical: no step replaced or added, ``latest`` not moved, no lock file made."""
+    run = _saved_run(tmp_path / "run", range(1, 6))
+    steps, cfg = OTHER_SOURCES[case]
+    src = _saved_run(tmp_path / "src", steps, cfg)
+    assert sorted(p.name for p in run.glob("step_*")) == [f"step_{s:08d}" for s in range(1, 6)]
+    before = _tree_hashes(run)
+    args = ["convert", str(src), "--tp-size", "2", "--dp-size", "1", "--out", str(run)]
+    assert checkpoint_cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {run} holds step_00000001" in err, err
+    assert "another run's steps or latest" in err
+    assert _tree_hashes(run) == before
+    with pytest.raises(ValueError, match="holds step_00000001, not converted from"):
+        convert(src, run, tp_size=1, dp_size=1)
+    assert _tree_hashes(run) == before
+
+
+@pytest.mark.parametrize("where", ["root/sub", "root/step_00000003/x", "root/step_00000003"])
+def test_convert_refuses_out_inside_the_source(tmp_path, where, capsys):
+    src = _saved_run(tmp_path / "root", [3])
+    before = _tree_hashes(src)
+    out = tmp_path / where
+    for given in (src, src / "step_00000003"):
+        args = ["convert", str(given), "--tp-size", "2", "--dp-size", "1", "--out", str(out)]
+        assert checkpoint_cli.main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is inside the source run's checkpoint root" in err
+        assert _tree_hashes(src) == before  # nothing made under the source either
+
+
+def test_convert_into_new_empty_or_own_root(tmp_path):
+    """A new root and an empty one take the converted step as before; a root of this
+    source's earlier converts at the same layout takes newer steps only, and refuses
+    another source's or another layout's step."""
+    src = _saved_run(tmp_path / "src", [1, 2, 3])
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "new" / "nested", tmp_path / "empty"):
+        assert convert(src / "step_00000002", out, tp_size=2, dp_size=1).name == "step_00000002"
+        assert (out / "latest").read_text().strip() == "step_00000002"
+        assert _same_tensors(
+            _all_tensors(out / "step_00000002"),
+            {k: v for k, v in _all_tensors(src / "step_00000002").items() if "rng/" not in k},
+        )
+    own = tmp_path / "empty"
+    before = _tree_hashes(own)
+    for step in (1, 2):  # an older or the same step: never backwards, never replaced
+        with pytest.raises(ValueError, match=f"holds step 2 .*not older than step {step}"):
+            convert(src / f"step_{step:08d}", own, tp_size=2, dp_size=1)
+    with pytest.raises(ValueError, match="not converted from .* at this tp/dp"):
+        convert(src, own, tp_size=1, dp_size=2)
+    other = _saved_run(tmp_path / "other", [4])
+    with pytest.raises(ValueError, match=f"not converted from {other.resolve()}"):
+        convert(other, own, tp_size=2, dp_size=1)
+    assert _tree_hashes(own) == before
+    convert(src, own, tp_size=2, dp_size=1)  # step 3: newer, added
+    assert (own / "latest").read_text().strip() == "step_00000003"
+    assert sorted(p.name for p in own.glob("step_*")) == [f"step_{s:08d}" for s in (2, 3)]
+
+
+def test_convert_refuses_a_root_a_run_holds_or_left_files_in(tmp_path, capsys):
+    """A root whose lock names a run (alive, or dead before its first save) or holding
+    anything but convert's own steps is refused, untouched (no lock takeover)."""
+    src = _saved_run(tmp_path / "src", [2])
+    cases = {
+        "locked": (".lock", '{"user": "u", "host": "h", "pid": 1, "started": "s", "run_dir": "r"}'),
+        "latest_only": ("latest", "step_00000009\n"),
+        "other_file": ("notes.txt", "mine\n"),
+        "debris": (".tmp-step_00000001-abc/rank00000.safetensors", "x"),
+    }
+    for name, (rel, text) in cases.items():
+        root = tmp_path / name
+        (root / rel).parent.mkdir(parents=True)
+        (root / rel).write_text(text)
+        before = _tree_hashes(root)
+        args = ["convert", str(src), "--tp-size", "1", "--dp-size", "1", "--out", str(root)]
+        assert checkpoint_cli.main(args) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--out {root} is " in err, (name, err)
+        assert _tree_hashes(root) == before, name

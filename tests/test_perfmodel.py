@@ -844,3 +844,115 @@ def test_machine_rounds_take_the_median_per_point():
     assert [p.label for p in both] == [a, b]
     assert both[1].measured_s == pytest.approx(0.5)
     assert both[1].parts == pytest.approx({"compute_s": 0.35, "tp_comm_s": 0.15})
+
+
+# ------------------------------------------------------- the planner's bad inputs (issue 39)
+
+_H100 = (ROOT / "configs" / "cluster" / "dgx_h100.yaml").read_text()
+BAD_CLUSTERS = {  # YAML text: what the one line must name
+    "list": ("- 1\n- 2\n", "not a YAML mapping"),
+    "syntax": ("name: [unclosed\n", "not a readable YAML file"),
+    "no_device": (_H100.split("device:")[0], "dgx_h100.device must be a mapping, not None"),
+    "device_list": (_H100.replace("device:\n", "device: [1]\nold:\n"), "device must be a mapping"),
+    "efficiency_list": (
+        _H100.split("efficiency:")[0] + "efficiency: [1]\n",
+        "dgx_h100.efficiency must be a mapping",
+    ),
+    "gemm_0": (
+        _H100.replace("gemm: 0.81", "gemm: 0"),
+        "efficiency.gemm=0 must be a number in (0, 1]",
+    ),
+    "gemm_nan": (_H100.replace("gemm: 0.81", "gemm: .nan"), "efficiency.gemm=nan must be"),
+    "network_inf": (_H100.replace("network: 0.80", "network: .inf"), "efficiency.network=inf"),
+    "memory_2": (_H100.replace("memory: 0.90", "memory: 2"), "efficiency.memory=2 must be"),
+    "gemm_text": (_H100.replace("gemm: 0.81", "gemm: fast"), "efficiency.gemm='fast' must be"),
+    "peak_0": (
+        _H100.replace("peak_tflops: 989", "peak_tflops: 0"),
+        "device.peak_tflops=0 must be a finite number > 0",
+    ),
+    "peak_nan": (_H100.replace("peak_tflops: 989", "peak_tflops: .nan"), "peak_tflops=nan"),
+    "peak_inf": (_H100.replace("peak_tflops: 989", "peak_tflops: .inf"), "peak_tflops=inf"),
+    "gpus_text": (
+        _H100.replace("gpus_per_node: 8", "gpus_per_node: eight"),
+        "gpus_per_node='eight' must be an integer >= 1",
+    ),
+    "by_ranks": (
+        _H100.replace("  latency_us: 3", "  latency_us: 3\n  by_ranks: {2: {latency_us: 1}}", 1),
+        "intra_node.by_ranks.2.bandwidth_GBps=None",
+    ),
+    "gemm_table": (
+        _H100.replace("  memory_gib: 80", "  memory_gib: 80\n  gemm_table: [[1, 2]]"),
+        "device.gemm_table must be a list of [m, n, k, tflops] rows",
+    ),
+    "in_model": (_H100 + "in_model:\n  tp: [[2, ar]]\n", "in_model.tp must be a list of"),
+}
+
+
+PLAN_ARGS = ("--model", "gpt_1.3b", "--global-batch", "64", "--gpus", "8")
+
+
+@pytest.mark.parametrize("case", BAD_CLUSTERS)
+def test_malformed_cluster_yaml_is_one_line_naming_file_and_key(tmp_path, case):
+    """A cluster YAML that is not a mapping, lacks a section, or has a number of the wrong
+    type or outside its range (0, NaN, infinity) is refused before any prediction: one
+    line naming the file, the key and the allowed range, exit 2, no traceback."""
+    text, words = BAD_CLUSTERS[case]
+    path = tmp_path / f"{case}.yaml"
+    path.write_text(text)
+    for command in ("predict", "search"):
+        out = _plan(command, *PLAN_ARGS, "--cluster", str(path))
+        assert out.returncode == 2 and out.stdout == "", (case, out.stderr)
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"plan: {path}: ") and words in out.stderr, out.stderr
+
+
+def test_shipped_clusters_still_load_and_collectives_match_the_priced_ones():
+    from studies.perfmodel.cluster_spec import COLLECTIVES
+
+    assert set(COLLECTIVES) == set(comm._ALL_REDUCE)
+    for path in (ROOT / "configs" / "cluster").glob("*.yaml"):
+        base = "cpu_2core" if path.stem.startswith("emulated") else None
+        assert load_cluster(path.stem, base=base).gpus_per_node >= 1
+
+
+@pytest.mark.parametrize("command", ["search", "predict"])
+def test_a_huge_global_batch_finishes_with_a_result_or_one_line(command):
+    """--global-batch 10**18 scanned its divisors one by one (hours); it is now refused up
+    front (a bound on the batch), and the largest batch allowed, prime or highly composite,
+    finishes. The subprocess timeout is a safety net, not a timing assertion."""
+    common = ("--model", "gpt_1.3b", "--gpus", "8", "--cluster", "dgx_h100")
+    common += ("--top", "1") if command == "search" else ()
+    out = _plan(command, *common, "--global-batch", str(10**18))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "--global-batch: 1000000000000000000 must be <= 16777216" in out.stderr
+    for batch in (2**24, 16777213):  # 25 divisors; a prime
+        out = _plan(command, *common, "--global-batch", str(batch))
+        done = out.returncode == 0 and out.stdout  # or, predict on the prime, why not
+        assert done or (out.returncode == 2 and out.stderr.count("\n") == 1), out.stderr
+
+
+def test_search_bounds_its_work_before_pricing():
+    from studies.perfmodel.search import divisors
+
+    assert divisors(720720)[:6] == (1, 2, 3, 4, 5, 6) and len(divisors(720720)) == 240
+    assert divisors(49) == (1, 7, 49) and divisors(1) == (1,)
+    cl = load_cluster("dgx_h100")
+    w = Workload(hidden=2048, layers=24, heads=16, vocab=50257, seq=2048, global_batch=720720)
+    with pytest.raises(ValueError, match=r"would price 49,152 layouts, more than 1,000"):
+        search(w, cl, 8, max_layouts=1000)
+    with pytest.raises(ValueError, match=r"global_batch=1000000000000000000 must be <="):
+        search(replace(w, global_batch=10**18), cl, 8)
+
+
+def test_plan_bad_flags_are_one_line():
+    common = ("--model", "gpt_1.3b", "--global-batch", "64", "--cluster", "dgx_h100")
+    cases = {
+        ("search", "--gpus", "8", "--memory-gib", "nan"): "--memory-gib: nan must be a finite",
+        ("search", "--gpus", "8", "--memory-gib", "-1"): "--memory-gib: -1 must be a finite",
+        ("predict", "--gpus", "2", "--tp", "4"): "pp=1 × tp=4 = 4 exceeds --gpus=2",
+        ("search", "--gpus", "8", "--layers", str(10**12)): "--layers: 1000000000000 must be <=",
+    }
+    for args, words in cases.items():
+        out = _plan(*args, *common)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr)
+        assert words in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)

@@ -7,7 +7,10 @@
 CKPT is a step directory (``.../step_00000150``) or a checkpoint root, which means the
 step its ``latest`` names. ``inspect`` verifies every file's size and SHA-256 unless
 ``--no-verify``. ``convert`` writes a checkpoint root that a run at the new layout resumes
-from with ``checkpoint.dir=OUT``; ``export-model`` writes the weights alone in the format
+from with ``checkpoint.dir=OUT``: OUT is a new or empty directory, or a root earlier
+converts of the same source run wrote at the same layout with older steps only; a root
+holding any other ``step_*`` or ``latest`` (another run's), or one inside the source run's
+root, is refused, so convert never replaces a step nor moves a ``latest`` backwards; ``export-model`` writes the weights alone in the format
 ``tools/convert_hf.py export --ckpt`` and ``engine.checkpoint.format.load_model`` read, with
 a copy of the tokenizer the checkpoint records (``tokenizer.json``).
 """
@@ -23,7 +26,13 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.checkpoint import CheckpointError  # noqa: E402
-from engine.checkpoint.convert import convert, export_model, resolve, summarize  # noqa: E402
+from engine.checkpoint.convert import (  # noqa: E402
+    OUT_RULE,
+    convert,
+    export_model,
+    resolve,
+    summarize,
+)
 from engine.checkpoint.tensorfile import HASHES  # noqa: E402
 from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.tool_args import ArgumentParser  # noqa: E402
@@ -40,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     con.add_argument("ckpt", help="step directory or checkpoint root")
     con.add_argument("--tp-size", type=int, required=True)
     con.add_argument("--dp-size", type=int, required=True)
-    con.add_argument("--out", required=True, help="checkpoint root to write")
+    con.add_argument("--out", required=True, help=f"checkpoint root to write: {OUT_RULE}")
     exp = sub.add_parser("export-model", help="the model weights alone (checkpoint/format)")
     exp.add_argument("ckpt", help="step directory or checkpoint root")
     exp.add_argument("--out", required=True, help="model checkpoint directory to write")

@@ -20,6 +20,7 @@ from engine.checkpoint.storage import (
     CheckpointError,
     ShardReader,
     commit,
+    read_index,
     read_latest,
     step_dir_name,
     step_dirs,
@@ -30,6 +31,8 @@ from engine.checkpoint.tokenizer import recorded_tokenizer
 from engine.flops import params_count
 from engine.models import ModelConfig, build_model
 from parallel_state import ParallelState
+
+MAX_WORLD = 1 << 16  # ranks a conversion plans for, one by one (~1 min at the bound)
 
 
 def resolve(path: str | Path) -> Path:
@@ -83,15 +86,14 @@ def convert(src: str | Path, out_root: str | Path, tp_size: int, dp_size: int) -
     """
     if tp_size < 1 or dp_size < 1:
         raise ValueError(f"--tp-size {tp_size} and --dp-size {dp_size} must be >= 1")
-    src, out_root = resolve(src), Path(out_root)
-    if out_root.exists() and not out_root.is_dir():
-        raise ValueError(f"--out {out_root} is a file; give a checkpoint directory to write")
-    if out_root.resolve() in (src.resolve(), src.resolve().parent):
+    if tp_size * dp_size > MAX_WORLD:  # the plan is made per rank: bound it before making it
         raise ValueError(
-            f"--out {out_root} is the source checkpoint's own directory: convert never "
-            "rewrites its input; give a new directory"
+            f"--tp-size {tp_size} × --dp-size {dp_size} = {tp_size * dp_size} ranks must be "
+            f"<= {MAX_WORLD} (2**16)"
         )
+    src, out_root = resolve(src), Path(out_root)
     reader = ShardReader(src)
+    check_out_root(out_root, src, tp_size, dp_size, reader.index["step"])
     cfg, model_specs = check_shapes(reader)
     index = reader.index
     cfg.validate(tp_size)
@@ -107,7 +109,77 @@ def convert(src: str | Path, out_root: str | Path, tp_size: int, dp_size: int) -
     # The output may be a run's checkpoint directory: hold its lock while writing, as a
     # run does, so neither removes the other's files.
     with CheckpointDirLock(out_root, run_dir="tools/checkpoint.py convert"):
+        # Again under the lock: another convert may have written there since the check.
+        check_out_root(out_root, src, tp_size, dp_size, index["step"], locked=True)
         return _write_converted(reader, index, specs, plan, out_root, tp_size, dp_size)
+
+
+OUT_RULE = (
+    "--out must be a new or empty directory, or a root that earlier converts of the same "
+    "source run wrote at the same tp/dp with only older steps (the step is added and latest "
+    "moves forward); never a root holding another run's steps or latest, never inside the "
+    "source run's root"
+)
+
+
+def check_out_root(
+    out_root: Path, src: Path, tp_size: int, dp_size: int, step: int, *, locked: bool = False
+) -> None:
+    """Raise ValueError (one line) unless writing step ``step`` of ``src`` (a step directory)
+    into ``out_root`` at (tp_size, dp_size) follows ``OUT_RULE``: convert only ever adds a
+    newer step to a root of its own, so no run's checkpoint is replaced, pruned, or has its
+    ``latest`` moved. ``locked``: this process holds the root's lock (its ``.lock`` is ours).
+    """
+    source_root, out = src.resolve().parent, out_root.resolve()
+    if out == source_root or source_root in out.parents:
+        raise ValueError(
+            f"--out {out_root} is inside the source run's checkpoint root {source_root}: "
+            "convert never writes into its input; give a new directory"
+        )
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out_root} is a file; give a checkpoint directory to write")
+    entries = list(out.iterdir()) if out.is_dir() else []
+    entries = [e for e in entries if e.name != CheckpointDirLock.NAME or _held(e, locked)]
+    if not entries:
+        return
+    steps = _own_steps(out, entries, source_root, tp_size, dp_size)
+    if isinstance(steps, str):
+        raise ValueError(f"--out {out_root} {steps}; {OUT_RULE}")
+    newest = max([*steps, read_latest(out) or 0])
+    if newest >= step:
+        raise ValueError(
+            f"--out {out_root} already holds step {newest} of this conversion, not older "
+            f"than step {step}: convert never replaces a step nor moves latest backwards"
+        )
+
+
+def _held(lock_file: Path, locked: bool) -> bool:
+    """Whether a root's ``.lock`` names a run (live, or one that died holding it)."""
+    return not locked and (not lock_file.is_file() or lock_file.stat().st_size > 0)
+
+
+def _own_steps(
+    out: Path, entries: list[Path], source_root: Path, tp_size: int, dp_size: int
+) -> list[int] | str:
+    """The steps of a root that converts of ``source_root`` at (tp_size, dp_size) wrote,
+    or why it is not such a root (its first entry that is not)."""
+    steps, committed = [], {path.name: step for step, path in step_dirs(out).items()}
+    for entry in sorted(entries):
+        if entry.name == LATEST and entry.is_file():
+            continue
+        if entry.name == CheckpointDirLock.NAME:
+            return f"is locked by a run ({entry} names it, live or dead)"
+        if entry.name not in committed:
+            return f"is not empty ({entry.name} is there)"
+        try:
+            layout = read_index(entry)["layout"]
+        except (CheckpointError, KeyError, TypeError):
+            layout = None
+        ours = isinstance(layout, dict) and layout.get("converted_source") == str(source_root)
+        if not ours or (layout.get("tp_size"), layout.get("dp_size")) != (tp_size, dp_size):
+            return f"holds {entry.name}, not converted from {source_root} at this tp/dp"
+        steps.append(committed[entry.name])
+    return steps or "is not empty (a latest without step directories)"
 
 
 def _write_converted(reader, index, specs, plan, out_root: Path, tp_size: int, dp_size: int):
@@ -139,6 +211,7 @@ def _fill_and_commit(tmp, reader, index, specs, plan, out_root, tp_size, dp_size
         "world_size": tp_size * dp_size,
         "zero1": index["layout"].get("zero1", False),
         "converted_from": index["layout"],
+        "converted_source": str(reader.directory.resolve().parent),
     }
     config = new.get("trainer_state", {}).get("config")
     if isinstance(config, dict):  # keep the recorded run config consistent with the layout

@@ -78,21 +78,73 @@ class ClusterSpec:
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
-def _need(section: dict, key: str, where: str) -> float:
+COLLECTIVES = ("ring", "tree")  # the all-reduce algorithms comm_cost prices
+PRECISIONS = ("bf16", "fp16", "fp32")
+# A number's allowed range: (test, words for the error line).
+POSITIVE = (lambda v: v > 0, "a finite number > 0")
+NON_NEGATIVE = (lambda v: v >= 0, "a finite number >= 0")
+FRACTION = (lambda v: 0 < v <= 1, "a number in (0, 1]")
+SHARE = (lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _number(section: dict, key: str, where: str, rule=POSITIVE, default: float | None = None):
+    """``section[key]`` as a float within ``rule``; ``default`` when absent or null (None:
+    required). ValueError naming ``where.key``, the value and the range otherwise."""
     value = section.get(key)
-    if not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{where}.{key}={value!r} must be a positive number")
+    if value is None and default is not None:
+        return float(default)
+    if not (_is_number(value) and rule[0](value)):
+        raise ValueError(f"{where}.{key}={value!r} must be {rule[1]}")
     return float(value)
 
 
-def _by_size(value: Any) -> dict[int, float]:
+def _count(section: dict, key: str, where: str, *, required: bool = True) -> int | None:
+    """``section[key]`` as an integer >= 1 (None when absent or null and not required)."""
+    value = section.get(key)
+    if value is None and not required:
+        return None
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{where}.{key}={value!r} must be an integer >= 1")
+    return value
+
+
+def _section(raw: dict, key: str, where: str, *, required: bool = True) -> dict:
+    """A mapping section (an empty one when absent or null and not required)."""
+    value = raw.get(key)
+    if value is None and not required:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{where}.{key} must be a mapping, not {value!r:.60} (see configs/cluster/)"
+        )
+    return value
+
+
+def _by_count(value: Any, where: str, rule=POSITIVE) -> dict[int, Any]:
+    """A mapping {integer >= 1: value} checked key by key; values checked by ``rule``
+    (None: returned as they are, for the caller to check)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a mapping {{integer >= 1: value}}, not {value!r:.60}")
+    for k, v in value.items():
+        if type(k) is not int or k < 1:
+            raise ValueError(f"{where} has key {k!r}: keys must be integers >= 1")
+        if rule is not None and not (_is_number(v) and rule[0](v)):
+            raise ValueError(f"{where}.{k}={v!r} must be {rule[1]}")
+    return value
+
+
+def _by_size(value: Any, where: str) -> dict[int, float]:
     """A measured factor per size ({hidden: factor}); a lone number applies to every size
     (one entry is the nearest for any size)."""
     if value is None:
         return {}
-    if isinstance(value, dict):
-        return {int(k): float(v) for k, v in value.items()}
-    return {1: float(value)}
+    if _is_number(value) and value > 0:
+        return {1: float(value)}
+    return {k: float(v) for k, v in _by_count(value, where).items()}
 
 
 def scale_for(table: dict[int, float], size: int) -> float:
@@ -102,51 +154,100 @@ def scale_for(table: dict[int, float], size: int) -> float:
     return table[min(table, key=lambda k: abs(math.log(k / size)))]
 
 
-def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
-    """Build a ClusterSpec from a parsed YAML mapping; raise ValueError naming a bad field."""
-    name = str(raw.get("name", "?"))
-    for key in ("intra_node", "inter_node", "device"):
-        if not isinstance(raw.get(key), dict):
-            raise ValueError(f"cluster {name}: {key} must be a mapping (see configs/cluster/)")
-    intra, inter, dev = raw["intra_node"], raw["inter_node"], raw["device"]
-    eff = raw.get("efficiency") or {}
-    table = tuple(
-        (int(m), int(n), int(k), float(tf) * 1e12) for m, n, k, tf in dev.get("gemm_table") or ()
+def _link(section: dict, bandwidth: str, scale: float, where: str) -> Link:
+    return Link(
+        _number(section, bandwidth, where) * scale,
+        _number(section, "latency_us", where, NON_NEGATIVE, 0.0) * 1e-6,
     )
+
+
+def _gemm_table(rows: Any, where: str) -> tuple[tuple[int, int, int, float], ...]:
+    """[m, n, k, TFLOP/s] rows as (m, n, k, FLOP/s)."""
+    if rows is None:
+        return ()
+    ok = isinstance(rows, list) and all(
+        isinstance(r, list)
+        and len(r) == 4
+        and all(type(d) is int and d >= 1 for d in r[:3])
+        and _is_number(r[3])
+        and r[3] > 0
+        for r in rows
+    )
+    if not ok:
+        raise ValueError(f"{where}.gemm_table must be a list of [m, n, k, tflops] rows")
+    return tuple((m, n, k, float(tf) * 1e12) for m, n, k, tf in rows)
+
+
+def _device_fields(dev: dict, where: str) -> dict[str, Any]:
+    """The ClusterSpec fields of the ``device`` section."""
+    memory = _number(dev, "memory_gib", where)
+    reserved = _number(dev, "reserved_gib", where, NON_NEGATIVE, 0.0)
+    if reserved >= memory:
+        raise ValueError(f"{where}.reserved_gib={reserved} must be below memory_gib={memory}")
+    return {
+        "peak_flops": _number(dev, "peak_tflops", where) * 1e12,
+        "mem_bandwidth_Bps": _number(dev, "mem_bandwidth_TBps", where) * 1e12,
+        "memory_bytes": memory * 2**30,
+        "reserved_bytes": reserved * 2**30,
+        "gemm_table": _gemm_table(dev.get("gemm_table"), where),
+        "op_overhead_s": _number(dev, "op_overhead_us", where, NON_NEGATIVE, 0.0) * 1e-6,
+        "cores": _count(dev, "cores", where, required=False),
+        "thread_efficiency": _number(dev, "thread_efficiency", where, FRACTION, 1.0),
+        "rank_speed": {
+            p: float(v)
+            for p, v in _by_count(dev.get("rank_speed") or {}, f"{where}.rank_speed").items()
+        },
+        "compute_scale": _by_size(dev.get("compute_scale"), f"{where}.compute_scale"),
+    }
+
+
+def _options(raw: dict, name: str) -> dict[str, Any]:
+    """The ClusterSpec fields outside the links and the device: efficiencies and choices."""
+    eff = _section(raw, "efficiency", name, required=False)
+    where = f"{name}.efficiency"
+    collectives = raw.get("collectives") or list(COLLECTIVES)
+    if not isinstance(collectives, list) or not set(collectives) <= set(COLLECTIVES):
+        raise ValueError(f"{name}.collectives={collectives!r} must be a list of {COLLECTIVES}")
+    precision = raw.get("precision", "bf16")
+    if precision not in PRECISIONS:
+        raise ValueError(f"{name}.precision={precision!r} must be one of {PRECISIONS}")
+    return {
+        "gemm_efficiency": _number(eff, "gemm", where, FRACTION, 0.8),
+        "gemm_k0": _number(eff, "gemm_k0", where, NON_NEGATIVE, 0.0),
+        "memory_efficiency": _number(eff, "memory", where, FRACTION, 0.8),
+        "network_efficiency": _number(eff, "network", where, FRACTION, 0.8),
+        "collectives": tuple(collectives),
+        "overlap_efficiency": _number(raw, "overlap_efficiency", name, SHARE, 1.0),
+        "precision": precision,
+        "max_nodes": _count(raw, "max_nodes", name, required=False),
+    }
+
+
+def cluster_from_dict(raw: dict[str, Any]) -> ClusterSpec:
+    """Build a ClusterSpec from a parsed YAML mapping; raise ValueError (one line) naming a
+    bad field, its value and the allowed range."""
+    name = str(raw.get("name", "?"))
+    intra = _section(raw, "intra_node", name)
+    inter = _section(raw, "inter_node", name)
+    dev = _section(raw, "device", name)
+    by_ranks = _by_count(intra.get("by_ranks") or {}, f"{name}.intra_node.by_ranks", None)
     return ClusterSpec(
         name=name,
-        gpus_per_node=int(_need(raw, "gpus_per_node", name)),
-        intra=Link(
-            _need(intra, "bandwidth_GBps", f"{name}.intra_node") * 1e9,
-            float(intra.get("latency_us", 0.0)) * 1e-6,
-        ),
-        inter=Link(
-            _need(inter, "bandwidth_Gbps", f"{name}.inter_node") * 1e9 / 8,
-            float(inter.get("latency_us", 0.0)) * 1e-6,
-        ),
-        peak_flops=_need(dev, "peak_tflops", f"{name}.device") * 1e12,
-        mem_bandwidth_Bps=_need(dev, "mem_bandwidth_TBps", f"{name}.device") * 1e12,
-        memory_bytes=_need(dev, "memory_gib", f"{name}.device") * 2**30,
-        gemm_efficiency=float(eff.get("gemm", 0.8)),
-        gemm_k0=float(eff.get("gemm_k0", 0.0)),
-        memory_efficiency=float(eff.get("memory", 0.8)),
-        network_efficiency=float(eff.get("network", 0.8)),
-        gemm_table=table,
-        op_overhead_s=float(dev.get("op_overhead_us", 0.0)) * 1e-6,
-        cores=int(dev["cores"]) if dev.get("cores") else None,
-        thread_efficiency=float(dev.get("thread_efficiency", 1.0)),
-        rank_speed={int(p): float(v) for p, v in (dev.get("rank_speed") or {}).items()},
-        collectives=tuple(raw.get("collectives") or ("ring", "tree")),
-        overlap_efficiency=float(raw.get("overlap_efficiency", 1.0)),
-        precision=str(raw.get("precision", "bf16")),
-        max_nodes=int(raw["max_nodes"]) if raw.get("max_nodes") else None,
-        reserved_bytes=float(dev.get("reserved_gib", 0.0)) * 2**30,
+        gpus_per_node=_count(raw, "gpus_per_node", name),
+        intra=_link(intra, "bandwidth_GBps", 1e9, f"{name}.intra_node"),
+        inter=_link(inter, "bandwidth_Gbps", 1e9 / 8, f"{name}.inter_node"),
+        **_device_fields(dev, f"{name}.device"),
+        **_options(raw, name),
         intra_by_ranks={
-            int(p): Link(float(v["bandwidth_GBps"]) * 1e9, float(v["latency_us"]) * 1e-6)
-            for p, v in (intra.get("by_ranks") or {}).items()
+            p: _link(
+                _section(by_ranks, p, f"{name}.intra_node.by_ranks"),
+                "bandwidth_GBps",
+                1e9,
+                f"{name}.intra_node.by_ranks.{p}",
+            )
+            for p in by_ranks
         },
-        compute_scale=_by_size(dev.get("compute_scale")),
-        in_model=parse_in_model(raw.get("in_model")) if raw.get("in_model") else {},
+        in_model=parse_in_model(_section(raw, "in_model", name, required=False), name),
         extras={k: v for k, v in raw.items() if k not in _KNOWN},
     )
 
@@ -180,19 +281,24 @@ def load_cluster(
     With ``base`` (another spec), what the file leaves out is taken from it, section by
     section: an emulated cluster's links over this machine's calibrated compute.
     """
-    raw = _read(name_or_path, directory)
+    raw, path = _read(name_or_path, directory)
     if base:
-        under = _read(base, directory)
+        under, _ = _read(base, directory)
         for key, value in under.items():
             if isinstance(value, dict) and isinstance(raw.get(key), dict):
                 # null in the file ("measured per study") leaves the base's figure
                 raw[key] = {**value, **{k: v for k, v in raw[key].items() if v is not None}}
             else:
                 raw.setdefault(key, value)
-    return cluster_from_dict(raw)
+    try:
+        return cluster_from_dict(raw)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
 
 
-def _read(name_or_path: str, directory: Path) -> dict[str, Any]:
+def _read(name_or_path: str, directory: Path) -> tuple[dict[str, Any], Path]:
+    """The parsed mapping of a cluster YAML, and its path; ValueError (one line) naming the
+    file when it is missing, unreadable, not YAML, or not a mapping."""
     path = Path(name_or_path)
     if not path.suffix:
         path = directory / f"{name_or_path}.yaml"
@@ -201,8 +307,12 @@ def _read(name_or_path: str, directory: Path) -> dict[str, Any]:
             f"cluster {name_or_path!r} not found; choose one of {cluster_names(directory)} "
             "or give a YAML path"
         )
-    raw = yaml.safe_load(path.read_text())
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, RecursionError, yaml.YAMLError) as err:
+        why = " ".join(str(err).split())[:160] or type(err).__name__
+        raise ValueError(f"{path}: not a readable YAML file ({why})") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: not a YAML mapping")
+        raise ValueError(f"{path}: not a YAML mapping of the cluster's keys (see configs/cluster/)")
     raw.setdefault("name", path.stem)
-    return raw
+    return raw, path

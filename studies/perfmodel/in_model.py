@@ -29,6 +29,8 @@ have none and keep the α-β prices. The module is pure Python: the runs are sub
 
 from __future__ import annotations
 
+import math
+
 
 def tp_collectives(layers: int, recompute: str = "none") -> int:
     """TP collectives of one micro-batch on one rank, as the trainer runs them.
@@ -59,14 +61,42 @@ def lookup(rows: tuple | list, key: tuple, ranks: int) -> float | None:
     return None if row is None else float(row[-1]) * 1e-6
 
 
-def _keyed(raw: dict, key: str) -> tuple:
-    return tuple(tuple(r) for r in raw.get(key) or ())
+# The rows of each table: a kind is a word, every other field a finite number >= 0.
+ROWS = {
+    "tp": "[tp, kind, ranks, us, fraction]",
+    "dp_wait_us": "[dp, ranks, us]",
+    "optimizer_us_per_tensor": "[ranks, us]",
+}
 
 
-def parse(raw: dict | None) -> dict[str, tuple]:
-    """The ``in_model`` YAML section as tuples (hashable, for the frozen ClusterSpec)."""
-    raw = raw or {}
-    return {k: _keyed(raw, k) for k in ("tp", "dp_wait_us", "optimizer_us_per_tensor")}
+def _field_ok(value, is_kind: bool) -> bool:
+    if is_kind:
+        return isinstance(value, str)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value >= 0
+
+
+def _keyed(raw: dict, key: str, where: str) -> tuple:
+    rows, fields = raw.get(key) or [], ROWS[key][1:-1].split(", ")
+    ok = isinstance(rows, list) and all(
+        isinstance(r, list)
+        and len(r) == len(fields)
+        and all(_field_ok(v, f == "kind") for v, f in zip(r, fields, strict=True))
+        for r in rows
+    )
+    if not ok:
+        raise ValueError(
+            f"{where}.in_model.{key} must be a list of {ROWS[key]} rows (numbers finite, >= 0)"
+        )
+    return tuple(tuple(r) for r in rows)
+
+
+def parse(raw: dict | None, where: str = "cluster") -> dict[str, tuple]:
+    """The ``in_model`` YAML section as tuples (hashable, for the frozen ClusterSpec);
+    ValueError naming ``where.in_model.KEY`` when a table is malformed. Empty when absent."""
+    if not raw:
+        return {}
+    return {k: _keyed(raw, k, where) for k in ROWS}
 
 
 def parameter_tensors(layers: int) -> int:

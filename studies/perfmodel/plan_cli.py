@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from engine.tool_args import ArgumentParser, positive_int
@@ -14,34 +15,51 @@ from studies.perfmodel.memory_model import DP_SHARD
 from studies.perfmodel.model import Layout, Workload, layout_problems, predict
 from studies.perfmodel.pipeline import SCHEDULES
 from studies.perfmodel.presets import model_preset
-from studies.perfmodel.search import best_per_split, search
+from studies.perfmodel.search import MAX_GLOBAL_BATCH, best_per_split, divisors, search
 
 MAX_GPUS = 1 << 20  # beyond any cluster; the search enumerates every layout of the count
+MAX_SIZE = 1 << 24  # a model size (hidden, layers, heads, vocab, seq, ...) beyond any model
 
 
-def gpu_count(text: str) -> int:
-    """argparse type: a rank count in [1, MAX_GPUS]."""
-    value = positive_int(text)
-    if value > MAX_GPUS:
-        raise argparse.ArgumentTypeError(f"{value} must be <= {MAX_GPUS} (2**20)")
+def _at_most(limit: int, words: str):
+    """argparse type: an integer in [1, ``limit``] (``words``: the limit as people write it)."""
+
+    def parse(text: str) -> int:
+        value = positive_int(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{value} must be <= {limit} ({words})")
+        return value
+
+    return parse
+
+
+gpu_count = _at_most(MAX_GPUS, "2**20")
+size = _at_most(MAX_SIZE, "2**24")
+batch = _at_most(MAX_GLOBAL_BATCH, "2**24 sequences")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
     return value
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="configs/model preset (e.g. gpt_1.3b); flags below override it")
-    p.add_argument("--hidden", type=positive_int, help="hidden size h")
-    p.add_argument("--layers", type=positive_int, help="transformer layers l")
-    p.add_argument("--heads", type=positive_int, help="attention heads a")
-    p.add_argument(
-        "--vocab", type=positive_int, help="vocabulary V (padded to a multiple of 128·tp)"
-    )
-    p.add_argument("--seq", type=positive_int, help="sequence length s (default: the preset's max)")
-    p.add_argument("--ffn", type=positive_int, help="MLP width (default 4h)")
-    p.add_argument("--kv-heads", type=positive_int, help="key/value heads (Llama; GQA)")
-    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
-    p.add_argument(
-        "--micro-batch", type=positive_int, help="sequences per forward (best if omitted)"
-    )
+    p.add_argument("--hidden", type=size, help="hidden size h")
+    p.add_argument("--layers", type=size, help="transformer layers l")
+    p.add_argument("--heads", type=size, help="attention heads a")
+    p.add_argument("--vocab", type=size, help="vocabulary V (padded to a multiple of 128·tp)")
+    p.add_argument("--seq", type=size, help="sequence length s (default: the preset's max)")
+    p.add_argument("--ffn", type=size, help="MLP width (default 4h)")
+    p.add_argument("--kv-heads", type=size, help="key/value heads (Llama; GQA)")
+    p.add_argument("--global-batch", type=batch, required=True, help="sequences per step")
+    p.add_argument("--micro-batch", type=batch, help="sequences per forward (best if omitted)")
     p.add_argument("--gpus", type=gpu_count, required=True, help="ranks in total")
     p.add_argument("--cluster", default="dgx_h100", help=f"one of {cluster_names()} or a YAML path")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="default: the cluster's")
@@ -55,12 +73,10 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         "--zero1", action="store_true", help="the older spelling of --dp-shard optimizer"
     )
     p.add_argument(
-        "--pp", type=positive_int, help="pipeline stages (predict: 1; search: all if omitted)"
+        "--pp", type=gpu_count, help="pipeline stages (predict: 1; search: all if omitted)"
     )
     p.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
-    p.add_argument(
-        "--virtual-stages", type=positive_int, help="layer chunks per rank (interleaved_1f1b)"
-    )
+    p.add_argument("--virtual-stages", type=size, help="layer chunks per rank (interleaved_1f1b)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,13 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     pr = sub.add_parser("predict", help="step time, throughput, MFU and memory of one layout")
     _model_flags(pr)
-    pr.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
-    pr.add_argument("--dp", type=positive_int, help="data-parallel size (default gpus ÷ (pp·tp))")
+    pr.add_argument("--tp", type=gpu_count, default=1, help="tensor-parallel size")
+    pr.add_argument("--dp", type=gpu_count, help="data-parallel size (default gpus ÷ (pp·tp))")
     pr.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     pr.add_argument("--sequence-parallel", action="store_true")
     se = sub.add_parser("search", help="rank every layout that fits; say why others do not")
     _model_flags(se)
-    se.add_argument("--memory-gib", type=float, help="memory per GPU (default: the cluster's)")
+    se.add_argument(
+        "--memory-gib", type=positive_float, help="memory per GPU (default: the cluster's)"
+    )
     se.add_argument("--top", type=positive_int, default=10, help="feasible layouts to list")
     return parser
 
@@ -138,6 +156,8 @@ def _check_nodes(cluster: ClusterSpec, gpus: int) -> None:
 def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> int:
     """Print one prediction; the best micro-batch when --micro-batch is omitted."""
     pp = args.pp or 1
+    if args.dp is None and args.tp * pp > args.gpus:  # no data-parallel rank left
+        raise ValueError(f"pp={pp} × tp={args.tp} = {pp * args.tp} exceeds --gpus={args.gpus}")
     dp = args.dp or args.gpus // (args.tp * pp)
     base = _base_layout(args)
     lay = Layout(
@@ -155,7 +175,7 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
     problems = layout_problems(w, lay, args.gpus)
     if args.micro_batch is None and not problems:
         per_rank = w.global_batch // dp
-        fits = [m for m in range(1, per_rank + 1) if per_rank % m == 0]
+        fits = divisors(per_rank)
         priced = [predict(w, Layout(**{**lay.__dict__, "micro_batch": m}), cluster) for m in fits]
         limit = cluster.memory_bytes / 2**30
         ok = [p for p in priced if p.memory_gib_per_gpu <= limit] or priced[:1]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from studies.perfmodel.cluster_spec import ClusterSpec
 from studies.perfmodel.memory_model import DP_SHARD
@@ -37,8 +40,18 @@ class SearchResult:
     rejected: list[Rejected]
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+# Bounds on the work of a search, checked before any layout is priced: the divisors of the
+# global batch (the micro-batches tried) are enumerated up to its square root, and pricing
+# a layout takes ~0.2 ms, so 10**5 layouts are ~20 s.
+MAX_GLOBAL_BATCH = 1 << 24  # sequences; ~10**3 times the largest published batches
+MAX_LAYOUTS = 100_000
+
+
+@lru_cache(maxsize=4096)
+def divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n`` >= 1, ascending, found in O(sqrt(n)) steps."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return tuple(small + [n // k for k in reversed(small) if k * k != n])
 
 
 def _pipelines(pp: int, layers: int, only: dict) -> list[tuple[str, int]]:
@@ -47,22 +60,30 @@ def _pipelines(pp: int, layers: int, only: dict) -> list[tuple[str, int]]:
     the stage's layers (more chunks: a smaller bubble, more hand-offs)."""
     if pp == 1:
         return [("1f1b", 1)]
-    chunks = [v for v in _divisors(layers // pp) if v >= 2]
+    chunks = [v for v in divisors(layers // pp) if v >= 2]
     chunks = list(only.get("virtual_stages", chunks))
     schedules = only.get("schedule", ("1f1b", "interleaved_1f1b"))
     return [(s, v) for s in schedules for v in (chunks if s == "interleaved_1f1b" else [1])]
 
 
-def _options(
+def _axes(
     pp: int, tp: int, dp: int, fixed_micro: int | None, w: Workload, base: Layout, only: dict
-) -> list[Layout]:
-    micros = [fixed_micro] if fixed_micro else _divisors(max(1, w.global_batch // dp))
+) -> tuple[list, ...]:
+    """The values tried within one split: micro-batches, recomputes, sequence parallelism,
+    DP sharding modes, (schedule, virtual stages)."""
+    micros = [fixed_micro] if fixed_micro else divisors(max(1, w.global_batch // dp))
     sps = only.get("sequence_parallel", (False, True) if tp > 1 else (False,))
     # at dp 1 there is nothing to shard over: every mode is "none"
     shards = [z for z in only.get("dp_shard", DP_SHARD) if dp > 1 or z == "none"]
     recomputes = only.get(
         "recompute", ("none", "full") if base.fused_attention else ("none", "selective", "full")
     )
+    return list(micros), list(recomputes), list(sps), shards, _pipelines(pp, w.layers, only)
+
+
+def _options(
+    pp: int, tp: int, dp: int, fixed_micro: int | None, w: Workload, base: Layout, only: dict
+) -> list[Layout]:
     return [
         replace(
             base,
@@ -76,11 +97,9 @@ def _options(
             schedule=sched,
             virtual_stages=v,
         )
-        for mb in micros
-        for rc in recomputes
-        for sp in sps
-        for z in shards
-        for sched, v in _pipelines(pp, w.layers, only)
+        for mb, rc, sp, z, (sched, v) in itertools.product(
+            *_axes(pp, tp, dp, fixed_micro, w, base, only)
+        )
     ]
 
 
@@ -122,6 +141,17 @@ def _split_problems(w: Workload, probe: Layout, gpus: int) -> list[str]:
     return problems
 
 
+def _splits(w: Workload, gpus: int, base: Layout, micro_batch: int | None, only: dict):
+    """(pp, tp, dp, what stops it) of every pp × tp × dp = ``gpus`` split searched."""
+    for pp in only.get("pp", divisors(gpus)):
+        if gpus % pp or pp > w.layers:
+            continue
+        for tp in divisors(gpus // pp):
+            dp = gpus // (pp * tp)
+            probe = replace(base, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch or 1)
+            yield pp, tp, dp, _split_problems(w, probe, gpus)
+
+
 def _price_split(
     w: Workload,
     cluster: ClusterSpec,
@@ -152,6 +182,7 @@ def search(
     micro_batch: int | None = None,
     base: Layout | None = None,
     only: dict[str, tuple] | None = None,
+    max_layouts: int = MAX_LAYOUTS,
 ) -> SearchResult:
     """Every pp × tp × dp = ``gpus`` split: the fitting layouts ranked by tokens/s, the rest
     explained (a split that does not divide once; a DP sharding mode that fits nowhere in a
@@ -162,35 +193,48 @@ def search(
     fused kernel already stores no scores); ``base`` carries the options not searched
     (overlap, fused attention); ``only`` restricts the searched ones (e.g.
     ``{"recompute": ("full",)}``, ``{"pp": (1,)}``, ``{"dp_shard": ("optimizer",)}``).
+
+    The work is bounded up front: a global batch above ``MAX_GLOBAL_BATCH``, or more than
+    ``max_layouts`` layouts to price, is a ValueError saying so before any is priced.
     """
     only = only or {}
     limit = memory_gib if memory_gib is not None else cluster.memory_bytes / 2**30
     base = base or Layout(tp=1, dp=1, micro_batch=1)
+    if w.global_batch > MAX_GLOBAL_BATCH:
+        raise ValueError(
+            f"global_batch={w.global_batch} must be <= {MAX_GLOBAL_BATCH} (2**24) sequences"
+        )
+    splits = list(_splits(w, gpus, base, micro_batch, only))
+    work = sum(
+        math.prod(len(axis) for axis in _axes(pp, tp, dp, micro_batch, w, base, only))
+        for pp, tp, dp, problems in splits
+        if not problems
+    )
+    if work > max_layouts:
+        raise ValueError(
+            f"the search would price {work:,} layouts, more than {max_layouts:,} (~20 s): "
+            "narrow it with --micro-batch, --pp, --dp-shard or --schedule"
+        )
     feasible: list[Candidate] = []
     rejected: list[Rejected] = []
-    for pp in only.get("pp", _divisors(gpus)):
-        if gpus % pp or pp > w.layers:
+    for pp, tp, dp, problems in splits:
+        if problems:
+            rejected.append(Rejected(tp, dp, "does not divide: " + "; ".join(problems), pp))
             continue
-        for tp in _divisors(gpus // pp):
-            dp = gpus // (pp * tp)
-            probe = replace(base, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch or 1)
-            if problems := _split_problems(w, probe, gpus):
-                rejected.append(Rejected(tp, dp, "does not divide: " + "; ".join(problems), pp))
-                continue
-            options = [
-                lay
-                for lay in _options(pp, tp, dp, micro_batch, w, base, only)
-                if not layout_problems(w, lay, gpus)
-            ]
-            if not options:
-                reason = "does not divide: no micro-batch gives enough micro-batches per stage"
-                if dp == 1 and "none" not in only.get("dp_shard", ("none",)):
-                    reason = "dp=1: no DP axis to shard over (dp_shard none only)"
-                rejected.append(Rejected(tp, dp, reason, pp))
-                continue
-            fits, no = _price_split(w, cluster, options, limit, (pp, tp, dp))
-            feasible += fits
-            rejected += no
+        options = [
+            lay
+            for lay in _options(pp, tp, dp, micro_batch, w, base, only)
+            if not layout_problems(w, lay, gpus)
+        ]
+        if not options:
+            reason = "does not divide: no micro-batch gives enough micro-batches per stage"
+            if dp == 1 and "none" not in only.get("dp_shard", ("none",)):
+                reason = "dp=1: no DP axis to shard over (dp_shard none only)"
+            rejected.append(Rejected(tp, dp, reason, pp))
+            continue
+        fits, no = _price_split(w, cluster, options, limit, (pp, tp, dp))
+        feasible += fits
+        rejected += no
     feasible.sort(key=lambda c: (-c.prediction.tokens_per_s, c.prediction.memory_gib_per_gpu))
     return SearchResult(feasible, rejected)
 
