@@ -45,6 +45,30 @@ def check_trained(log: str, steps: int) -> None:
     assert seen[steps] < seen[1] - 0.1 and seen[steps] < UNIFORM - 0.1, seen
 
 
+def _ranks_tp2_dp2(corpus, run_dir) -> list[str]:
+    """The tail of both mpirun commands: PYTHONPATH passed on to the ranks, and each rank's
+    command, a tiny tp_size=2 dp_size=2 pre-training run."""
+    return [
+        "-x",
+        "PYTHONPATH",
+        "python",
+        "-m",
+        "engine.pretrain",
+        "tp_size=2",
+        "dp_size=2",
+        *tiny_overrides(corpus, run_dir),
+    ]
+
+
+def _trained_log_and_mesh(proc: subprocess.CompletedProcess) -> tuple[str, str]:
+    """The run's output (stdout, then stderr), checked to have trained its 6 steps, and
+    its mesh line."""
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    check_trained(log, 6)
+    return log, next(line for line in log.splitlines() if line.startswith("mesh:"))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     shutil.which("mpirun") is None, reason="needs Open MPI (apt-get install openmpi-bin)"
@@ -63,20 +87,10 @@ def test_mpirun_four_ranks_tp2_dp2(corpus, tmp_path):
         "MASTER_ADDR",
         "-x",
         "MASTER_PORT",
-        "-x",
-        "PYTHONPATH",
-        "python",
-        "-m",
-        "engine.pretrain",
-        "tp_size=2",
-        "dp_size=2",
-        *tiny_overrides(corpus, tmp_path),
+        *_ranks_tp2_dp2(corpus, tmp_path),
     ]
     proc = run(cmd, tmp_path, 180, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
-    check_trained(log, 6)
-    mesh = next(line for line in log.splitlines() if line.startswith("mesh:"))
+    log, mesh = _trained_log_and_mesh(proc)
     host = os.uname().nodename
     assert mesh == (
         f"mesh: tp groups [[0, 1], [2, 3]]  dp groups [[0, 2], [1, 3]]  hosts {{'{host}': "
@@ -164,22 +178,12 @@ def test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node(corpus, tm
             f"MASTER_ADDR={cluster.address(0)}",
             "-x",
             "MASTER_PORT=29500",
-            "-x",
-            "PYTHONPATH",
-            "python",
-            "-m",
-            "engine.pretrain",
-            "tp_size=2",
-            "dp_size=2",
-            *tiny_overrides(corpus, tmp_path),
+            *_ranks_tp2_dp2(corpus, tmp_path),
         ]
         # mpirun itself runs on node 0, as on a cluster (started there the way ssh would).
         proc = run([rsh, n0, shlex.join(mpirun)], tmp_path, 120)
     assert namespaces(PREFIX + cluster.tag) == []
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
-    check_trained(log, 6)
-    mesh = next(line for line in log.splitlines() if line.startswith("mesh:"))
+    log, mesh = _trained_log_and_mesh(proc)
     assert mesh == (
         "mesh: tp groups [[0, 1], [2, 3]]  dp groups [[0, 2], [1, 3]]  hosts "
         f"{{'{n0}': [0, 1], '{n1}': [2, 3]}}"
@@ -235,6 +239,13 @@ def _read(log) -> str:
     return log.read()
 
 
+def _inspect_checkpoints(run_dir) -> subprocess.CompletedProcess:
+    """``tools/checkpoint.py inspect`` over the run's checkpoint root (its last line OK when
+    the checkpoint ``latest`` names verifies)."""
+    tool = str(ROOT / "tools" / "checkpoint.py")
+    return run(["python", tool, "inspect", str(run_dir / "ckpt")], run_dir, 60)
+
+
 @pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
     """SIGTERM mid-run: the process saves a checkpoint at the step it stopped after, says
@@ -253,11 +264,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
     step = int(stop.split("after step ")[1].split("/")[0])
     assert stop.startswith("stopped by SIGTERM") and 2 <= step < 10_000, stop
     assert read_latest(tmp_path / "ckpt") == step
-    inspect = run(
-        ["python", str(ROOT / "tools" / "checkpoint.py"), "inspect", str(tmp_path / "ckpt")],
-        tmp_path,
-        60,
-    )
+    inspect = _inspect_checkpoints(tmp_path)
     assert inspect.returncode == 0 and inspect.stdout.rstrip().endswith("OK"), inspect.stdout
 
 
@@ -287,11 +294,7 @@ def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_p
         proc.kill()
     text = _read(log)
     assert "interrupted by a second Ctrl-C" in text and "stopped by" not in text, text[-2000:]
-    inspect = run(
-        ["python", str(ROOT / "tools" / "checkpoint.py"), "inspect", str(tmp_path / "ckpt")],
-        tmp_path,
-        60,
-    )
+    inspect = _inspect_checkpoints(tmp_path)
     assert inspect.returncode == 0 and inspect.stdout.rstrip().endswith("OK"), inspect.stdout
 
 
