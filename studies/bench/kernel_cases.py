@@ -37,6 +37,12 @@ def _leaf(*shape, dtype, device, grad=True):
     return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(grad)
 
 
+def _traffic(e: int, fwd: int, bwd: int) -> dict[str, int]:
+    """Minimal traffic per mode: forward moves ``fwd`` tensors of ``e`` bytes, backward
+    ``bwd``, and forward + backward their sum."""
+    return {"fwd": fwd * e, "bwd": bwd * e, "fwd+bwd": (fwd + bwd) * e}
+
+
 def _third_party() -> dict[str, Callable | None]:
     """The other libraries' kernels, each None where it does not import here."""
     liger = "liger_kernel.transformers.functional"
@@ -96,46 +102,21 @@ def _hidden_cases(t: int, h: int, size: int, dtype, device, maybe_compile, extra
     e = t * h * size  # bytes of one [tokens, hidden] activation
     mk = lambda t=t, h=h: (_leaf(t, h, dtype=dtype, device=device),)
     vec = lambda h=h: _leaf(h, dtype=dtype, device=device)
+    gate_up = lambda t=t, h=h: (_leaf(t, 8 * h, dtype=dtype, device=device),)
     label = f"tokens={t} hidden={h}"
-    return [
-        Case(
-            "layer_norm",
-            label,
-            lambda mk=mk, vec=vec: (*mk(), vec(), vec()),
-            ln,
-            {"fwd": 2 * e, "bwd": 3 * e, "fwd+bwd": 5 * e},
-        ),
-        Case(
-            "bias_gelu",
-            label,
-            lambda mk=mk, vec=vec: (*mk(), vec()),
-            gelu,
-            {"fwd": 2 * e, "bwd": 3 * e, "fwd+bwd": 5 * e},
-        ),
-        Case(
-            "bias_dropout_add",
-            label,
-            lambda mk=mk, vec=vec: (*mk(), vec(), *mk()),
-            bda,
-            {"fwd": 3 * e, "bwd": 2 * e, "fwd+bwd": 5 * e},
-        ),
+    rows = (  # op, shape, inputs, implementations, tensors moved forward and backward
+        ("layer_norm", label, lambda mk=mk, vec=vec: (*mk(), vec(), vec()), ln, 2, 3),
+        ("bias_gelu", label, lambda mk=mk, vec=vec: (*mk(), vec()), gelu, 2, 3),
+        ("bias_dropout_add", label, lambda mk=mk, vec=vec: (*mk(), vec(), *mk()), bda, 3, 2),
         # Forward reads x, writes y; backward reads x and dy, writes dx.
-        Case(
-            "rms_norm",
-            label,
-            lambda mk=mk, vec=vec: (*mk(), vec()),
-            rms,
-            {"fwd": 2 * e, "bwd": 3 * e, "fwd+bwd": 5 * e},
-        ),
+        ("rms_norm", label, lambda mk=mk, vec=vec: (*mk(), vec()), rms, 2, 3),
         # f = 4h: forward reads gate/up (8e), writes the product (4e); backward
         # reads gate/up and dy (12e), writes d gate/up (8e).
-        Case(
-            "swiglu",
-            f"tokens={t} ffn={4 * h}",
-            lambda t=t, h=h: (_leaf(t, 8 * h, dtype=dtype, device=device),),
-            swi,
-            {"fwd": 12 * e, "bwd": 20 * e, "fwd+bwd": 32 * e},
-        ),
+        ("swiglu", f"tokens={t} ffn={4 * h}", gate_up, swi, 12, 20),
+    )
+    return [
+        Case(op, shape, make, impls, _traffic(e, fwd, bwd))
+        for op, shape, make, impls, fwd, bwd in rows
     ]
 
 
