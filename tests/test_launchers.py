@@ -216,20 +216,23 @@ def test_all_ranks_stop_after_the_same_step():
     assert run_ranks(_stop_after, 2, 3, 1, timeout=60) == [[3], [3]]
 
 
-def _start(corpus, run_dir, *extra: str) -> tuple[subprocess.Popen, object]:
+def _start(
+    corpus, run_dir, *extra: str, dp_size: int = 1, **popen
+) -> tuple[subprocess.Popen, object]:
+    """A tiny tp_size=1 run of 10 000 steps (a test stops it), started in the background
+    with its output going to ``run_dir/log.txt``; ``popen``: more of Popen's arguments."""
     log = open(run_dir / "log.txt", "w+")  # noqa: SIM115 - closed with the test's tmp_path
     cmd = [
         "python",
         "-m",
         "engine.pretrain",
         "tp_size=1",
-        "dp_size=1",
+        f"dp_size={dp_size}",
         *tiny_overrides(corpus, run_dir, max_steps=10_000),
-        "checkpoint.every=1",
         *extra,
     ]
     proc = subprocess.Popen(
-        cmd, cwd=run_dir, env=env_with_repo(), stdout=log, stderr=subprocess.STDOUT
+        cmd, cwd=run_dir, env=env_with_repo(), stdout=log, stderr=subprocess.STDOUT, **popen
     )
     return proc, log
 
@@ -252,7 +255,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
     so, exits 75 (EX_TEMPFAIL) long before max_steps, and that checkpoint verifies."""
     from engine.checkpoint.storage import read_latest
 
-    proc, log = _start(corpus, tmp_path)
+    proc, log = _start(corpus, tmp_path, "checkpoint.every=1")
     try:
         wait_for(lambda: "step     2/" in _read(log), 60, "step 2")
         proc.send_signal(signal.SIGTERM)
@@ -279,7 +282,7 @@ def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_p
     the second more than REPEAT_WINDOW_S later (sooner it counts as the same press, relayed).
     """
     # 64 micro-batches a step: step 2 outlasts the few ms this test needs to react.
-    proc, log = _start(corpus, tmp_path, "trainer.global_batch=128")
+    proc, log = _start(corpus, tmp_path, "checkpoint.every=1", "trainer.global_batch=128")
     try:
         wait_for(lambda: "step_00000001 in" in _read(log), 120, "step 1's checkpoint", poll=0.01)
         for sig in (signal.SIGSTOP, signal.SIGINT, signal.SIGCONT):
@@ -356,23 +359,7 @@ def test_ctrl_c_on_self_launched_ranks_saves_and_exits_75(corpus, tmp_path):
     torch's elastic agent. A terminal's Ctrl-C reaches the whole process group, and the
     agent relays it to the workers once more: that counts as one press, so the workers
     save and the command exits 75 promptly (not after the agent's 30 s kill timeout)."""
-    log = open(tmp_path / "log.txt", "w+")  # noqa: SIM115 - closed with the test's tmp_path
-    cmd = [
-        "python",
-        "-m",
-        "engine.pretrain",
-        "tp_size=1",
-        "dp_size=2",
-        *tiny_overrides(corpus, tmp_path, max_steps=10_000),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=tmp_path,
-        env=env_with_repo(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc, log = _start(corpus, tmp_path, dp_size=2, start_new_session=True)
     try:
         wait_for(lambda: "step     2/" in _read(log), 120, "step 2")
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
