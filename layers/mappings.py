@@ -234,6 +234,18 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather_dim(grad, ctx.dim, ctx.group, ctx.timer), None, None, None
 
 
+def _apply_on_tp(
+    op: type[torch.autograd.Function],
+    x: torch.Tensor,
+    tp_group: dist.ProcessGroup | None,
+    *args,
+) -> torch.Tensor:
+    """``op.apply(x, group, *args)`` on the resolved TP group; ``x`` itself when that group
+    has one rank (every public wrapper below returns early so)."""
+    group = resolve_tp_group(tp_group)
+    return x if group_size(group) == 1 else op.apply(x, group, *args)
+
+
 def copy_to_tp(
     x: torch.Tensor,
     tp_group: dist.ProcessGroup | None = None,
@@ -241,8 +253,7 @@ def copy_to_tp(
     comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """f: identity forward, all-reduce backward. Input of a column-parallel layer."""
-    group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _CopyToTP.apply(x, group, comm_timer)
+    return _apply_on_tp(_CopyToTP, x, tp_group, comm_timer)
 
 
 def reduce_from_tp(
@@ -252,8 +263,7 @@ def reduce_from_tp(
     comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """g: all-reduce forward, identity backward. Output of a row-parallel layer."""
-    group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group, comm_timer)
+    return _apply_on_tp(_ReduceFromTP, x, tp_group, comm_timer)
 
 
 def scatter_to_tp(
@@ -263,8 +273,7 @@ def scatter_to_tp(
     comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """Split the last dim forward, all-gather it backward."""
-    group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _ScatterToTP.apply(x, group, comm_timer)
+    return _apply_on_tp(_ScatterToTP, x, tp_group, comm_timer)
 
 
 def gather_from_tp(
@@ -274,8 +283,7 @@ def gather_from_tp(
     comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """All-gather the last dim forward, split it backward (``gather_output=True``)."""
-    group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _GatherFromTP.apply(x, group, comm_timer)
+    return _apply_on_tp(_GatherFromTP, x, tp_group, comm_timer)
 
 
 def scatter_to_sequence(
@@ -286,8 +294,7 @@ def scatter_to_sequence(
     comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """Split the sequence dim forward, all-gather it backward (entering a sequence-parallel region)."""
-    group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _ScatterToSequence.apply(x, group, dim, comm_timer)
+    return _apply_on_tp(_ScatterToSequence, x, tp_group, dim, comm_timer)
 
 
 def gather_from_sequence(
@@ -298,8 +305,7 @@ def gather_from_sequence(
     comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """All-gather the sequence dim forward, reduce-scatter it backward (SP → TP region)."""
-    group = resolve_tp_group(tp_group)
-    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group, dim, comm_timer)
+    return _apply_on_tp(_GatherFromSequence, x, tp_group, dim, comm_timer)
 
 
 def reduce_scatter_to_sequence(
@@ -310,7 +316,4 @@ def reduce_scatter_to_sequence(
     comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """Reduce-scatter the sequence dim forward, all-gather it backward (TP → SP region)."""
-    group = resolve_tp_group(tp_group)
-    return (
-        x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group, dim, comm_timer)
-    )
+    return _apply_on_tp(_ReduceScatterToSequence, x, tp_group, dim, comm_timer)

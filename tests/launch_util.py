@@ -86,7 +86,17 @@ def python() -> str:
     return sys.executable
 
 
-def run(cmd: list[str], cwd: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cmd, cwd=cwd, env=env_with_repo(**env), capture_output=True, text=True, timeout=timeout
-    )
+def run(
+    cmd: list[str],
+    cwd: Path | str | None,
+    timeout: float,
+    *,
+    unset: tuple[str, ...] = (),
+    **env: str,
+) -> subprocess.CompletedProcess:
+    """``cmd`` run to completion with this checkout on PYTHONPATH, the variables ``env`` set
+    and those named in ``unset`` removed; its output captured as text."""
+    full = env_with_repo(**env)
+    for name in unset:
+        full.pop(name, None)
+    return subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)

@@ -112,20 +112,12 @@ def test_bench_train_writes_every_loop_to_csv(tmp_path, monkeypatch):
 def test_bench_kernel_host_refuses_without_a_gpu_in_one_line(tmp_path):
     """The GPU-only diagnosis tool, shown no GPU (on any machine), says so in one line."""
     import os
-    import subprocess
 
-    from tests.multiproc import subprocess_env
+    from tests.launch_util import run
 
     root = Path(__file__).resolve().parents[1]
-    env = {**subprocess_env(root), "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run(
-        [sys.executable, str(root / "tools" / "bench_kernel_host.py")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    tool = str(root / "tools" / "bench_kernel_host.py")
+    out = run([sys.executable, tool], tmp_path, 120, CUDA_VISIBLE_DEVICES="")
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [
         "bench_kernel_host.py: needs a CUDA GPU (it times GPU kernels)"

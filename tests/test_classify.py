@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import re
 import struct
 import subprocess
@@ -21,6 +20,7 @@ from apps.classify_loop import local_batch
 from engine.data import fashion_mnist
 from engine.data.idx import IDXError, read_idx
 from engine.models.mlp import MLPClassifier
+from tests.launch_util import run
 from tests.multiproc import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,16 +113,7 @@ def test_dp_gradients_equal_the_whole_batch_gradients(tp, dp):
 
 
 def _classify(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "apps.classify", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run([sys.executable, "-m", "apps.classify", *args], cwd, 300)
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from torch import nn
 import parallel_state
 from engine.formulas import state_bytes_per_param
 from engine.models import build_model
+from tests.bucket_probe import LaunchProbe
 from tests.multiproc import run_ranks
 from tests.torch_reference import DP_OPTIM, alone_group, cpu_data_parallel, tiny_gpt, train_unsplit
 
@@ -182,20 +183,6 @@ def test_fp64_and_fused_updates_stay_eager():
     assert not compiles_update(torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1))
 
 
-class _Probe(torch.autograd.Function):
-    """Identity whose backward records how many reduce-scatters were already launched."""
-
-    @staticmethod
-    def forward(ctx, x, zero, record):
-        ctx.zero, ctx.record = zero, record
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.record.append(ctx.zero._next_launch)
-        return grad, None, None
-
-
 class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -219,7 +206,7 @@ def _zero_overlap(overlap: bool = True) -> dict:
     )
     zero, record = dp.zero, []
     rows = slice(4 * ps.dp_rank, 4 * ps.dp_rank + 4)
-    out = model(x[rows], lambda h: _Probe.apply(h, zero, record))
+    out = model(x[rows], lambda h: LaunchProbe.apply(h, zero, record))
     F.mse_loss(out, y[rows]).backward()
     dp.finish_grads()
     # The averaged gradient of this rank's slices, against the serial whole-batch gradient.

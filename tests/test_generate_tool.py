@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,21 +15,14 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from engine.checkpoint.format import write_checkpoint
 from engine.generate import Sampling, generate_batch
 from engine.models import build_model
+from tests.launch_util import run
 from tests.torch_reference import tiny_gpt
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _tool(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, str(REPO / "tools" / "generate.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run([sys.executable, str(REPO / "tools" / "generate.py"), *args], None, 300)
 
 
 def _tool_main(tool: str = "generate"):

@@ -18,6 +18,7 @@ import parallel_state
 from engine.data_parallel import GradSync
 from layers import ColumnParallelLinear, RowParallelLinear, shard
 from layers.param_roles import mark_sp_partial_grad
+from tests.bucket_probe import LaunchProbe
 from tests.multiproc import run_ranks
 
 GLOBAL_BATCH, H, FFN = 8, 12, 24
@@ -41,20 +42,6 @@ class TinyNet(nn.Module):
         if probe is not None:
             h = probe(h)
         return self.head(h).squeeze(-1)
-
-
-class _Probe(torch.autograd.Function):
-    """Identity whose backward records how many buckets were already launched."""
-
-    @staticmethod
-    def forward(ctx, x, sync, record):
-        ctx.sync, ctx.record = sync, record
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.record.append(ctx.sync._next_launch)
-        return grad, None, None
 
 
 def _dp_equivalence(
@@ -108,7 +95,7 @@ def _one_step(model, sync, x, y, dp_rank, per_rank, micro_batches) -> list[int]:
     for i, (xb, yb) in enumerate(zip(xs, ys, strict=True)):
         last = i == micro_batches - 1
         with contextlib.nullcontext() if last else sync.no_sync():
-            probe = (lambda h: _Probe.apply(h, sync, launched_mid_backward)) if last else None
+            probe = (lambda h: LaunchProbe.apply(h, sync, launched_mid_backward)) if last else None
             # Each micro-batch's mean, scaled so the DP average is the global-batch mean.
             (F.mse_loss(model(xb, probe), yb, reduction="sum") / per_rank).backward()
     sync.finish()

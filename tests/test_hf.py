@@ -21,7 +21,8 @@ import parallel_state
 from engine.hf_interop import export_hf, import_hf, read_hf_dir
 from studies.verification.hf_parity import HF_TOLERANCES, compare_with_hf
 from studies.verification.layouts import VerifySpec
-from tests.multiproc import run_ranks, subprocess_env
+from tests.launch_util import run
+from tests.multiproc import run_ranks
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
@@ -116,17 +117,8 @@ def test_logits_match_transformers(hf_dirs):
 def _run(tool: str, *args: str) -> subprocess.CompletedProcess:
     """``tool`` (a path under the repository) run from a scratch directory, so that nothing
     it writes by a relative path lands in the checkout."""
-    env = subprocess_env(REPO)
-    env.pop("RANK", None)
     with tempfile.TemporaryDirectory() as cwd:
-        return subprocess.run(
-            [sys.executable, str(REPO / tool), *args],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return run([sys.executable, str(REPO / tool), *args], cwd, 300, unset=("RANK",))
 
 
 @pytest.mark.slow

@@ -45,6 +45,30 @@ def check_trained(log: str, steps: int) -> None:
     assert seen[steps] < seen[1] - 0.1 and seen[steps] < UNIFORM - 0.1, seen
 
 
+def _ranks_tp2_dp2(corpus, run_dir) -> list[str]:
+    """The tail of both mpirun commands: PYTHONPATH passed on to the ranks, and each rank's
+    command, a tiny tp_size=2 dp_size=2 pre-training run."""
+    return [
+        "-x",
+        "PYTHONPATH",
+        "python",
+        "-m",
+        "engine.pretrain",
+        "tp_size=2",
+        "dp_size=2",
+        *tiny_overrides(corpus, run_dir),
+    ]
+
+
+def _trained_log_and_mesh(proc: subprocess.CompletedProcess) -> tuple[str, str]:
+    """The run's output (stdout, then stderr), checked to have trained its 6 steps, and
+    its mesh line."""
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    check_trained(log, 6)
+    return log, next(line for line in log.splitlines() if line.startswith("mesh:"))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     shutil.which("mpirun") is None, reason="needs Open MPI (apt-get install openmpi-bin)"
@@ -63,20 +87,10 @@ def test_mpirun_four_ranks_tp2_dp2(corpus, tmp_path):
         "MASTER_ADDR",
         "-x",
         "MASTER_PORT",
-        "-x",
-        "PYTHONPATH",
-        "python",
-        "-m",
-        "engine.pretrain",
-        "tp_size=2",
-        "dp_size=2",
-        *tiny_overrides(corpus, tmp_path),
+        *_ranks_tp2_dp2(corpus, tmp_path),
     ]
     proc = run(cmd, tmp_path, 180, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
-    check_trained(log, 6)
-    mesh = next(line for line in log.splitlines() if line.startswith("mesh:"))
+    log, mesh = _trained_log_and_mesh(proc)
     host = os.uname().nodename
     assert mesh == (
         f"mesh: tp groups [[0, 1], [2, 3]]  dp groups [[0, 2], [1, 3]]  hosts {{'{host}': "
@@ -164,22 +178,12 @@ def test_mpirun_hostfile_on_two_emulated_nodes_keeps_tp_inside_a_node(corpus, tm
             f"MASTER_ADDR={cluster.address(0)}",
             "-x",
             "MASTER_PORT=29500",
-            "-x",
-            "PYTHONPATH",
-            "python",
-            "-m",
-            "engine.pretrain",
-            "tp_size=2",
-            "dp_size=2",
-            *tiny_overrides(corpus, tmp_path),
+            *_ranks_tp2_dp2(corpus, tmp_path),
         ]
         # mpirun itself runs on node 0, as on a cluster (started there the way ssh would).
         proc = run([rsh, n0, shlex.join(mpirun)], tmp_path, 120)
     assert namespaces(PREFIX + cluster.tag) == []
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-3000:]
-    check_trained(log, 6)
-    mesh = next(line for line in log.splitlines() if line.startswith("mesh:"))
+    log, mesh = _trained_log_and_mesh(proc)
     assert mesh == (
         "mesh: tp groups [[0, 1], [2, 3]]  dp groups [[0, 2], [1, 3]]  hosts "
         f"{{'{n0}': [0, 1], '{n1}': [2, 3]}}"
@@ -212,20 +216,23 @@ def test_all_ranks_stop_after_the_same_step():
     assert run_ranks(_stop_after, 2, 3, 1, timeout=60) == [[3], [3]]
 
 
-def _start(corpus, run_dir, *extra: str) -> tuple[subprocess.Popen, object]:
+def _start(
+    corpus, run_dir, *extra: str, dp_size: int = 1, **popen
+) -> tuple[subprocess.Popen, object]:
+    """A tiny tp_size=1 run of 10 000 steps (a test stops it), started in the background
+    with its output going to ``run_dir/log.txt``; ``popen``: more of Popen's arguments."""
     log = open(run_dir / "log.txt", "w+")  # noqa: SIM115 - closed with the test's tmp_path
     cmd = [
         "python",
         "-m",
         "engine.pretrain",
         "tp_size=1",
-        "dp_size=1",
+        f"dp_size={dp_size}",
         *tiny_overrides(corpus, run_dir, max_steps=10_000),
-        "checkpoint.every=1",
         *extra,
     ]
     proc = subprocess.Popen(
-        cmd, cwd=run_dir, env=env_with_repo(), stdout=log, stderr=subprocess.STDOUT
+        cmd, cwd=run_dir, env=env_with_repo(), stdout=log, stderr=subprocess.STDOUT, **popen
     )
     return proc, log
 
@@ -235,13 +242,20 @@ def _read(log) -> str:
     return log.read()
 
 
+def _inspect_checkpoints(run_dir) -> subprocess.CompletedProcess:
+    """``tools/checkpoint.py inspect`` over the run's checkpoint root (its last line OK when
+    the checkpoint ``latest`` names verifies)."""
+    tool = str(ROOT / "tools" / "checkpoint.py")
+    return run(["python", tool, "inspect", str(run_dir / "ckpt")], run_dir, 60)
+
+
 @pytest.mark.slow
 def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
     """SIGTERM mid-run: the process saves a checkpoint at the step it stopped after, says
     so, exits 75 (EX_TEMPFAIL) long before max_steps, and that checkpoint verifies."""
     from engine.checkpoint.storage import read_latest
 
-    proc, log = _start(corpus, tmp_path)
+    proc, log = _start(corpus, tmp_path, "checkpoint.every=1")
     try:
         wait_for(lambda: "step     2/" in _read(log), 60, "step 2")
         proc.send_signal(signal.SIGTERM)
@@ -253,11 +267,7 @@ def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
     step = int(stop.split("after step ")[1].split("/")[0])
     assert stop.startswith("stopped by SIGTERM") and 2 <= step < 10_000, stop
     assert read_latest(tmp_path / "ckpt") == step
-    inspect = run(
-        ["python", str(ROOT / "tools" / "checkpoint.py"), "inspect", str(tmp_path / "ckpt")],
-        tmp_path,
-        60,
-    )
+    inspect = _inspect_checkpoints(tmp_path)
     assert inspect.returncode == 0 and inspect.stdout.rstrip().endswith("OK"), inspect.stdout
 
 
@@ -272,7 +282,7 @@ def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_p
     the second more than REPEAT_WINDOW_S later (sooner it counts as the same press, relayed).
     """
     # 64 micro-batches a step: step 2 outlasts the few ms this test needs to react.
-    proc, log = _start(corpus, tmp_path, "trainer.global_batch=128")
+    proc, log = _start(corpus, tmp_path, "checkpoint.every=1", "trainer.global_batch=128")
     try:
         wait_for(lambda: "step_00000001 in" in _read(log), 120, "step 1's checkpoint", poll=0.01)
         for sig in (signal.SIGSTOP, signal.SIGINT, signal.SIGCONT):
@@ -287,11 +297,7 @@ def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_p
         proc.kill()
     text = _read(log)
     assert "interrupted by a second Ctrl-C" in text and "stopped by" not in text, text[-2000:]
-    inspect = run(
-        ["python", str(ROOT / "tools" / "checkpoint.py"), "inspect", str(tmp_path / "ckpt")],
-        tmp_path,
-        60,
-    )
+    inspect = _inspect_checkpoints(tmp_path)
     assert inspect.returncode == 0 and inspect.stdout.rstrip().endswith("OK"), inspect.stdout
 
 
@@ -353,23 +359,7 @@ def test_ctrl_c_on_self_launched_ranks_saves_and_exits_75(corpus, tmp_path):
     torch's elastic agent. A terminal's Ctrl-C reaches the whole process group, and the
     agent relays it to the workers once more: that counts as one press, so the workers
     save and the command exits 75 promptly (not after the agent's 30 s kill timeout)."""
-    log = open(tmp_path / "log.txt", "w+")  # noqa: SIM115 - closed with the test's tmp_path
-    cmd = [
-        "python",
-        "-m",
-        "engine.pretrain",
-        "tp_size=1",
-        "dp_size=2",
-        *tiny_overrides(corpus, tmp_path, max_steps=10_000),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=tmp_path,
-        env=env_with_repo(),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc, log = _start(corpus, tmp_path, dp_size=2, start_new_session=True)
     try:
         wait_for(lambda: "step     2/" in _read(log), 120, "step 2")
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does

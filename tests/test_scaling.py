@@ -19,6 +19,7 @@ from engine.data import build_default_corpus
 from engine.step_timer import _DPClock
 from studies.scaling.emulated_cluster import PREFIX, namespaces, unavailable_reason
 from studies.scaling.report import COLUMNS
+from tests.launch_util import run as run_command
 from tests.multiproc import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,10 @@ def data(tmp_path_factory) -> list[str]:
         tmp_path_factory.mktemp("corpus"), vocab_size=512, max_bytes=200_000, progress=False
     )
     return [f"data.prefixes=[{prefix}]", f"data.tokenizer={tokenizer}", "data.split='90,10,0'"]
+
+
+# The three-point study's batch (no link benchmark), and its resume's: the same points.
+BATCH_12_BY_2_NO_LINKS = ("--global-batch", "12", "--micro-batch", "2", "--no-links")
 
 
 def _study(out: Path, data: list[str], *args: str, **kwargs) -> subprocess.Popen:
@@ -74,11 +79,7 @@ def test_three_point_study_reports_consistent_speedup(tmp_path, data):
         data,
         "--dp",
         "1,5,2,3",
-        "--global-batch",
-        "12",
-        "--micro-batch",
-        "2",
-        "--no-links",
+        *BATCH_12_BY_2_NO_LINKS,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -128,11 +129,7 @@ def test_three_point_study_reports_consistent_speedup(tmp_path, data):
         data,
         "--dp",
         "1,2,3",
-        "--global-batch",
-        "12",
-        "--micro-batch",
-        "2",
-        "--no-links",
+        *BATCH_12_BY_2_NO_LINKS,
         "--resume",
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -277,16 +274,7 @@ def test_multirun_gives_every_job_its_own_checkpoints(tmp_path, data):
     ]
     runs = []
     for argv in (single, sweep):  # the case: the main job ran before the sweep
-        runs.append(
-            subprocess.run(
-                argv,
-                env=subprocess_env(ROOT),
-                cwd=tmp_path,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-        )
+        runs.append(run_command(argv, tmp_path, 300))
         assert runs[-1].returncode == 0, runs[-1].stderr[-2000:]
     assert (tmp_path / "checkpoints" / "gpt_tiny_stdlib" / "step_00000001").is_dir()
     assert "resuming" not in runs[1].stdout and "nothing to train" not in runs[1].stdout

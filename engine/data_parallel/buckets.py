@@ -146,12 +146,31 @@ def cut_buckets(params: list[nn.Parameter], capacity: float) -> list[list[nn.Par
 
 
 class BucketLauncher:
-    """What GradSync and ZeRO-1 share: ``no_sync`` for gradient-accumulation micro-batches
-    and launching complete buckets strictly in order. Subclasses set ``_syncing = True``
-    and ``_next_launch = 0`` and define ``_launch_ready``."""
+    """What GradSync and ZeRO-1 share: their groups and bucket settings, ``no_sync`` for
+    gradient-accumulation micro-batches and launching complete buckets strictly in order.
+    Subclasses call ``_init_settings``, set ``_syncing = True`` and ``_next_launch = 0`` and
+    define ``_launch_ready``."""
 
     _syncing: bool
     _next_launch: int
+
+    def _init_settings(
+        self,
+        *,
+        dp_group: dist.ProcessGroup | None,
+        tp_group: dist.ProcessGroup | None,
+        bucket_size_mb: float,
+        overlap: bool,
+    ) -> None:
+        """The settings both keep: the groups, the DP size, ``overlap`` (False: no bucket
+        launches before the call that finishes the gradients, after backward), and
+        ``comm_timer``, which when set is told of each collective (``launched(work)``)."""
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
+        self.dp_group, self.tp_group = dp_group, tp_group
+        self.dp_size = group_size(dp_group)
+        self.overlap = overlap
+        self.comm_timer = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

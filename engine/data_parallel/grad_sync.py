@@ -25,7 +25,6 @@ from torch import nn
 from engine.data_parallel.buckets import BucketLauncher
 from layers.param_roles import has_sp_partial_grad
 from layers.tp_grads import sum_partial_grads_
-from layers.utils import group_size
 
 
 class _Bucket:
@@ -86,13 +85,9 @@ class GradSync(BucketLauncher):
         reduce_dtype: torch.dtype | None = None,
         overlap: bool = True,
     ) -> None:
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
-        # The mesh's grad role: the DP group, whatever axes it spans.
-        self.dp_group, self.tp_group = grad_group, tp_group
-        self.dp_size = group_size(grad_group)
-        self.overlap = overlap  # False: every bucket waits for finish(), after backward
-        self.comm_timer = None  # when set, told of each all-reduce: ``comm_timer.launched(work)``
+        self._init_settings(  # the grad role's group; overlap False: buckets wait for finish()
+            dp_group=grad_group, tp_group=tp_group, bucket_size_mb=bucket_size_mb, overlap=overlap
+        )
         params = [p for p in dict.fromkeys(params) if p.requires_grad]  # unique, in order
         self.params = params
         self.sp_params = [p for p in params if has_sp_partial_grad(p)]

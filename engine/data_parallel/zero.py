@@ -71,12 +71,9 @@ class ZeroOptimizer(BucketLauncher):
             raise ValueError(
                 "ZeroOptimizer wraps a fresh torch.optim.AdamW (optim.impl torch/auto)"
             )
-        if bucket_size_mb <= 0:
-            raise ValueError(f"bucket_size_mb must be > 0, got {bucket_size_mb}")
-        self.dp_group, self.tp_group = dp_group, tp_group
-        self.dp_size = group_size(dp_group)
-        self.overlap = overlap  # False: reduce-scatters wait for finish_grads()
-        self.comm_timer = None  # when set, told of each collective: ``launched(work)``
+        self._init_settings(  # overlap False: reduce-scatters wait for finish_grads()
+            dp_group=dp_group, tp_group=tp_group, bucket_size_mb=bucket_size_mb, overlap=overlap
+        )
         self.buckets: list[ShardedBucket] = []
         groups = []
         for group in optimizer.param_groups:

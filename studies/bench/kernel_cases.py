@@ -37,123 +37,127 @@ def _leaf(*shape, dtype, device, grad=True):
     return torch.randn(*shape, dtype=dtype, device=device).requires_grad_(grad)
 
 
+def _traffic(e: int, fwd: int, bwd: int) -> dict[str, int]:
+    """Minimal traffic per mode: forward moves ``fwd`` tensors of ``e`` bytes, backward
+    ``bwd``, and forward + backward their sum."""
+    return {"fwd": fwd * e, "bwd": bwd * e, "fwd+bwd": (fwd + bwd) * e}
+
+
+def _third_party() -> dict[str, Callable | None]:
+    """The other libraries' kernels, each None where it does not import here."""
+    liger = "liger_kernel.transformers.functional"
+    return {
+        "liger_ln": _optional(liger, "liger_layer_norm"),
+        "liger_rms": _optional(liger, "liger_rms_norm"),
+        "liger_swiglu": _optional(liger, "liger_swiglu"),
+        "liger_ce": _optional(liger, "liger_cross_entropy"),
+        "apex_ln": _optional("apex.normalization.fused_layer_norm", "fused_layer_norm_affine"),
+    }
+
+
+def _hidden_impls(maybe_compile, extra: dict) -> tuple[dict, ...]:
+    """The implementations of the [tokens, hidden] ops: layer norm, bias-GeLU,
+    bias-dropout-add, RMSNorm and SwiGLU, in that order."""
+    ln = {
+        "triton": lambda x, w, b: K.layer_norm(x, w, b, backend="triton"),
+        "torch": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
+    }
+    gelu = {
+        "triton": lambda x, b: K.bias_gelu(x, b, backend="triton"),
+        "torch": lambda x, b: F.gelu(x + b, approximate="tanh"),
+    }
+    bda = {
+        "triton": lambda x, b, r: K.bias_dropout_add(x, b, r, 0.1, True, backend="triton"),
+        "torch": lambda x, b, r: r + F.dropout(x + b, 0.1, True),
+    }
+    rms = {
+        "triton": lambda x, w: K.rms_norm(x, w, 1e-5, backend="triton"),
+        "torch": lambda x, w: K.rms_norm(x, w, 1e-5, backend="torch"),
+    }
+    # SwiGLU's input is the interleaved gate/up projection, 2 x ffn wide; ffn = 4h
+    # here (Llama's ffn is ~2.7-3.5h, so these are its ffn widths at h 1.4x larger).
+    swi = {
+        "triton": lambda gu: K.swiglu(gu, backend="triton"),
+        "torch": lambda gu: K.swiglu(gu, backend="torch"),
+    }
+    for impls in (ln, gelu, bda, rms, swi):
+        if maybe_compile:
+            impls["compile"] = maybe_compile(impls["torch"])
+    liger_ln, liger_rms = extra["liger_ln"], extra["liger_rms"]
+    liger_swiglu, apex_ln = extra["liger_swiglu"], extra["apex_ln"]
+    if liger_ln:
+        ln["liger"] = lambda x, w, b: liger_ln(x, w, b, 1e-5)
+    if liger_rms:
+        rms["liger"] = lambda x, w: liger_rms(x, w, 1e-5, in_place=False)
+    if liger_swiglu:  # separate gate and up: its input is de-interleaved (a copy)
+        swi["liger"] = lambda gu: liger_swiglu(gu[..., 0::2], gu[..., 1::2])
+    if apex_ln:
+        ln["apex"] = lambda x, w, b: apex_ln(x, w, b, x.shape[-1:], 1e-5)
+    return ln, gelu, bda, rms, swi
+
+
+def _hidden_cases(t: int, h: int, size: int, dtype, device, maybe_compile, extra) -> list[Case]:
+    """The five [tokens, hidden] ops at one shape."""
+    ln, gelu, bda, rms, swi = _hidden_impls(maybe_compile, extra)
+    e = t * h * size  # bytes of one [tokens, hidden] activation
+    mk = lambda t=t, h=h: (_leaf(t, h, dtype=dtype, device=device),)
+    vec = lambda h=h: _leaf(h, dtype=dtype, device=device)
+    gate_up = lambda t=t, h=h: (_leaf(t, 8 * h, dtype=dtype, device=device),)
+    label = f"tokens={t} hidden={h}"
+    rows = (  # op, shape, inputs, implementations, tensors moved forward and backward
+        ("layer_norm", label, lambda mk=mk, vec=vec: (*mk(), vec(), vec()), ln, 2, 3),
+        ("bias_gelu", label, lambda mk=mk, vec=vec: (*mk(), vec()), gelu, 2, 3),
+        ("bias_dropout_add", label, lambda mk=mk, vec=vec: (*mk(), vec(), *mk()), bda, 3, 2),
+        # Forward reads x, writes y; backward reads x and dy, writes dx.
+        ("rms_norm", label, lambda mk=mk, vec=vec: (*mk(), vec()), rms, 2, 3),
+        # f = 4h: forward reads gate/up (8e), writes the product (4e); backward
+        # reads gate/up and dy (12e), writes d gate/up (8e).
+        ("swiglu", f"tokens={t} ffn={4 * h}", gate_up, swi, 12, 20),
+    )
+    return [
+        Case(op, shape, make, impls, _traffic(e, fwd, bwd))
+        for op, shape, make, impls, fwd, bwd in rows
+    ]
+
+
+def _cross_entropy_case(t: int, v: int, size: int, dtype, device, maybe_compile, extra) -> Case:
+    """The vocab-parallel cross-entropy over one [tokens, vocab shard] logit shard."""
+    e = t * v * size  # bytes of the logit shard; minimal: read it once, write its grad
+    ce = {
+        "triton": lambda lg, tg: fused_vocab_parallel_cross_entropy(lg, tg, backend="triton"),
+        "torch": lambda lg, tg: F.cross_entropy(lg.float(), tg, reduction="none"),
+        "torch-vp": lambda lg, tg: fused_vocab_parallel_cross_entropy(lg, tg, backend="torch"),
+    }
+    if maybe_compile:
+        ce["compile"] = maybe_compile(ce["torch"])
+    liger_ce = extra["liger_ce"]
+    if liger_ce:
+        ce["liger"] = lambda lg, tg: liger_ce(lg, tg, reduction="none")
+    mk = lambda t=t, v=v: (
+        _leaf(t, v, dtype=dtype, device=device),
+        torch.randint(0, v, (t,), device=device),
+    )
+    return Case(
+        "cross_entropy",
+        f"tokens={t} vocab_shard={v}",
+        mk,
+        ce,
+        {"fwd": 2 * e, "bwd": 2 * e, "fwd+bwd": 2 * e},
+    )
+
+
 def build_cases(tokens_list, hidden_list, vocab_list, dtype, device, compile_torch) -> list[Case]:
     """Every op over the shape sweep, with the implementations available on this machine."""
     size = torch.tensor([], dtype=dtype).element_size()
     maybe_compile = (lambda f: torch.compile(f)) if compile_torch else None
-    liger_ln = _optional("liger_kernel.transformers.functional", "liger_layer_norm")
-    liger_rms = _optional("liger_kernel.transformers.functional", "liger_rms_norm")
-    liger_swiglu = _optional("liger_kernel.transformers.functional", "liger_swiglu")
-    liger_ce = _optional("liger_kernel.transformers.functional", "liger_cross_entropy")
-    apex_ln = _optional("apex.normalization.fused_layer_norm", "fused_layer_norm_affine")
+    extra = _third_party()
+    common = (size, dtype, device, maybe_compile, extra)
     cases = []
     for t in tokens_list:
         for h in hidden_list:
-            e = t * h * size  # bytes of one [tokens, hidden] activation
-            mk = lambda t=t, h=h: (_leaf(t, h, dtype=dtype, device=device),)
-            ln = {
-                "triton": lambda x, w, b: K.layer_norm(x, w, b, backend="triton"),
-                "torch": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b),
-            }
-            gelu = {
-                "triton": lambda x, b: K.bias_gelu(x, b, backend="triton"),
-                "torch": lambda x, b: F.gelu(x + b, approximate="tanh"),
-            }
-            bda = {
-                "triton": lambda x, b, r: K.bias_dropout_add(x, b, r, 0.1, True, backend="triton"),
-                "torch": lambda x, b, r: r + F.dropout(x + b, 0.1, True),
-            }
-            rms = {
-                "triton": lambda x, w: K.rms_norm(x, w, 1e-5, backend="triton"),
-                "torch": lambda x, w: K.rms_norm(x, w, 1e-5, backend="torch"),
-            }
-            # SwiGLU's input is the interleaved gate/up projection, 2 x ffn wide; ffn = 4h
-            # here (Llama's ffn is ~2.7-3.5h, so these are its ffn widths at h 1.4x larger).
-            swi = {
-                "triton": lambda gu: K.swiglu(gu, backend="triton"),
-                "torch": lambda gu: K.swiglu(gu, backend="torch"),
-            }
-            for impls in (ln, gelu, bda, rms, swi):
-                if maybe_compile:
-                    impls["compile"] = maybe_compile(impls["torch"])
-            if liger_ln:
-                ln["liger"] = lambda x, w, b: liger_ln(x, w, b, 1e-5)
-            if liger_rms:
-                rms["liger"] = lambda x, w: liger_rms(x, w, 1e-5, in_place=False)
-            if liger_swiglu:  # separate gate and up: its input is de-interleaved (a copy)
-                swi["liger"] = lambda gu: liger_swiglu(gu[..., 0::2], gu[..., 1::2])
-            if apex_ln:
-                ln["apex"] = lambda x, w, b: apex_ln(x, w, b, x.shape[-1:], 1e-5)
-            vec = lambda h=h: _leaf(h, dtype=dtype, device=device)
-            label = f"tokens={t} hidden={h}"
-            cases += [
-                Case(
-                    "layer_norm",
-                    label,
-                    lambda mk=mk, vec=vec: (*mk(), vec(), vec()),
-                    ln,
-                    {"fwd": 2 * e, "bwd": 3 * e, "fwd+bwd": 5 * e},
-                ),
-                Case(
-                    "bias_gelu",
-                    label,
-                    lambda mk=mk, vec=vec: (*mk(), vec()),
-                    gelu,
-                    {"fwd": 2 * e, "bwd": 3 * e, "fwd+bwd": 5 * e},
-                ),
-                Case(
-                    "bias_dropout_add",
-                    label,
-                    lambda mk=mk, vec=vec: (*mk(), vec(), *mk()),
-                    bda,
-                    {"fwd": 3 * e, "bwd": 2 * e, "fwd+bwd": 5 * e},
-                ),
-                # Forward reads x, writes y; backward reads x and dy, writes dx.
-                Case(
-                    "rms_norm",
-                    label,
-                    lambda mk=mk, vec=vec: (*mk(), vec()),
-                    rms,
-                    {"fwd": 2 * e, "bwd": 3 * e, "fwd+bwd": 5 * e},
-                ),
-                # f = 4h: forward reads gate/up (8e), writes the product (4e); backward
-                # reads gate/up and dy (12e), writes d gate/up (8e).
-                Case(
-                    "swiglu",
-                    f"tokens={t} ffn={4 * h}",
-                    lambda t=t, h=h: (_leaf(t, 8 * h, dtype=dtype, device=device),),
-                    swi,
-                    {"fwd": 12 * e, "bwd": 20 * e, "fwd+bwd": 32 * e},
-                ),
-            ]
+            cases += _hidden_cases(t, h, *common)
         for v in vocab_list:
-            e = t * v * size  # bytes of the logit shard; minimal: read it once, write its grad
-            ce = {
-                "triton": lambda lg, tg: fused_vocab_parallel_cross_entropy(
-                    lg, tg, backend="triton"
-                ),
-                "torch": lambda lg, tg: F.cross_entropy(lg.float(), tg, reduction="none"),
-                "torch-vp": lambda lg, tg: fused_vocab_parallel_cross_entropy(
-                    lg, tg, backend="torch"
-                ),
-            }
-            if maybe_compile:
-                ce["compile"] = maybe_compile(ce["torch"])
-            if liger_ce:
-                ce["liger"] = lambda lg, tg: liger_ce(lg, tg, reduction="none")
-            mk = lambda t=t, v=v: (
-                _leaf(t, v, dtype=dtype, device=device),
-                torch.randint(0, v, (t,), device=device),
-            )
-            cases.append(
-                Case(
-                    "cross_entropy",
-                    f"tokens={t} vocab_shard={v}",
-                    mk,
-                    ce,
-                    {"fwd": 2 * e, "bwd": 2 * e, "fwd+bwd": 2 * e},
-                )
-            )
+            cases.append(_cross_entropy_case(t, v, *common))
     return cases
 
 

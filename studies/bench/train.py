@@ -66,8 +66,8 @@ SHARDED_MODES = ("optimizer", "gradients", "full")  # parallel.dp_shard's modes 
 MODE_NAMES = {"optimizer": " ZeRO-1", "gradients": " ZeRO-2", "full": " ZeRO-3"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+def _add_model_args(p: ArgumentParser) -> None:
+    """What model runs: the preset, its overrides, kernels and compilation."""
     p.add_argument("--preset", default="gpt_tiny", help="engine.models preset name")
     for name in ("hidden", "layers", "heads", "ffn", "vocab", "max-positions"):
         p.add_argument(f"--{name}", type=positive_int, default=None, help="override the preset")
@@ -88,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="with --compile, also time meshtron eager (same model and layout) in the rotation",
     )
+
+
+def _add_layout_args(p: ArgumentParser) -> None:
+    """The batch, the parallel layout and the precision."""
     p.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
     p.add_argument(
         "--micro-batch", type=positive_int, default=8, help="sequences per rank per step"
@@ -100,6 +104,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="auto: bf16 autocast on CUDA, fp32 on CPU",
     )
+
+
+def _add_timing_args(p: ArgumentParser) -> None:
+    """How the loops are timed, and which references run beside meshtron."""
     p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps of each loop")
     p.add_argument(
         "--blocks", type=positive_int, default=6, help="alternating timed blocks per loop"
@@ -111,6 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma list of {', '.join(REFERENCES)} (empty: meshtron only)",
     )
     p.add_argument("--no-reference", action="store_true", help="time meshtron only")
+
+
+def _add_data_parallel_args(p: ArgumentParser) -> None:
+    """The DP sharding modes to time, and the gradient bucket size."""
     p.add_argument(
         "--dp-shard",
         default="",
@@ -125,6 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=25.0,
         help="DP bucket size in MiB (trainer.grad_bucket_mb)",
     )
+
+
+def _add_run_args(p: ArgumentParser) -> None:
+    """Profiling, the results file, the seed and the CPU threads."""
     p.add_argument(
         "--profile",
         type=non_negative_int,
@@ -140,6 +156,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="torch CPU threads (default: torch's); 1 is steadiest on a shared CPU",
     )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked (UsageError names the first bad value)."""
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    _add_model_args(p)
+    _add_layout_args(p)
+    _add_timing_args(p)
+    _add_data_parallel_args(p)
+    _add_run_args(p)
     args = p.parse_args(argv)
     _check_args(args)
     return args

@@ -267,13 +267,12 @@ def _comm_section(ranks: list[int], quick: bool) -> tuple[dict, list[dict]]:
     }, raw
 
 
-def calibrate_cpu(args: argparse.Namespace) -> dict:
-    """The cluster spec of this CPU machine, every figure measured here."""
+def _workload(args: argparse.Namespace) -> Workload:
+    """The preset's model at ``--seq``, fp32, as studies.perfmodel prices it."""
     from studies.perfmodel.presets import model_preset
 
-    repeats = 3 if args.quick else 7
     pre = model_preset(args.model)
-    w = Workload(
+    return Workload(
         pre["hidden_size"],
         pre["num_layers"],
         pre["num_heads"],
@@ -282,12 +281,22 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
         1,
         precision="fp32",
     )
+
+
+def _sweep(args: argparse.Namespace, w: Workload) -> tuple[list[int], list[int], list[int]]:
+    """TP sizes, micro-batches and hidden sizes to time; ``--quick`` also cuts ``args.ranks``
+    to its first group size."""
     tps = [int(x) for x in args.tp.split(",")]
     mbs = [int(x) for x in args.micro_batch.split(",")]
     if args.quick:
         # the largest micro-batch: the CI points run micro-batch 4
         tps, mbs, args.ranks = tps[:2], mbs[-1:], args.ranks.split(",")[0]
     hiddens = [int(x) for x in args.hidden.split(",")] if args.hidden else [w.hidden]
+    return tps, mbs, hiddens
+
+
+def _measure_device(w: Workload, tps, mbs, hiddens, repeats: int) -> dict:
+    """The one-rank figures: GEMM table, bandwidths, operator overhead, threads, probe."""
     shapes: tuple[set, set] = (set(), set())
     for h in hiddens:  # e.g. a wider variant of the preset, priced by the same table
         linear, attention = modelgemm_shapes(replace(w, hidden=h), tps, mbs)
@@ -302,6 +311,44 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     cores = os.cpu_count() or 1
     thread_eff = thread_efficiency(repeats) if cores > 1 else 0.0
     probe = (probe_before + probe_gflops()) / 2
+    return {
+        "gemms": gemms,
+        "stream": stream,
+        "effective": effective,
+        "overhead": overhead,
+        "cores": cores,
+        "thread_eff": thread_eff,
+        "probe": probe,
+    }
+
+
+def _device_section(m: dict, speeds, src: str) -> dict:
+    """The spec's ``device:`` mapping from the measured one-rank figures."""
+    gemms = m["gemms"]
+    return {
+        "peak_tflops": round(sorted(r[3] for r in gemms)[int(0.9 * (len(gemms) - 1))], 6),
+        "mem_bandwidth_TBps": round(m["effective"] / 1e12, 6),
+        "stream_bandwidth_TBps": round(m["stream"] / 1e12, 6),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "op_overhead_us": round(m["overhead"] * 1e6, 2),
+        "cores": m["cores"],
+        "thread_efficiency": round(m["thread_eff"], 3),
+        "rank_speed": speeds,
+        "gemm_table": gemms,
+        "source": f"fp32, one thread; peak = 90th percentile of the GEMMs; mem_bandwidth = "
+        "the model's element-wise ops (LayerNorm, GeLU, dropout-add, softmax, "
+        f"cross-entropy) in the model's byte count; rank_speed = one rank's "
+        "speed while p ranks (1 thread each) compute at once, see "
+        f"studies/perfmodel/concurrency.py; {src}",
+    }
+
+
+def calibrate_cpu(args: argparse.Namespace) -> dict:
+    """The cluster spec of this CPU machine, every figure measured here."""
+    repeats = 3 if args.quick else 7
+    w = _workload(args)
+    tps, mbs, hiddens = _sweep(args, w)
+    measured = _measure_device(w, tps, mbs, hiddens, repeats)
     rank_counts = [int(x) for x in args.ranks.split(",")]
     speeds = measure_rank_speed(w, max(mbs), rank_counts, repeats=2)
     intra, raw = _comm_section(rank_counts, args.quick)
@@ -313,7 +360,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
         "precision": "fp32",
         "collectives": ["ring"],
         "overlap_efficiency": 0.0,
-        "probe_gflops": round(probe, 3),  # 256³ GEMM, one thread, while calibrating
+        "probe_gflops": round(measured["probe"], 3),  # 256³ GEMM, one thread, while calibrating
         "overlap_source": "CPU: gloo's reductions need the cores the backward pass is using",
         "intra_node": {
             **intra,
@@ -325,24 +372,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
             "latency_us": intra["latency_us"],
             "source": "one machine: no network; copy of intra_node",
         },
-        "device": {
-            "peak_tflops": round(sorted(r[3] for r in gemms)[int(0.9 * (len(gemms) - 1))], 6),
-            "mem_bandwidth_TBps": round(effective / 1e12, 6),
-            "stream_bandwidth_TBps": round(stream / 1e12, 6),
-            "memory_gib": round(
-                os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1
-            ),
-            "op_overhead_us": round(overhead * 1e6, 2),
-            "cores": cores,
-            "thread_efficiency": round(thread_eff, 3),
-            "rank_speed": speeds,
-            "gemm_table": gemms,
-            "source": f"fp32, one thread; peak = 90th percentile of the GEMMs; mem_bandwidth = "
-            "the model's element-wise ops (LayerNorm, GeLU, dropout-add, softmax, "
-            f"cross-entropy) in the model's byte count; rank_speed = one rank's "
-            "speed while p ranks (1 thread each) compute at once, see "
-            f"studies/perfmodel/concurrency.py; {src}",
-        },
+        "device": _device_section(measured, speeds, src),
         "efficiency": {
             "gemm": 1.0,
             "memory": 1.0,

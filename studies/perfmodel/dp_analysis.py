@@ -77,15 +77,18 @@ def _overlaps(a: list[float], b: list[float], rel: float = 0.02) -> bool:
     return all(abs(x - y) <= rel * max(abs(x), abs(y)) for x, y in zip(a, b, strict=True))
 
 
-def write_plots(out_dir: str, n_bytes: float = 1.3e9 * 2, compute_s: float = 0.5) -> list[str]:
-    """The two PNGs of docs/PERFMODEL.md (matplotlib, no display)."""
-    import matplotlib
+def _save(plt, fig, ax, path: str, ylabel: str, title: str) -> str:
+    """Log-log axes over workers p, the legend, and the PNG at ``path``."""
+    ax.set(xscale="log", yscale="log", xlabel="workers p", ylabel=ylabel, title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    link = Link(25e9, 5e-6)  # one 200 Gb/s adapter per worker and per server
-    ps = [2, 4, 8, 16, 32, 64, 128, 256]
+def _plot_exchange(plt, ps: list[int], n_bytes: float, link: Link, path: str) -> str:
+    """Seconds per gradient exchange: all-reduce against parameter servers."""
     fig, ax = plt.subplots(figsize=(6, 4))
     rows = [exchange_seconds(n_bytes, p, link) for p in ps]
     drawn: dict[str, list[float]] = {}
@@ -109,18 +112,14 @@ def write_plots(out_dir: str, n_bytes: float = 1.3e9 * 2, compute_s: float = 0.5
             **(style if same else dict(marker="o", markersize=5)),
         )
         drawn[label] = ys
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="workers p",
-        ylabel="seconds per step",
-        title="Gradient exchange, 2.6 GB (1.3B bf16), 25 GB/s links",
-    )
-    ax.legend(fontsize=8)
-    paths = [f"{out_dir}/perfmodel_ps_vs_ring.png"]
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
+    title = "Gradient exchange, 2.6 GB (1.3B bf16), 25 GB/s links"
+    return _save(plt, fig, ax, path, "seconds per step", title)
+
+
+def _plot_sync_vs_async(
+    plt, ps: list[int], n_bytes: float, compute_s: float, link: Link, path: str
+) -> str:
+    """Hours to the target loss: asynchronous DP at several staleness costs against sync."""
     fig, ax = plt.subplots(figsize=(6, 4))
     for c in (0.0, 0.05, 0.2):
         ax.plot(
@@ -139,16 +138,22 @@ def write_plots(out_dir: str, n_bytes: float = 1.3e9 * 2, compute_s: float = 0.5
         color="k",
         label="sync ring all-reduce",
     )
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="workers p",
-        ylabel="hours to target (model)",
-        title="Sync vs async DP (σ=0.1 stragglers, 0.5 s compute)",
-    )
-    ax.legend(fontsize=8)
-    paths.append(f"{out_dir}/perfmodel_sync_vs_async.png")
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
-    plt.close(fig)
-    return paths
+    title = "Sync vs async DP (σ=0.1 stragglers, 0.5 s compute)"
+    return _save(plt, fig, ax, path, "hours to target (model)", title)
+
+
+def write_plots(out_dir: str, n_bytes: float = 1.3e9 * 2, compute_s: float = 0.5) -> list[str]:
+    """The two PNGs of docs/PERFMODEL.md (matplotlib, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    link = Link(25e9, 5e-6)  # one 200 Gb/s adapter per worker and per server
+    ps = [2, 4, 8, 16, 32, 64, 128, 256]
+    return [
+        _plot_exchange(plt, ps, n_bytes, link, f"{out_dir}/perfmodel_ps_vs_ring.png"),
+        _plot_sync_vs_async(
+            plt, ps, n_bytes, compute_s, link, f"{out_dir}/perfmodel_sync_vs_async.png"
+        ),
+    ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from engine.formulas import bert_flops_per_iteration
 from engine.models.config import ModelConfig
+from engine.models.cost_terms import config_flops
 from engine.models.gpt.costs import (  # noqa: F401  (BERT's layers are GPT's)
     layer_activation_bytes,
     trunk_params,
@@ -16,15 +17,7 @@ def model_flops(
 ) -> int:
     """Forward + backward matmul FLOPs on ``batch`` sequences (MLM on every position, SOP),
     MLM decoder ``vocab`` wide."""
-    return bert_flops_per_iteration(
-        batch,
-        seq,
-        cfg.num_layers,
-        cfg.hidden_size,
-        vocab,
-        recompute=recompute,
-        ffn_hidden=cfg.ffn_size,
-    )
+    return config_flops(bert_flops_per_iteration, cfg, batch, seq, vocab=vocab, recompute=recompute)
 
 
 def params_count(cfg: ModelConfig) -> int:

@@ -6,21 +6,14 @@ from __future__ import annotations
 from engine.formulas import gpt_flops_per_iteration
 from engine.formulas import layer_activation_bytes as layer_activation_bytes_formula
 from engine.models.config import ModelConfig
+from engine.models.cost_terms import config_activation_bytes, config_flops
 
 
 def model_flops(
     cfg: ModelConfig, batch: int, seq: int, *, vocab: int, recompute: bool = False
 ) -> int:
     """Forward + backward matmul FLOPs on ``batch`` sequences, LM head ``vocab`` wide."""
-    return gpt_flops_per_iteration(
-        batch,
-        seq,
-        cfg.num_layers,
-        cfg.hidden_size,
-        vocab,
-        recompute=recompute,
-        ffn_hidden=cfg.ffn_size,
-    )
+    return config_flops(gpt_flops_per_iteration, cfg, batch, seq, vocab=vocab, recompute=recompute)
 
 
 def trunk_params(cfg: ModelConfig) -> int:
@@ -49,13 +42,12 @@ def layer_activation_bytes(
 ) -> float:
     """16-bit bytes one layer keeps for backward (``engine.formulas.layer_activation_bytes``
     with the attention unfused, as the runtime's GPT and BERT layers store it)."""
-    return layer_activation_bytes_formula(
-        seq_len,
-        batch_size,
-        cfg.hidden_size,
+    return config_activation_bytes(
+        layer_activation_bytes_formula,
+        cfg,
         cfg.num_heads,
-        tp_size,
-        sp=cfg.sequence_parallel,
-        recompute=cfg.recompute,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        tp_size=tp_size,
         fused_attention=False,
     )

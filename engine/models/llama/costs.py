@@ -14,6 +14,7 @@ from engine.formulas import (  # noqa: F401  (the family's public cost terms)
     llama_params_count,
 )
 from engine.models.config import ModelConfig
+from engine.models.cost_terms import config_activation_bytes, config_flops
 
 
 def model_flops(
@@ -21,15 +22,14 @@ def model_flops(
 ) -> int:
     """Forward + backward matmul FLOPs on ``batch`` sequences, LM head ``vocab`` wide:
     SwiGLU's three matrices, the K/V projection ``kv_heads · head_dim`` wide."""
-    return llama_flops_per_iteration(
+    return config_flops(
+        llama_flops_per_iteration,
+        cfg,
         batch,
         seq,
-        cfg.num_layers,
-        cfg.hidden_size,
-        vocab,
-        ffn_hidden=cfg.ffn_size,
-        kv_width=cfg.kv_heads * cfg.head_dim,
+        vocab=vocab,
         recompute=recompute,
+        kv_width=cfg.kv_heads * cfg.head_dim,
     )
 
 
@@ -52,12 +52,11 @@ def layer_activation_bytes(
 ) -> float:
     """16-bit bytes one Llama layer keeps for backward (``engine.formulas``' Llama term:
     RMSNorm inputs in fp32, SwiGLU's f-wide tensors, fused attention)."""
-    return llama_layer_activation_bytes(
-        seq_len,
-        batch_size,
-        cfg.hidden_size,
+    return config_activation_bytes(
+        llama_layer_activation_bytes,
+        cfg,
         cfg.ffn_size,
-        tp_size,
-        sp=cfg.sequence_parallel,
-        recompute=cfg.recompute,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        tp_size=tp_size,
     )
