@@ -176,27 +176,7 @@ class ModelConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"model.{key}={value!r} is not one of {allowed}")
-        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
-        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
-            raise ValueError(
-                f"model.ffn_hidden_size={self.ffn_hidden_size} must be >= 1 (or null: 4 × "
-                "hidden_size)"
-            )
-        # Written as what must hold, so that NaN (false in every comparison) fails it too.
-        if not 0 < self.layernorm_eps < math.inf:
-            raise ValueError(f"model.layernorm_eps={self.layernorm_eps} must be > 0 and finite")
-        if not 0 <= self.init_std < math.inf:
-            raise ValueError(f"model.init_std={self.init_std} must be >= 0 and finite")
-        if self.init_std == 0:
-            raise ValueError(
-                "model.init_std=0.0 starts every weight at zero, where every gradient is "
-                "zero too and no step moves them: give it > 0 (GPT-2's 0.02)"
-            )
-        for key in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, key) < 1.0:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
+        self._validate_numbers()
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(
                 f"model.make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} "
@@ -225,6 +205,30 @@ class ModelConfig:
             raise ValueError(
                 f"model.num_token_types={self.num_token_types} must be >= 1 for model.arch={self.arch}"
             )
+
+    def _validate_numbers(self) -> None:
+        """Sizes at least 1; epsilon, init scale and dropout in their ranges (NaN fails)."""
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            raise ValueError(
+                f"model.ffn_hidden_size={self.ffn_hidden_size} must be >= 1 (or null: 4 × "
+                "hidden_size)"
+            )
+        # Written as what must hold, so that NaN (false in every comparison) fails it too.
+        if not 0 < self.layernorm_eps < math.inf:
+            raise ValueError(f"model.layernorm_eps={self.layernorm_eps} must be > 0 and finite")
+        if not 0 <= self.init_std < math.inf:
+            raise ValueError(f"model.init_std={self.init_std} must be >= 0 and finite")
+        if self.init_std == 0:
+            raise ValueError(
+                "model.init_std=0.0 starts every weight at zero, where every gradient is "
+                "zero too and no step moves them: give it > 0 (GPT-2's 0.02)"
+            )
+        for key in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
 
     def _validate_cuda_graphs(self) -> None:
         """CUDA graphs are inductor's ``mode="reduce-overhead"`` of the compiled step, which

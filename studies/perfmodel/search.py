@@ -173,6 +173,28 @@ def _price_split(
     return feasible, rejected
 
 
+def _bounded_splits(w, gpus, base, micro_batch, only, max_layouts: int) -> list[tuple]:
+    """The pp × tp × dp splits of ``gpus`` (with their problems), once the work of pricing
+    them is known to stay under ``max_layouts``: a ValueError saying so before any is
+    priced."""
+    if w.global_batch > MAX_GLOBAL_BATCH:
+        raise ValueError(
+            f"global_batch={w.global_batch} must be <= {MAX_GLOBAL_BATCH} (2**24) sequences"
+        )
+    splits = list(_splits(w, gpus, base, micro_batch, only))
+    work = sum(
+        math.prod(len(axis) for axis in _axes(pp, tp, dp, micro_batch, w, base, only))
+        for pp, tp, dp, problems in splits
+        if not problems
+    )
+    if work > max_layouts:
+        raise ValueError(
+            f"the search would price {work:,} layouts, more than {max_layouts:,} (~20 s): "
+            "narrow it with --micro-batch, --pp, --dp-shard or --schedule"
+        )
+    return splits
+
+
 def search(
     w: Workload,
     cluster: ClusterSpec,
@@ -200,21 +222,7 @@ def search(
     only = only or {}
     limit = memory_gib if memory_gib is not None else cluster.memory_bytes / 2**30
     base = base or Layout(tp=1, dp=1, micro_batch=1)
-    if w.global_batch > MAX_GLOBAL_BATCH:
-        raise ValueError(
-            f"global_batch={w.global_batch} must be <= {MAX_GLOBAL_BATCH} (2**24) sequences"
-        )
-    splits = list(_splits(w, gpus, base, micro_batch, only))
-    work = sum(
-        math.prod(len(axis) for axis in _axes(pp, tp, dp, micro_batch, w, base, only))
-        for pp, tp, dp, problems in splits
-        if not problems
-    )
-    if work > max_layouts:
-        raise ValueError(
-            f"the search would price {work:,} layouts, more than {max_layouts:,} (~20 s): "
-            "narrow it with --micro-batch, --pp, --dp-shard or --schedule"
-        )
+    splits = _bounded_splits(w, gpus, base, micro_batch, only, max_layouts)
     feasible: list[Candidate] = []
     rejected: list[Rejected] = []
     for pp, tp, dp, problems in splits:
