@@ -1,4 +1,4 @@
-.PHONY: install test lint format bench
+.PHONY: install test lint format bench image
 
 install:  ## CPU machines: the first line takes the CPU build of torch already on disk
 	python -m pip install torch==2.13.0
@@ -17,3 +17,6 @@ format:
 
 bench:
 	python tools/bench_kernels.py --smoke
+
+image:  ## the CPU image with no registry: a debootstrap base and local wheels (root; minutes)
+	tools/container/build_offline.sh

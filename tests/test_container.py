@@ -1,16 +1,19 @@
 """Containerfile: parsed by Docker's own parser (the ``dockerfile`` package) and checked
-against the repository it copies from. Building it needs a base image and a registry; see
-docs/CONTAINER.md for what was built and run by hand."""
+against the repository it copies from, and the offline build script that drives it. Building
+takes minutes and root (``make image``); see docs/CONTAINER.md for what was built and run."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import dockerfile  # the dev extra: Docker's own parser (a Go extension)
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+BUILD_SCRIPT = ROOT / "tools" / "container" / "build_offline.sh"
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +98,29 @@ def test_build_context_leaves_out_what_git_leaves_out():
 
     missing = names(".gitignore") - names(".dockerignore")
     assert not missing, f".dockerignore lacks {sorted(missing)}"
+
+
+def test_every_optional_pip_argument_has_an_empty_default(commands):
+    """An ARG with no default that a build does not pass makes podman and buildah warn; the
+    PIP_* ones are optional, so each is declared ``ARG NAME=`` (pip ignores the empty value)."""
+    declared = [v for c in commands if c.cmd == "ARG" for v in c.value]
+    pip = [v for v in declared if v.startswith("PIP_")]
+    assert pip, declared
+    assert [v for v in pip if "=" not in v] == []
+
+
+def test_offline_build_script_parses_and_passes_only_declared_arguments(commands):
+    """`make image` runs the script; every --build-arg it passes is an ARG of the
+    Containerfile (a renamed ARG would be dropped with only a warning), and it passes the
+    ones the offline build relies on: a local base and pip reading only the wheel folder."""
+    assert BUILD_SCRIPT.is_file() and BUILD_SCRIPT.stat().st_mode & 0o111, BUILD_SCRIPT
+    bash = shutil.which("bash")
+    assert bash, "bash is needed to check the script"
+    parsed = subprocess.run([bash, "-n", str(BUILD_SCRIPT)], capture_output=True, text=True)
+    assert parsed.returncode == 0, parsed.stderr
+    passed = set(re.findall(r"--build-arg\s+([A-Z_][A-Z0-9_]*)=", BUILD_SCRIPT.read_text()))
+    assert {"BASE", "PIP_FIND_LINKS", "PIP_NO_INDEX"} <= passed, passed
+    assert passed <= set(_args(commands)), passed - set(_args(commands))
+    makefile = (ROOT / "Makefile").read_text()
+    target = re.search(r"^image:.*\n((?:\t.*\n)+)", makefile, re.M)
+    assert target and "tools/container/build_offline.sh" in target.group(1), makefile

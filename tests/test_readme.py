@@ -120,7 +120,12 @@ COVERED = {
     "MASTER_ADDR=node0 MASTER_PORT=29400 python -m apps.classify --num-nodes 2 --node-id 0 --num-gpus 4": "manual: two machines; run by hand as two 'nodes' on one machine (docs/SCALING.md)",
     "MASTER_ADDR=node0 MASTER_PORT=29400 python -m apps.classify --num-nodes 2 --node-id 1 --num-gpus 4": "manual: two machines; run by hand as two 'nodes' on one machine (docs/SCALING.md)",
     "torchrun --standalone --nproc-per-node 4 -m apps.classify": "manual: the same worker as the self-launched test, started by torchrun; run by hand",
-    "apt-get install -y -q openmpi-bin slurm-wlm munge kubernetes-client iproute2 dataset-fashion-mnist": "manual: installs packages (network); .ci/run does it",
+    "apt-get install -y -q openmpi-bin": "manual: installs packages (network); .ci/run does it",
+    "apt-get install -y -q slurm-wlm": "manual: installs packages (network); .ci/run does it",
+    "apt-get install -y -q munge": "manual: installs packages (network); .ci/run does it",
+    "apt-get install -y -q kubernetes-client": "manual: installs packages (network); .ci/run does it",
+    "apt-get install -y -q iproute2": "manual: installs packages (network); .ci/run does it",
+    "apt-get install -y -q dataset-fashion-mnist": "manual: installs packages (network); .ci/run does it",
     'python tools/generate.py --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --prompt "def " '
     '--prompt "import os" --max-new-tokens 40 --top-p 0.95': "tests/test_generate_tool.py::test_tool_at_tp2_prints_what_tp1_generates_in_process",
     "python -m pytest -q": "manual: the whole suite (this test is part of it)",
