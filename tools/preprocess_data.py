@@ -20,14 +20,13 @@ import sys
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.data.indexed import INDEX_FORMATS, convert_index  # noqa: E402
-from engine.data.preprocess import (  # noqa: E402
-    EOD_TOKEN,
-    EncodeWorkerDied,
-    load_tokenizer,
-    preprocess,
-)
-from engine.tool_args import ArgumentParser, non_negative_int, positive_int  # noqa: E402
+try:
+    from engine.data.indexed import INDEX_FORMATS, convert_index
+    from engine.data.preprocess import EOD_TOKEN, EncodeWorkerDied, load_tokenizer, preprocess
+    from engine.tool_args import ArgumentParser, non_negative_int, positive_int
+except KeyboardInterrupt:  # Ctrl-C during the imports: nothing started, no traceback
+    print("preprocess_data.py: interrupted; nothing was written", file=sys.stderr)
+    sys.exit(130)
 
 # More encoding processes than this is a typo, not a machine (each one is a Python process).
 MAX_WORKERS = 1024
@@ -92,7 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "megatron (read by Megatron-LM / Megatron-Core unchanged)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return parser.parse_args(argv, argparse.Namespace(command="tokenize"))
+    args = parser.parse_args(argv, argparse.Namespace(command="tokenize"))
+    if args.tokenizer is not None and args.tokenizer_out is not None:
+        parser.error("--tokenizer-out saves a trained tokenizer: give it with --vocab-size only")
+    return args
 
 
 def parse_convert_args(argv: list[str]) -> argparse.Namespace:

@@ -8,6 +8,7 @@ import multiprocessing
 import os
 import re
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -171,13 +172,16 @@ def _encode_worker(conn: Connection, tokenizer_json: str, encode: Callable) -> N
     while True:
         try:
             texts = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the parent is done, or gone
             return
         try:
             reply = (True, encode(tokenizer, texts))
         except Exception as err:  # the parent raises it
             reply = (False, err)
-        conn.send(reply)
+        try:
+            conn.send(reply)
+        except OSError:  # the parent died (killed): nobody to tell
+            return
 
 
 class _EncodePool:
@@ -206,7 +210,8 @@ class _EncodePool:
         # _encode_texts is looked up now, not at import: a test can swap in a faulty one.
         args = (there, self._json, _encode_texts)
         process = self._ctx.Process(target=_encode_worker, args=args, daemon=True)
-        process.start()
+        with _children_ignore_sigint():
+            process.start()
         there.close()
         self._workers.append((process, here))
         return len(self._workers) - 1
@@ -262,6 +267,28 @@ class _EncodePool:
                 process.kill()
         for process, _ in self._workers:
             process.join()
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Processes started in the body are born ignoring Ctrl-C (an ignored signal stays so
+    across exec): a worker still importing would otherwise die of it with a traceback.
+
+    The parent blocks SIGINT and SIGTERM meanwhile: one that comes then waits for the start
+    to finish (the CLI turns both into KeyboardInterrupt), so no child is left half started.
+    """
+    if threading.current_thread() is not threading.main_thread() or not signal.getsignal(
+        signal.SIGINT
+    ):
+        yield  # only the main thread may set handlers, and only Python's can be put back
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _chunks(
@@ -460,11 +487,11 @@ def preprocess(
     tokenizer_out = tokenizer_out or f"{output_prefix}.tokenizer.json"
     outputs = {"the output": [*index_paths(output_prefix), Path(f"{output_prefix}.lock")]}
     if tokenizer is None:
-        outputs["the trained tokenizer (--tokenizer-out)"] = [Path(tokenizer_out)]
+        outputs["--tokenizer-out"] = [Path(tokenizer_out)]
     _check_outputs_spare_inputs(paths, outputs)
     # Fail (or succeed) on the output directories now, not after minutes of BPE training.
     for directory in {p.parent for names in outputs.values() for p in names}:
-        os.makedirs(directory, exist_ok=True)
+        _make_output_dir(directory)
     docs = _InputDocuments(paths, json_key)
     with _output_lock(output_prefix, [p for names in outputs.values() for p in names]) as notes:
         if tokenizer is None:
@@ -509,28 +536,28 @@ class _InputDocuments:
 
 def _check_output_prefix(prefix: str) -> None:
     """Refuse a prefix that names a directory: its files would be hidden ``dir/.bin``."""
-    name = os.path.basename(prefix)
-    if os.path.isdir(prefix) or name in ("", ".", ".."):
-        example = os.path.join(prefix.rstrip("/" + os.sep) or ".", "corpus")
+    if not prefix:
+        raise ValueError("--output-prefix is empty: give a file name prefix such as data/corpus")
+    if os.path.isdir(prefix) or os.path.basename(prefix) in ("", ".", ".."):
+        example = os.path.join(prefix.rstrip("/" + os.sep) or "/", "corpus")
         raise IsADirectoryError(
             f"--output-prefix {prefix} is a directory: give a file name prefix such as "
             f"{example} (writes {example}.bin and {example}.idx)"
         )
-    for path in index_paths(prefix):
-        if os.path.isdir(path):
-            raise IsADirectoryError(f"{path} is a directory: give another --output-prefix")
 
 
 def _check_outputs_spare_inputs(inputs: list[Path], outputs: dict[str, list[Path]]) -> None:
-    """Refuse, before anything is written, outputs that would overwrite an input or each other,
-    and an input given twice (its documents would be tokenized twice)."""
+    """Refuse, before anything is written, outputs that would overwrite an input, each other
+    or a directory, and an input given twice (its documents would be tokenized twice)."""
     seen: dict[tuple[int, int], Path] = {}
     for path in inputs:
         st = path.stat()
         if (st.st_dev, st.st_ino) in seen:
+            also = seen[st.st_dev, st.st_ino]
+            spelled = "" if str(also) == str(path) else f" (also as {also})"
             raise ValueError(
-                f"input {path} is given twice (also as {seen[st.st_dev, st.st_ino]}): its "
-                "documents would be tokenized twice; give each input once"
+                f"input {path} is given twice{spelled}: its documents would be tokenized "
+                "twice; give each input once"
             )
         seen[st.st_dev, st.st_ino] = path
     written: dict[str, str] = {}
@@ -538,16 +565,28 @@ def _check_outputs_spare_inputs(inputs: list[Path], outputs: dict[str, list[Path
         for out in paths:
             key = os.path.abspath(out)
             if key in written and written[key] != role:
-                raise ValueError(f"{out} would be written as {role} and as {written[key]}")
+                raise ValueError(
+                    f"{out} would be written both as {role} and as {written[key]}: give "
+                    "another --tokenizer-out"
+                )
             written[key] = role
-            if not out.exists():
-                continue
-            st = out.stat()
-            if (st.st_dev, st.st_ino) in seen:
+            if out.is_dir():
+                raise IsADirectoryError(f"{out} ({role}) is a directory: give another name")
+            if out.exists() and (out.stat().st_dev, out.stat().st_ino) in seen:
                 raise ValueError(
                     f"{out} is an input and would be overwritten as {role}: preprocessing "
                     "never overwrites its inputs; give another output name"
                 )
+
+
+def _make_output_dir(directory: Path) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next(p for p in (directory, *directory.parents) if p.exists() and not p.is_dir())
+        raise NotADirectoryError(
+            f"cannot write into {directory}: {blocker} is a file, not a directory"
+        ) from None
 
 
 @contextlib.contextmanager
