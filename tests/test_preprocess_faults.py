@@ -174,37 +174,76 @@ def test_a_stale_lock_of_a_dead_run_is_taken_over_saying_so(tmp_path, capsys):
     assert _files(tmp_path) == ["corpus.bin", "corpus.idx", "corpus.tokenizer.json", "in.txt"]
 
 
-@pytest.mark.parametrize(
-    ("case", "fragment"),
-    [
-        ("tokenizer_out_is_an_input", "is an input and would be overwritten"),
-        ("input_is_prefix_bin", "is an input and would be overwritten"),
-        ("input_is_prefix_idx", "is an input and would be overwritten"),
-        ("prefix_is_a_directory", "give a file name prefix such as"),
-        ("prefix_ends_in_a_slash", "give a file name prefix such as"),
-    ],
-)
-def test_outputs_that_would_overwrite_inputs_are_refused_before_writing(
-    tmp_path, capsys, case, fragment
+# Each refused before anything is written: (argv after --input a.txt, fragment of the line).
+# {d} is the data folder, holding a.txt, corpus.bin, corpus.idx (inputs too) and sub/.
+REFUSED = {
+    "tokenizer_out_is_an_input": (
+        ["--output-prefix", "{d}/o", "--tokenizer-out", "{d}/a.txt"],
+        "a.txt is an input and would be overwritten as --tokenizer-out",
+    ),
+    "input_is_prefix_bin": (
+        ["--input", "{d}/corpus.bin", "--output-prefix", "{d}/corpus"],
+        "corpus.bin is an input and would be overwritten as the output",
+    ),
+    "input_is_prefix_idx": (
+        ["--input", "{d}/corpus.idx", "--output-prefix", "{d}/corpus"],
+        "corpus.idx is an input and would be overwritten as the output",
+    ),
+    "prefix_is_a_directory": (
+        ["--output-prefix", "{d}/sub"],
+        "is a directory: give a file name prefix such as {d}/sub/corpus",
+    ),
+    "prefix_ends_in_a_slash": (
+        ["--output-prefix", "{d}/fresh/"],
+        "is a directory: give a file name prefix such as {d}/fresh/corpus",
+    ),
+    # found by the adversarial pass of issue 39
+    "same_input_twice": (
+        ["--input", "{d}/sub/../a.txt", "--output-prefix", "{d}/o"],
+        "sub/../a.txt is given twice (also as {d}/a.txt)",
+    ),
+    "tokenizer_out_is_prefix_bin": (
+        ["--output-prefix", "{d}/o", "--tokenizer-out", "{d}/o.bin"],
+        "o.bin would be written both as --tokenizer-out and as the output",
+    ),
+    "tokenizer_out_is_a_directory": (
+        ["--output-prefix", "{d}/o", "--tokenizer-out", "{d}/sub"],
+        "sub (--tokenizer-out) is a directory",
+    ),
+    "prefix_under_a_file": (
+        ["--output-prefix", "{d}/a.txt/x/o"],
+        "cannot write into {d}/a.txt/x: {d}/a.txt is a file, not a directory",
+    ),
+    "workers_past_any_machine": (
+        ["--output-prefix", "{d}/o", "--workers", str(10**9)],
+        "argument --workers: 1000000000 must be <= 1024",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_outputs_over_inputs_and_bad_combinations_are_refused_before_writing(
+    tmp_path, capsys, case
 ):
     data = tmp_path / "data"
-    data.mkdir()
-    text = TEXT
+    (data / "sub").mkdir(parents=True)
     for name in ("a.txt", "corpus.bin", "corpus.idx"):
-        (data / name).write_text(text)
-    prefix, inputs, extra = str(data / "corpus"), [str(data / "a.txt")], []
-    if case == "tokenizer_out_is_an_input":
-        extra = ["--tokenizer-out", str(data / "a.txt")]
-    elif case.startswith("input_is_prefix_"):
-        inputs.append(f"{prefix}.{case[-3:]}")
-    elif case == "prefix_is_a_directory":
-        prefix = str(data)
-    else:
-        prefix = str(tmp_path / "fresh") + "/"
-    argv = [a for i in inputs for a in ("--input", i)] + ["--output-prefix", prefix, *extra]
+        (data / name).write_text(TEXT)
+    args, fragment = REFUSED[case]
+    argv = ["--input", str(data / "a.txt"), *(a.format(d=data) for a in args)]
     code, err = _run_cli([*argv, "--vocab-size", "300"], capsys)
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and fragment in lines[0], (code, err)
-    assert all(p.read_text() == text for p in data.iterdir()), "an input was overwritten"
-    assert _files(data) == ["a.txt", "corpus.bin", "corpus.idx"]
-    assert not (tmp_path / "fresh").exists() or _files(tmp_path / "fresh") == []
+    assert code == 2 and len(lines) == 1, (code, err)
+    assert fragment.format(d=data) in lines[0], lines
+    assert all(p.read_text() == TEXT for p in data.glob("*.*")), "an input was overwritten"
+    assert _files(data) == ["a.txt", "corpus.bin", "corpus.idx", "sub"]
+    assert _files(data / "sub") == []
+
+
+def test_tokenizer_out_without_training_is_refused(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text(TEXT)
+    argv = ["--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "o")]
+    argv += ["--tokenizer", str(tmp_path / "t.json"), "--tokenizer-out", str(tmp_path / "u")]
+    code, err = _run_cli(argv, capsys)
+    assert code == 2 and "--tokenizer-out saves a trained tokenizer" in err, (code, err)
+    assert _files(tmp_path) == ["a.txt"]
