@@ -235,7 +235,7 @@ class _EncodePool:
             if conn in ready:
                 try:
                     ok, result = conn.recv()
-                except EOFError:
+                except (EOFError, OSError):  # it died mid-answer
                     self._died(i)
                 if not ok:
                     raise result
@@ -249,7 +249,10 @@ class _EncodePool:
         process.join()
         code = process.exitcode
         if code is not None and code < 0:
-            how = f"was killed by {signal.Signals(-code).name}"
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:  # a real-time signal has no name
+                how = f"was killed by signal {-code}"
         else:
             how = f"exited with status {code}"
         hint = " (the out-of-memory killer sends it: fewer --workers need less memory)"
