@@ -14,14 +14,30 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.data.indexed import INDEX_FORMATS, convert_index  # noqa: E402
-from engine.data.preprocess import EOD_TOKEN, load_tokenizer, preprocess  # noqa: E402
-from engine.tool_args import ArgumentParser, non_negative_int, positive_int  # noqa: E402
+try:
+    from engine.data.indexed import INDEX_FORMATS, convert_index
+    from engine.data.preprocess import EOD_TOKEN, EncodeWorkerDied, load_tokenizer, preprocess
+    from engine.tool_args import ArgumentParser, non_negative_int, positive_int
+except KeyboardInterrupt:  # Ctrl-C during the imports: nothing started, no traceback
+    print("preprocess_data.py: interrupted; nothing was written", file=sys.stderr)
+    sys.exit(130)
+
+# More encoding processes than this is a typo, not a machine (each one is a Python process).
+MAX_WORKERS = 1024
+
+
+def worker_count(text: str) -> int:
+    """argparse type of --workers: 1 .. MAX_WORKERS."""
+    value = positive_int(text)
+    if value > MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"{value} must be <= {MAX_WORKERS}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--workers",
-        type=positive_int,
-        default=os.cpu_count() or 1,
+        type=worker_count,
+        default=min(os.cpu_count() or 1, MAX_WORKERS),
         help="encoding processes (1: in-process, on the tokenizer's thread pool)",
     )
     parser.add_argument(
@@ -75,7 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "megatron (read by Megatron-LM / Megatron-Core unchanged)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    return parser.parse_args(argv, argparse.Namespace(command="tokenize"))
+    args = parser.parse_args(argv, argparse.Namespace(command="tokenize"))
+    if args.tokenizer is not None and args.tokenizer_out is not None:
+        parser.error("--tokenizer-out saves a trained tokenizer: give it with --vocab-size only")
+    return args
 
 
 def parse_convert_args(argv: list[str]) -> argparse.Namespace:
@@ -115,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "convert":
         return convert(args)
+    # A plain `kill` cleans up as Ctrl-C does: temp files removed, the lock released.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = preprocess(
             args.input,
@@ -127,12 +148,16 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
             index_format=args.format,
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EncodeWorkerDied) as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("preprocess_data.py: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args else signal.SIGINT
+        how = "" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"
+        print(f"preprocess_data.py: interrupted{how}; nothing was written", file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(
         f"wrote {result.prefix}.bin/.idx: {result.num_docs} documents, "
         f"{result.num_tokens} tokens ({args.format} index); tokenizer {result.tokenizer_path} "
@@ -141,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     for note in result.notes:
         print(f"preprocess_data.py: note: {note}", file=sys.stderr)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signum)
 
 
 if __name__ == "__main__":

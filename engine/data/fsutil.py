@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import secrets
 import stat
 from collections.abc import Iterator
@@ -101,3 +102,91 @@ def open_regular_file(path: str | os.PathLike) -> BinaryIO:
         os.close(fd)
         raise
     return os.fdopen(fd, "rb")
+
+
+class LockHeld(OSError):
+    """A live process holds the :func:`pid_lock` (its PID in ``pid``, ``None`` if unrecorded)."""
+
+    def __init__(self, message: str, pid: int | None) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
+@contextlib.contextmanager
+def pid_lock(path: str | os.PathLike) -> Iterator[int | str | None]:
+    """Hold ``path`` exclusively for the ``with`` body, with this process's PID written in it.
+
+    Raise :class:`LockHeld` while another live process holds it. The kernel drops a ``flock``
+    with its process, so a file that still records a holder but is not locked was left by a
+    process that died: it is taken over, and the ``with`` gets that PID (or the unreadable
+    record); otherwise ``None``. The file is removed on exit.
+    """
+    path = Path(path)
+    while True:
+        handle = open(path, "a+")  # noqa: SIM115 - closed on exit
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _recorded_pid(handle)
+            handle.close()
+            held = pid if isinstance(pid, int) else None
+            raise LockHeld(f"{path} is held by PID {pid}", held) from None
+        # The holder before us removes the file on exit: our lock on its unlinked inode would
+        # lock nothing, so lock again until the locked file is the one at ``path``.
+        try:
+            if os.path.samestat(os.fstat(handle.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        handle.close()
+    previous = _recorded_pid(handle)
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    try:
+        yield previous
+    finally:
+        path.unlink(missing_ok=True)
+        handle.close()
+
+
+def _recorded_pid(handle) -> int | str | None:
+    handle.seek(0)
+    text = handle.read(64).strip()
+    if not text:
+        return None
+    return int(text) if text.isdigit() else repr(text)
+
+
+def remove_dead_temps(path: str | os.PathLike) -> list[Path]:
+    """Remove the :func:`temp_path_beside` files of ``path`` whose writer no longer runs.
+
+    A killed writer leaves its temp file behind; the PID in its name tells whose it was, so
+    a live writer's temp is never touched. Return the removed paths.
+    """
+    path = Path(path)
+    name = re.compile(rf"\.{re.escape(path.name)}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
+    try:
+        entries = list(os.scandir(path.parent))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for entry in entries:
+        match = name.fullmatch(entry.name)
+        if match and entry.is_file(follow_symlinks=False) and not _running(int(match[1])):
+            Path(entry.path).unlink(missing_ok=True)
+            removed.append(Path(entry.path))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True

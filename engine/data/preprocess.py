@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import multiprocessing
 import os
 import re
 import signal
-from collections import deque
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as connection_wait
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 from rich.progress import (
@@ -24,8 +28,15 @@ from rich.progress import (
 )
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from engine.data.fsutil import MISSING, atomic_output, file_problem
-from engine.data.indexed import IndexedDatasetWriter
+from engine.data.fsutil import (
+    MISSING,
+    LockHeld,
+    atomic_output,
+    file_problem,
+    pid_lock,
+    remove_dead_temps,
+)
+from engine.data.indexed import IndexedDatasetWriter, index_paths
 from engine.data.sources import Document, is_parquet, iter_source
 
 EOD_TOKEN = "<|endoftext|>"
@@ -160,60 +171,212 @@ def _encode_texts(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
 
 
-# Per-process state of a spawned encode worker, set once by its Pool initializer.
-_worker_tokenizer: list[Tokenizer] = []
+class EncodeWorkerDied(RuntimeError):
+    """An encoding worker process ended unasked (killed, e.g. by the out-of-memory killer)."""
 
 
-def _init_worker(tokenizer_json: str) -> None:
+def _encode_worker(conn: Connection, tokenizer_json: str, encode: Callable) -> None:
+    """A spawned worker: encode each chunk that arrives on ``conn``, send it back; stop at EOF."""
     # One Rust thread per worker process: the process count is the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # Ctrl-C is the parent's to handle: it tears the pool down; workers stay quiet.
+    # Ctrl-C is the parent's to handle: it tears the workers down; they stay quiet.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_tokenizer.append(_encoding_copy(tokenizer_json))
+    tokenizer = _encoding_copy(tokenizer_json)
+    while True:
+        try:
+            texts = conn.recv()
+        except (EOFError, OSError):  # the parent is done, or gone
+            return
+        try:
+            reply = (True, encode(tokenizer, texts))
+        except Exception as err:  # the parent raises it
+            reply = (False, err)
+        try:
+            conn.send(reply)
+        except OSError:  # the parent died (killed): nobody to tell
+            return
 
 
-def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
-    return _encode_texts(_worker_tokenizer[0], texts)
+class _EncodePool:
+    """Up to ``size`` spawned encode workers, each with a pipe of its own and one chunk in
+    flight (so neither end can block sending while the other does).
+
+    The parent waits on the workers' sentinels as well as their pipes, so a worker that dies
+    (the out-of-memory killer's SIGKILL) raises :class:`EncodeWorkerDied` naming the inputs it
+    was encoding instead of a wait forever. Workers start as chunks need them.
+    """
+
+    def __init__(self, size: int, tokenizer_json: str) -> None:
+        self._ctx = multiprocessing.get_context("spawn")  # forking after Rust threads can hang
+        self._size, self._json = size, tokenizer_json
+        self._workers: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+        self.busy: dict[int, tuple[int, str]] = {}  # worker -> (chunk number, its inputs)
+
+    def idle_worker(self) -> int | None:
+        """An idle worker's number (started if need be), or ``None`` when all are busy."""
+        for i in range(len(self._workers)):
+            if i not in self.busy:
+                return i
+        if len(self._workers) == self._size:
+            return None
+        here, there = self._ctx.Pipe()
+        # _encode_texts is looked up now, not at import: a test can swap in a faulty one.
+        args = (there, self._json, _encode_texts)
+        process = self._ctx.Process(target=_encode_worker, args=args, daemon=True)
+        with _children_ignore_sigint():
+            process.start()
+        there.close()
+        self._workers.append((process, here))
+        return len(self._workers) - 1
+
+    def submit(self, worker: int, seq: int, texts: list[str], inputs: str) -> None:
+        """Send chunk ``seq`` (documents of ``inputs``) to an idle ``worker``."""
+        self.busy[worker] = (seq, inputs)
+        # A dead worker's pipe refuses this; its sentinel says how it died, in wait().
+        with contextlib.suppress(OSError):
+            self._workers[worker][1].send(texts)
+
+    def wait(self) -> list[tuple[int, list[np.ndarray]]]:
+        """Block until a busy worker answers; return the chunks that came back."""
+        waitables = [
+            w for i in self.busy for w in (self._workers[i][1], self._workers[i][0].sentinel)
+        ]
+        ready = set(connection_wait(waitables))
+        done = []
+        for i in list(self.busy):
+            process, conn = self._workers[i]
+            if conn in ready:
+                try:
+                    ok, result = conn.recv()
+                except (EOFError, OSError):  # it died mid-answer
+                    self._died(i)
+                if not ok:
+                    raise result
+                done.append((self.busy.pop(i)[0], result))
+            elif process.sentinel in ready:
+                self._died(i)
+        return done
+
+    def _died(self, worker: int) -> NoReturn:
+        process, _ = self._workers[worker]
+        process.join()
+        code = process.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:  # a real-time signal has no name
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
+        hint = " (the out-of-memory killer sends it: fewer --workers need less memory)"
+        raise EncodeWorkerDied(
+            f"encoding worker PID {process.pid} {how} while encoding {self.busy[worker][1]}"
+            f"{hint if code == -signal.SIGKILL else ''}; nothing was written"
+        )
+
+    def close(self) -> None:
+        """Stop every worker: an EOF after a full run, a kill after an error."""
+        clean = not self.busy
+        for process, conn in self._workers:
+            conn.close()
+            if not clean:
+                process.kill()
+        for process, _ in self._workers:
+            process.join()
 
 
-def _chunks(docs: Iterable[Document]) -> Iterator[tuple[list[str], int]]:
+@contextlib.contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Processes started in the body are born ignoring Ctrl-C (an ignored signal stays so
+    across exec): a worker still importing would otherwise die of it with a traceback.
+
+    The parent blocks SIGINT and SIGTERM meanwhile: one that comes then waits for the start
+    to finish (the CLI turns both into KeyboardInterrupt), so no child is left half started.
+    """
+    if threading.current_thread() is not threading.main_thread() or not signal.getsignal(
+        signal.SIGINT
+    ):
+        yield  # only the main thread may set handlers, and only Python's can be put back
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _chunks(
+    docs: Iterable[Document], source: Callable[[], str]
+) -> Iterator[tuple[list[str], int, str]]:
+    """(texts, bytes, the inputs they came from) of up to _CHUNK_DOCS documents each."""
     texts: list[str] = []
+    inputs: list[str] = []
     nbytes = chars = 0
     for text, size in docs:
         texts.append(text)
+        if not inputs or inputs[-1] != source():
+            inputs.append(source())
         nbytes += size
         chars += len(text)
         # Whichever comes first: few large documents (whole files) still spread over workers.
         if len(texts) == _CHUNK_DOCS or chars >= _CHUNK_CHARS:
-            yield texts, nbytes
-            texts, nbytes, chars = [], 0, 0
+            yield texts, nbytes, _name_inputs(inputs)
+            texts, inputs, nbytes, chars = [], [], 0, 0
     if texts:
-        yield texts, nbytes
+        yield texts, nbytes, _name_inputs(inputs)
+
+
+def _name_inputs(inputs: list[str]) -> str:
+    if len(inputs) <= 3:
+        return ", ".join(inputs)
+    return f"{inputs[0]} ... {inputs[-1]} ({len(inputs)} inputs)"
 
 
 def _encoded_chunks(
-    docs: Iterable[Document], tokenizer_json: str, workers: int
+    docs: Iterable[Document],
+    tokenizer_json: str,
+    workers: int,
+    source: Callable[[], str] = lambda: "the input",
 ) -> Iterator[tuple[list[np.ndarray], int]]:
-    """Encoded chunks in input order; ``workers > 1`` spreads them over that many processes."""
+    """Encoded chunks in input order; ``workers > 1`` spreads them over that many processes.
+
+    ``source()`` names the input being read, for the error when a worker dies.
+    """
     if workers <= 1:
         tokenizer = _encoding_copy(tokenizer_json)
         # encode_batch already runs on the tokenizer's Rust thread pool.
-        for texts, nbytes in _chunks(docs):
+        for texts, nbytes, _ in _chunks(docs, source):
             yield _encode_texts(tokenizer, texts), nbytes
         return
-    # spawn, not fork: forking after the Rust thread pool has started can deadlock.
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, _init_worker, (tokenizer_json,)) as pool:
-        pending: deque = deque()
-        for texts, nbytes in _chunks(docs):
-            pending.append((pool.apply_async(_encode_in_worker, (texts,)), nbytes))
-            # A bounded window keeps memory flat while every worker stays busy.
-            if len(pending) >= 2 * workers:
-                result, size = pending.popleft()
-                yield result.get(), size
-        while pending:
-            result, size = pending.popleft()
-            yield result.get(), size
+    pool = _EncodePool(workers, tokenizer_json)
+    chunks = enumerate(_chunks(docs, source))
+    sizes: dict[int, int] = {}  # bytes of each chunk sent and not yet yielded
+    done: dict[int, list[np.ndarray]] = {}
+    next_out = 0
+
+    def feed() -> None:
+        # At most 2 * workers chunks past the next one out: memory stays flat behind a slow one.
+        while len(sizes) < 2 * workers and (worker := pool.idle_worker()) is not None:
+            chunk = next(chunks, None)
+            if chunk is None:
+                return
+            seq, (texts, nbytes, inputs) = chunk
+            sizes[seq] = nbytes
+            pool.submit(worker, seq, texts, inputs)
+
+    try:
+        feed()
+        while pool.busy:
+            done.update(pool.wait())
+            feed()  # before yielding, so workers encode while the parent writes
+            while next_out in done:
+                yield done.pop(next_out), sizes.pop(next_out)
+                next_out += 1
+                feed()
+    finally:
+        pool.close()
 
 
 def _progress(enabled: bool, *, sized: bool = True) -> Progress:
@@ -234,8 +397,12 @@ def encode_to_indexed(
     workers: int = 1,
     progress: bool = True,
     index_format: str = "meshtron",
+    source: Callable[[], str] = lambda: "the input",
 ) -> tuple[int, int]:
-    """Tokenize ``docs`` into ``PREFIX.bin/.idx`` (EOD after each); return (docs, tokens)."""
+    """Tokenize ``docs`` into ``PREFIX.bin/.idx`` (EOD after each); return (docs, tokens).
+
+    ``source()`` names the input being read, for the error when a worker process dies.
+    """
     eod_id = tokenizer.token_to_id(EOD_TOKEN)
     if eod_id is None:
         raise ValueError(f"tokenizer has no {EOD_TOKEN} token")
@@ -248,11 +415,13 @@ def encode_to_indexed(
         _progress(progress) as bar,
     ):
         task = bar.add_task("tokenizing", total=total_bytes)
-        for encoded, nbytes in _encoded_chunks(docs, tokenizer.to_str(), workers):
-            for ids in encoded:
-                writer.add_document(ids)
-                content_tokens += ids.size
-            bar.advance(task, nbytes)
+        chunks = _encoded_chunks(docs, tokenizer.to_str(), workers, source)
+        with contextlib.closing(chunks):  # an error here stops the workers now
+            for encoded, nbytes in chunks:
+                for ids in encoded:
+                    writer.add_document(ids)
+                    content_tokens += ids.size
+                bar.advance(task, nbytes)
         if content_tokens == 0:
             raise ValueError("empty corpus: the inputs produced no tokens")
     return writer.num_docs, writer.num_tokens
@@ -324,34 +493,144 @@ def preprocess(
 
     ``json_key`` names the key of JSONL lines and the column of Parquet files;
     ``index_format`` is ``"meshtron"`` (checksummed, with the id range) or ``"megatron"``.
+    One run at a time writes a prefix: ``PREFIX.lock`` holds its PID while it does.
     """
     if (tokenizer_path is None) == (vocab_size is None):
         raise ValueError("give exactly one of a tokenizer to load or a vocab size to train")
+    _check_output_prefix(output_prefix)
     paths = expand_inputs(inputs)
     tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     tokenizer_out = tokenizer_out or f"{output_prefix}.tokenizer.json"
-    # Fail (or succeed) on the output directories now, not after minutes of BPE training.
-    outputs = [output_prefix] if tokenizer is not None else [output_prefix, tokenizer_out]
-    for out in outputs:
-        os.makedirs(os.path.dirname(os.fspath(out)) or ".", exist_ok=True)
-    docs: Callable[[], Iterator[Document]] = lambda: iter_documents(paths, json_key=json_key)
-    notes: tuple[str, ...] = ()
+    outputs = {"the output": [*index_paths(output_prefix), Path(f"{output_prefix}.lock")]}
     if tokenizer is None:
-        assert vocab_size is not None
-        tokenizer, notes = _trained_tokenizer(docs, vocab_size, progress)
-    num_docs, num_tokens = encode_to_indexed(
-        docs(),
-        tokenizer,
-        output_prefix,
-        total_bytes=sum(p.stat().st_size for p in paths),
-        workers=workers,
-        progress=progress,
-        index_format=index_format,
-    )
-    if tokenizer_path is None:
-        # Saved only once encoding succeeded: a failed run leaves no orphan tokenizer.
-        tokenizer_path = tokenizer_out
-        save_tokenizer(tokenizer, tokenizer_path)
+        outputs["--tokenizer-out"] = [Path(tokenizer_out)]
+    _check_outputs_spare_inputs(paths, outputs)
+    # Fail (or succeed) on the output directories now, not after minutes of BPE training.
+    for directory in {p.parent for names in outputs.values() for p in names}:
+        _make_output_dir(directory)
+    docs = _InputDocuments(paths, json_key)
+    with _output_lock(output_prefix, [p for names in outputs.values() for p in names]) as notes:
+        if tokenizer is None:
+            assert vocab_size is not None
+            tokenizer, trained = _trained_tokenizer(lambda: iter(docs), vocab_size, progress)
+            notes.extend(trained)
+        num_docs, num_tokens = encode_to_indexed(
+            docs,
+            tokenizer,
+            output_prefix,
+            total_bytes=sum(p.stat().st_size for p in paths),
+            workers=workers,
+            progress=progress,
+            index_format=index_format,
+            source=lambda: docs.reading,
+        )
+        if tokenizer_path is None:
+            # Saved only once encoding succeeded: a failed run leaves no orphan tokenizer.
+            tokenizer_path = tokenizer_out
+            save_tokenizer(tokenizer, tokenizer_path)
     return PreprocessResult(
-        output_prefix, str(tokenizer_path), num_docs, num_tokens, tokenizer.get_vocab_size(), notes
+        output_prefix,
+        str(tokenizer_path),
+        num_docs,
+        num_tokens,
+        tokenizer.get_vocab_size(),
+        tuple(notes),
     )
+
+
+class _InputDocuments:
+    """The documents of ``paths`` in order; ``reading`` names the file being read."""
+
+    def __init__(self, paths: Sequence[Path], json_key: str | None) -> None:
+        self.paths, self.json_key, self.reading = paths, json_key, "the input"
+
+    def __iter__(self) -> Iterator[Document]:
+        for path in self.paths:
+            self.reading = str(path)
+            yield from iter_source(path, self.json_key)
+
+
+def _check_output_prefix(prefix: str) -> None:
+    """Refuse a prefix that names a directory: its files would be hidden ``dir/.bin``."""
+    if not prefix:
+        raise ValueError("--output-prefix is empty: give a file name prefix such as data/corpus")
+    if os.path.isdir(prefix) or os.path.basename(prefix) in ("", ".", ".."):
+        example = os.path.join(prefix.rstrip("/" + os.sep) or "/", "corpus")
+        raise IsADirectoryError(
+            f"--output-prefix {prefix} is a directory: give a file name prefix such as "
+            f"{example} (writes {example}.bin and {example}.idx)"
+        )
+
+
+def _check_outputs_spare_inputs(inputs: list[Path], outputs: dict[str, list[Path]]) -> None:
+    """Refuse, before anything is written, outputs that would overwrite an input, each other
+    or a directory, and an input given twice (its documents would be tokenized twice)."""
+    seen: dict[tuple[int, int], Path] = {}
+    for path in inputs:
+        st = path.stat()
+        if (st.st_dev, st.st_ino) in seen:
+            also = seen[st.st_dev, st.st_ino]
+            spelled = "" if str(also) == str(path) else f" (also as {also})"
+            raise ValueError(
+                f"input {path} is given twice{spelled}: its documents would be tokenized "
+                "twice; give each input once"
+            )
+        seen[st.st_dev, st.st_ino] = path
+    written: dict[str, str] = {}
+    for role, paths in outputs.items():
+        for out in paths:
+            key = os.path.abspath(out)
+            if key in written and written[key] != role:
+                raise ValueError(
+                    f"{out} would be written both as {role} and as {written[key]}: give "
+                    "another --tokenizer-out"
+                )
+            written[key] = role
+            if out.is_dir():
+                raise IsADirectoryError(f"{out} ({role}) is a directory: give another name")
+            if out.exists() and (out.stat().st_dev, out.stat().st_ino) in seen:
+                raise ValueError(
+                    f"{out} is an input and would be overwritten as {role}: preprocessing "
+                    "never overwrites its inputs; give another output name"
+                )
+
+
+def _make_output_dir(directory: Path) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocker = next(p for p in (directory, *directory.parents) if p.exists() and not p.is_dir())
+        raise NotADirectoryError(
+            f"cannot write into {directory}: {blocker} is a file, not a directory"
+        ) from None
+
+
+@contextlib.contextmanager
+def _output_lock(prefix: str, outputs: list[Path]) -> Iterator[list[str]]:
+    """Hold ``PREFIX.lock`` for the body, which gets a list of notes for the user.
+
+    A lock left by a run that died is taken over, and the temp files that runs which died
+    left beside the outputs are removed; the notes say so.
+    """
+    lock = f"{prefix}.lock"
+    try:
+        with pid_lock(lock) as dead_holder:
+            notes = []
+            if dead_holder is not None:
+                notes.append(
+                    f"took over {lock} from PID {dead_holder}, a run that did not end cleanly "
+                    "(no longer running)"
+                )
+            removed = [t for out in outputs for t in remove_dead_temps(out)]
+            if removed:
+                notes.append(
+                    f"removed {len(removed)} temporary file(s) of runs that died: "
+                    + ", ".join(str(t) for t in removed)
+                )
+            yield notes
+    except LockHeld as held:
+        raise LockHeld(
+            f"{prefix}.bin/.idx are being written by another run (PID {held.pid}, holding "
+            f"{lock}): wait for it to end, or give another --output-prefix",
+            held.pid,
+        ) from None
