@@ -272,3 +272,45 @@ def test_evaluate_refuses_ids_past_the_vocabulary_before_any_rank(corpus, tmp_pa
     assert len(err.splitlines()) == 1, err
     assert f"{prefix}.bin: token ids 0..{vocab + 100}, outside" in err
     assert f"vocabulary of {vocab} ids" in err
+
+
+def test_hf_dir_loss_is_transformers_own_loss(corpus, tmp_path, capsys):
+    """--hf-dir: a random 2-layer GPT-2 saved by transformers, loaded by the function
+    tools/generate.py uses (ModelSource.load → read_hf_dir). Its loss over every window of a
+    text file must be the mean cross-entropy of GPT2LMHeadModel's own logits on the same
+    windows. float32 in both, different kernels (attention, GELU-tanh, layer norm): rtol 1e-5
+    (reassociation over 32-wide sums is ~1e-7; a wrong weight or shift moves it by > 1e-2).
+    No --seq-len: with no recorded run it is the data default capped at the model's 32
+    positions (the default 128 used to fail mid-run, past GPT-2's position table)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    _, tokenizer_path = corpus
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    torch.manual_seed(11)
+    hf_cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=tokenizer.get_vocab_size()
+    )
+    hf_model = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    text = tmp_path / "held_out.txt"
+    text.write_text("def scale(width, height):\n    return width * height // 7\n" * 12)
+
+    ids = tokenizer.encode(text.read_text()).ids + [tokenizer.token_to_id("<|endoftext|>")]
+    seq = hf_cfg.n_positions
+    windows = [ids[i * seq : i * seq + seq + 1] for i in range((len(ids) - 1) // seq)]
+    with torch.no_grad():
+        # seq + 1 tokens would not fit 32 positions: transformers' logits of the first seq,
+        # scored against the next token of each.
+        losses = [
+            F.cross_entropy(hf_model(torch.tensor([w[:-1]])).logits[0], torch.tensor(w[1:])).item()
+            for w in windows
+        ]
+    reference = sum(losses) / len(losses)
+
+    argv = ["--hf-dir", str(tmp_path / "hf"), "--tokenizer", tokenizer_path, "--text", str(text)]
+    assert main([*argv, "--micro-batch", "1", "--device", "cpu"]) == 0, capsys.readouterr().err
+    result = json.loads(capsys.readouterr().out)
+    assert (result["sequences"], result["seq_len"]) == (len(windows), seq)
+    assert len(windows) >= 3
+    torch.testing.assert_close(result["loss"], reference, rtol=1e-5, atol=0)
