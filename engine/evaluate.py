@@ -124,7 +124,7 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
     """What can be wrong before a rank starts (ValueError, one line); returns ``cfg`` with
     the number of micro-batches to read settled."""
     from engine.data.indexed import check_token_ids
-    from engine.data.pipeline import eval_iterator, load_tokenizer
+    from engine.data.pipeline import eval_iterator
     from engine.data.preprocess import EOD_TOKEN
 
     where = args.ckpt or args.hf_dir
@@ -136,7 +136,7 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
             f"--seq-len {cfg.data.seq_len}: the model has {cfg.model.max_positions} positions; "
             f"pass --seq-len {cfg.model.max_positions} or less"
         )
-    tokenizer = load_tokenizer(cfg.data)
+    tokenizer = _readable_tokenizer(cfg.data.tokenizer)
     if tokenizer.get_vocab_size() > cfg.model.vocab_size:
         raise ValueError(
             f"{cfg.data.tokenizer} has {tokenizer.get_vocab_size()} ids, more than "
@@ -146,6 +146,17 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
         check_token_ids(prefix, cfg.model.vocab_size, eod_id=tokenizer.token_to_id(EOD_TOKEN))
     valid, _ = eval_iterator(cfg, args.split, tokenizer)  # ValueError: the split is too small
     return _settle_batches(args, cfg, len(valid.dataset))
+
+
+def _readable_tokenizer(path: str):
+    """The tokenizer at ``path``; ValueError (one line) when it is not a tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        first = (str(err).splitlines() or [type(err).__name__])[0][:120]
+        raise ValueError(f"--tokenizer {path} is not a tokenizer.json ({first})") from None
 
 
 def _settle_batches(args: argparse.Namespace, cfg: Config, sequences: int) -> Config:
@@ -246,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(
                         f"no tokenizer for {args.ckpt or args.hf_dir}: pass --tokenizer PATH"
                     )
+                _readable_tokenizer(tokenizer)
                 text_prefix = _tokenize_text(args.text, tokenizer, tmp)
             result = _evaluate(args, text_prefix)
     except (OSError, ValueError, KeyError, CheckpointError) as err:

@@ -53,7 +53,10 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
     """``[b, V]`` float logits → ``[b]`` ids, by argmax or by sampling after the filters."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    logits = logits / sampling.temperature
+    # Shift the largest logit to 0 and divide in float64: a tiny temperature (any float > 0)
+    # then sends the others towards -inf, greedy in the limit, where float32 logits divided
+    # by it overflowed (or met 0 / 0) and the sampler raised on nan probabilities.
+    logits = (logits - logits.max(dim=-1, keepdim=True).values).double() / sampling.temperature
     if sampling.top_k > 0:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -117,6 +117,20 @@ def test_sampling_refuses_what_the_flags_refuse():
     assert generate_batch(model, [[1]], 1, Sampling(seed=2**64 - 1)) != [[]]
 
 
+def test_a_tiny_temperature_samples_the_argmax():
+    """1e-300 is a valid temperature: it used to overflow the largest logit to inf and the
+    sampler to raise on nan probabilities; in the limit it is greedy."""
+    import torch
+
+    from engine.generate import next_tokens
+
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [1.0, -2.0, 0.0, 0.99]])
+    generator = torch.Generator().manual_seed(0)
+    for temperature in (1e-300, 5e-324, 1e-30):
+        got = next_tokens(logits, Sampling(temperature=temperature), generator)
+        assert got.tolist() == [1, 0]
+
+
 EVALUATE = [
     (["--batches", str(10**9)], f"--batches {10**9}: the valid split holds"),
     (["--micro-batch", str(10**12)], f"fewer than one micro-batch of {10**12}"),
@@ -125,6 +139,7 @@ EVALUATE = [
     (["--batches", "-3"], "argument --batches: -3 must be >= 1"),
     (["--tp-size", "0"], "argument --tp-size: 0 must be >= 1"),
     (["--split", "dev"], "argument --split: invalid choice: 'dev'"),
+    (["--tokenizer", __file__], "test_bad_tool_args.py is not a tokenizer.json ("),
 ]
 
 
