@@ -21,44 +21,64 @@ from engine.checkpoint.storage import CheckpointError
 from engine.config import sized_dims
 from engine.generate import Sampling
 from engine.inference import ModelSource
+from engine.tool_args import (
+    ArgumentParser,
+    non_empty,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+    seed_int,
+)
 
 DTYPES = ("float32", "float64", "bfloat16")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="generate", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="training checkpoint root (or step dir) or model export dir")
     src.add_argument("--hf-dir", help="local Hugging Face GPT-2 directory")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the one saved with the data)")
-    p.add_argument("--prompt", action="append", required=True, help="repeatable: one per sample")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks to start")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        type=non_empty,
+        required=True,
+        help="repeatable: one per sample",
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks to start")
     p.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40, help="0: no top-k filter")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
-    p.add_argument("--stop", action="append", default=[], help="repeatable: end a sample at it")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=positive_float, default=0.8, help="finite, > 0")
+    p.add_argument("--top-k", type=non_negative_int, default=40, help="0: no top-k filter")
+    p.add_argument(
+        "--top-p", type=probability, default=1.0, help="nucleus sampling, (0, 1]; 1: off"
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        type=non_empty,
+        default=[],
+        help="repeatable: end a sample at this (non-empty) text",
+    )
+    p.add_argument("--seed", type=seed_int, default=0, help="0 .. 2**64 - 1")
     p.add_argument("--no-kv-cache", action="store_true", help="re-encode the context each token")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     return p.parse_args(argv)
 
 
 def check(args: argparse.Namespace) -> str:
-    """Everything that can be wrong before a rank starts; returns the tokenizer path."""
+    """Everything that can be wrong before a rank starts, past what the parser's types
+    refuse (each flag's own range); returns the tokenizer path."""
     source = ModelSource(args.ckpt, args.hf_dir)
     cfg = source.config()
     if not cfg.causal:
         raise ValueError(
             f"{args.ckpt or args.hf_dir} holds a {cfg.arch} model; only decoders (gpt, llama) generate"
         )
-    if args.tp_size < 1:
-        raise ValueError(f"--tp-size {args.tp_size} must be >= 1")
     cfg.validate(args.tp_size)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     sampling(args).check()
     tokenizer = args.tokenizer or source.tokenizer_path()
     if tokenizer is None or not os.path.isfile(tokenizer):
@@ -66,8 +86,6 @@ def check(args: argparse.Namespace) -> str:
             f"no tokenizer for {args.ckpt or args.hf_dir}: pass --tokenizer PATH (the "
             "PREFIX.tokenizer.json saved with the training data, or a tokenizer.json)"
         )
-    if any(not p for p in args.prompt):
-        raise ValueError("--prompt must not be empty")
     if args.hf_dir:
         from engine.hf_interop import hf_weight_files
 

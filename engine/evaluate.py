@@ -13,6 +13,12 @@ loss. ``--data PREFIX`` picks another preprocessed set and ``--text FILE`` a pla
 (tokenized into a temporary directory with the model's tokenizer, all of it in the split,
 every full micro-batch read). The loss is the trainer's: the mean over micro-batches, each
 on DP rank j mod dp_size, so it does not depend on dp_size.
+
+Before any rank starts, the data's ids are checked against the model's vocabulary (and its
+index against its ``.bin``), and ``--batches`` may ask for no more micro-batches than the
+split holds (only the recorded ``trainer.eval_batches`` reads on into a reshuffled second
+epoch, as the trainer's validation did). With no recorded run, ``--seq-len`` defaults to
+the data config's, capped at the model's positions.
 """
 
 from __future__ import annotations
@@ -96,7 +102,10 @@ def evaluation_config(args: argparse.Namespace, text_prefix: str | None = None) 
         raise ValueError(
             f"{args.ckpt or args.hf_dir} records no training data: pass --data or --text"
         )
-    data = dataclasses.replace(data, tokenizer=tokenizer, seq_len=args.seq_len or data.seq_len)
+    seq_len = args.seq_len or (
+        data.seq_len if source.kind() == "training" else min(data.seq_len, cfg.model.max_positions)
+    )
+    data = dataclasses.replace(data, tokenizer=tokenizer, seq_len=seq_len)
     mb = args.micro_batch or trainer.micro_batch
     trainer = dataclasses.replace(
         trainer,
@@ -114,27 +123,63 @@ def evaluation_config(args: argparse.Namespace, text_prefix: str | None = None) 
 def check(args: argparse.Namespace, cfg: Config) -> Config:
     """What can be wrong before a rank starts (ValueError, one line); returns ``cfg`` with
     the number of micro-batches to read settled."""
-    from engine.data.pipeline import eval_iterator, load_tokenizer
+    from engine.data.indexed import check_token_ids
+    from engine.data.pipeline import eval_iterator
+    from engine.data.preprocess import EOD_TOKEN
 
     where = args.ckpt or args.hf_dir
     if cfg.data.tokenizer is None or not os.path.isfile(cfg.data.tokenizer):
         raise ValueError(f"no tokenizer for {where}: pass --tokenizer PATH")
     cfg.model.validate(args.tp_size)
-    tokenizer = load_tokenizer(cfg.data)
+    if cfg.data.seq_len > cfg.model.max_positions:
+        raise ValueError(
+            f"--seq-len {cfg.data.seq_len}: the model has {cfg.model.max_positions} positions; "
+            f"pass --seq-len {cfg.model.max_positions} or less"
+        )
+    tokenizer = _readable_tokenizer(cfg.data.tokenizer)
     if tokenizer.get_vocab_size() > cfg.model.vocab_size:
         raise ValueError(
             f"{cfg.data.tokenizer} has {tokenizer.get_vocab_size()} ids, more than "
             f"the model's vocabulary ({cfg.model.vocab_size}): not its tokenizer"
         )
+    for prefix in cfg.data.prefixes:  # ids past the vocabulary: a traceback or a wrong loss
+        check_token_ids(prefix, cfg.model.vocab_size, eod_id=tokenizer.token_to_id(EOD_TOKEN))
     valid, _ = eval_iterator(cfg, args.split, tokenizer)  # ValueError: the split is too small
-    # More micro-batches than the split holds read on into its next epoch (reshuffled), as
-    # the trainer's validation does: the same numbers, so the same rule.
-    batches = cfg.trainer.eval_batches or len(valid.dataset) // cfg.trainer.micro_batch
-    if batches < 1:
+    return _settle_batches(args, cfg, len(valid.dataset))
+
+
+def _readable_tokenizer(path: str):
+    """The tokenizer at ``path``; ValueError (one line) when it is not a tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as err:  # noqa: BLE001 - the tokenizers library raises plain Exception
+        first = (str(err).splitlines() or [type(err).__name__])[0][:120]
+        raise ValueError(f"--tokenizer {path} is not a tokenizer.json ({first})") from None
+
+
+def _settle_batches(args: argparse.Namespace, cfg: Config, sequences: int) -> Config:
+    """``cfg`` with the micro-batches to read settled, refusing work the split cannot give."""
+    mb = cfg.trainer.micro_batch
+    held = sequences // mb
+    if held < 1:
         raise ValueError(
-            f"the {args.split} split holds {len(valid.dataset)} sequences of "
-            f"{cfg.data.seq_len} tokens, fewer than one micro-batch of "
-            f"{cfg.trainer.micro_batch}: lower --micro-batch or --seq-len"
+            f"the {args.split} split holds {sequences} sequences of {cfg.data.seq_len} tokens, "
+            f"fewer than one micro-batch of {mb}: lower --micro-batch or --seq-len"
+        )
+    if args.batches is not None and args.batches > held:
+        raise ValueError(
+            f"--batches {args.batches}: the {args.split} split holds {held} micro-batches of "
+            f"{mb} sequences; pass --batches {held} or fewer"
+        )
+    # The recorded eval_batches may read on into the split's next epoch (reshuffled), as the
+    # trainer's validation did: the same numbers, so the same rule.
+    batches = cfg.trainer.eval_batches or held
+    if args.dp_size > batches:
+        raise ValueError(
+            f"--dp-size {args.dp_size}: more data-parallel ranks than the {batches} "
+            f"micro-batches read; pass --dp-size {batches} or fewer"
         )
     return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, eval_batches=batches))
 
@@ -213,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise ValueError(
                         f"no tokenizer for {args.ckpt or args.hf_dir}: pass --tokenizer PATH"
                     )
+                _readable_tokenizer(tokenizer)
                 text_prefix = _tokenize_text(args.text, tokenizer, tmp)
             result = _evaluate(args, text_prefix)
     except (OSError, ValueError, KeyError, CheckpointError) as err:

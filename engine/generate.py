@@ -14,6 +14,7 @@ columns of the vocabulary are never sampled.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,20 +38,25 @@ class Sampling:
     seed: int = 0  # seed of the sampling generator (the same on every rank)
 
     def check(self) -> None:
-        """Raise ValueError naming the bad value."""
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        """Raise ValueError naming the bad value (nan and inf included)."""
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be > 0 and finite, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.seed <= 2**64 - 1:  # torch.Generator.manual_seed's range, as uint64
+            raise ValueError(f"seed must be in 0 .. 2**64 - 1, got {self.seed}")
 
 
 def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator):
     """``[b, V]`` float logits → ``[b]`` ids, by argmax or by sampling after the filters."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    logits = logits / sampling.temperature
+    # Shift the largest logit to 0 and divide in float64: a tiny temperature (any float > 0)
+    # then sends the others towards -inf, greedy in the limit, where float32 logits divided
+    # by it overflowed (or met 0 / 0) and the sampler raised on nan probabilities.
+    logits = (logits - logits.max(dim=-1, keepdim=True).values).double() / sampling.temperature
     if sampling.top_k > 0:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -77,6 +83,8 @@ def generate_batch(
     """The new ids of each prompt (at most ``max_new_tokens``; fewer once ``stop(row,
     new_ids)`` says so). Beyond ``max_positions`` the context window slides (no cache then)."""
     sampling.check()
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     was_training = model.training

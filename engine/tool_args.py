@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import NoReturn
 
@@ -26,11 +27,52 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def seed_int(text: str) -> int:
+    """argparse type: a random seed, an integer in 0 .. 2**64 - 1 (what torch.manual_seed takes)."""
+    value = _int_at_least(text, 0)
+    if value > SEED_MAX:
+        raise argparse.ArgumentTypeError(f"{value} must be in 0 .. 2**64 - 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (not nan, not inf)."""
+    value = _float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
+
+
+def probability(text: str) -> float:
+    """argparse type: a number in (0, 1] (not nan)."""
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
+    return value
+
+
+def non_empty(text: str) -> str:
+    """argparse type: a string of at least one character."""
+    if not text:
+        raise argparse.ArgumentTypeError("'' must not be empty")
+    return text
+
+
+SEED_MAX = 2**64 - 1
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
 def _int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    except ValueError:  # also a literal too long for int() (sys.get_int_max_str_digits)
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer") from None
     if value < least:
         raise argparse.ArgumentTypeError(f"{value} must be >= {least}")
     return value

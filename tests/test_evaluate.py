@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import struct
 from argparse import Namespace
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.checkpoint.format import write_checkpoint
+from engine.data.indexed import IndexedDataset, IndexedDatasetWriter, check_token_ids
 from engine.evaluate import check, evaluation_config, main, worker
 from engine.inference import ModelSource
 from engine.models import build_model
@@ -163,3 +167,143 @@ def _exit_code(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as stop:  # argparse's own errors
         return stop.code
+
+
+# Token ids past the model's vocabulary (issue 39): at tp >= 2 a vocab-parallel shard's
+# lookup of such an id reads nothing and the loss looks plausible; at tp = 1 it fails mid-run.
+_MAX_TOKEN_AT = 48  # byte offset of max_token in a meshtron .idx (after the 40-byte header)
+
+
+def _ids_up_to(prefix: Path, top: int, eod: int, vocab: int = 1000) -> None:
+    """A meshtron pair of 40 documents with ids 0 .. ``top`` (``top`` itself included)."""
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(prefix, vocab_size=vocab, eod_id=eod) as writer:
+        for _ in range(40):
+            writer.add_document(np.append(rng.integers(0, top, 100), top))
+
+
+def _set_max_token(prefix: Path, value: int) -> None:
+    raw = bytearray(Path(f"{prefix}.idx").read_bytes())
+    struct.pack_into("<q", raw, _MAX_TOKEN_AT, value)
+    Path(f"{prefix}.idx").write_bytes(bytes(raw))
+
+
+def _as_version_2(prefix: Path) -> None:
+    """Rewrite ``PREFIX.idx`` as the version 2 writer did: no trailing index checksum."""
+    raw = Path(f"{prefix}.idx").read_bytes()
+    if struct.unpack_from("<I", raw, 8)[0] == 2:
+        return  # written by a version 2 writer already
+    Path(f"{prefix}.idx").write_bytes(raw[:8] + struct.pack("<I", 2) + raw[12:-32])
+
+
+def test_an_index_whose_id_range_lies_is_refused(tmp_path):
+    """The header claims a largest id of 300 where the .bin holds 899, which a 512-id
+    vocabulary would have passed: verify() reads the ids with the checksum and refuses,
+    naming the file and both ranges. A damaged index checksum is refused too."""
+    prefix = tmp_path / "liar"
+    _ids_up_to(prefix, 899, eod=1)
+    assert IndexedDataset(prefix).token_range == (0, 899)
+    IndexedDataset(prefix).verify(1000)
+    _set_max_token(prefix, 300)
+    with pytest.raises(ValueError, match=r"liar.idx: records token ids 0\.\.300 but liar.bin"):
+        check_token_ids(prefix, 512)
+    _set_max_token(prefix, 899)
+    raw = bytearray(Path(f"{prefix}.idx").read_bytes())
+    raw[-1] ^= 1
+    Path(f"{prefix}.idx").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="liar.idx: header or document offsets do not match"):
+        check_token_ids(prefix, 1000)
+
+
+def test_a_version_2_index_still_loads_and_its_range_is_checked_against_the_data(tmp_path):
+    """A version 2 index (range recorded, no checksum over it) loads and verifies; one whose
+    recorded range lies is refused by verify(), which reads the ids while it hashes."""
+    prefix = tmp_path / "old"
+    _ids_up_to(prefix, 899, eod=1)
+    _as_version_2(prefix)
+    old = IndexedDataset(prefix)
+    assert (old.version, old.token_range) == (2, (0, 899))
+    old.verify(1000)
+    _set_max_token(prefix, 300)
+    with pytest.raises(ValueError, match=r"records token ids 0\.\.300 but old.bin holds 0\.\.899"):
+        IndexedDataset(prefix).verify(1000)
+    _set_max_token(prefix, 899)  # an honest header again: a smaller vocabulary refuses it
+    with pytest.raises(
+        ValueError, match=r"old.bin: token ids 0\.\.899, outside the model's vocabulary of 512"
+    ):
+        check_token_ids(prefix, 512)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_evaluate_refuses_ids_past_the_vocabulary_before_any_rank(corpus, tmp_path, tp, capsys):
+    """--data made with a larger vocabulary: one line naming the .bin, its largest id and
+    the model's vocabulary, exit 2, and no rank started (a traceback at tp=1 and a
+    plausible loss at tp=2 before)."""
+    from tokenizers import Tokenizer
+
+    import engine.evaluate
+    import engine.launching
+
+    _, tokenizer_path = corpus
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    vocab = tokenizer.get_vocab_size()
+    cfg = preset("gpt_tiny", vocab_size=vocab, hidden_size=32, num_heads=4, max_positions=64)
+    export = tmp_path / "export"
+    write_checkpoint(export, build_model(cfg).full_state_dict(), cfg, tokenizer=tokenizer_path)
+    prefix = tmp_path / "wide"
+    _ids_up_to(prefix, vocab + 100, eod=tokenizer.token_to_id("<|endoftext|>"), vocab=2 * vocab)
+
+    def no_rank(*args, **kwargs):
+        raise AssertionError("a rank started")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(engine.evaluate, "worker", no_rank)
+        mp.setattr(engine.launching, "launch_workers", no_rank)
+        argv = ["--ckpt", str(export), "--data", str(prefix), "--seq-len", "32"]
+        assert _exit_code([*argv, "--tp-size", str(tp), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"{prefix}.bin: token ids 0..{vocab + 100}, outside" in err
+    assert f"vocabulary of {vocab} ids" in err
+
+
+def test_hf_dir_loss_is_transformers_own_loss(corpus, tmp_path, capsys):
+    """--hf-dir: a random 2-layer GPT-2 saved by transformers, loaded by the function
+    tools/generate.py uses (ModelSource.load → read_hf_dir). Its loss over every window of a
+    text file must be the mean cross-entropy of GPT2LMHeadModel's own logits on the same
+    windows. float32 in both, different kernels (attention, GELU-tanh, layer norm): rtol 1e-5
+    (reassociation over 32-wide sums is ~1e-7; a wrong weight or shift moves it by > 1e-2).
+    No --seq-len: with no recorded run it is the data default capped at the model's 32
+    positions (the default 128 used to fail mid-run, past GPT-2's position table)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    _, tokenizer_path = corpus
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    torch.manual_seed(11)
+    hf_cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, n_positions=32, vocab_size=tokenizer.get_vocab_size()
+    )
+    hf_model = transformers.GPT2LMHeadModel(hf_cfg).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    text = tmp_path / "held_out.txt"
+    text.write_text("def scale(width, height):\n    return width * height // 7\n" * 12)
+
+    ids = tokenizer.encode(text.read_text()).ids + [tokenizer.token_to_id("<|endoftext|>")]
+    seq = hf_cfg.n_positions
+    windows = [ids[i * seq : i * seq + seq + 1] for i in range((len(ids) - 1) // seq)]
+    with torch.no_grad():
+        # seq + 1 tokens would not fit 32 positions: transformers' logits of the first seq,
+        # scored against the next token of each.
+        losses = [
+            F.cross_entropy(hf_model(torch.tensor([w[:-1]])).logits[0], torch.tensor(w[1:])).item()
+            for w in windows
+        ]
+    reference = sum(losses) / len(losses)
+
+    argv = ["--hf-dir", str(tmp_path / "hf"), "--tokenizer", tokenizer_path, "--text", str(text)]
+    assert main([*argv, "--micro-batch", "1", "--device", "cpu"]) == 0, capsys.readouterr().err
+    result = json.loads(capsys.readouterr().out)
+    assert (result["sequences"], result["seq_len"]) == (len(windows), seq)
+    assert len(windows) >= 3
+    torch.testing.assert_close(result["loss"], reference, rtol=1e-5, atol=0)

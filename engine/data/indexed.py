@@ -3,7 +3,7 @@
 ``.idx`` layout (little endian)::
 
     magic       8 bytes   b"MSHTIDX\\0"
-    version     uint32    2 (1: written before the fields marked v2; still read)
+    version     uint32    3 (1, 2: written before the fields marked v2, v3; still read)
     itemsize    uint8     2 (uint16 ids) or 4 (uint32 ids)
     padding     3 bytes
     eod_id      int64     token id appended after every document
@@ -13,10 +13,15 @@
     max_token   int64     v2: largest id in the .bin (-1 when it is empty)
     bin_sha256  32 bytes  v2: SHA-256 of the whole .bin
     doc_offsets int64[num_docs + 1]   token offset of each document start, then the total
+    idx_sha256  32 bytes  v3: SHA-256 of every byte of the .idx before it
 
 Document ``i`` is ``tokens[doc_offsets[i]:doc_offsets[i + 1]]`` and ends with ``eod_id``.
-The recorded token range lets a run check the ids against its vocabulary without reading
-the data; the checksum is what makes that record trustworthy (:meth:`IndexedDataset.verify`).
+The recorded token range lets a run check the ids against its vocabulary. ``bin_sha256``
+covers the data and ``idx_sha256`` every header field (the range and ``bin_sha256``
+included) and the offsets. :meth:`IndexedDataset.verify` checks both and compares the
+recorded range with the ids it reads, so a header that claims a smaller largest id than the
+data holds is refused. A version 2 index (a range no checksum covered) still loads and
+verifies the same way, less the index checksum.
 
 :class:`IndexedDataset` also reads Megatron-LM's ``.idx`` (see ``megatron_index``), told apart
 by its magic; :class:`IndexedDatasetWriter` writes either; :func:`convert_index` rewrites one
@@ -42,9 +47,10 @@ from engine.data.megatron_index import (
 )
 
 MAGIC = b"MSHTIDX\0"
-VERSION = 2
+VERSION = 3
 _HEADER = struct.Struct("<8sIB3xqQQ")
 _HEADER_V2 = struct.Struct("<qq32s")  # follows _HEADER from version 2 on
+_TRAILER_V3 = 32  # bytes of idx_sha256, after the document offsets, from version 3 on
 _CHUNK_BYTES = 8 << 20
 _DTYPES = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 INDEX_FORMATS = ("meshtron", "megatron")
@@ -114,9 +120,9 @@ class IndexedDataset:
                 f"{self.idx_path}: neither a meshtron nor a Megatron index (bad magic)"
             )
         _, version, itemsize, eod_id, num_docs, num_tokens = _HEADER.unpack_from(header)
-        if version not in (1, VERSION):
+        if version not in (1, 2, VERSION):
             raise ValueError(
-                f"{self.idx_path}: index version {version}, this reads 1 and {VERSION}; "
+                f"{self.idx_path}: index version {version}, this reads 1 to {VERSION}; "
                 "re-run tools/preprocess_data.py"
             )
         if itemsize not in _DTYPES:
@@ -132,7 +138,7 @@ class IndexedDataset:
             lo, hi, digest = _HEADER_V2.unpack_from(header, _HEADER.size)
             self.token_range, self.bin_sha256 = (int(lo), int(hi)), digest.hex()
             offsets_at += _HEADER_V2.size
-        idx_size = offsets_at + 8 * (num_docs + 1)
+        idx_size = offsets_at + 8 * (num_docs + 1) + (_TRAILER_V3 if version >= 3 else 0)
         if self.idx_path.stat().st_size != idx_size:
             raise ValueError(
                 f"{self.idx_path}: {self.idx_path.stat().st_size} bytes, expected {idx_size} "
@@ -174,29 +180,47 @@ class IndexedDataset:
     def verify(self, vocab_size: int) -> None:
         """Raise ValueError naming the file unless every id fits a vocabulary of ``vocab_size``.
 
-        Reads the ``.bin`` once: against the recorded SHA-256 (version 2), which makes the
-        recorded token range trustworthy, or to find the range (version 1). Also checks that
-        every document ends with ``eod_id``.
+        Reads the ``.bin`` once, for its SHA-256 and its id range: the SHA-256 must be the
+        recorded one and the range the recorded one (versions 2 and 3), and the range must lie
+        in the vocabulary (ids past it read nothing from a vocab-parallel shard at tp >= 2).
+        Also checks that every document ends with ``eod_id``, and last the index's own
+        checksum (version 3), so that a field's own check names it first.
         """
         if self.eod_id is not None and not 0 <= self.eod_id < vocab_size:
             raise ValueError(
                 f"{self.idx_path}: eod_id={self.eod_id} is outside the model's vocabulary of "
                 f"{vocab_size} ids; the index is damaged or made with another tokenizer"
             )
-        lo, hi = self.token_range if self.token_range is not None else self._scan_range()
-        if self.bin_sha256 is not None and self._sha256() != self.bin_sha256:
+        digest, (lo, hi) = self._read_bin()
+        if self.bin_sha256 is not None and digest != self.bin_sha256:
             raise ValueError(
                 f"{self.bin_path}: SHA-256 does not match the one {self.idx_path.name} recorded "
                 "(changed or damaged after preprocessing); re-run tools/preprocess_data.py"
             )
+        if self.token_range is not None and self.token_range != (lo, hi):
+            raise ValueError(
+                f"{self.idx_path}: records token ids {self.token_range[0]}..{self.token_range[1]}"
+                f" but {self.bin_path.name} holds {lo}..{hi}; the index is damaged: re-run "
+                "tools/preprocess_data.py"
+            )
         if self.num_tokens and (lo < 0 or hi >= vocab_size):
             raise ValueError(
                 f"{self.bin_path}: token ids {lo}..{hi}, outside the model's vocabulary of "
-                f"{vocab_size} ids (model.vocab_size); preprocess with the run's tokenizer"
+                f"{vocab_size} ids (model.vocab_size; largest id {hi}); the data was made with "
+                "another tokenizer: preprocess it with the model's"
             )
         # Megatron appends an end-of-document id only when asked (--append-eod).
         if self.format == "meshtron":
             self._check_doc_ends()
+        if self.version >= 3 and not self._index_intact():
+            raise ValueError(
+                f"{self.idx_path}: header or document offsets do not match the index's "
+                "checksum (edited or damaged after preprocessing); re-run tools/preprocess_data.py"
+            )
+
+    def _index_intact(self) -> bool:
+        raw = self.idx_path.read_bytes()
+        return hashlib.sha256(raw[:-_TRAILER_V3]).digest() == raw[-_TRAILER_V3:]
 
     def _check_doc_ends(self) -> None:
         ends = self.tokens[self.doc_offsets[1:] - 1] if len(self) else np.empty(0)
@@ -212,18 +236,15 @@ class IndexedDataset:
         for start in range(0, self.num_tokens, step):
             yield np.asarray(self.tokens[start : start + step])
 
-    def _sha256(self) -> str:
-        digest = hashlib.sha256()
-        for chunk in self._chunks():
-            digest.update(chunk.tobytes())
-        return digest.hexdigest()
-
-    def _scan_range(self) -> tuple[int, int]:
-        lo, hi = 0, -1
+    def _read_bin(self) -> tuple[str, tuple[int, int]]:
+        """SHA-256 (hex) and ``(min, max)`` id of the ``.bin`` (``(0, -1)`` when empty), in
+        one pass."""
+        digest, lo, hi = hashlib.sha256(), 0, -1
         for i, chunk in enumerate(self._chunks()):
+            digest.update(chunk.tobytes())
             lo = int(chunk.min()) if i == 0 else min(lo, int(chunk.min()))
             hi = max(hi, int(chunk.max()))
-        return lo, hi
+        return digest.hexdigest(), (lo, hi)
 
     @property
     def num_tokens(self) -> int:
@@ -343,8 +364,25 @@ class IndexedDatasetWriter:
 def _meshtron_index_bytes(
     dtype: np.dtype, eod_id: int, offsets: np.ndarray, token_range, sha256: bytes
 ) -> bytes:
+    offsets = np.asarray(offsets, dtype=np.int64)
     header = _HEADER.pack(MAGIC, VERSION, dtype.itemsize, eod_id, len(offsets) - 1, offsets[-1])
-    return header + _HEADER_V2.pack(*token_range, sha256) + offsets.astype(np.int64).tobytes()
+    body = header + _HEADER_V2.pack(*token_range, sha256) + offsets.tobytes()
+    return body + hashlib.sha256(body).digest()
+
+
+def check_token_ids(
+    dataset: IndexedDataset | str | os.PathLike, vocab_size: int, *, eod_id: int | None = None
+) -> None:
+    """Refuse (ValueError, one line naming the file and the largest id) data whose ids do
+    not all fit a model's vocabulary of ``vocab_size``, or whose index disagrees with its
+    ``.bin``. ``dataset`` is an opened set or a ``PREFIX`` (``eod_id``: for a Megatron index).
+
+    Run it before the first step: past the vocabulary, a TP shard's embedding lookup reads
+    nothing at tp >= 2 and the run trains on silently (at tp = 1 it fails mid-step).
+    """
+    if not isinstance(dataset, IndexedDataset):
+        dataset = IndexedDataset(dataset, eod_id=eod_id)
+    dataset.verify(vocab_size)
 
 
 def convert_index(prefix: str | os.PathLike, to: str, *, eod_id: int | None = None) -> str:
@@ -359,7 +397,7 @@ def convert_index(prefix: str | os.PathLike, to: str, *, eod_id: int | None = No
     dataset = IndexedDataset(prefix, eod_id=eod_id)
     if dataset.format == to:
         raise ValueError(f"{dataset.idx_path} is already a {to} index")
-    lo, hi = dataset._scan_range()
+    digest, (lo, hi) = dataset._read_bin()
     if dataset.num_tokens and (lo < 0 or hi >= 2**31):
         raise ValueError(
             f"{dataset.bin_path}: token ids {lo}..{hi} are not token ids of a vocabulary"
@@ -375,13 +413,15 @@ def convert_index(prefix: str | os.PathLike, to: str, *, eod_id: int | None = No
     if to == "megatron":
         index = megatron_index_bytes(dtype, *dataset.sequences())
     else:
-        index = _meshtron_index_from(dataset, dtype, (lo, hi))
+        index = _meshtron_index_from(dataset, dtype, (lo, hi), bytes.fromhex(digest))
     with atomic_output(dataset.idx_path) as tmp:
         tmp.write_bytes(index)
     return dataset.format
 
 
-def _meshtron_index_from(dataset: IndexedDataset, dtype: np.dtype, token_range) -> bytes:
+def _meshtron_index_from(
+    dataset: IndexedDataset, dtype: np.dtype, token_range, digest: bytes
+) -> bytes:
     if dataset.eod_id is None:
         raise ValueError(
             f"{dataset.idx_path}: a meshtron index records the end-of-document id; give "
@@ -396,5 +436,4 @@ def _meshtron_index_from(dataset: IndexedDataset, dtype: np.dtype, token_range) 
             f"with eod_id={dataset.eod_id} (made without Megatron's --append-eod, or another "
             "tokenizer); meshtron's format needs one after every document"
         )
-    digest = bytes.fromhex(dataset._sha256())
     return _meshtron_index_bytes(dtype, dataset.eod_id, dataset.doc_offsets, token_range, digest)
