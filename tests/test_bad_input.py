@@ -619,7 +619,7 @@ TOOLS = [
         "checkpoint",
         ["convert", "{ck}", "--tp-size", "2", "--dp-size", "1", "--out", "{ck}"],
         2,
-        "is the source checkpoint's own directory: convert never rewrites its input",
+        "is inside the source run's checkpoint root",
     ),
     (
         "bench_generate_heads_3",
