@@ -58,11 +58,12 @@ def launch_workers(
     return elastic_launch(config, fn)(*args)
 
 
-def share_cores(ps) -> str | None:
+def share_cores(ps, *, max_threads: int | None = None) -> str | None:
     """Give each CPU rank its share of the cores this process may use, as torchrun does,
     unless OMP_NUM_THREADS says otherwise: oversubscribed intra-op threads spin against
-    each other and can slow a step down several-fold. Returns the line that says what was
-    chosen (``None`` on a GPU rank). ``ps``: the rank's ParallelState."""
+    each other and can slow a step down several-fold. ``max_threads`` caps the share (a
+    model whose ops are too small to gain from intra-op threads). Returns the line that
+    says what was chosen (``None`` on a GPU rank). ``ps``: the rank's ParallelState."""
     import torch
 
     from parallel_state.launcher import detect_launch
@@ -75,10 +76,12 @@ def share_cores(ps) -> str | None:
     # No launcher (a test harness, a notebook): assume every rank shares this machine.
     local = ps.world_size if info.launcher == "none" else info.local_world_size or 1
     cores = usable_cores()
-    torch.set_num_threads(max(1, cores // local))
+    share = max(1, cores // local)
+    torch.set_num_threads(min(share, max_threads) if max_threads else share)
+    capped = f", capped at {max_threads}" if max_threads and max_threads < share else ""
     return (
         f"threads: {torch.get_num_threads()} per rank ({cores} usable cores / {local} "
-        f"rank{'s' if local > 1 else ''} on this node; OMP_NUM_THREADS=N overrides)"
+        f"rank{'s' if local > 1 else ''} on this node{capped}; OMP_NUM_THREADS=N overrides)"
     )
 
 
