@@ -131,3 +131,16 @@ def test_bench_kernel_host_refuses_without_a_gpu_in_one_line(tmp_path):
         "bench_kernel_host.py: needs a CUDA GPU (it times GPU kernels)"
     ], out.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_bench_kernels_without_a_gpu_refuses_in_one_line_pointing_to_smoke(
+    tmp_path, monkeypatch, capsys
+):
+    """The full sweep on a CPU (the Triton interpreter) ran for minutes saying nothing:
+    without --smoke it is refused at once, in one line, and nothing is written."""
+    bench = _load("bench_kernels", monkeypatch)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert _exit_code(bench.main, ["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--smoke" in err, err
+    assert not (tmp_path / "out").exists()
