@@ -130,8 +130,11 @@ class RunLogger:
                 self.file_console.print(*args, soft_wrap=True, **kwargs)
                 self.log_file.flush()
 
-    def advance(self, step: int, status: str) -> None:
+    def advance(self, step: int, loss: float) -> None:
+        """Move the bar to ``step``, showing that step's loss on this rank: the mean over
+        its own micro-batches, not the step lines' mean over ranks and logged steps."""
         if self.progress is not None:
+            status = f"step loss {loss:.3f} (rank 0's batches)"  # the bar is rank 0's
             self.progress.update(self.task, completed=step, status=status)
 
     def resumed_at(self, step: int) -> None:
