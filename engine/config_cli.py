@@ -173,11 +173,16 @@ def help_text(cfg: Config) -> str:
         "Presets:",
     ]
     lines += [f"  {group}={'|'.join(names)}" for group, names in presets().items() if names]
-    section_docs = {
-        f.name: inspect.getdoc(f.default_factory).splitlines()[0]
+    section_docs = {  # a docstring's first paragraph, whole (its first line can stop mid-way)
+        f.name: " ".join(inspect.getdoc(f.default_factory).split("\n\n")[0].split())
         for f in dataclasses.fields(Config)
         if callable(f.default_factory) and dataclasses.is_dataclass(f.default_factory)
     }
+    m = cfg.model  # the composed values, not the schema's GPT-2 small defaults
+    section_docs["model"] += (
+        f" Values below: {m.arch} h={m.hidden_size} l={m.num_layers} heads={m.num_heads} "
+        f"vocab={m.vocab_size}."
+    )
     current = None
     for key, (section, doc) in schema_keys().items():
         if section != current:
