@@ -113,3 +113,49 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
         return None if quota <= 0 else quota / period
     except (OSError, ValueError):
         return None
+
+
+# Variables every rank of one job shares, and that differ between jobs, by launcher.
+_JOB_IDS = {
+    "slurm": ("SLURM_JOB_ID", "SLURM_STEP_ID"),
+    "mpi": ("OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE"),
+    "torchrun": ("TORCHELASTIC_RUN_ID",),
+}
+
+
+def shared_run_dir(env: dict[str, str] | None = None) -> str | None:
+    """The Hydra run directory every rank of a job started by an outside launcher (srun,
+    mpirun, torchrun) uses, or ``None`` for a single process.
+
+    Hydra's default, ``outputs/DATE/TIME``, is each process's own clock: ranks that start
+    in different seconds leave one folder each, all but rank 0's holding an empty log.
+    This one is named after the job instead: its launcher's job id, or, when the launcher
+    gives none (torchrun without a rendezvous id), the launcher process that started this
+    node's ranks (their parent, with its start time)."""
+    from parallel_state.launcher import detect_launch
+
+    env = os.environ if env is None else env
+    info = detect_launch(env)
+    if info.launcher == "none" or info.world_size <= 1:
+        return None
+    names = _JOB_IDS.get(info.launcher, ())
+    parts = [env[n] for n in names if env.get(n) and env[n] != "none"]
+    if info.launcher == "slurm":
+        parts = parts[:2]  # the job and its step
+    elif parts:
+        parts = parts[:1]
+    if not parts:
+        parts = [f"ppid{os.getppid()}", _start_ticks(os.getppid())]
+    name = "-".join(p for p in parts if p)
+    return (
+        f"outputs/{info.launcher}-{''.join(c if c.isalnum() or c in '.-_' else '_' for c in name)}"
+    )
+
+
+def _start_ticks(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot, Linux), or "" when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""

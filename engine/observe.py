@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import resource
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -14,6 +15,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from engine.resilience.watchdog import run_log_path
 from parallel_state.launcher import detect_launch
+
+
+def line_buffered_stdout() -> None:
+    """Write each console line as it is printed, also into a pipe or a file (where Python
+    buffers stdout by blocks, and a run's lines would arrive in bursts or at its end)."""
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
 
 
 def perplexity(loss: float) -> float:
