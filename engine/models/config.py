@@ -31,7 +31,7 @@ POSITIONS = ("learned", "rotary")
 
 @dataclass
 class ModelConfig:
-    """Architecture and per-layer options of a model of any family (the schema's own
+    """Architecture and per-layer options of a model of any family (the dataclass's own
     defaults are GPT-2 small's; a preset, configs/model/*.yaml, chooses a run's)."""
 
     arch: str = "gpt"  # the family (engine/models/families.py): "gpt", "bert" or "llama"
