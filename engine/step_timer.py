@@ -18,7 +18,8 @@ How exact each figure is:
   is the union of those intervals (on CUDA the completion is seen by the host callback,
   an upper bound). It includes queueing behind compute when the CPU is shared;
 - at DP size 1 there is no DP communication: both DP figures are 0 and the phase between
-  backward and the optimizer (the gradients' bookkeeping) counts as optimizer time;
+  backward and the optimizer (the gradients' bookkeeping, and a pipeline's gradient
+  collectives over its stages) counts as optimizer time;
 - pipelined: the console and TensorBoard split the stages' wait on each other (bubble and
   hand-offs, ``pp_wait_s``) out of compute, so the parts still add up to the step.
 """
