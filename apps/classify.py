@@ -147,6 +147,7 @@ def _validate_values(cfg: ClassifyConfig, reported: list[str]) -> list[str]:
         (0 <= t.momentum < 1, f"trainer.momentum={t.momentum} must be in [0, 1)"),
         (0 <= t.seed <= INT64_MAX, f"trainer.seed={t.seed} must be in [0, 2**63-1]"),
         (t.grad_bucket_mb > 0, f"trainer.grad_bucket_mb={t.grad_bucket_mb} must be > 0"),
+        (t.threads >= 0, f"trainer.threads={t.threads} must be >= 0 (0: the core share)"),
         (
             0 < launch.rendezvous_timeout_s < math.inf,
             f"launch.rendezvous_timeout_s={launch.rendezvous_timeout_s} must be > 0 and finite",
@@ -231,7 +232,9 @@ def cli() -> None:
     """The command line: tutorial flags, then unknown keys (with the nearest real one), an
     unusable run directory and Hydra's own errors as one line, exit 2."""
     from engine.config_cli import run_checked
+    from engine.observe import line_buffered_stdout
 
+    line_buffered_stdout()
     sys.argv = sys.argv[:1] + translate_aliases(sys.argv[1:])
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:

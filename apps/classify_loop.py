@@ -267,6 +267,7 @@ def run_worker(cfg: ClassifyConfig) -> dict:
             timeout_key="launch.rendezvous_timeout_s",
             warn=detect_launch().rank == 0,
             say=lambda ps, line: _printer(ps)(line),
+            max_threads=cfg.trainer.threads or None,
         )
     except RunStopped as err:
         print(err, file=sys.stderr, flush=True)

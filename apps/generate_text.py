@@ -1,4 +1,4 @@
-"""Sample text from a trained meshtron GPT, an exported model or a Hugging Face GPT-2.
+"""Sample text from a trained meshtron model, an exported model or a Hugging Face directory.
 
     python -m apps.generate_text --ckpt checkpoints/gpt_tiny_stdlib --prompt "def "
     python tools/generate.py --ckpt checkpoints/gpt_tiny_stdlib --prompt "def " --prompt "class "
@@ -21,6 +21,7 @@ from engine.checkpoint.storage import CheckpointError
 from engine.config import sized_dims
 from engine.generate import Sampling
 from engine.inference import ModelSource
+from engine.models.families import FAMILIES
 from engine.tool_args import (
     ArgumentParser,
     non_empty,
@@ -32,14 +33,19 @@ from engine.tool_args import (
 )
 
 DTYPES = ("float32", "float64", "bfloat16")
+# The families that generate: the decoders (read from the table, not listed here).
+CAUSAL = ", ".join(arch for arch, f in FAMILIES.items() if f.causal)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = ArgumentParser(prog="generate", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(
+        prog="generate",
+        description=f"{__doc__.split(chr(10) * 2)[0]} Families: {CAUSAL} (model.arch).",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="training checkpoint root (or step dir) or model export dir")
-    src.add_argument("--hf-dir", help="local Hugging Face GPT-2 directory")
+    src.add_argument("--hf-dir", help=f"local Hugging Face directory of a {CAUSAL} model")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the one saved with the data)")
     p.add_argument(
         "--prompt",

@@ -39,6 +39,7 @@ def bootstrap_rank(
     say: Callable[[ParallelState, str], None] | None = None,
     warn: bool = False,
     split_cores: bool = True,
+    max_threads: int | None = None,
 ) -> ParallelState:
     """This rank's ParallelState for ``dims``: one call per process, before any compute.
 
@@ -48,7 +49,8 @@ def bootstrap_rank(
     With ``rendezvous_timeout_s`` the join is bounded (config key ``timeout_key`` named in
     the line; the run log in ``run_dir``). ``say(ps, line)`` receives the thread-split line, if any;
     ``warn``: say when GPUs are there but too few (one process of the job should);
-    ``split_cores=False`` leaves the thread count alone (a benchmark that sets its own).
+    ``split_cores=False`` leaves the thread count alone (a benchmark that sets its own);
+    ``max_threads`` caps a rank's share of the cores.
     """
     if callable(dims):
         dims = dims(world_size())
@@ -62,7 +64,7 @@ def bootstrap_rank(
         ps = join()
     else:
         ps = rendezvous(join, timeout_s=rendezvous_timeout_s, run_dir=run_dir, key=timeout_key)
-    threads = share_cores(ps) if split_cores else None
+    threads = share_cores(ps, max_threads=max_threads) if split_cores else None
     if threads and say is not None:
         say(ps, threads)
     return ps

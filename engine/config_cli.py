@@ -26,15 +26,20 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Hydra's flags that take the next argument as their value.
 _VALUE_FLAGS = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir"}
 _FIELD_DOC = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
+_BARE_FIELD = re.compile(r"^\s+(\w+)\s*:[^#=]+=[^#]+$")  # documented by the comment above
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """{field: its one-line doc}, the comment after each field of the dataclass ``cls``."""
-    docs = {}
+    """{field: its one-line doc}, the comment after each field of the dataclass ``cls``,
+    or the comment lines just above a field that has none after it."""
+    docs, above = {}, []
     for line in inspect.getsource(cls).splitlines():
         match = _FIELD_DOC.match(line)
         if match:
             docs[match.group(1)] = match.group(2).strip()
+        elif above and (bare := _BARE_FIELD.match(line)):
+            docs[bare.group(1)] = " ".join(above)
+        above = above + [line.strip()[1:].strip()] if line.strip().startswith("#") else []
     return docs
 
 
@@ -173,11 +178,16 @@ def help_text(cfg: Config) -> str:
         "Presets:",
     ]
     lines += [f"  {group}={'|'.join(names)}" for group, names in presets().items() if names]
-    section_docs = {
-        f.name: inspect.getdoc(f.default_factory).splitlines()[0]
+    section_docs = {  # a docstring's first paragraph, whole (its first line can stop mid-way)
+        f.name: " ".join(inspect.getdoc(f.default_factory).split("\n\n")[0].split())
         for f in dataclasses.fields(Config)
         if callable(f.default_factory) and dataclasses.is_dataclass(f.default_factory)
     }
+    m = cfg.model  # the composed values, not the dataclass defaults (GPT-2 small)
+    section_docs["model"] += (
+        f" Values below: {m.arch} h={m.hidden_size} l={m.num_layers} heads={m.num_heads} "
+        f"vocab={m.vocab_size}."
+    )
     current = None
     for key, (section, doc) in schema_keys().items():
         if section != current:

@@ -34,6 +34,7 @@ from pathlib import Path
 from engine.checkpoint.storage import CheckpointError
 from engine.config import Config
 from engine.inference import ModelSource, inference_config
+from engine.models.families import FAMILIES
 from engine.tool_args import ArgumentParser, positive_int
 
 
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(prog="python -m engine.evaluate", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="training checkpoint root (or step dir) or model export dir")
-    src.add_argument("--hf-dir", help="local Hugging Face GPT-2 or BERT directory")
+    src.add_argument("--hf-dir", help=f"local Hugging Face {', '.join(FAMILIES)} directory")
     data = p.add_mutually_exclusive_group()
     data.add_argument("--data", help="PREFIX of a preprocessed .bin/.idx (default: the run's)")
     data.add_argument("--text", help="a UTF-8 text file, evaluated whole")

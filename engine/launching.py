@@ -58,11 +58,12 @@ def launch_workers(
     return elastic_launch(config, fn)(*args)
 
 
-def share_cores(ps) -> str | None:
+def share_cores(ps, *, max_threads: int | None = None) -> str | None:
     """Give each CPU rank its share of the cores this process may use, as torchrun does,
     unless OMP_NUM_THREADS says otherwise: oversubscribed intra-op threads spin against
-    each other and can slow a step down several-fold. Returns the line that says what was
-    chosen (``None`` on a GPU rank). ``ps``: the rank's ParallelState."""
+    each other and can slow a step down several-fold. ``max_threads`` caps the share (a
+    model whose ops are too small to gain from intra-op threads). Returns the line that
+    says what was chosen (``None`` on a GPU rank). ``ps``: the rank's ParallelState."""
     import torch
 
     from parallel_state.launcher import detect_launch
@@ -75,10 +76,12 @@ def share_cores(ps) -> str | None:
     # No launcher (a test harness, a notebook): assume every rank shares this machine.
     local = ps.world_size if info.launcher == "none" else info.local_world_size or 1
     cores = usable_cores()
-    torch.set_num_threads(max(1, cores // local))
+    share = max(1, cores // local)
+    torch.set_num_threads(min(share, max_threads) if max_threads else share)
+    capped = f", capped at {max_threads}" if max_threads and max_threads < share else ""
     return (
         f"threads: {torch.get_num_threads()} per rank ({cores} usable cores / {local} "
-        f"rank{'s' if local > 1 else ''} on this node; OMP_NUM_THREADS=N overrides)"
+        f"rank{'s' if local > 1 else ''} on this node{capped}; OMP_NUM_THREADS=N overrides)"
     )
 
 
@@ -110,3 +113,49 @@ def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
         return None if quota <= 0 else quota / period
     except (OSError, ValueError):
         return None
+
+
+# Variables every rank of one job shares, and that differ between jobs, by launcher.
+_JOB_IDS = {
+    "slurm": ("SLURM_JOB_ID", "SLURM_STEP_ID"),
+    "mpi": ("OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE"),
+    "torchrun": ("TORCHELASTIC_RUN_ID",),
+}
+
+
+def shared_run_dir(env: dict[str, str] | None = None) -> str | None:
+    """The Hydra run directory every rank of a job started by an outside launcher (srun,
+    mpirun, torchrun) uses, or ``None`` for a single process.
+
+    Hydra's default, ``outputs/DATE/TIME``, is each process's own clock: ranks that start
+    in different seconds leave one folder each, all but rank 0's holding an empty log.
+    This one is named after the job instead: its launcher's job id, or, when the launcher
+    gives none (torchrun without a rendezvous id), the launcher process that started this
+    node's ranks (their parent, with its start time)."""
+    from parallel_state.launcher import detect_launch
+
+    env = os.environ if env is None else env
+    info = detect_launch(env)
+    if info.launcher == "none" or info.world_size <= 1:
+        return None
+    names = _JOB_IDS.get(info.launcher, ())
+    parts = [env[n] for n in names if env.get(n) and env[n] != "none"]
+    if info.launcher == "slurm":
+        parts = parts[:2]  # the job and its step
+    elif parts:
+        parts = parts[:1]
+    if not parts:
+        parts = [f"ppid{os.getppid()}", _start_ticks(os.getppid())]
+    name = "-".join(p for p in parts if p)
+    return (
+        f"outputs/{info.launcher}-{''.join(c if c.isalnum() or c in '.-_' else '_' for c in name)}"
+    )
+
+
+def _start_ticks(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot, Linux), or "" when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""

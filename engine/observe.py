@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import resource
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -14,6 +15,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from engine.resilience.watchdog import run_log_path
 from parallel_state.launcher import detect_launch
+
+
+def line_buffered_stdout() -> None:
+    """Write each console line as it is printed, also into a pipe or a file (where Python
+    buffers stdout by blocks, and a run's lines would arrive in bursts or at its end)."""
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
 
 
 def perplexity(loss: float) -> float:
@@ -130,8 +138,11 @@ class RunLogger:
                 self.file_console.print(*args, soft_wrap=True, **kwargs)
                 self.log_file.flush()
 
-    def advance(self, step: int, status: str) -> None:
+    def advance(self, step: int, loss: float) -> None:
+        """Move the bar to ``step``, showing that step's loss on this rank: the mean over
+        its own micro-batches, not the step lines' mean over ranks and logged steps."""
         if self.progress is not None:
+            status = f"step loss {loss:.3f} (rank 0's batches)"  # the bar is rank 0's
             self.progress.update(self.task, completed=step, status=status)
 
     def resumed_at(self, step: int) -> None:

@@ -33,6 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from engine.config import Config, parallel_dims, register_configs, validate
+from engine.observe import line_buffered_stdout
 from engine.optim import scale_lr
 from engine.resilience.preemption import EXIT_PREEMPTED
 from engine.worker import run_rank
@@ -192,9 +193,12 @@ def _fail(problems: list[str]) -> None:
 
 def launch(cfg: Config) -> dict:
     """Run the job on this process, or start tp × dp local workers if no launcher did."""
-    world = parallel_dims(cfg, None).world  # dp_size is resolved by ``prepare``
+    dims = parallel_dims(cfg, None)  # dp_size is resolved by ``prepare``
+    world = dims.world
     if detect_launch().launcher != "none" or world == 1:
         return run_rank(cfg)
+    # Starting and joining the ranks takes a while on a busy machine: say so at once.
+    print(f"starting {world} local ranks (tp={dims.tp} × dp={dims.dp} × pp={dims.pp}) ...")
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -334,11 +338,24 @@ def cli() -> None:
     run directory and Hydra's own errors become one line and exit 2 before anything runs."""
     from engine.config_cli import run_checked
 
+    line_buffered_stdout()
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
         print_help([a for a in argv if a not in ("--help", "-h")])
         return
+    sys.argv[1:] = argv = with_shared_run_dir(argv)
     run_checked(main, argv, _fail)
+
+
+def with_shared_run_dir(argv: list[str]) -> list[str]:
+    """``argv`` naming the run directory all ranks of an outside launcher's job share
+    (``engine.launching.shared_run_dir``), unless it names one or sweeps (``-m``)."""
+    from engine.launching import shared_run_dir
+
+    if any(a.startswith("hydra.run.dir=") or a in ("-m", "--multirun") for a in argv):
+        return argv
+    shared = shared_run_dir()
+    return argv if shared is None else [*argv, f"hydra.run.dir={shared}"]
 
 
 if __name__ == "__main__":

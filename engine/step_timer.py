@@ -16,7 +16,12 @@ How exact each figure is:
 - DP total: each asynchronous bucket collective runs from its launch to the moment its
   future completes; the collectives of one group run one after another, so the busy time
   is the union of those intervals (on CUDA the completion is seen by the host callback,
-  an upper bound). It includes queueing behind compute when the CPU is shared.
+  an upper bound). It includes queueing behind compute when the CPU is shared;
+- at DP size 1 there is no DP communication: both DP figures are 0 and the phase between
+  backward and the optimizer (the gradients' bookkeeping, and a pipeline's gradient
+  collectives over its stages) counts as optimizer time;
+- pipelined: the console and TensorBoard split the stages' wait on each other (bubble and
+  hand-offs, ``pp_wait_s``) out of compute, so the parts still add up to the step.
 """
 
 from __future__ import annotations
@@ -117,9 +122,12 @@ class StepTimer:
         tokens_per_step: int = 0,
         flops_per_step: float = 0.0,
         world_size: int = 1,
+        dp_size: int | None = None,
         time_tp: bool = True,
     ) -> None:
-        self.device, self.enabled = device, enabled
+        """``dp_size``: ranks the gradients are reduced over (1: no DP communication to
+        time; None: unknown, timed as if there were)."""
+        self.device, self.enabled, self.dp_size = device, enabled, dp_size
         # False for a compiled model (model.compile): its TP collectives are graph nodes,
         # not timed (layers.utils.timed), and their waits count as compute.
         self.time_tp = time_tp
@@ -160,6 +168,9 @@ class StepTimer:
         phase = dict(zip(PHASES, times, strict=True))
         step_time = self._marks[-1][0] - self._marks[0][0]
         record: dict[str, Any] = {"step_time_s": step_time, "data_s": phase["data"]}
+        if self.dp_size == 1:  # nothing to wait for: the phase is gradient bookkeeping
+            phase["optimizer"] += phase.pop("dp_wait")
+            phase["dp_wait"] = 0.0
         if self.enabled:
             tp = self.tp.total()
             dp_in_optimizer = self._marks[-1][1] - self._marks[-2][1]
@@ -167,7 +178,9 @@ class StepTimer:
                 "compute_s": phase["forward_backward"] - tp,
                 "tp_comm_s": tp if self.time_tp else None,
                 "dp_comm_exposed_s": phase["dp_wait"] + dp_in_optimizer,
-                "dp_comm_total_s": self.dp.async_busy(self._marks[3][0]) + self.dp.total(),
+                "dp_comm_total_s": 0.0
+                if self.dp_size == 1
+                else self.dp.async_busy(self._marks[3][0]) + self.dp.total(),
                 "optimizer_s": phase["optimizer"] - dp_in_optimizer,
             }
         else:
@@ -198,33 +211,42 @@ class StepTimer:
         os.replace(tmp, path)
 
 
-BREAKDOWN = ("data_s", "compute_s", "tp_comm_s", "dp_comm_exposed_s", "optimizer_s")
+# The parts of a step, which add up to it, and their console names.
+BREAKDOWN = {
+    "data_s": "data",
+    "compute_s": "compute",
+    "pp_wait_s": "pp_wait",
+    "tp_comm_s": "tp",
+    "dp_comm_exposed_s": "dp_exposed",
+    "optimizer_s": "optim",
+}
 
 
 def breakdown_metrics(window: list[dict[str, Any]]) -> dict[str, float]:
-    """Mean seconds per step of each part of a logging window (TensorBoard ``time/*``)."""
+    """Mean seconds per step of each part of a logging window (TensorBoard ``time/*``).
+
+    A pipelined step's record counts the stages' wait on each other (``pp_wait_s``) in
+    ``compute_s``; here it is split out, so ``time/compute_s`` is the stages' own work."""
     out = {}
-    for key in (*BREAKDOWN, "dp_comm_total_s", "pp_wait_s", "pp_bubble_ratio"):
+    for key in (*BREAKDOWN, "dp_comm_total_s", "pp_bubble_ratio"):
         values = [m[key] for m in window if m.get(key) is not None]
         if values:
             out[f"time/{key}"] = sum(values) / len(values)
+    if "time/pp_wait_s" in out and "time/compute_s" in out:
+        out["time/compute_s"] = max(0.0, out["time/compute_s"] - out["time/pp_wait_s"])
     return out
 
 
 def format_breakdown(metrics: dict[str, float]) -> str:
     """The console's share of each part of the step, e.g. ``data 1% compute 80% ...``."""
-    parts = [metrics.get(f"time/{k}") for k in BREAKDOWN]
-    total = sum(p for p in parts if p is not None) or 1.0
-    names = ("data", "compute", "tp", "dp_exposed", "optim")
-    shares = [
-        f"{n} {100 * p / total:.0f}%" for n, p in zip(names, parts, strict=True) if p is not None
-    ]
+    parts = {name: metrics.get(f"time/{key}") for key, name in BREAKDOWN.items()}
+    parts = {name: p for name, p in parts.items() if p is not None}
+    total = sum(parts.values()) or 1.0
+    shares = [f"{name} {100 * p / total:.0f}%" for name, p in parts.items()]
     dp_total = metrics.get("time/dp_comm_total_s")
     if dp_total is not None:
         shares.append(f"(dp total {1e3 * dp_total:.1f} ms)")
     bubble = metrics.get("time/pp_bubble_ratio")
-    if bubble is not None:  # pipelined: compute includes waiting on the other stages
-        shares.append(
-            f"(pp wait {1e3 * metrics['time/pp_wait_s']:.1f} ms = {bubble:.2f} × stage compute)"
-        )
+    if bubble is not None:
+        shares.append(f"(pp_wait = {bubble:.2f} × stage compute)")
     return "  time: " + " ".join(shares)

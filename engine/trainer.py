@@ -122,6 +122,7 @@ class Trainer:
             flops_per_step=self.flops_per_step,
             tokens_per_step=cfg.trainer.global_batch * cfg.data.seq_len,
             world_size=ps.world_size,
+            dp_size=ps.size("grad"),
             time_tp=not cfg.model.compile,
         )
         self.timer.attach(self.model, self.dp)
@@ -292,7 +293,7 @@ class Trainer:
                 window.append(self.train_step())
                 self.step += 1
                 profiler_step()
-                self.logger.advance(self.step, f"loss {window[-1]['loss']:.3f}")
+                self.logger.advance(self.step, window[-1]["loss"])
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     self._log(window)
                     window = []

@@ -123,3 +123,57 @@ def test_bench_kernel_host_refuses_without_a_gpu_in_one_line(tmp_path):
         "bench_kernel_host.py: needs a CUDA GPU (it times GPU kernels)"
     ], out.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_bench_kernels_without_a_gpu_refuses_in_one_line_pointing_to_smoke(
+    tmp_path, monkeypatch, capsys
+):
+    """The full sweep on a CPU (the Triton interpreter) ran for minutes saying nothing:
+    without --smoke it is refused at once, in one line, and nothing is written."""
+    bench = _load("bench_kernels", monkeypatch)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert _exit_code(bench.main, ["--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--smoke" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_matmul_ceiling_is_the_fastest_matmul_and_a_share_above_it_is_marked(monkeypatch):
+    """The ceiling is the fastest of its matmuls (a median timed the machine's load, and
+    a step beat it: 141 %); a loop still above 100 % is marked and explained."""
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from studies.bench import train, train_report
+
+    clock = iter([0.0, 0.5, 1.0, 3.0, 3.0, 5.0])  # matmuls of 0.5 s, 2 s, 2 s
+    monkeypatch.setattr(train, "_now", lambda device: next(clock))
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: a)  # no real work
+    assert train.matmul_ceiling(torch.device("cpu"), None, reps=3) == 2 * 1024**3 / 0.5
+    row = {
+        "loop": "meshtron",
+        "step_ms_median": 1.0,
+        "step_ms_p10": 1.0,
+        "step_ms_p90": 1.0,
+        "cpu_ms_median": 1.0,
+        "tokens_per_s": 1.0,
+        "model_tflops_per_s": 1.0,
+        "pct_of_matmul_ceiling": 141.3,
+        "mfu_pct": None,
+    }
+    meta = {
+        "device_name": "cpu",
+        "precision": "fp32",
+        "model": "gpt",
+        "seq": 16,
+        "micro_batch": 2,
+        "matmul_ceiling_tflops": 1.0,
+        "ceiling_shape": "1024³ fp32, fastest of 10",
+        "load_avg_1min": 9.5,
+    }
+    out = io.StringIO()
+    train_report.render([row], meta, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "141.3% *" in text and "the ceiling was timed low (load average 9.5)" in text, text

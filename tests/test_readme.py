@@ -303,6 +303,7 @@ def test_python_snippets_run_as_shown(ranks, tmp_path):
             timeout=180,
         )
         assert done.returncode == 0, done.stdout + done.stderr
+        assert "ImplicitStateWarning" not in done.stderr, done.stderr  # state passed explicitly
         if check:
             # Ranks share the pipe and an unbuffered print writes its newline separately,
             # so two ranks' lines can run together: find the phrases, not the lines.

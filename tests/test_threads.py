@@ -68,3 +68,35 @@ def test_ranks_split_the_cores_and_say_so(monkeypatch):
         assert share_cores(SimpleNamespace(device=torch.device("cuda"), world_size=4)) is None
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_cap_limits_the_share_and_the_classifier_asks_for_one_thread(monkeypatch):
+    """``max_threads`` caps the core share and the line says so; the classifier's default
+    (trainer.threads=1) reaches the bootstrap: its MLP's matmuls are too small for threads."""
+    import apps.classify_loop as loop
+    from apps.classify_config import ClassifyConfig
+
+    saved = torch.get_num_threads()
+    ps = SimpleNamespace(device=torch.device("cpu"), world_size=1)
+    for name in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("engine.launching.usable_cores", lambda: 8)
+    try:
+        line = share_cores(ps, max_threads=1)
+        assert torch.get_num_threads() == 1
+        assert line == (
+            "threads: 1 per rank (8 usable cores / 1 rank on this node, capped at 1; "
+            "OMP_NUM_THREADS=N overrides)"
+        )
+    finally:
+        torch.set_num_threads(saved)
+    asked = {}
+
+    def bootstrap(dims, **kwargs):
+        asked.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("engine.bootstrap.bootstrap_rank", bootstrap)
+    with pytest.raises(SystemExit):
+        loop.run_worker(ClassifyConfig())
+    assert asked["max_threads"] == 1

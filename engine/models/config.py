@@ -63,7 +63,8 @@ _APPLIED = {"num_kv_heads": "kv_heads", "ffn_hidden_size": "ffn_size"}
 
 @dataclass
 class ModelConfig:
-    """Architecture and per-layer options of a model of any family (defaults: GPT-2 small)."""
+    """Architecture and per-layer options of a model of any family (the dataclass's own
+    defaults are GPT-2 small's; a preset, configs/model/*.yaml, chooses a run's)."""
 
     arch: str = "gpt"  # the family (engine/models/families.py): "gpt", "bert" or "llama"
     vocab_size: int = 50257  # real vocabulary; the embedding is padded beyond it

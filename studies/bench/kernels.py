@@ -278,6 +278,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     except UsageError as err:
         print(f"bench_kernels.py: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    if not args.smoke and (args.cpu or not torch.cuda.is_available()):
+        # The full sweep through the Triton interpreter runs for hours and prints nothing.
+        print(
+            "bench_kernels.py: error: no CUDA device (or --cpu): the full sweep needs a GPU; "
+            "run with --smoke for the CPU correctness run",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     rows = run(args)
     cuda = rows[0]["device"] != "cpu (triton interpreter)"
     if cuda:

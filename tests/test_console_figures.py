@@ -1,0 +1,74 @@
+"""The figures a training console prints say what they measure and add up (issue 45)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rich.console import Console
+
+import engine.observe as observe
+from engine.step_timer import StepTimer, breakdown_metrics, format_breakdown
+
+
+def _step(timer: StepTimer) -> dict:
+    timer.start()
+    for _ in range(4):  # data, forward+backward, dp wait, optimizer
+        timer.lap()
+    return timer.finish()
+
+
+def test_dp_size_1_has_no_dp_communication():
+    """At dp 1 nothing is reduced: both DP figures are exactly 0 (the phase between
+    backward and the optimizer is bookkeeping, counted as optimizer), and the parts still
+    add up to the step."""
+    record = _step(StepTimer(torch.device("cpu"), dp_size=1))
+    assert record["dp_comm_exposed_s"] == 0.0 and record["dp_comm_total_s"] == 0.0
+    parts = ("data_s", "compute_s", "tp_comm_s", "dp_comm_exposed_s", "optimizer_s")
+    # Sums of the same perf_counter differences: equal up to float rounding.
+    assert sum(record[k] for k in parts) == pytest.approx(record["step_time_s"], abs=1e-9)
+
+
+def test_pipeline_wait_is_not_compute_and_the_shares_add_up():
+    """A pipelined step whose stages waited 4.47 × their compute: compute is the stages'
+    own work, pp_wait its own share, and the printed shares sum to 100 %."""
+    record = {
+        "data_s": 0.0,
+        "compute_s": 5.47,  # forward+backward − TP: own work 1.0 plus the 4.47 s wait
+        "tp_comm_s": 0.0,
+        "dp_comm_exposed_s": 0.0,
+        "optimizer_s": 0.0,
+        "pp_wait_s": 4.47,
+        "pp_bubble_ratio": 4.47,
+    }
+    metrics = breakdown_metrics([record])
+    assert metrics["time/compute_s"] == pytest.approx(1.0)
+    line = format_breakdown(metrics)
+    assert "compute 18%" in line and "pp_wait 82%" in line, line
+    shares = [int(w[:-1]) for w in line.split() if w.endswith("%")]
+    assert sum(shares) == 100, line
+
+
+def test_progress_bar_names_the_loss_it_shows(tmp_path, monkeypatch):
+    """The bar's loss is this step's on rank 0's batches, not the logged mean over ranks
+    and steps: its label says so."""
+
+    class Screen(Console):
+        def __init__(self, *args, force_terminal=None, **kwargs):
+            super().__init__(*args, force_terminal=True, **kwargs)
+
+    monkeypatch.setattr(observe, "Console", Screen)
+    logger = observe.RunLogger(
+        enabled=True,
+        run_dir=str(tmp_path),
+        max_steps=3,
+        tensorboard=None,
+        wandb_project=None,
+        config={},
+        progress=True,
+    )
+    try:
+        logger.advance(1, 8.25)
+        status = logger.progress.tasks[0].fields["status"]
+    finally:
+        logger.close()
+    assert status == "step loss 8.250 (rank 0's batches)"
