@@ -139,7 +139,6 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
     import torch
     from tokenizers import Tokenizer
 
-    import parallel_state
     from engine.bootstrap import bootstrap_rank
     from engine.generate import generate_batch
     from engine.inference import inference_config
@@ -149,12 +148,12 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
         if ps.rank == 0:  # stdout holds the samples alone
             print(line, file=sys.stderr)
 
-    ps = bootstrap_rank(
+    mesh = bootstrap_rank(
         lambda world: sized_dims(args.tp_size, None, world),
         warn=int(os.environ.get("RANK", "0")) == 0,
         say=say,
     )
-    try:
+    with mesh as ps:
         cfg, state = ModelSource(args.ckpt, args.hf_dir).load(ps)
         model = build_model(
             inference_config(cfg),
@@ -181,8 +180,6 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
         texts = [_cut(tokenizer.decode(ids), args.stop) for ids in new]
         tokens = sum(map(len, new))
         return {"texts": texts, "tokens": tokens, "seconds": seconds} if ps.rank == 0 else None
-    finally:
-        parallel_state.destroy()
 
 
 def _cut(text: str, stops: list[str]) -> str:

@@ -187,7 +187,6 @@ def _settle_batches(args: argparse.Namespace, cfg: Config, sequences: int) -> Co
 
 def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
     """One rank: load this TP shard of the model, read its micro-batches, agree on the mean."""
-    import parallel_state
     from engine.bootstrap import bootstrap_rank
     from engine.config import parallel_dims, resolve_precision
     from engine.data.pipeline import eval_iterator, load_tokenizer
@@ -199,8 +198,10 @@ def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
         if ps.rank == 0:  # stdout holds the JSON line alone
             print(line, file=sys.stderr)
 
-    ps = bootstrap_rank(lambda world: parallel_dims(cfg, world), device=cfg.trainer.device, say=say)
-    try:
+    mesh = bootstrap_rank(
+        lambda world: parallel_dims(cfg, world), device=cfg.trainer.device, say=say
+    )
+    with mesh as ps:
         _, state = source.load(ps)
         model = build_model(cfg.model, ps, device=ps.device)
         model.load_full_state_dict(state)
@@ -209,8 +210,6 @@ def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
         precision = resolve_precision(cfg.trainer.precision, ps.device.type)
         autocast = lambda: autocast_for(precision, ps.device.type)  # noqa: E731
         loss = fixed_set_loss(model, valid, ps, cfg.trainer.eval_batches, autocast)
-    finally:
-        parallel_state.destroy()
     if ps.rank != 0:
         return None
     t = cfg.trainer
