@@ -95,19 +95,19 @@ COVERED = {
     "python tools/scaling_study.py --model gpt_tiny --steps 5 --warmup 2 --dp 1,2,4 --nodes 1,2 "
     "--cluster emulated_1gbit --out dp_1gbit": "tests/test_scaling.py::test_emulated_two_nodes_train_and_links_hold_the_configured_rate",
     "torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK --master-addr node01 "
-    "--master-port 29500 -m engine.pretrain tp_size=8 dp_size=auto name=two_nodes": "tests/test_k8s.py::test_indexed_job_command_trains_as_two_local_pods",
+    "--master-port 29500 -m engine.pretrain model=gpt_350m tp_size=8 dp_size=auto name=gpt_350m_2nodes": "tests/test_k8s.py::test_indexed_job_command_trains_as_two_local_pods",
     "torchrun --nnodes 1:2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node01:29400 "
-    "--rdzv-id myjob --max-restarts 5 -m engine.pretrain tp_size=8 dp_size=auto checkpoint.every=100 "
-    "name=elastic": "tests/test_elastic.py::test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns",
-    "srun -N 2 --ntasks-per-node 8 --gpus-per-node 8 python -m engine.pretrain tp_size=8 dp_size=auto "
-    "name=srun_tp8": "tests/test_slurm.py::test_srun_four_tasks_dp_auto",
+    "--rdzv-id myjob --max-restarts 5 -m engine.pretrain model=gpt_350m tp_size=8 dp_size=auto "
+    "checkpoint.every=100 name=gpt_350m_elastic": "tests/test_elastic.py::test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns",
+    "srun -N 2 --ntasks-per-node 8 --gpus-per-node 8 python -m engine.pretrain model=gpt_350m tp_size=8 "
+    "dp_size=auto name=gpt_350m_srun": "tests/test_slurm.py::test_srun_four_tasks_dp_auto",
     "mkdir -p logs": "manual: a plain mkdir before sbatch (the sbatch test makes its own)",
     "sbatch tools/launch/slurm/pretrain.sbatch model=gpt_350m tp_size=8": "tests/test_slurm.py::test_sbatch_template_requeues_after_usr1_and_finishes",
     "sbatch --nodes=4 tools/launch/slurm/pretrain.sbatch model=gpt_1.3b tp_size=8": "tests/test_slurm.py::test_sbatch_template_requeues_after_usr1_and_finishes",
     "python -m engine.pretrain -m hydra/launcher=slurm hydra.launcher.partition=gpu tp_size=2,4,8 "
     "dp_size=auto 'checkpoint.dir=checkpoints/${hydra:job.override_dirname}'": "tests/test_launchers.py::test_hydra_sweep_through_submitit_local_launcher",
     "mpirun -np 16 -npernode 8 --hostfile hosts -x MASTER_ADDR=node01 -x MASTER_PORT=29500 -x PATH "
-    "python -m engine.pretrain tp_size=8 dp_size=auto name=mpi_tp8": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
+    "python -m engine.pretrain model=gpt_350m tp_size=8 dp_size=auto name=gpt_350m_mpi": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
     "mpirun --allow-run-as-root --oversubscribe -np 4 -x MASTER_ADDR -x MASTER_PORT -x PYTHONPATH "
     "python -m engine.pretrain tp_size=2 dp_size=2 … trainer.log_every=3": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
     "tools/launch/mpi/netns-rsh mtrnbe14b8n0 mpirun --allow-run-as-root --hostfile hosts -np 4 "

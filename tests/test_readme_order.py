@@ -5,7 +5,8 @@ folder (``checkpoints/<name>``), where the launcher refuses another model and a 
 run's other config, and trains nothing when the same finished command comes again. This
 test composes each README command with Hydra, in README order (launchers' commands
 included: torchrun, srun and mpirun start the same entry point), and follows the
-checkpoint folders on paper: no training runs. A command may be refused only where the
+checkpoint folders on paper: no training runs. Each must also pass the config checks
+(``engine.config.validate``), its data files aside. A command may be refused only where the
 README says so (its exit status 2 in ``tests/test_readme.py``'s ``RUN``), and then by the
 refusal the README shows, not by its checkpoint folder.
 """
@@ -84,6 +85,12 @@ def simulate(commands: list[str]) -> list[str]:
     return problems
 
 
+def _own_file(problem: str) -> bool:
+    """A data file that the README's preprocessing commands make, or the reader brings: not
+    here, and not this test's to judge."""
+    return problem.startswith(("data.prefixes: ", "data.tokenizer: "))
+
+
 def _run_on_paper(command: str, cfg: Config, status: int, folders: Folders) -> list[str]:
     refusal = _checkpoint_refusal(cfg, folders)
     if status == 2:  # the README shows its refusal: it must be that one, not the folder's
@@ -93,6 +100,9 @@ def _run_on_paper(command: str, cfg: Config, status: int, folders: Folders) -> l
         return []  # a refused run writes nothing
     if refusal:
         return [f"{command!r} is refused: {refusal[0]}"]
+    invalid = [line for line in validate(cfg, parallel_dims(cfg, None)) if not _own_file(line)]
+    if invalid:
+        return [f"{command!r} is refused: {invalid[0]}"]
     root = checkpoint_dir(cfg)
     if root in folders and folders[root][1] >= cfg.trainer.max_steps:
         return [
@@ -122,3 +132,4 @@ def test_the_simulation_catches_a_shared_folder():
     assert "another model" in simulate([base, base + " model.num_layers=4"])[0]
     assert not simulate([base, base + " tp_size=4 dp_size=1 trainer.max_steps=160"])
     assert not simulate([base, base + " tp_size=4 dp_size=1 name=tp4"])
+    assert "num_heads=4 is not divisible by tp_size=8" in simulate([base + " tp_size=8"])[0]
