@@ -139,7 +139,9 @@ def _resume_problem(cfg: Config, root: Path) -> list[str]:
         return []  # a malformed model_config is the loader's to report (and to fall back from)
     changes = cfg.model.resume_changes(saved)
     if not changes:
-        return _finished_run_problem(cfg, root, found[1])
+        index = found[1]
+        saved = index.get("trainer_state", {}).get("config")
+        return finished_run_problem(cfg, saved, index.get("step"), root)
     differ = "; ".join(f"model.{key}={old!r}, the model {new!r}" for key, old, new in changes)
     back = " ".join(f"model.{key}={override_value(old)}" for key, old, _ in changes)
     return [
@@ -163,12 +165,12 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def _finished_run_problem(cfg: Config, root: Path, index: dict) -> list[str]:
-    """One line when the run this one would resume has already trained its steps under
-    another config: it would find the finished run, train nothing and exit 0 (a layout or
-    data change after the quick start did exactly that). The same command again is fine:
-    it says there is nothing to train."""
-    step, saved = index.get("step"), index.get("trainer_state", {}).get("config")
+def finished_run_problem(cfg: Config, saved: object, step: object, root: Path) -> list[str]:
+    """One line when the run this one would resume (its config ``saved``, as the checkpoint
+    records it, at ``step``, in ``root``) has already trained its steps under another
+    config: it would find the finished run, train nothing and exit 0 (a layout or data
+    change after the quick start did exactly that). The same command again is fine: it says
+    there is nothing to train. Pure: tests/test_readme_order.py applies the same rule."""
     if not isinstance(step, int) or step < cfg.trainer.max_steps or not isinstance(saved, dict):
         return []
     mine, theirs = _flat(dataclasses.asdict(cfg)), _flat(saved)

@@ -34,7 +34,7 @@ register_configs()
 RUN = {
     "python -m engine.pretrain tp_size=3": 2,
     "python -m engine.pretrain model.hidden_size=768 model.num_heads=12 model.num_layers=8 "
-    "tp_size=1 dp_size=4 trainer.micro_batch=1 trainer.memory_cap_gib=0.75": 2,
+    "tp_size=1 dp_size=4 trainer.micro_batch=1 trainer.memory_cap_gib=0.75 name=gpt_63m": 2,
     "python tools/plan.py search --model gpt_1.3b --global-batch 512 --gpus 16 --cluster dgx_h100": 0,
     "python tools/plan.py search --model gpt_13b --global-batch 512 --gpus 8 --cluster dgx_h100 --pp 1": 0,
     "python tools/plan.py search --model llama_8b --global-batch 256 --gpus 16 --cluster dgx_h100 --top 3": 0,
@@ -51,12 +51,13 @@ COVERED = {
     "dp_size=2 trainer.max_steps=100": "tests/test_parallel_state.py::test_detect_launch",
     "srun -N 2 --ntasks-per-node 8 --gpus-per-node 8 python -m engine.pretrain "
     "experiment=gpt_125m_bf16 tp_size=4 dp_size=auto": "tests/test_parallel_state.py::test_detect_launch",
-    "mpirun --allow-run-as-root --oversubscribe -np 4 python -m engine.pretrain tp_size=2 dp_size=2": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
+    "mpirun --allow-run-as-root --oversubscribe -np 4 python -m engine.pretrain tp_size=2 dp_size=2 "
+    "name=quickstart_mpi": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
     "python -m engine.pretrain -m tp_size=1,2,4 dp_size=1": "manual: a sweep of three full runs (minutes); its overrides are composed here",
     "python -m engine.pretrain experiment=bert_tiny_stdlib": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
     "python -m engine.pretrain experiment=llama_tiny_tp2": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
-    "python -m engine.pretrain pp_size=4 tp_size=1 dp_size=1 model.num_layers=4": "tests/test_checkpoint.py::test_reshard_across_pipeline_stages",
-    "python -m engine.pretrain tp_size=2 dp_size=2 parallel.dp_shard=full": "tests/test_fsdp.py::test_checkpoints_move_between_every_dp_shard_mode_exactly",
+    "python -m engine.pretrain pp_size=4 tp_size=1 dp_size=1 model.num_layers=4 name=gpt_tiny_pp4": "tests/test_checkpoint.py::test_reshard_across_pipeline_stages",
+    "python -m engine.pretrain tp_size=2 dp_size=2 parallel.dp_shard=full name=quickstart_zero3": "tests/test_fsdp.py::test_checkpoints_move_between_every_dp_shard_mode_exactly",
     "python tools/preprocess_data.py --input 'corpus/*.txt' --output-prefix data/mycorpus "
     "--vocab-size 32000 --workers 8": "tests/test_data.py::test_cli_success_and_errors",
     "python tools/preprocess_data.py --input docs.jsonl --json-key text --output-prefix "
@@ -68,11 +69,13 @@ COVERED = {
     "python tools/preprocess_data.py convert data/fw --to meshtron --tokenizer "
     "data/mycorpus.tokenizer.json": "tests/test_data_formats.py::test_convert_rewrites_only_the_index",
     "python -m engine.pretrain data.prefixes=[data/my-gpt2_text_document] "
-    "data.tokenizer=gpt2/tokenizer.json model.vocab_size=50304": "tests/test_data_formats.py::test_megatron_core_pair_trains",
-    "python -m engine.pretrain tp_size=4 dp_size=1": "tests/test_checkpoint.py::test_reshard_model_and_optimizer_across_layouts",
-    "python -m engine.pretrain tp_size=1 dp_size=4 optim.distributed=true": "tests/test_zero.py::test_zero1_checkpoint_loads_at_other_dp_and_without_zero",
-    "python -m engine.pretrain trainer.max_restarts=3": "tests/test_checkpoint.py::test_killed_worker_restarts_and_resumes_bitwise",
-    "torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m engine.pretrain": "tests/test_checkpoint.py::test_killed_worker_restarts_and_resumes_bitwise",
+    "data.tokenizer=gpt2/tokenizer.json model.vocab_size=50304 name=megatron_gpt2": "tests/test_data_formats.py::test_megatron_core_pair_trains",
+    "python -m engine.pretrain tp_size=4 dp_size=1 trainer.max_steps=170 optim.decay_steps=130": "tests/test_checkpoint.py::test_reshard_model_and_optimizer_across_layouts",
+    "python -m engine.pretrain tp_size=1 dp_size=4 optim.distributed=true trainer.max_steps=180 "
+    "optim.decay_steps=130": "tests/test_zero.py::test_zero1_checkpoint_loads_at_other_dp_and_without_zero",
+    "python -m engine.pretrain trainer.max_restarts=3 trainer.max_steps=190 optim.decay_steps=130": "tests/test_checkpoint.py::test_killed_worker_restarts_and_resumes_bitwise",
+    "torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m engine.pretrain "
+    "trainer.max_steps=200 optim.decay_steps=130": "tests/test_checkpoint.py::test_killed_worker_restarts_and_resumes_bitwise",
     "python tools/checkpoint.py inspect checkpoints/gpt_tiny_stdlib": "tests/test_checkpoint.py::test_inspect_convert_and_export_cli",
     "python tools/checkpoint.py convert checkpoints/gpt_tiny_stdlib --tp-size 4 --dp-size 1 "
     "--out checkpoints/gpt_tiny_tp4": "tests/test_checkpoint.py::test_inspect_convert_and_export_cli",
@@ -92,17 +95,19 @@ COVERED = {
     "python tools/scaling_study.py --model gpt_tiny --steps 5 --warmup 2 --dp 1,2,4 --nodes 1,2 "
     "--cluster emulated_1gbit --out dp_1gbit": "tests/test_scaling.py::test_emulated_two_nodes_train_and_links_hold_the_configured_rate",
     "torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK --master-addr node01 "
-    "--master-port 29500 -m engine.pretrain tp_size=8 dp_size=auto": "tests/test_k8s.py::test_indexed_job_command_trains_as_two_local_pods",
+    "--master-port 29500 -m engine.pretrain model=gpt_350m tp_size=8 dp_size=auto name=gpt_350m_2nodes": "tests/test_k8s.py::test_indexed_job_command_trains_as_two_local_pods",
     "torchrun --nnodes 1:2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node01:29400 "
-    "--rdzv-id myjob --max-restarts 5 -m engine.pretrain tp_size=8 dp_size=auto checkpoint.every=100": "tests/test_elastic.py::test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns",
-    "srun -N 2 --ntasks-per-node 8 --gpus-per-node 8 python -m engine.pretrain tp_size=8 dp_size=auto": "tests/test_slurm.py::test_srun_four_tasks_dp_auto",
+    "--rdzv-id myjob --max-restarts 5 -m engine.pretrain model=gpt_350m tp_size=8 dp_size=auto "
+    "checkpoint.every=100 name=gpt_350m_elastic": "tests/test_elastic.py::test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns",
+    "srun -N 2 --ntasks-per-node 8 --gpus-per-node 8 python -m engine.pretrain model=gpt_350m tp_size=8 "
+    "dp_size=auto name=gpt_350m_srun": "tests/test_slurm.py::test_srun_four_tasks_dp_auto",
     "mkdir -p logs": "manual: a plain mkdir before sbatch (the sbatch test makes its own)",
     "sbatch tools/launch/slurm/pretrain.sbatch model=gpt_350m tp_size=8": "tests/test_slurm.py::test_sbatch_template_requeues_after_usr1_and_finishes",
     "sbatch --nodes=4 tools/launch/slurm/pretrain.sbatch model=gpt_1.3b tp_size=8": "tests/test_slurm.py::test_sbatch_template_requeues_after_usr1_and_finishes",
     "python -m engine.pretrain -m hydra/launcher=slurm hydra.launcher.partition=gpu tp_size=2,4,8 "
     "dp_size=auto 'checkpoint.dir=checkpoints/${hydra:job.override_dirname}'": "tests/test_launchers.py::test_hydra_sweep_through_submitit_local_launcher",
     "mpirun -np 16 -npernode 8 --hostfile hosts -x MASTER_ADDR=node01 -x MASTER_PORT=29500 -x PATH "
-    "python -m engine.pretrain tp_size=8 dp_size=auto": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
+    "python -m engine.pretrain model=gpt_350m tp_size=8 dp_size=auto name=gpt_350m_mpi": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
     "mpirun --allow-run-as-root --oversubscribe -np 4 -x MASTER_ADDR -x MASTER_PORT -x PYTHONPATH "
     "python -m engine.pretrain tp_size=2 dp_size=2 … trainer.log_every=3": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
     "tools/launch/mpi/netns-rsh mtrnbe14b8n0 mpirun --allow-run-as-root --hostfile hosts -np 4 "
@@ -142,18 +147,27 @@ def _blocks(kind: str) -> list[str]:
     return re.findall(rf"```{kind}\n(.*?)```", README, re.S)
 
 
-def readme_commands() -> list[str]:
-    """Command lines of the README: bash blocks (comments dropped, ``&&`` chains split) and
-    the ``$ `` lines of text blocks."""
-    bash = [block.replace("\\\n", " ") for block in _blocks("bash")]  # join continuations
-    lines = [re.sub(" +", " ", ln) for block in bash for ln in block.splitlines()]
-    text = [re.sub(r" *\\\n *", " ", block) for block in _blocks("text")]  # join continuations
-    lines += [ln[2:] for block in text for ln in block.splitlines() if ln[:2] == "$ "]
+def readme_commands_in_order() -> list[str]:
+    """Every command line of the README in the order it appears, repeats kept: bash blocks
+    (comments dropped, ``&&`` chains split) and the ``$ `` lines of text blocks."""
+    lines = []
+    for kind, block in re.findall(r"```(bash|text)\n(.*?)```", README, re.S):
+        if kind == "bash":
+            block = re.sub(" +", " ", block.replace("\\\n", " "))  # join continuations
+            lines += block.splitlines()
+        else:
+            block = re.sub(r" *\\\n *", " ", block)  # join continuations
+            lines += [ln[2:] for ln in block.splitlines() if ln[:2] == "$ "]
     commands = []
     for line in lines:
         line = line.split(" #")[0].strip() if not line.startswith("#") else ""
         commands += [part.strip() for part in line.split(" && ") if part.strip()]
-    return list(dict.fromkeys(commands))
+    return commands
+
+
+def readme_commands() -> list[str]:
+    """The README's command lines, each once."""
+    return list(dict.fromkeys(readme_commands_in_order()))
 
 
 def test_every_readme_command_is_run_or_mapped_to_a_test():
