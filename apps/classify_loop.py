@@ -106,11 +106,11 @@ def train(cfg: ClassifyConfig, ps: ParallelState) -> dict:
         ps,
         MLPClassifier(cfg.model.hidden_size, tp_group=ps.tp_group, dtype=dtype, device=ps.device),
     )
-    steps = steps_per_epoch(train_x.shape[0], t.batch_size, ps.dp_size)
+    steps = steps_per_epoch(train_x.shape[0], t.batch_size, ps.size("batch"))
     say = _printer(ps)
     say(
         f"classify: {train_x.shape[0]} training / {test_x.shape[0]} test images, tp={ps.tp_size} "
-        f"dp={ps.dp_size}, batch {t.batch_size}/rank ({t.batch_size * ps.dp_size} global), "
+        f"dp={ps.size('batch')}, batch {t.batch_size}/rank ({t.batch_size * ps.size('batch')} global), "
         f"lr {run.lr:g}, {steps} steps/epoch, target {t.target_accuracy}"
     )
     curve, train_time, accuracy = [], 0.0, 0.0
@@ -124,7 +124,7 @@ def train(cfg: ClassifyConfig, ps: ParallelState) -> dict:
         train_time += epoch_time
         accuracy = evaluate(run.model, test_x, test_y, ps)
         elapsed = time.perf_counter() - start
-        rate = steps * t.batch_size * ps.dp_size / epoch_time
+        rate = steps * t.batch_size * ps.size("batch") / epoch_time
         curve.append(
             {
                 "epoch": epoch,
@@ -149,7 +149,7 @@ def train(cfg: ClassifyConfig, ps: ParallelState) -> dict:
         "epochs": len(curve),
         "time_to_accuracy_s": curve[-1]["elapsed_s"] if reached else None,
         "elapsed_s": curve[-1]["elapsed_s"],
-        "images_per_s": len(curve) * steps * t.batch_size * ps.dp_size / train_time,
+        "images_per_s": len(curve) * steps * t.batch_size * ps.size("batch") / train_time,
         "lr": run.lr,
         "curve": curve,
     }
@@ -164,7 +164,7 @@ class _Run:
     def __init__(self, cfg: ClassifyConfig, ps: ParallelState, model: MLPClassifier) -> None:
         t = cfg.trainer
         self.cfg, self.ps, self.model, self.timings = cfg, ps, model, Timings()
-        self.lr = t.lr * (ps.dp_size if t.lr_scaling == "linear" else 1)
+        self.lr = t.lr * (ps.size("batch") if t.lr_scaling == "linear" else 1)
         self.optimizer = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=t.momentum)
         self.grad_sync = GradSync(
             model.parameters(),
@@ -172,7 +172,7 @@ class _Run:
             tp_group=ps.tp_group,
             bucket_size_mb=t.grad_bucket_mb,
         )
-        self.flops = model.flops_per_image() * t.batch_size * ps.dp_size / ps.world_size
+        self.flops = model.flops_per_image() * t.batch_size * ps.size("batch") / ps.world_size
 
     def epoch(self, x, y, perm: torch.Tensor, steps: int, epoch: int) -> float:
         """One pass; rank 0's mean training loss over it (no extra collective per step)."""
@@ -202,7 +202,9 @@ class _Run:
                     "optimizer_s": t4 - t3,
                 }
                 step_no = (epoch - 1) * steps + step + 1
-                self.timings.add(step_no, parts, batch * ps.dp_size, self.flops, value, ps.device)
+                self.timings.add(
+                    step_no, parts, batch * ps.size("batch"), self.flops, value, ps.device
+                )
             if progress is not None:
                 progress.advance(progress.task_ids[0])
         if progress is not None:
@@ -236,10 +238,10 @@ def write_metrics(
     payload = {
         "workload": "classify",
         "tp_size": ps.tp_size,
-        "dp_size": ps.dp_size,
+        "dp_size": ps.size("batch"),
         "world_size": ps.world_size,
         "micro_batch": cfg.trainer.batch_size,
-        "global_batch": cfg.trainer.batch_size * ps.dp_size,
+        "global_batch": cfg.trainer.batch_size * ps.size("batch"),
         "steps": timings.records,
         "summary": summary,
     }

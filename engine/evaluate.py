@@ -125,8 +125,8 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
     """What can be wrong before a rank starts (ValueError, one line); returns ``cfg`` with
     the number of micro-batches to read settled."""
     from engine.data.indexed import check_token_ids
-    from engine.data.pipeline import eval_iterator
     from engine.data.preprocess import EOD_TOKEN
+    from engine.data.run_data import eval_iterator
 
     where = args.ckpt or args.hf_dir
     if cfg.data.tokenizer is None or not os.path.isfile(cfg.data.tokenizer):
@@ -189,7 +189,7 @@ def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
     """One rank: load this TP shard of the model, read its micro-batches, agree on the mean."""
     from engine.bootstrap import bootstrap_rank
     from engine.config import parallel_dims, resolve_precision
-    from engine.data.pipeline import eval_iterator, load_tokenizer
+    from engine.data.run_data import eval_iterator, load_tokenizer
     from engine.models import build_model
     from engine.observe import perplexity
     from engine.runner import autocast_for, fixed_set_loss

@@ -58,7 +58,7 @@ def prepare(cfg: Config) -> Config:
     if problems:
         _fail(problems)
     from engine.data.fsutil import file_problem
-    from engine.data.pipeline import resolve_data
+    from engine.data.run_data import resolve_data
 
     cfg = dataclasses.replace(
         cfg, dp_size=dims.dp, data=resolve_data(cfg.data), optim=scale_lr(cfg.optim, cfg.trainer)
@@ -66,7 +66,7 @@ def prepare(cfg: Config) -> Config:
     if (problem := file_problem(cfg.data.tokenizer)) is not None:  # a FIFO would block the read
         _fail([f"data.tokenizer: {cfg.data.tokenizer} {problem} (pass data.tokenizer=PATH)"])
     import parallel_state
-    from engine.data.pipeline import check_data
+    from engine.data.run_data import check_data
     from engine.preflight import check_memory
 
     local_ranks = (info.local_world_size or 1) if info.launcher != "none" else dims.world

@@ -13,7 +13,7 @@ from rich.markup import escape
 from engine import comm, flops
 from engine.checkpoint.run import RunCheckpoints, tensorboard_dir
 from engine.config import Config, resolve_precision
-from engine.data.pipeline import build_pipeline
+from engine.data.run_data import build_run_data
 from engine.data_parallel import DataParallel, DynamicLossScaler, build_data_parallel
 from engine.generate import sample_text
 from engine.mesh_report import describe_mesh
@@ -83,7 +83,7 @@ class Trainer:
         self.scaler = (
             DynamicLossScaler(cfg.trainer.loss_scale_init) if self.precision == "fp16" else None
         )
-        self.data = build_pipeline(cfg, ps.rank_in("batch"), ps.size("batch"))
+        self.data = build_run_data(cfg, ps.rank_in("batch"), ps.size("batch"))
         self._build_observers()
         self.step = 0
         self.checkpoints = RunCheckpoints(

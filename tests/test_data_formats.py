@@ -157,13 +157,13 @@ def _first_batches(prefix: str, overrides: list[str]) -> list:
     from omegaconf import OmegaConf
 
     from engine.config import register_configs
-    from engine.data.pipeline import build_pipeline, check_data
+    from engine.data.run_data import build_run_data, check_data
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
         cfg = OmegaConf.to_object(compose("config", [f"data.prefixes=[{prefix}]", *overrides]))
     assert check_data(cfg) == []
-    train = build_pipeline(cfg, dp_rank=0, dp_size=1).train
+    train = build_run_data(cfg, batch_rank=0, batch_size=1).train
     return [micro for _ in range(3) for micro in next(train)]
 
 

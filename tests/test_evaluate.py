@@ -74,7 +74,7 @@ def test_same_loss_as_the_trainers_validation_at_other_layouts(corpus, tmp_path,
     args = _args(ckpt=root, dp_size=2)
     eval_cfg = check(args, evaluation_config(args))
     assert eval_cfg.trainer.eval_batches == 200 and eval_cfg.data.seq_len == 32
-    from engine.data.pipeline import eval_iterator, load_tokenizer
+    from engine.data.run_data import eval_iterator, load_tokenizer
 
     valid, _ = eval_iterator(eval_cfg, "valid", load_tokenizer(eval_cfg.data))
     assert len(valid.dataset) < 200 * 2  # the set wraps into a second epoch, as in the trainer

@@ -1,4 +1,4 @@
-"""From the data config to this rank's batch iterators and the tokenizer."""
+"""A run's data: from the data config to this rank's batch iterators and the tokenizer."""
 
 from __future__ import annotations
 
@@ -124,8 +124,9 @@ def _dataset(cfg: Config, split: str, tokenizer: Tokenizer) -> tuple[object, lis
 
 
 @dataclass
-class DataPipeline:
-    """This DP rank's training and validation iterators."""
+class RunData:
+    """A run's data as this rank reads it: the training and validation iterators and the
+    tokenizer (the data pipeline; not the pipeline-parallel schedule)."""
 
     train: DataIterator
     valid: DataIterator | None
@@ -133,18 +134,19 @@ class DataPipeline:
     valid_note: str | None = None  # why validation is missing or leaves a prefix out
 
 
-def build_pipeline(cfg: Config, dp_rank: int, dp_size: int) -> DataPipeline:
-    """Iterators over this DP rank's part of every global batch."""
+def build_run_data(cfg: Config, batch_rank: int, batch_size: int) -> RunData:
+    """Iterators over this rank's part of every global batch: part ``batch_rank`` of
+    ``batch_size`` (the mesh's batch role)."""
     tokenizer = load_tokenizer(cfg.data)
     t = cfg.trainer
-    common = dict(micro_batch=t.micro_batch, dp_rank=dp_rank, dp_size=dp_size)
+    common = dict(micro_batch=t.micro_batch, dp_rank=batch_rank, dp_size=batch_size)
     train_set, _ = _dataset(cfg, "train", tokenizer)
     train = DataIterator(train_set, global_batch=t.global_batch, **common)
     try:
         valid, notes = eval_iterator(cfg, "valid", tokenizer)
     except ValueError as err:  # no prefix can hold one validation sequence: train without
-        return DataPipeline(train, None, tokenizer, f"validation split {cfg.data.split!r}: {err}")
-    return DataPipeline(train, valid, tokenizer, "; ".join(notes) or None)
+        return RunData(train, None, tokenizer, f"validation split {cfg.data.split!r}: {err}")
+    return RunData(train, valid, tokenizer, "; ".join(notes) or None)
 
 
 def eval_iterator(cfg: Config, split: str, tokenizer: Tokenizer) -> tuple[DataIterator, list[str]]:
