@@ -13,13 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.kernels.launch import (
-    as_rows,
-    check_float,
-    check_launchable,
-    check_vector,
-    tile_grid,
-)
+from layers.kernels.launch import check_float, checked_rows, partial_sums, tile_grid
 
 
 @triton.jit
@@ -111,7 +105,6 @@ def bias_dropout_add_forward(
     ``dropout=False`` (eval, or p == 0) adds without a mask. The output has the promoted
     dtype of x, bias and residual.
     """
-    check_float("x", x)
     check_float("residual", residual)
     if x.dim() == 0 or residual.shape != x.shape or residual.device != x.device:
         raise ValueError(
@@ -122,11 +115,8 @@ def bias_dropout_add_forward(
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
     if seed.shape != (1,) or seed.dtype != torch.int64 or seed.device != x.device:
         raise ValueError(f"seed must be a [1] int64 tensor on {x.device}, got {seed!r}")
-    n = x.shape[-1]
-    check_vector("bias", bias, n, x)
-    check_launchable(_bias_dropout_add_fwd_kernel, x)
-    x2d = as_rows(x)
-    m = x2d.shape[0]
+    x2d = checked_rows(_bias_dropout_add_fwd_kernel, x, bias=bias)
+    m, n = x2d.shape
     res2d = residual.reshape(m, n).contiguous()
     out_dtype = torch.promote_types(x.dtype, residual.dtype)
     if bias is not None:
@@ -165,7 +155,7 @@ def bias_dropout_add_backward(
     m = dout2d.shape[0]
     dx = torch.empty((m, n), dtype=x_dtype, device=dout.device)
     grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, dout.device)
-    db_partial = torch.zeros((grid[0], n), dtype=torch.float32, device=dout.device)
+    db_partial = partial_sums(grid[0], n, dout.device)
     if dx.numel() > 0:
         _bias_dropout_add_bwd_kernel[grid](
             dout2d,

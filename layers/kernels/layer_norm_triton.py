@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 
 from layers.kernels.launch import (
-    as_rows,
-    check_float,
-    check_launchable,
-    check_vector,
+    checked_rows,
+    grad_rows,
+    partial_sums,
+    reduce_partial_sums,
     row_groups,
     row_settings,
 )
@@ -107,15 +107,8 @@ def layer_norm_forward(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalize ``x`` over its last dim; returns (y shaped like x, mean [M], rstd [M])."""
-    check_float("x", x)
-    if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"x must have a non-empty last dim, got shape {tuple(x.shape)}")
-    n = x.shape[-1]
-    check_vector("weight", weight, n, x)
-    check_vector("bias", bias, n, x)
-    check_launchable(_layer_norm_fwd_kernel, x)
-    x2d = as_rows(x)
-    m = x2d.shape[0]
+    x2d = checked_rows(_layer_norm_fwd_kernel, x, 1, weight=weight, bias=bias)
+    m, n = x2d.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -149,17 +142,12 @@ def layer_norm_backward(
     rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients (dx, dweight, dbias) of ``layer_norm_forward``; dw/db None without weight/bias."""
-    if dy.shape != x.shape:
-        raise ValueError(f"dy {tuple(dy.shape)} must match x {tuple(x.shape)}")
-    n = x.shape[-1]
-    x2d = as_rows(x)
-    dy2d = dy.reshape(-1, n).contiguous()
-    m = x2d.shape[0]
-    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    x2d, dy2d, dx = grad_rows(dy, x)
+    m, n = x2d.shape
     block_n, num_warps = row_settings(n)
     programs, rows_per_program = row_groups(m, 1, x.device)
-    dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device)
-    db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device)
+    dw_partial = partial_sums(programs, n, x.device)
+    db_partial = partial_sums(programs, n, x.device)
     if m > 0:
         _layer_norm_bwd_kernel[(programs,)](
             x2d,
@@ -180,9 +168,8 @@ def layer_norm_backward(
             num_warps=num_warps,
         )
     # Second stage of the reduction: programs x N fp32, small.
-    dw = None if weight is None else dw_partial.sum(dim=0).to(weight.dtype)
-    db = None if bias is None else db_partial.sum(dim=0).to(bias.dtype)
-    return dx.view(x.shape), dw, db
+    dw = reduce_partial_sums(dw_partial, weight)
+    return dx.view(x.shape), dw, reduce_partial_sums(db_partial, bias)
 
 
 class LayerNormFunction(torch.autograd.Function):

@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 
 from layers.kernels.launch import (
-    as_rows,
-    check_float,
-    check_launchable,
-    check_vector,
+    checked_rows,
+    grad_rows,
+    partial_sums,
+    reduce_partial_sums,
     row_groups,
     row_settings,
 )
@@ -93,14 +93,8 @@ def rms_norm_forward(
 
     y has the promoted dtype of x and weight, like ``weight * normed`` in torch.
     """
-    check_float("x", x)
-    if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"x must have a non-empty last dim, got shape {tuple(x.shape)}")
-    n = x.shape[-1]
-    check_vector("weight", weight, n, x)
-    check_launchable(_rms_norm_fwd_kernel, x)
-    x2d = as_rows(x)
-    m = x2d.shape[0]
+    x2d = checked_rows(_rms_norm_fwd_kernel, x, 1, weight=weight)
+    m, n = x2d.shape
     out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -126,16 +120,11 @@ def rms_norm_backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients (dx, dweight) of ``rms_norm_forward``; dweight None without a weight."""
-    if dy.shape != x.shape:
-        raise ValueError(f"dy {tuple(dy.shape)} must match x {tuple(x.shape)}")
-    n = x.shape[-1]
-    x2d = as_rows(x)
-    dy2d = dy.reshape(-1, n).contiguous()
-    m = x2d.shape[0]
-    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    x2d, dy2d, dx = grad_rows(dy, x)
+    m, n = x2d.shape
     block_n, num_warps = row_settings(n)
     programs, rows_per_program = row_groups(m, 1, x.device)
-    dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device)
+    dw_partial = partial_sums(programs, n, x.device)
     if m > 0:
         _rms_norm_bwd_kernel[(programs,)](
             x2d,
@@ -153,8 +142,7 @@ def rms_norm_backward(
             num_warps=num_warps,
         )
     # Second stage of the reduction: programs x N fp32, small.
-    dw = None if weight is None else dw_partial.sum(dim=0).to(weight.dtype)
-    return dx.view(x.shape), dw
+    return dx.view(x.shape), reduce_partial_sums(dw_partial, weight)
 
 
 class RMSNormFunction(torch.autograd.Function):
