@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from layers.kernels.launch import check_float, checked_rows, partial_sums, tile_grid
+from layers.kernels.tiles import bias_block, column_block, row_span, row_tile
 
 
 @triton.jit
@@ -34,17 +35,12 @@ def _bias_dropout_add_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_BIAS:
-        b = tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)
+    cols, col_mask = column_block(N, BLOCK_N)
+    b = bias_block(Bias, cols, col_mask, HAS_BIAS, BLOCK_N)
     seed = tl.load(Seed)
-    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    row_start, row_end = row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows = r + tl.arange(0, BLOCK_M)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        rows, mask = row_tile(r, row_end, col_mask, BLOCK_M)
         offsets = rows[:, None] * N + cols[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         v = x.to(tl.float32) + b[None, :]
@@ -69,15 +65,12 @@ def _bias_dropout_add_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
+    cols, col_mask = column_block(N, BLOCK_N)
     seed = tl.load(Seed)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    row_start, row_end = row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows = r + tl.arange(0, BLOCK_M)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        rows, mask = row_tile(r, row_end, col_mask, BLOCK_M)
         offsets = rows[:, None] * N + cols[None, :]
         dout = tl.load(DOut + offsets, mask=mask, other=0.0).to(tl.float32)
         keep = (tl.rand(seed, offsets) >= p) & mask

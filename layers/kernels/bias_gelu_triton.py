@@ -22,6 +22,7 @@ from layers.kernels.launch import (
     reduce_partial_sums,
     tile_grid,
 )
+from layers.kernels.tiles import bias_block, column_block, row_span, row_tile
 
 APPROXIMATIONS = ("none", "tanh")
 
@@ -40,16 +41,11 @@ def _bias_gelu_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_BIAS:
-        b = tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)
-    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    cols, col_mask = column_block(N, BLOCK_N)
+    b = bias_block(Bias, cols, col_mask, HAS_BIAS, BLOCK_N)
+    row_start, row_end = row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows = r + tl.arange(0, BLOCK_M)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        rows, mask = row_tile(r, row_end, col_mask, BLOCK_M)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         v = x.to(tl.float32) + b[None, :]
         if TANH:
@@ -76,17 +72,12 @@ def _bias_gelu_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_BIAS:
-        b = tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)
+    cols, col_mask = column_block(N, BLOCK_N)
+    b = bias_block(Bias, cols, col_mask, HAS_BIAS, BLOCK_N)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    row_start, row_end = row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows = r + tl.arange(0, BLOCK_M)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        rows, mask = row_tile(r, row_end, col_mask, BLOCK_M)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         dy = tl.load(DY + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
         v = x.to(tl.float32) + b[None, :]
