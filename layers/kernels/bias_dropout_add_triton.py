@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from layers.kernels import jit_helpers as jh
 from layers.kernels.launch import check_float, checked_rows, partial_sums, tile_grid
-from layers.kernels.tiles import bias_block, column_block, row_span, row_tile
 
 
 @triton.jit
@@ -35,12 +35,12 @@ def _bias_dropout_add_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols, col_mask = column_block(N, BLOCK_N)
-    b = bias_block(Bias, cols, col_mask, HAS_BIAS, BLOCK_N)
+    cols, col_mask = jh.column_block(N, BLOCK_N)
+    b = jh.optional_vector(Bias, cols, col_mask, tl.zeros((BLOCK_N,), dtype=tl.float32), HAS_BIAS)
     seed = tl.load(Seed)
-    row_start, row_end = row_span(M, rows_per_program)
+    row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows, mask = row_tile(r, row_end, col_mask, BLOCK_M)
+        rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
         offsets = rows[:, None] * N + cols[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         v = x.to(tl.float32) + b[None, :]
@@ -65,12 +65,12 @@ def _bias_dropout_add_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols, col_mask = column_block(N, BLOCK_N)
+    cols, col_mask = jh.column_block(N, BLOCK_N)
     seed = tl.load(Seed)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_start, row_end = row_span(M, rows_per_program)
+    row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows, mask = row_tile(r, row_end, col_mask, BLOCK_M)
+        rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
         offsets = rows[:, None] * N + cols[None, :]
         dout = tl.load(DOut + offsets, mask=mask, other=0.0).to(tl.float32)
         keep = (tl.rand(seed, offsets) >= p) & mask

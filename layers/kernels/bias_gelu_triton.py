@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from layers.kernels import jit_helpers as jh
 from layers.kernels.launch import (
     checked_rows,
     grad_rows,
@@ -22,7 +23,6 @@ from layers.kernels.launch import (
     reduce_partial_sums,
     tile_grid,
 )
-from layers.kernels.tiles import bias_block, column_block, row_span, row_tile
 
 APPROXIMATIONS = ("none", "tanh")
 
@@ -41,11 +41,11 @@ def _bias_gelu_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols, col_mask = column_block(N, BLOCK_N)
-    b = bias_block(Bias, cols, col_mask, HAS_BIAS, BLOCK_N)
-    row_start, row_end = row_span(M, rows_per_program)
+    cols, col_mask = jh.column_block(N, BLOCK_N)
+    b = jh.optional_vector(Bias, cols, col_mask, tl.zeros((BLOCK_N,), dtype=tl.float32), HAS_BIAS)
+    row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows, mask = row_tile(r, row_end, col_mask, BLOCK_M)
+        rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         v = x.to(tl.float32) + b[None, :]
         if TANH:
@@ -72,12 +72,12 @@ def _bias_gelu_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols, col_mask = column_block(N, BLOCK_N)
-    b = bias_block(Bias, cols, col_mask, HAS_BIAS, BLOCK_N)
+    cols, col_mask = jh.column_block(N, BLOCK_N)
+    b = jh.optional_vector(Bias, cols, col_mask, tl.zeros((BLOCK_N,), dtype=tl.float32), HAS_BIAS)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_start, row_end = row_span(M, rows_per_program)
+    row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows, mask = row_tile(r, row_end, col_mask, BLOCK_M)
+        rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         dy = tl.load(DY + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
         v = x.to(tl.float32) + b[None, :]
