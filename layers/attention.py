@@ -11,8 +11,6 @@ output projection sums the heads' contributions.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from einops import rearrange
@@ -21,7 +19,12 @@ from torch import nn
 from layers import dropout
 from layers.gqa import kv_projection
 from layers.kernel_set import Kernels
-from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
+from layers.linear import (
+    ColumnParallelLinear,
+    branch_options,
+    normal_init,
+    residual_output_linear,
+)
 from layers.recompute import checkpointed
 from layers.rotary import apply_rotary
 from layers.transformer_config import TransformerConfig
@@ -148,9 +151,7 @@ class ParallelAttention(nn.Module):
         heads_per_rank(cfg.num_heads, group_size(tp_group))
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.sequence_parallel = cfg.sequence_parallel
-        common = dict(
-            tp_group=tp_group, sequence_parallel=cfg.sequence_parallel, dtype=dtype, device=device
-        )
+        common = branch_options(cfg, tp_group, dtype, device)
         self._build_projections(cfg, tp_group, common)
         self.core = CoreAttention(
             cfg.attention_dropout,
@@ -158,17 +159,7 @@ class ParallelAttention(nn.Module):
             recompute=cfg.recompute == "selective",
             rng=rng,
         )
-        # GPT-2 / Megatron: residual-branch outputs start smaller, std / √(2·layers).
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        # The bias comes back unadded, for the layer's fused bias + dropout + residual add.
-        self.dense = RowParallelLinear(
-            cfg.hidden_size,
-            cfg.hidden_size,
-            cfg.linear_bias,
-            init_method=normal_init(out_std),
-            skip_bias_add=True,
-            **common,
-        )
+        self.dense = residual_output_linear(cfg, cfg.hidden_size, common)
 
     def _build_projections(self, cfg: TransformerConfig, tp_group, common: dict) -> None:
         """Multi-head: one fused ``qkv``, rows ``(heads three d)``. Grouped-query (fewer KV

@@ -84,6 +84,32 @@ def _local_max(logits: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
     return logits.amax(dim=-1).to(compute)
 
 
+def check_target_shape(logits: torch.Tensor, target: torch.Tensor) -> None:
+    """Raise unless ``logits`` is ``target``'s shape plus a vocabulary dim."""
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: "
+            "logits must be target's shape plus a vocabulary dim"
+        )
+
+
+def checked_loss_group(
+    tp_group: dist.ProcessGroup | None, label_smoothing: float, vocab_size: int | None, local: int
+) -> dist.ProcessGroup | None:
+    """The resolved TP group of a vocabulary-parallel loss whose ranks hold ``local``
+    vocabulary columns each, after checking ``label_smoothing`` and ``vocab_size``."""
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    group = resolve_tp_group(tp_group)
+    padded = group_size(group) * local
+    if vocab_size is not None and not 0 < vocab_size <= padded:
+        raise ValueError(
+            f"vocab_size {vocab_size} must be in (0, {padded}] "
+            "(the padded vocabulary across the TP group)"
+        )
+    return group
+
+
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -101,19 +127,8 @@ def vocab_parallel_cross_entropy(
     vocabulary) excludes padding columns from the softmax; None means all columns count.
     Ignored positions get loss 0 and gradient 0. Returns fp32 (fp64 for fp64 logits).
     """
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: "
-            "logits must be target's shape plus a vocabulary dim"
-        )
-    group = resolve_tp_group(tp_group)
-    if vocab_size is not None and not 0 < vocab_size <= group_size(group) * logits.shape[-1]:
-        raise ValueError(
-            f"vocab_size {vocab_size} must be in (0, {group_size(group) * logits.shape[-1]}] "
-            "(the padded vocabulary across the TP group)"
-        )
+    check_target_shape(logits, target)
+    group = checked_loss_group(tp_group, label_smoothing, vocab_size, logits.shape[-1])
     if torch.compiler.is_compiling():
         return _traced_cross_entropy(
             logits, target, ignore_index, label_smoothing, vocab_size, group, comm_timer

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from layers.linear import InitMethod, build_master_weight, normal_init
+from layers.linear import ShardOptions, init_tp_shard, load_master_weight
 from layers.mappings import reduce_from_tp, reduce_scatter_to_sequence
 from layers.param_roles import mark_tp_dim
 from layers.utils import comm_timer_of, divide, shard
-from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -19,38 +19,26 @@ class VocabParallelEmbedding(nn.Module):
 
     Ids outside this rank's block look up nothing (their rows are zeroed), and the partial
     results are summed across TP, all-reduced, or under sequence parallelism
-    reduce-scattered along ``sequence_dim``.
+    reduce-scattered along ``sequence_dim``. Keyword options: ``layers.linear.ShardOptions``.
     """
 
     def __init__(
         self,
         num_embeddings: int,
         embedding_dim: int,
-        *,
-        tp_group: dist.ProcessGroup | None = None,
-        init_method: InitMethod | None = None,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 0,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
+        **options: Unpack[ShardOptions],
     ) -> None:
         super().__init__()
-        self.tp_group = resolve_tp_group(tp_group)
-        self.tp_size, self.tp_rank = group_size(self.tp_group), group_rank(self.tp_group)
+        factory = init_tp_shard(self, options)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         local = divide(
             num_embeddings,
             self.tp_size,
             "VocabParallelEmbedding vocabulary size (pad it with layers.pad_vocab_size)",
         )
         self.vocab_start, self.vocab_end = self.tp_rank * local, (self.tp_rank + 1) * local
-        factory = {"dtype": dtype or torch.get_default_dtype(), "device": device}
         self.weight = mark_tp_dim(nn.Parameter(torch.empty(local, embedding_dim, **factory)), 0)
-        full = build_master_weight(
-            (num_embeddings, embedding_dim), init_method or normal_init(), factory["dtype"]
-        )
-        self.load_full_(full)
+        load_master_weight(self, (num_embeddings, embedding_dim), options, factory["dtype"])
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor) -> None:

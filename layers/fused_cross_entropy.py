@@ -16,11 +16,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from layers.cross_entropy import vocab_parallel_cross_entropy
+from layers.cross_entropy import (
+    check_target_shape,
+    checked_loss_group,
+    vocab_parallel_cross_entropy,
+)
 from layers.kernels.dispatch import choose_backend, reject_apex
 from layers.mappings import all_reduce_max_, all_reduce_sum_
 from layers.utils import CommTimer
-from parallel_state.groups import group_rank, group_size, resolve_tp_group
+from parallel_state.groups import group_rank, group_size
 
 
 def cross_entropy_forward(
@@ -239,12 +243,8 @@ def fused_vocab_parallel_cross_entropy(
             vocab_size=vocab_size,
             comm_timer=comm_timer,
         )
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: "
-            "logits must be target's shape plus a vocabulary dim"
-        )
-    group = _checked_group(tp_group, label_smoothing, vocab_size, logits.shape[-1])
+    check_target_shape(logits, target)
+    group = checked_loss_group(tp_group, label_smoothing, vocab_size, logits.shape[-1])
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
     return FusedCrossEntropyFunction.apply(
         logits, target, ignore_index, label_smoothing, vocab_size, group, compute_grad, comm_timer
@@ -299,26 +299,10 @@ def fused_linear_cross_entropy(
         if reduction == "sum":
             return loss
         return loss / (target != ignore_index).sum().clamp_min(1)
-    group = _checked_group(tp_group, label_smoothing, vocab_size, weight.shape[0])
+    group = checked_loss_group(tp_group, label_smoothing, vocab_size, weight.shape[0])
     del options["tp_group"]
     options.update(group=group, chunk_tokens=chunk_tokens)
     compute_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return LinearCrossEntropyFunction.apply(
         hidden, weight, target, options, reduction, compute_grad
     )
-
-
-def _checked_group(
-    tp_group: dist.ProcessGroup | None, label_smoothing: float, vocab_size: int | None, local: int
-) -> dist.ProcessGroup | None:
-    """The resolved TP group, after the argument checks of vocab_parallel_cross_entropy."""
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    group = resolve_tp_group(tp_group)
-    padded = group_size(group) * local
-    if vocab_size is not None and not 0 < vocab_size <= padded:
-        raise ValueError(
-            f"vocab_size {vocab_size} must be in (0, {padded}] "
-            "(the padded vocabulary across the TP group)"
-        )
-    return group

@@ -7,7 +7,9 @@ at TP=N holds exactly the slices of the TP=1 layer built from the same seed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
@@ -22,10 +24,28 @@ from layers.mappings import (
     scatter_to_tp,
 )
 from layers.param_roles import mark_sp_partial_grad, mark_tp_dim, tp_dim
+from layers.transformer_config import TransformerConfig
 from layers.utils import CommTimer, comm_timer_of, divide, shard
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
 InitMethod = Callable[[torch.Tensor], object]
+
+
+class ShardOptions(TypedDict, total=False):
+    """The keyword options every TP-sharded layer (linear, embedding) takes."""
+
+    tp_group: dist.ProcessGroup | None  # None: the default state's TP group
+    init_method: InitMethod | None  # initializer of the full master weight (None: N(0, 0.02²))
+    sequence_parallel: bool  # activations sharded along the sequence outside the layer
+    sequence_dim: int  # which dim of the activations is the sequence
+    dtype: torch.dtype | None  # parameter dtype (None: torch's default)
+    device: torch.device | str | None
+
+
+class LinearOptions(ShardOptions, total=False):
+    """``ShardOptions`` plus the linear layers' own."""
+
+    skip_bias_add: bool  # return (output, bias) for a fused kernel to add the bias
 
 
 def normal_init(std: float = 0.02) -> InitMethod:
@@ -45,6 +65,35 @@ def build_master_weight(
     full = torch.empty(shape, dtype=master, device="cpu")
     init_method(full)
     return full
+
+
+def init_tp_shard(
+    module: nn.Module, options: ShardOptions, schema: type = ShardOptions
+) -> dict[str, object]:
+    """Set ``module``'s TP placement from its keyword ``options`` (keys of ``schema``):
+    ``tp_group`` (resolved), ``tp_size``, ``tp_rank``, ``sequence_parallel`` and
+    ``sequence_dim``. Returns the parameters' factory keywords (dtype, device)."""
+    unknown = sorted(set(options) - set(schema.__annotations__))
+    if unknown:
+        raise TypeError(f"{type(module).__name__} got unexpected keyword arguments {unknown}")
+    module.tp_group = resolve_tp_group(options.get("tp_group"))
+    module.tp_size, module.tp_rank = group_size(module.tp_group), group_rank(module.tp_group)
+    module.sequence_parallel = options.get("sequence_parallel", False)
+    module.sequence_dim = options.get("sequence_dim", 0)
+    return {
+        "dtype": options.get("dtype") or torch.get_default_dtype(),
+        "device": options.get("device"),
+    }
+
+
+def load_master_weight(
+    module: nn.Module, shape: tuple[int, int], options: ShardOptions, dtype: torch.dtype
+) -> None:
+    """Draw the full master weight with ``options``' init_method (N(0, 0.02²) by default)
+    and load this rank's slice of it (``module.load_full_``)."""
+    module.load_full_(
+        build_master_weight(shape, options.get("init_method") or normal_init(), dtype)
+    )
 
 
 def _weight_and_bias_grads(
@@ -137,7 +186,8 @@ def linear_after_copy(
 
 
 class _TPLinearBase(nn.Module):
-    """Shared construction of the two parallel linear layers; see subclasses."""
+    """Shared construction of the two parallel linear layers; see subclasses. Their keyword
+    options are ``LinearOptions``'s."""
 
     split_dim: int  # which dim of the [out, in] weight is split across TP
 
@@ -146,37 +196,24 @@ class _TPLinearBase(nn.Module):
         in_features: int,
         out_features: int,
         bias: bool,
-        tp_group: dist.ProcessGroup | None,
-        init_method: InitMethod | None,
-        sequence_parallel: bool,
-        sequence_dim: int,
-        dtype: torch.dtype | None,
-        device: torch.device | str | None,
-        skip_bias_add: bool = False,
+        **options: Unpack[LinearOptions],
     ) -> None:
         super().__init__()
-        self.skip_bias_add = skip_bias_add
-        self.tp_group = resolve_tp_group(tp_group)
-        self.tp_size = group_size(self.tp_group)
-        self.tp_rank = group_rank(self.tp_group)
+        factory = init_tp_shard(self, options, LinearOptions)
+        self.skip_bias_add = options.get("skip_bias_add", False)
         self.in_features, self.out_features = in_features, out_features
-        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         split_features = (out_features, in_features)[self.split_dim]
         what = f"{type(self).__name__} {('out', 'in')[self.split_dim]}_features"
         local = divide(split_features, self.tp_size, what)
         shape = [out_features, in_features]
         shape[self.split_dim] = local
-        factory = {"dtype": dtype or torch.get_default_dtype(), "device": device}
         self.weight = mark_tp_dim(nn.Parameter(torch.empty(shape, **factory)), self.split_dim)
         self.bias = None
         if bias:
             bias_local = local if self.split_dim == 0 else out_features
             self.bias = nn.Parameter(torch.zeros(bias_local, **factory))
             mark_tp_dim(self.bias, 0 if self.split_dim == 0 else None)
-        full = build_master_weight(
-            (out_features, in_features), init_method or normal_init(), factory["dtype"]
-        )
-        self.load_full_(full)
+        load_master_weight(self, (out_features, in_features), options, factory["dtype"])
 
     @torch.no_grad()
     def load_full_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -227,30 +264,13 @@ class ColumnParallelLinear(_TPLinearBase):
         out_features: int,
         bias: bool = True,
         gather_output: bool = False,
-        *,
-        tp_group: dist.ProcessGroup | None = None,
-        init_method: InitMethod | None = None,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 0,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        skip_bias_add: bool = False,
+        **options: Unpack[LinearOptions],
     ) -> None:
+        sequence_parallel = options.get("sequence_parallel", False)
         if gather_output and sequence_parallel:
             raise ValueError("gather_output=True cannot be combined with sequence_parallel=True")
         self.gather_output = gather_output
-        super().__init__(
-            in_features,
-            out_features,
-            bias,
-            tp_group,
-            init_method,
-            sequence_parallel,
-            sequence_dim,
-            dtype,
-            device,
-            skip_bias_add,
-        )
+        super().__init__(in_features, out_features, bias, **options)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
@@ -283,30 +303,13 @@ class RowParallelLinear(_TPLinearBase):
         out_features: int,
         bias: bool = True,
         input_is_parallel: bool = True,
-        *,
-        tp_group: dist.ProcessGroup | None = None,
-        init_method: InitMethod | None = None,
-        sequence_parallel: bool = False,
-        sequence_dim: int = 0,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        skip_bias_add: bool = False,
+        **options: Unpack[LinearOptions],
     ) -> None:
+        sequence_parallel = options.get("sequence_parallel", False)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("sequence_parallel=True needs input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
-        super().__init__(
-            in_features,
-            out_features,
-            bias,
-            tp_group,
-            init_method,
-            sequence_parallel,
-            sequence_dim,
-            dtype,
-            device,
-            skip_bias_add,
-        )
+        super().__init__(in_features, out_features, bias, **options)
         if self.bias is not None and sequence_parallel:
             # Each rank adds the bias to its own sequence shard only: partial gradient.
             mark_sp_partial_grad(self.bias)
@@ -325,3 +328,33 @@ class RowParallelLinear(_TPLinearBase):
         if self.skip_bias_add:
             return y, self.bias
         return y if self.bias is None else y + self.bias
+
+
+def branch_options(
+    cfg: TransformerConfig,
+    tp_group: dist.ProcessGroup | None,
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+) -> LinearOptions:
+    """The options every linear of a transformer layer's attention and MLP shares."""
+    return LinearOptions(
+        tp_group=tp_group, sequence_parallel=cfg.sequence_parallel, dtype=dtype, device=device
+    )
+
+
+def residual_output_linear(
+    cfg: TransformerConfig, in_features: int, options: LinearOptions
+) -> RowParallelLinear:
+    """A residual branch's last projection to ``cfg.hidden_size`` (attention's dense, the
+    MLP's fc2): row-parallel, drawn with std init_std / √(2·layers) (GPT-2 / Megatron:
+    residual-branch outputs start smaller), its bias returned unadded for the layer's fused
+    bias + dropout + residual add."""
+    out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    return RowParallelLinear(
+        in_features,
+        cfg.hidden_size,
+        cfg.linear_bias,
+        init_method=normal_init(out_std),
+        skip_bias_add=True,
+        **options,
+    )

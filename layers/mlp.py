@@ -11,14 +11,17 @@ silu(gate) · up on that interleaved output is the kernel set's ``swiglu``
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from layers.kernel_set import Kernels, resolve_kernels
-from layers.linear import ColumnParallelLinear, RowParallelLinear, normal_init
+from layers.linear import (
+    ColumnParallelLinear,
+    branch_options,
+    normal_init,
+    residual_output_linear,
+)
 from layers.transformer_config import TransformerConfig
 from parallel_state.random import RNGTracker
 
@@ -46,9 +49,7 @@ class ParallelMLP(nn.Module):
         self.gated = cfg.activation == "swiglu"
         self.approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None}[cfg.activation]
         bias = cfg.linear_bias
-        common = dict(
-            tp_group=tp_group, sequence_parallel=cfg.sequence_parallel, dtype=dtype, device=device
-        )
+        common = branch_options(cfg, tp_group, dtype, device)
         # Both biases are added by the fused ops around them: fc1's by bias + GeLU, fc2's
         # (returned with the output) by the layer's bias + dropout + residual add.
         self.fc1 = ColumnParallelLinear(
@@ -59,15 +60,7 @@ class ParallelMLP(nn.Module):
             skip_bias_add=True,
             **common,
         )
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.fc2 = RowParallelLinear(
-            cfg.ffn_size,
-            cfg.hidden_size,
-            bias,
-            init_method=normal_init(out_std),
-            skip_bias_add=True,
-            **common,
-        )
+        self.fc2 = residual_output_linear(cfg, cfg.ffn_size, common)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fc2 output without its bias, fc2's bias) for bias + dropout + add."""

@@ -9,12 +9,13 @@ from layers.kernel_set import Kernels, as_kernels
 from layers.param_roles import mark_sp_partial_grad, mark_tp_dim
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm over the last dim with replicated weight and bias.
+class _ReplicatedNorm(nn.Module):
+    """A norm over the last dim with a replicated weight (ones) and, when ``has_bias``, bias
+    (zeros). Under sequence parallelism each rank normalizes only its sequence shard, so
+    the parameters' gradients are partial sums: they are marked (``layers.param_roles``)
+    for the TP all-reduce."""
 
-    Under sequence parallelism each rank normalizes only its sequence shard, so its
-    parameter gradients are partial sums: they are marked (``layers.param_roles``) for the TP all-reduce.
-    """
+    has_bias: bool
 
     def __init__(
         self,
@@ -29,18 +30,25 @@ class LayerNorm(nn.Module):
         super().__init__()
         factory = {"dtype": dtype or torch.get_default_dtype(), "device": device}
         self.weight = nn.Parameter(torch.ones(size, **factory))
-        self.bias = nn.Parameter(torch.zeros(size, **factory))
+        if self.has_bias:
+            self.bias = nn.Parameter(torch.zeros(size, **factory))
         self.eps, self.sequence_parallel = eps, sequence_parallel
         self.kernels = as_kernels(kernels)
-        for p in (self.weight, self.bias):
+        for p in self.parameters():
             mark_tp_dim(p, None)
             mark_sp_partial_grad(p, sequence_parallel)
+
+
+class LayerNorm(_ReplicatedNorm):
+    """LayerNorm over the last dim with replicated weight and bias, partial under SP."""
+
+    has_bias = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(_ReplicatedNorm):
     """RMSNorm over the last dim (Llama): ``x / sqrt(mean(x²) + eps) · weight``, no bias.
 
     Computed in at least fp32 (half inputs are upcast, as Hugging Face does; fp64 stays
@@ -48,23 +56,7 @@ class RMSNorm(nn.Module):
     (``layers.kernels.rms_norm``). Replicated weight, partial under SP like LayerNorm's.
     """
 
-    def __init__(
-        self,
-        size: int,
-        eps: float,
-        *,
-        sequence_parallel: bool = False,
-        kernels: str | Kernels = "auto",
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        factory = {"dtype": dtype or torch.get_default_dtype(), "device": device}
-        self.weight = nn.Parameter(torch.ones(size, **factory))
-        self.eps, self.sequence_parallel = eps, sequence_parallel
-        self.kernels = as_kernels(kernels)
-        mark_tp_dim(self.weight, None)
-        mark_sp_partial_grad(self.weight, sequence_parallel)
+    has_bias = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.rms_norm(x, self.weight, self.eps)

@@ -13,13 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.kernels.launch import (
-    as_rows,
-    check_float,
-    check_launchable,
-    check_vector,
-    tile_grid,
-)
+from layers.kernels import jit_helpers as jh
+from layers.kernels.launch import check_float, checked_rows, partial_sums, tile_grid
 
 
 @triton.jit
@@ -40,17 +35,12 @@ def _bias_dropout_add_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_BIAS:
-        b = tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)
+    cols, col_mask = jh.column_block(N, BLOCK_N)
+    b = jh.optional_vector(Bias, cols, col_mask, tl.zeros((BLOCK_N,), dtype=tl.float32), HAS_BIAS)
     seed = tl.load(Seed)
-    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows = r + tl.arange(0, BLOCK_M)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
         offsets = rows[:, None] * N + cols[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         v = x.to(tl.float32) + b[None, :]
@@ -75,15 +65,12 @@ def _bias_dropout_add_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
+    cols, col_mask = jh.column_block(N, BLOCK_N)
     seed = tl.load(Seed)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows = r + tl.arange(0, BLOCK_M)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
         offsets = rows[:, None] * N + cols[None, :]
         dout = tl.load(DOut + offsets, mask=mask, other=0.0).to(tl.float32)
         keep = (tl.rand(seed, offsets) >= p) & mask
@@ -111,7 +98,6 @@ def bias_dropout_add_forward(
     ``dropout=False`` (eval, or p == 0) adds without a mask. The output has the promoted
     dtype of x, bias and residual.
     """
-    check_float("x", x)
     check_float("residual", residual)
     if x.dim() == 0 or residual.shape != x.shape or residual.device != x.device:
         raise ValueError(
@@ -122,11 +108,8 @@ def bias_dropout_add_forward(
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
     if seed.shape != (1,) or seed.dtype != torch.int64 or seed.device != x.device:
         raise ValueError(f"seed must be a [1] int64 tensor on {x.device}, got {seed!r}")
-    n = x.shape[-1]
-    check_vector("bias", bias, n, x)
-    check_launchable(_bias_dropout_add_fwd_kernel, x)
-    x2d = as_rows(x)
-    m = x2d.shape[0]
+    x2d = checked_rows(_bias_dropout_add_fwd_kernel, x, bias=bias)
+    m, n = x2d.shape
     res2d = residual.reshape(m, n).contiguous()
     out_dtype = torch.promote_types(x.dtype, residual.dtype)
     if bias is not None:
@@ -165,7 +148,7 @@ def bias_dropout_add_backward(
     m = dout2d.shape[0]
     dx = torch.empty((m, n), dtype=x_dtype, device=dout.device)
     grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, dout.device)
-    db_partial = torch.zeros((grid[0], n), dtype=torch.float32, device=dout.device)
+    db_partial = partial_sums(grid[0], n, dout.device)
     if dx.numel() > 0:
         _bias_dropout_add_bwd_kernel[grid](
             dout2d,

@@ -15,11 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
+from layers.kernels import jit_helpers as jh
 from layers.kernels.launch import (
-    as_rows,
-    check_float,
-    check_launchable,
-    check_vector,
+    checked_rows,
+    grad_rows,
+    partial_sums,
+    reduce_partial_sums,
     tile_grid,
 )
 
@@ -40,16 +41,11 @@ def _bias_gelu_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_BIAS:
-        b = tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)
-    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    cols, col_mask = jh.column_block(N, BLOCK_N)
+    b = jh.optional_vector(Bias, cols, col_mask, tl.zeros((BLOCK_N,), dtype=tl.float32), HAS_BIAS)
+    row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows = r + tl.arange(0, BLOCK_M)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         v = x.to(tl.float32) + b[None, :]
         if TANH:
@@ -76,17 +72,12 @@ def _bias_gelu_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_BIAS:
-        b = tl.load(Bias + cols, mask=col_mask, other=0.0).to(tl.float32)
+    cols, col_mask = jh.column_block(N, BLOCK_N)
+    b = jh.optional_vector(Bias, cols, col_mask, tl.zeros((BLOCK_N,), dtype=tl.float32), HAS_BIAS)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_start = tl.program_id(0).to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
+    row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
-        rows = r + tl.arange(0, BLOCK_M)
-        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         dy = tl.load(DY + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
         v = x.to(tl.float32) + b[None, :]
@@ -117,14 +108,8 @@ def bias_gelu_forward(
 ) -> torch.Tensor:
     """gelu(x + bias) over the last dim of ``x``, in the promoted dtype of x and bias."""
     _check_approximate(approximate)
-    check_float("x", x)
-    if x.dim() == 0:
-        raise ValueError("x must have at least one dim (the one bias is added along)")
-    n = x.shape[-1]
-    check_vector("bias", bias, n, x)
-    check_launchable(_bias_gelu_fwd_kernel, x)
-    x2d = as_rows(x)
-    m = x2d.shape[0]
+    x2d = checked_rows(_bias_gelu_fwd_kernel, x, bias=bias)
+    m, n = x2d.shape
     out_dtype = x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if y.numel() == 0:
@@ -151,15 +136,10 @@ def bias_gelu_backward(
     dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "tanh"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dx, dbias) of ``bias_gelu_forward``, recomputing x + bias; dbias None without bias."""
-    if dy.shape != x.shape:
-        raise ValueError(f"dy {tuple(dy.shape)} must match x {tuple(x.shape)}")
-    n = x.shape[-1]
-    x2d = as_rows(x)
-    dy2d = dy.reshape(-1, n).contiguous()
-    m = x2d.shape[0]
-    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    x2d, dy2d, dx = grad_rows(dy, x)
+    m, n = x2d.shape
     grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
-    db_partial = torch.zeros((grid[0], n), dtype=torch.float32, device=x.device)
+    db_partial = partial_sums(grid[0], n, x.device)
     if dx.numel() > 0:
         _bias_gelu_bwd_kernel[grid](
             dy2d,
@@ -177,8 +157,7 @@ def bias_gelu_backward(
             BLOCK_N=block_n,
             num_warps=num_warps,
         )
-    db = None if bias is None else db_partial.sum(dim=0).to(bias.dtype)
-    return dx.view(x.shape), db
+    return dx.view(x.shape), reduce_partial_sums(db_partial, bias)
 
 
 class BiasGeluFunction(torch.autograd.Function):

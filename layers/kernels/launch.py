@@ -153,3 +153,44 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` viewed as [rows, last dim] with unit column stride (a copy only if needed)."""
     x2d = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
     return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+
+
+def checked_rows(
+    kernel: object, x: torch.Tensor, min_cols: int = 0, **vectors: torch.Tensor | None
+) -> torch.Tensor:
+    """``x`` as [M, N] rows for a forward launch of ``kernel``, after the launchers' checks.
+
+    x must be a float tensor with at least one dim and a last dim of at least ``min_cols``;
+    each of ``vectors`` (weight, bias: None when absent) a float [N] tensor on x's device.
+    """
+    check_float("x", x)
+    if x.dim() == 0 or x.shape[-1] < min_cols:
+        raise ValueError(
+            f"x must have at least one dim, the last of size >= {min_cols}, "
+            f"got shape {tuple(x.shape)}"
+        )
+    for name, t in vectors.items():
+        check_vector(name, t, x.shape[-1], x)
+    check_launchable(kernel, x)
+    return as_rows(x)
+
+
+def grad_rows(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x2d, dy2d, dx) for a backward launch: the saved input and its output's gradient
+    as [M, N] rows (dy contiguous), and dx an empty contiguous [M, N] in x's dtype."""
+    if dy.shape != x.shape:
+        raise ValueError(f"dy {tuple(dy.shape)} must match x {tuple(x.shape)}")
+    x2d = as_rows(x)
+    dy2d = dy.reshape(-1, x2d.shape[1]).contiguous()
+    return x2d, dy2d, torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
+
+
+def partial_sums(programs: int, n: int, device: torch.device) -> torch.Tensor:
+    """A zeroed fp32 [programs, n] buffer for the first stage of a column reduction."""
+    return torch.zeros((programs, n), dtype=torch.float32, device=device)
+
+
+def reduce_partial_sums(partial: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor | None:
+    """Second stage of a column reduction: sum ``partial`` [programs, N] fp32 over programs
+    into ``like``'s dtype; None when ``like`` is (no weight or bias, no gradient)."""
+    return None if like is None else partial.sum(dim=0).to(like.dtype)

@@ -14,14 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.kernels.launch import (
-    as_rows,
-    check_float,
-    check_launchable,
-    check_vector,
-    row_groups,
-    row_settings,
-)
+from layers.kernels import jit_helpers as jh
+from layers.kernels import launch
 
 
 @triton.jit
@@ -40,9 +34,8 @@ def _layer_norm_fwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    cols, mask = jh.row_columns(N, BLOCK_N)
+    x = jh.load_row(X, row, stride_x, cols, mask)
     mean = tl.sum(x, axis=0) / N
     xc = tl.where(mask, x - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
@@ -51,7 +44,7 @@ def _layer_norm_fwd_kernel(
         y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         y = y + tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
+    jh.store_row(Y, row, N, cols, mask, y)
     tl.store(Mean + row, mean)
     tl.store(Rstd + row, rstd)
 
@@ -75,18 +68,15 @@ def _layer_norm_bwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    w = 1.0
-    if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    cols, mask = jh.row_columns(N, BLOCK_N)
+    w = jh.optional_vector(W, cols, mask, 1.0, HAS_WEIGHT)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_start = pid.to(tl.int64) * rows_per_program
-    for i in range(0, tl.minimum(rows_per_program, M - row_start)):
+    row_start, n_rows = jh.program_rows(M, rows_per_program)
+    for i in range(0, n_rows):
         row = row_start + i
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        x = jh.load_row(X, row, stride_x, cols, mask)
+        dy = jh.load_row(DY, row, N, cols, mask)
         rstd = tl.load(Rstd + row)
         xhat = tl.where(mask, (x - tl.load(Mean + row)) * rstd, 0.0)
         wdy = w * dy
@@ -94,7 +84,7 @@ def _layer_norm_bwd_kernel(
         c1 = tl.sum(xhat * wdy, axis=0) / N
         c2 = tl.sum(wdy, axis=0) / N
         dx = (wdy - (xhat * c1 + c2)) * rstd
-        tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        jh.store_row(DX, row, N, cols, mask, dx)
         dw += dy * xhat
         db += dy
     if HAS_WEIGHT:
@@ -107,21 +97,14 @@ def layer_norm_forward(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normalize ``x`` over its last dim; returns (y shaped like x, mean [M], rstd [M])."""
-    check_float("x", x)
-    if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"x must have a non-empty last dim, got shape {tuple(x.shape)}")
-    n = x.shape[-1]
-    check_vector("weight", weight, n, x)
-    check_vector("bias", bias, n, x)
-    check_launchable(_layer_norm_fwd_kernel, x)
-    x2d = as_rows(x)
-    m = x2d.shape[0]
+    x2d = launch.checked_rows(_layer_norm_fwd_kernel, x, 1, weight=weight, bias=bias)
+    m, n = x2d.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return y.view(x.shape), mean, rstd
-    block_n, num_warps = row_settings(n)
+    block_n, num_warps = launch.row_settings(n)
     _layer_norm_fwd_kernel[(m,)](
         x2d,
         y,
@@ -149,17 +132,12 @@ def layer_norm_backward(
     rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Gradients (dx, dweight, dbias) of ``layer_norm_forward``; dw/db None without weight/bias."""
-    if dy.shape != x.shape:
-        raise ValueError(f"dy {tuple(dy.shape)} must match x {tuple(x.shape)}")
-    n = x.shape[-1]
-    x2d = as_rows(x)
-    dy2d = dy.reshape(-1, n).contiguous()
-    m = x2d.shape[0]
-    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, num_warps = row_settings(n)
-    programs, rows_per_program = row_groups(m, 1, x.device)
-    dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device)
-    db_partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device)
+    x2d, dy2d, dx = launch.grad_rows(dy, x)
+    m, n = x2d.shape
+    block_n, num_warps = launch.row_settings(n)
+    programs, rows_per_program = launch.row_groups(m, 1, x.device)
+    dw_partial = launch.partial_sums(programs, n, x.device)
+    db_partial = launch.partial_sums(programs, n, x.device)
     if m > 0:
         _layer_norm_bwd_kernel[(programs,)](
             x2d,
@@ -180,9 +158,8 @@ def layer_norm_backward(
             num_warps=num_warps,
         )
     # Second stage of the reduction: programs x N fp32, small.
-    dw = None if weight is None else dw_partial.sum(dim=0).to(weight.dtype)
-    db = None if bias is None else db_partial.sum(dim=0).to(bias.dtype)
-    return dx.view(x.shape), dw, db
+    dw = launch.reduce_partial_sums(dw_partial, weight)
+    return dx.view(x.shape), dw, launch.reduce_partial_sums(db_partial, bias)
 
 
 class LayerNormFunction(torch.autograd.Function):

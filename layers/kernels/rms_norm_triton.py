@@ -14,14 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from layers.kernels.launch import (
-    as_rows,
-    check_float,
-    check_launchable,
-    check_vector,
-    row_groups,
-    row_settings,
-)
+from layers.kernels import jit_helpers as jh
+from layers.kernels import launch
 
 
 @triton.jit
@@ -37,14 +31,13 @@ def _rms_norm_fwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    cols, mask = jh.row_columns(N, BLOCK_N)
+    x = jh.load_row(X, row, stride_x, cols, mask)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     y = x * rstd
     if HAS_WEIGHT:
         y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=mask)
+    jh.store_row(Y, row, N, cols, mask, y)
     tl.store(Rstd + row, rstd)
 
 
@@ -64,23 +57,20 @@ def _rms_norm_bwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    w = 1.0
-    if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    cols, mask = jh.row_columns(N, BLOCK_N)
+    w = jh.optional_vector(W, cols, mask, 1.0, HAS_WEIGHT)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_start = pid.to(tl.int64) * rows_per_program
-    for i in range(0, tl.minimum(rows_per_program, M - row_start)):
+    row_start, n_rows = jh.program_rows(M, rows_per_program)
+    for i in range(0, n_rows):
         row = row_start + i
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        x = jh.load_row(X, row, stride_x, cols, mask)
+        dy = jh.load_row(DY, row, N, cols, mask)
         rstd = tl.load(Rstd + row)
         xhat = x * rstd  # masked columns load 0, so they add nothing to the sums below
         wdy = w * dy
         # dx = rstd * (wdy - xhat * mean(wdy * xhat)): the second term is d rstd / dx
         dx = (wdy - xhat * (tl.sum(xhat * wdy, axis=0) / N)) * rstd
-        tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        jh.store_row(DX, row, N, cols, mask, dx)
         dw += dy * xhat
     if HAS_WEIGHT:
         tl.store(DW_partial + pid * N + cols, dw, mask=mask)
@@ -93,20 +83,14 @@ def rms_norm_forward(
 
     y has the promoted dtype of x and weight, like ``weight * normed`` in torch.
     """
-    check_float("x", x)
-    if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"x must have a non-empty last dim, got shape {tuple(x.shape)}")
-    n = x.shape[-1]
-    check_vector("weight", weight, n, x)
-    check_launchable(_rms_norm_fwd_kernel, x)
-    x2d = as_rows(x)
-    m = x2d.shape[0]
+    x2d = launch.checked_rows(_rms_norm_fwd_kernel, x, 1, weight=weight)
+    m, n = x2d.shape
     out_dtype = x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m == 0:
         return y.view(x.shape), rstd
-    block_n, num_warps = row_settings(n)
+    block_n, num_warps = launch.row_settings(n)
     _rms_norm_fwd_kernel[(m,)](
         x2d,
         y,
@@ -126,16 +110,11 @@ def rms_norm_backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients (dx, dweight) of ``rms_norm_forward``; dweight None without a weight."""
-    if dy.shape != x.shape:
-        raise ValueError(f"dy {tuple(dy.shape)} must match x {tuple(x.shape)}")
-    n = x.shape[-1]
-    x2d = as_rows(x)
-    dy2d = dy.reshape(-1, n).contiguous()
-    m = x2d.shape[0]
-    dx = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n, num_warps = row_settings(n)
-    programs, rows_per_program = row_groups(m, 1, x.device)
-    dw_partial = torch.zeros((programs, n), dtype=torch.float32, device=x.device)
+    x2d, dy2d, dx = launch.grad_rows(dy, x)
+    m, n = x2d.shape
+    block_n, num_warps = launch.row_settings(n)
+    programs, rows_per_program = launch.row_groups(m, 1, x.device)
+    dw_partial = launch.partial_sums(programs, n, x.device)
     if m > 0:
         _rms_norm_bwd_kernel[(programs,)](
             x2d,
@@ -153,8 +132,7 @@ def rms_norm_backward(
             num_warps=num_warps,
         )
     # Second stage of the reduction: programs x N fp32, small.
-    dw = None if weight is None else dw_partial.sum(dim=0).to(weight.dtype)
-    return dx.view(x.shape), dw
+    return dx.view(x.shape), launch.reduce_partial_sums(dw_partial, weight)
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -22,6 +22,25 @@ from layers.kernels.launch import as_rows, check_float, check_launchable, tile_s
 
 
 @triton.jit
+def _load_gate_up(
+    GU,  # [M, 2F] interleaved gate/up (gate at even, up at odd columns), row stride stride_gu
+    M,
+    F,
+    stride_gu,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """This program's [BLOCK_M, BLOCK_N] tile: (rows, cols, mask, gate fp32, up fp32)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    gate_ptr = GU + rows[:, None] * stride_gu + 2 * cols[None, :]
+    g = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_ptr + 1, mask=mask, other=0.0).to(tl.float32)
+    return rows, cols, mask, g, u
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     GU,  # [M, 2F] interleaved gate/up (gate at even, up at odd columns), row stride stride_gu
     Y,  # [M, F] out: silu(gate) * up (contiguous)
@@ -31,12 +50,7 @@ def _swiglu_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < F)[None, :]
-    gate_ptr = GU + rows[:, None] * stride_gu + 2 * cols[None, :]
-    g = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gate_ptr + 1, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask, g, u = _load_gate_up(GU, M, F, stride_gu, BLOCK_M, BLOCK_N)
     y = g * tl.sigmoid(g) * u
     tl.store(Y + rows[:, None] * F + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
@@ -52,12 +66,7 @@ def _swiglu_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows < M)[:, None] & (cols < F)[None, :]
-    gate_ptr = GU + rows[:, None] * stride_gu + 2 * cols[None, :]
-    g = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gate_ptr + 1, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask, g, u = _load_gate_up(GU, M, F, stride_gu, BLOCK_M, BLOCK_N)
     dy = tl.load(DY + rows[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(g)
     # d silu(g) / dg = s + g s (1 - s) = s (1 + g (1 - s))
