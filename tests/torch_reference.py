@@ -44,6 +44,16 @@ def tiny_gpt(vocab_size: int, **overrides) -> ModelConfig:
     )
 
 
+def relative_errors(reference, other) -> dict[str, float]:
+    """Each of ``other``'s (loss, {name: grad}) relative to ``reference``'s: |Δloss|/|loss|,
+    and per gradient max|Δ|/max|ref|."""
+    (ref_loss, ref_grads), (loss, grads) = reference, other
+    errors = {"loss": ((loss - ref_loss).abs() / ref_loss.abs()).item()}
+    for name, ref in ref_grads.items():
+        errors[name] = ((grads[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    return errors
+
+
 def alone_group() -> dist.ProcessGroup:
     """A group of this rank only (every rank creates every group, in the same order)."""
     return [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
