@@ -26,11 +26,10 @@ from engine.formulas import (
 from studies.perfmodel import Layout, Workload, load_cluster, predict, search
 from studies.perfmodel import comm_cost as comm
 from studies.perfmodel import memory_model as memory
-from studies.perfmodel.cluster_spec import ClusterSpec, Link, cluster_from_dict, scale_for
+from studies.perfmodel.cluster_spec import ClusterSpec, cluster_from_dict, scale_for
+from tests.perfmodel_util import ALPHA, BW, LINK, hand_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
-ALPHA, BW = 1e-5, 1e9  # 10 µs, 1 GB/s: round numbers for hand arithmetic
-LINK = Link(BW, ALPHA)
 
 
 def _env() -> dict:
@@ -305,20 +304,7 @@ def test_compute_scale_multiplies_compute_at_the_nearest_hidden_size():
     """compute_scale (studies/perfmodel/probes.py, measured per hidden size) multiplies every
     compute term at the nearest measured size in log space, and nothing else. Tolerance
     rel 1e-9: float rounding only."""
-    base = ClusterSpec(
-        "hand",
-        64,
-        LINK,
-        LINK,
-        peak_flops=1e11,
-        mem_bandwidth_Bps=1e10,
-        memory_bytes=2**34,
-        gemm_efficiency=1.0,
-        memory_efficiency=1.0,
-        network_efficiency=1.0,
-        collectives=("ring",),
-        cores=64,
-    )
+    base = hand_cluster()
     w = Workload(
         hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=8, precision="fp32"
     )
