@@ -226,19 +226,8 @@ def test_format_megatron_reads_back_in_megatron_core(corpus, tmp_path: Path) -> 
     mcore = _megatron()
     _, tokenizer = corpus
     texts = documents()[:20]
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    done = _cli(
-        "--input",
-        str(tmp_path / "docs.jsonl"),
-        "--text-key",
-        "text",
-        "--tokenizer",
-        tokenizer,
-        "--output-prefix",
-        str(tmp_path / "m"),
-        "--format",
-        "megatron",
-    )
+    docs = _write_jsonl(tmp_path / "docs.jsonl", texts)
+    done = _preprocess(docs, tmp_path / "m", "--tokenizer", tokenizer, "--format", "megatron")
     assert done.returncode == 0, done.stderr
     want = _encode_docs(tokenizer, texts)
     _assert_docs_equal(_megatron_docs(mcore, str(tmp_path / "m")), want)
@@ -328,6 +317,19 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd="/")
 
 
+def _write_jsonl(path: Path, texts: list[str]) -> Path:
+    """``texts`` as JSONL lines ``{"text": ...}`` at ``path``."""
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def _preprocess(source: Path | str, output_prefix: Path, *args: str) -> subprocess.CompletedProcess:
+    """The CLI on ``source``'s "text" fields, writing ``output_prefix``.bin/.idx."""
+    return _cli(
+        "--input", str(source), "--text-key", "text", "--output-prefix", str(output_prefix), *args
+    )
+
+
 TEXTS = [
     "Hello, world!\n",
     "unicode: héllo wörld — ñ 日本語 🙂 e\u0301 (combining)\r\nwindows line end\r\n",
@@ -342,7 +344,7 @@ def plain_jsonl(corpus, tmp_path_factory) -> tuple[Path, list[str]]:
     _, tokenizer = corpus
     directory = tmp_path_factory.mktemp("plain")
     texts = [f"{i}: {t}" for i in range(700) for t in TEXTS[i % 2 :: 2]]
-    (directory / "all.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    _write_jsonl(directory / "all.jsonl", texts)
     preprocess(
         [str(directory / "all.jsonl")],
         str(directory / "ref"),
@@ -386,18 +388,7 @@ def test_compressed_and_parquet_inputs_give_plain_jsonl_tokens(corpus, plain_jso
     reference, texts = plain_jsonl
     (tmp_path / "in").mkdir()
     source = _write_shards(tmp_path / "in", texts, kind)
-    done = _cli(
-        "--input",
-        source,
-        "--text-key",
-        "text",
-        "--tokenizer",
-        tokenizer,
-        "--output-prefix",
-        str(tmp_path / "out"),
-        "--workers",
-        "2",
-    )
+    done = _preprocess(source, tmp_path / "out", "--tokenizer", tokenizer, "--workers", "2")
     assert done.returncode == 0, done.stderr
     assert f"{len(texts)} documents" in done.stdout
     for ext in (".bin", ".idx"):  # same ids, same documents, same checksum
@@ -438,16 +429,7 @@ def test_bad_corpora_are_one_line(corpus, tmp_path: Path) -> None:
         ("junk.jsonl.zst", "junk.jsonl.zst:1: cannot decompress ("),
     ]
     for name, message in cases:
-        done = _cli(
-            "--input",
-            str(tmp_path / name),
-            "--text-key",
-            "text",
-            "--tokenizer",
-            tokenizer,
-            "--output-prefix",
-            str(tmp_path / "o"),
-        )
+        done = _preprocess(tmp_path / name, tmp_path / "o", "--tokenizer", tokenizer)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, (name, done.stderr)
         assert lines[0].startswith(f"preprocess_data.py: error: {tmp_path}/{message}"), lines
@@ -503,17 +485,8 @@ def test_vocab_size_beyond_the_corpus_is_refused_before_training(tmp_path: Path)
 
 def test_smaller_vocabulary_than_asked_is_reported(tmp_path: Path) -> None:
     texts = documents()[:40]
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    done = _cli(
-        "--input",
-        str(tmp_path / "d.jsonl"),
-        "--text-key",
-        "text",
-        "--output-prefix",
-        str(tmp_path / "o"),
-        "--vocab-size",
-        "2000",
-    )
+    docs = _write_jsonl(tmp_path / "d.jsonl", texts)
+    done = _preprocess(docs, tmp_path / "o", "--vocab-size", "2000")
     assert done.returncode == 0, done.stderr
     tokenizer = Tokenizer.from_file(str(tmp_path / "o.tokenizer.json"))
     got = tokenizer.get_vocab_size()
