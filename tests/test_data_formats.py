@@ -323,11 +323,13 @@ def _write_jsonl(path: Path, texts: list[str]) -> Path:
     return path
 
 
-def _preprocess(source: Path | str, output_prefix: Path, *args: str) -> subprocess.CompletedProcess:
-    """The CLI on ``source``'s "text" fields, writing ``output_prefix``.bin/.idx."""
-    return _cli(
-        "--input", str(source), "--text-key", "text", "--output-prefix", str(output_prefix), *args
-    )
+def _preprocess(
+    source: Path | str, output_prefix: Path, *args: str, text_key: str | None = "text"
+) -> subprocess.CompletedProcess:
+    """The CLI on ``source`` (its ``text_key`` fields; None: no --text-key), writing
+    ``output_prefix``.bin/.idx."""
+    key = ("--text-key", text_key) if text_key is not None else ()
+    return _cli("--input", str(source), *key, "--output-prefix", str(output_prefix), *args)
 
 
 TEXTS = [
@@ -433,13 +435,8 @@ def test_bad_corpora_are_one_line(corpus, tmp_path: Path) -> None:
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, (name, done.stderr)
         assert lines[0].startswith(f"preprocess_data.py: error: {tmp_path}/{message}"), lines
-    done = _cli(
-        "--input",
-        str(tmp_path / "ints.parquet"),
-        "--tokenizer",
-        tokenizer,
-        "--output-prefix",
-        str(tmp_path / "o"),
+    done = _preprocess(
+        tmp_path / "ints.parquet", tmp_path / "o", "--tokenizer", tokenizer, text_key=None
     )
     assert done.stderr.strip().endswith("ints.parquet: a Parquet input needs --text-key COLUMN")
     assert not list(tmp_path.glob("o*")) and not list(tmp_path.glob(".o*"))
@@ -451,13 +448,8 @@ def test_bad_corpora_are_one_line(corpus, tmp_path: Path) -> None:
 def test_vocab_size_beyond_the_corpus_is_refused_before_training(tmp_path: Path) -> None:
     """1e9 ids once aborted the process inside the tokenizers library (a 70 GB allocation)."""
     (tmp_path / "a.txt").write_text("the cat sat on the mat, the end")
-    done = _cli(
-        "--input",
-        str(tmp_path / "a.txt"),
-        "--output-prefix",
-        str(tmp_path / "o"),
-        "--vocab-size",
-        "1000000000",
+    done = _preprocess(
+        tmp_path / "a.txt", tmp_path / "o", "--vocab-size", "1000000000", text_key=None
     )
     # The bound counts pieces split where a space follows a non-space (no pre-tokenized word
     # crosses that): the, " cat", " sat", " on", " the", " mat,", " end" are the distinct
@@ -469,14 +461,7 @@ def test_vocab_size_beyond_the_corpus_is_refused_before_training(tmp_path: Path)
         "--vocab-size 281 or less, or more text"
     ]
     assert not list(tmp_path.glob("o*"))
-    done = _cli(
-        "--input",
-        str(tmp_path / "a.txt"),
-        "--output-prefix",
-        str(tmp_path / "o"),
-        "--vocab-size",
-        "281",
-    )
+    done = _preprocess(tmp_path / "a.txt", tmp_path / "o", "--vocab-size", "281", text_key=None)
     assert done.returncode == 0, done.stderr
     # Its true words (Ġmat and "," apart) allow 19 merges: the BPE stops at 280 ids or fewer.
     got = Tokenizer.from_file(str(tmp_path / "o.tokenizer.json")).get_vocab_size()
