@@ -7,7 +7,6 @@ derivation is in the comment next to it), not read back from the code under test
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -27,15 +26,10 @@ from studies.perfmodel import Layout, Workload, load_cluster, predict, search
 from studies.perfmodel import comm_cost as comm
 from studies.perfmodel import memory_model as memory
 from studies.perfmodel.cluster_spec import ClusterSpec, cluster_from_dict, scale_for
+from tests.launch_util import env_with_repo
 from tests.perfmodel_util import ALPHA, BW, LINK, hand_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def test_collective_costs_by_hand():
@@ -592,7 +586,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=env_with_repo(),
         cwd=tempfile.gettempdir(),  # writes nothing; imports come from PYTHONPATH
         timeout=60,
     )
@@ -747,7 +741,7 @@ def test_ci_sized_validation_pipeline_runs_here(tmp_path):
         [sys.executable, str(ROOT / "tools/calibrate.py"), "--quick", "--out", str(spec)],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=env_with_repo(),
         cwd=tmp_path,
         timeout=300,
     )
