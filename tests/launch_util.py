@@ -100,3 +100,11 @@ def run(
     for name in unset:
         full.pop(name, None)
     return subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+def run_pretrain(
+    overrides: list[str], cwd: Path | str, timeout: float, **env: str
+) -> subprocess.CompletedProcess:
+    """``python -m engine.pretrain`` with ``overrides``, run to completion as :func:`run` runs
+    a command."""
+    return run([sys.executable, "-m", "engine.pretrain", *overrides], cwd, timeout, **env)

@@ -32,6 +32,7 @@ from engine.data.preprocess import preprocess
 from engine.models import build_model
 from engine.models.config import preset
 from engine.optim import build_optimizer
+from tests.launch_util import env_with_repo, run_pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 300  # the test corpus's tokenizer; the runs' model.vocab_size is 512
@@ -764,8 +765,7 @@ def _command(case_id: str, p: dict[str, str]) -> tuple[list[str], str]:
 
 @pytest.mark.slow
 def test_representative_bad_inputs_as_real_processes(inputs, tmp_path):
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+    env = env_with_repo()
     procs = {}
     for case_id in SUBPROCESS:  # started together: most of each is importing torch
         command, fragment = _command(case_id, inputs)
@@ -836,9 +836,7 @@ def test_a_refused_launch_of_several_ranks_is_one_line_on_each(
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key)
 
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
-    env |= {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
+    env = env_with_repo() | {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "engine.pretrain", *argv],
@@ -919,16 +917,7 @@ def test_pretrain_refuses_a_fifo_tokenizer_without_reading_it(inputs, tmp_path, 
     os.mkfifo(tokenizer)
     argv += [f"data.prefixes=[{prefix}]", f"hydra.run.dir={tmp_path}/run"]
     argv += [f"data.tokenizer={tokenizer}"] if named else []
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
-    done = subprocess.run(
-        [sys.executable, "-m", "engine.pretrain", *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=300,
-    )
+    done = run_pretrain(argv, tmp_path, 300)
     line = _one_line(done.stderr)
     assert done.returncode == 2, done.stderr
     assert line.startswith("config error: data.tokenizer: ") and line.endswith(

@@ -26,37 +26,26 @@ def _exit_code(main, argv) -> int:
         return stop.code
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--preset", "nonexistent"], "unknown model preset 'nonexistent'"),
-        (["--tp", "0"], "argument --tp: 0 must be >= 1"),
-        (["--micro-batch", "0"], "argument --micro-batch: 0 must be >= 1"),
-        (["--seq", "0"], "argument --seq: 0 must be >= 1"),
-        (["--threads", "0"], "argument --threads: 0 must be >= 1"),
-        (["--references", "eager,jax"], "--references: unknown 'jax'"),
-        (["--tp", "two"], "argument --tp: 'two' is not an integer"),
-    ],
-)
-def test_bench_train_bad_flags(argv, message, monkeypatch, capsys):
-    bench = _load("bench_train", monkeypatch)
-    assert _exit_code(bench.main, argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+# (script, argv, message): each bad flag is one line on stderr and exit code 2.
+BAD_FLAGS = [
+    ("bench_train", ["--preset", "nonexistent"], "unknown model preset 'nonexistent'"),
+    ("bench_train", ["--tp", "0"], "argument --tp: 0 must be >= 1"),
+    ("bench_train", ["--micro-batch", "0"], "argument --micro-batch: 0 must be >= 1"),
+    ("bench_train", ["--seq", "0"], "argument --seq: 0 must be >= 1"),
+    ("bench_train", ["--threads", "0"], "argument --threads: 0 must be >= 1"),
+    ("bench_train", ["--references", "eager,jax"], "--references: unknown 'jax'"),
+    ("bench_train", ["--tp", "two"], "argument --tp: 'two' is not an integer"),
+    ("bench_kernels", ["--tokens", "0"], "argument --tokens: 0 must be >= 1"),
+    ("bench_kernels", ["--hidden", "64", "-3"], "argument --hidden: -3 must be >= 1"),
+    ("bench_kernels", ["--vocab", "0"], "argument --vocab: 0 must be >= 1"),
+    ("bench_kernels", ["--tp", "0"], "argument --tp: 0 must be >= 1"),
+    ("bench_kernels", ["--dtype", "int8"], "argument --dtype: invalid choice"),
+]
 
 
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--tokens", "0"], "argument --tokens: 0 must be >= 1"),
-        (["--hidden", "64", "-3"], "argument --hidden: -3 must be >= 1"),
-        (["--vocab", "0"], "argument --vocab: 0 must be >= 1"),
-        (["--tp", "0"], "argument --tp: 0 must be >= 1"),
-        (["--dtype", "int8"], "argument --dtype: invalid choice"),
-    ],
-)
-def test_bench_kernels_bad_flags(argv, message, monkeypatch, capsys):
-    bench = _load("bench_kernels", monkeypatch)
+@pytest.mark.parametrize(("script", "argv", "message"), BAD_FLAGS)
+def test_bench_bad_flags(script, argv, message, monkeypatch, capsys):
+    bench = _load(script, monkeypatch)
     assert _exit_code(bench.main, argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err

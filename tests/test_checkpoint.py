@@ -36,8 +36,8 @@ from engine.optim import build_optimizer
 from layers.param_roles import mark_tp_blocks, mark_tp_dim, replicas
 from parallel_state.dims import ParallelDims
 from tests.corpus import build_test_corpus
-from tests.launch_util import TINY_RUN
-from tests.multiproc import run_ranks, subprocess_env
+from tests.launch_util import TINY_RUN, run_pretrain
+from tests.multiproc import run_ranks
 from tests.test_engine import ROOT, compose_config
 from tests.torch_reference import tiny_gpt
 
@@ -704,16 +704,8 @@ def test_killed_worker_restarts_and_resumes_bitwise(corpus, tmp_path):
         "trainer.max_restarts=1",
         "trainer.fail_at_step=3",
     ]
-    env = subprocess_env(ROOT)
-    env["OMP_NUM_THREADS"] = "1"  # as run_ranks: one intra-op thread, the same sums
-    proc = subprocess.run(
-        [sys.executable, "-m", "engine.pretrain", *overrides],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # OMP_NUM_THREADS as run_ranks sets it: one intra-op thread, the same sums.
+    proc = run_pretrain(overrides, tmp_path, 300, OMP_NUM_THREADS="1")
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
     assert (tmp_path / "elastic" / ".failed_at_step_3").exists()  # the kill did happen

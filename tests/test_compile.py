@@ -29,22 +29,17 @@ from engine.models import build_model
 from engine.models.config import preset
 from layers.compile import selective_recompute_compiles
 from tests.multiproc import run_ranks
+from tests.torch_reference import tiny_gpt
 
 TOL = 2e-5
 INTERPRETER = {"TRITON_INTERPRET": "1"}
 DROPOUT = {"hidden_dropout": 0.1, "attention_dropout": 0.1}
 
 
-# The tests' model: gpt_tiny cut to one small layer, dropout off unless a case sets it.
-SMALL = dict(
-    vocab_size=128,
-    hidden_size=32,
-    num_heads=4,
-    num_layers=1,
-    max_positions=16,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
+# The tests' model: tiny_gpt (dropout off unless a case sets it) at vocabulary 128, cut to
+# one layer and 16 positions.
+VOCAB = 128
+SMALL = dict(num_layers=1, max_positions=16)
 
 
 def _loss_and_grads(compile_backend: str | None, **overrides):
@@ -56,7 +51,7 @@ def _loss_and_grads(compile_backend: str | None, **overrides):
     )
     if compile_backend is None:
         overrides.pop("cuda_graphs", None)  # the eager reference has no graphs to replay
-    cfg = preset("gpt_tiny", **{**settings, **overrides})
+    cfg = tiny_gpt(VOCAB, **{**settings, **overrides})
     ps.seed(5) if ps is not None else torch.manual_seed(5)
     model = build_model(cfg, ps) if ps is not None else build_model(cfg)
     tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -284,7 +279,7 @@ def _graphs_with_step_timer(tp: int) -> tuple[int, int]:
     from layers.utils import attach_comm_timer
 
     ps = parallel_state.initialize(tp)
-    cfg = preset("gpt_tiny", **SMALL, compile=True, compile_backend="aot_eager")
+    cfg = tiny_gpt(VOCAB, **SMALL, compile=True, compile_backend="aot_eager")
     model = build_model(cfg, ps)
     attach_comm_timer(model, _Clock(torch.device("cpu")))
     tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))

@@ -226,19 +226,8 @@ def test_format_megatron_reads_back_in_megatron_core(corpus, tmp_path: Path) -> 
     mcore = _megatron()
     _, tokenizer = corpus
     texts = documents()[:20]
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    done = _cli(
-        "--input",
-        str(tmp_path / "docs.jsonl"),
-        "--text-key",
-        "text",
-        "--tokenizer",
-        tokenizer,
-        "--output-prefix",
-        str(tmp_path / "m"),
-        "--format",
-        "megatron",
-    )
+    docs = _write_jsonl(tmp_path / "docs.jsonl", texts)
+    done = _preprocess(docs, tmp_path / "m", "--tokenizer", tokenizer, "--format", "megatron")
     assert done.returncode == 0, done.stderr
     want = _encode_docs(tokenizer, texts)
     _assert_docs_equal(_megatron_docs(mcore, str(tmp_path / "m")), want)
@@ -328,6 +317,21 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd="/")
 
 
+def _write_jsonl(path: Path, texts: list[str]) -> Path:
+    """``texts`` as JSONL lines ``{"text": ...}`` at ``path``."""
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def _preprocess(
+    source: Path | str, output_prefix: Path, *args: str, text_key: str | None = "text"
+) -> subprocess.CompletedProcess:
+    """The CLI on ``source`` (its ``text_key`` fields; None: no --text-key), writing
+    ``output_prefix``.bin/.idx."""
+    key = ("--text-key", text_key) if text_key is not None else ()
+    return _cli("--input", str(source), *key, "--output-prefix", str(output_prefix), *args)
+
+
 TEXTS = [
     "Hello, world!\n",
     "unicode: héllo wörld — ñ 日本語 🙂 e\u0301 (combining)\r\nwindows line end\r\n",
@@ -342,7 +346,7 @@ def plain_jsonl(corpus, tmp_path_factory) -> tuple[Path, list[str]]:
     _, tokenizer = corpus
     directory = tmp_path_factory.mktemp("plain")
     texts = [f"{i}: {t}" for i in range(700) for t in TEXTS[i % 2 :: 2]]
-    (directory / "all.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    _write_jsonl(directory / "all.jsonl", texts)
     preprocess(
         [str(directory / "all.jsonl")],
         str(directory / "ref"),
@@ -386,18 +390,7 @@ def test_compressed_and_parquet_inputs_give_plain_jsonl_tokens(corpus, plain_jso
     reference, texts = plain_jsonl
     (tmp_path / "in").mkdir()
     source = _write_shards(tmp_path / "in", texts, kind)
-    done = _cli(
-        "--input",
-        source,
-        "--text-key",
-        "text",
-        "--tokenizer",
-        tokenizer,
-        "--output-prefix",
-        str(tmp_path / "out"),
-        "--workers",
-        "2",
-    )
+    done = _preprocess(source, tmp_path / "out", "--tokenizer", tokenizer, "--workers", "2")
     assert done.returncode == 0, done.stderr
     assert f"{len(texts)} documents" in done.stdout
     for ext in (".bin", ".idx"):  # same ids, same documents, same checksum
@@ -438,26 +431,12 @@ def test_bad_corpora_are_one_line(corpus, tmp_path: Path) -> None:
         ("junk.jsonl.zst", "junk.jsonl.zst:1: cannot decompress ("),
     ]
     for name, message in cases:
-        done = _cli(
-            "--input",
-            str(tmp_path / name),
-            "--text-key",
-            "text",
-            "--tokenizer",
-            tokenizer,
-            "--output-prefix",
-            str(tmp_path / "o"),
-        )
+        done = _preprocess(tmp_path / name, tmp_path / "o", "--tokenizer", tokenizer)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, (name, done.stderr)
         assert lines[0].startswith(f"preprocess_data.py: error: {tmp_path}/{message}"), lines
-    done = _cli(
-        "--input",
-        str(tmp_path / "ints.parquet"),
-        "--tokenizer",
-        tokenizer,
-        "--output-prefix",
-        str(tmp_path / "o"),
+    done = _preprocess(
+        tmp_path / "ints.parquet", tmp_path / "o", "--tokenizer", tokenizer, text_key=None
     )
     assert done.stderr.strip().endswith("ints.parquet: a Parquet input needs --text-key COLUMN")
     assert not list(tmp_path.glob("o*")) and not list(tmp_path.glob(".o*"))
@@ -469,13 +448,8 @@ def test_bad_corpora_are_one_line(corpus, tmp_path: Path) -> None:
 def test_vocab_size_beyond_the_corpus_is_refused_before_training(tmp_path: Path) -> None:
     """1e9 ids once aborted the process inside the tokenizers library (a 70 GB allocation)."""
     (tmp_path / "a.txt").write_text("the cat sat on the mat, the end")
-    done = _cli(
-        "--input",
-        str(tmp_path / "a.txt"),
-        "--output-prefix",
-        str(tmp_path / "o"),
-        "--vocab-size",
-        "1000000000",
+    done = _preprocess(
+        tmp_path / "a.txt", tmp_path / "o", "--vocab-size", "1000000000", text_key=None
     )
     # The bound counts pieces split where a space follows a non-space (no pre-tokenized word
     # crosses that): the, " cat", " sat", " on", " the", " mat,", " end" are the distinct
@@ -487,14 +461,7 @@ def test_vocab_size_beyond_the_corpus_is_refused_before_training(tmp_path: Path)
         "--vocab-size 281 or less, or more text"
     ]
     assert not list(tmp_path.glob("o*"))
-    done = _cli(
-        "--input",
-        str(tmp_path / "a.txt"),
-        "--output-prefix",
-        str(tmp_path / "o"),
-        "--vocab-size",
-        "281",
-    )
+    done = _preprocess(tmp_path / "a.txt", tmp_path / "o", "--vocab-size", "281", text_key=None)
     assert done.returncode == 0, done.stderr
     # Its true words (Ġmat and "," apart) allow 19 merges: the BPE stops at 280 ids or fewer.
     got = Tokenizer.from_file(str(tmp_path / "o.tokenizer.json")).get_vocab_size()
@@ -503,17 +470,8 @@ def test_vocab_size_beyond_the_corpus_is_refused_before_training(tmp_path: Path)
 
 def test_smaller_vocabulary_than_asked_is_reported(tmp_path: Path) -> None:
     texts = documents()[:40]
-    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    done = _cli(
-        "--input",
-        str(tmp_path / "d.jsonl"),
-        "--text-key",
-        "text",
-        "--output-prefix",
-        str(tmp_path / "o"),
-        "--vocab-size",
-        "2000",
-    )
+    docs = _write_jsonl(tmp_path / "d.jsonl", texts)
+    done = _preprocess(docs, tmp_path / "o", "--vocab-size", "2000")
     assert done.returncode == 0, done.stderr
     tokenizer = Tokenizer.from_file(str(tmp_path / "o.tokenizer.json"))
     got = tokenizer.get_vocab_size()

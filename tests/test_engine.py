@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,8 @@ from engine.config import Config, register_configs
 from engine.data_parallel import GradSync, global_grad_norm
 from engine.models import build_model
 from tests.corpus import build_test_corpus
-from tests.multiproc import run_ranks, subprocess_env
+from tests.launch_util import run_pretrain
+from tests.multiproc import run_ranks
 from tests.torch_reference import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,26 +297,12 @@ def test_more_data_and_checkpoint_checks(corpus, tmp_path, capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_cli_rejects_unknown_key_and_bad_layout_without_traceback(tmp_path):
-    env = subprocess_env(ROOT)  # cwd: a temporary directory, where Hydra makes outputs/
-    unknown = subprocess.run(
-        [sys.executable, "-m", "engine.pretrain", "trainer.bogus=1"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    # cwd: a temporary directory, where Hydra makes outputs/
+    unknown = run_pretrain(["trainer.bogus=1"], tmp_path, 120)
     assert unknown.returncode != 0
     assert "unknown key 'trainer.bogus'" in unknown.stderr
     assert "Traceback" not in unknown.stderr
-    bad = subprocess.run(
-        [sys.executable, "-m", "engine.pretrain", "tp_size=3"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    bad = run_pretrain(["tp_size=3"], tmp_path, 120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip() == "config error: model.num_heads=4 is not divisible by tp_size=3"
 

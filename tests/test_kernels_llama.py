@@ -36,6 +36,7 @@ from layers.kernel_set import TORCH_KERNELS, resolve_kernels  # noqa: E402
 from layers.kernels import RMSNorm, rms_norm, swiglu  # noqa: E402
 from layers.kernels.dispatch import MODEL_AUTO, choose_backend  # noqa: E402
 from tests.multiproc import run_ranks  # noqa: E402
+from tests.torch_reference import relative_errors  # noqa: E402
 
 # tl.sigmoid of a very negative gate overflows exp to inf in the interpreter's numpy and
 # correctly gives 0; numpy warns about the inf.
@@ -298,18 +299,10 @@ def _llama_loss_and_grads(kernels: str, sequence_parallel: bool = False, device=
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _relative_errors(reference, fused) -> dict[str, float]:
-    (ref_loss, ref_grads), (loss, grads) = reference, fused
-    errors = {"loss": ((loss - ref_loss).abs() / ref_loss.abs()).item()}
-    for name, ref in ref_grads.items():
-        errors[name] = ((grads[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-    return errors
-
-
 def test_tiny_llama_same_loss_and_grads_with_triton_kernels(monkeypatch):
     reference = _llama_loss_and_grads("torch", device=DEVICE)
     calls = _counting_launchers(monkeypatch)
-    errors = _relative_errors(reference, _llama_loss_and_grads("triton", device=DEVICE))
+    errors = relative_errors(reference, _llama_loss_and_grads("triton", device=DEVICE))
     # 2 layers: 2 RMSNorms and 1 SwiGLU each, and the final RMSNorm.
     assert calls == {
         "rms_norm_forward": 5,
@@ -326,7 +319,7 @@ def test_tiny_llama_same_loss_and_grads_with_triton_kernels(monkeypatch):
 
 def _both_on_tp2(sequence_parallel: bool) -> dict[str, float]:
     parallel_state.initialize(2)
-    return _relative_errors(
+    return relative_errors(
         _llama_loss_and_grads("torch", sequence_parallel),
         _llama_loss_and_grads("triton", sequence_parallel),
     )

@@ -22,7 +22,7 @@ import parallel_state
 from engine.models import build_model
 from engine.models.config import preset
 from tests.multiproc import run_ranks
-from tests.torch_reference import tiny_gpt
+from tests.torch_reference import relative_errors, tiny_gpt
 
 TOL = 2e-5
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -43,16 +43,8 @@ def _loss_and_grads(kernels: str, sequence_parallel: bool = False, device="cpu")
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _compare(reference, fused) -> dict[str, float]:
-    (ref_loss, ref_grads), (loss, grads) = reference, fused
-    errors = {"loss": ((loss - ref_loss).abs() / ref_loss.abs()).item()}
-    for name, ref in ref_grads.items():
-        errors[name] = ((grads[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-    return errors
-
-
 def test_tiny_gpt_same_with_and_without_kernels():
-    errors = _compare(
+    errors = relative_errors(
         _loss_and_grads("torch", device=DEVICE), _loss_and_grads("triton", device=DEVICE)
     )
     worst = max(errors, key=errors.get)
@@ -64,7 +56,7 @@ def test_tiny_gpt_same_with_and_without_kernels():
 
 def _both(sequence_parallel: bool) -> dict[str, float]:
     parallel_state.initialize(2)
-    return _compare(
+    return relative_errors(
         _loss_and_grads("torch", sequence_parallel), _loss_and_grads("triton", sequence_parallel)
     )
 

@@ -24,6 +24,7 @@ from engine.models import ModelConfig, build_model, preset
 from parallel_state import ImplicitStateWarning
 from studies.verification.layouts import VerifySpec, compare_layouts, solo_group
 from tests.multiproc import run_ranks
+from tests.torch_reference import tiny_gpt
 
 
 def _spec(model, tp, dp, sp=False, rc="none", dtype="float64", steps=1) -> VerifySpec:
@@ -177,15 +178,8 @@ def _state_in_layers(implicit: bool) -> tuple[set[bool], list[str]]:
 
     ps = parallel_state.initialize(2, 1)
     ps.seed(11)
-    cfg = preset(
-        "gpt_tiny",
-        vocab_size=64,
-        hidden_size=32,
-        num_heads=4,
-        num_layers=2,
-        hidden_dropout=0.1,
-        attention_dropout=0.1,
-        recompute="selective",
+    cfg = tiny_gpt(
+        64, num_layers=2, hidden_dropout=0.1, attention_dropout=0.1, recompute="selective"
     )
     batch = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings(record=True) as caught:

@@ -7,7 +7,6 @@ derivation is in the comment next to it), not read back from the code under test
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -26,17 +25,11 @@ from engine.formulas import (
 from studies.perfmodel import Layout, Workload, load_cluster, predict, search
 from studies.perfmodel import comm_cost as comm
 from studies.perfmodel import memory_model as memory
-from studies.perfmodel.cluster_spec import ClusterSpec, Link, cluster_from_dict, scale_for
+from studies.perfmodel.cluster_spec import ClusterSpec, cluster_from_dict, scale_for
+from tests.launch_util import env_with_repo
+from tests.perfmodel_util import ALPHA, BW, LINK, hand_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
-ALPHA, BW = 1e-5, 1e9  # 10 µs, 1 GB/s: round numbers for hand arithmetic
-LINK = Link(BW, ALPHA)
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def test_collective_costs_by_hand():
@@ -305,20 +298,7 @@ def test_compute_scale_multiplies_compute_at_the_nearest_hidden_size():
     """compute_scale (studies/perfmodel/probes.py, measured per hidden size) multiplies every
     compute term at the nearest measured size in log space, and nothing else. Tolerance
     rel 1e-9: float rounding only."""
-    base = ClusterSpec(
-        "hand",
-        64,
-        LINK,
-        LINK,
-        peak_flops=1e11,
-        mem_bandwidth_Bps=1e10,
-        memory_bytes=2**34,
-        gemm_efficiency=1.0,
-        memory_efficiency=1.0,
-        network_efficiency=1.0,
-        collectives=("ring",),
-        cores=64,
-    )
+    base = hand_cluster()
     w = Workload(
         hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=8, precision="fp32"
     )
@@ -606,7 +586,7 @@ def _plan(*args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-c", code, *args],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=env_with_repo(),
         cwd=tempfile.gettempdir(),  # writes nothing; imports come from PYTHONPATH
         timeout=60,
     )
@@ -761,7 +741,7 @@ def test_ci_sized_validation_pipeline_runs_here(tmp_path):
         [sys.executable, str(ROOT / "tools/calibrate.py"), "--quick", "--out", str(spec)],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=env_with_repo(),
         cwd=tmp_path,
         timeout=300,
     )

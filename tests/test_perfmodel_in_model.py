@@ -16,19 +16,17 @@ import torch
 import torch.distributed as dist
 
 from studies.perfmodel import Layout, Workload, predict
-from studies.perfmodel.cluster_spec import ClusterSpec, Link, cluster_from_dict
+from studies.perfmodel.cluster_spec import cluster_from_dict
 from studies.perfmodel.in_model import (
     lookup,
     nearest,
     parameter_tensors,
-    parse,
     tp_collectives,
 )
 from studies.perfmodel.in_model_runs import fit_tp
 from tests.multiproc import run_ranks
+from tests.perfmodel_util import ALPHA, BW, hand_cluster
 
-ALPHA, BW = 1e-5, 1e9
-LINK = Link(BW, ALPHA)
 W = Workload(hidden=128, layers=2, heads=4, vocab=8192, seq=128, global_batch=16, precision="fp32")
 
 
@@ -86,24 +84,6 @@ def test_tp_collective_count_matches_a_real_step(layers, recompute):
     assert (tp_collectives(2), tp_collectives(2, "full")) == (12, 14)  # read off real steps
 
 
-def _hand_cluster(**in_model) -> ClusterSpec:
-    return ClusterSpec(
-        "hand",
-        64,
-        LINK,
-        LINK,
-        peak_flops=1e11,
-        mem_bandwidth_Bps=1e10,
-        memory_bytes=2**34,
-        gemm_efficiency=1.0,
-        memory_efficiency=1.0,
-        network_efficiency=1.0,
-        collectives=("ring",),
-        cores=64,
-        in_model=parse(in_model) if in_model else {},
-    )
-
-
 def _ring(n: float, p: int) -> float:
     return 2 * (p - 1) * ALPHA + 2 * n * (p - 1) / p / BW
 
@@ -113,8 +93,8 @@ def test_in_model_tp_cost_replaces_the_alpha_beta_price():
     1 ms per collective plus 0.5 of the micro-batch's compute at 2 ranks; TP time per
     micro-batch is then 12 ms + 0.5 × (compute per micro-batch), compute unchanged."""
     lay = Layout(2, 1, 4, fused_attention=False)
-    cl = _hand_cluster(tp=[[2, "ar", 2, 1000.0, 0.5], [2, "ar", 4, 3000.0, 0.0]])
-    plain = predict(W, lay, _hand_cluster()).breakdown
+    cl = hand_cluster(tp=[[2, "ar", 2, 1000.0, 0.5], [2, "ar", 4, 3000.0, 0.0]])
+    plain = predict(W, lay, hand_cluster()).breakdown
     got = predict(W, lay, cl).breakdown
     assert got["compute_s"] == pytest.approx(plain["compute_s"], rel=1e-9)
     assert got["tp_comm_s"] == pytest.approx(4 * 12e-3 + 0.5 * got["compute_s"], rel=1e-9)
@@ -129,14 +109,14 @@ def test_in_model_tp_cost_replaces_the_alpha_beta_price():
     assert predict(W, lay4, cl).breakdown["tp_comm_s"] == pytest.approx(2 * 12 * 3e-3, rel=1e-9)
     # a TP group across nodes (one rank per node) keeps the α-β price of the network: the
     # in-model terms were measured inside one machine
-    spread, spread_plain = replace(cl, gpus_per_node=1), replace(_hand_cluster(), gpus_per_node=1)
+    spread, spread_plain = replace(cl, gpus_per_node=1), replace(hand_cluster(), gpus_per_node=1)
     assert predict(W, lay, spread).breakdown["tp_comm_s"] == pytest.approx(
         predict(W, lay, spread_plain).breakdown["tp_comm_s"], rel=1e-9
     )
     # sequence parallelism has no "sp" row here: it keeps its α-β price
     sp = Layout(2, 1, 4, sequence_parallel=True, fused_attention=False)
     assert predict(W, sp, cl).breakdown["tp_comm_s"] == pytest.approx(
-        predict(W, sp, _hand_cluster()).breakdown["tp_comm_s"], rel=1e-9
+        predict(W, sp, hand_cluster()).breakdown["tp_comm_s"], rel=1e-9
     )
 
 
@@ -156,22 +136,22 @@ def test_in_model_dp_wait_and_optimizer_extra_are_added():
     optimizer's extra per parameter tensor (keyed by ranks) times the 12·2 + 4 = 28
     tensors of a 2-layer GPT to the optimizer; both at the nearest rank count."""
     lay = Layout(1, 2, 4, fused_attention=False)
-    cl = _hand_cluster(
+    cl = hand_cluster(
         dp_wait_us=[[2, 2, 5000.0], [4, 4, 20000.0]],
         optimizer_us_per_tensor=[[1, 10.0], [2, 100.0], [4, 250.0]],
     )
-    plain = predict(W, lay, _hand_cluster()).breakdown
+    plain = predict(W, lay, hand_cluster()).breakdown
     got = predict(W, lay, cl).breakdown
     assert got["dp_comm_exposed_s"] == pytest.approx(plain["dp_comm_exposed_s"] + 5e-3, rel=1e-9)
     assert got["optimizer_s"] == pytest.approx(plain["optimizer_s"] + 28 * 100e-6, rel=1e-9)
     eight = Layout(1, 8, 2, fused_attention=False)  # 8 ranks: no dp=8 row, no wait
-    base8 = predict(W, eight, _hand_cluster()).breakdown
+    base8 = predict(W, eight, hand_cluster()).breakdown
     got8 = predict(W, eight, cl).breakdown
     assert got8["dp_comm_exposed_s"] == pytest.approx(base8["dp_comm_exposed_s"], rel=1e-9)
     assert got8["optimizer_s"] == pytest.approx(base8["optimizer_s"] + 28 * 250e-6, rel=1e-9)
     four_layers = replace(W, layers=4)  # 12·4 + 4 = 52 tensors
     assert predict(four_layers, lay, cl).breakdown["optimizer_s"] == pytest.approx(
-        predict(four_layers, lay, _hand_cluster()).breakdown["optimizer_s"] + 52 * 100e-6,
+        predict(four_layers, lay, hand_cluster()).breakdown["optimizer_s"] + 52 * 100e-6,
         rel=1e-9,
     )
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -14,6 +13,7 @@ import pytest
 
 from studies.scaling.study import StudyConfig, grid
 from studies.scaling.workloads import RunSpec, classify_command
+from tests.launch_util import env_with_repo
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path("/usr/share/datasets/fashion-mnist")
@@ -72,8 +72,7 @@ def test_classify_point_with_an_indivisible_batch_is_refused():
 )
 def test_two_point_classify_study_reports_time_to_accuracy(tmp_path):
     out = tmp_path / "study"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env = env_with_repo(OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
         str(ROOT / "tools" / "scaling_study.py"),

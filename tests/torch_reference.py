@@ -32,16 +32,19 @@ def cpu_data_parallel(model: nn.Module, dp_group, tp_group, *, zero: bool = Fals
 
 def tiny_gpt(vocab_size: int, **overrides) -> ModelConfig:
     """gpt_tiny at width 32 with 4 heads and no dropout (so runs compare exactly), with
-    ``overrides``."""
-    return preset(
-        "gpt_tiny",
-        vocab_size=vocab_size,
-        hidden_size=32,
-        num_heads=4,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **overrides,
-    )
+    ``overrides`` (any of those included: a test that wants dropout sets it)."""
+    tiny = dict(hidden_size=32, num_heads=4, hidden_dropout=0.0, attention_dropout=0.0)
+    return preset("gpt_tiny", vocab_size=vocab_size, **(tiny | overrides))
+
+
+def relative_errors(reference, other) -> dict[str, float]:
+    """Each of ``other``'s (loss, {name: grad}) relative to ``reference``'s: |Δloss|/|loss|,
+    and per gradient max|Δ|/max|ref|."""
+    (ref_loss, ref_grads), (loss, grads) = reference, other
+    errors = {"loss": ((loss - ref_loss).abs() / ref_loss.abs()).item()}
+    for name, ref in ref_grads.items():
+        errors[name] = ((grads[name] - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    return errors
 
 
 def alone_group() -> dist.ProcessGroup:

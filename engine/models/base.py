@@ -97,6 +97,20 @@ def replicated_linear(
     return layer
 
 
+def hidden_layer_norm(cfg: ModelConfig, *, kernels: Kernels, dtype, device) -> LayerNorm:
+    """A LayerNorm over ``cfg.hidden_size`` whatever ``cfg.norm`` names (the norms BERT's
+    layout fixes: after the embeddings and in the MLM transform), on the sequence shard
+    under SP."""
+    return LayerNorm(
+        cfg.hidden_size,
+        cfg.layernorm_eps,
+        sequence_parallel=cfg.sequence_parallel,
+        kernels=kernels,
+        dtype=dtype,
+        device=device,
+    )
+
+
 class Embeddings(nn.Module):
     """Word (vocab-parallel) + position (+ token-type) embeddings, (LayerNorm), dropout.
 
@@ -129,14 +143,7 @@ class Embeddings(nn.Module):
         )
         self.norm = None
         if token_types:
-            self.norm = LayerNorm(
-                cfg.hidden_size,
-                cfg.layernorm_eps,
-                sequence_parallel=cfg.sequence_parallel,
-                kernels=kernels,
-                dtype=dtype,
-                device=device,
-            )
+            self.norm = hidden_layer_norm(cfg, kernels=kernels, dtype=dtype, device=device)
 
     @staticmethod
     def _replicated(rows: int, cfg: ModelConfig, dtype, device) -> nn.Parameter:

@@ -27,6 +27,7 @@ from pathlib import Path
 from studies.perfmodel.cluster_spec import ClusterSpec
 from studies.perfmodel.model import Layout, Workload, predict
 from studies.perfmodel.probes import probe_gflops
+from studies.runs import STEPS_ONLY
 
 ROOT = Path(__file__).resolve().parents[2]
 _TOKS = re.compile(r"step\s+(\d+)/\d+\s.*?\s([\d.]+) tok/s")
@@ -68,12 +69,7 @@ def pretrain_overrides(w: Workload, lay: Layout, steps: int, log_every: int) -> 
         f"trainer.max_steps={steps}",
         f"trainer.overlap_grad_reduce={str(lay.overlap_grad_reduce).lower()}",
         f"trainer.log_every={log_every}",
-        "trainer.eval_every=0",
-        "trainer.sample_tokens=0",
-        "trainer.tensorboard=false",
-        "trainer.progress=false",
-        "checkpoint.every=0",
-        "checkpoint.save_final=false",
+        *STEPS_ONLY,
         "checkpoint.resume=false",
     ]
 

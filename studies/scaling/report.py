@@ -25,6 +25,15 @@ import torch
 
 from studies.perfmodel.pipeline import bubble_fraction
 
+# The per-step time breakdown, in seconds: a column each, and the breakdown table's cells.
+TIME_PARTS = (
+    "compute_s",
+    "tp_comm_s",
+    "dp_comm_exposed_s",
+    "dp_comm_total_s",
+    "data_s",
+    "optimizer_s",
+)
 COLUMNS = (
     "nodes",
     "procs_per_node",
@@ -44,12 +53,7 @@ COLUMNS = (
     "tflops_per_rank",
     "speedup",
     "efficiency",
-    "compute_s",
-    "tp_comm_s",
-    "dp_comm_exposed_s",
-    "dp_comm_total_s",
-    "data_s",
-    "optimizer_s",
+    *TIME_PARTS,
     "pp_compute_s",
     "pp_wait_s",
     "pp_bubble",
@@ -356,17 +360,7 @@ def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        ms = [
-            _fmt(r.get(k), 1e3)
-            for k in (
-                "compute_s",
-                "tp_comm_s",
-                "dp_comm_exposed_s",
-                "dp_comm_total_s",
-                "data_s",
-                "optimizer_s",
-            )
-        ]
+        ms = [_fmt(r.get(k), 1e3) for k in TIME_PARTS]
         lines.append(
             f"| {_point(r)} | "
             f"{_fmt(r['step_time_s'], 1e3)} ({_fmt(r['step_time_p10_s'], 1e3)}–"

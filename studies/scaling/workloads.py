@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from studies.runs import STEPS_ONLY
+
 
 @dataclass(frozen=True)
 class Point:
@@ -82,12 +84,7 @@ def pretrain_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
         f"trainer.max_steps={spec.warmup + spec.steps}",
         f"trainer.log_every={spec.warmup + spec.steps}",
         f"trainer.metrics_file={metrics}",
-        "trainer.eval_every=0",
-        "trainer.sample_tokens=0",
-        "trainer.tensorboard=false",
-        "trainer.progress=false",
-        "checkpoint.every=0",
-        "checkpoint.save_final=false",
+        *STEPS_ONLY,
         f"checkpoint.dir={run_dir}/ckpt",
         f"hydra.run.dir={run_dir}",
         "hydra.output_subdir=null",

@@ -10,6 +10,7 @@ from torch import nn
 from engine.models.base import (
     ParallelLMHead,
     ParallelModel,
+    hidden_layer_norm,
     replicated_linear,
     stack_batches,
     to_device,
@@ -17,9 +18,23 @@ from engine.models.base import (
 from engine.models.config import ModelConfig
 from layers import gather_from_tp, vocab_parallel_cross_entropy
 from layers.kernel_set import Kernels
-from layers.norm import LayerNorm
 from layers.utils import comm_timer_of
 from parallel_state.random import RNGTracker
+
+
+def _dense(
+    cfg: ModelConfig, out_features: int, sequence_parallel: bool, dtype, device
+) -> nn.Linear:
+    """A replicated ``hidden_size → out_features`` linear drawn with ``cfg.init_std``;
+    ``sequence_parallel`` when it runs on the sequence shard."""
+    return replicated_linear(
+        cfg.hidden_size,
+        out_features,
+        std=cfg.init_std,
+        sequence_parallel=sequence_parallel,
+        dtype=dtype,
+        device=device,
+    )
 
 
 class MLMTransform(nn.Module):
@@ -30,22 +45,8 @@ class MLMTransform(nn.Module):
         self.sequence_parallel = cfg.sequence_parallel
         self.kernels = kernels
         self.approximate = {"gelu": "none", "gelu_tanh": "tanh"}[cfg.activation]
-        self.dense = replicated_linear(
-            cfg.hidden_size,
-            cfg.hidden_size,
-            std=cfg.init_std,
-            sequence_parallel=cfg.sequence_parallel,
-            dtype=dtype,
-            device=device,
-        )
-        self.norm = LayerNorm(
-            cfg.hidden_size,
-            cfg.layernorm_eps,
-            sequence_parallel=cfg.sequence_parallel,
-            kernels=kernels,
-            dtype=dtype,
-            device=device,
-        )
+        self.dense = _dense(cfg, cfg.hidden_size, cfg.sequence_parallel, dtype, device)
+        self.norm = hidden_layer_norm(cfg, kernels=kernels, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(self.kernels.gelu(self.dense(x), None, self.approximate))
@@ -57,14 +58,7 @@ class Pooler(nn.Module):
     def __init__(self, cfg: ModelConfig, *, tp_group, dtype, device) -> None:
         super().__init__()
         self.tp_group, self.input_sequence_sharded = tp_group, cfg.sequence_parallel
-        self.dense = replicated_linear(
-            cfg.hidden_size,
-            cfg.hidden_size,
-            std=cfg.init_std,
-            sequence_parallel=False,
-            dtype=dtype,
-            device=device,
-        )
+        self.dense = _dense(cfg, cfg.hidden_size, False, dtype, device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.input_sequence_sharded:
@@ -107,14 +101,7 @@ class BertModel(ParallelModel):
         self.mlm_transform = MLMTransform(cfg, kernels=self.kernels, dtype=dtype, device=device)
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=True, **build)
         self.pooler = Pooler(cfg, **build)
-        self.sop_head = replicated_linear(
-            cfg.hidden_size,
-            2,
-            std=cfg.init_std,
-            sequence_parallel=False,
-            dtype=dtype,
-            device=device,
-        )
+        self.sop_head = _dense(cfg, 2, False, dtype, device)
         self._compile_if_asked()
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
