@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -70,9 +71,13 @@ def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[s
     return family(cfg.arch).hf.config_to_hf(cfg, base)
 
 
-def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """meshtron full state dict from the HF state dict of ``cfg``'s family."""
-    return family(cfg.arch).hf.state_from_hf(cfg, hf)
+def state_from_hf(
+    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """meshtron full state dict from the HF state dict of ``cfg``'s family, every tensor's
+    shape and dtype checked first (``tp_group``: the group the caller builds its model
+    over, for the check's meta model; None in a plain single process)."""
+    return family(cfg.arch).hf.state_from_hf(cfg, hf, tp_group=tp_group)
 
 
 def state_to_hf(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -102,9 +107,10 @@ def read_json_object(path: Path) -> dict[str, Any]:
 
 
 def read_hf_dir(
-    hf_dir: str | os.PathLike,
+    hf_dir: str | os.PathLike, *, tp_group: dist.ProcessGroup | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """(ModelConfig, meshtron full state dict, original config.json) of a local HF directory."""
+    """(ModelConfig, meshtron full state dict, original config.json) of a local HF directory
+    (``tp_group``: see :func:`state_from_hf`)."""
     hf_dir = Path(hf_dir)
     hf_config = read_hf_config(hf_dir)
     cfg = config_from_hf(hf_config)
@@ -125,7 +131,7 @@ def read_hf_dir(
                 )
             shard_of[name] = shard_name
         weights.update(tensors)
-    return cfg, state_from_hf(cfg, weights), hf_config
+    return cfg, state_from_hf(cfg, weights, tp_group=tp_group), hf_config
 
 
 def hf_weight_files(hf_dir: str | os.PathLike) -> list[str]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from einops import rearrange
 
 if TYPE_CHECKING:
@@ -279,15 +280,25 @@ def weight_map(
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def hf_shapes(cfg: ModelConfig, rows: Sequence[Weights]) -> dict[str, tuple[int, ...]]:
+def hf_shapes(
+    cfg: ModelConfig, rows: Sequence[Weights], tp_group: dist.ProcessGroup | None = None
+) -> dict[str, tuple[int, ...]]:
     """HF tensor name → the shape the meshtron model of ``cfg`` needs there: the model's own
-    parameters, built on the meta device (no memory), carried through the map's ``to_hf``."""
-    from engine.models.build import build_model  # build reads the family table, which this feeds
+    parameters, built on the meta device (no memory, no communication) at ``tp_group``'s
+    size and taken at full shape, carried through the map's ``to_hf``."""
+    # Imported here: build reads the family table this module's families feed, and the
+    # checkpoint's full-shape rule (param_spec) imports the models.
+    from engine.checkpoint.state import param_spec
+    from engine.models.build import build_model
 
     try:
-        ours = build_model(cfg, device="meta").full_state_dict()
+        model = build_model(cfg, tp_group=tp_group, device="meta")
     except (RuntimeError, OverflowError) as err:  # sizes torch cannot allocate even on meta
         raise ValueError(f"config.json sizes give no buildable model ({err})") from None
+    ours = {
+        name: torch.empty(param_spec(name, p, "model", model).shape, device="meta")
+        for name, p in model.named_parameters()
+    }
     return {name: tuple(t.shape) for name, t in state_to_hf(rows, ours).items()}
 
 
@@ -316,12 +327,15 @@ def state_from_hf(
     hf: dict[str, torch.Tensor],
     checkpoint: str,
     ignored: Callable[[str], bool],
+    *,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
     """meshtron state dict of ``cfg`` from HF state dict ``hf`` through ``rows``: a one-line
     KeyError naming the expected ``checkpoint`` for a missing tensor, a ValueError for a
-    tensor of the wrong shape or dtype (:func:`check_tensors`), or one no row places unless
-    ``ignored`` (buffers, tied copies)."""
-    check_tensors(hf, hf_shapes(cfg, rows))
+    tensor of the wrong shape or dtype (:func:`check_tensors`; ``tp_group``: the group the
+    caller builds its model over, if any), or one no row places unless ``ignored``
+    (buffers, tied copies)."""
+    check_tensors(hf, hf_shapes(cfg, rows, tp_group))
     used, ours = set(), {}
     try:
         for row in rows:

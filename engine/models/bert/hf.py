@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
@@ -80,10 +81,17 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
     )
 
 
-def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_from_hf(
+    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """meshtron full state dict from an HF BertForPreTraining state dict."""
     return layout.state_from_hf(
-        cfg, _weights(cfg), hf, "BertForPreTraining", lambda k: k.endswith(_IGNORED_SUFFIXES)
+        cfg,
+        _weights(cfg),
+        hf,
+        "BertForPreTraining",
+        lambda k: k.endswith(_IGNORED_SUFFIXES),
+        tp_group=tp_group,
     )
 
 

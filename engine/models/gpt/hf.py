@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
@@ -102,12 +103,19 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
     )
 
 
-def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_from_hf(
+    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """meshtron full state dict from an HF GPT2LMHeadModel (or GPT2Model) state dict."""
     if "wte.weight" in hf:  # saved from GPT2Model: no "transformer." prefix
         hf = {f"transformer.{k}": v for k, v in hf.items()}
     return layout.state_from_hf(
-        cfg, _weights(cfg), hf, "GPT2LMHeadModel", lambda k: k.endswith(_IGNORED_SUFFIXES)
+        cfg,
+        _weights(cfg),
+        hf,
+        "GPT2LMHeadModel",
+        lambda k: k.endswith(_IGNORED_SUFFIXES),
+        tp_group=tp_group,
     )
 
 

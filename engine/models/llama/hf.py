@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
@@ -165,11 +166,18 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
     )
 
 
-def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_from_hf(
+    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """meshtron full state dict from an HF Llama-family state dict."""
     tied_copy = "lm_head.weight" if cfg.tie_embeddings else None
     return layout.state_from_hf(
-        cfg, _weights(cfg), hf, "Llama-family", lambda k: k == tied_copy or "rotary_emb" in k
+        cfg,
+        _weights(cfg),
+        hf,
+        "Llama-family",
+        lambda k: k == tied_copy or "rotary_emb" in k,
+        tp_group=tp_group,
     )
 
 
