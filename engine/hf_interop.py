@@ -33,7 +33,8 @@ from engine.checkpoint.format import (
     save_tensors,
     write_checkpoint,
 )
-from engine.checkpoint.tokenizer import TOKENIZER_FILE, write_hf_tokenizer
+from engine.checkpoint.tokenizer import TOKENIZER_FILE, check_tokenizer, write_hf_tokenizer
+from engine.data.fsutil import MISSING, file_problem
 from engine.models import ModelConfig
 from engine.models.families import FAMILIES, family
 
@@ -117,6 +118,8 @@ def read_hf_dir(
     weights: dict[str, torch.Tensor] = {}
     shard_of: dict[str, str] = {}  # tensor name → the shard it came from
     for shard_name in hf_weight_files(hf_dir):
+        if problem := file_problem(hf_dir / shard_name):  # a FIFO would wait for a writer
+            raise ValueError(f"{hf_dir / shard_name} {problem}; a safetensors file is read")
         try:
             tensors = load_file(str(hf_dir / shard_name))
         except (SafetensorError, OSError) as err:
@@ -201,14 +204,28 @@ def import_hf(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> ModelCo
     check_output_dir(ckpt_dir)
     cfg, state, hf_config = read_hf_dir(hf_dir)
     extra: dict[str, Any] = {HF_CONFIG: hf_config}
-    generation = Path(hf_dir) / GENERATION_FILE
-    if generation.is_file():
-        extra[HF_GENERATION_CONFIG] = read_json_object(generation)
-    tokenizer = Path(hf_dir) / TOKENIZER_FILE
-    write_checkpoint(
-        ckpt_dir, state, cfg, extra=extra, tokenizer=tokenizer if tokenizer.is_file() else None
+    generation, tokenizer = (
+        _optional_file(hf_dir, GENERATION_FILE),
+        _optional_file(hf_dir, TOKENIZER_FILE),
     )
+    if generation is not None:
+        extra[HF_GENERATION_CONFIG] = read_json_object(generation)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, cfg.vocab_size)
+    write_checkpoint(ckpt_dir, state, cfg, extra=extra, tokenizer=tokenizer)
     return cfg
+
+
+def _optional_file(hf_dir: str | os.PathLike, name: str) -> Path | None:
+    """``hf_dir/name`` if it is a regular file, None if there is none; a one-line
+    ValueError for a FIFO, directory or the like there (not silently skipped)."""
+    path = Path(hf_dir) / name
+    problem = file_problem(path)
+    if problem == MISSING:
+        return None
+    if problem is not None:
+        raise ValueError(f"{path} {problem}; give a regular file or none")
+    return path
 
 
 def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelConfig:

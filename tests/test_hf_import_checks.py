@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -98,6 +99,13 @@ def _copy_into_another_shard(hf_dir: Path) -> None:
     save_file({**second, key: first[key]}, str(shards[1]), metadata={"format": "pt"})
 
 
+def _fifo_shard(hf_dir: Path) -> None:
+    """The first shard replaced by a FIFO (reading it would wait for a writer forever)."""
+    shard = sorted(hf_dir.glob("*.safetensors"))[0]
+    shard.unlink()
+    os.mkfifo(shard)
+
+
 def _deep_nesting(hf_dir: Path) -> None:
     depth = 100_000
     (hf_dir / "config.json").write_text('{"model_type": ' + "[" * depth + "]" * depth + "}")
@@ -153,6 +161,29 @@ DEFECTS = {
         "model.hidden_size=48 is not divisible by model.num_heads=5 (config.json n_embd, n_head)",
     ),
     "deep nesting": ("gpt", _deep_nesting, "config.json is not valid JSON"),
+    # Found by the adversarial pass: each was a traceback, a hang or silently accepted.
+    "a size past int64": (
+        "gpt",
+        _edit_config(vocab_size=10**30),
+        "vocab_size=1000000000000000000000000000000: out of the 64-bit integer range",
+    ),
+    "KV heads 0": (
+        "llama",
+        _edit_config(num_key_value_heads=0),
+        "config.json num_key_value_heads=0: expected >= 1 (or null)",
+    ),
+    "rope_theta 0": ("llama", _edit_config(rope_theta=0, rope_parameters=None), "rope_theta=0"),
+    "a shard that is a FIFO": ("sharded", _fifo_shard, "is not a regular file (a FIFO)"),
+    "an unreadable tokenizer": (
+        "llama",
+        lambda d: (d / "tokenizer.json").write_text("not a tokenizer"),
+        "tokenizer.json is not a tokenizer file",
+    ),
+    "a generation config that is a list": (
+        "llama",
+        lambda d: (d / "generation_config.json").write_text("[1]"),
+        "generation_config.json holds a JSON list, expected an object",
+    ),
 }
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from einops import rearrange
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 if TYPE_CHECKING:
     from engine.models.config import ModelConfig
@@ -107,10 +108,12 @@ def hf_value(
     what it must be otherwise (a list where a number belongs, a string...)."""
     value = hf[name] if default is REQUIRED else hf.get(name, default)
     kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
     if not any(_VALUE_KINDS[kind][1](value) for kind in kinds):
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
         wanted = " or ".join(_VALUE_KINDS[kind][0] for kind in kinds)
         raise ValueError(f"config.json {prefix}{name}={shown}: expected {wanted}")
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:  # torch sizes are int64
+        raise ValueError(f"config.json {prefix}{name}={shown}: out of the 64-bit integer range")
     return value
 
 
@@ -284,21 +287,20 @@ def hf_shapes(
     cfg: ModelConfig, rows: Sequence[Weights], tp_group: dist.ProcessGroup | None = None
 ) -> dict[str, tuple[int, ...]]:
     """HF tensor name → the shape the meshtron model of ``cfg`` needs there: the model's own
-    parameters, built on the meta device (no memory, no communication) at ``tp_group``'s
-    size and taken at full shape, carried through the map's ``to_hf``."""
+    parameters, built without memory or communication at ``tp_group``'s size and taken at
+    full shape, carried through the map's ``to_hf``."""
     # Imported here: build reads the family table this module's families feed, and the
     # checkpoint's full-shape rule (param_spec) imports the models.
     from engine.checkpoint.state import param_spec
     from engine.models.build import build_model
 
-    try:
+    # Layers draw their full master weights on CPU whatever the device (same values at
+    # every TP size), so a "meta" build alone would allocate and fill the whole model in
+    # fp32; under fake tensors every factory gives a storage-less tensor instead.
+    with FakeTensorMode(allow_non_fake_inputs=True):
         model = build_model(cfg, tp_group=tp_group, device="meta")
-    except (RuntimeError, OverflowError) as err:  # sizes torch cannot allocate even on meta
-        raise ValueError(f"config.json sizes give no buildable model ({err})") from None
-    ours = {
-        name: torch.empty(param_spec(name, p, "model", model).shape, device="meta")
-        for name, p in model.named_parameters()
-    }
+        full = {n: param_spec(n, p, "model", model).shape for n, p in model.named_parameters()}
+    ours = {name: torch.empty(shape, device="meta") for name, shape in full.items()}
     return {name: tuple(t.shape) for name, t in state_to_hf(rows, ours).items()}
 
 

@@ -77,8 +77,11 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if kind == "llama" and attn_bias != mlp_bias:
         raise ValueError("attention_bias != mlp_bias is not supported; set both the same")
     values = layout.config_values(hf, _CONFIG)
-    if values["num_kv_heads"] is None:  # absent or null: one KV head per query head (not 0)
+    if values["num_kv_heads"] is None:  # absent or null: one KV head per query head
         values["num_kv_heads"] = values["num_heads"]
+    elif values["num_kv_heads"] < 1:  # ModelConfig reads 0 as "unset" (one per query head)
+        kv = values["num_kv_heads"]
+        raise ValueError(f"config.json num_key_value_heads={kv}: expected >= 1 (or null)")
     cfg = ModelConfig(
         arch="llama",
         **values,
