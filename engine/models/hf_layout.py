@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from einops import rearrange
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 
 if TYPE_CHECKING:
     from engine.models.config import ModelConfig
@@ -283,6 +284,18 @@ def weight_map(
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+class _FactoriesOnMeta(TorchFunctionMode):
+    """Every tensor factory (``torch.empty``, ``zeros``, ``arange``...) builds on the meta
+    device, even one that names another device: ``with torch.device("meta")`` (the same
+    mode over the same list of factories) only fills in a device left unnamed."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _device_constructors():
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
 def hf_shapes(
     cfg: ModelConfig, rows: Sequence[Weights], tp_group: dist.ProcessGroup | None = None
 ) -> dict[str, tuple[int, ...]]:
@@ -296,8 +309,8 @@ def hf_shapes(
 
     # Layers draw their full master weights on CPU whatever the device (same values at
     # every TP size), so a "meta" build alone would allocate and fill the whole model in
-    # fp32; under fake tensors every factory gives a storage-less tensor instead.
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    # fp32; under _FactoriesOnMeta every tensor the build makes is a meta one.
+    with _FactoriesOnMeta():
         model = build_model(cfg, tp_group=tp_group, device="meta")
         full = {n: param_spec(n, p, "model", model).shape for n, p in model.named_parameters()}
     ours = {name: torch.empty(shape, device="meta") for name, shape in full.items()}
