@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
@@ -32,7 +33,8 @@ from engine.checkpoint.format import (
     save_tensors,
     write_checkpoint,
 )
-from engine.checkpoint.tokenizer import TOKENIZER_FILE, write_hf_tokenizer
+from engine.checkpoint.tokenizer import TOKENIZER_FILE, check_tokenizer, write_hf_tokenizer
+from engine.data.fsutil import MISSING, file_problem
 from engine.models import ModelConfig
 from engine.models.families import FAMILIES, family
 
@@ -48,10 +50,13 @@ def hf_architectures(arch: str) -> tuple[str, ...]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """ModelConfig for a ``config.json`` of any family's ``model_type``; unsupported
-    variants raise."""
+    """ModelConfig for a ``config.json`` of any family's ``model_type``, type-checked and
+    validated (``ModelConfig.validate``); unsupported variants and bad values raise a
+    one-line ValueError naming the key."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"config.json holds a {type(hf).__name__}, expected an object")
     kind, kinds = hf.get("model_type"), hf_model_types()
-    if kind not in kinds:
+    if not isinstance(kind, str) or kind not in kinds:
         names = list(kinds)
         raise ValueError(
             f"model_type {kind!r} is not supported; use {', '.join(names[:-1])} or {names[-1]}"
@@ -67,9 +72,13 @@ def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[s
     return family(cfg.arch).hf.config_to_hf(cfg, base)
 
 
-def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """meshtron full state dict from the HF state dict of ``cfg``'s family."""
-    return family(cfg.arch).hf.state_from_hf(cfg, hf)
+def state_from_hf(
+    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """meshtron full state dict from the HF state dict of ``cfg``'s family, every tensor's
+    shape and dtype checked first (``tp_group``: the group the caller builds its model
+    over, for the check's meta model; None in a plain single process)."""
+    return family(cfg.arch).hf.state_from_hf(cfg, hf, tp_group=tp_group)
 
 
 def state_to_hf(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,26 +91,50 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
-    return json.loads(path.read_text())
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in file ``path``; a one-line ValueError for anything else (bad JSON or
+    UTF-8, nesting deeper than Python's parser recurses, a list at the top)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
+        reason = "nested too deeply" if isinstance(err, RecursionError) else err
+        raise ValueError(f"{path} is not valid JSON ({reason})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, expected an object")
+    return value
 
 
 def read_hf_dir(
-    hf_dir: str | os.PathLike,
+    hf_dir: str | os.PathLike, *, tp_group: dist.ProcessGroup | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
-    """(ModelConfig, meshtron full state dict, original config.json) of a local HF directory."""
+    """(ModelConfig, meshtron full state dict, original config.json) of a local HF directory
+    (``tp_group``: see :func:`state_from_hf`)."""
     hf_dir = Path(hf_dir)
     hf_config = read_hf_config(hf_dir)
     cfg = config_from_hf(hf_config)
-    shards = hf_weight_files(hf_dir)
     weights: dict[str, torch.Tensor] = {}
-    for shard_name in shards:
+    shard_of: dict[str, str] = {}  # tensor name → the shard it came from
+    for shard_name in hf_weight_files(hf_dir):
+        if problem := file_problem(hf_dir / shard_name):  # a FIFO would wait for a writer
+            raise ValueError(f"{hf_dir / shard_name} {problem}; a safetensors file is read")
         try:
-            weights.update(load_file(str(hf_dir / shard_name)))
+            tensors = load_file(str(hf_dir / shard_name))
         except (SafetensorError, OSError) as err:
             raise ValueError(
                 f"{hf_dir / shard_name} is not a readable safetensors file ({err})"
             ) from None
-    return cfg, state_from_hf(cfg, weights), hf_config
+        for name in tensors:  # which copy would win is a guess; refuse to make it
+            if name in shard_of:
+                raise ValueError(
+                    f"{name} is in both {shard_of[name]} and {shard_name}; a tensor belongs "
+                    "to one shard"
+                )
+            shard_of[name] = shard_name
+        weights.update(tensors)
+    return cfg, state_from_hf(cfg, weights, tp_group=tp_group), hf_config
 
 
 def hf_weight_files(hf_dir: str | os.PathLike) -> list[str]:
@@ -125,7 +158,7 @@ def _shard_names(index: Path) -> list[str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
         raise ValueError(f"{index} is not a safetensors index (no weight_map object)") from None
     for name in names:
         plain = isinstance(name, str) and Path(name).name == name and "\\" not in name
@@ -153,27 +186,55 @@ def write_hf_dir(
         raise FileExistsError(f"{hf_dir} exists and is not empty; export into a new directory")
     hf_dir.mkdir(parents=True, exist_ok=True)
     save_tensors(state_to_hf(cfg, state), hf_dir / "model.safetensors", metadata={"format": "pt"})
-    text = json.dumps(config_to_hf(cfg, base_config), indent=2, sort_keys=True)
-    (hf_dir / "config.json").write_text(text + "\n")
+    _write_json(hf_dir / "config.json", config_to_hf(cfg, base_config))
+
+
+GENERATION_FILE = "generation_config.json"
+# Checkpoint metadata (``Checkpoint.extra``) an import records for its export: the original
+# config.json (its eos/bos/pad ids among the keys no family maps) and generation config.
+HF_CONFIG, HF_GENERATION_CONFIG = "hf_config", "hf_generation_config"
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def import_hf(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> ModelConfig:
-    """Convert a local HF directory into a meshtron checkpoint (usable at any TP size)."""
+    """Convert a local HF directory into a meshtron checkpoint (usable at any TP size).
+
+    Everything is read and checked (config values, every tensor's shape and dtype against
+    the family's model, shards, the generation config) before anything is written."""
     check_output_dir(ckpt_dir)
     cfg, state, hf_config = read_hf_dir(hf_dir)
-    tokenizer = Path(hf_dir) / TOKENIZER_FILE
-    write_checkpoint(
-        ckpt_dir,
-        state,
-        cfg,
-        extra={"hf_config": hf_config},
-        tokenizer=tokenizer if tokenizer.is_file() else None,
+    extra: dict[str, Any] = {HF_CONFIG: hf_config}
+    generation, tokenizer = (
+        _optional_file(hf_dir, GENERATION_FILE),
+        _optional_file(hf_dir, TOKENIZER_FILE),
     )
+    if generation is not None:
+        extra[HF_GENERATION_CONFIG] = read_json_object(generation)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, cfg.vocab_size)
+    write_checkpoint(ckpt_dir, state, cfg, extra=extra, tokenizer=tokenizer)
     return cfg
 
 
+def _optional_file(hf_dir: str | os.PathLike, name: str) -> Path | None:
+    """``hf_dir/name`` if it is a regular file, None if there is none; a one-line
+    ValueError for a FIFO, directory or the like there (not silently skipped)."""
+    path = Path(hf_dir) / name
+    problem = file_problem(path)
+    if problem == MISSING:
+        return None
+    if problem is not None:
+        raise ValueError(f"{path} {problem}; give a regular file or none")
+    return path
+
+
 def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelConfig:
-    """Write a meshtron checkpoint back as a Hugging Face directory."""
+    """Write a meshtron checkpoint back as a Hugging Face directory.
+
+    config.json names the special tokens by id: an imported model's own ids, else those its
+    tokenizer assigns to the family's roles (``Family.special_tokens``). A decoder's
+    generation_config.json is the imported one, else the ids (so ``generate`` stops at eos).
+    """
     if not (Path(ckpt_dir) / META_FILE).is_file():
         raise FileNotFoundError(
             f"{ckpt_dir} is not a meshtron model checkpoint (no {META_FILE}); for a training "
@@ -181,14 +242,21 @@ def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelCo
             "export-model ROOT --out DIR"
         )
     ckpt = read_checkpoint(ckpt_dir)
-    write_hf_dir(hf_dir, ckpt.config, ckpt.state, ckpt.extra.get("hf_config"))
+    cfg, hf_dir = ckpt.config, Path(hf_dir)
+    write_hf_dir(hf_dir, cfg, ckpt.state, ckpt.extra.get(HF_CONFIG))
+    config = json.loads((hf_dir / "config.json").read_text())
     tokenizer = Path(ckpt_dir) / TOKENIZER_FILE
     if tokenizer.is_file():  # the model's own tokenizer, in the files AutoTokenizer reads
-        ids = write_hf_tokenizer(
-            tokenizer, hf_dir, arch=ckpt.config.arch, max_positions=ckpt.config.max_positions
-        )
-        # config.json names the special tokens by id too (GPT-2's defaults are 50256)
-        config_path = Path(hf_dir) / "config.json"
-        config = {**json.loads(config_path.read_text()), **ids}
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return ckpt.config
+        ids = write_hf_tokenizer(tokenizer, hf_dir, arch=cfg.arch, max_positions=cfg.max_positions)
+        config.update({k: v for k, v in ids.items() if config.get(k) is None})
+        _write_json(hf_dir / "config.json", config)
+    generation = ckpt.extra.get(HF_GENERATION_CONFIG)
+    if generation is None and cfg.causal:
+        generation = {k: config[k] for k in SPECIAL_IDS if config.get(k) is not None} or None
+    if generation is not None:
+        _write_json(hf_dir / GENERATION_FILE, generation)
+    return cfg
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")

@@ -32,7 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.models import FAMILIES  # noqa: E402
 from parallel_state.dims import DP_SHARD_MODES  # noqa: E402
-from studies.verification.hf_parity import HF_TOLERANCES, check_hf_layout, compare_with_hf  # noqa: E402
+from studies.verification.hf_parity import (  # noqa: E402
+    HF_TOLERANCES,
+    check_hf_layout,
+    compare_with_hf,
+    hf_reference_note,
+)
 from studies.verification.layouts import (  # noqa: E402
     TOLERANCES,
     Report,
@@ -50,7 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=f"Tolerances: max|Δ| / max|reference| per tensor: {tols}. "
-        f"With --hf-dir, on logits: {hf_tols} (absolute; bfloat16 relative).",
+        f"With --hf-dir, on logits: {hf_tols} (absolute; bfloat16 relative); at float64 "
+        "the reference's RMSNorm computes in float64 (transformers' rounds through float32).",
     )
     p.add_argument(
         "--model", choices=tuple(FAMILIES), default=VerifySpec.model, help="the family (model.arch)"
@@ -162,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         report = launch_local(run_on_mesh, spec.dims.world, task, spec, *extra)
     if report is None:  # not global rank 0
         return 0
+    if args.hf_dir:
+        print(hf_reference_note(spec, args.hf_dir))
     render(report, Console(), failing_only=args.failing_only, hf=bool(args.hf_dir))
     return 0 if report.ok else 1
 

@@ -63,6 +63,21 @@ def copy_tokenizer(path: str | os.PathLike, directory: str | os.PathLike) -> Non
     shutil.copyfile(path, Path(directory) / TOKENIZER_FILE)
 
 
+def check_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:
+    """Raise a one-line ValueError unless ``path`` is a tokenizer file the ``tokenizers``
+    library reads whose ids all fit a model of ``vocab_size`` (an id past the embedding
+    table would fail only when generating)."""
+    from tokenizers import Tokenizer
+
+    try:
+        vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+    except Exception as err:  # the library raises a bare Exception for a malformed file
+        raise ValueError(f"{path} is not a tokenizer file ({err})") from None
+    largest = max(vocab.values(), default=-1)
+    if largest >= vocab_size:
+        raise ValueError(f"{path} has token id {largest}, past the model's vocab_size {vocab_size}")
+
+
 def write_hf_tokenizer(
     path: str | os.PathLike, hf_dir: str | os.PathLike, *, arch: str, max_positions: int
 ) -> dict[str, int]:

@@ -8,12 +8,18 @@ export both walk those rows, so the two directions cannot drift apart.
 
 from __future__ import annotations
 
+import re
+import types
+import typing
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from einops import rearrange
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 
 if TYPE_CHECKING:
     from engine.models.config import ModelConfig
@@ -76,13 +82,75 @@ def gelu_key(theirs: str, default: str) -> ConfigKey:
     )
 
 
-def config_values(hf: dict[str, Any], keys: Sequence[ConfigKey]) -> dict[str, Any]:
-    """ModelConfig fields read from ``config.json`` dict ``hf`` through ``keys``, in order."""
+# What a config.json value of each Python type must be, in words and as a test. JSON has
+# no int/float split beyond the literal, so a float field takes an integer too; true and
+# false are never numbers.
+_VALUE_KINDS: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    str: ("a string", lambda v: isinstance(v, str)),
+    dict: ("an object", lambda v: isinstance(v, dict)),
+    type(None): ("null", lambda v: v is None),
+}
+
+
+def hf_value(
+    hf: dict[str, Any],
+    name: str,
+    kinds: type | tuple[type, ...],
+    default: Any = REQUIRED,
+    *,
+    prefix: str = "",
+) -> Any:
+    """``hf[name]`` (``default`` when absent; a KeyError when REQUIRED), checked to be of
+    one of ``kinds`` (int, float, bool, str, dict, NoneType): a one-line ValueError naming
+    the key (after ``prefix``, the object ``hf`` sits in, e.g. ``rope_parameters.``) and
+    what it must be otherwise (a list where a number belongs, a string...)."""
+    value = hf[name] if default is REQUIRED else hf.get(name, default)
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if not any(_VALUE_KINDS[kind][1](value) for kind in kinds):
+        wanted = " or ".join(_VALUE_KINDS[kind][0] for kind in kinds)
+        raise ValueError(f"config.json {prefix}{name}={shown}: expected {wanted}")
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:  # torch sizes are int64
+        raise ValueError(f"config.json {prefix}{name}={shown}: out of the 64-bit integer range")
+    return value
+
+
+def _field_kinds(field: str) -> tuple[type, ...]:
+    """The Python types ModelConfig's annotation allows for ``field`` (``int | None``:
+    int and NoneType), so the HF value is checked against the field it fills."""
+    from engine.models.config import ModelConfig  # the config imports the families' table
+
+    hint = typing.get_type_hints(ModelConfig)[field]
+    return typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+
+
+def config_values(
+    hf: dict[str, Any], keys: Sequence[ConfigKey], prefix: str = ""
+) -> dict[str, Any]:
+    """ModelConfig fields read from ``config.json`` dict ``hf`` through ``keys``, in order,
+    each value first checked against its ModelConfig field's type (:func:`hf_value`;
+    ``prefix`` names the object ``hf`` sits in, e.g. ``rope_parameters.``)."""
     values = {}
     for key in keys:
-        value = hf[key.theirs] if key.default is REQUIRED else hf.get(key.theirs, key.default)
+        value = hf_value(hf, key.theirs, _field_kinds(key.ours), key.default, prefix=prefix)
         values[key.ours] = key.to_ours(value) if key.to_ours else value
     return values
+
+
+def validated(cfg: ModelConfig, keys: Sequence[ConfigKey]) -> ModelConfig:
+    """``cfg`` once ``ModelConfig.validate`` (at TP 1) accepts it; its one-line error gains
+    the ``config.json`` keys (through ``keys``) of the fields it names."""
+    try:
+        cfg.validate()
+    except ValueError as err:
+        theirs = {f"model.{key.ours}": key.theirs for key in keys}
+        named = dict.fromkeys(theirs[f] for f in re.findall(r"model\.\w+", str(err)) if f in theirs)
+        where = f" (config.json {', '.join(named)})" if named else ""
+        raise ValueError(f"{err}{where}") from None
+    return cfg
 
 
 def config_json(
@@ -212,15 +280,77 @@ def weight_map(
     return top + per_layer(layer, n) + untied + per_layer(fused, n)
 
 
+# The dtypes a meshtron model is built in (and so may be imported in).
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class _FactoriesOnMeta(TorchFunctionMode):
+    """Every tensor factory (``torch.empty``, ``zeros``, ``arange``...) builds on the meta
+    device, even one that names another device: ``with torch.device("meta")`` (the same
+    mode over the same list of factories) only fills in a device left unnamed."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _device_constructors():
+            kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+def hf_shapes(
+    cfg: ModelConfig, rows: Sequence[Weights], tp_group: dist.ProcessGroup | None = None
+) -> dict[str, tuple[int, ...]]:
+    """HF tensor name → the shape the meshtron model of ``cfg`` needs there: the model's own
+    parameters, built without memory or communication at ``tp_group``'s size and taken at
+    full shape, carried through the map's ``to_hf``."""
+    # Imported here: build reads the family table this module's families feed, and the
+    # checkpoint's full-shape rule (param_spec) imports the models.
+    from engine.checkpoint.state import param_spec
+    from engine.models.build import build_model
+
+    # Layers draw their full master weights on CPU whatever the device (same values at
+    # every TP size), so a "meta" build alone would allocate and fill the whole model in
+    # fp32; under _FactoriesOnMeta every tensor the build makes is a meta one.
+    with _FactoriesOnMeta():
+        model = build_model(cfg, tp_group=tp_group, device="meta")
+        full = {n: param_spec(n, p, "model", model).shape for n, p in model.named_parameters()}
+    ours = {name: torch.empty(shape, device="meta") for name, shape in full.items()}
+    return {name: tuple(t.shape) for name, t in state_to_hf(rows, ours).items()}
+
+
+def check_tensors(hf: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]) -> None:
+    """A one-line ValueError for the first tensor of ``hf`` that ``shapes`` (see
+    :func:`hf_shapes`) places whose shape differs or whose dtype is not floating-point."""
+    for name, shape in shapes.items():
+        tensor = hf.get(name)
+        if tensor is None:
+            continue  # a missing tensor is state_from_hf's KeyError
+        if tensor.dtype not in FLOAT_DTYPES:
+            wanted = ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
+            raise ValueError(
+                f"{name}: dtype {str(tensor.dtype).removeprefix('torch.')}, expected a "
+                f"floating-point one ({wanted})"
+            )
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{name}: shape {tuple(tensor.shape)}, expected {shape} for its config.json"
+            )
+
+
 def state_from_hf(
+    cfg: ModelConfig,
     rows: Sequence[Weights],
     hf: dict[str, torch.Tensor],
     checkpoint: str,
     ignored: Callable[[str], bool],
+    *,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
-    """meshtron state dict from HF state dict ``hf`` through ``rows``: a one-line KeyError
-    naming the expected ``checkpoint`` for a missing tensor, a ValueError for a tensor no
-    row places unless ``ignored`` (buffers, tied copies)."""
+    """meshtron state dict of ``cfg`` from HF state dict ``hf`` through ``rows``: a one-line
+    KeyError naming the expected ``checkpoint`` for a missing tensor, a ValueError for a
+    tensor of the wrong shape or dtype (:func:`check_tensors`; ``tp_group``: the group the
+    caller builds its model over, if any), or one no row places unless ``ignored``
+    (buffers, tied copies)."""
+    check_tensors(hf, hf_shapes(cfg, rows, tp_group))
     used, ours = set(), {}
     try:
         for row in rows:

@@ -7,6 +7,7 @@ Only local ``save_pretrained`` directories are read; nothing is fetched.
 from __future__ import annotations
 
 import os
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +33,40 @@ from studies.verification.layouts import DTYPES, Report, VerifySpec, compare, dp
 # give about 1e-2 (observed 0.9% on 4-layer tiny models).
 HF_TOLERANCES = {"float64": 1e-8, "float32": 1e-4, "bfloat16": 3e-2}
 
+# transformers' Llama, Mistral and Qwen2 RMSNorm round their input through float32 (then
+# back), so a float64 reference would be float32-accurate (~1e-7) at those norms, and every
+# directory of theirs would miss the float64 bar. At float64 the reference's norm modules,
+# and only those, get a forward that computes the same formula at the input precision (a
+# per-instance patch of the loaded model; the class stays as it was), so that float64
+# proves the conversion. The verifier says so in its output (hf_reference_note).
+_RMSNORMS = {name.removesuffix("ForCausalLM") + "RMSNorm" for name in hf_architectures("llama")}
+
+
+def _rmsnorm_at_input_precision(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm forward without its float32 round trip."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _keep_norms_in_float64(model: torch.nn.Module) -> int:
+    """Patch the RMSNorm modules of a float64 reference (see ``_RMSNORMS``); returns how
+    many."""
+    norms = [m for m in model.modules() if type(m).__name__ in _RMSNORMS]
+    for norm in norms:
+        norm.forward = types.MethodType(_rmsnorm_at_input_precision, norm)
+    return len(norms)
+
+
+def hf_reference_note(spec: VerifySpec, hf_dir: str | os.PathLike) -> str:
+    """One line saying what the transformers reference computes in (for the CLI output)."""
+    cfg = config_from_hf(read_hf_config(hf_dir))
+    if spec.dtype == "float64" and cfg.norm == "rmsnorm":
+        return (
+            "reference: transformers in float64, its RMSNorm computed in float64 "
+            "(transformers' own rounds through float32)"
+        )
+    return f"reference: transformers in {spec.dtype}"
+
 
 def check_hf_layout(spec: VerifySpec, hf_dir: str | os.PathLike) -> None:
     """Raise ValueError (or OSError) if :func:`compare_with_hf` cannot run ``hf_dir``'s model
@@ -48,7 +83,7 @@ def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:
     layout, on a fixed random batch (BERT: MLM and seq-relationship logits), within
     ``HF_TOLERANCES``; the Report on global rank 0, None elsewhere."""
     ps, dtype = parallel_state.get(), DTYPES[spec.dtype]
-    cfg, state, hf_config = read_hf_dir(hf_dir)
+    cfg, state, hf_config = read_hf_dir(hf_dir, tp_group=ps.tp_group)
     cfg = replace(cfg, sequence_parallel=spec.sequence_parallel, recompute=spec.recompute)
     model = build_model(cfg, ps, dtype=dtype)
     model.load_full_state_dict(state)
@@ -79,6 +114,8 @@ def _hf_logits(hf_dir: str, cfg, hf_config: dict, batch: dict, dtype) -> dict[st
         )
     model = getattr(transformers, arch).from_pretrained(hf_dir, local_files_only=True)
     model = model.to(dtype).eval()
+    if dtype == torch.float64:
+        _keep_norms_in_float64(model)
     with torch.no_grad():
         if cfg.causal:  # a decoder's LM logits
             return {"logits": model(input_ids=batch["input_ids"]).logits}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
@@ -37,9 +38,9 @@ _IGNORED_SUFFIXES = (
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig of a BERT ``config.json``; unsupported variants raise."""
-    if hf.get("position_embedding_type", "absolute") != "absolute":
+    if layout.hf_value(hf, "position_embedding_type", str, "absolute") != "absolute":
         raise ValueError("only BERT with absolute position embeddings is supported")
-    return ModelConfig(arch="bert", **layout.config_values(hf, _CONFIG))
+    return layout.validated(ModelConfig(arch="bert", **layout.config_values(hf, _CONFIG)), _CONFIG)
 
 
 def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -80,10 +81,17 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
     )
 
 
-def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_from_hf(
+    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """meshtron full state dict from an HF BertForPreTraining state dict."""
     return layout.state_from_hf(
-        _weights(cfg), hf, "BertForPreTraining", lambda k: k.endswith(_IGNORED_SUFFIXES)
+        cfg,
+        _weights(cfg),
+        hf,
+        "BertForPreTraining",
+        lambda k: k.endswith(_IGNORED_SUFFIXES),
+        tp_group=tp_group,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
@@ -38,9 +39,10 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "lm_head.weight")
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig of a GPT-2 ``config.json``; unsupported variants raise."""
-    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
+    scaled = layout.hf_value(hf, "scale_attn_weights", bool, True)
+    if not scaled or layout.hf_value(hf, "scale_attn_by_inverse_layer_idx", bool, False):
         raise ValueError("only GPT-2 attention scaled by 1/sqrt(head_dim) is supported")
-    return ModelConfig(arch="gpt", **layout.config_values(hf, _CONFIG))
+    return layout.validated(ModelConfig(arch="gpt", **layout.config_values(hf, _CONFIG)), _CONFIG)
 
 
 def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -101,12 +103,19 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
     )
 
 
-def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_from_hf(
+    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """meshtron full state dict from an HF GPT2LMHeadModel (or GPT2Model) state dict."""
     if "wte.weight" in hf:  # saved from GPT2Model: no "transformer." prefix
         hf = {f"transformer.{k}": v for k, v in hf.items()}
     return layout.state_from_hf(
-        _weights(cfg), hf, "GPT2LMHeadModel", lambda k: k.endswith(_IGNORED_SUFFIXES)
+        cfg,
+        _weights(cfg),
+        hf,
+        "GPT2LMHeadModel",
+        lambda k: k.endswith(_IGNORED_SUFFIXES),
+        tp_group=tp_group,
     )
 
 

@@ -10,9 +10,11 @@ Pure relabelling and row permutation, so HF → meshtron → HF is bitwise:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
@@ -45,34 +47,42 @@ _LLAMA3_ROPE = (
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     """rope_theta and scaling from either config spelling (``rope_parameters`` or the older
     ``rope_theta`` + ``rope_scaling``); a one-line error for scaling types not built."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
+    source = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = layout.hf_value(hf, source, (dict, type(None)), None) or {}
+    where = f"{source}."
+    theta = layout.hf_value(hf, "rope_theta", float, 10000.0)
+    theta = layout.hf_value(params, "rope_theta", float, theta, prefix=where)
+    if not 0 < theta < math.inf:  # NaN fails too
+        raise ValueError(f"config.json rope_theta={theta}: expected a positive finite number")
+    kind = layout.hf_value(params, "type", str, "default", prefix=where)
+    kind = layout.hf_value(params, "rope_type", str, kind, prefix=where)
     values: dict[str, Any] = dict(rope_theta=float(theta))
     if kind == "llama3":
-        values.update(rope_scaling="llama3", **layout.config_values(params, _LLAMA3_ROPE))
+        values.update(
+            rope_scaling="llama3", **layout.config_values(params, _LLAMA3_ROPE, prefix=where)
+        )
     elif kind != "default":
         raise ValueError(f"rope scaling {kind!r} is not supported; use default or llama3")
     return values
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """ModelConfig of a Llama, Mistral or Qwen2 ``config.json``; unsupported variants raise."""
+    """ModelConfig of a Llama, Mistral or Qwen2 ``config.json``; unsupported variants raise.
+    Every value read is type-checked and the result validated before it is returned."""
     kind = hf["model_type"]
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; use silu")
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    if hf.get("head_dim") not in (None, hidden // heads):
-        raise ValueError(f"head_dim {hf['head_dim']} != hidden_size/heads; not supported")
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", kind == "mistral") else None
-    if window is not None and window < hf["max_position_embeddings"]:
-        raise ValueError(f"sliding_window {window} is not supported; set it to null")
-    attn_bias, mlp_bias = hf.get("attention_bias", False), hf.get("mlp_bias", False)
+    if (act := layout.hf_value(hf, "hidden_act", str, "silu")) != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported; use silu")
+    attn_bias = layout.hf_value(hf, "attention_bias", bool, False)
+    mlp_bias = layout.hf_value(hf, "mlp_bias", bool, False)
     if kind == "llama" and attn_bias != mlp_bias:
         raise ValueError("attention_bias != mlp_bias is not supported; set both the same")
     values = layout.config_values(hf, _CONFIG)
-    values["num_kv_heads"] = values["num_kv_heads"] or heads
-    return ModelConfig(
+    if values["num_kv_heads"] is None:  # absent or null: one KV head per query head
+        values["num_kv_heads"] = values["num_heads"]
+    elif values["num_kv_heads"] < 1:  # ModelConfig reads 0 as "unset" (one per query head)
+        kv = values["num_kv_heads"]
+        raise ValueError(f"config.json num_key_value_heads={kv}: expected >= 1 (or null)")
+    cfg = ModelConfig(
         arch="llama",
         **values,
         hidden_dropout=0.0,
@@ -83,6 +93,15 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         linear_bias=False if kind == "qwen2" else attn_bias,
         **_rope(hf),
     )
+    cfg = layout.validated(cfg, _CONFIG)
+    head_dim = layout.hf_value(hf, "head_dim", (int, type(None)), None)
+    if head_dim not in (None, cfg.head_dim):
+        raise ValueError(f"head_dim {head_dim} != hidden_size/heads; not supported")
+    if layout.hf_value(hf, "use_sliding_window", bool, kind == "mistral"):
+        window = layout.hf_value(hf, "sliding_window", (int, type(None)), None)
+        if window is not None and window < cfg.max_positions:
+            raise ValueError(f"sliding_window {window} is not supported; set it to null")
+    return cfg
 
 
 def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -150,11 +169,18 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
     )
 
 
-def state_from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_from_hf(
+    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """meshtron full state dict from an HF Llama-family state dict."""
     tied_copy = "lm_head.weight" if cfg.tie_embeddings else None
     return layout.state_from_hf(
-        _weights(cfg), hf, "Llama-family", lambda k: k == tied_copy or "rotary_emb" in k
+        cfg,
+        _weights(cfg),
+        hf,
+        "Llama-family",
+        lambda k: k == tied_copy or "rotary_emb" in k,
+        tp_group=tp_group,
     )
 
 
