@@ -10,23 +10,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from engine.checkpoint import storage
 from engine.checkpoint.format import META_FILE, check_output_dir, write_checkpoint
 from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers, written_layout
 from engine.checkpoint.manager import CheckpointDirLock
 from engine.checkpoint.state import model_name, optim_name, param_of, param_spec
-from engine.checkpoint.storage import (
-    INDEX,
-    LATEST,
-    CheckpointError,
-    ShardReader,
-    commit,
-    read_index,
-    read_latest,
-    step_dir_name,
-    step_dirs,
-    write_index,
-    write_shard,
-)
+from engine.checkpoint.storage import CheckpointError, ShardReader
 from engine.checkpoint.tokenizer import recorded_tokenizer
 from engine.flops import params_count
 from engine.models import ModelConfig, build_model
@@ -38,16 +27,16 @@ MAX_WORLD = 1 << 16  # ranks a conversion plans for, one by one (~1 min at the b
 def resolve(path: str | Path) -> Path:
     """A step directory, given either it or a checkpoint root (then the one ``latest`` names)."""
     path = Path(path)
-    if (path / INDEX).exists():
+    if (path / storage.INDEX).exists():
         return path
-    if (path / LATEST).exists():
-        return path / step_dir_name(read_latest(path))
+    if (path / storage.LATEST).exists():
+        return path / storage.step_dir_name(storage.read_latest(path))
     if (path / META_FILE).exists():
         raise CheckpointError(
             f"{path} is a model-only export (meshtron.json + model.safetensors), not a training "
             "checkpoint: tools/convert_hf.py export --ckpt reads it, any TP size loads it"
         )
-    steps = step_dirs(path)
+    steps = storage.step_dirs(path)
     if steps:  # a root whose latest pointer is missing: name what is there
         newest = steps[max(steps)]
         raise CheckpointError(
@@ -145,7 +134,7 @@ def check_out_root(
     steps = _own_steps(out, entries, source_root, tp_size, dp_size)
     if isinstance(steps, str):
         raise ValueError(f"--out {out_root} {steps}; {OUT_RULE}")
-    newest = max([*steps, read_latest(out) or 0])
+    newest = max([*steps, storage.read_latest(out) or 0])
     if newest >= step:
         raise ValueError(
             f"--out {out_root} already holds step {newest} of this conversion, not older "
@@ -163,16 +152,16 @@ def _own_steps(
 ) -> list[int] | str:
     """The steps of a root that converts of ``source_root`` at (tp_size, dp_size) wrote,
     or why it is not such a root (its first entry that is not)."""
-    steps, committed = [], {path.name: step for step, path in step_dirs(out).items()}
+    steps, committed = [], {path.name: step for step, path in storage.step_dirs(out).items()}
     for entry in sorted(entries):
-        if entry.name == LATEST and entry.is_file():
+        if entry.name == storage.LATEST and entry.is_file():
             continue
         if entry.name == CheckpointDirLock.NAME:
             return f"is locked by a run ({entry} names it, live or dead)"
         if entry.name not in committed:
             return f"is not empty ({entry.name} is there)"
         try:
-            layout = read_index(entry)["layout"]
+            layout = storage.read_index(entry)["layout"]
         except (CheckpointError, KeyError, TypeError):
             layout = None
         ours = isinstance(layout, dict) and layout.get("converted_source") == str(source_root)
@@ -185,7 +174,7 @@ def _own_steps(
 def _write_converted(reader, index, specs, plan, out_root: Path, tp_size: int, dp_size: int):
     """Write the re-cut files and the index into a temp directory of this conversion's
     own, and commit it as a step of ``out_root``."""
-    tmp = out_root / f".tmp-{step_dir_name(index['step'])}-{uuid.uuid4().hex[:12]}"
+    tmp = out_root / f".tmp-{storage.step_dir_name(index['step'])}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
         return _fill_and_commit(tmp, reader, index, specs, plan, out_root, tp_size, dp_size)
@@ -199,7 +188,7 @@ def _fill_and_commit(tmp, reader, index, specs, plan, out_root, tp_size, dp_size
     for rank, mine in plan.items():
         if mine:
             tensors = {name: reader.read(name, box) for name, box in mine.items()}
-            files[f"rank{rank:05d}.safetensors"] = write_shard(
+            files[f"rank{rank:05d}.safetensors"] = storage.write_shard(
                 tmp / f"rank{rank:05d}.safetensors", tensors, mine
             )
     new = copy.deepcopy({k: v for k, v in index.items() if k not in ("files", "index_sha256")})
@@ -216,8 +205,8 @@ def _fill_and_commit(tmp, reader, index, specs, plan, out_root, tp_size, dp_size
     config = new.get("trainer_state", {}).get("config")
     if isinstance(config, dict):  # keep the recorded run config consistent with the layout
         config.update(tp_size=tp_size, dp_size=dp_size)
-    write_index(tmp, new)
-    return commit(tmp, out_root, index["step"], keep=1 << 30)
+    storage.write_index(tmp, new)
+    return storage.commit(tmp, out_root, index["step"], keep=1 << 30)
 
 
 def read_model_state(
@@ -254,7 +243,7 @@ def check_shapes(
     any shape. So every tensor must fit in the bytes its files hold on disk, and the model
     tensors must have the shapes of the model the index's config describes.
     """
-    where = reader.directory / INDEX
+    where = reader.directory / storage.INDEX
     try:
         cfg = ModelConfig.from_dict(reader.index["model_config"])
         cfg.validate(1)
