@@ -87,7 +87,7 @@ COVERED = {
     "python tools/bench_kernels.py --smoke": "tests/test_kernels.py::test_bench_kernels_smoke",
     "python tools/bench_kernels.py --out bench/": "manual: GPU timings; CPU path in test_bench_kernels_smoke",
     "python tools/bench_train.py --preset gpt_tiny --hidden 256 --layers 4 --seq 128 "
-    "--micro-batch 8 --vocab 8192 --threads 1 --references eager,compile,mcore": "tests/test_bench_cli.py::test_bench_train_bad_flags",
+    "--micro-batch 8 --vocab 8192 --threads 1 --references eager,compile,mcore": "tests/test_bench_cli.py::test_bench_bad_flags",
     "python tools/count_host_syncs.py": "tests/test_optim.py::test_norm_and_clipping_are_exact_and_never_sync",
     "python tools/count_graph_breaks.py --recompute full": "tests/test_compile.py::test_graph_break_tool_counts_what_dynamo_reports",
     "python tools/bench_checkpoint.py --preset gpt_tiny --rounds 1": "tests/test_tensorfile.py::test_checkpoint_benchmark_runs_every_side",

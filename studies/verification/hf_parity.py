@@ -22,6 +22,7 @@ from engine.hf_interop import (
     read_hf_dir,
 )
 from engine.models import build_model
+from engine.models.families import FAMILIES
 from layers.mappings import gather_along
 from studies.verification.layouts import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 
@@ -39,7 +40,11 @@ HF_TOLERANCES = {"float64": 1e-8, "float32": 1e-4, "bfloat16": 3e-2}
 # and only those, get a forward that computes the same formula at the input precision (a
 # per-instance patch of the loaded model; the class stays as it was), so that float64
 # proves the conversion. The verifier says so in its output (hf_reference_note).
-_RMSNORMS = {name.removesuffix("ForCausalLM") + "RMSNorm" for name in hf_architectures("llama")}
+_RMSNORMS = {
+    name.removesuffix("ForCausalLM") + "RMSNorm"
+    for arch in FAMILIES
+    for name in hf_architectures(arch)
+}
 
 
 def _rmsnorm_at_input_precision(self, hidden_states: torch.Tensor) -> torch.Tensor:
