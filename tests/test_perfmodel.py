@@ -936,3 +936,18 @@ def test_plan_bad_flags_are_one_line():
         out = _plan(*args, *common)
         assert out.returncode == 2 and out.stderr.count("\n") == 1, (args, out.stderr)
         assert words in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+
+
+def test_a_calibrated_thread_efficiency_of_zero_loads():
+    """tools/calibrate.py writes 0 when a second thread adds nothing (one core, or a busy
+    machine: it measured 0.0 under load and the cluster check refused its own file)."""
+    import yaml
+
+    from studies.perfmodel.cluster_spec import CLUSTER_DIR, cluster_from_dict
+
+    raw = yaml.safe_load((CLUSTER_DIR / "cpu_2core.yaml").read_text())
+    raw["device"]["thread_efficiency"] = 0.0
+    assert cluster_from_dict(raw).thread_efficiency == 0.0
+    raw["device"]["thread_efficiency"] = 1.5
+    with pytest.raises(ValueError, match=r"thread_efficiency=1.5 must be a number in \[0, 1\]"):
+        cluster_from_dict(raw)

@@ -192,7 +192,7 @@ def _device_fields(dev: dict, where: str) -> dict[str, Any]:
         "gemm_table": _gemm_table(dev.get("gemm_table"), where),
         "op_overhead_s": _number(dev, "op_overhead_us", where, NON_NEGATIVE, 0.0) * 1e-6,
         "cores": _count(dev, "cores", where, required=False),
-        "thread_efficiency": _number(dev, "thread_efficiency", where, FRACTION, 1.0),
+        "thread_efficiency": _number(dev, "thread_efficiency", where, SHARE, 1.0),  # 0: no gain
         "rank_speed": {
             p: float(v)
             for p, v in _by_count(dev.get("rank_speed") or {}, f"{where}.rank_speed").items()
