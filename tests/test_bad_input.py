@@ -553,6 +553,13 @@ TOOLS = [
         2,
         "x.safetensors': only a .safetensors file name inside that directory",
     ),
+    (  # issue 39: 0 was read as the default (pp × virtual) without a word
+        "verify_microbatches_0",
+        "verify_equivalence",
+        ["--pp-size", "2", "--microbatches", "0"],
+        2,
+        "argument --microbatches: 0 must be >= 1",
+    ),
     (
         "verify_hf_no_weights",
         "verify_equivalence",

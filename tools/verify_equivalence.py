@@ -31,6 +31,7 @@ from rich.table import Table
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.models import FAMILIES  # noqa: E402
+from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
 from parallel_state.dims import DP_SHARD_MODES  # noqa: E402
 from studies.verification.hf_parity import (  # noqa: E402
     HF_TOLERANCES,
@@ -52,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     tols = ", ".join(f"{k} {v:g}" for k, v in TOLERANCES.items())
     hf_tols = ", ".join(f"{k} {v:g}" for k, v in HF_TOLERANCES.items())
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
+        prog="verify_equivalence.py",
         description=__doc__.split("\n\n")[0],
         epilog=f"Tolerances: max|Δ| / max|reference| per tensor: {tols}. "
         f"With --hf-dir, on logits: {hf_tols} (absolute; bfloat16 relative); at float64 "
@@ -67,7 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default="1f1b")
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank")
     p.add_argument(
-        "--microbatches", type=int, default=None, help="per DP rank (default: pp × virtual)"
+        "--microbatches",
+        type=positive_int,
+        default=None,
+        help="per DP rank, >= 1 (default: pp × virtual)",
     )
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument(
@@ -151,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         pp_size=args.pp_size,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
-        microbatches=args.microbatches or args.pp_size * args.virtual_stages,
+        microbatches=(
+            args.pp_size * args.virtual_stages if args.microbatches is None else args.microbatches
+        ),
     )
     try:
         if args.hf_dir:
