@@ -274,7 +274,7 @@ def test_hf_parity_at_float64_passes_on_llama_and_qwen2(hf_dirs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama"])  # Qwen2's norm: the in-process float64 test above
 def test_documented_verifier_command_passes_at_its_default_dtype(name, hf_dirs):
     """``python tools/verify_equivalence.py --hf-dir DIR`` (TP 2, float64) exits 0 and says
     what the reference computes in."""
