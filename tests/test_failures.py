@@ -513,6 +513,7 @@ def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, 
             f.close()
 
 
+@pytest.mark.slow  # subprocess trainers, 17 s on 2 idle cores
 def test_every_rank_ends_when_the_rendezvous_cannot_happen(corpus, tmp_path):
     """Ranks started by the environment, as srun and mpirun start them, with
     trainer.rendezvous_timeout_s=10: (a) MASTER_PORT held by another program (rank 1 used
