@@ -24,6 +24,7 @@ are printed.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -47,7 +48,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", default="gpt_125m", choices=preset_names(), help="model size")
     p.add_argument("--rounds", type=positive_int, default=3, help="timed save+load rounds")
     p.add_argument("--dir", default=None, help="scratch directory (default: a new temp dir)")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the model and optimizer state live (cuda: saves copy from the GPU)",
+    )
+    p.add_argument("--out", default=None, help="also write the medians and ratios as JSON")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible; use --device cpu")
+    return args
 
 
 def _fsync(path: Path) -> None:
@@ -124,8 +135,8 @@ def _clear(path: Path) -> None:
     os.sync()
 
 
-def _model_and_optimizer(name: str):
-    model = build_model(preset(name, hidden_dropout=0.0, attention_dropout=0.0))
+def _model_and_optimizer(name: str, device: str = "cpu"):
+    model = build_model(preset(name, hidden_dropout=0.0, attention_dropout=0.0), device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
@@ -136,7 +147,7 @@ def _model_and_optimizer(name: str):
 
 def measure(args: argparse.Namespace, scratch: Path) -> dict[str, dict[str, list[float]]]:
     """{side: {"save": [s...], "load": [s...]}} over ``args.rounds`` rounds (plus a warmup)."""
-    model, optimizer = _model_and_optimizer(args.preset)
+    model, optimizer = _model_and_optimizer(args.preset, args.device)
     sides = _sides(model, optimizer, scratch)
     # DCP warns that it runs without a process group and overwrites its last save: both meant.
     warnings.filterwarnings("ignore", module="torch.distributed.checkpoint")
@@ -182,4 +193,29 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     load = "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(report(times, model_bytes / 1e9, load))
+    if args.out:
+        write_json(args.out, times, model_bytes / 1e9, args)
     return 0
+
+
+def write_json(path: str, times: dict, gigabytes: float, args: argparse.Namespace) -> None:
+    """Each side's median save and load seconds, and meshtron's time over each side's."""
+    medians = {
+        side: {op: statistics.median(times[side][op]) for op in ("save", "load")} for side in SIDES
+    }
+    mesh = medians["meshtron"]
+    ratios = {
+        side: {op: mesh[op] / medians[side][op] for op in ("save", "load")}
+        for side in SIDES
+        if side != "meshtron"
+    }
+    doc = {
+        "preset": args.preset,
+        "device": args.device,
+        "gigabytes": gigabytes,
+        "rounds": args.rounds,
+        "median_s": medians,
+        "meshtron_over": ratios,
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)

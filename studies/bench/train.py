@@ -95,6 +95,18 @@ def _add_model_args(p: ArgumentParser) -> None:
         action="store_true",
         help="with --compile, also time meshtron eager (same model and layout) in the rotation",
     )
+    p.add_argument(
+        "--also-cuda-graphs",
+        action="store_true",
+        help="with --compile on CUDA and --dropout 0, also time the compiled step replayed as "
+        "CUDA graphs (model.cuda_graphs=true) in the rotation",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend for --compile and the compile reference (aot_eager: "
+        "the same graphs without code generation, for CPU rehearsals)",
+    )
 
 
 def _add_layout_args(p: ArgumentParser) -> None:
@@ -201,6 +213,12 @@ def _check_args(args: argparse.Namespace) -> None:
     args.dp_shard = list(dict.fromkeys(modes))
     if args.also_eager and (not args.compile or args.dp_shard):
         raise UsageError("--also-eager compares against --compile: give it, without --dp-shard")
+    if args.also_cuda_graphs and (not args.compile or args.dp_shard):
+        raise UsageError(
+            "--also-cuda-graphs compares against --compile: give it, without --dp-shard"
+        )
+    if args.also_cuda_graphs and not torch.cuda.is_available():
+        raise UsageError("--also-cuda-graphs replays CUDA graphs, but no CUDA device is visible")
     if not args.bucket_mb > 0:
         raise UsageError(f"--bucket-mb must be > 0, got {args.bucket_mb}")
 
@@ -217,12 +235,15 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         "attention_dropout": args.dropout,
         "kernels": args.kernels,
         "compile": args.compile or None,
+        "compile_backend": args.compile_backend if args.compile else None,
     }
     try:
         cfg = preset(args.preset, **{k: v for k, v in overrides.items() if v is not None})
         if args.seq > cfg.max_positions:
             raise UsageError(f"--seq {args.seq} exceeds max_positions {cfg.max_positions}")
         cfg.validate(args.tp)
+        if args.also_cuda_graphs:
+            dataclasses.replace(cfg, cuda_graphs=True).validate(args.tp)
     except (KeyError, ValueError) as err:
         raise UsageError(str(err).strip("'\"")) from None
     return cfg
@@ -334,6 +355,8 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
     model = None
     loops = []
     variants = [("none", cfg)] + [(mode, cfg) for mode in args.dp_shard]
+    if args.also_cuda_graphs:
+        variants.append(("none", dataclasses.replace(cfg, cuda_graphs=True)))
     if args.also_eager:
         variants.append(("none", dataclasses.replace(cfg, compile=False)))
     info: dict = {"vocab": {}, "loss_rel_gap": {}}
@@ -351,9 +374,10 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
             dp_shard=mode,
             compile_backend=mcfg.compile_backend if mcfg.compile else None,
         )
+        compiled = " compiled" if mcfg.compile else ""
+        graphs = " cuda-graphs" if mcfg.cuda_graphs else ""
         name = (
-            f"meshtron{MODE_NAMES.get(mode, '')}{' compiled' if mcfg.compile else ''} "
-            f"tp={ps.tp_size} dp={ps.dp_size}"
+            f"meshtron{MODE_NAMES.get(mode, '')}{compiled}{graphs} tp={ps.tp_size} dp={ps.dp_size}"
         )
         loops.append(
             Loop(name, meshtron_step(m, dp, batch, ocfg, ps.device, dtype), settle=dp.wait_params)
@@ -377,7 +401,7 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
             continue
         ref = RefGPT(cfg).to(ps.device)
         load_reference(ref, model)
-        forward = torch.compile(ref) if kind == "compile" else ref
+        forward = torch.compile(ref, backend=args.compile_backend) if kind == "compile" else ref
         name = f"pytorch {kind}"
         info["loss_rel_gap"][name] = check_same_function(model, forward, batch)
         ref_opt = reference_optimizer(ref, ocfg, ps.device)

@@ -1,0 +1,119 @@
+"""tools/gpu_check.py: its CPU rehearsal runs every item's code path, its budget and
+time limits hold, and its results are written whatever stops it."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from studies.bench import gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNEL_OPS = {"layer_norm", "bias_gelu", "bias_dropout_add", "rms_norm", "swiglu", "cross_entropy"}
+# fp32 losses of meshtron and the plain PyTorch GPT agree to summation order (~1e-7 per op);
+# the benchmark itself refuses to time them past 1e-4, so a gap above that is a wrong model.
+LOSS_GAP = 1e-4
+
+
+def _run(*args: str, tmp: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(tmp / "unused")}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gpu_check.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        env=env,
+        timeout=900,
+    )
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    done = _run("--rehearse", "--out", str(out), "--commit", "abc1234", tmp=out)
+    return done, out
+
+
+def test_rehearsal_runs_every_item_and_writes_the_table(rehearsal):
+    done, out = rehearsal
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    doc = json.loads((out / "gpu_check.json").read_text())
+    env = doc["environment"]
+    assert env["torch"] == torch.__version__ and env["commit"] == "abc1234"
+    items = {item["name"]: item for item in doc["items"]}
+    assert list(items) == [item.name for item in gpu_check.ITEMS]  # the priority order
+    skipped = {"two_gpus", "train_gpt_350m"}  # one GPU at most here; a repeated path
+    for name, item in items.items():
+        expected = "not run here" if name in skipped else "ok"
+        assert item["status"] == expected, (name, item["note"])
+        assert name in skipped or item["rows"], name
+    assert "needs 2 GPUs" in items["two_gpus"]["note"]
+
+    kernels = items["kernels"]["rows"]
+    assert {row["case"].split()[0] for row in kernels} == KERNEL_OPS
+    for row in kernels:  # the benchmark checks each kernel against torch in fp32
+        err = float(row["note"].split("max err vs torch ")[1].split(";")[0])
+        assert err < 1e-4, row
+
+    gpt = {row["case"]: row for row in items["train_gpt_1.3b"]["rows"]}
+    assert set(gpt) == {"meshtron compiled", "meshtron", "pytorch compile"}
+    for case in ("meshtron", "pytorch compile"):
+        gap = float(gpt[case]["note"].split("loss gap to the first loop ")[1])
+        assert gap <= LOSS_GAP, gpt[case]
+    assert "pytorch compile's tokens/s" in gpt["meshtron"]["ratio"]
+    llama = {row["case"] for row in items["train_llama_1b"]["rows"]}
+    assert llama == {"meshtron compiled", "meshtron"}  # the plain GPT is not Llama
+    assert {row["case"] for row in items["fsdp_full"]["rows"]} == {"meshtron", "meshtron ZeRO-3"}
+    sides = {row["case"].split(" (")[0] for row in items["checkpoint"]["rows"]}
+    assert sides == {f"meshtron against {s}" for s in ("dcp", "torch.save", "safetensors")}
+
+    table = (out / "gpu_check.md").read_text()
+    assert "| item | case | value | ratio | note |" in table
+    assert f"torch {torch.__version__}" in table and "commit abc1234" in table
+    log = (out / "gpu_check.log").read_text()
+    assert all(f"===== {name} " in log for name in items if name not in skipped)
+    assert not (out / "unused").exists()  # --out wins over $OUT
+
+
+def test_a_spent_budget_skips_every_item_and_still_writes(tmp_path):
+    done = _run("--rehearse", "--budget", "1", "--out", str(tmp_path), tmp=tmp_path)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [item["status"] for item in doc["items"]] == ["skipped"] * len(gpu_check.ITEMS)
+    assert all("budget spent (1 s)" in item["note"] for item in doc["items"])
+
+
+def test_an_item_past_its_limit_is_killed_with_its_children(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(600)\n"
+    )
+    with open(tmp_path / "log", "w") as log:
+        code, _ = gpu_check._run_subprocess([sys.executable, "-c", script], 3, log)
+    assert code is None  # killed, not finished
+    grandchild = int(pid_file.read_text())
+    for _ in range(100):  # the kill is sent; wait (bounded) until the kernel has done it
+        state = Path(f"/proc/{grandchild}/status")
+        if not state.exists() or "State:\tZ" in state.read_text():
+            break
+        time.sleep(0.05)
+    assert not state.exists() or "State:\tZ" in state.read_text()
+
+
+def test_bad_arguments_are_one_line(tmp_path, monkeypatch, capsys):
+    done = _run("--rehearse", "--items", "kernels,nonsense", tmp=tmp_path)
+    assert done.returncode == 2
+    assert "--items: unknown 'nonsense'; choose from kernels," in done.stderr
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert "no CUDA device is visible: run it on the GPU machine, or --rehearse" in (
+        capsys.readouterr().err
+    )
