@@ -59,6 +59,8 @@ class Context:
     scratch: Path
     gpus: int
     gpu_gib: float
+    no_cuda_graphs: bool = False
+    cap_s: int | None = None  # overrides every item's own cap
 
     @property
     def cuda(self) -> bool:
@@ -182,7 +184,7 @@ def _train_rows(item: str, path: Path) -> list[dict]:
     result = []
     for r in rows:
         mfu = "" if r.get("mfu_pct") is None else f", MFU {r['mfu_pct']:.1f} %"
-        note = f"step {r['step_ms_median']:.1f} ms"
+        note = f"step {r['step_ms_median']:.1f} ms; warm-up {r.get('warmup_s', 0):.0f} s"
         gap = comparisons.get(r["loop"], {}).get("loss_rel_gap")
         note += "" if gap is None else f"; loss gap to the first loop {gap:.1e}"
         speed = r["tokens_per_s"] / anchor["tokens_per_s"]
@@ -220,7 +222,7 @@ def train_plan(preset: str) -> Callable[[Context], Plan]:
         seq, micro = TRAIN_SIZES[preset]
         argv += ["--preset", preset, "--seq", str(seq), "--micro-batch", str(micro)]
         argv += ["--warmup", "2", "--blocks", "2", "--steps-per-block", "3"]
-        argv += ["--precision", "bf16", "--also-cuda-graphs"]
+        argv += ["--precision", "bf16"] + ([] if ctx.no_cuda_graphs else ["--also-cuda-graphs"])
         if ctx.gpu_gib < LARGE_GPU_GIB and preset != "gpt_350m":
             # Four 1B-class loops (weights, gradients and Adam: 16 bytes a parameter) and
             # their activations do not fit 80 GB: leave the eager loop out there.
@@ -393,7 +395,7 @@ def run_item(item: Item, ctx: Context, left: float, log_path: Path) -> Result:
     plan = item.plan(ctx)
     if plan.reason:
         return Result(item.name, item.what, "not run here", note=plan.reason)
-    limit = left if ctx.rehearse else min(item.cap_s, left)
+    limit = left if ctx.rehearse else min(ctx.cap_s or item.cap_s, left)
     item_log = ctx.scratch / f"{item.name}.log"
     with open(item_log, "w") as log:
         code, seconds = _run_subprocess(plan.argv, limit, log)
@@ -486,6 +488,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "interpreter): the check that the script still runs",
     )
     p.add_argument(
+        "--cap",
+        type=positive_int,
+        default=None,
+        help="seconds any one item may run (default: each item's own cap, listed below)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="leave the CUDA-graph loops out of the training items (each is one more "
+        "whole-model compilation: for a short window)",
+    )
+    p.add_argument(
         "--commit", default=None, help="the commit measured (default: git, else $MESHTRON_COMMIT)"
     )
     args = p.parse_args(argv)
@@ -524,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     scratch = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     gpus = 0 if args.rehearse else env["gpus"]
-    ctx = Context(args.rehearse, scratch, gpus, env["gpu_gib"])
+    ctx = Context(args.rehearse, scratch, gpus, env["gpu_gib"], args.no_cuda_graphs, args.cap)
     results: list[Result] = []
     try:
         for item in args.items:

@@ -289,8 +289,12 @@ def run_interleaved(loops: list[Loop], args, device: torch.device) -> None:
     """Warm up every loop, then rotate timed blocks (forward, then reversed order), recording
     step times."""
     for loop in loops:
+        start = _now(device)
         for _ in range(args.warmup):
             loop.step()
+        loop.warmup_s = _now(device) - start
+        if getattr(args, "show_progress", True):
+            print(f"  warm-up of {loop.name}: {loop.warmup_s:.1f} s", flush=True)
     for block in range(args.blocks):
         order = loops if block % 2 == 0 else loops[::-1]
         for loop in order:
@@ -433,7 +437,11 @@ def main(argv: list[str] | None = None) -> int:
         if precision == "auto":
             precision = "bf16" if ps.device.type == "cuda" else "fp32"
         dtype = PRECISIONS[precision]
+        built = time.perf_counter()
         loops, info = build_loops(cfg, args, ps, dtype)
+        args.show_progress = ps.rank == 0
+        if ps.rank == 0:
+            print(f"built {len(loops)} loops in {time.perf_counter() - built:.1f} s", flush=True)
         if ps.rank == 0:
             console.print(f"timing {', '.join(loop.name for loop in loops)} on {ps.device} ...")
         run_interleaved(loops, args, ps.device)

@@ -33,6 +33,7 @@ class Loop:
     settle: Callable[[], None] = lambda: None
     times: list[float] = field(default_factory=list)
     cpu_times: list[float] = field(default_factory=list)
+    warmup_s: float = 0.0  # the untimed first steps: compilation and CUDA-graph capture
 
 
 CEILING_REPS = 10  # matmuls timed for the ceiling; the fastest counts
@@ -64,6 +65,7 @@ def summarize(loop: Loop, vocab: int, cfg: ModelConfig, args, ps, peak, ceiling)
         "model_tflops_per_s": flops_per_s / 1e12,
         "pct_of_matmul_ceiling": 100 * flops_per_s / (ceiling * ps.world_size),
         "mfu_pct": None if utilization is None else 100 * utilization,
+        "warmup_s": loop.warmup_s,
     }
 
 
