@@ -1030,3 +1030,27 @@ def test_convert_refuses_a_root_a_run_holds_or_left_files_in(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"--out {root} is " in err, (name, err)
         assert _tree_hashes(root) == before, name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_model_and_optimizer_on_a_gpu_save_and_load_exactly(tmp_path):
+    """A checkpoint of GPU tensors loads back into GPU tensors, every value exact (the
+    reads go through host memory; found by tools/gpu_check.py on an H200, 2026-11-26)."""
+    torch.manual_seed(0)
+    model = build_model(preset("gpt_tiny", hidden_dropout=0.0), device="cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {n: optimizer.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, ps=None, state={})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+            optimizer.state[p]["exp_avg"].zero_()
+    load_checkpoint(tmp_path, model=model, optimizer=optimizer, ps=None, log=lambda m: None)
+    for n, p in model.named_parameters():
+        assert p.device.type == "cuda" and torch.equal(p, saved[n]), n
+        assert torch.equal(optimizer.state[p]["exp_avg"], moments[n]), n

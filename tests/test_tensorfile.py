@@ -145,3 +145,16 @@ def test_checkpoint_benchmark_runs_every_side(tmp_path, capsys):
         line = next(row for row in out.splitlines() if row.startswith(side))
         assert line.count("x") == 2, line
     assert list(tmp_path.iterdir()) == []  # the scratch directory is removed
+
+
+def test_a_destination_outside_host_memory_gets_a_host_tensor(tmp_path):
+    """A file reads into host memory only: a destination elsewhere (``meta`` here stands for
+    a GPU, whose memory no file read can reach) is left alone and a host tensor returned,
+    for the caller to copy over (before the fix: a TypeError from ``.numpy()``, which the
+    checkpoint manager reported as a malformed index on every GPU resume)."""
+    t = torch.randn(4, 5)
+    path = tmp_path / "d.safetensors"
+    write_tensors(path, {"t": t}, metadata={})
+    elsewhere = torch.empty(4, 5, device="meta")
+    read, _ = read_tensors(path, "blake3", into={"t": elsewhere})
+    assert read["t"].device.type == "cpu" and torch.equal(read["t"], t)

@@ -148,7 +148,11 @@ class ShardReader:
 
     def read_into(self, name: str, box: Box, destination: torch.Tensor) -> None:
         """Have the stored slice of ``name`` whose box is ``box`` read straight into
-        ``destination`` (its shape), when its file is read (before that file is opened)."""
+        ``destination`` (its shape), when its file is read (before that file is opened).
+        Only host memory can be read into; a destination elsewhere (a GPU) gets the slice
+        read into a new host tensor, which the caller copies over."""
+        if destination.device.type != "cpu":
+            return
         for fname, piece in self._pieces.get(name, []):
             if piece == [tuple(pair) for pair in box]:
                 self._into.setdefault(fname, {})[name] = destination

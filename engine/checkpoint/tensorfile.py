@@ -187,7 +187,7 @@ def read_tensors(
 ) -> tuple[dict[str, torch.Tensor], str]:
     """({name: tensor}, hex digest): each stored tensor read straight into its destination,
     the file hashed with ``hash_name`` while it is read. The destination is ``into[name]``
-    where that is a contiguous tensor of the stored dtype and shape, else a new tensor. The
+    where that is a contiguous host tensor of the stored dtype and shape, else a new one. The
     caller compares the digest before trusting any tensor. TensorFileError when the file is
     not safetensors."""
     hasher, tensors, into = _Hasher(hash_name), {}, into or {}
@@ -205,6 +205,7 @@ def read_tensors(
             for name, dtype, shape in _parse_header(bytes(text), size - 8 - length):
                 tensor = into.get(name)
                 fits = tensor is not None and tensor.is_contiguous() and tensor.dtype == dtype
+                fits = fits and tensor.device.type == "cpu"  # a file reads into host memory
                 if not (fits and list(tensor.shape) == shape):
                     tensor = torch.empty(shape, dtype=dtype)
                 for chunk in _chunks(_bytes_of(tensor)):
