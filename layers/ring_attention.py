@@ -17,7 +17,14 @@ each visiting chunk travel with it and then one hop further, home.
 **Blocks.** Which (query half, key half) pairs a step computes is ``ring_blocks``: a block
 entirely in the future is skipped, one entirely in the past computed unmasked, and only
 the two diagonal blocks of a rank's own chunks carry the causal triangle. Each rank
-computes ``2·(2·cp−1)`` unmasked chunk-by-chunk blocks and 2 diagonal ones.
+computes ``2·cp−1`` unmasked chunk-by-chunk blocks and 2 diagonal ones: ``4·cp`` half
+blocks, the same on every rank.
+
+**Documents.** With ``document_ids`` (packed rows), a token sees only its own document's
+tokens: the blocks are cut chunk by chunk, a block with no same-document pair in the batch
+is skipped, a block within one document is unmasked, and the rest carry the mask. The skip
+reads the ids on the host (a sync per block on a GPU, where the boundaries would rather
+come from the data loader, and the kernel be a varlen one with ``cu_seqlens``).
 
 **The per-block kernel** is explicit math (``_block_forward`` / ``_block_backward``), in
 the accumulation dtype, returning the log-sum-exp: correctness first. On a GPU it is
@@ -121,13 +128,16 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _scores(q, k, scale, causal):
-    """``[b, kv_heads, group, m, n]`` scores, −inf above a diagonal block's triangle."""
+def _scores(q, k, scale, causal, same_doc):
+    """``[b, kv_heads, group, m, n]`` scores, −inf above a diagonal block's triangle and,
+    when ``same_doc`` ``[b, m, n]`` is given, where it is False."""
     s = torch.einsum("bhgmd,bhnd->bhgmn", q, k) * scale
     if causal:
         m, n = s.shape[-2:]
         future = torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(future, float("-inf"))
+    if same_doc is not None:
+        s = s.masked_fill(~same_doc[:, None, None], float("-inf"))
     return s
 
 
@@ -136,18 +146,18 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def _block_forward(q, k, v, scale: float, causal: bool):
+def _block_forward(q, k, v, scale: float, causal: bool, same_doc):
     """Attention of q ``[b, kv_heads, group, m, d]`` over k, v ``[b, kv_heads, n, d]``:
     (output ``[b, kv_heads, group, m, d]``, log-sum-exp ``[b, kv_heads, group, m]``)."""
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, same_doc)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
     return torch.einsum("bhgmn,bhnd->bhgmd", p, v), lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool):
+def _block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool, same_doc):
     """(dq, dk, dv) of one block, from the final log-sum-exp and delta = rowsum(dO·O)."""
-    p = torch.exp(_scores(q, k, scale, causal) - _finite(lse)[..., None])
+    p = torch.exp(_scores(q, k, scale, causal, same_doc) - _finite(lse)[..., None])
     dv = torch.einsum("bhgmn,bhgmd->bhnd", p, dout)
     dp = torch.einsum("bhgmd,bhnd->bhgmn", dout, v)
     ds = p * (dp - delta[..., None])
@@ -196,46 +206,90 @@ def _grouped(x: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor
     return x.unflatten(1, (kv_heads, -1)).to(dtype)
 
 
-def _ring_forward(q, k, v, group, causal: bool, scale: float):
-    size, rank = group_size(group), group_rank(group)
+@dataclass(frozen=True)
+class _Ring:
+    """What one ring attention call is: its group, mask and scale."""
+
+    group: dist.ProcessGroup | None
+    causal: bool
+    scale: float
+    documents: torch.Tensor | None  # [b, s] document ids of the full sequence
+
+    def steps(self, local_len: int):
+        """Per ring step, the blocks against rank ``rank − step``'s chunks, each as
+        (block, same-document mask ``[b, m, n]`` or None)."""
+        size, rank = group_size(self.group), group_rank(self.group)
+        for step in range(size):
+            yield self._blocks(rank, (rank - step) % size, size, local_len)
+
+    def _blocks(self, rank: int, source: int, size: int, local_len: int):
+        blocks = ring_blocks(rank, source, size, local_len, causal=self.causal)
+        if self.documents is None:
+            return [(blk, None) for blk in blocks]
+        doc_q, doc_k = (shard_for_cp(self.documents, size, r, dim=1) for r in (rank, source))
+        kept = []
+        for blk in _by_chunk(blocks, local_len, size):
+            same = doc_q[:, blk.q, None] == doc_k[:, None, blk.k]  # [b, m, n]
+            # A block between two documents is skipped, not masked (one host sync each).
+            if blk.causal or same.any():
+                kept.append((blk, None if same.all() else same))
+        return kept
+
+
+def _by_chunk(blocks, local_len: int, size: int) -> list[Block]:
+    """``blocks`` cut into chunk-by-chunk blocks, so that each can be skipped alone."""
+    if size == 1:
+        return list(blocks)
+    half = local_len // 2
+    chunks = (slice(0, half), slice(half, local_len))
+
+    def parts(rows: slice):
+        return [c for c in chunks if rows.start <= c.start and c.stop <= rows.stop]
+
+    return [Block(q, k, b.causal) for b in blocks for q in parts(b.q) for k in parts(b.k)]
+
+
+def _ring_forward(q, k, v, ring: _Ring):
     acc = _accumulation_dtype(q.dtype)
     qg = _grouped(q, k.shape[1], acc)
     out = torch.zeros_like(qg)
     lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     kv = torch.stack((k, v))  # one message per step: [2, b, kv_heads, s/cp, d]
-    for step in range(size):
-        shift = _RingShift(kv, group, _KV_TAG) if step < size - 1 else None
-        for blk in ring_blocks(rank, (rank - step) % size, size, q.shape[2], causal=causal):
+    size = group_size(ring.group)
+    for step, blocks in enumerate(ring.steps(q.shape[2])):
+        shift = _RingShift(kv, ring.group, _KV_TAG) if step < size - 1 else None
+        for blk, same in blocks:
             k_blk, v_blk = kv[:, :, :, blk.k].to(acc)
-            o, m = _block_forward(qg[..., blk.q, :], k_blk, v_blk, scale, blk.causal)
+            q_blk = qg[..., blk.q, :]
+            o, m = _block_forward(q_blk, k_blk, v_blk, ring.scale, blk.causal, same)
             _merge_(out[..., blk.q, :], lse[..., blk.q], o, m)
         if shift is not None:
             kv = shift.wait()
     return out.flatten(1, 2).to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, causal: bool, scale: float):
-    size, rank = group_size(group), group_rank(group)
+def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
     acc = _accumulation_dtype(q.dtype)
     kv_heads = k.shape[1]
     qg, dog = _grouped(q, kv_heads, acc), _grouped(dout, kv_heads, acc)
     delta = (dog * _grouped(out, kv_heads, acc)).sum(-1)
     dq = torch.zeros_like(qg)
     kv, dkv_shift = torch.stack((k, v)), None
-    for step in range(size):
-        kv_shift = _RingShift(kv, group, _KV_TAG) if step < size - 1 else None
+    size = group_size(ring.group)
+    for step, blocks in enumerate(ring.steps(q.shape[2])):
+        kv_shift = _RingShift(kv, ring.group, _KV_TAG) if step < size - 1 else None
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # for the visiting chunks
-        for blk in ring_blocks(rank, (rank - step) % size, size, q.shape[2], causal=causal):
+        for blk, same in blocks:
             k_blk, v_blk = kv[:, :, :, blk.k].to(acc)
             rows = (qg[..., blk.q, :], k_blk, v_blk, dog[..., blk.q, :], lse[..., blk.q])
-            dq_b, dk_b, dv_b = _block_backward(*rows, delta[..., blk.q], scale, blk.causal)
-            dq[..., blk.q, :] += dq_b
-            dkv[0, :, :, blk.k] += dk_b
-            dkv[1, :, :, blk.k] += dv_b
+            grads = _block_backward(*rows, delta[..., blk.q], ring.scale, blk.causal, same)
+            dq[..., blk.q, :] += grads[0]
+            dkv[0, :, :, blk.k] += grads[1]
+            dkv[1, :, :, blk.k] += grads[2]
         if dkv_shift is not None:  # what the earlier ranks added for these chunks
             dkv += dkv_shift.wait()
         if size > 1:  # onward with the chunks; after the last step that hop is home
-            dkv_shift = _RingShift(dkv, group, _DKV_TAG)
+            dkv_shift = _RingShift(dkv, ring.group, _DKV_TAG)
         if kv_shift is not None:
             kv = kv_shift.wait()
     if dkv_shift is not None:
@@ -248,17 +302,15 @@ class _RingAttention(torch.autograd.Function):
     per-block recomputation, dK/dV travelling with them and then home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
-        out, lse = _ring_forward(q, k, v, group, causal, scale)
+    def forward(ctx, q, k, v, ring):
+        out, lse = _ring_forward(q, k, v, ring)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.ring = ring
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        grads = _ring_backward(dout, q, k, v, out, lse, ctx.group, ctx.causal, ctx.scale)
-        return (*grads, None, None, None)
+        return (*_ring_backward(dout, *ctx.saved_tensors, ctx.ring), None)
 
 
 def ring_attention(
@@ -269,6 +321,7 @@ def ring_attention(
     cp_group: dist.ProcessGroup | None,
     causal: bool,
     scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(QKᵀ·scale)·V of this rank's queries over the whole sequence's keys.
 
@@ -276,12 +329,20 @@ def ring_attention(
     ``kv_heads``), each rank's part in the load-balanced layout of ``shard_for_cp``; returns
     ``[b, heads, s/cp, d]`` in q's dtype. ``scale`` defaults to 1/√d. ``cp_group`` None is a
     single rank (no communication).
+
+    ``document_ids`` ``[b, s]`` (the full sequence's, the same on every cp rank: b·s
+    integers are cheaper to hold than to pass around) restricts attention to tokens of the
+    same document: block-diagonal causal, or block-diagonal when not ``causal``.
     """
+    cp, local = group_size(cp_group), q.shape[2]
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"heads ({q.shape[1]}) is not a multiple of kv heads ({k.shape[1]})")
-    if causal and group_size(cp_group) > 1 and q.shape[2] % 2:
+    if (causal or document_ids is not None) and cp > 1 and local % 2:
+        raise ValueError(f"ring attention needs an even local length (two chunks), got {local}")
+    if document_ids is not None and tuple(document_ids.shape) != (q.shape[0], cp * local):
         raise ValueError(
-            f"causal ring attention needs an even local length (two chunks), got {q.shape[2]}"
+            f"document_ids {tuple(document_ids.shape)} must be [batch, full sequence] = "
+            f"[{q.shape[0]}, {cp * local}]"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, cp_group, causal, scale)
+    return _RingAttention.apply(q, k, v, _Ring(cp_group, causal, scale, document_ids))
