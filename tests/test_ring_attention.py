@@ -162,13 +162,13 @@ def _counted_on_ranks():
     calls = {"forward": [], "backward": []}
     forward, backward = ring._block_forward, ring._block_backward
 
-    def count_forward(q, k, v, scale, causal):
-        calls["forward"].append((q.shape[-2], k.shape[-2], causal))
-        return forward(q, k, v, scale, causal)
+    def count_forward(q, k, v, *rest):
+        calls["forward"].append((q.shape[-2], k.shape[-2], rest[-2]))  # rest: scale, causal, same
+        return forward(q, k, v, *rest)
 
-    def count_backward(q, k, v, dout, lse, delta, scale, causal):
-        calls["backward"].append((q.shape[-2], k.shape[-2], causal))
-        return backward(q, k, v, dout, lse, delta, scale, causal)
+    def count_backward(q, k, v, *rest):
+        calls["backward"].append((q.shape[-2], k.shape[-2], rest[-2]))
+        return backward(q, k, v, *rest)
 
     ring._block_forward, ring._block_backward = count_forward, count_backward
     try:
@@ -192,3 +192,96 @@ def test_four_ranks_equal_unsplit_attention_with_balanced_blocks():
             assert sum(causal for _, _, causal in blocks) == 2, direction
             assert _block_halves(blocks, CHUNK) == 4 * cp, direction
         assert calls["forward"] == calls["backward"]  # the backward recomputes the same blocks
+
+
+# ---------------------------------------------------------------------------------------
+# Document masks: packed rows against each document run alone
+
+# Two packed rows of 12 tokens (cp 2: chunks of 3). Row 0: documents of 5 and 7 tokens
+# (a boundary inside chunk 1); row 1: 2, 1, 3 and 6 (chunk 0 holds three documents).
+DOCUMENTS = torch.tensor(
+    [
+        [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1],
+        [0, 0, 1, 2, 2, 2, 3, 3, 3, 3, 3, 3],
+    ]
+)
+
+
+def _document_reference(causal: bool, kv_heads: int) -> list[torch.Tensor]:
+    """(output, dq, dk, dv) with each document of each row attended on its own."""
+    q, k, v, dout = _inputs(DOCUMENTS.shape[1], kv_heads)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    group = HEADS // kv_heads
+    k_all, v_all = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    rows = []
+    for b, ids in enumerate(DOCUMENTS):
+        lengths = torch.unique_consecutive(ids, return_counts=True)[1].tolist()
+        pieces = []
+        for doc in torch.arange(ids.shape[0]).split(lengths):
+            span = slice(int(doc[0]), int(doc[-1]) + 1)
+            one = [t[b : b + 1, :, span] for t in (q, k_all, v_all)]
+            pieces.append(F.scaled_dot_product_attention(*one, is_causal=causal))
+        rows.append(torch.cat(pieces, dim=2))
+    out = torch.cat(rows)
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+
+
+def _visible_chunk_pairs(rank: int, cp: int, causal: bool) -> int:
+    """Chunk-by-chunk blocks of rank ``rank`` that hold at least one visible pair."""
+    chunk = DOCUMENTS.shape[1] // (2 * cp)
+    pos = torch.arange(DOCUMENTS.shape[1])
+    visible = DOCUMENTS[:, :, None] == DOCUMENTS[:, None, :]  # [b, s, s]
+    if causal:
+        visible &= pos[:, None] >= pos[None, :]
+    blocks = visible.any(0).unflatten(0, (2 * cp, chunk)).unflatten(2, (2 * cp, chunk))
+    seen = blocks.any(3).any(1)  # [query chunk, key chunk]
+    return int(seen[[rank, 2 * cp - 1 - rank]].sum())
+
+
+def _documents_on_ranks(kv_heads: int):
+    group = dist.group.WORLD
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    counted, forward = [], ring._block_forward
+
+    def count_forward(q, *rest):
+        counted.append(q.shape[-2])
+        return forward(q, *rest)
+
+    ring._block_forward = count_forward
+    results = {}
+    try:
+        for causal in (True, False):
+            counted.clear()
+            full = _inputs(DOCUMENTS.shape[1], kv_heads)
+            q, k, v, dout = (shard_for_cp(t, cp, rank, dim=2) for t in full)
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            out = ring_attention(q, k, v, cp_group=group, causal=causal, document_ids=DOCUMENTS)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            results[causal] = ([out.detach(), *grads], len(counted))
+    finally:
+        ring._block_forward = forward
+    return results
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_rank_documents_equal_documents_run_alone(causal):
+    q, k, v, dout = _inputs(DOCUMENTS.shape[1], 2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, cp_group=None, causal=causal, document_ids=DOCUMENTS)
+    got = [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+    _assert_matches([got], _document_reference(causal, 2))
+
+
+def test_two_ranks_documents_equal_documents_run_alone_and_skip_blocks_between_them():
+    cp = 2
+    ranks = run_ranks(_documents_on_ranks, cp, 2)
+    for causal in (True, False):
+        _assert_matches([r[causal][0] for r in ranks], _document_reference(causal, 2))
+        # Every chunk pair with something visible is computed once; the rest, skipped.
+        computed = [r[causal][1] for r in ranks]
+        expected = [_visible_chunk_pairs(rank, cp, causal) for rank in range(cp)]
+        assert computed == expected, causal
+        # Without documents: all (2·cp)² chunk pairs, or the 2·cp·(2·cp+1)/2 on or below
+        # the diagonal; documents leave fewer.
+        chunks = 2 * cp
+        assert sum(expected) < (chunks * (chunks + 1) // 2 if causal else chunks**2)
