@@ -1,0 +1,348 @@
+"""Ring attention over a context-parallel (cp) group, with the load-balanced causal layout.
+
+**Layout.** A sequence of ``s`` tokens is cut into ``2·cp`` chunks of ``s/(2·cp)``; cp rank
+``r`` holds chunks ``r`` and ``2·cp−1−r``, in that order (``shard_for_cp``). Under a causal
+mask every rank then does the same work: an early chunk sees little of the past, its
+partner late chunk sees most of it (docs/REFERENCE.md §10). ``cp_positions`` gives each
+local token's global position (for RoPE); ``unshard_from_cp`` undoes the layout.
+
+**Ring.** Each rank keeps its queries and passes its keys and values to the next rank,
+``cp`` steps in all; at step ``t`` rank ``r`` attends to the chunks of rank ``r − t``.
+Only the KV heads travel (grouped-query attention never repeats them). The next step's
+K/V are in flight (``batch_isend_irecv``) while the current block computes. Partial
+results merge by the log-sum-exp rule in fp32 (fp64 for fp64 inputs). The backward pass
+walks the ring again, recomputing each block from the final log-sum-exp, and the dK/dV of
+each visiting chunk travel with it and then one hop further, home.
+
+**Blocks.** Which (query half, key half) pairs a step computes is ``ring_blocks``: a block
+entirely in the future is skipped, one entirely in the past computed unmasked, and only
+the two diagonal blocks of a rank's own chunks carry the causal triangle. Each rank
+computes ``2·cp−1`` unmasked chunk-by-chunk blocks and 2 diagonal ones: ``4·cp`` half
+blocks, the same on every rank.
+
+**Documents.** With ``document_ids`` (packed rows), a token sees only its own document's
+tokens: the blocks are cut chunk by chunk, a block with no same-document pair in the batch
+is skipped, a block within one document is unmasked, and the rest carry the mask. The skip
+reads the ids on the host (a sync per block on a GPU, where the boundaries would rather
+come from the data loader, and the kernel be a varlen one with ``cu_seqlens``).
+
+**The per-block kernel** is explicit math (``_block_forward`` / ``_block_backward``), in
+the accumulation dtype, returning the log-sum-exp: correctness first. On a GPU it is
+replaced by a kernel that returns the log-sum-exp and whose backward takes the final one:
+torch's ``aten._scaled_dot_product_flash_attention`` / ``..._backward`` (what torch's own
+``context_parallel`` calls) or FlashAttention's ``_flash_attn_forward`` /
+``_flash_attn_backward`` (``softmax_lse``, as ring-flash-attn and Transformer Engine's
+P2P context parallelism use). Diagonal blocks are square, so the kernels' top-left causal
+flag is the right triangle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from parallel_state.groups import group_rank, group_size
+
+_KV_TAG, _DKV_TAG = 0, 1  # both are in flight to the same peer during backward
+
+
+# ---------------------------------------------------------------------------------------
+# The load-balanced layout
+
+
+def _check_divisible(length: int, cp_size: int) -> int:
+    if length % (2 * cp_size):
+        raise ValueError(
+            f"sequence length ({length}) is not divisible by 2 × cp ({2 * cp_size}): the "
+            "load-balanced layout cuts it into 2·cp equal chunks"
+        )
+    return length // (2 * cp_size)
+
+
+def shard_for_cp(x: torch.Tensor, cp_size: int, cp_rank: int, *, dim: int) -> torch.Tensor:
+    """Rank ``cp_rank``'s part of the full sequence ``x`` (along ``dim``): chunks
+    ``cp_rank`` and ``2·cp_size−1−cp_rank`` of ``2·cp_size``, concatenated in that order."""
+    chunk = _check_divisible(x.shape[dim], cp_size)
+    early = x.narrow(dim, cp_rank * chunk, chunk)
+    late = x.narrow(dim, (2 * cp_size - 1 - cp_rank) * chunk, chunk)
+    return torch.cat((early, late), dim=dim)
+
+
+def unshard_from_cp(shards: Sequence[torch.Tensor], *, dim: int) -> torch.Tensor:
+    """The full sequence from every cp rank's part (``shards[r]`` from rank ``r``)."""
+    cp_size = len(shards)
+    halves = [s.chunk(2, dim=dim) for s in shards]
+    ordered = [halves[r][0] for r in range(cp_size)]
+    ordered += [halves[r][1] for r in reversed(range(cp_size))]
+    return torch.cat(ordered, dim=dim)
+
+
+def cp_positions(
+    seq_len: int, cp_size: int, cp_rank: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Global positions ``[seq_len/cp]`` (int64) of rank ``cp_rank``'s tokens."""
+    return shard_for_cp(torch.arange(seq_len, device=device), cp_size, cp_rank, dim=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Which blocks a ring step computes
+
+
+@dataclass(frozen=True)
+class Block:
+    """A (queries, keys) pair of one ring step: rows of the local queries, rows of the
+    visiting keys, and whether it is a diagonal block (square, causal triangle)."""
+
+    q: slice
+    k: slice
+    causal: bool
+
+
+def ring_blocks(
+    rank: int, source: int, cp_size: int, local_len: int, *, causal: bool
+) -> tuple[Block, ...]:
+    """The blocks rank ``rank`` computes against the K/V of rank ``source`` (both in the
+    load-balanced layout, ``local_len`` tokens each). Fully masked blocks are absent."""
+    whole = slice(0, local_len)
+    if not causal:
+        return (Block(whole, whole, False),)
+    if cp_size == 1:  # one chunk pair in order: plain causal attention
+        return (Block(whole, whole, True),)
+    half = local_len // 2
+    early, late = slice(0, half), slice(half, local_len)
+    if source == rank:  # our own chunks: two diagonals, and late sees early whole
+        return (Block(early, early, True), Block(late, early, False), Block(late, late, True))
+    if source < rank:  # its early chunk precedes both of ours; its late follows both
+        return (Block(whole, early, False),)
+    return (Block(late, whole, False),)  # both its chunks lie between our two
+
+
+# ---------------------------------------------------------------------------------------
+# The per-block kernel (explicit math; see the module docstring for its GPU replacement)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scores(q, k, scale, causal, same_doc):
+    """``[b, kv_heads, group, m, n]`` scores, −inf above a diagonal block's triangle and,
+    when ``same_doc`` ``[b, m, n]`` is given, where it is False."""
+    s = torch.einsum("bhgmd,bhnd->bhgmn", q, k) * scale
+    if causal:
+        m, n = s.shape[-2:]
+        future = torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(future, float("-inf"))
+    if same_doc is not None:
+        s = s.masked_fill(~same_doc[:, None, None], float("-inf"))
+    return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with −inf (a row that sees nothing yet) replaced by 0, so exp(−inf − 0) = 0."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
+def _block_forward(q, k, v, scale: float, causal: bool, same_doc):
+    """Attention of q ``[b, kv_heads, group, m, d]`` over k, v ``[b, kv_heads, n, d]``:
+    (output ``[b, kv_heads, group, m, d]``, log-sum-exp ``[b, kv_heads, group, m]``)."""
+    s = _scores(q, k, scale, causal, same_doc)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse)[..., None])
+    return torch.einsum("bhgmn,bhnd->bhgmd", p, v), lse
+
+
+def _block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool, same_doc):
+    """(dq, dk, dv) of one block, from the final log-sum-exp and delta = rowsum(dO·O)."""
+    p = torch.exp(_scores(q, k, scale, causal, same_doc) - _finite(lse)[..., None])
+    dv = torch.einsum("bhgmn,bhgmd->bhnd", p, dout)
+    dp = torch.einsum("bhgmd,bhnd->bhgmn", dout, v)
+    ds = p * (dp - delta[..., None])
+    dq = torch.einsum("bhgmn,bhnd->bhgmd", ds, k) * scale
+    dk = torch.einsum("bhgmn,bhgmd->bhnd", ds, q) * scale
+    return dq, dk, dv
+
+
+def _merge_(out, lse, block_out, block_lse) -> None:
+    """Fold a block's (output, log-sum-exp) into the running ones, in place."""
+    new = torch.logaddexp(lse, block_lse)
+    base = _finite(new)
+    out.mul_(torch.exp(lse - base)[..., None]).add_(
+        block_out * torch.exp(block_lse - base)[..., None]
+    )
+    lse.copy_(new)
+
+
+# ---------------------------------------------------------------------------------------
+# The ring: point-to-point exchange with the neighbours, and the autograd Function
+
+
+class _RingShift:
+    """``x`` sent to the next cp rank while the previous rank's is received, in flight."""
+
+    def __init__(self, x: torch.Tensor, group: dist.ProcessGroup, tag: int) -> None:
+        rank, size = group_rank(group), group_size(group)
+        self.received = torch.empty_like(x)
+        ops = [
+            dist.P2POp(dist.isend, x, group=group, group_peer=(rank + 1) % size, tag=tag),
+            dist.P2POp(
+                dist.irecv, self.received, group=group, group_peer=(rank - 1) % size, tag=tag
+            ),
+        ]
+        self._works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> torch.Tensor:
+        for work in self._works:
+            work.wait()
+        return self.received
+
+
+def _grouped(x: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[b, heads, s, d]`` → ``[b, kv_heads, heads/kv_heads, s, d]``: query head ``j`` uses
+    KV head ``j // group``, as ``repeat_interleave`` pairs them in ``layers.attention``."""
+    return x.unflatten(1, (kv_heads, -1)).to(dtype)
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """What one ring attention call is: its group, mask and scale."""
+
+    group: dist.ProcessGroup | None
+    causal: bool
+    scale: float
+    documents: torch.Tensor | None  # [b, s] document ids of the full sequence
+
+    def steps(self, local_len: int):
+        """Per ring step, the blocks against rank ``rank − step``'s chunks, each as
+        (block, same-document mask ``[b, m, n]`` or None)."""
+        size, rank = group_size(self.group), group_rank(self.group)
+        for step in range(size):
+            yield self._blocks(rank, (rank - step) % size, size, local_len)
+
+    def _blocks(self, rank: int, source: int, size: int, local_len: int):
+        blocks = ring_blocks(rank, source, size, local_len, causal=self.causal)
+        if self.documents is None:
+            return [(blk, None) for blk in blocks]
+        doc_q, doc_k = (shard_for_cp(self.documents, size, r, dim=1) for r in (rank, source))
+        kept = []
+        for blk in _by_chunk(blocks, local_len, size):
+            same = doc_q[:, blk.q, None] == doc_k[:, None, blk.k]  # [b, m, n]
+            # A block between two documents is skipped, not masked (one host sync each).
+            if blk.causal or same.any():
+                kept.append((blk, None if same.all() else same))
+        return kept
+
+
+def _by_chunk(blocks, local_len: int, size: int) -> list[Block]:
+    """``blocks`` cut into chunk-by-chunk blocks, so that each can be skipped alone."""
+    if size == 1:
+        return list(blocks)
+    half = local_len // 2
+    chunks = (slice(0, half), slice(half, local_len))
+
+    def parts(rows: slice):
+        return [c for c in chunks if rows.start <= c.start and c.stop <= rows.stop]
+
+    return [Block(q, k, b.causal) for b in blocks for q in parts(b.q) for k in parts(b.k)]
+
+
+def _ring_forward(q, k, v, ring: _Ring):
+    acc = _accumulation_dtype(q.dtype)
+    qg = _grouped(q, k.shape[1], acc)
+    out = torch.zeros_like(qg)
+    lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    kv = torch.stack((k, v))  # one message per step: [2, b, kv_heads, s/cp, d]
+    size = group_size(ring.group)
+    for step, blocks in enumerate(ring.steps(q.shape[2])):
+        shift = _RingShift(kv, ring.group, _KV_TAG) if step < size - 1 else None
+        for blk, same in blocks:
+            k_blk, v_blk = kv[:, :, :, blk.k].to(acc)
+            q_blk = qg[..., blk.q, :]
+            o, m = _block_forward(q_blk, k_blk, v_blk, ring.scale, blk.causal, same)
+            _merge_(out[..., blk.q, :], lse[..., blk.q], o, m)
+        if shift is not None:
+            kv = shift.wait()
+    return out.flatten(1, 2).to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
+    acc = _accumulation_dtype(q.dtype)
+    kv_heads = k.shape[1]
+    qg, dog = _grouped(q, kv_heads, acc), _grouped(dout, kv_heads, acc)
+    delta = (dog * _grouped(out, kv_heads, acc)).sum(-1)
+    dq = torch.zeros_like(qg)
+    kv, dkv_shift = torch.stack((k, v)), None
+    size = group_size(ring.group)
+    for step, blocks in enumerate(ring.steps(q.shape[2])):
+        kv_shift = _RingShift(kv, ring.group, _KV_TAG) if step < size - 1 else None
+        dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # for the visiting chunks
+        for blk, same in blocks:
+            k_blk, v_blk = kv[:, :, :, blk.k].to(acc)
+            rows = (qg[..., blk.q, :], k_blk, v_blk, dog[..., blk.q, :], lse[..., blk.q])
+            grads = _block_backward(*rows, delta[..., blk.q], ring.scale, blk.causal, same)
+            dq[..., blk.q, :] += grads[0]
+            dkv[0, :, :, blk.k] += grads[1]
+            dkv[1, :, :, blk.k] += grads[2]
+        if dkv_shift is not None:  # what the earlier ranks added for these chunks
+            dkv += dkv_shift.wait()
+        if size > 1:  # onward with the chunks; after the last step that hop is home
+            dkv_shift = _RingShift(dkv, ring.group, _DKV_TAG)
+        if kv_shift is not None:
+            kv = kv_shift.wait()
+    if dkv_shift is not None:
+        dkv = dkv_shift.wait()
+    return dq.flatten(1, 2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: K/V around the ring, log-sum-exp merge. Backward: K/V around again with
+    per-block recomputation, dK/dV travelling with them and then home."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring):
+        out, lse = _ring_forward(q, k, v, ring)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        return (*_ring_backward(dout, *ctx.saved_tensors, ctx.ring), None)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cp_group: dist.ProcessGroup | None,
+    causal: bool,
+    scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(QKᵀ·scale)·V of this rank's queries over the whole sequence's keys.
+
+    q ``[b, heads, s/cp, d]``, k and v ``[b, kv_heads, s/cp, d]`` (``heads`` a multiple of
+    ``kv_heads``), each rank's part in the load-balanced layout of ``shard_for_cp``; returns
+    ``[b, heads, s/cp, d]`` in q's dtype. ``scale`` defaults to 1/√d. ``cp_group`` None is a
+    single rank (no communication).
+
+    ``document_ids`` ``[b, s]`` (the full sequence's, the same on every cp rank: b·s
+    integers are cheaper to hold than to pass around) restricts attention to tokens of the
+    same document: block-diagonal causal, or block-diagonal when not ``causal``.
+    """
+    cp, local = group_size(cp_group), q.shape[2]
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"heads ({q.shape[1]}) is not a multiple of kv heads ({k.shape[1]})")
+    if (causal or document_ids is not None) and cp > 1 and local % 2:
+        raise ValueError(f"ring attention needs an even local length (two chunks), got {local}")
+    if document_ids is not None and tuple(document_ids.shape) != (q.shape[0], cp * local):
+        raise ValueError(
+            f"document_ids {tuple(document_ids.shape)} must be [batch, full sequence] = "
+            f"[{q.shape[0]}, {cp * local}]"
+        )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _RingAttention.apply(q, k, v, _Ring(cp_group, causal, scale, document_ids))

@@ -1,0 +1,287 @@
+"""layers.ring_attention: the load-balanced layout, the block plan, and the ring on real
+gloo ranks against unsplit attention.
+
+The reference is torch's ``F.scaled_dot_product_attention`` over the whole sequence, with
+the KV heads repeated as ``layers.attention`` repeats them, forward and backward. Inputs
+are fp64 so the comparison proves the math: the ring only reorders sums of O(1) terms, so
+outputs and gradients agree to a few ulps, and 1e-12 leaves three orders of margin while a
+wrong merge or a wrong mask is off by O(0.1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import layers.ring_attention as ring
+from layers.ring_attention import (
+    cp_positions,
+    ring_attention,
+    ring_blocks,
+    shard_for_cp,
+    unshard_from_cp,
+)
+from tests.multiproc import run_ranks
+
+BATCH, HEADS, HEAD_DIM = 2, 4, 8
+CHUNK = 3  # tokens per chunk of the 2·cp: odd, so no power-of-two luck
+ATOL = 1e-12  # fp64; see the module docstring
+CASES = [  # (causal, kv heads): MHA and GQA, causal and bidirectional
+    (True, HEADS),
+    (True, 2),
+    (False, HEADS),
+    (False, 2),
+]
+NAMES = ("output", "dQ", "dK", "dV")
+
+
+def _inputs(seq: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
+    """Full-sequence q, k, v and the output gradient, fp64, the same on every rank."""
+    g = torch.Generator().manual_seed(1000 * seq + kv_heads)
+    q = torch.randn(BATCH, HEADS, seq, HEAD_DIM, generator=g, dtype=torch.float64)
+    k, v = torch.randn(2, BATCH, kv_heads, seq, HEAD_DIM, generator=g, dtype=torch.float64)
+    dout = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _reference(seq: int, causal: bool, kv_heads: int) -> list[torch.Tensor]:
+    """(output, dq, dk, dv) of unsplit attention over the full sequence."""
+    q, k, v, dout = _inputs(seq, kv_heads)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    group = HEADS // kv_heads
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=causal
+    )
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+
+
+def _ring(seq: int, causal: bool, kv_heads: int, group, cp: int, rank: int):
+    """This rank's (output, dq, dk, dv) in the load-balanced layout."""
+    full = _inputs(seq, kv_heads)
+    q, k, v, dout = (shard_for_cp(t, cp, rank, dim=2) for t in full)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, cp_group=group, causal=causal)
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+
+
+def _assert_matches(per_rank: list[list[torch.Tensor]], expected: list[torch.Tensor]) -> None:
+    for i, name in enumerate(NAMES):
+        got = unshard_from_cp([r[i] for r in per_rank], dim=2)
+        torch.testing.assert_close(
+            got, expected[i], rtol=0, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Pure functions, one process
+
+
+def test_shard_unshard_and_positions():
+    seq, cp = 16, 4  # 8 chunks of 2
+    x = torch.arange(seq).view(1, seq) * 10
+    parts = [shard_for_cp(x, cp, r, dim=1) for r in range(cp)]
+    # Rank r holds chunks r and 2·cp−1−r: rank 0 → 0, 7; rank 3 → 3, 4.
+    assert parts[0].tolist() == [[0, 10, 140, 150]]
+    assert parts[3].tolist() == [[60, 70, 80, 90]]
+    assert torch.equal(unshard_from_cp(parts, dim=1), x)
+    for r in range(cp):
+        assert torch.equal(cp_positions(seq, cp, r), parts[r][0] // 10)
+    assert torch.equal(cp_positions(seq, 1, 0), torch.arange(seq))  # cp 1: the identity
+    with pytest.raises(ValueError, match=r"not divisible by 2 × cp \(8\)"):
+        shard_for_cp(torch.zeros(12), 4, 0, dim=0)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_block_plan_covers_exactly_the_causal_pairs(cp):
+    """Every visible (query, key) pair is in exactly one block; no block is fully masked;
+    an unmasked block is wholly visible, a diagonal one exactly its lower triangle."""
+    seq = 2 * cp * CHUNK
+    local = seq // cp
+    for rank in range(cp):
+        q_pos = cp_positions(seq, cp, rank)
+        for source in range(cp):
+            k_pos = cp_positions(seq, cp, source)
+            visible = q_pos[:, None] >= k_pos[None, :]
+            covered = torch.zeros_like(visible, dtype=torch.int64)
+            for blk in ring_blocks(rank, source, cp, local, causal=True):
+                sub = visible[blk.q, blk.k]
+                want = torch.ones_like(sub).tril() if blk.causal else torch.ones_like(sub)
+                assert torch.equal(sub, want), (rank, source, blk)
+                covered[blk.q, blk.k] += want.long()
+            assert torch.equal(covered, visible.long()), (rank, source)
+
+
+def _block_halves(blocks, chunk: int) -> int:
+    """Work in half chunk-by-chunk blocks: an unmasked chunk × chunk block is 2, a diagonal 1."""
+    units = 0
+    for m, n, causal in blocks:
+        units += 1 if causal else 2 * m * n // chunk**2
+    return units
+
+
+def test_one_rank_equals_unsplit_attention():
+    for causal, kv_heads in CASES:
+        seq = 2 * 7  # a prime chunk
+        _assert_matches(
+            [_ring(seq, causal, kv_heads, None, 1, 0)], _reference(seq, causal, kv_heads)
+        )
+
+
+def test_bad_shapes_are_refused():
+    q, k = torch.zeros(1, 3, 4, 8), torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"heads \(3\) is not a multiple of kv heads \(2\)"):
+        ring_attention(q, k, k, cp_group=None, causal=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Real ranks
+
+
+def _cases_on_ranks(cases):
+    group = dist.group.WORLD
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    seq = 2 * cp * CHUNK
+    return {case: _ring(seq, *case, group, cp, rank) for case in cases}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_cases_on_ranks, 2, CASES)
+
+
+@pytest.mark.parametrize(("causal", "kv_heads"), CASES)
+def test_two_ranks_equal_unsplit_attention(two_ranks, causal, kv_heads):
+    expected = _reference(4 * CHUNK, causal, kv_heads)
+    _assert_matches([r[(causal, kv_heads)] for r in two_ranks], expected)
+
+
+def _counted_on_ranks():
+    """The causal GQA case, with every block the kernel computes recorded as (m, n, causal)."""
+    calls = {"forward": [], "backward": []}
+    forward, backward = ring._block_forward, ring._block_backward
+
+    def count_forward(q, k, v, *rest):
+        calls["forward"].append((q.shape[-2], k.shape[-2], rest[-2]))  # rest: scale, causal, same
+        return forward(q, k, v, *rest)
+
+    def count_backward(q, k, v, *rest):
+        calls["backward"].append((q.shape[-2], k.shape[-2], rest[-2]))
+        return backward(q, k, v, *rest)
+
+    ring._block_forward, ring._block_backward = count_forward, count_backward
+    try:
+        result = _cases_on_ranks([(True, 2)])[(True, 2)]
+    finally:
+        ring._block_forward, ring._block_backward = forward, backward
+    return result, calls
+
+
+def test_four_ranks_equal_unsplit_attention_with_balanced_blocks():
+    cp = 4
+    ranks = run_ranks(_counted_on_ranks, cp)
+    _assert_matches([result for result, _ in ranks], _reference(2 * cp * CHUNK, True, 2))
+    # Causal work is (2·cp)² chunk blocks below or on the diagonal: 2·cp diagonals (one
+    # half-block each) and 2·cp·(2·cp−1)/2 unmasked (two each), 4·cp² halves in all. The
+    # layout gives each rank 2 diagonals and 2·cp−1 unmasked blocks: 2 + 2·(2·cp−1) = 4·cp
+    # (16 at cp 4); a contiguous split would give rank r 8r+4 (4 to 28 at cp 4).
+    for _, calls in ranks:
+        for direction in ("forward", "backward"):
+            blocks = calls[direction]
+            assert sum(causal for _, _, causal in blocks) == 2, direction
+            assert _block_halves(blocks, CHUNK) == 4 * cp, direction
+        assert calls["forward"] == calls["backward"]  # the backward recomputes the same blocks
+
+
+# ---------------------------------------------------------------------------------------
+# Document masks: packed rows against each document run alone
+
+# Two packed rows of 12 tokens (cp 2: chunks of 3). Row 0: documents of 5 and 7 tokens
+# (a boundary inside chunk 1); row 1: 2, 1, 3 and 6 (chunk 0 holds three documents).
+DOCUMENTS = torch.tensor(
+    [
+        [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1],
+        [0, 0, 1, 2, 2, 2, 3, 3, 3, 3, 3, 3],
+    ]
+)
+
+
+def _document_reference(causal: bool, kv_heads: int) -> list[torch.Tensor]:
+    """(output, dq, dk, dv) with each document of each row attended on its own."""
+    q, k, v, dout = _inputs(DOCUMENTS.shape[1], kv_heads)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    group = HEADS // kv_heads
+    k_all, v_all = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    rows = []
+    for b, ids in enumerate(DOCUMENTS):
+        lengths = torch.unique_consecutive(ids, return_counts=True)[1].tolist()
+        pieces = []
+        for doc in torch.arange(ids.shape[0]).split(lengths):
+            span = slice(int(doc[0]), int(doc[-1]) + 1)
+            one = [t[b : b + 1, :, span] for t in (q, k_all, v_all)]
+            pieces.append(F.scaled_dot_product_attention(*one, is_causal=causal))
+        rows.append(torch.cat(pieces, dim=2))
+    out = torch.cat(rows)
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+
+
+def _visible_chunk_pairs(rank: int, cp: int, causal: bool) -> int:
+    """Chunk-by-chunk blocks of rank ``rank`` that hold at least one visible pair."""
+    chunk = DOCUMENTS.shape[1] // (2 * cp)
+    pos = torch.arange(DOCUMENTS.shape[1])
+    visible = DOCUMENTS[:, :, None] == DOCUMENTS[:, None, :]  # [b, s, s]
+    if causal:
+        visible &= pos[:, None] >= pos[None, :]
+    blocks = visible.any(0).unflatten(0, (2 * cp, chunk)).unflatten(2, (2 * cp, chunk))
+    seen = blocks.any(3).any(1)  # [query chunk, key chunk]
+    return int(seen[[rank, 2 * cp - 1 - rank]].sum())
+
+
+def _documents_on_ranks(kv_heads: int):
+    group = dist.group.WORLD
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    counted, forward = [], ring._block_forward
+
+    def count_forward(q, *rest):
+        counted.append(q.shape[-2])
+        return forward(q, *rest)
+
+    ring._block_forward = count_forward
+    results = {}
+    try:
+        for causal in (True, False):
+            counted.clear()
+            full = _inputs(DOCUMENTS.shape[1], kv_heads)
+            q, k, v, dout = (shard_for_cp(t, cp, rank, dim=2) for t in full)
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            out = ring_attention(q, k, v, cp_group=group, causal=causal, document_ids=DOCUMENTS)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            results[causal] = ([out.detach(), *grads], len(counted))
+    finally:
+        ring._block_forward = forward
+    return results
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_rank_documents_equal_documents_run_alone(causal):
+    q, k, v, dout = _inputs(DOCUMENTS.shape[1], 2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, cp_group=None, causal=causal, document_ids=DOCUMENTS)
+    got = [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+    _assert_matches([got], _document_reference(causal, 2))
+
+
+def test_two_ranks_documents_equal_documents_run_alone_and_skip_blocks_between_them():
+    cp = 2
+    ranks = run_ranks(_documents_on_ranks, cp, 2)
+    for causal in (True, False):
+        _assert_matches([r[causal][0] for r in ranks], _document_reference(causal, 2))
+        # Every chunk pair with something visible is computed once; the rest, skipped.
+        computed = [r[causal][1] for r in ranks]
+        expected = [_visible_chunk_pairs(rank, cp, causal) for rank in range(cp)]
+        assert computed == expected, causal
+        # Without documents: all (2·cp)² chunk pairs, or the 2·cp·(2·cp+1)/2 on or below
+        # the diagonal; documents leave fewer.
+        chunks = 2 * cp
+        assert sum(expected) < (chunks * (chunks + 1) // 2 if causal else chunks**2)
