@@ -13,6 +13,10 @@ sequences' blocks and gives back each row's whole past gathered into a contiguou
 left-padded ``[b, heads, past + s, d]`` (the padding masked). So a row sees exactly its
 own tokens whatever else is in the batch; only the floating-point summation order over
 the padded width and batch can change (see tests/test_serving.py for the tolerance).
+
+Correctness first, so two costs remain: every step copies each row's past out of the
+blocks (a paged-attention kernel would read them in place), and a prefill forward pads
+every chunk to the longest one (the budget counts real tokens only).
 """
 
 from __future__ import annotations
@@ -92,11 +96,9 @@ class ServingEngine:
                 "every decoding sequence takes one token of a step"
             )
         self.model, self.cache = model.eval(), cache
-        self.max_running, self.max_waiting, self.token_budget = (
-            max_running,
-            max_waiting,
-            token_budget,
-        )
+        self.max_running = max_running  # sequences in the batch at once
+        self.max_waiting = max_waiting  # queued past that: refused, not grown without bound
+        self.token_budget = token_budget  # tokens fed per step, decoding and prefill together
         self.device = next(model.parameters()).device
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []  # in admission order
