@@ -113,9 +113,10 @@ class ServingEngine:
         self._check(request)
         if len(self.waiting) >= self.max_waiting:
             raise Refused("queue_full", f"{len(self.waiting)} requests are already waiting")
-        rid = request.request_id or next(self._names)
-        if any(s.request_id == rid for s in itertools.chain(self.waiting, self.running)):
-            raise Refused("bad_request", f"request id {rid!r} is already in use")
+        live = {s.request_id for s in itertools.chain(self.waiting, self.running)}
+        if request.request_id in live:
+            raise Refused("bad_request", f"request id {request.request_id!r} is already in use")
+        rid = request.request_id or next(n for n in self._names if n not in live)
         generator = torch.Generator().manual_seed(request.sampling.seed)
         seq = _Sequence(request, rid, generator, list(request.prompt))
         if request.max_tokens == 0:
