@@ -1,0 +1,21 @@
+"""Serving a meshtron decoder: a paged KV cache and a continuous-batching engine.
+
+``PagedKVCache`` (``paged_cache``) holds keys and values in fixed blocks from one pool;
+``ServingEngine`` (``engine``) runs requests (``requests``) that join and leave the batch
+at any step. The HTTP front (issue 42) is to come; nothing in the runtime imports this.
+"""
+
+from apps.serving.engine import ServingEngine
+from apps.serving.paged_cache import BlockTable, PagedKVCache, PoolFull
+from apps.serving.requests import Completion, Refused, Request, TokenEvent
+
+__all__ = [
+    "BlockTable",
+    "Completion",
+    "PagedKVCache",
+    "PoolFull",
+    "Refused",
+    "Request",
+    "ServingEngine",
+    "TokenEvent",
+]

@@ -1,0 +1,281 @@
+"""Continuous batching over the paged KV cache: requests join and leave at any step.
+
+Each :meth:`ServingEngine.step` admits waiting requests while there is room (a running
+slot and a KV reservation for the request's longest length), then spends at most
+``token_budget`` tokens: one for every sequence that is decoding, the rest on prompt
+chunks of sequences still in prefill (a long prompt is split over several steps). The
+decoding rows run as one forward, the prefill chunks as another; each row samples its
+next token with its own seeded generator once its whole context is in the cache.
+
+The forward is meshtron's own model (``engine.models``), unchanged: the cache it is handed
+is one :class:`_PagedLayer` per layer, which stores the step's new keys and values in the
+sequences' blocks and gives back each row's whole past gathered into a contiguous,
+left-padded ``[b, heads, past + s, d]`` (the padding masked). So a row sees exactly its
+own tokens whatever else is in the batch; only the floating-point summation order over
+the padded width and batch can change (see tests/test_serving.py for the tolerance).
+
+Correctness first, so two costs remain: every step copies each row's past out of the
+blocks (a paged-attention kernel would read them in place), and a prefill forward pads
+every chunk to the longest one (the budget counts real tokens only).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from apps.serving.paged_cache import BlockTable, PagedKVCache, PoolFull
+from apps.serving.requests import (
+    CANCELLED,
+    LENGTH,
+    STOP,
+    Completion,
+    Refused,
+    Request,
+    TokenEvent,
+)
+from engine.generate import next_tokens
+from layers.mappings import gather_from_tp
+from parallel_state.groups import group_size
+
+
+@dataclass
+class _Sequence:
+    """A request in the engine: its tokens so far and where its cache stands."""
+
+    request: Request
+    request_id: str
+    generator: torch.Generator
+    tokens: list[int]  # prompt + generated
+    table: BlockTable | None = None  # set on admission
+    cached: int = 0  # leading positions whose keys and values are in the cache
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def pending(self) -> int:
+        """Tokens to feed before the next one can be sampled."""
+        return len(self.tokens) - self.cached
+
+
+class _PagedLayer:
+    """What a layer's attention takes as its KV cache (``layers.attention.KVCache``'s
+    ``length`` and ``append``), over the pool: one step, one layer."""
+
+    def __init__(self, cache: PagedKVCache, layer: int, write, read, past: int) -> None:
+        self.cache, self.layer, self.write, self.read = cache, layer, write, read
+        self.length = past  # the left-padded past every row's keys are aligned to
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the step's ``[b, heads, s, d]``; return each row's whole context."""
+        return self.cache.write_and_read(self.layer, self.write, self.read, k, v)
+
+
+class ServingEngine:
+    """Runs requests on ``model`` (built with ``engine.inference.inference_config``, tp=1)
+    over ``cache``: :meth:`submit`, :meth:`cancel`, and :meth:`step` until idle."""
+
+    def __init__(
+        self,
+        model,
+        cache: PagedKVCache,
+        *,
+        max_running: int = 16,
+        max_waiting: int = 64,
+        token_budget: int = 256,
+    ) -> None:
+        if not model.cfg.causal or model.cfg.sequence_parallel:
+            raise ValueError("serving needs a decoder built without sequence parallelism")
+        if group_size(model.tp_group) != 1:
+            raise ValueError("serving runs at tp=1 for now (the ranks would need one schedule)")
+        if not 1 <= max_running <= token_budget:
+            raise ValueError(
+                f"need 1 <= max_running ({max_running}) <= token_budget ({token_budget}): "
+                "every decoding sequence takes one token of a step"
+            )
+        self.model, self.cache = model.eval(), cache
+        self.max_running = max_running  # sequences in the batch at once
+        self.max_waiting = max_waiting  # queued past that: refused, not grown without bound
+        self.token_budget = token_budget  # tokens fed per step, decoding and prefill together
+        self.device = next(model.parameters()).device
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []  # in admission order
+        self._events: list[TokenEvent] = []  # ends decided between steps (cancel, max_tokens 0)
+        self._names = (f"req-{i}" for i in itertools.count())
+
+    # --- requests in and out ------------------------------------------------------------
+
+    def submit(self, request: Request) -> str:
+        """Queue ``request``; returns its id. Raises :class:`Refused` with the reason when it
+        is malformed, can never fit, or the queue is full (it never waits here)."""
+        self._check(request)
+        if len(self.waiting) >= self.max_waiting:
+            raise Refused("queue_full", f"{len(self.waiting)} requests are already waiting")
+        live = {s.request_id for s in itertools.chain(self.waiting, self.running)}
+        if request.request_id in live:
+            raise Refused("bad_request", f"request id {request.request_id!r} is already in use")
+        rid = request.request_id or next(n for n in self._names if n not in live)
+        generator = torch.Generator().manual_seed(request.sampling.seed)
+        seq = _Sequence(request, rid, generator, list(request.prompt))
+        if request.max_tokens == 0:
+            self._events.append(TokenEvent(rid, None, None, LENGTH))
+        else:
+            self.waiting.append(seq)
+        return rid
+
+    def _check(self, request: Request) -> None:
+        cfg = self.model.cfg
+        try:
+            request.sampling.check()
+        except ValueError as err:
+            raise Refused("bad_request", str(err)) from None
+        if not request.prompt:
+            raise Refused("bad_request", "the prompt needs at least one token")
+        if not all(0 <= t < cfg.vocab_size for t in request.prompt):
+            raise Refused("bad_request", f"prompt token ids must be in 0 .. {cfg.vocab_size - 1}")
+        if request.max_tokens < 0:
+            raise Refused("bad_request", f"max_tokens must be >= 0, got {request.max_tokens}")
+        total = len(request.prompt) + request.max_tokens
+        if total > cfg.max_positions:
+            raise Refused(
+                "too_long",
+                f"{len(request.prompt)} prompt tokens + max_tokens {request.max_tokens} = "
+                f"{total} positions; the model has {cfg.max_positions}",
+            )
+        need = self.cache.blocks_for(_cached_length(request))
+        if need > self.cache.num_blocks:
+            raise Refused(
+                "exceeds_cache",
+                f"{_cached_length(request)} cached positions need {need} KV blocks; the "
+                f"whole cache has {self.cache.num_blocks}",
+            )
+
+    def cancel(self, request_id: str) -> bool:
+        """End a waiting or running request now, freeing its blocks; its CANCELLED event
+        comes with the next step. False when no such request is in the engine."""
+        for seq in self.waiting:
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                break
+        else:
+            seq = next((s for s in self.running if s.request_id == request_id), None)
+            if seq is None:
+                return False
+            self._retire(seq)
+        self._events.append(TokenEvent(request_id, None, None, CANCELLED))
+        return True
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step would do anything."""
+        return bool(self.waiting or self.running or self._events)
+
+    # --- one step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        """Admit, run one batched step, and return what happened to each request."""
+        events, self._events = self._events, []
+        self._admit()
+        decode, prefill = self._schedule()
+        for rows in (decode, prefill):
+            if rows:
+                events += self._sample(rows, self._forward(rows))
+        return events
+
+    def _admit(self) -> None:
+        """Move waiting requests to running, first come first served, while they fit."""
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            try:
+                seq.table = self.cache.reserve(_cached_length(seq.request))
+            except PoolFull:
+                return  # it fits once running sequences free their blocks
+            self.running.append(self.waiting.popleft())
+
+    def _schedule(self) -> tuple[list, list]:
+        """(decoding rows, prefill rows): ``(sequence, tokens to feed)`` within the budget."""
+        decode = [(s, 1) for s in self.running if s.pending == 1]
+        budget = self.token_budget - len(decode)
+        prefill = []
+        for seq in self.running:
+            if seq.pending > 1 and budget > 0:
+                prefill.append((seq, min(seq.pending, budget)))
+                budget -= prefill[-1][1]
+        return decode, prefill
+
+    def _forward(self, rows: list[tuple[_Sequence, int]]) -> torch.Tensor:
+        """Last-position logits ``[b, V]`` (float32, CPU) after feeding each row's chunk.
+
+        Row i's context (cached past + chunk) is right-aligned in a ``past + s`` window, as
+        left padding: the last column is every row's newest token."""
+        past, s = max(seq.cached for seq, _ in rows), max(n for _, n in rows)
+        scratch = self.cache.scratch_slot
+        ids = torch.zeros(len(rows), s, dtype=torch.long)
+        positions = torch.zeros_like(ids)
+        write = torch.full_like(ids, scratch)
+        read = torch.full((len(rows), past + s), scratch, dtype=torch.long)
+        for i, (seq, n) in enumerate(rows):
+            end = seq.cached + n
+            self.cache.grow(seq.table, end)
+            ids[i, s - n :] = torch.tensor(seq.tokens[seq.cached : end])
+            positions[i, s - n :] = torch.arange(seq.cached, end)
+            write[i, s - n :] = self.cache.slots(seq.table, seq.cached, end)
+            read[i, past + s - end :] = self.cache.slots(seq.table, 0, end)
+        mask = read != scratch
+        write, read = write.to(self.device), read.to(self.device)
+        layers = [
+            _PagedLayer(self.cache, i, write, read, past) for i in range(len(self.model.layers))
+        ]
+        logits = self.model(
+            ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            positions=positions.to(self.device),
+            cache=layers,
+        )
+        for seq, n in rows:
+            seq.cached += n
+            seq.table.length = seq.cached
+        last = gather_from_tp(logits[:, -1], self.model.tp_group)
+        return last[:, : self.model.cfg.vocab_size].float().cpu()
+
+    def _sample(self, rows, logits: torch.Tensor) -> list[TokenEvent]:
+        """The next token of every row whose context is now all cached, and the ends."""
+        events = []
+        for i, (seq, _) in enumerate(rows):
+            if seq.pending:  # a prompt chunk with more to come: nothing to sample yet
+                continue
+            request = seq.request
+            token = int(next_tokens(logits[i : i + 1], request.sampling, seq.generator))
+            logprob = float(torch.log_softmax(logits[i], dim=-1)[token])
+            seq.tokens.append(token)
+            seq.generated.append(token)
+            reason = None
+            if token in request.stop_token_ids:
+                reason = STOP
+            elif len(seq.generated) == request.max_tokens:
+                reason = LENGTH
+            if reason is not None:
+                self._retire(seq)
+            events.append(TokenEvent(seq.request_id, token, logprob, reason))
+        return events
+
+    def _retire(self, seq: _Sequence) -> None:
+        """Take ``seq`` out of the running batch and give its blocks back."""
+        self.running.remove(seq)
+        self.cache.release(seq.table)
+
+    def run_until_idle(self) -> dict[str, Completion]:
+        """Step until nothing is left; returns ``{request id: Completion}`` of what ended."""
+        done: dict[str, Completion] = {}
+        while self.has_work:
+            for event in self.step():
+                done.setdefault(event.request_id, Completion(event.request_id)).add(event)
+        return done
+
+
+def _cached_length(request: Request) -> int:
+    """Positions a request can put in the cache: the last new token is never fed back."""
+    return len(request.prompt) + request.max_tokens - 1
