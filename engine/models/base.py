@@ -32,6 +32,7 @@ from layers.param_roles import (
     tp_dim,
 )
 from layers.recompute import default_rng
+from layers.spec import spec_for
 from layers.transformer import ParallelTransformerLayer
 from layers.utils import assign_tp_local_, comm_timer_of, shard, tp_local
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
@@ -298,7 +299,8 @@ class ParallelModel(nn.Module):
         one = dict(rng=rng, kernels=self.kernels)
         self.embedding = Embeddings(cfg, **one, **build)
         self.layers = nn.ModuleList(
-            ParallelTransformerLayer(cfg, **one, **build) for _ in range(cfg.num_layers)
+            ParallelTransformerLayer(cfg, spec=spec_for(cfg, layer=i), **one, **build)
+            for i in range(cfg.num_layers)
         )
         return build
 
