@@ -28,9 +28,8 @@ import torch.distributed as dist
 from torch import nn
 
 from layers.kernel_set import Kernels, resolve_kernels
-from layers.linear import build_master_weight, normal_init
+from layers.linear import replicated_weight
 from layers.mlp import ParallelMLP
-from layers.param_roles import mark_tp_dim
 from layers.router import RouterLosses, Routing, TopKRouter
 from layers.transformer_config import TransformerConfig
 from parallel_state.groups import group_size, resolve_tp_group
@@ -116,16 +115,11 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.kernels, self.gated = kernels, cfg.activation == "swiglu"
         self.approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None}[cfg.activation]
-        dtype = dtype or torch.get_default_dtype()
         experts, h, f = cfg.moe_num_experts, cfg.hidden_size, cfg.moe_ffn_size
+        width = f * (2 if self.gated else 1)
+        self.fc1 = replicated_weight((experts, h, width), cfg.init_std, dtype, device)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        for name, shape, std in (
-            ("fc1", (experts, h, f * (2 if self.gated else 1)), cfg.init_std),
-            ("fc2", (experts, f, h), out_std),
-        ):
-            full = build_master_weight(shape, normal_init(std), dtype)
-            param = nn.Parameter(full.to(dtype=dtype, device=device))
-            setattr(self, name, mark_tp_dim(param, None))
+        self.fc2 = replicated_weight((experts, f, h), out_std, dtype, device)
         self.impl = "auto"  # grouped_mm's choice; the tests set "loop" or "grouped"
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -178,9 +172,8 @@ class MoEMLP(nn.Module):
                 **factory,
             )
             if cfg.moe_shared_gate:  # Qwen2-MoE's shared_expert_gate: [1, h], no bias
-                gate = build_master_weight((1, cfg.hidden_size), normal_init(cfg.init_std), dtype)
-                self.shared_gate = nn.Parameter(gate.to(**factory))
-                mark_tp_dim(self.shared_gate, None)
+                shape = (1, cfg.hidden_size)
+                self.shared_gate = replicated_weight(shape, cfg.init_std, dtype, device)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         """``x`` ``[s, b, h]`` → (``[s, b, h]``, None: no bias to add)."""

@@ -47,8 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.linear import build_master_weight, normal_init
-from layers.param_roles import mark_tp_dim
+from layers.linear import replicated_weight
 from layers.transformer_config import TransformerConfig
 
 ROUTERS = ("softmax", "sigmoid")
@@ -142,12 +141,8 @@ class TopKRouter(nn.Module):
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.bias_update_rate = cfg.moe_bias_update_rate
         self.router_dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
-        dtype = dtype or torch.get_default_dtype()
-        full = build_master_weight(
-            (self.num_experts, cfg.hidden_size), normal_init(cfg.init_std), dtype
-        )
-        self.weight = nn.Parameter(full.to(dtype=dtype, device=device))
-        mark_tp_dim(self.weight, None)
+        shape = (self.num_experts, cfg.hidden_size)
+        self.weight = replicated_weight(shape, cfg.init_std, dtype, device)
         if self.kind == "sigmoid":
             bias = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
             self.register_buffer("expert_bias", bias)

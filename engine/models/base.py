@@ -20,7 +20,13 @@ from layers.compile import compile_model
 from layers.dropout import dropout
 from layers.gqa import dedupe_gathered, owned_block
 from layers.kernel_set import Kernels, resolve_kernels
-from layers.linear import InitMethod, build_master_weight, linear_after_copy, normal_init
+from layers.linear import (
+    InitMethod,
+    build_master_weight,
+    linear_after_copy,
+    normal_init,
+    replicated_weight,
+)
 from layers.mappings import gather_along
 from layers.norm import LayerNorm
 from layers.param_roles import (
@@ -148,9 +154,7 @@ class Embeddings(nn.Module):
 
     @staticmethod
     def _replicated(rows: int, cfg: ModelConfig, dtype, device) -> nn.Parameter:
-        dtype = dtype or torch.get_default_dtype()
-        full = build_master_weight((rows, cfg.hidden_size), normal_init(cfg.init_std), dtype)
-        return mark_tp_dim(nn.Parameter(full.to(device=device, dtype=dtype)), None)
+        return replicated_weight((rows, cfg.hidden_size), cfg.init_std, dtype, device)
 
     def forward(
         self,
