@@ -61,7 +61,7 @@ def grouped_mm(
     if impl == "grouped" or (impl == "auto" and grouped_mm_fits(x, w)):
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offsets)
-    rows = x.split(counts.tolist())
+    rows = x.split(counts.tolist())  # the loop needs the counts on the host (a sync)
     return torch.cat([chunk @ w[e] for e, chunk in enumerate(rows)])
 
 
@@ -80,7 +80,7 @@ def permute(
         key = key.masked_fill(~routing.keep.reshape(-1), num_experts)
     counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
     order = torch.argsort(key, stable=True)
-    if routing.keep is not None:
+    if routing.keep is not None:  # the kept count is data: one host sync, only when dropping
         order = order[: int(counts.sum())]
     slots = tokens.unsqueeze(1).expand(-1, k, -1).reshape(-1, tokens.shape[-1])
     return slots[order], order, counts

@@ -121,7 +121,7 @@ def pooled_load_balancing_loss(layers: list[RouterLosses]) -> torch.Tensor:
 
 
 class TopKRouter(nn.Module):
-    """z = x·W_rᵀ in fp32, then the choice of ``cfg.moe_top_k`` experts (module docstring).
+    """z = x·W_rᵀ at the router's precision, then ``cfg.moe_top_k`` experts (module docstring).
 
     ``weight``: ``[E, h]``, like transformers' ``gate.weight``. The sigmoid router also
     holds ``expert_bias`` (``[E]``, fp32, a buffer), which only ``update_bias`` changes.
