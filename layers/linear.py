@@ -67,6 +67,19 @@ def build_master_weight(
     return full
 
 
+def replicated_weight(
+    shape: tuple[int, ...],
+    std: float,
+    dtype: torch.dtype | None,
+    device: torch.device | str | None,
+) -> nn.Parameter:
+    """A parameter every TP rank holds whole, drawn N(0, std²) at full size from the seed
+    (``build_master_weight``), so its values do not depend on the layout or the device."""
+    dtype = dtype or torch.get_default_dtype()
+    full = build_master_weight(shape, normal_init(std), dtype)
+    return mark_tp_dim(nn.Parameter(full.to(dtype=dtype, device=device)), None)
+
+
 def init_tp_shard(
     module: nn.Module, options: ShardOptions, schema: type = ShardOptions
 ) -> dict[str, object]:

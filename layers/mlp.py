@@ -30,7 +30,8 @@ class ParallelMLP(nn.Module):
     """Column-parallel h→ffn, GeLU or SwiGLU on the TP shard, row-parallel ffn→h.
 
     The "dense" entry of ``layers.spec.MLPS``; constructed as every MLP slot is (``rng``
-    unused: it draws no dropout).
+    unused: it draws no dropout). ``ffn_size`` overrides ``cfg.ffn_size`` (the mixture of
+    experts' shared expert is this MLP at its own width).
     """
 
     def __init__(
@@ -42,8 +43,10 @@ class ParallelMLP(nn.Module):
         kernels: Kernels | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        ffn_size: int | None = None,
     ) -> None:
         super().__init__()
+        ffn_size = ffn_size or cfg.ffn_size
         self.sequence_parallel = cfg.sequence_parallel
         self.kernels = kernels or resolve_kernels(cfg.kernels)
         self.gated = cfg.activation == "swiglu"
@@ -54,13 +57,13 @@ class ParallelMLP(nn.Module):
         # (returned with the output) by the layer's bias + dropout + residual add.
         self.fc1 = ColumnParallelLinear(
             cfg.hidden_size,
-            cfg.ffn_size * (2 if self.gated else 1),
+            ffn_size * (2 if self.gated else 1),
             bias,
             init_method=normal_init(cfg.init_std),
             skip_bias_add=True,
             **common,
         )
-        self.fc2 = residual_output_linear(cfg, cfg.ffn_size, common)
+        self.fc2 = residual_output_linear(cfg, ffn_size, common)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(fc2 output without its bias, fc2's bias) for bias + dropout + add."""

@@ -27,11 +27,15 @@ from torch import nn
 
 from layers.attention import ParallelAttention
 from layers.mlp import ParallelMLP
+from layers.moe import MoEMLP
 from layers.norm import NORMS
 from layers.transformer_config import TransformerConfig
 
 ATTENTIONS: dict[str, type[nn.Module]] = {"standard": ParallelAttention}  # MHA, GQA, MQA
-MLPS: dict[str, type[nn.Module]] = {"dense": ParallelMLP}  # GeLU or SwiGLU per cfg.activation
+MLPS: dict[str, type[nn.Module]] = {
+    "dense": ParallelMLP,  # GeLU or SwiGLU per cfg.activation
+    "moe": MoEMLP,  # mixture of experts (layers.moe)
+}
 
 __all__ = ["ATTENTIONS", "MLPS", "NORMS", "LayerSpec", "pick", "spec_for"]
 
@@ -53,10 +57,16 @@ def pick(slot: str, name: str, registry: dict[str, type[nn.Module]]) -> type[nn.
     return registry[name]
 
 
-def spec_for(cfg: TransformerConfig) -> LayerSpec:
-    """The spec ``cfg.norm``, ``cfg.attention`` and ``cfg.mlp`` name."""
+def spec_for(cfg: TransformerConfig, layer: int | None = None) -> LayerSpec:
+    """The spec ``cfg.norm``, ``cfg.attention`` and ``cfg.mlp`` name.
+
+    ``layer`` (0-based; None: any) thins the MLP: layer i holds ``cfg.mlp`` when
+    (i + 1) % ``cfg.moe_layer_freq`` == 0 and the dense MLP otherwise (transformers'
+    ``decoder_sparse_step``: experts on every k-th layer).
+    """
+    sparse = layer is None or (layer + 1) % cfg.moe_layer_freq == 0
     return LayerSpec(
         norm=pick("norm", cfg.norm, NORMS),
         attention=pick("attention", cfg.attention, ATTENTIONS),
-        mlp=pick("mlp", cfg.mlp, MLPS),
+        mlp=pick("mlp", cfg.mlp if sparse else "dense", MLPS),
     )

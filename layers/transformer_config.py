@@ -27,12 +27,27 @@ class TransformerConfig(Protocol):
     init_std: float  # std of the normal weight init
     norm: str  # the norm slot, a key of layers.norm.NORMS: "layernorm" | "rmsnorm"
     attention: str  # the attention slot, a key of layers.spec.ATTENTIONS: "standard"
-    mlp: str  # the MLP slot, a key of layers.spec.MLPS: "dense"
+    mlp: str  # the MLP slot, a key of layers.spec.MLPS: "dense" | "moe"
     qkv_bias: bool  # bias on the query/key/value projections
     linear_bias: bool  # bias on the attention output and MLP projections
+    # Mixture of experts (mlp="moe"; layers.moe, layers.router).
+    moe_num_experts: int  # E routed experts per MoE layer
+    moe_top_k: int  # experts per token, k
+    moe_router: str  # "softmax" (Mixtral, Qwen) | "sigmoid" (+ bias, DeepSeek-V3)
+    moe_router_dtype: str  # "fp32" | "fp64": the probabilities' dtype (layers.router)
+    moe_renormalize: bool  # the k chosen weights rescaled to sum 1
+    moe_shared_ffn_hidden_size: int  # shared expert's inner width; 0: none
+    moe_shared_gate: bool  # shared expert scaled by sigmoid(x·g) (Qwen2-MoE)
+    moe_capacity_factor: float | None  # slots per expert = ⌈factor·T·k/E⌉; None: dropless
+    moe_aux_loss_coeff: float  # weight of the load-balancing loss
+    moe_z_loss_coeff: float  # weight of the router z-loss
+    moe_bias_update_rate: float  # γ of the sigmoid router's bias update
+    moe_layer_freq: int  # the MLP slot holds cfg.mlp on layers i with (i+1) % freq == 0
 
     @property
     def ffn_size(self) -> int: ...  # MLP inner width
+    @property
+    def moe_ffn_size(self) -> int: ...  # one expert's inner width
     @property
     def causal(self) -> bool: ...  # attend only to earlier positions
     @property

@@ -95,8 +95,8 @@ def test_a_registered_mlp_fills_the_mlp_slot(monkeypatch):
 
 def test_unknown_names_are_one_line_errors_naming_the_value_and_the_known_names():
     with pytest.raises(ValueError) as bad_config:
-        ModelConfig(mlp="moe").validate()
-    assert str(bad_config.value) == "model.mlp='moe' is not one of ('dense',)"
+        ModelConfig(mlp="sparse").validate()
+    assert str(bad_config.value) == "model.mlp='sparse' is not one of ('dense', 'moe')"
     with pytest.raises(ValueError) as bad_config:
         ModelConfig(attention="ring").validate()
     assert str(bad_config.value) == "model.attention='ring' is not one of ('standard',)"

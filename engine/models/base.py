@@ -20,7 +20,13 @@ from layers.compile import compile_model
 from layers.dropout import dropout
 from layers.gqa import dedupe_gathered, owned_block
 from layers.kernel_set import Kernels, resolve_kernels
-from layers.linear import InitMethod, build_master_weight, linear_after_copy, normal_init
+from layers.linear import (
+    InitMethod,
+    build_master_weight,
+    linear_after_copy,
+    normal_init,
+    replicated_weight,
+)
 from layers.mappings import gather_along
 from layers.norm import LayerNorm
 from layers.param_roles import (
@@ -32,6 +38,7 @@ from layers.param_roles import (
     tp_dim,
 )
 from layers.recompute import default_rng
+from layers.spec import spec_for
 from layers.transformer import ParallelTransformerLayer
 from layers.utils import assign_tp_local_, comm_timer_of, shard, tp_local
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
@@ -147,9 +154,7 @@ class Embeddings(nn.Module):
 
     @staticmethod
     def _replicated(rows: int, cfg: ModelConfig, dtype, device) -> nn.Parameter:
-        dtype = dtype or torch.get_default_dtype()
-        full = build_master_weight((rows, cfg.hidden_size), normal_init(cfg.init_std), dtype)
-        return mark_tp_dim(nn.Parameter(full.to(device=device, dtype=dtype)), None)
+        return replicated_weight((rows, cfg.hidden_size), cfg.init_std, dtype, device)
 
     def forward(
         self,
@@ -298,7 +303,8 @@ class ParallelModel(nn.Module):
         one = dict(rng=rng, kernels=self.kernels)
         self.embedding = Embeddings(cfg, **one, **build)
         self.layers = nn.ModuleList(
-            ParallelTransformerLayer(cfg, **one, **build) for _ in range(cfg.num_layers)
+            ParallelTransformerLayer(cfg, spec=spec_for(cfg, layer=i), **one, **build)
+            for i in range(cfg.num_layers)
         )
         return build
 

@@ -19,6 +19,7 @@ from layers.compile import (
 from layers.kernels.dispatch import BACKENDS as KERNELS
 from layers.recompute import RECOMPUTE_MODES
 from layers.rotary import ROPE_SCALINGS
+from layers.router import ROUTER_DTYPES, ROUTERS
 from layers.spec import ATTENTIONS, MLPS
 from layers.spec import NORMS as NORM_CLASSES
 from layers.utils import pad_vocab_size
@@ -56,9 +57,21 @@ RESUME_FIXED = (
     "rope_low_freq_factor",
     "rope_high_freq_factor",
     "rope_original_max_positions",
+    "moe_num_experts",
+    "moe_top_k",
+    "moe_ffn_hidden_size",
+    "moe_router",
+    "moe_renormalize",
+    "moe_shared_ffn_hidden_size",
+    "moe_shared_gate",
+    "moe_layer_freq",
 )
 # Keys whose null means a default from the others: compared with that default applied.
-_APPLIED = {"num_kv_heads": "kv_heads", "ffn_hidden_size": "ffn_size"}
+_APPLIED = {
+    "num_kv_heads": "kv_heads",
+    "ffn_hidden_size": "ffn_size",
+    "moe_ffn_hidden_size": "moe_ffn_size",
+}
 
 
 @dataclass
@@ -101,11 +114,30 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3 scaling: low_freq_factor
     rope_high_freq_factor: float = 4.0  # llama3 scaling: high_freq_factor
     rope_original_max_positions: int = 8192  # llama3 scaling: original context length
+    # Mixture of experts, read under mlp="moe" (layers/moe.py, layers/router.py).
+    moe_num_experts: int = 8  # routed experts per MoE layer, E
+    moe_top_k: int = 2  # experts each token goes to, k
+    moe_ffn_hidden_size: int | None = None  # one expert's inner width; None means ffn_size
+    moe_router: str = "softmax"  # "softmax" (Mixtral, Qwen) or "sigmoid" (+ bias, DeepSeek-V3)
+    moe_router_dtype: str = "fp32"  # routing probabilities' dtype: "fp32" (as HF) or "fp64"
+    moe_renormalize: bool = True  # rescale the k weights to sum 1 (Mixtral, Qwen3; Qwen2 not)
+    moe_shared_ffn_hidden_size: int = 0  # shared expert's inner width (Qwen2-MoE); 0: none
+    moe_shared_gate: bool = True  # scale the shared expert by sigmoid(x·g) (Qwen2-MoE)
+    moe_capacity_factor: float | None = None  # per expert ⌈factor·T·k/E⌉ slots; None: dropless
+    moe_aux_loss_coeff: float = 0.01  # weight of the load-balancing loss in the trainer's loss
+    moe_z_loss_coeff: float = 0.0  # weight of the router z-loss
+    moe_bias_update_rate: float = 0.001  # γ of the sigmoid router's bias update (DeepSeek-V3)
+    moe_layer_freq: int = 1  # experts on layers i with (i + 1) % freq == 0, dense elsewhere
 
     @property
     def ffn_size(self) -> int:
         """The MLP inner width with the default applied."""
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """One expert's inner width with the default (the dense MLP's) applied."""
+        return self.moe_ffn_hidden_size or self.ffn_size
 
     @property
     def head_dim(self) -> int:
@@ -174,6 +206,8 @@ class ModelConfig:
             ("mlp", self.mlp, tuple(MLPS)),
             ("position_embedding", self.position_embedding, POSITIONS),
             ("rope_scaling", self.rope_scaling, ROPE_SCALINGS),
+            ("moe_router", self.moe_router, ROUTERS),
+            ("moe_router_dtype", self.moe_router_dtype, tuple(ROUTER_DTYPES)),
         ):
             if value not in allowed:
                 raise ValueError(f"model.{key}={value!r} is not one of {allowed}")
@@ -189,6 +223,8 @@ class ModelConfig:
                 f"model.num_heads={self.num_heads}"
             )
         self._validate_rope()
+        if self.mlp == "moe":
+            self._validate_moe(tp_size)
         if self.cuda_graphs:
             self._validate_cuda_graphs()
         selective = self.compile and self.recompute == "selective" and tp_size > 1
@@ -209,7 +245,15 @@ class ModelConfig:
 
     def _validate_numbers(self) -> None:
         """Sizes at least 1; epsilon, init scale and dropout in their ranges (NaN fails)."""
-        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_positions"):
+        # moe_layer_freq for every mlp: layers.spec.spec_for divides by it.
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "max_positions",
+            "moe_layer_freq",
+        ):
             if getattr(self, key) < 1:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
         if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
@@ -230,6 +274,41 @@ class ModelConfig:
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
+
+    def _validate_moe(self, tp_size: int) -> None:
+        """Experts, k, widths and coefficients in range; one TP rank; no expert biases."""
+        experts, k = self.moe_num_experts, self.moe_top_k
+        if experts < 1:
+            raise ValueError(f"model.moe_num_experts={experts} must be >= 1 under model.mlp=moe")
+        if not 1 <= k <= experts:
+            raise ValueError(f"model.moe_top_k={k} must be in [1, model.moe_num_experts={experts}]")
+        ffn, shared = self.moe_ffn_hidden_size, self.moe_shared_ffn_hidden_size
+        if ffn is not None and ffn < 1:
+            raise ValueError(
+                f"model.moe_ffn_hidden_size={ffn} must be >= 1 (or null: model.ffn_hidden_size)"
+            )
+        if shared < 0:
+            raise ValueError(
+                f"model.moe_shared_ffn_hidden_size={shared} must be >= 0 (0: no shared expert)"
+            )
+        factor = self.moe_capacity_factor
+        if factor is not None and not 0 < factor < math.inf:
+            raise ValueError(
+                f"model.moe_capacity_factor={factor} must be > 0 and finite (or null: dropless)"
+            )
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate"):
+            if not 0 <= getattr(self, key) < math.inf:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 0 and finite")
+        if tp_size > 1:
+            raise ValueError(
+                f"model.mlp=moe runs at tp_size=1 for now (got tp_size={tp_size}): use "
+                "tp_size=1 or model.mlp=dense"
+            )
+        if self.linear_bias:
+            raise ValueError(
+                "model.mlp=moe: experts carry no biases (Mixtral, Qwen-MoE): set "
+                "model.linear_bias=false"
+            )
 
     def _validate_cuda_graphs(self) -> None:
         """CUDA graphs are inductor's ``mode="reduce-overhead"`` of the compiled step, which

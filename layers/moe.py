@@ -1,0 +1,199 @@
+"""The mixture-of-experts MLP: a router, E experts computed as a grouped GEMM, an optional
+shared expert. The "moe" entry of ``layers.spec.MLPS``.
+
+One forward, for the T = s·b tokens of ``[s, b, h]``:
+
+1. route (``layers.router``): each token's k experts, their weights, and which token-slots
+   fit the capacity;
+2. permute (``permute``): the kept token-slots sorted by expert, stably, so each expert's
+   rows stay in token order: ``[n, h]`` with ``counts[e]`` rows per expert;
+3. compute (``GroupedExperts``): fc1, SwiGLU (or GeLU), fc2 per expert as grouped GEMMs;
+4. unpermute (``unpermute``): the rows back to their slots (a dropped slot stays zero),
+   then each token's output is Σ_j weight_j · row_j, summed over j = 0 … k−1 in that
+   order (no scatter-add, so the sum is the same on every device);
+5. plus sigmoid(x·g) · shared(x) when there is a shared expert (Qwen2-MoE's gate).
+
+The expert weights are ``[E, in, out]`` tensors (``x @ w[e]``), fc1's columns interleaved
+gate/up as ``layers.mlp``'s: giving each of several ranks its experts is a slice along
+dim 0. The router's losses of the last forward are ``self.router.last_losses``
+(``RouterLosses``: ``loss`` is what a trainer adds; ``moe_losses(model)`` collects them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from layers.kernel_set import Kernels, resolve_kernels
+from layers.linear import replicated_weight
+from layers.mlp import ParallelMLP
+from layers.router import RouterLosses, Routing, TopKRouter
+from layers.transformer_config import TransformerConfig
+from parallel_state.groups import group_size, resolve_tp_group
+from parallel_state.random import RNGTracker
+
+GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def grouped_mm_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``x`` ``[n, K]`` and ``w`` ``[E, K, N]``: CPU or
+    CUDA; bf16, fp16 or fp32 (bf16 only while compiling: its meta kernel takes no other,
+    torch 2.13); rows of 16-byte multiples. fp64 never (the float64 tests take the loop)."""
+    if not hasattr(torch, "_grouped_mm") or x.device.type not in ("cpu", "cuda"):
+        return False
+    if x.dtype not in GROUPED_MM_DTYPES or w.dtype != x.dtype:
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False
+    align = 16 // x.element_size()
+    return len(x) > 0 and x.shape[1] % align == 0 and w.shape[2] % align == 0
+
+
+def grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, impl: str = "auto"
+) -> torch.Tensor:
+    """``[n, K]`` rows, ``counts[e]`` of them (in order) for expert e, times ``w[e]``
+    (``w``: ``[E, K, N]``) → ``[n, N]``. ``impl``: "grouped" (``torch._grouped_mm``),
+    "loop" (one matmul per expert) or "auto" (grouped where ``grouped_mm_fits``)."""
+    if impl == "grouped" or (impl == "auto" and grouped_mm_fits(x, w)):
+        offsets = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offsets)
+    rows = x.split(counts.tolist())  # the loop needs the counts on the host (a sync)
+    return torch.cat([chunk @ w[e] for e, chunk in enumerate(rows)])
+
+
+def permute(
+    tokens: torch.Tensor, routing: Routing, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept token-slots of ``tokens`` ``[T, h]`` grouped by expert: (rows ``[n, h]``,
+    ``order`` ``[n]``: the slot t·k + j each row came from, ``counts`` ``[E]``).
+
+    Each token is first copied k times (its backward sums the k slot gradients in order);
+    the rows are then a gather by distinct slots, so no gradient is scattered with atomics.
+    """
+    k = routing.experts.shape[1]
+    key = routing.experts.reshape(-1)
+    if routing.keep is not None:  # dropped slots sort past every expert and are cut off
+        key = key.masked_fill(~routing.keep.reshape(-1), num_experts)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    order = torch.argsort(key, stable=True)
+    if routing.keep is not None:  # the kept count is data: one host sync, only when dropping
+        order = order[: int(counts.sum())]
+    slots = tokens.unsqueeze(1).expand(-1, k, -1).reshape(-1, tokens.shape[-1])
+    return slots[order], order, counts
+
+
+def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``permute``, combined: each row back in its slot (dropped slots zero),
+    then Σ_j ``weights[t, j]`` · slot (t, j) for each token → ``[T, h]``."""
+    tokens, k = weights.shape
+    slots = rows.new_zeros(tokens * k, rows.shape[-1]).index_copy(0, order, rows)
+    slots = slots.view(tokens, k, -1) * weights.to(rows.dtype).unsqueeze(-1)
+    return slots.sum(1)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU (or GeLU) MLPs without biases, as two ``[E, in, out]`` weights.
+
+    ``fc1``: ``[E, h, 2·f_e]`` (gated: gate and up columns interleaved, ``(f two)``) or
+    ``[E, h, f_e]``; ``fc2``: ``[E, f_e, h]``, drawn with the residual-branch std
+    init_std / √(2·layers) as the dense MLP's fc2. The full weights are drawn on the CPU from
+    the seed, so any later split over ranks holds slices of the same experts.
+    """
+
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        kernels: Kernels,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.kernels, self.gated = kernels, cfg.activation == "swiglu"
+        self.approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None}[cfg.activation]
+        experts, h, f = cfg.moe_num_experts, cfg.hidden_size, cfg.moe_ffn_size
+        width = f * (2 if self.gated else 1)
+        self.fc1 = replicated_weight((experts, h, width), cfg.init_std, dtype, device)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        self.fc2 = replicated_weight((experts, f, h), out_std, dtype, device)
+        self.impl = "auto"  # grouped_mm's choice; the tests set "loop" or "grouped"
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``rows`` ``[n, h]`` grouped by expert, ``counts`` ``[E]`` → ``[n, h]``."""
+        hidden = grouped_mm(rows, self.fc1, counts, impl=self.impl)
+        if self.gated:
+            hidden = self.kernels.swiglu(hidden, None)
+        else:
+            hidden = self.kernels.gelu(hidden, None, self.approximate)
+        return grouped_mm(hidden, self.fc2, counts, impl=self.impl)
+
+
+class MoEMLP(nn.Module):
+    """Router, grouped experts and an optional gated shared expert (module docstring).
+
+    Constructed as every MLP slot is (``layers.spec``); ``rng`` unused (no dropout). Runs on
+    one TP rank for now: ``tp_group`` must hold one rank.
+    """
+
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        *,
+        tp_group: dist.ProcessGroup | None,
+        rng: RNGTracker | None = None,
+        kernels: Kernels | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        tp_group = resolve_tp_group(tp_group)
+        if group_size(tp_group) > 1:
+            raise ValueError(
+                f"model.mlp='moe' runs at tp_size=1 for now (got tp_size={group_size(tp_group)})"
+                ": use tp_size=1 or model.mlp=dense"
+            )
+        kernels = kernels or resolve_kernels(cfg.kernels)
+        self.num_experts = cfg.moe_num_experts
+        factory = dict(dtype=dtype, device=device)
+        # Built in this order (the master weights' draws follow it).
+        self.router = TopKRouter(cfg, **factory)
+        self.experts = GroupedExperts(cfg, kernels, **factory)
+        self.shared_expert = self.shared_gate = None
+        if cfg.moe_shared_ffn_hidden_size:
+            self.shared_expert = ParallelMLP(
+                cfg,
+                tp_group=tp_group,
+                kernels=kernels,
+                ffn_size=cfg.moe_shared_ffn_hidden_size,
+                **factory,
+            )
+            if cfg.moe_shared_gate:  # Qwen2-MoE's shared_expert_gate: [1, h], no bias
+                shape = (1, cfg.hidden_size)
+                self.shared_gate = replicated_weight(shape, cfg.init_std, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``x`` ``[s, b, h]`` → (``[s, b, h]``, None: no bias to add)."""
+        tokens = x.reshape(-1, x.shape[-1])  # [T, h], T = s·b in (s, b) order
+        routing = self.router(tokens)
+        rows, order, counts = permute(tokens, routing, self.num_experts)
+        out = unpermute(self.experts(rows, counts), order, routing.weights)
+        if self.shared_expert is not None:
+            shared, _ = self.shared_expert(tokens)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(tokens @ self.shared_gate.T) * shared
+            out = out + shared
+        return out.view_as(x), None
+
+
+def moe_losses(model: nn.Module) -> list[RouterLosses]:
+    """The ``RouterLosses`` of every router in ``model``'s last forward, in module order;
+    a trainer adds ``sum(one.loss for one in moe_losses(model))`` to the model loss."""
+    return [
+        m.last_losses
+        for m in model.modules()
+        if isinstance(m, TopKRouter) and m.last_losses is not None
+    ]
