@@ -570,6 +570,20 @@ def _in_range(value: Any) -> bool:
     return True
 
 
+def resolve_compile(cfg: Config, dims: ParallelDims, device_type: str) -> bool:
+    """``model.compile``; its default (None, "auto") compiles on CUDA where the layout runs
+    compiled: one pipeline stage, no FSDP2, and not selective recomputation at tp > 1 on a
+    torch that compiles it wrongly (``layers.compile``)."""
+    m = cfg.model
+    if m.compile is not None:
+        return m.compile
+    from layers.compile import selective_recompute_compiles
+
+    wrong = m.recompute == "selective" and dims.tp > 1 and not selective_recompute_compiles()
+    sharded = dims.dp_shard in ("gradients", "full")
+    return device_type == "cuda" and dims.pp == 1 and not sharded and not wrong
+
+
 def resolve_precision(precision: str, device_type: str) -> str:
     """``auto`` is bf16 on CUDA devices that support it, else fp32 (the CPU's practice)."""
     if precision != "auto":

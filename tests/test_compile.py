@@ -296,3 +296,29 @@ def test_step_timer_does_not_break_the_compiled_graph():
     still one graph, no break, at TP=2."""
     for graphs, breaks in run_ranks(_graphs_with_step_timer, 2, 2):
         assert (graphs, breaks) == (1, 0)
+
+
+def test_compile_defaults_to_auto_compiled_on_cuda_where_the_layout_runs_compiled():
+    """``model.compile`` unset: compiled only on CUDA with one stage, no FSDP2 and no
+    selective recomputation at tp > 1 on a torch that compiles it wrongly; an explicit
+    true or false always wins (the rule as docs/BENCHMARKS.md's GPU check derives it)."""
+    from engine.config import resolve_compile
+    from parallel_state.dims import ParallelDims
+    from tests.test_engine import compose_config
+
+    cfg = compose_config()
+    assert cfg.model.compile is None  # the default is "auto"
+    plain = ParallelDims(tp=1, dp=1, pp=1)
+    assert resolve_compile(cfg, plain, "cuda") is True
+    assert resolve_compile(cfg, plain, "cpu") is False
+    assert resolve_compile(cfg, ParallelDims(tp=1, dp=1, pp=2), "cuda") is False
+    for shard, compiled in (("none", True), ("optimizer", True), ("full", False)):
+        dims = ParallelDims(tp=1, dp=2, pp=1, dp_shard=shard)
+        assert resolve_compile(cfg, dims, "cuda") is compiled, shard
+    cfg.model.recompute = "selective"
+    tp2 = ParallelDims(tp=2, dp=1, pp=1)
+    assert resolve_compile(cfg, tp2, "cuda") is selective_recompute_compiles()
+    for explicit in (True, False):
+        cfg.model.compile = explicit
+        assert resolve_compile(cfg, plain, "cpu") is explicit
+        assert resolve_compile(cfg, tp2, "cuda") is explicit

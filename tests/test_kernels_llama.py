@@ -225,15 +225,21 @@ def test_swiglu_saves_only_its_input():
 # ---------------------------------------------------------------- dispatch
 
 
-def test_auto_keeps_torch_for_the_unmeasured_llama_kernels():
-    """Never measured on a GPU: ``auto`` (ops and model) runs torch for them, bit for bit,
-    on any device and width; ``triton`` runs the kernels."""
-    assert MODEL_AUTO["rms_norm"] is None and MODEL_AUTO["swiglu"] is None
-    x, w = torch.randn(3, 8192, device=DEVICE), torch.randn(8192, device=DEVICE)
-    gu = torch.randn(3, 16384, device=DEVICE)
-    for op, t in (("rms_norm", x), ("swiglu", gu)):
-        assert choose_backend(op, t, "auto") == "torch"
-        assert choose_backend(op, t, "triton") == "triton"
+def test_auto_runs_the_llama_kernels_from_their_measured_widths():
+    """Measured on a GPU at h 2048 and a gate/up width of 16384: ``auto`` runs them there on
+    CUDA, and torch, bit for bit, below those widths or off CUDA; ``triton`` runs them."""
+    assert MODEL_AUTO["rms_norm"] == 2048 and MODEL_AUTO["swiglu"] == 16384
+    cuda = DEVICE.type == "cuda"
+    for op, width in (("rms_norm", 2048), ("swiglu", 16384)):
+        wide, narrow = (
+            torch.randn(3, width, device=DEVICE),
+            torch.randn(3, width // 2, device=DEVICE),
+        )
+        assert choose_backend(op, wide, "auto") == ("triton" if cuda else "torch")
+        assert choose_backend(op, narrow, "auto") == "torch"
+        assert choose_backend(op, narrow, "triton") == "triton"
+    x, w = torch.randn(3, 1024, device=DEVICE), torch.randn(1024, device=DEVICE)
+    gu = torch.randn(3, 8192, device=DEVICE)
     auto = resolve_kernels("auto")
     torch.testing.assert_close(
         auto.rms_norm(x, w, EPS), TORCH_KERNELS.rms_norm(x, w, EPS), rtol=0, atol=0

@@ -97,7 +97,12 @@ class ModelConfig:
     activation: str = "gelu_tanh"  # "gelu_tanh" (GPT-2's tanh), "gelu" (exact), "swiglu" (Llama)
     tie_embeddings: bool = True  # LM head reuses the word embedding
     kernels: str = "auto"  # element-wise ops: "auto" (Triton on CUDA), "triton", "apex", "torch"
-    compile: bool = False  # torch.compile the whole forward and loss (layers.compile)
+    # torch.compile the whole forward and loss (layers.compile). None (the default) is
+    # "auto": compiled on CUDA where the layout runs compiled (pp 1, no FSDP2; see
+    # engine.config.resolve_compile), eager elsewhere. Measured on an H200, 2026-11-26
+    # (docs/BENCHMARKS.md, GPU check): GPT 350M bf16 steps 1.39x faster compiled than
+    # eager (155,694 against 111,628 tokens/s). On CPU the eager step stays the default.
+    compile: bool | None = None
     compile_backend: str = "inductor"  # torch.compile backend: "inductor", "aot_eager" or "eager"
     cuda_graphs: bool = False  # the compiled step replayed as CUDA graphs (reduce-overhead)
     # Component seams (defaults: GPT-2's parts). Llama-family decoders pick the others.
