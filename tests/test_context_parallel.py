@@ -103,10 +103,10 @@ def _assert_equal_to_unsplit(per_rank: list[dict]) -> float:
     for rank, out in enumerate(per_rank):
         # The logged loss is summed in float32 by the runner: 2e-7 relative (two roundings).
         torch.testing.assert_close(
-            out["logged"], out["want_loss"], rtol=2e-7, atol=0, msg=f"rank {rank} logged loss"
+            out["logged"], out["want_loss"], rtol=2e-7, atol=0, msg=lambda m, r=rank: f"{r}: {m}"
         )
         torch.testing.assert_close(
-            out["loss"], out["want_loss"], rtol=0, atol=TOL, msg=f"rank {rank} loss"
+            out["loss"], out["want_loss"], rtol=0, atol=TOL, msg=lambda m, r=rank: f"{r}: {m}"
         )
         worst = max(worst, abs(out["loss"] - out["want_loss"]))
         for kind in ("grads", "weights"):
@@ -148,3 +148,28 @@ def test_seq_len_not_divisible_by_2cp_is_refused_in_one_line():
         "data.seq_len=30 is not divisible by 2 × cp_size = 4 (context parallelism cuts each "
         "sequence into 2·cp equal chunks); choose a multiple of 4 or another cp_size"
     ], problems
+
+
+def test_the_cp_axis_takes_its_share_of_the_world_in_one_line_errors():
+    """dp=auto divides the world by tp × cp (× pp); a world that does not fit, and a
+    sequence that sequence parallelism cannot split again over tp, are one line each."""
+    from parallel_state.dims import LayoutError, ParallelDims
+
+    dims = ParallelDims.resolve(2, "auto", 8, cp=2)
+    assert (dims.tp, dims.cp, dims.dp, dims.world) == (2, 2, 2, 8)
+    with pytest.raises(
+        LayoutError, match=r"^world size 6 is not divisible by tp_size × cp_size = 4;"
+    ):
+        ParallelDims.resolve(2, "auto", 6, cp=2)
+    with pytest.raises(
+        LayoutError,
+        match=r"^dp_size × cp_size × tp_size = 2 × 2 × 1 = 4 does not equal the world size 2;",
+    ):
+        ParallelDims.resolve(1, 2, 2, cp=2)
+    with pytest.raises(
+        LayoutError, match=r"^data.seq_len=20 is not divisible by cp_size × tp_size = 8"
+    ):
+        ParallelDims(4, 1, cp=2, sequence_parallel=True).check_seq_len(20)
+    with pytest.raises(LayoutError, match=r"^cp_size must be an integer >= 1, got 0; set cp_size"):
+        ParallelDims(1, 1, cp=0)
+    ParallelDims(2, 1, cp=2, sequence_parallel=True).check_seq_len(12)  # 4 chunks of 3, 6 ÷ 2

@@ -70,6 +70,8 @@ class LocalRunner:
     def __init__(self, model: nn.Module, ps: ParallelState, autocast: Autocast) -> None:
         self.model, self.ps, self.autocast = model, ps, autocast
         self.inputs = model_inputs(model, ps)
+        if ps.size("cp") > 1:  # its attention is a ring over the cp group: no KV cache
+            self.sample_refusal = "no sample: generation runs at cp_size=1"
 
     def _loss(self, batch) -> torch.Tensor:
         return self.model.loss(self.inputs(batch))
@@ -108,4 +110,5 @@ class LocalRunner:
         return "forward/backward", "model"
 
     def console_note(self) -> str:
-        return ""
+        cp = self.ps.size("cp")
+        return f" cp={cp} (ring attention)" if cp > 1 else ""
