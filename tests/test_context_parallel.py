@@ -39,7 +39,7 @@ MODELS = {  # GPT: learned positions, MHA; Llama: rotary, GQA (2 KV heads for 4 
 }
 
 
-def _step_against_unsplit(name: str, tp: int, sequence_parallel: bool) -> dict:
+def _step_against_unsplit(name: str, tp: int, sequence_parallel: bool, layers: int = 2) -> dict:
     """This rank's loss, full gradients and weights after one AdamW step, and the unsplit
     reference's, for a cp × tp mesh over every rank (dp 1)."""
     import torch.distributed as dist
@@ -57,11 +57,13 @@ def _step_against_unsplit(name: str, tp: int, sequence_parallel: bool) -> dict:
     ps = parallel_state.initialize(dims)
     solo = [dist.new_group([r]) for r in range(world)][ps.rank]  # the reference's "mesh"
     preset_name, extra = MODELS[name]
-    cfg = preset(preset_name, **SMALL, **extra, sequence_parallel=sequence_parallel)
+    extra = {**extra, "num_layers": layers}
+    small = {k: v for k, v in SMALL.items() if k != "num_layers"}
+    cfg = preset(preset_name, **small, **extra, sequence_parallel=sequence_parallel)
     ps.seed(7)
     model = build_model(cfg, ps, dtype=torch.float64)
     reference = build_model(
-        preset(preset_name, **SMALL, **extra), tp_group=solo, rng=ps.rng, dtype=torch.float64
+        preset(preset_name, **small, **extra), tp_group=solo, rng=ps.rng, dtype=torch.float64
     )
     reference.load_full_state_dict(model.full_state_dict())
     windows = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
@@ -131,8 +133,9 @@ def test_cp2_equals_the_unsplit_model(name):
 
 def test_cp2_with_tp2_and_sequence_parallelism_equals_the_unsplit_model():
     """cp 2 × tp 2 (4 ranks) with sequence parallelism, Llama with GQA: each cp rank's
-    share of a sequence is split again over tp; the same 1e-10."""
-    per_rank = run_ranks(_step_against_unsplit, 4, "llama", 2, True)
+    share of a sequence is split again over tp; the same 1e-10. One layer: 4 ranks share
+    this machine's cores."""
+    per_rank = run_ranks(_step_against_unsplit, 4, "llama", 2, True, 1)
     print(f"llama cp2 x tp2 sp: max |error| {_assert_equal_to_unsplit(per_rank):.1e}")
 
 
@@ -173,3 +176,48 @@ def test_the_cp_axis_takes_its_share_of_the_world_in_one_line_errors():
     with pytest.raises(LayoutError, match=r"^cp_size must be an integer >= 1, got 0; set cp_size"):
         ParallelDims(1, 1, cp=0)
     ParallelDims(2, 1, cp=2, sequence_parallel=True).check_seq_len(12)  # 4 chunks of 3, 6 ÷ 2
+
+
+def _verifier_at_cp2() -> dict[str, tuple | None]:
+    """The layout verifier at cp 2: Llama clean, then GPT and Llama with positions not
+    offset (each cp rank's tokens numbered from 0): the first failing row of each."""
+    import engine.models.gpt.model as gpt_model
+    import parallel_state
+    from studies.verification.layouts import VerifySpec, compare_layouts
+
+    def unshifted(seq_len, cp_size, cp_rank, *, device=None):
+        return torch.arange(seq_len // cp_size, device=device)
+
+    found, original = {}, gpt_model.cp_positions
+    for name, model, planted in (
+        ("clean", "llama", False),
+        ("gpt", "gpt", True),
+        ("llama", "llama", True),
+    ):
+        spec = VerifySpec(model=model, tp_size=1, cp_size=2, num_heads=4)
+        gpt_model.cp_positions = unshifted if planted else original
+        try:
+            with parallel_state.initialize(spec.dims):
+                report = compare_layouts(spec)
+        finally:
+            gpt_model.cp_positions = original
+        if report is not None:
+            failure = report.first_failure
+            found[name] = (
+                len(report.rows),
+                failure and (failure.kind, failure.name, failure.max_rel),
+            )
+    return found
+
+
+def test_the_verifier_runs_at_cp2_and_names_unshifted_positions_where_they_show():
+    """Every module's output, the loss and every gradient within 1e-10 at cp 2; positions
+    not offset show first at the learned position table (GPT: the embedding's output) and
+    at the first attention core that rotates q and k (Llama)."""
+    found = run_ranks(_verifier_at_cp2, 2)[0]
+    print(found)
+    rows, failure = found["clean"]
+    assert rows > 30 and failure is None, found
+    assert found["gpt"][1][:2] == ("output", "embedding"), found
+    assert found["llama"][1][:2] == ("output", "layers.0.attention.core"), found
+    assert min(found["gpt"][1][2], found["llama"][1][2]) > 1e-3, found
