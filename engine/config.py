@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 from engine.data.fsutil import MISSING, file_problem
 from engine.data.weights import normalized, split_fractions
 from engine.models.config import ModelConfig
+from engine.models.families import family
 from engine.pipeline.split import layer_split, microbatch_rule
 from parallel_state.dims import LayoutError, ParallelDims
 
@@ -111,8 +112,9 @@ class ParallelConfig:
     """The layout: ranks per layer, replicas and stages, and what the DP axis shards."""
 
     tp: int = 2  # tensor-parallel size, ranks sharing each layer (short form: tp_size=)
-    dp: Any = 2  # data-parallel size, or "auto": world ÷ (tp × pp) (short form: dp_size=)
+    dp: Any = 2  # data-parallel size, or "auto": world ÷ (tp × cp × pp) (short form: dp_size=)
     pp: int = 1  # pipeline stages the layers are cut into; 1: none (short form: pp_size=)
+    cp: int = 1  # context-parallel ranks splitting each sequence (ring attention; cp_size=)
     dp_shard: str = "none"  # DP shards: none, optimizer (ZeRO-1), gradients (ZeRO-2), full (ZeRO-3)
     # Also model.sequence_parallel=true, the key the layers read: either turns it on.
     sequence_parallel: bool = False  # shard norms and dropout along the sequence inside TP
@@ -120,7 +122,7 @@ class ParallelConfig:
 
 
 # The sizes' short forms, top-level keys: ``tp_size=2`` sets ``parallel.tp``.
-SHORT_FORMS = {"tp_size": "tp", "dp_size": "dp", "pp_size": "pp"}
+SHORT_FORMS = {"tp_size": "tp", "dp_size": "dp", "pp_size": "pp", "cp_size": "cp"}
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -138,8 +140,8 @@ class PipelineConfig:
 class Config:
     """Everything a pre-training run needs.
 
-    The sizes live in ``parallel``; ``tp_size``, ``dp_size`` and ``pp_size`` are their
-    short forms. One given (not None) overrides the section's size, one left out mirrors
+    The sizes live in ``parallel``; ``tp_size``, ``dp_size``, ``pp_size`` and ``cp_size``
+    are their short forms. One given (not None) overrides the section's size, one left out mirrors
     it, so after construction both spellings read the same value. In code, change a size
     through its short form (``dataclasses.replace(cfg, dp_size=4)``): a replaced
     ``parallel`` section does not beat a short form the config already holds.
@@ -156,15 +158,16 @@ class Config:
     tp_size: int | None = None  # short for parallel.tp (null: the section's)
     dp_size: Any = None  # short for parallel.dp, an integer or auto (null: the section's)
     pp_size: int | None = None  # short for parallel.pp (null: the section's)
+    cp_size: int | None = None  # short for parallel.cp (null: the section's)
     run_dir: str = "."  # where logs go; set to Hydra's output directory at launch
 
     def __post_init__(self) -> None:
-        short = {"tp": self.tp_size, "dp": self.dp_size, "pp": self.pp_size}
+        short = {"tp": self.tp_size, "dp": self.dp_size, "pp": self.pp_size, "cp": self.cp_size}
         given = {axis: value for axis, value in short.items() if value is not None}
         if given:  # a new section: the old one may be shared with another Config
             self.parallel = dataclasses.replace(self.parallel, **given)
         p = self.parallel
-        self.tp_size, self.dp_size, self.pp_size = p.tp, p.dp, p.pp
+        self.tp_size, self.dp_size, self.pp_size, self.cp_size = p.tp, p.dp, p.pp, p.cp
         # Sequence parallelism and the schedule are layout choices too: the section and
         # the keys the layers and the pipeline read agree after construction.
         sp = p.sequence_parallel or self.model.sequence_parallel
@@ -192,8 +195,8 @@ def register_configs() -> None:
 def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
     """The run's layout, validated: the one place a training config becomes a
     :class:`ParallelDims`, read from the ``parallel`` section (``dp=auto`` is world ÷
-    (tp · pp), 1 with no launcher yet, since this process then starts tp · pp ranks
-    itself; ``optim.distributed=true`` is the older spelling of
+    (tp · cp · pp), 1 with no launcher yet, since this process then starts tp · cp · pp
+    ranks itself; ``optim.distributed=true`` is the older spelling of
     ``parallel.dp_shard=optimizer``). Raises LayoutError, one line."""
     p = cfg.parallel
     return ParallelDims.resolve(
@@ -201,6 +204,7 @@ def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
         p.dp,
         world_size,
         pp=p.pp,
+        cp=p.cp,
         sequence_parallel=p.sequence_parallel,
         dp_shard=p.dp_shard,
         zero1=cfg.optim.distributed,
@@ -237,12 +241,30 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
 
 
 def _validate_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
-    """What the layout's pipeline stages and DP sharding need of the rest of the config."""
-    problems = _validate_pipeline(cfg, dims)
+    """What the layout's pipeline stages, context parallelism and DP sharding need of the
+    rest of the config."""
+    problems = _validate_pipeline(cfg, dims) + _validate_context_parallel(cfg, dims)
     if dims.dp_shard in ("gradients", "full"):
         problems += _validate_fsdp(cfg, dims)
     if cfg.optim.distributed and cfg.optim.impl == "apex":
         problems.append("optim.distributed=true (ZeRO-1) runs torch's AdamW: set optim.impl=auto")
+    return problems
+
+
+def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
+    """What cp > 1 does not run with yet, one line each (the sequence length is the
+    layout's rule, ``ParallelDims.check_seq_len``)."""
+    if dims.cp == 1:
+        return []
+    m, problems, at = cfg.model, [], f"cp_size={dims.cp}"
+    if not family(m.arch).causal:
+        problems.append(f"{at} runs the causal decoders (gpt, llama), not model.arch={m.arch}")
+    if dims.pp > 1:
+        problems.append(f"{at} with pp_size={dims.pp} is not built yet: set one of them to 1")
+    if m.attention_dropout > 0:
+        problems.append(f"{at}: ring attention draws no dropout; set model.attention_dropout=0")
+    if m.compile:
+        problems.append(f"{at} runs the ring eagerly: set model.compile=false")
     return problems
 
 

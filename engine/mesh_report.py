@@ -12,13 +12,14 @@ from parallel_state.launcher import detect_launch
 
 
 def describe_mesh(ps: ParallelState) -> str:
-    """One line naming every group of each mesh axis (pipeline ones when pp > 1) and the ranks on each host (a collective).
+    """One line naming every group of each mesh axis (pipeline and context-parallel ones
+    when there are several) and the ranks on each host (a collective).
 
     The groups are read back from torch.distributed (the ranks each process group really
     holds), not recomputed from the grid, so the line shows what the launch produced.
     """
     info = detect_launch()
-    shown = [axis for axis in reversed(MESH_AXES) if axis != "pp" or ps.size("pp") > 1]
+    shown = [a for a in reversed(MESH_AXES) if a not in ("pp", "cp") or ps.size(a) > 1]
     mine = {
         "rank": dist.get_rank(),
         "launcher_rank": info.rank if info.launcher != "none" else None,

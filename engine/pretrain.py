@@ -200,7 +200,8 @@ def launch(cfg: Config) -> dict:
     if detect_launch().launcher != "none" or world == 1:
         return run_rank(cfg)
     # Starting and joining the ranks takes a while on a busy machine: say so at once.
-    print(f"starting {world} local ranks (tp={dims.tp} × dp={dims.dp} × pp={dims.pp}) ...")
+    cp = f" × cp={dims.cp}" if dims.cp > 1 else ""
+    print(f"starting {world} local ranks (tp={dims.tp} × dp={dims.dp}{cp} × pp={dims.pp}) ...")
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -26,6 +26,7 @@ from layers.linear import (
     residual_output_linear,
 )
 from layers.recompute import checkpointed
+from layers.ring_attention import ring_attention
 from layers.rotary import apply_rotary
 from layers.transformer_config import TransformerConfig
 from parallel_state.groups import group_size, resolve_tp_group
@@ -97,8 +98,9 @@ def decoder_mask(
 class CoreAttention(nn.Module):
     """softmax(QKᵀ/√d)·V with attention dropout, over this rank's heads.
 
-    Input q, k, v: ``[b, heads/tp, s, d]``; output ``[s, b, heads/tp · d]`` (TP-sharded on
-    its last dim). With ``recompute=True`` nothing inside is kept for backward (selective
+    Input q ``[b, heads/tp, s, d]``, k and v ``[b, kv heads on this rank, s, d]`` (each KV
+    head serves a run of query heads); output ``[s, b, heads/tp · d]`` (TP-sharded on its
+    last dim). With ``recompute=True`` nothing inside is kept for backward (selective
     recomputation): the s×s scores are the largest activations of a layer and the
     cheapest to recompute.
     """
@@ -120,9 +122,32 @@ class CoreAttention(nn.Module):
         return self._attend(q, k, v, mask)
 
     def _attend(self, q, k, v, mask):
+        if k.shape[1] != q.shape[1]:  # grouped-query: each KV head serves a run of q heads
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         p = self.dropout if self.training else 0.0
         # Attention probabilities are TP-sharded (each rank has its own heads): sharded stream.
         out = dropout.attention(q, k, v, mask, p, causal=self.causal, rng=self.rng)
+        return rearrange(out, "b heads s d -> s b (heads d)")
+
+
+class RingCoreAttention(CoreAttention):
+    """The attention core of a context-parallel rank: this rank's queries over the whole
+    sequence, whose keys and values travel around ``cp_group`` (``layers.ring_attention``).
+
+    q, k, v hold this rank's share of the sequence in the load-balanced layout
+    (``shard_for_cp``), already rotated at their global positions; only the KV heads
+    travel. No dropout, and nothing to recompute: the ring keeps no s×s scores.
+    """
+
+    def __init__(self, cp_group: dist.ProcessGroup, *, causal: bool) -> None:
+        super().__init__(0.0, causal=causal, recompute=False, rng=None)
+        self.cp_group = cp_group
+
+    def _attend(self, q, k, v, mask):
+        if mask is not None:
+            raise ValueError("ring attention takes no mask: causal or full attention only")
+        out = ring_attention(q, k, v, cp_group=self.cp_group, causal=self.causal)
         return rearrange(out, "b heads s d -> s b (heads d)")
 
 
@@ -133,7 +158,10 @@ class ParallelAttention(nn.Module):
     broadcastable to ``[b, heads, s, s]``, True where a query may attend to a key.
 
     The "standard" entry of ``layers.spec.ATTENTIONS``; constructed as every attention slot
-    is (``kernels`` unused: the attention core is torch's).
+    is (``kernels`` unused: the attention core is torch's). A ``cp_group`` of several ranks
+    (context parallelism) makes the core a ring (:class:`RingCoreAttention`): the input is
+    then this rank's share of each sequence, and ``rotary`` holds its global positions.
+    The layout, not the model config, decides, so one config runs at every cp size.
     """
 
     def __init__(
@@ -145,6 +173,7 @@ class ParallelAttention(nn.Module):
         kernels: Kernels | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         tp_group = resolve_tp_group(tp_group)
@@ -153,13 +182,23 @@ class ParallelAttention(nn.Module):
         self.sequence_parallel = cfg.sequence_parallel
         common = branch_options(cfg, tp_group, dtype, device)
         self._build_projections(cfg, tp_group, common)
-        self.core = CoreAttention(
-            cfg.attention_dropout,
-            causal=cfg.causal,
-            recompute=cfg.recompute == "selective",
-            rng=rng,
-        )
+        self.core = self._build_core(cfg, rng, cp_group)
         self.dense = residual_output_linear(cfg, cfg.hidden_size, common)
+
+    @staticmethod
+    def _build_core(cfg: TransformerConfig, rng, cp_group) -> CoreAttention:
+        """The ring over ``cp_group`` when it has several ranks, else the local core."""
+        if group_size(cp_group) == 1:
+            recompute = cfg.recompute == "selective"
+            return CoreAttention(
+                cfg.attention_dropout, causal=cfg.causal, recompute=recompute, rng=rng
+            )
+        if cfg.attention_dropout > 0:
+            raise ValueError(
+                f"attention_dropout={cfg.attention_dropout}: ring attention (cp > 1) draws no "
+                "dropout; set it to 0"
+            )
+        return RingCoreAttention(cp_group, causal=cfg.causal)
 
     def _build_projections(self, cfg: TransformerConfig, tp_group, common: dict) -> None:
         """Multi-head: one fused ``qkv``, rows ``(heads three d)``. Grouped-query (fewer KV
@@ -206,14 +245,13 @@ class ParallelAttention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:
+            if isinstance(self.core, RingCoreAttention):
+                raise ValueError("a KV cache (generation) runs at cp_size=1, not on a ring")
             past = cache.length
             k, v = cache.append(k, v)  # [b, heads/tp, past + s, d]
             if mask is None and self.core.causal and past:
                 # is_causal aligns the query block with the first keys; decoding needs the last.
                 mask = decoder_mask(None, q.shape[2], past, batch=q.shape[0], device=q.device)
-        if k.shape[1] != q.shape[1]:  # grouped-query: each KV head serves a run of q heads
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return self.dense(self.core(q, k, v, mask))
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:

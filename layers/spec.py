@@ -13,7 +13,9 @@ master weights):
   dropout, so ignores ``rng``; attention has no element-wise kernel, so ignores
   ``kernels``). ``forward`` takes ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
   parallelism) and returns ``(out, bias or None)``: the bias unadded, for the layer's fused
-  bias + dropout + residual add. Attention's forward also takes ``mask, cache, rotary``.
+  bias + dropout + residual add. Attention's forward also takes ``mask, cache, rotary``,
+  and its constructor ``cp_group`` too (the context-parallel ranks splitting each
+  sequence; None or one rank: none), since attention alone sees across tokens.
 * norm (both ``attention_norm`` and ``mlp_norm``): ``cls(width, eps, *,
   sequence_parallel, kernels, dtype, device)``, the form the embedding and head norms are
   built with too; ``forward`` maps ``[..., width]`` to the same shape.

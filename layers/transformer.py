@@ -50,6 +50,8 @@ class ParallelTransformerLayer(nn.Module):
     ``cfg.recompute``: "selective" recomputes the attention core only, "full" the whole
     layer (keeping just its input), "none" keeps everything. ``spec`` names the classes of
     the norm, attention and MLP slots (None: ``spec_for(cfg)``, the ones ``cfg`` names).
+    ``cp_group`` (context parallelism) goes to the attention slot alone: the rest of the
+    layer works token by token on this rank's share of the sequence.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class ParallelTransformerLayer(nn.Module):
         kernels: Kernels | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         tp_group = resolve_tp_group(tp_group)
@@ -89,7 +92,7 @@ class ParallelTransformerLayer(nn.Module):
             device=device,
         )
         self.attention_norm = spec.norm(cfg.hidden_size, cfg.layernorm_eps, **norm)
-        self.attention = spec.attention(cfg, **slot)
+        self.attention = spec.attention(cfg, **slot, cp_group=cp_group)
         self.mlp_norm = spec.norm(cfg.hidden_size, cfg.layernorm_eps, **norm)
         self.mlp = spec.mlp(cfg, **slot)
 

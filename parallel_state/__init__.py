@@ -1,13 +1,14 @@
-"""The device mesh: tensor parallel (TP) inside a node, data parallel (DP) across nodes,
-pipeline stages (PP) outermost.
+"""The device mesh: tensor parallel (TP) inside a node, context parallel (CP) next, data
+parallel (DP) across nodes, pipeline stages (PP) outermost.
 
 Ranks are laid out with TP varying fastest::
 
-    grid = torch.arange(world_size).view(pp_size, dp_size, tp_size)  # grid[p, d, t] = rank
+    grid = torch.arange(world_size).view(pp_size, dp_size, cp_size, tp_size)  # [p, d, c, t]
 
 so a TP group is a row of consecutive ranks (which launchers place on one node, over the
-fast links), a DP group strides across nodes, and a pipeline group strides widest (a stage
-boundary moves one activation per micro-batch, the least traffic of the three).
+fast links), a CP group strides by tp, a DP group strides across nodes, and a pipeline
+group strides widest (a stage boundary moves one activation per micro-batch, the least
+traffic of them all).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class ParallelState:
     coords: dict[str, int]  # this rank's index along each mesh axis
     groups: dict[str, dist.ProcessGroup | None] = field(repr=False)  # by axis and by role
     device: torch.device
-    grid: torch.Tensor = field(repr=False)  # grid[pp_rank, dp_rank, tp_rank] = global rank
+    grid: torch.Tensor = field(repr=False)  # grid[pp_rank, dp_rank, cp_rank, tp_rank] = rank
     rng: RNGTracker = field(repr=False)
     owns_default_group: bool = field(default=False, repr=False)
 
@@ -97,12 +98,15 @@ class ParallelState:
     tp_size = property(lambda self: self.dims.tp)
     dp_size = property(lambda self: self.dims.dp)
     pp_size = property(lambda self: self.dims.pp)
+    cp_size = property(lambda self: self.dims.cp)
     tp_rank = property(lambda self: self.coords["tp"])
     dp_rank = property(lambda self: self.coords["dp"])
     pp_rank = property(lambda self: self.coords["pp"])
+    cp_rank = property(lambda self: self.coords["cp"])
     tp_group = property(lambda self: self.groups["tp"])
     dp_group = property(lambda self: self.groups["dp"])
     pp_group = property(lambda self: self.groups["pp"])
+    cp_group = property(lambda self: self.groups["cp"])
     embedding_group = property(lambda self: self.groups["embedding"])
     tp_ranks = property(lambda self: self.ranks("tp"))
     dp_ranks = property(lambda self: self.ranks("dp"))
@@ -224,8 +228,9 @@ def initialize(
     if not isinstance(dims, ParallelDims):
         dims = ParallelDims.resolve(tp_size if dims is None else dims, dp_size, world_size)
     elif dims.world != world_size:
+        sizes = " × ".join(str(n) for n in dims.sizes.values())
         raise LayoutError(
-            f"the layout pp × dp × tp = {dims.pp} × {dims.dp} × {dims.tp} = {dims.world} does "
+            f"the layout {' × '.join(MESH_AXES)} = {sizes} = {dims.world} does "
             f"not equal the world size {world_size}; launch {dims.world} processes"
         )
     return _build_state(dims, info, owns, backend, timeout_s)

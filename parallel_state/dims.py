@@ -1,5 +1,5 @@
-"""The parallel layout as one validated value: pp × dp × tp ranks, sequence parallelism and
-how the data-parallel axis shards the training state.
+"""The parallel layout as one validated value: pp × dp × cp × tp ranks, sequence parallelism
+and how the data-parallel axis shards the training state.
 
 A :class:`ParallelDims` is built once (from the config, a command line, or the launcher's
 world size), checked as it is built, and then handed to whatever needs the layout: config
@@ -31,17 +31,24 @@ AUTO = "auto"  # dp_size=auto: world size ÷ tp_size
 # every layer (inside a node, over the fastest links); DP next, its one gradient reduction
 # per step crossing nodes; PP outermost, because a stage boundary moves only one
 # activation per micro-batch, the least traffic, so it may take the slowest links.
+# CP (context parallelism) sits between DP and TP, as in Megatron-Core (tp-cp-dp-pp):
+# its ring passes every layer's keys and values, forward and backward, hidden only behind
+# that layer's attention, while DP's one reduction per step overlaps the whole backward;
+# so CP takes the fastest links left after TP (a node's other GPUs when tp × cp fits).
 # A new axis is one more name here and one more size field on ParallelDims.
-MESH_AXES = ("pp", "dp", "tp")
+MESH_AXES = ("pp", "dp", "cp", "tp")
 # The roles ranks play together, and the mesh axes each spans. Code asks the mesh for a
 # role ("where are gradients reduced?"), not for an axis: a new axis changes which ranks
 # answer, not the question (a context-parallel axis joins "grad" and "loss"; an expert
 # axis gives expert parameters a "grad" group of their own).
+# The cp ranks of one sequence hold the same weights and read the same samples (each
+# takes its share of every sequence): they reduce gradients and average the loss with
+# the DP replicas, but do not split the batch.
 ROLES: dict[str, tuple[str, ...]] = {
-    "grad": ("dp",),  # where data-parallel gradients are reduced (and DP state sharded)
+    "grad": ("dp", "cp"),  # where data-parallel gradients are reduced (and DP state sharded)
     "batch": ("dp",),  # where the global batch is split: each index reads its own samples
-    "loss": ("dp",),  # where per-rank metrics (loss, evaluation) are averaged
-    "replica": ("dp",),  # ranks holding identical checkpoint shards (one of them writes)
+    "loss": ("dp", "cp"),  # where per-rank metrics (loss, evaluation) are averaged
+    "replica": ("dp", "cp"),  # ranks holding identical checkpoint shards (one of them writes)
 }
 # What the DP axis shards: nothing (replicas all-reduce gradients), Adam's state (ZeRO-1),
 # also the gradients (ZeRO-2), or also the parameters between uses (ZeRO-3, FSDP2).
@@ -72,6 +79,15 @@ def resolve_dp_shard(dp_shard: str, zero1: bool) -> str:
     return "optimizer"
 
 
+_CP_FIX = "set cp_size to the ranks splitting each sequence (1: none)"
+
+
+def _product(tp: int, pp: int, cp: int) -> str:
+    """``tp_size × pp_size`` (and ``× cp_size``) of the sizes past one, for messages."""
+    names = ["tp_size", *(["pp_size"] if pp > 1 else []), *(["cp_size"] if cp > 1 else [])]
+    return " × ".join(names)
+
+
 def _check_size(name: str, value: object, fix: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise LayoutError(f"{name} must be an integer >= 1, got {value!r}; {fix}")
@@ -79,11 +95,12 @@ def _check_size(name: str, value: object, fix: str) -> None:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """How many ranks share each layer (``tp``), how many replicas train (``dp``) and how
-    many pipeline stages the layers are cut into (``pp``).
+    """How many ranks share each layer (``tp``), how many replicas train (``dp``), how
+    many pipeline stages the layers are cut into (``pp``) and how many ranks split each
+    sequence (``cp``, context parallelism: ring attention).
 
-    The rank grid is ``torch.arange(world).view(pp, dp, tp)``: TP varies fastest, so a TP
-    group is a row of consecutive ranks. ``sequence_parallel`` shards activations along
+    The rank grid is ``torch.arange(world).view(pp, dp, cp, tp)``: TP varies fastest, so a
+    TP group is a row of consecutive ranks, and a CP group strides by tp. ``sequence_parallel`` shards activations along
     the sequence inside TP regions; ``dp_shard`` (one of :data:`DP_SHARD_MODES`) says
     what the DP axis shards.
     """
@@ -93,11 +110,13 @@ class ParallelDims:
     pp: int = 1
     sequence_parallel: bool = False
     dp_shard: str = "none"
+    cp: int = 1
 
     def __post_init__(self) -> None:
         _check_size("tp_size", self.tp, "set tp_size to the ranks sharing each layer (1: none)")
         _check_size("dp_size", self.dp, "set dp_size to the model replicas, or dp_size=auto")
         _check_size("pp_size", self.pp, "set pp_size to the pipeline stages (1: none)")
+        _check_size("cp_size", self.cp, _CP_FIX)
         if not isinstance(self.sequence_parallel, bool):
             raise LayoutError(f"sequence_parallel={self.sequence_parallel!r} must be true or false")
         if self.dp_shard not in DP_SHARD_MODES:
@@ -123,7 +142,8 @@ class ParallelDims:
     def rank_of(self, **coords: int) -> int:
         """The global rank at ``coords`` (one per axis; an axis of size 1 may be left out):
         the one rank formula of the mesh,
-        ``rank = (pp_rank · dp + dp_rank) · tp + tp_rank``: mixed radix over the axes."""
+        ``rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank``: mixed radix
+        over the axes."""
         rank = 0
         for axis, size in self.sizes.items():
             if axis not in coords and size > 1:
@@ -143,17 +163,21 @@ class ParallelDims:
         return dataclasses.replace(self, pp=1)
 
     def rank_in_stage(self, rank: int) -> int:
-        """``rank``'s index among the dp × tp ranks of its pipeline stage (``dp_rank · tp +
-        tp_rank``); with pp outermost a stage's ranks are consecutive."""
+        """``rank``'s index among the ranks of its pipeline stage (``(dp_rank · cp +
+        cp_rank) · tp + tp_rank``); with pp outermost a stage's ranks are consecutive."""
         coords = self.coords_of(rank)
-        return coords["dp"] * self.tp + coords["tp"]
+        return self.stage().rank_of(**{a: i for a, i in coords.items() if a != "pp"})
 
-    def rank_grid(self) -> list[list[list[int]]]:
-        """``grid[pp_rank][dp_rank][tp_rank]``: the global rank at every mesh position."""
-        return [
-            [[self.rank_of(pp=p, dp=d, tp=t) for t in range(self.tp)] for d in range(self.dp)]
-            for p in range(self.pp)
-        ]
+    def rank_grid(self) -> list:
+        """``grid[pp_rank][dp_rank][cp_rank][tp_rank]``: the global rank at every mesh
+        position, nested in :data:`MESH_AXES` order."""
+
+        def nest(axes: tuple[str, ...], coords: dict[str, int]):
+            if not axes:
+                return self.rank_of(**coords)
+            return [nest(axes[1:], {**coords, axes[0]: i}) for i in range(self.sizes[axes[0]])]
+
+        return nest(MESH_AXES, {})
 
     def axes_of(self, name: str | tuple[str, ...]) -> tuple[str, ...]:
         """The mesh axes a role (:data:`ROLES`), an axis name or a tuple of axes spans, in
@@ -191,21 +215,24 @@ class ParallelDims:
         world: int | None = None,
         *,
         pp: int = 1,
+        cp: int = 1,
         sequence_parallel: bool = False,
         dp_shard: str = "none",
         zero1: bool = False,
     ) -> ParallelDims:
-        """The layout for ``tp``, ``dp`` and ``pp`` on ``world`` ranks (None: not launched yet).
+        """The layout for ``tp``, ``dp``, ``cp`` and ``pp`` on ``world`` ranks (None: not
+        launched yet).
 
         ``dp`` may be an integer, an integer spelled as a string (a command line), or
-        ``"auto"``/None: world ÷ (tp · pp), or 1 when there is no world yet (this process
-        will start tp · pp ranks itself). With a ``world``, pp × dp × tp must equal it.
-        ``zero1=True`` is the older spelling of ``dp_shard="optimizer"``.
+        ``"auto"``/None: world ÷ (tp · cp · pp), or 1 when there is no world yet (this
+        process will start tp · cp · pp ranks itself). With a ``world``, pp × dp × cp × tp
+        must equal it. ``zero1=True`` is the older spelling of ``dp_shard="optimizer"``.
         """
         _check_size("tp_size", tp, "set tp_size to the ranks sharing each layer (1: none)")
         _check_size("pp_size", pp, "set pp_size to the pipeline stages (1: none)")
+        _check_size("cp_size", cp, _CP_FIX)
         dp_shard = resolve_dp_shard(dp_shard, zero1)
-        model = tp * pp  # ranks holding one model replica
+        model = tp * pp * cp  # ranks holding one model replica
         if isinstance(dp, str) and dp != AUTO:
             try:
                 dp = int(dp)
@@ -220,8 +247,8 @@ class ParallelDims:
             elif world % model:
                 sizes, which = (
                     (f"tp_size {tp}", "a tp_size")
-                    if pp == 1
-                    else (f"tp_size × pp_size = {model}", "sizes whose product is")
+                    if model == tp
+                    else (f"{_product(tp, pp, cp)} = {model}", "sizes whose product is")
                 )
                 raise LayoutError(
                     f"world size {world} is not divisible by {sizes}; launch a multiple "
@@ -229,11 +256,14 @@ class ParallelDims:
                 )
             else:
                 dp = world // model
-        dims = cls(tp, dp, pp, sequence_parallel=sequence_parallel, dp_shard=dp_shard)
+        dims = cls(tp, dp, pp, sequence_parallel=sequence_parallel, dp_shard=dp_shard, cp=cp)
         if world is not None and dims.world != world:
             product = f"tp_size × dp_size = {tp} × {dp}"
-            if pp > 1:
-                product = f"pp_size × dp_size × tp_size = {pp} × {dp} × {tp}"
+            if pp > 1 or cp > 1:
+                shown = [(n, v) for n, v in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp))]
+                shown = [(n, v) for n, v in shown if v > 1 or n in ("dp", "tp")]
+                names = " × ".join(f"{n}_size" for n, _ in shown)
+                product = f"{names} = {' × '.join(str(v) for _, v in shown)}"
             raise LayoutError(
                 f"{product} = {dims.world} does not equal the world size "
                 f"{world}; launch {dims.world} processes or change the sizes (dp_size=auto "
@@ -246,8 +276,22 @@ class ParallelDims:
         check_width_split(key, value, self.tp)
 
     def check_seq_len(self, seq_len: int, *, key: str = "data.seq_len") -> None:
-        """Under sequence parallelism each TP rank holds seq_len ÷ tp positions."""
-        if self.sequence_parallel and seq_len % self.tp:
+        """Context parallelism cuts each sequence into 2 · cp equal chunks (the
+        load-balanced causal layout); under sequence parallelism each TP rank then holds
+        seq_len ÷ (cp · tp) positions."""
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            raise LayoutError(
+                f"{key}={seq_len} is not divisible by 2 × cp_size = {2 * self.cp} (context "
+                f"parallelism cuts each sequence into 2·cp equal chunks); choose a multiple "
+                f"of {2 * self.cp} or another cp_size"
+            )
+        if self.sequence_parallel and seq_len % (self.tp * self.cp):
+            if self.cp > 1:
+                raise LayoutError(
+                    f"{key}={seq_len} is not divisible by cp_size × tp_size = "
+                    f"{self.cp * self.tp} (sequence parallelism splits each cp rank's "
+                    f"share over tp); choose a multiple of {self.cp * self.tp}"
+                )
             raise LayoutError(
                 f"{key}={seq_len} is not divisible by tp_size={self.tp} (needed by "
                 f"sequence parallelism); choose a multiple of {self.tp} or turn sequence "

@@ -8,6 +8,7 @@ tp under sequence parallelism), not taken from the code under test.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -152,37 +153,59 @@ def test_verifier_checks_its_layout_with_the_same_value():
 
 
 @pytest.mark.parametrize(
-    ("tp", "dp", "pp"),
-    [(1, 1, 1), (2, 1, 1), (1, 3, 1), (2, 3, 1), (4, 2, 1), (2, 2, 2), (1, 2, 4)],
+    ("tp", "dp", "pp", "cp"),
+    [
+        (1, 1, 1, 1),
+        (2, 1, 1, 1),
+        (1, 3, 1, 1),
+        (2, 3, 1, 1),
+        (4, 2, 1, 1),
+        (2, 2, 2, 1),
+        (1, 2, 4, 1),
+        (1, 1, 1, 2),
+        (2, 2, 1, 2),
+        (2, 1, 2, 3),
+    ],
 )
-def test_rank_formula_and_groups_match_the_torch_grid(tp, dp, pp):
+def test_rank_formula_and_groups_match_the_torch_grid(tp, dp, pp, cp):
     """The one rank formula against an independent reference: torch's row-major grid
-    ``arange(world).view(pp, dp, tp)``, whose last-axis rows are the TP groups, middle
-    columns the DP groups and first-axis fibres the pipeline groups."""
+    ``arange(world).view(pp, dp, cp, tp)``, whose last-axis rows are the TP groups, the
+    next fibres the CP groups, then the DP groups and outermost the pipeline groups."""
     import torch
 
-    dims = ParallelDims(tp, dp, pp)
-    grid = torch.arange(tp * dp * pp).view(pp, dp, tp)
-    assert dims.sizes == {"pp": pp, "dp": dp, "tp": tp}
+    dims = ParallelDims(tp, dp, pp, cp=cp)
+    grid = torch.arange(tp * dp * pp * cp).view(pp, dp, cp, tp)
+    assert dims.sizes == {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
     assert dims.rank_grid() == grid.tolist()
-    assert dims.group_ranks("tp") == grid.reshape(pp * dp, tp).tolist()
-    assert dims.group_ranks("dp") == grid.permute(0, 2, 1).reshape(pp * tp, dp).tolist()
-    assert dims.group_ranks("pp") == grid.permute(1, 2, 0).reshape(dp * tp, pp).tolist()
+
+    def fibres(*axes: int) -> list[list[int]]:
+        """The groups along grid dims ``axes`` (the rest fixed), in rank order."""
+        rest = [d for d in range(4) if d not in axes]
+        g = grid.permute(*rest, *axes).reshape(-1, math.prod(grid.shape[d] for d in axes))
+        return sorted(g.sort(dim=1).values.tolist())
+
+    assert dims.group_ranks("tp") == grid.reshape(-1, tp).tolist() == fibres(3)
+    assert dims.group_ranks("cp") == fibres(2)
+    assert dims.group_ranks("dp") == fibres(1)
+    assert dims.group_ranks("pp") == fibres(0)
     # Composite groups: the ranks that differ only in those axes, in rank order.
-    assert dims.group_ranks(("dp", "tp")) == grid.reshape(pp, dp * tp).tolist()
-    pp_tp = grid.permute(1, 0, 2).reshape(dp, pp * tp).sort(dim=1).values
-    assert dims.group_ranks(("tp", "pp")) == pp_tp.tolist()
-    assert dims.size_of(("pp", "tp")) == pp * tp and dims.size_of("grad") == dp
-    # Every role today spans the dp axis alone, so its groups are the DP groups.
-    for role in ("grad", "batch", "loss", "replica"):
-        assert dims.group_ranks(role) == dims.group_ranks("dp")
+    assert dims.group_ranks(("dp", "cp", "tp")) == grid.reshape(pp, dp * cp * tp).tolist()
+    assert dims.group_ranks(("tp", "pp")) == fibres(0, 3)
+    assert dims.size_of(("pp", "tp")) == pp * tp and dims.size_of("grad") == dp * cp
+    # The cp ranks of a replica reduce gradients, average the loss and hold the same
+    # checkpoint shards with the DP replicas; only DP splits the batch.
+    for role in ("grad", "loss", "replica"):
+        assert dims.group_ranks(role) == fibres(1, 2)
+    assert dims.group_ranks("batch") == dims.group_ranks("dp")
     for p in range(pp):
         for d in range(dp):
-            for t in range(tp):
-                rank = int(grid[p, d, t])
-                assert dims.rank_of(pp=p, dp=d, tp=t) == rank == (p * dp + d) * tp + t
-                assert dims.coords_of(rank) == {"pp": p, "dp": d, "tp": t}
-                assert dims.rank_in_stage(rank) == int(grid[p].flatten().tolist().index(rank))
+            for c in range(cp):
+                for t in range(tp):
+                    rank = int(grid[p, d, c, t])
+                    assert dims.rank_of(pp=p, dp=d, cp=c, tp=t) == rank
+                    assert rank == ((p * dp + d) * cp + c) * tp + t
+                    assert dims.coords_of(rank) == {"pp": p, "dp": d, "cp": c, "tp": t}
+                    assert dims.rank_in_stage(rank) == grid[p].flatten().tolist().index(rank)
 
 
 def test_dims_carry_sequence_parallel_and_the_dp_sharding_mode():
@@ -220,8 +243,8 @@ def test_pipeline_stages_take_their_share_of_the_world():
 
 
 def test_an_unknown_axis_or_role_is_one_line_naming_both_lists():
-    with pytest.raises(KeyError, match="'cp' is neither a mesh axis .* nor a role"):
-        ParallelDims(2, 1).group_ranks("cp")
+    with pytest.raises(KeyError, match="'sp' is neither a mesh axis .* nor a role"):
+        ParallelDims(2, 1).group_ranks("sp")
 
 
 # The parallel: section and its short forms (tp_size=, dp_size=, pp_size=): one layout.

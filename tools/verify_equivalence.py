@@ -1,7 +1,7 @@
 """Check that a parallel layout computes what the unsplit model computes.
 
-Compares a target layout (--tp-size, --dp-size, --pp-size with --schedule,
---sequence-parallel, --recompute) with tp=1, dp=1, pp=1 on the same weights and the same
+Compares a target layout (--tp-size, --dp-size, --cp-size, --pp-size with --schedule,
+--sequence-parallel, --recompute) with tp=1, dp=1, cp=1, pp=1 on the same weights and the same
 global batch: every module's forward output (through a pipeline also what each stage sent
 and the next received, per micro-batch), the loss, every parameter gradient (gathered to
 full shape) and, with --steps N, N AdamW steps' losses. Prints a table in model order, names the first module that diverges and
@@ -11,11 +11,12 @@ With --hf-dir DIR it instead compares the logits of a local Hugging Face GPT-2, 
 Llama, Mistral or Qwen2 directory loaded by transformers with meshtron's import of it at
 the given layout.
 
-Starts its own tp×dp local workers (torch elastic launcher); under torchrun or another
+Starts its own tp×dp×cp×pp local workers (torch elastic launcher); under torchrun or another
 launcher (RANK set) each process is one rank.
 
     python tools/verify_equivalence.py --model gpt --tp-size 2 --dp-size 2 --sequence-parallel
     python tools/verify_equivalence.py --pp-size 2 --tp-size 1 --schedule 1f1b --layers 4
+    python tools/verify_equivalence.py --model llama --cp-size 2 --tp-size 1 --heads 4
     python tools/verify_equivalence.py --hf-dir ./gpt2-tiny --tp-size 2 --dtype float32
 """
 
@@ -66,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp-size", type=int, default=2)
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--pp-size", type=int, default=1, help="pipeline stages")
+    p.add_argument(
+        "--cp-size", type=int, default=1, help="context-parallel ranks (--seq divisible by 2·cp)"
+    )
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default="1f1b")
     p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank")
     p.add_argument(
@@ -154,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         seed=args.seed,
         pp_size=args.pp_size,
+        cp_size=args.cp_size,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
         microbatches=(

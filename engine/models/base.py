@@ -284,11 +284,14 @@ class ParallelModel(nn.Module):
         :meth:`stage_inputs` target (the same value :meth:`loss` gives the unsplit model)."""
         raise NotImplementedError
 
-    def _build_trunk(self, cfg: ModelConfig, *, tp_group, rng, dtype, device) -> dict:
+    def _build_trunk(
+        self, cfg: ModelConfig, *, tp_group, rng, dtype, device, cp_group=None
+    ) -> dict:
         """Validate ``cfg`` and build the embeddings and the layers, in that order.
 
         The order fixes the RNG draws of the master weights, so it must not change.
-        Returns the keyword arguments the subclass builds its heads with.
+        ``cp_group`` (context parallelism) goes to every layer's attention. Returns the
+        keyword arguments the subclass builds its heads with.
         """
         if cfg.arch != self.ARCH:
             raise ValueError(
@@ -303,7 +306,9 @@ class ParallelModel(nn.Module):
         one = dict(rng=rng, kernels=self.kernels)
         self.embedding = Embeddings(cfg, **one, **build)
         self.layers = nn.ModuleList(
-            ParallelTransformerLayer(cfg, spec=spec_for(cfg, layer=i), **one, **build)
+            ParallelTransformerLayer(
+                cfg, spec=spec_for(cfg, layer=i), cp_group=cp_group, **one, **build
+            )
             for i in range(cfg.num_layers)
         )
         return build
@@ -323,6 +328,13 @@ class ParallelModel(nn.Module):
         """The scalar training loss of one micro-batch in the form the model's dataset yields
         (so the trainer, the verifier and benchmarks never ask which model it is)."""
         raise NotImplementedError
+
+    def context_shard(self, batch, cp_size: int, cp_rank: int):
+        """Context parallelism: cp rank ``cp_rank``'s part of a micro-batch (as the dataset
+        yields it, whole sequences), in the form :meth:`loss` takes, with each token's
+        global position. Every rank of a cp group then holds the same number of tokens of
+        each sequence, so its mean loss, averaged over the group, is the whole sequence's."""
+        raise NotImplementedError(f"{type(self).__name__} does not run context-parallel")
 
     def logits(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model's named output logits for ``batch`` (vocabulary blocks stay sharded)."""

@@ -23,12 +23,16 @@ def build_model(
 ) -> ParallelModel:
     """The model that ``cfg.arch`` names, built on this rank's TP shard.
 
-    ``state`` is the rank's ParallelState: its TP group and dropout RNG tracker go to every
-    layer. Without one, ``tp_group`` and ``rng`` say them (None and None: one process).
+    ``state`` is the rank's ParallelState: its TP group, its CP group (context parallelism:
+    ring attention) and dropout RNG tracker go to every layer. Without one, ``tp_group``
+    and ``rng`` say them (None and None: one process, no cp).
     """
     model_class = family(cfg.arch).model_class()
+    cp_group = None
     if state is not None:
         if tp_group is not None or rng is not None:
             raise TypeError("build_model takes a ParallelState or tp_group=/rng=, not both")
-        tp_group, rng = state.tp_group, state.rng
-    return model_class(cfg, tp_group=tp_group, rng=rng, dtype=dtype, device=device)
+        tp_group, rng, cp_group = state.tp_group, state.rng, state.group("cp")
+    return model_class(
+        cfg, tp_group=tp_group, cp_group=cp_group, rng=rng, dtype=dtype, device=device
+    )

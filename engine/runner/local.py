@@ -1,5 +1,14 @@
 """The local step runner: the whole model on this rank, its micro-batches run one after
-another, each backward accumulating into the same gradients (pp_size=1)."""
+another, each backward accumulating into the same gradients (pp_size=1).
+
+Under context parallelism (cp_size > 1) the batch that reaches the model is this rank's
+share of every sequence (``model.context_shard``: the load-balanced chunks, labels cut
+alike, global positions). The data is split over dp only, so the cp ranks of a replica
+read the same samples. The loss is normalised over the whole sequence: each cp rank holds
+s/cp tokens of every row and takes the mean over them, i.e. its sum × cp / (b · s); the
+gradient group (dp × cp) averages the gradients and the loss group the losses, so the
+step sees Σ over cp ranks / (b · s), the unsplit model's mean.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +27,15 @@ from parallel_state import ParallelState
 Autocast = Callable[[], contextlib.AbstractContextManager]
 
 
+def model_inputs(model: nn.Module, ps: ParallelState) -> Callable:
+    """What a micro-batch becomes on its way into ``model.loss``: moved to the rank's
+    device and, under context parallelism, cut to this cp rank's share."""
+    cp_size, cp_rank = ps.size("cp"), ps.rank_in("cp")
+    if cp_size == 1:
+        return lambda batch: to_device(batch, ps.device)
+    return lambda batch: model.context_shard(to_device(batch, ps.device), cp_size, cp_rank)
+
+
 @torch.no_grad()
 def fixed_set_loss(
     model: nn.Module, valid: DataIterator, ps: ParallelState, batches: int, autocast: Autocast
@@ -31,12 +49,12 @@ def fixed_set_loss(
     the last micro-batch runs one again and drops its loss, because under FSDP each forward
     gathers parameters over the gradient group and all its ranks must take part."""
     model.eval()
-    total, size = 0.0, ps.size("batch")
+    total, size, inputs = 0.0, ps.size("batch"), model_inputs(model, ps)
     for j in range(ps.rank_in("batch"), -(-batches // size) * size, size):
         valid.consumed_samples = (j % batches) * valid.global_batch
         for micro in valid.next_step():  # one micro-batch
             with autocast():
-                loss = model.loss(to_device(micro, ps.device)).float().item()
+                loss = model.loss(inputs(micro)).float().item()
             total += loss if j < batches else 0.0
     model.train()
     return comm.mean(total, ps.group("loss"), ps.device) * size / batches
@@ -51,9 +69,12 @@ class LocalRunner:
 
     def __init__(self, model: nn.Module, ps: ParallelState, autocast: Autocast) -> None:
         self.model, self.ps, self.autocast = model, ps, autocast
+        self.inputs = model_inputs(model, ps)
+        if ps.size("cp") > 1:  # its attention is a ring over the cp group: no KV cache
+            self.sample_refusal = "no sample: generation runs at cp_size=1"
 
     def _loss(self, batch) -> torch.Tensor:
-        return self.model.loss(to_device(batch, self.ps.device))
+        return self.model.loss(self.inputs(batch))
 
     def forward_backward(
         self, micro_batches: list, dp: DataParallel, loss_scale: float = 1.0
@@ -89,4 +110,5 @@ class LocalRunner:
         return "forward/backward", "model"
 
     def console_note(self) -> str:
-        return ""
+        cp = self.ps.size("cp")
+        return f" cp={cp} (ring attention)" if cp > 1 else ""

@@ -1,7 +1,10 @@
-"""Layout equivalence: a model at (tp, dp, sequence parallel, recompute) against tp=1, dp=1.
+"""Layout equivalence: a model at (tp, dp, cp, sequence parallel, recompute) against tp=1,
+dp=1.
 
 Both layouts are built from the same seed (hence hold the same full weights) and see the
-same global batch; each DP rank of the target takes its contiguous slice. The reference
+same global batch; each DP rank of the target takes its contiguous slice, and each cp rank
+its load-balanced share of every sequence (``model.context_shard``, as the runner cuts
+it); the cp ranks' outputs are joined back in sequence order before they are compared. The reference
 runs on global rank 0 on a one-rank process group. Every module's output is captured by a
 forward hook, gathered to full shape and compared on rank 0; then the loss and every
 parameter gradient (after the DP average and the sequence-parallel TP sum), in backward
@@ -82,6 +85,7 @@ class VerifySpec:
     virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
     microbatches: int = 1  # micro-batches each DP rank's slice is cut into (pp_size > 1)
     dp_shard: str = "none"  # the DP mode the target trains under (none: plain AdamW + GradSync)
+    cp_size: int = 1  # context-parallel ranks splitting each sequence (ring attention)
 
     @property
     def tolerance(self) -> float:
@@ -91,7 +95,8 @@ class VerifySpec:
     def check(self, model_config: ModelConfig | None = None) -> None:
         """Raise ValueError naming the numbers if this layout cannot split the batch/model
         (``model_config``, by default :meth:`model_config`)."""
-        keys = ("tp_size", "dp_size", "pp_size", "virtual_stages", "microbatches", "steps")
+        keys = ("tp_size", "dp_size", "pp_size", "cp_size", "virtual_stages", "microbatches")
+        keys = (*keys, "steps")
         for key in (*keys, "batch_size", "seq_len"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
@@ -106,6 +111,11 @@ class VerifySpec:
         (model_config or self.model_config()).validate(dims.tp)
         if self.pp_size > 1:
             self._check_pipeline()
+        if self.cp_size > 1 and (self.pp_size > 1 or not family(self.model).causal):
+            raise ValueError(
+                f"cp_size={self.cp_size} runs the causal decoders at pp_size=1 (not yet "
+                f"{self.model} at pp_size={self.pp_size})"
+            )
 
     def _check_pipeline(self) -> None:
         """The stage split and torch's micro-batch rules for the schedule."""
@@ -129,6 +139,7 @@ class VerifySpec:
             self.pp_size,
             sequence_parallel=self.sequence_parallel,
             dp_shard=self.dp_shard,
+            cp=self.cp_size,
         )
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
@@ -221,11 +232,8 @@ def compare_layouts(
     """
     ps = parallel_state.get()
     spec.check()
-    if (ps.tp_size, ps.dp_size, ps.pp_size) != (spec.tp_size, spec.dp_size, spec.pp_size):
-        raise ValueError(
-            f"the mesh is tp={ps.tp_size}, dp={ps.dp_size}, pp={ps.pp_size} but the spec asks "
-            f"for tp={spec.tp_size}, dp={spec.dp_size}, pp={spec.pp_size}"
-        )
+    if ps.dims.sizes != spec.dims.sizes:
+        raise ValueError(f"the mesh is {ps.dims.sizes} but the spec asks for {spec.dims.sizes}")
     dtype, solo = DTYPES[spec.dtype], solo_group(ps)
     ps.seed(spec.seed)
     target = build_model(spec.model_config(), ps, dtype=dtype)
@@ -253,13 +261,15 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
     if reference is not None:
         optimizers.append(torch.optim.AdamW(reference.parameters(), lr=spec.lr, weight_decay=0.0))
     local = dp_slice(batch, ps)
+    if ps.size("cp") > 1:  # this rank's share of each sequence, as the runner cuts it
+        local = target.context_shard(local, ps.size("cp"), ps.rank_in("cp"))
     for step in range(spec.steps):
         loss = target.loss(local)
         loss.backward()
         dp.finish_grads()
         loss = loss.detach().double()
-        comm.sum_(loss, ps.dp_group)
-        loss /= ps.dp_size
+        comm.sum_(loss, ps.group("loss"))
+        loss /= ps.size("loss")
         ref_loss = None
         if reference is not None:
             ref_loss = reference.loss(batch)
@@ -280,7 +290,8 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
 
 
 def _output_rows(captures: list[OutputCapture], ps, tol: float) -> list[Row]:
-    got = captures[0].gathered(ps.tp_group, ps.dp_group)  # collective: every rank takes part
+    # A collective: every rank takes part.
+    got = captures[0].gathered(ps.tp_group, ps.dp_group, ps.group("cp"))
     if len(captures) == 1:
         return []
     want = captures[1].gathered(None, None)  # the reference's outputs are whole already
@@ -301,7 +312,7 @@ T = TypeVar("T")
 
 
 def run_on_mesh(fn: Callable[..., T], spec: VerifySpec, *args: Any) -> T:
-    """Rank entry: build the (pp, dp, tp) mesh from the launcher's environment, run
+    """Rank entry: build the (pp, dp, cp, tp) mesh from the launcher's environment, run
     ``fn(spec, *args)``, tear down."""
     from engine.bootstrap import bootstrap_rank
 

@@ -19,6 +19,7 @@ from layers import ColumnParallelLinear
 from layers.attention import CoreAttention
 from layers.gqa import ReplicatedKVLinear
 from layers.mappings import gather_along
+from layers.ring_attention import unshard_from_cp
 from parallel_state import groups
 
 
@@ -80,9 +81,11 @@ class OutputCapture:
             self.outputs[name] = (out.detach().clone(), output_tp_dim(module), trim)
             self.copies[name] = getattr(module, "copies", 1)  # KV heads held by several ranks
 
-    def gathered(self, tp_group, dp_group) -> dict[str, torch.Tensor]:
-        """Every output at full shape, vocabulary unpadded: TP shards joined, then DP batch
-        slices (collective over both groups; None groups: nothing to join)."""
+    def gathered(self, tp_group, dp_group, cp_group=None) -> dict[str, torch.Tensor]:
+        """Every output at full shape, vocabulary unpadded: TP shards joined, then each cp
+        rank's share of the sequence put back in order, then DP batch slices (collective
+        over the groups; None groups: nothing to join)."""
+        cp = groups.group_size(cp_group)
         full = {}
         for name, (out, tp_dim, trim) in self.outputs.items():
             out = gather_along(out, tp_dim, tp_group)
@@ -90,6 +93,9 @@ class OutputCapture:
                 blocks = out.unflatten(-1, (groups.group_size(tp_group), -1))
                 out = blocks[..., :: self.copies[name], :].flatten(-2)
             # Inside the models 3-D activations are [s, b, ...], 2-D ones [b, ...].
+            if cp > 1 and out.dim() == 3:  # [s/cp, b, ...] in the load-balanced layout
+                shares = gather_along(out, 0, cp_group).chunk(cp, dim=0)
+                out = unshard_from_cp(shares, dim=0)
             out = gather_along(out, 1 if out.dim() == 3 else 0, dp_group)
             full[name] = out if trim is None else out[..., :trim]
         return full

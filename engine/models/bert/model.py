@@ -95,9 +95,12 @@ class BertModel(ParallelModel):
         rng: RNGTracker | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        build = self._build_trunk(cfg, tp_group=tp_group, rng=rng, dtype=dtype, device=device)
+        build = self._build_trunk(
+            cfg, tp_group=tp_group, cp_group=cp_group, rng=rng, dtype=dtype, device=device
+        )
         self.mlm_transform = MLMTransform(cfg, kernels=self.kernels, dtype=dtype, device=device)
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=True, **build)
         self.pooler = Pooler(cfg, **build)

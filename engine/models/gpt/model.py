@@ -11,6 +11,7 @@ from engine.models.base import ParallelLMHead, ParallelModel, stack_batches, to_
 from engine.models.config import ModelConfig
 from layers.attention import KVCache, decoder_mask
 from layers.norm import make_norm
+from layers.ring_attention import cp_positions, shard_for_cp
 from layers.rotary import inverse_frequencies, rotary_tables
 from layers.utils import comm_timer_of
 from parallel_state.groups import group_size
@@ -36,9 +37,12 @@ class GPTModel(ParallelModel):
         rng: RNGTracker | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        cp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        build = self._build_trunk(cfg, tp_group=tp_group, rng=rng, dtype=dtype, device=device)
+        build = self._build_trunk(
+            cfg, tp_group=tp_group, cp_group=cp_group, rng=rng, dtype=dtype, device=device
+        )
         self.final_norm = make_norm(cfg, kernels=self.kernels, dtype=dtype, device=device)
         if self.rotary:  # fp32 frequencies, a buffer so .to(device) moves them
             inv = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_args)
@@ -86,9 +90,25 @@ class GPTModel(ParallelModel):
 
     def loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token loss of ``batch``: token windows ``[b, s+1]`` (as GPTDataset yields
-        them; position i predicts i+1), or ``{"input_ids", "labels"}``, each ``[b, s]``."""
+        them; position i predicts i+1), or ``{"input_ids", "labels"}``, each ``[b, s]``,
+        with ``"positions"`` ``[b, s]`` where they are not 0 … s−1 (a cp rank's share)."""
         batch = next_token_pairs(batch)
-        return self(batch["input_ids"], batch["labels"]).mean()
+        positions = batch.get("positions")
+        return self(batch["input_ids"], batch["labels"], positions=positions).mean()
+
+    def context_shard(
+        self, batch: torch.Tensor | dict[str, torch.Tensor], cp_size: int, cp_rank: int
+    ) -> dict[str, torch.Tensor]:
+        """``{"input_ids", "labels", "positions"}`` of cp rank ``cp_rank``: chunks ``cp_rank``
+        and ``2·cp_size−1−cp_rank`` of each row (``shard_for_cp``), labels cut as the ids
+        they follow, and the tokens' global positions for RoPE or the position table."""
+        pairs = next_token_pairs(batch)
+        b, s = pairs["input_ids"].shape
+        shard = {
+            k: shard_for_cp(pairs[k], cp_size, cp_rank, dim=1) for k in ("input_ids", "labels")
+        }
+        positions = cp_positions(s, cp_size, cp_rank, device=pairs["input_ids"].device)
+        return {**shard, "positions": positions.expand(b, -1)}
 
     # The pipeline cut's hooks (ParallelModel): a stage runs them on itself.
 

@@ -1,0 +1,223 @@
+"""Context parallelism (the ``cp`` mesh axis) through the model and a training step, on
+real gloo ranks, against the unsplit model.
+
+Each rank builds the model on the mesh (ring attention over its cp group) and, beside it,
+an unsplit reference with the same full weights on a one-rank group. The cp model trains
+one step the trainer's way: the local runner cuts each sequence to the rank's share
+(``model.context_shard``), the DP strategy reduces gradients over the ``grad`` role
+(dp × cp) and the loss is averaged over the ``loss`` role (dp × cp). The reference runs
+the whole batch. Everything is fp64, so the comparison proves the math: the ring and the
+gradient average only reorder sums of O(1) terms, and 1e-10 leaves orders of margin above
+rounding (measured below) while a token at a wrong position or a loss normalised per rank
+is off by O(1e-3) or more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from engine.models.config import preset
+from tests.multiproc import run_ranks
+
+SEQ, BATCH, VOCAB = 16, 2, 96  # 2·cp = 4 chunks of 4 tokens at cp 2
+TOL = 1e-10  # fp64; see the module docstring
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=4,
+    max_positions=32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+MODELS = {  # GPT: learned positions, MHA; Llama: rotary, GQA (2 KV heads for 4 heads)
+    "gpt": ("gpt_tiny", {}),
+    "llama": ("llama_tiny", {"num_kv_heads": 2, "ffn_hidden_size": 64}),
+}
+
+
+def _step_against_unsplit(name: str, tp: int, sequence_parallel: bool, layers: int = 2) -> dict:
+    """This rank's loss, full gradients and weights after one AdamW step, and the unsplit
+    reference's, for a cp × tp mesh over every rank (dp 1)."""
+    import torch.distributed as dist
+
+    import parallel_state
+    from engine import comm
+    from engine.config import OptimConfig
+    from engine.data_parallel import build_data_parallel
+    from engine.models import build_model
+    from engine.runner import LocalRunner
+    from engine.runner.local import model_inputs
+
+    world = dist.get_world_size()
+    dims = parallel_state.ParallelDims(tp, 1, cp=world // tp, sequence_parallel=sequence_parallel)
+    ps = parallel_state.initialize(dims)
+    solo = [dist.new_group([r]) for r in range(world)][ps.rank]  # the reference's "mesh"
+    preset_name, extra = MODELS[name]
+    extra = {**extra, "num_layers": layers}
+    small = {k: v for k, v in SMALL.items() if k != "num_layers"}
+    cfg = preset(preset_name, **small, **extra, sequence_parallel=sequence_parallel)
+    ps.seed(7)
+    model = build_model(cfg, ps, dtype=torch.float64)
+    reference = build_model(
+        preset(preset_name, **small, **extra), tp_group=solo, rng=ps.rng, dtype=torch.float64
+    )
+    reference.load_full_state_dict(model.full_state_dict())
+    windows = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
+
+    optim = OptimConfig(lr=1e-3, weight_decay=0.1)
+    dp = build_data_parallel(
+        model, optim, grad_group=ps.group("grad"), tp_group=ps.group("tp"), device=ps.device
+    )
+    logged = LocalRunner(model, ps, contextlib.nullcontext).forward_backward([windows], dp)
+    dp.finish_grads()
+    logged = comm.mean(logged.item(), ps.group("loss"), ps.device)  # as the trainer logs it
+    with torch.no_grad():  # the same loss in fp64 (the runner sums it in fp32 for the log)
+        loss = model.loss(model_inputs(model, ps)(windows)).item()
+    loss = comm.mean(loss, ps.group("loss"), ps.device)
+    grads = model.full_grad_dict()
+    dp.step(lr=1e-3, max_norm=1.0, norm=dp.grad_norm())
+
+    ref_dp = build_data_parallel(reference, optim, grad_group=None, tp_group=solo, device=ps.device)
+    ref_loss = reference.loss(windows)
+    ref_loss.backward()
+    ref_dp.finish_grads()
+    want_grads = reference.full_grad_dict()
+    ref_dp.step(lr=1e-3, max_norm=1.0, norm=ref_dp.grad_norm())
+    return {
+        "logged": logged,
+        "loss": loss,
+        "want_loss": ref_loss.item(),
+        "grads": grads,
+        "want_grads": want_grads,
+        "weights": model.full_state_dict(),
+        "want_weights": reference.full_state_dict(),
+    }
+
+
+def _assert_equal_to_unsplit(per_rank: list[dict]) -> float:
+    """Every rank's loss, gradients and stepped weights within TOL of the reference's;
+    the largest error seen."""
+    worst = 0.0
+    for rank, out in enumerate(per_rank):
+        # The logged loss is summed in float32 by the runner: 2e-7 relative (two roundings).
+        torch.testing.assert_close(
+            out["logged"], out["want_loss"], rtol=2e-7, atol=0, msg=lambda m, r=rank: f"{r}: {m}"
+        )
+        torch.testing.assert_close(
+            out["loss"], out["want_loss"], rtol=0, atol=TOL, msg=lambda m, r=rank: f"{r}: {m}"
+        )
+        worst = max(worst, abs(out["loss"] - out["want_loss"]))
+        for kind in ("grads", "weights"):
+            got, want = out[kind], out[f"want_{kind}"]
+            assert got.keys() == want.keys()
+            for key, value in got.items():
+                torch.testing.assert_close(
+                    value, want[key], rtol=0, atol=TOL, msg=lambda m, k=f"{kind} {key}": f"{k}: {m}"
+                )
+                worst = max(worst, (value - want[key]).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_cp2_equals_the_unsplit_model(name):
+    """cp 2 (2 ranks): causal GPT (learned positions) and Llama (rotary, GQA): loss, every
+    gradient and the weights after one AdamW step within 1e-10 (measured: ~1e-16 to
+    ~1e-15, rounding)."""
+    per_rank = run_ranks(_step_against_unsplit, 2, name, 1, False)
+    print(f"{name} cp2: max |error| {_assert_equal_to_unsplit(per_rank):.1e}")
+
+
+def test_cp2_with_tp2_and_sequence_parallelism_equals_the_unsplit_model():
+    """cp 2 × tp 2 (4 ranks) with sequence parallelism, Llama with GQA: each cp rank's
+    share of a sequence is split again over tp; the same 1e-10. One layer: 4 ranks share
+    this machine's cores."""
+    per_rank = run_ranks(_step_against_unsplit, 4, "llama", 2, True, 1)
+    print(f"llama cp2 x tp2 sp: max |error| {_assert_equal_to_unsplit(per_rank):.1e}")
+
+
+def test_seq_len_not_divisible_by_2cp_is_refused_in_one_line():
+    """Before any worker starts: the layout's own rule, one line naming the fix."""
+    from engine.config import Config, parallel_dims, validate
+
+    cfg = Config(cp_size=2, tp_size=1, dp_size=1)
+    cfg.data.seq_len = 30
+    problems = validate(cfg, parallel_dims(cfg, None))
+    lines = [p for p in problems if p.startswith("data.seq_len=30")]
+    assert lines == [
+        "data.seq_len=30 is not divisible by 2 × cp_size = 4 (context parallelism cuts each "
+        "sequence into 2·cp equal chunks); choose a multiple of 4 or another cp_size"
+    ], problems
+
+
+def test_the_cp_axis_takes_its_share_of_the_world_in_one_line_errors():
+    """dp=auto divides the world by tp × cp (× pp); a world that does not fit, and a
+    sequence that sequence parallelism cannot split again over tp, are one line each."""
+    from parallel_state.dims import LayoutError, ParallelDims
+
+    dims = ParallelDims.resolve(2, "auto", 8, cp=2)
+    assert (dims.tp, dims.cp, dims.dp, dims.world) == (2, 2, 2, 8)
+    with pytest.raises(
+        LayoutError, match=r"^world size 6 is not divisible by tp_size × cp_size = 4;"
+    ):
+        ParallelDims.resolve(2, "auto", 6, cp=2)
+    with pytest.raises(
+        LayoutError,
+        match=r"^dp_size × cp_size × tp_size = 2 × 2 × 1 = 4 does not equal the world size 2;",
+    ):
+        ParallelDims.resolve(1, 2, 2, cp=2)
+    with pytest.raises(
+        LayoutError, match=r"^data.seq_len=20 is not divisible by cp_size × tp_size = 8"
+    ):
+        ParallelDims(4, 1, cp=2, sequence_parallel=True).check_seq_len(20)
+    with pytest.raises(LayoutError, match=r"^cp_size must be an integer >= 1, got 0; set cp_size"):
+        ParallelDims(1, 1, cp=0)
+    ParallelDims(2, 1, cp=2, sequence_parallel=True).check_seq_len(12)  # 4 chunks of 3, 6 ÷ 2
+
+
+def _verifier_at_cp2() -> dict[str, tuple | None]:
+    """The layout verifier at cp 2: Llama clean, then GPT and Llama with positions not
+    offset (each cp rank's tokens numbered from 0): the first failing row of each."""
+    import engine.models.gpt.model as gpt_model
+    import parallel_state
+    from studies.verification.layouts import VerifySpec, compare_layouts
+
+    def unshifted(seq_len, cp_size, cp_rank, *, device=None):
+        return torch.arange(seq_len // cp_size, device=device)
+
+    found, original = {}, gpt_model.cp_positions
+    for name, model, planted in (
+        ("clean", "llama", False),
+        ("gpt", "gpt", True),
+        ("llama", "llama", True),
+    ):
+        spec = VerifySpec(model=model, tp_size=1, cp_size=2, num_heads=4)
+        gpt_model.cp_positions = unshifted if planted else original
+        try:
+            with parallel_state.initialize(spec.dims):
+                report = compare_layouts(spec)
+        finally:
+            gpt_model.cp_positions = original
+        if report is not None:
+            failure = report.first_failure
+            found[name] = (
+                len(report.rows),
+                failure and (failure.kind, failure.name, failure.max_rel),
+            )
+    return found
+
+
+def test_the_verifier_runs_at_cp2_and_names_unshifted_positions_where_they_show():
+    """Every module's output, the loss and every gradient within 1e-10 at cp 2; positions
+    not offset show first at the learned position table (GPT: the embedding's output) and
+    at the first attention core that rotates q and k (Llama)."""
+    found = run_ranks(_verifier_at_cp2, 2)[0]
+    print(found)
+    rows, failure = found["clean"]
+    assert rows > 30 and failure is None, found
+    assert found["gpt"][1][:2] == ("output", "embedding"), found
+    assert found["llama"][1][:2] == ("output", "layers.0.attention.core"), found
+    assert min(found["gpt"][1][2], found["llama"][1][2]) > 1e-3, found
