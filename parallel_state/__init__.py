@@ -274,16 +274,18 @@ def _new_groups(dims: ParallelDims, rank: int) -> dict[str, dist.ProcessGroup | 
     creates every group, in the same order: the axes innermost first, then the roles that
     span several axes, then the pipeline's first-and-last-stage pairs."""
     groups: dict[str, dist.ProcessGroup | None] = {}
-    made: dict[tuple[str, ...], dist.ProcessGroup] = {}
+    # Keyed by the partition of the ranks, so a role whose extra axes have size 1 (grad
+    # over dp x cp at cp 1) is the very group of the axis it reduces to.
+    made: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
     names = [*reversed(MESH_AXES), *ROLES]
     for name in names:
-        axes = dims.axes_of(name)
-        if axes not in made:
-            for ranks in dims.group_ranks(axes):
-                group = dist.new_group(ranks)
+        partition = tuple(tuple(ranks) for ranks in dims.group_ranks(dims.axes_of(name)))
+        if partition not in made:
+            for ranks in partition:
+                group = dist.new_group(list(ranks))
                 if rank in ranks:
-                    made[axes] = group
-        groups[name] = made[axes]
+                    made[partition] = group
+        groups[name] = made[partition]
     groups["embedding"] = None
     if dims.pp > 1:
         for ranks in dims.group_ranks("pp"):
