@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel_state.dims import MESH_AXES, ROLES, LayoutError, ParallelDims
+from parallel_state.dims import EXPERT_ROLES, MESH_AXES, ROLES, LayoutError, ParallelDims
 from parallel_state.launcher import LaunchInfo, detect_launch
 from parallel_state.random import RNGTracker
 
@@ -29,6 +29,7 @@ __all__ = [
     "ParallelDims",
     "MESH_AXES",
     "ROLES",
+    "EXPERT_ROLES",
     "LayoutError",
     "initialize",
     "backend_for",
@@ -50,7 +51,10 @@ class ParallelState:
     are reduced, ``ps.rank_in("batch")``/``ps.size("batch")`` which part of the data this
     rank reads, ``ps.group("loss")`` where metrics are averaged, ``ps.ranks("replica")``
     who holds the same checkpoint shard, ``ps.group("embedding")`` the first and last
-    pipeline stage (tied embeddings; None elsewhere). An axis name (``"tp"``) answers too.
+    pipeline stage (tied embeddings; None elsewhere), ``ps.group("expert")`` the ranks
+    splitting the experts (the MoE all-to-all) and ``ps.group("expert_grad")`` those holding
+    the same experts (their gradients' reduction; :data:`EXPERT_ROLES`). An axis name
+    (``"tp"``) answers too.
     """
 
     dims: ParallelDims
@@ -66,7 +70,8 @@ class ParallelState:
         """The process group of role or axis ``name`` that holds this rank."""
         if name not in self.groups:
             raise KeyError(
-                f"{name!r} is neither a mesh axis {MESH_AXES} nor a role {(*ROLES, 'embedding')}"
+                f"{name!r} is neither a mesh axis {MESH_AXES} nor a role "
+                f"{(*ROLES, *EXPERT_ROLES, 'embedding')}"
             )
         return self.groups[name]
 
@@ -76,6 +81,8 @@ class ParallelState:
 
     def rank_in(self, name: str) -> int:
         """This rank's index in its group of role or axis ``name`` (outer axes vary slowest)."""
+        if name in EXPERT_ROLES:
+            return self.ranks(name).index(self.rank)
         index = 0
         for axis in self.dims.axes_of(name):
             index = index * self.dims.sizes[axis] + self.coords[axis]
@@ -267,7 +274,8 @@ def _build_state(
 def _new_groups(dims: ParallelDims, rank: int) -> dict[str, dist.ProcessGroup | None]:
     """This rank's group of every axis and role (and the embedding group). Every rank
     creates every group, in the same order: the axes innermost first, then the roles that
-    span several axes, then the pipeline's first-and-last-stage pairs."""
+    span several axes, then the expert roles, then the pipeline's first-and-last-stage
+    pairs."""
     groups: dict[str, dist.ProcessGroup | None] = {}
     made: dict[tuple[str, ...], dist.ProcessGroup] = {}
     names = [*reversed(MESH_AXES), *ROLES]
@@ -279,6 +287,16 @@ def _new_groups(dims: ParallelDims, rank: int) -> dict[str, dist.ProcessGroup | 
                 if rank in ranks:
                     made[axes] = group
         groups[name] = made[axes]
+    for name in EXPERT_ROLES:  # sub-groups of "grad"; one already made serves where equal
+        ranks = dims.group_ranks(name)
+        same = [axes for axes in made if dims.group_ranks(axes) == ranks]
+        if same:
+            groups[name] = made[same[0]]
+            continue
+        for group_ranks in ranks:
+            group = dist.new_group(group_ranks)
+            if rank in group_ranks:
+                groups[name] = group
     groups["embedding"] = None
     if dims.pp > 1:
         for ranks in dims.group_ranks("pp"):
