@@ -1,5 +1,13 @@
 """The local step runner: the whole model on this rank, its micro-batches run one after
-another, each backward accumulating into the same gradients (pp_size=1)."""
+another, each backward accumulating into the same gradients (pp_size=1).
+
+A model with MoE layers trains on its loss plus every router's auxiliary and z-losses
+(``layers.moe.moe_losses``: each router's weighted losses of this micro-batch's tokens on
+this rank), divided by the micro-batch count with it: the objective is the mean over the
+step's micro-batches and (by the DP average) its ranks of (model loss + router losses),
+the same at every ep size, since each rank routes its own tokens at every ep size. The
+step's reported loss stays the model's (comparable with evaluation and dense runs); the
+router losses' step mean is ``router_loss``."""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ from engine import comm
 from engine.data.loader import DataIterator
 from engine.data_parallel import DataParallel
 from engine.models.base import to_device
+from layers.moe import MoEMLP, moe_losses
 from parallel_state import ParallelState
 
 Autocast = Callable[[], contextlib.AbstractContextManager]
@@ -51,9 +60,15 @@ class LocalRunner:
 
     def __init__(self, model: nn.Module, ps: ParallelState, autocast: Autocast) -> None:
         self.model, self.ps, self.autocast = model, ps, autocast
+        self.has_experts = any(isinstance(m, MoEMLP) for m in model.modules())
+        self.router_loss = torch.zeros((), device=ps.device)  # the last step's, detached
 
-    def _loss(self, batch) -> torch.Tensor:
-        return self.model.loss(to_device(batch, self.ps.device))
+    def _loss(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the model's loss, the router losses of its MoE layers or None)."""
+        loss = self.model.loss(to_device(batch, self.ps.device))
+        if not self.has_experts:
+            return loss, None
+        return loss, sum(one.loss for one in moe_losses(self.model))
 
     def forward_backward(
         self, micro_batches: list, dp: DataParallel, loss_scale: float = 1.0
@@ -61,13 +76,20 @@ class LocalRunner:
         """Forward and backward of each micro-batch, its loss divided by their count (and
         multiplied by ``loss_scale`` for backward: × 1.0 is exact); the mean loss, detached."""
         total = torch.zeros((), device=self.ps.device)
+        router_total = torch.zeros((), device=self.ps.device)
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else dp.no_sync():
                 with self.autocast():
-                    loss = self._loss(micro) / len(micro_batches)
-                (loss * loss_scale).backward()
+                    loss, router = self._loss(micro)
+                    loss = loss / len(micro_batches)
+                    router = None if router is None else router / len(micro_batches)
+                objective = loss if router is None else loss + router
+                (objective * loss_scale).backward()
             total += loss.detach().float()
+            if router is not None:
+                router_total += router.detach().float()
+        self.router_loss = router_total
         return total
 
     def fixed_set_loss(self, valid: DataIterator, batches: int) -> float:
