@@ -63,26 +63,29 @@ class LocalRunner:
         self.has_experts = any(isinstance(m, MoEMLP) for m in model.modules())
         self.router_loss = torch.zeros((), device=ps.device)  # the last step's, detached
 
-    def _loss(self, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the model's loss, the router losses of its MoE layers or None)."""
-        loss = self.model.loss(to_device(batch, self.ps.device))
+    def _loss(self, batch) -> torch.Tensor:
+        return self.model.loss(to_device(batch, self.ps.device))
+
+    def _router_loss(self) -> torch.Tensor | None:
+        """The weighted router losses of the last forward's MoE layers (None: none)."""
         if not self.has_experts:
-            return loss, None
-        return loss, sum(one.loss for one in moe_losses(self.model))
+            return None
+        return sum(one.loss for one in moe_losses(self.model))
 
     def forward_backward(
         self, micro_batches: list, dp: DataParallel, loss_scale: float = 1.0
     ) -> torch.Tensor:
-        """Forward and backward of each micro-batch, its loss divided by their count (and
-        multiplied by ``loss_scale`` for backward: × 1.0 is exact); the mean loss, detached."""
+        """Forward and backward of each micro-batch, its loss (plus its router losses) divided
+        by their count (and multiplied by ``loss_scale`` for backward: × 1.0 is exact); the
+        mean model loss, detached."""
         total = torch.zeros((), device=self.ps.device)
         router_total = torch.zeros((), device=self.ps.device)
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else dp.no_sync():
                 with self.autocast():
-                    loss, router = self._loss(micro)
-                    loss = loss / len(micro_batches)
+                    loss = self._loss(micro) / len(micro_batches)
+                    router = self._router_loss()
                     router = None if router is None else router / len(micro_batches)
                 objective = loss if router is None else loss + router
                 (objective * loss_scale).backward()
@@ -111,4 +114,6 @@ class LocalRunner:
         return "forward/backward", "model"
 
     def console_note(self) -> str:
-        return ""
+        """`` ep=N`` where the experts are split over N ranks."""
+        ep = self.ps.size("expert")
+        return f" ep={ep}" if ep > 1 else ""
