@@ -29,7 +29,7 @@ from engine.config import (
     parallel_dims,
     validate,
 )
-from engine.data_parallel import build_data_parallel
+from engine.data_parallel import GradSync, build_data_parallel
 from engine.models import ModelConfig, build_model
 from engine.runner import LocalRunner
 from layers.moe import moe_losses
@@ -49,6 +49,11 @@ CASES = {
     "softmax_top2": dict(),
     # The same, each expert taking at most ⌈1.0 · T · k / E⌉ = 8 of a rank's 32 slots.
     "capacity": dict(moe_capacity_factor=1.0),
+    # DeepSeek-V3's sigmoid router, Qwen2-MoE's gated shared expert, and whole-layer
+    # recomputation (the dispatch and combine run again inside backward).
+    "sigmoid_shared_recompute": dict(
+        moe_router="sigmoid", moe_shared_ffn_hidden_size=8, recompute="full"
+    ),
 }
 
 
@@ -87,7 +92,8 @@ def _shards() -> torch.Tensor:
 
 
 def _record_routing(model) -> list[list]:
-    """Per router, the ``Routing`` of each forward, appended as they run."""
+    """Per router, the ``Routing`` of each forward, appended as they run (a recomputed
+    forward's too, after the forward passes)."""
     records = []
     for module in model.modules():
         if isinstance(module, TopKRouter):
@@ -135,6 +141,9 @@ def _ep_rank(cfg: ModelConfig, shards: torch.Tensor, ep: int) -> dict:
     model = build_model(cfg, ps, dtype=F64, device=DEVICE)
     records = _record_routing(model)
     runner = LocalRunner(model, ps, contextlib.nullcontext)
+    if ep > 1:  # split experts reduced with the dense gradients would be wrong: refused
+        with pytest.raises(ValueError, match="pass expert_grad_group=ps.group"):
+            GradSync(model.parameters(), grad_group=ps.group("grad"))
     dp = _dp(model, ps)
     index = ps.rank_in("batch")
     model_losses = []  # the fp64 loss the runner backpropagates (it reports it in fp32)
@@ -164,8 +173,9 @@ def _reference(cfg: ModelConfig, shards: torch.Tensor) -> dict:
         routers.append(sum(one.loss for one in moe_losses(model)))
     (sum(losses) / 2 + sum(routers) / 2).backward()
     tokens = BATCH * SEQ
-    routing = [
-        [_pairs(forward, r * tokens) for r, forward in enumerate(forwards)] for forwards in records
+    routing = [  # the forward passes of the two batches (recomputation's come after)
+        [_pairs(forward, r * tokens) for r, forward in enumerate(forwards[:2])]
+        for forwards in records
     ]
     loss, router = sum(losses).detach() / 2, sum(routers).detach() / 2
     return dict(_step(dp, model), loss=loss, router=router, routing=routing)
