@@ -154,7 +154,8 @@ class MoEMLP(nn.Module):
     """Router, grouped experts and an optional gated shared expert (module docstring).
 
     Constructed as every MLP slot is (``layers.spec``); ``rng`` unused (no dropout). Runs on
-    one TP rank for now: ``tp_group`` must hold one rank.
+    one TP rank for now: ``tp_group`` must hold one rank. Holds every expert until
+    ``shard_experts`` gives it an ``ep_group`` and keeps this rank's ``E / ep`` of them.
     """
 
     def __init__(

@@ -34,9 +34,9 @@ def global_grad_norm(
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
     counted = [p for p in params if p.grad is not None and counted_in_norm(p, tp_rank)]
     if group_size(ep_group) > 1:
-        experts = [p for p in counted if is_expert(p)]
         dense = _square_sum([p.grad.detach() for p in counted if not is_expert(p)])
-        expert = _square_sum([p.grad.detach() for p in experts]).to(collective_device(ep_group))
+        expert = _square_sum([p.grad.detach() for p in counted if is_expert(p)])
+        expert = expert.to(collective_device(ep_group))
         dist.all_reduce(expert, group=ep_group)
         total = dense + expert.to(dense.device)
     else:
