@@ -35,19 +35,20 @@ from engine.runner import LocalRunner
 from layers.moe import moe_losses
 from layers.router import TopKRouter
 from parallel_state.dims import LayoutError, ParallelDims
+from tests.moe_util import EXPERTS, LLAMA, moe_cfg
 from tests.multiproc import run_ranks
 
 DEVICE = torch.device("cpu")
 F64 = torch.float64
-BATCH, SEQ, VOCAB, EXPERTS = 2, 8, 64, 4
+BATCH, SEQ, VOCAB = 2, 8, 64
 TOL = dict(rtol=0, atol=1e-10)  # fp64, differing only in summation order (module docstring)
 # A clip that bites (the norm is ~1), so the norm's expert part reaches the step.
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, weight_decay=0.1, clip_grad=0.05, impl="torch")
 
 CASES = {
-    # Llama-like, softmax top-2 of 4 renormalised, dropless, both layers MoE.
+    # Softmax top-2 of 6 renormalised, dropless.
     "softmax_top2": dict(),
-    # The same, each expert taking at most ⌈1.0 · T · k / E⌉ = 8 of a rank's 32 slots.
+    # The same, each expert taking at most ⌈1.0 · T · k / E⌉ = 6 of a rank's 32 slots.
     "capacity": dict(moe_capacity_factor=1.0),
     # DeepSeek-V3's sigmoid router, Qwen2-MoE's gated shared expert, and whole-layer
     # recomputation (the dispatch and combine run again inside backward).
@@ -58,31 +59,9 @@ CASES = {
 
 
 def _cfg(**overrides) -> ModelConfig:
-    base = dict(
-        arch="llama",
-        norm="rmsnorm",
-        position_embedding="rotary",
-        qkv_bias=False,
-        tie_embeddings=False,
-        hidden_size=16,
-        num_heads=2,
-        num_layers=2,
-        vocab_size=VOCAB,
-        max_positions=SEQ,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        kernels="torch",
-        activation="swiglu",
-        linear_bias=False,
-        mlp="moe",
-        moe_num_experts=EXPERTS,
-        moe_top_k=2,
-        moe_ffn_hidden_size=12,
-        moe_router_dtype="fp64",
-        moe_aux_loss_coeff=0.01,
-        moe_z_loss_coeff=0.001,
-    )
-    return ModelConfig(**{**base, **overrides})
+    """test_moe's tiny MoE layers (6 experts, top-2, both layers) in a Llama, routed in fp64."""
+    ep_keys = dict(moe_router_dtype="fp64", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+    return moe_cfg(**{**LLAMA, **ep_keys, **overrides})
 
 
 def _shards() -> torch.Tensor:
@@ -203,14 +182,13 @@ def _assert_matches(ranks: list[dict], ref: dict) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ep2_equals_the_unsplit_model(case):
     cfg, shards = _cfg(**CASES[case]), _shards()
-    cfg.validate()
     ranks = run_ranks(_ep_rank, 2, cfg, shards, 2)
     ref = _reference(cfg, shards)
     _assert_matches(ranks, ref)
     dropped = sum(len(d) for per_rank in ref["routing"] for _, d in per_rank)
     assert (dropped > 0) == ("moe_capacity_factor" in CASES[case]), dropped
     # Each rank held half the experts and its weights were a slice of the unsplit ones.
-    assert [r["experts"] for r in ranks] == [(0, 2), (2, 4)]
+    assert [r["experts"] for r in ranks] == [(0, 3), (3, 6)]
 
 
 def test_expert_roles_are_carved_from_dp():
@@ -231,7 +209,7 @@ def test_expert_roles_are_carved_from_dp():
             "data-parallel ranks); choose an ep_size dividing 4",
         ),
         (
-            dict(dp_size=4, ep_size=4, model=_cfg(moe_num_experts=6)),
+            dict(dp_size=4, ep_size=4),
             "model.moe_num_experts=6 is not divisible by ep_size=4 (each ep rank holds whole "
             "experts); choose an ep_size dividing 6",
         ),
