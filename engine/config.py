@@ -115,6 +115,7 @@ class ParallelConfig:
     dp: Any = 2  # data-parallel size, or "auto": world ÷ (tp × cp × pp) (short form: dp_size=)
     pp: int = 1  # pipeline stages the layers are cut into; 1: none (short form: pp_size=)
     cp: int = 1  # context-parallel ranks splitting each sequence (ring attention; cp_size=)
+    ep: int = 1  # dp ranks splitting each MoE layer's experts; 1: none (short form: ep_size=)
     dp_shard: str = "none"  # DP shards: none, optimizer (ZeRO-1), gradients (ZeRO-2), full (ZeRO-3)
     # Also model.sequence_parallel=true, the key the layers read: either turns it on.
     sequence_parallel: bool = False  # shard norms and dropout along the sequence inside TP
@@ -122,7 +123,7 @@ class ParallelConfig:
 
 
 # The sizes' short forms, top-level keys: ``tp_size=2`` sets ``parallel.tp``.
-SHORT_FORMS = {"tp_size": "tp", "dp_size": "dp", "pp_size": "pp", "cp_size": "cp"}
+SHORT_FORMS = {"tp_size": "tp", "dp_size": "dp", "pp_size": "pp", "cp_size": "cp", "ep_size": "ep"}
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -140,7 +141,8 @@ class PipelineConfig:
 class Config:
     """Everything a pre-training run needs.
 
-    The sizes live in ``parallel``; ``tp_size``, ``dp_size``, ``pp_size`` and ``cp_size``
+    The sizes live in ``parallel``; ``tp_size``, ``dp_size``, ``pp_size``, ``cp_size`` and
+    ``ep_size``
     are their short forms. One given (not None) overrides the section's size, one left out mirrors
     it, so after construction both spellings read the same value. In code, change a size
     through its short form (``dataclasses.replace(cfg, dp_size=4)``): a replaced
@@ -159,15 +161,23 @@ class Config:
     dp_size: Any = None  # short for parallel.dp, an integer or auto (null: the section's)
     pp_size: int | None = None  # short for parallel.pp (null: the section's)
     cp_size: int | None = None  # short for parallel.cp (null: the section's)
+    ep_size: int | None = None  # short for parallel.ep (null: the section's)
     run_dir: str = "."  # where logs go; set to Hydra's output directory at launch
 
     def __post_init__(self) -> None:
-        short = {"tp": self.tp_size, "dp": self.dp_size, "pp": self.pp_size, "cp": self.cp_size}
+        short = {
+            "tp": self.tp_size,
+            "dp": self.dp_size,
+            "pp": self.pp_size,
+            "cp": self.cp_size,
+            "ep": self.ep_size,
+        }
         given = {axis: value for axis, value in short.items() if value is not None}
         if given:  # a new section: the old one may be shared with another Config
             self.parallel = dataclasses.replace(self.parallel, **given)
         p = self.parallel
-        self.tp_size, self.dp_size, self.pp_size, self.cp_size = p.tp, p.dp, p.pp, p.cp
+        self.tp_size, self.dp_size, self.pp_size = p.tp, p.dp, p.pp
+        self.cp_size, self.ep_size = p.cp, p.ep
         # Sequence parallelism and the schedule are layout choices too: the section and
         # the keys the layers and the pipeline read agree after construction.
         sp = p.sequence_parallel or self.model.sequence_parallel
@@ -208,6 +218,7 @@ def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
         sequence_parallel=p.sequence_parallel,
         dp_shard=p.dp_shard,
         zero1=cfg.optim.distributed,
+        ep=p.ep,
     )
 
 
@@ -241,9 +252,10 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
 
 
 def _validate_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
-    """What the layout's pipeline stages, context parallelism and DP sharding need of the
-    rest of the config."""
+    """What the layout's pipeline stages, context parallelism, expert parallelism and DP
+    sharding need of the rest of the config."""
     problems = _validate_pipeline(cfg, dims) + _validate_context_parallel(cfg, dims)
+    problems += _validate_experts(cfg, dims)
     if dims.dp_shard in ("gradients", "full"):
         problems += _validate_fsdp(cfg, dims)
     if cfg.optim.distributed and cfg.optim.impl == "apex":
@@ -266,6 +278,35 @@ def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     if m.compile:
         problems.append(f"{at} runs the ring eagerly: set model.compile=false")
     return problems
+
+
+def _validate_experts(cfg: Config, dims: ParallelDims) -> list[str]:
+    """What ``parallel.ep`` needs of the model (experts to split, whole experts per ep
+    rank) and of the checkpoints, which do not yet gather experts split over ep; and the
+    router losses, which only the local runner adds (not the pipeline's)."""
+    m, c, ep = cfg.model, cfg.checkpoint, dims.ep
+    if m.mlp == "moe" and dims.pp > 1 and (m.moe_aux_loss_coeff or m.moe_z_loss_coeff):
+        return [
+            f"pp_size={dims.pp} does not add the router losses yet: set "
+            "model.moe_aux_loss_coeff=0 and model.moe_z_loss_coeff=0, or pp_size=1"
+        ]
+    if ep == 1:
+        return []
+    if m.mlp != "moe":
+        return [
+            f"ep_size={ep} splits the experts of model.mlp=moe; model.mlp={m.mlp} has none: set ep_size=1"
+        ]
+    if m.moe_num_experts % ep:
+        return [
+            f"model.moe_num_experts={m.moe_num_experts} is not divisible by ep_size={ep} "
+            f"(each ep rank holds whole experts); choose an ep_size dividing {m.moe_num_experts}"
+        ]
+    if c.every or c.save_final or c.resume:
+        return [
+            f"ep_size={ep}: checkpoints do not yet gather the experts split over ep; set "
+            "checkpoint.every=0, checkpoint.save_final=false and checkpoint.resume=false, or ep_size=1"
+        ]
+    return []
 
 
 def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:

@@ -96,7 +96,7 @@ class Trainer:
             self._resume()
 
     def _build_data_parallel(self) -> DataParallel:
-        """The DP strategy of ``optim.distributed``, reducing over the gradient group."""
+        """The DP strategy of ``optim.distributed``, reducing over the gradient groups."""
         cfg, ps = self.cfg, self.ps
         return build_data_parallel(
             self.model,
@@ -104,6 +104,7 @@ class Trainer:
             grad_group=ps.group("grad"),
             tp_group=ps.group("tp"),
             device=ps.device,
+            expert_groups=(ps.group("expert"), ps.group("expert_grad")),
             bucket_size_mb=cfg.trainer.grad_bucket_mb,
             overlap=cfg.trainer.overlap_grad_reduce,
             low_precision=torch.bfloat16 if self.precision == "bf16" else None,

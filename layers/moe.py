@@ -13,6 +13,11 @@ One forward, for the T = s·b tokens of ``[s, b, h]``:
    order (no scatter-add, so the sum is the same on every device);
 5. plus sigmoid(x·g) · shared(x) when there is a shared expert (Qwen2-MoE's gate).
 
+Under expert parallelism (``shard_experts``: each of the ``expert`` group's ep ranks keeps
+``E / ep`` experts) steps 1–2 and 4 stay on this rank, so routing, ties and drops are
+those of ep 1, and step 3 is wrapped in ``layers.expert_parallel``'s dispatch and
+combine all-to-alls.
+
 The expert weights are ``[E, in, out]`` tensors (``x @ w[e]``), fc1's columns interleaved
 gate/up as ``layers.mlp``'s: giving each of several ranks its experts is a slice along
 dim 0. The router's losses of the last forward are ``self.router.last_losses``
@@ -27,12 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from layers.expert_parallel import combine, dispatch, expert_range
 from layers.kernel_set import Kernels, resolve_kernels
 from layers.linear import replicated_weight
 from layers.mlp import ParallelMLP
+from layers.param_roles import mark_expert
 from layers.router import RouterLosses, Routing, TopKRouter
 from layers.transformer_config import TransformerConfig
-from parallel_state.groups import group_size, resolve_tp_group
+from parallel_state.groups import group_rank, group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
 
 GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -120,7 +127,18 @@ class GroupedExperts(nn.Module):
         self.fc1 = replicated_weight((experts, h, width), cfg.init_std, dtype, device)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         self.fc2 = replicated_weight((experts, f, h), out_std, dtype, device)
+        for weight in (self.fc1, self.fc2):
+            mark_expert(weight)
         self.impl = "auto"  # grouped_mm's choice; the tests set "loop" or "grouped"
+
+    @torch.no_grad()
+    def keep_experts(self, ep_rank: int, ep_size: int) -> None:
+        """Keep only ep rank ``ep_rank``'s ``E / ep_size`` experts (a dim-0 slice of the full
+        weights, which every rank drew alike from the seed)."""
+        first, end = expert_range(self.fc1.shape[0], ep_rank, ep_size)
+        for weight in (self.fc1, self.fc2):
+            weight.data = weight.data[first:end].clone()
+            mark_expert(weight, ep_size)
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``rows`` ``[n, h]`` grouped by expert, ``counts`` ``[E]`` → ``[n, h]``."""
@@ -136,7 +154,8 @@ class MoEMLP(nn.Module):
     """Router, grouped experts and an optional gated shared expert (module docstring).
 
     Constructed as every MLP slot is (``layers.spec``); ``rng`` unused (no dropout). Runs on
-    one TP rank for now: ``tp_group`` must hold one rank.
+    one TP rank for now: ``tp_group`` must hold one rank. Holds every expert until
+    ``shard_experts`` gives it an ``ep_group`` and keeps this rank's ``E / ep`` of them.
     """
 
     def __init__(
@@ -158,6 +177,7 @@ class MoEMLP(nn.Module):
             )
         kernels = kernels or resolve_kernels(cfg.kernels)
         self.num_experts = cfg.moe_num_experts
+        self.ep_group: dist.ProcessGroup | None = None  # set by shard_experts
         factory = dict(dtype=dtype, device=device)
         # Built in this order (the master weights' draws follow it).
         self.router = TopKRouter(cfg, **factory)
@@ -180,13 +200,32 @@ class MoEMLP(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])  # [T, h], T = s·b in (s, b) order
         routing = self.router(tokens)
         rows, order, counts = permute(tokens, routing, self.num_experts)
-        out = unpermute(self.experts(rows, counts), order, routing.weights)
+        rows, counts, plan = dispatch(rows, counts, self.ep_group)  # to the experts' ranks
+        rows = combine(self.experts(rows, counts), plan)  # and back
+        out = unpermute(rows, order, routing.weights)
         if self.shared_expert is not None:
             shared, _ = self.shared_expert(tokens)
             if self.shared_gate is not None:
                 shared = torch.sigmoid(tokens @ self.shared_gate.T) * shared
             out = out + shared
         return out.view_as(x), None
+
+
+def shard_experts(model: nn.Module, ep_group: dist.ProcessGroup | None) -> nn.Module:
+    """Split every MoE layer of ``model`` over ``ep_group`` (the mesh's ``expert`` role):
+    each rank keeps its ``E / ep`` experts and dispatches tokens to the others'. Nothing
+    changes when the group has one rank. Returns ``model``."""
+    ep_size = group_size(ep_group)
+    for module in model.modules():
+        if isinstance(module, MoEMLP) and ep_size > 1:
+            if module.num_experts % ep_size:
+                raise ValueError(
+                    f"model.moe_num_experts={module.num_experts} is not divisible by "
+                    f"ep_size={ep_size}; choose an ep_size dividing {module.num_experts}"
+                )
+            module.experts.keep_experts(group_rank(ep_group), ep_size)
+            module.ep_group = ep_group
+    return model
 
 
 def moe_losses(model: nn.Module) -> list[RouterLosses]:

@@ -18,6 +18,11 @@ know which layer made the parameter. The roles:
   back to the true vocabulary in full state dicts.
 * **copy of another rank's**: a pipeline's tied word embedding on the last stage, whose
   gradient the first stage's original already counts in the norm.
+* **expert**: dim 0 is a MoE layer's experts, cut over the ``expert`` role's ep ranks
+  (each holds ``E / ep`` whole experts; ``expert_split`` says ep). Its gradient already
+  sums the tokens of every ep rank (the all-to-all's backward brings them), so the DP
+  strategies reduce it over the ``expert_grad`` group, the ranks holding the same experts,
+  not over the dense gradient group; the gradient norm sums it over the ep ranks.
 
 A tied LM head holds no parameter of its own (it reads the word embedding's), so tying
 needs no role. Each role is an attribute on the parameter, named only in this module.
@@ -33,6 +38,7 @@ _BLOCKS = "tp_blocks_at_most"
 _SP_PARTIAL_GRAD = "sequence_parallel_grad"
 _VOCAB_PADDED = "vocab_padded"
 _COPY = "copy_of_another_rank"
+_EXPERT_SPLIT = "expert_parallel_split"
 
 
 def mark_tp_dim(param: torch.Tensor, dim: int | None) -> torch.Tensor:
@@ -103,3 +109,19 @@ def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
     if tp_dim(param) is None:
         return tp_rank == 0
     return tp_rank % replicas(param) == 0
+
+
+def mark_expert(param: torch.Tensor, ep_size: int = 1) -> None:
+    """Declare ``param``'s dim 0 a MoE layer's experts, cut into ``ep_size`` blocks over the
+    ``expert`` role (1: this rank holds every expert)."""
+    setattr(param, _EXPERT_SPLIT, ep_size)
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether ``param`` holds experts (its gradient reduces over ``expert_grad``)."""
+    return hasattr(param, _EXPERT_SPLIT)
+
+
+def expert_split(param: torch.Tensor) -> int:
+    """Over how many ep ranks ``param``'s experts are cut (1: none, or not an expert)."""
+    return getattr(param, _EXPERT_SPLIT, 1)

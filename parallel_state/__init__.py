@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel_state.dims import MESH_AXES, ROLES, LayoutError, ParallelDims
+from parallel_state.dims import EXPERT_ROLES, MESH_AXES, ROLES, LayoutError, ParallelDims
 from parallel_state.launcher import LaunchInfo, detect_launch
 from parallel_state.random import RNGTracker
 
@@ -30,6 +30,7 @@ __all__ = [
     "ParallelDims",
     "MESH_AXES",
     "ROLES",
+    "EXPERT_ROLES",
     "LayoutError",
     "initialize",
     "backend_for",
@@ -51,7 +52,10 @@ class ParallelState:
     are reduced, ``ps.rank_in("batch")``/``ps.size("batch")`` which part of the data this
     rank reads, ``ps.group("loss")`` where metrics are averaged, ``ps.ranks("replica")``
     who holds the same checkpoint shard, ``ps.group("embedding")`` the first and last
-    pipeline stage (tied embeddings; None elsewhere). An axis name (``"tp"``) answers too.
+    pipeline stage (tied embeddings; None elsewhere), ``ps.group("expert")`` the ranks
+    splitting the experts (the MoE all-to-all) and ``ps.group("expert_grad")`` those holding
+    the same experts (their gradients' reduction; :data:`EXPERT_ROLES`). An axis name
+    (``"tp"``) answers too.
     """
 
     dims: ParallelDims
@@ -67,7 +71,8 @@ class ParallelState:
         """The process group of role or axis ``name`` that holds this rank."""
         if name not in self.groups:
             raise KeyError(
-                f"{name!r} is neither a mesh axis {MESH_AXES} nor a role {(*ROLES, 'embedding')}"
+                f"{name!r} is neither a mesh axis {MESH_AXES} nor a role "
+                f"{(*ROLES, *EXPERT_ROLES, 'embedding')}"
             )
         return self.groups[name]
 
@@ -77,6 +82,8 @@ class ParallelState:
 
     def rank_in(self, name: str) -> int:
         """This rank's index in its group of role or axis ``name`` (outer axes vary slowest)."""
+        if name in EXPERT_ROLES:
+            return self.ranks(name).index(self.rank)
         index = 0
         for axis in self.dims.axes_of(name):
             index = index * self.dims.sizes[axis] + self.coords[axis]
@@ -272,14 +279,14 @@ def _build_state(
 def _new_groups(dims: ParallelDims, rank: int) -> dict[str, dist.ProcessGroup | None]:
     """This rank's group of every axis and role (and the embedding group). Every rank
     creates every group, in the same order: the axes innermost first, then the roles that
-    span several axes, then the pipeline's first-and-last-stage pairs."""
+    span several axes, then the expert roles, then the pipeline's first-and-last-stage
+    pairs."""
     groups: dict[str, dist.ProcessGroup | None] = {}
     # Keyed by the partition of the ranks, so a role whose extra axes have size 1 (grad
-    # over dp x cp at cp 1) is the very group of the axis it reduces to.
+    # over dp x cp at cp 1), or an expert role at ep 1, is the very group it equals.
     made: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
-    names = [*reversed(MESH_AXES), *ROLES]
-    for name in names:
-        partition = tuple(tuple(ranks) for ranks in dims.group_ranks(dims.axes_of(name)))
+    for name in (*reversed(MESH_AXES), *ROLES, *EXPERT_ROLES):
+        partition = tuple(tuple(ranks) for ranks in dims.group_ranks(name))
         if partition not in made:
             for ranks in partition:
                 group = dist.new_group(list(ranks))

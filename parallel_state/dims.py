@@ -18,6 +18,7 @@ from dataclasses import dataclass
 __all__ = [
     "AUTO",
     "DP_SHARD_MODES",
+    "EXPERT_ROLES",
     "MESH_AXES",
     "ROLES",
     "LayoutError",
@@ -50,6 +51,14 @@ ROLES: dict[str, tuple[str, ...]] = {
     "loss": ("dp", "cp"),  # where per-rank metrics (loss, evaluation) are averaged
     "replica": ("dp", "cp"),  # ranks holding identical checkpoint shards (one of them writes)
 }
+# Expert parallelism is carved from the ranks of the "grad" role, not a mesh axis: inside
+# each gradient group, ep neighbouring dp indices (dp_rank // ep alike, the ep index
+# dp_rank % ep varying fastest) split the experts among themselves, so the ep all-to-alls
+# stay on the closer dp links, and TP ranks hold whole experts (TP splits the dense
+# layers). "expert": the ep ranks one token's experts are spread over (the dispatch
+# all-to-all); "expert_grad": the ranks of a gradient group with the same ep index, which
+# hold the same experts and reduce their gradients (dp ÷ ep of them).
+EXPERT_ROLES = ("expert", "expert_grad")
 # What the DP axis shards: nothing (replicas all-reduce gradients), Adam's state (ZeRO-1),
 # also the gradients (ZeRO-2), or also the parameters between uses (ZeRO-3, FSDP2).
 DP_SHARD_MODES = ("none", "optimizer", "gradients", "full")
@@ -102,7 +111,8 @@ class ParallelDims:
     The rank grid is ``torch.arange(world).view(pp, dp, cp, tp)``: TP varies fastest, so a
     TP group is a row of consecutive ranks, and a CP group strides by tp. ``sequence_parallel`` shards activations along
     the sequence inside TP regions; ``dp_shard`` (one of :data:`DP_SHARD_MODES`) says
-    what the DP axis shards.
+    what the DP axis shards; ``ep`` how many dp ranks split each MoE layer's experts
+    (:data:`EXPERT_ROLES`).
     """
 
     tp: int
@@ -111,6 +121,7 @@ class ParallelDims:
     sequence_parallel: bool = False
     dp_shard: str = "none"
     cp: int = 1
+    ep: int = 1  # expert-parallel size, carved from dp (EXPERT_ROLES)
 
     def __post_init__(self) -> None:
         _check_size("tp_size", self.tp, "set tp_size to the ranks sharing each layer (1: none)")
@@ -122,6 +133,23 @@ class ParallelDims:
         if self.dp_shard not in DP_SHARD_MODES:
             raise LayoutError(
                 f"parallel.dp_shard={self.dp_shard!r} is not one of {', '.join(DP_SHARD_MODES)}"
+            )
+        self._check_ep()
+
+    def _check_ep(self) -> None:
+        """ep must divide dp (it is carved from it), and the DP strategies that shard
+        state do not yet reduce expert gradients over their own group."""
+        _check_size("ep_size", self.ep, "set ep_size to the ranks splitting the experts (1: none)")
+        if self.dp % self.ep:
+            raise LayoutError(
+                f"ep_size={self.ep} does not divide dp_size={self.dp} (expert parallelism is "
+                f"carved from the data-parallel ranks); choose an ep_size dividing {self.dp}"
+            )
+        if self.ep > 1 and self.dp_shard != "none":
+            raise LayoutError(
+                f"ep_size={self.ep} runs with parallel.dp_shard=none only (ZeRO-1 and FSDP do "
+                "not yet reduce expert gradients over their own group); set ep_size=1 or "
+                "parallel.dp_shard=none"
             )
 
     @property
@@ -192,12 +220,16 @@ class ParallelDims:
 
     def size_of(self, name: str | tuple[str, ...]) -> int:
         """How many ranks a group of ``name`` (a role, an axis or axes) holds."""
+        if name in EXPERT_ROLES:
+            return self.ep if name == "expert" else self.size_of("grad") // self.ep
         return math.prod(self.sizes[axis] for axis in self.axes_of(name))
 
     def group_ranks(self, name: str | tuple[str, ...]) -> list[list[int]]:
         """Every group of ``name`` (an axis, a tuple of axes, or a role): the global ranks
         that differ only in those axes' indices, each group in rank order (for one axis:
         that axis's index order); groups ordered by their lowest rank."""
+        if name in EXPERT_ROLES:
+            return self._expert_groups(name)
         axes = self.axes_of(name)
         groups: dict[int, list[int]] = {}
         for rank in range(self.world):
@@ -205,6 +237,23 @@ class ParallelDims:
             for axis in axes:
                 coords[axis] = 0
             groups.setdefault(self.rank_of(**coords), []).append(rank)
+        return list(groups.values())
+
+    def _expert_groups(self, name: str) -> list[list[int]]:
+        """The groups of an expert role (:data:`EXPERT_ROLES`), ordered as ``group_ranks``'s:
+        "expert" joins the ranks that differ only in the ep index dp_rank % ep (the rest of
+        dp_rank, dp_rank // ep, alike); "expert_grad" the ranks of one "grad" group that
+        share the ep index."""
+        grad_axes = self.axes_of("grad")
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(self.world):
+            coords = self.coords_of(rank)
+            ep_rank, block = coords["dp"] % self.ep, coords["dp"] // self.ep
+            if name == "expert":
+                key = (*(coords[axis] for axis in MESH_AXES if axis != "dp"), block)
+            else:
+                key = (*(coords[axis] for axis in MESH_AXES if axis not in grad_axes), ep_rank)
+            groups.setdefault(key, []).append(rank)
         return list(groups.values())
 
     @classmethod
@@ -219,6 +268,7 @@ class ParallelDims:
         sequence_parallel: bool = False,
         dp_shard: str = "none",
         zero1: bool = False,
+        ep: int = 1,
     ) -> ParallelDims:
         """The layout for ``tp``, ``dp``, ``cp`` and ``pp`` on ``world`` ranks (None: not
         launched yet).
@@ -226,7 +276,8 @@ class ParallelDims:
         ``dp`` may be an integer, an integer spelled as a string (a command line), or
         ``"auto"``/None: world ÷ (tp · cp · pp), or 1 when there is no world yet (this
         process will start tp · cp · pp ranks itself). With a ``world``, pp × dp × cp × tp
-        must equal it. ``zero1=True`` is the older spelling of ``dp_shard="optimizer"``.
+        must equal it. ``zero1=True`` is the older spelling of ``dp_shard="optimizer"``;
+        ``ep`` splits the experts over that many of the dp ranks (:data:`EXPERT_ROLES`).
         """
         _check_size("tp_size", tp, "set tp_size to the ranks sharing each layer (1: none)")
         _check_size("pp_size", pp, "set pp_size to the pipeline stages (1: none)")
@@ -256,7 +307,7 @@ class ParallelDims:
                 )
             else:
                 dp = world // model
-        dims = cls(tp, dp, pp, sequence_parallel=sequence_parallel, dp_shard=dp_shard, cp=cp)
+        dims = cls(tp, dp, pp, sequence_parallel=sequence_parallel, dp_shard=dp_shard, cp=cp, ep=ep)
         if world is not None and dims.world != world:
             product = f"tp_size × dp_size = {tp} × {dp}"
             if pp > 1 or cp > 1:

@@ -53,6 +53,7 @@ ALLOWED = (
     "layers/mappings.py",  # the TP operators and plain TP helpers
     "layers/tp_grads.py",  # the TP sum of partial gradients both DP strategies call
     "layers/ring_attention.py",  # context parallelism: K/V and dK/dV around the cp ring
+    "layers/expert_parallel.py",  # expert parallelism: token rows to their experts' ranks
     "engine/comm.py",  # run-level: metric means, agreement, checkpoint hand-offs, barriers
     "engine/data_parallel/",  # the DP strategies (gradient reduction, ZeRO-1)
     # Benchmarks that time collectives on purpose.

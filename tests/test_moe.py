@@ -28,32 +28,11 @@ from engine.models import ModelConfig, build_model
 from layers.moe import MoEMLP, grouped_mm, grouped_mm_fits, moe_losses, permute, unpermute
 from layers.router import Routing, capacity, capacity_keep, pooled_load_balancing_loss
 from layers.spec import spec_for
+from tests.moe_util import EXPERTS, FFN, LLAMA, H
+from tests.moe_util import moe_cfg as _cfg
 
 DEVICE = torch.device("cpu")
 F64 = torch.float64
-H, FFN, EXPERTS = 16, 12, 6
-
-
-def _cfg(**overrides) -> ModelConfig:
-    base = dict(
-        hidden_size=H,
-        num_heads=2,
-        num_layers=2,
-        vocab_size=64,
-        max_positions=16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        kernels="torch",
-        activation="swiglu",
-        linear_bias=False,
-        mlp="moe",
-        moe_num_experts=EXPERTS,
-        moe_top_k=2,
-        moe_ffn_hidden_size=FFN,
-    )
-    cfg = ModelConfig(**{**base, **overrides})
-    cfg.validate()
-    return cfg
 
 
 def _moe(cfg: ModelConfig, dtype=F64) -> MoEMLP:
@@ -417,15 +396,6 @@ def _train_step(cfg: ModelConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     loss = loss + sum(one.loss for one in router_losses)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
-LLAMA = dict(
-    arch="llama",
-    norm="rmsnorm",
-    position_embedding="rotary",
-    qkv_bias=False,
-    tie_embeddings=False,
-)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt"])

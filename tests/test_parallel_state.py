@@ -124,17 +124,8 @@ def test_initialize_takes_the_mesh_value_and_keeps_its_flags():
     ps = parallel_state.initialize(ParallelDims(1, 1, sequence_parallel=True, dp_shard="optimizer"))
     try:
         assert ps.dims == ParallelDims(1, 1, sequence_parallel=True, dp_shard="optimizer")
-        assert set(ps.groups) == {
-            "pp",
-            "dp",
-            "cp",
-            "tp",
-            "grad",
-            "batch",
-            "loss",
-            "replica",
-            "embedding",
-        }
+        roles = {"grad", "batch", "loss", "replica", "expert", "expert_grad", "embedding"}
+        assert set(ps.groups) == {"pp", "dp", "cp", "tp", *roles}
         assert ps.groups["tp"] is ps.tp_group and ps.group("embedding") is None  # pp 1
     finally:
         parallel_state.destroy()

@@ -12,6 +12,12 @@ backward continues with earlier layers. ``finish()`` waits and copies the averag
 With sequence parallelism some replicated parameters (norm weights, row-parallel biases)
 see only this rank's sequence shard, so their gradients are partial across TP: they are
 marked in ``layers.param_roles`` and summed over the TP group in ``finish()``.
+
+Expert parameters (``layers.param_roles.is_expert``) travel in buckets of their own,
+all-reduced over the ``expert_grad`` group (the ranks holding the same experts) and
+pre-divided by the same DP size as the dense ones: an expert's gradient already sums the
+tokens of its ep ranks (the all-to-all's backward brought them), so the sum over the
+expert-data-parallel group covers every rank's tokens once, and ÷ dp makes it the mean.
 """
 
 from __future__ import annotations
@@ -23,15 +29,15 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.data_parallel.buckets import BucketLauncher
-from layers.param_roles import has_sp_partial_grad
+from layers.param_roles import expert_split, has_sp_partial_grad, is_expert
 from layers.tp_grads import sum_partial_grads_
 
 
 class _Bucket:
     """Parameters whose gradients travel together in one all-reduce."""
 
-    def __init__(self, params: list[nn.Parameter], reduce_dtype: torch.dtype | None) -> None:
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], reduce_dtype: torch.dtype | None, group) -> None:
+        self.params, self.group = params, group  # the grad group, or expert_grad's
         self.numel = sum(p.numel() for p in params)
         self.dtype = reduce_dtype or params[0].dtype
         self.pending: set[int] = set()
@@ -42,13 +48,13 @@ class _Bucket:
         self.pending = {id(p) for p in self.params}
         self.work, self.buffer = None, None
 
-    def launch(self, dp_group: dist.ProcessGroup, dp_size: int) -> dist.Work:
+    def launch(self, dp_size: int) -> dist.Work:
         grads = [
             torch.zeros_like(p, dtype=self.dtype) if p.grad is None else p.grad.to(self.dtype)
             for p in self.params
         ]
         self.buffer = torch.cat([g.reshape(-1) for g in grads]).div_(dp_size)
-        self.work = dist.all_reduce(self.buffer, group=dp_group, async_op=True)
+        self.work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
         return self.work
 
     def unpack(self) -> None:
@@ -81,6 +87,7 @@ class GradSync(BucketLauncher):
         *,
         grad_group: dist.ProcessGroup | None,
         tp_group: dist.ProcessGroup | None = None,
+        expert_grad_group: dist.ProcessGroup | None = None,
         bucket_size_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
         overlap: bool = True,
@@ -89,6 +96,12 @@ class GradSync(BucketLauncher):
             dp_group=grad_group, tp_group=tp_group, bucket_size_mb=bucket_size_mb, overlap=overlap
         )
         params = [p for p in dict.fromkeys(params) if p.requires_grad]  # unique, in order
+        if expert_grad_group is None and any(expert_split(p) > 1 for p in params):
+            raise ValueError(
+                "experts split over ep ranks reduce over the expert_grad group: pass "
+                "expert_grad_group=ps.group('expert_grad')"
+            )
+        self.expert_grad_group = grad_group if expert_grad_group is None else expert_grad_group
         self.params = params
         self.sp_params = [p for p in params if has_sp_partial_grad(p)]
         self._capacity, self._reduce_dtype = bucket_size_mb * 2**20, reduce_dtype
@@ -104,19 +117,27 @@ class GradSync(BucketLauncher):
         """Cut ``ordered`` (expected order of gradient readiness) into buckets."""
         buckets, current, size = [], [], 0
         for p in ordered:
-            # One dtype per bucket, so the flat buffer needs no mixed casting.
-            if current and (size >= self._capacity or p.dtype != current[0].dtype):
-                buckets.append(_Bucket(current, self._reduce_dtype))
+            # One dtype and one group per bucket, so the flat buffer needs no mixed casting.
+            if current and (
+                size >= self._capacity
+                or p.dtype != current[0].dtype
+                or is_expert(p) != is_expert(current[0])
+            ):
+                buckets.append(self._bucket(current))
                 current, size = [], 0
             current.append(p)
             size += p.numel() * (torch.finfo(self._reduce_dtype or p.dtype).bits // 8)
         if current:
-            buckets.append(_Bucket(current, self._reduce_dtype))
+            buckets.append(self._bucket(current))
         self.buckets = buckets
         self._bucket_of = {id(p): b for b in buckets for p in b.params}
         self._next_launch = 0
         for b in buckets:
             b.reset()
+
+    def _bucket(self, params: list[nn.Parameter]) -> _Bucket:
+        group = self.expert_grad_group if is_expert(params[0]) else self.dp_group
+        return _Bucket(params, self._reduce_dtype, group)
 
     def _rebuild_from_observed_order(self) -> None:
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -139,7 +160,7 @@ class GradSync(BucketLauncher):
 
     def _launch_ready(self, force: bool = False) -> None:
         def launch(bucket) -> None:
-            work = bucket.launch(self.dp_group, self.dp_size)
+            work = bucket.launch(self.dp_size)
             if self.comm_timer is not None:
                 self.comm_timer.launched(work)
 

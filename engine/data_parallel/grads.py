@@ -13,23 +13,42 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from layers.param_roles import counted_in_norm
+from layers.param_roles import counted_in_norm, is_expert
 from layers.utils import group_size
 from parallel_state.groups import collective_device
 
 
 def global_grad_norm(
-    params: Iterable[nn.Parameter], tp_group: dist.ProcessGroup | None
+    params: Iterable[nn.Parameter],
+    tp_group: dist.ProcessGroup | None,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """The L2 norm of the whole model's gradient, the same on every rank of the mesh.
 
     TP-sharded parameters contribute their local shard and are summed across TP;
     replicated ones are identical on every TP rank (after grad sync) and are counted once,
     on TP rank 0. After DP averaging every DP replica holds the same gradients, so no DP
-    reduction is needed.
+    reduction is needed, except for experts split over ``ep_group`` (the mesh's
+    ``expert`` role): each ep rank holds other experts, whose squares are summed over it.
     """
     tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    grads = [p.grad.detach() for p in params if p.grad is not None and counted_in_norm(p, tp_rank)]
+    counted = [p for p in params if p.grad is not None and counted_in_norm(p, tp_rank)]
+    if group_size(ep_group) > 1:
+        dense = _square_sum([p.grad.detach() for p in counted if not is_expert(p)])
+        expert = _square_sum([p.grad.detach() for p in counted if is_expert(p)])
+        expert = expert.to(collective_device(ep_group))
+        dist.all_reduce(expert, group=ep_group)
+        total = dense + expert.to(dense.device)
+    else:
+        total = _square_sum([p.grad.detach() for p in counted])
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        total = total.to(collective_device(tp_group))
+        dist.all_reduce(total, group=tp_group)
+    return total.sqrt()
+
+
+def _square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Σ of the squares of ``grads``, in fp64 (0 for none)."""
     # Squares by multi-tensor ops, each summed in at least fp32 and then together in fp64,
     # all on the device: no host sync here. (Per-tensor sums keep the exact numerics ZeRO's
     # sliced norm reproduces; a different summation would move the clip coefficient.)
@@ -39,11 +58,7 @@ def global_grad_norm(
         for g, sq in zip(group, torch._foreach_pow(wide, 2), strict=True):
             square_sums[id(g)] = sq.sum()
     squares = [square_sums[id(g)] for g in grads]  # in parameter order, as summed before
-    total = torch.stack(squares).double().sum() if squares else torch.zeros((), dtype=torch.float64)
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        total = total.to(collective_device(tp_group))
-        dist.all_reduce(total, group=tp_group)
-    return total.sqrt()
+    return torch.stack(squares).double().sum() if squares else torch.zeros((), dtype=torch.float64)
 
 
 def _by_device_and_dtype(

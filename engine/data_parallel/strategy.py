@@ -36,7 +36,12 @@ from engine.data_parallel.grads import clip_grads_, global_grad_norm
 from engine.data_parallel.interface import DataParallel, PlainOptimizerState
 from engine.data_parallel.zero import ZeroOptimizer
 from engine.optim import build_optimizer, compile_update, compiles_update, set_lr
+from layers.param_roles import expert_split
 from parallel_state.dims import resolve_dp_shard
+
+# (ep group, expert_grad group): the mesh's "expert" and "expert_grad" roles; (None, None)
+# where experts are not split (their gradients then reduce with the dense ones).
+ExpertGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
 
 
 class AllReduceDP(DataParallel):
@@ -51,16 +56,19 @@ class AllReduceDP(DataParallel):
         *,
         dp_group: dist.ProcessGroup | None,
         tp_group: dist.ProcessGroup | None,
+        expert_groups: ExpertGroups = (None, None),
         bucket_size_mb: float = 25.0,
         overlap: bool = True,
         compile_backend: str | None = None,
     ) -> None:
         self.optimizer, self.tp_group = optimizer, tp_group
+        self.ep_group, expert_grad_group = expert_groups
         self._state = PlainOptimizerState(optimizer)
         self.grad_sync = GradSync(
             model.parameters(),
             grad_group=dp_group,
             tp_group=tp_group,
+            expert_grad_group=expert_grad_group,
             bucket_size_mb=bucket_size_mb,
             overlap=overlap,
         )
@@ -77,7 +85,7 @@ class AllReduceDP(DataParallel):
         return self.params
 
     def grad_norm(self) -> torch.Tensor:
-        return global_grad_norm(self.params, self.tp_group)
+        return global_grad_norm(self.params, self.tp_group, self.ep_group)
 
     def step(self, *, lr: float, max_norm: float, norm: torch.Tensor) -> None:
         set_lr(self.optimizer, lr)
@@ -174,6 +182,7 @@ def build_data_parallel(
     grad_group: dist.ProcessGroup | None,
     tp_group: dist.ProcessGroup | None,
     device: torch.device,
+    expert_groups: ExpertGroups = (None, None),
     bucket_size_mb: float = 25.0,
     overlap: bool = True,
     low_precision: torch.dtype | None = None,
@@ -182,7 +191,9 @@ def build_data_parallel(
 ) -> DataParallel:
     """The strategy of ``dp_shard`` (none, optimizer, gradients or full; by default
     ``optim.distributed``'s: optimizer or none), with its optimizer, for ``model``,
-    reducing gradients (and sharding state) over ``grad_group``: the mesh's ``grad`` role.
+    reducing gradients (and sharding state) over ``grad_group``: the mesh's ``grad`` role;
+    experts split over ep ranks over ``expert_groups``' (the ``expert`` and
+    ``expert_grad`` roles), which only the all-reduce path takes.
 
     ``low_precision`` (bf16 training): ZeRO-1 then stores the parameters in that dtype
     beside its fp32 master slices, FSDP gathers them in it; the all-reduce path keeps fp32
@@ -194,6 +205,12 @@ def build_data_parallel(
     eagerly. None: every step eager.
     """
     mode, dp_group = resolve_dp_shard(dp_shard or "none", optim.distributed), grad_group
+    split = max((expert_split(p) for p in model.parameters()), default=1)
+    if split > 1 and mode != "none":
+        raise ValueError(
+            f"dp_shard={mode} does not yet reduce experts split over ep_size={split} over "
+            "their own group; use dp_shard=none (the all-reduce path) or ep_size=1"
+        )
     if mode in ("gradients", "full"):
         return FullyShardedDP(
             model,
@@ -215,7 +232,9 @@ def build_data_parallel(
     }
     if mode == "optimizer":
         return Zero1DP(model, optimizer, param_dtype=low_precision, **common)
-    return AllReduceDP(model, optimizer, compile_backend=compile_backend, **common)
+    return AllReduceDP(
+        model, optimizer, expert_groups=expert_groups, compile_backend=compile_backend, **common
+    )
 
 
 def checkpoint_view(optimizer: DataParallel | torch.optim.Optimizer | None):

@@ -8,7 +8,14 @@ read the same samples. The loss is normalised over the whole sequence: each cp r
 s/cp tokens of every row and takes the mean over them, i.e. its sum × cp / (b · s); the
 gradient group (dp × cp) averages the gradients and the loss group the losses, so the
 step sees Σ over cp ranks / (b · s), the unsplit model's mean.
-"""
+
+A model with MoE layers trains on its loss plus every router's auxiliary and z-losses
+(``layers.moe.moe_losses``: each router's weighted losses of this micro-batch's tokens on
+this rank), divided by the micro-batch count with it: the objective is the mean over the
+step's micro-batches and (by the DP average) its ranks of (model loss + router losses),
+the same at every ep size, since each rank routes its own tokens at every ep size. The
+step's reported loss stays the model's (comparable with evaluation and dense runs); the
+router losses' step mean is ``router_loss``."""
 
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from engine import comm
 from engine.data.loader import DataIterator
 from engine.data_parallel import DataParallel
 from engine.models.base import to_device
+from layers.moe import MoEMLP, moe_losses
 from parallel_state import ParallelState
 
 Autocast = Callable[[], contextlib.AbstractContextManager]
@@ -72,23 +80,39 @@ class LocalRunner:
         self.inputs = model_inputs(model, ps)
         if ps.size("cp") > 1:  # its attention is a ring over the cp group: no KV cache
             self.sample_refusal = "no sample: generation runs at cp_size=1"
+        self.has_experts = any(isinstance(m, MoEMLP) for m in model.modules())
+        self.router_loss = torch.zeros((), device=ps.device)  # the last step's, detached
 
     def _loss(self, batch) -> torch.Tensor:
         return self.model.loss(self.inputs(batch))
 
+    def _router_loss(self) -> torch.Tensor | None:
+        """The weighted router losses of the last forward's MoE layers (None: none)."""
+        if not self.has_experts:
+            return None
+        return sum(one.loss for one in moe_losses(self.model))
+
     def forward_backward(
         self, micro_batches: list, dp: DataParallel, loss_scale: float = 1.0
     ) -> torch.Tensor:
-        """Forward and backward of each micro-batch, its loss divided by their count (and
-        multiplied by ``loss_scale`` for backward: × 1.0 is exact); the mean loss, detached."""
+        """Forward and backward of each micro-batch, its loss (plus its router losses) divided
+        by their count (and multiplied by ``loss_scale`` for backward: × 1.0 is exact); the
+        mean model loss, detached."""
         total = torch.zeros((), device=self.ps.device)
+        router_total = torch.zeros((), device=self.ps.device)
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with contextlib.nullcontext() if last else dp.no_sync():
                 with self.autocast():
                     loss = self._loss(micro) / len(micro_batches)
-                (loss * loss_scale).backward()
+                    router = self._router_loss()
+                    router = None if router is None else router / len(micro_batches)
+                objective = loss if router is None else loss + router
+                (objective * loss_scale).backward()
             total += loss.detach().float()
+            if router is not None:
+                router_total += router.detach().float()
+        self.router_loss = router_total
         return total
 
     def fixed_set_loss(self, valid: DataIterator, batches: int) -> float:
@@ -110,5 +134,6 @@ class LocalRunner:
         return "forward/backward", "model"
 
     def console_note(self) -> str:
-        cp = self.ps.size("cp")
-        return f" cp={cp} (ring attention)" if cp > 1 else ""
+        """`` cp=N (ring attention)`` and `` ep=N`` where sequences or experts are split."""
+        cp, ep = self.ps.size("cp"), self.ps.size("expert")
+        return (f" cp={cp} (ring attention)" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
