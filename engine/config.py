@@ -22,7 +22,13 @@ from hydra.core.config_store import ConfigStore
 from engine.data.fsutil import MISSING, file_problem
 from engine.data.weights import normalized, split_fractions
 from engine.models.config import ModelConfig
-from engine.pipeline.split import layer_split, microbatch_rule
+from engine.pipeline.split import (
+    SCHEDULES,
+    V_SCHEDULES,
+    layer_split,
+    microbatch_rule,
+    virtual_rule,
+)
 from parallel_state.dims import LayoutError, ParallelDims
 
 
@@ -121,7 +127,7 @@ class ParallelConfig:
 
 # The sizes' short forms, top-level keys: ``tp_size=2`` sets ``parallel.tp``.
 SHORT_FORMS = {"tp_size": "tp", "dp_size": "dp", "pp_size": "pp"}
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES = SCHEDULES  # engine/pipeline/split.py
 
 
 @dataclass
@@ -129,8 +135,8 @@ class PipelineConfig:
     """How pipeline stages run (parallel.pp sets the stages; the micro-batches of the
     schedule are the step's gradient accumulation, global_batch ÷ (micro_batch × dp))."""
 
-    schedule: str = "1f1b"  # gpipe, 1f1b or interleaved_1f1b
-    virtual_stages: int = 1  # stages per pipeline rank; interleaved_1f1b needs >= 2
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv or dualpipev
+    virtual_stages: int = 1  # stages per pipeline rank: >= 2 interleaved, 2 for zbv/dualpipev
     layers_per_stage: list[int] = field(default_factory=list)  # per stage; empty: equal runs
 
 
@@ -260,7 +266,7 @@ def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:
 
 def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
     """A known schedule, and what pp > 1 needs: eager stages, layers and micro-batches that
-    the stages and the schedule can split (torch's rules for 1F1B and interleaved). At pp 1
+    the stages and the schedule can split (torch's rules, ``engine/pipeline/split.py``). At pp 1
     the pipeline keys would be ignored, so one set there is refused."""
     p, t, m = cfg.pipeline, cfg.trainer, cfg.model
     unknown = _not_one_of("pipeline.schedule", p.schedule, PIPELINE_SCHEDULES)
@@ -276,10 +282,16 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
         )
     if unknown:
         return problems + unknown
-    interleaved = p.schedule == "interleaved_1f1b"
-    if (p.virtual_stages >= 2) != interleaved or p.virtual_stages < 1:
-        rule = ">= 2 for interleaved_1f1b" if interleaved else f"1 for {p.schedule}"
-        problems.append(f"pipeline.virtual_stages={p.virtual_stages} must be {rule}")
+    if p.schedule in V_SCHEDULES and m.tie_embeddings and dims.dp_shard in ("gradients", "full"):
+        problems.append(
+            f"pipeline.schedule={p.schedule} with tied embeddings under parallel.dp_shard="
+            f"{dims.dp_shard} is not built yet (rank 0's first and last stage share the word "
+            "embedding, FSDP would shard it twice): set model.tie_embeddings=false or another "
+            "schedule"
+        )
+    rule = virtual_rule(p.schedule, p.virtual_stages)
+    if rule:
+        problems.append(f"pipeline.{rule}")
         return problems
     try:
         layer_split(m.num_layers, dims.pp * p.virtual_stages, p.layers_per_stage)

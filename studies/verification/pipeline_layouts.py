@@ -39,6 +39,7 @@ def pipeline_target(spec, model: ParallelModel, ps: ParallelState) -> PipelineRu
         pp_size=ps.pp_size,
         pp_group=ps.pp_group,
         virtual=spec.virtual_stages,
+        schedule=spec.schedule,
         embedding_group=ps.embedding_group,
     )
     return PipelineRunner(stages, schedule=spec.schedule, microbatches=spec.microbatches, ps=ps)
