@@ -24,7 +24,7 @@ from engine.data.weights import normalized, split_fractions
 from engine.models.config import ModelConfig
 from engine.pipeline.split import (
     SCHEDULES,
-    V_SCHEDULES,
+    dp_rule,
     layer_split,
     microbatch_rule,
     virtual_rule,
@@ -282,13 +282,9 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
         )
     if unknown:
         return problems + unknown
-    if p.schedule in V_SCHEDULES and m.tie_embeddings and dims.dp_shard in ("gradients", "full"):
-        problems.append(
-            f"pipeline.schedule={p.schedule} with tied embeddings under parallel.dp_shard="
-            f"{dims.dp_shard} is not built yet (rank 0's first and last stage share the word "
-            "embedding, FSDP would shard it twice): set model.tie_embeddings=false or another "
-            "schedule"
-        )
+    rule = dp_rule(p.schedule, dims.dp_shard, m.tie_embeddings)
+    if rule:
+        problems.append(f"pipeline.{rule}")
     rule = virtual_rule(p.schedule, p.virtual_stages)
     if rule:
         problems.append(f"pipeline.{rule}")

@@ -33,6 +33,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT
 
 from engine import comm
 from engine.data_parallel import DataParallel
@@ -79,6 +80,17 @@ def pipeline_runner(
     )
 
 
+def _v_forwards(stages: list, microbatches: int, loss_fn: Callable) -> ScheduleZBVZeroBubble:
+    """A forward-only schedule over V-placed stages (evaluation): ZB-V's order, its
+    backward actions doing nothing. torch's forward-only run of a V schedule hands the
+    second stage's (absent) input gradient to the first and fails; the forwards alone keep
+    ZB-V's deadlock-free order, as nothing else waits."""
+    schedule = ScheduleZBVZeroBubble(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    for kind in (BACKWARD_INPUT, BACKWARD_WEIGHT):
+        schedule.register_custom_function(kind, lambda action, ctx: None)
+    return schedule
+
+
 class PipelineRunner:
     """This rank's stages of ``model`` under the schedule ``schedule`` with ``microbatches``
     micro-batches per step; evaluation runs a forward-only GPipe schedule. ``stages`` are
@@ -121,12 +133,10 @@ class PipelineRunner:
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
             stage.backward_weight_one_chunk = self._timed(stage.backward_weight_one_chunk)
         loss_fn: Callable = self._timed(self._loss) if timed else self._loss
-        if name == "gpipe" and len(stages) > 1:  # evaluation of several stages per rank
-            # GPipe over every chunk: in loop order, or the V's forwards (ZB-V's, run
-            # forward-only) where the stages sit in a V
-            cls = ScheduleZBVZeroBubble if self.model.v_shape else ScheduleLoopedBFS
-        else:
-            cls = SCHEDULES[name]
+        if name == "gpipe" and self.model.v_shape:  # evaluation of V-placed stages
+            return _v_forwards(stages, microbatches, loss_fn), stages
+        # evaluation of loop-placed stages: GPipe over every chunk
+        cls = ScheduleLoopedBFS if name == "gpipe" and len(stages) > 1 else SCHEDULES[name]
         chunks = stages[0] if name in SINGLE_STAGE and len(stages) == 1 else stages
         return cls(chunks, microbatches, loss_fn=loss_fn, scale_grads=False), stages
 

@@ -10,6 +10,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpip
 # Schedules that place two stages per rank in a V: rank r holds stages r and 2·pp − 1 − r,
 # so the first and the last stage share rank 0 and the turn of the V stays on rank pp − 1.
 V_SCHEDULES = ("zbv", "dualpipev")
+# Schedules that split each backward into the input gradient and a later weight gradient.
+SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")
 
 
 def layer_split(
@@ -76,5 +78,31 @@ def microbatch_rule(schedule: str, pp: int, microbatches: int) -> str | None:
         return (
             f"schedule={schedule} needs micro-batches per step ({microbatches}) "
             f"divisible by pp_size={pp}"
+        )
+    return None
+
+
+def dp_rule(schedule: str, dp_shard: str, tied: bool) -> str | None:
+    """What ``schedule`` does not run with under ``parallel.dp_shard=dp_shard`` (``tied``:
+    the model ties its head to the word embedding), one line, else None.
+
+    - ZeRO-3 (``full``) reshards each layer after its forward and gathers it again in the
+      backward's hook; the weight-gradient pass runs later, outside any hook, when the
+      layer holds its shards again (its gradients came out wrong, O(1)). ``gradients``
+      keeps the stage gathered for the step, as the pipelined ``full`` would have to.
+    - Under a V, rank 0's first and last stage both hold the tied word embedding: FSDP
+      would shard the one tensor twice.
+    """
+    if schedule in SPLIT_BACKWARD and dp_shard == "full":
+        return (
+            f"schedule={schedule} under parallel.dp_shard=full is not built yet (the "
+            "weight-gradient pass runs after FSDP has resharded the layer): set "
+            "parallel.dp_shard=gradients"
+        )
+    if schedule in V_SCHEDULES and tied and dp_shard == "gradients":
+        return (
+            f"schedule={schedule} with tied embeddings under parallel.dp_shard=gradients is not "
+            "built yet (rank 0's first and last stage share the word embedding, FSDP would "
+            "shard it twice): set model.tie_embeddings=false"
         )
     return None

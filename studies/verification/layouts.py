@@ -29,7 +29,7 @@ import parallel_state
 from engine import comm
 from engine.models import ModelConfig, ParallelModel, build_model, family, preset
 from engine.pipeline import SCHEDULES, layer_split
-from engine.pipeline.split import V_SCHEDULES, microbatch_rule, virtual_rule
+from engine.pipeline.split import dp_rule, microbatch_rule, virtual_rule
 from parallel_state import groups
 from parallel_state.dims import ParallelDims
 from studies.verification.dp_step import TargetStep
@@ -114,12 +114,9 @@ class VerifySpec:
         rule = virtual_rule(self.schedule, self.virtual_stages)
         if rule:
             raise ValueError(f"{rule}: change --virtual-stages")
-        fsdp = self.dp_shard in ("gradients", "full")
-        if self.schedule in V_SCHEDULES and fsdp and self.model_config().tie_embeddings:
-            raise ValueError(
-                f"schedule={self.schedule} with tied embeddings under dp_shard={self.dp_shard} "
-                "is not built yet: pick an untied model (llama)"
-            )
+        rule = dp_rule(self.schedule, self.dp_shard, self.model_config().tie_embeddings)
+        if rule:
+            raise ValueError(rule)
         layer_split(self.num_layers, self.pp_size * self.virtual_stages)
         rule = microbatch_rule(self.schedule, self.pp_size, self.microbatches)
         if rule:
