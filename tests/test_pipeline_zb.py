@@ -121,3 +121,103 @@ def test_zero_bubble_config_errors_are_one_line(changes, line):
     problems = validate(cfg, parallel_dims(cfg, None))
     assert any(line in p for p in problems), problems
     assert all("\n" not in p for p in problems)
+
+
+def test_bubble_formulas_match_the_papers_fractions():
+    """With equal forward, input-gradient and weight-gradient times (the zero-bubble paper's
+    assumption, its published table): 1F1B (p−1)/m; ZB-H1 (``zero_bubble`` at one stage per
+    rank) one third of it, (p−1)/(3m). ZB-V: the paper counts 0; the planner counts the
+    warm-up no order avoids, the first forward's trip to the last rank, (p−1) chunk
+    forwards of f/2: (p−1)·(1/2) over m·3, i.e. (p−1)/(6m)."""
+    from studies.perfmodel.pipeline import bubble_fraction
+
+    for p, m in ((2, 4), (4, 8), (4, 16), (8, 32)):
+        assert bubble_fraction(p, m, "1f1b") == pytest.approx((p - 1) / m)
+        assert bubble_fraction(p, m, "zero_bubble") == pytest.approx((p - 1) / (3 * m))
+        assert bubble_fraction(p, m, "zero_bubble") == pytest.approx(
+            bubble_fraction(p, m, "1f1b") / 3
+        )
+        assert bubble_fraction(p, m, "zbv", 2) == pytest.approx((p - 1) * 0.5 / (3 * m))
+        assert bubble_fraction(p, m, "dualpipev", 2) == pytest.approx((p - 1) / (6 * m))
+    # by hand, p = 2, m = 4, f = b = w = 1: ZB-H1 idles one unit (f + b − w) of 12
+    assert bubble_fraction(2, 4, "zero_bubble") == pytest.approx(1 / 12)
+    # a cheap weight pass (w = 0.2) leaves more to fill: f + b − w = 1.8 of 2.2 per m
+    assert bubble_fraction(2, 4, "zero_bubble", w=0.2) == pytest.approx(1.8 / (4 * 2.2))
+
+
+def _torch_order(schedule: str, pp: int, m: int, v: int) -> dict[int, list]:
+    """torch's compute actions per rank for ``schedule`` (its private order builders, run
+    without stages: the order is arithmetic on pp, m and v)."""
+    import types
+
+    from torch.distributed.pipelining import schedules as S
+
+    if schedule == "zero_bubble":
+        z = object.__new__(S.ScheduleInterleavedZeroBubble)
+        z.pp_group_size, z._n_microbatches, z.n_local_stages = pp, m, v
+        z.number_of_rounds = max(1, m // pp)
+        z.microbatches_per_round = m // z.number_of_rounds
+        z.pipeline_order = {r: z._calculate_single_rank_operations(r) for r in range(pp)}
+        order = z._add_bubbles_to_actions(v * pp)
+    else:
+        cls = {"zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV}[schedule]
+        fake = types.SimpleNamespace(pp_group_size=pp, _n_microbatches=m, num_stages=2 * pp)
+        order = {r: cls._calculate_single_rank_operations(fake, r) for r in range(pp)}
+    flat = {}
+    for r, actions in order.items():
+        flat[r] = []
+        for a in actions:
+            if a is not None:
+                flat[r] += list(a.sub_actions) if a.sub_actions else [a]  # DualPipeV's F&B
+    return flat
+
+
+def _simulated_bubble(order: dict[int, list], cost: dict[str, float]) -> float:
+    """Idle over busy time of ``order`` run with ``cost`` per action kind (F, I, W and the
+    full backward B), no transfer time: each action starts when its rank is free and what
+    it reads is done (a forward the previous stage's, a backward the next stage's or, on
+    the last stage, its own forward; a weight pass its input gradient)."""
+    last = max(a.stage_index for actions in order.values() for a in actions)
+    done, free, at = {}, dict.fromkeys(order, 0.0), dict.fromkeys(order, 0)
+    moved = True
+    while moved:
+        moved = False
+        for r, actions in order.items():
+            while at[r] < len(actions):
+                a = actions[at[r]]
+                kind, s, mb = a.computation_type.value, a.stage_index, a.microbatch_index
+                if kind == "F":
+                    needs = [("F", s - 1, mb)] if s > 0 else []
+                elif kind in ("I", "B"):
+                    needs = [("F", s, mb)] if s == last else [("I", s + 1, mb)]
+                else:
+                    needs = [("I", s, mb)]
+                if any(n not in done for n in needs):
+                    break
+                free[r] = max([free[r]] + [done[n] for n in needs]) + cost[kind]
+                done[("I" if kind == "B" else kind, s, mb)] = free[r]
+                at[r], moved = at[r] + 1, True
+    assert all(at[r] == len(order[r]) for r in order), "the order did not finish"
+    busy = sum(cost[a.computation_type.value] for a in order[0])
+    return (max(free.values()) - busy) / busy
+
+
+@pytest.mark.parametrize(
+    "times", [(1, 1, 1), (1, 2, 1), (1, 1, 2), (2, 1, 1), (1, 1, 0.2), (1, 1.2, 0.8)]
+)
+def test_bubble_formulas_match_torchs_orders(times):
+    """The planner's formulas against torch's own orders run with unit costs (a stage's
+    forward f, input gradient b, weight gradient w; a chunk of c per rank costs 1/c of
+    them): exact at pp 2 for every cost mix, and at pp 4 with equal costs. At pp 4 with
+    uneven costs torch's V orders idle more than the formula in some mixes (up to 1/3 more
+    for ZB-V with w = 2, DualPipeV with b = 2): the planner's number is a floor there."""
+    from studies.perfmodel.pipeline import bubble_fraction
+
+    f, b, w = times
+    cases = [(2, 8, times)] + ([(4, 16, times)] if times == (1, 1, 1) else [])
+    for pp, m, _ in cases:
+        for schedule, v in (("zero_bubble", 1), ("zero_bubble", 2), ("zbv", 2), ("dualpipev", 2)):
+            cost = {"F": f / v, "I": b / v, "W": w / v, "B": (b + w) / v}
+            got = _simulated_bubble(_torch_order(schedule, pp, m, v), cost)
+            want = bubble_fraction(pp, m, schedule, v, f=f, b=b, w=w)
+            assert got == pytest.approx(want), (schedule, pp, m, v, times)
