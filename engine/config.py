@@ -23,7 +23,13 @@ from engine.data.fsutil import MISSING, file_problem
 from engine.data.weights import normalized, split_fractions
 from engine.models.config import ModelConfig
 from engine.models.families import family
-from engine.pipeline.split import layer_split, microbatch_rule
+from engine.pipeline.split import (
+    SCHEDULES,
+    dp_rule,
+    layer_split,
+    microbatch_rule,
+    virtual_rule,
+)
 from parallel_state.dims import LayoutError, ParallelDims
 
 
@@ -124,7 +130,7 @@ class ParallelConfig:
 
 # The sizes' short forms, top-level keys: ``tp_size=2`` sets ``parallel.tp``.
 SHORT_FORMS = {"tp_size": "tp", "dp_size": "dp", "pp_size": "pp", "cp_size": "cp", "ep_size": "ep"}
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PIPELINE_SCHEDULES = SCHEDULES  # engine/pipeline/split.py
 
 
 @dataclass
@@ -132,8 +138,8 @@ class PipelineConfig:
     """How pipeline stages run (parallel.pp sets the stages; the micro-batches of the
     schedule are the step's gradient accumulation, global_batch ÷ (micro_batch × dp))."""
 
-    schedule: str = "1f1b"  # gpipe, 1f1b or interleaved_1f1b
-    virtual_stages: int = 1  # stages per pipeline rank; interleaved_1f1b needs >= 2
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv or dualpipev
+    virtual_stages: int = 1  # stages per pipeline rank: >= 2 interleaved, 2 for zbv/dualpipev
     layers_per_stage: list[int] = field(default_factory=list)  # per stage; empty: equal runs
 
 
@@ -323,7 +329,7 @@ def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:
 
 def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
     """A known schedule, and what pp > 1 needs: eager stages, layers and micro-batches that
-    the stages and the schedule can split (torch's rules for 1F1B and interleaved). At pp 1
+    the stages and the schedule can split (torch's rules, ``engine/pipeline/split.py``). At pp 1
     the pipeline keys would be ignored, so one set there is refused."""
     p, t, m = cfg.pipeline, cfg.trainer, cfg.model
     unknown = _not_one_of("pipeline.schedule", p.schedule, PIPELINE_SCHEDULES)
@@ -339,10 +345,12 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
         )
     if unknown:
         return problems + unknown
-    interleaved = p.schedule == "interleaved_1f1b"
-    if (p.virtual_stages >= 2) != interleaved or p.virtual_stages < 1:
-        rule = ">= 2 for interleaved_1f1b" if interleaved else f"1 for {p.schedule}"
-        problems.append(f"pipeline.virtual_stages={p.virtual_stages} must be {rule}")
+    rule = dp_rule(p.schedule, dims.dp_shard, m.tie_embeddings)
+    if rule:
+        problems.append(f"pipeline.{rule}")
+    rule = virtual_rule(p.schedule, p.virtual_stages)
+    if rule:
+        problems.append(f"pipeline.{rule}")
         return problems
     try:
         layer_split(m.num_layers, dims.pp * p.virtual_stages, p.layers_per_stage)

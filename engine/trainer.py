@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from engine import comm, flops
 from engine.checkpoint.run import RunCheckpoints, tensorboard_dir
-from engine.config import Config, resolve_compile, resolve_precision
+from engine.config import Config, resolve_precision
 from engine.data.run_data import build_run_data
 from engine.data_parallel import DataParallel, DynamicLossScaler, build_data_parallel
 from engine.generate import sample_text
@@ -73,7 +73,6 @@ class Trainer:
         self.cfg, self.ps, self.device, self.threads = cfg, ps, ps.device, threads
         self.watch = watch or Watchdog(0, rank=ps.rank, run_dir=cfg.run_dir)
         self.precision = resolve_precision(cfg.trainer.precision, ps.device.type)
-        cfg.model.compile = resolve_compile(cfg, ps.dims, ps.device.type)
         cap_device_memory(cfg.trainer.memory_cap_gib, ps.device)
         ps.seed(cfg.trainer.seed)
         model = build_model(cfg.model, ps, device=ps.device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 
 from engine.bootstrap import bootstrap_rank
-from engine.config import Config, parallel_dims
+from engine.config import Config, parallel_dims, resolve_compile
 from engine.observe import line_buffered_stdout
 from engine.resilience.preemption import EXIT_PREEMPTED
 from engine.resilience.watchdog import Watchdog, report_failure
@@ -44,6 +44,7 @@ def run_worker(cfg: Config) -> dict:
         say=lambda _, line: threads.append(line),
     )
     with mesh as ps:
+        cfg.model.compile = resolve_compile(cfg, ps.dims, ps.device.type)  # None: "auto"
         watchdog = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)
         with contextlib.closing(watchdog) as watch, watch.active():
             summary = Trainer(cfg, ps, watch, threads=next(iter(threads), None)).fit()

@@ -32,6 +32,8 @@ from rich.table import Table
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.models import FAMILIES  # noqa: E402
+from engine.pipeline.split import SCHEDULES as PIPELINE_SCHEDULES  # noqa: E402
+from engine.pipeline.split import V_SCHEDULES  # noqa: E402
 from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
 from parallel_state.dims import DP_SHARD_MODES  # noqa: E402
 from studies.verification.hf_parity import (  # noqa: E402
@@ -70,8 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cp-size", type=int, default=1, help="context-parallel ranks (--seq divisible by 2·cp)"
     )
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b"), default="1f1b")
-    p.add_argument("--virtual-stages", type=int, default=1, help="stages per pipeline rank")
+    p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="stages per pipeline rank (default: 2 for interleaved_1f1b, zbv and dualpipev, else 1)",
+    )
     p.add_argument(
         "--microbatches",
         type=positive_int,
@@ -141,6 +148,9 @@ def render(report: Report, console: Console, *, failing_only: bool, hf: bool) ->
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison; exit status 0 within tolerance, 1 outside, 2 on a bad layout."""
     args = parse_args(argv)
+    if args.virtual_stages is None:
+        two = args.schedule == "interleaved_1f1b" or args.schedule in V_SCHEDULES
+        args.virtual_stages = 2 if two else 1
     spec = VerifySpec(
         model=args.model,
         tp_size=args.tp_size,

@@ -140,7 +140,14 @@ class ZeroOptimizer(BucketLauncher):
 
     @torch.no_grad()
     def finish_grads(self) -> None:
-        """Wait for every bucket's reduce-scatter; point the master slices' ``.grad`` at it."""
+        """Wait for every bucket's reduce-scatter; point the master slices' ``.grad`` at it.
+
+        A gradient that autograd did not accumulate fired no hook: the zero-bubble pipeline
+        schedules' weight-gradient pass (torch's ``stage_backward_weight``) assigns ``.grad``
+        itself. It joins its bucket here, before the buckets launch."""
+        for p in self.params:
+            if p.grad is not None:
+                self._on_grad_ready(p)
         self._launch_ready(force=True)
         self._next_launch = 0
         for b in self._launch_order:

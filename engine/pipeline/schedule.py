@@ -1,6 +1,9 @@
 """Running micro-batches through this rank's stages with a ``torch.distributed.pipelining``
-schedule: GPipe, 1F1B or interleaved 1F1B (the point-to-point traffic between stages is
-torch's, over the pipeline group).
+schedule: GPipe, 1F1B, interleaved 1F1B, or one of the zero-bubble family (interleaved
+zero bubble, ZB-V, DualPipeV), which split each backward into the input gradient, sent
+upstream at once, and the weight gradient, run later to fill the bubble (torch's
+``stage_backward_input`` / ``stage_backward_weight``). The point-to-point traffic between
+stages is torch's, over the pipeline group.
 
 The schedule's micro-batches are the step's gradient accumulation: each micro-batch's
 loss is divided by their count before its backward (``scale_grads=False``: torch would
@@ -23,10 +26,14 @@ import torch
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT
 
 from engine import comm
 from engine.data_parallel import DataParallel
@@ -35,11 +42,15 @@ from engine.pipeline.stages import PipelineModel
 from parallel_state import ParallelState
 
 Autocast = Callable[[], contextlib.AbstractContextManager]
-SCHEDULES = {
+SCHEDULES = {  # the names of split.SCHEDULES
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
+SINGLE_STAGE = ("gpipe", "1f1b")  # the schedules that take one stage, not a list
 
 
 def pipeline_runner(
@@ -54,6 +65,7 @@ def pipeline_runner(
         pp_size=ps.size("pp"),
         pp_group=ps.group("pp"),
         virtual=p.virtual_stages,
+        schedule=p.schedule,
         layers_per_stage=list(p.layers_per_stage) or None,
         embedding_group=ps.group("embedding"),
     )
@@ -66,6 +78,17 @@ def pipeline_runner(
         timed=t.step_timing,
         autocast=autocast,
     )
+
+
+def _v_forwards(stages: list, microbatches: int, loss_fn: Callable) -> ScheduleZBVZeroBubble:
+    """A forward-only schedule over V-placed stages (evaluation): ZB-V's order, its
+    backward actions doing nothing. torch's forward-only run of a V schedule hands the
+    second stage's (absent) input gradient to the first and fails; the forwards alone keep
+    ZB-V's deadlock-free order, as nothing else waits."""
+    schedule = ScheduleZBVZeroBubble(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
+    for kind in (BACKWARD_INPUT, BACKWARD_WEIGHT):
+        schedule.register_custom_function(kind, lambda action, ctx: None)
+    return schedule
 
 
 class PipelineRunner:
@@ -108,16 +131,14 @@ class PipelineRunner:
         for stage in stages if timed else ():
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk)
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
+            stage.backward_weight_one_chunk = self._timed(stage.backward_weight_one_chunk)
         loss_fn: Callable = self._timed(self._loss) if timed else self._loss
-        if name == "interleaved_1f1b":
-            schedule = ScheduleInterleaved1F1B(
-                stages, microbatches, loss_fn=loss_fn, scale_grads=False
-            )
-        elif len(stages) > 1:  # evaluation of interleaved stages: GPipe over every chunk
-            schedule = ScheduleLoopedBFS(stages, microbatches, loss_fn=loss_fn, scale_grads=False)
-        else:
-            schedule = SCHEDULES[name](stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
-        return schedule, stages
+        if name == "gpipe" and self.model.v_shape:  # evaluation of V-placed stages
+            return _v_forwards(stages, microbatches, loss_fn), stages
+        # evaluation of loop-placed stages: GPipe over every chunk
+        cls = ScheduleLoopedBFS if name == "gpipe" and len(stages) > 1 else SCHEDULES[name]
+        chunks = stages[0] if name in SINGLE_STAGE and len(stages) == 1 else stages
+        return cls(chunks, microbatches, loss_fn=loss_fn, scale_grads=False), stages
 
     def _keeping_rng(self, method: Callable) -> Callable:
         """``method`` (a stage's metadata inference) leaving every random stream as it
@@ -228,7 +249,7 @@ class PipelineRunner:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         losses = losses[:counted]  # micro-batch order: the repeats come last
         total = torch.stack(losses).detach().double().sum().item() if losses else 0.0
-        return comm.broadcast_object(total, self.ps.group("pp"), src=self.ps.size("pp") - 1)
+        return comm.broadcast_object(total, self.ps.group("pp"), src=self.model.last_rank)
 
     def global_norm(self, stage_norm: torch.Tensor) -> torch.Tensor:
         """The gradient norm over every stage from this stage's (TP- and DP-aware) one."""

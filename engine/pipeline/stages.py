@@ -10,13 +10,16 @@ stage's embedding, the rotary tables, the heads' outputs, the schedule's inputs 
 micro-batch loss; the cut runs them on each stage and names no family. Keyword inputs
 (an encoder's padding mask) are no activations: every stage gets its micro-batch's from
 the batch. Pipeline rank ``r`` holds stages ``r, r + pp, …`` (the loop placement
-``ScheduleInterleaved1F1B`` expects). Parameters keep their full names (``layers.7.mlp…``),
-so checkpoints and the verifier see the unsplit model at any pp.
+``ScheduleInterleaved1F1B`` expects), or under a V schedule (ZB-V, DualPipeV) stages ``r``
+and ``2·pp − 1 − r`` (``split.stages_of_rank``). Parameters keep their full names
+(``layers.7.mlp…``), so checkpoints and the verifier see the unsplit model at any pp.
 
 Tied embeddings: the last stage keeps a copy of the word embedding for its head; after
 the DP reduction the two copies' gradients are summed over the embedding group (first and
 last stage, Megatron's), so both take the same step and stay equal. The copy is left out
-of the gradient norm and out of checkpoints (the first stage's is stored).
+of the gradient norm and out of checkpoints (the first stage's is stored). Under a V
+schedule the first and the last stage share rank 0: there the last stage's chunk registers
+the word embedding itself (one tensor, whose gradient both chunks accumulate), no copy.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch import nn
 
 from engine import comm
 from engine.models.base import ParallelModel
-from engine.pipeline.split import layer_split
+from engine.pipeline.split import V_SCHEDULES, layer_split, stages_of_rank
 from layers.param_roles import mark_copy
 from layers.utils import local_part
 
@@ -53,6 +56,8 @@ class StageChunk(nn.Module):
         # chunk's tree): the first stage's embedding, or the last stage's tied copy.
         if first or (last and owner.holds_tied_copy):
             self.embedding = owner.embedding
+        elif last and owner.cfg.tie_embeddings:  # a V: the first stage is on this rank too
+            self.embedding = _TiedWord(owner.embedding.word)
         self.layers = nn.ModuleList(owner.layers[str(i)] for i in layers)
         for name in owner.head_names if last else ():
             self.add_module(name, getattr(owner, name))
@@ -86,6 +91,7 @@ class PipelineModel(ParallelModel):
         pp_size: int,
         pp_group: dist.ProcessGroup | None,
         virtual: int = 1,
+        schedule: str = "1f1b",
         layers_per_stage: list[int] | None = None,
         embedding_group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -103,7 +109,14 @@ class PipelineModel(ParallelModel):
         self._full_names = model.full_names
         self.num_stages = pp_size * virtual
         self.split = layer_split(self.cfg.num_layers, self.num_stages, layers_per_stage)
-        self.stage_ids = [pp_rank + v * pp_size for v in range(virtual)]
+        self.stage_ids = stages_of_rank(pp_rank, pp_size, virtual, schedule)
+        self.v_shape = schedule in V_SCHEDULES  # stages r and 2·pp − 1 − r
+        # the pipeline rank whose stage computes the loss
+        self.last_rank = next(
+            r
+            for r in range(pp_size)
+            if self.num_stages - 1 in stages_of_rank(r, pp_size, virtual, schedule)
+        )
         self.is_first, self.is_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         self.holds_tied_copy = False  # the last stage's copy of the first stage's word embedding
         if self.is_first:

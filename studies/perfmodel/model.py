@@ -26,6 +26,7 @@ from engine.formulas import (
     pad_vocab,
     state_bytes_per_param,
 )
+from engine.pipeline.split import microbatch_rule, virtual_rule
 from studies.perfmodel import comm_cost as comm
 from studies.perfmodel import pipeline as pipe
 from studies.perfmodel.cluster_spec import ClusterSpec, scale_for
@@ -559,20 +560,16 @@ def pipeline_problems(w: Workload, lay: Layout) -> list[str]:
         return []
     if lay.schedule not in pipe.SCHEDULES:
         return [f"schedule={lay.schedule!r} is not one of {pipe.SCHEDULES}"]
-    chunks = lay.pp * (lay.virtual_stages if lay.schedule == "interleaved_1f1b" else 1)
+    chunks = lay.pp * pipe.stage_chunks(lay.schedule, lay.virtual_stages)
     problems = []
     if w.layers % chunks:
         problems.append(f"layers={w.layers} is not divisible by {chunks} stage chunks")
     m = w.global_batch // (lay.dp * lay.micro_batch)
-    if lay.schedule != "gpipe" and m < lay.pp:
-        problems.append(f"{m} micro-batches < pp={lay.pp} stages ({lay.schedule})")
-    if (lay.virtual_stages >= 2) != (lay.schedule == "interleaved_1f1b"):
-        problems.append(
-            f"virtual_stages={lay.virtual_stages} must be >= 2 for interleaved_1f1b, 1 otherwise"
-        )
-    if lay.schedule == "interleaved_1f1b" and (lay.virtual_stages < 2 or m % lay.pp):
-        problems.append(
-            f"interleaved_1f1b needs virtual_stages >= 2 and micro-batches ({m}) divisible "
-            f"by pp={lay.pp}"
-        )
+    # the runtime's own rules (torch-free): engine/pipeline/split.py
+    for rule in (
+        virtual_rule(lay.schedule, lay.virtual_stages),
+        microbatch_rule(lay.schedule, lay.pp, m),
+    ):
+        if rule:
+            problems.append(rule)
     return problems

@@ -32,7 +32,7 @@ import parallel_state
 from engine import comm
 from engine.models import ModelConfig, ParallelModel, build_model, family, preset
 from engine.pipeline import SCHEDULES, layer_split
-from engine.pipeline.split import microbatch_rule
+from engine.pipeline.split import dp_rule, microbatch_rule, virtual_rule
 from parallel_state import groups
 from parallel_state.dims import ParallelDims
 from studies.verification.dp_step import TargetStep
@@ -81,8 +81,8 @@ class VerifySpec:
     lr: float = 1e-3
     seed: int = 1234
     pp_size: int = 1  # pipeline stages (>1: the model cut and run by a pipelining schedule)
-    schedule: str = "1f1b"  # "gpipe", "1f1b" or "interleaved_1f1b" (pp_size > 1)
-    virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
+    schedule: str = "1f1b"  # a name of engine.pipeline.SCHEDULES (pp_size > 1)
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b, zero_bubble, V)
     microbatches: int = 1  # micro-batches each DP rank's slice is cut into (pp_size > 1)
     dp_shard: str = "none"  # the DP mode the target trains under (none: plain AdamW + GradSync)
     cp_size: int = 1  # context-parallel ranks splitting each sequence (ring attention)
@@ -121,10 +121,12 @@ class VerifySpec:
         """The stage split and torch's micro-batch rules for the schedule."""
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        interleaved = self.schedule == "interleaved_1f1b"
-        if (self.virtual_stages >= 2) != interleaved:
-            rule = ">= 2 for interleaved_1f1b" if interleaved else f"1 for {self.schedule}"
-            raise ValueError(f"virtual_stages={self.virtual_stages} must be {rule}")
+        rule = virtual_rule(self.schedule, self.virtual_stages)
+        if rule:
+            raise ValueError(f"{rule}: change --virtual-stages")
+        rule = dp_rule(self.schedule, self.dp_shard, self.model_config().tie_embeddings)
+        if rule:
+            raise ValueError(rule)
         layer_split(self.num_layers, self.pp_size * self.virtual_stages)
         rule = microbatch_rule(self.schedule, self.pp_size, self.microbatches)
         if rule:
