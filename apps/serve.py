@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -124,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     print(cache_line, flush=True)
     print(f"serving {app.state.server.model_name} on http://{host}:{port}", flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30)
+    # uvicorn drains on SIGINT/SIGTERM, then raises the signal again to the handler it
+    # found: with these, nothing is left to stop and the drained server exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

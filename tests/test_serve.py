@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import queue
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -32,7 +37,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from engine.checkpoint.format import write_checkpoint
 from engine.generate import Sampling, generate_batch
 from engine.models import build_model
+from tests.multiproc import subprocess_env
 from tests.torch_reference import tiny_gpt
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # float32, batch-dependent summation order (docstring)
 GREEDY = Sampling(greedy=True)
@@ -337,3 +345,54 @@ def test_a_full_queue_answers_429_with_the_reason(export):
         waiting.close()
         _idle(state)
         assert _completion(client, PROMPTS[2], max_tokens=4).choices[0].finish_reason == "length"
+
+
+def test_the_command_prints_the_cache_serves_and_drains_on_sigterm(export):
+    """``python -m apps.serve`` as the README runs it, in its own process."""
+    directory, tokenizer, model = export
+    argv = ["--weights", str(directory), "--port", "0", "--cache-tokens", "256"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "apps.serve", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(ROOT),
+        cwd=ROOT,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(ln) for ln in process.stdout], daemon=True).start()
+    try:
+        cache = lines.get(timeout=60)
+        # 2 layers × (keys, values) × 256 tokens × 32 wide × 4 bytes = 0.125 MiB
+        assert cache.strip() == (
+            "KV cache: 16 blocks × 16 tokens = 256 tokens, 0.12 MiB (torch.float32, 4 KV heads × 8)"
+        )
+        address = lines.get(timeout=TIMEOUT).split()[-1]
+        assert lines.empty() and address.startswith("http://127.0.0.1:")
+        client = openai.OpenAI(
+            base_url=f"{address}/v1", api_key="-", timeout=TIMEOUT, max_retries=0
+        )
+        # In flight at SIGTERM (its first token is out), answered in full: the server
+        # drains, then exits 0.
+        stream = _completion(client, PROMPTS[0], max_tokens=100, temperature=0, stream=True)
+        chunks = iter(stream)
+        text = next(chunks).choices[0].text
+        process.send_signal(signal.SIGTERM)
+        text += "".join(chunk.choices[0].text for chunk in chunks)
+        ids = generate_batch(model, [tokenizer.encode(PROMPTS[0]).ids], 100, GREEDY)[0]
+        assert text == tokenizer.decode(ids)
+        assert process.wait(timeout=TIMEOUT) == 0, process.stderr.read()
+    finally:
+        process.kill()
+        process.wait(timeout=TIMEOUT)
+
+
+def test_the_command_refuses_tp_and_a_bad_source_in_one_line(export, tmp_path, capsys):
+    from apps.serve import main
+
+    assert main(["--weights", str(export[0]), "--tp-size", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "serve: --tp-size 2: serving at tp > 1 is not built yet"
+    assert main(["--weights", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("serve: ") and str(tmp_path) in err
