@@ -77,11 +77,11 @@ class Server:
 
     def room(self, prompt: list[int]) -> int:
         """New tokens a prompt can have: up to the context and what the whole cache holds."""
-        cache = self.engine.cache
-        return min(
-            self.engine.model.cfg.max_positions - len(prompt),
-            cache.num_blocks * cache.block_size + 1 - len(prompt),
-        )
+        cache, positions = self.engine.cache, self.engine.model.cfg.max_positions
+        room = min(positions, cache.num_blocks * cache.block_size + 1) - len(prompt)
+        if room <= 0:
+            raise BadRequest(f"the prompt has {len(prompt)} tokens: no room left in {positions}")
+        return room
 
     async def submit(self, prompts, limit, body, *, prompt_logprobs=False, top=0):
         """Submit every (prompt, choice) pair: the choices, in order, and their queue."""
