@@ -265,6 +265,7 @@ def test_unknown_model_is_404_and_chat_without_a_template_is_400(served):
 
 
 def test_chat_completes_and_streams_with_a_template(export):
+    """The --chat-template flag; the same reply streamed and whole."""
     directory, tokenizer, model = export
     template = str(directory.parent / "chat.jinja")
     with _serving(directory, "--chat-template", template) as (client, _):
@@ -284,6 +285,34 @@ def test_chat_completes_and_streams_with_a_template(export):
         assert chunks[0].choices[0].delta.role == "assistant"
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == reference
         assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_tokenizer_config_gives_the_template_and_the_end_of_sequence(export, tmp_path):
+    """A tokenizer_config.json beside the weights: its chat template serves chat, and its
+    eos_token ends a completion (kept as its last token) unless ignore_eos."""
+    import shutil
+
+    directory, tokenizer, model = export
+    ids = tokenizer.encode(PROMPTS[0]).ids
+    reference = generate_batch(model, [ids], 10, GREEDY)[0]
+    eos = reference[3]
+    end = reference.index(eos) + 1  # the first time it comes
+    copy = tmp_path / "tiny"
+    shutil.copytree(directory, copy)
+    config = {"chat_template": CHAT, "eos_token": tokenizer.id_to_token(eos)}
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+    with _serving(copy) as (client, _):
+        stopped = _completion(client, ids, max_tokens=10, temperature=0).choices[0]
+        assert stopped.finish_reason == "stop"
+        assert stopped.text == tokenizer.decode(reference[:end])
+        further = _completion(
+            client, ids, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert further.choices[0].text == tokenizer.decode(reference)
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "system", "content": "x"}], max_tokens=3
+        )
+        assert chat.choices[0].finish_reason in ("stop", "length")
 
 
 def _metrics(client) -> dict[str, float]:
@@ -396,3 +425,21 @@ def test_the_command_refuses_tp_and_a_bad_source_in_one_line(export, tmp_path, c
     assert main(["--weights", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("serve: ") and str(tmp_path) in err
+
+
+def test_detokenizer_holds_back_what_a_stop_or_a_split_character_could_change(export):
+    from apps.serving.text import Detokenizer, TextCodec
+
+    _, tokenizer, _ = export
+    codec = TextCodec(tokenizer)
+    ids = tokenizer.encode("é = 1\nx = 2\n").ids  # é: two bytes, maybe two tokens
+    pieces, detokenizer = [], Detokenizer(codec, stops=["x ="])
+    for token in ids:
+        pieces.append(detokenizer.add(token))
+        assert "\ufffd" not in pieces[-1]  # never half a character
+        if detokenizer.stopped:
+            break
+    assert "".join(pieces) == detokenizer.text == "é = 1\n" and detokenizer.stopped
+    assert codec.decode(ids[: detokenizer.kept_tokens()]) == "é = 1\n"  # the tokens of the text
+    plain = Detokenizer(codec)
+    assert "".join(plain.add(t) for t in ids) + plain.finish() == "é = 1\nx = 2\n"
