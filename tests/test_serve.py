@@ -143,6 +143,13 @@ def test_greedy_completion_equals_generate_and_the_tool(served, export, capsys):
         assert answer.usage.completion_tokens == 12 and answer.usage.prompt_tokens == len(ids)
         by_ids = _completion(client, ids, max_tokens=12, temperature=0)  # a token-list prompt
         assert by_ids.choices[0].text == choice.text
+    batch = _completion(client, PROMPTS[:2], max_tokens=12, temperature=0, n=2)  # 2 × 2
+    alone = [
+        _completion(client, p, max_tokens=12, temperature=0).choices[0].text for p in PROMPTS[:2]
+    ]
+    assert [(c.index, c.text) for c in batch.choices] == list(
+        enumerate(alone[:1] * 2 + alone[1:2] * 2)
+    )
     argv = ["--ckpt", str(directory), "--prompt", PROMPTS[0], "--greedy", "--max-new-tokens", "12"]
     assert generate_main(argv) == 0
     printed = capsys.readouterr().out.splitlines()
