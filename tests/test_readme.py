@@ -139,6 +139,14 @@ COVERED = {
     'python -m pytest -q -m "not slow"': "manual: the quick subset of the suite (this test is part of it)",
     "python tools/convert_hf.py export --ckpt weights/ --out weights-hf/": "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
     'python tools/generate.py --hf-dir weights-hf/ --prompt "def " --max-new-tokens 24 --greedy': "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
+    "python -m apps.serve --ckpt checkpoints/gpt_tiny_stdlib": "tests/test_serve.py::test_the_command_prints_the_cache_serves_and_drains_on_sigterm",
+    "curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "
+    '"gpt_tiny_stdlib", "prompt": "def ", "max_tokens": 16, "temperature": 0}\'': "tests/test_serve.py::test_greedy_completion_equals_generate_and_the_tool",
+    "curl -sN localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "
+    '"gpt_tiny_stdlib", "prompt": "import os", "max_tokens": 3, "stream": true, "seed": 1}\'': "tests/test_serve.py::test_streamed_chunks_add_up_to_the_answer",
+    'python -c \'from openai import OpenAI; c = OpenAI(base_url="http://127.0.0.1:8000/v1", '
+    'api_key="-"); print(repr(c.completions.create(model="gpt_tiny_stdlib", prompt="class ", '
+    "max_tokens=24, temperature=0.8, seed=7).choices[0].text))'": "tests/test_serve.py::test_seeds_reproduce_and_equal_generate",
     "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib": "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
     "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --dp-size 2": "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
     "python -m engine.evaluate --ckpt weights/ --text docs/ARCHITECTURE.md": "tests/test_evaluate.py::test_text_file_loss_is_the_mean_cross_entropy_of_its_windows",
@@ -189,7 +197,7 @@ def test_every_readme_command_is_run_or_mapped_to_a_test():
 def _program_args(command: str) -> tuple[str, list[str]] | None:
     """(program, its arguments) of a command that runs engine.pretrain or a tool."""
     argv = shlex.split(command)
-    for module in ("engine.pretrain", "engine.evaluate"):
+    for module in ("engine.pretrain", "engine.evaluate", "apps.serve"):
         if module in argv:
             return module, argv[argv.index(module) + 1 :]
     tools = [a for a in argv if a.startswith("tools/") and a.endswith(".py")]
@@ -241,6 +249,10 @@ def test_every_readme_command_parses_with_its_program():
             _hydra_compose(args)
         elif program == "engine.evaluate":
             from engine.evaluate import parse_args
+
+            parse_args(args)
+        elif program == "apps.serve":
+            from apps.serve import parse_args
 
             parse_args(args)
         else:

@@ -272,3 +272,35 @@ def test_paged_cache_layout_and_sizing():
     assert cache.available_blocks == cache.free_blocks == 3
     with pytest.raises(ValueError, match="by tokens or by bytes"):
         PagedKVCache.for_model(model)
+
+
+def test_prompt_scores_and_alternatives_equal_a_full_forward():
+    """Prompt log-probabilities (echo, log-likelihood) over chunked prefill, with and without
+    new tokens, and the top alternatives, against one plain forward (tolerance: TOL)."""
+    model = _model("llama")
+    prompt = PROMPTS[3]  # 19 tokens: a budget of 8 splits it over three steps
+    engine = _engine(model, max_running=4, token_budget=8)
+    scoring = engine.submit(Request(prompt, 0, prompt_logprobs=True, top_logprobs=3))
+    both = engine.submit(Request(prompt, 4, prompt_logprobs=True, top_logprobs=2))
+    nothing = engine.submit(Request(prompt, 0))  # max_tokens 0 unscored: ends at once
+    single = engine.submit(Request([5], 0, prompt_logprobs=True))  # no token to score
+    done = engine.run_until_idle()
+    assert engine.cache.used_blocks == 0
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + done[both].tokens]))[0, :, : model.cfg.vocab_size]
+    logprobs = torch.log_softmax(logits, -1)
+    expected = logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    for rid, top in ((scoring, 3), (both, 2)):
+        scored = done[rid].prompt
+        assert [s.token for s in scored] == prompt[1:]
+        torch.testing.assert_close(torch.tensor([s.logprob for s in scored]), expected, **TOL)
+        assert [len(s.top) for s in scored] == [top] * len(scored)
+        assert [s.top[0][0] for s in scored] == logprobs[:-1].argmax(-1)[: len(scored)].tolist()
+    assert done[scoring].tokens == [] and done[scoring].finish_reason == LENGTH
+    generated = logprobs[len(prompt) - 1 : -1].topk(2)
+    assert [[t for t, _ in top] for top in done[both].top] == generated.indices.tolist()
+    torch.testing.assert_close(
+        torch.tensor([[v for _, v in top] for top in done[both].top]), generated.values, **TOL
+    )
+    assert done[nothing].prompt is None and done[nothing].tokens == []
+    assert done[single].prompt == () and done[single].finish_reason == LENGTH

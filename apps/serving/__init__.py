@@ -2,7 +2,10 @@
 
 ``PagedKVCache`` (``paged_cache``) holds keys and values in fixed blocks from one pool;
 ``ServingEngine`` (``engine``) runs requests (``requests``) that join and leave the batch
-at any step. The HTTP front (issue 42) is to come; nothing in the runtime imports this.
+at any step; ``http`` is their OpenAI-compatible HTTP front (``python -m apps.serve``), with
+``driver`` (the one task that steps the engine), ``protocol`` (request bodies),
+``responses`` (answers and stream chunks) and ``text`` (tokenizer, chat template, stop
+strings). Nothing in the runtime imports this.
 """
 
 from apps.serving.engine import ServingEngine

@@ -35,6 +35,7 @@ from apps.serving.requests import (
     Completion,
     Refused,
     Request,
+    Scored,
     TokenEvent,
 )
 from engine.generate import next_tokens
@@ -53,11 +54,13 @@ class _Sequence:
     table: BlockTable | None = None  # set on admission
     cached: int = 0  # leading positions whose keys and values are in the cache
     generated: list[int] = field(default_factory=list)
+    scored: list[Scored] = field(default_factory=list)  # prompt tokens 1.., when asked
 
     @property
     def pending(self) -> int:
-        """Tokens to feed before the next one can be sampled."""
-        return len(self.tokens) - self.cached
+        """Tokens to feed before the next one can be sampled (or, scoring a prompt with
+        max_tokens 0, before it is done: its last token predicts nothing asked for)."""
+        return len(self.tokens) - self.cached - (self.request.max_tokens == 0)
 
 
 class _PagedLayer:
@@ -119,8 +122,9 @@ class ServingEngine:
         rid = request.request_id or next(n for n in self._names if n not in live)
         generator = torch.Generator().manual_seed(request.sampling.seed)
         seq = _Sequence(request, rid, generator, list(request.prompt))
-        if request.max_tokens == 0:
-            self._events.append(TokenEvent(rid, None, None, LENGTH))
+        if request.max_tokens == 0 and not (request.prompt_logprobs and seq.pending):
+            scored = () if request.prompt_logprobs else None
+            self._events.append(TokenEvent(rid, None, None, LENGTH, prompt=scored))
         else:
             self.waiting.append(seq)
         return rid
@@ -137,6 +141,8 @@ class ServingEngine:
             raise Refused("bad_request", f"prompt token ids must be in 0 .. {cfg.vocab_size - 1}")
         if request.max_tokens < 0:
             raise Refused("bad_request", f"max_tokens must be >= 0, got {request.max_tokens}")
+        if not 0 <= request.top_logprobs <= cfg.vocab_size:
+            raise Refused("bad_request", f"top_logprobs must be in 0 .. {cfg.vocab_size}")
         total = len(request.prompt) + request.max_tokens
         if total > cfg.max_positions:
             raise Refused(
@@ -235,11 +241,28 @@ class ServingEngine:
             positions=positions.to(self.device),
             cache=layers,
         )
-        for seq, n in rows:
+        for i, (seq, n) in enumerate(rows):
+            if seq.request.prompt_logprobs:
+                self._score_prompt(seq, logits[i, s - n :])
             seq.cached += n
             seq.table.length = seq.cached
-        last = gather_from_tp(logits[:, -1], self.model.tp_group)
-        return last[:, : self.model.cfg.vocab_size].float().cpu()
+        return self._log_probs(logits[:, -1])
+
+    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[n, V / tp]`` logits → ``[n, V]`` float32 CPU logits, vocabulary padding cut."""
+        full = gather_from_tp(logits, self.model.tp_group)
+        return full[:, : self.model.cfg.vocab_size].float().cpu()
+
+    def _score_prompt(self, seq: _Sequence, chunk: torch.Tensor) -> None:
+        """Score the prompt tokens that the chunk's positions predict (``chunk``: the
+        chunk's ``[n, V / tp]`` logits; position j predicts token j + 1)."""
+        count = min(len(chunk), len(seq.request.prompt) - 1 - seq.cached)
+        if count <= 0:
+            return
+        logprobs = torch.log_softmax(self._log_probs(chunk[:count]), dim=-1)
+        targets = seq.request.prompt[seq.cached + 1 : seq.cached + 1 + count]
+        for row, token in zip(logprobs, targets, strict=True):
+            seq.scored.append(_scored(row, token, seq.request.top_logprobs))
 
     def _sample(self, rows, logits: torch.Tensor) -> list[TokenEvent]:
         """The next token of every row whose context is now all cached, and the ends."""
@@ -248,8 +271,13 @@ class ServingEngine:
             if seq.pending:  # a prompt chunk with more to come: nothing to sample yet
                 continue
             request = seq.request
+            prompt = tuple(seq.scored) if request.prompt_logprobs and not seq.generated else None
+            if request.max_tokens == 0:  # the prompt is scored: done
+                self._retire(seq)
+                events.append(TokenEvent(seq.request_id, None, None, LENGTH, prompt=prompt))
+                continue
             token = int(next_tokens(logits[i : i + 1], request.sampling, seq.generator))
-            logprob = float(torch.log_softmax(logits[i], dim=-1)[token])
+            scored = _scored(torch.log_softmax(logits[i], dim=-1), token, request.top_logprobs)
             seq.tokens.append(token)
             seq.generated.append(token)
             reason = None
@@ -259,7 +287,11 @@ class ServingEngine:
                 reason = LENGTH
             if reason is not None:
                 self._retire(seq)
-            events.append(TokenEvent(seq.request_id, token, logprob, reason))
+            events.append(
+                TokenEvent(
+                    seq.request_id, token, scored.logprob, reason, top=scored.top, prompt=prompt
+                )
+            )
         return events
 
     def _retire(self, seq: _Sequence) -> None:
@@ -274,6 +306,16 @@ class ServingEngine:
             for event in self.step():
                 done.setdefault(event.request_id, Completion(event.request_id)).add(event)
         return done
+
+
+def _scored(logprobs: torch.Tensor, token: int, top: int) -> Scored:
+    """``token``'s entry of one position's ``[V]`` log-probabilities, with the ``top``
+    most likely."""
+    alternatives = ()
+    if top:
+        values, ids = logprobs.topk(top)
+        alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return Scored(token, float(logprobs[token]), alternatives)
 
 
 def _cached_length(request: Request) -> int:

@@ -1,0 +1,151 @@
+"""Text in and out of the serving engine: the tokenizer, its chat template, stop strings.
+
+The engine speaks token ids; the HTTP front speaks text. ``TextCodec`` is the model's
+``tokenizer.json`` with what a Hugging Face ``tokenizer_config.json`` beside it adds: the
+end-of-sequence token (a completion ends there) and the chat template, a Jinja template
+rendered in a sandbox as ``transformers``' ``apply_chat_template`` renders it.
+``Detokenizer`` turns one choice's tokens into text as they come, holding back what a
+stop string or an unfinished UTF-8 character could still change, so the streamed pieces
+always add up to the final text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+REPLACEMENT = "\ufffd"  # what decoding shows for the bytes of an unfinished character
+
+
+class TextCodec:
+    """Encode, decode, and render chats for one model's tokenizer."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        chat_template: str | None = None,
+        special: dict[str, str] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.special = special or {}  # "bos_token", "eos_token" → their text
+        eos = self.special.get("eos_token")
+        eos_id = None if eos is None else tokenizer.token_to_id(eos)
+        self.eos_ids = frozenset() if eos_id is None else frozenset({eos_id})
+        self._template = None
+
+    @classmethod
+    def from_files(cls, tokenizer_path: str, chat_template_path: str | None = None) -> TextCodec:
+        """The tokenizer at ``tokenizer_path``, with the ``tokenizer_config.json`` beside it
+        if there is one; ``chat_template_path`` (a Jinja file) overrides its template."""
+        tokenizer = Tokenizer.from_file(tokenizer_path)
+        config_path = Path(tokenizer_path).parent / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default")
+        if chat_template_path is not None:
+            template = Path(chat_template_path).read_text()
+        special = {}
+        for role in ("bos_token", "eos_token"):
+            value = config.get(role)
+            if isinstance(value, dict):  # an AddedToken written out: {"content": ...}
+                value = value.get("content")
+            if isinstance(value, str):
+                special[role] = value
+        return cls(tokenizer, chat_template=template, special=special)
+
+    def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with the tokenizer's own added tokens, as
+        ``tools/generate.py`` encodes prompts, unless ``special_tokens`` is False)."""
+        return self.tokenizer.encode(text, add_special_tokens=special_tokens).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` (special tokens dropped)."""
+        return self.tokenizer.decode(list(ids))
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The prompt the chat template makes of ``messages``, ending where the assistant's
+        answer begins; ValueError when there is no template or it refuses the messages."""
+        if self.chat_template is None:
+            raise ValueError(
+                "this model's tokenizer has no chat template (no chat_template in its "
+                "tokenizer_config.json): use /v1/completions, or start the server with "
+                "--chat-template FILE"
+            )
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        if self._template is None:
+
+            def raise_exception(message: str):
+                raise jinja2.TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=True, **self.special
+            )
+        except jinja2.TemplateError as err:
+            raise ValueError(f"the chat template refused the messages: {err}") from None
+
+
+class Detokenizer:
+    """One choice's text as its tokens arrive, cut at the first stop string."""
+
+    def __init__(self, codec: TextCodec, stops: Sequence[str] = ()) -> None:
+        self.codec, self.stops = codec, [s for s in stops if s]
+        self.ids: list[int] = []
+        self.text = ""  # the text so far (after a stop string: up to it)
+        self.sent = ""  # the part handed out by add() and finish()
+        self.stopped = False  # a stop string appeared: no more tokens count
+
+    def add(self, token: int) -> str:
+        """Take one token; return the new text that is safe to hand out now."""
+        self.ids.append(token)
+        text = self.codec.decode(self.ids)
+        cuts = [text.find(s) for s in self.stops if s in text]
+        if cuts:
+            self.text, self.stopped = text[: min(cuts)], True
+            return self.finish()
+        self.text = text
+        return self._take(text[: len(text) - self._held_back(text)])
+
+    def _held_back(self, text: str) -> int:
+        """Characters at the end of ``text`` that may still change: an unfinished UTF-8
+        character, or the start of a stop string."""
+        held = len(text) - len(text.rstrip(REPLACEMENT))
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), held, -1):
+                if text.endswith(stop[:n]):
+                    held = n
+                    break
+        return held
+
+    def _take(self, safe: str) -> str:
+        if not safe.startswith(self.sent):  # decoding changed earlier text: wait for the end
+            return ""
+        delta, self.sent = safe[len(self.sent) :], safe
+        return delta
+
+    def finish(self) -> str:
+        """The text still held back, once the choice has ended."""
+        return self._take(self.text)
+
+    def kept_tokens(self) -> int:
+        """How many of the tokens make up the text: all, or after a stop string, the
+        fewest whose text reaches the cut."""
+        if not self.stopped:
+            return len(self.ids)
+        return next(
+            k
+            for k in range(len(self.ids) + 1)
+            if len(self.codec.decode(self.ids[:k])) >= len(self.text)
+        )
