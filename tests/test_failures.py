@@ -672,13 +672,15 @@ def test_extending_max_steps_with_a_fixed_schedule_is_bitwise_the_longer_run(cor
 
 
 def test_readme_resume_example_keeps_the_default_schedule():
-    """The README's extend-a-run command fixes optim.decay_steps at the length the default
-    run used (trainer.max_steps - optim.warmup_steps), as the test above requires."""
+    """The README's extend-a-run command (docs/CHECKPOINTS.md, one of the pages its commands
+    live in) fixes optim.decay_steps at the length the default run used
+    (trainer.max_steps - optim.warmup_steps), as the test above requires."""
     from tests.test_engine import compose_config
+    from tests.test_readme import documented_text
 
-    text = (ROOT / "README.md").read_text()
+    text = documented_text()
     command = re.search(r"\$ python -m engine\.pretrain (trainer\.max_steps=\d+ .*)", text)
-    assert command, "README lost its resume example"
+    assert command, "the README and its pages lost the resume example"
     overrides = dict(o.split("=", 1) for o in command.group(1).split())
     default = compose_config()
     assert int(overrides["trainer.max_steps"]) > default.trainer.max_steps

@@ -1,5 +1,9 @@
 """Every snippet in README.md runs as shown, and every command in it is accounted for.
 
+"It" is the README and the docs/ pages in ``DOCS`` (the reference its sections link to,
+where commands live too), read in a defined order: the README first, then each page in the
+order of the README's first link to it.
+
 - Each ```python block runs alone (one process, tp=1) and under a real launcher
   (``torch.distributed.run``, 2 processes, tp=2); its output is checked against the same
   computation done unsplit.
@@ -28,6 +32,32 @@ from tests.multiproc import run_ranks, subprocess_env
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 register_configs()
+
+# The docs/ pages whose commands and shown outputs count as the README's own.
+DOCS = (
+    "docs/TRAINING.md",
+    "docs/LAUNCHING.md",
+    "docs/MODELS.md",
+    "docs/CHECKPOINTS.md",
+    "docs/DATA.md",
+    "docs/PERFMODEL.md",
+    "docs/APPS.md",
+    "docs/KERNELS.md",
+)
+
+
+def reading_order() -> list[str]:
+    """README.md, then the pages of ``DOCS`` in the order the README first links to each
+    (a page the README does not link is an error: nobody would read it in order)."""
+    unlinked = [d for d in DOCS if f"]({d}" not in README]
+    assert not unlinked, f"README.md links none of {unlinked}"
+    return ["README.md", *sorted(DOCS, key=lambda d: README.index(f"]({d}"))]
+
+
+def documented_text() -> str:
+    """The README and its command-holding pages, joined in reading order."""
+    return "\n".join((ROOT / path).read_text() for path in reading_order())
+
 
 # Commands this test runs, with their exit status; what they print must be exactly the
 # output the README shows under their ``$ `` line.
@@ -120,7 +150,6 @@ COVERED = {
     "kubectl apply -f tools/launch/k8s/pytorchjob/pytorchjob.yaml": "tests/test_k8s.py::test_pytorchjob_matches_the_operator_fields_and_its_pods_are_valid",
     "apt-get update -q": "manual: installs packages (network); .ci/run does it",
     "python -m apps.classify --help": "tests/test_classify.py::test_config_errors_exit_2_before_any_rank",
-    "python -m apps.classify": "tests/test_classify.py::test_two_ranks_reach_085_on_the_full_data_set",
     "OMP_NUM_THREADS=1 python -m apps.classify": "tests/test_classify.py::test_two_ranks_reach_085_on_the_full_data_set",
     "python -m apps.classify --num-gpus 4 --target-accuracy 0.85 --batch-size 64 --epochs 10": "tests/test_classify.py::test_two_ranks_reach_085_on_the_full_data_set",
     "python -m apps.classify --num-gpus 4 --tp-size 2": "tests/test_classify.py::test_dp_gradients_equal_the_whole_batch_gradients",
@@ -150,18 +179,32 @@ COVERED = {
     "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib": "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
     "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --dp-size 2": "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
     "python -m engine.evaluate --ckpt weights/ --text docs/ARCHITECTURE.md": "tests/test_evaluate.py::test_text_file_loss_is_the_mean_cross_entropy_of_its_windows",
+    # docs/MODELS.md
+    "python -m engine.pretrain model=llama_tiny tp_size=2 name=llama_tiny": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
+    "python tools/convert_hf.py import --hf-dir DIR --out CKPT": "tests/test_hf.py::test_command_line_tools",
+    "python tools/verify_equivalence.py --hf-dir DIR --tp-size 4": "tests/test_hf_import_checks.py::test_documented_verifier_command_passes_at_its_default_dtype",
+    # docs/PERFMODEL.md
+    "python tools/plan.py predict --model gpt_1.3b --global-batch 512 --gpus 16 --tp 2 --cluster dgx_h100 "
+    "--json": "tests/test_perfmodel.py::test_plan_predict_json_keys_without_torch",
+    "python tools/plan.py search --model llama_70b --seq 4096 --global-batch 256 --gpus 32 --dp-shard full": "tests/test_perfmodel.py::test_search_finds_full_sharding_where_replicas_do_not_fit",
+    "python tools/plan.py predict --model llama_70b --seq 4096 --global-batch 256 --gpus 32 --pp 4 --tp 4 "
+    "--dp-shard full --schedule interleaved_1f1b --virtual-stages 4 --sequence-parallel": "tests/test_perfmodel.py::test_plan_prices_pipeline_and_sharding_flags_without_torch",
+    "python tools/calibrate.py --hidden 128,256 --out configs/cluster/cpu_2core.yaml": "tests/test_perfmodel.py::test_ci_sized_validation_pipeline_runs_here",
+    "python tools/validate_perfmodel.py machine --cluster configs/cluster/cpu_2core.yaml": "tests/test_perfmodel.py::test_ci_sized_validation_pipeline_runs_here",
+    "python tools/validate_perfmodel.py published": "tests/test_perfmodel.py::test_published_megatron_rows_within_15_percent",
+    "python tools/validate_perfmodel.py dp-plots --out docs": "manual: rewrites docs/perfmodel_*.png with matplotlib; no test compares the plots",
 }
 
 
 def _blocks(kind: str) -> list[str]:
-    return re.findall(rf"```{kind}\n(.*?)```", README, re.S)
+    return re.findall(rf"```{kind}\n(.*?)```", documented_text(), re.S)
 
 
 def readme_commands_in_order() -> list[str]:
-    """Every command line of the README in the order it appears, repeats kept: bash blocks
-    (comments dropped, ``&&`` chains split) and the ``$ `` lines of text blocks."""
+    """Every command line of the README and its pages in reading order, repeats kept: bash
+    blocks (comments dropped, ``&&`` chains split) and the ``$ `` lines of text blocks."""
     lines = []
-    for kind, block in re.findall(r"```(bash|text)\n(.*?)```", README, re.S):
+    for kind, block in re.findall(r"```(bash|text)\n(.*?)```", documented_text(), re.S):
         if kind == "bash":
             block = re.sub(" +", " ", block.replace("\\\n", " "))  # join continuations
             lines += block.splitlines()
@@ -192,6 +235,20 @@ def test_every_readme_command_is_run_or_mapped_to_a_test():
             continue
         path, name = where.split("::")
         assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), (command, where)
+
+
+def test_install_quick_start_and_tests_come_first():
+    """The README opens with the install, the quick start and the test commands, in that
+    order, before any other command of it or of its pages."""
+    assert readme_commands_in_order()[:5] == [
+        "pip install torch==2.13.0",
+        'pip install -e ".[dev,hf]"',
+        "python -m engine.pretrain",
+        "python -m pytest -q",
+        'python -m pytest -q -m "not slow"',
+    ]
+    first_screen = "\n".join(README.splitlines()[:50])
+    assert "python -m pytest -q" in first_screen
 
 
 def _program_args(command: str) -> tuple[str, list[str]] | None:

@@ -3,8 +3,10 @@
 Every ``engine.pretrain`` run without its own ``name=`` checkpoints into the quick start's
 folder (``checkpoints/<name>``), where the launcher refuses another model and a finished
 run's other config, and trains nothing when the same finished command comes again. This
-test composes each README command with Hydra, in README order (launchers' commands
-included: torchrun, srun and mpirun start the same entry point), and follows the
+test composes each command of the README and of the docs/ pages holding its moved commands
+with Hydra, in reading order (``tests.test_readme.reading_order``: the README, then each
+page in the order the README links it; launchers' commands included: torchrun, srun and
+mpirun start the same entry point), and follows the
 checkpoint folders on paper: no training runs. Each must also pass the config checks
 (``engine.config.validate``), its data files aside. A command may be refused only where the
 README says so (its exit status 2 in ``tests/test_readme.py``'s ``RUN``), and then by the

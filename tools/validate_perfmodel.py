@@ -18,7 +18,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from studies.perfmodel.validate_cli import main  # noqa: E402
+from studies.perfmodel.validate_cli import build_parser, main  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None):
+    """The command line (the README test parses every command shown with it)."""
+    return build_parser().parse_args(argv)
+
 
 if __name__ == "__main__":
     sys.exit(main())

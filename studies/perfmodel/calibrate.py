@@ -217,7 +217,10 @@ def now_utc() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def _parser(description: str | None, formatter) -> argparse.ArgumentParser:
+def build_parser(
+    description: str | None = None, formatter=argparse.HelpFormatter
+) -> argparse.ArgumentParser:
+    """The command line of tools/calibrate.py."""
     p = argparse.ArgumentParser(description=description, formatter_class=formatter)
     p.add_argument("--model", default="gpt_tiny", help="configs/model preset whose GEMMs to time")
     p.add_argument(
@@ -393,7 +396,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str], description: str | None = None, formatter=None) -> int:
     """CLI entry of tools/calibrate.py: measure and write the YAML atomically."""
-    args = _parser(description, formatter or argparse.HelpFormatter).parse_args(argv)
+    args = build_parser(description, formatter or argparse.HelpFormatter).parse_args(argv)
     from pathlib import Path
 
     from engine.preflight import probe_writable

@@ -53,7 +53,8 @@ MACHINE_POINTS = (
 )
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of tools/validate_perfmodel.py."""
     p = argparse.ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("machine", help="run engine.pretrain here and compare")
@@ -164,7 +165,7 @@ def _machine(args: argparse.Namespace) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: prints a markdown table and the max / median |error|."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "dp-plots":
             from studies.perfmodel.dp_analysis import write_plots
