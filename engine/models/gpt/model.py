@@ -157,6 +157,8 @@ class GPTModel(ParallelModel):
         """Token windows ``[b, s+1]`` or ``{"input_ids", "labels"}``: the ids go to the first
         stage, the labels are the target; no keyword inputs."""
         batch = stack_batches([next_token_pairs(to_device(m, device)) for m in micro_batches])
+        if "document_ids" in batch:  # engine/config.py refuses it before any worker starts
+            raise ValueError("document_ids do not travel between pipeline stages yet (pp 1)")
         return (batch["input_ids"],), {}, batch["labels"]
 
     def stage_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
