@@ -25,29 +25,18 @@ from engine.data.loader import collate
 from engine.models import build_model
 from engine.models.config import preset
 from tests.multiproc import run_ranks
+from tests.test_context_parallel import MODELS, SMALL, VOCAB  # the same tiny pair
 
-SEQ, VOCAB, EOD = 16, 96, 95
+SEQ = 16
+EOD = VOCAB - 1
 PACKED_TOL = 1e-12  # fp64, packed against one document per row; see the module docstring
 CP_TOL = 1e-10  # fp64, cp 2 against the unsplit model, as tests/test_context_parallel.py
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    max_positions=32,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
-MODELS = {  # GPT: learned positions, MHA; Llama: rotary, GQA (2 KV heads for 4 heads)
-    "gpt": ("gpt_tiny", {}),
-    "llama": ("llama_tiny", {"num_kv_heads": 2, "ffn_hidden_size": 64}),
-}
 
 
-def _model(name: str, **kwargs):
+def _model(name: str):
     preset_name, extra = MODELS[name]
     torch.manual_seed(5)
-    return build_model(preset(preset_name, **SMALL, **extra), dtype=torch.float64, **kwargs)
+    return build_model(preset(preset_name, **SMALL, **extra), dtype=torch.float64)
 
 
 def _indexed(path) -> IndexedDataset:
