@@ -46,6 +46,7 @@ class DataConfig:
     default_max_bytes: int = 4_000_000  # stdlib source bytes taken into the embedded corpus
     cache_dir: str | None = None  # embedded corpus cache; default $MESHTRON_CACHE or ~/.cache
     seed: int = 1234  # shuffling and masking seed
+    document_mask: bool = False  # GPT/Llama: attention and positions stay within documents
 
 
 @dataclass
@@ -551,7 +552,7 @@ def _validate_data(cfg: Config, dims: ParallelDims) -> list[str]:
         problems += [
             f"data.prefixes: {p} {why}" for p, why in found.items() if why not in (None, MISSING)
         ]
-    problems += _blend_problems(d)
+    problems += _blend_problems(d) + _document_mask_problems(cfg, dims)
     problem = file_problem(d.tokenizer) if d.tokenizer is not None else None
     if problem is not None:
         problems.append(f"data.tokenizer: {d.tokenizer} {problem}")
@@ -564,6 +565,19 @@ def _validate_data(cfg: Config, dims: ParallelDims) -> list[str]:
         ("data.seed", d.seed, 0 <= d.seed <= INT64_MAX, "in [0, 2**63-1]"),
         ("data.default_max_bytes", d.default_max_bytes, d.default_max_bytes >= 1, ">= 1"),
     )
+
+
+def _document_mask_problems(cfg: Config, dims: ParallelDims) -> list[str]:
+    """What ``data.document_mask`` runs with: the causal decoders' packed windows, and not
+    yet the pipeline (its stages take the ids and labels only, no document ids)."""
+    if not cfg.data.document_mask:
+        return []
+    at = "data.document_mask=true"
+    if not family(cfg.model.arch).causal:
+        return [f"{at} packs causal documents (gpt, llama), not model.arch={cfg.model.arch}"]
+    if dims.pp > 1:
+        return [f"{at} with pp_size={dims.pp} is not wired yet: set pp_size=1 or the mask off"]
+    return []
 
 
 def _blend_problems(d: DataConfig) -> list[str]:

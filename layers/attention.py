@@ -17,6 +17,7 @@ from einops import rearrange
 from torch import nn
 
 from layers import dropout
+from layers.documents import DocumentMask
 from layers.gqa import kv_projection
 from layers.kernel_set import Kernels
 from layers.linear import (
@@ -114,7 +115,8 @@ class CoreAttention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        """A ``mask`` given to causal attention is the whole pattern (see ``decoder_mask``)."""
+        """A ``mask`` given to causal attention is the whole pattern (see ``decoder_mask``);
+        a ``DocumentMask`` (packed documents) becomes its dense block-diagonal pattern."""
         if self.recompute:
             # No dropout, no draws to replay: a plain checkpoint (Dynamo traces it whole).
             rng = self.rng if self.dropout > 0 and self.training else None
@@ -122,6 +124,8 @@ class CoreAttention(nn.Module):
         return self._attend(q, k, v, mask)
 
     def _attend(self, q, k, v, mask):
+        if isinstance(mask, DocumentMask):  # explicit: correctness first (layers.documents)
+            mask = mask.dense(causal=self.causal)
         if k.shape[1] != q.shape[1]:  # grouped-query: each KV head serves a run of q heads
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -145,17 +149,24 @@ class RingCoreAttention(CoreAttention):
         self.cp_group = cp_group
 
     def _attend(self, q, k, v, mask):
-        if mask is not None:
-            raise ValueError("ring attention takes no mask: causal or full attention only")
-        out = ring_attention(q, k, v, cp_group=self.cp_group, causal=self.causal)
+        if mask is not None and not isinstance(mask, DocumentMask):
+            raise ValueError(
+                "ring attention takes no dense mask: causal or full attention, or a "
+                "DocumentMask (packed documents)"
+            )
+        documents = None if mask is None else mask.ids  # the full rows' ids
+        out = ring_attention(
+            q, k, v, cp_group=self.cp_group, causal=self.causal, document_ids=documents
+        )
         return rearrange(out, "b heads s d -> s b (heads d)")
 
 
 class ParallelAttention(nn.Module):
     """Self-attention on ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism).
 
-    ``mask``: None (causal or full attention, per ``cfg.causal``) or a boolean tensor
-    broadcastable to ``[b, heads, s, s]``, True where a query may attend to a key.
+    ``mask``: None (causal or full attention, per ``cfg.causal``), a boolean tensor
+    broadcastable to ``[b, heads, s, s]``, True where a query may attend to a key, or a
+    ``layers.documents.DocumentMask`` (packed documents, block-diagonal).
 
     The "standard" entry of ``layers.spec.ATTENTIONS``; constructed as every attention slot
     is (``kernels`` unused: the attention core is torch's). A ``cp_group`` of several ranks

@@ -16,6 +16,12 @@ class GPTDataset(Dataset):
     Documents ``doc_range`` are read as one stream, end-of-document tokens included, so windows
     cross document boundaries as in GPT pre-training. ``len()`` is one epoch; larger indices
     continue into later epochs, each a fresh ``(seed, epoch)`` permutation of the windows.
+
+    A sample is the window, a tensor ``[seq_len + 1]``. With ``document_mask=True`` it is
+    ``{"input_ids", "labels", "document_ids"}``, each ``[seq_len]``: the window's inputs,
+    their next tokens, and which document each input belongs to (0, 1, … from the window's
+    first, read from the index's document offsets), so the model can keep attention and
+    positions within documents (``layers.documents``). The tokens are the same either way.
     """
 
     def __init__(
@@ -25,6 +31,7 @@ class GPTDataset(Dataset):
         *,
         seed: int,
         doc_range: tuple[int, int] | None = None,
+        document_mask: bool = False,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -38,6 +45,11 @@ class GPTDataset(Dataset):
                 f"fewer than seq_len + 1 = {seq_len + 1}"
             )
         self.shuffle = EpochShuffle(num_windows, seed)
+        self.doc_starts = None  # token offset of each document in self.tokens
+        if document_mask:
+            first, last = (0, len(indexed)) if doc_range is None else doc_range
+            offsets = np.asarray(indexed.doc_offsets[first:last], dtype=np.int64)
+            self.doc_starts = offsets - offsets[0] if len(offsets) else offsets
 
     def __len__(self) -> int:
         return self.shuffle.num_samples
@@ -51,6 +63,21 @@ class GPTDataset(Dataset):
         """Window ids in the order epoch ``epoch`` serves them."""
         return self.shuffle.order(epoch)
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def document_ids(self, window_id: int) -> np.ndarray:
+        """Document of each input token of window ``window_id`` (``[seq_len]``, int64),
+        numbered from 0 at the window's first token."""
+        start = window_id * self.seq_len
+        tokens = np.arange(start, start + self.seq_len)
+        docs = np.searchsorted(self.doc_starts, tokens, side="right")
+        return docs - docs[0]
+
+    def __getitem__(self, index: int) -> torch.Tensor | dict[str, torch.Tensor]:
         _, window_id = self.shuffle(index)
-        return torch.from_numpy(self.window(window_id).astype(np.int64))
+        window = torch.from_numpy(self.window(window_id).astype(np.int64))
+        if self.doc_starts is None:
+            return window
+        return {
+            "input_ids": window[:-1],
+            "labels": window[1:],
+            "document_ids": torch.from_numpy(self.document_ids(window_id)),
+        }

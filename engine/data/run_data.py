@@ -92,7 +92,9 @@ def _part(cfg: Config, i: int, prefix: str, split: str, tokenizer: Tokenizer):
     docs = split_documents(len(indexed), d.split)[split]
     seed = d.seed + 1000 * i + {"train": 0, "valid": 1, "test": 2}[split]
     if cfg.model.causal:  # decoders (GPT, Llama) read next-token windows
-        return GPTDataset(indexed, d.seq_len, seed=seed, doc_range=docs)
+        return GPTDataset(
+            indexed, d.seq_len, seed=seed, doc_range=docs, document_mask=d.document_mask
+        )
     names = ("cls_id", "sep_id", "mask_id", "pad_id")  # check_data made sure they exist
     ids = {k: tokenizer.token_to_id(t) for k, t in zip(names, BERT_SPECIAL_TOKENS, strict=True)}
     return BertDataset(

@@ -10,6 +10,7 @@ from torch import nn
 from engine.models.base import ParallelLMHead, ParallelModel, stack_batches, to_device
 from engine.models.config import ModelConfig
 from layers.attention import KVCache, decoder_mask
+from layers.documents import DocumentMask, document_positions
 from layers.norm import make_norm
 from layers.ring_attention import cp_positions, shard_for_cp
 from layers.rotary import inverse_frequencies, rotary_tables
@@ -58,11 +59,21 @@ class GPTModel(ParallelModel):
         attention_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         cache: list[KVCache] | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Generation passes ``attention_mask`` (``[b, past + s]``, False at left padding),
-        ``positions`` (``[b, s]``) and ``cache`` (one KVCache per layer, from ``new_cache``)."""
-        hidden = self.embedding(input_ids, positions=positions)  # [s, b, h]; [s/tp, b, h] SP
+        ``positions`` (``[b, s]``) and ``cache`` (one KVCache per layer, from ``new_cache``).
+        Training on packed documents passes ``document_ids`` (``[b, s]``, the whole rows'
+        under cp): attention stays within each document and, unless ``positions`` are
+        given, positions restart at each document start (``layers.documents``)."""
         mask = None
+        if document_ids is not None:
+            if attention_mask is not None or cache is not None:
+                raise ValueError("document_ids are for training: no attention_mask or cache")
+            if positions is None:
+                positions = document_positions(document_ids)
+            mask = DocumentMask(document_ids)
+        hidden = self.embedding(input_ids, positions=positions)  # [s, b, h]; [s/tp, b, h] SP
         if attention_mask is not None:
             b, s = input_ids.shape
             past = cache[0].length if cache else 0
@@ -91,22 +102,35 @@ class GPTModel(ParallelModel):
     def loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token loss of ``batch``: token windows ``[b, s+1]`` (as GPTDataset yields
         them; position i predicts i+1), or ``{"input_ids", "labels"}``, each ``[b, s]``,
-        with ``"positions"`` ``[b, s]`` where they are not 0 … s−1 (a cp rank's share)."""
+        with ``"positions"`` ``[b, s]`` where they are not 0 … s−1 (a cp rank's share) and
+        ``"document_ids"`` of packed documents (``data.document_mask``). Every token keeps
+        its label, the next token of the window, also the last token of a document, whose
+        label is the next document's first token (as Megatron-LM without eod_mask_loss)."""
         batch = next_token_pairs(batch)
-        positions = batch.get("positions")
-        return self(batch["input_ids"], batch["labels"], positions=positions).mean()
+        return self(
+            batch["input_ids"],
+            batch["labels"],
+            positions=batch.get("positions"),
+            document_ids=batch.get("document_ids"),
+        ).mean()
 
     def context_shard(
         self, batch: torch.Tensor | dict[str, torch.Tensor], cp_size: int, cp_rank: int
     ) -> dict[str, torch.Tensor]:
         """``{"input_ids", "labels", "positions"}`` of cp rank ``cp_rank``: chunks ``cp_rank``
         and ``2·cp_size−1−cp_rank`` of each row (``shard_for_cp``), labels cut as the ids
-        they follow, and the tokens' global positions for RoPE or the position table."""
+        they follow, and the tokens' global positions for RoPE or the position table. With
+        ``"document_ids"`` (packed documents) the positions are those within each document
+        and the whole rows' ids go along: the ring cuts its blocks from them."""
         pairs = next_token_pairs(batch)
         b, s = pairs["input_ids"].shape
         shard = {
             k: shard_for_cp(pairs[k], cp_size, cp_rank, dim=1) for k in ("input_ids", "labels")
         }
+        documents = pairs.get("document_ids")
+        if documents is not None:
+            positions = shard_for_cp(document_positions(documents), cp_size, cp_rank, dim=1)
+            return {**shard, "positions": positions, "document_ids": documents}
         positions = cp_positions(s, cp_size, cp_rank, device=pairs["input_ids"].device)
         return {**shard, "positions": positions.expand(b, -1)}
 
@@ -133,6 +157,8 @@ class GPTModel(ParallelModel):
         """Token windows ``[b, s+1]`` or ``{"input_ids", "labels"}``: the ids go to the first
         stage, the labels are the target; no keyword inputs."""
         batch = stack_batches([next_token_pairs(to_device(m, device)) for m in micro_batches])
+        if "document_ids" in batch:  # engine/config.py refuses it before any worker starts
+            raise ValueError("document_ids do not travel between pipeline stages yet (pp 1)")
         return (batch["input_ids"],), {}, batch["labels"]
 
     def stage_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
