@@ -8,6 +8,8 @@ Tiny random models built here (no hub), saved to a temporary directory; CPU, one
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import types
 from dataclasses import replace
 from pathlib import Path
@@ -30,9 +32,11 @@ from engine.models import build_model, preset
 from layers.moe import moe_losses
 from layers.router import pooled_load_balancing_loss
 from studies.verification.hf_parity import _keep_norms_in_float64
+from tests.multiproc import subprocess_env
 
 transformers = pytest.importorskip("transformers")
 
+REPO = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cpu")
 # transformers' per-expert loop (its grouped_mm default takes no fp64), the reference.
 EAGER = dict(experts_implementation="eager")
@@ -252,3 +256,23 @@ def test_moe_tiny_trains_and_exports_as_mixtral(tmp_path):
         ours = model.eval().logits({"input_ids": ids})["logits"][..., : cfg.vocab_size]
         err = (ours - ref(input_ids=ids).logits).abs().max().item()
     assert err <= 1e-4, err
+
+
+def test_verifier_compares_an_moe_directory_in_fp64(hf_models):
+    # tools/verify_equivalence.py --hf-dir at tp 1 (MoE runs at tp 1), its default float64:
+    # transformers' experts as its per-expert loop (its grouped_mm takes no float64).
+    hf_dir, _ = hf_models["mixtral"]
+    env = subprocess_env(REPO)
+    env.pop("RANK", None)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools/verify_equivalence.py"), "--hf-dir", hf_dir]
+        + ["--tp-size", "1"],
+        cwd=Path(hf_dir).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert float(last.removeprefix("max abs logit error: ")) <= 1e-10, last
