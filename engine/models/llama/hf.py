@@ -85,8 +85,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if kind in moe_hf.ARCHITECTURES:
         values.update(moe_hf.config_values(hf))
     qkv_bias = attn_bias
-    if kind in ("qwen2", "qwen2_moe"):
-        qkv_bias = kind == "qwen2" or layout.hf_value(hf, "qkv_bias", bool, True)
+    if kind == "qwen2":  # q, k and v biases always
+        qkv_bias = True
+    elif kind == "qwen2_moe":  # its config says
+        qkv_bias = layout.hf_value(hf, "qkv_bias", bool, True)
     if values["num_kv_heads"] is None:  # absent or null: one KV head per query head
         values["num_kv_heads"] = values["num_heads"]
     elif values["num_kv_heads"] < 1:  # ModelConfig reads 0 as "unset" (one per query head)
