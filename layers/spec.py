@@ -66,9 +66,15 @@ def spec_for(cfg: TransformerConfig, layer: int | None = None) -> LayerSpec:
     (i + 1) % ``cfg.moe_layer_freq`` == 0 and the dense MLP otherwise (transformers'
     ``decoder_sparse_step``: experts on every k-th layer).
     """
-    sparse = layer is None or (layer + 1) % cfg.moe_layer_freq == 0
     return LayerSpec(
         norm=pick("norm", cfg.norm, NORMS),
         attention=pick("attention", cfg.attention, ATTENTIONS),
-        mlp=pick("mlp", cfg.mlp if sparse else "dense", MLPS),
+        mlp=pick("mlp", mlp_name(cfg, layer), MLPS),
     )
+
+
+def mlp_name(cfg: TransformerConfig, layer: int | None = None) -> str:
+    """The MLP class name layer ``layer`` holds (see :func:`spec_for`): ``cfg.mlp`` on
+    layers i with (i + 1) % ``cfg.moe_layer_freq`` == 0, "dense" on the others."""
+    sparse = layer is None or (layer + 1) % cfg.moe_layer_freq == 0
+    return cfg.mlp if sparse else "dense"

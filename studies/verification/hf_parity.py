@@ -117,7 +117,10 @@ def _hf_logits(hf_dir: str, cfg, hf_config: dict, batch: dict, dtype) -> dict[st
         raise ValueError(
             f"{hf_dir}: architecture {arch!r}; a {cfg.arch} directory compares one of {known}"
         )
-    model = getattr(transformers, arch).from_pretrained(hf_dir, local_files_only=True)
+    # An MoE model's experts as transformers' per-expert loop: its grouped_mm default takes
+    # no float64.
+    eager = {"experts_implementation": "eager"} if cfg.mlp == "moe" else {}
+    model = getattr(transformers, arch).from_pretrained(hf_dir, local_files_only=True, **eager)
     model = model.to(dtype).eval()
     if dtype == torch.float64:
         _keep_norms_in_float64(model)

@@ -1,4 +1,5 @@
-"""Hugging Face LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM ↔ meshtron.
+"""Hugging Face LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM ↔ meshtron, and
+through ``moe_hf`` the MoE variants MixtralForCausalLM / Qwen2MoeForCausalLM.
 
 Pure relabelling and row permutation, so HF → meshtron → HF is bitwise:
 
@@ -19,11 +20,14 @@ import torch.distributed as dist
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
 from engine.models.hf_layout import ConfigKey, Transform, rename, weights
+from engine.models.llama import moe_hf
+from layers.spec import mlp_name
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    **moe_hf.ARCHITECTURES,
 }
 
 _CONFIG = (
@@ -67,8 +71,9 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """ModelConfig of a Llama, Mistral or Qwen2 ``config.json``; unsupported variants raise.
-    Every value read is type-checked and the result validated before it is returned."""
+    """ModelConfig of a Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE ``config.json``;
+    unsupported variants raise. Every value read is type-checked and the result validated
+    before it is returned."""
     kind = hf["model_type"]
     if (act := layout.hf_value(hf, "hidden_act", str, "silu")) != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported; use silu")
@@ -77,6 +82,13 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if kind == "llama" and attn_bias != mlp_bias:
         raise ValueError("attention_bias != mlp_bias is not supported; set both the same")
     values = layout.config_values(hf, _CONFIG)
+    if kind in moe_hf.ARCHITECTURES:
+        values.update(moe_hf.config_values(hf))
+    qkv_bias = attn_bias
+    if kind == "qwen2":  # q, k and v biases always
+        qkv_bias = True
+    elif kind == "qwen2_moe":  # its config says
+        qkv_bias = layout.hf_value(hf, "qkv_bias", bool, True)
     if values["num_kv_heads"] is None:  # absent or null: one KV head per query head
         values["num_kv_heads"] = values["num_heads"]
     elif values["num_kv_heads"] < 1:  # ModelConfig reads 0 as "unset" (one per query head)
@@ -89,18 +101,21 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         norm="rmsnorm",
         position_embedding="rotary",
         activation="swiglu",
-        qkv_bias=True if kind == "qwen2" else attn_bias,
-        linear_bias=False if kind == "qwen2" else attn_bias,
+        qkv_bias=qkv_bias,
+        linear_bias=False if kind in ("qwen2", "qwen2_moe") else attn_bias,
         **_rope(hf),
     )
-    cfg = layout.validated(cfg, _CONFIG)
+    cfg = layout.validated(cfg, _CONFIG + moe_hf.KEYS.get(kind, ()))
     head_dim = layout.hf_value(hf, "head_dim", (int, type(None)), None)
     if head_dim not in (None, cfg.head_dim):
         raise ValueError(f"head_dim {head_dim} != hidden_size/heads; not supported")
-    if layout.hf_value(hf, "use_sliding_window", bool, kind == "mistral"):
+    if layout.hf_value(hf, "use_sliding_window", bool, kind in ("mistral", "mixtral")):
         window = layout.hf_value(hf, "sliding_window", (int, type(None)), None)
         if window is not None and window < cfg.max_positions:
-            raise ValueError(f"sliding_window {window} is not supported; set it to null")
+            raise ValueError(
+                f"sliding_window {window} is not supported; set it to null (or >= "
+                f"max_position_embeddings {cfg.max_positions})"
+            )
     return cfg
 
 
@@ -108,6 +123,8 @@ def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[s
     """A ``config.json`` dict for ``cfg`` on top of ``base`` (the imported original, if any)."""
     out = dict(base or {})
     kind = out.get("model_type", "qwen2" if cfg.qkv_bias and not cfg.linear_bias else "llama")
+    if cfg.mlp == "moe":
+        kind = moe_hf.moe_kind(cfg)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "llama3":
         rope.update(rope_type="llama3", **layout.config_items(cfg, _LLAMA3_ROPE, {}))
@@ -116,6 +133,10 @@ def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[s
     out.pop("rope_scaling", None)
     if kind == "llama":
         out.update(attention_bias=cfg.qkv_bias, mlp_bias=cfg.linear_bias)
+    if kind in moe_hf.ARCHITECTURES:
+        out.update(moe_hf.config_items(cfg, kind, out))
+    if kind == "qwen2_moe":
+        out.update(qkv_bias=cfg.qkv_bias)
     return out
 
 
@@ -138,21 +159,16 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
         rename(f"{ours}.attention_norm.weight", f"{theirs}.input_layernorm.weight"),
         rename(f"{ours}.attention.dense.weight", f"{theirs}.self_attn.o_proj.weight"),
         rename(f"{ours}.mlp_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
-        rename(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight"),
     ]
     if cfg.linear_bias:
-        layer += [
-            rename(f"{ours}.attention.dense.bias", f"{theirs}.self_attn.o_proj.bias"),
-            rename(f"{ours}.mlp.fc2.bias", f"{theirs}.mlp.down_proj.bias"),
-        ]
+        layer.append(rename(f"{ours}.attention.dense.bias", f"{theirs}.self_attn.o_proj.bias"))
     qkv = [f"{theirs}.self_attn.{x}_proj" for x in "qkv"]
     if cfg.kv_heads == cfg.num_heads:
         fused, transform = [f"{ours}.attention.qkv"], layout.interleaved(cfg.num_heads, 3)
     else:
         fused = [f"{ours}.attention.query", f"{ours}.attention.key_value"]
         transform = _grouped_query(cfg.kv_heads)
-    gate_up = [f"{theirs}.mlp.gate_proj", f"{theirs}.mlp.up_proj"]
-    return layout.weight_map(
+    rows = layout.weight_map(
         cfg,
         top=[
             rename("embedding.word.weight", "model.embed_tokens.weight"),
@@ -160,13 +176,22 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
         ],
         layer=layer,
         head=rename("lm_head.weight", "lm_head.weight"),
-        fused=[
-            *weights(fused, qkv, transform, _kinds(cfg.qkv_bias)),
-            *weights(
-                f"{ours}.mlp.fc1", gate_up, layout.interleaved(None, 2), _kinds(cfg.linear_bias)
-            ),
-        ],
+        fused=weights(fused, qkv, transform, _kinds(cfg.qkv_bias)),
     )
+    return rows + [row for i in range(cfg.num_layers) for row in _mlp(cfg, i)]
+
+
+def _mlp(cfg: ModelConfig, i: int) -> list[layout.Weights]:
+    """Layer ``i``'s MLP rows: experts (``moe_hf``) or the dense gate, up and down."""
+    ours, theirs = f"layers.{i}.mlp", f"model.layers.{i}"
+    if mlp_name(cfg, i) == "moe":
+        return moe_hf.expert_rows(cfg, ours, theirs)
+    kinds = _kinds(cfg.linear_bias)
+    gate_up = [f"{theirs}.mlp.gate_proj", f"{theirs}.mlp.up_proj"]
+    return [
+        *weights(f"{ours}.fc2", f"{theirs}.mlp.down_proj", kinds=kinds),
+        *weights(f"{ours}.fc1", gate_up, layout.interleaved(None, 2), kinds),
+    ]
 
 
 def state_from_hf(
@@ -174,6 +199,8 @@ def state_from_hf(
 ) -> dict[str, torch.Tensor]:
     """meshtron full state dict from an HF Llama-family state dict."""
     tied_copy = "lm_head.weight" if cfg.tie_embeddings else None
+    if cfg.mlp == "moe":  # transformers' fused in-memory expert tensors, if given those
+        hf = moe_hf.unfused(cfg, hf)
     return layout.state_from_hf(
         cfg,
         _weights(cfg),
