@@ -114,6 +114,8 @@ COVERED = {
     "--recompute selective": "tests/test_verify.py::test_planted_bugs_are_named_where_they_first_show",
     "python tools/convert_hf.py import --hf-dir path/to/gpt2 --out ckpt/gpt2": "tests/test_hf.py::test_command_line_tools",
     "python tools/convert_hf.py export --ckpt ckpt/gpt2 --out path/to/gpt2-again": "tests/test_hf.py::test_command_line_tools",
+    "python -m engine.pretrain model=llama_tiny data.document_mask=true tp_size=1 dp_size=1 "
+    "name=llama_tiny_docs": "tests/test_document_mask.py::test_packed_documents_equal_one_document_per_row",
     "python tools/gpu_check.py --rehearse --out bench/gpu_check": "tests/test_gpu_check.py::test_rehearsal_runs_every_item_and_writes_the_table",
     "python tools/gpu_check.py --out bench/gpu_check": "manual: GPU measurements; every item's path rehearsed in test_rehearsal_runs_every_item_and_writes_the_table",
     "python tools/bench_kernels.py --smoke": "tests/test_kernels.py::test_bench_kernels_smoke",
