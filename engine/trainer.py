@@ -148,7 +148,7 @@ class Trainer:
             label, members = group, list(range(self.ps.world_size))
         else:
             names = model_groups(self.ps) if group == "model" else (group,)
-            label = " and ".join(dict.fromkeys(a for n in names for a in self.ps.dims.axes_of(n)))
+            label = " and ".join(self.ps.dims.live_axes(*names))
             members = sorted({r for n in names for r in self.ps.ranks(n)})
         self.watch.mark(what, self.step if step is None else step, label, members)
 

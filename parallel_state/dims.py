@@ -218,6 +218,13 @@ class ParallelDims:
             )
         return tuple(axis for axis in MESH_AXES if axis in axes)
 
+    def live_axes(self, *names: str) -> list[str]:
+        """The mesh axes the roles or axes ``names`` span that have more than one rank, in
+        the order the names give them (the first spanned axis when none has): how a group
+        is named to a user, so the gradient role at cp 1 reads "dp", not "dp and cp"."""
+        axes = list(dict.fromkeys(a for name in names for a in self.axes_of(name)))
+        return [a for a in axes if self.sizes[a] > 1] or axes[:1]
+
     def size_of(self, name: str | tuple[str, ...]) -> int:
         """How many ranks a group of ``name`` (a role, an axis or axes) holds."""
         if name in EXPERT_ROLES:

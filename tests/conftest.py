@@ -1,6 +1,7 @@
 """Shared pytest setup."""
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -18,6 +19,21 @@ _RUN_OUTPUTS = ("outputs", "multirun", "checkpoints", "pretrain.log")
 # its interpreter, so set it before any test module imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _own_logging():
+    """A test that runs a Hydra entry point in this process leaves Hydra's job logging on
+    the root logger: a file handler in that test's temporary directory, deleted after it.
+    Any later test whose code logs (uvicorn, in the server's tests) would then fail on the
+    missing file. Each test gets the root logger's handlers and level back as they were."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(level)
 
 
 @pytest.fixture(autouse=True)

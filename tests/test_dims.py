@@ -343,3 +343,12 @@ def test_sequence_parallelism_and_the_schedule_are_in_the_section_too(tmp_path, 
     old = compose_config("pp_size=2", "pipeline.schedule=gpipe")  # the pipeline section's key
     assert (old.pipeline.schedule, old.parallel.schedule) == ("gpipe", "gpipe")
     assert compose_config("pp_size=2").parallel.schedule == "1f1b"
+
+
+def test_a_group_is_named_by_its_axes_with_more_than_one_rank():
+    """What a user reads in a watchdog line: the gradient role (dp × cp) is "dp" at cp 1,
+    "dp and cp" at cp 2, and its first axis where no axis has two ranks."""
+    assert ParallelDims(2, 2).live_axes("grad") == ["dp"]
+    assert ParallelDims(1, 2, cp=2).live_axes("grad") == ["dp", "cp"]
+    assert ParallelDims(2, 1, cp=2).live_axes("tp", "grad") == ["tp", "cp"]
+    assert ParallelDims(1, 1).live_axes("grad") == ["dp"]
