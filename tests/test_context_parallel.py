@@ -131,14 +131,6 @@ def test_cp2_equals_the_unsplit_model(name):
     print(f"{name} cp2: max |error| {_assert_equal_to_unsplit(per_rank):.1e}")
 
 
-def test_cp2_with_tp2_and_sequence_parallelism_equals_the_unsplit_model():
-    """cp 2 × tp 2 (4 ranks) with sequence parallelism, Llama with GQA: each cp rank's
-    share of a sequence is split again over tp; the same 1e-10. One layer: 4 ranks share
-    this machine's cores."""
-    per_rank = run_ranks(_step_against_unsplit, 4, "llama", 2, True, 1)
-    print(f"llama cp2 x tp2 sp: max |error| {_assert_equal_to_unsplit(per_rank):.1e}")
-
-
 def test_seq_len_not_divisible_by_2cp_is_refused_in_one_line():
     """Before any worker starts: the layout's own rule, one line naming the fix."""
     from engine.config import Config, parallel_dims, validate
