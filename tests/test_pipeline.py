@@ -177,6 +177,12 @@ def test_planted_handoff_bugs_are_caught():
     ],
 )
 def test_pipeline_config_errors_are_one_line(changes, line):
+    assert_refused_in_one_line(changes, line)
+
+
+def assert_refused_in_one_line(changes: dict, line: str) -> None:
+    """pp 2 over 4 layers, global batch 8 of micro-batches of 4, with ``changes``
+    ({"section.key": value}): the config check names ``line``, one line per problem."""
     from engine.config import Config, parallel_dims, validate
 
     cfg = Config(tp_size=1, dp_size=1, pp_size=2)

@@ -111,16 +111,9 @@ def test_v_placement_and_evaluation():
 def test_zero_bubble_config_errors_are_one_line(changes, line):
     """Refused before any worker starts, one line each (global batch 8 ÷ micro-batch 4 = 2
     micro-batches per step unless changed)."""
-    from engine.config import Config, parallel_dims, validate
+    from tests.test_pipeline import assert_refused_in_one_line
 
-    cfg = Config(tp_size=1, dp_size=1, pp_size=2)
-    cfg.model.num_layers, cfg.trainer.global_batch, cfg.trainer.micro_batch = 4, 8, 4
-    for key, value in changes.items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
-    problems = validate(cfg, parallel_dims(cfg, None))
-    assert any(line in p for p in problems), problems
-    assert all("\n" not in p for p in problems)
+    assert_refused_in_one_line(changes, line)
 
 
 def test_bubble_formulas_match_the_papers_fractions():
