@@ -122,6 +122,7 @@ def _assert_equal_to_unsplit(per_rank: list[dict]) -> float:
     return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cp2_equals_the_unsplit_model(name):
     """cp 2 (2 ranks): causal GPT (learned positions) and Llama (rotary, GQA): loss, every
@@ -202,6 +203,7 @@ def _verifier_at_cp2() -> dict[str, tuple | None]:
     return found
 
 
+@pytest.mark.slow
 def test_the_verifier_runs_at_cp2_and_names_unshifted_positions_where_they_show():
     """Every module's output, the loss and every gradient within 1e-10 at cp 2; positions
     not offset show first at the learned position table (GPT: the embedding's output) and

@@ -218,6 +218,7 @@ CP_DOCS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cp2_masked_packed_batch_equals_the_unsplit_one(name):
     """cp 2 (2 gloo ranks): the ring with document ids (positions restarted within each

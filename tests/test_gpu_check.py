@@ -39,6 +39,9 @@ def rehearsal(tmp_path_factory):
     return done, out
 
 
+# slow as pyproject defines it (about 50 s on idle cores: six subprocesses, each importing
+# torch); the budget, kill and argument tests below stay in the edit-test loop.
+@pytest.mark.slow
 def test_rehearsal_runs_every_item_and_writes_the_table(rehearsal):
     done, out = rehearsal
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -179,6 +179,7 @@ def _assert_matches(ranks: list[dict], ref: dict) -> None:
             assert got == want, f"layer {layer}: routing differs ({('kept', 'dropped')[part]})"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ep2_equals_the_unsplit_model(case):
     cfg, shards = _cfg(**CASES[case]), _shards()

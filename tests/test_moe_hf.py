@@ -237,6 +237,7 @@ def test_aux_weight_follows_output_router_logits_and_exports_refuse_other_router
             config_to_hf(replace(cfg, **change))
 
 
+@pytest.mark.slow
 def test_moe_tiny_trains_and_exports_as_mixtral(tmp_path):
     # The preset as it is (the CLI run is in docs/MODELS.md): its loss with the routers'
     # losses falls over a few AdamW steps on one batch, and it exports as a Mixtral that
@@ -264,6 +265,7 @@ def test_moe_tiny_trains_and_exports_as_mixtral(tmp_path):
     assert err <= 1e-4, err
 
 
+@pytest.mark.slow
 def test_verifier_compares_an_moe_directory_in_fp64(hf_models):
     # tools/verify_equivalence.py --hf-dir at tp 1 (MoE runs at tp 1), its default float64:
     # transformers' experts as its per-expert loop (its grouped_mm takes no float64).

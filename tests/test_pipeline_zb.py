@@ -29,6 +29,7 @@ ZB_SPECS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", list(ZB_SPECS))
 def test_pp2_zero_bubble_schedules_match_unsplit(schedule):
     """GPT at pp 2 (tied embeddings: under a V rank 0 holds the first and the last stage,
@@ -44,6 +45,7 @@ def _zero1_losses() -> list[tuple]:
     return _compare([spec])
 
 
+@pytest.mark.slow
 def test_zero1_takes_the_weight_pass_gradients():
     _check(run_ranks(_zero1_losses, 2, timeout=120)[0])
 
@@ -70,6 +72,7 @@ def _v_eval() -> tuple[float, float]:
     return stages.stage_ids, got, want
 
 
+@pytest.mark.slow
 def test_v_placement_and_evaluation():
     """Rank r holds stages r and 2·pp − 1 − r; the loss (computed on rank 0, where the last
     stage is) reaches both ranks; fp64, sums in another order: 1e-12 relative."""

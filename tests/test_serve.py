@@ -383,6 +383,7 @@ def test_a_full_queue_answers_429_with_the_reason(export):
         assert _completion(client, PROMPTS[2], max_tokens=4).choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_the_command_prints_the_cache_serves_and_drains_on_sigterm(export):
     """``python -m apps.serve`` as the README runs it, in its own process."""
     directory, tokenizer, model = export
