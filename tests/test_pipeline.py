@@ -60,30 +60,31 @@ def _check(results):
         assert rows > 10  # the loss and every parameter's gradient were compared
 
 
-def _interleaved_eval() -> tuple[float, float]:
-    """Evaluation through interleaved stages (a forward-only schedule over both chunks of
-    each rank), 3 micro-batches: the pipeline's loss sum and the unsplit model's."""
+def two_chunk_eval(schedule: str) -> tuple[list[int], float, float]:
+    """Evaluation through two stages per rank under ``schedule`` (a forward-only run over
+    both chunks of each rank), 3 micro-batches: this rank's stage ids, the pipeline's loss
+    sum and the unsplit model's."""
     ps = parallel_state.initialize(ParallelDims(1, 1, 2))
-    spec = _pp("interleaved_1f1b", virtual_stages=2, batch_size=6)
+    spec = _pp(schedule, virtual_stages=2, batch_size=6)
     models = []
     for tp_group in (ps.tp_group, solo_group(ps)):  # the same seed: the same weights
         ps.seed(spec.seed)
         models.append(build_model(spec.model_config(), tp_group=tp_group, dtype=torch.float64))
     stages = PipelineModel(
-        models[0], pp_rank=ps.pp_rank, pp_size=2, pp_group=ps.pp_group, virtual=2
+        models[0], pp_rank=ps.pp_rank, pp_size=2, pp_group=ps.pp_group, virtual=2, schedule=schedule
     )
-    runner = PipelineRunner(stages, schedule="interleaved_1f1b", microbatches=4, ps=ps)
+    runner = PipelineRunner(stages, schedule=schedule, microbatches=4, ps=ps)
     batch = make_batch(spec)
     micro = [{k: v.chunk(3)[j] for k, v in batch.items()} for j in range(3)]
     with torch.no_grad():
         got = runner.eval_loss_sum(micro)
         want = sum(models[1].loss(m).item() for m in micro)
     parallel_state.destroy()
-    return got, want
+    return stages.stage_ids, got, want
 
 
 def _fast(specs: list[VerifySpec]) -> tuple:
-    return _compare(specs), _interleaved_eval()
+    return _compare(specs), two_chunk_eval("interleaved_1f1b")[1:]
 
 
 def test_pp2_schedules_match_unsplit_gpt_and_bert():

@@ -12,15 +12,9 @@ shows as O(1).
 from __future__ import annotations
 
 import pytest
-import torch
 
-import parallel_state
-from engine.models import build_model
-from engine.pipeline import PipelineModel, PipelineRunner
-from parallel_state.dims import ParallelDims
-from studies.verification.layouts import make_batch, solo_group
 from tests.multiproc import run_ranks
-from tests.test_pipeline import _check, _compare, _pp
+from tests.test_pipeline import _check, _compare, _pp, two_chunk_eval
 
 ZB_SPECS = {
     "zero_bubble": _pp("zero_bubble"),  # one stage per rank: the paper's ZB-H1
@@ -50,33 +44,11 @@ def test_zero1_takes_the_weight_pass_gradients():
     _check(run_ranks(_zero1_losses, 2, timeout=120)[0])
 
 
-def _v_eval() -> tuple[float, float]:
-    """Evaluation through V-placed stages (ZB-V's forwards, forward-only), 3 micro-batches:
-    the pipeline's loss sum and the unsplit model's."""
-    ps = parallel_state.initialize(ParallelDims(1, 1, 2))
-    spec = _pp("zbv", virtual_stages=2, batch_size=6)
-    models = []
-    for tp_group in (ps.tp_group, solo_group(ps)):  # the same seed: the same weights
-        ps.seed(spec.seed)
-        models.append(build_model(spec.model_config(), tp_group=tp_group, dtype=torch.float64))
-    stages = PipelineModel(
-        models[0], pp_rank=ps.pp_rank, pp_size=2, pp_group=ps.pp_group, virtual=2, schedule="zbv"
-    )
-    runner = PipelineRunner(stages, schedule="zbv", microbatches=4, ps=ps)
-    batch = make_batch(spec)
-    micro = [{k: v.chunk(3)[j] for k, v in batch.items()} for j in range(3)]
-    with torch.no_grad():
-        got = runner.eval_loss_sum(micro)
-        want = sum(models[1].loss(m).item() for m in micro)
-    parallel_state.destroy()
-    return stages.stage_ids, got, want
-
-
 @pytest.mark.slow
 def test_v_placement_and_evaluation():
     """Rank r holds stages r and 2·pp − 1 − r; the loss (computed on rank 0, where the last
     stage is) reaches both ranks; fp64, sums in another order: 1e-12 relative."""
-    (ids0, got0, want), (ids1, got1, _) = run_ranks(_v_eval, 2, timeout=120)
+    (ids0, got0, want), (ids1, got1, _) = run_ranks(two_chunk_eval, 2, "zbv", timeout=120)
     assert (ids0, ids1) == ([0, 3], [1, 2])
     assert got0 == got1 and abs(got0 - want) <= 1e-12 * abs(want), (got0, want)
 
