@@ -750,7 +750,7 @@ def test_ci_sized_validation_pipeline_runs_here(tmp_path):
     assert cluster.compute_scale.get(128, 0) > 0  # the probe ran (studies/perfmodel/probes.py)
     labels = ("tiny tp2 dp1 mb4",)  # one point: the loop over points is plain Python
     points = [p for p in MACHINE_POINTS if p.label in labels]
-    measured = [measure_with_probe(p, steps=8, log_every=2) for p in points]
+    measured = [measure_with_probe(p, steps=6, log_every=2) for p in points]
     rows = compare(measured, cluster)
     assert [row.point.label for row in rows] == list(labels)
     for row in rows:

@@ -1,7 +1,7 @@
 """Measure this machine for the performance model and write a cluster spec YAML.
 
     python tools/calibrate.py --model gpt_tiny --seq 128 --out configs/cluster/cpu_2core.yaml
-    python tools/calibrate.py --quick --out here.yaml          # ~25 s, what the CI test runs
+    python tools/calibrate.py --quick --out here.yaml          # what the CI test runs: checks the pipeline
 
 On CPU it measures one thread's GEMM throughput at the model's shapes (and what a second
 thread adds), streaming bandwidth, host time per autograd operator, and gloo all-reduce /

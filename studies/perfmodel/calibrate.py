@@ -388,7 +388,8 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
         found = in_model_runs.measure(w, hiddens, spec, args.quick)
         spec["device"]["compute_scale"] = found["compute_scale"]
         spec["in_model"] = {
-            "source": f"engine.pretrain, {in_model_runs.STEPS} steps per run; {src}",
+            "source": f"engine.pretrain, "
+            f"{in_model_runs.QUICK_STEPS if args.quick else in_model_runs.STEPS} steps per run; {src}",
             **found["in_model"],
         }
     return spec

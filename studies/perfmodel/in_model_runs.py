@@ -26,21 +26,27 @@ QUICK_RUNS = ((2, 1, False), (1, 2, False))
 # proportional to compute. The validation points run 4 and 16: none is a calibration run.
 MICRO_BATCHES = (1, 2)
 STEPS = 16
+# --quick (the CI test: does the pipeline run, not how well it fits): each TP layout runs
+# once, at the largest shape (so ``fit_tp`` puts all of the cost on the collectives), for
+# QUICK_STEPS steps, the first window of which is the warm-up.
+QUICK_STEPS = 6
 
 
-def _run(w: Any, tp: int, dp: int, sp: bool, micro_batch: int, cluster: Any):
-    """(measured parts, the model's breakdown) of STEPS trainer steps at this layout."""
+def _run(w: Any, tp: int, dp: int, sp: bool, micro_batch: int, cluster: Any, steps: int):
+    """(measured parts, the model's breakdown) of ``steps`` trainer steps at this layout."""
     lay = Layout(tp, dp, micro_batch, sequence_parallel=sp, fused_attention=False, threads=1)
     label = f"h{w.hidden} tp{tp} dp{dp}{' sp' if sp else ''} mb{micro_batch}"
-    print(f"calibrate: trainer run {label} ({STEPS} steps) ...", file=sys.stderr, flush=True)
-    _, parts = run_pretrain(Point(label, w, lay), steps=STEPS, log_every=4, timeout=600)
+    print(f"calibrate: trainer run {label} ({steps} steps) ...", file=sys.stderr, flush=True)
+    window = 4 if steps >= 8 else 2
+    _, parts = run_pretrain(Point(label, w, lay), steps=steps, log_every=window, timeout=600)
     return label, parts, predict(w, lay, cluster).breakdown
 
 
 def fit_tp(samples: list[tuple[float, float, float]]) -> tuple[float, float]:
     """(seconds per collective, fraction of compute) from (lost, collectives, compute) per
     micro-batch: lost = collectives·a + f·compute, solved exactly for two runs; with one
-    run, or where the solution has a negative part, all of it is put on the collectives."""
+    run, or where the solution has a negative part, all of it is put on the collectives
+    (never below zero)."""
     if len(samples) == 2:
         (l1, n1, c1), (l2, n2, c2) = samples
         det = n1 * c2 - n2 * c1
@@ -48,7 +54,8 @@ def fit_tp(samples: list[tuple[float, float, float]]) -> tuple[float, float]:
             a, f = (l1 * c2 - l2 * c1) / det, (n1 * l2 - n2 * l1) / det
             if a >= 0 and f >= 0:
                 return a, f
-    return sum(lost / n for lost, n, _ in samples) / len(samples), 0.0
+    # a run faster than its price (noise on a busy machine) costs nothing, not less
+    return max(0.0, sum(lost / n for lost, n, _ in samples) / len(samples)), 0.0
 
 
 def measure(w: Any, hiddens: list[int], spec: dict, quick: bool) -> dict:
@@ -58,13 +65,16 @@ def measure(w: Any, hiddens: list[int], spec: dict, quick: bool) -> dict:
     w = replace(w, global_batch=16)
     bare = cluster_from_dict({k: v for k, v in spec.items() if k != "in_model"})
     scale, runs, opt = {}, [], {}
+    steps = QUICK_STEPS if quick else STEPS
 
     def optimizer(ranks: int, parts: dict, priced: dict) -> None:
         extra = max(0.0, parts["optimizer_s"] - priced["optimizer_s"])
         opt.setdefault(ranks, []).append(extra * 1e6 / parameter_tensors(w.layers))
 
     for h in hiddens:  # one rank: the trainer's compute over the priced ops
-        label, parts, priced = _run(replace(w, hidden=h), 1, 1, False, MICRO_BATCHES[-1], bare)
+        label, parts, priced = _run(
+            replace(w, hidden=h), 1, 1, False, MICRO_BATCHES[-1], bare, steps
+        )
         scale[h] = round(parts["compute_s"] / priced["compute_s"], 4)
         runs.append({"run": label, **{k: round(v, 5) for k, v in parts.items()}})
         optimizer(1, parts, priced)
@@ -73,9 +83,9 @@ def measure(w: Any, hiddens: list[int], spec: dict, quick: bool) -> dict:
     for tp, dp, sp in QUICK_RUNS if quick else RUNS:
         shapes = [(min(hiddens), MICRO_BATCHES[0]), (max(hiddens), MICRO_BATCHES[-1])]
         samples = []
-        for h, mb in shapes if tp > 1 else shapes[-1:]:
+        for h, mb in shapes if tp > 1 and not quick else shapes[-1:]:
             wh = replace(w, hidden=h)
-            label, parts, priced = _run(wh, tp, dp, sp, mb, cluster)
+            label, parts, priced = _run(wh, tp, dp, sp, mb, cluster, steps)
             runs.append({"run": label, **{k: round(v, 5) for k, v in parts.items()}})
             micro, ranks = w.global_batch // (dp * mb), tp * dp
             if tp > 1:
