@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoint.layout import MODEL, OPTIM, TensorSpec, dtype_name, local_box
+from engine.checkpoint.layout import MODEL, OPTIM, Box, TensorSpec, dtype_name, local_box
 from engine.data_parallel import checkpoint_view
 from engine.models import ParallelModel
 from layers.gqa import dedupe_gathered
@@ -99,7 +99,9 @@ def as_held_by(spec: TensorSpec, param: nn.Parameter) -> TensorSpec:
     return replace(spec, tp_blocks=blocks, experts=experts)
 
 
-def held_box(spec: TensorSpec, model: ParallelModel, param: nn.Parameter | None = None):
+def held_box(
+    spec: TensorSpec, model: ParallelModel, param: nn.Parameter | None = None
+) -> Box | None:
     """The part of ``spec``'s full tensor this rank holds (``layout.local_box`` at the
     model's TP rank and, for experts, at ``param``'s ep block); None if it holds none."""
     ep_rank, ep_size = (0, 1) if param is None else (expert_rank(param), expert_split(param))
