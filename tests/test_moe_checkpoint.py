@@ -4,7 +4,8 @@ A checkpoint written at ep 2 (each of two dp ranks holding 3 of the 6 experts) h
 expert tensor whole, as one written at ep 1 does: the same names, shapes and index entries,
 each rank writing its own experts' rows. It resumes at ep 1, at ep 2 and at dp 1, weights
 and AdamW state (``exp_avg``, ``exp_avg_sq``, ``step``) read back bit for bit, and the
-steps after the resume follow the uninterrupted run.
+steps after the resume follow the uninterrupted run. At dp 4 a 4-expert model's checkpoint
+written at ep 4 resumes at ep 2 and ep 1 alike.
 
 Trained in float64 through the runtime's pieces (test_moe_ep's tiny Llama MoE, the local
 step runner with its router losses, the all-reduce DP strategy, ``save_checkpoint`` and
@@ -43,10 +44,10 @@ SAVED, STEPS = 2, 4  # train 2 steps, save, train 2 more
 TOL = dict(rtol=0, atol=1e-10)  # another ep or dp: another summation order (docstring)
 
 
-def _data() -> torch.Tensor:
-    """``[STEPS, 2, b, s+1]``: each step's token windows for dp index 0 and 1."""
+def _data(dp: int = 2) -> torch.Tensor:
+    """``[STEPS, dp, b, s+1]``: each step's token windows, one per dp index."""
     gen = torch.Generator().manual_seed(5)
-    return torch.randint(0, VOCAB, (STEPS, 2, BATCH, SEQ + 1), generator=gen)
+    return torch.randint(0, VOCAB, (STEPS, dp, BATCH, SEQ + 1), generator=gen)
 
 
 def _state(model, dp) -> dict:
@@ -83,8 +84,8 @@ def _run(cfg, data, dp_size: int, ep: int, root: Path, *, save: bool, resume: bo
         out["resumed"] = _state(model, dp)
     index = ps.rank_in("batch")
     for step in range(start, STEPS):
-        # dp 2: this rank's window; dp 1: both windows, as two micro-batches.
-        micro = [data[step][index]] if dp_size == 2 else list(data[step])
+        # This rank's window; at dp 1 every window, as micro-batches.
+        micro = [data[step][index]] if dp_size > 1 else list(data[step])
         losses.clear()
         dp.zero_grad()
         runner.forward_backward(micro, dp)
@@ -115,6 +116,19 @@ def _two_ranks(cfg, data, tmp: str) -> dict:
         "ep2_at_ep1": _run(cfg, data, 2, 1, tmp / "ep2", save=False, resume=True),
         "ep2_at_ep2": _run(cfg, data, 2, 2, tmp / "ep2", save=False, resume=True),
         "ep1_at_ep2": _run(cfg, data, 2, 2, tmp / "ep1", save=False, resume=True),
+    }
+
+
+def _four_ranks(cfg, data, tmp: str) -> dict:
+    """dp 4 runs of a 4-expert model: save at ep 4 (one expert per rank) and at ep 1, then
+    the ep 4 checkpoint resumed at ep 2 and at ep 1, and the ep 1 one at ep 4."""
+    tmp = Path(tmp)
+    return {
+        "ep4": _run(cfg, data, 4, 4, tmp / "ep4", save=True, resume=False),
+        "ep1": _run(cfg, data, 4, 1, tmp / "ep1", save=True, resume=False),
+        "ep4_at_ep2": _run(cfg, data, 4, 2, tmp / "ep4", save=False, resume=True),
+        "ep4_at_ep1": _run(cfg, data, 4, 1, tmp / "ep4", save=False, resume=True),
+        "ep1_at_ep4": _run(cfg, data, 4, 4, tmp / "ep1", save=False, resume=True),
     }
 
 
@@ -224,3 +238,34 @@ def test_each_expert_block_is_written_once_at_any_ep():
     assert local_box(not_experts, 0, 1, 0, 1, 2) == [(0, 4), *whole]  # held whole
     with pytest.raises(ValueError, match="its 4 experts do not split over ep_size=3"):
         local_box(EXPERT_SPEC, 0, 1, 0, 0, 3)
+
+
+@pytest.mark.slow
+def test_ep4_checkpoint_resumes_at_ep2_and_ep1(tmp_path):
+    """The same at dp 4 with 4 experts: saved at ep 4, each rank wrote its one expert; the
+    files are the ep 1 run's (to summation order) and every resume reads them back exactly."""
+    cfg, data = _cfg(moe_num_experts=4), _data(4)
+    runs = run_ranks(_four_ranks, 4, cfg, data, str(tmp_path), timeout=400)
+    r0, step = runs[0], f"step_{SAVED:08d}"
+    ep4, ep1 = _files(tmp_path / "ep4" / step), _files(tmp_path / "ep1" / step)
+    _equal(ep4, r0["ep4"]["saved"]["tensors"], "the ep 4 files against the ep 4 run")
+    _equal(ep1, r0["ep1"]["saved"]["tensors"], "the ep 1 files against the ep 1 run")
+    index = json.loads((tmp_path / "ep4" / step / "index.json").read_text())
+    experts = [n for n in ep4 if ".experts." in n]
+    assert experts and all(ep4[n].shape[0] == 4 for n in experts)
+    for name in experts:
+        rows = [index["files"][f"rank{r:05d}.safetensors"]["slices"][name][0] for r in range(4)]
+        assert rows == [[e, e + 1] for e in range(4)], name
+    assert ep4.keys() == ep1.keys()
+    for name in ep4:
+        torch.testing.assert_close(ep4[name], ep1[name], **TOL, msg=name)
+    for name, files, saved in (
+        ("ep4_at_ep2", ep4, "ep4"),
+        ("ep4_at_ep1", ep4, "ep4"),
+        ("ep1_at_ep4", ep1, "ep1"),
+    ):
+        for rank in runs:
+            _equal(rank[name]["resumed"]["tensors"], files, f"{name} resumed")
+            assert rank[name]["resumed"]["steps"] == rank[saved]["saved"]["steps"], name
+        for s in range(SAVED + 1, STEPS + 1):
+            torch.testing.assert_close(r0[name]["losses"][s], r0[saved]["losses"][s], **TOL)
