@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,7 +151,7 @@ def _equal(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_ep2_checkpoint_is_the_unsplit_one_and_resumes_at_any_ep(tmp_path):
+def test_ep2_checkpoint_is_the_unsplit_one_and_resumes_at_any_ep(tmp_path, capsys):
     cfg, data = _cfg(), _data()
     runs = run_ranks(_two_ranks, 2, cfg, data, str(tmp_path), timeout=300)
     one = run_ranks(_one_rank, 1, cfg, data, str(tmp_path), timeout=300)[0]
@@ -174,6 +175,13 @@ def test_ep2_checkpoint_is_the_unsplit_one_and_resumes_at_any_ep(tmp_path):
     assert no_rng["ep2"] == no_rng["ep1"]
     assert index["ep2"]["optimizer"] == index["ep1"]["optimizer"]  # each parameter's step
     assert (index["ep2"]["layout"]["ep_size"], index["ep1"]["layout"]["ep_size"]) == (2, 1)
+    # tools/checkpoint.py reads and verifies it as any checkpoint, naming the ep it was saved at.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import checkpoint as checkpoint_cli  # tools/checkpoint.py
+
+    capsys.readouterr()
+    assert checkpoint_cli.inspect(str(tmp_path / "ep2"), verify=True) == 0
+    assert "ZeRO-1 no, ep=2 (experts stored whole)" in capsys.readouterr().out
     # Each ep rank wrote its own experts' rows.
     files = index["ep2"]["files"]
     for name in experts:
