@@ -289,9 +289,9 @@ def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
 
 def _validate_experts(cfg: Config, dims: ParallelDims) -> list[str]:
     """What ``parallel.ep`` needs of the model (experts to split, whole experts per ep
-    rank) and of the checkpoints, which do not yet gather experts split over ep; and the
+    rank; checkpoints store the experts whole, so they save and resume at any ep), and the
     router losses, which only the local runner adds (not the pipeline's)."""
-    m, c, ep = cfg.model, cfg.checkpoint, dims.ep
+    m, ep = cfg.model, dims.ep
     if m.mlp == "moe" and dims.pp > 1 and (m.moe_aux_loss_coeff or m.moe_z_loss_coeff):
         return [
             f"pp_size={dims.pp} does not add the router losses yet: set "
@@ -307,11 +307,6 @@ def _validate_experts(cfg: Config, dims: ParallelDims) -> list[str]:
         return [
             f"model.moe_num_experts={m.moe_num_experts} is not divisible by ep_size={ep} "
             f"(each ep rank holds whole experts); choose an ep_size dividing {m.moe_num_experts}"
-        ]
-    if c.every or c.save_final or c.resume:
-        return [
-            f"ep_size={ep}: checkpoints do not yet gather the experts split over ep; set "
-            "checkpoint.every=0, checkpoint.save_final=false and checkpoint.resume=false, or ep_size=1"
         ]
     return []
 

@@ -138,7 +138,7 @@ class GroupedExperts(nn.Module):
         first, end = expert_range(self.fc1.shape[0], ep_rank, ep_size)
         for weight in (self.fc1, self.fc2):
             weight.data = weight.data[first:end].clone()
-            mark_expert(weight, ep_size)
+            mark_expert(weight, ep_size, ep_rank)
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``rows`` ``[n, h]`` grouped by expert, ``counts`` ``[E]`` → ``[n, h]``."""

@@ -19,7 +19,8 @@ know which layer made the parameter. The roles:
 * **copy of another rank's**: a pipeline's tied word embedding on the last stage, whose
   gradient the first stage's original already counts in the norm.
 * **expert**: dim 0 is a MoE layer's experts, cut over the ``expert`` role's ep ranks
-  (each holds ``E / ep`` whole experts; ``expert_split`` says ep). Its gradient already
+  (each holds ``E / ep`` whole experts; ``expert_split`` says ep, ``expert_rank`` which
+  block this rank holds, so checkpoints place it in the full tensor). Its gradient already
   sums the tokens of every ep rank (the all-to-all's backward brings them), so the DP
   strategies reduce it over the ``expert_grad`` group, the ranks holding the same experts,
   not over the dense gradient group; the gradient norm sums it over the ep ranks.
@@ -39,6 +40,7 @@ _SP_PARTIAL_GRAD = "sequence_parallel_grad"
 _VOCAB_PADDED = "vocab_padded"
 _COPY = "copy_of_another_rank"
 _EXPERT_SPLIT = "expert_parallel_split"
+_EXPERT_RANK = "expert_parallel_rank"
 
 
 def mark_tp_dim(param: torch.Tensor, dim: int | None) -> torch.Tensor:
@@ -111,10 +113,12 @@ def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
     return tp_rank % replicas(param) == 0
 
 
-def mark_expert(param: torch.Tensor, ep_size: int = 1) -> None:
+def mark_expert(param: torch.Tensor, ep_size: int = 1, ep_rank: int = 0) -> None:
     """Declare ``param``'s dim 0 a MoE layer's experts, cut into ``ep_size`` blocks over the
-    ``expert`` role (1: this rank holds every expert)."""
+    ``expert`` role (1: this rank holds every expert), of which this rank holds block
+    ``ep_rank``."""
     setattr(param, _EXPERT_SPLIT, ep_size)
+    setattr(param, _EXPERT_RANK, ep_rank)
 
 
 def is_expert(param: torch.Tensor) -> bool:
@@ -125,3 +129,8 @@ def is_expert(param: torch.Tensor) -> bool:
 def expert_split(param: torch.Tensor) -> int:
     """Over how many ep ranks ``param``'s experts are cut (1: none, or not an expert)."""
     return getattr(param, _EXPERT_SPLIT, 1)
+
+
+def expert_rank(param: torch.Tensor) -> int:
+    """Which of the ``expert_split(param)`` dim-0 blocks this rank holds (0: not split)."""
+    return getattr(param, _EXPERT_RANK, 0)

@@ -246,6 +246,11 @@ class ParallelDims:
             groups.setdefault(self.rank_of(**coords), []).append(rank)
         return list(groups.values())
 
+    def ep_rank_of(self, rank: int) -> int:
+        """The ep index of global ``rank`` (:data:`EXPERT_ROLES`): dp_rank % ep, the block
+        of experts it holds."""
+        return self.coords_of(rank)["dp"] % self.ep
+
     def _expert_groups(self, name: str) -> list[list[int]]:
         """The groups of an expert role (:data:`EXPERT_ROLES`), ordered as ``group_ranks``'s:
         "expert" joins the ranks that differ only in the ep index dp_rank % ep (the rest of

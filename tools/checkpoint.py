@@ -75,6 +75,11 @@ def inspect(ckpt: str, verify: bool) -> int:
         f"layout: tp={layout['tp_size']} dp={layout['dp_size']} (world {layout['world_size']}), "
         f"ZeRO-1 {'yes' if layout.get('zero1') else 'no'}"
         + (
+            f", ep={layout['ep_size']} (experts stored whole)"
+            if layout.get("ep_size", 1) > 1
+            else ""
+        )
+        + (
             f", converted from tp={layout['converted_from']['tp_size']} "
             f"dp={layout['converted_from']['dp_size']}"
             if "converted_from" in layout

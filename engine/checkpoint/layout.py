@@ -34,6 +34,10 @@ class TensorSpec:
     # The most blocks TP cuts dim tp_dim into (a GQA KV projection's heads); at a larger
     # TP size each block is held whole by tp_size / tp_blocks consecutive ranks. None: any.
     tp_blocks: int | None = None
+    # Dim 0 is a MoE layer's experts, cut into ep whole-expert blocks over the ``expert``
+    # role. Not stored: the model's parameters say it (``state.as_held_by``), so the index
+    # and files of a run at ep > 1 are those of the same run at ep 1.
+    experts: bool = False
 
     def to_json(self) -> dict:
         """The index entry."""
@@ -103,14 +107,37 @@ def split_rows(spec: TensorSpec, tp_size: int, padded_vocab: int) -> int:
     return rows // pieces
 
 
-def local_box(spec: TensorSpec, tp_rank: int, tp_size: int, padded_vocab: int) -> Box | None:
-    """The part of the full tensor that TP rank ``tp_rank`` holds; None if it holds none.
+def expert_rows(spec: TensorSpec, ep_rank: int, ep_size: int) -> tuple[int, int]:
+    """The experts (dim-0 rows) of ``spec`` that ep rank ``ep_rank`` of ``ep_size`` holds:
+    whole experts, rank r the r-th block (``layers.expert_parallel.expert_range``)."""
+    experts = spec.shape[0]
+    if experts % ep_size:
+        raise ValueError(
+            f"{spec.name}: its {experts} experts do not split over ep_size={ep_size}; "
+            f"choose an ep_size dividing {experts}"
+        )
+    per_rank = experts // ep_size
+    return ep_rank * per_rank, (ep_rank + 1) * per_rank
+
+
+def local_box(
+    spec: TensorSpec,
+    tp_rank: int,
+    tp_size: int,
+    padded_vocab: int,
+    ep_rank: int = 0,
+    ep_size: int = 1,
+) -> Box | None:
+    """The part of the full tensor that TP rank ``tp_rank`` (ep rank ``ep_rank`` of
+    ``ep_size``, for a tensor of experts) holds; None if it holds none.
 
     ``padded_vocab`` is the model's padded vocabulary at ``tp_size``: a vocab-padded tensor
     is padded in memory beyond its stored rows, so the last ranks' boxes are clipped (and
     may be empty: all padding).
     """
     box = [(0, n) for n in spec.shape]
+    if spec.experts and ep_size > 1:
+        box[0] = expert_rows(spec, ep_rank, ep_size)
     if spec.tp_dim is None:
         return box
     block, copies = split_rows(spec, tp_size, padded_vocab), copies_at(spec, tp_size)
@@ -152,8 +179,10 @@ def assign_writers(
     (the mesh's ``replica`` role; and, past its block count, by those of the other TP
     ranks holding the same block), and a replicated tensor by every rank, so each piece
     goes to the least-loaded rank holding it (greedy by bytes, in name order):
-    deterministic, so every rank computes the same plan alone. An RNG state is written
-    by the rank it belongs to.
+    deterministic, so every rank computes the same plan alone. A tensor of experts at
+    ep > 1 is held in blocks by the ep ranks (each block by the ranks sharing an ep index,
+    the ``expert_grad`` role), each block written once as a TP-split box is. An RNG state
+    is written by the rank it belongs to.
     """
     world = stage.world
     plan: dict[int, dict[str, Box]] = {r: {} for r in range(world)}
@@ -162,7 +191,16 @@ def assign_writers(
         if spec.kind == RNG:
             plan.setdefault(spec.rank, {})[spec.name] = [(0, n) for n in spec.shape]
             continue
-        if spec.tp_dim is None:
+        if spec.experts and stage.ep > 1:  # each ep rank (and its TP rank) its own block
+            by_box: dict[tuple, list[int]] = {}
+            for r in range(world):
+                coords = stage.coords_of(r)
+                box = local_box(
+                    spec, coords["tp"], stage.tp, padded_vocab, stage.ep_rank_of(r), stage.ep
+                )
+                by_box.setdefault(tuple(box) if box else None, []).append(r)
+            holders = [(ranks, list(box) if box else None) for box, ranks in by_box.items()]
+        elif spec.tp_dim is None:
             holders = [(list(range(world)), [(0, n) for n in spec.shape])]
         else:  # the DP replicas of each TP rank, from the mesh's one rank formula
             by_box: dict[tuple, list[int]] = {}  # one entry per distinct box, all its holders

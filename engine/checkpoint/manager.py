@@ -204,6 +204,7 @@ def _index(step: int, model, optimizer, state: dict, records: list, mesh: _Mesh)
             "tp_size": mesh.dims.tp,
             "dp_size": mesh.dims.dp,
             "pp_size": mesh.dims.pp,
+            "ep_size": mesh.dims.ep,  # the experts are stored whole whatever it was
             "world_size": mesh.world,
             "zero1": optimizer is not None and checkpoint_view(optimizer).shards_optimizer,
             "device_type": mesh.device_type,
@@ -324,12 +325,12 @@ def _read_tensors(path: Path, index: dict, model, optimizer, mesh: _Mesh) -> dic
     """The parameters, optimizer state and RNG streams this rank needs from ``path``."""
     reader = ShardReader(path, index)
     wanted = _wanted(reader, model, optimizer, path)
-    for spec, _, into in wanted:
+    for spec, owner, into in wanted:
         if into is not None:
-            expect_local(reader, spec, into, model)
+            expect_local(reader, spec, into, model, owner)
     params, states = {}, {}
     for spec, owner, into in wanted:
-        value = read_local(reader, spec, owner.shape, model, into)
+        value = read_local(reader, spec, owner.shape, model, into, owner)
         if spec.kind == MODEL:
             params[owner] = value
         else:

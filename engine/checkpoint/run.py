@@ -32,6 +32,8 @@ def reshard_note(was: dict, ps: ParallelState) -> str:
         note = f", resharded from tp={was['tp_size']} dp={was['dp_size']}"
     if was.get("pp_size", 1) != ps.size("pp"):
         note += f", resharded from pp={was.get('pp_size', 1)}"
+    if was.get("ep_size", 1) != ps.dims.ep:
+        note += f", resharded from ep={was.get('ep_size', 1)}"
     return note
 
 

@@ -16,12 +16,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.checkpoint.layout import MODEL, OPTIM, TensorSpec, dtype_name, local_box
+from engine.checkpoint.layout import MODEL, OPTIM, Box, TensorSpec, dtype_name, local_box
 from engine.data_parallel import checkpoint_view
 from engine.models import ParallelModel
 from layers.gqa import dedupe_gathered
 from layers.mappings import gather_along
-from layers.param_roles import is_vocab_padded, replicas, tp_blocks, tp_dim
+from layers.param_roles import (
+    expert_rank,
+    expert_split,
+    is_expert,
+    is_vocab_padded,
+    replicas,
+    tp_blocks,
+    tp_dim,
+)
 from layers.utils import group_rank, group_size, tp_local
 
 
@@ -55,13 +63,16 @@ def param_spec(
 ) -> TensorSpec:
     """The full-shape spec of a parameter (or of state shaped like it) on this model.
 
-    A block held by several TP ranks (GQA past the KV heads) counts once in the full shape.
+    A block held by several TP ranks (GQA past the KV heads) counts once in the full shape;
+    a tensor of experts split over ep holds every ep rank's experts (as at ep 1).
     """
     split = tp_dim(param)
     vocab = is_vocab_padded(param)
     shape = list(param.shape)
     if split is not None:
         shape[split] *= group_size(model.tp_group) // replicas(param)
+    if is_expert(param):
+        shape[0] *= expert_split(param)
     if vocab:
         shape[0] = model.cfg.vocab_size
     return TensorSpec(
@@ -72,15 +83,30 @@ def param_spec(
         split,
         vocab,
         tp_blocks=tp_blocks(param) if split is not None else None,
+        experts=is_expert(param),
     )
 
 
 def as_held_by(spec: TensorSpec, param: nn.Parameter) -> TensorSpec:
-    """``spec`` (as stored) with the block count of the model's ``param``: the model's
-    layers, not the index, say how its tensors are cut (an index written before the count
-    was recorded has none, and at a TP size up to the KV heads it needed none)."""
+    """``spec`` (as stored) with the block count of the model's ``param`` and whether its
+    dim 0 is experts: the model's layers, not the index, say how its tensors are cut (an
+    index written before the count was recorded has none, and at a TP size up to the KV
+    heads it needed none; the index never records experts, layout.TensorSpec)."""
     blocks = tp_blocks(param) if spec.tp_dim is not None else None
-    return spec if spec.tp_blocks == blocks else replace(spec, tp_blocks=blocks)
+    experts = is_expert(param)
+    if spec.tp_blocks == blocks and spec.experts == experts:
+        return spec
+    return replace(spec, tp_blocks=blocks, experts=experts)
+
+
+def held_box(
+    spec: TensorSpec, model: ParallelModel, param: nn.Parameter | None = None
+) -> Box | None:
+    """The part of ``spec``'s full tensor this rank holds (``layout.local_box`` at the
+    model's TP rank and, for experts, at ``param``'s ep block); None if it holds none."""
+    ep_rank, ep_size = (0, 1) if param is None else (expert_rank(param), expert_split(param))
+    tp_rank, tp_size = group_rank(model.tp_group), group_size(model.tp_group)
+    return local_box(spec, tp_rank, tp_size, padded_vocab(model), ep_rank, ep_size)
 
 
 def param_states(optimizer) -> dict[nn.Parameter, dict[str, Any]]:
@@ -111,17 +137,23 @@ def export_local(model: ParallelModel, optimizer) -> tuple[dict, dict, dict]:
 
 
 def read_local(
-    reader, spec: TensorSpec, shape: torch.Size, model: ParallelModel, into=None
+    reader,
+    spec: TensorSpec,
+    shape: torch.Size,
+    model: ParallelModel,
+    into=None,
+    owner: nn.Parameter | None = None,
 ) -> torch.Tensor:
     """This rank's in-memory tensor of ``shape`` for ``spec`` (padding zeroed), from ``reader``.
 
     With ``into`` (a tensor of ``shape``, e.g. the parameter itself) the stored slice is
     read into it and ``into`` is returned; call :func:`expect_local` for it first and the
     bytes go from the file straight there. Otherwise, where the stored slice is the whole
-    local tensor, it is the tensor the reader read (no zeroed buffer, no copy).
+    local tensor, it is the tensor the reader read (no zeroed buffer, no copy). ``owner``,
+    the parameter ``spec`` belongs to, says which experts this rank holds (``held_box``).
     """
-    tp_rank, tp_size = group_rank(model.tp_group), group_size(model.tp_group)
-    box = local_box(spec, tp_rank, tp_size, padded_vocab(model))
+    tp_size = group_size(model.tp_group)
+    box = held_box(spec, model, owner)
     local = into
     if box is None:  # a rank holding padding rows only
         return torch.zeros(shape, dtype=spec.torch_dtype) if local is None else local.zero_()
@@ -148,11 +180,15 @@ def read_local(
     return local
 
 
-def expect_local(reader, spec: TensorSpec, into: torch.Tensor, model: ParallelModel) -> None:
+def expect_local(
+    reader,
+    spec: TensorSpec,
+    into: torch.Tensor,
+    model: ParallelModel,
+    owner: nn.Parameter | None = None,
+) -> None:
     """Tell ``reader`` to read ``spec``'s local slice straight into ``into`` (see read_local)."""
-    box = local_box(
-        spec, group_rank(model.tp_group), group_size(model.tp_group), padded_vocab(model)
-    )
+    box = held_box(spec, model, owner)
     if box is not None and len(box) == into.dim():
         reader.read_into(spec.name, box, into[tuple(slice(0, hi - lo) for lo, hi in box)])
 
@@ -163,17 +199,21 @@ def load_optimizer(optimizer, states: dict[nn.Parameter, dict[str, Any]]) -> Non
 
 
 def full_optimizer_state(model: ParallelModel, optimizer) -> dict[str, torch.Tensor]:
-    """{stored name: full-shape tensor} of the optimizer state, gathered over DP and TP.
+    """{stored name: full-shape tensor} of the optimizer state, gathered over DP and TP (and
+    experts over ep).
 
     Collective; for tests and inspection (a checkpoint never gathers over TP).
     """
     out = {}
     states = param_states(optimizer)
+    ep = model.expert_groups() if isinstance(model, ParallelModel) else {}
     for name, p in model.named_parameters():
         for key, value in sorted(states.get(p, {}).items()):
             if torch.is_tensor(value) and value.shape == p.shape:
                 full = gather_along(value, tp_dim(p), model.tp_group)
                 full = dedupe_gathered(full, replicas(p), group_size(model.tp_group))
+                if p in ep:
+                    full = gather_along(full, 0, ep[p])
                 if is_vocab_padded(p):
                     full = full[: model.cfg.vocab_size]
                 out[optim_name(name, key)] = full

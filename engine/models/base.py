@@ -30,6 +30,8 @@ from layers.linear import (
 from layers.mappings import gather_along
 from layers.norm import LayerNorm
 from layers.param_roles import (
+    expert_rank,
+    expert_split,
     is_vocab_padded,
     mark_sp_partial_grad,
     mark_tp_dim,
@@ -351,19 +353,34 @@ class ParallelModel(nn.Module):
         return ()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """{name: full-shape parameter}, gathered across TP."""
-        return {name: self._full(p, p.detach()) for name, p in self.named_parameters()}
+        """{name: full-shape parameter}, gathered across TP (and experts across ep)."""
+        ep = self.expert_groups()
+        return {name: self._full(p, p.detach(), ep) for name, p in self.named_parameters()}
 
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
-        """{name: full-shape gradient} (zeros where a parameter has none), gathered across TP."""
+        """{name: full-shape gradient} (zeros where a parameter has none), gathered across TP
+        (and experts across ep)."""
+        ep = self.expert_groups()
         return {
-            name: self._full(p, p.grad if p.grad is not None else torch.zeros_like(p))
+            name: self._full(p, p.grad if p.grad is not None else torch.zeros_like(p), ep)
             for name, p in self.named_parameters()
         }
 
-    def _full(self, param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+    def expert_groups(self) -> dict[nn.Parameter, dist.ProcessGroup]:
+        """{parameter of experts split over ep: the ``expert`` group splitting it}."""
+        return {
+            p: module.ep_group
+            for module in self.modules()
+            if getattr(module, "ep_group", None) is not None
+            for p in module.parameters()
+            if expert_split(p) > 1
+        }
+
+    def _full(self, param: nn.Parameter, tensor: torch.Tensor, ep: dict) -> torch.Tensor:
         full = gather_along(tp_local(tensor), tp_dim(param), self.tp_group)
         full = dedupe_gathered(full, replicas(param), group_size(self.tp_group))
+        if param in ep:  # each ep rank's block of experts, in ep rank order
+            full = gather_along(full, 0, ep[param])
         return full[: self.cfg.vocab_size] if is_vocab_padded(param) else full
 
     @torch.no_grad()
@@ -376,6 +393,8 @@ class ParallelModel(nn.Module):
         size, rank = group_size(self.tp_group), group_rank(self.tp_group)
         for name, param in own.items():
             full = state[name]
+            if expert_split(param) > 1:  # this ep rank's block of experts
+                full = shard(full, 0, expert_rank(param), expert_split(param))
             dim = tp_dim(param)
             if is_vocab_padded(param):
                 if full.shape[0] != self.cfg.vocab_size:
