@@ -55,6 +55,11 @@ def check_moe(spec) -> None:
             f"ep_size={ep} splits the experts of an MoE model: set experts (--experts E) to a "
             f"multiple of {ep}"
         )
+    if spec.model != "llama":
+        raise ValueError(
+            f"experts={experts} runs in --model llama (experts carry no biases; the "
+            f"{spec.model} tiny model's linears do)"
+        )
     if dp % ep or experts % ep:
         fits = [n for n in range(1, math.gcd(dp, experts) + 1) if not dp % n and not experts % n]
         raise ValueError(
