@@ -156,7 +156,10 @@ def test_planted_ep_bug_is_named_where_it_first_shows(runs, fault):
         (dict(dp_size=4, ep_size=3), "ep_size=3 must divide dp_size=4 and experts=4"),
         (dict(dp_size=4, ep_size=4, experts=6), "ep_size=4 must divide dp_size=4 and experts=6"),
         (dict(dp_size=2, ep_size=2, experts=0), "ep_size=2 splits the experts of an MoE model"),
-        (dict(dp_size=2, ep_size=2, model="gpt"), "runs in --model llama"),
+        (
+            dict(dp_size=2, ep_size=2, model="gpt"),
+            "runs in --model llama .experts carry no biases; the gpt tiny",
+        ),
         (dict(dp_size=2, ep_size=2, pp_size=2), "runs at pp_size=1 and cp_size=1"),
     ],
 )

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import comm
+from engine.models import FAMILIES, family, preset
 from engine.models.base import ParallelLMHead
 from engine.runner import LocalRunner
 from layers.mappings import gather_along
@@ -55,10 +56,11 @@ def check_moe(spec) -> None:
             f"ep_size={ep} splits the experts of an MoE model: set experts (--experts E) to a "
             f"multiple of {ep}"
         )
-    if spec.model != "llama":
+    biasless = [name for name in FAMILIES if not _tiny(name).linear_bias]
+    if spec.model not in biasless:
         raise ValueError(
-            f"experts={experts} runs in --model llama (experts carry no biases; the "
-            f"{spec.model} tiny model's linears do)"
+            f"experts={experts} runs in --model {' or '.join(biasless)} (experts carry no "
+            f"biases; the {spec.model} tiny model's linears do)"
         )
     if dp % ep or experts % ep:
         fits = [n for n in range(1, math.gcd(dp, experts) + 1) if not dp % n and not experts % n]
@@ -72,6 +74,11 @@ def check_moe(spec) -> None:
             f"experts={experts} runs at pp_size=1 and cp_size=1 (not yet pp_size="
             f"{spec.pp_size}, cp_size={spec.cp_size})"
         )
+
+
+def _tiny(model: str):
+    """The family's tiny preset (the verifier's model takes its component choices)."""
+    return preset(f"{family(model).arch}_tiny")
 
 
 def moe_config_keys(spec) -> dict:
