@@ -138,6 +138,10 @@ def test_dp2_ep2_equals_the_unsplit_model_in_fp64(runs):
     # The capacity factor dropped token-slots, the same ones on both sides.
     dropped = [int(n.split(", ")[1].split()[0]) for n in notes]
     assert len(notes) == 2 and all(d > 0 for d in dropped), notes
+    # What the README says this layout prints.
+    assert len(rows) == 51 and notes[0].startswith(
+        "layers.0.mlp.router: 88 token-slots routed, 8 dropped"
+    )
 
 
 @pytest.mark.slow
