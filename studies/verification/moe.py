@@ -151,6 +151,13 @@ def _kept_counts(route: dict, experts: int) -> torch.Tensor:
     return torch.bincount(chosen, minlength=experts)
 
 
+def _keep_mask(route: dict) -> torch.Tensor:
+    """``[T, k]`` bool: which token-slots fit the capacity (all of them when dropless)."""
+    if route["keep"] is None:
+        return torch.ones_like(route["experts"], dtype=torch.bool)
+    return route["keep"]
+
+
 def _pairs(experts: torch.Tensor, keep: torch.Tensor) -> tuple[set, set]:
     """(kept, dropped) (token, expert) pairs; ``experts``, ``keep`` ``[T, k]`` of the
     global batch."""
@@ -182,22 +189,11 @@ class _Side:
         """experts, keep, weights ``[T_global, k]``; aux and z: the mean over DP slices."""
         if not self.target:
             joined = {key: torch.cat([v[key] for v in values]) for key in ("experts", "weights")}
-            keeps = [
-                v["keep"]
-                if v["keep"] is not None
-                else torch.ones_like(v["experts"], dtype=torch.bool)
-                for v in values
-            ]
-            joined["keep"] = torch.cat(keeps)
+            joined["keep"] = torch.cat([_keep_mask(v) for v in values])
             for key in ("aux", "z"):
                 joined[key] = sum(v[key] for v in values) / len(values)
             return joined
-        one = values[0]
-        keep = (
-            one["keep"]
-            if one["keep"] is not None
-            else torch.ones_like(one["experts"], dtype=torch.bool)
-        )
+        one, keep = values[0], _keep_mask(values[0])
         group = self.ps.dp_group
         joined = {
             "experts": gather_along(one["experts"], 0, group),
@@ -255,7 +251,8 @@ def _capture_rows(target: MoECapture, reference: MoECapture | None, spec, ps, to
     """(rows, notes) of the first step's forwards (a collective: every rank joins)."""
     got = _Side(target, ps, spec.experts, target=True)
     want = None if reference is None else _Side(reference, ps, spec.experts, target=False)
-    rows, notes, routes_of = [], [], {}
+    rows, notes = [], []
+    routes_of, ref_routes_of = {}, {}  # MoE layer -> its router's forwards
     for name, (kind, values) in got.records.items():
         if kind == "output":
             full = got.output(values)
@@ -267,7 +264,7 @@ def _capture_rows(target: MoECapture, reference: MoECapture | None, spec, ps, to
             if want is None:
                 continue
             ref_values = want.records[name][1]
-            routes_of["ref " + name.rsplit(".", 1)[0]] = ref_values
+            ref_routes_of[name.rsplit(".", 1)[0]] = ref_values
             theirs = want.route(ref_values)
             kept, dropped = _pairs(mine["experts"], mine["keep"])
             ref_kept, ref_dropped = _pairs(theirs["experts"], theirs["keep"])
@@ -285,7 +282,7 @@ def _capture_rows(target: MoECapture, reference: MoECapture | None, spec, ps, to
             layer = name.rsplit(".", 1)[0]
             pieces = got.expert_rows(values, routes_of[layer])
             if want is not None:
-                ref = want.expert_rows(want.records[name][1], routes_of["ref " + layer])
+                ref = want.expert_rows(want.records[name][1], ref_routes_of[layer])
                 rows.append(_expert_row(name, pieces, ref, tol))
     return rows, notes
 
@@ -311,7 +308,7 @@ def moe_train_and_compare(spec, target, reference, batch, local, ps):
     runner = LocalRunner(target, ps, contextlib.nullcontext)
     model_losses: list[torch.Tensor] = []  # the fp64 loss the runner backpropagates
     original_loss = target.loss
-    target.loss = lambda b: model_losses.append(original_loss(b)) or model_losses[-1]  # noqa: B023
+    target.loss = lambda b: model_losses.append(original_loss(b)) or model_losses[-1]
     ref_opt = None
     if reference is not None:
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=spec.lr, weight_decay=0.0)
