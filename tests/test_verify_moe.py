@@ -165,6 +165,8 @@ def test_planted_ep_bug_is_named_where_it_first_shows(runs, fault):
             "runs in --model llama .experts carry no biases; the gpt tiny",
         ),
         (dict(dp_size=2, ep_size=2, pp_size=2), "runs at pp_size=1 and cp_size=1"),
+        (dict(ep_size=1, experts=0), "capacity_factor set the MoE layers of experts > 0"),
+        (dict(ep_size=1, experts=-1), "experts=-1 must be >= 0"),
     ],
 )
 def test_bad_ep_layouts_are_refused_before_a_rank_starts(sizes, message):

@@ -107,8 +107,7 @@ class VerifySpec:
         for key in (*keys, "batch_size", "seq_len"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
-        if self.ep_size > 1 or self.experts:
-            check_moe(self)  # before the layout: its one line names the expert count too
+        check_moe(self)  # before the layout: its one line names the expert count too
         dims = self.dims
         dims.check_batch(self.batch_size)  # one slice per DP rank
         if self.batch_size % (self.dp_size * self.microbatches):

@@ -49,8 +49,18 @@ AUX_COEFF, Z_COEFF = 0.01, 0.001  # both router losses reach the objective (and 
 
 def check_moe(spec) -> None:
     """One line (ValueError) if the MoE part of ``spec`` cannot run: ep must divide dp and
-    the experts; pp 1 and cp 1 (not composed yet)."""
+    the experts; pp 1 and cp 1 (not composed yet); the router's options only with experts."""
     ep, dp, experts = spec.ep_size, spec.dp_size, spec.experts
+    if experts < 0:
+        raise ValueError(f"experts={experts} must be >= 0 (0: dense MLPs)")
+    moe_only = dict(top_k=2, capacity_factor=None, router="softmax")  # VerifySpec's defaults
+    if not experts and ep == 1:
+        changed = [key for key, value in moe_only.items() if getattr(spec, key) != value]
+        if changed:
+            raise ValueError(
+                f"{', '.join(changed)} set the MoE layers of experts > 0; experts=0 is dense"
+            )
+        return
     if experts < 1:
         raise ValueError(
             f"ep_size={ep} splits the experts of an MoE model: set experts (--experts E) to a "
