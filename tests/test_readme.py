@@ -112,6 +112,8 @@ COVERED = {
     "python tools/checkpoint.py export-model checkpoints/gpt_tiny_stdlib --out weights/": "tests/test_checkpoint.py::test_inspect_convert_and_export_cli",
     "python tools/verify_equivalence.py --model gpt --tp-size 2 --dp-size 2 --sequence-parallel "
     "--recompute selective": "tests/test_verify.py::test_planted_bugs_are_named_where_they_first_show",
+    "python tools/verify_equivalence.py --model llama --tp-size 1 --dp-size 2 --ep-size 2 "
+    "--heads 4 --capacity-factor 1.0": "tests/test_verify_moe.py::test_dp2_ep2_equals_the_unsplit_model_in_fp64",
     "python tools/convert_hf.py import --hf-dir path/to/gpt2 --out ckpt/gpt2": "tests/test_hf.py::test_command_line_tools",
     "python tools/convert_hf.py export --ckpt ckpt/gpt2 --out path/to/gpt2-again": "tests/test_hf.py::test_command_line_tools",
     "python -m engine.pretrain model=llama_tiny data.document_mask=true tp_size=1 dp_size=1 "

@@ -1,11 +1,18 @@
 """Check that a parallel layout computes what the unsplit model computes.
 
-Compares a target layout (--tp-size, --dp-size, --cp-size, --pp-size with --schedule,
---sequence-parallel, --recompute) with tp=1, dp=1, cp=1, pp=1 on the same weights and the same
-global batch: every module's forward output (through a pipeline also what each stage sent
-and the next received, per micro-batch), the loss, every parameter gradient (gathered to
-full shape) and, with --steps N, N AdamW steps' losses. Prints a table in model order, names the first module that diverges and
-exits 1 if any tensor is out of tolerance.
+Compares a target layout (--tp-size, --dp-size, --cp-size, --ep-size, --pp-size with
+--schedule, --sequence-parallel, --recompute) with tp=1, dp=1, cp=1, ep=1, pp=1 on the same
+weights and the same global batch: every module's forward output (through a pipeline also
+what each stage sent and the next received, per micro-batch), the loss, every parameter
+gradient (gathered to full shape) and, with --steps N, N AdamW steps' losses. Prints a table
+in model order, names the first module that diverges and exits 1 if any tensor is out of
+tolerance.
+
+With --experts E (implied by --ep-size N > 1: 4 experts) every MLP is a mixture-of-experts
+layer (llama) and --ep-size N splits its experts over N of the dp ranks. The reference runs
+each DP slice as its own forward, as each rank routes its own tokens; compared besides: each
+router's kept (token, expert) pairs, its dropped ones (--capacity-factor), its weights and
+its auxiliary and z-losses, the experts' output rows, the router loss.
 
 With --hf-dir DIR it instead compares the logits of a local Hugging Face GPT-2, BERT,
 Llama, Mistral or Qwen2 directory loaded by transformers with meshtron's import of it at
@@ -17,6 +24,7 @@ launcher (RANK set) each process is one rank.
     python tools/verify_equivalence.py --model gpt --tp-size 2 --dp-size 2 --sequence-parallel
     python tools/verify_equivalence.py --pp-size 2 --tp-size 1 --schedule 1f1b --layers 4
     python tools/verify_equivalence.py --model llama --cp-size 2 --tp-size 1 --heads 4
+    python tools/verify_equivalence.py --model llama --ep-size 2 --dp-size 2 --tp-size 1 --heads 4
     python tools/verify_equivalence.py --hf-dir ./gpt2-tiny --tp-size 2 --dtype float32
 """
 
@@ -35,6 +43,7 @@ from engine.models import FAMILIES  # noqa: E402
 from engine.pipeline.split import SCHEDULES as PIPELINE_SCHEDULES  # noqa: E402
 from engine.pipeline.split import V_SCHEDULES  # noqa: E402
 from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
+from layers.router import ROUTERS  # noqa: E402
 from parallel_state.dims import DP_SHARD_MODES  # noqa: E402
 from studies.verification.hf_parity import (  # noqa: E402
     HF_TOLERANCES,
@@ -72,6 +81,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cp-size", type=int, default=1, help="context-parallel ranks (--seq divisible by 2·cp)"
     )
+    p.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert-parallel ranks, carved from dp: must divide --dp-size and --experts "
+        "(MoE runs at tp 1, pp 1, cp 1)",
+    )
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=None,
+        help="routed experts per MoE layer; > 0 makes every MLP one (llama; default: 4 with "
+        "--ep-size > 1, else 0: dense)",
+    )
+    p.add_argument("--top-k", type=int, default=2, help="experts each token goes to")
+    p.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="each expert takes at most ⌈factor · T · k / E⌉ of a rank's token-slots, "
+        "dropping the rest (default: dropless)",
+    )
+    p.add_argument("--router", choices=ROUTERS, default="softmax", help="the MoE router")
     p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
     p.add_argument(
         "--virtual-stages",
@@ -141,6 +173,8 @@ def render(report: Report, console: Console, *, failing_only: bool, hf: bool) ->
             f"(max abs {first.max_abs:.3e}, max rel {first.max_rel:.3e}; {measure} tolerance "
             f"{report.tolerance:g})"
         )
+    for note in report.notes:
+        console.print(note)
     if hf and report.rows:
         print(f"max abs logit error: {max(r.max_abs for r in report.rows):.6e}")
 
@@ -169,6 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         pp_size=args.pp_size,
         cp_size=args.cp_size,
+        ep_size=args.ep_size,
+        experts=(4 if args.ep_size > 1 else 0) if args.experts is None else args.experts,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        router=args.router,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
         microbatches=(
@@ -176,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     try:
+        if args.hf_dir and (args.ep_size > 1 or args.experts):
+            raise ValueError(
+                "--ep-size and --experts run the tiny-model comparison, not --hf-dir's (an "
+                "MoE directory compares at ep_size=1)"
+            )
         if args.hf_dir:
             check_hf_layout(spec, args.hf_dir)
         else:

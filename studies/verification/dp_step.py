@@ -21,8 +21,11 @@ class TargetStep:
     def __init__(self, spec, target, ps) -> None:
         self.lr, self.sync = spec.lr, None
         if spec.dp_shard == "none":
-            self.sync = GradSync(
-                target.parameters(), grad_group=ps.group("grad"), tp_group=ps.tp_group
+            self.sync = GradSync(  # experts split over ep reduce over their own group
+                target.parameters(),
+                grad_group=ps.group("grad"),
+                tp_group=ps.tp_group,
+                expert_grad_group=ps.group("expert_grad"),
             )
             self.optimizer = torch.optim.AdamW(target.parameters(), lr=spec.lr, weight_decay=0.0)
             return

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -36,6 +36,7 @@ from engine.pipeline.split import dp_rule, microbatch_rule, virtual_rule
 from parallel_state import groups
 from parallel_state.dims import ParallelDims
 from studies.verification.dp_step import TargetStep
+from studies.verification.moe import check_moe, moe_config_keys, moe_train_and_compare
 from studies.verification.outputs import OutputCapture, Row, compare
 from studies.verification.pipeline_layouts import pipeline_rows
 
@@ -86,6 +87,11 @@ class VerifySpec:
     microbatches: int = 1  # micro-batches each DP rank's slice is cut into (pp_size > 1)
     dp_shard: str = "none"  # the DP mode the target trains under (none: plain AdamW + GradSync)
     cp_size: int = 1  # context-parallel ranks splitting each sequence (ring attention)
+    ep_size: int = 1  # expert-parallel ranks splitting each MoE layer's experts (from dp)
+    experts: int = 0  # routed experts per layer: > 0 makes every MLP an MoE layer (llama)
+    top_k: int = 2  # experts each token goes to (experts > 0)
+    capacity_factor: float | None = None  # per expert ⌈factor·T·k/E⌉ token-slots; None: dropless
+    router: str = "softmax"  # "softmax" or "sigmoid" (layers/router.py)
 
     @property
     def tolerance(self) -> float:
@@ -95,11 +101,13 @@ class VerifySpec:
     def check(self, model_config: ModelConfig | None = None) -> None:
         """Raise ValueError naming the numbers if this layout cannot split the batch/model
         (``model_config``, by default :meth:`model_config`)."""
-        keys = ("tp_size", "dp_size", "pp_size", "cp_size", "virtual_stages", "microbatches")
+        keys = ("tp_size", "dp_size", "pp_size", "cp_size", "ep_size", "virtual_stages")
+        keys = (*keys, "microbatches")
         keys = (*keys, "steps")
         for key in (*keys, "batch_size", "seq_len"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
+        check_moe(self)  # before the layout: its one line names the expert count too
         dims = self.dims
         dims.check_batch(self.batch_size)  # one slice per DP rank
         if self.batch_size % (self.dp_size * self.microbatches):
@@ -142,6 +150,7 @@ class VerifySpec:
             sequence_parallel=self.sequence_parallel,
             dp_shard=self.dp_shard,
             cp=self.cp_size,
+            ep=self.ep_size,
         )
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
@@ -162,6 +171,7 @@ class VerifySpec:
             attention_dropout=0.0,
             sequence_parallel=self.sequence_parallel and not reference,
             recompute="none" if reference else self.recompute,
+            **moe_config_keys(self),
         )
 
 
@@ -173,6 +183,7 @@ class Report:
     tolerance: float
     rows: list[Row]
     absolute: bool = False  # whether ``tolerance`` bounds max_abs rather than max_rel
+    notes: list[str] = field(default_factory=list)  # lines printed under the table (routing)
 
     @property
     def first_failure(self) -> Row | None:
@@ -247,12 +258,16 @@ def compare_layouts(
         reference = build_model(  # dropout is off: the RNG is passed, never drawn from
             spec.model_config(reference=True), tp_group=solo, rng=ps.rng, dtype=dtype
         )
+    notes: list[str] = []
     if spec.pp_size > 1:
         batch = make_batch(spec)
         rows = pipeline_rows(spec, target, reference, batch, dp_slice(batch, ps), ps, mutate_runner)
+    elif spec.experts:
+        batch = make_batch(spec)
+        rows, notes = moe_train_and_compare(spec, target, reference, batch, dp_slice(batch, ps), ps)
     else:
         rows = _train_and_compare(spec, target, reference, make_batch(spec), ps)
-    return Report(spec, spec.tolerance, rows) if ps.rank == 0 else None
+    return Report(spec, spec.tolerance, rows, notes=notes) if ps.rank == 0 else None
 
 
 def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
