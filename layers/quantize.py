@@ -176,7 +176,7 @@ def quantize_linears_(module: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             kind = swaps.get(type(child))
             if kind is not None:
-                setattr(parent, name, kind(child))
+                parent.add_module(name, kind(child))  # replaces the child of that name
                 count += 1
     return count
 
