@@ -139,6 +139,8 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
     if cfg.data.tokenizer is None or not os.path.isfile(cfg.data.tokenizer):
         raise ValueError(f"no tokenizer for {where}: pass --tokenizer PATH")
     cfg.model.validate(args.tp_size)
+    if getattr(args, "quantize", "none") != "none" and not cfg.model.causal:
+        raise ValueError(f"--quantize {args.quantize} is for decoders, not {cfg.model.arch}")
     if cfg.data.seq_len > cfg.model.max_positions:
         raise ValueError(
             f"--seq-len {cfg.data.seq_len}: the model has {cfg.model.max_positions} positions; "

@@ -8,8 +8,9 @@ embeddings (GPT's default) it *is* the LM head's weight: one int8 table with one
 token serves both, its rows being the head's output channels; untied, it is quantized the
 same way, a lookup dequantizing only the rows it reads. What stays in the model's dtype:
 the learned position table (additive, ``max_positions × h``), LayerNorm/RMSNorm weights,
-biases, and, where present, MoE experts and routers and the KV projection replicated per
-head when TP exceeds the KV heads (those modules are not swapped).
+biases, and, where present, the MoE routers and routed experts (``GroupedExperts``; a
+shared expert is a ParallelMLP and is int8) and the KV projection replicated per head when
+TP exceeds the KV heads (those modules are not swapped).
 
 A quantized model serves and evaluates; it does not train or save (its weights are
 buffers, and ``full_state_dict`` no longer sees them).
@@ -37,7 +38,9 @@ def quantize_model_(model: nn.Module, mode: str = "int8") -> nn.Module:
         raise ValueError(f"quantize mode must be one of {QUANTIZE_MODES}, got {mode!r}")
     if mode == "none":
         return model
-    if getattr(model.cfg, "sequence_parallel", False):
+    if not model.cfg.causal:
+        raise ValueError(f"--quantize {mode} is for decoders (gpt, llama), not {model.cfg.arch}")
+    if model.cfg.sequence_parallel:
         raise ValueError("int8 quantization serves models built without sequence parallelism")
     with torch.no_grad():
         quantize_linears_(model.layers)
