@@ -138,6 +138,7 @@ def test_weight_memory_counts_a_tied_table_once():
         == 2 * sum(p.numel() for p in model.parameters())
     )
     quantize_model_(model)
+    assert quantize_model_(model) is model  # a second call changes nothing
     after = weight_memory(model)
     assert after["float_equivalent"] == before["total"]
     assert model.lm_head.int8 is model.embedding.word.int8  # tied: one int8 table

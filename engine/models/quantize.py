@@ -36,7 +36,7 @@ def quantize_model_(model: nn.Module, mode: str = "int8") -> nn.Module:
     ``"none"`` leaves it as it is. Call on every TP rank: each quantizes its own shards."""
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"quantize mode must be one of {QUANTIZE_MODES}, got {mode!r}")
-    if mode == "none":
+    if mode == "none" or isinstance(model.lm_head, Int8VocabParallelHead):  # done already
         return model
     if not model.cfg.causal:
         raise ValueError(f"--quantize {mode} is for decoders (gpt, llama), not {model.cfg.arch}")
