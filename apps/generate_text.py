@@ -72,6 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=seed_int, default=0, help="0 .. 2**64 - 1")
     p.add_argument("--no-kv-cache", action="store_true", help="re-encode the context each token")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument(
+        "--quantize",
+        choices=("none", "int8"),
+        default="none",
+        help="int8: weights as int8 with per-output-channel scales, each TP shard its own "
+        "(engine/models/quantize.py)",
+    )
     return p.parse_args(argv)
 
 
@@ -143,6 +150,7 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
     from engine.generate import generate_batch
     from engine.inference import inference_config
     from engine.models import build_model
+    from engine.models.quantize import quantize_model_
 
     def say(ps, line: str) -> None:
         if ps.rank == 0:  # stdout holds the samples alone
@@ -162,6 +170,8 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
             device=ps.device,
         )
         model.load_full_state_dict(state)
+        del state
+        quantize_model_(model, args.quantize)
         tokenizer = Tokenizer.from_file(tokenizer_path)
         prompts = [tokenizer.encode(p).ids for p in args.prompt]
         stop = None

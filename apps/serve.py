@@ -8,7 +8,8 @@ The model comes from a training checkpoint (``--ckpt``), an exported weights fol
 (``--weights``) or a Hugging Face directory (``--hf-dir``); the tokenizer is the one
 ``tools/generate.py`` would use. Requests run through ``apps.serving``: a paged KV cache of
 ``--cache-tokens`` tokens (its size is printed at start) and a continuous-batching engine;
-``apps/serving/http.py`` has the routes. tp 1 only for now.
+``apps/serving/http.py`` has the routes. ``--quantize int8`` keeps the weights in int8
+(``engine/models/quantize.py``). tp 1 only for now.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.inference import ModelSource
 from engine.tool_args import ArgumentParser, non_negative_int, positive_int
 
 DTYPES = ("float32", "float64", "bfloat16")
+QUANTIZE_MODES = ("none", "int8")  # engine.models.quantize's (not imported: it loads torch)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,6 +57,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-budget", type=positive_int, default=256, help="tokens fed per step")
     p.add_argument("--tp-size", type=positive_int, default=1, help="only 1 for now")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument(
+        "--quantize",
+        choices=QUANTIZE_MODES,
+        default="none",
+        help="int8: the layers' linears, the LM head and the word embedding as int8 with "
+        "per-output-channel scales, dequantized in the matmul (engine/models/quantize.py)",
+    )
     return p.parse_args(argv)
 
 
@@ -84,11 +93,14 @@ def build(args: argparse.Namespace):
     from apps.serving.text import TextCodec
     from engine.inference import inference_config
     from engine.models import build_model
+    from engine.models.quantize import quantize_model_
 
     source, tokenizer = _source(args)
     cfg, state = source.load()
     model = build_model(inference_config(cfg), dtype=getattr(torch, args.dtype))
     model.load_full_state_dict(state)
+    del state
+    quantize_model_(model, args.quantize)
     tokens = args.cache_tokens or args.max_running * cfg.max_positions
     cache = PagedKVCache.for_model(model, tokens=tokens, block_size=args.block_size)
     engine = ServingEngine(

@@ -64,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--micro-batch", type=positive_int, help="sequences per micro-batch (default: the run's)"
     )
     p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the run's)")
+    p.add_argument(
+        "--quantize",
+        choices=("none", "int8"),
+        default="none",
+        help="int8: evaluate with the weights as int8, per-output-channel scales, each TP "
+        "shard its own (engine/models/quantize.py; what apps.serve --quantize int8 runs)",
+    )
     p.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks")
     p.add_argument("--dp-size", type=positive_int, default=1, help="data-parallel ranks")
     p.add_argument(
@@ -132,6 +139,8 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
     if cfg.data.tokenizer is None or not os.path.isfile(cfg.data.tokenizer):
         raise ValueError(f"no tokenizer for {where}: pass --tokenizer PATH")
     cfg.model.validate(args.tp_size)
+    if getattr(args, "quantize", "none") != "none" and not cfg.model.causal:
+        raise ValueError(f"--quantize {args.quantize} is for decoders, not {cfg.model.arch}")
     if cfg.data.seq_len > cfg.model.max_positions:
         raise ValueError(
             f"--seq-len {cfg.data.seq_len}: the model has {cfg.model.max_positions} positions; "
@@ -185,12 +194,14 @@ def _settle_batches(args: argparse.Namespace, cfg: Config, sequences: int) -> Co
     return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, eval_batches=batches))
 
 
-def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
-    """One rank: load this TP shard of the model, read its micro-batches, agree on the mean."""
+def worker(cfg: Config, source: ModelSource, split: str, quantize: str = "none") -> dict | None:
+    """One rank: load this TP shard of the model (quantized by ``quantize``: "none" or
+    "int8"), read its micro-batches, agree on the mean."""
     from engine.bootstrap import bootstrap_rank
     from engine.config import parallel_dims, resolve_precision
     from engine.data.run_data import eval_iterator, load_tokenizer
     from engine.models import build_model
+    from engine.models.quantize import quantize_model_
     from engine.observe import perplexity
     from engine.runner import autocast_for, fixed_set_loss
 
@@ -206,6 +217,7 @@ def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
         model = build_model(cfg.model, ps, device=ps.device)
         model.load_full_state_dict(state)
         del state
+        quantize_model_(model, quantize)
         valid, _ = eval_iterator(cfg, split, load_tokenizer(cfg.data))
         precision = resolve_precision(cfg.trainer.precision, ps.device.type)
         autocast = lambda: autocast_for(precision, ps.device.type)  # noqa: E731
@@ -213,7 +225,8 @@ def worker(cfg: Config, source: ModelSource, split: str) -> dict | None:
     if ps.rank != 0:
         return None
     t = cfg.trainer
-    return {
+    quantized = {} if quantize == "none" else {"quantize": quantize}
+    return quantized | {
         "loss": loss,
         "perplexity": perplexity(loss),
         "micro_batches": t.eval_batches,
@@ -230,10 +243,11 @@ def _evaluate(args: argparse.Namespace, text_prefix: str | None) -> dict:
     source = ModelSource(args.ckpt, args.hf_dir)
     world = args.tp_size * args.dp_size
     if "RANK" in os.environ or world == 1:
-        return worker(cfg, source, args.split)
+        return worker(cfg, source, args.split, args.quantize)
     from engine.launching import launch_workers
 
-    return launch_workers(worker, cfg, source, args.split, nproc_per_node=world)[0]
+    launched = launch_workers(worker, cfg, source, args.split, args.quantize, nproc_per_node=world)
+    return launched[0]
 
 
 def _tokenize_text(path: str, tokenizer: str, directory: str) -> str:

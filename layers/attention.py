@@ -26,6 +26,7 @@ from layers.linear import (
     normal_init,
     residual_output_linear,
 )
+from layers.quantize import kv_layout
 from layers.recompute import checkpointed
 from layers.ring_attention import ring_attention
 from layers.rotary import apply_rotary
@@ -267,12 +268,10 @@ class ParallelAttention(nn.Module):
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty cache for ``batch`` sequences of up to ``capacity`` positions, this rank's heads."""
-        if hasattr(self, "query"):
-            weight = self.key_value.weight  # [2·(kv heads here)·d, h]
-            heads = weight.shape[0] // (2 * self.head_dim)
-        else:
-            weight = self.qkv.weight  # [3·heads/tp·d, h]
-            heads = weight.shape[0] // (3 * self.head_dim)
-        return KVCache(
-            batch, heads, self.head_dim, capacity, dtype=weight.dtype, device=weight.device
-        )
+        if hasattr(self, "query"):  # [2·(kv heads here)·d, h]
+            rows, dtype, device = kv_layout(self.key_value)
+            heads = rows // (2 * self.head_dim)
+        else:  # [3·heads/tp·d, h]
+            rows, dtype, device = kv_layout(self.qkv)
+            heads = rows // (3 * self.head_dim)
+        return KVCache(batch, heads, self.head_dim, capacity, dtype=dtype, device=device)

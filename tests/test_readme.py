@@ -184,6 +184,9 @@ COVERED = {
     'python -c \'from openai import OpenAI; c = OpenAI(base_url="http://127.0.0.1:8000/v1", '
     'api_key="-"); print(repr(c.completions.create(model="gpt_tiny_stdlib", prompt="class ", '
     "max_tokens=24, temperature=0.8, seed=7).choices[0].text))'": "tests/test_serve.py::test_seeds_reproduce_and_equal_generate",
+    "python -m apps.serve --ckpt checkpoints/gpt_tiny_stdlib --quantize int8 --port 8731": "tests/test_quantize.py::test_int8_server_answers_greedy_and_its_perplexity_is_near_float32",
+    "curl -s localhost:8731/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "
+    '"gpt_tiny_stdlib", "prompt": "def ", "max_tokens": 16, "temperature": 0}\'': "tests/test_quantize.py::test_int8_server_answers_greedy_and_its_perplexity_is_near_float32",
     "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib": "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
     "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --dp-size 2": "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
     "python -m engine.evaluate --ckpt weights/ --text docs/ARCHITECTURE.md": "tests/test_evaluate.py::test_text_file_loss_is_the_mean_cross_entropy_of_its_windows",
