@@ -103,6 +103,29 @@ def test_hybrid_2x2_matches_the_unsplit_reference_and_shards_2_way():
             assert p["replicated"] and p["distinct"], (rank, p)
 
 
+def _one_replica_vs_plain() -> dict:
+    ps = parallel_state.initialize(ParallelDims(1, 2, dp_shard="full"))
+    torch.manual_seed(0)
+    initial = _unsplit(torch.float64).full_state_dict()
+    groups = (ps.group("fsdp_shard"), ps.group("fsdp_replicate"))
+    one = _train(ps, "full", CFG, initial, dtype=torch.float64, hybrid_groups=groups)
+    plain = _train(ps, "full", CFG, initial, dtype=torch.float64)
+    parallel_state.destroy()
+    return {
+        "losses_equal": one[0] == plain[0],
+        "params_equal": all(torch.equal(one[1][n], w) for n, w in plain[1].items()),
+    }
+
+
+@pytest.mark.slow
+def test_one_replica_is_plain_fsdp_bit_for_bit():
+    """dp_replicate=1 (the default; the trainer passes the hybrid roles, whose replicate
+    groups are then single ranks) trains exactly as plain FSDP: torch.equal losses and
+    weights after 5 steps at dp 2."""
+    for r in run_ranks(_one_replica_vs_plain, 2, timeout=300):
+        assert r == {"losses_equal": True, "params_equal": True}, r
+
+
 def _hybrid_checkpoints(cfgs: dict) -> dict:
     """Save under hybrid (2 × 2) at step 3; resume under dp_shard=none at dp 4, which saves
     step 5; resume that under hybrid again (the reverse)."""
