@@ -235,6 +235,7 @@ def test_checkpoints_move_between_hybrid_and_none_exactly(tmp_path):
             "to the HSDP replicas (1: none)",
         ),
     ],
+    ids=["not_dividing_dp", "dp_shard_none", "dp_shard_optimizer", "zero"],
 )
 def test_a_bad_dp_replicate_is_refused_before_any_worker(
     overrides, message, capsys, tmp_path, monkeypatch
