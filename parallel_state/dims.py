@@ -161,8 +161,8 @@ class ParallelDims:
             )
         if self.dp_replicate > 1 and self.dp_shard not in FSDP_MODES:
             raise LayoutError(
-                f"parallel.dp_replicate={self.dp_replicate} replicates FSDP shards, but "
-                f"parallel.dp_shard={self.dp_shard} shards none; set parallel.dp_shard=full "
+                f"parallel.dp_replicate={self.dp_replicate} replicates FSDP's shards, and "
+                f"parallel.dp_shard={self.dp_shard} is not FSDP; set parallel.dp_shard=full "
                 "(or gradients), or parallel.dp_replicate=1"
             )
 

@@ -222,12 +222,13 @@ def test_checkpoints_move_between_hybrid_and_none_exactly(tmp_path):
         ),
         (
             ("parallel.dp_replicate=2",),
-            "parallel.dp_replicate=2 replicates FSDP shards, but parallel.dp_shard=none shards "
-            "none; set parallel.dp_shard=full (or gradients), or parallel.dp_replicate=1",
+            "parallel.dp_replicate=2 replicates FSDP's shards, and parallel.dp_shard=none is not "
+            "FSDP; set parallel.dp_shard=full (or gradients), or parallel.dp_replicate=1",
         ),
         (
             ("parallel.dp_shard=optimizer", "parallel.dp_replicate=2"),
-            "parallel.dp_replicate=2 replicates FSDP shards, but parallel.dp_shard=optimizer",
+            "parallel.dp_replicate=2 replicates FSDP's shards, and parallel.dp_shard=optimizer "
+            "is not FSDP",
         ),
         (
             ("parallel.dp_shard=full", "parallel.dp_replicate=0"),

@@ -223,8 +223,8 @@ def build_data_parallel(
     hybrid = group_size(hybrid_groups[1]) > 1
     if hybrid and mode not in ("gradients", "full"):
         raise ValueError(
-            f"hybrid sharding replicates FSDP shards; dp_shard={mode} shards none: use "
-            "dp_shard=full (or gradients), or one replica"
+            f"hybrid sharding replicates FSDP's shards, and dp_shard={mode} is not FSDP: "
+            "use dp_shard=full (or gradients), or one replica"
         )
     if mode in ("gradients", "full"):
         return FullyShardedDP(
