@@ -66,7 +66,7 @@ def estimate_rank_bytes(
     activations = per_layer * m.num_layers * (2 if fp32_activations else 1) + logits
     precision = "bf16" if bf16 else "fp32"
     mode = _dp_shard(cfg)
-    shards = max(1, dp_size // max(1, cfg.parallel.dp_replicate))  # ranks one shard spans
+    shards = max(1, dp_size // max(1, cfg.parallel.dp_replicate))  # ranks a shard splits over
     weights, grads, optimizer = state_bytes_per_param(precision, mode, shards)
     layer = (params - root) / max(1, m.num_layers)
     in_flight = fsdp_in_flight_bytes(layer, root, precision, mode)  # FSDP's gathered units

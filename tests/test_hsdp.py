@@ -267,3 +267,22 @@ def test_hybrid_roles_cut_the_grad_groups_into_replicas_of_neighbours():
     plain = ParallelDims(1, 4, dp_shard="full")
     assert plain.group_ranks("fsdp_shard") == plain.group_ranks("grad")
     assert plain.group_ranks("fsdp_replicate") == [[r] for r in range(4)]
+
+
+def test_the_preflight_shards_hsdp_state_over_one_replica():
+    """The memory check's estimate under dp 4 = 2 × 2 (full) is ZeRO-3's at dp 2: 16/2
+    bytes per parameter (4/2 gradients, 12/2 master and moments), not 16/4."""
+    import dataclasses
+
+    from engine import preflight
+    from engine.config import Config
+
+    def at(dp: int, replicas: int):
+        cfg = Config(tp_size=1, dp_size=dp)
+        parallel = dataclasses.replace(cfg.parallel, dp_shard="full", dp_replicate=replicas)
+        cfg = dataclasses.replace(cfg, parallel=parallel)
+        return preflight.estimate_rank_bytes(cfg, dp, fp32_activations=True)
+
+    hybrid, two, four = at(4, 2), at(2, 1), at(4, 1)
+    assert (hybrid.grads, hybrid.optimizer) == (two.grads, two.optimizer)
+    assert hybrid.optimizer == 2 * four.optimizer and hybrid.grads == 2 * four.grads
