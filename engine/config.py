@@ -124,6 +124,7 @@ class ParallelConfig:
     cp: int = 1  # context-parallel ranks splitting each sequence (ring attention; cp_size=)
     ep: int = 1  # dp ranks splitting each MoE layer's experts; 1: none (short form: ep_size=)
     dp_shard: str = "none"  # DP shards: none, optimizer (ZeRO-1), gradients (ZeRO-2), full (ZeRO-3)
+    dp_replicate: int = 1  # HSDP replicas, each dp ÷ dp_replicate FSDP shards; 1: none
     # Also model.sequence_parallel=true, the key the layers read: either turns it on.
     sequence_parallel: bool = False  # shard norms and dropout along the sequence inside TP
     schedule: str | None = None  # the pipeline schedule (null: pipeline.schedule's, 1f1b)
@@ -226,6 +227,7 @@ def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
         dp_shard=p.dp_shard,
         zero1=cfg.optim.distributed,
         ep=p.ep,
+        dp_replicate=p.dp_replicate,
     )
 
 

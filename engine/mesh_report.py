@@ -7,19 +7,21 @@ import socket
 import torch.distributed as dist
 
 from engine import comm
-from parallel_state import MESH_AXES, ParallelState
+from parallel_state import HYBRID_ROLES, MESH_AXES, ParallelState
 from parallel_state.launcher import detect_launch
 
 
 def describe_mesh(ps: ParallelState) -> str:
     """One line naming every group of each mesh axis (pipeline and context-parallel ones
-    when there are several) and the ranks on each host (a collective).
+    when there are several; under HSDP the shard and replicate groups too) and the ranks
+    on each host (a collective).
 
     The groups are read back from torch.distributed (the ranks each process group really
     holds), not recomputed from the grid, so the line shows what the launch produced.
     """
     info = detect_launch()
     shown = [a for a in reversed(MESH_AXES) if a not in ("pp", "cp") or ps.size(a) > 1]
+    shown += [role for role in HYBRID_ROLES if ps.size("fsdp_replicate") > 1]
     mine = {
         "rank": dist.get_rank(),
         "launcher_rank": info.rank if info.launcher != "none" else None,

@@ -49,8 +49,9 @@ def estimate_rank_bytes(
     """What one rank holds while training ``cfg`` at ``tp_size`` × ``dp_size``.
 
     Parameters are split over TP (the few replicated LayerNorm and bias vectors are
-    ignored) and, by ``parallel.dp_shard``, over DP (engine.formulas); under FSDP the units
-    gathered in flight count as parameters. Activations per layer follow the family's
+    ignored) and, by ``parallel.dp_shard``, over DP (engine.formulas; under HSDP over the
+    dp ÷ ``parallel.dp_replicate`` ranks of one replica); under FSDP the units gathered in
+    flight count as parameters. Activations per layer follow the family's
     formula (``costs.layer_activation_bytes``: 16-bit activations; doubled for fp32 ones),
     plus the fp32 logits of one micro-batch
     over this rank's vocabulary shard. It is a floor, not a bound: allocator slack and
@@ -65,7 +66,8 @@ def estimate_rank_bytes(
     activations = per_layer * m.num_layers * (2 if fp32_activations else 1) + logits
     precision = "bf16" if bf16 else "fp32"
     mode = _dp_shard(cfg)
-    weights, grads, optimizer = state_bytes_per_param(precision, mode, dp_size)
+    shards = max(1, dp_size // max(1, cfg.parallel.dp_replicate))  # ranks a shard splits over
+    weights, grads, optimizer = state_bytes_per_param(precision, mode, shards)
     layer = (params - root) / max(1, m.num_layers)
     in_flight = fsdp_in_flight_bytes(layer, root, precision, mode)  # FSDP's gathered units
     return MemoryEstimate(

@@ -109,6 +109,7 @@ class Trainer:
             low_precision=torch.bfloat16 if self.precision == "bf16" else None,
             dp_shard=ps.dims.dp_shard,
             compile_backend=cfg.model.compile_backend if cfg.model.compile else None,
+            hybrid_groups=(ps.group("fsdp_shard"), ps.group("fsdp_replicate")),
         )
 
     def _build_observers(self) -> None:
@@ -196,8 +197,7 @@ class Trainer:
         unscale them; either way the loss scale adapts. Without fp16: False."""
         if self.scaler is None:
             return False
-        groups = (self.ps.group("tp"), self.ps.group("grad"), self.ps.group("pp"))
-        return self.scaler.skip_or_unscale(grads, groups)
+        return self.scaler.skip_or_unscale(grads, [self.ps.group(n) for n in ("tp", "grad", "pp")])
 
     def _loss_mean(self, value: float) -> float:
         self._mark("loss average", "loss")

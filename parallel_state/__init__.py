@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from parallel_state.dims import EXPERT_ROLES, MESH_AXES, ROLES, LayoutError, ParallelDims
+from parallel_state.dims import (
+    EXPERT_ROLES,
+    HYBRID_ROLES,
+    MESH_AXES,
+    ROLES,
+    LayoutError,
+    ParallelDims,
+)
 from parallel_state.launcher import LaunchInfo, detect_launch
 from parallel_state.random import RNGTracker
 
@@ -31,6 +38,7 @@ __all__ = [
     "MESH_AXES",
     "ROLES",
     "EXPERT_ROLES",
+    "HYBRID_ROLES",
     "LayoutError",
     "initialize",
     "backend_for",
@@ -54,7 +62,9 @@ class ParallelState:
     who holds the same checkpoint shard, ``ps.group("embedding")`` the first and last
     pipeline stage (tied embeddings; None elsewhere), ``ps.group("expert")`` the ranks
     splitting the experts (the MoE all-to-all) and ``ps.group("expert_grad")`` those holding
-    the same experts (their gradients' reduction; :data:`EXPERT_ROLES`). An axis name
+    the same experts (their gradients' reduction; :data:`EXPERT_ROLES`), ``ps.group(
+    "fsdp_shard")`` the ranks FSDP shards over and ``ps.group("fsdp_replicate")`` those
+    holding the same shard in the other HSDP replicas (:data:`HYBRID_ROLES`). An axis name
     (``"tp"``) answers too.
     """
 
@@ -72,7 +82,7 @@ class ParallelState:
         if name not in self.groups:
             raise KeyError(
                 f"{name!r} is neither a mesh axis {MESH_AXES} nor a role "
-                f"{(*ROLES, *EXPERT_ROLES, 'embedding')}"
+                f"{(*ROLES, *EXPERT_ROLES, *HYBRID_ROLES, 'embedding')}"
             )
         return self.groups[name]
 
@@ -82,7 +92,7 @@ class ParallelState:
 
     def rank_in(self, name: str) -> int:
         """This rank's index in its group of role or axis ``name`` (outer axes vary slowest)."""
-        if name in EXPERT_ROLES:
+        if name in EXPERT_ROLES or name in HYBRID_ROLES:
             return self.ranks(name).index(self.rank)
         index = 0
         for axis in self.dims.axes_of(name):
@@ -279,13 +289,13 @@ def _build_state(
 def _new_groups(dims: ParallelDims, rank: int) -> dict[str, dist.ProcessGroup | None]:
     """This rank's group of every axis and role (and the embedding group). Every rank
     creates every group, in the same order: the axes innermost first, then the roles that
-    span several axes, then the expert roles, then the pipeline's first-and-last-stage
-    pairs."""
+    span several axes, then the expert roles, then the hybrid-sharding roles, then the
+    pipeline's first-and-last-stage pairs."""
     groups: dict[str, dist.ProcessGroup | None] = {}
     # Keyed by the partition of the ranks, so a role whose extra axes have size 1 (grad
     # over dp x cp at cp 1), or an expert role at ep 1, is the very group it equals.
     made: dict[tuple[tuple[int, ...], ...], dist.ProcessGroup] = {}
-    for name in (*reversed(MESH_AXES), *ROLES, *EXPERT_ROLES):
+    for name in (*reversed(MESH_AXES), *ROLES, *EXPERT_ROLES, *HYBRID_ROLES):
         partition = tuple(tuple(ranks) for ranks in dims.group_ranks(name))
         if partition not in made:
             for ranks in partition:

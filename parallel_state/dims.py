@@ -19,6 +19,7 @@ __all__ = [
     "AUTO",
     "DP_SHARD_MODES",
     "EXPERT_ROLES",
+    "HYBRID_ROLES",
     "MESH_AXES",
     "ROLES",
     "LayoutError",
@@ -59,6 +60,15 @@ ROLES: dict[str, tuple[str, ...]] = {
 # all-to-all); "expert_grad": the ranks of a gradient group with the same ep index, which
 # hold the same experts and reduce their gradients (dp ÷ ep of them).
 EXPERT_ROLES = ("expert", "expert_grad")
+# Hybrid sharding (HSDP, ``parallel.dp_replicate=R``) is carved from the "grad" role too:
+# its dp · cp ranks, in rank order, form R replicas of dp · cp ÷ R neighbouring ranks each.
+# "fsdp_shard": the ranks of one replica, over which FSDP shards parameters, gradients and
+# Adam's state (neighbours, so the gathers and reduce-scatters of every layer stay on the
+# closer links); "fsdp_replicate": the ranks holding the same shard in every replica
+# (R of them), which all-reduce that shard's gradient once per reduce-scatter. At R 1 the
+# shard group is the grad group and the replicate groups are single ranks.
+HYBRID_ROLES = ("fsdp_shard", "fsdp_replicate")
+FSDP_MODES = ("gradients", "full")  # the dp_shard modes FSDP2 runs (and HSDP needs)
 # What the DP axis shards: nothing (replicas all-reduce gradients), Adam's state (ZeRO-1),
 # also the gradients (ZeRO-2), or also the parameters between uses (ZeRO-3, FSDP2).
 DP_SHARD_MODES = ("none", "optimizer", "gradients", "full")
@@ -122,6 +132,7 @@ class ParallelDims:
     dp_shard: str = "none"
     cp: int = 1
     ep: int = 1  # expert-parallel size, carved from dp (EXPERT_ROLES)
+    dp_replicate: int = 1  # HSDP replicas of the FSDP shards, carved from dp (HYBRID_ROLES)
 
     def __post_init__(self) -> None:
         _check_size("tp_size", self.tp, "set tp_size to the ranks sharing each layer (1: none)")
@@ -135,6 +146,25 @@ class ParallelDims:
                 f"parallel.dp_shard={self.dp_shard!r} is not one of {', '.join(DP_SHARD_MODES)}"
             )
         self._check_ep()
+        self._check_dp_replicate()
+
+    def _check_dp_replicate(self) -> None:
+        """R must divide dp (each replica is dp ÷ R shards) and, past 1, hybrid sharding
+        is FSDP's: it needs dp_shard gradients or full."""
+        fix = "set parallel.dp_replicate to the HSDP replicas (1: none)"
+        _check_size("parallel.dp_replicate", self.dp_replicate, fix)
+        if self.dp % self.dp_replicate:
+            raise LayoutError(
+                f"parallel.dp_replicate={self.dp_replicate} does not divide dp_size={self.dp} "
+                f"(each replica is dp_size ÷ dp_replicate shards); choose a dp_replicate "
+                f"dividing {self.dp}"
+            )
+        if self.dp_replicate > 1 and self.dp_shard not in FSDP_MODES:
+            raise LayoutError(
+                f"parallel.dp_replicate={self.dp_replicate} replicates FSDP's shards, and "
+                f"parallel.dp_shard={self.dp_shard} is not FSDP; set parallel.dp_shard=full "
+                "(or gradients), or parallel.dp_replicate=1"
+            )
 
     def _check_ep(self) -> None:
         """ep must divide dp (it is carved from it), and the DP strategies that shard
@@ -229,6 +259,9 @@ class ParallelDims:
         """How many ranks a group of ``name`` (a role, an axis or axes) holds."""
         if name in EXPERT_ROLES:
             return self.ep if name == "expert" else self.size_of("grad") // self.ep
+        if name in HYBRID_ROLES:
+            shards = self.size_of("grad") // self.dp_replicate
+            return shards if name == "fsdp_shard" else self.dp_replicate
         return math.prod(self.sizes[axis] for axis in self.axes_of(name))
 
     def group_ranks(self, name: str | tuple[str, ...]) -> list[list[int]]:
@@ -237,6 +270,8 @@ class ParallelDims:
         that axis's index order); groups ordered by their lowest rank."""
         if name in EXPERT_ROLES:
             return self._expert_groups(name)
+        if name in HYBRID_ROLES:
+            return self._hybrid_groups(name)
         axes = self.axes_of(name)
         groups: dict[int, list[int]] = {}
         for rank in range(self.world):
@@ -268,6 +303,19 @@ class ParallelDims:
             groups.setdefault(key, []).append(rank)
         return list(groups.values())
 
+    def _hybrid_groups(self, name: str) -> list[list[int]]:
+        """The groups of a hybrid role (:data:`HYBRID_ROLES`), ordered as ``group_ranks``'s:
+        each "grad" group's ranks (in rank order) cut into R runs of dp · cp ÷ R
+        ("fsdp_shard"), or taken every (dp · cp ÷ R)-th ("fsdp_replicate")."""
+        shards = self.size_of("fsdp_shard")
+        groups = []
+        for ranks in self.group_ranks("grad"):
+            if name == "fsdp_shard":
+                groups += [ranks[i : i + shards] for i in range(0, len(ranks), shards)]
+            else:
+                groups += [ranks[i::shards] for i in range(shards)]
+        return sorted(groups)
+
     @classmethod
     def resolve(
         cls,
@@ -281,6 +329,7 @@ class ParallelDims:
         dp_shard: str = "none",
         zero1: bool = False,
         ep: int = 1,
+        dp_replicate: int = 1,
     ) -> ParallelDims:
         """The layout for ``tp``, ``dp``, ``cp`` and ``pp`` on ``world`` ranks (None: not
         launched yet).
@@ -289,7 +338,9 @@ class ParallelDims:
         ``"auto"``/None: world ÷ (tp · cp · pp), or 1 when there is no world yet (this
         process will start tp · cp · pp ranks itself). With a ``world``, pp × dp × cp × tp
         must equal it. ``zero1=True`` is the older spelling of ``dp_shard="optimizer"``;
-        ``ep`` splits the experts over that many of the dp ranks (:data:`EXPERT_ROLES`).
+        ``ep`` splits the experts over that many of the dp ranks (:data:`EXPERT_ROLES`);
+        ``dp_replicate`` replicates FSDP's shards over that many groups of the dp ranks
+        (:data:`HYBRID_ROLES`).
         """
         _check_size("tp_size", tp, "set tp_size to the ranks sharing each layer (1: none)")
         _check_size("pp_size", pp, "set pp_size to the pipeline stages (1: none)")
@@ -319,7 +370,16 @@ class ParallelDims:
                 )
             else:
                 dp = world // model
-        dims = cls(tp, dp, pp, sequence_parallel=sequence_parallel, dp_shard=dp_shard, cp=cp, ep=ep)
+        dims = cls(
+            tp,
+            dp,
+            pp,
+            sequence_parallel=sequence_parallel,
+            dp_shard=dp_shard,
+            cp=cp,
+            ep=ep,
+            dp_replicate=dp_replicate,
+        )
         if world is not None and dims.world != world:
             product = f"tp_size × dp_size = {tp} × {dp}"
             if pp > 1 or cp > 1:

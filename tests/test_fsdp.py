@@ -47,9 +47,13 @@ def _reference(initial: dict[str, torch.Tensor]) -> tuple[list[float], dict[str,
     return losses, model.full_state_dict()
 
 
-def _train(ps, mode: str, cfg, initial, *, dtype, low_precision=None, autocast=False):
+def _train(
+    ps, mode: str, cfg, initial, *, dtype, low_precision=None, autocast=False, after=None, **options
+):
     """The trainer's step sequence under ``mode``: this DP rank's rows in MICRO micro-batches,
-    no_sync on all but the last; returns the DP-mean losses and the full final weights."""
+    no_sync on all but the last; returns the DP-mean losses, the full final weights and
+    the masters (``options``: more of ``build_data_parallel``'s, as the hybrid groups;
+    ``after(model, dp)``: called once the steps are done, to look at what the ranks hold)."""
     model = build_model(cfg, ps, dtype=dtype)
     model.load_full_state_dict(initial)
     dp = cpu_data_parallel(
@@ -59,6 +63,7 @@ def _train(ps, mode: str, cfg, initial, *, dtype, low_precision=None, autocast=F
         bucket_size_mb=0.01,
         low_precision=low_precision,
         dp_shard=mode,
+        **options,
     )
     per_rank, losses = ROWS // ps.dp_size, []
     for step in range(STEPS):
@@ -76,6 +81,8 @@ def _train(ps, mode: str, cfg, initial, *, dtype, low_precision=None, autocast=F
         dist.all_reduce(total, group=ps.dp_group)
         losses.append(total.item() / ps.dp_size)
     dp.wait_params()
+    if after is not None:
+        after(model, dp)
     masters = {n: s["master"] for n, s in _named_states(model, dp).items() if "master" in s}
     return losses, model.full_state_dict(), masters
 

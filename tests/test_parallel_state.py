@@ -125,6 +125,7 @@ def test_initialize_takes_the_mesh_value_and_keeps_its_flags():
     try:
         assert ps.dims == ParallelDims(1, 1, sequence_parallel=True, dp_shard="optimizer")
         roles = {"grad", "batch", "loss", "replica", "expert", "expert_grad", "embedding"}
+        roles |= {"fsdp_shard", "fsdp_replicate"}  # HSDP's (one replica here)
         assert set(ps.groups) == {"pp", "dp", "cp", "tp", *roles}
         assert ps.groups["tp"] is ps.tp_group and ps.group("embedding") is None  # pp 1
     finally:

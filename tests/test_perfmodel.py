@@ -445,6 +445,59 @@ def test_fsdp_modes_price_memory_and_traffic():
     assert full["dp_comm_total_s"] > none["dp_comm_total_s"]
 
 
+def test_hsdp_prices_a_replica_shard_and_a_cross_replica_all_reduce_by_hand():
+    """HSDP (dp_replicate R): memory shards over one replica's s = dp ÷ R ranks; each
+    micro-batch gathers (forward, backward) and reduce-scatters within the replica, then
+    all-reduces the 4P/s-byte gradient shard across the R replicas. tp 1 × dp 16 = 2 × 8
+    on 8-GPU nodes: a replica is one node (NVLink), the replicas pair ranks 8 apart, one
+    per node, the node's 8 such pairs sharing its network."""
+    from studies.perfmodel.cluster_spec import Link
+    from studies.perfmodel.model import (
+        dp_traffic_bytes,
+        layer_params_per_rank,
+        params_per_rank,
+        vocab_params_per_rank,
+    )
+
+    # traffic, P = 1000, d = 4 = 2 × 2, a = 2, 3 micro-batches: within a replica of 2 the
+    # ZeRO-3 volumes at ring 1/2, plus 3 all-reduces of 4000/2 bytes at 2·(2−1)/2
+    assert dp_traffic_bytes(1000, 2, 4, "full", 3, replicate=2) == 0.5 * 3 * (
+        2 * 2000 + 4000
+    ) + 3 * (1 * 4000 / 2)
+    assert dp_traffic_bytes(1000, 2, 4, "full", 3, replicate=1) == dp_traffic_bytes(
+        1000, 2, 4, "full", 3
+    )
+    cl = load_cluster("dgx_h100")
+    assert cl.gpus_per_node == 8
+    w = Workload(hidden=4096, layers=32, heads=32, vocab=50257, seq=2048, global_batch=64)
+    lay = Layout(tp=1, dp=16, micro_batch=1, dp_shard="full", dp_replicate=2)
+    p = predict(w, lay, cl)
+    params, m = params_per_rank(w, 1), 64 // 16  # 4 micro-batches
+    in_flight = (vocab_params_per_rank(w, 1) + layer_params_per_rank(w, 1)) * 4
+    state = p.memory.weights + p.memory.gradients + p.memory.optimizer
+    assert state == pytest.approx(params * 16 / 8 + in_flight, rel=1e-12)  # 16/s, s = 8
+    eff = cl.network_efficiency
+    node = cl.intra_by_ranks.get(8, cl.intra)
+    shard = Link(node.bandwidth_Bps * eff, node.latency_s)
+    across = Link(min(cl.inter.bandwidth_Bps / 8, cl.intra.bandwidth_Bps) * eff, cl.inter.latency_s)
+    gather = 7 * shard.latency_s + params * 2 * 7 / 8 / shard.bandwidth_Bps
+    scatter = 7 * shard.latency_s + params * 4 * 7 / 8 / shard.bandwidth_Bps
+    reduce = comm.all_reduce(params * 4 / 8, 2, across, cl.collectives)
+    want = m * (2 * gather + scatter + reduce)
+    assert p.breakdown["dp_comm_total_s"] == pytest.approx(want, rel=1e-12)
+    # against ZeRO-3 over all 16: each rank holds half the shard HSDP holds
+    flat = predict(w, replace(lay, dp_replicate=1), cl)
+    assert flat.memory.optimizer == pytest.approx(p.memory.optimizer / 2, rel=1e-12)
+    from studies.perfmodel.model import layout_problems
+
+    assert layout_problems(w, replace(lay, dp_replicate=3), 16) == [
+        "dp_replicate=3 does not divide dp=16"
+    ]
+    assert layout_problems(w, replace(lay, dp_shard="optimizer"), 16) == [
+        "dp_replicate=2 needs dp_shard gradients or full"
+    ]
+
+
 def test_pipeline_step_and_memory_by_hand():
     """pp 4 with 1F1B: the step is the busy time × (1 + 3/m), the stage holds l/4 layers
     of weights and 4 micro-batches of activations (the first stage)."""

@@ -88,6 +88,8 @@ COVERED = {
     "python -m engine.pretrain experiment=llama_tiny_tp2": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
     "python -m engine.pretrain pp_size=4 tp_size=1 dp_size=1 model.num_layers=4 name=gpt_tiny_pp4": "tests/test_checkpoint.py::test_reshard_across_pipeline_stages",
     "python -m engine.pretrain tp_size=2 dp_size=2 parallel.dp_shard=full name=quickstart_zero3": "tests/test_fsdp.py::test_checkpoints_move_between_every_dp_shard_mode_exactly",
+    "python -m engine.pretrain tp_size=1 dp_size=4 parallel.dp_shard=full parallel.dp_replicate=2 "
+    "name=hsdp_2x2": "tests/test_hsdp.py::test_checkpoints_move_between_hybrid_and_none_exactly",
     "python tools/preprocess_data.py --input 'corpus/*.txt' --output-prefix data/mycorpus "
     "--vocab-size 32000 --workers 8": "tests/test_data.py::test_cli_success_and_errors",
     "python tools/preprocess_data.py --input docs.jsonl --json-key text --output-prefix "

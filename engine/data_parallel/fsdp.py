@@ -14,6 +14,13 @@ slices across the DP ranks that hold the same slices.
 Under both, every micro-batch reduce-scatters its gradients into the 1/dp shard, so
 gradient accumulation never holds whole gradients.
 
+Hybrid sharding (HSDP, ``parallel.dp_replicate=R`` > 1) puts the DP ranks on a two-axis
+mesh instead, (replicate, shard) = (R, dp ÷ R), from the mesh's ``fsdp_replicate`` and
+``fsdp_shard`` roles: torch's own HSDP. Parameters, gradients and Adam's state are then
+sharded 1/(dp ÷ R) over the ranks of one replica and replicated across the R replicas;
+each reduce-scatter within a replica is followed by an all-reduce of the shard across
+the replicas, so every rank ends with the DP mean of its shard's gradient, as at R 1.
+
 Between steps a rank holds 1/dp of the fp32 parameters (FSDP's sharded parameters are the
 master weights), of their gradients (reduce-scattered, averaged over DP) and of Adam's
 moments. In bf16 the gathers carry bf16 copies (``MixedPrecisionPolicy``) and gradients are
@@ -59,10 +66,18 @@ class FullyShardedDP(DataParallel):
         device: torch.device,
         reshard_after_forward: bool,
         low_precision: torch.dtype | None = None,
+        hybrid_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
     ) -> None:
         self.model, self.dp_group, self.tp_group = model, dp_group, tp_group
         self.reshard_after_forward = reshard_after_forward
-        self.mesh = DeviceMesh.from_group(dp_group, device.type)
+        # Where a gradient shard's squares are summed for the norm: the ranks that hold
+        # distinct shards (the DP group, or under HSDP one replica's ranks).
+        self.shard_group = dp_group
+        if group_size(hybrid_groups[1]) > 1:
+            self.mesh = _hybrid_mesh(dp_group, *hybrid_groups, device.type)
+            self.shard_group = hybrid_groups[0]
+        else:
+            self.mesh = DeviceMesh.from_group(dp_group, device.type)
         policy = MixedPrecisionPolicy(
             param_dtype=low_precision, reduce_dtype=torch.float32 if low_precision else None
         )
@@ -123,7 +138,8 @@ class FullyShardedDP(DataParallel):
 
     def grad_norm(self) -> torch.Tensor:
         """The L2 norm of the whole model's gradient: this rank's shards squared and summed
-        over DP, then over TP (replicated parameters counted on TP rank 0 only)."""
+        over DP (under HSDP over one replica's shard group: the other replicas hold the
+        same shards), then over TP (replicated parameters counted on TP rank 0 only)."""
         tp_rank = group_rank(self.tp_group)
         total = torch.zeros((), dtype=torch.float64, device=collective_device(self.dp_group))
         for p in self.params:
@@ -131,7 +147,7 @@ class FullyShardedDP(DataParallel):
                 g = local_part(p.grad)
                 wide = g.to(torch.promote_types(g.dtype, torch.float32))
                 total += wide.pow(2).sum().double().to(total.device)
-        for group in (self.dp_group, self.tp_group):
+        for group in (self.shard_group, self.tp_group):
             if group_size(group) > 1:
                 dist.all_reduce(total, group=group)
         return total.sqrt()
@@ -173,6 +189,35 @@ class FullyShardedDP(DataParallel):
     def state_bytes(self) -> int:
         tensors = [local_part(v) for st in self.optimizer.state.values() for v in st.values()]
         return sum(t.nbytes for t in tensors if torch.is_tensor(t) and t.dim() > 0)
+
+
+def _hybrid_mesh(
+    dp_group: dist.ProcessGroup,
+    shard_group: dist.ProcessGroup,
+    replicate_group: dist.ProcessGroup,
+    device_type: str,
+) -> DeviceMesh:
+    """The (replicate, shard) mesh of the DP group's ranks, made from the mesh's existing
+    hybrid groups (no new groups): row i the ranks of replica i, in rank order, as
+    ``ParallelDims`` cuts them (``HYBRID_ROLES``)."""
+    ranks = sorted(dist.get_process_group_ranks(dp_group))
+    grid = torch.tensor(ranks).view(group_size(replicate_group), group_size(shard_group))
+    me = dist.get_rank()
+    row = next(r for r in grid.tolist() if me in r)
+    column = [r[row.index(me)] for r in grid.tolist()]
+    if row != sorted(dist.get_process_group_ranks(shard_group)) or column != sorted(
+        dist.get_process_group_ranks(replicate_group)
+    ):
+        raise ValueError(
+            f"the hybrid groups of rank {me} ({row}, {column}) do not cut its DP group "
+            f"{ranks} into replicas of neighbouring ranks"
+        )
+    return DeviceMesh.from_group(
+        [replicate_group, shard_group],
+        device_type,
+        mesh=grid,
+        mesh_dim_names=("replicate", "shard"),
+    )
 
 
 def _whole_of(param: torch.Tensor, value: Any) -> bool:

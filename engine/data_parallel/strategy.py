@@ -38,10 +38,14 @@ from engine.data_parallel.zero import ZeroOptimizer
 from engine.optim import build_optimizer, compile_update, compiles_update, set_lr
 from layers.param_roles import expert_split
 from parallel_state.dims import resolve_dp_shard
+from parallel_state.groups import group_size
 
 # (ep group, expert_grad group): the mesh's "expert" and "expert_grad" roles; (None, None)
 # where experts are not split (their gradients then reduce with the dense ones).
 ExpertGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
+# (fsdp_shard group, fsdp_replicate group): the mesh's hybrid-sharding roles; (None, None)
+# or a replicate group of one rank: plain FSDP over the whole gradient group.
+HybridGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
 
 
 class AllReduceDP(DataParallel):
@@ -188,6 +192,7 @@ def build_data_parallel(
     low_precision: torch.dtype | None = None,
     dp_shard: str | None = None,
     compile_backend: str | None = None,
+    hybrid_groups: HybridGroups = (None, None),
 ) -> DataParallel:
     """The strategy of ``dp_shard`` (none, optimizer, gradients or full; by default
     ``optim.distributed``'s: optimizer or none), with its optimizer, for ``model``,
@@ -198,6 +203,10 @@ def build_data_parallel(
     ``low_precision`` (bf16 training): ZeRO-1 then stores the parameters in that dtype
     beside its fp32 master slices, FSDP gathers them in it; the all-reduce path keeps fp32
     parameters (they are its masters). The one place that looks at the mode.
+
+    ``hybrid_groups`` (the ``fsdp_shard`` and ``fsdp_replicate`` roles): under FSDP with
+    more than one replica, HSDP on their (replicate, shard) mesh; the other modes refuse
+    them (``ParallelDims`` already does, at the config).
 
     ``compile_backend`` (``model.compile_backend`` when ``model.compile=true``): the
     all-reduce path compiles its clipping and optimizer step with it, where the optimizer
@@ -211,6 +220,12 @@ def build_data_parallel(
             f"dp_shard={mode} does not yet reduce experts split over ep_size={split} over "
             "their own group; use dp_shard=none (the all-reduce path) or ep_size=1"
         )
+    hybrid = group_size(hybrid_groups[1]) > 1
+    if hybrid and mode not in ("gradients", "full"):
+        raise ValueError(
+            f"hybrid sharding replicates FSDP's shards, and dp_shard={mode} is not FSDP: "
+            "use dp_shard=full (or gradients), or one replica"
+        )
     if mode in ("gradients", "full"):
         return FullyShardedDP(
             model,
@@ -220,6 +235,7 @@ def build_data_parallel(
             device=device,
             reshard_after_forward=mode == "full",
             low_precision=low_precision,
+            hybrid_groups=hybrid_groups,
         )
     if mode not in ("none", "optimizer"):
         raise ValueError(f"dp_shard={mode!r} is not one of none, optimizer, gradients, full")

@@ -14,6 +14,8 @@ the layout the runtime holds (engine.data_parallel; docs/PERFMODEL.md derives th
   (``engine.formulas.fsdp_in_flight_bytes``: the computing unit, the largest of which may
   be the embedding-side root, and the one prefetched behind it, parameters and unsharded
   gradients at the compute width, 2 + 2 bytes in bf16).
+- HSDP (``dp_replicate`` R > 1, gradients or full): the same with d the ranks of one
+  replica, dp ÷ R: the R replicas each hold the whole sharded state.
 
 These and the activations of one layer are the runtime's formulas (``engine.formulas``:
 ``state_bytes_per_param``, ``layer_activation_bytes``, ``llama_layer_activation_bytes``);

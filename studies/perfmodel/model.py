@@ -10,7 +10,9 @@ same shape per forward GEMM), the attention core, and the element-wise traffic; 
 adds the forward of what it recomputes. TP all-reduces sit on the critical path. The DP
 gradient all-reduce (or ZeRO-1's reduce-scatter) overlaps the last micro-batch's backward
 bucket by bucket; what outlasts it is exposed. Under ZeRO-2/3 (``dp_shard`` gradients or
-full) the gathers and reduce-scatters overlap compute layer by layer (FSDP2 prefetching).
+full) the gathers and reduce-scatters overlap compute layer by layer (FSDP2 prefetching);
+under HSDP (``dp_replicate`` R > 1) they run within a replica's dp ÷ R ranks, and each
+reduce-scatter is followed by an all-reduce of the 1/(dp ÷ R) shard across the R replicas.
 See docs/PERFMODEL.md.
 """
 
@@ -120,6 +122,7 @@ class Layout:
     recompute: str = "none"
     sequence_parallel: bool = False
     dp_shard: str = "none"  # none | optimizer (ZeRO-1) | gradients (ZeRO-2) | full (ZeRO-3)
+    dp_replicate: int = 1  # HSDP replicas (gradients/full): shards span dp ÷ dp_replicate
     fused_attention: bool = True
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
@@ -134,6 +137,11 @@ class Layout:
     def zero1(self) -> bool:
         """The older name of ``dp_shard="optimizer"``."""
         return self.dp_shard == "optimizer"
+
+    @property
+    def shard_dp(self) -> int:
+        """The ranks one DP shard is split over: dp, or one HSDP replica's dp ÷ R."""
+        return self.dp // self.dp_replicate
 
     @property
     def gpus(self) -> int:
@@ -361,7 +369,7 @@ def _dp_comm_seconds(
 
 
 def dp_traffic_bytes(
-    params: float, act_bytes: int, d: int, dp_shard: str, micro_steps: int
+    params: float, act_bytes: int, d: int, dp_shard: str, micro_steps: int, replicate: int = 1
 ) -> float:
     """Bytes one rank sends per step in its DP collectives (ring volumes, (d−1)/d of each).
 
@@ -370,7 +378,18 @@ def dp_traffic_bytes(
     the gradients reduce-scattered every micro-batch; full (ZeRO-3): per micro-batch the
     parameters gathered for forward and again for backward and the gradients
     reduce-scattered (2·aP + 4P: 1.5× the all-reduce where a = 4).
+
+    HSDP (``replicate`` R > 1, gradients or full): the same within a replica's s = d ÷ R
+    ranks (ring (s−1)/s), plus per reduce-scatter a ring all-reduce of the 4P/s-byte
+    gradient shard across the R replicas (2·(R−1)/R · 4P/s).
     """
+    if replicate > 1:
+        if dp_shard not in ("gradients", "full"):
+            raise ValueError(f"dp_replicate={replicate} needs dp_shard gradients or full")
+        s = d // replicate
+        within = dp_traffic_bytes(params, act_bytes, s, dp_shard, micro_steps)
+        across = 2 * (replicate - 1) / replicate * 4 * params / s
+        return within + micro_steps * across
     ring = (d - 1) / d
     grads, gather = 4 * params, act_bytes * params
     per_mode = {
@@ -393,11 +412,15 @@ def _fsdp_comm_seconds(
     every micro-batch; ZeRO-2 gathers once per step (the parameters stay whole) and
     reduce-scatters every micro-batch.
     """
-    d, m = lay.dp, w.global_batch // (lay.dp * lay.micro_batch)
+    d, m = lay.shard_dp, w.global_batch // (lay.dp * lay.micro_batch)
     params = params_per_rank(w, lay.tp, lay.pp)
     units = pipe.stage_layers(w.layers, lay.pp) + 1  # the layers and the embedding-side unit
+    if lay.dp_replicate > 1:  # the shard group's link; its reduce-scatters then all-reduce
+        link, across = hybrid_links(lay, cluster)
     gather = comm.ring_all_gather(params * w.act_bytes, d, link)
     reduce = comm.ring_reduce_scatter(params * 4, d, link)
+    if lay.dp_replicate > 1:
+        reduce += comm.all_reduce(params * 4 / d, lay.dp_replicate, across, cluster.collectives)
     eff = cluster.overlap_efficiency
 
     def exposed(t_comm: float, t_compute: float) -> float:
@@ -410,13 +433,28 @@ def _fsdp_comm_seconds(
     return m * reduce + gather, m * exposed(reduce, bwd) + exposed(gather, fwd)
 
 
+def hybrid_links(lay: Layout, cluster: ClusterSpec) -> tuple[comm.Link, comm.Link]:
+    """(shard group, replicate group) links under HSDP: a replica is dp ÷ R neighbouring
+    dp ranks (``tp`` apart, as a DP group), so the shard group is placed as a DP group of
+    that size; the R ranks holding one shard are tp · dp ÷ R apart, each on its own node
+    once that stride fills a node, and the tp · dp ÷ R replicate groups of a node share
+    its network."""
+    s, gpn = lay.shard_dp, cluster.gpus_per_node
+    shard = comm.place_groups(lay.tp, s, gpn)[1]
+    stride = lay.tp * s
+    per_node = max(1, gpn // stride)
+    nodes = max(1, -(-lay.dp_replicate // per_node))
+    replicate = comm.GroupPlacement(lay.dp_replicate, nodes, min(stride, gpn))
+    return comm.group_link(shard, cluster), comm.group_link(replicate, cluster)
+
+
 def _optimizer_seconds(
     w: Workload, lay: Layout, cluster: ClusterSpec, speed: float, ranks: int
 ) -> float:
     """AdamW over this rank's parameters (its 1/d shard under ZeRO-1): memory-bound, plus
     on CPU ranks the measured rest of the optimizer phase (in_model.py)."""
     sharded = lay.dp_shard != "none"
-    params = params_per_rank(w, lay.tp, lay.pp) / (lay.dp if sharded else 1)
+    params = params_per_rank(w, lay.tp, lay.pp) / (lay.shard_dp if sharded else 1)
     per_param = OPTIMIZER_BYTES["fp32" if w.precision == "fp32" else "bf16"]
     per_tensor = lookup(cluster.in_model.get("optimizer_us_per_tensor", ()), (), ranks) or 0.0
     extra = per_tensor * parameter_tensors(pipe.stage_layers(w.layers, lay.pp))
@@ -426,7 +464,7 @@ def _optimizer_seconds(
 def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
     """Bytes per GPU by kind on the rank holding the most (before the fragmentation margin)."""
     params = params_per_rank(w, lay.tp, lay.pp)
-    weights, grads, opt = state_bytes_per_param(w.precision, lay.dp_shard, lay.dp)
+    weights, grads, opt = state_bytes_per_param(w.precision, lay.dp_shard, lay.shard_dp)
     in_flight = fsdp_in_flight_bytes(
         layer_params_per_rank(w, lay.tp),
         vocab_params_per_rank(w, lay.tp, lay.pp),
@@ -549,6 +587,10 @@ def layout_problems(w: Workload, lay: Layout, gpus: int) -> list[str]:
         problems.append(f"recompute={lay.recompute!r} is not one of {RECOMPUTE}")
     if lay.dp_shard not in DP_SHARD:
         problems.append(f"dp_shard={lay.dp_shard!r} is not one of {DP_SHARD}")
+    if lay.dp_replicate < 1 or lay.dp % lay.dp_replicate:
+        problems.append(f"dp_replicate={lay.dp_replicate} does not divide dp={lay.dp}")
+    elif lay.dp_replicate > 1 and lay.dp_shard not in ("gradients", "full"):
+        problems.append(f"dp_replicate={lay.dp_replicate} needs dp_shard gradients or full")
     if w.family not in PLANNED:
         problems.append(f"family={w.family!r} is not one of {PLANNED}")
     return problems + pipeline_problems(w, lay)

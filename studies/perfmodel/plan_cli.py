@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--dp", type=gpu_count, help="data-parallel size (default gpus ÷ (pp·tp))")
     pr.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     pr.add_argument("--sequence-parallel", action="store_true")
+    pr.add_argument(
+        "--dp-replicate", type=gpu_count, default=1, help="HSDP replicas (gradients/full; 1: none)"
+    )
     se = sub.add_parser("search", help="rank every layout that fits; say why others do not")
     _model_flags(se)
     se.add_argument(
@@ -170,6 +173,7 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
             "recompute": args.recompute,
             "sequence_parallel": args.sequence_parallel,
             "dp_shard": dp_shard_of(args) or "none",
+            "dp_replicate": args.dp_replicate,
         }
     )
     problems = layout_problems(w, lay, args.gpus)
@@ -190,6 +194,7 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
         return 0
     b = p.breakdown
     pipeline = f" schedule={lay.schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""
+    pipeline += f" dp_replicate={lay.dp_replicate}" if lay.dp_replicate > 1 else ""
     print(
         f"{cluster.name}: pp={lay.pp} tp={lay.tp} dp={lay.dp} micro_batch={lay.micro_batch} "
         f"recompute={lay.recompute} sp={lay.sequence_parallel} dp_shard={lay.dp_shard}{pipeline}"
