@@ -26,6 +26,13 @@ is skipped, a block within one document is unmasked, and the rest carry the mask
 reads the ids on the host (a sync per block on a GPU, where the boundaries would rather
 come from the data loader, and the kernel be a varlen one with ``cu_seqlens``).
 
+**Dropout.** ``dropout_keep`` holds this rank's query rows of the attention's keep-mask
+over the whole sequence's keys, indexed by global key position, so a (query, key) pair's
+draw does not depend on the split; each block reads its part (``_Ring._drop``). The
+probabilities are scaled after the softmax (keep / (1 − p)) while the log-sum-exp stays
+the undropped one, so the merge still normalises by the whole row; the backward scales dV
+and the gradient reaching the probabilities alike, and delta = rowsum(dO·O) holds as is.
+
 **The per-block kernel** is explicit math (``_block_forward`` / ``_block_backward``), in
 the accumulation dtype, returning the log-sum-exp: correctness first. On a GPU it is
 replaced by a kernel that returns the log-sum-exp and whose backward takes the final one:
