@@ -274,16 +274,15 @@ def _validate_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
 
 def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     """What cp > 1 does not run with yet, one line each (the sequence length is the
-    layout's rule, ``ParallelDims.check_seq_len``)."""
+    layout's rule, ``ParallelDims.check_seq_len``). It composes with tp (and sequence
+    parallelism), dp and pp (each stage gets its cp rank's share of every sequence and the
+    global positions, ``engine/pipeline/schedule.py``), and with attention dropout (the
+    ring reads the unsplit model's mask at the global positions, ``RingCoreAttention``)."""
     if dims.cp == 1:
         return []
     m, problems, at = cfg.model, [], f"cp_size={dims.cp}"
     if not family(m.arch).causal:
         problems.append(f"{at} runs the causal decoders (gpt, llama), not model.arch={m.arch}")
-    if dims.pp > 1:
-        problems.append(f"{at} with pp_size={dims.pp} is not built yet: set one of them to 1")
-    if m.attention_dropout > 0:
-        problems.append(f"{at}: ring attention draws no dropout; set model.attention_dropout=0")
     if m.compile:
         problems.append(f"{at} runs the ring eagerly: set model.compile=false")
     return problems

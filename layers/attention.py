@@ -28,10 +28,10 @@ from layers.linear import (
 )
 from layers.quantize import kv_layout
 from layers.recompute import checkpointed
-from layers.ring_attention import ring_attention
+from layers.ring_attention import ring_attention, shard_for_cp
 from layers.rotary import apply_rotary
 from layers.transformer_config import TransformerConfig
-from parallel_state.groups import group_size, resolve_tp_group
+from parallel_state.groups import group_rank, group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
 
 
@@ -142,12 +142,40 @@ class RingCoreAttention(CoreAttention):
 
     q, k, v hold this rank's share of the sequence in the load-balanced layout
     (``shard_for_cp``), already rotated at their global positions; only the KV heads
-    travel. No dropout, and nothing to recompute: the ring keeps no s×s scores.
+    travel. Nothing to recompute: the ring keeps no s×s scores.
+
+    Attention dropout draws what the unsplit model's attention draws: every cp rank draws
+    the whole ``[b, heads/tp, s, s]`` keep-mask from the sharded stream, as the unsplit
+    ``F.scaled_dot_product_attention`` does (the same draw, ``layers.dropout.dropout_mask``;
+    the cp ranks of a TP rank hold the same stream), and keeps the rows of its own queries;
+    each block then reads it at the global (query, key) positions. The split changes which
+    rank applies a pair's draw, never the draw. The price: the whole mask is drawn on each
+    rank (b·heads·s² draws, a transient s×s buffer per layer) and 1/cp of it is kept for
+    backward, one byte per element; a counter-based mask (a hash of the pair's positions)
+    would draw each block alone, but would no longer be the unsplit model's draw.
     """
 
-    def __init__(self, cp_group: dist.ProcessGroup, *, causal: bool) -> None:
-        super().__init__(0.0, causal=causal, recompute=False, rng=None)
+    def __init__(
+        self,
+        cp_group: dist.ProcessGroup,
+        *,
+        causal: bool,
+        dropout: float = 0.0,
+        rng: RNGTracker | None = None,
+    ) -> None:
+        super().__init__(dropout, causal=causal, recompute=False, rng=rng)
         self.cp_group = cp_group
+
+    def _keep_rows(self, q: torch.Tensor, p: float) -> torch.Tensor:
+        """This rank's query rows ``[b, heads, s/cp, s]`` of the keep-mask the unsplit
+        attention draws now for ``[b, heads, s, s]`` probabilities (fp32 ones under fp16 or
+        bf16, as the reference attention computes them)."""
+        cp, rank = group_size(self.cp_group), group_rank(self.cp_group)
+        b, heads, local, _ = q.shape
+        dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        probs = torch.empty((b, heads, local * cp, local * cp), dtype=dtype, device=q.device)
+        whole = dropout.dropout_mask(probs, p, rng=self.rng, sharded=True)
+        return shard_for_cp(whole, cp, rank, dim=2)
 
     def _attend(self, q, k, v, mask):
         if mask is not None and not isinstance(mask, DocumentMask):
@@ -156,8 +184,16 @@ class RingCoreAttention(CoreAttention):
                 "DocumentMask (packed documents)"
             )
         documents = None if mask is None else mask.ids  # the full rows' ids
+        p = self.dropout if self.training else 0.0
         out = ring_attention(
-            q, k, v, cp_group=self.cp_group, causal=self.causal, document_ids=documents
+            q,
+            k,
+            v,
+            cp_group=self.cp_group,
+            causal=self.causal,
+            document_ids=documents,
+            dropout_p=p,
+            dropout_keep=self._keep_rows(q, p) if p > 0 else None,
         )
         return rearrange(out, "b heads s d -> s b (heads d)")
 
@@ -205,12 +241,9 @@ class ParallelAttention(nn.Module):
             return CoreAttention(
                 cfg.attention_dropout, causal=cfg.causal, recompute=recompute, rng=rng
             )
-        if cfg.attention_dropout > 0:
-            raise ValueError(
-                f"attention_dropout={cfg.attention_dropout}: ring attention (cp > 1) draws no "
-                "dropout; set it to 0"
-            )
-        return RingCoreAttention(cp_group, causal=cfg.causal)
+        return RingCoreAttention(
+            cp_group, causal=cfg.causal, dropout=cfg.attention_dropout, rng=rng
+        )
 
     def _build_projections(self, cfg: TransformerConfig, tp_group, common: dict) -> None:
         """Multi-head: one fused ``qkv``, rows ``(heads three d)``. Grouped-query (fewer KV

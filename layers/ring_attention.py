@@ -26,6 +26,13 @@ is skipped, a block within one document is unmasked, and the rest carry the mask
 reads the ids on the host (a sync per block on a GPU, where the boundaries would rather
 come from the data loader, and the kernel be a varlen one with ``cu_seqlens``).
 
+**Dropout.** ``dropout_keep`` holds this rank's query rows of the attention's keep-mask
+over the whole sequence's keys, indexed by global key position, so a (query, key) pair's
+draw does not depend on the split; each block reads its part (``_Ring._drop``). The
+probabilities are scaled after the softmax (keep / (1 − p)) while the log-sum-exp stays
+the undropped one, so the merge still normalises by the whole row; the backward scales dV
+and the gradient reaching the probabilities alike, and delta = rowsum(dO·O) holds as is.
+
 **The per-block kernel** is explicit math (``_block_forward`` / ``_block_backward``), in
 the accumulation dtype, returning the log-sum-exp: correctness first. On a GPU it is
 replaced by a kernel that returns the log-sum-exp and whose backward takes the final one:
@@ -146,20 +153,33 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def _block_forward(q, k, v, scale: float, causal: bool, same_doc):
+def _block_forward(q, k, v, scale: float, causal: bool, same_doc, drop=None):
     """Attention of q ``[b, kv_heads, group, m, d]`` over k, v ``[b, kv_heads, n, d]``:
-    (output ``[b, kv_heads, group, m, d]``, log-sum-exp ``[b, kv_heads, group, m]``)."""
+    (output ``[b, kv_heads, group, m, d]``, log-sum-exp ``[b, kv_heads, group, m]``).
+    ``drop`` ``[b, kv_heads, group, m, n]`` (dropout: keep-mask / (1 − p)) scales the
+    probabilities after the softmax, as ``F.dropout`` of the attention weights does; the
+    log-sum-exp stays the undropped one, so the merge keeps the true normalisation."""
     s = _scores(q, k, scale, causal, same_doc)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
+    if drop is not None:
+        p = p * drop
     return torch.einsum("bhgmn,bhnd->bhgmd", p, v), lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool, same_doc):
-    """(dq, dk, dv) of one block, from the final log-sum-exp and delta = rowsum(dO·O)."""
+def _block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool, same_doc, drop=None):
+    """(dq, dk, dv) of one block, from the final log-sum-exp and delta = rowsum(dO·O).
+
+    With dropout (``drop`` as in :func:`_block_forward`): O = (P∘D)·V, so dV = (P∘D)ᵀ·dO,
+    the gradient reaching P is D∘(dO·Vᵀ), and dS = P∘(D∘(dO·Vᵀ) − delta), where delta =
+    rowsum(dO·O) still (Σₙ Pₙ·Dₙ·(dO·vₙ) = dO·O)."""
     p = torch.exp(_scores(q, k, scale, causal, same_doc) - _finite(lse)[..., None])
-    dv = torch.einsum("bhgmn,bhgmd->bhnd", p, dout)
     dp = torch.einsum("bhgmd,bhnd->bhgmn", dout, v)
+    if drop is not None:
+        dv = torch.einsum("bhgmn,bhgmd->bhnd", p * drop, dout)
+        dp = dp * drop
+    else:
+        dv = torch.einsum("bhgmn,bhgmd->bhnd", p, dout)
     ds = p * (dp - delta[..., None])
     dq = torch.einsum("bhgmn,bhnd->bhgmd", ds, k) * scale
     dk = torch.einsum("bhgmn,bhgmd->bhnd", ds, q) * scale
@@ -208,19 +228,25 @@ def _grouped(x: torch.Tensor, kv_heads: int, dtype: torch.dtype) -> torch.Tensor
 
 @dataclass(frozen=True)
 class _Ring:
-    """What one ring attention call is: its group, mask and scale."""
+    """What one ring attention call is: its group, mask and scale, and its dropout (the
+    keep-mask of this rank's query rows over the whole sequence's keys, and p)."""
 
     group: dist.ProcessGroup | None
     causal: bool
     scale: float
     documents: torch.Tensor | None  # [b, s] document ids of the full sequence
+    keep: torch.Tensor | None = None  # [b, heads, s/cp, s] bool: keys at global positions
+    p: float = 0.0
 
     def steps(self, local_len: int):
         """Per ring step, the blocks against rank ``rank − step``'s chunks, each as
-        (block, same-document mask ``[b, m, n]`` or None)."""
+        (block, same-document mask ``[b, m, n]`` or None, dropout ``[b, heads, m, n]``
+        keep-mask or None)."""
         size, rank = group_size(self.group), group_rank(self.group)
         for step in range(size):
-            yield self._blocks(rank, (rank - step) % size, size, local_len)
+            source = (rank - step) % size
+            blocks = self._blocks(rank, source, size, local_len)
+            yield [(blk, same, self._drop(blk, source, size, local_len)) for blk, same in blocks]
 
     def _blocks(self, rank: int, source: int, size: int, local_len: int):
         blocks = ring_blocks(rank, source, size, local_len, causal=self.causal)
@@ -234,6 +260,21 @@ class _Ring:
             if blk.causal or same.any():
                 kept.append((blk, None if same.all() else same))
         return kept
+
+    def _drop(self, blk: Block, source: int, size: int, local_len: int):
+        """The block's keep-mask ``[b, heads, m, n]``: this rank's query rows ``blk.q`` of
+        ``keep`` at the global positions of rank ``source``'s key rows ``blk.k``."""
+        if self.keep is None:
+            return None
+        keys = cp_positions(size * local_len, size, source, device=self.keep.device)[blk.k]
+        return self.keep[:, :, blk.q].index_select(-1, keys)
+
+    def factor(self, keep: torch.Tensor | None, kv_heads: int, dtype: torch.dtype):
+        """A block's keep-mask as the dropout factor ``[b, kv_heads, group, m, n]``: keep
+        / (1 − p) in ``dtype`` (None: no dropout)."""
+        if keep is None:
+            return None
+        return keep.unflatten(1, (kv_heads, -1)).to(dtype) * (1.0 / (1.0 - self.p))
 
 
 def _by_chunk(blocks, local_len: int, size: int) -> list[Block]:
@@ -258,10 +299,11 @@ def _ring_forward(q, k, v, ring: _Ring):
     size = group_size(ring.group)
     for step, blocks in enumerate(ring.steps(q.shape[2])):
         shift = _RingShift(kv, ring.group, _KV_TAG) if step < size - 1 else None
-        for blk, same in blocks:
+        for blk, same, keep in blocks:
             k_blk, v_blk = kv[:, :, :, blk.k].to(acc)
             q_blk = qg[..., blk.q, :]
-            o, m = _block_forward(q_blk, k_blk, v_blk, ring.scale, blk.causal, same)
+            drop = ring.factor(keep, k.shape[1], acc)
+            o, m = _block_forward(q_blk, k_blk, v_blk, ring.scale, blk.causal, same, drop)
             _merge_(out[..., blk.q, :], lse[..., blk.q], o, m)
         if shift is not None:
             kv = shift.wait()
@@ -279,10 +321,11 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
     for step, blocks in enumerate(ring.steps(q.shape[2])):
         kv_shift = _RingShift(kv, ring.group, _KV_TAG) if step < size - 1 else None
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # for the visiting chunks
-        for blk, same in blocks:
+        for blk, same, keep in blocks:
             k_blk, v_blk = kv[:, :, :, blk.k].to(acc)
             rows = (qg[..., blk.q, :], k_blk, v_blk, dog[..., blk.q, :], lse[..., blk.q])
-            grads = _block_backward(*rows, delta[..., blk.q], ring.scale, blk.causal, same)
+            drop = ring.factor(keep, kv_heads, acc)
+            grads = _block_backward(*rows, delta[..., blk.q], ring.scale, blk.causal, same, drop)
             dq[..., blk.q, :] += grads[0]
             dkv[0, :, :, blk.k] += grads[1]
             dkv[1, :, :, blk.k] += grads[2]
@@ -322,6 +365,8 @@ def ring_attention(
     causal: bool,
     scale: float | None = None,
     document_ids: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(QKᵀ·scale)·V of this rank's queries over the whole sequence's keys.
 
@@ -333,6 +378,12 @@ def ring_attention(
     ``document_ids`` ``[b, s]`` (the full sequence's, the same on every cp rank: b·s
     integers are cheaper to hold than to pass around) restricts attention to tokens of the
     same document: block-diagonal causal, or block-diagonal when not ``causal``.
+
+    Attention dropout: ``dropout_keep`` ``[b, heads, s/cp, s]`` (bool) is the keep-mask of
+    this rank's query rows (local order) over every key at its global position, so each
+    (query, key) pair's draw depends on the pair alone, not on the split: given the rows of
+    the mask the unsplit attention draws (``RingCoreAttention``), the ring computes what it
+    computes. The kept probabilities are scaled by 1/(1 − ``dropout_p``).
     """
     cp, local = group_size(cp_group), q.shape[2]
     if q.shape[1] % k.shape[1]:
@@ -344,5 +395,11 @@ def ring_attention(
             f"document_ids {tuple(document_ids.shape)} must be [batch, full sequence] = "
             f"[{q.shape[0]}, {cp * local}]"
         )
+    if dropout_keep is not None and tuple(dropout_keep.shape) != (*q.shape[:3], cp * local):
+        raise ValueError(
+            f"dropout_keep {tuple(dropout_keep.shape)} must be [batch, heads, s/cp, s] = "
+            f"[{q.shape[0]}, {q.shape[1]}, {local}, {cp * local}]"
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, _Ring(cp_group, causal, scale, document_ids))
+    ring = _Ring(cp_group, causal, scale, document_ids, dropout_keep, dropout_p)
+    return _RingAttention.apply(q, k, v, ring)

@@ -264,9 +264,12 @@ class ParallelModel(nn.Module):
         :meth:`stage_inputs` gives, ids ``[b, s]`` first)."""
         raise NotImplementedError
 
-    def rotary_for(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rotary (cos, sin) for positions 0 … s−1 of a stage's ``hidden`` (a sequence shard
-        under SP), passed to every layer; None: the layers take no rotary tables."""
+    def rotary_for(
+        self, hidden: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rotary (cos, sin) for ``positions`` ``[b, s]`` (a cp rank's global ones; None:
+        0 … s−1 of a stage's ``hidden``, a sequence shard under SP), passed to every layer;
+        None: the layers take no rotary tables."""
         return None
 
     def head(self, hidden: torch.Tensor):

@@ -10,6 +10,15 @@ loss is divided by their count before its backward (``scale_grads=False``: torch
 rescale ``.grad`` afterwards, which ZeRO-1 has already moved into its buckets), exactly
 as the unpipelined loop does, so the gradients are the mean over micro-batches.
 
+Under context parallelism (cp_size > 1) each micro-batch is cut to this cp rank's share
+of every sequence before the schedule splits it (``model.context_shard``, as the local
+runner cuts it: the load-balanced chunks r and 2·cp−1−r, labels alike) and the tokens'
+global positions travel as a keyword input of every stage: the first stage embeds at them,
+every stage's RoPE rotates at them, and each stage's attention is a ring over its cp
+group. The last stage's loss is the mean over this rank's s/cp tokens; the trainer's
+average over the ``loss`` role and the DP reduction's over ``grad`` (both dp × cp) make
+it the whole sequence's, as at pp 1.
+
 :class:`PipelineRunner` is also the trainer's step runner for pp_size > 1 (the
 ``engine.runner.StepRunner`` interface): besides the schedule it adds the stages' share to
 the gradient norm, sums the tied embedding's gradient after the DP reduction, times the
@@ -38,6 +47,7 @@ from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIG
 from engine import comm
 from engine.data_parallel import DataParallel
 from engine.models import ParallelModel
+from engine.models.base import to_device
 from engine.pipeline.stages import PipelineModel
 from parallel_state import ParallelState
 
@@ -240,6 +250,12 @@ class PipelineRunner:
     def _run(
         self, schedule, micro_batches: list, *, forward_only: bool, counted: int | None = None
     ) -> float:
+        cp_size, cp_rank = self.ps.size("cp"), self.ps.rank_in("cp")
+        if cp_size > 1:  # this cp rank's share of every sequence, at its global positions
+            micro_batches = [
+                self.model.context_shard(to_device(m, self.ps.device), cp_size, cp_rank)
+                for m in micro_batches
+            ]
         args, kwargs, target = self.model.schedule_inputs(micro_batches, self.ps.device)
         args = args if self.model.is_first else ()  # the others receive their inputs
         losses: list[torch.Tensor] = []
@@ -268,4 +284,6 @@ class PipelineRunner:
         return f"pipeline schedule (stage {stage})", "pp"
 
     def console_note(self) -> str:
-        return f" pp={self.ps.size('pp')} ({self.name}, {self.model.num_stages} stages)"
+        cp = self.ps.size("cp")
+        ring = f" cp={cp} (ring attention)" if cp > 1 else ""
+        return f" pp={self.ps.size('pp')} ({self.name}, {self.model.num_stages} stages){ring}"

@@ -8,8 +8,8 @@ head; an encoder's MLM transform and head, pooler and sentence-order head). The 
 answers what the cut asks (``engine.models.base.ParallelModel``'s hooks): the first
 stage's embedding, the rotary tables, the heads' outputs, the schedule's inputs and the
 micro-batch loss; the cut runs them on each stage and names no family. Keyword inputs
-(an encoder's padding mask) are no activations: every stage gets its micro-batch's from
-the batch. Pipeline rank ``r`` holds stages ``r, r + pp, …`` (the loop placement
+(an encoder's padding mask; under context parallelism a decoder's global positions) are no
+activations: every stage gets its micro-batch's from the batch. Pipeline rank ``r`` holds stages ``r, r + pp, …`` (the loop placement
 ``ScheduleInterleaved1F1B`` expects), or under a V schedule (ZB-V, DualPipeV) stages ``r``
 and ``2·pp − 1 − r`` (``split.stages_of_rank``). Parameters keep their full names
 (``layers.7.mlp…``), so checkpoints and the verifier see the unsplit model at any pp.
@@ -63,11 +63,21 @@ class StageChunk(nn.Module):
             self.add_module(name, getattr(owner, name))
         self._owner = (owner,)  # a tuple: the owner is not a submodule of its chunk
 
-    def forward(self, *inputs: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    def forward(
+        self,
+        *inputs: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ):
         owner = self._owner[0]
-        x = owner.embed(*inputs) if self.first else inputs[0]  # [s(/tp), b, h]
+        if not self.first:
+            x = inputs[0]  # [s(/tp), b, h]
+        elif positions is None:
+            x = owner.embed(*inputs)
+        else:  # a cp rank's share: its tokens at their global positions
+            x = owner.embed(*inputs, positions=positions)
         mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
-        rotary = owner.rotary_for(x)
+        rotary = owner.rotary_for(x, positions)
         for layer in self.layers:
             x = layer(x, mask) if rotary is None else layer(x, mask, None, rotary)
         return owner.head(x) if self.last else x
@@ -143,13 +153,22 @@ class PipelineModel(ParallelModel):
     def stored_elsewhere(self) -> tuple[str, ...]:
         return ("embedding.word.weight",) if self.holds_tied_copy else ()
 
-    def rotary_for(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The model's rotary tables for ``hidden`` (None: its layers take none)."""
-        return self._hooks.rotary_for(self, hidden)
+    def rotary_for(
+        self, hidden: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The model's rotary tables for ``hidden`` at ``positions`` (None: its layers take
+        none)."""
+        return self._hooks.rotary_for(self, hidden, positions)
 
-    def embed(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """The first stage's hidden ``[s(/tp), b, h]`` of the schedule's positional inputs."""
-        return self._hooks.embed(self, *inputs)
+    def embed(self, *inputs: torch.Tensor, **keywords: torch.Tensor) -> torch.Tensor:
+        """The first stage's hidden ``[s(/tp), b, h]`` of the schedule's positional inputs
+        (and ``positions``, a cp rank's)."""
+        return self._hooks.embed(self, *inputs, **keywords)
+
+    def context_shard(self, batch, cp_size: int, cp_rank: int):
+        """The model's :meth:`~engine.models.base.ParallelModel.context_shard`: cp rank
+        ``cp_rank``'s share of a micro-batch, with its tokens' global positions."""
+        return self._hooks.context_shard(self, batch, cp_size, cp_rank)
 
     def head(self, hidden: torch.Tensor):
         """The last stage's outputs (the model's heads: vocab-sharded logits ``[s, b, V/tp]``,

@@ -1,8 +1,10 @@
 """The target side of layout equivalence through the pipeline: the model cut into
 ``pp × virtual`` stages and trained by its schedule, compared with the unsplit reference.
 
-Each DP rank's slice is cut into ``spec.microbatches`` micro-batches; the loss is their
-mean (the last stage's, broadcast), the gradients are DP-averaged, the tied embedding's
+Each DP rank's slice is cut into ``spec.microbatches`` micro-batches (under cp the runner
+gives each stage its cp rank's share of every sequence, at global positions); the loss is
+their mean (the last stage's, broadcast, then averaged over the loss role: dp × cp), the
+gradients are averaged over the grad role (dp × cp), the tied embedding's
 copies summed, and every gradient is gathered to full shape over TP and the stages.
 ``mutate_runner(runner)`` may plant a fault in the hand-off between stages.
 
@@ -109,14 +111,15 @@ class StageCapture(OutputCapture):
 
     def merged(self, ps: ParallelState) -> dict:
         """Every output at full shape (module outputs with their micro-batches joined in
-        order: this DP rank's slice), from every stage (collective over TP, DP and PP)."""
+        order: this DP rank's slice; cp shares put back in sequence order), from every stage
+        (collective over TP, CP, DP and PP)."""
         for name, micros in self.per_micro.items():
             parts = [micros[j] for j in sorted(micros)]
             joined = torch.cat(parts, dim=1 if parts[0].dim() == 3 else 0)  # [s, b, …] / [b, …]
             self.outputs[name] = (joined, *self.layout[name])
         for key, tensor in self.handoffs.items():
             self.outputs[key] = (tensor, *self.layout[key])
-        full = self.gathered(ps.tp_group, ps.dp_group)
+        full = self.gathered(ps.tp_group, ps.dp_group, ps.group("cp"))
         merged: dict = {}
         for part in comm.all_gather_object(full, ps.pp_group):
             merged.update(part)
@@ -183,7 +186,7 @@ def pipeline_steps(
             grads = stages.full_grad_dict()  # over TP and the stages
             outputs = capture.merged(ps)
             capture.remove()
-        yield comm.mean(loss, ps.dp_group, ps.device), grads, outputs
+        yield comm.mean(loss, ps.group("loss"), ps.device), grads, outputs
         dp.step()
         dp.zero_grad()
     dp.remove()

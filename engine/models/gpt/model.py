@@ -136,16 +136,22 @@ class GPTModel(ParallelModel):
 
     # The pipeline cut's hooks (ParallelModel): a stage runs them on itself.
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The first stage's hidden ``[s(/tp), b, h]`` of ids ``[b, s]``."""
-        return self.embedding(input_ids)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The first stage's hidden ``[s(/tp), b, h]`` of ids ``[b, s]`` (at ``positions``
+        ``[b, s]``, a cp rank's global ones, else 0 … s−1)."""
+        return self.embedding(input_ids, positions=positions)
 
-    def rotary_for(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(cos, sin) for positions 0 … s−1 of ``hidden`` (a sequence shard under SP)."""
+    def rotary_for(
+        self, hidden: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) for ``positions`` ``[b, s]`` (a cp rank's global ones), else for
+        positions 0 … s−1 of ``hidden`` (a sequence shard under SP)."""
         if not self.rotary:
             return None
-        seq = hidden.shape[0] * (group_size(self.tp_group) if self.cfg.sequence_parallel else 1)
-        positions = torch.arange(seq, device=hidden.device).expand(hidden.shape[1], -1)
+        if positions is None:
+            tp = group_size(self.tp_group) if self.cfg.sequence_parallel else 1
+            seq = torch.arange(hidden.shape[0] * tp, device=hidden.device)
+            positions = seq.expand(hidden.shape[1], -1)
         return rotary_tables(self.inv_freq, positions, hidden.dtype)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -155,11 +161,14 @@ class GPTModel(ParallelModel):
 
     def stage_inputs(self, micro_batches: list, device: torch.device) -> tuple:
         """Token windows ``[b, s+1]`` or ``{"input_ids", "labels"}``: the ids go to the first
-        stage, the labels are the target; no keyword inputs."""
+        stage, the labels are the target. A cp rank's share (:meth:`context_shard`) also
+        has ``"positions"``, its tokens' global ones: a keyword input of every stage (the
+        first embeds at them, every stage rotates at them)."""
         batch = stack_batches([next_token_pairs(to_device(m, device)) for m in micro_batches])
         if "document_ids" in batch:  # engine/config.py refuses it before any worker starts
             raise ValueError("document_ids do not travel between pipeline stages yet (pp 1)")
-        return (batch["input_ids"],), {}, batch["labels"]
+        keywords = {"positions": batch["positions"]} if "positions" in batch else {}
+        return (batch["input_ids"],), keywords, batch["labels"]
 
     def stage_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss of the logits ``[s, b, V/tp]`` against labels ``[b, s]``."""
