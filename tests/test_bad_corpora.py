@@ -91,6 +91,7 @@ def _texts(n: int) -> list[str]:
 # ---------------------------------------------------------------- item 1: cut .zst files
 
 
+@pytest.mark.slow
 def test_cut_zst_files_are_errors_as_cut_gzip_files_are(tokenizer, tmp_path, capsys):
     """A .txt.zst cut at 2/3 of its bytes, and a two-frame .jsonl.zst whose second frame is
     cut, used to read as shorter whole files (exit 0). zstandard's stream_reader says

@@ -912,6 +912,7 @@ def test_pretrain_refuses_a_fifo_or_directory_as_data_as_such(
 
 
 @pytest.mark.parametrize("named", [True, False])
+@pytest.mark.slow
 def test_pretrain_refuses_a_fifo_tokenizer_without_reading_it(inputs, tmp_path, named):
     """In a real process: before the fix it waited for a writer for ever (the timeout).
     Named (data.tokenizer=) or the default beside the data (PREFIX.tokenizer.json)."""

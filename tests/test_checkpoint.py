@@ -611,6 +611,7 @@ def test_pickle_payload_is_never_executed(tmp_path, plant):
 # ------------------------------------------------------------------------------ the CLI
 
 
+@pytest.mark.slow
 def test_inspect_convert_and_export_cli(tmp_path, capsys):
     model, optimizer = _model_and_optimizer()
     _train_step(model, optimizer, 1)
@@ -802,6 +803,7 @@ def _one_rank_cannot_read(root: str) -> str:
     return "loaded"
 
 
+@pytest.mark.slow
 def test_an_error_on_one_rank_reaches_every_rank_without_a_hang(tmp_path):
     # 60 s is far more than a load of this model takes; a rank left waiting in the
     # agreement all-gather would instead sit there until the 600 s collective timeout.

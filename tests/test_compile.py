@@ -105,6 +105,7 @@ def test_whole_step_compiles_to_one_graph_tp1():
     assert err <= TOL, f"dropout: {worst}: {err:.2e}"
 
 
+@pytest.mark.slow
 def test_full_recompute_is_traced_whole_without_dropout_tp1():
     """Without dropout there is no RNG to replay: the checkpoint is traced into the graph."""
     worst, err, graphs, breaks = _compare("aot_eager", recompute="full")
@@ -112,6 +113,7 @@ def test_full_recompute_is_traced_whole_without_dropout_tp1():
     assert err <= TOL, f"{worst}: {err:.2e}"
 
 
+@pytest.mark.slow
 def test_dropout_is_traced_and_draws_eagers_masks_tp1():
     """Dropout 0.1 (embedding, attention on the sharded stream, residuals), with and without
     recomputation: one graph, and eager's masks (a mask from another stream, or redrawn in
@@ -197,6 +199,7 @@ def _compiled_draws() -> dict[str, bool]:
     }
 
 
+@pytest.mark.slow
 def test_compiled_dropout_keeps_the_tp_streams():
     """At TP=2, in one compiled graph (no break): replicated dropout draws the same mask on
     both TP ranks, sharded dropout and attention dropout a mask of each rank's own (the
@@ -290,6 +293,7 @@ def _graphs_with_step_timer(tp: int) -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
+@pytest.mark.slow
 def test_step_timer_does_not_break_the_compiled_graph():
     """The trainer hands the layers its TP clock (engine.step_timer); its host clock reads
     would break a compiled graph at every collective, so a compiled step leaves them out:

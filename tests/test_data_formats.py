@@ -101,6 +101,7 @@ def _build_megatron(mcore, prefix: Path, docs: list[np.ndarray], dtype=np.uint16
 # ---------------------------------------------------------------- Megatron, read
 
 
+@pytest.mark.slow
 def test_megatron_core_pair_trains(corpus, tmp_path: Path) -> None:
     """A pair from megatron-core's builder: the same ids per document, the same batches as
     our own pair of the same documents, and a real two-step ``python -m engine.pretrain``."""
@@ -405,6 +406,7 @@ def test_compressed_and_parquet_inputs_give_plain_jsonl_tokens(corpus, plain_jso
     )
 
 
+@pytest.mark.slow
 def test_bad_corpora_are_one_line(corpus, tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -151,6 +151,7 @@ def _compiled_update_run(grads: list[list[torch.Tensor]], lrs: list[float], stop
     return {"graphs": graphs, "whole": worst(whole), "resumed": worst(resumed)}
 
 
+@pytest.mark.slow
 def test_compiled_update_matches_torch_adamw():
     """fp32, 1e-6 relative per parameter tensor: the compiled update against torch's eager
     AdamW and clip_grad_norm_ on identical gradients (every step clips: the gradients'
@@ -250,6 +251,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-300)).item()
 
 
+@pytest.mark.slow
 def test_zero1_reduce_scatter_overlaps_backward_and_all_gather_overlaps_forward():
     """One parameter per bucket: when backward reaches the probe (before fc2 and fc1), the
     head's buckets are already reduce-scattering; after the step no all-gather was waited
@@ -307,6 +309,7 @@ def _memory() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
     """ZeRO-1 training in bf16: 2 (bf16 parameters) + 4 (fp32 gradient buffer) + 12/d
     (fp32 master slice, exp_avg, exp_avg_sq) = 6 + 12/d bytes per parameter, counted from
@@ -359,6 +362,7 @@ def _bf16_zero_then_plain(cfgs) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_bf16_zero1_trains_and_its_masters_resume_the_fp32_path(tmp_path):
     """Exact: bf16 parameters are the all-gathered fp32 masters rounded once; the fp32
     all-reduce run resumed from that checkpoint starts from the masters themselves."""
@@ -388,6 +392,7 @@ def test_bf16_zero1_trains_and_its_masters_resume_the_fp32_path(tmp_path):
         }, r
 
 
+@pytest.mark.slow
 def test_zero1_without_overlap_communicates_only_between_passes():
     """trainer.overlap_grad_reduce=false: no reduce-scatter during backward, and the step
     returns with every all-gather done; the gradients are the same (1e-12)."""

@@ -177,6 +177,7 @@ def _grad_norms(sequence_parallel: bool) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.slow
 def test_global_grad_norm_matches_serial(sequence_parallel):
     """fp64: the sharded/replicated bookkeeping must reproduce the serial norm to 1e-12."""
     for got, want in run_ranks(_grad_norms, 4, sequence_parallel):

@@ -194,6 +194,7 @@ def test_a_run_in_which_no_step_succeeded_exits_non_zero(corpus, tmp_path):
 # ------------------------------------------------------------ lost latest and pruning
 
 
+@pytest.mark.slow
 def test_missing_latest_resumes_from_the_newest_verified_checkpoint(corpus, good_run, tmp_path):
     """A copy without ``latest`` (as rsync may make): the run resumes from step 4, the
     newest checkpoint that verifies, and its first save prunes step 2 saying why."""
@@ -405,6 +406,7 @@ def test_checkpoint_dir_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(
     assert sorted(p.name for p in root.iterdir()) == [".lock"]
 
 
+@pytest.mark.slow
 def test_a_second_run_in_one_checkpoint_dir_is_refused_up_front(corpus, tmp_path):
     """While a run holds checkpoint.dir, ``python -m engine.pretrain`` on it exits 2 with
     one line naming the holder (host, PID), before any worker, leaving nothing behind."""

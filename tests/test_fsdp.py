@@ -149,6 +149,7 @@ def _bf16_full_vs_optimizer() -> dict:
     }
 
 
+@pytest.mark.slow
 def test_bf16_full_matches_bf16_zero1():
     """bf16 under autocast, 5 steps: FSDP gathers bf16 casts of its fp32 master shards,
     ZeRO-1 keeps bf16 parameters rounded from its fp32 master slices: the same bf16 values
@@ -194,6 +195,7 @@ def _held_between_layers(d: int) -> dict:
 
 
 @pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.slow
 def test_zero3_holds_a_1_over_d_shard_of_every_layer_not_running(d):
     """While layer k runs its forward, every earlier layer is back to its DP shard: at most
     ⌈rows/d⌉ of each parameter's dim-0 rows on this rank (≤ 1/d of its elements, up to the
@@ -354,6 +356,7 @@ def _fsdp_memory() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_fsdp_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
     """What one rank holds per parameter, counted from the storages themselves, against
     engine.formulas.state_bytes_per_param (derived in docs/PERFMODEL.md, "Memory per GPU"):

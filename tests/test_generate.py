@@ -36,6 +36,7 @@ def _samples(sequence_parallel: bool) -> tuple[list[int], list[int], list[int]]:
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.slow
 def test_tp2_samples_the_same_tokens_as_tp1(sequence_parallel):
     for split, serial, other_seed in run_ranks(_samples, 2, sequence_parallel):
         assert split == serial  # same weights, same seed: the same 43 ids on every TP rank
@@ -166,6 +167,7 @@ def _tokens_at_tp_1_2_4() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_same_tokens_at_tp_1_2_4_greedy_and_seeded_sampling():
     # float64 logits: TP changes only summation order (~1e-16), far from any sampling boundary.
     results = _run_ranks(_tokens_at_tp_1_2_4, 4)

@@ -191,6 +191,7 @@ def _state_in_layers(implicit: bool) -> tuple[set[bool], list[str]]:
     return handed, implicit_uses
 
 
+@pytest.mark.slow
 def test_build_model_hands_the_state_to_every_layer():
     """``build_model(cfg, state)``: every layer gets the state's TP group and RNG tracker
     (dropout and selective recompute on, so the tracker is really drawn from) and nothing

@@ -315,14 +315,8 @@ def _pipelined_eval(dp_shard: str, batches: int) -> tuple[float, float]:
     return got, want / batches
 
 
-@pytest.mark.parametrize(
-    "dp_shard",
-    [
-        pytest.param("none", marks=pytest.mark.slow),
-        pytest.param("optimizer", marks=pytest.mark.slow),
-        "full",
-    ],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("dp_shard", ["none", "optimizer", "full"])
 def test_pipelined_evaluation_runs_the_same_forwards_on_every_rank(dp_shard):
     """Issue 39: at pp 2 × dp 2 with FSDP, evaluation over a batch count that is no
     multiple of dp froze (a rank with fewer micro-batches skipped a forward whose parameter

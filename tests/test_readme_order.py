@@ -19,6 +19,7 @@ import dataclasses
 import shlex
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -115,6 +116,7 @@ def _run_on_paper(command: str, cfg: Config, status: int, folders: Folders) -> l
     return []
 
 
+@pytest.mark.slow
 def test_readme_commands_in_order_neither_refused_nor_idle():
     commands = readme_commands_in_order()
     trained = [c for c in commands if "engine.pretrain" in shlex.split(c) and "…" not in c]

@@ -457,7 +457,8 @@ def _compiled_loss_checks(tp: int) -> dict[str, object]:
     return worst
 
 
-@pytest.mark.parametrize("tp", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 3])
 def test_compiled_cross_entropy_matches_f_cross_entropy_across_tp(tp):
     """At TP > 1 the traced loss reduces each shard to its own max and sum of exponentials
     and sends every rank's statistics in one all-reduce: the same loss and gradients as
