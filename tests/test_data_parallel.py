@@ -79,6 +79,7 @@ def _strategies_vs_reference() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_both_strategies_match_the_unsplit_reference():
     """fp64, 1e-10: dp=2 × 2 micro-batches (no_sync on the first) against one process on
     the whole batch with torch's own AdamW and clip_grad_norm_. Only the summation order

@@ -146,6 +146,7 @@ def _fp16_forever(cfg: Config) -> dict:
     return run_worker(cfg)
 
 
+@pytest.mark.slow
 def test_fp16_scaler_skipping_forever_hits_max_bad_steps(corpus, tmp_path):
     """A loss scale of 1e38 overflows every step (the scaled loss alone is near fp32's max);
     the scaler halves it and skips, which took 120 steps to recover from and would never
@@ -179,6 +180,7 @@ def _every_loss_nan(cfg: Config) -> dict:
     return run_worker(cfg)
 
 
+@pytest.mark.slow
 def test_a_run_in_which_no_step_succeeded_exits_non_zero(corpus, tmp_path):
     """2 steps, both NaN, fewer than trainer.max_bad_steps=10: the streak never reaches the
     limit, yet the run must not end as a success (it used to, exit 0)."""
@@ -643,6 +645,7 @@ def _run_all(cfgs: list[Config]) -> list:
     return [run_worker(cfg).get("history") for cfg in cfgs]
 
 
+@pytest.mark.slow
 def test_extending_max_steps_with_a_fixed_schedule_is_bitwise_the_longer_run(corpus, tmp_path):
     """The README's example, scaled down: a run to step 4 (decay_steps unset, so the
     cosine spans 4 - 1 warmup = 3 steps), re-run with trainer.max_steps=6 and

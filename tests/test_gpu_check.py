@@ -40,7 +40,7 @@ def rehearsal(tmp_path_factory):
 
 
 # slow as pyproject defines it (about 50 s on idle cores: six subprocesses, each importing
-# torch); the budget, kill and argument tests below stay in the edit-test loop.
+# torch); the budget and kill tests below (about 3 s each) are slow too, the argument test not.
 @pytest.mark.slow
 def test_rehearsal_runs_every_item_and_writes_the_table(rehearsal):
     done, out = rehearsal
@@ -84,6 +84,7 @@ def test_rehearsal_runs_every_item_and_writes_the_table(rehearsal):
     assert not (out / "unused").exists()  # --out wins over $OUT
 
 
+@pytest.mark.slow
 def test_a_spent_budget_skips_every_item_and_still_writes(tmp_path):
     done = _run("--rehearse", "--budget", "1", "--out", str(tmp_path), tmp=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -92,6 +93,7 @@ def test_a_spent_budget_skips_every_item_and_still_writes(tmp_path):
     assert all("budget spent (1 s)" in item["note"] for item in doc["items"])
 
 
+@pytest.mark.slow
 def test_an_item_past_its_limit_is_killed_with_its_children(tmp_path):
     pid_file = tmp_path / "grandchild.pid"
     script = (

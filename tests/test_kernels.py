@@ -715,6 +715,7 @@ def test_one_auto_rule_for_ops_and_the_model_kernel_set():
         assert (not torch.equal(leaf.detach(), logits)) is overwrites, name
 
 
+@pytest.mark.slow
 def test_bench_kernels_smoke(tmp_path, monkeypatch):
     """tools/bench_kernels.py --smoke: runs every kernel, checks it against torch, writes files."""
     import importlib.util

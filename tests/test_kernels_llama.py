@@ -331,6 +331,7 @@ def _both_on_tp2(sequence_parallel: bool) -> dict[str, float]:
     )
 
 
+@pytest.mark.slow
 def test_tiny_llama_triton_kernels_at_tp2_with_sequence_parallelism():
     """TP=2 (gloo, CPU): SwiGLU on each rank's half of the interleaved gate/up columns,
     RMSNorm on sequence shards with its weight gradient summed over TP."""

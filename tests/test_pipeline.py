@@ -87,6 +87,7 @@ def _fast(specs: list[VerifySpec]) -> tuple:
     return _compare(specs), two_chunk_eval("interleaved_1f1b")[1:]
 
 
+@pytest.mark.slow
 def test_pp2_schedules_match_unsplit_gpt_and_bert():
     """BERT: token types on stage 0, the MLM and sentence-order heads and the tied word
     embedding on stage 1, the padding mask given to both (the batch pads its rows, so a
@@ -226,6 +227,7 @@ def _timed_step() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_step_timing_splits_the_step_into_compute_and_wait():
     """Behaviour, not speed: both parts are measured and add up to the step's wall time."""
     for t in run_ranks(_timed_step, 2, timeout=300):
@@ -261,6 +263,7 @@ def _first_and_later_step_draws() -> tuple[list[float], bool]:
     return losses, same
 
 
+@pytest.mark.slow
 def test_shape_inference_draws_no_random_numbers():
     """With dropout, a schedule's first step draws the same masks as any later step from
     the same random state: the shape inference torch runs before it leaves the RNG

@@ -311,6 +311,7 @@ def _divisibility_errors() -> None:
     VocabParallelEmbedding(pad_vocab_size(50, 3), 8)  # the suggested fix works
 
 
+@pytest.mark.slow
 def test_initialization_and_errors():
     for tp in (2, 3):
         run_ranks(_init_matches_serial, tp, tp)
