@@ -251,9 +251,17 @@ class ParallelDims:
     def live_axes(self, *names: str) -> list[str]:
         """The mesh axes the roles or axes ``names`` span that have more than one rank, in
         the order the names give them (the first spanned axis when none has): how a group
-        is named to a user, so the gradient role at cp 1 reads "dp", not "dp and cp"."""
-        axes = list(dict.fromkeys(a for name in names for a in self.axes_of(name)))
-        return [a for a in axes if self.sizes[a] > 1] or axes[:1]
+        is named to a user, so the gradient role at cp 1 reads "dp", not "dp and cp". A
+        role carved from the grad ranks (:data:`EXPERT_ROLES`, :data:`HYBRID_ROLES`) is no
+        axis: it is named itself, after the axes, when its groups have more than one rank
+        (the ep all-to-alls of ``("grad", "expert")`` at dp 2, ep 2 read "dp and expert")."""
+        carved = [n for n in names if n in EXPERT_ROLES or n in HYBRID_ROLES]
+        axes = list(
+            dict.fromkeys(a for name in names if name not in carved for a in self.axes_of(name))
+        )
+        live = [a for a in axes if self.sizes[a] > 1]
+        live += [n for n in dict.fromkeys(carved) if self.size_of(n) > 1]
+        return live or axes[:1] or carved[:1]
 
     def size_of(self, name: str | tuple[str, ...]) -> int:
         """How many ranks a group of ``name`` (a role, an axis or axes) holds."""
