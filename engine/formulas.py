@@ -201,6 +201,33 @@ def llama_flops_per_iteration(
     return layer_passes * layers * (projections + attention) + 3 * lm_head
 
 
+def moe_mlp_forward_flops(
+    tokens: int,
+    hidden: int,
+    *,
+    num_experts: int,
+    top_k: int,
+    expert_ffn: int,
+    matrices: int,
+    shared_ffn: int = 0,
+    shared_gate: bool = False,
+) -> int:
+    """Matmul FLOPs of one mixture-of-experts MLP's forward on ``tokens`` tokens, counted by
+    active parameters: the router GEMM (h×E), each token's ``top_k`` experts (``matrices``
+    h×f_e-sized matrices each: 3 for SwiGLU, 2 for GeLU), the shared expert (the same
+    matrices, ``shared_ffn`` wide; 0: none) and its sigmoid gate (h×1)::
+
+        2·T·(h·E + k·m·h·f_e + m·h·f_s + h·[gate])
+
+    Every chosen slot counts, also one a capacity factor drops (model FLOPs, as the dense
+    attention's masked half counts); the permutation and the weighted sum are no matmuls.
+    """
+    per_token = hidden * num_experts + top_k * matrices * hidden * expert_ffn
+    if shared_ffn:
+        per_token += matrices * hidden * shared_ffn + (hidden if shared_gate else 0)
+    return 2 * tokens * per_token
+
+
 def llama_params_count(
     layers: int,
     hidden: int,

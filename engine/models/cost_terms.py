@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from engine.formulas import moe_mlp_forward_flops
 from engine.models.config import ModelConfig
 
 
@@ -17,12 +18,19 @@ def config_flops(
     *,
     vocab: int,
     recompute: bool,
+    mlp_matrices: int = 2,
     **family_terms,
 ) -> int:
     """``formula(batch, seq, layers, hidden, vocab, recompute=, ffn_hidden=, **family_terms)``
     with ``cfg``'s layers, hidden and FFN widths: forward + backward matmul FLOPs on
-    ``batch`` sequences, the head ``vocab`` wide."""
-    return formula(
+    ``batch`` sequences, the head ``vocab`` wide.
+
+    With ``cfg.mlp == "moe"`` each MoE layer (every ``moe_layer_freq``-th) counts its
+    experts by active parameters (``engine.formulas.moe_mlp_forward_flops``: router, top-k
+    experts, shared expert) in place of the dense MLP the family's formula counted
+    (``mlp_matrices`` h×f matrices: 2 for GPT's and BERT's, 3 for Llama's SwiGLU), with the
+    formula's passes (3: forward and backward; 4 with recomputation)."""
+    total = formula(
         batch,
         seq,
         cfg.num_layers,
@@ -32,6 +40,22 @@ def config_flops(
         ffn_hidden=cfg.ffn_size,
         **family_terms,
     )
+    if cfg.mlp != "moe":
+        return total
+    tokens, h = batch * seq, cfg.hidden_size
+    moe_layers = sum((i + 1) % cfg.moe_layer_freq == 0 for i in range(cfg.num_layers))
+    experts = moe_mlp_forward_flops(
+        tokens,
+        h,
+        num_experts=cfg.moe_num_experts,
+        top_k=cfg.moe_top_k,
+        expert_ffn=cfg.moe_ffn_size,
+        matrices=3 if cfg.activation == "swiglu" else 2,
+        shared_ffn=cfg.moe_shared_ffn_hidden_size,
+        shared_gate=cfg.moe_shared_gate,
+    )
+    dense = 2 * tokens * mlp_matrices * h * cfg.ffn_size
+    return total + (4 if recompute else 3) * moe_layers * (experts - dense)
 
 
 def config_activation_bytes(

@@ -21,7 +21,8 @@ def model_flops(
     cfg: ModelConfig, batch: int, seq: int, *, vocab: int, recompute: bool = False
 ) -> int:
     """Forward + backward matmul FLOPs on ``batch`` sequences, LM head ``vocab`` wide:
-    SwiGLU's three matrices, the K/V projection ``kv_heads · head_dim`` wide."""
+    SwiGLU's three matrices, the K/V projection ``kv_heads · head_dim`` wide; a MoE
+    layer's experts by active parameters (``config_flops``)."""
     return config_flops(
         llama_flops_per_iteration,
         cfg,
@@ -29,6 +30,7 @@ def model_flops(
         seq,
         vocab=vocab,
         recompute=recompute,
+        mlp_matrices=3,
         kv_width=cfg.kv_heads * cfg.head_dim,
     )
 
