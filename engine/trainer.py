@@ -10,7 +10,7 @@ from dataclasses import asdict
 import torch
 from rich.markup import escape
 
-from engine import comm, flops
+from engine import comm, flops, moe_observe
 from engine.checkpoint.run import RunCheckpoints, tensorboard_dir
 from engine.config import Config, resolve_precision
 from engine.data.run_data import build_run_data
@@ -41,10 +41,10 @@ def cap_device_memory(cap_gib: float, device: torch.device) -> None:
 def model_groups(ps: ParallelState) -> tuple[str, ...]:
     """The roles and axes whose groups the model's own collectives use: TP's, and the
     gradient group's where it works inside forward and backward (its buckets at tp=1,
-    FSDP's gathers when DP shards gradients or parameters)."""
+    FSDP's gathers when DP shards gradients or parameters), the MoE ep all-to-alls' expert."""
     fsdp = ps.dims.dp_shard in ("gradients", "full") and ps.size("grad") > 1
-    if ps.size("tp") == 1:
-        return ("grad",)
+    if ps.size("tp") == 1:  # MoE runs at tp 1 only
+        return ("grad", "expert") if ps.size("expert") > 1 else ("grad",)
     return ("tp", "grad") if fsdp else ("tp",)
 
 
@@ -231,14 +231,14 @@ class Trainer:
             peak_flops=self.peak_flops,
             device=self.device,
         )
-        line = format_step_line(self.step, t.max_steps, metrics)
         metrics |= breakdown_metrics(window)
-        line += format_breakdown(metrics)
+        line = format_step_line(self.step, t.max_steps, metrics) + format_breakdown(metrics)
         if self.scaler:
             skipped = int(sum(m["skipped"] for m in window))
             line += f"  (skipped {skipped} overflow steps, loss scale {self.scaler.scale:g})"
         self.logger.print(line)
         self.logger.scalars(self.step, metrics)
+        moe_observe.log_moe(self.runner, self.step, self.logger)  # MoE runs: a line more
 
     def fit(self) -> dict:
         """Train for ``trainer.max_steps`` steps, evaluate, save and sample; return a summary."""
@@ -339,7 +339,7 @@ class Trainer:
             "history": self.history,
             "eval": summary["eval"],
         }
-        self.timer.write(t.metrics_file, header, extras)
+        self.timer.write(t.metrics_file, header, extras | moe_observe.moe_metrics(self.runner))
 
     def _report_eval(self) -> dict[str, float] | None:
         result = self.evaluate()

@@ -15,7 +15,8 @@ this rank), divided by the micro-batch count with it: the objective is the mean 
 step's micro-batches and (by the DP average) its ranks of (model loss + router losses),
 the same at every ep size, since each rank routes its own tokens at every ep size. The
 step's reported loss stays the model's (comparable with evaluation and dense runs); the
-router losses' step mean is ``router_loss``."""
+router losses' step mean is ``router_loss``. Each micro-batch's router statistics also go
+to ``moe_window`` (``engine.moe_observe``: the console's moe line; None for a dense model)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from engine import comm
 from engine.data.loader import DataIterator
 from engine.data_parallel import DataParallel
 from engine.models.base import to_device
+from engine.moe_observe import MoEWindow
 from layers.moe import MoEMLP, moe_losses
 from parallel_state import ParallelState
 
@@ -82,6 +84,7 @@ class LocalRunner:
             self.sample_refusal = "no sample: generation runs at cp_size=1"
         self.has_experts = any(isinstance(m, MoEMLP) for m in model.modules())
         self.router_loss = torch.zeros((), device=ps.device)  # the last step's, detached
+        self.moe_window = MoEWindow(model, ps.device) if self.has_experts else None
 
     def _loss(self, batch) -> torch.Tensor:
         return self.model.loss(self.inputs(batch))
@@ -90,7 +93,9 @@ class LocalRunner:
         """The weighted router losses of the last forward's MoE layers (None: none)."""
         if not self.has_experts:
             return None
-        return sum(one.loss for one in moe_losses(self.model))
+        losses = moe_losses(self.model)
+        self.moe_window.add(losses)
+        return sum(one.loss for one in losses)
 
     def forward_backward(
         self, micro_batches: list, dp: DataParallel, loss_scale: float = 1.0
@@ -113,6 +118,8 @@ class LocalRunner:
             if router is not None:
                 router_total += router.detach().float()
         self.router_loss = router_total
+        if self.moe_window is not None:
+            self.moe_window.end_step()
         return total
 
     def fixed_set_loss(self, valid: DataIterator, batches: int) -> float:
