@@ -33,11 +33,11 @@ from tests.moe_util import moe_cfg as _cfg
 class TwoLayers(nn.Module):
     """Two MoE MLPs named as a model's layers (``layers.0.mlp``, ``layers.1.mlp``)."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, tp_group=None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList(
-            nn.ModuleDict({"mlp": MoEMLP(cfg, tp_group=None)}) for _ in range(2)
+            nn.ModuleDict({"mlp": MoEMLP(cfg, tp_group=tp_group)}) for _ in range(2)
         )
 
     def forward(self, x: torch.Tensor) -> None:
@@ -119,6 +119,37 @@ def test_dropped_fraction_is_the_overflow_past_capacity_factor_one():
     line = format_moe_line(layers)
     total = sum(one["dropped_slots"] for one in layers) / 120
     assert line.endswith(f"dropped {100 * total:.1f}%")
+
+
+def _route_on_two_ranks() -> tuple[list[dict], torch.Tensor]:
+    """One rank's window over its own batch, closed over both ranks; its own hand counts."""
+    import torch.distributed as dist
+
+    singles = [dist.new_group([r]) for r in range(dist.get_world_size())]  # tp 1 each
+    model = TwoLayers(_cfg(), singles[dist.get_rank()])  # the same weights on both (seed 0)
+    window = MoEWindow(model, torch.device("cpu"))
+    (x,) = _batches(10 + dist.get_rank(), 1)
+    with torch.no_grad():
+        model(x)
+    window.add(moe_losses(model))
+    window.end_step()
+    hand = torch.stack(
+        [_hand_slots(layer["mlp"].router, x.reshape(-1, H)) for layer in model.layers]
+    )
+    return window.close(dist.group.WORLD, step=1), hand
+
+
+@pytest.mark.slow
+def test_counts_are_summed_over_the_ranks_that_route():
+    from tests.multiproc import run_ranks
+
+    (layers0, hand0), (layers1, hand1) = run_ranks(_route_on_two_ranks, 2)
+    assert layers0 == layers1  # every rank of the group gets the global figures
+    for i, one in enumerate(layers0):
+        counts = (hand0[i] + hand1[i]).double()  # the global batch: both ranks' tokens
+        assert one["chosen_slots"] == counts.sum() == 2 * 24 * 2
+        assert (one["min_tokens"], one["max_tokens"]) == (counts.min(), counts.max())
+        assert one["cv"] == pytest.approx(load_cv(counts), rel=1e-12)
 
 
 def test_load_cv_uses_the_population_std():
