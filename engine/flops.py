@@ -16,6 +16,10 @@ F = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)), or 96 and V/(16·l·h) with r
 Attention FLOPs count all s×s scores, causal or not: a kernel that skips masked blocks does
 less work, but model FLOPs (and so MFU) are defined on the dense count. Bias adds,
 LayerNorm, softmax, GeLU, dropout and embedding lookups are not matmuls and are not counted.
+
+A mixture-of-experts layer (``model.mlp=moe``) counts its active parameters in place of the
+dense MLP: per token the router (h×E), the top-k experts' MLPs and any shared expert and its
+gate (``engine.formulas.moe_mlp_forward_flops``, applied in ``engine.models.cost_terms``).
 """
 
 from __future__ import annotations
