@@ -358,3 +358,127 @@ def markdown_table(results: list[RowResult]) -> str:
             f"{r.micro_batch}, {r.recompute} | {r.best_tp} |"
         )
     return "\n".join(lines)
+
+
+# Context parallelism: Llama 3 405B pre-training on H100s (Llama Team, AI @ Meta, "The
+# Llama 3 Herd of Models", arXiv:2407.21783, 2024, Table 4 "Scaling configurations and
+# MFU for each stage of Llama 3 405B pre-training"). Model (the paper's Table 3): 126
+# layers, hidden 16,384, FFN 53,248, 128 heads, 8 KV heads, vocabulary 128,256 (128K).
+# Each row: GPUs, TP, CP, PP, DP, sequence, batch per DP group, TFLOP/s per GPU, MFU.
+# 126 layers over 16 stages is uneven (the paper trims a layer from the first and last
+# stage); the planner prices the busiest stage's ceil(126/16) = 8 layers and is asked
+# directly (predict), the layout check's ``layers % pp`` aside.
+@dataclass(frozen=True)
+class CpRow:
+    """One Table 4 row of the Llama 3 paper."""
+
+    label: str
+    gpus: int
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    seq: int
+    batch_per_dp: int
+    tflops: float
+    mfu: float
+
+
+LLAMA3_CITATION = "Llama 3 Herd of Models (arXiv:2407.21783), Table 4"
+LLAMA3_405B = dict(hidden=16384, layers=126, heads=128, kv_heads=8, ffn=53248, vocab=128256)
+CP_ROWS = (
+    CpRow("405B 8k, 8,192 GPUs", 8192, 8, 1, 16, 64, 8192, 32, 430, 0.43),
+    CpRow("405B 8k, 16,384 GPUs", 16384, 8, 1, 16, 128, 8192, 16, 400, 0.41),
+    CpRow("405B 128k, CP 16", 16384, 8, 16, 16, 8, 131072, 16, 380, 0.38),
+)
+
+
+@dataclass
+class CpResult:
+    """Our best layout at a row's TP × CP × PP × DP, and its MFU under both attention counts."""
+
+    row: CpRow
+    layout: Layout
+    mfu: float  # model FLOPs with the full s² attention (Megatron's count, as everywhere here)
+    mfu_causal: float  # the same step with the attention FLOPs halved (the causal work)
+    memory_gib: float
+    cp_exposed_s: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of the MFU (Megatron's count) against the published one."""
+        return self.mfu / self.row.mfu - 1
+
+    @property
+    def error_causal(self) -> float:
+        """Relative error of the causal-count MFU."""
+        return self.mfu_causal / self.row.mfu - 1
+
+
+def evaluate_cp(row: CpRow) -> CpResult:
+    """The fastest fitting layout at the row's split: micro-batch 1, sequence parallelism,
+    TP communication overlap, the distributed optimizer or ZeRO-2 (the paper's FSDP keeps
+    the parameters gathered), 1F1B or interleaved 1F1B with 2, 4 or 8 chunks, no or full
+    recompute."""
+    from dataclasses import replace
+
+    from studies.perfmodel.model import predict
+
+    cluster = load_cluster("dgx_h100")
+    w = Workload(**LLAMA3_405B, seq=row.seq, global_batch=row.dp * row.batch_per_dp)
+    w = replace(w, family="llama")
+    limit = cluster.memory_bytes / 2**30
+    best = None
+    for shard in ("optimizer", "gradients"):
+        for schedule, v in (
+            ("1f1b", 1),
+            ("interleaved_1f1b", 2),
+            ("interleaved_1f1b", 4),
+            ("interleaved_1f1b", 8),
+        ):
+            for recompute in ("none", "full"):
+                lay = Layout(
+                    tp=row.tp,
+                    dp=row.dp,
+                    micro_batch=1,
+                    cp=row.cp,
+                    pp=row.pp,
+                    schedule=schedule,
+                    virtual_stages=v,
+                    recompute=recompute,
+                    sequence_parallel=True,
+                    dp_shard=shard,
+                    overlap_param_gather=True,
+                    tp_comm_overlap=True,
+                )
+                p = predict(w, lay, cluster)
+                if p.memory_gib_per_gpu <= limit and (
+                    best is None or p.step_time_s < best[1].step_time_s
+                ):
+                    best = (lay, p)
+    if best is None:
+        raise ValueError(f"{row.label}: no layout fits {limit:.0f} GiB")
+    lay, p = best
+    attention = 3 * w.layers * 4 * w.global_batch * w.seq * w.seq * w.q_width
+    causal = p.mfu * (1 - 0.5 * attention / (p.mfu * p.step_time_s * lay.gpus * cluster.peak_flops))
+    return CpResult(row, lay, p.mfu, causal, p.memory_gib_per_gpu, p.breakdown["cp_comm_exposed_s"])
+
+
+def cp_markdown_table(results: list[CpResult]) -> str:
+    """The Llama 3 comparison table for docs/PERFMODEL.md."""
+    lines = [
+        "| row | TP × CP × PP × DP | seq | published MFU | predicted MFU (full s²) | error | "
+        "predicted MFU (causal) | error | layout | GiB/GPU | CP exposed s |",
+        "|---" * 11 + "|",
+    ]
+    for r in results:
+        lay, row = r.layout, r.row
+        sched = "1f1b" if lay.schedule == "1f1b" else f"interleaved v={lay.virtual_stages}"
+        lines.append(
+            f"| {row.label} | {row.tp}×{row.cp}×{row.pp}×{row.dp} | {row.seq} | "
+            f"{100 * row.mfu:.0f}% | {100 * r.mfu:.1f}% | {100 * r.error:+.1f}% | "
+            f"{100 * r.mfu_causal:.1f}% | {100 * r.error_causal:+.1f}% | "
+            f"{sched}, {lay.dp_shard}, recompute {lay.recompute} | {r.memory_gib:.1f} | "
+            f"{r.cp_exposed_s:.3g} |"
+        )
+    return "\n".join(lines)
