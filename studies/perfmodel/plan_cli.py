@@ -185,8 +185,9 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
     """Print one prediction; the best micro-batch when --micro-batch is omitted."""
     pp, cp = args.pp or 1, args.cp
     if args.dp is None and args.tp * pp * cp > args.gpus:  # no data-parallel rank left
+        cps = f" × cp={cp}" if cp > 1 else ""
         raise ValueError(
-            f"pp={pp} × cp={cp} × tp={args.tp} = {pp * cp * args.tp} exceeds --gpus={args.gpus}"
+            f"pp={pp}{cps} × tp={args.tp} = {pp * cp * args.tp} exceeds --gpus={args.gpus}"
         )
     dp = args.dp or args.gpus // (args.tp * pp * cp)
     base = _base_layout(args)
