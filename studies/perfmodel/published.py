@@ -482,3 +482,123 @@ def cp_markdown_table(results: list[CpResult]) -> str:
             f"{r.cp_exposed_s:.3g} |"
         )
     return "\n".join(lines)
+
+
+# Mixture of experts: Qwen3-235B-A22B on 256 H100s, read from the Megatron-Core MoE model
+# zoo (github.com/yanring/Megatron-MoE-ModelZoo, best_practice/Qwen3/readme.md at commit
+# c1ad0b5c89): the rows whose expert-parallel group lies within the DP ranks (EP 8 | DP 8)
+# and whose CP is 1 — the planner carves ep from dp. "Per GPU TF" are model TFLOP/s. The
+# zoo's experts are not TP-split (ETP 1); the planner splits them over TP as the dense
+# MLP is (same FLOPs and bytes per rank, other GEMM shapes). Model (its Hugging Face
+# config, from memory): 94 layers, hidden 4096, 64 heads of 128 (q 8192 ≠ h), 4 KV heads,
+# 128 experts, top-8, expert width 1536, no shared expert, vocabulary 151,936.
+QWEN3_235B = dict(
+    hidden=4096,
+    layers=94,
+    heads=64,
+    kv_heads=4,
+    head_dim=128,
+    vocab=151936,
+    experts=128,
+    top_k=8,
+    moe_ffn=1536,
+    family="llama",
+)
+MOE_CITATION = "Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (c1ad0b5c89)"
+
+
+@dataclass(frozen=True)
+class MoeRow:
+    """One Qwen3-235B row of the model zoo."""
+
+    label: str
+    gpus: int
+    tp: int
+    ep: int
+    pp: int
+    vpp: int
+    dp: int
+    seq: int
+    global_batch: int
+    tflops: float
+
+
+MOE_ROWS = (
+    # "Intra-node EP strategy", DeepEP, no recompute: 29.0 s a step
+    MoeRow("Qwen3-235B s4096", 256, 4, 8, 8, 4, 8, 4096, 2048, 167),
+    # "Long Context", CP 1: 295 with forced load balance (the planner's balanced routing),
+    # 237 dropless; selective recompute of norms and MoE
+    MoeRow("Qwen3-235B s16384 (forced balance)", 256, 4, 8, 8, 4, 8, 16384, 256, 295),
+)
+
+
+@dataclass
+class MoeResult:
+    """Our best layout at a row's split and its model TFLOP/s."""
+
+    row: MoeRow
+    layout: Layout
+    predicted: float
+    a2a_s: float
+    step_s: float
+    memory_gib: float
+
+    @property
+    def error(self) -> float:
+        """Relative error (+ means we predict faster)."""
+        return self.predicted / self.row.tflops - 1
+
+
+def evaluate_moe(row: MoeRow) -> MoeResult:
+    """The fastest fitting layout at the row's split (micro-batch 1, sequence parallelism,
+    the distributed optimizer, TP overlap, the row's interleaving, no or full recompute);
+    94 layers over 8 stages are priced as the busiest stage's 12, as for Llama 3."""
+    from studies.perfmodel.model import predict
+
+    cluster = load_cluster("dgx_h100")
+    w = Workload(**QWEN3_235B, seq=row.seq, global_batch=row.global_batch)
+    limit = cluster.memory_bytes / 2**30
+    priced = []
+    for recompute in ("none", "full"):
+        lay = Layout(
+            tp=row.tp,
+            dp=row.dp,
+            micro_batch=1,
+            ep=row.ep,
+            pp=row.pp,
+            schedule="interleaved_1f1b" if row.vpp > 1 else "1f1b",
+            virtual_stages=row.vpp,
+            recompute=recompute,
+            sequence_parallel=True,
+            dp_shard="optimizer",
+            overlap_param_gather=True,
+            tp_comm_overlap=True,
+        )
+        priced.append((lay, predict(w, lay, cluster)))
+    fits = [(lay, p) for lay, p in priced if p.memory_gib_per_gpu <= limit]
+    lay, p = min(fits or priced, key=lambda o: o[1].step_time_s)
+    return MoeResult(
+        row,
+        lay,
+        p.model_tflops_per_gpu,
+        p.breakdown["ep_a2a_s"],
+        p.step_time_s,
+        p.memory_gib_per_gpu,
+    )
+
+
+def moe_markdown_table(results: list[MoeResult]) -> str:
+    """The Qwen3 comparison table for docs/PERFMODEL.md."""
+    lines = [
+        "| row | TP × EP × PP (v) × DP | published TFLOP/s | predicted | error | step s | "
+        "all-to-all s | recompute | GiB/GPU |",
+        "|---" * 9 + "|",
+    ]
+    for r in results:
+        row = r.row
+        lines.append(
+            f"| {row.label} | {row.tp}×{row.ep}×{row.pp} ({row.vpp})×{row.dp} | {row.tflops:g} | "
+            f"{r.predicted:.1f} | {100 * r.error:+.1f}% | {r.step_s:.3g} | {r.a2a_s:.3g} | "
+            f"{r.layout.recompute} | {r.memory_gib:.1f} |"
+        )
+    return "\n".join(lines)
