@@ -265,3 +265,24 @@ def test_qwen3_moe_row_within_the_stated_band():
     # the 16k row needs full recompute in the model (the zoo's selective one is not
     # priced): below the band, as docs/PERFMODEL.md says
     assert results[1].layout.recompute == "full" and results[1].error < -0.20
+
+
+def test_search_keeps_cp_and_splits_the_rest():
+    from studies.perfmodel.search import search
+
+    w = dataclasses.replace(GQA, seq=16384, global_batch=16)
+    res = search(w, H100, 16, base=Layout(1, 1, 1, cp=4), only={"pp": (1,)})
+    assert res.feasible
+    for c in res.feasible:
+        assert c.layout.cp == 4 and c.layout.gpus == 16
+    assert {c.layout.tp * c.layout.dp for c in res.feasible} == {4}
+
+
+def test_longer_context_at_fixed_tokens_costs_more_per_token_with_cp():
+    # the same tokens per step in longer sequences: more attention work per token, and the
+    # ring adds traffic; the planner never prices it cheaper
+    lay = Layout(tp=2, dp=2, micro_batch=1, cp=2, sequence_parallel=True)
+    short = predict(dataclasses.replace(GQA, seq=4096, global_batch=16), lay, H100)
+    long = predict(dataclasses.replace(GQA, seq=16384, global_batch=4), lay, H100)
+    assert long.tokens_per_s < short.tokens_per_s
+    assert long.breakdown["cp_comm_total_s"] > 0

@@ -20,7 +20,10 @@ the layout the runtime holds (engine.data_parallel; docs/PERFMODEL.md derives th
 These and the activations of one layer are the runtime's formulas (``engine.formulas``:
 ``state_bytes_per_param``, ``layer_activation_bytes``, ``llama_layer_activation_bytes``);
 full recompute adds one layer's working set while it is recomputed. fp32 activations take twice the 16-bit bytes. The LM head keeps
-fp32 logits (4·s·b·V/t). A fragmentation margin is added on top of the sum.
+fp32 logits (4·s·b·V/t). A fragmentation margin is added on top of the sum. Under context
+parallelism (model.py passes s/cp) every activation term is that of s/cp tokens; d is then
+dp × cp. Routed experts' state is priced in model.py (``memory_terms``): d ÷ ep ranks
+share each expert.
 """
 
 from __future__ import annotations

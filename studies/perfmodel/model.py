@@ -13,7 +13,12 @@ bucket by bucket; what outlasts it is exposed. Under ZeRO-2/3 (``dp_shard`` grad
 full) the gathers and reduce-scatters overlap compute layer by layer (FSDP2 prefetching);
 under HSDP (``dp_replicate`` R > 1) they run within a replica's dp ÷ R ranks, and each
 reduce-scatter is followed by an all-reduce of the 1/(dp ÷ R) shard across the R replicas.
-See docs/PERFMODEL.md.
+
+Context parallelism (``cp``; ranks pp · dp · cp · tp) gives each rank s/cp tokens and 1/cp
+of the causal attention work; its ring exchanges of K and V blocks overlap the block
+compute, and the gradients reduce over dp × cp. Mixture of experts (``experts``, ``top_k``,
+``moe_ffn``, ``shared_experts``; ``ep`` carved from dp) prices the active FLOPs, E/ep
+experts' state per rank and the all-to-alls on the critical path. See docs/PERFMODEL.md.
 """
 
 from __future__ import annotations
