@@ -286,3 +286,12 @@ def test_longer_context_at_fixed_tokens_costs_more_per_token_with_cp():
     long = predict(dataclasses.replace(GQA, seq=16384, global_batch=4), lay, H100)
     assert long.tokens_per_s < short.tokens_per_s
     assert long.breakdown["cp_comm_total_s"] > 0
+
+
+def test_moe_activations_add_the_dispatched_copies():
+    lay = Layout(tp=1, dp=2, micro_batch=1)
+    # the same layer with a dense SwiGLU of the active width (K + shared)·F = 64
+    dense = dataclasses.replace(MOE, experts=0, ffn=2 * 32)
+    extra = memory_terms(MOE, lay).activations - memory_terms(dense, lay).activations
+    # 2 layers × K 2 copies × s 16 × b 1 × h 64 × 2 bytes
+    assert extra == pytest.approx(2 * 2 * 16 * 1 * 64 * 2)

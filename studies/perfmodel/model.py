@@ -663,6 +663,7 @@ def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
         in_flight=pipe.in_flight_micro_batches(
             lay.pp, micro_steps, lay.schedule, lay.virtual_stages
         ),
+        routed_copies=w.top_k if w.moe else 0,
     )
     return MemoryTerms(
         params * weights + experts * e_w + in_flight,
