@@ -285,9 +285,14 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
         print(json.dumps({"feasible": rows, "rejected": rejected}, indent=1))
         return 0
     kv = f", kv={w.kv}" if w.gated else ""
+    kv += f", d={w.hd}" if w.q_width != w.hidden else ""
+    kv += f", E={w.experts} top-{w.top_k} F={w.expert_ffn}" if w.moe else ""
+    kv += f", shared={w.shared_experts}" if w.shared_experts else ""
     print(
         f"{w.layers}×{w.hidden} {display_name(w.family)} (a={w.heads}{kv}, s={w.seq}, V={w.vocab}), global "
         f"batch {w.global_batch}, {args.gpus} GPUs of {cluster.name}"
+        + (f", cp={args.cp}" if args.cp > 1 else "")
+        + (f", ep={args.ep}" if args.ep > 1 else "")
     )
     print("best layout per pp × tp × dp, fastest first:")
     for i, c in enumerate(best[: args.top], 1):
