@@ -259,12 +259,15 @@ def test_qwen3_moe_row_within_the_stated_band():
     results = [evaluate_moe(r) for r in MOE_ROWS]
     first = results[0]
     assert first.layout.gpus == first.row.gpus == 256 and first.layout.ep == 8
-    assert abs(first.error) <= 0.20, first.error
-    # the step time against the published 29.0 s, within the same band
+    # the zoo counts causal attention: its 167 TFLOP/s × 29.0 s is our causal count per
+    # GPU and step within 1 %, so the causal figure is the step time's error
+    flops = first.predicted_causal * first.step_s
+    assert flops == pytest.approx(167 * 29.0, rel=0.01)
+    assert abs(first.error_causal) <= 0.20, first.error_causal
     assert abs(29.0 / first.step_s - 1) <= 0.20, first.step_s
     # the 16k row needs full recompute in the model (the zoo's selective one is not
     # priced): below the band, as docs/PERFMODEL.md says
-    assert results[1].layout.recompute == "full" and results[1].error < -0.20
+    assert results[1].layout.recompute == "full" and results[1].error_causal < -0.20
 
 
 def test_search_keeps_cp_and_splits_the_rest():
