@@ -20,7 +20,10 @@ the layout the runtime holds (engine.data_parallel; docs/PERFMODEL.md derives th
 These and the activations of one layer are the runtime's formulas (``engine.formulas``:
 ``state_bytes_per_param``, ``layer_activation_bytes``, ``llama_layer_activation_bytes``);
 full recompute adds one layer's working set while it is recomputed. fp32 activations take twice the 16-bit bytes. The LM head keeps
-fp32 logits (4·s·b·V/t). A fragmentation margin is added on top of the sum.
+fp32 logits (4·s·b·V/t). A fragmentation margin is added on top of the sum. Under context
+parallelism (model.py passes s/cp) every activation term is that of s/cp tokens; d is then
+dp × cp. Routed experts' state is priced in model.py (``memory_terms``): d ÷ ep ranks
+share each expert.
 """
 
 from __future__ import annotations
@@ -80,18 +83,23 @@ def activation_bytes(
     fused_attention: bool,
     gated_ffn: int | None = None,
     in_flight: float = 1.0,
+    routed_copies: int = 0,
 ) -> float:
     """Activation bytes on the rank that holds the most: ``layers`` layers of ``in_flight``
     micro-batches plus the rebuilt layer (a pipeline's first stage), or of one micro-batch
     plus the fp32 logits (the last stage, or the whole model when both are one rank).
 
     ``gated_ffn`` (the SwiGLU width) prices a gated (Llama) layer; None a GPT layer.
+    ``routed_copies`` (MoE: top-k K) adds the K dispatched copies of each token's h-wide
+    input the experts' GEMMs keep for backward (2·K·s·b·h bytes, /t under sequence
+    parallelism); the MLP's own terms are priced at ``gated_ffn`` = (K + shared)·F.
     """
     scale = act_bytes / 2
 
     def one_layer(rc: str) -> float:
         if gated_ffn:
-            return llama_layer_activation_bytes(s, b, h, gated_ffn, t, sp=sp, recompute=rc)
+            routed = 2 * routed_copies * s * b * h / (t if sp else 1) if rc != "full" else 0.0
+            return llama_layer_activation_bytes(s, b, h, gated_ffn, t, sp=sp, recompute=rc) + routed
         return layer_activation_bytes(
             s, b, h, a, t, sp=sp, recompute=rc, fused_attention=fused_attention
         )

@@ -13,7 +13,12 @@ bucket by bucket; what outlasts it is exposed. Under ZeRO-2/3 (``dp_shard`` grad
 full) the gathers and reduce-scatters overlap compute layer by layer (FSDP2 prefetching);
 under HSDP (``dp_replicate`` R > 1) they run within a replica's dp ÷ R ranks, and each
 reduce-scatter is followed by an all-reduce of the 1/(dp ÷ R) shard across the R replicas.
-See docs/PERFMODEL.md.
+
+Context parallelism (``cp``; ranks pp · dp · cp · tp) gives each rank s/cp tokens and 1/cp
+of the causal attention work; its ring exchanges of K and V blocks overlap the block
+compute, and the gradients reduce over dp × cp. Mixture of experts (``experts``, ``top_k``,
+``moe_ffn``, ``shared_experts``; ``ep`` carved from dp) prices the active FLOPs, E/ep
+experts' state per rank and the all-to-alls on the critical path. See docs/PERFMODEL.md.
 """
 
 from __future__ import annotations
@@ -83,6 +88,11 @@ class Workload:
     vocab_multiple: int = 128  # vocab padded to a multiple of tp × this
     family: str = DEFAULT_ARCH
     kv_heads: int | None = None  # gated families: key/value heads (None: as many as query heads)
+    head_dim: int | None = None  # per head (None: hidden ÷ heads); heads × head_dim may ≠ hidden
+    experts: int = 0  # routed experts E per MoE layer (0: a dense MLP); every layer is MoE
+    top_k: int = 1  # experts K each token is routed to
+    moe_ffn: int | None = None  # one expert's MLP width F (None: ffn)
+    shared_experts: int = 0  # experts of width F every token passes through as well
 
     @property
     def act_bytes(self) -> int:
@@ -107,6 +117,34 @@ class Workload:
         """MLP width, 4h by default."""
         return self.ffn or 4 * self.hidden
 
+    @property
+    def hd(self) -> int:
+        """Width of one attention head."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        """Width of the queries (and of the attention output): heads × head_dim."""
+        return self.heads * self.hd
+
+    @property
+    def moe(self) -> bool:
+        """Whether the MLPs are mixtures of experts."""
+        return self.experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        """One expert's MLP width F."""
+        return self.moe_ffn or self.ffn_size
+
+    @property
+    def active_ffn(self) -> int:
+        """The MLP width one token passes through: K routed + the shared experts' F each
+        under MoE, else ffn."""
+        if self.moe:
+            return (self.top_k + self.shared_experts) * self.expert_ffn
+        return self.ffn_size
+
     def padded_vocab(self, tp: int) -> int:
         """Embedding rows at this TP size."""
         return pad_vocab(self.vocab, tp * self.vocab_multiple)
@@ -117,7 +155,7 @@ class Layout:
     """How the work is split and which memory/communication options are on."""
 
     tp: int
-    dp: int
+    dp: int  # data-parallel ranks (cp's ranks come on top: gpus = pp · dp · cp · tp)
     micro_batch: int
     recompute: str = "none"
     sequence_parallel: bool = False
@@ -132,6 +170,8 @@ class Layout:
     pp: int = 1
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     virtual_stages: int = 1  # layer chunks per rank (interleaved_1f1b)
+    cp: int = 1  # context-parallel ranks: each holds 1/cp of every sequence (ring attention)
+    ep: int = 1  # expert-parallel ranks, carved from dp: each holds E/ep experts
 
     @property
     def zero1(self) -> bool:
@@ -139,14 +179,19 @@ class Layout:
         return self.dp_shard == "optimizer"
 
     @property
+    def dp_cp(self) -> int:
+        """The ranks that hold the same weights and reduce their gradients together: dp × cp."""
+        return self.dp * self.cp
+
+    @property
     def shard_dp(self) -> int:
-        """The ranks one DP shard is split over: dp, or one HSDP replica's dp ÷ R."""
-        return self.dp // self.dp_replicate
+        """The ranks one DP shard is split over: dp × cp, or one HSDP replica's share."""
+        return self.dp_cp // self.dp_replicate
 
     @property
     def gpus(self) -> int:
         """Ranks of the layout."""
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
 
 @dataclass
@@ -179,12 +224,27 @@ class Prediction:
 
 
 def layer_params_per_rank(w: Workload, tp: int) -> float:
-    """Parameters of one layer on one TP rank: its weight shards plus replicated vectors."""
+    """Parameters of one layer on one TP rank: its weight shards plus replicated vectors;
+    under MoE the dense part only (the router, the shared experts: expert_params_per_rank
+    holds the routed experts)."""
     h, f = w.hidden, w.ffn_size
     if w.gated:  # KV heads split over TP, each held by t/kv ranks when TP exceeds them
-        g = llama_layer_weights(h, f, w.kv * (h // w.heads))
+        g = llama_layer_weights(h, f, w.kv * w.hd)
+        g["q_out"] = 2 * h * w.q_width  # Q and the output projection: h × heads·head_dim
+        if w.moe:  # shared experts split as the dense MLP is; the router replicated
+            g["mlp"] = 3 * h * w.shared_experts * w.expert_ffn
+            g["norms"] += h * w.experts
         return (g["q_out"] + g["mlp"]) / tp + g["kv"] / min(tp, w.kv) + g["norms"]
     return (4 * h * h + 2 * h * f + 3 * h + f) / tp + 6 * h  # row biases and LNs replicated
+
+
+def expert_params_per_rank(w: Workload, tp: int, pp: int = 1, ep: int = 1) -> float:
+    """Routed-expert parameters one rank holds: its stage's layers × E/ep experts × a SwiGLU
+    of width F (3·h·F), each split over TP as the dense MLP is. 0 for a dense model."""
+    if not w.moe:
+        return 0.0
+    per_layer = w.experts / ep * 3 * w.hidden * w.expert_ffn / tp
+    return pipe.stage_layers(w.layers, pp) * per_layer
 
 
 def vocab_params_per_rank(w: Workload, tp: int, pp: int = 1) -> float:
@@ -197,56 +257,82 @@ def vocab_params_per_rank(w: Workload, tp: int, pp: int = 1) -> float:
     return table + w.seq * w.hidden + 2 * w.hidden
 
 
-def params_per_rank(w: Workload, tp: int, pp: int = 1) -> float:
-    """Parameters one rank holds: its stage's layers (l/pp) and embedding-side share."""
+def params_per_rank(w: Workload, tp: int, pp: int = 1, ep: int = 1) -> float:
+    """Parameters one rank holds: its stage's layers (l/pp), embedding-side share and
+    (MoE) its E/ep routed experts."""
     stage = pipe.stage_layers(w.layers, pp) * layer_params_per_rank(w, tp)
-    return stage + vocab_params_per_rank(w, tp, pp)
+    return stage + vocab_params_per_rank(w, tp, pp) + expert_params_per_rank(w, tp, pp, ep)
+
+
+def dense_params_per_rank(w: Workload, tp: int, pp: int = 1) -> float:
+    """The parameters every dp × cp rank holds alike (all but the routed experts)."""
+    return params_per_rank(w, tp, pp) - expert_params_per_rank(w, tp, pp)
 
 
 def gemm_shapes(w: Workload, lay: Layout) -> list[tuple[int, int, int, int]]:
-    """Forward GEMMs of one micro-batch on one rank: (m, n, k, count); layers then LM head."""
-    t, tokens, h, f = lay.tp, lay.micro_batch * w.seq, w.hidden, w.ffn_size
+    """Forward GEMMs of one micro-batch on one rank: (m, n, k, count); layers then LM head.
+
+    A cp rank holds s/cp tokens of each sequence. Under MoE each rank's E/ep experts
+    receive, with balanced routing, the K·tokens rows its ep group routes to them: E/ep
+    grouped GEMMs of K·tokens·ep/E rows each; the router is a (tokens, E, h) GEMM and the
+    shared experts one MLP of width shared·F."""
+    t, h, f, q = lay.tp, w.hidden, w.ffn_size, w.q_width
+    tokens = lay.micro_batch * w.seq // lay.cp
     per_layer = [
-        (tokens, 3 * h // t, h),
-        (tokens, h, h // t),
+        (tokens, 3 * q // t, h),
+        (tokens, h, q // t),
         (tokens, f // t, h),
         (tokens, h, f // t),
     ]
     if w.gated:  # Q + the rank's KV heads; gate and up as one column-parallel GEMM
-        kv_cols = 2 * w.kv * (h // w.heads) // min(t, w.kv)
-        per_layer[0] = (tokens, h // t + kv_cols, h)
+        kv_cols = 2 * w.kv * w.hd // min(t, w.kv)
+        per_layer[0] = (tokens, q // t + kv_cols, h)
         per_layer[2] = (tokens, 2 * f // t, h)
     layers = pipe.stage_layers(w.layers, lay.pp)
+    if w.moe:
+        per_layer = per_layer[:2] + [(tokens, w.experts, h)]
+        if w.shared_experts:
+            shared = w.shared_experts * w.expert_ffn // t
+            per_layer += [(tokens, 2 * shared, h), (tokens, h, shared)]
     shapes = [(m, n, k, layers) for m, n, k in per_layer]
+    if w.moe:
+        rows = max(1, round(w.top_k * tokens * lay.ep / w.experts))
+        count = layers * w.experts // lay.ep
+        shapes += [(rows, 2 * w.expert_ffn // t, h, count), (rows, h, w.expert_ffn // t, count)]
     return shapes + [(tokens, w.padded_vocab(t) // t, h, 1)]
 
 
 def score_bytes(w: Workload, lay: Layout) -> float:
-    """Forward element-wise bytes of an unfused attention core (scale-mask-softmax, dropout)."""
+    """Forward element-wise bytes of an unfused attention core (scale-mask-softmax, dropout;
+    cp 1 only: the layout check asks for fused attention under cp)."""
     heads = w.heads // lay.tp
     return EW_SCORE_ELEMS * lay.micro_batch * heads * w.seq * w.seq * w.act_bytes
 
 
 def elementwise_bytes(w: Workload, lay: Layout) -> tuple[float, float]:
     """(one layer's forward element-wise bytes, the fp32 logits' forward + backward bytes)."""
-    rows = lay.micro_batch * w.seq / (lay.tp if lay.sequence_parallel else 1)
+    tokens = lay.micro_batch * w.seq / lay.cp
+    rows = tokens / (lay.tp if lay.sequence_parallel else 1)
     mlp = 3 if w.gated else 2  # SwiGLU reads gate and up, writes the product; bias-GeLU 2
-    elems = rows * w.hidden * EW_H_ELEMS + lay.micro_batch * w.seq * mlp * w.ffn_size / lay.tp
-    logits = lay.micro_batch * w.seq * w.padded_vocab(lay.tp) / lay.tp
+    elems = rows * w.hidden * EW_H_ELEMS + tokens * mlp * w.active_ffn / lay.tp
+    logits = tokens * w.padded_vocab(lay.tp) / lay.tp
     return elems * w.act_bytes, 3 * 4 * logits * 4  # softmax and its gradient, fp32
 
 
 def _attention_seconds(w: Workload, lay: Layout, cluster: ClusterSpec, speed: float) -> float:
     """Forward + backward of the attention core (QKᵀ, softmax, ·V) of one micro-batch."""
     b, s, t = lay.micro_batch, w.seq, lay.tp
-    heads, d = w.heads // t, w.hidden // w.heads
+    heads, d = w.heads // t, w.hd
     if lay.fused_attention:
         # Flash attention: a causal kernel skips the masked half of the tiles, and its
         # backward recomputes the scores (2.5× the forward's FLOPs instead of 2×). A query
         # tile's loop runs over the keys before its one epilogue, s/2 of them on average
-        # under the causal mask: that is its reduction length.
-        flops = 0.5 * 4 * b * s * s * w.hidden / t * 3.5
-        eff = cluster.gemm_efficiency * reduction_factor(cluster, s / 2)
+        # under the causal mask: that is its reduction length. Under cp the load-balanced
+        # split (each rank two mirrored chunks of s/2cp) leaves each rank 1/cp of the causal
+        # work, run as blocks of s/cp keys (one kernel call per ring step).
+        flops = 0.5 * 4 * b * s * s * w.q_width / t / lay.cp * 3.5
+        keys = s / 2 if lay.cp == 1 else s / lay.cp
+        eff = cluster.gemm_efficiency * reduction_factor(cluster, keys)
         return flops / (cluster.peak_flops * eff * speed)
     scores_f, scores_b = gemm_pass_seconds(cluster, s, s, d, w.act_bytes, speed)  # QKᵀ
     context_f, context_b = gemm_pass_seconds(cluster, s, d, s, w.act_bytes, speed)  # ·V
@@ -314,14 +400,89 @@ def _tp_comm_seconds(
     if measured := nearest(rows, (t, kind), ranks or 0):
         per_collective_us, fraction = measured[-2:]
         return count * per_collective_us * 1e-6 + fraction * compute_s
-    n, big = lay.micro_batch * w.seq * w.hidden * w.act_bytes, count - 2
+    tokens = lay.micro_batch * w.seq // lay.cp  # a cp rank's share of each sequence
+    n, big = tokens * w.hidden * w.act_bytes, count - 2
     if lay.sequence_parallel:
         one = comm.ring_all_gather(n, t, link) + comm.ring_reduce_scatter(n, t, link)
     else:
         one = comm.all_reduce(n, t, link, cluster.collectives)
-    tokens = lay.micro_batch * w.seq  # fp32 row max, then [sum of exp; target logit]
+    # fp32 row max, then [sum of exp; target logit]
     small = sum(comm.all_reduce(k * tokens * 4, t, link, cluster.collectives) for k in (1, 2))
     return big * one + small
+
+
+def cp_ring_bytes(w: Workload, lay: Layout) -> tuple[float, float]:
+    """(forward, backward) bytes one cp rank sends per layer and micro-batch in ring attention.
+
+    Forward: cp − 1 exchanges of one K and one V block, s/cp tokens × the rank's KV heads
+    (kv/tp, at least one) × head_dim each. Backward: the K, V blocks pass again and the dK,
+    dV accumulated for them travel home: twice the forward bytes."""
+    if lay.cp <= 1:
+        return 0.0, 0.0
+    kv_heads = max(1, w.kv // lay.tp) if w.gated else w.heads // lay.tp
+    block = lay.micro_batch * w.seq / lay.cp * kv_heads * w.hd * w.act_bytes
+    forward = (lay.cp - 1) * 2 * block
+    return forward, 2 * forward
+
+
+def cp_link(lay: Layout, cluster: ClusterSpec) -> comm.Link:
+    """The link a cp group crosses: its ranks are tp apart (mesh order pp, dp, cp, tp), so it
+    is placed as a DP group of cp ranks would be."""
+    return comm.group_link(comm.place_groups(lay.tp, lay.cp, cluster.gpus_per_node)[1], cluster)
+
+
+def _cp_comm_seconds(
+    w: Workload, lay: Layout, cluster: ClusterSpec, attention_s: float
+) -> tuple[float, float]:
+    """(total, exposed) seconds of one micro-batch's ring exchanges over the stage's layers.
+
+    Each step's send/receive (one message per ring step: latency + bytes/bandwidth) runs
+    while the previous block computes; per layer and pass the part beyond ``overlap
+    efficiency`` × that pass's attention compute (``attention_s``: one layer's forward +
+    backward, 1 : 2.5) is exposed. Full recompute repeats the forward ring."""
+    if lay.cp <= 1:
+        return 0.0, 0.0
+    link = cp_link(lay, cluster)
+    fwd_bytes, bwd_bytes = cp_ring_bytes(w, lay)
+    steps = lay.cp - 1
+    fwd = steps * link.latency_s + fwd_bytes / link.bandwidth_Bps
+    bwd = steps * link.latency_s + bwd_bytes / link.bandwidth_Bps
+    eff = cluster.overlap_efficiency
+    attn_f, attn_b = attention_s / 3.5, attention_s * 2.5 / 3.5
+    passes = [(fwd, attn_f), (bwd, attn_b)] + ([(fwd, attn_f)] if lay.recompute == "full" else [])
+    layers = pipe.stage_layers(w.layers, lay.pp)
+    total = layers * sum(c for c, _ in passes)
+    exposed = layers * sum(max(0.0, c - eff * a) for c, a in passes)
+    return total, exposed
+
+
+def a2a_bytes(w: Workload, lay: Layout) -> float:
+    """Bytes one rank sends in one all-to-all of one MoE layer and micro-batch: its tokens
+    (s/cp per sequence; /tp under sequence parallelism) × K copies × h × the activation
+    width × (ep − 1)/ep (the share routed to the other ep ranks, balanced routing)."""
+    if not w.moe or lay.ep <= 1:
+        return 0.0
+    tokens = lay.micro_batch * w.seq / lay.cp / (lay.tp if lay.sequence_parallel else 1)
+    return tokens * w.top_k * w.hidden * w.act_bytes * (lay.ep - 1) / lay.ep
+
+
+def ep_link(lay: Layout, cluster: ClusterSpec) -> comm.Link:
+    """The link an ep group crosses: ep neighbouring dp ranks, tp × cp apart."""
+    group = comm.place_groups(lay.tp * lay.cp, lay.ep, cluster.gpus_per_node)[1]
+    return comm.group_link(group, cluster)
+
+
+def _a2a_seconds(w: Workload, lay: Layout, cluster: ClusterSpec) -> float:
+    """All-to-all seconds of one micro-batch, all on the critical path: per MoE layer the
+    dispatch and the combine forward and their two transposes backward (4; 6 under full
+    recompute), each (ep − 1) latencies + its bytes over the ep link."""
+    n = a2a_bytes(w, lay)
+    if not n:
+        return 0.0
+    link = ep_link(lay, cluster)
+    one = (lay.ep - 1) * link.latency_s + n / link.bandwidth_Bps
+    count = 6 if lay.recompute == "full" else 4
+    return pipe.stage_layers(w.layers, lay.pp) * count * one
 
 
 def _dp_comm_seconds(
@@ -341,21 +502,28 @@ def _dp_comm_seconds(
     (or on a CPU whose cores are all computing) it is all exposed. On CPU ranks the
     measured in-model wait for the slowest rank is added (in_model.py).
     """
-    d = lay.dp
+    d = lay.dp_cp  # cp ranks hold the same weights: the gradients reduce over dp × cp
     if d <= 1:
         return 0.0, 0.0
     if lay.dp_shard in ("gradients", "full"):
         total, exposed = _fsdp_comm_seconds(w, lay, link, passes, cluster)
         return total, exposed + (lookup(cluster.in_model.get("dp_wait_us", ()), (d,), ranks) or 0)
-    params = params_per_rank(w, lay.tp, lay.pp)
-    grad_bytes = params * 4
+    # the dense parameters over dp × cp; each routed expert over the dp × cp ÷ ep ranks that
+    # hold it (ranks tp · ep apart, placed as such a DP group)
+    groups = [(dense_params_per_rank(w, lay.tp, lay.pp), d, link)]
+    if w.moe:
+        e_group = comm.place_groups(lay.tp * lay.ep, d // lay.ep, cluster.gpus_per_node)[1]
+        e_params = expert_params_per_rank(w, lay.tp, lay.pp, lay.ep)
+        groups.append((e_params, d // lay.ep, comm.group_link(e_group, cluster)))
+    grad_bytes = sum(n for n, _, _ in groups) * 4
     buckets = max(1, round(grad_bytes / (lay.bucket_mb * 2**20)))
-    if lay.zero1:
-        reduce = comm.ring_reduce_scatter(grad_bytes, d, link)
-        gather = comm.ring_all_gather(params * w.act_bytes, d, link)
-    else:
-        reduce = comm.all_reduce(grad_bytes, d, link, cluster.collectives)
-        gather = 0.0
+    reduce = gather = 0.0
+    for n, size, lk in groups:
+        if lay.zero1:
+            reduce += comm.ring_reduce_scatter(n * 4, size, lk)
+            gather += comm.ring_all_gather(n * w.act_bytes, size, lk)
+        else:
+            reduce += comm.all_reduce(n * 4, size, lk, cluster.collectives)
     exposed = reduce
     if lay.overlap_grad_reduce:
         window = passes[1] * (1 - 1 / buckets) * cluster.overlap_efficiency
@@ -412,7 +580,7 @@ def _fsdp_comm_seconds(
     every micro-batch; ZeRO-2 gathers once per step (the parameters stay whole) and
     reduce-scatters every micro-batch.
     """
-    d, m = lay.shard_dp, w.global_batch // (lay.dp * lay.micro_batch)
+    d, m = lay.shard_dp, w.global_batch // (lay.dp * lay.micro_batch)  # dense only (no MoE)
     params = params_per_rank(w, lay.tp, lay.pp)
     units = pipe.stage_layers(w.layers, lay.pp) + 1  # the layers and the embedding-side unit
     if lay.dp_replicate > 1:  # the shard group's link; its reduce-scatters then all-reduce
@@ -454,7 +622,11 @@ def _optimizer_seconds(
     """AdamW over this rank's parameters (its 1/d shard under ZeRO-1): memory-bound, plus
     on CPU ranks the measured rest of the optimizer phase (in_model.py)."""
     sharded = lay.dp_shard != "none"
-    params = params_per_rank(w, lay.tp, lay.pp) / (lay.shard_dp if sharded else 1)
+    experts = expert_params_per_rank(w, lay.tp, lay.pp, lay.ep)
+    dense = params_per_rank(w, lay.tp, lay.pp, lay.ep) - experts
+    params = dense / (lay.shard_dp if sharded else 1) + experts / (
+        lay.shard_dp // lay.ep if sharded else 1
+    )
     per_param = OPTIMIZER_BYTES["fp32" if w.precision == "fp32" else "bf16"]
     per_tensor = lookup(cluster.in_model.get("optimizer_us_per_tensor", ()), (), ranks) or 0.0
     extra = per_tensor * parameter_tensors(pipe.stage_layers(w.layers, lay.pp))
@@ -463,8 +635,11 @@ def _optimizer_seconds(
 
 def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
     """Bytes per GPU by kind on the rank holding the most (before the fragmentation margin)."""
-    params = params_per_rank(w, lay.tp, lay.pp)
+    experts = expert_params_per_rank(w, lay.tp, lay.pp, lay.ep)
+    params = params_per_rank(w, lay.tp, lay.pp, lay.ep) - experts  # the dense part
     weights, grads, opt = state_bytes_per_param(w.precision, lay.dp_shard, lay.shard_dp)
+    # each expert's state is sharded (ZeRO-1) over the dp × cp ÷ ep ranks holding it
+    e_w, e_g, e_o = state_bytes_per_param(w.precision, lay.dp_shard, lay.shard_dp // lay.ep)
     in_flight = fsdp_in_flight_bytes(
         layer_params_per_rank(w, lay.tp),
         vocab_params_per_rank(w, lay.tp, lay.pp),
@@ -473,7 +648,7 @@ def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
     )
     micro_steps = w.global_batch // (lay.dp * lay.micro_batch)
     acts = activation_bytes(
-        w.seq,
+        w.seq // lay.cp,
         lay.micro_batch,
         w.hidden,
         w.heads,
@@ -484,23 +659,47 @@ def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
         sp=lay.sequence_parallel,
         recompute=lay.recompute,
         fused_attention=lay.fused_attention,
-        gated_ffn=w.ffn_size if w.gated else None,
+        gated_ffn=w.active_ffn if w.gated else None,
         in_flight=pipe.in_flight_micro_batches(
             lay.pp, micro_steps, lay.schedule, lay.virtual_stages
         ),
+        routed_copies=w.top_k if w.moe else 0,
     )
-    return MemoryTerms(params * weights + in_flight, params * grads, params * opt, acts)
+    return MemoryTerms(
+        params * weights + experts * e_w + in_flight,
+        params * grads + experts * e_g,
+        params * opt + experts * e_o,
+        acts,
+    )
 
 
 def model_flops(w: Workload, tp: int, *, recompute: bool = False) -> int:
     """Matmul FLOPs of one step (engine.formulas: the family's formula, padded vocabulary)."""
     args = (w.global_batch, w.seq, w.layers, w.hidden, w.padded_vocab(tp))
+    if w.gated and (w.moe or w.q_width != w.hidden):
+        return active_flops_per_iteration(w, tp, recompute=recompute)
     if w.gated:
-        kv_width = w.kv * (w.hidden // w.heads)
+        kv_width = w.kv * w.hd
         return llama_flops_per_iteration(
             *args, ffn_hidden=w.ffn_size, kv_width=kv_width, recompute=recompute
         )
     return gpt_flops_per_iteration(*args, recompute=recompute, ffn_hidden=w.ffn)
+
+
+def active_flops_per_iteration(w: Workload, tp: int, *, recompute: bool = False) -> int:
+    """Matmul FLOPs of one step of a gated model counted on its active parameters: per token
+    and layer 2·(2·h·q + 2·h·kv_width + 3·h·F·(K + shared) + h·E) (q = heads · head_dim; the
+    last term the router), the attention core 4·s·q per token (the full s², as
+    ``llama_flops_per_iteration`` counts it), the LM head 2·h·V; ×3 forward + backward (×4
+    for layers under full recompute). Equal to ``llama_flops_per_iteration`` for a dense
+    model with q = h."""
+    h, q, kv_width = w.hidden, w.q_width, w.kv * w.hd
+    tokens = w.global_batch * w.seq
+    projections = 2 * tokens * (2 * h * q + 2 * h * kv_width + 3 * h * w.active_ffn)
+    router = 2 * tokens * h * w.experts
+    attention = 4 * w.global_batch * w.seq * w.seq * q
+    lm_head = 2 * tokens * h * w.padded_vocab(tp)
+    return (4 if recompute else 3) * w.layers * (projections + router + attention) + 3 * lm_head
 
 
 def _pipeline_seconds(
@@ -510,9 +709,9 @@ def _pipeline_seconds(
     if lay.pp <= 1:
         return 0.0, 0.0
     n = pipe.p2p_bytes(
-        lay.micro_batch, w.seq, w.hidden, w.act_bytes, lay.tp, sp=lay.sequence_parallel
+        lay.micro_batch, w.seq // lay.cp, w.hidden, w.act_bytes, lay.tp, sp=lay.sequence_parallel
     )
-    link = pipe.p2p_link(lay.pp, lay.tp * lay.dp, cluster)
+    link = pipe.p2p_link(lay.pp, lay.tp * lay.cp * lay.dp, cluster)
     p2p = pipe.p2p_seconds_per_micro_batch(n, lay.schedule, lay.virtual_stages, link, lay.pp)
     bubble = pipe.bubble_fraction(lay.pp, micro_steps, lay.schedule, lay.virtual_stages)
     return p2p, bubble
@@ -525,19 +724,23 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     # CPU specs (cores set) describe one machine: every rank, of every emulated node, shares it
     ranks_here = gpus if cluster.cores else min(gpus, cluster.gpus_per_node)
     speed = rank_speed(cluster, ranks_here, lay.threads)
-    tp_group, dp_group = comm.place_groups(lay.tp, lay.dp, cluster.gpus_per_node)
+    # mesh order pp, dp, cp, tp: the gradient group (dp × cp ranks) is tp apart
+    tp_group, dp_group = comm.place_groups(lay.tp, lay.dp_cp, cluster.gpus_per_node)
     c = _compute_seconds(w, lay, cluster, speed)
     tp_link = comm.group_link(tp_group, cluster)
     in_node = ranks_here if tp_group.nodes <= 1 else None  # in-model terms: one machine's
     tp = _tp_comm_seconds(w, lay, cluster, tp_link, in_node, c["total"])
     if lay.tp_comm_overlap:  # chunked GEMM/collective overlap hides TP comm behind GEMMs
         tp = max(0.0, tp - c["gemm"])
+    layers = pipe.stage_layers(w.layers, lay.pp)
+    cp_total, cp_exposed = _cp_comm_seconds(w, lay, cluster, c["attention"] / layers)
+    a2a = _a2a_seconds(w, lay, cluster)
     passes = (c["total"] - c["backward"], c["backward"])
     dp_link = comm.group_link(dp_group, cluster)
     dp_total, dp_exposed = _dp_comm_seconds(w, lay, cluster, dp_link, passes, ranks_here)
     optimizer = _optimizer_seconds(w, lay, cluster, speed, ranks_here)
     p2p, bubble = _pipeline_seconds(w, lay, cluster, micro_steps)
-    busy = micro_steps * (c["total"] + tp + p2p)
+    busy = micro_steps * (c["total"] + tp + cp_exposed + a2a + p2p)
     step = busy * (1 + bubble) + dp_exposed + optimizer
     model = model_flops(w, lay.tp)
     hardware = model_flops(w, lay.tp, recompute=True) if lay.recompute == "full" else model
@@ -545,6 +748,9 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     breakdown = {
         "compute_s": micro_steps * c["total"],
         "tp_comm_s": micro_steps * tp,
+        "cp_comm_exposed_s": micro_steps * cp_exposed,
+        "cp_comm_total_s": micro_steps * cp_total,
+        "ep_a2a_s": micro_steps * a2a,
         "pp_p2p_s": micro_steps * p2p,
         "pp_bubble_s": busy * bubble,
         "dp_comm_exposed_s": dp_exposed,
@@ -570,14 +776,24 @@ def layout_problems(w: Workload, lay: Layout, gpus: int) -> list[str]:
     """Why this layout cannot run (sizes that do not divide); empty when it can."""
     problems = []
     if lay.gpus != gpus:
-        problems.append(f"pp={lay.pp} × dp={lay.dp} × tp={lay.tp} != gpus={gpus}")
+        cp = f" × cp={lay.cp}" if lay.cp > 1 else ""
+        problems.append(f"pp={lay.pp} × dp={lay.dp}{cp} × tp={lay.tp} != gpus={gpus}")
+    problems += workload_problems(w, lay.cp, lay.ep)
+    if lay.ep > 1 and lay.dp % lay.ep:
+        problems.append(f"ep={lay.ep} does not divide dp={lay.dp} (ep is carved from dp)")
+    if lay.cp > 1 and not lay.fused_attention:
+        problems.append(f"cp={lay.cp} needs fused attention (ring attention is a flash kernel)")
+    if w.moe and lay.dp_shard in ("gradients", "full"):
+        problems.append(f"dp_shard={lay.dp_shard} with experts is not modelled (none/optimizer)")
     for name, value in (("heads", w.heads), ("ffn", w.ffn_size), ("hidden", w.hidden)):
         if value % lay.tp:
             problems.append(f"{name}={value} is not divisible by tp={lay.tp}")
     if w.gated and lay.tp % w.kv and w.kv % lay.tp:
         problems.append(f"kv_heads={w.kv} and tp={lay.tp}: one must divide the other")
-    if lay.sequence_parallel and w.seq % lay.tp:
-        problems.append(f"seq={w.seq} is not divisible by tp={lay.tp} (sequence parallel)")
+    if lay.sequence_parallel and (w.seq // lay.cp) % lay.tp:
+        problems.append(
+            f"seq={w.seq} ÷ cp={lay.cp} is not divisible by tp={lay.tp} (sequence parallel)"
+        )
     if w.global_batch % (lay.dp * lay.micro_batch):
         problems.append(
             f"global_batch={w.global_batch} is not divisible by dp={lay.dp} × "
@@ -594,6 +810,31 @@ def layout_problems(w: Workload, lay: Layout, gpus: int) -> list[str]:
     if w.family not in PLANNED:
         problems.append(f"family={w.family!r} is not one of {PLANNED}")
     return problems + pipeline_problems(w, lay)
+
+
+def workload_problems(w: Workload, cp: int = 1, ep: int = 1) -> list[str]:
+    """What stops the model's own sizes, and cp and ep, whatever the rest of the layout."""
+    problems = []
+    if cp < 1 or w.seq % (2 * cp) and cp > 1:
+        problems.append(
+            f"cp={cp} does not divide seq={w.seq} into 2·cp chunks (load-balanced causal split)"
+        )
+    if ep < 1:
+        problems.append(f"ep={ep} must be >= 1")
+    elif ep > 1 and not w.moe:
+        problems.append(f"ep={ep} needs experts (--experts E)")
+    if w.moe:
+        if w.experts % ep:
+            problems.append(f"ep={ep} does not divide experts={w.experts}")
+        if not 1 <= w.top_k <= w.experts:
+            problems.append(f"top_k={w.top_k} must be in [1, experts={w.experts}]")
+        if not w.gated:
+            problems.append(f"experts need a gated-MLP family (llama), not {w.family!r}")
+    if w.experts < 0 or w.shared_experts < 0:
+        problems.append("experts and shared_experts must be >= 0")
+    if w.head_dim and w.head_dim != w.hidden // w.heads and not w.gated:
+        problems.append(f"head_dim={w.head_dim} != hidden/heads needs a gated-MLP family (llama)")
+    return problems
 
 
 def pipeline_problems(w: Workload, lay: Layout) -> list[str]:

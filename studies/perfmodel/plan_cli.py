@@ -12,7 +12,13 @@ from engine.tool_args import ArgumentParser, positive_int
 from studies.perfmodel.cluster_spec import ClusterSpec, cluster_names, load_cluster
 from studies.perfmodel.family_table import DEFAULT_ARCH, display_name
 from studies.perfmodel.memory_model import DP_SHARD
-from studies.perfmodel.model import Layout, Workload, layout_problems, predict
+from studies.perfmodel.model import (
+    Layout,
+    Workload,
+    layout_problems,
+    predict,
+    workload_problems,
+)
 from studies.perfmodel.pipeline import SCHEDULES
 from studies.perfmodel.presets import model_preset
 from studies.perfmodel.search import MAX_GLOBAL_BATCH, best_per_split, divisors, search
@@ -58,6 +64,13 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=size, help="sequence length s (default: the preset's max)")
     p.add_argument("--ffn", type=size, help="MLP width (default 4h)")
     p.add_argument("--kv-heads", type=size, help="key/value heads (Llama; GQA)")
+    p.add_argument("--head-dim", type=size, help="width of one head (default hidden ÷ heads)")
+    p.add_argument("--experts", type=size, help="routed experts E per layer (MoE; Llama family)")
+    p.add_argument("--top-k", type=size, help="experts per token K (MoE; default 1)")
+    p.add_argument("--moe-ffn", type=size, help="one expert's MLP width F (default --ffn)")
+    p.add_argument("--shared-experts", type=size, help="experts every token also passes (MoE)")
+    p.add_argument("--cp", type=gpu_count, default=1, help="context-parallel size (ring attention)")
+    p.add_argument("--ep", type=gpu_count, default=1, help="expert-parallel size, carved from dp")
     p.add_argument("--global-batch", type=batch, required=True, help="sequences per step")
     p.add_argument("--micro-batch", type=batch, help="sequences per forward (best if omitted)")
     p.add_argument("--gpus", type=gpu_count, required=True, help="ranks in total")
@@ -115,14 +128,24 @@ def workload_from_args(args: argparse.Namespace, cluster: ClusterSpec) -> Worklo
     missing = [f"--{k}" for k, v in sizes.items() if not v]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}: give them or --model PRESET")
-    return Workload(
+    if not args.experts and (args.top_k or args.moe_ffn or args.shared_experts):
+        raise ValueError("--top-k, --moe-ffn and --shared-experts need --experts E")
+    w = Workload(
         **sizes,
         global_batch=args.global_batch,
         ffn=args.ffn or pre.get("ffn_hidden_size"),
         precision=args.precision or cluster.precision,
         family=family,
         kv_heads=args.kv_heads or pre.get("num_kv_heads"),
+        head_dim=args.head_dim,
+        experts=args.experts or 0,
+        top_k=args.top_k or 1,
+        moe_ffn=args.moe_ffn,
+        shared_experts=args.shared_experts or 0,
     )
+    if problems := workload_problems(w, args.cp, args.ep):
+        raise ValueError("; ".join(problems))
+    return w
 
 
 def dp_shard_of(args: argparse.Namespace) -> str | None:
@@ -145,6 +168,8 @@ def _base_layout(args: argparse.Namespace) -> Layout:
         overlap_grad_reduce=not args.no_overlap,
         overlap_param_gather=args.overlap_param_gather,
         tp_comm_overlap=args.tp_comm_overlap,
+        cp=args.cp,
+        ep=args.ep,
     )
 
 
@@ -158,10 +183,13 @@ def _check_nodes(cluster: ClusterSpec, gpus: int) -> None:
 
 def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> int:
     """Print one prediction; the best micro-batch when --micro-batch is omitted."""
-    pp = args.pp or 1
-    if args.dp is None and args.tp * pp > args.gpus:  # no data-parallel rank left
-        raise ValueError(f"pp={pp} × tp={args.tp} = {pp * args.tp} exceeds --gpus={args.gpus}")
-    dp = args.dp or args.gpus // (args.tp * pp)
+    pp, cp = args.pp or 1, args.cp
+    if args.dp is None and args.tp * pp * cp > args.gpus:  # no data-parallel rank left
+        cps = f" × cp={cp}" if cp > 1 else ""
+        raise ValueError(
+            f"pp={pp}{cps} × tp={args.tp} = {pp * cp * args.tp} exceeds --gpus={args.gpus}"
+        )
+    dp = args.dp or args.gpus // (args.tp * pp * cp)
     base = _base_layout(args)
     lay = Layout(
         **{
@@ -195,6 +223,8 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
     b = p.breakdown
     pipeline = f" schedule={lay.schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""
     pipeline += f" dp_replicate={lay.dp_replicate}" if lay.dp_replicate > 1 else ""
+    pipeline += f" cp={lay.cp}" if lay.cp > 1 else ""
+    pipeline += f" ep={lay.ep}" if lay.ep > 1 else ""
     print(
         f"{cluster.name}: pp={lay.pp} tp={lay.tp} dp={lay.dp} micro_batch={lay.micro_batch} "
         f"recompute={lay.recompute} sp={lay.sequence_parallel} dp_shard={lay.dp_shard}{pipeline}"
@@ -235,6 +265,8 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
                 "pp": c.layout.pp,
                 "tp": c.layout.tp,
                 "dp": c.layout.dp,
+                "cp": c.layout.cp,
+                "ep": c.layout.ep,
                 "micro_batch": c.layout.micro_batch,
                 "recompute": c.layout.recompute,
                 "sequence_parallel": c.layout.sequence_parallel,
@@ -253,9 +285,14 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
         print(json.dumps({"feasible": rows, "rejected": rejected}, indent=1))
         return 0
     kv = f", kv={w.kv}" if w.gated else ""
+    kv += f", d={w.hd}" if w.q_width != w.hidden else ""
+    kv += f", E={w.experts} top-{w.top_k} F={w.expert_ffn}" if w.moe else ""
+    kv += f", shared={w.shared_experts}" if w.shared_experts else ""
     print(
         f"{w.layers}×{w.hidden} {display_name(w.family)} (a={w.heads}{kv}, s={w.seq}, V={w.vocab}), global "
         f"batch {w.global_batch}, {args.gpus} GPUs of {cluster.name}"
+        + (f", cp={args.cp}" if args.cp > 1 else "")
+        + (f", ep={args.ep}" if args.ep > 1 else "")
     )
     print("best layout per pp × tp × dp, fastest first:")
     for i, c in enumerate(best[: args.top], 1):
@@ -273,6 +310,8 @@ def _layout_text(lay: Layout) -> str:
         f"pp={lay.pp} tp={lay.tp} dp={lay.dp} mb={lay.micro_batch} recompute={lay.recompute} "
         f"sp={int(lay.sequence_parallel)} dp_shard={lay.dp_shard}"
         + (pipeline if lay.pp > 1 else "")
+        + (f" cp={lay.cp}" if lay.cp > 1 else "")
+        + (f" ep={lay.ep}" if lay.ep > 1 else "")
     )
 
 

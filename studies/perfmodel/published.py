@@ -20,6 +20,7 @@ import statistics
 from dataclasses import dataclass
 
 from studies.perfmodel.cluster_spec import load_cluster
+from studies.perfmodel.family_table import FAMILIES
 from studies.perfmodel.model import Layout, Workload
 from studies.perfmodel.search import search
 
@@ -356,5 +357,262 @@ def markdown_table(results: list[RowResult]) -> str:
             f"| {r.row.label}{' (fitted)' if r.row.fitted else ''} | {r.row.gpus} | {r.row.tp} | "
             f"{pipe_cells}{r.row.tflops:g} | {r.predicted:.1f} | {100 * r.error:+.1f}% | "
             f"{r.micro_batch}, {r.recompute} | {r.best_tp} |"
+        )
+    return "\n".join(lines)
+
+
+# Context parallelism: Llama 3 405B pre-training on H100s (Llama Team, AI @ Meta, "The
+# Llama 3 Herd of Models", arXiv:2407.21783, 2024, Table 4 "Scaling configurations and
+# MFU for each stage of Llama 3 405B pre-training"). Model (the paper's Table 3): 126
+# layers, hidden 16,384, FFN 53,248, 128 heads, 8 KV heads, vocabulary 128,256 (128K).
+# Each row: GPUs, TP, CP, PP, DP, sequence, batch per DP group, TFLOP/s per GPU, MFU.
+# 126 layers over 16 stages is uneven (the paper trims a layer from the first and last
+# stage); the planner prices the busiest stage's ceil(126/16) = 8 layers and is asked
+# directly (predict), the layout check's ``layers % pp`` aside.
+@dataclass(frozen=True)
+class CpRow:
+    """One Table 4 row of the Llama 3 paper."""
+
+    label: str
+    gpus: int
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    seq: int
+    batch_per_dp: int
+    tflops: float
+    mfu: float
+
+
+# The family the Llama 3 and Qwen3 rows are priced as: the table's first with a gated MLP
+# (SwiGLU, grouped-query attention, untied head), asked of the table, not named.
+GATED_ARCH = next(arch for arch, fam in FAMILIES.items() if fam.gated_mlp)
+LLAMA3_CITATION = "Llama 3 Herd of Models (arXiv:2407.21783), Table 4"
+LLAMA3_405B = dict(hidden=16384, layers=126, heads=128, kv_heads=8, ffn=53248, vocab=128256)
+CP_ROWS = (
+    CpRow("405B 8k, 8,192 GPUs", 8192, 8, 1, 16, 64, 8192, 32, 430, 0.43),
+    CpRow("405B 8k, 16,384 GPUs", 16384, 8, 1, 16, 128, 8192, 16, 400, 0.41),
+    CpRow("405B 128k, CP 16", 16384, 8, 16, 16, 8, 131072, 16, 380, 0.38),
+)
+
+
+@dataclass
+class CpResult:
+    """Our best layout at a row's TP × CP × PP × DP, and its MFU under both attention counts."""
+
+    row: CpRow
+    layout: Layout
+    mfu: float  # model FLOPs with the full s² attention (Megatron's count, as everywhere here)
+    mfu_causal: float  # the same step with the attention FLOPs halved (the causal work)
+    memory_gib: float
+    cp_exposed_s: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of the MFU (Megatron's count) against the published one."""
+        return self.mfu / self.row.mfu - 1
+
+    @property
+    def error_causal(self) -> float:
+        """Relative error of the causal-count MFU."""
+        return self.mfu_causal / self.row.mfu - 1
+
+
+def evaluate_cp(row: CpRow) -> CpResult:
+    """The fastest fitting layout at the row's split: micro-batch 1, sequence parallelism,
+    TP communication overlap, the distributed optimizer or ZeRO-2 (the paper's FSDP keeps
+    the parameters gathered), 1F1B or interleaved 1F1B with 2, 4 or 8 chunks, no or full
+    recompute."""
+    from dataclasses import replace
+
+    from studies.perfmodel.model import predict
+
+    cluster = load_cluster("dgx_h100")
+    w = Workload(**LLAMA3_405B, seq=row.seq, global_batch=row.dp * row.batch_per_dp)
+    w = replace(w, family=GATED_ARCH)
+    limit = cluster.memory_bytes / 2**30
+    best = None
+    for shard in ("optimizer", "gradients"):
+        for schedule, v in (
+            ("1f1b", 1),
+            ("interleaved_1f1b", 2),
+            ("interleaved_1f1b", 4),
+            ("interleaved_1f1b", 8),
+        ):
+            for recompute in ("none", "full"):
+                lay = Layout(
+                    tp=row.tp,
+                    dp=row.dp,
+                    micro_batch=1,
+                    cp=row.cp,
+                    pp=row.pp,
+                    schedule=schedule,
+                    virtual_stages=v,
+                    recompute=recompute,
+                    sequence_parallel=True,
+                    dp_shard=shard,
+                    overlap_param_gather=True,
+                    tp_comm_overlap=True,
+                )
+                p = predict(w, lay, cluster)
+                if p.memory_gib_per_gpu <= limit and (
+                    best is None or p.step_time_s < best[1].step_time_s
+                ):
+                    best = (lay, p)
+    if best is None:
+        raise ValueError(f"{row.label}: no layout fits {limit:.0f} GiB")
+    lay, p = best
+    attention = 3 * w.layers * 4 * w.global_batch * w.seq * w.seq * w.q_width
+    causal = p.mfu * (1 - 0.5 * attention / (p.mfu * p.step_time_s * lay.gpus * cluster.peak_flops))
+    return CpResult(row, lay, p.mfu, causal, p.memory_gib_per_gpu, p.breakdown["cp_comm_exposed_s"])
+
+
+def cp_markdown_table(results: list[CpResult]) -> str:
+    """The Llama 3 comparison table for docs/PERFMODEL.md."""
+    lines = [
+        "| row | TP × CP × PP × DP | seq | published MFU | predicted MFU (full s²) | error | "
+        "predicted MFU (causal) | error | layout | GiB/GPU | CP exposed s |",
+        "|---" * 11 + "|",
+    ]
+    for r in results:
+        lay, row = r.layout, r.row
+        sched = "1f1b" if lay.schedule == "1f1b" else f"interleaved v={lay.virtual_stages}"
+        lines.append(
+            f"| {row.label} | {row.tp}×{row.cp}×{row.pp}×{row.dp} | {row.seq} | "
+            f"{100 * row.mfu:.0f}% | {100 * r.mfu:.1f}% | {100 * r.error:+.1f}% | "
+            f"{100 * r.mfu_causal:.1f}% | {100 * r.error_causal:+.1f}% | "
+            f"{sched}, {lay.dp_shard}, recompute {lay.recompute} | {r.memory_gib:.1f} | "
+            f"{r.cp_exposed_s:.3g} |"
+        )
+    return "\n".join(lines)
+
+
+# Mixture of experts: Qwen3-235B-A22B on 256 H100s, read from the Megatron-Core MoE model
+# zoo (github.com/yanring/Megatron-MoE-ModelZoo, best_practice/Qwen3/readme.md at commit
+# c1ad0b5c89): the rows whose expert-parallel group lies within the DP ranks (EP 8 | DP 8)
+# and whose CP is 1 — the planner carves ep from dp. "Per GPU TF" are model TFLOP/s. The
+# zoo's experts are not TP-split (ETP 1); the planner splits them over TP as the dense
+# MLP is (same FLOPs and bytes per rank, other GEMM shapes). Model (its Hugging Face
+# config, from memory): 94 layers, hidden 4096, 64 heads of 128 (q 8192 ≠ h), 4 KV heads,
+# 128 experts, top-8, expert width 1536, no shared expert, vocabulary 151,936.
+QWEN3_235B = dict(
+    hidden=4096,
+    layers=94,
+    heads=64,
+    kv_heads=4,
+    head_dim=128,
+    vocab=151936,
+    experts=128,
+    top_k=8,
+    moe_ffn=1536,
+    family=GATED_ARCH,
+)
+MOE_CITATION = "Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (c1ad0b5c89)"
+
+
+@dataclass(frozen=True)
+class MoeRow:
+    """One Qwen3-235B row of the model zoo."""
+
+    label: str
+    gpus: int
+    tp: int
+    ep: int
+    pp: int
+    vpp: int
+    dp: int
+    seq: int
+    global_batch: int
+    tflops: float
+
+
+MOE_ROWS = (
+    # "Intra-node EP strategy", DeepEP, no recompute: 29.0 s a step
+    MoeRow("Qwen3-235B s4096", 256, 4, 8, 8, 4, 8, 4096, 2048, 167),
+    # "Long Context", CP 1: 295 with forced load balance (the planner's balanced routing),
+    # 237 dropless; selective recompute of norms and MoE
+    MoeRow("Qwen3-235B s16384 (forced balance)", 256, 4, 8, 8, 4, 8, 16384, 256, 295),
+)
+
+
+@dataclass
+class MoeResult:
+    """Our best layout at a row's split and its model TFLOP/s."""
+
+    row: MoeRow
+    layout: Layout
+    predicted: float  # model TFLOP/s with the full s² attention (as everywhere here)
+    predicted_causal: float  # the same step, the attention FLOPs halved (the zoo's count)
+    a2a_s: float
+    step_s: float
+    memory_gib: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of the full-s² count (+ means we predict faster)."""
+        return self.predicted / self.row.tflops - 1
+
+    @property
+    def error_causal(self) -> float:
+        """Relative error of the causal count: the step time's error, in the zoo's units."""
+        return self.predicted_causal / self.row.tflops - 1
+
+
+def evaluate_moe(row: MoeRow) -> MoeResult:
+    """The fastest fitting layout at the row's split (micro-batch 1, sequence parallelism,
+    the distributed optimizer, TP overlap, the row's interleaving, no or full recompute);
+    94 layers over 8 stages are priced as the busiest stage's 12, as for Llama 3."""
+    from studies.perfmodel.model import model_flops, predict
+
+    cluster = load_cluster("dgx_h100")
+    w = Workload(**QWEN3_235B, seq=row.seq, global_batch=row.global_batch)
+    limit = cluster.memory_bytes / 2**30
+    priced = []
+    for recompute in ("none", "full"):
+        lay = Layout(
+            tp=row.tp,
+            dp=row.dp,
+            micro_batch=1,
+            ep=row.ep,
+            pp=row.pp,
+            schedule="interleaved_1f1b" if row.vpp > 1 else "1f1b",
+            virtual_stages=row.vpp,
+            recompute=recompute,
+            sequence_parallel=True,
+            dp_shard="optimizer",
+            overlap_param_gather=True,
+            tp_comm_overlap=True,
+        )
+        priced.append((lay, predict(w, lay, cluster)))
+    fits = [(lay, p) for lay, p in priced if p.memory_gib_per_gpu <= limit]
+    lay, p = min(fits or priced, key=lambda o: o[1].step_time_s)
+    attention = 3 * w.layers * 4 * w.global_batch * w.seq * w.seq * w.q_width
+    causal = (model_flops(w, lay.tp) - attention / 2) / p.step_time_s / lay.gpus / 1e12
+    return MoeResult(
+        row,
+        lay,
+        p.model_tflops_per_gpu,
+        causal,
+        p.breakdown["ep_a2a_s"],
+        p.step_time_s,
+        p.memory_gib_per_gpu,
+    )
+
+
+def moe_markdown_table(results: list[MoeResult]) -> str:
+    """The Qwen3 comparison table for docs/PERFMODEL.md."""
+    lines = [
+        "| row | TP × EP × PP (v) × DP | published TFLOP/s | predicted (causal) | error | "
+        "predicted (full s²) | error | step s | all-to-all s | recompute | GiB/GPU |",
+        "|---" * 11 + "|",
+    ]
+    for r in results:
+        row = r.row
+        lines.append(
+            f"| {row.label} | {row.tp}×{row.ep}×{row.pp} ({row.vpp})×{row.dp} | {row.tflops:g} | "
+            f"{r.predicted_causal:.1f} | {100 * r.error_causal:+.1f}% | "
+            f"{r.predicted:.1f} | {100 * r.error:+.1f}% | {r.step_s:.3g} | {r.a2a_s:.3g} | "
+            f"{r.layout.recompute} | {r.memory_gib:.1f} |"
         )
     return "\n".join(lines)

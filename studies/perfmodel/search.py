@@ -74,7 +74,7 @@ def _axes(
     micros = [fixed_micro] if fixed_micro else divisors(max(1, w.global_batch // dp))
     sps = only.get("sequence_parallel", (False, True) if tp > 1 else (False,))
     # at dp 1 there is nothing to shard over: every mode is "none"
-    shards = [z for z in only.get("dp_shard", DP_SHARD) if dp > 1 or z == "none"]
+    shards = [z for z in only.get("dp_shard", DP_SHARD) if dp * base.cp > 1 or z == "none"]
     recomputes = only.get(
         "recompute", ("none", "full") if base.fused_attention else ("none", "selective", "full")
     )
@@ -109,6 +109,10 @@ def _why_fast(p: Prediction) -> str:
     parts = [f"compute {100 * b['compute_s'] / step:.0f}%"]
     if b["tp_comm_s"]:
         parts.append(f"TP comm {100 * b['tp_comm_s'] / step:.0f}%")
+    if b.get("cp_comm_total_s"):
+        parts.append(f"CP exposed {100 * b['cp_comm_exposed_s'] / step:.0f}%")
+    if b.get("ep_a2a_s"):
+        parts.append(f"EP all-to-all {100 * b['ep_a2a_s'] / step:.0f}%")
     if b["pp_bubble_s"] or b["pp_p2p_s"]:
         parts.append(f"PP bubble {100 * b['pp_bubble_s'] / step:.0f}%")
         parts.append(f"p2p {100 * b['pp_p2p_s'] / step:.0f}%")
@@ -142,12 +146,14 @@ def _split_problems(w: Workload, probe: Layout, gpus: int) -> list[str]:
 
 
 def _splits(w: Workload, gpus: int, base: Layout, micro_batch: int | None, only: dict):
-    """(pp, tp, dp, what stops it) of every pp × tp × dp = ``gpus`` split searched."""
+    """(pp, tp, dp, what stops it) of every pp × tp × dp (× ``base.cp``) = ``gpus`` split
+    searched."""
+    cp = base.cp
     for pp in only.get("pp", divisors(gpus)):
-        if gpus % pp or pp > w.layers:
+        if gpus % (pp * cp) or pp > w.layers:
             continue
-        for tp in divisors(gpus // pp):
-            dp = gpus // (pp * tp)
+        for tp in divisors(gpus // (pp * cp)):
+            dp = gpus // (pp * cp * tp)
             probe = replace(base, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch or 1)
             yield pp, tp, dp, _split_problems(w, probe, gpus)
 

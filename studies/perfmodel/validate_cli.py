@@ -188,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"\npipeline rows: max |error| {100 * worst:.1f}%, median {100 * median:.1f}%, "
                 f"{within}/{len(piped)} within 15%"
             )
+            cp_rows = [published.evaluate_cp(r) for r in published.CP_ROWS]
+            print(f"\ncontext parallelism ({published.LLAMA3_CITATION}):")
+            print(published.cp_markdown_table(cp_rows))
+            moe_rows = [published.evaluate_moe(r) for r in published.MOE_ROWS]
+            print(f"\nmixture of experts ({published.MOE_CITATION}):")
+            print(published.moe_markdown_table(moe_rows))
             return 0
         if args.command == "machine":
             rows = _machine(args)
