@@ -22,6 +22,7 @@ them all with one line.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -255,6 +256,10 @@ def _launch(args: argparse.Namespace) -> int:
 
     from engine.launching import launch_workers
 
+    # The launcher logs each step of a stop, and a failed rank's traceback as a screenful
+    # of its own frames: the one line below says what happened instead.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         launch_workers(serve_rank, args, True, nproc_per_node=args.tp_size)
     except SignalException:

@@ -61,9 +61,9 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory):
-    """(export directory, tokenizer, the model before export)."""
+def make_export(directory: Path):
+    """The tiny GPT exported to ``directory`` with its tokenizer, and a chat template
+    beside it: (directory, tokenizer, the model before export)."""
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = __import__("tokenizers").decoders.ByteLevel()
@@ -77,11 +77,16 @@ def export(tmp_path_factory):
     cfg = tiny_gpt(tokenizer.get_vocab_size(), max_positions=128, init_std=0.2)
     torch.manual_seed(3)
     model = build_model(cfg).eval()
-    directory = tmp_path_factory.mktemp("serve") / "tiny"
     write_checkpoint(directory, model.full_state_dict(), cfg)
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory.parent / "chat.jinja").write_text(CHAT)
     return directory, tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """(export directory, tokenizer, the model before export)."""
+    return make_export(tmp_path_factory.mktemp("serve") / "tiny")
 
 
 @contextlib.contextmanager
