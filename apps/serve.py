@@ -251,6 +251,7 @@ def _stopped(line: str, launched: bool) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     """Start ``--tp-size`` local ranks and wait for them; one line when one fails."""
+    import torch.distributed.launcher.api  # noqa: F401 - its loggers, made on import
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -258,8 +259,9 @@ def _launch(args: argparse.Namespace) -> int:
 
     # The launcher logs each step of a stop, and a failed rank's traceback as a screenful
     # of its own frames: the one line below says what happened instead.
-    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         launch_workers(serve_rank, args, True, nproc_per_node=args.tp_size)
     except SignalException:

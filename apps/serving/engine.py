@@ -14,6 +14,12 @@ left-padded ``[b, heads, past + s, d]`` (the padding masked). So a row sees exac
 own tokens whatever else is in the batch; only the floating-point summation order over
 the padded width and batch can change (see tests/test_serving.py for the tolerance).
 
+At tp > 1 the model is one rank's shard and the cache holds that rank's KV heads. The
+scheduling rank (TP rank 0) decides every forward alone and sends it as a
+:class:`StepPlan` (ids, positions, the cache slots to write and read); every other rank
+runs :func:`follow`, the same :func:`run_plan` on its shard and its own cache, so the
+collectives inside the forward (and the logits' gather) line up. Sampling is rank 0's.
+
 Correctness first, so two costs remain: every step copies each row's past out of the
 blocks (a paged-attention kernel would read them in place), and a prefill forward pads
 every chunk to the longest one (the budget counts real tokens only).
