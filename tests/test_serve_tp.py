@@ -204,7 +204,9 @@ def test_tp2_sigterm_drains_and_every_rank_exits_0(tp2, export):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_stops_every_rank_with_one_line(export):
+@pytest.mark.parametrize("which", [min, max], ids=["first", "last"])
+def test_a_killed_rank_stops_every_rank_with_one_line(export, which):
+    """SIGKILL to the rank started first (rank 0, HTTP) or last (rank 1, following)."""
     server = _TpServer(export[0])
     try:
         pid = server.process.pid
@@ -216,7 +218,7 @@ def test_a_killed_rank_stops_every_rank_with_one_line(export):
                 if b"spawn_main" in f.read():
                     ranks.append(child)
         assert len(ranks) == 2, ranks
-        os.kill(max(ranks), signal.SIGKILL)  # the rank started last
+        os.kill(which(ranks), signal.SIGKILL)
         assert server.process.wait(timeout=TIMEOUT) == 1
         time.sleep(0.2)
         lines = [ln for ln in server.stderr().splitlines() if not ln.startswith("threads: ")]
