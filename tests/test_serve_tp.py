@@ -3,6 +3,8 @@
 One tp 2 server (its own process, which starts the two ranks) serves the tiny export of
 tests/test_serve.py; the references are that file's tp 1 server, in this process, and
 ``engine.generate.generate_batch`` (what ``tools/generate.py`` runs) on the unsplit model.
+Without HTTP, the engine and its followers also run on 2 and 4 gloo ranks (gpt, and llama
+with 2 KV heads: at tp 4 more ranks than KV heads) against the engine at tp 1.
 
 Tolerance. Tokens and text are compared exactly (the tiny model's top-1 leads by far more
 than rounding, as tests/test_serve.py says). Log-probabilities: atol = rtol = 1e-4. At tp
@@ -28,9 +30,16 @@ import httpx
 import openai
 import pytest
 import torch
+import torch.distributed as dist
 
+import parallel_state
+from apps.serving import PagedKVCache, Request, ServingEngine
+from apps.serving.engine import follow
+from apps.serving.tp import PlanChannel
 from engine.generate import generate_batch
-from tests.multiproc import subprocess_env
+from engine.inference import inference_config
+from engine.models import build_model, preset
+from tests.multiproc import run_ranks, subprocess_env
 from tests.test_serve import (
     GREEDY,
     PROMPTS,
@@ -40,6 +49,7 @@ from tests.test_serve import (
     _serving,
     make_export,
 )
+from tests.torch_reference import tiny_gpt
 
 TOL = dict(atol=1e-4, rtol=1e-4)  # fp32 sums over TP in another order (docstring)
 START_S = 120  # two ranks importing torch on two busy cores
@@ -245,3 +255,83 @@ def test_tp_size_is_checked_in_one_line_before_a_rank_starts(export, capsys, mon
     assert capsys.readouterr().err == (
         "serve: --tp-size 2: this machine has 1 usable CPU cores, one a rank\n"
     )
+
+
+def _config(family: str):
+    """tests/test_serving.py's tiny decoders: gpt (4 heads) and llama (4 heads, 2 KV heads:
+    at tp 4 each rank holds one KV head of its own, replicated as the model does)."""
+    if family == "gpt":
+        return tiny_gpt(300, max_positions=64, init_std=0.2)
+    return preset(
+        "llama_tiny",
+        vocab_size=300,
+        hidden_size=32,
+        ffn_hidden_size=88,
+        max_positions=64,
+        init_std=0.2,
+    )
+
+
+ENGINE_JOBS = [  # (prompt, max_tokens, prompt_logprobs)
+    ([5, 17, 42, 8, 99, 3], 10, False),
+    ([7, 7], 14, True),
+    (list(range(10, 29)), 9, True),
+    ([250, 1, 2, 3], 0, True),  # the prompt scored alone
+    ([1], 12, False),
+]
+
+
+def _run(engine) -> list[tuple]:
+    ids = [
+        engine.submit(Request(prompt, n, top_logprobs=2, prompt_logprobs=scored))
+        for prompt, n, scored in ENGINE_JOBS
+    ]
+    done = engine.run_until_idle()
+    out = []
+    for rid in ids:
+        c = done[rid]
+        prompt = [(s.token, s.logprob, s.top) for s in c.prompt or ()]
+        out.append((c.tokens, c.logprobs, c.top, prompt, c.finish_reason))
+    return out
+
+
+def _engine_rank(family: str) -> dict:
+    """Rank 0 schedules the jobs at tp = world (3 running, 8 tokens a step: prompts are
+    chunked), the others follow; rank 0 also runs them on the unsplit model at tp 1."""
+    ps = parallel_state.initialize(dist.get_world_size())
+    cfg = inference_config(_config(family))
+    solo = [dist.new_group([r]) for r in range(ps.world_size)][ps.rank]
+    torch.manual_seed(0)
+    full = build_model(cfg, tp_group=solo).eval()
+    model = build_model(cfg, tp_group=ps.tp_group).eval()
+    model.load_full_state_dict(full.full_state_dict())
+    cache = PagedKVCache.for_model(model, tokens=512, block_size=4)
+    channel = PlanChannel(ps.tp_group)
+    if not channel.is_source:
+        return {"forwards": follow(model, cache, channel), "kv_heads": cache.keys.shape[3]}
+    options = dict(max_running=3, token_budget=8)
+    split = _run(ServingEngine(model, cache, channel=channel, **options))
+    channel.send(None)
+    tp1_cache = PagedKVCache.for_model(full, tokens=512, block_size=4)
+    return {"tp": split, "tp1": _run(ServingEngine(full, tp1_cache, **options))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, tp", [("gpt", 2), ("llama", 2), ("llama", 4)])
+def test_the_engine_split_over_tp_ranks_equals_tp1(family, tp):
+    """No HTTP: the engine and its followers on ``tp`` gloo ranks, prompts chunked over
+    steps, requests joining and leaving the batch, prompt scoring on every rank."""
+    results = run_ranks(_engine_rank, tp, family)
+    split, whole = results[0]["tp"], results[0]["tp1"]
+    for a, b in zip(split, whole, strict=True):
+        assert a[0] == b[0] and a[4] == b[4]  # tokens, finish reason
+        assert [[t for t, _ in top] for top in a[2]] == [[t for t, _ in top] for top in b[2]]
+        torch.testing.assert_close(torch.tensor(a[1]), torch.tensor(b[1]), **TOL)
+        assert [p[0] for p in a[3]] == [p[0] for p in b[3]]
+        got, want = [p[1] for p in a[3]], [p[1] for p in b[3]]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL)
+    assert split[3][0] == [] and len(split[3][3]) == 3  # max_tokens 0: 3 tokens scored
+    kv_heads = 2 if family == "gpt" else max(1, 2 // tp)
+    forwards = results[1]["forwards"]
+    assert forwards > len(ENGINE_JOBS) and all(r["forwards"] == forwards for r in results[1:])
+    assert all(r["kv_heads"] == kv_heads for r in results[1:])
