@@ -9,12 +9,20 @@ The model comes from a training checkpoint (``--ckpt``), an exported weights fol
 ``tools/generate.py`` would use. Requests run through ``apps.serving``: a paged KV cache of
 ``--cache-tokens`` tokens (its size is printed at start) and a continuous-batching engine;
 ``apps/serving/http.py`` has the routes. ``--quantize int8`` keeps the weights in int8
-(``engine/models/quantize.py``). tp 1 only for now.
+(``engine/models/quantize.py``).
+
+``--tp-size N`` splits the model over N local TP ranks (``apps.generate_text`` starts them
+the same way): rank 0 serves HTTP and schedules; at every forward it sends the step's plan
+(ids, positions, KV slots) to the others, and every rank runs it on its own shard of the
+weights and of the KV cache (its KV heads). Logits are gathered over TP and sampled on
+rank 0. SIGTERM drains rank 0, which then stops the others; a failure on any rank stops
+them all with one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -55,7 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="queued requests past which new ones get 429",
     )
     p.add_argument("--token-budget", type=positive_int, default=256, help="tokens fed per step")
-    p.add_argument("--tp-size", type=positive_int, default=1, help="only 1 for now")
+    p.add_argument(
+        "--tp-size",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks to start (divides the heads)",
+    )
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument(
         "--quantize",
@@ -84,64 +97,209 @@ def _source(args: argparse.Namespace) -> tuple[ModelSource, str]:
     return source, tokenizer
 
 
-def build(args: argparse.Namespace):
-    """The FastAPI app for ``args``, and the KV cache's one-line description."""
+def check_tp(args: argparse.Namespace, cfg) -> None:
+    """Refuse, in one line before any rank starts, a --tp-size the model or the machine
+    cannot run: it must divide the heads (and what else the model splits), and each rank
+    needs a GPU of its own, or on CPU a core of its own."""
+    if args.tp_size == 1:
+        return
+    try:
+        cfg.validate(args.tp_size)
+    except ValueError as err:
+        raise ValueError(f"--tp-size {args.tp_size}: {err}") from None
     import torch
 
-    from apps.serving import PagedKVCache, ServingEngine
+    from engine.launching import usable_cores
+
+    if torch.cuda.is_available():
+        have, what = torch.cuda.device_count(), "GPUs"
+    else:
+        have, what = usable_cores(), "usable CPU cores"
+    if "RANK" not in os.environ and args.tp_size > have:
+        raise ValueError(f"--tp-size {args.tp_size}: this machine has {have} {what}, one a rank")
+
+
+def build(args: argparse.Namespace, ps=None, channel=None):
+    """The FastAPI app for ``args``, and the KV cache's one-line description. ``ps``: this
+    rank's ParallelState at tp > 1 (the model is its shard), whose other ranks follow the
+    plans ``channel`` sends (:func:`serve_rank`)."""
+    from apps.serving import ServingEngine
     from apps.serving.http import build_app
     from apps.serving.text import TextCodec
-    from engine.inference import inference_config
-    from engine.models import build_model
-    from engine.models.quantize import quantize_model_
 
     source, tokenizer = _source(args)
-    cfg, state = source.load()
-    model = build_model(inference_config(cfg), dtype=getattr(torch, args.dtype))
-    model.load_full_state_dict(state)
-    del state
-    quantize_model_(model, args.quantize)
-    tokens = args.cache_tokens or args.max_running * cfg.max_positions
-    cache = PagedKVCache.for_model(model, tokens=tokens, block_size=args.block_size)
+    model, cache = _model_and_cache(args, source, ps)
     engine = ServingEngine(
         model,
         cache,
         max_running=args.max_running,
         max_waiting=args.max_waiting,
         token_budget=max(args.token_budget, args.max_running),
+        channel=channel,
     )
     codec = TextCodec.from_files(tokenizer, args.chat_template)
     directory = args.ckpt or args.weights or args.hf_dir
     name = args.served_model_name or Path(directory).resolve().name
-    return build_app(engine, codec, name), cache.describe()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Load, print the cache size and the address, serve until SIGINT/SIGTERM; 2 on a bad
-    argument."""
-    args = parse_args(argv)
+    line = cache.describe()
     if args.tp_size > 1:
-        print(
-            f"serve: --tp-size {args.tp_size}: serving at tp > 1 is not built yet", file=sys.stderr
-        )
-        return 2
-    try:
-        app, cache_line = build(args)
-        sock = socket.create_server((args.host, args.port))
-    except (OSError, ValueError, CheckpointError) as err:
-        print(f"serve: {err}", file=sys.stderr)
-        return 2
+        line += f" on each of {args.tp_size} TP ranks"
+    return build_app(engine, codec, name), line
+
+
+def _model_and_cache(args: argparse.Namespace, source: ModelSource, ps=None):
+    """This rank's model (its TP shard under ``ps``) and its paged KV cache."""
+    import torch
+
+    from apps.serving import PagedKVCache
+    from engine.inference import inference_config
+    from engine.models import build_model
+    from engine.models.quantize import quantize_model_
+
+    cfg, state = source.load(ps)
+    dtype = getattr(torch, args.dtype)
+    if ps is None:
+        model = build_model(inference_config(cfg), dtype=dtype)
+    else:
+        model = build_model(inference_config(cfg), ps, dtype=dtype, device=ps.device)
+    model.load_full_state_dict(state)
+    del state
+    quantize_model_(model, args.quantize)
+    tokens = args.cache_tokens or args.max_running * cfg.max_positions
+    return model, PagedKVCache.for_model(model, tokens=tokens, block_size=args.block_size)
+
+
+def _serve(app, cache_line: str, sock: socket.socket, *, graceful_s: int = 30) -> None:
+    """Print the cache and the address, serve until SIGINT/SIGTERM (or until
+    ``app.state.uvicorn.should_exit``), then drain for at most ``graceful_s``."""
     import uvicorn
 
     host, port = sock.getsockname()[:2]
     print(cache_line, flush=True)
     print(f"serving {app.state.server.model_name} on http://{host}:{port}", flush=True)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=graceful_s)
     # uvicorn drains on SIGINT/SIGTERM, then raises the signal again to the handler it
     # found: with these, nothing is left to stop and the drained server exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(config).run(sockets=[sock])
+    server = uvicorn.Server(config)
+    app.state.uvicorn = server
+    server.run(sockets=[sock])
+
+
+def serve_rank(args: argparse.Namespace, launched: bool = False) -> int:
+    """One TP rank of ``--tp-size N``: rank 0 serves HTTP and schedules, sending each
+    forward's plan to the others, which run it on their shard until rank 0 stops. Returns
+    the rank; raises (one line, in the launcher) on a failure.
+
+    ``launched``: started by :func:`_launch`, whose workers, once their function returns,
+    wait for the launcher to collect the result; but a launcher that passed SIGTERM on
+    only waits 30 s for them to end, then kills them. So a rank that stopped cleanly
+    exits 0 itself, at once."""
+    from apps.serving.engine import follow
+    from apps.serving.tp import PlanChannel
+    from engine.bootstrap import bootstrap_rank
+    from engine.config import sized_dims
+
+    def say(ps, line: str) -> None:
+        if ps.rank == 0:
+            print(line, file=sys.stderr, flush=True)
+
+    mesh = bootstrap_rank(lambda world: sized_dims(args.tp_size, None, world), say=say)
+    with mesh as ps:
+        channel = PlanChannel(ps.tp_group)
+        if not channel.is_source:
+            # Rank 0 leads the drain and then sends the stop: a signal here changes nothing.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+            source, _ = _source(args)
+            model, cache = _model_and_cache(args, source, ps)
+            steps = follow(model, cache, channel)
+            _stopped(f"serve: rank {ps.rank} stopped after {steps} forwards", launched)
+            return ps.rank
+        app, line = build(args, ps, channel)
+        engine = app.state.server.engine
+        failed: list[BaseException] = []
+        step = engine.step
+
+        def step_or_stop():
+            # At tp > 1 a failed step leaves the ranks out of step: stop them all.
+            try:
+                return step()
+            except BaseException as err:
+                failed.append(err)
+                app.state.uvicorn.should_exit = True
+                raise
+
+        engine.step = step_or_stop
+        sock = socket.create_server((args.host, args.port))
+        # Inside the launcher's 30 s between passing SIGTERM on and killing the ranks.
+        _serve(app, line, sock, graceful_s=20)
+        if failed:
+            raise RuntimeError(f"a step failed, every rank stops: {failed[0]}") from failed[0]
+        channel.send(None)
+        _stopped(f"serve: rank {ps.rank} stopped", launched)
+        return ps.rank
+
+
+def _stopped(line: str, launched: bool) -> None:
+    """Say that this rank stopped cleanly; exit 0 now when :func:`_launch` started it."""
+    print(line, file=sys.stderr, flush=True)
+    if launched:
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """Start ``--tp-size`` local ranks and wait for them; one line when one fails."""
+    import torch.distributed.launcher.api  # noqa: F401 - its loggers, made on import
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from engine.launching import launch_workers
+
+    # The launcher logs each step of a stop, and a failed rank's traceback as a screenful
+    # of its own frames: the one line below says what happened instead.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        launch_workers(serve_rank, args, True, nproc_per_node=args.tp_size)
+    except SignalException:
+        # The launcher passed the signal on: rank 0 drained and stopped the others.
+        return 0
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        message = failure.message
+        if isinstance(message, dict):
+            message = message.get("message", "")
+        first = (str(message).strip().splitlines() or ["no message"])[0]
+        print(
+            f"serve: rank {rank} failed (exit code {failure.exitcode}): {first}; every rank "
+            "stopped",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Load, print the cache size and the address, serve until SIGINT/SIGTERM; 2 on a bad
+    argument. At --tp-size N, start N local ranks (under torchrun, this process is one)."""
+    args = parse_args(argv)
+    try:
+        source, _ = _source(args)
+        check_tp(args, source.config())
+        if args.tp_size > 1 or "RANK" in os.environ:
+            socket.create_server((args.host, args.port)).close()  # rank 0 binds it later
+            if "RANK" in os.environ:
+                return 0 if serve_rank(args) >= 0 else 1
+            return _launch(args)
+        app, cache_line = build(args)
+        sock = socket.create_server((args.host, args.port))
+    except (OSError, ValueError, CheckpointError) as err:
+        print(f"serve: {err}", file=sys.stderr)
+        return 2
+    _serve(app, cache_line, sock)
     return 0
 
 

@@ -7,6 +7,8 @@ them treat ``None`` as a group of one rank, so a single process needs no
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -49,3 +51,12 @@ def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | 
 def solo_group(rank: int, world_size: int) -> dist.ProcessGroup:
     """A group holding only ``rank`` (every rank of the world must call this together)."""
     return [dist.new_group([r]) for r in range(world_size)][rank]
+
+
+def same_ranks_group(
+    group: dist.ProcessGroup, *, timeout: datetime.timedelta, backend: str = "gloo"
+) -> dist.ProcessGroup:
+    """A new group of ``group``'s ranks with its own backend and timeout (e.g. a channel
+    that may wait far longer than a collective should); every rank of the world must call
+    this together."""
+    return dist.new_group(dist.get_process_group_ranks(group), backend=backend, timeout=timeout)

@@ -186,6 +186,10 @@ COVERED = {
     'python -c \'from openai import OpenAI; c = OpenAI(base_url="http://127.0.0.1:8000/v1", '
     'api_key="-"); print(repr(c.completions.create(model="gpt_tiny_stdlib", prompt="class ", '
     "max_tokens=24, temperature=0.8, seed=7).choices[0].text))'": "tests/test_serve.py::test_seeds_reproduce_and_equal_generate",
+    "python -m apps.serve --weights /tmp/tpserve/tiny --port 8125 --cache-tokens 1024 --tp-size 2": "tests/test_serve_tp.py::test_tp2_greedy_tokens_and_logprobs_equal_tp1_and_generate",
+    "curl -s localhost:8125/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "
+    '"tiny", "prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0, "logprobs": 1}\'': "tests/test_serve_tp.py::test_tp2_greedy_tokens_and_logprobs_equal_tp1_and_generate",
+    "kill -TERM <the serve process>": "tests/test_serve_tp.py::test_tp2_sigterm_drains_and_every_rank_exits_0",
     "python -m apps.serve --ckpt checkpoints/gpt_tiny_stdlib --quantize int8 --port 8731": "tests/test_quantize.py::test_int8_server_answers_greedy_and_its_perplexity_is_near_float32",
     "curl -s localhost:8731/v1/completions -H 'Content-Type: application/json' -d '{\"model\": "
     '"gpt_tiny_stdlib", "prompt": "def ", "max_tokens": 16, "temperature": 0}\'': "tests/test_quantize.py::test_int8_server_answers_greedy_and_its_perplexity_is_near_float32",

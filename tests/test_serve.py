@@ -61,9 +61,9 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory):
-    """(export directory, tokenizer, the model before export)."""
+def make_export(directory: Path):
+    """The tiny GPT exported to ``directory`` with its tokenizer, and a chat template
+    beside it: (directory, tokenizer, the model before export)."""
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = __import__("tokenizers").decoders.ByteLevel()
@@ -77,11 +77,16 @@ def export(tmp_path_factory):
     cfg = tiny_gpt(tokenizer.get_vocab_size(), max_positions=128, init_std=0.2)
     torch.manual_seed(3)
     model = build_model(cfg).eval()
-    directory = tmp_path_factory.mktemp("serve") / "tiny"
     write_checkpoint(directory, model.full_state_dict(), cfg)
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory.parent / "chat.jinja").write_text(CHAT)
     return directory, tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """(export directory, tokenizer, the model before export)."""
+    return make_export(tmp_path_factory.mktemp("serve") / "tiny")
 
 
 @contextlib.contextmanager
@@ -424,12 +429,12 @@ def test_the_command_prints_the_cache_serves_and_drains_on_sigterm(export):
         process.wait(timeout=TIMEOUT)
 
 
-def test_the_command_refuses_tp_and_a_bad_source_in_one_line(export, tmp_path, capsys):
+def test_the_command_refuses_a_bad_tp_and_a_bad_source_in_one_line(export, tmp_path, capsys):
     from apps.serve import main
 
-    assert main(["--weights", str(export[0]), "--tp-size", "2"]) == 2
+    assert main(["--weights", str(export[0]), "--tp-size", "3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "serve: --tp-size 2: serving at tp > 1 is not built yet"
+    assert err == "serve: --tp-size 3: model.num_heads=4 is not divisible by tp_size=3"
     assert main(["--weights", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("serve: ") and str(tmp_path) in err

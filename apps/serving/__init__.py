@@ -5,7 +5,8 @@
 at any step; ``http`` is their OpenAI-compatible HTTP front (``python -m apps.serve``), with
 ``driver`` (the one task that steps the engine), ``protocol`` (request bodies),
 ``responses`` (answers and stream chunks) and ``text`` (tokenizer, chat template, stop
-strings). Nothing in the runtime imports this.
+strings); ``tp`` sends each step's plan to the other TP ranks at ``--tp-size`` > 1.
+Nothing in the runtime imports this.
 """
 
 from apps.serving.engine import ServingEngine

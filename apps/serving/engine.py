@@ -14,6 +14,12 @@ left-padded ``[b, heads, past + s, d]`` (the padding masked). So a row sees exac
 own tokens whatever else is in the batch; only the floating-point summation order over
 the padded width and batch can change (see tests/test_serving.py for the tolerance).
 
+At tp > 1 the model is one rank's shard and the cache holds that rank's KV heads. The
+scheduling rank (TP rank 0) decides every forward alone and sends it as a
+:class:`StepPlan` (ids, positions, the cache slots to write and read); every other rank
+runs :func:`follow`, the same :func:`run_plan` on its shard and its own cache, so the
+collectives inside the forward (and the logits' gather) line up. Sampling is rank 0's.
+
 Correctness first, so two costs remain: every step copies each row's past out of the
 blocks (a paged-attention kernel would read them in place), and a prefill forward pads
 every chunk to the longest one (the budget counts real tokens only).
@@ -76,9 +82,66 @@ class _PagedLayer:
         return self.cache.write_and_read(self.layer, self.write, self.read, k, v)
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """One batched forward, all a TP rank needs to run it on its shard: the ids and
+    positions ``[b, s]``, the cache slots to write ``[b, s]`` and to read ``[b, past + s]``
+    (the scratch slot where padded), and the ``(row, first column, count)`` of the rows
+    whose prompt tokens are scored. Block tables and sampling stay on the scheduling rank:
+    the slots are all the others need of them."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    write: torch.Tensor
+    read: torch.Tensor
+    past: int
+    scores: tuple[tuple[int, int, int], ...] = ()
+
+
+@torch.inference_mode()
+def run_plan(model, cache: PagedKVCache, plan: StepPlan):
+    """Run ``plan`` on this rank's shard of ``model`` and of the KV ``cache``: the scored
+    rows' ``[count, V]`` log-probabilities and the last position's ``[b, V]`` logits
+    (float32, CPU, gathered over TP: every rank runs the same collectives, in order)."""
+    device = next(model.parameters()).device
+    mask = plan.read != cache.scratch_slot
+    write, read = plan.write.to(device), plan.read.to(device)
+    layers = [_PagedLayer(cache, i, write, read, plan.past) for i in range(len(model.layers))]
+    logits = model(
+        plan.ids.to(device),
+        attention_mask=mask.to(device),
+        positions=plan.positions.to(device),
+        cache=layers,
+    )
+    scored = [
+        torch.log_softmax(_full_logits(model, logits[i, first : first + count]), dim=-1)
+        for i, first, count in plan.scores
+    ]
+    return scored, _full_logits(model, logits[:, -1])
+
+
+def _full_logits(model, logits: torch.Tensor) -> torch.Tensor:
+    """``[n, V / tp]`` logits → ``[n, V]`` float32 CPU logits, vocabulary padding cut."""
+    full = gather_from_tp(logits, model.tp_group)
+    return full[:, : model.cfg.vocab_size].float().cpu()
+
+
+def follow(model, cache: PagedKVCache, channel) -> int:
+    """A TP rank other than the scheduling one: run every plan ``channel`` receives on this
+    rank's shard until it receives ``None`` (the server stopped). Returns the forwards run."""
+    model.eval()
+    count = 0
+    while (plan := channel.receive()) is not None:
+        run_plan(model, cache, plan)
+        count += 1
+    return count
+
+
 class ServingEngine:
-    """Runs requests on ``model`` (built with ``engine.inference.inference_config``, tp=1)
-    over ``cache``: :meth:`submit`, :meth:`cancel`, and :meth:`step` until idle."""
+    """Runs requests on ``model`` (built with ``engine.inference.inference_config``) over
+    ``cache``: :meth:`submit`, :meth:`cancel`, and :meth:`step` until idle. At tp > 1 this
+    is the scheduling rank's engine: ``channel`` sends each forward's :class:`StepPlan` to
+    the other ranks, which run :func:`follow` over their own shard and cache."""
 
     def __init__(
         self,
@@ -88,11 +151,15 @@ class ServingEngine:
         max_running: int = 16,
         max_waiting: int = 64,
         token_budget: int = 256,
+        channel=None,
     ) -> None:
         if not model.cfg.causal or model.cfg.sequence_parallel:
             raise ValueError("serving needs a decoder built without sequence parallelism")
-        if group_size(model.tp_group) != 1:
-            raise ValueError("serving runs at tp=1 for now (the ranks would need one schedule)")
+        if group_size(model.tp_group) > 1 and channel is None:
+            raise ValueError(
+                "at tp > 1 the engine needs a channel to send each step's plan to the other "
+                "ranks (apps.serving.tp.PlanChannel), which run follow()"
+            )
         if not 1 <= max_running <= token_budget:
             raise ValueError(
                 f"need 1 <= max_running ({max_running}) <= token_budget ({token_budget}): "
@@ -102,7 +169,7 @@ class ServingEngine:
         self.max_running = max_running  # sequences in the batch at once
         self.max_waiting = max_waiting  # queued past that: refused, not grown without bound
         self.token_budget = token_budget  # tokens fed per step, decoding and prefill together
-        self.device = next(model.parameters()).device
+        self.channel = channel  # sends each forward's plan to the other TP ranks (tp > 1)
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []  # in admission order
         self._events: list[TokenEvent] = []  # ends decided between steps (cancel, max_tokens 0)
@@ -216,13 +283,15 @@ class ServingEngine:
         """Last-position logits ``[b, V]`` (float32, CPU) after feeding each row's chunk.
 
         Row i's context (cached past + chunk) is right-aligned in a ``past + s`` window, as
-        left padding: the last column is every row's newest token."""
+        left padding: the last column is every row's newest token. The forward itself is
+        :func:`run_plan`, which the other TP ranks run on the same :class:`StepPlan`."""
         past, s = max(seq.cached for seq, _ in rows), max(n for _, n in rows)
         scratch = self.cache.scratch_slot
         ids = torch.zeros(len(rows), s, dtype=torch.long)
         positions = torch.zeros_like(ids)
         write = torch.full_like(ids, scratch)
         read = torch.full((len(rows), past + s), scratch, dtype=torch.long)
+        scores = []
         for i, (seq, n) in enumerate(rows):
             end = seq.cached + n
             self.cache.grow(seq.table, end)
@@ -230,39 +299,23 @@ class ServingEngine:
             positions[i, s - n :] = torch.arange(seq.cached, end)
             write[i, s - n :] = self.cache.slots(seq.table, seq.cached, end)
             read[i, past + s - end :] = self.cache.slots(seq.table, 0, end)
-        mask = read != scratch
-        write, read = write.to(self.device), read.to(self.device)
-        layers = [
-            _PagedLayer(self.cache, i, write, read, past) for i in range(len(self.model.layers))
-        ]
-        logits = self.model(
-            ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            positions=positions.to(self.device),
-            cache=layers,
-        )
-        for i, (seq, n) in enumerate(rows):
-            if seq.request.prompt_logprobs:
-                self._score_prompt(seq, logits[i, s - n :])
+            # Prompt tokens this chunk's positions predict (position j predicts token j + 1).
+            count = min(n, len(seq.request.prompt) - 1 - seq.cached)
+            if seq.request.prompt_logprobs and count > 0:
+                scores.append((i, s - n, count))
+        plan = StepPlan(ids, positions, write, read, past, tuple(scores))
+        if self.channel is not None:
+            self.channel.send(plan)
+        scored, last = run_plan(self.model, self.cache, plan)
+        for (i, _, count), logprobs in zip(plan.scores, scored, strict=True):
+            seq = rows[i][0]
+            targets = seq.request.prompt[seq.cached + 1 : seq.cached + 1 + count]
+            for row, token in zip(logprobs, targets, strict=True):
+                seq.scored.append(_scored(row, token, seq.request.top_logprobs))
+        for seq, n in rows:
             seq.cached += n
             seq.table.length = seq.cached
-        return self._log_probs(logits[:, -1])
-
-    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[n, V / tp]`` logits → ``[n, V]`` float32 CPU logits, vocabulary padding cut."""
-        full = gather_from_tp(logits, self.model.tp_group)
-        return full[:, : self.model.cfg.vocab_size].float().cpu()
-
-    def _score_prompt(self, seq: _Sequence, chunk: torch.Tensor) -> None:
-        """Score the prompt tokens that the chunk's positions predict (``chunk``: the
-        chunk's ``[n, V / tp]`` logits; position j predicts token j + 1)."""
-        count = min(len(chunk), len(seq.request.prompt) - 1 - seq.cached)
-        if count <= 0:
-            return
-        logprobs = torch.log_softmax(self._log_probs(chunk[:count]), dim=-1)
-        targets = seq.request.prompt[seq.cached + 1 : seq.cached + 1 + count]
-        for row, token in zip(logprobs, targets, strict=True):
-            seq.scored.append(_scored(row, token, seq.request.top_logprobs))
+        return last
 
     def _sample(self, rows, logits: torch.Tensor) -> list[TokenEvent]:
         """The next token of every row whose context is now all cached, and the ends."""
