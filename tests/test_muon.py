@@ -29,12 +29,12 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, 500, (4, 17), generator=torch.Generator().manual_seed(100 + step))
 
 
-def _reference(steps: int = STEPS) -> dict[str, torch.Tensor]:
+def _reference(cfg=CFG, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """The unsplit fp64 model, whole batch: torch.optim.Muon on the 2-D weights of
     ``layers.*``, torch's AdamW on the rest (decay on matrices), clip_grad_norm_ over all.
     None of meshtron's optimizer, clipping or gradient code."""
     torch.manual_seed(0)
-    model = build_model(CFG, dtype=torch.float64, tp_group=alone_group())
+    model = build_model(cfg, dtype=torch.float64, tp_group=alone_group())
     named = list(model.named_parameters())
     hidden = [p for n, p in named if n.startswith("layers.") and p.dim() == 2]
     rest = [p for n, p in named if not (n.startswith("layers.") and p.dim() == 2)]
@@ -89,20 +89,21 @@ def _train(model, dp, ps, first: int, last: int) -> None:
         dp.zero_grad()
 
 
-def _split_vs_reference(tp: int, dp: int) -> dict:
+def _split_vs_reference(tp: int, dp: int, kv_heads: int | None = None) -> dict:
+    cfg = tiny_gpt(500, num_kv_heads=kv_heads)
     ps = parallel_state.initialize(tp, dp)
     torch.manual_seed(0)
-    model = build_model(CFG, dtype=torch.float64, tp_group=ps.tp_group)
+    model = build_model(cfg, dtype=torch.float64, tp_group=ps.tp_group)
     strategy = _strategy(model, ps)
     _train(model, strategy, ps, 0, STEPS)
     got = model.full_state_dict()
-    ref = _reference()
+    ref = _reference(cfg)
     out = {
         "optimizer": type(strategy.optimizer).__name__,
         "muon_params": sum(len(g["params"]) for g in strategy.optimizer.param_groups if g["muon"]),
         "errors": {n: _error(got[n], w) for n, w in ref.items()},
         # How far the run moved, so a run that updated nothing cannot pass.
-        "moved": max((ref[n] - w).abs().max().item() for n, w in _initial().items()),
+        "moved": max((ref[n] - w).abs().max().item() for n, w in _initial(cfg).items()),
     }
     parallel_state.destroy()
     return out
@@ -114,15 +115,19 @@ def _error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def _initial() -> dict[str, torch.Tensor]:
+def _initial(cfg) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = build_model(CFG, dtype=torch.float64, tp_group=alone_group())
+    model = build_model(cfg, dtype=torch.float64, tp_group=alone_group())
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)])
-def test_split_muon_matches_torch_muon_on_the_unsplit_model(tp, dp):
+@pytest.mark.parametrize(
+    "tp,dp,kv_heads,matrices",
+    [(2, 1, None, 8), (1, 2, None, 8), (2, 1, 1, 10)],
+    ids=["tp2", "dp2", "tp2-one-kv-head"],
+)
+def test_split_muon_matches_torch_muon_on_the_unsplit_model(tp, dp, kv_heads, matrices):
     """fp64, 3 steps, within 1e-10 of torch.optim.Muon + AdamW on one process.
 
     Why 1e-10 and not bitwise: a TP-split matmul (and the DP all-reduce) sums the gradient
@@ -133,9 +138,12 @@ def test_split_muon_matches_torch_muon_on_the_unsplit_model(tp, dp):
     layout. What remains is the fp64 differences of the momentum and AdamW's parameters,
     amplified by Adam's first steps to ~1e-13 at most. A wrong gather (another layout, a
     shard orthogonalized alone, the lr adjusted for the shard's shape) moves a matrix by
-    ~lr ~ 1e-2 relative to its ~0.1 entries: eleven orders above the bound."""
-    for res in run_ranks(_split_vs_reference, tp * dp, tp, dp, timeout=180):
-        assert res["optimizer"] == "TPMuon" and res["muon_params"] == 8, res
+    ~lr ~ 1e-2 relative to its ~0.1 entries: eleven orders above the bound.
+
+    With one KV head at tp=2 both TP ranks hold the whole key/value projection (GQA's
+    replicas): the gather keeps one copy, so it is orthogonalized as the unsplit model's."""
+    for res in run_ranks(_split_vs_reference, tp * dp, tp, dp, kv_heads, timeout=180):
+        assert res["optimizer"] == "TPMuon" and res["muon_params"] == matrices, res
         assert res["moved"] > 1e-3, res
         worst = max(res["errors"].values())
         assert worst <= 1e-10, res["errors"]
