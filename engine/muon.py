@@ -69,7 +69,8 @@ def muon_param_names(model: nn.Module) -> list[str]:
     """The parameters Muon updates: 2-D weights inside a transformer layer (``layers.N``).
 
     Not the word/position embeddings or an untied LM head (outside the layers), norms and
-    biases (1-D), nor experts split over ep ranks (their dim 0 is the experts)."""
+    biases (1-D), nor a MoE layer's experts (stacked 3-D, dim 0 the experts; the check on
+    ep guards a 2-D expert weight). A MoE router's 2-D weight is a layer matrix: Muon."""
     return [
         name
         for name, p in model.named_parameters()

@@ -221,6 +221,22 @@ def test_muon_with_dp_sharding_is_refused_at_the_config():
     assert not [p for p in validate(cfg, parallel_dims(cfg, 4)) if "muon" in p]
 
 
+def test_muon_settings_out_of_range_are_refused():
+    cfg = Config(
+        optim=dataclasses.replace(
+            MUON, muon_momentum=1.0, muon_ns_steps=0, muon_adjust_lr="rms", impl="apex"
+        )
+    )
+    problems = " | ".join(validate(cfg, parallel_dims(cfg, 4)))
+    for key in ("optim.muon_momentum=1.0", "optim.muon_ns_steps=0", "optim.muon_adjust_lr='rms'"):
+        assert key in problems, problems
+    assert "optim=muon runs torch's AdamW" in problems, problems
+    cfg = Config(optim=dataclasses.replace(MUON, algorithm="lion"))
+    assert "optim.algorithm='lion' is not one of adamw, muon" in validate(
+        cfg, parallel_dims(cfg, 4)
+    )
+
+
 @pytest.mark.slow
 def test_adamw_state_is_refused_by_muon():
     """A checkpoint of an AdamW run loaded into Muon (or back) stops with one line instead
