@@ -136,17 +136,17 @@ class TPMuon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loading, refusing state of the other algorithm (a checkpoint of an AdamW
         run resumed with Muon, or back), which would otherwise continue from other moments."""
+        params = [(p, g["muon"]) for g in self.param_groups for p in g["params"]]
+        for i, (p, muon) in enumerate(params):  # checked before anything is replaced
+            keys = set(state_dict["state"].get(i, {}))
+            if keys and (MOMENTUM in keys) != muon:
+                raise ValueError(
+                    f"the saved optimizer state ({', '.join(sorted(keys))}) is not "
+                    f"{'Muon' if muon else 'AdamW'}'s for a {tuple(p.shape)} "
+                    "parameter: resume with the saved run's optim.algorithm"
+                )
         super().load_state_dict(state_dict)
         self._share()
-        for group in self.param_groups:
-            for p in group["params"]:
-                keys = set(self.state.get(p, {}))
-                if keys and (MOMENTUM in keys) != group["muon"]:
-                    raise ValueError(
-                        f"the saved optimizer state ({', '.join(sorted(keys))}) is not "
-                        f"{'Muon' if group['muon'] else 'AdamW'}'s for a {tuple(p.shape)} "
-                        "parameter: resume with the saved run's optim.algorithm"
-                    )
 
     @torch.no_grad()
     def step(self, closure=None):

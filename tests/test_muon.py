@@ -14,6 +14,7 @@ import parallel_state
 from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.config import Config, OptimConfig, parallel_dims, validate
 from engine.data_parallel import build_data_parallel
+from engine.data_parallel.interface import PlainOptimizerState
 from engine.models import build_model
 from tests.multiproc import run_ranks
 from tests.torch_reference import alone_group, tiny_gpt
@@ -239,8 +240,8 @@ def test_muon_settings_out_of_range_are_refused():
 
 @pytest.mark.slow
 def test_adamw_state_is_refused_by_muon():
-    """A checkpoint of an AdamW run loaded into Muon (or back) stops with one line instead
-    of continuing from moments of another algorithm."""
+    """A checkpoint of an AdamW run loaded into Muon, or of a Muon run into AdamW, stops
+    with one line instead of continuing from moments of another algorithm."""
     from engine.optim import build_optimizer
 
     torch.manual_seed(0)
@@ -254,7 +255,10 @@ def test_adamw_state_is_refused_by_muon():
     adamw.step()
     muon.step()
     plain = {p: dict(adamw.state[p]) for p in model.parameters()}
-    from engine.data_parallel.interface import PlainOptimizerState
-
+    mixed = {p: dict(muon.state[p]) for p in model.parameters()}
     with pytest.raises(ValueError, match="optim.algorithm"):
         PlainOptimizerState(muon).load_param_states(plain)
+    # ... before anything was replaced: Muon's state is the same tensors as before.
+    assert all(muon.state[p][k] is v for p in mixed for k, v in mixed[p].items())
+    with pytest.raises(ValueError, match="resume it with optim=muon"):
+        PlainOptimizerState(adamw).load_param_states(mixed)
