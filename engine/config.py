@@ -51,8 +51,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and cosine decay."""
+    """AdamW (or Muon on the transformer layers' matrices) with linear warmup and cosine decay."""
 
+    algorithm: str = "adamw"  # "adamw", or "muon": Muon on the layers' matrices, AdamW on the rest
     lr: float = 6e-4  # peak learning rate
     min_lr: float = 6e-5  # learning rate at the end of the cosine decay
     warmup_steps: int = 20  # linear warmup from 0 to lr
@@ -65,6 +66,10 @@ class OptimConfig:
     impl: str = "auto"  # "auto" (fused torch on CUDA), "torch", or "apex" (FusedAdam)
     distributed: bool = False  # ZeRO-1: shard Adam state and fp32 master weights across DP
     scale_lr_with_batch: int = 0  # linear scaling: lr, min_lr × global_batch / this; 0 off
+    # optim.algorithm=muon (engine/muon.py): torch.optim.Muon's numbers.
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per update
+    muon_adjust_lr: str = "match_rms_adamw"  # torch's adjust_lr_fn: match_rms_adamw or original
 
 
 @dataclass
@@ -269,6 +274,11 @@ def _validate_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
         problems += _validate_fsdp(cfg, dims)
     if cfg.optim.distributed and cfg.optim.impl == "apex":
         problems.append("optim.distributed=true (ZeRO-1) runs torch's AdamW: set optim.impl=auto")
+    if cfg.optim.algorithm == "muon" and dims.dp_shard != "none":
+        problems.append(
+            f"optim=muon needs whole gradients on every DP rank; parallel.dp_shard={dims.dp_shard} "
+            "shards them: set parallel.dp_shard=none (and optim.distributed=false)"
+        )
     return problems
 
 
@@ -479,6 +489,17 @@ def _validate_optim(cfg: Config) -> list[str]:
     """The optimizer: its implementation, learning-rate schedule and AdamW's numbers."""
     o, problems = cfg.optim, []
     problems += _not_one_of("optim.impl", o.impl, ("auto", "torch", "apex"))
+    problems += _not_one_of("optim.algorithm", o.algorithm, ("adamw", "muon"))
+    if o.algorithm == "muon":
+        problems += _not_one_of(
+            "optim.muon_adjust_lr", o.muon_adjust_lr, ("match_rms_adamw", "original")
+        )
+        if o.impl == "apex":
+            problems.append("optim=muon runs torch's AdamW beside Muon: set optim.impl=auto")
+        if not 0.0 <= o.muon_momentum < 1.0:
+            problems.append(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1)")
+        if not 1 <= o.muon_ns_steps < 100:
+            problems.append(f"optim.muon_ns_steps={o.muon_ns_steps} must be in [1, 99]")
     if o.impl == "apex" and importlib.util.find_spec("apex") is None:
         problems.append(
             "optim.impl=apex needs NVIDIA apex, which is not installed: install it, or use "

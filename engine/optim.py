@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.config import OptimConfig, TrainerConfig
+from engine.muon import build_muon
 
 # Where build_optimizer takes torch's fused AdamW. CUDA only: torch's CPU fused kernel
 # (since torch 2.4, ~3x faster) rounds differently from the per-tensor loop, so a CPU run
@@ -23,14 +24,18 @@ FUSED_ADAMW_DEVICES = ("cuda",)
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, device: torch.device
+    model: nn.Module, cfg: OptimConfig, device: torch.device, tp_group=None
 ) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not on biases, norms or other 1-D params).
+    """AdamW with weight decay on matrices only (not on biases, norms or other 1-D params);
+    with ``optim.algorithm=muon``, Muon on the transformer layers' matrices, gathered over
+    ``tp_group`` (``engine.muon``), and AdamW on the rest.
 
     ``impl``: "auto" takes torch's fused AdamW (one kernel over every tensor) on the
     devices of ``FUSED_ADAMW_DEVICES`` and the per-tensor loop elsewhere; "apex" takes
     apex's FusedAdam (adam_w_mode), which must then be importable.
     """
+    if cfg.algorithm == "muon":
+        return build_muon(model, cfg, tp_group)
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:

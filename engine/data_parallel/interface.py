@@ -15,6 +15,7 @@ from torch import nn
 from engine.data_parallel.zero import MASTER_KEY
 
 GROUP_STEP = "group_step"  # scalar key of a parameter group's step count (apex FusedAdam)
+MUON_KEY = "momentum_buffer"  # Muon's state (engine/muon.py), which AdamW must not load
 
 
 class DataParallel(ABC):
@@ -93,6 +94,11 @@ class PlainOptimizerState:
     def load_param_states(self, states: dict[nn.Parameter, dict[str, Any]]) -> None:
         """Install per-parameter state (TP-local tensors and scalars)."""
         opt = self.optimizer
+        if type(opt) is torch.optim.AdamW and any(MUON_KEY in st for st in states.values()):
+            raise ValueError(
+                f"the saved optimizer state holds Muon's {MUON_KEY}s (a run with optim=muon): "
+                "resume it with optim=muon"
+            )
         full = opt.state_dict()  # torch casts and places the values as it would its own
         ordered = [p for g in opt.param_groups for p in g["params"]]
         index = {id(p): i for i, p in enumerate(ordered)}

@@ -220,6 +220,11 @@ def build_data_parallel(
             f"dp_shard={mode} does not yet reduce experts split over ep_size={split} over "
             "their own group; use dp_shard=none (the all-reduce path) or ep_size=1"
         )
+    if optim.algorithm == "muon" and mode != "none":
+        raise ValueError(
+            f"optim=muon needs whole gradients on every DP rank; dp_shard={mode} shards "
+            "them: use dp_shard=none"
+        )
     hybrid = group_size(hybrid_groups[1]) > 1
     if hybrid and mode not in ("gradients", "full"):
         raise ValueError(
@@ -239,7 +244,7 @@ def build_data_parallel(
         )
     if mode not in ("none", "optimizer"):
         raise ValueError(f"dp_shard={mode!r} is not one of none, optimizer, gradients, full")
-    optimizer = build_optimizer(model, optim, device)
+    optimizer = build_optimizer(model, optim, device, tp_group)
     common = {
         "dp_group": dp_group,
         "tp_group": tp_group,
