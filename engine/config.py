@@ -285,6 +285,12 @@ def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
         problems.append(f"{at} runs the causal decoders (gpt, llama), not model.arch={m.arch}")
     if m.compile:
         problems.append(f"{at} runs the ring eagerly: set model.compile=false")
+    reach = ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping")
+    if any(getattr(m, key) is not None for key in reach):
+        problems.append(
+            f"{at}: ring attention applies no model.sliding_window, query_pre_attn_scalar "
+            "or attn_logit_softcapping; set them to null or cp_size=1"
+        )
     return problems
 
 
