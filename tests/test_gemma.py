@@ -188,11 +188,9 @@ def _logits(hf_dir: Path, dtype: torch.dtype, *changes: dict) -> list[float]:
     return errors
 
 
-@pytest.mark.slow
 def test_import_maps_the_config_and_the_logits_match_transformers(gemma_dir):
     """Float32 at TP 1 within 1e-4; the same model without its window, a cap or its query
-    scale is far off, so the parity shows that each is applied as transformers applies it.
-    (Slow: building the first transformers Gemma 2 costs ~8 s of imports.)"""
+    scale is far off, so the parity shows that each is applied as transformers applies it."""
     cfg, _, _ = read_hf_dir(gemma_dir)
     assert (cfg.arch, cfg.sliding_window, cfg.full_attention_every) == ("gemma", 5, 2)
     assert (cfg.query_pre_attn_scalar, cfg.attn_logit_softcapping) == (24.0, 2.0)
@@ -213,7 +211,6 @@ def test_import_maps_the_config_and_the_logits_match_transformers(gemma_dir):
     assert all(e > 1e-3 for e in without), without
 
 
-@pytest.mark.slow
 def test_export_then_import_is_bitwise(gemma_dir, tmp_path):
     """HF → meshtron checkpoint → HF gives the same tensors and config.json; importing the
     export again gives the same checkpoint tensors."""
@@ -293,6 +290,44 @@ def test_verifier_passes_at_its_default_float64_with_sequence_parallelism(gemma_
     error = _verify(gemma_dir, "--sequence-parallel")
     print(f"gemma verify_equivalence tp=2 sp float64 max abs logit error {error:.2e}")
     assert error <= 1e-8
+
+
+def test_a_mistral_window_imports_and_matches_transformers(tmp_path):
+    """The window is every causal family's: a Mistral with a 4-token window shorter than
+    the 12-token batch imports with ``sliding_window=4`` on every layer, its fp32 logits
+    within 1e-4 of transformers' (off by > 1e-3 without the window), its config.json
+    exported as it was."""
+    from engine.hf_interop import config_to_hf
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=4,
+        tie_word_embeddings=False,
+    )
+    reference = transformers.MistralForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path / "mistral")
+    cfg, state, hf_config = read_hf_dir(tmp_path / "mistral")
+    assert (cfg.arch, cfg.sliding_window, cfg.full_attention_every) == ("llama", 4, 0)
+    exported = config_to_hf(cfg, hf_config)
+    assert {k: exported[k] for k in hf_config} == hf_config
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = reference(input_ids=ids).logits
+    errors = []
+    for window in (4, None):
+        model = build_model(dataclasses.replace(cfg, sliding_window=window)).eval()
+        model.load_full_state_dict(state)
+        with torch.no_grad():
+            errors.append((model(ids)[..., :VOCAB] - theirs).abs().max().item())
+    print(f"mistral window 4 tp=1 float32 max abs logit error {errors[0]:.2e}")
+    assert errors[0] <= 1e-4 and errors[1] > 1e-3, errors
 
 
 @pytest.mark.slow
