@@ -15,7 +15,9 @@ master weights):
   parallelism) and returns ``(out, bias or None)``: the bias unadded, for the layer's fused
   bias + dropout + residual add. Attention's forward also takes ``mask, cache, rotary``,
   and its constructor ``cp_group`` too (the context-parallel ranks splitting each
-  sequence; None or one rank: none), since attention alone sees across tokens.
+  sequence; None or one rank: none), since attention alone sees across tokens, and
+  ``window`` where the spec holds one (a sliding window; not passed when None, so a class
+  without windows needs no such keyword).
 * norm (both ``attention_norm`` and ``mlp_norm``): ``cls(width, eps, *,
   sequence_parallel, kernels, dtype, device)``, the form the embedding and head norms are
   built with too; ``forward`` maps ``[..., width]`` to the same shape.
