@@ -274,12 +274,13 @@ class ParallelAttention(nn.Module):
         super().__init__()
         tp_group = resolve_tp_group(tp_group)
         heads_per_rank(cfg.num_heads, group_size(tp_group))
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = cfg.head_dim  # hidden / heads unless the config sets its own
         self.sequence_parallel = cfg.sequence_parallel
         common = branch_options(cfg, tp_group, dtype, device)
         self._build_projections(cfg, tp_group, common)
         self.core = self._build_core(cfg, rng, cp_group, window)
-        self.dense = residual_output_linear(cfg, cfg.hidden_size, common)
+        width = cfg.num_heads * self.head_dim  # the heads' concatenated output
+        self.dense = residual_output_linear(cfg, width, common)
 
     @staticmethod
     def _build_core(cfg: TransformerConfig, rng, cp_group, window=None) -> CoreAttention:
@@ -313,14 +314,13 @@ class ParallelAttention(nn.Module):
         the latter split over TP or, past the KV heads, replicated (``layers.gqa``)."""
         self.kv_heads = cfg.num_kv_heads or cfg.num_heads
         bias, init = cfg.qkv_bias, normal_init(cfg.init_std)
+        width = cfg.num_heads * self.head_dim
         if self.kv_heads == cfg.num_heads:
             self.qkv = ColumnParallelLinear(
-                cfg.hidden_size, 3 * cfg.hidden_size, bias, init_method=init, **common
+                cfg.hidden_size, 3 * width, bias, init_method=init, **common
             )
             return
-        self.query = ColumnParallelLinear(
-            cfg.hidden_size, cfg.hidden_size, bias, init_method=init, **common
-        )
+        self.query = ColumnParallelLinear(cfg.hidden_size, width, bias, init_method=init, **common)
         self.key_value = kv_projection(
             cfg.hidden_size, self.kv_heads, self.head_dim, bias, init_method=init, **common
         )

@@ -51,6 +51,8 @@ class TransformerConfig(Protocol):
     post_norms: bool  # norms on the attention and MLP outputs before the residual add
 
     @property
+    def head_dim(self) -> int: ...  # one attention head's width
+    @property
     def ffn_size(self) -> int: ...  # MLP inner width
     @property
     def moe_ffn_size(self) -> int: ...  # one expert's inner width

@@ -211,6 +211,34 @@ def test_import_maps_the_config_and_the_logits_match_transformers(gemma_dir):
     assert all(e > 1e-3 for e in without), without
 
 
+def test_a_head_dim_of_its_own_matches_transformers(tmp_path):
+    """Gemma 2's released sizes have heads · head_dim ≠ hidden (8 × 256 on 2304): a tiny
+    one (4 heads of 24 on 64) imports with ``attention_head_dim=24``, its fp32 logits
+    within 1e-4 of transformers' at TP 1, the parameter count exact, the export bitwise."""
+    from engine.models.families import family
+
+    torch.manual_seed(0)
+    reference = transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**{**GEMMA, "head_dim": 24})
+    )
+    reference.save_pretrained(tmp_path / "hf")
+    cfg, state, _ = read_hf_dir(tmp_path / "hf")
+    assert (cfg.attention_head_dim, cfg.head_dim) == (24, 24)
+    assert family("gemma").costs.params_count(cfg) == sum(t.numel() for t in state.values())
+    model = build_model(cfg).eval()
+    model.load_full_state_dict(state)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        error = (model(ids)[..., :VOCAB] - reference.eval()(input_ids=ids).logits).abs().max()
+    print(f"gemma head_dim 24 tp=1 float32 max abs logit error {error:.2e}")
+    assert error <= 1e-4
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    before = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    after = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_export_then_import_is_bitwise(gemma_dir, tmp_path):
     """HF → meshtron checkpoint → HF gives the same tensors and config.json; importing the
     export again gives the same checkpoint tensors."""
@@ -232,8 +260,8 @@ def test_export_then_import_is_bitwise(gemma_dir, tmp_path):
 
 def test_config_round_trips_and_import_refuses_what_is_not_built_in_one_line():
     """config.json of the preset reads back as the preset (no transformers model needed);
-    a head_dim of its own, another activation, biases and a layer pattern that is not
-    "all but each k-th" are one line each."""
+    a head_dim below 1, another activation, biases and a layer pattern that is not "all but
+    each k-th" are one line each."""
     from engine.hf_interop import config_from_hf, config_to_hf
 
     cfg = preset("gemma_tiny")
@@ -242,7 +270,7 @@ def test_config_round_trips_and_import_refuses_what_is_not_built_in_one_line():
     assert config_from_hf(base) == cfg
     layers = ["full_attention", "sliding_attention"]
     for change, message in (
-        (dict(head_dim=64), "head_dim 64 != hidden_size/num_attention_heads (32)"),
+        (dict(head_dim=0), "model.attention_head_dim=0 must be >= 1"),
         (dict(hidden_activation="silu"), "hidden_activation 'silu' is not supported"),
         (dict(attention_bias=True), "attention_bias=true is not supported"),
         (dict(layer_types=layers), "config.json layer_types: only the window on every layer"),
@@ -281,6 +309,17 @@ def test_verifier_passes_at_float32_on_tp_1_and_2(gemma_dir, tp):
     """The verifier's sequence (12 tokens) is longer than the window (5)."""
     error = _verify(gemma_dir, "--tp-size", str(tp), "--dtype", "float32")
     print(f"gemma verify_equivalence tp={tp} float32 max abs logit error {error:.2e}")
+    assert error <= 1e-4
+
+
+@pytest.mark.slow
+def test_verifier_passes_with_a_head_dim_of_its_own_at_tp_2(tmp_path):
+    """heads · head_dim ≠ hidden, split over TP 2: float32 logits within 1e-4."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(**{**GEMMA, "head_dim": 24})
+    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    error = _verify(tmp_path / "gemma2", "--tp-size", "2", "--dtype", "float32")
+    print(f"gemma head_dim 24 verify_equivalence tp=2 float32 max abs logit error {error:.2e}")
     assert error <= 1e-4
 
 

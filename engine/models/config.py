@@ -39,6 +39,7 @@ RESUME_FIXED = (
     "num_layers",
     "num_heads",
     "num_kv_heads",
+    "attention_head_dim",
     "ffn_hidden_size",
     "max_positions",
     "num_token_types",
@@ -76,6 +77,7 @@ RESUME_FIXED = (
 # Keys whose null means a default from the others: compared with that default applied.
 _APPLIED = {
     "num_kv_heads": "kv_heads",
+    "attention_head_dim": "head_dim",
     "ffn_hidden_size": "ffn_size",
     "moe_ffn_hidden_size": "moe_ffn_size",
 }
@@ -120,6 +122,8 @@ class ModelConfig:
     mlp: str = "dense"  # the MLP class (layers/spec.py MLPS): "dense" (GeLU or SwiGLU)
     position_embedding: str = "learned"  # "learned" absolute table or "rotary" (RoPE)
     num_kv_heads: int | None = None  # key/value heads (GQA; 1 = MQA); None means num_heads
+    attention_head_dim: int | None = None  # one head's width; None: hidden_size / num_heads
+    # (Gemma 2's released sizes have their own: 2304 wide, 8 heads of 256)
     qkv_bias: bool = True  # bias on the query/key/value projections (Llama none, Qwen2 yes)
     linear_bias: bool = True  # bias on attention output and MLP projections (Llama none)
     rope_theta: float = 10000.0  # RoPE base
@@ -164,8 +168,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.hidden_size // self.num_heads
+        """Width of one attention head (``attention_head_dim``, else hidden / heads)."""
+        return self.attention_head_dim or self.hidden_size // self.num_heads
 
     @property
     def kv_heads(self) -> int:
@@ -240,7 +244,12 @@ class ModelConfig:
                 f"model.make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} "
                 "must be >= 1"
             )
-        if self.hidden_size % self.num_heads:
+        if self.attention_head_dim is not None and self.attention_head_dim < 1:
+            raise ValueError(
+                f"model.attention_head_dim={self.attention_head_dim} must be >= 1 (or null: "
+                "hidden_size / num_heads)"
+            )
+        if self.attention_head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_heads={self.num_heads}"

@@ -3,7 +3,9 @@ matrices, grouped-query attention), plus the two post norms of each layer.
 
 The sliding window and the soft caps change no matmul FLOP count as the planner counts
 them (the attention scores are priced as full causal ones: an upper bound on windowed
-layers).
+layers). The FLOP and activation terms price attention h wide: with an
+``attention_head_dim`` of its own (heads · head_dim ≠ h) they are estimates; the parameter
+count is exact.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ def model_flops(
 
 def params_count(cfg: ModelConfig) -> int:
     """Parameters of the full model, unpadded vocabulary: Llama's count with the same
-    widths, plus each layer's two post norms (2·h)."""
-    extra = 2 * cfg.hidden_size * cfg.num_layers if cfg.post_norms else 0
-    return llama.params_count(cfg) + extra
+    widths, plus each layer's two post norms (2·h), with the query and output projections
+    ``heads · head_dim`` wide where that is not h (``attention_head_dim``)."""
+    h, width = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    per_layer = 2 * h * (width - h) + (2 * h if cfg.post_norms else 0)
+    return llama.params_count(cfg) + cfg.num_layers * per_layer
 
 
 def layer_activation_bytes(

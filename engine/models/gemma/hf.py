@@ -10,10 +10,13 @@ HF → meshtron → HF is bitwise.
   ``mlp_norm``, ``post_feedforward_layernorm`` → ``post_mlp_norm``. Their weights are
   stored as Gemma stores them, the scale less one (``layers.norm.GemmaRMSNorm``).
 * ``layer_types`` ↔ ``full_attention_every``: the window on every layer but each k-th.
+* ``head_dim`` ↔ ``attention_head_dim`` where it is not hidden / heads (the released
+  Gemma 2 sizes: 2304 wide, 8 heads of 256).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -105,14 +108,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         post_norms=True,
         **_rope(hf),
     )
-    cfg = layout.validated(cfg, _CONFIG)
     head_dim = layout.hf_value(hf, "head_dim", (int, type(None)), None)
-    if head_dim not in (None, cfg.head_dim):
-        raise ValueError(
-            f"head_dim {head_dim} != hidden_size/num_attention_heads ({cfg.head_dim}); "
-            "not supported"
-        )
-    return cfg
+    if head_dim is not None and head_dim * cfg.num_heads != cfg.hidden_size:
+        cfg = dataclasses.replace(cfg, attention_head_dim=head_dim)  # a width of its own
+    return layout.validated(cfg, (*_CONFIG, ConfigKey("attention_head_dim", "head_dim")))
 
 
 def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
