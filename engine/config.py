@@ -22,7 +22,7 @@ from hydra.core.config_store import ConfigStore
 from engine.data.fsutil import MISSING, file_problem
 from engine.data.weights import normalized, split_fractions
 from engine.models.config import ModelConfig
-from engine.models.families import family
+from engine.models.families import FAMILIES, family
 from engine.pipeline.split import (
     SCHEDULES,
     dp_rule,
@@ -282,6 +282,11 @@ def _validate_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     return problems
 
 
+def _decoders() -> str:
+    """The causal families of the table, as a message lists them: "gpt, llama, ..."."""
+    return ", ".join(arch for arch, f in FAMILIES.items() if f.causal)
+
+
 def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     """What cp > 1 does not run with yet, one line each (the sequence length is the
     layout's rule, ``ParallelDims.check_seq_len``). It composes with tp (and sequence
@@ -292,9 +297,15 @@ def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
         return []
     m, problems, at = cfg.model, [], f"cp_size={dims.cp}"
     if not family(m.arch).causal:
-        problems.append(f"{at} runs the causal decoders (gpt, llama), not model.arch={m.arch}")
+        problems.append(f"{at} runs the causal decoders ({_decoders()}), not model.arch={m.arch}")
     if m.compile:
         problems.append(f"{at} runs the ring eagerly: set model.compile=false")
+    reach = ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping")
+    if any(getattr(m, key) is not None for key in reach):
+        problems.append(
+            f"{at}: ring attention applies no model.sliding_window, query_pre_attn_scalar "
+            "or attn_logit_softcapping; set them to null or cp_size=1"
+        )
     return problems
 
 
@@ -591,7 +602,7 @@ def _document_mask_problems(cfg: Config, dims: ParallelDims) -> list[str]:
         return []
     at = "data.document_mask=true"
     if not family(cfg.model.arch).causal:
-        return [f"{at} packs causal documents (gpt, llama), not model.arch={cfg.model.arch}"]
+        return [f"{at} packs causal documents ({_decoders()}), not model.arch={cfg.model.arch}"]
     if dims.pp > 1:
         return [f"{at} with pp_size={dims.pp} is not wired yet: set pp_size=1 or the mask off"]
     return []

@@ -97,6 +97,26 @@ def decoder_mask(
     return mask | diagonal
 
 
+def sliding_window_mask(queries: int, keys: int, window: int, *, device=None) -> torch.Tensor:
+    """Boolean ``[queries, keys]``: True where a query may attend to a key under causal
+    attention limited to the last ``window`` keys (itself included).
+
+    The queries are the last ``queries`` of the ``keys`` positions (a KV cache's past comes
+    first), so query i sits at position ``keys - queries + i`` and sees the keys j with
+    ``position - window < j <= position``.
+    """
+    at = torch.arange(keys - queries, keys, device=device)[:, None]
+    key = torch.arange(keys, device=device)[None, :]
+    return (key <= at) & (key > at - window)
+
+
+def windowed(mask: torch.Tensor | None, queries: int, keys: int, window: int, *, device):
+    """``mask`` (None: plain causal; else boolean, broadcastable to ``[b, heads, queries,
+    keys]``) limited to the last ``window`` keys of each query (:func:`sliding_window_mask`)."""
+    limit = sliding_window_mask(queries, keys, window, device=device)
+    return limit if mask is None else mask & limit
+
+
 class CoreAttention(nn.Module):
     """softmax(QKᵀ/√d)·V with attention dropout, over this rank's heads.
 
@@ -108,10 +128,20 @@ class CoreAttention(nn.Module):
     """
 
     def __init__(
-        self, dropout: float, *, causal: bool, recompute: bool, rng: RNGTracker | None
+        self,
+        dropout: float,
+        *,
+        causal: bool,
+        recompute: bool,
+        rng: RNGTracker | None,
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.dropout, self.causal, self.recompute, self.rng = dropout, causal, recompute, rng
+        # Sliding window (last ``window`` keys), score scale (None: 1/√d) and soft cap.
+        self.window, self.scale, self.softcap = window, scale, softcap
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
@@ -127,12 +157,24 @@ class CoreAttention(nn.Module):
     def _attend(self, q, k, v, mask):
         if isinstance(mask, DocumentMask):  # explicit: correctness first (layers.documents)
             mask = mask.dense(causal=self.causal)
+        if self.window is not None:  # validated causal: the window limits the causal mask
+            mask = windowed(mask, q.shape[2], k.shape[2], self.window, device=q.device)
         if k.shape[1] != q.shape[1]:  # grouped-query: each KV head serves a run of q heads
             group = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         p = self.dropout if self.training else 0.0
         # Attention probabilities are TP-sharded (each rank has its own heads): sharded stream.
-        out = dropout.attention(q, k, v, mask, p, causal=self.causal, rng=self.rng)
+        out = dropout.attention(
+            q,
+            k,
+            v,
+            mask,
+            p,
+            causal=self.causal,
+            rng=self.rng,
+            scale=self.scale,
+            softcap=self.softcap,
+        )
         return rearrange(out, "b heads s d -> s b (heads d)")
 
 
@@ -210,6 +252,11 @@ class ParallelAttention(nn.Module):
     (context parallelism) makes the core a ring (:class:`RingCoreAttention`): the input is
     then this rank's share of each sequence, and ``rotary`` holds its global positions.
     The layout, not the model config, decides, so one config runs at every cp size.
+
+    ``window`` (from the layer's spec, ``layers.spec.spec_for``) limits each query to its
+    last ``window`` keys; ``cfg.query_pre_attn_scalar`` and ``cfg.attn_logit_softcapping``
+    set the scores' scale and soft cap. The ring applies none of the three: with them a
+    cp_group of several ranks is refused.
     """
 
     def __init__(
@@ -222,24 +269,40 @@ class ParallelAttention(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         cp_group: dist.ProcessGroup | None = None,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         tp_group = resolve_tp_group(tp_group)
         heads_per_rank(cfg.num_heads, group_size(tp_group))
-        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.head_dim = cfg.head_dim  # hidden / heads unless the config sets its own
         self.sequence_parallel = cfg.sequence_parallel
         common = branch_options(cfg, tp_group, dtype, device)
         self._build_projections(cfg, tp_group, common)
-        self.core = self._build_core(cfg, rng, cp_group)
-        self.dense = residual_output_linear(cfg, cfg.hidden_size, common)
+        self.core = self._build_core(cfg, rng, cp_group, window)
+        width = cfg.num_heads * self.head_dim  # the heads' concatenated output
+        self.dense = residual_output_linear(cfg, width, common)
 
     @staticmethod
-    def _build_core(cfg: TransformerConfig, rng, cp_group) -> CoreAttention:
+    def _build_core(cfg: TransformerConfig, rng, cp_group, window=None) -> CoreAttention:
         """The ring over ``cp_group`` when it has several ranks, else the local core."""
+        qpas = cfg.query_pre_attn_scalar
+        scale = None if qpas is None else qpas**-0.5
+        softcap = cfg.attn_logit_softcapping
         if group_size(cp_group) == 1:
             recompute = cfg.recompute == "selective"
             return CoreAttention(
-                cfg.attention_dropout, causal=cfg.causal, recompute=recompute, rng=rng
+                cfg.attention_dropout,
+                causal=cfg.causal,
+                recompute=recompute,
+                rng=rng,
+                window=window,
+                scale=scale,
+                softcap=softcap,
+            )
+        if window is not None or scale is not None or softcap is not None:
+            raise ValueError(
+                f"cp_size={group_size(cp_group)}: ring attention applies no sliding window, "
+                "query_pre_attn_scalar or attn_logit_softcapping; run them at cp_size=1"
             )
         return RingCoreAttention(
             cp_group, causal=cfg.causal, dropout=cfg.attention_dropout, rng=rng
@@ -251,14 +314,13 @@ class ParallelAttention(nn.Module):
         the latter split over TP or, past the KV heads, replicated (``layers.gqa``)."""
         self.kv_heads = cfg.num_kv_heads or cfg.num_heads
         bias, init = cfg.qkv_bias, normal_init(cfg.init_std)
+        width = cfg.num_heads * self.head_dim
         if self.kv_heads == cfg.num_heads:
             self.qkv = ColumnParallelLinear(
-                cfg.hidden_size, 3 * cfg.hidden_size, bias, init_method=init, **common
+                cfg.hidden_size, 3 * width, bias, init_method=init, **common
             )
             return
-        self.query = ColumnParallelLinear(
-            cfg.hidden_size, cfg.hidden_size, bias, init_method=init, **common
-        )
+        self.query = ColumnParallelLinear(cfg.hidden_size, width, bias, init_method=init, **common)
         self.key_value = kv_projection(
             cfg.hidden_size, self.kv_heads, self.head_dim, bias, init_method=init, **common
         )

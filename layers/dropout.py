@@ -107,9 +107,15 @@ def attention(
     *,
     causal: bool,
     rng: RNGTracker | None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with dropout ``p`` on the probabilities, whose
     mask comes from the sharded stream (attention heads are TP-sharded).
+
+    ``scale`` multiplies the scores (None: 1/sqrt(head_dim)); ``softcap`` c caps them
+    to c·tanh(scores/c) before the mask (Gemma 2), which SDPA has no slot for: the scores
+    are then computed as written below (the s×s scores materialized).
 
     While compiling with ``p > 0`` it is the math of torch's reference path (the one CPU
     takes with dropout) written out, its mask from ``dropout_mask``; inductor fuses it. On
@@ -117,20 +123,26 @@ def attention(
     masks (eager CUDA attention draws its own inside the kernel): the streams' semantics
     hold, but long sequences want ``attention_dropout=0`` there (not measured: no GPU).
     """
-    if p > 0 and torch.compiler.is_compiling():
-        return _attention_math(q, k, v, mask, p, causal=causal, rng=rng)
+    if softcap is not None or (p > 0 and torch.compiler.is_compiling()):
+        return _attention_math(q, k, v, mask, p, causal=causal, rng=rng, scale=scale, cap=softcap)
     with dropout_stream(rng, sharded=p > 0):
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal and mask is None
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal and mask is None, scale=scale
         )
 
 
-def _attention_math(q, k, v, mask, p, *, causal, rng):
+def _attention_math(q, k, v, mask, p, *, causal, rng, scale=None, cap=None):
     dtype = q.dtype
     if dtype in (torch.float16, torch.bfloat16):  # the reference path computes in fp32
         q, k, v = q.float(), k.float(), v.float()
-    scale = math.sqrt(1.0 / math.sqrt(q.shape[-1]))  # split over q and k, as torch does
-    scores = (q * scale) @ (k * scale).transpose(-2, -1)
+    if cap is None and scale is None:
+        split = math.sqrt(1.0 / math.sqrt(q.shape[-1]))  # split over q and k, as torch does
+        scores = (q * split) @ (k * split).transpose(-2, -1)
+    else:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        scores = (q @ k.transpose(-2, -1)) * scale
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if causal and mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None and mask.dtype == torch.bool:
@@ -138,7 +150,12 @@ def _attention_math(q, k, v, mask, p, *, causal, rng):
     elif mask is not None:
         scores = scores + mask
     probs = torch.ops.aten._safe_softmax(scores, -1)  # a fully masked row gives zeros, not NaN
-    probs = _masked(probs, p, rng=rng, sharded=True)
+    if p > 0:
+        if torch.compiler.is_compiling():
+            probs = _masked(probs, p, rng=rng, sharded=True)
+        else:
+            with dropout_stream(rng, sharded=True):
+                probs = F.dropout(probs, p, True)
     return (probs @ v).to(dtype)
 
 

@@ -1,18 +1,20 @@
-"""The transformer's tensor-parallel MLP: column-parallel h→ffn, GeLU or SwiGLU, row-parallel
-ffn→h.
+"""The transformer's tensor-parallel MLP: column-parallel h→ffn, GeLU, SwiGLU or GeGLU,
+row-parallel ffn→h.
 
 SwiGLU (Llama) fuses the gate and up projections into one column-parallel weight whose
 rows interleave them, ``(ffn two)``: row 2i is gate_i, row 2i+1 is up_i. Any contiguous
 TP slice then holds matching gate/up pairs, so the stored layout does not depend on the
 TP size and one GEMM (one sequence all-gather under SP) serves both. The element-wise
 silu(gate) · up on that interleaved output is the kernel set's ``swiglu``
-(``layers.kernels.swiglu``; the fused kernel writes dgate/dup straight into it).
+(``layers.kernels.swiglu``; the fused kernel writes dgate/dup straight into it). GeGLU
+(Gemma) has the same interleaved layout with gelu_tanh(gate) · up, in plain torch ops.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from layers.kernel_set import Kernels, resolve_kernels
@@ -49,8 +51,10 @@ class ParallelMLP(nn.Module):
         ffn_size = ffn_size or cfg.ffn_size
         self.sequence_parallel = cfg.sequence_parallel
         self.kernels = kernels or resolve_kernels(cfg.kernels)
-        self.gated = cfg.activation == "swiglu"
-        self.approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None}[cfg.activation]
+        self.gated = cfg.activation in ("swiglu", "geglu")
+        self.approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None, "geglu": "tanh"}[
+            cfg.activation
+        ]
         bias = cfg.linear_bias
         common = branch_options(cfg, tp_group, dtype, device)
         # Both biases are added by the fused ops around them: fc1's by bias + GeLU, fc2's
@@ -70,6 +74,10 @@ class ParallelMLP(nn.Module):
         # fc1 hands its bias to the activation unless a compiled graph has it added in
         # the GEMM (``layers.compile``).
         h, bias = self.fc1(x) if self.fc1.skip_bias_add else (self.fc1(x), None)
+        if self.gated and self.approximate == "tanh":  # GeGLU: gelu_tanh(gate) · up
+            if bias is not None:
+                h = h + bias
+            return self.fc2(F.gelu(h[..., 0::2], approximate="tanh") * h[..., 1::2])
         if self.gated:
             return self.fc2(self.kernels.swiglu(h, bias))
         return self.fc2(self.kernels.gelu(h, bias, self.approximate))

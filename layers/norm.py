@@ -16,6 +16,7 @@ class _ReplicatedNorm(nn.Module):
     for the TP all-reduce."""
 
     has_bias: bool
+    scale_offset = 0.0  # the output is scaled by scale_offset + weight (Gemma's: 1)
 
     def __init__(
         self,
@@ -62,11 +63,30 @@ class RMSNorm(_ReplicatedNorm):
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
-NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}  # the norm slot's registry (layers.spec)
+class GemmaRMSNorm(_ReplicatedNorm):
+    """Gemma's RMSNorm: ``x / sqrt(mean(x²) + eps) · (1 + weight)``, the weight starting at
+    zero (so a fresh norm is the identity scale). The scale ``1 + weight`` is formed in at
+    least fp32, as Hugging Face's Gemma forms it, and the result cast back to x's dtype."""
+
+    has_bias = False
+    scale_offset = 1.0
+
+    def __init__(self, size: int, eps: float, **kwargs) -> None:
+        super().__init__(size, eps, **kwargs)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = self.weight.to(torch.promote_types(self.weight.dtype, torch.float32))
+        return self.kernels.rms_norm(x, self.scale_offset + wide, self.eps).to(x.dtype)
+
+
+# The norm slot's registry (layers.spec).
+NORMS = {"layernorm": LayerNorm, "rmsnorm": RMSNorm, "gemma_rmsnorm": GemmaRMSNorm}
 
 
 def make_norm(cfg, *, kernels: Kernels | None = None, dtype=None, device=None) -> nn.Module:
-    """The norm ``cfg.norm`` names ("layernorm" or "rmsnorm"), width ``cfg.hidden_size``,
+    """The norm ``cfg.norm`` names (a key of :data:`NORMS`), width ``cfg.hidden_size``,
     on the model's resolved ``kernels`` (None: ``cfg.kernels``, resolved here)."""
     return NORMS[cfg.norm](
         cfg.hidden_size,

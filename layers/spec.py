@@ -15,7 +15,9 @@ master weights):
   parallelism) and returns ``(out, bias or None)``: the bias unadded, for the layer's fused
   bias + dropout + residual add. Attention's forward also takes ``mask, cache, rotary``,
   and its constructor ``cp_group`` too (the context-parallel ranks splitting each
-  sequence; None or one rank: none), since attention alone sees across tokens.
+  sequence; None or one rank: none), since attention alone sees across tokens, and
+  ``window`` where the spec holds one (a sliding window; not passed when None, so a class
+  without windows needs no such keyword).
 * norm (both ``attention_norm`` and ``mlp_norm``): ``cls(width, eps, *,
   sequence_parallel, kernels, dtype, device)``, the form the embedding and head norms are
   built with too; ``forward`` maps ``[..., width]`` to the same shape.
@@ -47,9 +49,12 @@ class LayerSpec:
     """The classes a ``ParallelTransformerLayer`` builds its slots from (see the module
     docstring for the constructor each slot is called with)."""
 
-    norm: type[nn.Module]  # attention_norm and mlp_norm
+    norm: type[nn.Module]  # attention_norm and mlp_norm (and the post norms, if any)
     attention: type[nn.Module]
     mlp: type[nn.Module]
+    # The sliding window this layer's attention keeps (``window=`` to its constructor);
+    # None: all earlier keys, and the keyword is not passed.
+    window: int | None = None
 
 
 def pick(slot: str, name: str, registry: dict[str, type[nn.Module]]) -> type[nn.Module]:
@@ -64,12 +69,19 @@ def spec_for(cfg: TransformerConfig, layer: int | None = None) -> LayerSpec:
 
     ``layer`` (0-based; None: any) thins the MLP: layer i holds ``cfg.mlp`` when
     (i + 1) % ``cfg.moe_layer_freq`` == 0 and the dense MLP otherwise (transformers'
-    ``decoder_sparse_step``: experts on every k-th layer).
+    ``decoder_sparse_step``: experts on every k-th layer). It also picks the attention's
+    sliding window: ``cfg.sliding_window``, but none on the layers i with (i + 1) %
+    ``cfg.full_attention_every`` == 0 (Gemma 2 alternates: 2).
     """
+    window = cfg.sliding_window
+    every = cfg.full_attention_every
+    if layer is not None and every and (layer + 1) % every == 0:
+        window = None
     return LayerSpec(
         norm=pick("norm", cfg.norm, NORMS),
         attention=pick("attention", cfg.attention, ATTENTIONS),
         mlp=pick("mlp", mlp_name(cfg, layer), MLPS),
+        window=window,
     )
 
 

@@ -46,6 +46,8 @@ class ParallelTransformerLayer(nn.Module):
 
     Pre-LN:  x = x + drop(attn(LN₁(x)));   x = x + drop(mlp(LN₂(x)))
     Post-LN: x = LN₁(x + drop(attn(x)));   x = LN₂(x + drop(mlp(x)))
+    Pre-LN with ``cfg.post_norms`` (Gemma 2): x = x + drop(N₃(attn(LN₁(x)))), and
+    x = x + drop(N₄(mlp(LN₂(x)))).
 
     ``cfg.recompute``: "selective" recomputes the attention core only, "full" the whole
     layer (keeping just its input), "none" keeps everything. ``spec`` names the classes of
@@ -92,9 +94,15 @@ class ParallelTransformerLayer(nn.Module):
             device=device,
         )
         self.attention_norm = spec.norm(cfg.hidden_size, cfg.layernorm_eps, **norm)
-        self.attention = spec.attention(cfg, **slot, cp_group=cp_group)
+        window = {} if spec.window is None else {"window": spec.window}
+        self.attention = spec.attention(cfg, **slot, cp_group=cp_group, **window)
         self.mlp_norm = spec.norm(cfg.hidden_size, cfg.layernorm_eps, **norm)
         self.mlp = spec.mlp(cfg, **slot)
+        # Gemma 2's sandwich: each branch's output normalized before the residual add.
+        self.post_attention_norm = self.post_mlp_norm = None
+        if cfg.post_norms:
+            self.post_attention_norm = spec.norm(cfg.hidden_size, cfg.layernorm_eps, **norm)
+            self.post_mlp_norm = spec.norm(cfg.hidden_size, cfg.layernorm_eps, **norm)
 
     def forward(
         self,
@@ -126,8 +134,9 @@ class ParallelTransformerLayer(nn.Module):
     ) -> torch.Tensor:
         if self.pre_layernorm:
             attn = self.attention(self.attention_norm(x), mask, cache, rotary)
-            x = self._residual(attn, x)
-            return self._residual(self.mlp(self.mlp_norm(x)), x)
+            x = self._residual(_post_norm(attn, self.post_attention_norm), x)
+            mlp = self.mlp(self.mlp_norm(x))
+            return self._residual(_post_norm(mlp, self.post_mlp_norm), x)
         x = self.attention_norm(self._residual(self.attention(x, mask, cache, rotary), x))
         return self.mlp_norm(self._residual(self.mlp(x), x))
 
@@ -146,3 +155,14 @@ class ParallelTransformerLayer(nn.Module):
             rng=self.rng,
             sharded=self.sequence_parallel,
         )
+
+
+def _post_norm(
+    out_and_bias: tuple[torch.Tensor, torch.Tensor | None], norm: nn.Module | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A branch's (output, unadded bias), normalized by ``norm`` (the bias added first) when
+    the layer has post norms; as it is otherwise."""
+    if norm is None:
+        return out_and_bias
+    out, bias = out_and_bias
+    return norm(out if bias is None else out + bias), None

@@ -43,7 +43,15 @@ class TransformerConfig(Protocol):
     moe_z_loss_coeff: float  # weight of the router z-loss
     moe_bias_update_rate: float  # γ of the sigmoid router's bias update
     moe_layer_freq: int  # the MLP slot holds cfg.mlp on layers i with (i+1) % freq == 0
+    # Attention's reach and scores (layers.attention; Gemma 2 sets them all).
+    sliding_window: int | None  # causal attention to the last W keys; None: all
+    full_attention_every: int  # layers i with (i+1) % k == 0 keep no window; 0: none such
+    attn_logit_softcapping: float | None  # scores → c·tanh(scores/c); None: uncapped
+    query_pre_attn_scalar: float | None  # scores scaled by scalar^-1/2; None: head_dim's
+    post_norms: bool  # norms on the attention and MLP outputs before the residual add
 
+    @property
+    def head_dim(self) -> int: ...  # one attention head's width
     @property
     def ffn_size(self) -> int: ...  # MLP inner width
     @property

@@ -239,7 +239,7 @@ def test_document_mask_refusals_are_one_line():
     bert.data.document_mask = True
     found = [p for p in validate(bert, parallel_dims(bert, None)) if "document_mask" in p]
     assert found == [
-        "data.document_mask=true packs causal documents (gpt, llama), not model.arch=bert"
+        "data.document_mask=true packs causal documents (gpt, llama, gemma), not model.arch=bert"
     ]
 
     piped = Config(tp_size=1, dp_size=1, pp_size=2)

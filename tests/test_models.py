@@ -236,7 +236,7 @@ def test_every_family_is_a_folder_the_registry_reaches():
         state = build_model(cfg).full_state_dict()  # the vocabulary unpadded
         assert fam.costs.params_count(cfg) == sum(t.numel() for t in state.values())
         assert config_from_hf(config_to_hf(cfg)).arch == arch
-    message = "model.arch='t5' is not one of ('gpt', 'bert', 'llama')"
+    message = "model.arch='t5' is not one of ('gpt', 'bert', 'llama', 'gemma')"
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelConfig(arch="t5").validate()
     with pytest.raises(ValueError, match=re.escape(message)):

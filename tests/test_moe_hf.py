@@ -212,7 +212,11 @@ def _config(hf_models, name: str) -> dict:
 @pytest.mark.parametrize(
     "name, change, message",
     [
-        ("mixtral", dict(sliding_window=16), "sliding_window 16 is not supported"),
+        (
+            "qwen2_moe",
+            dict(use_sliding_window=True, sliding_window=16),
+            "sliding_window 16 is not supported for qwen2_moe",
+        ),
         ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise 0.1 is not supported"),
         ("qwen2_moe", dict(mlp_only_layers=[0]), "mlp_only_layers is not supported"),
         ("qwen2_moe", dict(shared_expert_intermediate_size=0), "shared expert needs >= 1"),

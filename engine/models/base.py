@@ -8,6 +8,8 @@ padding never leaves the model: full state dicts hold exactly ``vocab_size`` row
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -120,6 +122,11 @@ def hidden_layer_norm(cfg: ModelConfig, *, kernels: Kernels, dtype, device) -> L
     )
 
 
+def _fp32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (no tensor: models are built on meta too)."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
 class Embeddings(nn.Module):
     """Word (vocab-parallel) + position (+ token-type) embeddings, (LayerNorm), dropout.
 
@@ -143,6 +150,9 @@ class Embeddings(nn.Module):
             device=device,
         )
         mark_vocab_padded(self.word.weight)
+        # Gemma: the words × sqrt(h), that factor rounded to fp32 first (as its released
+        # models' normalizer is), then to the activations' dtype.
+        self.scale = _fp32(cfg.hidden_size**0.5) if cfg.embedding_scale else None
         self.position = None  # rotary positions live in attention
         if cfg.position_embedding == "learned":
             self.position = self._replicated(cfg.max_positions, cfg, dtype, device)
@@ -167,6 +177,8 @@ class Embeddings(nn.Module):
         """``positions`` ``[b, s]``: each token's position (generation with left padding or
         a KV cache); default 0 … s−1."""
         words = self.word(input_ids.t())  # [s(/tp), b, h]: reduce-scattered under SP
+        if self.scale is not None:
+            words = words * torch.tensor(self.scale, dtype=words.dtype, device=words.device)
         if self.position is None:
             return self._dropout(words)
         seq = input_ids.shape[1]

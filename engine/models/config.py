@@ -26,7 +26,7 @@ from layers.utils import pad_vocab_size
 from parallel_state.dims import check_width_split
 
 ARCHS = tuple(FAMILIES)  # engine/models/families.py
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "geglu")
 POSITIONS = ("learned", "rotary")
 # What a resumed run must keep as its checkpoint has it: the keys that decide which weights
 # exist, their shapes and the function they were trained to compute. Everything else
@@ -39,6 +39,7 @@ RESUME_FIXED = (
     "num_layers",
     "num_heads",
     "num_kv_heads",
+    "attention_head_dim",
     "ffn_hidden_size",
     "max_positions",
     "num_token_types",
@@ -65,10 +66,18 @@ RESUME_FIXED = (
     "moe_shared_ffn_hidden_size",
     "moe_shared_gate",
     "moe_layer_freq",
+    "sliding_window",
+    "full_attention_every",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "embedding_scale",
+    "post_norms",
 )
 # Keys whose null means a default from the others: compared with that default applied.
 _APPLIED = {
     "num_kv_heads": "kv_heads",
+    "attention_head_dim": "head_dim",
     "ffn_hidden_size": "ffn_size",
     "moe_ffn_hidden_size": "moe_ffn_size",
 }
@@ -79,7 +88,7 @@ class ModelConfig:
     """Architecture and per-layer options of a model of any family (the dataclass's own
     defaults are GPT-2 small's; a preset, configs/model/*.yaml, chooses a run's)."""
 
-    arch: str = "gpt"  # the family (engine/models/families.py): "gpt", "bert" or "llama"
+    arch: str = "gpt"  # the family (engine/models/families.py): "gpt", "bert", "llama", "gemma"
     vocab_size: int = 50257  # real vocabulary; the embedding is padded beyond it
     hidden_size: int = 768  # model width h
     num_layers: int = 12  # transformer layers
@@ -94,7 +103,8 @@ class ModelConfig:
     recompute: str = "none"  # activation recomputation: "none", "selective" or "full"
     num_token_types: int = 2  # BERT segment (token type) embeddings
     init_std: float = 0.02  # std of the normal init of weights
-    activation: str = "gelu_tanh"  # "gelu_tanh" (GPT-2's tanh), "gelu" (exact), "swiglu" (Llama)
+    activation: str = "gelu_tanh"  # "gelu_tanh" (GPT-2's tanh), "gelu" (exact), "swiglu"
+    # (Llama), "geglu" (Gemma: gelu_tanh(gate) · up)
     tie_embeddings: bool = True  # LM head reuses the word embedding
     kernels: str = "auto"  # element-wise ops: "auto" (Triton on CUDA), "triton", "apex", "torch"
     # torch.compile the whole forward and loss (layers.compile). None (the default) is
@@ -106,11 +116,14 @@ class ModelConfig:
     compile_backend: str = "inductor"  # torch.compile backend: "inductor", "aot_eager" or "eager"
     cuda_graphs: bool = False  # the compiled step replayed as CUDA graphs (reduce-overhead)
     # Component seams (defaults: GPT-2's parts). Llama-family decoders pick the others.
-    norm: str = "layernorm"  # "layernorm" or "rmsnorm" (no bias, no mean subtraction)
+    norm: str = "layernorm"  # "layernorm", "rmsnorm" (no bias, no mean subtraction) or
+    # "gemma_rmsnorm" (RMSNorm scaled by 1 + weight, the weight starting at zero)
     attention: str = "standard"  # the attention class (layers/spec.py ATTENTIONS): "standard"
     mlp: str = "dense"  # the MLP class (layers/spec.py MLPS): "dense" (GeLU or SwiGLU)
     position_embedding: str = "learned"  # "learned" absolute table or "rotary" (RoPE)
     num_kv_heads: int | None = None  # key/value heads (GQA; 1 = MQA); None means num_heads
+    attention_head_dim: int | None = None  # one head's width; None: hidden_size / num_heads
+    # (Gemma 2's released sizes have their own: 2304 wide, 8 heads of 256)
     qkv_bias: bool = True  # bias on the query/key/value projections (Llama none, Qwen2 yes)
     linear_bias: bool = True  # bias on attention output and MLP projections (Llama none)
     rope_theta: float = 10000.0  # RoPE base
@@ -133,6 +146,15 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0  # weight of the router z-loss
     moe_bias_update_rate: float = 0.001  # γ of the sigmoid router's bias update (DeepSeek-V3)
     moe_layer_freq: int = 1  # experts on layers i with (i + 1) % freq == 0, dense elsewhere
+    # Attention's reach and scores (any causal family; Gemma 2 sets them all).
+    sliding_window: int | None = None  # a query sees its last W keys (itself included); None: all
+    full_attention_every: int = 0  # 0: the window on every layer; k: layers i with
+    # (i + 1) % k == 0 attend to all keys (Gemma 2: 2, layers 1, 3, ... full)
+    attn_logit_softcapping: float | None = None  # scores → c·tanh(scores/c) before the mask
+    final_logit_softcapping: float | None = None  # LM logits → c·tanh(logits/c)
+    query_pre_attn_scalar: float | None = None  # scores scaled by scalar^-1/2; None: head_dim's
+    embedding_scale: bool = False  # word embeddings × sqrt(hidden_size) (Gemma)
+    post_norms: bool = False  # a norm on attention's and the MLP's outputs too (Gemma 2)
 
     @property
     def ffn_size(self) -> int:
@@ -146,8 +168,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head."""
-        return self.hidden_size // self.num_heads
+        """Width of one attention head (``attention_head_dim``, else hidden / heads)."""
+        return self.attention_head_dim or self.hidden_size // self.num_heads
 
     @property
     def kv_heads(self) -> int:
@@ -222,7 +244,12 @@ class ModelConfig:
                 f"model.make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} "
                 "must be >= 1"
             )
-        if self.hidden_size % self.num_heads:
+        if self.attention_head_dim is not None and self.attention_head_dim < 1:
+            raise ValueError(
+                f"model.attention_head_dim={self.attention_head_dim} must be >= 1 (or null: "
+                "hidden_size / num_heads)"
+            )
+        if self.attention_head_dim is None and self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by "
                 f"model.num_heads={self.num_heads}"
@@ -232,6 +259,7 @@ class ModelConfig:
             self._validate_moe(tp_size)
         if self.cuda_graphs:
             self._validate_cuda_graphs()
+        self._validate_attention_reach()
         selective = self.compile and self.recompute == "selective" and tp_size > 1
         if selective and not selective_recompute_compiles():
             raise ValueError(
@@ -279,6 +307,32 @@ class ModelConfig:
         for key in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be in [0, 1)")
+
+    def _validate_attention_reach(self) -> None:
+        """The sliding window, the soft caps and the query scale: positive and finite; the
+        window and the post norms on the families they are built for."""
+        window = self.sliding_window
+        if window is not None and window < 1:
+            raise ValueError(f"model.sliding_window={window} must be >= 1 (or null: no window)")
+        if window is not None and not self.causal:
+            raise ValueError(
+                f"model.sliding_window limits causal attention; model.arch={self.arch} "
+                "attends both ways: set model.sliding_window=null"
+            )
+        if self.full_attention_every < 0:
+            raise ValueError(
+                f"model.full_attention_every={self.full_attention_every} must be >= 0 "
+                "(0: the window on every layer)"
+            )
+        for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"model.{key}={value} must be > 0 and finite (or null: none)")
+        if self.post_norms and not self.pre_layernorm:
+            raise ValueError(
+                f"model.post_norms=true adds norms to pre-norm layers; model.arch={self.arch} "
+                "normalizes the residual sum: set model.post_norms=false"
+            )
 
     def _validate_moe(self, tp_size: int) -> None:
         """Experts, k, widths and coefficients in range; one TP rank; no expert biases."""

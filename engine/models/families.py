@@ -96,6 +96,15 @@ FAMILIES: dict[str, Family] = {
                 "eos_token": ("</s>", "<|end_of_text|>", _DOCUMENT_END),
             },
         ),
+        Family(
+            "gemma",
+            "Gemma2Model",
+            gated_mlp=True,
+            special_tokens={
+                "bos_token": ("<bos>", _DOCUMENT_END),
+                "eos_token": ("<eos>", _DOCUMENT_END),
+            },
+        ),
     )
 }
 

@@ -6,6 +6,7 @@ Only local ``save_pretrained`` directories are read; nothing is fetched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 from dataclasses import replace
@@ -24,6 +25,7 @@ from engine.hf_interop import (
 from engine.models import build_model
 from engine.models.families import FAMILIES
 from layers.mappings import gather_along
+from layers.norm import NORMS as NORM_CLASSES
 from studies.verification.layouts import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 
 # Tolerances on logits against Hugging Face. float32 and float64 are absolute: a
@@ -53,22 +55,53 @@ def _rmsnorm_at_input_precision(self, hidden_states: torch.Tensor) -> torch.Tens
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def _keep_norms_in_float64(model: torch.nn.Module) -> int:
-    """Patch the RMSNorm modules of a float64 reference (see ``_RMSNORMS``); returns how
-    many."""
+def _offset_rmsnorm_at_input_precision(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The same for a norm scaled by ``1 + weight`` (a norm class whose ``scale_offset``
+    is 1, ``layers.norm``)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    normed = hidden_states * torch.rsqrt(variance + self.eps)
+    return normed * (1.0 + self.weight)
+
+
+def _keep_norms_in_float64(model: torch.nn.Module, norm: str) -> int:
+    """Patch the RMSNorm modules of a float64 reference (see ``_RMSNORMS``) with the
+    formula of meshtron's ``norm`` (the config's: scaled by the weight, or by 1 + it where
+    its class's ``scale_offset`` says so); returns how many."""
+    offset = NORM_CLASSES[norm].scale_offset == 1.0
+    forward = _offset_rmsnorm_at_input_precision if offset else _rmsnorm_at_input_precision
     norms = [m for m in model.modules() if type(m).__name__ in _RMSNORMS]
-    for norm in norms:
-        norm.forward = types.MethodType(_rmsnorm_at_input_precision, norm)
+    for module in norms:
+        module.forward = types.MethodType(forward, module)
     return len(norms)
+
+
+@contextlib.contextmanager
+def _softmax_at_input_precision():
+    """While a float64 reference runs: ``F.softmax(x, dtype=torch.float32)`` of a float64
+    ``x`` stays float64. transformers' eager attention (Gemma 2's: SDPA has no soft cap)
+    asks for float32 probabilities, which would make a float64 reference float32-accurate
+    (~1e-7) there, as its RMSNorm would (``_RMSNORMS``)."""
+    softmax = torch.nn.functional.softmax
+
+    def wide(x, *args, dtype=None, **kwargs):
+        if dtype == torch.float32 and x.dtype == torch.float64:
+            dtype = None
+        return softmax(x, *args, dtype=dtype, **kwargs)
+
+    torch.nn.functional.softmax = wide
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax = softmax
 
 
 def hf_reference_note(spec: VerifySpec, hf_dir: str | os.PathLike) -> str:
     """One line saying what the transformers reference computes in (for the CLI output)."""
     cfg = config_from_hf(read_hf_config(hf_dir))
-    if spec.dtype == "float64" and cfg.norm == "rmsnorm":
+    if spec.dtype == "float64" and cfg.norm != "layernorm":
         return (
             "reference: transformers in float64, its RMSNorm computed in float64 "
-            "(transformers' own rounds through float32)"
+            "(transformers' own rounds through float32; so is an eager attention's softmax)"
         )
     return f"reference: transformers in {spec.dtype}"
 
@@ -122,9 +155,11 @@ def _hf_logits(hf_dir: str, cfg, hf_config: dict, batch: dict, dtype) -> dict[st
     eager = {"experts_implementation": "eager"} if cfg.mlp == "moe" else {}
     model = getattr(transformers, arch).from_pretrained(hf_dir, local_files_only=True, **eager)
     model = model.to(dtype).eval()
+    widen = contextlib.nullcontext()
     if dtype == torch.float64:
-        _keep_norms_in_float64(model)
-    with torch.no_grad():
+        _keep_norms_in_float64(model, cfg.norm)
+        widen = _softmax_at_input_precision()
+    with torch.no_grad(), widen:
         if cfg.causal:  # a decoder's LM logits
             return {"logits": model(input_ids=batch["input_ids"]).logits}
         out = model(

@@ -155,9 +155,12 @@ class GPTModel(ParallelModel):
         return rotary_tables(self.inv_freq, positions, hidden.dtype)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocab-sharded logits ``[s, b, V/tp]`` of the final hidden (norm, LM head)."""
+        """Vocab-sharded logits ``[s, b, V/tp]`` of the final hidden (norm, LM head, and
+        ``cfg.final_logit_softcapping``'s c·tanh(logits/c) where it is set)."""
         word = self.embedding.word.weight if self.cfg.tie_embeddings else None
-        return self.lm_head(self.final_norm(hidden), word)
+        logits = self.lm_head(self.final_norm(hidden), word)
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def stage_inputs(self, micro_batches: list, device: torch.device) -> tuple:
         """Token windows ``[b, s+1]`` or ``{"input_ids", "labels"}``: the ids go to the first

@@ -1,4 +1,4 @@
-"""The Llama family: Llama 2/3, Mistral (without sliding window), Qwen2 (QKV bias) and the
+"""The Llama family: Llama 2/3, Mistral (its sliding window on every layer), Qwen2 (QKV bias) and the
 MoE variants Mixtral and Qwen2-MoE as config variants of one decoder built through the
 layer seams (RMSNorm, SwiGLU or experts, rotary, grouped-query attention).
 

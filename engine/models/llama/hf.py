@@ -11,6 +11,7 @@ Pure relabelling and row permutation, so HF → meshtron → HF is bitwise:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -29,6 +30,9 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     **moe_hf.ARCHITECTURES,
 }
+
+# Mistral and Mixtral: the window (when shorter than the context) on every layer.
+_WINDOWED = ("mistral", "mixtral")
 
 _CONFIG = (
     *layout.SIZE_KEYS,
@@ -109,20 +113,23 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     head_dim = layout.hf_value(hf, "head_dim", (int, type(None)), None)
     if head_dim not in (None, cfg.head_dim):
         raise ValueError(f"head_dim {head_dim} != hidden_size/heads; not supported")
-    if layout.hf_value(hf, "use_sliding_window", bool, kind in ("mistral", "mixtral")):
+    if layout.hf_value(hf, "use_sliding_window", bool, kind in _WINDOWED):
         window = layout.hf_value(hf, "sliding_window", (int, type(None)), None)
         if window is not None and window < cfg.max_positions:
-            raise ValueError(
-                f"sliding_window {window} is not supported; set it to null (or >= "
-                f"max_position_embeddings {cfg.max_positions})"
-            )
+            if kind not in _WINDOWED:  # Qwen2's windows start at max_window_layers
+                raise ValueError(
+                    f"sliding_window {window} is not supported for {kind}; set it to null "
+                    f"(or >= max_position_embeddings {cfg.max_positions})"
+                )
+            cfg = layout.validated(dataclasses.replace(cfg, sliding_window=window), _CONFIG)
     return cfg
 
 
 def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``config.json`` dict for ``cfg`` on top of ``base`` (the imported original, if any)."""
     out = dict(base or {})
-    kind = out.get("model_type", "qwen2" if cfg.qkv_bias and not cfg.linear_bias else "llama")
+    plain = "mistral" if cfg.sliding_window is not None else "llama"
+    kind = out.get("model_type", "qwen2" if cfg.qkv_bias and not cfg.linear_bias else plain)
     if cfg.mlp == "moe":
         kind = moe_hf.moe_kind(cfg)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
@@ -137,6 +144,13 @@ def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[s
         out.update(moe_hf.config_items(cfg, kind, out))
     if kind == "qwen2_moe":
         out.update(qkv_bias=cfg.qkv_bias)
+    if cfg.sliding_window is not None:
+        if kind not in _WINDOWED:
+            raise ValueError(
+                f"model.sliding_window={cfg.sliding_window} exports as mistral or mixtral "
+                f"(every layer windowed), not {kind}"
+            )
+        out["sliding_window"] = cfg.sliding_window
     return out
 
 

@@ -1,0 +1,198 @@
+"""Hugging Face Gemma2ForCausalLM ↔ meshtron: pure relabelling and row permutation, so
+HF → meshtron → HF is bitwise.
+
+* q, k, v: fused per head ``(heads three d)`` when every query head has its own KV head,
+  else ``query`` ``(heads d)`` and ``key_value`` ``(kv_heads two d)`` (as the Llama map).
+* gate and up: interleaved into one ``(ffn two)`` column-parallel weight (``layers.mlp``).
+* The four norms of a layer: ``input_layernorm`` → ``attention_norm``,
+  ``post_attention_layernorm`` → ``post_attention_norm`` (Gemma 2's, on attention's
+  output: not the pre-MLP norm Llama's name means), ``pre_feedforward_layernorm`` →
+  ``mlp_norm``, ``post_feedforward_layernorm`` → ``post_mlp_norm``. Their weights are
+  stored as Gemma stores them, the scale less one (``layers.norm.GemmaRMSNorm``).
+* ``layer_types`` ↔ ``full_attention_every``: the window on every layer but each k-th.
+* ``head_dim`` ↔ ``attention_head_dim`` where it is not hidden / heads (the released
+  Gemma 2 sizes: 2304 wide, 8 heads of 256).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.models import hf_layout as layout
+from engine.models.config import ModelConfig
+from engine.models.hf_layout import ConfigKey, Transform, rename, weights
+from engine.models.llama.hf import _rope
+
+ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM"}
+_SLIDING, _FULL = "sliding_attention", "full_attention"
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+_CONFIG = (
+    *layout.SIZE_KEYS,
+    ConfigKey("num_kv_heads", "num_key_value_heads", None, export="kv_heads"),
+    ConfigKey("attention_dropout", "attention_dropout", 0.0, to_ours=float),
+    ConfigKey("layernorm_eps", "rms_norm_eps", 1e-6),
+    ConfigKey("init_std", "initializer_range", 0.02),
+    ConfigKey("tie_embeddings", "tie_word_embeddings", True),
+    ConfigKey("query_pre_attn_scalar", "query_pre_attn_scalar", 256, to_ours=_optional_float),
+    ConfigKey("attn_logit_softcapping", "attn_logit_softcapping", 50.0, to_ours=_optional_float),
+    ConfigKey("final_logit_softcapping", "final_logit_softcapping", 30.0, to_ours=_optional_float),
+)
+
+
+def _layer_pattern(every: int, layers: int, window: int | None) -> list[str]:
+    """transformers' ``layer_types`` of ``full_attention_every`` (no window: all full)."""
+    if window is None:
+        return [_FULL] * layers
+    return [_FULL if every and (i + 1) % every == 0 else _SLIDING for i in range(layers)]
+
+
+def _window(hf: dict[str, Any], layers: int) -> dict[str, Any]:
+    """``sliding_window`` and ``full_attention_every`` of ``sliding_window`` and
+    ``layer_types`` (absent: sliding on layers 0, 2, 4..., as transformers fills it in); a
+    one-line error for a layer pattern that is not "all but each k-th"."""
+    window = layout.hf_value(hf, "sliding_window", (int, type(None)), 4096)
+    types = hf.get("layer_types") or _layer_pattern(2, layers, 1)
+    if not isinstance(types, list) or len(types) != layers or set(types) - {_SLIDING, _FULL}:
+        raise ValueError(
+            f"config.json layer_types: expected {layers} entries of {_SLIDING!r} or {_FULL!r}"
+        )
+    if window is None or _SLIDING not in types:
+        return dict(sliding_window=None, full_attention_every=0)
+    if window < 1:
+        raise ValueError(f"config.json sliding_window={window}: expected >= 1 (or null)")
+    for every in (0, *range(2, layers + 1)):
+        if _layer_pattern(every, layers, window) == types:
+            return dict(sliding_window=window, full_attention_every=every)
+    raise ValueError(
+        "config.json layer_types: only the window on every layer but each k-th is built "
+        f"(got {types[:6]}...)"
+    )
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig of a Gemma 2 ``config.json``; unsupported variants raise. Every value
+    read is type-checked and the result validated before it is returned."""
+    act = layout.hf_value(hf, "hidden_activation", str, "gelu_pytorch_tanh")
+    if layout.GELU_NAMES.get(act) != "gelu_tanh":
+        raise ValueError(f"hidden_activation {act!r} is not supported; use gelu_pytorch_tanh")
+    if layout.hf_value(hf, "attention_bias", bool, False):
+        raise ValueError("attention_bias=true is not supported; Gemma 2 has no biases")
+    if layout.hf_value(hf, "use_bidirectional_attention", (bool, type(None)), None):
+        raise ValueError("use_bidirectional_attention=true is not supported (causal only)")
+    values = layout.config_values(hf, _CONFIG)
+    if values["num_kv_heads"] is None:
+        values["num_kv_heads"] = values["num_heads"]
+    elif values["num_kv_heads"] < 1:
+        kv = values["num_kv_heads"]
+        raise ValueError(f"config.json num_key_value_heads={kv}: expected >= 1 (or null)")
+    cfg = ModelConfig(
+        arch="gemma",
+        **values,
+        **_window(hf, values["num_layers"]),
+        hidden_dropout=0.0,
+        norm="gemma_rmsnorm",
+        position_embedding="rotary",
+        activation="geglu",
+        qkv_bias=False,
+        linear_bias=False,
+        embedding_scale=True,
+        post_norms=True,
+        **_rope(hf),
+    )
+    head_dim = layout.hf_value(hf, "head_dim", (int, type(None)), None)
+    if head_dim is not None and head_dim * cfg.num_heads != cfg.hidden_size:
+        cfg = dataclasses.replace(cfg, attention_head_dim=head_dim)  # a width of its own
+    return layout.validated(cfg, (*_CONFIG, ConfigKey("attention_head_dim", "head_dim")))
+
+
+def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A ``config.json`` dict for ``cfg`` on top of ``base`` (the imported original, if any)."""
+    out = layout.config_json(cfg, _CONFIG, base, "gemma2", ARCHITECTURES)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    out.pop("rope_scaling", None)
+    out.update(
+        hidden_activation=out.get("hidden_activation", "gelu_pytorch_tanh"),
+        head_dim=cfg.head_dim,
+        attention_bias=False,
+        rope_theta=cfg.rope_theta,
+        rope_parameters=rope,
+        layer_types=_layer_pattern(cfg.full_attention_every, cfg.num_layers, cfg.sliding_window),
+    )
+    if cfg.sliding_window is not None:
+        out["sliding_window"] = cfg.sliding_window
+    return out
+
+
+def _grouped_query(kv_heads: int) -> Transform:
+    """q, k, v ↔ ``query`` as is and ``key_value`` with rows ``(kv_heads two d)``."""
+    return Transform(
+        lambda q, k, v: (q, layout.interleave_rows((k, v), kv_heads)),
+        lambda q, kv: (q, *layout.split_rows(kv, kv_heads, 2)),
+    )
+
+
+def _weights(cfg: ModelConfig) -> list[layout.Weights]:
+    """Every tensor's meshtron name ↔ HF name, with its layout change."""
+    ours, theirs = "layers.{i}", "model.layers.{i}"
+    norms = (
+        ("attention_norm", "input_layernorm"),
+        ("post_attention_norm", "post_attention_layernorm"),
+        ("mlp_norm", "pre_feedforward_layernorm"),
+        ("post_mlp_norm", "post_feedforward_layernorm"),
+    )
+    layer = [rename(f"{ours}.{a}.weight", f"{theirs}.{b}.weight") for a, b in norms]
+    layer += [
+        rename(f"{ours}.attention.dense.weight", f"{theirs}.self_attn.o_proj.weight"),
+        rename(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight"),
+    ]
+    qkv = [f"{theirs}.self_attn.{x}_proj" for x in "qkv"]
+    if cfg.kv_heads == cfg.num_heads:
+        fused, transform = [f"{ours}.attention.qkv"], layout.interleaved(cfg.num_heads, 3)
+    else:
+        fused = [f"{ours}.attention.query", f"{ours}.attention.key_value"]
+        transform = _grouped_query(cfg.kv_heads)
+    gate_up = [f"{theirs}.mlp.gate_proj", f"{theirs}.mlp.up_proj"]
+    return layout.weight_map(
+        cfg,
+        top=[
+            rename("embedding.word.weight", "model.embed_tokens.weight"),
+            rename("final_norm.weight", "model.norm.weight"),
+        ],
+        layer=layer,
+        head=rename("lm_head.weight", "lm_head.weight"),
+        fused=[
+            *weights(fused, qkv, transform, ("weight",)),
+            *weights(f"{ours}.mlp.fc1", gate_up, layout.interleaved(None, 2), ("weight",)),
+        ],
+    )
+
+
+def state_from_hf(
+    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """meshtron full state dict from an HF Gemma2ForCausalLM (or Gemma2Model) state dict."""
+    if "embed_tokens.weight" in hf:  # saved from Gemma2Model: no "model." prefix
+        hf = {f"model.{k}": v for k, v in hf.items()}
+    tied_copy = "lm_head.weight" if cfg.tie_embeddings else None
+    return layout.state_from_hf(
+        cfg,
+        _weights(cfg),
+        hf,
+        "Gemma2ForCausalLM",
+        lambda k: k == tied_copy or "rotary_emb" in k,
+        tp_group=tp_group,
+    )
+
+
+def state_to_hf(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`state_from_hf` (a tied head omitted, as save_pretrained does)."""
+    return layout.state_to_hf(_weights(cfg), ours)
