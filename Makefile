@@ -5,7 +5,7 @@ install:  ## CPU machines: the first line takes the CPU build of torch already o
 	python -m pip install -e ".[dev,hf]"
 
 test:
-	python -m pytest -q
+	python -m pytest -q -n 2 --dist loadfile
 
 lint:
 	ruff check .

@@ -174,7 +174,7 @@ COVERED = {
     "apt-get install -y -q dataset-fashion-mnist": "manual: installs packages (network); .ci/run does it",
     'python tools/generate.py --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --prompt "def " '
     '--prompt "import os" --max-new-tokens 40 --top-p 0.95': "tests/test_generate_tool.py::test_tool_at_tp2_prints_what_tp1_generates_in_process",
-    "python -m pytest -q": "manual: the whole suite (this test is part of it)",
+    "python -m pytest -q -n 2 --dist loadfile": "manual: the whole suite (this test is part of it)",
     'python -m pytest -q -m "not slow"': "manual: the quick subset of the suite (this test is part of it)",
     "python tools/convert_hf.py export --ckpt weights/ --out weights-hf/": "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
     'python tools/generate.py --hf-dir weights-hf/ --prompt "def " --max-new-tokens 24 --greedy': "tests/test_generate_tool.py::test_exports_carry_the_tokenizer_so_generation_needs_no_flag",
@@ -262,7 +262,7 @@ def test_install_quick_start_and_tests_come_first():
         "pip install torch==2.13.0",
         'pip install -e ".[dev,hf]"',
         "python -m engine.pretrain",
-        "python -m pytest -q",
+        "python -m pytest -q -n 2 --dist loadfile",
         'python -m pytest -q -m "not slow"',
     ]
     first_screen = "\n".join(README.splitlines()[:50])
