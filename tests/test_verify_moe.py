@@ -162,7 +162,7 @@ def test_planted_ep_bug_is_named_where_it_first_shows(runs, fault):
         (dict(dp_size=2, ep_size=2, experts=0), "ep_size=2 splits the experts of an MoE model"),
         (
             dict(dp_size=2, ep_size=2, model="gpt"),
-            "runs in --model llama .experts carry no biases; the gpt tiny",
+            "runs in --model llama or gemma .experts carry no biases; the gpt tiny",
         ),
         (dict(dp_size=2, ep_size=2, pp_size=2), "runs at pp_size=1 and cp_size=1"),
         (dict(ep_size=1, experts=0), "capacity_factor set the MoE layers of experts > 0"),
