@@ -172,7 +172,10 @@ def make_requests(codec, args: argparse.Namespace, positions: int) -> list[Work]
         new = rng.choice(args.max_tokens)
         n = min(rng.randint(lo, hi), positions - new)
         if n < 1:
-            raise ValueError(f"max_tokens {new} leaves no room for a prompt in {positions}")
+            raise ValueError(
+                f"--max-tokens {new} leaves no room for a prompt in the model's {positions} "
+                "positions: pass smaller --max-tokens"
+            )
         start = rng.randrange(0, len(ids) - n)
         out.append(Work(i, ids[start : start + n], new))
     return out
@@ -549,7 +552,11 @@ def run_all(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Run, print the table; 1 when a check failed."""
     args = parse_args(argv)
-    results = run_all(args)
+    try:
+        results = run_all(args)
+    except ValueError as err:  # a request mix the model cannot hold
+        print(f"bench_serve.py: error: {err}", file=sys.stderr)
+        return 2
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 1 if any(r["problems"] for r in results["runs"]) else 0
