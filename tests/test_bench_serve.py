@@ -60,3 +60,17 @@ def test_the_token_check_catches_a_wrong_and_a_missing_answer():
         "request 1: tokens differ from sequential",
         "request 2: no tokens",
     ]
+
+
+def test_the_default_mix_shrinks_to_the_models_positions_and_a_given_one_stays():
+    from studies.bench.serve import fit_mix, parse_args
+
+    args = parse_args([])
+    fit_mix(args, 256)
+    assert (args.max_tokens, args.prompt_tokens) == ([8, 16, 32, 64, 128], [8, 96])
+    args = parse_args([])
+    fit_mix(args, 128)  # the quick start's checkpoint
+    assert (args.max_tokens, args.prompt_tokens) == ([8, 16, 32, 64], [8, 64])
+    args = parse_args(["--max-tokens", "100", "--prompt-tokens", "3", "5"])
+    fit_mix(args, 128)
+    assert (args.max_tokens, args.prompt_tokens) == ([100], [3, 5])

@@ -80,21 +80,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prompt-tokens",
         type=positive_int,
         nargs=2,
-        default=[8, 96],
         metavar=("MIN", "MAX"),
-        help="prompt lengths, uniform in MIN..MAX tokens",
+        help="prompt lengths, uniform in MIN..MAX tokens (default 8 96, the MAX lowered to "
+        "fit the model's positions with the longest max_tokens)",
     )
     p.add_argument(
         "--max-tokens",
         type=positive_int,
         nargs="+",
-        default=[8, 16, 32, 64, 128],
-        help="each request's max_tokens is one of these, uniformly",
+        help="each request's max_tokens is one of these, uniformly (default 8 16 32 64 128, "
+        "those over half the model's positions left out)",
     )
     p.add_argument("--seed", type=int, default=0, help="of the request mix")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads, each process")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--token-budget", type=positive_int, default=256, help="tokens fed per step")
+    p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="run the in-process batched rows in turn this many times; report each one's "
+        "median round",
+    )
     p.add_argument("--skip-http", action="store_true", help="no server: the engine rows only")
     built = p.add_argument_group("the model built when there is no checkpoint")
     built.add_argument("--hidden", type=positive_int, default=128)
@@ -105,10 +112,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     built.add_argument("--keep-model", help="build the model into this folder (kept)")
     p.add_argument("--json", help="write the results and every check here")
     args = p.parse_args(argv)
-    lo, hi = args.prompt_tokens
-    if lo > hi:
-        p.error(f"--prompt-tokens: MIN {lo} > MAX {hi}")
+    if args.prompt_tokens and args.prompt_tokens[0] > args.prompt_tokens[1]:
+        p.error(f"--prompt-tokens: MIN {args.prompt_tokens[0]} > MAX {args.prompt_tokens[1]}")
     return args
+
+
+def fit_mix(args: argparse.Namespace, positions: int) -> None:
+    """Fill in the request mix left at its defaults, within the model's ``positions``."""
+    if args.max_tokens is None:
+        args.max_tokens = [n for n in (8, 16, 32, 64, 128) if 2 * n <= positions] or [1]
+    if args.prompt_tokens is None:
+        hi = min(96, positions - max(args.max_tokens))
+        args.prompt_tokens = [min(8, hi), hi]
 
 
 # --- the model and the requests -------------------------------------------------------
@@ -194,6 +209,7 @@ class Run:
     ttft: list[float] = field(default_factory=list)
     tokens: dict[int, list[int]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)  # every round's, when alternated
 
     @property
     def rate(self) -> float:
@@ -349,7 +365,7 @@ def stop_server(proc) -> None:
         proc.wait()
 
 
-async def _client(http, url, model, work, queue, answers, ttft, problems):
+async def _client(http, url, model, queue, answers, ttft, problems):
     """One client: take the next request, stream its answer, until the list is empty."""
     while queue:
         w = queue.pop()
@@ -388,17 +404,14 @@ async def _load(url: str, work: list[Work], clients: int):
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
         # Warm up: one request of the list, not counted (it is asked again below).
-        await _client(http, url, model, work, [work[0]], {}, [], [])
+        await _client(http, url, model, [work[0]], {}, [], [])
         queue = list(reversed(work))
         answers: dict[int, list] = {}
         ttft: list[float] = []
         problems: list[str] = []
         start = time.perf_counter()
         await asyncio.gather(
-            *(
-                _client(http, url, model, work, queue, answers, ttft, problems)
-                for _ in range(clients)
-            )
+            *(_client(http, url, model, queue, answers, ttft, problems) for _ in range(clients))
         )
         wall = time.perf_counter() - start
     return answers, ttft, problems, wall
@@ -434,6 +447,31 @@ def http_load(model_dir: str, args, work: list[Work], codec, reference: Run) -> 
 
 
 # --- the report ---------------------------------------------------------------------------
+
+
+def alternate(model, cache, args, work: list[Work], reference: Run) -> list[Run]:
+    """The three batched in-process runs, in turn, ``--rounds`` times (so a shared machine's
+    load drifts over all three alike); each one's median round by wall time, its tokens
+    checked in every round and its round walls kept."""
+    ways = (
+        lambda: continuous_engine(model, cache, args, work),
+        lambda: static_engine(model, cache, args, work),
+        lambda: static_generate(model, args, work),
+    )
+    rounds: list[list[Run]] = [[] for _ in ways]
+    for i in range(args.rounds):
+        for way, done in zip(ways, rounds, strict=True):
+            run = way()
+            check(run, work, reference)
+            done.append(run)
+            print(f"done: {run.name}, round {i + 1}: {run.wall:.2f} s", flush=True)
+    chosen = []
+    for done in rounds:
+        median = sorted(done, key=lambda r: r.wall)[len(done) // 2]
+        median.walls = [r.wall for r in done]
+        median.problems = [p for r in done for p in r.problems]
+        chosen.append(median)
+    return chosen
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -476,6 +514,7 @@ def run_all(args: argparse.Namespace) -> dict:
 
     from apps.serve import build
     from apps.serve import parse_args as serve_args
+    from engine.inference import ModelSource
 
     torch.set_num_threads(args.threads)
     ckpt = args.ckpt or (str(QUICK_START) if QUICK_START.exists() else None)
@@ -486,6 +525,7 @@ def run_all(args: argparse.Namespace) -> dict:
             origin = f"a random GPT (init std 0.2) built into {folder}"
         else:
             origin = ckpt
+        fit_mix(args, ModelSource(ckpt).config().max_positions)
         cache_tokens = args.batch * (args.prompt_tokens[1] + max(args.max_tokens) + args.block_size)
         app, _ = build(serve_args([
             "--ckpt", ckpt, "--max-running", str(args.batch), "--block-size",
@@ -517,16 +557,17 @@ def run_all(args: argparse.Namespace) -> dict:
         if not args.skip_http:
             runs.append(http_load(ckpt, args, work, codec, reference))
             print(f"done: {runs[-1].name}", flush=True)
-        for fn in (continuous_engine, static_engine):
-            runs.append(fn(model, cache, args, work))
-            print(f"done: {runs[-1].name}", flush=True)
-        runs.append(static_generate(model, args, work))
+        runs += alternate(model, cache, args, work, reference)
         runs.append(reference)
     for r in runs:
-        check(r, work, reference)
+        if not r.walls:  # the alternated runs checked every round already
+            check(r, work, reference)
     static = next(r for r in runs if r.name.startswith("engine, static"))
     print()
     print(table(runs, static))
+    for r in runs:
+        if len(r.walls) > 1:
+            print(f"{r.name}: wall per round " + ", ".join(f"{w:.2f}" for w in r.walls) + " s")
     for r in runs:
         for line in r.problems[:10]:
             print(f"{r.name}: {line}")
@@ -542,6 +583,7 @@ def run_all(args: argparse.Namespace) -> dict:
                 "tokens_per_s": r.rate,
                 "ttft_p50_s": _pct(r.ttft, 0.5),
                 "ttft_p99_s": _pct(r.ttft, 0.99),
+                "round_walls_s": r.walls,
                 "problems": r.problems,
             }
             for r in runs
