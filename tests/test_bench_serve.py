@@ -16,9 +16,26 @@ import pytest
 from studies.bench.serve import main
 
 TINY = [
-    "--clients", "4", "--requests", "8", "--batch", "4", "--hidden", "32", "--vocab", "300",
-    "--positions", "128", "--prompt-tokens", "4", "24", "--max-tokens", "4", "8", "16",
-]  # fmt: skip
+    "--clients",
+    "4",
+    "--requests",
+    "8",
+    "--batch",
+    "4",
+    "--hidden",
+    "32",
+    "--vocab",
+    "300",
+    "--positions",
+    "128",
+    "--prompt-tokens",
+    "4",
+    "24",
+    "--max-tokens",
+    "4",
+    "8",
+    "16",
+]
 
 
 @pytest.mark.slow  # a server subprocess and a tokenizer trained on the corpus: ~15 s

@@ -344,10 +344,22 @@ def start_server(model_dir: str, args: argparse.Namespace, waiting: int):
     """``python -m apps.serve`` on a free port: (the process, its base URL)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT))
     cmd = [
-        sys.executable, "-m", "apps.serve", "--ckpt", model_dir, "--port", "0",
-        "--max-running", str(args.batch), "--max-waiting", str(waiting),
-        "--block-size", str(args.block_size), "--token-budget", str(args.token_budget),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "apps.serve",
+        "--ckpt",
+        model_dir,
+        "--port",
+        "0",
+        "--max-running",
+        str(args.batch),
+        "--max-waiting",
+        str(waiting),
+        "--block-size",
+        str(args.block_size),
+        "--token-budget",
+        str(args.token_budget),
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.startswith("serving "):
@@ -370,9 +382,13 @@ async def _client(http, url, model, queue, answers, ttft, problems):
     while queue:
         w = queue.pop()
         body = {
-            "model": model, "prompt": w.prompt, "max_tokens": w.max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True,
-        }  # fmt: skip
+            "model": model,
+            "prompt": w.prompt,
+            "max_tokens": w.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         sent = time.perf_counter()
         first, text, ids, finish = None, [], set(), None
         async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
@@ -527,10 +543,20 @@ def run_all(args: argparse.Namespace) -> dict:
             origin = ckpt
         fit_mix(args, ModelSource(ckpt).config().max_positions)
         cache_tokens = args.batch * (args.prompt_tokens[1] + max(args.max_tokens) + args.block_size)
-        app, _ = build(serve_args([
-            "--ckpt", ckpt, "--max-running", str(args.batch), "--block-size",
-            str(args.block_size), "--cache-tokens", str(cache_tokens),
-        ]))  # fmt: skip
+        app, _ = build(
+            serve_args(
+                [
+                    "--ckpt",
+                    ckpt,
+                    "--max-running",
+                    str(args.batch),
+                    "--block-size",
+                    str(args.block_size),
+                    "--cache-tokens",
+                    str(cache_tokens),
+                ]
+            )
+        )
         server = app.state.server
         model, cache, codec = server.engine.model, server.engine.cache, server.codec
         cfg = model.cfg
