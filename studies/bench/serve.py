@@ -19,6 +19,9 @@ One run, one model, one request list, four ways (each checked against the first)
    contiguous KV cache, no paged gathers): static batching on tools/generate.py's path.
 
 For 3 to 5 time to first token counts from t0, when every request is already queued.
+``--rounds N`` runs 3 to 5 in turn N times and reports each one's median round: the load
+of a shared machine drifts over minutes, so rows measured one after the other differ by
+more than the schedulers do.
 Throughput is generated tokens (the sum of the requests' ``max_tokens``: end of sequence
 is ignored) ÷ wall time. tools/bench_generate.py builds no transformers reference, so
 there is no transformers ``generate`` row.
