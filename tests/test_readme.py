@@ -211,6 +211,11 @@ COVERED = {
     "python tools/validate_perfmodel.py machine --cluster configs/cluster/cpu_2core.yaml": "tests/test_perfmodel.py::test_ci_sized_validation_pipeline_runs_here",
     "python tools/validate_perfmodel.py published": "tests/test_perfmodel.py::test_published_megatron_rows_within_15_percent",
     "python tools/validate_perfmodel.py dp-plots --out docs": "manual: rewrites docs/perfmodel_*.png with matplotlib; no test compares the plots",
+    "python tools/bench_serve.py": "manual: the 4-minute benchmark of docs/BENCHMARKS.md; the same path at a tiny size in test_every_request_answered_once_with_the_sequential_tokens",
+    "python tools/bench_serve.py --ckpt checkpoints/gpt_tiny_stdlib --clients 32 "
+    "--requests 256": "manual: needs the quick start's checkpoint; the same path on a built model in test_every_request_answered_once_with_the_sequential_tokens",
+    "python tools/bench_serve.py --clients 4 --requests 8 --batch 4 --hidden 32 --vocab 300 "
+    "--positions 128 --prompt-tokens 4 24 --max-tokens 4 8 16": "tests/test_bench_serve.py::test_every_request_answered_once_with_the_sequential_tokens",
 }
 
 
