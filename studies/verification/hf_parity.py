@@ -63,7 +63,7 @@ def _offset_rmsnorm_at_input_precision(self, hidden_states: torch.Tensor) -> tor
     return normed * (1.0 + self.weight)
 
 
-def _keep_norms_in_float64(model: torch.nn.Module, norm: str) -> int:
+def _keep_norms_in_float64(model: torch.nn.Module, norm: str = "rmsnorm") -> int:
     """Patch the RMSNorm modules of a float64 reference (see ``_RMSNORMS``) with the
     formula of meshtron's ``norm`` (the config's: scaled by the weight, or by 1 + it where
     its class's ``scale_offset`` says so); returns how many."""
