@@ -49,3 +49,12 @@ def resolve_tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | 
 def solo_group(rank: int, world_size: int) -> dist.ProcessGroup:
     """A group holding only ``rank`` (every rank of the world must call this together)."""
     return [dist.new_group([r]) for r in range(world_size)][rank]
+
+
+def side_group(world_size: int) -> dist.ProcessGroup | None:
+    """A gloo group of every rank for collectives on a thread beside training's (a
+    background checkpoint writer), so the two never interleave on one group; None for a
+    lone process. Every rank must call this together."""
+    if world_size == 1 or not dist.is_initialized():
+        return None
+    return dist.new_group(list(range(world_size)), backend="gloo")
