@@ -72,6 +72,9 @@ class RunCheckpoints:
         tensors, what a bitwise resume needs: the data loader's and loss scaler's states
         (RNG states go with each rank), the config and the tokenizer record."""
         start = time.perf_counter()
+        # One save in flight (and one host copy of the state): the previous one first.
+        self.wait()
+        waited = time.perf_counter() - start
         state = {
             "data": data,
             "loss_scaler": loss_scaler,
@@ -94,11 +97,9 @@ class RunCheckpoints:
             self.saved_step = step
             self.say(f"saved checkpoint {path} in {time.perf_counter() - start:.2f} s")
             return
-        staged = time.perf_counter() - start
-        self.wait()  # one save in flight: the previous one is written first
         self.background.submit(step, stage)
         self.saved_step = step
-        self._staged = (step, staged, time.perf_counter() - start)
+        self._staged = (time.perf_counter() - start - waited, waited)
 
     def wait(self) -> None:
         """Wait for the background save in flight, if any, and say it was saved; raises
@@ -106,10 +107,11 @@ class RunCheckpoints:
         if self.background is None or not self.background.in_flight:
             return
         path, seconds = self.background.wait()
-        step, staged, stalled = self._staged
+        staged, waited = self._staged
         self.say(
             f"saved checkpoint {path} in the background ({seconds:.2f} s writing; training "
-            f"paused {stalled:.2f} s, {staged:.2f} s of it copying)"
+            f"paused {staged:.2f} s to stage it"
+            + (f", {waited:.2f} s for the save before it)" if waited >= 0.005 else ")")
         )
 
     def __enter__(self) -> RunCheckpoints:
