@@ -62,7 +62,7 @@ class RunCheckpoints:
         # Recorded in every checkpoint (path and SHA-256) so that generation and evaluation
         # find the tokenizer and notice if the file there is replaced.
         self.tokenizer = tokenizer_record(cfg.data.tokenizer) if ps.rank == 0 else None
-        self.background, self._group = None, None
+        self.background, self._group, self._buffers = None, None, {}
         if getattr(cfg.checkpoint, "async_save", False):
             self.background = BackgroundSaver(log=lambda msg: self.say(msg, markup=False))
             self._group = side_group(ps.world_size)  # the writer's agreements' own group
@@ -91,6 +91,7 @@ class RunCheckpoints:
             keep=self.cfg.checkpoint.keep,
             copy=self.background is not None,
             group=self._group,
+            buffers=self._buffers,
         )
         if self.background is None:
             path = stage(lambda msg: self.say(msg, markup=False))

@@ -9,9 +9,11 @@ saves every ``--every`` steps, in rounds of each side in turn:
 - ``dcp_async``: ``torch.distributed.checkpoint.async_save`` of the model and optimizer
   tensors by name (no process group), the previous one's future awaited first.
 
-The stall of a save is the time of the step that saved (train step + save call) less the
-median step without a save; ``excess`` also adds what the steps after it lost while the
-write ran beside them (each step's time above that median until the next save). Medians
+The stall of a save is the time its call held the training loop (for the asynchronous
+sides: waiting for the previous save, staging, starting the write); ``excess`` is what
+the step that saved and the steps after it, until the next save, took above the median
+step without a save (the stall plus what the write running beside them cost them: on a
+busy shared CPU mostly noise). Medians
 over the saves; the ratios to ``sync`` are printed.
 
     python -m studies.bench.async_checkpoint --preset gpt_tiny --hidden 512 --layers 8
@@ -63,7 +65,7 @@ class Side:
 
     def __init__(self, kind: str, root: Path, model, optimizer) -> None:
         self.kind, self.root, self.model, self.optimizer = kind, root, model, optimizer
-        self.saver, self.future = BackgroundSaver(), None
+        self.saver, self.future, self.buffers = BackgroundSaver(), None, {}
 
     def save(self, step: int) -> None:
         kw = dict(model=self.model, optimizer=self.optimizer, ps=None, state={}, keep=2)
@@ -71,7 +73,9 @@ class Side:
             save_checkpoint(self.root, step, **kw)
         elif self.kind == "async":
             self.saver.wait()  # one in flight, as RunCheckpoints.save does
-            self.saver.submit(step, stage_checkpoint(self.root, step, copy=True, **kw))
+            self.saver.submit(
+                step, stage_checkpoint(self.root, step, copy=True, buffers=self.buffers, **kw)
+            )
         else:
             import torch.distributed.checkpoint as dcp
 
@@ -101,7 +105,7 @@ def run_side(kind: str, cfg, args, root: Path, tokens: torch.Tensor) -> dict:
     model = build_model(cfg)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-4), torch.device("cpu"))
     side = Side(kind, root, model, optimizer)
-    times, saved_at = [], []
+    times, saved_at, calls = [], [], []
     steps = args.every * (args.saves + 1)
     for step in range(1, steps + 1):
         start = time.perf_counter()
@@ -110,19 +114,20 @@ def run_side(kind: str, cfg, args, root: Path, tokens: torch.Tensor) -> dict:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % args.every == 0 and step < steps:
+            call = time.perf_counter()
             side.save(step)
+            calls.append(time.perf_counter() - call)
             saved_at.append(len(times))
         times.append(time.perf_counter() - start)
     side.drain()
     shutil.rmtree(root, ignore_errors=True)
     saving = set(saved_at)
     plain = statistics.median(t for i, t in enumerate(times) if i not in saving and i > 0)
-    stalls, excess = [], []
+    excess = []
     for i in saved_at:
-        stalls.append(times[i] - plain)
         window = times[i : i + args.every]  # the save's step and the steps until the next
         excess.append(sum(t - plain for t in window))
-    return {"step_s": plain, "stall_s": stalls, "excess_s": excess}
+    return {"step_s": plain, "stall_s": calls, "excess_s": excess}
 
 
 def main(argv: list[str] | None = None) -> int:
