@@ -117,6 +117,7 @@ class CheckpointConfig:
     every: int = 50  # resumable checkpoint every N steps and at the end; 0: none
     keep: int = 2  # resumable checkpoints kept (the newest)
     resume: bool = True  # continue from <dir>/latest when it exists
+    async_save: bool = False  # write saves in the background once copied to host memory
 
 
 @dataclass

@@ -264,7 +264,7 @@ class Trainer:
             self.logger.print(f"[yellow]{label}:[/yellow] {escape(self.data.valid_note)}")
         # Handlers stay installed to the end: a stop signal after the last step lets the
         # (nearly done) run finish instead of killing it mid-save.
-        with StopRequests(self.device, announce=self.ps.rank == 0) as stop:
+        with StopRequests(self.device, announce=self.ps.rank == 0) as stop, self.checkpoints:
             if self._train_loop(stop):
                 return self._stop_now(stop)
             return self._finish()

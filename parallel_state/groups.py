@@ -60,3 +60,12 @@ def same_ranks_group(
     that may wait far longer than a collective should); every rank of the world must call
     this together."""
     return dist.new_group(dist.get_process_group_ranks(group), backend=backend, timeout=timeout)
+
+
+def side_group(world_size: int) -> dist.ProcessGroup | None:
+    """A gloo group of every rank for collectives on a thread beside training's (a
+    background checkpoint writer), so the two never interleave on one group; None for a
+    lone process. Every rank must call this together."""
+    if world_size == 1 or not dist.is_initialized():
+        return None
+    return dist.new_group(list(range(world_size)), backend="gloo")

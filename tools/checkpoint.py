@@ -3,6 +3,8 @@
     python tools/checkpoint.py inspect checkpoints/gpt_tiny_stdlib
     python tools/checkpoint.py convert checkpoints/gpt_tiny_stdlib --tp-size 4 --dp-size 1 --out checkpoints/gpt_tiny_tp4
     python tools/checkpoint.py export-model checkpoints/gpt_tiny_stdlib --out checkpoints/gpt_tiny_weights
+    python tools/checkpoint.py export-dcp checkpoints/gpt_tiny_stdlib checkpoints/gpt_tiny_dcp
+    python tools/checkpoint.py import-dcp checkpoints/gpt_tiny_dcp checkpoints/gpt_tiny_back
 
 CKPT is a step directory (``.../step_00000150``) or a checkpoint root, which means the
 step its ``latest`` names. ``inspect`` verifies every file's size and SHA-256 unless
@@ -12,7 +14,12 @@ converts of the same source run wrote at the same layout with older steps only; 
 holding any other ``step_*`` or ``latest`` (another run's), or one inside the source run's
 root, is refused, so convert never replaces a step nor moves a ``latest`` backwards; ``export-model`` writes the weights alone in the format
 ``tools/convert_hf.py export --ckpt`` and ``engine.checkpoint.format.load_model`` read, with
-a copy of the tokenizer the checkpoint records (``tokenizer.json``).
+a copy of the tokenizer the checkpoint records (``tokenizer.json``). ``export-dcp`` writes
+the weights, Adam moments and steps as a PyTorch Distributed Checkpoint directory
+(``torch.distributed.checkpoint.load`` reads it; names in docs/CHECKPOINTS.md) and
+``import-dcp`` turns one into a checkpoint root (tp=1 dp=1) a run resumes from with
+``checkpoint.dir=OUT``; a DCP directory meshtron did not write needs ``--like`` (a training
+checkpoint or a model-only export) for the model config and trainer state.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from engine.checkpoint.convert import (  # noqa: E402
     resolve,
     summarize,
 )
+from engine.checkpoint.dcp import export_dcp, import_dcp  # noqa: E402
 from engine.checkpoint.tensorfile import HASHES  # noqa: E402
 from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.tool_args import ArgumentParser  # noqa: E402
@@ -53,6 +61,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     exp = sub.add_parser("export-model", help="the model weights alone (checkpoint/format)")
     exp.add_argument("ckpt", help="step directory or checkpoint root")
     exp.add_argument("--out", required=True, help="model checkpoint directory to write")
+    edc = sub.add_parser("export-dcp", help="write as a torch.distributed.checkpoint directory")
+    edc.add_argument("ckpt", help="step directory or checkpoint root")
+    edc.add_argument("out", help="DCP directory to write (new or empty)")
+    idc = sub.add_parser("import-dcp", help="a torch.distributed.checkpoint directory as a root")
+    idc.add_argument("dcp", help="DCP directory (export-dcp's, or torch's dcp.save of our names)")
+    idc.add_argument("out", help="checkpoint root to write (new or empty)")
+    idc.add_argument(
+        "--like", help="training checkpoint or model-only export giving the model config"
+    )
     return parser.parse_args(argv)
 
 
@@ -130,6 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"wrote {out} for tp={args.tp_size} dp={args.dp_size}; resume with "
                 f"checkpoint.dir={args.out} tp_size={args.tp_size} dp_size={args.dp_size}"
             )
+            return 0
+        if args.command == "export-dcp":
+            step = export_dcp(args.ckpt, args.out)
+            print(f"exported step {step} to {args.out} (torch.distributed.checkpoint)")
+            return 0
+        if args.command == "import-dcp":
+            path = import_dcp(args.dcp, args.out, like=args.like)
+            print(f"imported {args.dcp} as {path}; resume with checkpoint.dir={args.out}")
             return 0
         cfg = export_model(args.ckpt, args.out)
         print(f"exported the {cfg.arch} weights to {args.out} ({_tokenizer_note(args.out)})")

@@ -12,11 +12,13 @@ from dataclasses import asdict
 
 from torch import nn
 
+from engine.checkpoint.background import BackgroundSaver
 from engine.checkpoint.format import save_model
-from engine.checkpoint.manager import Loaded, checkpoint_dir, load_checkpoint, save_checkpoint
+from engine.checkpoint.manager import Loaded, checkpoint_dir, load_checkpoint, stage_checkpoint
 from engine.checkpoint.tokenizer import tokenizer_record
 from engine.data_parallel import DataParallel
 from parallel_state import ParallelState
+from parallel_state.groups import side_group
 
 
 def tensorboard_dir(cfg) -> str | None:
@@ -39,7 +41,11 @@ def reshard_note(was: dict, ps: ParallelState) -> str:
 
 class RunCheckpoints:
     """Checkpoints of ``model`` and ``optimizer`` in the directory of run ``cfg``; every
-    rank calls each method together. ``say(line, markup)`` prints a console line."""
+    rank calls each method together. ``say(line, markup)`` prints a console line.
+
+    With ``checkpoint.async_save`` a save returns once staged (copied to host memory) and
+    is written in the background (``engine.checkpoint.background``); the run uses this as
+    a context manager, whose exit waits for the save in flight."""
 
     def __init__(
         self,
@@ -56,19 +62,26 @@ class RunCheckpoints:
         # Recorded in every checkpoint (path and SHA-256) so that generation and evaluation
         # find the tokenizer and notice if the file there is replaced.
         self.tokenizer = tokenizer_record(cfg.data.tokenizer) if ps.rank == 0 else None
+        self.background, self._group, self._buffers = None, None, {}
+        if getattr(cfg.checkpoint, "async_save", False):
+            self.background = BackgroundSaver(log=lambda msg: self.say(msg, markup=False))
+            self._group = side_group(ps.world_size)  # the writer's agreements' own group
 
     def save(self, step: int, *, data: dict, loss_scaler: dict | None) -> None:
         """A resumable checkpoint of ``step``, pruned to ``checkpoint.keep``. Beside the
         tensors, what a bitwise resume needs: the data loader's and loss scaler's states
         (RNG states go with each rank), the config and the tokenizer record."""
         start = time.perf_counter()
+        # One save in flight (and one host copy of the state): the previous one first.
+        self.wait()
+        waited = time.perf_counter() - start
         state = {
             "data": data,
             "loss_scaler": loss_scaler,
             "config": asdict(self.cfg),
             "tokenizer": self.tokenizer,
         }
-        path = save_checkpoint(
+        stage = stage_checkpoint(
             self.directory,
             step,
             model=self.model,
@@ -76,10 +89,38 @@ class RunCheckpoints:
             ps=self.ps,
             state=state,
             keep=self.cfg.checkpoint.keep,
-            log=lambda msg: self.say(msg, markup=False),
+            copy=self.background is not None,
+            group=self._group,
+            buffers=self._buffers,
         )
+        if self.background is None:
+            path = stage(lambda msg: self.say(msg, markup=False))
+            self.saved_step = step
+            self.say(f"saved checkpoint {path} in {time.perf_counter() - start:.2f} s")
+            return
+        self.background.submit(step, stage)
         self.saved_step = step
-        self.say(f"saved checkpoint {path} in {time.perf_counter() - start:.2f} s")
+        self._staged = (time.perf_counter() - start - waited, waited)
+
+    def wait(self) -> None:
+        """Wait for the background save in flight, if any, and say it was saved; raises
+        CheckpointError (on every rank) if it failed."""
+        if self.background is None or not self.background.in_flight:
+            return
+        path, seconds = self.background.wait()
+        staged, waited = self._staged
+        self.say(
+            f"saved checkpoint {path} in the background ({seconds:.2f} s writing; training "
+            f"paused {staged:.2f} s to stage it"
+            + (f", {waited:.2f} s for the save before it)" if waited >= 0.005 else ")")
+        )
+
+    def __enter__(self) -> RunCheckpoints:
+        return self
+
+    def __exit__(self, kind, *rest) -> None:
+        if kind is None:  # a failing run does not wait: an unfinished save is never loaded
+            self.wait()
 
     def load(self) -> tuple[Loaded, str] | None:
         """The newest usable checkpoint loaded into the model and optimizer (resharded if
@@ -104,6 +145,7 @@ class RunCheckpoints:
 
     def export(self) -> str:
         """The model's weights alone (for inference and conversion) in ``<dir>/final``."""
+        self.wait()  # the last resumable save's line comes first, in the run log too
         directory = os.path.join(self.directory, "final")
         save_model(self.model, directory, tokenizer=self.cfg.data.tokenizer)
         self.say(f"saved the final model to {directory}")
