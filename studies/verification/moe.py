@@ -21,7 +21,7 @@ Compared, in model order (each MoE layer's rows where its router runs):
   all-to-all; the rows are put back in that order from the routing counts.
 * every other module's output (the MoE layer's own: after the combine all-to-all and the
   inverse permutation), the loss and the summed router loss, and every gradient, the
-  experts' gathered over the ``expert`` group to ``[E, ...]``.
+  experts' gathered over the ``expert`` group to ``[E, ...]`` (by ``full_grad_dict``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from engine.models.base import ParallelLMHead
 from engine.runner import LocalRunner
 from layers.mappings import gather_along
 from layers.moe import GroupedExperts, MoEMLP, moe_losses
-from layers.param_roles import expert_split
 from layers.router import TopKRouter
 from studies.verification.dp_step import TargetStep
 from studies.verification.outputs import OutputCapture, Row, compare
@@ -297,16 +296,6 @@ def _capture_rows(target: MoECapture, reference: MoECapture | None, spec, ps, to
     return rows, notes
 
 
-def full_grads(model: nn.Module, ps) -> dict[str, torch.Tensor]:
-    """Every gradient at full shape: over TP (``full_grad_dict``), the experts' over the
-    ``expert`` group along dim 0 (collective)."""
-    grads = model.full_grad_dict()
-    for name, p in model.named_parameters():
-        if expert_split(p) > 1:
-            grads[name] = gather_along(grads[name], 0, ps.group("expert"))
-    return grads
-
-
 def moe_train_and_compare(spec, target, reference, batch, local, ps):
     """Train ``spec.steps`` steps of the target (this rank's DP slice ``local``) and of the
     reference (the global ``batch``, slice by slice); (rows, notes) on rank 0."""
@@ -351,7 +340,7 @@ def moe_train_and_compare(spec, target, reference, batch, local, ps):
             rows.append(compare("loss", f"loss (step {n})", loss, ref_loss, tol))
             rows.append(compare("loss", f"router loss (step {n})", router, ref_router, tol))
         if n == 0 and spec.dp_shard != "optimizer":  # ZeRO-1 keeps them in its buckets
-            got = full_grads(target, ps)
+            got = target.full_grad_dict()  # over TP, and the experts over ep (collective)
             if reference is not None:
                 want = reference.full_grad_dict()
                 rows += [compare("grad", k, got[k], want[k], tol) for k in reversed(got)]
