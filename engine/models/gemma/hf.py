@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
-from engine.models.hf_layout import ConfigKey, Transform, rename, weights
-from engine.models.llama.hf import _rope
+from engine.models.hf_layout import ConfigKey, rename, weights
+from engine.models.llama.hf import _grouped_query, _rope  # the same q, k, v layout and RoPE keys
 
 ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM"}
 _SLIDING, _FULL = "sliding_attention", "full_attention"
@@ -130,14 +130,6 @@ def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[s
     if cfg.sliding_window is not None:
         out["sliding_window"] = cfg.sliding_window
     return out
-
-
-def _grouped_query(kv_heads: int) -> Transform:
-    """q, k, v ↔ ``query`` as is and ``key_value`` with rows ``(kv_heads two d)``."""
-    return Transform(
-        lambda q, k, v: (q, layout.interleave_rows((k, v), kv_heads)),
-        lambda q, kv: (q, *layout.split_rows(kv, kv_heads, 2)),
-    )
 
 
 def _weights(cfg: ModelConfig) -> list[layout.Weights]:
