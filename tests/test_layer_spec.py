@@ -107,7 +107,10 @@ def test_unknown_names_are_one_line_errors_naming_the_value_and_the_known_names(
     assert str(bad_layer.value) == "unknown attention 'ring'; known: ['standard']"
     with pytest.raises(ValueError) as bad_spec:
         spec_for(ModelConfig(norm="batchnorm"))
-    assert str(bad_spec.value) == "unknown norm 'batchnorm'; known: ['gemma_rmsnorm', 'layernorm', 'rmsnorm']"
+    assert (
+        str(bad_spec.value)
+        == "unknown norm 'batchnorm'; known: ['gemma_rmsnorm', 'layernorm', 'rmsnorm']"
+    )
 
 
 @pytest.mark.parametrize("norm, norm_class", [("layernorm", LayerNorm), ("rmsnorm", RMSNorm)])
