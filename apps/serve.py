@@ -243,7 +243,10 @@ def serve_rank(args: argparse.Namespace, launched: bool = False) -> int:
 
 def _stopped(line: str, launched: bool) -> None:
     """Say that this rank stopped cleanly; exit 0 now when :func:`_launch` started it."""
-    print(line, file=sys.stderr, flush=True)
+    # one write of the whole line: the ranks share the terminal, and print's separate
+    # write of the newline let another rank's line land in between
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
     if launched:
         sys.stdout.flush()
         os._exit(0)
