@@ -247,8 +247,20 @@ def _reshard_modes(cfgs: dict) -> dict:
     saver = trainer(cfgs["save"])
     saver.fit()
     saved = {3: (saver.model.full_state_dict(), _gathered_moments(saver))}
+    names = ("tp1_dp4_none", "tp4_dp1_optimizer", "tp1_dp4_gradients", "tp2_dp2_none", "back")
+    out = resumes_against_saved(trainer, cfgs, names, saved, saves_step_5="tp2_dp2_none")
+    parallel_state.destroy()
+    return out
+
+
+def resumes_against_saved(trainer, cfgs, names, saved, *, saves_step_5: str) -> dict:
+    """Each named run resumed from its checkpoint: whether its parameters and gathered Adam
+    moments equal (torch.equal) what was saved at its step, and its training history;
+    ``saves_step_5`` is the run whose step-5 save the later resumes read."""
+    from tests.test_checkpoint import _gathered_moments
+
     out = {}
-    for name in ("tp1_dp4_none", "tp4_dp1_optimizer", "tp1_dp4_gradients", "tp2_dp2_none", "back"):
+    for name in names:
         t = trainer(cfgs[name])
         params, moments = t.model.full_state_dict(), _gathered_moments(t)
         want_params, want_moments = saved[t.step]
@@ -261,9 +273,8 @@ def _reshard_modes(cfgs: dict) -> dict:
             and all(torch.equal(moments[k], want_moments[k]) for k in moments),
             "history": t.fit()["history"],
         }
-        if name == "tp2_dp2_none":  # it saved step 5: the reverse resume reads that
+        if name == saves_step_5:  # it saved step 5: the reverse resume reads that
             saved[5] = (t.model.full_state_dict(), _gathered_moments(t))
-    parallel_state.destroy()
     return out
 
 

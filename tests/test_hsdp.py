@@ -12,7 +12,7 @@ import parallel_state
 from layers.utils import dp_sharded, local_part
 from parallel_state.dims import ParallelDims
 from tests.multiproc import run_ranks
-from tests.test_fsdp import CFG, _reference, _rel, _train, _unsplit
+from tests.test_fsdp import CFG, _reference, _rel, _train, _unsplit, resumes_against_saved
 
 R, DP = 2, 4  # 2 replicas of 2 shards
 
@@ -151,21 +151,7 @@ def _hybrid_checkpoints(cfgs: dict) -> dict:
     saver.fit()
     saved = {3: (saver.model.full_state_dict(), _gathered_moments(saver))}
     out = {"saver": {"mode": type(saver.dp).__name__, "mesh": tuple(saver.dp.mesh.shape)}}
-    for name in ("none", "back"):
-        t = trainer(cfgs[name])
-        params, moments = t.model.full_state_dict(), _gathered_moments(t)
-        want_params, want_moments = saved[t.step]
-        out[name] = {
-            "step": t.step,
-            "mode": type(t.dp).__name__,
-            "params_equal": params.keys() == want_params.keys()
-            and all(torch.equal(params[k], want_params[k]) for k in params),
-            "moments_equal": moments.keys() == want_moments.keys()
-            and all(torch.equal(moments[k], want_moments[k]) for k in moments),
-            "history": t.fit()["history"],
-        }
-        if name == "none":  # it saved step 5: the reverse resume reads that
-            saved[5] = (t.model.full_state_dict(), _gathered_moments(t))
+    out |= resumes_against_saved(trainer, cfgs, ("none", "back"), saved, saves_step_5="none")
     parallel_state.destroy()
     return out
 
