@@ -23,7 +23,7 @@ experts' state per rank and the all-to-alls on the critical path. See docs/PERFM
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from engine.formulas import (
     fsdp_in_flight_bytes,
@@ -209,18 +209,9 @@ class Prediction:
     memory: MemoryTerms | None = None
 
     def as_json(self) -> dict:
-        """The keys ``plan.py predict --json`` prints."""
-        keys = (
-            "step_time_s",
-            "tokens_per_s",
-            "model_tflops_per_gpu",
-            "hardware_tflops_per_gpu",
-            "mfu",
-            "memory_gib_per_gpu",
-            "micro_batch",
-            "breakdown",
-        )
-        return {k: getattr(self, k) for k in keys}
+        """What ``plan.py predict --json`` prints: every field in order but ``memory`` (the
+        memory terms, which the search reads to say why no layout fits)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "memory"}
 
 
 def layer_params_per_rank(w: Workload, tp: int) -> float:

@@ -47,235 +47,51 @@ class PublishedRow:
 
 _A100 = dict(cluster="dgx_a100_80gb", vocab=51200, seq=2048, hardware_flops=True)
 _H100 = dict(cluster="dgx_h100", vocab=131072, seq=4096, hardware_flops=False)
-ROWS = (
-    PublishedRow(
-        "1.7B (2021)",
-        hidden=2304,
-        layers=24,
-        heads=18,
-        tp=1,
-        gpus=32,
-        global_batch=512,
-        tflops=137,
-        **_A100,
-    ),
-    PublishedRow(
-        "3.6B (2021)",
-        hidden=3072,
-        layers=30,
-        heads=24,
-        tp=2,
-        gpus=64,
-        global_batch=512,
-        tflops=138,
-        **_A100,
-    ),
-    PublishedRow(
-        "7.5B (2021)",
-        hidden=4096,
-        layers=36,
-        heads=32,
-        tp=4,
-        gpus=128,
-        global_batch=512,
-        tflops=142,
-        **_A100,
-    ),
-    PublishedRow(
-        "18.4B (2021)",
-        hidden=6144,
-        layers=40,
-        heads=48,
-        tp=8,
-        gpus=256,
-        global_batch=1024,
-        tflops=135,
-        **_A100,
-    ),
-    PublishedRow(
-        "1.7B (Core)",
-        hidden=2048,
-        layers=24,
-        heads=16,
-        tp=1,
-        gpus=48,
-        global_batch=192,
-        tflops=408.8,
-        fitted=True,
-        **_H100,
-    ),
-    PublishedRow(
-        "7.1B (Core)",
-        hidden=4096,
-        layers=30,
-        heads=32,
-        tp=2,
-        gpus=96,
-        global_batch=192,
-        tflops=465.9,
-        **_H100,
-    ),
-    PublishedRow(
-        "16B (Core)",
-        hidden=6144,
-        layers=32,
-        heads=48,
-        tp=4,
-        gpus=192,
-        global_batch=192,
-        tflops=489.1,
-        **_H100,
-    ),
-    PublishedRow(
-        "32B (Core)",
-        hidden=7168,
-        layers=48,
-        heads=56,
-        tp=8,
-        gpus=384,
-        global_batch=192,
-        tflops=459.6,
-        **_H100,
-    ),
+
+
+def _rows(table: tuple[tuple, ...]) -> tuple[PublishedRow, ...]:
+    """The rows of the README tables, stated one per line, the machine's fields added to each.
+
+    A line is (label, machine, hidden, layers, heads, tp, pp, gpus, global batch, TFLOP/s[,
+    fitted]): one row a line, so the table reads as the README's does."""
+    names = ("label", "machine", "hidden", "layers", "heads", "tp", "pp", "gpus", "global_batch")
+    names += ("tflops", "fitted")
+    rows = []
+    for line in table:
+        fields = dict(zip(names, line, strict=False))
+        rows.append(PublishedRow(**fields.pop("machine"), **fields))
+    return tuple(rows)
+
+
+# The rows with pipeline parallelism (pp > 1) are read from the same two images. The 2021
+# table gives only the model-parallel size: tp 8 (one node) × pp = size ÷ 8 is the split of
+# the paper's Table 1 that the README's sizes allow (every layer count divides by it); the
+# schedule (1F1B or interleaved with 2 chunks) and micro-batch are the planner's best.
+_README_ROWS = _rows(
+    (
+        ("1.7B (2021)", _A100, 2304, 24, 18, 1, 1, 32, 512, 137),
+        ("3.6B (2021)", _A100, 3072, 30, 24, 2, 1, 64, 512, 138),
+        ("7.5B (2021)", _A100, 4096, 36, 32, 4, 1, 128, 512, 142),
+        ("18.4B (2021)", _A100, 6144, 40, 48, 8, 1, 256, 1024, 135),
+        ("39B (2021)", _A100, 8192, 48, 64, 8, 2, 512, 1536, 138),
+        ("76B (2021)", _A100, 10240, 60, 80, 8, 4, 1024, 1792, 140),
+        ("145B (2021)", _A100, 12288, 80, 96, 8, 8, 1536, 2304, 148),
+        ("310B (2021)", _A100, 16384, 96, 128, 8, 16, 1920, 2160, 155),
+        ("530B (2021)", _A100, 20480, 105, 160, 8, 35, 2520, 2520, 163),
+        ("1T (2021)", _A100, 25600, 128, 200, 8, 64, 3072, 3072, 163),
+        ("1.7B (Core)", _H100, 2048, 24, 16, 1, 1, 48, 192, 408.8, True),
+        ("7.1B (Core)", _H100, 4096, 30, 32, 2, 1, 96, 192, 465.9),
+        ("16B (Core)", _H100, 6144, 32, 48, 4, 1, 192, 192, 489.1),
+        ("32B (Core)", _H100, 7168, 48, 56, 8, 1, 384, 192, 459.6),
+        ("70B (Core)", _H100, 8192, 84, 64, 8, 2, 768, 384, 419.7),
+        ("119B (Core)", _H100, 10240, 92, 80, 8, 4, 1536, 768, 420.5),
+        ("177B (Core)", _H100, 12288, 96, 96, 8, 6, 2304, 1152, 432.8),
+        ("314B (Core)", _H100, 16384, 96, 128, 8, 8, 3072, 1536, 474.4),
+        ("462B (Core)", _H100, 18432, 112, 144, 8, 16, 6144, 3072, 459.9),
+    )
 )
-# The rows with pipeline parallelism, read from the same two images. The 2021 table gives
-# only the model-parallel size: tp 8 (one node) × pp = size ÷ 8 is the split of the paper's
-# Table 1 that the README's sizes allow (every layer count divides by it); the schedule
-# (1F1B or interleaved with 2 chunks) and micro-batch are the planner's best.
-PIPELINE_ROWS = (
-    PublishedRow(
-        "39B (2021)",
-        hidden=8192,
-        layers=48,
-        heads=64,
-        tp=8,
-        pp=2,
-        gpus=512,
-        global_batch=1536,
-        tflops=138,
-        **_A100,
-    ),
-    PublishedRow(
-        "76B (2021)",
-        hidden=10240,
-        layers=60,
-        heads=80,
-        tp=8,
-        pp=4,
-        gpus=1024,
-        global_batch=1792,
-        tflops=140,
-        **_A100,
-    ),
-    PublishedRow(
-        "145B (2021)",
-        hidden=12288,
-        layers=80,
-        heads=96,
-        tp=8,
-        pp=8,
-        gpus=1536,
-        global_batch=2304,
-        tflops=148,
-        **_A100,
-    ),
-    PublishedRow(
-        "310B (2021)",
-        hidden=16384,
-        layers=96,
-        heads=128,
-        tp=8,
-        pp=16,
-        gpus=1920,
-        global_batch=2160,
-        tflops=155,
-        **_A100,
-    ),
-    PublishedRow(
-        "530B (2021)",
-        hidden=20480,
-        layers=105,
-        heads=160,
-        tp=8,
-        pp=35,
-        gpus=2520,
-        global_batch=2520,
-        tflops=163,
-        **_A100,
-    ),
-    PublishedRow(
-        "1T (2021)",
-        hidden=25600,
-        layers=128,
-        heads=200,
-        tp=8,
-        pp=64,
-        gpus=3072,
-        global_batch=3072,
-        tflops=163,
-        **_A100,
-    ),
-    PublishedRow(
-        "70B (Core)",
-        hidden=8192,
-        layers=84,
-        heads=64,
-        tp=8,
-        pp=2,
-        gpus=768,
-        global_batch=384,
-        tflops=419.7,
-        **_H100,
-    ),
-    PublishedRow(
-        "119B (Core)",
-        hidden=10240,
-        layers=92,
-        heads=80,
-        tp=8,
-        pp=4,
-        gpus=1536,
-        global_batch=768,
-        tflops=420.5,
-        **_H100,
-    ),
-    PublishedRow(
-        "177B (Core)",
-        hidden=12288,
-        layers=96,
-        heads=96,
-        tp=8,
-        pp=6,
-        gpus=2304,
-        global_batch=1152,
-        tflops=432.8,
-        **_H100,
-    ),
-    PublishedRow(
-        "314B (Core)",
-        hidden=16384,
-        layers=96,
-        heads=128,
-        tp=8,
-        pp=8,
-        gpus=3072,
-        global_batch=1536,
-        tflops=474.4,
-        **_H100,
-    ),
-    PublishedRow(
-        "462B (Core)",
-        hidden=18432,
-        layers=112,
-        heads=144,
-        tp=8,
-        pp=16,
-        gpus=6144,
-        global_batch=3072,
-        tflops=459.9,
-        **_H100,
-    ),
-)
+ROWS = tuple(r for r in _README_ROWS if r.pp == 1)
+PIPELINE_ROWS = tuple(r for r in _README_ROWS if r.pp > 1)
 
 
 def _software(row: PublishedRow) -> tuple[Layout, dict]:
@@ -347,18 +163,21 @@ def markdown_table(results: list[RowResult]) -> str:
     """The validation table for docs/PERFMODEL.md (the pipeline rows add PP and schedule)."""
     piped = any(r.row.pp > 1 for r in results)
     head = "| run | GPUs | TP | " + ("PP | schedule | " if piped else "")
-    lines = [
-        head + "published TFLOP/s | predicted | error | mb, recompute | planner's TP |",
-        "|---" * (8 + 2 * piped) + "|",
-    ]
+    head += "published TFLOP/s | predicted | error | mb, recompute | planner's TP |"
+    body = []
     for r in results:
         pipe_cells = f"{r.row.pp} | {r.schedule} | " if piped else ""
-        lines.append(
+        body.append(
             f"| {r.row.label}{' (fitted)' if r.row.fitted else ''} | {r.row.gpus} | {r.row.tp} | "
             f"{pipe_cells}{r.row.tflops:g} | {r.predicted:.1f} | {100 * r.error:+.1f}% | "
             f"{r.micro_batch}, {r.recompute} | {r.best_tp} |"
         )
-    return "\n".join(lines)
+    return _markdown(head, body)
+
+
+def _markdown(head: str, body: list[str]) -> str:
+    """A markdown table: the head row, the rule under it (``|---`` a column), the body rows."""
+    return "\n".join([head, "|---" * (head.count("|") - 1) + "|", *body])
 
 
 # Context parallelism: Llama 3 405B pre-training on H100s (Llama Team, AI @ Meta, "The
@@ -397,8 +216,30 @@ CP_ROWS = (
 )
 
 
+class _BothCounts:
+    """The relative errors of a prediction against a published figure (+ means we predict
+    faster), under both attention counts: the full s² (Megatron's, as everywhere here) and
+    the causal one, whose error is the step time's error in the publication's units. The
+    subclass's ``_figures`` gives (full, causal, published)."""
+
+    def _figures(self) -> tuple[float, float, float]:
+        raise NotImplementedError
+
+    @property
+    def error(self) -> float:
+        """Relative error of the full-s² count."""
+        full, _, published = self._figures()
+        return full / published - 1
+
+    @property
+    def error_causal(self) -> float:
+        """Relative error of the causal count."""
+        _, causal, published = self._figures()
+        return causal / published - 1
+
+
 @dataclass
-class CpResult:
+class CpResult(_BothCounts):
     """Our best layout at a row's TP × CP × PP × DP, and its MFU under both attention counts."""
 
     row: CpRow
@@ -408,15 +249,8 @@ class CpResult:
     memory_gib: float
     cp_exposed_s: float
 
-    @property
-    def error(self) -> float:
-        """Relative error of the MFU (Megatron's count) against the published one."""
-        return self.mfu / self.row.mfu - 1
-
-    @property
-    def error_causal(self) -> float:
-        """Relative error of the causal-count MFU."""
-        return self.mfu_causal / self.row.mfu - 1
+    def _figures(self) -> tuple[float, float, float]:
+        return self.mfu, self.mfu_causal, self.row.mfu
 
 
 def evaluate_cp(row: CpRow) -> CpResult:
@@ -441,20 +275,7 @@ def evaluate_cp(row: CpRow) -> CpResult:
             ("interleaved_1f1b", 8),
         ):
             for recompute in ("none", "full"):
-                lay = Layout(
-                    tp=row.tp,
-                    dp=row.dp,
-                    micro_batch=1,
-                    cp=row.cp,
-                    pp=row.pp,
-                    schedule=schedule,
-                    virtual_stages=v,
-                    recompute=recompute,
-                    sequence_parallel=True,
-                    dp_shard=shard,
-                    overlap_param_gather=True,
-                    tp_comm_overlap=True,
-                )
+                lay = _large_run_layout(row, recompute, shard, schedule, v, cp=row.cp)
                 p = predict(w, lay, cluster)
                 if p.memory_gib_per_gpu <= limit and (
                     best is None or p.step_time_s < best[1].step_time_s
@@ -463,29 +284,57 @@ def evaluate_cp(row: CpRow) -> CpResult:
     if best is None:
         raise ValueError(f"{row.label}: no layout fits {limit:.0f} GiB")
     lay, p = best
-    attention = 3 * w.layers * 4 * w.global_batch * w.seq * w.seq * w.q_width
+    attention = _attention_flops(w)
     causal = p.mfu * (1 - 0.5 * attention / (p.mfu * p.step_time_s * lay.gpus * cluster.peak_flops))
     return CpResult(row, lay, p.mfu, causal, p.memory_gib_per_gpu, p.breakdown["cp_comm_exposed_s"])
 
 
+def _large_run_layout(
+    row: CpRow | MoeRow, recompute: str, dp_shard: str, schedule: str, virtual: int, **split
+) -> Layout:
+    """A layout of the row's TP × DP × PP as the large published runs train: micro-batch 1,
+    sequence parallelism, the parameter all-gather and the TP collectives overlapped;
+    ``split`` adds the row's CP or EP."""
+    return Layout(
+        row.tp,
+        row.dp,
+        1,
+        recompute,
+        sequence_parallel=True,
+        dp_shard=dp_shard,
+        overlap_param_gather=True,
+        tp_comm_overlap=True,
+        pp=row.pp,
+        schedule=schedule,
+        virtual_stages=virtual,
+        **split,
+    )
+
+
+def _attention_flops(w: Workload) -> float:
+    """The model FLOPs of the full s² attention scores and values in a step (forward and
+    backward): the term the causal counts halve."""
+    return 3 * w.layers * 4 * w.global_batch * w.seq * w.seq * w.q_width
+
+
 def cp_markdown_table(results: list[CpResult]) -> str:
     """The Llama 3 comparison table for docs/PERFMODEL.md."""
-    lines = [
+    head = (
         "| row | TP × CP × PP × DP | seq | published MFU | predicted MFU (full s²) | error | "
-        "predicted MFU (causal) | error | layout | GiB/GPU | CP exposed s |",
-        "|---" * 11 + "|",
-    ]
+        "predicted MFU (causal) | error | layout | GiB/GPU | CP exposed s |"
+    )
+    body = []
     for r in results:
         lay, row = r.layout, r.row
         sched = "1f1b" if lay.schedule == "1f1b" else f"interleaved v={lay.virtual_stages}"
-        lines.append(
+        body.append(
             f"| {row.label} | {row.tp}×{row.cp}×{row.pp}×{row.dp} | {row.seq} | "
             f"{100 * row.mfu:.0f}% | {100 * r.mfu:.1f}% | {100 * r.error:+.1f}% | "
             f"{100 * r.mfu_causal:.1f}% | {100 * r.error_causal:+.1f}% | "
             f"{sched}, {lay.dp_shard}, recompute {lay.recompute} | {r.memory_gib:.1f} | "
             f"{r.cp_exposed_s:.3g} |"
         )
-    return "\n".join(lines)
+    return _markdown(head, body)
 
 
 # Mixture of experts: Qwen3-235B-A22B on 256 H100s, read from the Megatron-Core MoE model
@@ -496,18 +345,8 @@ def cp_markdown_table(results: list[CpResult]) -> str:
 # MLP is (same FLOPs and bytes per rank, other GEMM shapes). Model (its Hugging Face
 # config, from memory): 94 layers, hidden 4096, 64 heads of 128 (q 8192 ≠ h), 4 KV heads,
 # 128 experts, top-8, expert width 1536, no shared expert, vocabulary 151,936.
-QWEN3_235B = dict(
-    hidden=4096,
-    layers=94,
-    heads=64,
-    kv_heads=4,
-    head_dim=128,
-    vocab=151936,
-    experts=128,
-    top_k=8,
-    moe_ffn=1536,
-    family=GATED_ARCH,
-)
+_QWEN3_DENSE = dict(hidden=4096, layers=94, heads=64, kv_heads=4, head_dim=128, vocab=151936)
+QWEN3_235B = _QWEN3_DENSE | dict(experts=128, top_k=8, moe_ffn=1536, family=GATED_ARCH)
 MOE_CITATION = "Megatron-MoE-ModelZoo best_practice/Qwen3/readme.md (c1ad0b5c89)"
 
 
@@ -537,7 +376,7 @@ MOE_ROWS = (
 
 
 @dataclass
-class MoeResult:
+class MoeResult(_BothCounts):
     """Our best layout at a row's split and its model TFLOP/s."""
 
     row: MoeRow
@@ -548,15 +387,8 @@ class MoeResult:
     step_s: float
     memory_gib: float
 
-    @property
-    def error(self) -> float:
-        """Relative error of the full-s² count (+ means we predict faster)."""
-        return self.predicted / self.row.tflops - 1
-
-    @property
-    def error_causal(self) -> float:
-        """Relative error of the causal count: the step time's error, in the zoo's units."""
-        return self.predicted_causal / self.row.tflops - 1
+    def _figures(self) -> tuple[float, float, float]:
+        return self.predicted, self.predicted_causal, self.row.tflops
 
 
 def evaluate_moe(row: MoeRow) -> MoeResult:
@@ -569,25 +401,13 @@ def evaluate_moe(row: MoeRow) -> MoeResult:
     w = Workload(**QWEN3_235B, seq=row.seq, global_batch=row.global_batch)
     limit = cluster.memory_bytes / 2**30
     priced = []
+    schedule = "interleaved_1f1b" if row.vpp > 1 else "1f1b"
     for recompute in ("none", "full"):
-        lay = Layout(
-            tp=row.tp,
-            dp=row.dp,
-            micro_batch=1,
-            ep=row.ep,
-            pp=row.pp,
-            schedule="interleaved_1f1b" if row.vpp > 1 else "1f1b",
-            virtual_stages=row.vpp,
-            recompute=recompute,
-            sequence_parallel=True,
-            dp_shard="optimizer",
-            overlap_param_gather=True,
-            tp_comm_overlap=True,
-        )
+        lay = _large_run_layout(row, recompute, "optimizer", schedule, row.vpp, ep=row.ep)
         priced.append((lay, predict(w, lay, cluster)))
     fits = [(lay, p) for lay, p in priced if p.memory_gib_per_gpu <= limit]
     lay, p = min(fits or priced, key=lambda o: o[1].step_time_s)
-    attention = 3 * w.layers * 4 * w.global_batch * w.seq * w.seq * w.q_width
+    attention = _attention_flops(w)
     causal = (model_flops(w, lay.tp) - attention / 2) / p.step_time_s / lay.gpus / 1e12
     return MoeResult(
         row,
@@ -602,17 +422,17 @@ def evaluate_moe(row: MoeRow) -> MoeResult:
 
 def moe_markdown_table(results: list[MoeResult]) -> str:
     """The Qwen3 comparison table for docs/PERFMODEL.md."""
-    lines = [
+    head = (
         "| row | TP × EP × PP (v) × DP | published TFLOP/s | predicted (causal) | error | "
-        "predicted (full s²) | error | step s | all-to-all s | recompute | GiB/GPU |",
-        "|---" * 11 + "|",
-    ]
+        "predicted (full s²) | error | step s | all-to-all s | recompute | GiB/GPU |"
+    )
+    body = []
     for r in results:
         row = r.row
-        lines.append(
+        body.append(
             f"| {row.label} | {row.tp}×{row.ep}×{row.pp} ({row.vpp})×{row.dp} | {row.tflops:g} | "
             f"{r.predicted_causal:.1f} | {100 * r.error_causal:+.1f}% | "
             f"{r.predicted:.1f} | {100 * r.error:+.1f}% | {r.step_s:.3g} | {r.a2a_s:.3g} | "
             f"{r.layout.recompute} | {r.memory_gib:.1f} |"
         )
-    return "\n".join(lines)
+    return _markdown(head, body)
