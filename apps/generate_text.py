@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import fields
 
 from engine.checkpoint.storage import CheckpointError
 from engine.config import sized_dims
@@ -131,14 +132,9 @@ def _check_positions(args: argparse.Namespace, tokenizer_path: str, positions: i
 
 
 def sampling(args: argparse.Namespace) -> Sampling:
-    """The sampling options as one value."""
-    return Sampling(
-        greedy=args.greedy,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-    )
+    """The sampling options as one value: each of Sampling's fields has its flag, of the same
+    name (--greedy, --temperature, --top-k, --top-p, --seed)."""
+    return Sampling(**{f.name: getattr(args, f.name) for f in fields(Sampling)})
 
 
 def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:

@@ -55,13 +55,21 @@ def positive_float(text: str) -> float:
     return value
 
 
+# The sizes a workload needs, each a flag or else --model's preset: (flag and Workload field,
+# help, the preset's key).
+_PRESET_SIZES = (
+    ("hidden", "hidden size h", "hidden_size"),
+    ("layers", "transformer layers l", "num_layers"),
+    ("heads", "attention heads a", "num_heads"),
+    ("vocab", "vocabulary V (padded to a multiple of 128·tp)", "vocab_size"),
+    ("seq", "sequence length s (default: the preset's max)", "max_positions"),
+)
+
+
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="configs/model preset (e.g. gpt_1.3b); flags below override it")
-    p.add_argument("--hidden", type=size, help="hidden size h")
-    p.add_argument("--layers", type=size, help="transformer layers l")
-    p.add_argument("--heads", type=size, help="attention heads a")
-    p.add_argument("--vocab", type=size, help="vocabulary V (padded to a multiple of 128·tp)")
-    p.add_argument("--seq", type=size, help="sequence length s (default: the preset's max)")
+    for name, text, _ in _PRESET_SIZES:
+        p.add_argument(f"--{name}", type=size, help=text)
     p.add_argument("--ffn", type=size, help="MLP width (default 4h)")
     p.add_argument("--kv-heads", type=size, help="key/value heads (Llama; GQA)")
     p.add_argument("--head-dim", type=size, help="width of one head (default hidden ÷ heads)")
@@ -118,13 +126,7 @@ def workload_from_args(args: argparse.Namespace, cluster: ClusterSpec) -> Worklo
     """Sizes from --model and the explicit flags (flags win)."""
     pre = model_preset(args.model) if args.model else {}
     family = pre.get("arch", DEFAULT_ARCH)
-    sizes = {
-        "hidden": args.hidden or pre.get("hidden_size"),
-        "layers": args.layers or pre.get("num_layers"),
-        "heads": args.heads or pre.get("num_heads"),
-        "vocab": args.vocab or pre.get("vocab_size"),
-        "seq": args.seq or pre.get("max_positions"),
-    }
+    sizes = {name: getattr(args, name) or pre.get(key) for name, _, key in _PRESET_SIZES}
     missing = [f"--{k}" for k, v in sizes.items() if not v]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}: give them or --model PRESET")
