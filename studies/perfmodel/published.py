@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from studies.perfmodel.cluster_spec import load_cluster
 from studies.perfmodel.family_table import FAMILIES
-from studies.perfmodel.model import Layout, Workload
+from studies.perfmodel.model import Layout, Prediction, Workload, model_flops, predict
 from studies.perfmodel.search import search
 
 
@@ -260,30 +260,19 @@ def evaluate_cp(row: CpRow) -> CpResult:
     recompute."""
     from dataclasses import replace
 
-    from studies.perfmodel.model import predict
-
     cluster = load_cluster("dgx_h100")
     w = Workload(**LLAMA3_405B, seq=row.seq, global_batch=row.dp * row.batch_per_dp)
     w = replace(w, family=GATED_ARCH)
-    limit = cluster.memory_bytes / 2**30
-    best = None
-    for shard in ("optimizer", "gradients"):
-        for schedule, v in (
-            ("1f1b", 1),
-            ("interleaved_1f1b", 2),
-            ("interleaved_1f1b", 4),
-            ("interleaved_1f1b", 8),
-        ):
-            for recompute in ("none", "full"):
-                lay = _large_run_layout(row, recompute, shard, schedule, v, cp=row.cp)
-                p = predict(w, lay, cluster)
-                if p.memory_gib_per_gpu <= limit and (
-                    best is None or p.step_time_s < best[1].step_time_s
-                ):
-                    best = (lay, p)
-    if best is None:
-        raise ValueError(f"{row.label}: no layout fits {limit:.0f} GiB")
-    lay, p = best
+    schedules = [("1f1b", 1)] + [("interleaved_1f1b", v) for v in (2, 4, 8)]
+    layouts = [
+        _large_run_layout(row, recompute, shard, schedule, v, cp=row.cp)
+        for shard in ("optimizer", "gradients")
+        for schedule, v in schedules
+        for recompute in ("none", "full")
+    ]
+    lay, p, fits = _fastest(w, layouts, cluster)
+    if not fits:
+        raise ValueError(f"{row.label}: no layout fits {cluster.memory_bytes / 2**30:.0f} GiB")
     attention = _attention_flops(w)
     causal = p.mfu * (1 - 0.5 * attention / (p.mfu * p.step_time_s * lay.gpus * cluster.peak_flops))
     return CpResult(row, lay, p.mfu, causal, p.memory_gib_per_gpu, p.breakdown["cp_comm_exposed_s"])
@@ -309,6 +298,16 @@ def _large_run_layout(
         virtual_stages=virtual,
         **split,
     )
+
+
+def _fastest(w: Workload, layouts: list[Layout], cluster) -> tuple[Layout, Prediction, bool]:
+    """The fastest of ``layouts`` that fits the cluster's memory (the first of equals), else
+    the fastest of all; and whether it fits."""
+    limit = cluster.memory_bytes / 2**30
+    priced = [(lay, predict(w, lay, cluster)) for lay in layouts]
+    fits = [(lay, p) for lay, p in priced if p.memory_gib_per_gpu <= limit]
+    lay, p = min(fits or priced, key=lambda o: o[1].step_time_s)
+    return lay, p, bool(fits)
 
 
 def _attention_flops(w: Workload) -> float:
@@ -395,18 +394,13 @@ def evaluate_moe(row: MoeRow) -> MoeResult:
     """The fastest fitting layout at the row's split (micro-batch 1, sequence parallelism,
     the distributed optimizer, TP overlap, the row's interleaving, no or full recompute);
     94 layers over 8 stages are priced as the busiest stage's 12, as for Llama 3."""
-    from studies.perfmodel.model import model_flops, predict
-
-    cluster = load_cluster("dgx_h100")
     w = Workload(**QWEN3_235B, seq=row.seq, global_batch=row.global_batch)
-    limit = cluster.memory_bytes / 2**30
-    priced = []
     schedule = "interleaved_1f1b" if row.vpp > 1 else "1f1b"
-    for recompute in ("none", "full"):
-        lay = _large_run_layout(row, recompute, "optimizer", schedule, row.vpp, ep=row.ep)
-        priced.append((lay, predict(w, lay, cluster)))
-    fits = [(lay, p) for lay, p in priced if p.memory_gib_per_gpu <= limit]
-    lay, p = min(fits or priced, key=lambda o: o[1].step_time_s)
+    layouts = [
+        _large_run_layout(row, recompute, "optimizer", schedule, row.vpp, ep=row.ep)
+        for recompute in ("none", "full")
+    ]
+    lay, p, _ = _fastest(w, layouts, load_cluster("dgx_h100"))
     attention = _attention_flops(w)
     causal = (model_flops(w, lay.tp) - attention / 2) / p.step_time_s / lay.gpus / 1e12
     return MoeResult(
