@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.generate import Sampling, generate_batch  # noqa: E402
 from engine.models import build_model  # noqa: E402
-from engine.models.config import preset  # noqa: E402
 from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
+from studies.bench import tiny_gpt  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,10 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 16])
     p.add_argument("--new-tokens", type=positive_int, nargs="+", default=[128, 512])
     p.add_argument("--prompt-len", type=positive_int, default=16)
-    p.add_argument("--hidden", type=positive_int, default=128)
-    p.add_argument("--layers", type=positive_int, default=2)
-    p.add_argument("--heads", type=positive_int, default=4)
-    p.add_argument("--vocab", type=positive_int, default=8192)
+    tiny_gpt.add_size_flags(p)
     p.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     return p.parse_args(argv)
@@ -63,16 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     longest = max(args.new_tokens) + args.prompt_len
-    cfg = preset(
-        "gpt_tiny",
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        max_positions=longest,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    cfg = tiny_gpt.config(args, vocab=args.vocab, positions=longest)
     try:
         cfg.validate()
     except ValueError as err:  # e.g. --hidden not divisible by --heads

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.tool_args import ArgumentParser, positive_int
+from studies.bench import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK_START = ROOT / "checkpoints" / "gpt_tiny_stdlib"
@@ -107,10 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--skip-http", action="store_true", help="no server: the engine rows only")
     built = p.add_argument_group("the model built when there is no checkpoint")
-    built.add_argument("--hidden", type=positive_int, default=128)
-    built.add_argument("--layers", type=positive_int, default=2)
-    built.add_argument("--heads", type=positive_int, default=4)
-    built.add_argument("--vocab", type=positive_int, default=8192)
+    tiny_gpt.add_size_flags(built)
     built.add_argument("--positions", type=positive_int, default=256)
     built.add_argument("--keep-model", help="build the model into this folder (kept)")
     p.add_argument("--json", help="write the results and every check here")
@@ -147,21 +145,11 @@ def build_tiny(directory: Path, args: argparse.Namespace) -> Path:
     from engine.checkpoint.format import write_checkpoint
     from engine.data.preprocess import save_tokenizer, train_tokenizer
     from engine.models import build_model
-    from engine.models.config import preset
 
     text = corpus_text(1_000_000)
     tokenizer = train_tokenizer([text[i : i + 4096] for i in range(0, len(text), 4096)], args.vocab)
-    cfg = preset(
-        "gpt_tiny",
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        max_positions=args.positions,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_std=0.2,
-    )
+    vocab = tokenizer.get_vocab_size()
+    cfg = tiny_gpt.config(args, vocab=vocab, positions=args.positions, init_std=0.2)
     cfg.validate()
     torch.manual_seed(3)
     model = build_model(cfg).eval()
