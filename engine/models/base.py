@@ -332,7 +332,7 @@ class ParallelModel(nn.Module):
 
     def _compile_if_asked(self) -> None:
         """``model.compile=true``: compile the whole forward and loss (``layers.compile``).
-        The subclasses call this last, once every module exists."""
+        Called last, once every module exists (``TransformerModel.__init__``)."""
         if self.cfg.compile:
             compile_model(
                 self,
@@ -429,3 +429,35 @@ class ParallelModel(nn.Module):
                     f"{tuple(param.shape)} shard at tp_size={size}"
                 )
             assign_tp_local_(param, local)
+
+
+class TransformerModel(ParallelModel):
+    """A family's model: the shared trunk (embeddings and layers) and its own heads."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        rng: RNGTracker | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        cp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """Build the trunk, then the heads the class adds in :meth:`_build_heads`, in that
+        order (it fixes the master weights' RNG draws), then compile if ``cfg`` asks.
+
+        ``tp_group`` and ``cp_group`` are the tensor- and context-parallel groups (None:
+        the current state's TP group, no context parallelism); ``rng`` the TP-aware tracker
+        that dropout draws from (None: the current state's).
+        """
+        super().__init__()
+        build = self._build_trunk(
+            cfg, tp_group=tp_group, cp_group=cp_group, rng=rng, dtype=dtype, device=device
+        )
+        self._build_heads(cfg, **build)
+        self._compile_if_asked()
+
+    def _build_heads(self, cfg: ModelConfig, *, tp_group, dtype, device) -> None:
+        """Build the modules after the layers (``tp_group`` is the resolved one)."""
+        raise NotImplementedError
