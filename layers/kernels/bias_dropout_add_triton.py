@@ -121,8 +121,9 @@ def bias_dropout_add_forward(
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out.view(x.shape)
-    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
-    _bias_dropout_add_fwd_kernel[grid](
+    tiles = tile_grid(m, n, x.device)
+    tiles.launch(
+        _bias_dropout_add_fwd_kernel,
         x2d,
         x if bias is None else bias,
         res2d,
@@ -131,14 +132,11 @@ def bias_dropout_add_forward(
         m,
         n,
         x2d.stride(0),
-        rows_per_program,
+        tiles.rows_per_program,
         p,
         _scale(p),
         HAS_BIAS=bias is not None,
         DROPOUT=dropout and p > 0.0,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
     )
     return out.view(x.shape)
 
@@ -151,23 +149,21 @@ def bias_dropout_add_backward(
     dout2d = dout.reshape(-1, n).contiguous()
     m = dout2d.shape[0]
     dx = torch.empty((m, n), dtype=x_dtype, device=dout.device)
-    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, dout.device)
-    db_partial = partial_sums(grid[0], n, dout.device)
+    tiles = tile_grid(m, n, dout.device)
+    db_partial = partial_sums(tiles.row_groups, n, dout.device)
     if dx.numel() > 0:
-        _bias_dropout_add_bwd_kernel[grid](
+        tiles.launch(
+            _bias_dropout_add_bwd_kernel,
             dout2d,
             dx,
             db_partial,
             seed,
             m,
             n,
-            rows_per_program,
+            tiles.rows_per_program,
             p,
             _scale(p),
             HAS_BIAS=has_bias,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=num_warps,
         )
     return dx.view(dout.shape), db_partial.sum(dim=0) if has_bias else None
 

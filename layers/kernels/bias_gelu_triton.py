@@ -116,20 +116,18 @@ def bias_gelu_forward(
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if y.numel() == 0:
         return y.view(x.shape)
-    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
-    _bias_gelu_fwd_kernel[grid](
+    tiles = tile_grid(m, n, x.device)
+    tiles.launch(
+        _bias_gelu_fwd_kernel,
         x2d,
         x if bias is None else bias,
         y,
         m,
         n,
         x2d.stride(0),
-        rows_per_program,
+        tiles.rows_per_program,
         HAS_BIAS=bias is not None,
         TANH=approximate == "tanh",
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
     )
     return y.view(x.shape)
 
@@ -140,10 +138,11 @@ def bias_gelu_backward(
     """(dx, dbias) of ``bias_gelu_forward``, recomputing x + bias; dbias None without bias."""
     x2d, dy2d, dx = grad_rows(dy, x)
     m, n = x2d.shape
-    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
-    db_partial = partial_sums(grid[0], n, x.device)
+    tiles = tile_grid(m, n, x.device)
+    db_partial = partial_sums(tiles.row_groups, n, x.device)
     if dx.numel() > 0:
-        _bias_gelu_bwd_kernel[grid](
+        tiles.launch(
+            _bias_gelu_bwd_kernel,
             dy2d,
             x2d,
             x if bias is None else bias,
@@ -152,12 +151,9 @@ def bias_gelu_backward(
             m,
             n,
             x2d.stride(0),
-            rows_per_program,
+            tiles.rows_per_program,
             HAS_BIAS=bias is not None,
             TANH=approximate == "tanh",
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=num_warps,
         )
     return dx.view(x.shape), reduce_partial_sums(db_partial, bias)
 
