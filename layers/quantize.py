@@ -82,18 +82,28 @@ def _no_sequence_parallel(layer: nn.Module) -> None:
         raise ValueError("int8 layers run without sequence parallelism (inference layouts)")
 
 
-class Int8ColumnParallelLinear(nn.Module):
-    """A :class:`ColumnParallelLinear`'s forward with its ``[out/tp, in]`` shard in int8:
-    each rank's output rows carry their own scales, the same as the TP 1 layer's rows."""
+class _Int8ParallelLinear(nn.Module):
+    """What both int8 TP linears take from the float layer they replace: its features, TP
+    placement and ``skip_bias_add``, its weight shard quantized, and its float bias."""
 
-    def __init__(self, layer: ColumnParallelLinear) -> None:
+    def __init__(self, layer: ColumnParallelLinear | RowParallelLinear) -> None:
         super().__init__()
         _no_sequence_parallel(layer)
         self.in_features, self.out_features = layer.in_features, layer.out_features
         self.tp_group, self.tp_size, self.tp_rank = layer.tp_group, layer.tp_size, layer.tp_rank
-        self.gather_output, self.skip_bias_add = layer.gather_output, layer.skip_bias_add
+        self.skip_bias_add = layer.skip_bias_add
         self.int8 = Int8Weight(layer.weight)
-        self.bias = layer.bias  # float, this rank's [out/tp]
+        self.bias = layer.bias
+
+
+class Int8ColumnParallelLinear(_Int8ParallelLinear):
+    """A :class:`ColumnParallelLinear`'s forward with its ``[out/tp, in]`` shard in int8:
+    each rank's output rows carry their own scales, the same as the TP 1 layer's rows.
+    The bias is float, this rank's ``[out/tp]``."""
+
+    def __init__(self, layer: ColumnParallelLinear) -> None:
+        super().__init__(layer)
+        self.gather_output = layer.gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         # copy_to_tp is the identity in forward; no backward runs here.
@@ -103,18 +113,14 @@ class Int8ColumnParallelLinear(nn.Module):
         return (y, self.bias) if self.skip_bias_add else y
 
 
-class Int8RowParallelLinear(nn.Module):
+class Int8RowParallelLinear(_Int8ParallelLinear):
     """A :class:`RowParallelLinear`'s forward with its ``[out, in/tp]`` shard in int8: each
-    rank scales its own partial product by its own per-row scales before the all-reduce."""
+    rank scales its own partial product by its own per-row scales before the all-reduce.
+    The bias is float, the whole ``[out]``, added once after the sum."""
 
     def __init__(self, layer: RowParallelLinear) -> None:
-        super().__init__()
-        _no_sequence_parallel(layer)
-        self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.tp_group, self.tp_size, self.tp_rank = layer.tp_group, layer.tp_size, layer.tp_rank
-        self.input_is_parallel, self.skip_bias_add = layer.input_is_parallel, layer.skip_bias_add
-        self.int8 = Int8Weight(layer.weight)
-        self.bias = layer.bias  # float, whole [out], added once after the sum
+        super().__init__(layer)
+        self.input_is_parallel = layer.input_is_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         if not self.input_is_parallel:

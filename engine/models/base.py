@@ -301,46 +301,6 @@ class ParallelModel(nn.Module):
         :meth:`stage_inputs` target (the same value :meth:`loss` gives the unsplit model)."""
         raise NotImplementedError
 
-    def _build_trunk(
-        self, cfg: ModelConfig, *, tp_group, rng, dtype, device, cp_group=None
-    ) -> dict:
-        """Validate ``cfg`` and build the embeddings and the layers, in that order.
-
-        The order fixes the RNG draws of the master weights, so it must not change.
-        ``cp_group`` (context parallelism) goes to every layer's attention. Returns the
-        keyword arguments the subclass builds its heads with.
-        """
-        if cfg.arch != self.ARCH:
-            raise ValueError(
-                f"{type(self).__name__} needs model.arch={self.ARCH!r}, got {cfg.arch!r}"
-            )
-        self.tp_group = resolve_tp_group(tp_group)
-        cfg.validate(group_size(self.tp_group))
-        self.cfg = cfg
-        rng = rng if rng is not None else default_rng()
-        self.kernels = resolve_kernels(cfg.kernels)  # once per model, handed to every layer
-        build = dict(tp_group=self.tp_group, dtype=dtype, device=device)
-        one = dict(rng=rng, kernels=self.kernels)
-        self.embedding = Embeddings(cfg, **one, **build)
-        self.layers = nn.ModuleList(
-            ParallelTransformerLayer(
-                cfg, spec=spec_for(cfg, layer=i), cp_group=cp_group, **one, **build
-            )
-            for i in range(cfg.num_layers)
-        )
-        return build
-
-    def _compile_if_asked(self) -> None:
-        """``model.compile=true``: compile the whole forward and loss (``layers.compile``).
-        The subclasses call this last, once every module exists."""
-        if self.cfg.compile:
-            compile_model(
-                self,
-                backend=self.cfg.compile_backend,
-                kernels=self.cfg.kernels,
-                cuda_graphs=self.cfg.cuda_graphs,
-            )
-
     def loss(self, batch) -> torch.Tensor:
         """The scalar training loss of one micro-batch in the form the model's dataset yields
         (so the trainer, the verifier and benchmarks never ask which model it is)."""
@@ -429,3 +389,75 @@ class ParallelModel(nn.Module):
                     f"{tuple(param.shape)} shard at tp_size={size}"
                 )
             assign_tp_local_(param, local)
+
+
+class TransformerModel(ParallelModel):
+    """A family's model: the shared trunk (embeddings and layers) and its own heads."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        tp_group: dist.ProcessGroup | None = None,
+        rng: RNGTracker | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        cp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """Build the trunk, then the heads the class adds in :meth:`_build_heads`, in that
+        order (it fixes the master weights' RNG draws), then compile if ``cfg`` asks.
+
+        ``tp_group`` and ``cp_group`` are the tensor- and context-parallel groups (None:
+        the current state's TP group, no context parallelism); ``rng`` the TP-aware tracker
+        that dropout draws from (None: the current state's).
+        """
+        super().__init__()
+        build = self._build_trunk(
+            cfg, tp_group=tp_group, cp_group=cp_group, rng=rng, dtype=dtype, device=device
+        )
+        self._build_heads(cfg, **build)
+        self._compile_if_asked()
+
+    def _build_heads(self, cfg: ModelConfig, *, tp_group, dtype, device) -> None:
+        """Build the modules after the layers (``tp_group`` is the resolved one)."""
+        raise NotImplementedError
+
+    def _build_trunk(
+        self, cfg: ModelConfig, *, tp_group, rng, dtype, device, cp_group=None
+    ) -> dict:
+        """Validate ``cfg`` and build the embeddings and the layers, in that order.
+
+        The order fixes the RNG draws of the master weights, so it must not change.
+        ``cp_group`` (context parallelism) goes to every layer's attention. Returns the
+        keyword arguments the subclass builds its heads with.
+        """
+        if cfg.arch != self.ARCH:
+            raise ValueError(
+                f"{type(self).__name__} needs model.arch={self.ARCH!r}, got {cfg.arch!r}"
+            )
+        self.tp_group = resolve_tp_group(tp_group)
+        cfg.validate(group_size(self.tp_group))
+        self.cfg = cfg
+        rng = rng if rng is not None else default_rng()
+        self.kernels = resolve_kernels(cfg.kernels)  # once per model, handed to every layer
+        build = dict(tp_group=self.tp_group, dtype=dtype, device=device)
+        one = dict(rng=rng, kernels=self.kernels)
+        self.embedding = Embeddings(cfg, **one, **build)
+        self.layers = nn.ModuleList(
+            ParallelTransformerLayer(
+                cfg, spec=spec_for(cfg, layer=i), cp_group=cp_group, **one, **build
+            )
+            for i in range(cfg.num_layers)
+        )
+        return build
+
+    def _compile_if_asked(self) -> None:
+        """``model.compile=true``: compile the whole forward and loss (``layers.compile``).
+        Called last, once every module exists."""
+        if self.cfg.compile:
+            compile_model(
+                self,
+                backend=self.cfg.compile_backend,
+                kernels=self.cfg.kernels,
+                cuda_graphs=self.cfg.cuda_graphs,
+            )

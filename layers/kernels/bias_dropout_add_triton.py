@@ -18,6 +18,13 @@ from layers.kernels.launch import check_float, checked_rows, partial_sums, tile_
 
 
 @triton.jit
+def _kept(seed, rows, N, cols, p):
+    """The dropout mask of the tile at ``rows`` × ``cols`` of [M, N]: Philox of (seed, flat
+    index), so backward regenerates exactly the forward's mask."""
+    return tl.rand(seed, rows[:, None] * N + cols[None, :]) >= p
+
+
+@triton.jit
 def _bias_dropout_add_fwd_kernel(
     X,  # [M, N] input of the dropout, row stride stride_x
     Bias,  # [N] bias (not read when HAS_BIAS is False)
@@ -41,13 +48,11 @@ def _bias_dropout_add_fwd_kernel(
     row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
         rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
-        offsets = rows[:, None] * N + cols[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        v = x.to(tl.float32) + b[None, :]
+        v = jh.load_tile(X, rows, stride_x, cols, mask) + b[None, :]
         if DROPOUT:
-            v = tl.where(tl.rand(seed, offsets) >= p, v * scale, 0.0)
-        res = tl.load(Residual + offsets, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Out + offsets, (res + v).to(Out.dtype.element_ty), mask=mask)
+            v = tl.where(_kept(seed, rows, N, cols, p), v * scale, 0.0)
+        res = jh.load_tile(Residual, rows, N, cols, mask)
+        jh.store_tile(Out, rows, N, cols, mask, res + v)
 
 
 @triton.jit
@@ -71,14 +76,13 @@ def _bias_dropout_add_bwd_kernel(
     row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
         rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
-        offsets = rows[:, None] * N + cols[None, :]
-        dout = tl.load(DOut + offsets, mask=mask, other=0.0).to(tl.float32)
-        keep = (tl.rand(seed, offsets) >= p) & mask
+        dout = jh.load_tile(DOut, rows, N, cols, mask)
+        keep = _kept(seed, rows, N, cols, p) & mask
         dx = tl.where(keep, dout * scale, 0.0)
-        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+        jh.store_tile(DX, rows, N, cols, mask, dx)
         db += tl.sum(dx, axis=0)
     if HAS_BIAS:
-        tl.store(DB_partial + tl.program_id(0) * N + cols, db, mask=col_mask)
+        jh.store_partial_sums(DB_partial, N, cols, col_mask, db)
 
 
 def _scale(p: float) -> float:
@@ -117,8 +121,9 @@ def bias_dropout_add_forward(
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if out.numel() == 0:
         return out.view(x.shape)
-    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
-    _bias_dropout_add_fwd_kernel[grid](
+    tiles = tile_grid(m, n, x.device)
+    tiles.launch(
+        _bias_dropout_add_fwd_kernel,
         x2d,
         x if bias is None else bias,
         res2d,
@@ -127,14 +132,11 @@ def bias_dropout_add_forward(
         m,
         n,
         x2d.stride(0),
-        rows_per_program,
+        tiles.rows_per_program,
         p,
         _scale(p),
         HAS_BIAS=bias is not None,
         DROPOUT=dropout and p > 0.0,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
     )
     return out.view(x.shape)
 
@@ -147,23 +149,21 @@ def bias_dropout_add_backward(
     dout2d = dout.reshape(-1, n).contiguous()
     m = dout2d.shape[0]
     dx = torch.empty((m, n), dtype=x_dtype, device=dout.device)
-    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, dout.device)
-    db_partial = partial_sums(grid[0], n, dout.device)
+    tiles = tile_grid(m, n, dout.device)
+    db_partial = partial_sums(tiles.row_groups, n, dout.device)
     if dx.numel() > 0:
-        _bias_dropout_add_bwd_kernel[grid](
+        tiles.launch(
+            _bias_dropout_add_bwd_kernel,
             dout2d,
             dx,
             db_partial,
             seed,
             m,
             n,
-            rows_per_program,
+            tiles.rows_per_program,
             p,
             _scale(p),
             HAS_BIAS=has_bias,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=num_warps,
         )
     return dx.view(dout.shape), db_partial.sum(dim=0) if has_bias else None
 

@@ -28,6 +28,12 @@ APPROXIMATIONS = ("none", "tanh")
 
 
 @triton.jit
+def _tanh_argument(v):
+    """u = sqrt(2/pi) (v + 0.044715 v³), the argument of tanh in GeLU's tanh form."""
+    return 0.7978845608028654 * (v + 0.044715 * v * v * v)
+
+
+@triton.jit
 def _bias_gelu_fwd_kernel(
     X,  # [M, N] pre-activation input, row stride stride_x
     Bias,  # [N] bias (not read when HAS_BIAS is False)
@@ -46,14 +52,12 @@ def _bias_gelu_fwd_kernel(
     row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
         rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        v = x.to(tl.float32) + b[None, :]
+        v = jh.load_tile(X, rows, stride_x, cols, mask) + b[None, :]
         if TANH:
-            u = 0.7978845608028654 * (v + 0.044715 * v * v * v)
-            y = v * tl.sigmoid(2.0 * u)
+            y = v * tl.sigmoid(2.0 * _tanh_argument(v))
         else:
             y = 0.5 * v * (1.0 + tl.erf(v * 0.7071067811865476))
-        tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        jh.store_tile(Y, rows, N, cols, mask, y)
 
 
 @triton.jit
@@ -78,24 +82,22 @@ def _bias_gelu_bwd_kernel(
     row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
         rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-        dy = tl.load(DY + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-        v = x.to(tl.float32) + b[None, :]
+        v = jh.load_tile(X, rows, stride_x, cols, mask) + b[None, :]
+        dy = jh.load_tile(DY, rows, N, cols, mask)
         if TANH:
             # d/dv [v * s(2u)] = s + 2 v s (1 - s) u',  u' = sqrt(2/pi) (1 + 3 * 0.044715 v^2)
-            u = 0.7978845608028654 * (v + 0.044715 * v * v * v)
-            s = tl.sigmoid(2.0 * u)
+            s = tl.sigmoid(2.0 * _tanh_argument(v))
             du = 0.7978845608028654 * (1.0 + 0.134145 * v * v)
             grad = s + 2.0 * v * s * (1.0 - s) * du
         else:
             # d/dv [v Phi(v)] = Phi(v) + v phi(v)
             cdf = 0.5 * (1.0 + tl.erf(v * 0.7071067811865476))
             grad = cdf + v * 0.3989422804014327 * tl.exp(-0.5 * v * v)
-        dx = tl.where(mask, dy.to(tl.float32) * grad, 0.0)
-        tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dx = tl.where(mask, dy * grad, 0.0)
+        jh.store_tile(DX, rows, N, cols, mask, dx)
         db += tl.sum(dx, axis=0)
     if HAS_BIAS:
-        tl.store(DB_partial + tl.program_id(0) * N + cols, db, mask=col_mask)
+        jh.store_partial_sums(DB_partial, N, cols, col_mask, db)
 
 
 def _check_approximate(approximate: str) -> None:
@@ -114,20 +116,18 @@ def bias_gelu_forward(
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if y.numel() == 0:
         return y.view(x.shape)
-    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
-    _bias_gelu_fwd_kernel[grid](
+    tiles = tile_grid(m, n, x.device)
+    tiles.launch(
+        _bias_gelu_fwd_kernel,
         x2d,
         x if bias is None else bias,
         y,
         m,
         n,
         x2d.stride(0),
-        rows_per_program,
+        tiles.rows_per_program,
         HAS_BIAS=bias is not None,
         TANH=approximate == "tanh",
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        num_warps=num_warps,
     )
     return y.view(x.shape)
 
@@ -138,10 +138,11 @@ def bias_gelu_backward(
     """(dx, dbias) of ``bias_gelu_forward``, recomputing x + bias; dbias None without bias."""
     x2d, dy2d, dx = grad_rows(dy, x)
     m, n = x2d.shape
-    grid, rows_per_program, block_m, block_n, num_warps = tile_grid(m, n, x.device)
-    db_partial = partial_sums(grid[0], n, x.device)
+    tiles = tile_grid(m, n, x.device)
+    db_partial = partial_sums(tiles.row_groups, n, x.device)
     if dx.numel() > 0:
-        _bias_gelu_bwd_kernel[grid](
+        tiles.launch(
+            _bias_gelu_bwd_kernel,
             dy2d,
             x2d,
             x if bias is None else bias,
@@ -150,12 +151,9 @@ def bias_gelu_backward(
             m,
             n,
             x2d.stride(0),
-            rows_per_program,
+            tiles.rows_per_program,
             HAS_BIAS=bias is not None,
             TANH=approximate == "tanh",
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            num_warps=num_warps,
         )
     return dx.view(x.shape), reduce_partial_sums(db_partial, bias)
 

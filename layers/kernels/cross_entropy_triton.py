@@ -122,9 +122,16 @@ def _cross_entropy_bwd_kernel(
         tl.store(base + cols, (g * scale).to(Grad.dtype.element_ty), mask=mask)
 
 
-def _block_v(v_local: int, block_v: int | None) -> tuple[int, int]:
+def _launch_per_token(kernel, shape: tuple[int, int], block_v: int | None, *args, **kw) -> None:
+    """Launch ``kernel`` over [T, V_local] ``shape``: one program per token, each streaming
+    its row in BLOCK_V chunks (``block_v``, else the row's power of two up to
+    MAX_BLOCK_V); nothing to launch when T is 0."""
+    t, v_local = shape
+    if t == 0:
+        return
     block = block_v or min(triton.next_power_of_2(v_local), MAX_BLOCK_V)
-    return block, 16 if block >= 8192 else 8 if block >= 2048 else 4
+    num_warps = 16 if block >= 8192 else 8 if block >= 2048 else 4
+    kernel[(t,)](*args, BLOCK_V=block, num_warps=num_warps, **kw)
 
 
 def cross_entropy_stats(
@@ -152,22 +159,21 @@ def cross_entropy_stats(
             f"{tuple(logits.shape)} (strides {logits.stride()}) and {tuple(target.shape)}"
         )
     t, v_local = logits.shape
-    block, num_warps = _block_v(v_local, block_v)
     stats = torch.empty((4, t), dtype=torch.float32, device=logits.device)
-    if t > 0:
-        _cross_entropy_fwd_stats_kernel[(t,)](
-            logits,
-            target.contiguous(),
-            stats,
-            t,
-            logits.stride(0),
-            v_local,
-            vocab_start,
-            vocab_size,
-            SMOOTHING=smoothing,
-            BLOCK_V=block,
-            num_warps=num_warps,
-        )
+    _launch_per_token(
+        _cross_entropy_fwd_stats_kernel,
+        logits.shape,
+        block_v,
+        logits,
+        target.contiguous(),
+        stats,
+        t,
+        logits.stride(0),
+        v_local,
+        vocab_start,
+        vocab_size,
+        SMOOTHING=smoothing,
+    )
     return stats
 
 
@@ -184,22 +190,19 @@ def cross_entropy_grad_(
 ) -> torch.Tensor:
     """Overwrite ``logits`` [T, V_local] with d loss / d logits given each row's global
     log-sum-exp ``lse`` [T] fp32; returns ``logits``. Arguments as for ``cross_entropy_stats``."""
-    t, v_local = logits.shape
-    if t == 0:
-        return logits
-    block, num_warps = _block_v(v_local, block_v)
-    _cross_entropy_fwd_grad_kernel[(t,)](
+    _launch_per_token(
+        _cross_entropy_fwd_grad_kernel,
+        logits.shape,
+        block_v,
         logits,
         target.contiguous(),
         lse,
         logits.stride(0),
-        v_local,
+        logits.shape[1],
         vocab_start,
         vocab_size,
         ignore_index,
         smoothing,
-        BLOCK_V=block,
-        num_warps=num_warps,
     )
     return logits
 
@@ -213,17 +216,15 @@ def cross_entropy_backward(
 ) -> torch.Tensor:
     """Scale each row of ``grad`` [T, V_local] by ``grad_loss`` [T], in place; returns ``grad``."""
     t, v_local = grad.shape
-    if t == 0:
-        return grad
-    block, num_warps = _block_v(v_local, block_v)
-    _cross_entropy_bwd_kernel[(t,)](
+    _launch_per_token(
+        _cross_entropy_bwd_kernel,
+        grad.shape,
+        block_v,
         grad,
         grad_loss.reshape(t).to(torch.float32).contiguous(),
         target.contiguous(),
         grad.stride(0),
         v_local,
         ignore_index,
-        BLOCK_V=block,
-        num_warps=num_warps,
     )
     return grad

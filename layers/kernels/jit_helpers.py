@@ -54,6 +54,13 @@ def program_rows(M, rows_per_program):
     return row_start, tl.minimum(rows_per_program, M - row_start)
 
 
+@triton.jit
+def store_partial_sums(P, N, cols, mask, s):
+    """Store the fp32 column sums ``s`` as this program's row of the [programs, N] buffer
+    P: the first stage of a weight or bias gradient's two-stage reduction."""
+    tl.store(P + tl.program_id(0) * N + cols, s, mask=mask)
+
+
 # Tile kernels.
 
 
@@ -76,3 +83,16 @@ def row_tile(r, row_end, col_mask, BLOCK_M: tl.constexpr):
     """(rows, mask): the BLOCK_M rows from ``r`` and the [BLOCK_M, BLOCK_N] in-bounds mask."""
     rows = r + tl.arange(0, BLOCK_M)
     return rows, (rows < row_end)[:, None] & col_mask[None, :]
+
+
+@triton.jit
+def load_tile(X, rows, stride, cols, mask):
+    """The [BLOCK_M, BLOCK_N] tile of X at ``rows`` × ``cols`` (row stride ``stride``) in
+    fp32, 0 where masked."""
+    return tl.load(X + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_tile(Y, rows, N, cols, mask, y):
+    """Store the tile ``y`` at ``rows`` × ``cols`` of the contiguous [M, N] Y, in Y's dtype."""
+    tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)

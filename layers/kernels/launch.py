@@ -7,6 +7,7 @@ when a Triton path runs.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -107,17 +108,43 @@ def row_groups(
     return triton.cdiv(n_rows, per_group), per_group
 
 
-def tile_grid(m: int, n: int, device: torch.device) -> tuple[tuple[int, int], int, int, int, int]:
-    """Grid of the element-wise kernels over [m, n]: (grid, rows_per_program, BLOCK_M, BLOCK_N, warps).
+@dataclass(frozen=True)
+class TileGrid:
+    """How the element-wise kernels run over [m, n] (``tile_grid``).
 
-    grid is (row groups, column blocks); each program loops over ``rows_per_program`` rows
-    (a multiple of BLOCK_M) of one column block, so a bias gradient needs only a
+    ``grid`` is (row groups, column blocks); each program loops over ``rows_per_program``
+    rows (a multiple of ``block_m``) of one column block, so a bias gradient needs only a
     [row groups, n] fp32 buffer of partial sums.
     """
+
+    grid: tuple[int, int]
+    rows_per_program: int
+    block_m: int
+    block_n: int
+    num_warps: int
+
+    @property
+    def row_groups(self) -> int:
+        """Programs along the rows: the rows of a partial-sum buffer."""
+        return self.grid[0]
+
+    def launch(self, kernel, *args, **constexprs) -> None:
+        """Run ``kernel`` (a tile kernel taking BLOCK_M and BLOCK_N) on this grid."""
+        kernel[self.grid](
+            *args,
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            num_warps=self.num_warps,
+            **constexprs,
+        )
+
+
+def tile_grid(m: int, n: int, device: torch.device) -> TileGrid:
+    """The grid, tiles and warps of the element-wise kernels over [m, n]."""
     block_m, block_n, num_warps = tile_settings(m, n)
     col_blocks = triton.cdiv(n, block_n)
     groups, row_tiles = row_groups(triton.cdiv(m, block_m), col_blocks, device, per_sm=4)
-    return (groups, col_blocks), row_tiles * block_m, block_m, block_n, num_warps
+    return TileGrid((groups, col_blocks), row_tiles * block_m, block_m, block_n, num_warps)
 
 
 def check_launchable(kernel: object, x: torch.Tensor) -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from engine.models.base import (
     ParallelLMHead,
-    ParallelModel,
+    TransformerModel,
     hidden_layer_norm,
     replicated_linear,
     stack_batches,
@@ -19,7 +18,6 @@ from engine.models.config import ModelConfig
 from layers import gather_from_tp, vocab_parallel_cross_entropy
 from layers.kernel_set import Kernels
 from layers.utils import comm_timer_of
-from parallel_state.random import RNGTracker
 
 
 def _dense(
@@ -74,7 +72,7 @@ class Pooler(nn.Module):
         return torch.tanh(self.dense(cls))
 
 
-class BertModel(ParallelModel):
+class BertModel(TransformerModel):
     """BERT for pre-training: masked-LM logits (vocab-sharded) and a sentence-order head.
 
     ``forward(input_ids, token_type_ids, attention_mask)`` with ``[b, s]`` inputs
@@ -87,25 +85,12 @@ class BertModel(ParallelModel):
     ARCH = "bert"
     pipeline_heads = ("mlm_transform", "lm_head", "pooler", "sop_head")
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp_group: dist.ProcessGroup | None = None,
-        rng: RNGTracker | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        cp_group: dist.ProcessGroup | None = None,
-    ) -> None:
-        super().__init__()
-        build = self._build_trunk(
-            cfg, tp_group=tp_group, cp_group=cp_group, rng=rng, dtype=dtype, device=device
-        )
+    def _build_heads(self, cfg: ModelConfig, *, tp_group, dtype, device) -> None:
+        build = dict(tp_group=tp_group, dtype=dtype, device=device)
         self.mlm_transform = MLMTransform(cfg, kernels=self.kernels, dtype=dtype, device=device)
         self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=True, **build)
         self.pooler = Pooler(cfg, **build)
         self.sop_head = _dense(cfg, 2, False, dtype, device)
-        self._compile_if_asked()
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """MLM + SOP loss of ``batch`` as BertDataset yields it: ``input_ids``,

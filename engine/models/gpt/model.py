@@ -4,10 +4,9 @@ and through the config's component seams the Llama family's (rotary, RMSNorm, Sw
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from engine.models.base import ParallelLMHead, ParallelModel, stack_batches, to_device
+from engine.models.base import ParallelLMHead, TransformerModel, stack_batches, to_device
 from engine.models.config import ModelConfig
 from layers.attention import KVCache, decoder_mask
 from layers.documents import DocumentMask, document_positions
@@ -16,10 +15,9 @@ from layers.ring_attention import cp_positions, shard_for_cp
 from layers.rotary import inverse_frequencies, rotary_tables
 from layers.utils import comm_timer_of
 from parallel_state.groups import group_size
-from parallel_state.random import RNGTracker
 
 
-class GPTModel(ParallelModel):
+class GPTModel(TransformerModel):
     """A causal language model whose logits stay sharded over the vocabulary across TP.
 
     ``forward(input_ids [b, s])`` → logits ``[b, s, V_padded/tp]`` (this rank's vocabulary
@@ -30,26 +28,14 @@ class GPTModel(ParallelModel):
     ARCH = "gpt"  # the model.arch this class builds (a family's subclass names its own)
     pipeline_heads = ("final_norm", "lm_head")
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        *,
-        tp_group: dist.ProcessGroup | None = None,
-        rng: RNGTracker | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        cp_group: dist.ProcessGroup | None = None,
-    ) -> None:
-        super().__init__()
-        build = self._build_trunk(
-            cfg, tp_group=tp_group, cp_group=cp_group, rng=rng, dtype=dtype, device=device
-        )
+    def _build_heads(self, cfg: ModelConfig, *, tp_group, dtype, device) -> None:
         self.final_norm = make_norm(cfg, kernels=self.kernels, dtype=dtype, device=device)
         if self.rotary:  # fp32 frequencies, a buffer so .to(device) moves them
             inv = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_args)
             self.register_buffer("inv_freq", inv.to(device), persistent=False)
-        self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=False, **build)
-        self._compile_if_asked()
+        self.lm_head = ParallelLMHead(
+            cfg, tied=cfg.tie_embeddings, bias=False, tp_group=tp_group, dtype=dtype, device=device
+        )
 
     def forward(
         self,
