@@ -250,10 +250,10 @@ class ParallelAttention(nn.Module):
     ``layers.documents.DocumentMask`` (packed documents, block-diagonal).
 
     The "standard" entry of ``layers.spec.ATTENTIONS``; constructed as every attention slot
-    is (``kernels`` runs the QK norms' RMSNorm, if any; the attention core is torch's).
+    is (``kernels`` runs the QK norms, if any; the attention core is torch's).
     ``cfg.qk_norm`` normalizes q and k per head (``cfg.norm``'s class over head_dim, one
-    replicated ``[head_dim]`` weight each) before RoPE, as Qwen3 does. A ``cp_group`` of several ranks
-    (context parallelism) makes the core a ring (:class:`RingCoreAttention`): the input is
+    replicated ``[head_dim]`` weight each) before RoPE, as Qwen3 does; a ring then gets
+    them normalized. A ``cp_group`` of several ranks (context parallelism) makes the core a ring (:class:`RingCoreAttention`): the input is
     then this rank's share of each sequence, and ``rotary`` holds its global positions.
     The layout, not the model config, decides, so one config runs at every cp size.
 
