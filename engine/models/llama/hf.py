@@ -166,7 +166,7 @@ def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[s
         out.update(qkv_bias=cfg.qkv_bias)
     if kind in _QK_NORMED:
         out.update(attention_bias=False)
-    if kind in _QK_NORMED or "head_dim" in out or cfg.attention_head_dim is not None:
+    if kind in _QK_NORMED or cfg.attention_head_dim or out.get("head_dim") is not None:
         out["head_dim"] = cfg.head_dim
     if cfg.sliding_window is not None:
         if kind not in _WINDOWED:
