@@ -19,26 +19,20 @@ from engine.models import build_model, family
 from studies.verification.hf_parity import _keep_norms_in_float64
 from tests.multiproc import run_ranks
 from tests.test_context_parallel import _assert_equal_to_unsplit, _step_against_unsplit
+from tests.test_moe_hf import COMMON as MOE_COMMON
+from tests.test_moe_hf import EAGER
 
 transformers = pytest.importorskip("transformers")
 
-# Awkward on purpose: a prime vocabulary, GQA (2 KV heads of 4), and a head_dim of its own
-# (4 × 12 = 48 ≠ hidden 32), so a projection or norm sized hidden / heads fails to load.
-COMMON = dict(
-    vocab_size=101,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=12,
-    intermediate_size=40,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+# test_moe_hf's tiny sizes (a prime vocabulary, GQA: 2 KV heads of 4, no tying) with a
+# head_dim of its own (4 × 12 = 48 ≠ hidden 32), so a projection or norm sized hidden /
+# heads fails to load; without its router-loss keys (Qwen3-MoE: transformers' defaults).
+COMMON = {
+    **{k: v for k, v in MOE_COMMON.items() if "router" not in k},
+    "head_dim": 12,
+    "intermediate_size": 40,
+}
 CLASSES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-# transformers' per-expert loop (its grouped_mm default takes no fp64), the reference.
-EAGER = dict(experts_implementation="eager")
 
 
 def _models() -> dict[str, torch.nn.Module]:
@@ -141,18 +135,17 @@ def _config(hf_dirs, name: str) -> dict:
     return json.loads(Path(hf_dirs[name], "config.json").read_text())
 
 
-@pytest.mark.parametrize(
-    "name, change, message",
-    [
-        ("qwen3", dict(attention_bias=True), "attention_bias true is not supported for qwen3"),
-        ("qwen3_moe", dict(mlp_only_layers=[1]), r"leaves experts on layers \[0\]"),
-        ("qwen3_moe", dict(num_experts=8), "the two expert counts disagree"),
-    ],
-)
-def test_unsupported_configs_are_one_line(hf_dirs, name, change, message):
-    with pytest.raises(ValueError, match=message) as err:
-        config_from_hf({**_config(hf_dirs, name), **change})
-    assert "\n" not in str(err.value)
+def test_unsupported_configs_are_one_line(hf_dirs):
+    dense, moe = _config(hf_dirs, "qwen3"), _config(hf_dirs, "qwen3_moe")
+    for config, message in (
+        ({**dense, "attention_bias": True}, "attention_bias true is not supported for qwen3"),
+        # Layer 1 dense leaves experts on layer 0 alone: no k has every k-th layer so.
+        ({**moe, "mlp_only_layers": [1]}, r"leaves experts on layers \[0\]"),
+        ({**moe, "num_experts": 8}, "the two expert counts disagree"),  # beside 4 local
+    ):
+        with pytest.raises(ValueError, match=message) as err:
+            config_from_hf(config)
+        assert "\n" not in str(err.value)
 
 
 def test_exports_refuse_what_qwen3_does_not_compute(hf_dirs):
