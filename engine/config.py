@@ -292,8 +292,9 @@ def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     """What cp > 1 does not run with yet, one line each (the sequence length is the
     layout's rule, ``ParallelDims.check_seq_len``). It composes with tp (and sequence
     parallelism), dp and pp (each stage gets its cp rank's share of every sequence and the
-    global positions, ``engine/pipeline/schedule.py``), and with attention dropout (the
-    ring reads the unsplit model's mask at the global positions, ``RingCoreAttention``)."""
+    global positions, ``engine/pipeline/schedule.py``), with attention dropout (the
+    ring reads the unsplit model's mask at the global positions, ``RingCoreAttention``)
+    and with ``model.qk_norm`` (q and k reach the ring normalized)."""
     if dims.cp == 1:
         return []
     m, problems, at = cfg.model, [], f"cp_size={dims.cp}"

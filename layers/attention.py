@@ -26,6 +26,8 @@ from layers.linear import (
     normal_init,
     residual_output_linear,
 )
+from layers.norm import NORMS
+from layers.param_roles import mark_sp_partial_grad
 from layers.quantize import kv_layout
 from layers.recompute import checkpointed
 from layers.ring_attention import ring_attention, shard_for_cp
@@ -248,8 +250,10 @@ class ParallelAttention(nn.Module):
     ``layers.documents.DocumentMask`` (packed documents, block-diagonal).
 
     The "standard" entry of ``layers.spec.ATTENTIONS``; constructed as every attention slot
-    is (``kernels`` unused: the attention core is torch's). A ``cp_group`` of several ranks
-    (context parallelism) makes the core a ring (:class:`RingCoreAttention`): the input is
+    is (``kernels`` runs the QK norms, if any; the attention core is torch's).
+    ``cfg.qk_norm`` normalizes q and k per head (``cfg.norm``'s class over head_dim, one
+    replicated ``[head_dim]`` weight each) before RoPE, as Qwen3 does; a ring then gets
+    them normalized. A ``cp_group`` of several ranks (context parallelism) makes the core a ring (:class:`RingCoreAttention`): the input is
     then this rank's share of each sequence, and ``rotary`` holds its global positions.
     The layout, not the model config, decides, so one config runs at every cp size.
 
@@ -278,9 +282,30 @@ class ParallelAttention(nn.Module):
         self.sequence_parallel = cfg.sequence_parallel
         common = branch_options(cfg, tp_group, dtype, device)
         self._build_projections(cfg, tp_group, common)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = (
+                self._head_norm(cfg, kernels, dtype, device) for _ in range(2)
+            )
         self.core = self._build_core(cfg, rng, cp_group, window)
         width = cfg.num_heads * self.head_dim  # the heads' concatenated output
         self.dense = residual_output_linear(cfg, width, common)
+
+    def _head_norm(self, cfg: TransformerConfig, kernels, dtype, device) -> nn.Module:
+        """A norm over one head's width, its weight shared by every head. Each TP rank
+        normalizes only its own heads (whole sequences: the projections gathered them), so
+        the weight's gradient is a partial sum over TP at any TP size: it is marked to be
+        summed over TP after backward, as sequence-parallel norm weights are
+        (``layers.param_roles``, ``layers.tp_grads``)."""
+        norm = NORMS[cfg.norm](
+            self.head_dim,
+            cfg.layernorm_eps,
+            kernels=kernels or cfg.kernels,
+            dtype=dtype,
+            device=device,
+        )
+        for p in norm.parameters():
+            mark_sp_partial_grad(p, True)
+        return norm
 
     @staticmethod
     def _build_core(cfg: TransformerConfig, rng, cp_group, window=None) -> CoreAttention:
@@ -349,6 +374,8 @@ class ParallelAttention(nn.Module):
         values so far (inference); the new ones are added. ``rotary``: (cos, sin)
         ``[b, 1, s, d]`` of the positions, for rotary position embeddings."""
         q, k, v = self._project(x)
+        if hasattr(self, "q_norm"):  # per head, before the rotation (Qwen3's order)
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if cache is not None:

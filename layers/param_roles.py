@@ -13,7 +13,8 @@ know which layer made the parameter. The roles:
   the layout, so checkpoints cut and place such a parameter for any TP size with it.
 * **sequence-parallel partial gradient**: a replicated parameter whose gradient on each
   TP rank covers only that rank's sequence block (norms, the row-parallel bias under
-  sequence parallelism); ``layers.tp_grads`` sums it over TP after backward.
+  sequence parallelism) or only its heads (the per-head QK norms, at any TP size);
+  ``layers.tp_grads`` sums it over TP after backward.
 * **padded vocabulary**: dim 0 is the vocabulary, padded per TP size in memory and cut
   back to the true vocabulary in full state dicts.
 * **copy of another rank's**: a pipeline's tied word embedding on the last stage, whose

@@ -10,10 +10,10 @@ master weights):
 
 * attention and MLP: ``cls(cfg, *, tp_group, rng, kernels, dtype, device)``. The layer
   passes every keyword; a class ignores those it has no use for (the dense MLP draws no
-  dropout, so ignores ``rng``; attention has no element-wise kernel, so ignores
-  ``kernels``). ``forward`` takes ``[s, b, h]`` (``[s/tp, b, h]`` under sequence
-  parallelism) and returns ``(out, bias or None)``: the bias unadded, for the layer's fused
-  bias + dropout + residual add. Attention's forward also takes ``mask, cache, rotary``,
+  dropout, so ignores ``rng``; attention uses ``kernels`` only for its QK norms).
+  ``forward`` takes ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) and
+  returns ``(out, bias or None)``: the bias unadded, for the layer's fused bias + dropout +
+  residual add. Attention's forward also takes ``mask, cache, rotary``,
   and its constructor ``cp_group`` too (the context-parallel ranks splitting each
   sequence; None or one rank: none), since attention alone sees across tokens, and
   ``window`` where the spec holds one (a sliding window; not passed when None, so a class

@@ -49,6 +49,7 @@ class TransformerConfig(Protocol):
     attn_logit_softcapping: float | None  # scores → c·tanh(scores/c); None: uncapped
     query_pre_attn_scalar: float | None  # scores scaled by scalar^-1/2; None: head_dim's
     post_norms: bool  # norms on the attention and MLP outputs before the residual add
+    qk_norm: bool  # q and k normalized per head over head_dim before RoPE (Qwen3)
 
     @property
     def head_dim(self) -> int: ...  # one attention head's width

@@ -37,6 +37,11 @@ SMALL = dict(
 MODELS = {  # GPT: learned positions, MHA; Llama: rotary, GQA (2 KV heads for 4 heads)
     "gpt": ("gpt_tiny", {}),
     "llama": ("llama_tiny", {"num_kv_heads": 2, "ffn_hidden_size": 64}),
+    # Qwen3's QK norms (applied before the ring) and heads 12 wide (4 × 12 ≠ 32)
+    "qwen3": (
+        "llama_tiny",
+        {"num_kv_heads": 2, "ffn_hidden_size": 64, "qk_norm": True, "attention_head_dim": 12},
+    ),
 }
 
 

@@ -73,6 +73,7 @@ RESUME_FIXED = (
     "query_pre_attn_scalar",
     "embedding_scale",
     "post_norms",
+    "qk_norm",
 )
 # Keys whose null means a default from the others: compared with that default applied.
 _APPLIED = {
@@ -155,6 +156,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # scores scaled by scalar^-1/2; None: head_dim's
     embedding_scale: bool = False  # word embeddings × sqrt(hidden_size) (Gemma)
     post_norms: bool = False  # a norm on attention's and the MLP's outputs too (Gemma 2)
+    qk_norm: bool = False  # q and k normalized per head (model.norm's class over head_dim,
+    # its own [head_dim] weight each) before RoPE (Qwen3)
 
     @property
     def ffn_size(self) -> int:

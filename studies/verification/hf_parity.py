@@ -101,7 +101,9 @@ def hf_reference_note(spec: VerifySpec, hf_dir: str | os.PathLike) -> str:
     if spec.dtype == "float64" and cfg.norm != "layernorm":
         return (
             "reference: transformers in float64, its RMSNorm computed in float64 "
-            "(transformers' own rounds through float32; so is an eager attention's softmax)"
+            "(transformers' own rounds through float32; so is an eager attention's softmax"
+            + (", not its routers'" if cfg.mlp == "moe" else "")
+            + ")"
         )
     return f"reference: transformers in {spec.dtype}"
 
@@ -158,7 +160,11 @@ def _hf_logits(hf_dir: str, cfg, hf_config: dict, batch: dict, dtype) -> dict[st
     widen = contextlib.nullcontext()
     if dtype == torch.float64:
         _keep_norms_in_float64(model, cfg.norm)
-        widen = _softmax_at_input_precision()
+        # Not under experts: Qwen-MoE routers ask for float32 probabilities too, as ours
+        # compute them (moe_router_dtype fp32); widened, the routing weights would differ
+        # by ~1e-7 (Mixtral's router casts with .float(), which the widening never saw).
+        if cfg.mlp != "moe":
+            widen = _softmax_at_input_precision()
     with torch.no_grad(), widen:
         if cfg.causal:  # a decoder's LM logits
             return {"logits": model(input_ids=batch["input_ids"]).logits}

@@ -24,10 +24,9 @@ def model_flops(
 
 def params_count(cfg: ModelConfig) -> int:
     """Parameters of the full model, unpadded vocabulary: Llama's count with the same
-    widths, plus each layer's two post norms (2·h), with the query and output projections
-    ``heads · head_dim`` wide where that is not h (``attention_head_dim``)."""
-    h, width = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    per_layer = 2 * h * (width - h) + (2 * h if cfg.post_norms else 0)
+    widths (which takes the query and output projections ``heads · head_dim`` wide where
+    that is not h, ``attention_head_dim``), plus each layer's two post norms (2·h)."""
+    per_layer = 2 * cfg.hidden_size if cfg.post_norms else 0
     return llama.params_count(cfg) + cfg.num_layers * per_layer
 
 

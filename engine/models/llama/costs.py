@@ -36,8 +36,13 @@ def model_flops(
 
 
 def params_count(cfg: ModelConfig) -> int:
-    """Parameters of the full model, unpadded vocabulary (what ``full_state_dict`` holds)."""
-    return llama_params_count(
+    """Parameters of the full model, unpadded vocabulary (what ``full_state_dict`` holds):
+    the q and output projections (and q's bias) ``heads · head_dim`` wide where that is
+    not h (Qwen3's ``head_dim``), and two ``[head_dim]`` QK-norm weights per layer under
+    ``qk_norm``."""
+    h, width = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    per_layer = (2 * h + cfg.qkv_bias) * (width - h) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    return cfg.num_layers * per_layer + llama_params_count(
         cfg.num_layers,
         cfg.hidden_size,
         cfg.vocab_size,

@@ -1,5 +1,6 @@
-"""Hugging Face LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM ↔ meshtron, and
-through ``moe_hf`` the MoE variants MixtralForCausalLM / Qwen2MoeForCausalLM.
+"""Hugging Face LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM
+↔ meshtron, and through ``moe_hf`` the MoE variants MixtralForCausalLM / Qwen2MoeForCausalLM /
+Qwen3MoeForCausalLM.
 
 Pure relabelling and row permutation, so HF → meshtron → HF is bitwise:
 
@@ -7,6 +8,9 @@ Pure relabelling and row permutation, so HF → meshtron → HF is bitwise:
   has its own KV head, else ``query`` ``(heads d)`` and ``key_value`` ``(kv_heads two d)``.
 * gate and up: interleaved into one ``(ffn two)`` column-parallel weight (``layers.mlp``).
 * Rotation pairs i with i + d/2 on both sides, so q and k rows need no permutation.
+* Qwen3's ``q_norm`` / ``k_norm`` (RMSNorm over each head's ``head_dim``, before RoPE)
+  ↔ ``attention.q_norm`` / ``attention.k_norm`` (``model.qk_norm``); its ``head_dim`` ↔
+  ``attention_head_dim`` where heads × head_dim ≠ hidden.
 """
 
 from __future__ import annotations
@@ -28,8 +32,12 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     **moe_hf.ARCHITECTURES,
 }
+
+# Qwen3 and Qwen3-MoE: q and k normalized per head (model.qk_norm), no bias anywhere.
+_QK_NORMED = ("qwen3", "qwen3_moe")
 
 # Mistral and Mixtral: the window (when shorter than the context) on every layer.
 _WINDOWED = ("mistral", "mixtral")
@@ -75,24 +83,16 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """ModelConfig of a Llama, Mistral, Qwen2, Mixtral or Qwen2-MoE ``config.json``;
-    unsupported variants raise. Every value read is type-checked and the result validated
-    before it is returned."""
+    """ModelConfig of a Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE
+    ``config.json``; unsupported variants raise. Every value read is type-checked and the
+    result validated before it is returned."""
     kind = hf["model_type"]
     if (act := layout.hf_value(hf, "hidden_act", str, "silu")) != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported; use silu")
-    attn_bias = layout.hf_value(hf, "attention_bias", bool, False)
-    mlp_bias = layout.hf_value(hf, "mlp_bias", bool, False)
-    if kind == "llama" and attn_bias != mlp_bias:
-        raise ValueError("attention_bias != mlp_bias is not supported; set both the same")
+    qkv_bias, linear_bias = _biases(hf, kind)
     values = layout.config_values(hf, _CONFIG)
     if kind in moe_hf.ARCHITECTURES:
         values.update(moe_hf.config_values(hf))
-    qkv_bias = attn_bias
-    if kind == "qwen2":  # q, k and v biases always
-        qkv_bias = True
-    elif kind == "qwen2_moe":  # its config says
-        qkv_bias = layout.hf_value(hf, "qkv_bias", bool, True)
     if values["num_kv_heads"] is None:  # absent or null: one KV head per query head
         values["num_kv_heads"] = values["num_heads"]
     elif values["num_kv_heads"] < 1:  # ModelConfig reads 0 as "unset" (one per query head)
@@ -106,13 +106,15 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         position_embedding="rotary",
         activation="swiglu",
         qkv_bias=qkv_bias,
-        linear_bias=False if kind in ("qwen2", "qwen2_moe") else attn_bias,
+        linear_bias=linear_bias,
+        qk_norm=kind in _QK_NORMED,
         **_rope(hf),
     )
     cfg = layout.validated(cfg, _CONFIG + moe_hf.KEYS.get(kind, ()))
     head_dim = layout.hf_value(hf, "head_dim", (int, type(None)), None)
-    if head_dim not in (None, cfg.head_dim):
-        raise ValueError(f"head_dim {head_dim} != hidden_size/heads; not supported")
+    if head_dim not in (None, cfg.head_dim):  # a width of its own: heads × d ≠ hidden
+        cfg = dataclasses.replace(cfg, attention_head_dim=head_dim)
+        cfg = layout.validated(cfg, (*_CONFIG, ConfigKey("attention_head_dim", "head_dim")))
     if layout.hf_value(hf, "use_sliding_window", bool, kind in _WINDOWED):
         window = layout.hf_value(hf, "sliding_window", (int, type(None)), None)
         if window is not None and window < cfg.max_positions:
@@ -125,13 +127,31 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return cfg
 
 
+def _biases(hf: dict[str, Any], kind: str) -> tuple[bool, bool]:
+    """(``qkv_bias``, ``linear_bias``) of a ``config.json`` of ``kind``; one line for the
+    bias layouts meshtron does not build."""
+    attn_bias = layout.hf_value(hf, "attention_bias", bool, False)
+    if kind in _QK_NORMED:  # attention_bias puts biases on q, k, v and o, none on the MLP
+        if attn_bias:
+            raise ValueError(
+                f"attention_bias true is not supported for {kind} (biases on q, k, v and "
+                "o but not the MLP); set it to false"
+            )
+        return False, False
+    if kind == "qwen2":  # q, k and v biases always, no other
+        return True, False
+    if kind == "qwen2_moe":  # its config says
+        return layout.hf_value(hf, "qkv_bias", bool, True), False
+    mlp_bias = layout.hf_value(hf, "mlp_bias", bool, False)
+    if kind == "llama" and attn_bias != mlp_bias:
+        raise ValueError("attention_bias != mlp_bias is not supported; set both the same")
+    return attn_bias, attn_bias
+
+
 def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A ``config.json`` dict for ``cfg`` on top of ``base`` (the imported original, if any)."""
     out = dict(base or {})
-    plain = "mistral" if cfg.sliding_window is not None else "llama"
-    kind = out.get("model_type", "qwen2" if cfg.qkv_bias and not cfg.linear_bias else plain)
-    if cfg.mlp == "moe":
-        kind = moe_hf.moe_kind(cfg)
+    kind = _export_kind(cfg, out.get("model_type"))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "llama3":
         rope.update(rope_type="llama3", **layout.config_items(cfg, _LLAMA3_ROPE, {}))
@@ -144,6 +164,10 @@ def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[s
         out.update(moe_hf.config_items(cfg, kind, out))
     if kind == "qwen2_moe":
         out.update(qkv_bias=cfg.qkv_bias)
+    if kind in _QK_NORMED:
+        out.update(attention_bias=False)
+    if kind in _QK_NORMED or cfg.attention_head_dim or out.get("head_dim") is not None:
+        out["head_dim"] = cfg.head_dim
     if cfg.sliding_window is not None:
         if kind not in _WINDOWED:
             raise ValueError(
@@ -152,6 +176,25 @@ def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[s
             )
         out["sliding_window"] = cfg.sliding_window
     return out
+
+
+def _export_kind(cfg: ModelConfig, original: str | None) -> str:
+    """The ``model_type`` ``cfg`` exports as (``original``: the imported one, if any); a
+    one-line ValueError where QK norms and the kind disagree."""
+    if cfg.mlp == "moe":
+        return moe_hf.moe_kind(cfg)
+    plain = "mistral" if cfg.sliding_window is not None else "llama"
+    kind = original or ("qwen2" if cfg.qkv_bias and not cfg.linear_bias else plain)
+    if cfg.qk_norm:
+        if cfg.qkv_bias or cfg.linear_bias:
+            raise ValueError(
+                "model.qk_norm=true exports as Qwen3, which has no biases: set "
+                "model.qkv_bias=false and model.linear_bias=false"
+            )
+        return "qwen3"
+    if kind in _QK_NORMED:
+        raise ValueError(f"model.qk_norm=false: {kind} normalizes q and k; set it true")
+    return kind
 
 
 def _kinds(bias: bool) -> tuple[str, ...]:
@@ -174,6 +217,11 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
         rename(f"{ours}.attention.dense.weight", f"{theirs}.self_attn.o_proj.weight"),
         rename(f"{ours}.mlp_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
     ]
+    if cfg.qk_norm:
+        layer += [
+            rename(f"{ours}.attention.{x}_norm.weight", f"{theirs}.self_attn.{x}_norm.weight")
+            for x in "qk"
+        ]
     if cfg.linear_bias:
         layer.append(rename(f"{ours}.attention.dense.bias", f"{theirs}.self_attn.o_proj.bias"))
     qkv = [f"{theirs}.self_attn.{x}_proj" for x in "qkv"]

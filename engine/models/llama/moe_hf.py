@@ -1,11 +1,14 @@
 """The mixture-of-experts variants of the Llama family's Hugging Face map: Mixtral
-(``MixtralForCausalLM``) and Qwen2-MoE (``Qwen2MoeForCausalLM``), read by ``hf.py``.
+(``MixtralForCausalLM``), Qwen2-MoE (``Qwen2MoeForCausalLM``) and Qwen3-MoE
+(``Qwen3MoeForCausalLM``), read by ``hf.py``.
 
-Both are the Llama decoder with ``model.mlp=moe`` (``layers.moe``): softmax top-k routing
+All three are the Llama decoder with ``model.mlp=moe`` (``layers.moe``): softmax top-k routing
 in fp32, as transformers' routers. Mixtral renormalises the k weights and has experts on
 every layer; Qwen2-MoE renormalises when ``norm_topk_prob``, adds a sigmoid-gated shared
 expert, and holds experts on layers i with (i + 1) % ``decoder_sparse_step`` == 0 (our
-``moe_layer_freq``), dense MLPs of ``intermediate_size`` elsewhere.
+``moe_layer_freq``), dense MLPs of ``intermediate_size`` elsewhere. Qwen3-MoE is Qwen2-MoE
+without the shared expert and with QK norms (``model.qk_norm``, mapped in ``hf.py``); its
+``mlp_only_layers`` is taken where the layers it leaves with experts are every k-th.
 
 Expert weights, per layer (transformers' ``save_pretrained`` writes one tensor per expert;
 its in-memory modules hold them fused, which an import also reads):
@@ -32,7 +35,11 @@ from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
 from engine.models.hf_layout import ConfigKey, Transform, Weights, rename
 
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+ARCHITECTURES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 # Defaults: transformers' config classes' (5.24), for a config.json that omits a key.
 KEYS = {
@@ -49,20 +56,42 @@ KEYS = {
         ConfigKey("moe_renormalize", "norm_topk_prob", False),
         ConfigKey("moe_layer_freq", "decoder_sparse_step", 1),
     ),
+    # transformers 5 saves num_experts as num_local_experts; both are read (_QWEN3_EXPERTS).
+    "qwen3_moe": (
+        ConfigKey("moe_num_experts", "num_experts", 128),
+        ConfigKey("moe_top_k", "num_experts_per_tok", 8),
+        ConfigKey("moe_ffn_hidden_size", "moe_intermediate_size", 768, export="moe_ffn_size"),
+        ConfigKey("moe_renormalize", "norm_topk_prob", False),
+        ConfigKey("moe_layer_freq", "decoder_sparse_step", 1),
+    ),
 }
+_QWEN3_EXPERTS = ("num_experts", "num_local_experts")
 # Where each kind keeps a layer's experts, and their per-expert names (gate, up, down).
-_PREFIX = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp"}
-_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}
+_PREFIX = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "qwen3_moe": "mlp"}
+_QWEN_EXPERTS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_NAMES = {
+    "mixtral": ("w1", "w3", "w2"),
+    "qwen2_moe": _QWEN_EXPERTS,
+    "qwen3_moe": _QWEN_EXPERTS,
+}
 
 
 def moe_kind(cfg: ModelConfig) -> str:
-    """The ``model_type`` an MoE config exports as: Qwen2-MoE with a shared expert, else
-    Mixtral; a one-line ValueError for what neither computes."""
+    """The ``model_type`` an MoE config exports as: Qwen3-MoE with QK norms, Qwen2-MoE with
+    a shared expert, else Mixtral; a one-line ValueError for what none computes."""
     if cfg.moe_router != "softmax":
         raise ValueError(
             f"model.moe_router={cfg.moe_router!r} has no Hugging Face MoE class here; "
-            "Mixtral and Qwen2-MoE route by softmax"
+            "Mixtral and Qwen-MoE route by softmax"
         )
+    if cfg.qk_norm:
+        if cfg.moe_shared_ffn_hidden_size or cfg.qkv_bias:
+            raise ValueError(
+                "model.qk_norm=true with experts exports as Qwen3-MoE, which has no shared "
+                "expert and no QKV bias: set model.moe_shared_ffn_hidden_size=0 and "
+                "model.qkv_bias=false"
+            )
+        return "qwen3_moe"
     if cfg.moe_shared_ffn_hidden_size:
         if not cfg.moe_shared_gate:
             raise ValueError(
@@ -82,11 +111,15 @@ def config_values(hf: dict[str, Any]) -> dict[str, Any]:
     """The ``model.moe_*`` fields (and ``mlp``) of a Mixtral or Qwen2-MoE ``config.json``;
     unsupported variants raise a one-line ValueError naming the key."""
     kind = hf["model_type"]
+    if kind == "qwen3_moe":
+        hf = _qwen3_experts(hf)
     values = layout.config_values(hf, KEYS[kind])
     if kind == "mixtral":
         noise = layout.hf_value(hf, "router_jitter_noise", float, 0.0)
         if noise != 0:
             raise ValueError(f"router_jitter_noise {noise} is not supported; set it to 0.0")
+    elif kind == "qwen3_moe":
+        values["moe_layer_freq"] = _expert_layer_freq(hf, values["moe_layer_freq"])
     else:
         if hf.get("mlp_only_layers") not in (None, []):
             raise ValueError(
@@ -103,6 +136,36 @@ def config_values(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(values, mlp="moe", moe_aux_loss_coeff=float(coeff) if counted else 0.0)
 
 
+def _qwen3_experts(hf: dict[str, Any]) -> dict[str, Any]:
+    """``hf`` with its expert count under ``num_experts`` (the hub's spelling), however it
+    was written; one line where both spellings are there and disagree."""
+    given = {name: hf[name] for name in _QWEN3_EXPERTS if name in hf}
+    if len(set(map(repr, given.values()))) > 1:
+        raise ValueError(f"config.json {given}: the two expert counts disagree; keep one")
+    return {**hf, _QWEN3_EXPERTS[0]: given.popitem()[1]} if given else hf
+
+
+def _expert_layer_freq(hf: dict[str, Any], step: int) -> int:
+    """``moe_layer_freq`` of a Qwen3-MoE config: ``decoder_sparse_step``, or where
+    ``mlp_only_layers`` removes experts too, the k whose every k-th layer is exactly the
+    layers left with experts; one line if there is none."""
+    only = hf.get("mlp_only_layers") or []
+    if not only or step < 1:  # a step below 1 is the validation's to report
+        return step
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise ValueError(f"config.json mlp_only_layers={only!r}: expected a list of integers")
+    layers = layout.hf_value(hf, "num_hidden_layers", int)
+    sparse = [i for i in range(layers) if i not in only and (i + 1) % step == 0]
+    for freq in range(1, layers + 1):
+        if sparse == [i for i in range(layers) if (i + 1) % freq == 0]:
+            return freq
+    raise ValueError(
+        f"mlp_only_layers {only} with decoder_sparse_step {step} leaves experts on layers "
+        f"{sparse}, not on every k-th layer; set mlp_only_layers to [] and choose the "
+        "expert layers by decoder_sparse_step"
+    )
+
+
 def config_items(cfg: ModelConfig, kind: str, base: dict[str, Any]) -> dict[str, Any]:
     """The ``config.json`` entries of ``cfg``'s experts for ``kind`` (on top of ``base``,
     the imported original: its ``router_aux_loss_coef`` stays when the loss is off)."""
@@ -110,8 +173,10 @@ def config_items(cfg: ModelConfig, kind: str, base: dict[str, Any]) -> dict[str,
     coeff = cfg.moe_aux_loss_coeff
     items["output_router_logits"] = coeff > 0
     items["router_aux_loss_coef"] = coeff if coeff > 0 else base.get("router_aux_loss_coef", 0.0)
-    if kind == "qwen2_moe":
+    if kind in ("qwen2_moe", "qwen3_moe"):
         items["mlp_only_layers"] = []
+    if kind == "qwen3_moe" and _QWEN3_EXPERTS[1] in base:  # the spelling it was read in
+        items[_QWEN3_EXPERTS[1]] = items.pop(_QWEN3_EXPERTS[0])
     return items
 
 
