@@ -25,6 +25,7 @@ from engine.inference import ModelSource
 from engine.models.families import FAMILIES
 from engine.tool_args import (
     ArgumentParser,
+    add_quantize_flag,
     non_empty,
     non_negative_int,
     positive_float,
@@ -73,11 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=seed_int, default=0, help="0 .. 2**64 - 1")
     p.add_argument("--no-kv-cache", action="store_true", help="re-encode the context each token")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument(
-        "--quantize",
-        choices=("none", "int8"),
-        default="none",
-        help="int8: weights as int8 with per-output-channel scales, each TP shard its own "
+    add_quantize_flag(
+        p,
+        "int8: weights as int8 with per-output-channel scales, each TP shard its own "
         "(engine/models/quantize.py)",
     )
     return p.parse_args(argv)

@@ -35,7 +35,7 @@ from engine.checkpoint.storage import CheckpointError
 from engine.config import Config
 from engine.inference import ModelSource, inference_config
 from engine.models.families import FAMILIES
-from engine.tool_args import ArgumentParser, positive_int
+from engine.tool_args import ArgumentParser, add_quantize_flag, positive_int
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,11 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--micro-batch", type=positive_int, help="sequences per micro-batch (default: the run's)"
     )
     p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the run's)")
-    p.add_argument(
-        "--quantize",
-        choices=("none", "int8"),
-        default="none",
-        help="int8: evaluate with the weights as int8, per-output-channel scales, each TP "
+    add_quantize_flag(
+        p,
+        "int8: evaluate with the weights as int8, per-output-channel scales, each TP "
         "shard its own (engine/models/quantize.py; what apps.serve --quantize int8 runs)",
     )
     p.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks")

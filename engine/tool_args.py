@@ -17,6 +17,12 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def add_quantize_flag(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--quantize none|int8`` (default none), the modes of ``engine.models.quantize`` (not
+    imported: it loads torch); ``help`` says what int8 quantizes for the tool at hand."""
+    parser.add_argument("--quantize", choices=("none", "int8"), default="none", help=help)
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     return _int_at_least(text, 1)

@@ -134,27 +134,17 @@ def _guard(fn: Callable[[], Any]) -> tuple[Any, str | None]:
 
 
 def save_checkpoint(
-    root: str | Path,
-    step: int,
-    *,
-    model: ParallelModel,
-    optimizer: DataParallel | torch.optim.Optimizer | None,
-    ps: ParallelState | None,
-    state: dict[str, Any],
-    keep: int = 2,
-    fault: Fault | None = None,
-    log: Callable[[str], None] | None = None,
+    root: str | Path, step: int, *, log: Callable[[str], None] | None = None, **save: Any
 ) -> Path:
     """Write step ``step`` under ``root`` and make it ``latest``; every rank calls this.
 
-    ``state`` is JSON-able trainer state (data position, loss scale, config). Returns the
+    ``save``: the keywords of :func:`stage_checkpoint`, whose two halves this runs in one
+    go (``model``, ``optimizer``, ``ps``, ``state``: JSON-able trainer state such as the
+    data position, loss scale and config; ``keep`` and ``fault`` optional). Returns the
     committed step directory; raises CheckpointError on every rank if any rank failed.
     ``log`` (rank 0) hears which older or broken step directories were removed, and why.
     """
-    write = stage_checkpoint(
-        root, step, model=model, optimizer=optimizer, ps=ps, state=state, keep=keep, fault=fault
-    )
-    return write(log)
+    return stage_checkpoint(root, step, **save)(log)
 
 
 def stage_checkpoint(

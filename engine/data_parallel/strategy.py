@@ -48,7 +48,26 @@ ExpertGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
 HybridGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
 
 
-class AllReduceDP(DataParallel):
+class _DelegatingDP(DataParallel):
+    """A strategy whose optimizer checkpoint state lives in one object (``_state``: the
+    plain optimizer's view, or ZeRO-1's sharded optimizer) and whose DP collectives run in
+    one object (``_comm``: GradSync, or the same ZeRO-1 optimizer); both kinds answer the
+    same calls, so the strategies hand those calls on alike."""
+
+    _state: PlainOptimizerState | ZeroOptimizer
+    _comm: GradSync | ZeroOptimizer
+
+    def param_states(self) -> dict[nn.Parameter, dict[str, Any]]:
+        return self._state.param_states()
+
+    def load_param_states(self, states: dict[nn.Parameter, dict[str, Any]]) -> None:
+        self._state.load_param_states(states)
+
+    def set_comm_timer(self, timer: Any | None) -> None:
+        self._comm.comm_timer = timer
+
+
+class AllReduceDP(_DelegatingDP):
     """Bucketed gradient all-reduce (GradSync) and the plain optimizer on every replica."""
 
     shards_optimizer = False
@@ -76,6 +95,7 @@ class AllReduceDP(DataParallel):
             bucket_size_mb=bucket_size_mb,
             overlap=overlap,
         )
+        self._comm = self.grad_sync
         self.params = self.grad_sync.params
         self._update = self._clip_and_step
         if compile_backend is not None and compiles_update(optimizer):
@@ -102,21 +122,12 @@ class AllReduceDP(DataParallel):
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def param_states(self) -> dict[nn.Parameter, dict[str, Any]]:
-        return self._state.param_states()
-
-    def load_param_states(self, states: dict[nn.Parameter, dict[str, Any]]) -> None:
-        self._state.load_param_states(states)
-
-    def set_comm_timer(self, timer: Any | None) -> None:
-        self.grad_sync.comm_timer = timer
-
     def state_bytes(self) -> int:
         tensors = [v for st in self.optimizer.state.values() for v in st.values()]
         return sum(t.nbytes for t in tensors if torch.is_tensor(t) and t.dim() > 0)
 
 
-class Zero1DP(DataParallel):
+class Zero1DP(_DelegatingDP):
     """ZeRO-1 (``engine.data_parallel.zero``): sharded master weights and Adam state."""
 
     shards_optimizer = True
@@ -143,6 +154,7 @@ class Zero1DP(DataParallel):
         )
         if overlap:
             self.zero.overlap_param_gather(model)
+        self._state = self._comm = self.zero
         self.params = self.zero.params
 
     def no_sync(self) -> ContextManager[None]:
@@ -165,15 +177,6 @@ class Zero1DP(DataParallel):
 
     def wait_params(self) -> None:
         self.zero.wait_params()
-
-    def param_states(self) -> dict[nn.Parameter, dict[str, Any]]:
-        return self.zero.param_states()
-
-    def load_param_states(self, states: dict[nn.Parameter, dict[str, Any]]) -> None:
-        self.zero.load_param_states(states)
-
-    def set_comm_timer(self, timer: Any | None) -> None:
-        self.zero.comm_timer = timer
 
     def state_bytes(self) -> int:
         return self.zero.state_bytes()

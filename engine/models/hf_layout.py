@@ -374,6 +374,52 @@ def state_to_hf(rows: Sequence[Weights], ours: dict[str, torch.Tensor]) -> dict[
     return contiguous_copies(hf)
 
 
+StateDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StateMap:
+    """A family's weight map, declared once and read both ways: ``rows(cfg)`` (its
+    ``Weights`` rows), the ``checkpoint`` class an import's KeyError names, the HF keys that
+    hold no parameter of their own (``ignored(cfg, key)``: buffers, tied copies) and what an
+    import first does to the HF dict (``prepare``: e.g. a bare model's missing prefix)."""
+
+    rows: Callable[[ModelConfig], list[Weights]]
+    checkpoint: str
+    ignored: Callable[[ModelConfig, str], bool]
+    prepare: Callable[[ModelConfig, StateDict], StateDict] | None = None
+
+    def state_from_hf(
+        self, cfg: ModelConfig, hf: StateDict, *, tp_group: dist.ProcessGroup | None = None
+    ) -> StateDict:
+        """meshtron full state dict of ``cfg`` from HF state dict ``hf`` (see
+        :func:`state_from_hf`)."""
+        if self.prepare is not None:
+            hf = self.prepare(cfg, hf)
+        return state_from_hf(
+            cfg,
+            self.rows(cfg),
+            hf,
+            self.checkpoint,
+            lambda key: self.ignored(cfg, key),
+            tp_group=tp_group,
+        )
+
+    def state_to_hf(self, cfg: ModelConfig, ours: StateDict) -> StateDict:
+        """Inverse of :meth:`state_from_hf` (a tied head omitted, as save_pretrained does)."""
+        return state_to_hf(self.rows(cfg), ours)
+
+
+def with_prefix(marker: str, prefix: str) -> Callable[[ModelConfig, StateDict], StateDict]:
+    """A ``StateMap.prepare`` for a state dict saved from the bare model class (GPT2Model,
+    Gemma2Model), known by its key ``marker``: every key gains the ``prefix`` it lacks."""
+
+    def prepare(cfg: ModelConfig, hf: StateDict) -> StateDict:
+        return {f"{prefix}{k}": v for k, v in hf.items()} if marker in hf else hf
+
+    return prepare
+
+
 def contiguous_copies(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each tensor copied into its own contiguous storage (no views of the input left)."""
     return {k: v.clone(memory_format=torch.contiguous_format) for k, v in state.items()}

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
 from engine.models.hf_layout import ConfigKey, rename, weights
@@ -81,20 +78,10 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
     )
 
 
-def state_from_hf(
-    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
-) -> dict[str, torch.Tensor]:
-    """meshtron full state dict from an HF BertForPreTraining state dict."""
-    return layout.state_from_hf(
-        cfg,
-        _weights(cfg),
-        hf,
-        "BertForPreTraining",
-        lambda k: k.endswith(_IGNORED_SUFFIXES),
-        tp_group=tp_group,
-    )
-
-
-def state_to_hf(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`state_from_hf` (a tied decoder omitted, as save_pretrained does)."""
-    return layout.state_to_hf(_weights(cfg), ours)
+# Read both ways: import (its tied decoder copies and buffers ignored) and export (the tied
+# decoder omitted, as save_pretrained does).
+_STATE_MAP = layout.StateMap(
+    _weights, "BertForPreTraining", lambda cfg, key: key.endswith(_IGNORED_SUFFIXES)
+)
+state_from_hf = _STATE_MAP.state_from_hf
+state_to_hf = _STATE_MAP.state_to_hf

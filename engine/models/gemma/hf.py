@@ -12,6 +12,9 @@ HF → meshtron → HF is bitwise.
 * ``layer_types`` ↔ ``full_attention_every``: the window on every layer but each k-th.
 * ``head_dim`` ↔ ``attention_head_dim`` where it is not hidden / heads (the released
   Gemma 2 sizes: 2304 wide, 8 heads of 256).
+
+What it shares with the Llama map (the decoder keys, RoPE keys, q, k, v rows, outer
+tensors and skipped buffers) it reads from ``engine.models.llama.hf``.
 """
 
 from __future__ import annotations
@@ -19,13 +22,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
 from engine.models.hf_layout import ConfigKey, rename, weights
-from engine.models.llama.hf import _grouped_query, _rope  # the same q, k, v layout and RoPE keys
+from engine.models.llama.hf import (
+    DECODER_KEYS,
+    _rope,
+    attention_rows,
+    decoder_ignored,
+    decoder_map,
+    kv_heads,
+)
 
 ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM"}
 _SLIDING, _FULL = "sliding_attention", "full_attention"
@@ -36,11 +43,7 @@ def _optional_float(value: Any) -> float | None:
 
 
 _CONFIG = (
-    *layout.SIZE_KEYS,
-    ConfigKey("num_kv_heads", "num_key_value_heads", None, export="kv_heads"),
-    ConfigKey("attention_dropout", "attention_dropout", 0.0, to_ours=float),
-    ConfigKey("layernorm_eps", "rms_norm_eps", 1e-6),
-    ConfigKey("init_std", "initializer_range", 0.02),
+    *DECODER_KEYS,
     ConfigKey("tie_embeddings", "tie_word_embeddings", True),
     ConfigKey("query_pre_attn_scalar", "query_pre_attn_scalar", 256, to_ours=_optional_float),
     ConfigKey("attn_logit_softcapping", "attn_logit_softcapping", 50.0, to_ours=_optional_float),
@@ -89,11 +92,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if layout.hf_value(hf, "use_bidirectional_attention", (bool, type(None)), None):
         raise ValueError("use_bidirectional_attention=true is not supported (causal only)")
     values = layout.config_values(hf, _CONFIG)
-    if values["num_kv_heads"] is None:
-        values["num_kv_heads"] = values["num_heads"]
-    elif values["num_kv_heads"] < 1:
-        kv = values["num_kv_heads"]
-        raise ValueError(f"config.json num_key_value_heads={kv}: expected >= 1 (or null)")
+    values["num_kv_heads"] = kv_heads(values)
     cfg = ModelConfig(
         arch="gemma",
         **values,
@@ -146,45 +145,21 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
         rename(f"{ours}.attention.dense.weight", f"{theirs}.self_attn.o_proj.weight"),
         rename(f"{ours}.mlp.fc2.weight", f"{theirs}.mlp.down_proj.weight"),
     ]
-    qkv = [f"{theirs}.self_attn.{x}_proj" for x in "qkv"]
-    if cfg.kv_heads == cfg.num_heads:
-        fused, transform = [f"{ours}.attention.qkv"], layout.interleaved(cfg.num_heads, 3)
-    else:
-        fused = [f"{ours}.attention.query", f"{ours}.attention.key_value"]
-        transform = _grouped_query(cfg.kv_heads)
     gate_up = [f"{theirs}.mlp.gate_proj", f"{theirs}.mlp.up_proj"]
-    return layout.weight_map(
-        cfg,
-        top=[
-            rename("embedding.word.weight", "model.embed_tokens.weight"),
-            rename("final_norm.weight", "model.norm.weight"),
-        ],
-        layer=layer,
-        head=rename("lm_head.weight", "lm_head.weight"),
-        fused=[
-            *weights(fused, qkv, transform, ("weight",)),
-            *weights(f"{ours}.mlp.fc1", gate_up, layout.interleaved(None, 2), ("weight",)),
-        ],
-    )
+    fused = [
+        *attention_rows(cfg, ours, theirs, ("weight",)),
+        *weights(f"{ours}.mlp.fc1", gate_up, layout.interleaved(None, 2), ("weight",)),
+    ]
+    return decoder_map(cfg, layer=layer, fused=fused)
 
 
-def state_from_hf(
-    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
-) -> dict[str, torch.Tensor]:
-    """meshtron full state dict from an HF Gemma2ForCausalLM (or Gemma2Model) state dict."""
-    if "embed_tokens.weight" in hf:  # saved from Gemma2Model: no "model." prefix
-        hf = {f"model.{k}": v for k, v in hf.items()}
-    tied_copy = "lm_head.weight" if cfg.tie_embeddings else None
-    return layout.state_from_hf(
-        cfg,
-        _weights(cfg),
-        hf,
-        "Gemma2ForCausalLM",
-        lambda k: k == tied_copy or "rotary_emb" in k,
-        tp_group=tp_group,
-    )
-
-
-def state_to_hf(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`state_from_hf` (a tied head omitted, as save_pretrained does)."""
-    return layout.state_to_hf(_weights(cfg), ours)
+# Read both ways: import (also of a Gemma2Model's state dict, which lacks "model.") and
+# export (a tied head omitted, as save_pretrained does).
+_STATE_MAP = layout.StateMap(
+    _weights,
+    "Gemma2ForCausalLM",
+    decoder_ignored,
+    layout.with_prefix("embed_tokens.weight", "model."),
+)
+state_from_hf = _STATE_MAP.state_from_hf
+state_to_hf = _STATE_MAP.state_to_hf

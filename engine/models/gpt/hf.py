@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
@@ -103,22 +102,13 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
     )
 
 
-def state_from_hf(
-    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
-) -> dict[str, torch.Tensor]:
-    """meshtron full state dict from an HF GPT2LMHeadModel (or GPT2Model) state dict."""
-    if "wte.weight" in hf:  # saved from GPT2Model: no "transformer." prefix
-        hf = {f"transformer.{k}": v for k, v in hf.items()}
-    return layout.state_from_hf(
-        cfg,
-        _weights(cfg),
-        hf,
-        "GPT2LMHeadModel",
-        lambda k: k.endswith(_IGNORED_SUFFIXES),
-        tp_group=tp_group,
-    )
-
-
-def state_to_hf(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`state_from_hf` (a tied head omitted, as save_pretrained does)."""
-    return layout.state_to_hf(_weights(cfg), ours)
+# Read both ways: import (also of a GPT2Model's state dict, which lacks "transformer.";
+# its tied head copy and buffers ignored) and export (a tied head omitted).
+_STATE_MAP = layout.StateMap(
+    _weights,
+    "GPT2LMHeadModel",
+    lambda cfg, key: key.endswith(_IGNORED_SUFFIXES),
+    layout.with_prefix("wte.weight", "transformer."),
+)
+state_from_hf = _STATE_MAP.state_from_hf
+state_to_hf = _STATE_MAP.state_to_hf

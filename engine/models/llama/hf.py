@@ -19,9 +19,6 @@ import dataclasses
 import math
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from engine.models import hf_layout as layout
 from engine.models.config import ModelConfig
 from engine.models.hf_layout import ConfigKey, Transform, rename, weights
@@ -42,14 +39,17 @@ _QK_NORMED = ("qwen3", "qwen3_moe")
 # Mistral and Mixtral: the window (when shorter than the context) on every layer.
 _WINDOWED = ("mistral", "mixtral")
 
-_CONFIG = (
+# The config.json keys the transformers decoders mapped here (Gemma 2's too) share, in the
+# order import reads and export writes them; each family adds its tie_word_embeddings
+# default, then keys of its own.
+DECODER_KEYS = (
     *layout.SIZE_KEYS,
     ConfigKey("num_kv_heads", "num_key_value_heads", None, export="kv_heads"),
     ConfigKey("attention_dropout", "attention_dropout", 0.0, to_ours=float),
     ConfigKey("layernorm_eps", "rms_norm_eps", 1e-6),
     ConfigKey("init_std", "initializer_range", 0.02),
-    ConfigKey("tie_embeddings", "tie_word_embeddings", False),
 )
+_CONFIG = (*DECODER_KEYS, ConfigKey("tie_embeddings", "tie_word_embeddings", False))
 
 # rope_parameters (or rope_scaling) of rope_type "llama3"
 _LLAMA3_ROPE = (
@@ -82,6 +82,18 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+def kv_heads(values: dict[str, Any]) -> int:
+    """``num_kv_heads`` of the values read through :data:`DECODER_KEYS`: absent or null, one
+    KV head per query head; a one-line error below 1, which ModelConfig would read as
+    "unset" (one per query head) instead of refusing."""
+    kv = values["num_kv_heads"]
+    if kv is None:
+        return values["num_heads"]
+    if kv < 1:
+        raise ValueError(f"config.json num_key_value_heads={kv}: expected >= 1 (or null)")
+    return kv
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig of a Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE
     ``config.json``; unsupported variants raise. Every value read is type-checked and the
@@ -93,11 +105,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     values = layout.config_values(hf, _CONFIG)
     if kind in moe_hf.ARCHITECTURES:
         values.update(moe_hf.config_values(hf))
-    if values["num_kv_heads"] is None:  # absent or null: one KV head per query head
-        values["num_kv_heads"] = values["num_heads"]
-    elif values["num_kv_heads"] < 1:  # ModelConfig reads 0 as "unset" (one per query head)
-        kv = values["num_kv_heads"]
-        raise ValueError(f"config.json num_key_value_heads={kv}: expected >= 1 (or null)")
+    values["num_kv_heads"] = kv_heads(values)
     cfg = ModelConfig(
         arch="llama",
         **values,
@@ -224,22 +232,8 @@ def _weights(cfg: ModelConfig) -> list[layout.Weights]:
         ]
     if cfg.linear_bias:
         layer.append(rename(f"{ours}.attention.dense.bias", f"{theirs}.self_attn.o_proj.bias"))
-    qkv = [f"{theirs}.self_attn.{x}_proj" for x in "qkv"]
-    if cfg.kv_heads == cfg.num_heads:
-        fused, transform = [f"{ours}.attention.qkv"], layout.interleaved(cfg.num_heads, 3)
-    else:
-        fused = [f"{ours}.attention.query", f"{ours}.attention.key_value"]
-        transform = _grouped_query(cfg.kv_heads)
-    rows = layout.weight_map(
-        cfg,
-        top=[
-            rename("embedding.word.weight", "model.embed_tokens.weight"),
-            rename("final_norm.weight", "model.norm.weight"),
-        ],
-        layer=layer,
-        head=rename("lm_head.weight", "lm_head.weight"),
-        fused=weights(fused, qkv, transform, _kinds(cfg.qkv_bias)),
-    )
+    fused = attention_rows(cfg, ours, theirs, _kinds(cfg.qkv_bias))
+    rows = decoder_map(cfg, layer=layer, fused=fused)
     return rows + [row for i in range(cfg.num_layers) for row in _mlp(cfg, i)]
 
 
@@ -256,23 +250,51 @@ def _mlp(cfg: ModelConfig, i: int) -> list[layout.Weights]:
     ]
 
 
-def state_from_hf(
-    cfg: ModelConfig, hf: dict[str, torch.Tensor], *, tp_group: dist.ProcessGroup | None = None
-) -> dict[str, torch.Tensor]:
-    """meshtron full state dict from an HF Llama-family state dict."""
-    tied_copy = "lm_head.weight" if cfg.tie_embeddings else None
-    if cfg.mlp == "moe":  # transformers' fused in-memory expert tensors, if given those
-        hf = moe_hf.unfused(cfg, hf)
-    return layout.state_from_hf(
+def attention_rows(
+    cfg: ModelConfig, ours: str, theirs: str, kinds: tuple[str, ...]
+) -> list[layout.Weights]:
+    """``{theirs}.self_attn``'s q, k and v projections (parameter ``kinds``) ↔
+    ``{ours}.attention``'s fused ``qkv`` when every query head has its own KV head, else
+    its ``query`` and ``key_value``."""
+    qkv = [f"{theirs}.self_attn.{x}_proj" for x in "qkv"]
+    if cfg.kv_heads == cfg.num_heads:
+        fused, transform = [f"{ours}.attention.qkv"], layout.interleaved(cfg.num_heads, 3)
+    else:
+        fused = [f"{ours}.attention.query", f"{ours}.attention.key_value"]
+        transform = _grouped_query(cfg.kv_heads)
+    return weights(fused, qkv, transform, kinds)
+
+
+def decoder_map(
+    cfg: ModelConfig, *, layer: list[layout.Weights], fused: list[layout.Weights]
+) -> list[layout.Weights]:
+    """:func:`layout.weight_map` of a transformers decoder: the family's ``layer`` and
+    ``fused`` rows between ``model.embed_tokens``, ``model.norm`` and ``lm_head``."""
+    return layout.weight_map(
         cfg,
-        _weights(cfg),
-        hf,
-        "Llama-family",
-        lambda k: k == tied_copy or "rotary_emb" in k,
-        tp_group=tp_group,
+        top=[
+            rename("embedding.word.weight", "model.embed_tokens.weight"),
+            rename("final_norm.weight", "model.norm.weight"),
+        ],
+        layer=layer,
+        head=rename("lm_head.weight", "lm_head.weight"),
+        fused=fused,
     )
 
 
-def state_to_hf(cfg: ModelConfig, ours: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`state_from_hf` (a tied head omitted, as save_pretrained does)."""
-    return layout.state_to_hf(_weights(cfg), ours)
+def decoder_ignored(cfg: ModelConfig, key: str) -> bool:
+    """HF keys a decoder's import skips: RoPE buffers, and a tied head's copy of the
+    embedding."""
+    return (cfg.tie_embeddings and key == "lm_head.weight") or "rotary_emb" in key
+
+
+def _unfused_experts(cfg: ModelConfig, hf: layout.StateDict) -> layout.StateDict:
+    """transformers' fused in-memory expert tensors, if given those, one per expert."""
+    return moe_hf.unfused(cfg, hf) if cfg.mlp == "moe" else hf
+
+
+# Read both ways: import (MoE experts also fused as transformers holds them in memory) and
+# export (a tied head omitted, as save_pretrained does).
+_STATE_MAP = layout.StateMap(_weights, "Llama-family", decoder_ignored, _unfused_experts)
+state_from_hf = _STATE_MAP.state_from_hf
+state_to_hf = _STATE_MAP.state_to_hf
