@@ -167,19 +167,19 @@ class ParallelDims:
             )
 
     def _check_ep(self) -> None:
-        """ep must divide dp (it is carved from it), and the DP strategies that shard
-        state do not yet reduce expert gradients over their own group."""
+        """ep must divide dp (it is carved from it), and FSDP does not yet shard expert
+        parameters over their own group (the all-reduce path and ZeRO-1 do)."""
         _check_size("ep_size", self.ep, "set ep_size to the ranks splitting the experts (1: none)")
         if self.dp % self.ep:
             raise LayoutError(
                 f"ep_size={self.ep} does not divide dp_size={self.dp} (expert parallelism is "
                 f"carved from the data-parallel ranks); choose an ep_size dividing {self.dp}"
             )
-        if self.ep > 1 and self.dp_shard != "none":
+        if self.ep > 1 and self.dp_shard not in ("none", "optimizer"):
             raise LayoutError(
-                f"ep_size={self.ep} runs with parallel.dp_shard=none only (ZeRO-1 and FSDP do "
-                "not yet reduce expert gradients over their own group); set ep_size=1 or "
-                "parallel.dp_shard=none"
+                f"ep_size={self.ep} runs with parallel.dp_shard=none or optimizer (ZeRO-1), "
+                f"not {self.dp_shard} (FSDP does not yet shard experts over their own "
+                "group); set parallel.dp_shard=optimizer or none, or ep_size=1"
             )
 
     @property

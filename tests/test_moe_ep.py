@@ -214,11 +214,13 @@ def test_expert_roles_are_carved_from_dp():
             "experts); choose an ep_size dividing 6",
         ),
         (
-            dict(dp_size=2, ep_size=2, parallel=ParallelConfig(dp_shard="optimizer")),
-            "ep_size=2 runs with parallel.dp_shard=none only (ZeRO-1 and FSDP do not yet "
-            "reduce expert gradients over their own group); set ep_size=1 or "
-            "parallel.dp_shard=none",
+            dict(dp_size=2, ep_size=2, parallel=ParallelConfig(dp_shard="full")),
+            "ep_size=2 runs with parallel.dp_shard=none or optimizer (ZeRO-1), not full (FSDP "
+            "does not yet shard experts over their own group); set parallel.dp_shard=optimizer "
+            "or none, or ep_size=1",
         ),
+        # ZeRO-1 shards the experts' state over the expert_grad group (test_moe_ep_zero.py).
+        (dict(dp_size=2, ep_size=2, parallel=ParallelConfig(dp_shard="optimizer")), None),
         (
             dict(dp_size=2, ep_size=2, model=_cfg(mlp="dense")),
             "ep_size=2 splits the experts of model.mlp=moe; model.mlp=dense has none: set ep_size=1",

@@ -128,6 +128,7 @@ class Zero1DP(DataParallel):
         *,
         dp_group: dist.ProcessGroup | None,
         tp_group: dist.ProcessGroup | None,
+        expert_groups: ExpertGroups = (None, None),
         bucket_size_mb: float = 25.0,
         overlap: bool = True,
         param_dtype: torch.dtype | None = None,
@@ -136,6 +137,7 @@ class Zero1DP(DataParallel):
             optimizer,
             dp_group=dp_group,
             tp_group=tp_group,
+            expert_grad_group=expert_groups[1],
             bucket_size_mb=bucket_size_mb,
             param_dtype=param_dtype,
             overlap=overlap,
@@ -198,7 +200,7 @@ def build_data_parallel(
     ``optim.distributed``'s: optimizer or none), with its optimizer, for ``model``,
     reducing gradients (and sharding state) over ``grad_group``: the mesh's ``grad`` role;
     experts split over ep ranks over ``expert_groups``' (the ``expert`` and
-    ``expert_grad`` roles), which only the all-reduce path takes.
+    ``expert_grad`` roles): the all-reduce path and ZeRO-1 take them.
 
     ``low_precision`` (bf16 training): ZeRO-1 then stores the parameters in that dtype
     beside its fp32 master slices, FSDP gathers them in it; the all-reduce path keeps fp32
@@ -215,10 +217,10 @@ def build_data_parallel(
     """
     mode, dp_group = resolve_dp_shard(dp_shard or "none", optim.distributed), grad_group
     split = max((expert_split(p) for p in model.parameters()), default=1)
-    if split > 1 and mode != "none":
+    if split > 1 and mode not in ("none", "optimizer"):
         raise ValueError(
-            f"dp_shard={mode} does not yet reduce experts split over ep_size={split} over "
-            "their own group; use dp_shard=none (the all-reduce path) or ep_size=1"
+            f"dp_shard={mode} does not yet shard experts split over ep_size={split} over "
+            "their own group; use dp_shard=optimizer (ZeRO-1) or none, or ep_size=1"
         )
     if optim.algorithm == "muon" and mode != "none":
         raise ValueError(
@@ -248,14 +250,13 @@ def build_data_parallel(
     common = {
         "dp_group": dp_group,
         "tp_group": tp_group,
+        "expert_groups": expert_groups,
         "bucket_size_mb": bucket_size_mb,
         "overlap": overlap,
     }
     if mode == "optimizer":
         return Zero1DP(model, optimizer, param_dtype=low_precision, **common)
-    return AllReduceDP(
-        model, optimizer, expert_groups=expert_groups, compile_backend=compile_backend, **common
-    )
+    return AllReduceDP(model, optimizer, compile_backend=compile_backend, **common)
 
 
 def checkpoint_view(optimizer: DataParallel | torch.optim.Optimizer | None):
