@@ -34,6 +34,7 @@ from engine.data_parallel import build_data_parallel
 from engine.models import build_model
 from engine.runner import LocalRunner
 from layers.moe import moe_losses
+from layers.utils import tp_local
 from parallel_state.dims import ParallelDims
 from tests.moe_util import EXPERTS
 from tests.multiproc import run_ranks
@@ -75,14 +76,16 @@ def _clipped_step(dp, model) -> dict:
     norm = dp.grad_norm()
     dp.step(lr=OPTIM.lr, max_norm=OPTIM.clip_grad, norm=norm)
     dp.wait_params()  # ZeRO-1 all-gathers the updated slices asynchronously
-    return dict(norm=norm, weights={n: p.detach().clone() for n, p in model.named_parameters()})
+    weights = {n: tp_local(p).detach().clone() for n, p in model.named_parameters()}
+    return dict(norm=norm, weights=weights)  # (FSDP's gathered over its group: tp_local)
 
 
-def _ep_rank(cfg, data: torch.Tensor, dp_size: int, ep: int, root: str | None) -> dict:
-    """STEPS steps at dp ``dp_size`` × ep ``ep`` under ZeRO-1: per step the rank's fp64 model
-    and router losses, the norm and the weights; then the whole optimizer state (experts
-    gathered over ep). With ``root``: saved there and resumed at ep 1 (ZeRO-1 still)."""
-    ps, model, dp = _build(cfg, dp_size, ep, "optimizer")
+def _ep_rank(cfg, data, dp_size: int, ep: int, dp_shard: str, root: str | None) -> dict:
+    """STEPS steps at dp ``dp_size`` × ep ``ep`` under ``dp_shard``: per step the rank's fp64
+    model and router losses, the norm and the weights; then the whole optimizer state
+    (experts gathered over ep). With ``root``: saved there and resumed at ep 1 (the same
+    ``dp_shard``)."""
+    ps, model, dp = _build(cfg, dp_size, ep, dp_shard)
     assert dp.shards_optimizer
     runner = LocalRunner(model, ps, contextlib.nullcontext)
     losses = []  # the fp64 loss the runner backpropagates (it reports it in fp32)
@@ -99,7 +102,7 @@ def _ep_rank(cfg, data: torch.Tensor, dp_size: int, ep: int, root: str | None) -
     out["experts"] = (ep_rank * EXPERTS // ep, (ep_rank + 1) * EXPERTS // ep)
     if root is not None:
         save_checkpoint(root, STEPS, model=model, optimizer=dp, ps=ps, state={}, keep=1)
-        ps, model, dp = _build(cfg, dp_size, 1, "optimizer")
+        ps, model, dp = _build(cfg, dp_size, 1, dp_shard)
         load_checkpoint(root, model=model, optimizer=dp, ps=ps, log=lambda msg: None)
         out["resumed"] = full_optimizer_state(model, dp)
     return out
@@ -147,14 +150,15 @@ def _assert_matches(ranks: list[dict], ref: dict) -> None:
 
 
 @pytest.mark.slow
-def test_ep2_zero1_equals_the_unsplit_model_and_saves_whole_moments(tmp_path):
+@pytest.mark.parametrize("dp_shard", ["optimizer", "full"])
+def test_ep2_equals_the_unsplit_model_and_saves_whole_moments(tmp_path, dp_shard):
     cfg, data = _cfg(), _data(2)
-    ranks = run_ranks(_ep_rank, 2, cfg, data, 2, 2, str(tmp_path), timeout=300)
+    ranks = run_ranks(_ep_rank, 2, cfg, data, 2, 2, dp_shard, str(tmp_path), timeout=300)
     ref = _reference(cfg, data)
     _assert_matches(ranks, ref)
     assert [r["experts"] for r in ranks] == [(0, 3), (3, 6)]
     # The checkpoint stores every expert's moments whole (6 rows), as the unsplit run's
-    # state; resumed at ep 1 under ZeRO-1 each rank reads exactly the files back.
+    # state; resumed at ep 1 (the same dp_shard) each rank reads exactly the files back.
     reader = ShardReader(Path(tmp_path) / f"step_{STEPS:08d}")
     files = {n: reader.read(n) for n, s in reader.specs.items() if s.kind == "optim"}
     assert files.keys() == ref["state"].keys()
@@ -171,7 +175,7 @@ def test_ep2_zero1_equals_the_unsplit_model_and_saves_whole_moments(tmp_path):
 @pytest.mark.slow
 def test_dp4_ep2_zero1_slices_each_experts_state_over_its_expert_grad_group():
     cfg, data = _cfg(), _data(4)
-    ranks = run_ranks(_ep_rank, 4, cfg, data, 4, 2, None, timeout=300)
+    ranks = run_ranks(_ep_rank, 4, cfg, data, 4, 2, "optimizer", None, timeout=300)
     _assert_matches(ranks, _reference(cfg, data))
     # Ranks 0 and 2 (dp_rank % ep = 0) hold experts 0-2, ranks 1 and 3 experts 3-5.
     assert [r["experts"] for r in ranks] == [(0, 3), (3, 6), (0, 3), (3, 6)]
