@@ -1,23 +1,26 @@
-"""Expert parallelism under ZeRO-1 (``parallel.dp_shard=optimizer``) against the unsplit model.
+"""Expert parallelism under ZeRO-1 and FSDP2 (``parallel.dp_shard=optimizer``, ``full``)
+against the unsplit model.
 
-ZeRO-1 slices dense parameters' Adam state over the DP group and the experts' over the
-``expert_grad`` group (the dp ÷ ep ranks holding the same experts), reduce-scatters each
-over its own group (experts divided by the whole dp: their gradient already sums the ep
-ranks' tokens) and sums the gradient norm once over DP. Real gloo ranks train two clipped
-AdamW steps through the runtime's pieces (the model builder, the local step runner with
-its router losses, ``build_data_parallel``) at
+Both shard dense parameters' state over the DP group and the split experts' over the
+``expert_grad`` group (the dp ÷ ep ranks holding the same experts): ZeRO-1 reduce-scatters
+each bucket over its own group (experts divided by the whole dp: their gradient already
+sums the ep ranks' tokens), FSDP makes each layer's experts a unit of their own on that
+group (their average there divided by ep more); both sum the gradient norm once over DP.
+Real gloo ranks train two clipped AdamW steps of two micro-batches each (the first under
+``no_sync``: accumulation) through the runtime's pieces (the model builder, the local step
+runner with its router losses, ``build_data_parallel``) at
 
 - dp 2 × ep 2: each rank holds 3 of the 6 experts whole (an expert_grad group of one)
-  and half of the dense state;
-- dp 4 × ep 2: each expert's state is also sliced over two ranks.
+  and half of the dense state (ZeRO-1 and FSDP ``full``);
+- dp 4 × ep 2 (ZeRO-1): each expert's state is also sliced over two ranks.
 
 The reference is test_moe_ep's: the unsplit model in this process, each step the mean over
-the dp ranks' batches of model loss + router losses, one backward, the norm and an AdamW
-step of the all-reduce path. float64 throughout (router included): the sides differ only in
-summation order, ~1e-16 relative, so losses, norms, every updated weight and the Adam
-moments are held to 1e-10 absolute. The dp 2 run also saves a checkpoint and resumes it at
-ep 1 (experts then sliced over both ranks): the moments are stored whole, as at ep 1, and
-read back exactly (``torch.equal``: they only move between files and ranks).
+every rank's micro-batches of model loss + router losses, one backward, the norm and an
+AdamW step of the all-reduce path. float64 throughout (router included): the sides differ
+only in summation order, ~1e-16 relative, so losses, norms, every updated weight and the
+Adam moments are held to 1e-10 absolute. The dp 2 runs also save a checkpoint and resume
+it at ep 1 (experts then sharded over both ranks): the moments are stored whole, as at
+ep 1, and read back exactly (``torch.equal``: they only move between files and ranks).
 """
 
 from __future__ import annotations
@@ -42,14 +45,32 @@ from tests.test_moe_ep import BATCH, OPTIM, SEQ, VOCAB, _cfg
 
 DEVICE = torch.device("cpu")
 F64 = torch.float64
-STEPS = 2
+STEPS, MICRO = 2, 2
 TOL = dict(rtol=0, atol=1e-10)  # fp64, differing only in summation order (docstring)
 
 
 def _data(dp: int) -> torch.Tensor:
-    """``[STEPS, dp, b, s+1]``: each step's token windows, one per dp index."""
+    """``[STEPS, dp, MICRO, b, s+1]``: each step's token windows, MICRO per dp index."""
     gen = torch.Generator().manual_seed(11)
-    return torch.randint(0, VOCAB, (STEPS, dp, BATCH, SEQ + 1), generator=gen)
+    return torch.randint(0, VOCAB, (STEPS, dp, MICRO, BATCH, SEQ + 1), generator=gen)
+
+
+def _recording_losses(model) -> tuple[list, list]:
+    """(model losses, router losses): appended at each ``model.loss`` call, in fp64 (the
+    runner reports them in fp32)."""
+    losses, routers = [], []
+
+    def loss(batch, inner=model.loss):
+        losses.append(inner(batch))
+        routers.append(sum(one.loss for one in moe_losses(model)))
+        return losses[-1]
+
+    model.loss = loss
+    return losses, routers
+
+
+def _mean(values: list) -> torch.Tensor:
+    return sum(v.detach() for v in values) / len(values)
 
 
 def _build(cfg, dp_size: int, ep: int, dp_shard: str):
@@ -88,15 +109,15 @@ def _ep_rank(cfg, data, dp_size: int, ep: int, dp_shard: str, root: str | None) 
     ps, model, dp = _build(cfg, dp_size, ep, dp_shard)
     assert dp.shards_optimizer
     runner = LocalRunner(model, ps, contextlib.nullcontext)
-    losses = []  # the fp64 loss the runner backpropagates (it reports it in fp32)
-    model.loss = lambda batch, loss=model.loss: losses.append(loss(batch)) or losses[-1]
+    losses, routers = _recording_losses(model)
     index, steps = ps.rank_in("batch"), []
     for windows in data:
         losses.clear()
+        routers.clear()
         dp.zero_grad()
-        runner.forward_backward([windows[index]], dp)
-        router = sum(one.loss for one in moe_losses(model)).detach()
-        steps.append(dict(_clipped_step(dp, model), loss=losses[0].detach(), router=router))
+        runner.forward_backward(list(windows[index]), dp)
+        out = _clipped_step(dp, model)
+        steps.append(dict(out, loss=_mean(losses), router=_mean(routers)))
     ep_rank = ps.rank_in("expert")
     out = dict(steps=steps, state=full_optimizer_state(model, dp))
     out["experts"] = (ep_rank * EXPERTS // ep, (ep_rank + 1) * EXPERTS // ep)
@@ -114,16 +135,16 @@ def _reference(cfg, data: torch.Tensor) -> dict:
     torch.manual_seed(0)
     model = build_model(cfg, dtype=F64, device=DEVICE)
     dp = build_data_parallel(model, OPTIM, device=DEVICE, grad_group=None, tp_group=None)
+    losses, routers = _recording_losses(model)
     steps = []
     for windows in data:
+        losses.clear()
+        routers.clear()
         dp.zero_grad()
-        losses, routers = [], []
-        for batch in windows:
-            losses.append(model.loss(batch))
-            routers.append(sum(one.loss for one in moe_losses(model)))
-        ((sum(losses) + sum(routers)) / len(windows)).backward()
-        loss, router = (sum(x).detach() / len(windows) for x in (losses, routers))
-        steps.append(dict(_clipped_step(dp, model), loss=loss, router=router))
+        for batch in windows.flatten(0, 1):  # every rank's micro-batches
+            model.loss(batch)
+        ((sum(losses) + sum(routers)) / len(losses)).backward()
+        steps.append(dict(_clipped_step(dp, model), loss=_mean(losses), router=_mean(routers)))
     return dict(steps=steps, state=full_optimizer_state(model, dp))
 
 

@@ -218,9 +218,7 @@ def _shard_split_experts(
     unit then leaves them out). FSDP averages their gradient over that group only:
     ``FullyShardedDP.finish_grads`` divides it by ep more."""
     owners = [
-        m
-        for m in model.modules()
-        if any(expert_split(p) > 1 for p in m.parameters(recurse=False))
+        m for m in model.modules() if any(expert_split(p) > 1 for p in m.parameters(recurse=False))
     ]
     if not owners:
         return
