@@ -145,8 +145,8 @@ class ParallelDims:
             raise LayoutError(
                 f"parallel.dp_shard={self.dp_shard!r} is not one of {', '.join(DP_SHARD_MODES)}"
             )
-        self._check_ep()
         self._check_dp_replicate()
+        self._check_ep()
 
     def _check_dp_replicate(self) -> None:
         """R must divide dp (each replica is dp ÷ R shards) and, past 1, hybrid sharding
@@ -167,19 +167,19 @@ class ParallelDims:
             )
 
     def _check_ep(self) -> None:
-        """ep must divide dp (it is carved from it), and the DP strategies that shard
-        state do not yet reduce expert gradients over their own group."""
+        """ep must divide dp (it is carved from it), and hybrid sharding does not yet
+        replicate experts (every dp_shard mode shards them over ``expert_grad``)."""
         _check_size("ep_size", self.ep, "set ep_size to the ranks splitting the experts (1: none)")
         if self.dp % self.ep:
             raise LayoutError(
                 f"ep_size={self.ep} does not divide dp_size={self.dp} (expert parallelism is "
                 f"carved from the data-parallel ranks); choose an ep_size dividing {self.dp}"
             )
-        if self.ep > 1 and self.dp_shard != "none":
+        if self.ep > 1 and self.dp_replicate > 1:
             raise LayoutError(
-                f"ep_size={self.ep} runs with parallel.dp_shard=none only (ZeRO-1 and FSDP do "
-                "not yet reduce expert gradients over their own group); set ep_size=1 or "
-                "parallel.dp_shard=none"
+                f"ep_size={self.ep} runs with one FSDP replica, not "
+                f"parallel.dp_replicate={self.dp_replicate} (hybrid sharding does not yet "
+                "replicate experts); set parallel.dp_replicate=1 or ep_size=1"
             )
 
     @property

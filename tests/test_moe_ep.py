@@ -214,11 +214,14 @@ def test_expert_roles_are_carved_from_dp():
             "experts); choose an ep_size dividing 6",
         ),
         (
-            dict(dp_size=2, ep_size=2, parallel=ParallelConfig(dp_shard="optimizer")),
-            "ep_size=2 runs with parallel.dp_shard=none only (ZeRO-1 and FSDP do not yet "
-            "reduce expert gradients over their own group); set ep_size=1 or "
-            "parallel.dp_shard=none",
+            dict(dp_size=2, ep_size=2, parallel=ParallelConfig(dp_shard="full", dp_replicate=2)),
+            "ep_size=2 runs with one FSDP replica, not parallel.dp_replicate=2 (hybrid sharding "
+            "does not yet replicate experts); set parallel.dp_replicate=1 or ep_size=1",
         ),
+        # ZeRO-1 and FSDP shard the experts over the expert_grad group (test_moe_ep_zero.py).
+        (dict(dp_size=2, ep_size=2, parallel=ParallelConfig(dp_shard="optimizer")), None),
+        (dict(dp_size=2, ep_size=2, parallel=ParallelConfig(dp_shard="full")), None),
+        (dict(dp_size=2, ep_size=2, parallel=ParallelConfig(dp_shard="gradients")), None),
         (
             dict(dp_size=2, ep_size=2, model=_cfg(mlp="dense")),
             "ep_size=2 splits the experts of model.mlp=moe; model.mlp=dense has none: set ep_size=1",

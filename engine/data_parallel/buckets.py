@@ -18,10 +18,23 @@ from layers.utils import group_rank, group_size
 class ShardedBucket:
     """Parameters of one optimizer group and dtype laid end to end, cut into dp slices."""
 
-    def __init__(self, params: list[nn.Parameter], *, dp_group, tp_rank: int, param_dtype) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        *,
+        dp_group,
+        tp_rank: int,
+        param_dtype,
+        mean_over: int | None = None,
+    ) -> None:
         self.params, self.dp_group = params, dp_group
         self.dtype = torch.promote_types(params[0].dtype, torch.float32)  # master and grads
         self.dp_size, dp_rank = group_size(dp_group), group_rank(dp_group)
+        # The gradient is the mean over this many ranks' tokens: the slices' group (dense
+        # parameters), or the whole gradient group for experts split over ep, which are
+        # sliced over the expert-data-parallel ranks only (their gradient already sums
+        # the tokens of the ep ranks: ``engine.data_parallel.zero``).
+        self.mean_over = self.dp_size if mean_over is None else mean_over
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
@@ -107,9 +120,10 @@ class ShardedBucket:
 
     def launch_reduce(self) -> dist.Work | None:
         """Average the gradient buffer over DP into this rank's slice, in place (async)."""
+        if self.mean_over > 1:
+            self.grad_buffer.div_(self.mean_over)
         if self.dp_size == 1:
             return None
-        self.grad_buffer.div_(self.dp_size)
         self.reduce_work = flat_reduce_scatter(
             self.slice(self.grad_buffer), self.grad_buffer, group=self.dp_group, async_op=True
         )

@@ -21,6 +21,12 @@ sharded 1/(dp ÷ R) over the ranks of one replica and replicated across the R re
 each reduce-scatter within a replica is followed by an all-reduce of the shard across
 the replicas, so every rank ends with the DP mean of its shard's gradient, as at R 1.
 
+Experts split over ep ranks (``layers.param_roles.expert_split``) are FSDP units of their
+own (each MoE layer's ``GroupedExperts``), sharded over the ``expert_grad`` group, the
+dp ÷ ep ranks holding the same experts, and left out of their layer's unit; their
+gradient, averaged there, is divided by ep more (``finish_grads``). Hybrid sharding does
+not yet take them.
+
 Between steps a rank holds 1/dp of the fp32 parameters (FSDP's sharded parameters are the
 master weights), of their gradients (reduce-scattered, averaged over DP) and of Adam's
 moments. In bf16 the gathers carry bf16 copies (``MixedPrecisionPolicy``) and gradients are
@@ -45,7 +51,7 @@ from engine.config import OptimConfig
 from engine.data_parallel.grads import scale_grads_
 from engine.data_parallel.interface import DataParallel, PlainOptimizerState
 from engine.optim import build_optimizer, set_lr
-from layers.param_roles import counted_in_norm, has_sp_partial_grad
+from layers.param_roles import counted_in_norm, expert_split, has_sp_partial_grad
 from layers.utils import dp_sharded, group_rank, group_size, local_part, tp_local
 from parallel_state.groups import collective_device
 
@@ -67,6 +73,7 @@ class FullyShardedDP(DataParallel):
         reshard_after_forward: bool,
         low_precision: torch.dtype | None = None,
         hybrid_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
+        expert_grad_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.model, self.dp_group, self.tp_group = model, dp_group, tp_group
         self.reshard_after_forward = reshard_after_forward
@@ -89,15 +96,12 @@ class FullyShardedDP(DataParallel):
         # which torch's schedule then drives as FSDP); else the model itself.
         self.roots = list(getattr(model, "chunks", None) or [model])
         self.pipelined = self.roots != [model]
+        shard = dict(reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        _shard_split_experts(model, expert_grad_group, device.type, shard)
         for root in self.roots:
             units = list(root.layers)
             for unit in [*units, root]:
-                fully_shard(
-                    unit,
-                    mesh=self.mesh,
-                    reshard_after_forward=reshard_after_forward,
-                    mp_policy=policy,
-                )
+                fully_shard(unit, mesh=self.mesh, **shard)
             for earlier, later in zip(units, units[1:], strict=False):
                 earlier.set_modules_to_forward_prefetch([later])
                 later.set_modules_to_backward_prefetch([earlier])
@@ -105,6 +109,7 @@ class FullyShardedDP(DataParallel):
         for name, p in model.named_parameters():
             vars(p).update(roles[name])
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.split_experts = [p for p in self.params if expert_split(p) > 1]
         self.optimizer = build_optimizer(model, optim, device)
 
     @contextmanager
@@ -129,7 +134,16 @@ class FullyShardedDP(DataParallel):
 
     def finish_grads(self) -> list[torch.Tensor]:
         """FSDP has reduce-scattered by the end of backward; sum the sequence-parallel
-        partial gradients over TP (each TP rank holds the same DP shard of them)."""
+        partial gradients over TP (each TP rank holds the same DP shard of them).
+
+        An expert split over ep came averaged over its dp ÷ ep holders, but its gradient
+        already summed the tokens of the ep ranks (the all-to-all's backward): ÷ ep makes
+        it the mean over all dp ranks' tokens, as the dense ones are. (Done here, not by
+        FSDP's divide factor, which torch 2.13 applies twice on a group of one rank: half
+        the gradient at dp 2 × ep 2 in fp64.)"""
+        for p in self.split_experts:
+            if p.grad is not None:
+                local_part(p.grad).div_(expert_split(p))
         if group_size(self.tp_group) > 1:
             for p in self.params:
                 if p.grad is not None and has_sp_partial_grad(p):
@@ -139,7 +153,9 @@ class FullyShardedDP(DataParallel):
     def grad_norm(self) -> torch.Tensor:
         """The L2 norm of the whole model's gradient: this rank's shards squared and summed
         over DP (under HSDP over one replica's shard group: the other replicas hold the
-        same shards), then over TP (replicated parameters counted on TP rank 0 only)."""
+        same shards), then over TP (replicated parameters counted on TP rank 0 only).
+        Experts split over ep are counted once by the same DP sum: the ranks of one ep
+        index hold disjoint shards of its experts, the ep indices disjoint experts."""
         tp_rank = group_rank(self.tp_group)
         total = torch.zeros((), dtype=torch.float64, device=collective_device(self.dp_group))
         for p in self.params:
@@ -189,6 +205,31 @@ class FullyShardedDP(DataParallel):
     def state_bytes(self) -> int:
         tensors = [local_part(v) for st in self.optimizer.state.values() for v in st.values()]
         return sum(t.nbytes for t in tensors if torch.is_tensor(t) and t.dim() > 0)
+
+
+def _shard_split_experts(
+    model: nn.Module,
+    expert_grad_group: dist.ProcessGroup | None,
+    device_type: str,
+    shard: dict[str, Any],
+) -> None:
+    """Make each module holding experts split over ep an FSDP unit of its own, sharded
+    over ``expert_grad_group`` (the dp ÷ ep ranks holding the same experts; its layer's
+    unit then leaves them out). FSDP averages their gradient over that group only:
+    ``FullyShardedDP.finish_grads`` divides it by ep more."""
+    owners = [
+        m for m in model.modules() if any(expert_split(p) > 1 for p in m.parameters(recurse=False))
+    ]
+    if not owners:
+        return
+    if expert_grad_group is None:
+        raise ValueError(
+            "experts split over ep ranks shard over the expert_grad group: pass "
+            "expert_grad_group=ps.group('expert_grad')"
+        )
+    mesh = DeviceMesh.from_group(expert_grad_group, device_type)
+    for module in owners:
+        fully_shard(module, mesh=mesh, **shard)
 
 
 def _hybrid_mesh(

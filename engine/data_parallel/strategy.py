@@ -139,6 +139,7 @@ class Zero1DP(_DelegatingDP):
         *,
         dp_group: dist.ProcessGroup | None,
         tp_group: dist.ProcessGroup | None,
+        expert_groups: ExpertGroups = (None, None),
         bucket_size_mb: float = 25.0,
         overlap: bool = True,
         param_dtype: torch.dtype | None = None,
@@ -147,6 +148,7 @@ class Zero1DP(_DelegatingDP):
             optimizer,
             dp_group=dp_group,
             tp_group=tp_group,
+            expert_grad_group=expert_groups[1],
             bucket_size_mb=bucket_size_mb,
             param_dtype=param_dtype,
             overlap=overlap,
@@ -201,7 +203,7 @@ def build_data_parallel(
     ``optim.distributed``'s: optimizer or none), with its optimizer, for ``model``,
     reducing gradients (and sharding state) over ``grad_group``: the mesh's ``grad`` role;
     experts split over ep ranks over ``expert_groups``' (the ``expert`` and
-    ``expert_grad`` roles), which only the all-reduce path takes.
+    ``expert_grad`` roles) in every mode but hybrid sharding.
 
     ``low_precision`` (bf16 training): ZeRO-1 then stores the parameters in that dtype
     beside its fp32 master slices, FSDP gathers them in it; the all-reduce path keeps fp32
@@ -217,18 +219,18 @@ def build_data_parallel(
     eagerly. None: every step eager.
     """
     mode, dp_group = resolve_dp_shard(dp_shard or "none", optim.distributed), grad_group
-    split = max((expert_split(p) for p in model.parameters()), default=1)
-    if split > 1 and mode != "none":
-        raise ValueError(
-            f"dp_shard={mode} does not yet reduce experts split over ep_size={split} over "
-            "their own group; use dp_shard=none (the all-reduce path) or ep_size=1"
-        )
     if optim.algorithm == "muon" and mode != "none":
         raise ValueError(
             f"optim=muon needs whole gradients on every DP rank; dp_shard={mode} shards "
             "them: use dp_shard=none"
         )
     hybrid = group_size(hybrid_groups[1]) > 1
+    split = max((expert_split(p) for p in model.parameters()), default=1)
+    if split > 1 and hybrid:
+        raise ValueError(
+            f"hybrid sharding does not yet replicate experts split over ep_size={split}: "
+            "use one replica (dp_replicate=1) or ep_size=1"
+        )
     if hybrid and mode not in ("gradients", "full"):
         raise ValueError(
             f"hybrid sharding replicates FSDP's shards, and dp_shard={mode} is not FSDP: "
@@ -244,6 +246,7 @@ def build_data_parallel(
             reshard_after_forward=mode == "full",
             low_precision=low_precision,
             hybrid_groups=hybrid_groups,
+            expert_grad_group=expert_groups[1],
         )
     if mode not in ("none", "optimizer"):
         raise ValueError(f"dp_shard={mode!r} is not one of none, optimizer, gradients, full")
@@ -251,14 +254,13 @@ def build_data_parallel(
     common = {
         "dp_group": dp_group,
         "tp_group": tp_group,
+        "expert_groups": expert_groups,
         "bucket_size_mb": bucket_size_mb,
         "overlap": overlap,
     }
     if mode == "optimizer":
         return Zero1DP(model, optimizer, param_dtype=low_precision, **common)
-    return AllReduceDP(
-        model, optimizer, expert_groups=expert_groups, compile_backend=compile_backend, **common
-    )
+    return AllReduceDP(model, optimizer, compile_backend=compile_backend, **common)
 
 
 def checkpoint_view(optimizer: DataParallel | torch.optim.Optimizer | None):

@@ -21,6 +21,12 @@ masters: the optimizer updates the owned slice of ``param_buffer`` in place). On
    ``overlap_param_gather(model)`` the forward pre-hook of each module waits only for the
    buckets of its own parameters, so later buckets arrive during the next forward.
 
+Experts split over ep ranks (``layers.param_roles.expert_split``) are bucketed apart and
+sliced over the ``expert_grad`` group (the dp ÷ ep ranks holding the same experts), so
+their Adam state is 1/(dp ÷ ep) per rank; their reduce-scatter runs over that group and
+is divided by the whole dp, as ``GradSync``'s all-reduce of them is (the gradient already
+sums the tokens of the ep ranks, brought by the all-to-all's backward).
+
 Bytes held per parameter (``engine.formulas.state_bytes_per_param``): bf16 parameters 2
 (parameters) + 4 (gradient buffer) + 12/dp (fp32 master, exp_avg, exp_avg_sq) = 6 + 12/dp;
 fp32 parameters 4 + 4 + 8/dp.
@@ -35,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.data_parallel.buckets import BucketLauncher, ShardedBucket, cut_buckets
+from layers.param_roles import expert_split
 from layers.tp_grads import sum_partial_grads_
 from layers.utils import group_rank, group_size
 
@@ -66,10 +73,17 @@ class ZeroOptimizer(BucketLauncher):
         param_dtype: torch.dtype | None = None,
         overlap: bool = True,
         registration_order: list[nn.Parameter] | None = None,
+        expert_grad_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.AdamW) or optimizer.state:
             raise ValueError(
                 "ZeroOptimizer wraps a fresh torch.optim.AdamW (optim.impl torch/auto)"
+            )
+        every = [p for g in optimizer.param_groups for p in g["params"]]
+        if expert_grad_group is None and any(expert_split(p) > 1 for p in every):
+            raise ValueError(
+                "experts split over ep ranks shard over the expert_grad group: pass "
+                "expert_grad_group=ps.group('expert_grad')"
             )
         self._init_settings(  # overlap False: reduce-scatters wait for finish_grads()
             dp_group=dp_group, tp_group=tp_group, bucket_size_mb=bucket_size_mb, overlap=overlap
@@ -78,15 +92,20 @@ class ZeroOptimizer(BucketLauncher):
         groups = []
         for group in optimizer.param_groups:
             hyper = {k: v for k, v in group.items() if k != "params"}
-            for params in cut_buckets(group["params"], bucket_size_mb * 2**20):
-                bucket = ShardedBucket(
-                    params, dp_group=dp_group, tp_rank=group_rank(tp_group), param_dtype=param_dtype
-                )
-                self.buckets.append(bucket)
-                groups.append({**hyper, "params": [bucket.master]})
+            for params, shard_group in _by_shard_group(group["params"], expert_grad_group):
+                for some in cut_buckets(params, bucket_size_mb * 2**20):
+                    bucket = ShardedBucket(
+                        some,
+                        dp_group=dp_group if shard_group is None else shard_group,
+                        tp_rank=group_rank(tp_group),
+                        param_dtype=param_dtype,
+                        mean_over=self.dp_size,
+                    )
+                    self.buckets.append(bucket)
+                    groups.append({**hyper, "params": [bucket.master]})
         # A bucket is complete when its first-registered parameter's gradient is: launch
         # in reverse order of that (``registration_order``: the model's parameters).
-        every = registration_order or [p for g in optimizer.param_groups for p in g["params"]]
+        every = registration_order or every
         index = {id(p): i for i, p in enumerate(every)}
         self._launch_order = sorted(
             self.buckets, key=lambda b: -min(index.get(id(p), 0) for p in b.params)
@@ -165,7 +184,11 @@ class ZeroOptimizer(BucketLauncher):
         sum_partial_grads_(parts, self.tp_group)
 
     def grad_norm(self) -> torch.Tensor:
-        """L2 norm of the whole model's averaged gradient, the same on every rank."""
+        """L2 norm of the whole model's averaged gradient, the same on every rank.
+
+        One sum over the DP group counts every element once, experts split over ep
+        included: the expert-data-parallel ranks of one ep index hold disjoint slices of
+        its experts, and the ep indices disjoint experts, together the whole DP group."""
         # Per parameter (part), squares summed in the gradient's dtype and then together
         # in fp64: the plain path's order (engine.data_parallel.grads.global_grad_norm),
         # so the clip coefficient agrees to the last bits.
@@ -292,3 +315,14 @@ class ZeroOptimizer(BucketLauncher):
             if entry:
                 full["state"][i] = entry
         self.inner.load_state_dict(full)
+
+
+def _by_shard_group(
+    params: list[nn.Parameter], expert_grad_group: dist.ProcessGroup | None
+) -> list[tuple[list[nn.Parameter], dist.ProcessGroup | None]]:
+    """``params`` as (parameters, the group their buckets are sliced over; None: the DP
+    group): experts split over ep over ``expert_grad_group`` (the ranks holding the same
+    experts), apart from the rest, which keep their order and buckets as without ep."""
+    split = [p for p in params if expert_split(p) > 1]
+    dense = [p for p in params if expert_split(p) == 1]
+    return [(some, group) for some, group in ((dense, None), (split, expert_grad_group)) if some]

@@ -39,6 +39,7 @@ class TargetStep:
             tp_group=ps.tp_group,
             device=ps.device,
             dp_shard=spec.dp_shard,
+            expert_groups=(ps.group("expert"), ps.group("expert_grad")),
         )
 
     def no_sync(self):
