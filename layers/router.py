@@ -184,7 +184,7 @@ class TopKRouter(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         keep = None
         if self.capacity_factor is not None:
-            limit = capacity(len(tokens), self.top_k, self.num_experts, self.capacity_factor)
+            limit = capacity(len(logits), self.top_k, self.num_experts, self.capacity_factor)
             keep = capacity_keep(
                 experts, select.detach().gather(1, experts), limit, self.num_experts
             )

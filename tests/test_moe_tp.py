@@ -1,0 +1,174 @@
+"""The mixture-of-experts layer at tp > 1 (``layers.moe.MoEMLP``) against the unsplit model.
+
+Real gloo ranks train one step through the runtime's own pieces (the model builder, the
+local step runner with its router losses, the all-reduce DP strategy with its TP sum of
+the sequence-parallel partial gradients): at tp 2 with sequence parallelism (each expert's
+columns split over the two TP ranks, the router's logits computed per sequence block and
+gathered), and at tp 2 × ep 2 (dp 2: the ep all-to-alls run within each TP rank's own ep
+group). The reference is test_moe_ep's unsplit model in this process (the mean over the
+two token windows of model loss + router losses, one backward, the norm and one clipped
+AdamW step). float64 throughout, router included: the sides differ only in summation
+order (an expert's output summed over its TP slices, a gradient over sequence blocks), so
+loss, router loss, every gradient gathered to full shape, the norm and the stepped
+weights are held to 1e-10 absolute, and the routing (each kept and dropped (token,
+expert) pair) must be the same sets on every TP rank. A checkpoint saved at tp 2 loads at
+tp 1 with every tensor equal (``torch.equal``): experts are stored whole, gathered over
+TP and ep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import parallel_state
+from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.models import ModelConfig, build_model
+from engine.runner import LocalRunner
+from layers.moe import moe_losses
+from parallel_state.dims import ParallelDims
+from tests.multiproc import run_ranks
+from tests.test_moe_checkpoint import _equal, _files, _state
+from tests.test_moe_ep import (
+    BATCH,
+    OPTIM,
+    SEQ,
+    TOL,
+    VOCAB,
+    _cfg,
+    _dp,
+    _pairs,
+    _record_routing,
+    _reference,
+    _shards,
+)
+
+DEVICE = torch.device("cpu")
+F64 = torch.float64
+STEP = 1  # the checkpoint's step
+
+# Softmax top-2 renormalised, Qwen2-MoE's gated shared expert (its own TP-split MLP),
+# sequence parallelism (the logits and the gate's input are per sequence block), and a
+# capacity that drops slots: the drops must be those of every token of the window.
+TP_CASE = dict(moe_shared_ffn_hidden_size=8, sequence_parallel=True, moe_capacity_factor=1.0)
+# The same, dropless (the routing without a keep mask).
+TP_EP_CASE = dict(moe_shared_ffn_hidden_size=8, sequence_parallel=True)
+
+
+def _tp_rank(cfg: ModelConfig, shards: torch.Tensor, dims: ParallelDims, root: str) -> dict:
+    """One step at ``dims``: this dp rank's windows (at dp 1 both, as micro-batches). Returns
+    its fp64 loss and router loss, full gradients, norm, full stepped weights, routing
+    pairs, and the state it saved under ``root``."""
+    ps = parallel_state.initialize(dims)
+    torch.manual_seed(0)
+    model = build_model(cfg, ps, dtype=F64, device=DEVICE)
+    records = _record_routing(model)
+    runner = LocalRunner(model, ps, contextlib.nullcontext)
+    dp = _dp(model, ps)
+    index, dp_size = ps.rank_in("batch"), ps.size("batch")
+    numbers = list(range(index, len(shards), dp_size))  # the windows this rank runs
+    losses, routers = [], []  # fp64 model and router losses of each micro-batch
+    model_loss = model.loss
+
+    def loss_of(batch):
+        losses.append(model_loss(batch))
+        routers.append(sum(one.loss for one in moe_losses(model)).detach())
+        return losses[-1]
+
+    model.loss = loss_of
+    runner.forward_backward([shards[n] for n in numbers], dp)
+    dp.finish_grads()
+    grads = model.full_grad_dict()
+    norm = dp.grad_norm()
+    dp.step(lr=OPTIM.lr, max_norm=OPTIM.clip_grad, norm=norm)
+    tokens = BATCH * SEQ
+    routing = [  # per layer, the pairs of each window this rank ran
+        [_pairs(forward, n * tokens) for n, forward in zip(numbers, forwards, strict=True)]
+        for forwards in records
+    ]
+    save_checkpoint(Path(root), STEP, model=model, optimizer=dp, ps=ps, state={}, keep=1)
+    return dict(
+        loss=sum(one.detach() for one in losses) / len(losses),
+        router=sum(routers) / len(routers),
+        grads=grads,
+        norm=norm,
+        weights=model.full_state_dict(),
+        routing=routing,
+        saved=_state(model, dp),
+        ranks=(ps.rank_in("tp"), index),
+        fc1=tuple(model.get_parameter("layers.0.mlp.experts.fc1").shape),
+    )
+
+
+def _load_at_tp1(cfg: ModelConfig, root: str) -> dict:
+    """The checkpoint under ``root`` loaded into a tp 1, dp 1 model: its full state."""
+    ps = parallel_state.initialize(ParallelDims(tp=1, dp=1))
+    torch.manual_seed(1)  # other initial weights: the load must overwrite them all
+    model = build_model(cfg, ps, dtype=F64, device=DEVICE)
+    dp = _dp(model, ps)
+    load_checkpoint(Path(root), model=model, optimizer=dp, ps=ps, log=lambda msg: None)
+    return _state(model, dp)
+
+
+def _assert_matches(ranks: list[dict], ref: dict, dp_size: int) -> None:
+    """Each TP rank of each dp rank against the unsplit reference (module docstring)."""
+    loss = sum(r["loss"] for r in ranks) / len(ranks)  # every TP rank's is its dp rank's
+    torch.testing.assert_close(loss, ref["loss"], **TOL)
+    router = sum(r["router"] for r in ranks) / len(ranks)
+    torch.testing.assert_close(router, ref["router"], **TOL)
+    for r in ranks:
+        torch.testing.assert_close(r["norm"], ref["norm"], **TOL)
+        for kind in ("grads", "weights"):
+            assert r[kind].keys() == ref[kind].keys()
+            for name, want in ref[kind].items():
+                # The unsplit model pads its vocabulary in memory (to 128 rows at tp 1, 256
+                # at tp 2); the full dicts hold the true rows only.
+                want = want[:VOCAB] if ("embedding.word." in name or "lm_head." in name) else want
+                torch.testing.assert_close(r[kind][name], want, **TOL, msg=f"{kind} {name}")
+    for layer, per_window in enumerate(ref["routing"]):
+        for tp_rank in range(len(ranks) // dp_size):  # each TP rank routes every token
+            mine = [r for r in ranks if r["ranks"][0] == tp_rank]
+            for part in (0, 1):  # kept, dropped
+                want = set().union(*(one[part] for one in per_window))
+                got = set().union(*(w[part] for r in mine for w in r["routing"][layer]))
+                assert got == want, f"layer {layer}, tp rank {tp_rank}: routing differs"
+
+
+def _check_checkpoint(cfg: ModelConfig, ranks: list[dict], root: Path) -> None:
+    """The files hold the run's full state, and a tp 1 model loads exactly that."""
+    files = _files(root / f"step_{STEP:08d}")
+    experts = [n for n in files if ".experts." in n]
+    assert experts and all(files[n].shape[0] == 6 for n in experts)  # whole, every expert
+    for r in ranks:
+        _equal(r["saved"]["tensors"], files, "the files against the tp 2 run")
+    loaded = run_ranks(_load_at_tp1, 1, cfg, str(root))[0]
+    _equal(loaded["tensors"], files, "loaded at tp 1")
+    assert loaded["steps"] == ranks[0]["saved"]["steps"]
+
+
+def test_tp2_sequence_parallel_equals_the_unsplit_model_and_its_checkpoint_loads_at_tp1(
+    tmp_path,
+):
+    cfg, shards = _cfg(**TP_CASE), _shards()
+    ranks = run_ranks(_tp_rank, 2, cfg, shards, ParallelDims(tp=2, dp=1), str(tmp_path))
+    ref = _reference(cfg, shards)
+    _assert_matches(ranks, ref, dp_size=1)
+    dropped = sum(len(d) for per_window in ref["routing"] for _, d in per_window)
+    assert dropped > 0  # the capacity bit: the drops were compared too
+    # Each TP rank held half of every expert's gate/up columns (6 experts, h 16, 2 × 12).
+    assert [r["fc1"] for r in ranks] == [(6, 16, 12)] * 2
+    _check_checkpoint(cfg, ranks, tmp_path)
+
+
+@pytest.mark.slow
+def test_tp2_ep2_equals_the_unsplit_model_and_its_checkpoint_loads_at_tp1(tmp_path):
+    cfg, shards = _cfg(**TP_EP_CASE), _shards()
+    dims = ParallelDims(tp=2, dp=2, ep=2)
+    ranks = run_ranks(_tp_rank, 4, cfg, shards, dims, str(tmp_path))
+    ref = _reference(cfg, shards)
+    _assert_matches(ranks, ref, dp_size=2)
+    assert [r["fc1"] for r in ranks] == [(3, 16, 12)] * 4  # 3 experts, half their columns
+    _check_checkpoint(cfg, ranks, tmp_path)
