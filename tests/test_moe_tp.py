@@ -30,6 +30,7 @@ from engine.models import ModelConfig, build_model
 from engine.runner import LocalRunner
 from layers.moe import moe_losses
 from parallel_state.dims import ParallelDims
+from studies.verification.layouts import VerifySpec, compare_layouts
 from tests.multiproc import run_ranks
 from tests.test_moe_checkpoint import _equal, _files, _state
 from tests.test_moe_ep import (
@@ -56,6 +57,17 @@ STEP = 1  # the checkpoint's step
 TP_CASE = dict(moe_shared_ffn_hidden_size=8, sequence_parallel=True, moe_capacity_factor=1.0)
 # The same, dropless (the routing without a keep mask).
 TP_EP_CASE = dict(moe_shared_ffn_hidden_size=8, sequence_parallel=True)
+# The layout verifier's MoE comparison at tp 2 × dp 2 × ep 2, sequence parallel, drops.
+VERIFY = VerifySpec(
+    model="llama",
+    tp_size=2,
+    dp_size=2,
+    ep_size=2,
+    num_heads=4,
+    experts=4,
+    capacity_factor=1.0,
+    sequence_parallel=True,
+)
 
 
 def _tp_rank(cfg: ModelConfig, shards: torch.Tensor, dims: ParallelDims, root: str) -> dict:
@@ -172,3 +184,27 @@ def test_tp2_ep2_equals_the_unsplit_model_and_its_checkpoint_loads_at_tp1(tmp_pa
     _assert_matches(ranks, ref, dp_size=2)
     assert [r["fc1"] for r in ranks] == [(3, 16, 12)] * 4  # 3 experts, half their columns
     _check_checkpoint(cfg, ranks, tmp_path)
+
+
+def _verify():
+    parallel_state.initialize(VERIFY.dims)
+    try:
+        report = compare_layouts(VERIFY)
+        return report and (report.ok, report.rows, report.notes)
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.slow
+def test_the_verifier_runs_moe_at_tp2_ep2():
+    # tools/verify_equivalence.py --model llama --tp-size 2 --dp-size 2 --ep-size 2
+    # --heads 4 --sequence-parallel --capacity-factor 1.0: fp64, summation order only.
+    ok, rows, notes = run_ranks(_verify, 4, timeout=600)[0]
+    worst = max(r.max_rel for r in rows)
+    assert ok and worst <= 1e-14, [r for r in rows if r.max_rel > 1e-14]
+    kinds = {r.kind for r in rows}
+    assert {"routes", "dropped", "weights", "aux loss", "z loss", "output", "grad"} <= kinds
+    names = {r.name for r in rows}  # the experts' rows (summed over TP), the split experts
+    assert {"layers.0.mlp.experts", "layers.1.mlp", "layers.0.mlp.experts.fc1"} <= names
+    dropped = [int(n.split(", ")[1].split()[0]) for n in notes]
+    assert len(rows) == 51 and len(notes) == 2 and all(d > 0 for d in dropped), notes
