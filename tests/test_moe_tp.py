@@ -58,16 +58,8 @@ TP_CASE = dict(moe_shared_ffn_hidden_size=8, sequence_parallel=True, moe_capacit
 # The same, dropless (the routing without a keep mask).
 TP_EP_CASE = dict(moe_shared_ffn_hidden_size=8, sequence_parallel=True)
 # The layout verifier's MoE comparison at tp 2 × dp 2 × ep 2, sequence parallel, drops.
-VERIFY = VerifySpec(
-    model="llama",
-    tp_size=2,
-    dp_size=2,
-    ep_size=2,
-    num_heads=4,
-    experts=4,
-    capacity_factor=1.0,
-    sequence_parallel=True,
-)
+LAYOUT = dict(tp_size=2, dp_size=2, ep_size=2, sequence_parallel=True)
+VERIFY = VerifySpec(model="llama", num_heads=4, experts=4, capacity_factor=1.0, **LAYOUT)
 
 
 def _tp_rank(cfg: ModelConfig, shards: torch.Tensor, dims: ParallelDims, root: str) -> dict:
