@@ -29,6 +29,7 @@ from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.models import ModelConfig, build_model
 from engine.runner import LocalRunner
 from layers.moe import moe_losses
+from layers.param_roles import mark_tp_dim
 from parallel_state.dims import ParallelDims
 from studies.verification.layouts import VerifySpec, compare_layouts
 from tests.multiproc import run_ranks
@@ -117,6 +118,31 @@ def _load_at_tp1(cfg: ModelConfig, root: str) -> dict:
     return _state(model, dp)
 
 
+def _save_replicated_experts(cfg: ModelConfig, root: str) -> dict:
+    """A tp 1 checkpoint whose index records the experts replicated over TP (``tp_dim``
+    None), as those written before the experts split over TP did: its full state."""
+    ps = parallel_state.initialize(ParallelDims(tp=1, dp=1))
+    torch.manual_seed(0)
+    model = build_model(cfg, ps, dtype=F64, device=DEVICE)
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            mark_tp_dim(p, None)
+    dp = _dp(model, ps)  # no step taken: no optimizer state to store
+    save_checkpoint(Path(root), STEP, model=model, optimizer=dp, ps=ps, state={}, keep=1)
+    return model.full_state_dict()
+
+
+def _load_at_tp2(cfg: ModelConfig, root: str) -> dict:
+    """The checkpoint under ``root`` loaded at tp 2: the full weights and this rank's
+    expert slices."""
+    ps = parallel_state.initialize(ParallelDims(tp=2, dp=1))
+    torch.manual_seed(1)  # other initial weights: the load must overwrite them all
+    model = build_model(cfg, ps, dtype=F64, device=DEVICE)
+    load_checkpoint(Path(root), model=model, optimizer=_dp(model, ps), ps=ps, log=lambda m: None)
+    experts = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n}
+    return dict(full=model.full_state_dict(), experts=experts, tp_rank=ps.rank_in("tp"))
+
+
 def _assert_matches(ranks: list[dict], ref: dict, dp_size: int) -> None:
     """Each TP rank of each dp rank against the unsplit reference (module docstring)."""
     loss = sum(r["loss"] for r in ranks) / len(ranks)  # every TP rank's is its dp rank's
@@ -200,3 +226,20 @@ def test_the_verifier_runs_moe_at_tp2_ep2():
     assert {"layers.0.mlp.experts", "layers.1.mlp", "layers.0.mlp.experts.fc1"} <= names
     dropped = [int(n.split(", ")[1].split()[0]) for n in notes]
     assert len(rows) == 51 and len(notes) == 2 and all(d > 0 for d in dropped), notes
+
+
+@pytest.mark.slow
+def test_a_checkpoint_with_replicated_experts_loads_at_tp2(tmp_path):
+    # Its index says the experts are whole on every TP rank; the model's layers say how
+    # they are cut now (engine.checkpoint.state.as_held_by).
+    cfg = _cfg(**TP_EP_CASE)
+    saved = run_ranks(_save_replicated_experts, 1, cfg, str(tmp_path))[0]
+    index = (tmp_path / f"step_{STEP:08d}" / "index.json").read_text()
+    assert '"tp_dim": null' in index
+    ranks = run_ranks(_load_at_tp2, 2, cfg, str(tmp_path))
+    for r in ranks:
+        _equal(r["full"], saved, "loaded at tp 2")
+        for name, local in r["experts"].items():  # fc1 [E, h, 2f]: columns; fc2: rows
+            dim = 2 if name.endswith("fc1") else 1
+            want = saved[name].chunk(2, dim=dim)[r["tp_rank"]]
+            assert torch.equal(local, want), name
