@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ import parallel_state
 from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.models import ModelConfig, build_model
 from engine.runner import LocalRunner
+from engine.trainer import model_groups
 from layers.moe import moe_losses
 from layers.param_roles import mark_tp_dim
 from parallel_state.dims import ParallelDims
@@ -243,3 +245,14 @@ def test_a_checkpoint_with_replicated_experts_loads_at_tp2(tmp_path):
             dim = 2 if name.endswith("fc1") else 1
             want = saved[name].chunk(2, dim=dim)[r["tp_rank"]]
             assert torch.equal(local, want), name
+
+
+def test_the_watchdog_names_tp_and_the_expert_group_at_tp2_ep2():
+    # The trainer's stall watchdog names the groups a model's collectives wait on: at
+    # tp 2 × ep 2 the MoE layers' f and g (tp) and their all-to-alls (expert).
+    dims = ParallelDims(tp=2, dp=2, ep=2)
+    ps = SimpleNamespace(dims=dims, size=dims.size_of)
+    assert model_groups(ps) == ("tp", "expert")
+    assert dims.live_axes(*model_groups(ps)) == ["tp", "expert"]
+    tp_only = ParallelDims(tp=2, dp=2)  # no ep: as before
+    assert model_groups(SimpleNamespace(dims=tp_only, size=tp_only.size_of)) == ("tp",)
