@@ -43,9 +43,8 @@ def model_groups(ps: ParallelState) -> tuple[str, ...]:
     gradient group's where it works inside forward and backward (its buckets at tp=1,
     FSDP's gathers when DP shards gradients or parameters), the MoE ep all-to-alls' expert."""
     fsdp = ps.dims.dp_shard in ("gradients", "full") and ps.size("grad") > 1
-    if ps.size("tp") == 1:  # MoE runs at tp 1 only
-        return ("grad", "expert") if ps.size("expert") > 1 else ("grad",)
-    return ("tp", "grad") if fsdp else ("tp",)
+    names = ("grad",) if ps.size("tp") == 1 else (("tp", "grad") if fsdp else ("tp",))
+    return (*names, "expert") if ps.size("expert") > 1 else names
 
 
 class Trainer:

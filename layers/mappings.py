@@ -10,7 +10,7 @@ wrapper                forward                     backward
 copy_to_tp             identity                    all-reduce        (f)
 reduce_from_tp         all-reduce                  identity          (g)
 scatter_to_tp          split last dim              all-gather last dim
-gather_from_tp         all-gather last dim         split last dim
+gather_from_tp         all-gather a dim (last)     split that dim
 scatter_to_sequence    split sequence dim          all-gather sequence dim
 gather_from_sequence   all-gather sequence dim     reduce-scatter sequence dim
 reduce_scatter_to_seq  reduce-scatter sequence     all-gather sequence dim
@@ -183,16 +183,16 @@ class _ScatterToTP(torch.autograd.Function):
 
 
 class _GatherFromTP(torch.autograd.Function):
-    """All-gather the last dim forward, split the last dim backward."""
+    """All-gather a dim forward, split the same dim backward."""
 
     @staticmethod
-    def forward(ctx, x, group, timer):
-        ctx.group = group
-        return all_gather_dim(x, -1, group, timer)
+    def forward(ctx, x, group, dim, timer):
+        ctx.group, ctx.dim = group, dim
+        return all_gather_dim(x, dim, group, timer)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None, None
+        return _split(grad, ctx.dim, ctx.group), None, None, None
 
 
 class _ScatterToSequence(torch.autograd.Function):
@@ -280,10 +280,13 @@ def gather_from_tp(
     x: torch.Tensor,
     tp_group: dist.ProcessGroup | None = None,
     *,
+    dim: int = -1,
     comm_timer: CommTimer | None = None,
 ) -> torch.Tensor:
-    """All-gather the last dim forward, split it backward (``gather_output=True``)."""
-    return _apply_on_tp(_GatherFromTP, x, tp_group, comm_timer)
+    """All-gather ``dim`` forward, split it backward: a value every TP rank then uses
+    whole, each rank's gradient of it already full (``gather_output=True``; the MoE
+    router's logits under sequence parallelism, ``layers.router``)."""
+    return _apply_on_tp(_GatherFromTP, x, tp_group, dim, comm_timer)
 
 
 def scatter_to_sequence(

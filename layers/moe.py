@@ -18,6 +18,11 @@ Under expert parallelism (``shard_experts``: each of the ``expert`` group's ep r
 those of ep 1, and step 3 is wrapped in ``layers.expert_parallel``'s dispatch and
 combine all-to-alls.
 
+Under tensor parallelism (``MoEMLP``'s docstring) every TP rank routes the same tokens
+alike, holds a TP slice of every expert (as the dense MLP's split) and sums the experts'
+partial outputs once after step 4; the ep all-to-alls then run within each TP rank's own
+ep group (the ``expert`` role keeps the TP index), moving the same rows as at tp 1.
+
 The expert weights are ``[E, in, out]`` tensors (``x @ w[e]``), fc1's columns interleaved
 gate/up as ``layers.mlp``'s: giving each of several ranks its experts is a slice along
 dim 0. The router's losses of the last forward are ``self.router.last_losses``
@@ -35,10 +40,17 @@ from torch import nn
 from layers.expert_parallel import combine, dispatch, expert_range
 from layers.kernel_set import Kernels, resolve_kernels
 from layers.linear import replicated_weight
+from layers.mappings import (
+    copy_to_tp,
+    gather_from_sequence,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+)
 from layers.mlp import ParallelMLP
-from layers.param_roles import mark_expert
+from layers.param_roles import mark_expert, mark_sp_partial_grad, mark_tp_dim
 from layers.router import RouterLosses, Routing, TopKRouter
 from layers.transformer_config import TransformerConfig
+from layers.utils import comm_timer_of, shard
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
 
@@ -102,13 +114,21 @@ def unpermute(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) ->
     return slots.sum(1)
 
 
+def tp_block(weight: nn.Parameter, dim: int, tp_rank: int, tp_size: int) -> nn.Parameter:
+    """TP rank ``tp_rank``'s contiguous block along ``dim`` of the full ``weight``, as a
+    parameter marked split there (the whole of it, so marked, at tp 1)."""
+    return mark_tp_dim(nn.Parameter(shard(weight.data, dim, tp_rank, tp_size)), dim)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU (or GeLU) MLPs without biases, as two ``[E, in, out]`` weights.
 
     ``fc1``: ``[E, h, 2·f_e]`` (gated: gate and up columns interleaved, ``(f two)``) or
     ``[E, h, f_e]``; ``fc2``: ``[E, f_e, h]``, drawn with the residual-branch std
     init_std / √(2·layers) as the dense MLP's fc2. The full weights are drawn on the CPU from
-    the seed, so any later split over ranks holds slices of the same experts.
+    the seed, so any later split over ranks holds slices of the same experts. TP rank r of
+    ``tp_size`` keeps the r-th block of every expert's f_e columns of fc1 and rows of fc2,
+    so its output rows are partial sums over TP (summed by ``MoEMLP``).
     """
 
     def __init__(
@@ -116,6 +136,8 @@ class GroupedExperts(nn.Module):
         cfg: TransformerConfig,
         kernels: Kernels,
         *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
@@ -124,9 +146,13 @@ class GroupedExperts(nn.Module):
         self.approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None}[cfg.activation]
         experts, h, f = cfg.moe_num_experts, cfg.hidden_size, cfg.moe_ffn_size
         width = f * (2 if self.gated else 1)
-        self.fc1 = replicated_weight((experts, h, width), cfg.init_std, dtype, device)
+        fc1 = replicated_weight((experts, h, width), cfg.init_std, dtype, device)
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        self.fc2 = replicated_weight((experts, f, h), out_std, dtype, device)
+        fc2 = replicated_weight((experts, f, h), out_std, dtype, device)
+        # Over TP as the dense MLP: fc1 by columns (the interleaved gate/up pairs stay
+        # together), fc2 by rows.
+        self.fc1 = tp_block(fc1, 2, tp_rank, tp_size)
+        self.fc2 = tp_block(fc2, 1, tp_rank, tp_size)
         for weight in (self.fc1, self.fc2):
             mark_expert(weight)
         self.impl = "auto"  # grouped_mm's choice; the tests set "loop" or "grouped"
@@ -153,9 +179,24 @@ class GroupedExperts(nn.Module):
 class MoEMLP(nn.Module):
     """Router, grouped experts and an optional gated shared expert (module docstring).
 
-    Constructed as every MLP slot is (``layers.spec``); ``rng`` unused (no dropout). Runs on
-    one TP rank for now: ``tp_group`` must hold one rank. Holds every expert until
-    ``shard_experts`` gives it an ``ep_group`` and keeps this rank's ``E / ep`` of them.
+    Constructed as every MLP slot is (``layers.spec``); ``rng`` unused (no dropout). Holds
+    every expert until ``shard_experts`` gives it an ``ep_group`` and keeps this rank's
+    ``E / ep`` of them.
+
+    Over ``tp_group`` the experts split as the dense ``ParallelMLP`` does (each expert's
+    fc1 by columns, gate/up pairs kept together; fc2 by rows), and the router and the
+    shared expert's gate are replicated. Every TP rank routes the same tokens with the
+    same logits (under sequence parallelism each rank's block's logits, all-gathered), so
+    routing, ties and drops are those of tp 1. The experts' input is Megatron's f (copy to
+    the TP region; under sequence parallelism the all-gathered sequence), so each TP rank
+    dispatches the same rows over its own ep group, with its own slice of every expert;
+    after unpermute the partial outputs are summed once by g (all-reduce; reduce-scatter
+    under sequence parallelism). The routing weights pass f too: each rank's gradient of
+    them sees only its slice's partial rows, and f's backward sums them. The shared expert
+    is the ``ParallelMLP`` it is at any tp, with its own reduction (it lives inside its
+    row-parallel fc2; folding it into the experts' would need an fc2 without it). Under
+    sequence parallelism the router's and the gate's gradients cover this rank's tokens
+    only and are summed over TP after backward, as a norm's are (``layers.tp_grads``).
     """
 
     def __init__(
@@ -169,19 +210,16 @@ class MoEMLP(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        tp_group = resolve_tp_group(tp_group)
-        if group_size(tp_group) > 1:
-            raise ValueError(
-                f"model.mlp='moe' runs at tp_size=1 for now (got tp_size={group_size(tp_group)})"
-                ": use tp_size=1 or model.mlp=dense"
-            )
+        self.tp_group = tp_group = resolve_tp_group(tp_group)
+        self.sequence_parallel = cfg.sequence_parallel
         kernels = kernels or resolve_kernels(cfg.kernels)
         self.num_experts = cfg.moe_num_experts
         self.ep_group: dist.ProcessGroup | None = None  # set by shard_experts
         factory = dict(dtype=dtype, device=device)
+        tp = dict(tp_rank=group_rank(tp_group), tp_size=group_size(tp_group))
         # Built in this order (the master weights' draws follow it).
-        self.router = TopKRouter(cfg, **factory)
-        self.experts = GroupedExperts(cfg, kernels, **factory)
+        self.router = TopKRouter(cfg, tp_group=tp_group, **factory)
+        self.experts = GroupedExperts(cfg, kernels, **tp, **factory)
         self.shared_expert = self.shared_gate = None
         if cfg.moe_shared_ffn_hidden_size:
             self.shared_expert = ParallelMLP(
@@ -194,21 +232,33 @@ class MoEMLP(nn.Module):
             if cfg.moe_shared_gate:  # Qwen2-MoE's shared_expert_gate: [1, h], no bias
                 shape = (1, cfg.hidden_size)
                 self.shared_gate = replicated_weight(shape, cfg.init_std, dtype, device)
+                mark_sp_partial_grad(self.shared_gate, self.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """``x`` ``[s, b, h]`` → (``[s, b, h]``, None: no bias to add)."""
-        tokens = x.reshape(-1, x.shape[-1])  # [T, h], T = s·b in (s, b) order
-        routing = self.router(tokens)
+        """``x`` ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism) → (the same
+        shape, None: no bias to add)."""
+        timer = comm_timer_of(self)
+        routing = self.router(x.reshape(-1, x.shape[-1]))  # every token, in (s, b) order
+        weights = copy_to_tp(routing.weights, self.tp_group, comm_timer=timer)
+        if self.sequence_parallel:
+            tokens = gather_from_sequence(x, self.tp_group, comm_timer=timer)
+        else:
+            tokens = copy_to_tp(x, self.tp_group, comm_timer=timer)
+        tokens = tokens.reshape(-1, x.shape[-1])  # [T, h], T = s·b
         rows, order, counts = permute(tokens, routing, self.num_experts)
         rows, counts, plan = dispatch(rows, counts, self.ep_group)  # to the experts' ranks
         rows = combine(self.experts(rows, counts), plan)  # and back
-        out = unpermute(rows, order, routing.weights)
+        out = unpermute(rows, order, weights).view(-1, *x.shape[1:])  # this TP slice's part
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence(out, self.tp_group, comm_timer=timer)
+        else:
+            out = reduce_from_tp(out, self.tp_group, comm_timer=timer)
         if self.shared_expert is not None:
-            shared, _ = self.shared_expert(tokens)
+            shared, _ = self.shared_expert(x)
             if self.shared_gate is not None:
-                shared = torch.sigmoid(tokens @ self.shared_gate.T) * shared
+                shared = torch.sigmoid(x @ self.shared_gate.T) * shared
             out = out + shared
-        return out.view_as(x), None
+        return out, None
 
 
 def shard_experts(model: nn.Module, ep_group: dist.ProcessGroup | None) -> nn.Module:

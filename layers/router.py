@@ -44,11 +44,15 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from layers.linear import replicated_weight
+from layers.mappings import gather_from_tp
+from layers.param_roles import mark_sp_partial_grad
 from layers.transformer_config import TransformerConfig
+from layers.utils import comm_timer_of
 
 ROUTERS = ("softmax", "sigmoid")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -125,16 +129,23 @@ class TopKRouter(nn.Module):
 
     ``weight``: ``[E, h]``, like transformers' ``gate.weight``. The sigmoid router also
     holds ``expert_bias`` (``[E]``, fp32, a buffer), which only ``update_bias`` changes.
+
+    Every rank of ``tp_group`` holds the whole ``weight`` and routes all the tokens of its
+    DP slice, so the TP ranks route alike. Under sequence parallelism each computes its own
+    block's logits and they are all-gathered (backward: each rank keeps its block's rows),
+    so ``weight``'s gradient is a per-rank partial sum, summed over TP as a norm's is.
     """
 
     def __init__(
         self,
         cfg: TransformerConfig,
         *,
+        tp_group: dist.ProcessGroup | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, cfg.sequence_parallel
         self.kind, self.top_k = cfg.moe_router, cfg.moe_top_k
         self.num_experts, self.renormalize = cfg.moe_num_experts, cfg.moe_renormalize
         self.capacity_factor = cfg.moe_capacity_factor
@@ -143,15 +154,22 @@ class TopKRouter(nn.Module):
         self.router_dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
         shape = (self.num_experts, cfg.hidden_size)
         self.weight = replicated_weight(shape, cfg.init_std, dtype, device)
+        # Under sequence parallelism each TP rank's logits cover its own block of tokens.
+        mark_sp_partial_grad(self.weight, self.sequence_parallel)
         if self.kind == "sigmoid":
             bias = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
             self.register_buffer("expert_bias", bias)
         self.last_losses: RouterLosses | None = None
 
     def forward(self, tokens: torch.Tensor) -> Routing:
-        """``tokens``: ``[T, h]``. Sets ``last_losses`` and returns the ``Routing``."""
+        """``tokens``: ``[T, h]`` (under sequence parallelism this TP rank's block of the
+        sequence; the logits of every block are gathered, so the routing covers them all).
+        Sets ``last_losses`` and returns the ``Routing``."""
         wide = torch.promote_types(tokens.dtype, self.router_dtype)
         logits = F.linear(tokens.to(wide), self.weight.to(wide))  # [T, E]
+        if self.sequence_parallel:  # all-gather forward, this block's rows backward
+            timer = comm_timer_of(self)
+            logits = gather_from_tp(logits, self.tp_group, dim=0, comm_timer=timer)
         scores = logits.to(self.router_dtype)
         if self.kind == "softmax":
             probs = scores.softmax(-1)
@@ -166,7 +184,7 @@ class TopKRouter(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         keep = None
         if self.capacity_factor is not None:
-            limit = capacity(len(tokens), self.top_k, self.num_experts, self.capacity_factor)
+            limit = capacity(len(logits), self.top_k, self.num_experts, self.capacity_factor)
             keep = capacity_keep(
                 experts, select.detach().gather(1, experts), limit, self.num_experts
             )

@@ -369,11 +369,21 @@ def test_validation_errors_are_one_line_and_name_the_value_and_the_fix():
         with pytest.raises(ValueError) as error:
             _cfg(**overrides)
         assert str(error.value) == message
-    with pytest.raises(ValueError) as error:
-        ModelConfig(**{**_cfg().to_dict()}).validate(tp_size=2)
-    assert str(error.value) == (
-        "model.mlp=moe runs at tp_size=1 for now (got tp_size=2): use tp_size=1 or model.mlp=dense"
-    )
+    # MoE runs at tp > 1 (tests/test_moe_tp.py): each expert's width must split over TP.
+    ModelConfig(**{**_cfg().to_dict()}).validate(tp_size=2)  # experts of width 12
+    for overrides, message in (
+        (
+            dict(moe_ffn_hidden_size=10),
+            "model.moe_ffn_hidden_size=10 is not divisible by tp_size=4",
+        ),
+        (
+            dict(moe_shared_ffn_hidden_size=9),
+            "model.moe_shared_ffn_hidden_size=9 is not divisible by tp_size=4",
+        ),
+    ):
+        with pytest.raises(ValueError) as error:
+            ModelConfig(**{**_cfg(**overrides).to_dict()}).validate(tp_size=4)
+        assert str(error.value) == message
 
 
 def test_every_kth_layer_holds_the_experts():

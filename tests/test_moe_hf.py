@@ -271,7 +271,7 @@ def test_moe_tiny_trains_and_exports_as_mixtral(tmp_path):
 
 @pytest.mark.slow
 def test_verifier_compares_an_moe_directory_in_fp64(hf_models):
-    # tools/verify_equivalence.py --hf-dir at tp 1 (MoE runs at tp 1), its default float64:
+    # tools/verify_equivalence.py --hf-dir at tp 1 (one process), its default float64:
     # transformers' experts as its per-expert loop (its grouped_mm takes no float64).
     hf_dir, _ = hf_models["mixtral"]
     env = subprocess_env(REPO)

@@ -199,6 +199,7 @@ COVERED = {
     # docs/MODELS.md
     "python -m engine.pretrain model=llama_tiny tp_size=2 name=llama_tiny": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
     "python -m engine.pretrain model=moe_tiny name=moe_tiny trainer.max_steps=30 tp_size=1": "tests/test_moe_hf.py::test_moe_tiny_trains_and_exports_as_mixtral",
+    "python -m engine.pretrain model=moe_tiny name=moe_tiny_tp2 trainer.max_steps=30": "tests/test_moe_tp.py::test_tp2_sequence_parallel_equals_the_unsplit_model_and_its_checkpoint_loads_at_tp1",
     "python tools/convert_hf.py import --hf-dir DIR --out CKPT": "tests/test_hf.py::test_command_line_tools",
     "python tools/verify_equivalence.py --hf-dir DIR --tp-size 4": "tests/test_hf_import_checks.py::test_documented_verifier_command_passes_at_its_default_dtype",
     # docs/PERFMODEL.md

@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="expert-parallel ranks, carved from dp: must divide --dp-size and --experts "
-        "(MoE runs at tp 1, pp 1, cp 1)",
+        "(MoE runs at any tp, pp 1, cp 1)",
     )
     p.add_argument(
         "--experts",

@@ -88,15 +88,18 @@ def param_spec(
 
 
 def as_held_by(spec: TensorSpec, param: nn.Parameter) -> TensorSpec:
-    """``spec`` (as stored) with the block count of the model's ``param`` and whether its
-    dim 0 is experts: the model's layers, not the index, say how its tensors are cut (an
-    index written before the count was recorded has none, and at a TP size up to the KV
-    heads it needed none; the index never records experts, layout.TensorSpec)."""
-    blocks = tp_blocks(param) if spec.tp_dim is not None else None
+    """``spec`` (as stored) with the model's ``param``'s TP split dim and block count and
+    whether its dim 0 is experts: the model's layers, not the index, say how its tensors
+    are cut (an index written before the count was recorded has none, and at a TP size up
+    to the KV heads it needed none; one written before MoE experts split over TP records
+    them replicated; the index never records experts, layout.TensorSpec). The stored
+    tensors are full-shape boxes, so any cut reads them."""
+    split = tp_dim(param)
+    blocks = tp_blocks(param) if split is not None else None
     experts = is_expert(param)
-    if spec.tp_blocks == blocks and spec.experts == experts:
+    if (spec.tp_dim, spec.tp_blocks, spec.experts) == (split, blocks, experts):
         return spec
-    return replace(spec, tp_blocks=blocks, experts=experts)
+    return replace(spec, tp_dim=split, tp_blocks=blocks, experts=experts)
 
 
 def held_box(

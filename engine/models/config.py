@@ -338,7 +338,8 @@ class ModelConfig:
             )
 
     def _validate_moe(self, tp_size: int) -> None:
-        """Experts, k, widths and coefficients in range; one TP rank; no expert biases."""
+        """Experts, k, widths and coefficients in range; widths split over TP; no expert
+        biases."""
         experts, k = self.moe_num_experts, self.moe_top_k
         if experts < 1:
             raise ValueError(f"model.moe_num_experts={experts} must be >= 1 under model.mlp=moe")
@@ -361,11 +362,9 @@ class ModelConfig:
         for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_bias_update_rate"):
             if not 0 <= getattr(self, key) < math.inf:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be >= 0 and finite")
-        if tp_size > 1:
-            raise ValueError(
-                f"model.mlp=moe runs at tp_size=1 for now (got tp_size={tp_size}): use "
-                "tp_size=1 or model.mlp=dense"
-            )
+        # Each expert's columns split over TP as the dense MLP's (layers.moe).
+        check_width_split("model.moe_ffn_hidden_size", self.moe_ffn_size, tp_size)
+        check_width_split("model.moe_shared_ffn_hidden_size", shared, tp_size)
         if self.linear_bias:
             raise ValueError(
                 "model.mlp=moe: experts carry no biases (Mixtral, Qwen-MoE): set "

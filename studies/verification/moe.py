@@ -18,10 +18,13 @@ Compared, in model order (each MoE layer's rows where its router runs):
   unweighted losses, the mean over DP slices.
 * the experts' output rows, in (expert, source DP rank, token) order: the target's ep
   ranks each hold ``E / ep`` experts and receive their rows from the ``expert`` group by
-  all-to-all; the rows are put back in that order from the routing counts.
-* every other module's output (the MoE layer's own: after the combine all-to-all and the
-  inverse permutation), the loss and the summed router loss, and every gradient, the
-  experts' gathered over the ``expert`` group to ``[E, ...]`` (by ``full_grad_dict``).
+  all-to-all; the rows are put back in that order from the routing counts. At tp > 1
+  each TP rank's rows are its slice's partial sums (every TP rank routes and dispatches
+  alike), summed over TP before the comparison.
+* every other module's output (the MoE layer's own: after the combine all-to-all, the
+  inverse permutation and the TP sum), joined over TP as the dense verifier's, the loss
+  and the summed router loss, and every gradient, the experts' gathered over TP and the
+  ``expert`` group to ``[E, ...]`` (by ``full_grad_dict``).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from layers.mappings import gather_along
 from layers.moe import GroupedExperts, MoEMLP, moe_losses
 from layers.router import TopKRouter
 from studies.verification.dp_step import TargetStep
-from studies.verification.outputs import OutputCapture, Row, compare
+from studies.verification.outputs import OutputCapture, Row, compare, join_tp, output_tp_dim
 
 AUX_COEFF, Z_COEFF = 0.01, 0.001  # both router losses reach the objective (and its gradient)
 
@@ -139,17 +142,23 @@ class MoECapture(OutputCapture):
         elif isinstance(module, GroupedExperts):
             kind, value = "experts", out.detach().clone()
         elif isinstance(module, MoEMLP):
-            kind, value = "output", out[0].detach().clone()
+            kind, value = "output", (out[0].detach().clone(), output_tp_dim(module), 1, None)
         elif isinstance(out, torch.Tensor):
-            kind, value = "output", out.detach().clone()
-            if isinstance(module, ParallelLMHead):
-                value = value[..., : self.vocab]
+            # The vocabulary is trimmed after the TP join (its padding is per TP size).
+            trim = self.vocab if isinstance(module, ParallelLMHead) else None
+            copies = getattr(module, "copies", 1)
+            kind, value = "output", (out.detach().clone(), output_tp_dim(module), copies, trim)
         else:
             return
         if name not in self.records:
             self.records[name] = (kind, [value])
         elif self.every:
             self.records[name][1].append(value)
+
+
+def _trimmed(t: torch.Tensor, trim: int | None) -> torch.Tensor:
+    """``t`` with its last dim cut to ``trim`` (the true vocabulary; None: as it is)."""
+    return t if trim is None else t[..., :trim]
 
 
 def _kept_counts(route: dict, experts: int) -> torch.Tensor:
@@ -190,9 +199,14 @@ class _Side:
         self.records = capture.records
 
     def output(self, values: list) -> torch.Tensor:
+        """One module's output over the global batch: the target's joined over TP (then its
+        vocabulary trimmed) and DP, the reference's (tp 1) slices concatenated."""
         if not self.target:
-            return torch.cat(values, dim=_batch_dim(values[0]))
-        return gather_along(values[0], _batch_dim(values[0]), self.ps.dp_group)
+            full = [_trimmed(v[0], v[3]) for v in values]
+            return torch.cat(full, dim=_batch_dim(full[0]))
+        out, tp_dim, copies, trim = values[0]
+        out = _trimmed(join_tp(out, tp_dim, copies, self.ps.tp_group), trim)
+        return gather_along(out, _batch_dim(out), self.ps.dp_group)
 
     def route(self, values: list) -> dict:
         """experts, keep, weights ``[T_global, k]``; aux and z: the mean over DP slices."""
@@ -230,10 +244,11 @@ class _Side:
         counts = gather_along(mine.unsqueeze(0), 0, ps.dp_group)  # [dp, E], by DP rank
         ep, ep_rank = ps.size("expert"), ps.rank_in("expert")
         per_rank = self.experts // ep
-        # The expert group's members in its rank order, as DP ranks (MoE runs at tp 1,
-        # cp 1, pp 1: a global rank is its DP rank).
-        members = next(g for g in ps.dims.group_ranks("expert") if ps.rank in g)
-        pieces, rows, start = {}, values[0], 0
+        # The expert group's members in its rank order, as DP ranks (cp 1, pp 1).
+        group = next(g for g in ps.dims.group_ranks("expert") if ps.rank in g)
+        members = [ps.dims.coords_of(r)["dp"] for r in group]
+        rows, start, pieces = values[0].clone(), 0, {}
+        comm.sum_(rows, ps.tp_group)  # each TP rank's slice of every expert: partial sums
         for e in range(ep_rank * per_rank, (ep_rank + 1) * per_rank):
             for source in members:
                 n = int(counts[source, e])

@@ -61,6 +61,17 @@ def output_tp_dim(module: nn.Module) -> int | None:
     return 0 if getattr(module, "sequence_parallel", False) else None
 
 
+def join_tp(out: torch.Tensor, tp_dim: int | None, copies: int, tp_group) -> torch.Tensor:
+    """A module's output at full shape over TP (a collective over ``tp_group``): the
+    shards joined along ``tp_dim`` (``output_tp_dim``), one copy of each block that
+    ``copies`` TP ranks hold (KV heads replicated past their count)."""
+    out = gather_along(out, tp_dim, tp_group)
+    if copies > 1:
+        blocks = out.unflatten(-1, (groups.group_size(tp_group), -1))
+        out = blocks[..., ::copies, :].flatten(-2)
+    return out
+
+
 class OutputCapture:
     """Forward hooks keeping each module's first output (recomputation reruns forwards)."""
 
@@ -88,10 +99,7 @@ class OutputCapture:
         cp = groups.group_size(cp_group)
         full = {}
         for name, (out, tp_dim, trim) in self.outputs.items():
-            out = gather_along(out, tp_dim, tp_group)
-            if self.copies[name] > 1:  # one copy of each replicated block
-                blocks = out.unflatten(-1, (groups.group_size(tp_group), -1))
-                out = blocks[..., :: self.copies[name], :].flatten(-2)
+            out = join_tp(out, tp_dim, self.copies[name], tp_group)
             # Inside the models 3-D activations are [s, b, ...], 2-D ones [b, ...].
             if cp > 1 and out.dim() == 3:  # [s/cp, b, ...] in the load-balanced layout
                 shares = gather_along(out, 0, cp_group).chunk(cp, dim=0)
