@@ -26,26 +26,16 @@ from engine.models import build_model, preset
 from layers.attention import CoreAttention, sliding_window_mask
 from layers.spec import spec_for
 from tests.multiproc import subprocess_env
+from tests.tiny_configs import HF_GQA_UNTIED, hf_tiny
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 101
 # A tiny Gemma 2 whose window (5) is shorter than the verifier's sequence (12) and the
 # in-process one (16); caps low enough that they bend the scores and logits.
-GEMMA = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=80,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-    sliding_window=5,
-    query_pre_attn_scalar=24,
-    attn_logit_softcapping=2.0,
-    final_logit_softcapping=3.0,
-)
+SOFTCAPS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+GEMMA = hf_tiny(vocab_size=VOCAB, intermediate_size=80, num_hidden_layers=3, head_dim=16)
+GEMMA.update(num_key_value_heads=2, sliding_window=5, query_pre_attn_scalar=24, **SOFTCAPS)
 
 
 def _hand_mask(queries: int, keys: int, window: int) -> torch.Tensor:
@@ -328,17 +318,8 @@ def test_a_mistral_window_imports_and_matches_transformers(tmp_path):
     from engine.hf_interop import config_to_hf
 
     torch.manual_seed(0)
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        sliding_window=4,
-        tie_word_embeddings=False,
-    )
+    mistral = hf_tiny(vocab_size=VOCAB, intermediate_size=80, sliding_window=4, **HF_GQA_UNTIED)
+    config = transformers.MistralConfig(**mistral)
     reference = transformers.MistralForCausalLM(config).eval()
     reference.save_pretrained(tmp_path / "mistral")
     cfg, state, hf_config = read_hf_dir(tmp_path / "mistral")

@@ -36,6 +36,7 @@ from layers.kernel_set import TORCH_KERNELS, resolve_kernels  # noqa: E402
 from layers.kernels import RMSNorm, rms_norm, swiglu  # noqa: E402
 from layers.kernels.dispatch import MODEL_AUTO, choose_backend  # noqa: E402
 from tests.multiproc import run_ranks  # noqa: E402
+from tests.tiny_configs import tiny_kwargs  # noqa: E402
 from tests.torch_reference import relative_errors  # noqa: E402
 
 # tl.sigmoid of a very negative gate overflows exp to inf in the interpreter's numpy and
@@ -279,17 +280,8 @@ def _counting_launchers(monkeypatch) -> dict[str, int]:
 
 def _llama_loss_and_grads(kernels: str, sequence_parallel: bool = False, device="cpu"):
     ps = parallel_state.get() if parallel_state.is_initialized() else None
-    cfg = preset(
-        "llama_tiny",
-        vocab_size=97,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        num_layers=2,
-        ffn_hidden_size=44,
-        kernels=kernels,
-        sequence_parallel=sequence_parallel,
-    )
+    shape = tiny_kwargs(vocab_size=97, num_kv_heads=2, ffn_hidden_size=44)  # no dropout
+    cfg = preset("llama_tiny", **shape, kernels=kernels, sequence_parallel=sequence_parallel)
     if ps is not None:
         ps.seed(5)
     else:

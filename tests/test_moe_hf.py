@@ -33,6 +33,7 @@ from layers.moe import moe_losses
 from layers.router import pooled_load_balancing_loss
 from studies.verification.hf_parity import _keep_norms_in_float64
 from tests.multiproc import subprocess_env
+from tests.tiny_configs import HF_GQA_UNTIED, hf_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,18 +42,8 @@ DEVICE = torch.device("cpu")
 # transformers' per-expert loop (its grouped_mm default takes no fp64), the reference.
 EAGER = dict(experts_implementation="eager")
 # Awkward on purpose: a prime vocabulary, GQA (2 KV heads of 4), expert width not 4h.
-COMMON = dict(
-    vocab_size=101,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    output_router_logits=True,
-    router_aux_loss_coef=0.02,
-)
+ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.02)
+COMMON = hf_tiny(hidden_size=32, rms_norm_eps=1e-6, **HF_GQA_UNTIED, **ROUTER)
 
 
 def _models() -> dict[str, torch.nn.Module]:
