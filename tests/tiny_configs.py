@@ -18,15 +18,6 @@ LLAMA = dict(
     tie_embeddings=False,
 )
 SWIGLU = dict(activation="swiglu", linear_bias=False)
-# transformers' keys of a tiny Llama-family checkpoint: a prime vocabulary, two layers of
-# four heads on hidden 64 (intermediate sizes and KV heads vary by test).
-HF_TINY = dict(
-    vocab_size=101,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=64,
-)
 # Grouped-query attention (2 KV heads) with an untied head, in transformers' keys.
 HF_GQA_UNTIED = dict(num_key_value_heads=2, tie_word_embeddings=False)
 
@@ -42,8 +33,11 @@ def tiny_config(**overrides) -> ModelConfig:
 
 
 def hf_tiny(**overrides) -> dict:
-    """HF_TINY with ``overrides``: keyword arguments for a transformers config class."""
-    return {**HF_TINY, **overrides}
+    """Keyword arguments for a transformers config class: a tiny Llama-family checkpoint
+    (a prime vocabulary, two layers of four heads on hidden 64, 64 positions) with
+    ``overrides`` (intermediate sizes and KV heads vary by test)."""
+    base = dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    return {**base, "max_position_embeddings": 64, **overrides}
 
 
 def serving_config(family: str) -> ModelConfig:
