@@ -27,6 +27,7 @@ from layers.attention import CoreAttention, sliding_window_mask
 from layers.spec import spec_for
 from tests.multiproc import subprocess_env
 from tests.tiny_configs import HF_GQA_UNTIED, hf_tiny
+from tests.verify_util import verify_error
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
@@ -271,26 +272,7 @@ def test_config_round_trips_and_import_refuses_what_is_not_built_in_one_line():
 
 def _verify(hf_dir: Path, *flags: str) -> float:
     """``tools/verify_equivalence.py --hf-dir`` run as documented; its last line's error."""
-    env = subprocess_env(REPO)
-    env.pop("RANK", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools/verify_equivalence.py"),
-            "--hf-dir",
-            str(hf_dir),
-            *flags,
-        ],
-        cwd=hf_dir.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith("max abs logit error: "), last
-    return float(last.split(": ")[1])
+    return verify_error(hf_dir, *flags, timeout=300)
 
 
 @pytest.mark.slow
