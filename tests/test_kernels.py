@@ -61,6 +61,7 @@ from layers.kernels import (  # noqa: E402
     layer_norm,
     use_triton,
 )
+from tests.max_errors import print_max_errors  # noqa: E402
 from tests.multiproc import run_ranks  # noqa: E402
 
 # The environment of ranks that run the kernels on CPU tensors (see the module docstring).
@@ -92,9 +93,8 @@ MAX_ERR: dict[str, tuple[float, float]] = {}
 @pytest.fixture(scope="module", autouse=True)
 def _report_max_errors():
     yield
-    print("\nmax |x - float64 reference|      kernel     torch (same dtype)")
-    for key in sorted(MAX_ERR):
-        print(f"  {key:<36} {MAX_ERR[key][0]:.3e}  {MAX_ERR[key][1]:.3e}")
+    title = "max |x - float64 reference|      kernel     torch (same dtype)"
+    print_max_errors(title, MAX_ERR, width=36)
 
 
 def check(name: str, got: torch.Tensor, torch_out: torch.Tensor, ref64: torch.Tensor) -> None:

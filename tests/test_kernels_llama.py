@@ -35,6 +35,7 @@ from engine.models.config import preset  # noqa: E402
 from layers.kernel_set import TORCH_KERNELS, resolve_kernels  # noqa: E402
 from layers.kernels import RMSNorm, rms_norm, swiglu  # noqa: E402
 from layers.kernels.dispatch import MODEL_AUTO, choose_backend  # noqa: E402
+from tests.max_errors import print_max_errors  # noqa: E402
 from tests.multiproc import run_ranks  # noqa: E402
 from tests.tiny_configs import tiny_kwargs  # noqa: E402
 from tests.torch_reference import relative_errors  # noqa: E402
@@ -58,9 +59,7 @@ MAX_ERR: dict[str, float] = {}
 @pytest.fixture(scope="module", autouse=True)
 def _report_max_errors():
     yield
-    print("\nmax |kernel - float64 reference|")
-    for key in sorted(MAX_ERR):
-        print(f"  {key:<28} {MAX_ERR[key]:.3e}")
+    print_max_errors("max |kernel - float64 reference|", MAX_ERR, width=28)
 
 
 def check(name: str, got: torch.Tensor, ref64: torch.Tensor) -> None:

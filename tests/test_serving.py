@@ -26,6 +26,7 @@ from engine.checkpoint.format import write_checkpoint
 from engine.generate import Sampling, generate_batch
 from engine.inference import ModelSource, inference_config
 from engine.models import build_model
+from tests.threads_util import torch_threads
 from tests.tiny_configs import serving_config
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # float32, batch-dependent summation order (docstring)
@@ -37,10 +38,8 @@ MAX_TOKENS = [10, 14, 6, 9, 12]
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Hundreds of tiny matmuls: intra-op threads waiting for a shared core only slow them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def _model(family: str):
