@@ -107,30 +107,29 @@ def _gather(value: float) -> list[float]:
     return out
 
 
+def _saves_then_resumes(cfg, data, tmp: str, dp_size: int, saves, resumes) -> dict:
+    """At dp ``dp_size``: a run from scratch at each ep of ``saves``, saving under tmp/epN
+    (its result "epN"); then each (saved ep, ep) of ``resumes``, that checkpoint resumed at
+    ep (its result "epS_at_epN")."""
+    root, out = Path(tmp), {}
+    for ep in saves:
+        out[f"ep{ep}"] = _run(cfg, data, dp_size, ep, root / f"ep{ep}", save=True, resume=False)
+    for saved, ep in resumes:
+        folder = root / f"ep{saved}"
+        out[f"ep{saved}_at_ep{ep}"] = _run(cfg, data, dp_size, ep, folder, save=False, resume=True)
+    return out
+
+
 def _two_ranks(cfg, data, tmp: str) -> dict:
     """dp 2 runs: save at ep 2 and at ep 1, then each checkpoint resumed at the other ep (and
     the ep 2 one at ep 2 again)."""
-    tmp = Path(tmp)
-    return {
-        "ep2": _run(cfg, data, 2, 2, tmp / "ep2", save=True, resume=False),
-        "ep1": _run(cfg, data, 2, 1, tmp / "ep1", save=True, resume=False),
-        "ep2_at_ep1": _run(cfg, data, 2, 1, tmp / "ep2", save=False, resume=True),
-        "ep2_at_ep2": _run(cfg, data, 2, 2, tmp / "ep2", save=False, resume=True),
-        "ep1_at_ep2": _run(cfg, data, 2, 2, tmp / "ep1", save=False, resume=True),
-    }
+    return _saves_then_resumes(cfg, data, tmp, 2, saves=(2, 1), resumes=((2, 1), (2, 2), (1, 2)))
 
 
 def _four_ranks(cfg, data, tmp: str) -> dict:
     """dp 4 runs of a 4-expert model: save at ep 4 (one expert per rank) and at ep 1, then
     the ep 4 checkpoint resumed at ep 2 and at ep 1, and the ep 1 one at ep 4."""
-    tmp = Path(tmp)
-    return {
-        "ep4": _run(cfg, data, 4, 4, tmp / "ep4", save=True, resume=False),
-        "ep1": _run(cfg, data, 4, 1, tmp / "ep1", save=True, resume=False),
-        "ep4_at_ep2": _run(cfg, data, 4, 2, tmp / "ep4", save=False, resume=True),
-        "ep4_at_ep1": _run(cfg, data, 4, 1, tmp / "ep4", save=False, resume=True),
-        "ep1_at_ep4": _run(cfg, data, 4, 4, tmp / "ep1", save=False, resume=True),
-    }
+    return _saves_then_resumes(cfg, data, tmp, 4, saves=(4, 1), resumes=((4, 2), (4, 1), (1, 4)))
 
 
 def _one_rank(cfg, data, tmp: str) -> dict:
