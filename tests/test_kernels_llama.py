@@ -35,7 +35,7 @@ from engine.models.config import preset  # noqa: E402
 from layers.kernel_set import TORCH_KERNELS, resolve_kernels  # noqa: E402
 from layers.kernels import RMSNorm, rms_norm, swiglu  # noqa: E402
 from layers.kernels.dispatch import MODEL_AUTO, choose_backend  # noqa: E402
-from tests.max_errors import print_max_errors  # noqa: E402
+from tests.kernel_util import print_max_errors, saved_for_backward  # noqa: E402
 from tests.multiproc import run_ranks  # noqa: E402
 from tests.tiny_configs import tiny_kwargs  # noqa: E402
 from tests.torch_reference import relative_errors  # noqa: E402
@@ -158,9 +158,7 @@ def test_rms_norm_without_weight_and_module():
 def test_rms_norm_saves_input_weight_and_rstd_only():
     x = torch.randn(5, 64, device=DEVICE, requires_grad=True)
     w = torch.randn(64, device=DEVICE, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        rms_norm(x, w, backend="triton")
+    saved = saved_for_backward(lambda: rms_norm(x, w, backend="triton"))
     assert [tuple(t.shape) for t in saved] == [(5, 64), (64,), (5,)]
     assert saved[2].dtype == torch.float32
 
@@ -216,9 +214,7 @@ def test_swiglu_3d_strided_bias_and_odd_width():
 
 def test_swiglu_saves_only_its_input():
     gu = torch.randn(5, 64, device=DEVICE, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        swiglu(gu, backend="triton")
+    saved = saved_for_backward(lambda: swiglu(gu, backend="triton"))
     assert [t.data_ptr() for t in saved] == [gu.data_ptr()]
 
 
