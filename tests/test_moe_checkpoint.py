@@ -132,6 +132,16 @@ def _four_ranks(cfg, data, tmp: str) -> dict:
     return _saves_then_resumes(cfg, data, tmp, 4, saves=(4, 1), resumes=((4, 2), (4, 1), (1, 4)))
 
 
+def _each_resume_reads_back(runs: list[dict], files: dict, resumes) -> None:
+    """Each resume "epS_at_epN" of ``resumes`` read back exactly the files that run epS
+    saved (``files["epS"]``), on every rank, step counts included."""
+    for name in resumes:
+        saved = name.split("_at_")[0]
+        for rank in runs:
+            _equal(rank[name]["resumed"]["tensors"], files[saved], f"{name} resumed")
+            assert rank[name]["resumed"]["steps"] == rank[saved]["saved"]["steps"], name
+
+
 def _one_rank(cfg, data, tmp: str) -> dict:
     """The ep 2 checkpoint resumed at dp 1 (both windows of a step as two micro-batches)."""
     return _run(cfg, data, 1, 1, Path(tmp) / "ep2", save=False, resume=True)
@@ -195,14 +205,8 @@ def test_ep2_checkpoint_is_the_unsplit_one_and_resumes_at_any_ep(tmp_path, capsy
         torch.testing.assert_close(r0["ep2"]["losses"][s], r0["ep1"]["losses"][s], **TOL)
 
     # Every resume reads back exactly what was saved, on every rank, step counts included.
-    for name, files, saved in (
-        ("ep2_at_ep1", ep2, "ep2"),
-        ("ep2_at_ep2", ep2, "ep2"),
-        ("ep1_at_ep2", ep1, "ep1"),
-    ):
-        for rank in runs:
-            _equal(rank[name]["resumed"]["tensors"], files, f"{name} resumed")
-            assert rank[name]["resumed"]["steps"] == rank[saved]["saved"]["steps"], name
+    resumes = ("ep2_at_ep1", "ep2_at_ep2", "ep1_at_ep2")
+    _each_resume_reads_back(runs, {"ep2": ep2, "ep1": ep1}, resumes)
     _equal(one["resumed"]["tensors"], ep2, "ep2 resumed at dp 1")
     assert (
         one["resumed"]["steps"]
@@ -266,13 +270,9 @@ def test_ep4_checkpoint_resumes_at_ep2_and_ep1(tmp_path):
     assert ep4.keys() == ep1.keys()
     for name in ep4:
         torch.testing.assert_close(ep4[name], ep1[name], **TOL, msg=name)
-    for name, files, saved in (
-        ("ep4_at_ep2", ep4, "ep4"),
-        ("ep4_at_ep1", ep4, "ep4"),
-        ("ep1_at_ep4", ep1, "ep1"),
-    ):
-        for rank in runs:
-            _equal(rank[name]["resumed"]["tensors"], files, f"{name} resumed")
-            assert rank[name]["resumed"]["steps"] == rank[saved]["saved"]["steps"], name
+    resumes = ("ep4_at_ep2", "ep4_at_ep1", "ep1_at_ep4")
+    _each_resume_reads_back(runs, {"ep4": ep4, "ep1": ep1}, resumes)
+    for name in resumes:
+        saved = name.split("_at_")[0]
         for s in range(SAVED + 1, STEPS + 1):
             torch.testing.assert_close(r0[name]["losses"][s], r0[saved]["losses"][s], **TOL)
