@@ -14,7 +14,6 @@ import json
 import os
 import re
 import runpy
-import shlex
 import shutil
 import struct
 import subprocess
@@ -33,6 +32,7 @@ from engine.data.preprocess import preprocess
 from engine.models import build_model
 from engine.models.config import preset
 from engine.optim import build_optimizer
+from tests.case_table import shell_cases
 from tests.launch_util import env_with_repo, run_pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,15 +164,6 @@ def _base(p: dict[str, str], prefixes: str = "good") -> list[str]:
     ]
 
 
-def _cases(table: str) -> list[list[str]]:
-    """The rows of a case table, one case a line split as a POSIX shell splits a command
-    line: a field with spaces or quotes stands in double quotes (``"name=''"`` is the one
-    override name=''), and so does each row's last field, the message fragment. Blank lines
-    and # comments are skipped."""
-    rows = [line.strip() for line in table.splitlines()]
-    return [shlex.split(row) for row in rows if row and not row.startswith("#")]
-
-
 # One case a line: id, overrides ({key} = a path of the fixture), "message fragment".
 # Exit status 2 for all.
 PRETRAIN_CASES = """
@@ -251,7 +242,7 @@ PRETRAIN_CASES = """
     profile_steps_past_int64 trainer.profile_steps=[1,99999999999999999999] "trainer.profile_steps=[1, 99999999999999999999] must be a finite number within 64 bits"
     sample_past_positions trainer.sample_tokens=100000 "trainer.sample_tokens=100000 must be < model.max_positions=256"
 """
-PRETRAIN = [(cid, overrides, fragment) for cid, *overrides, fragment in _cases(PRETRAIN_CASES)]
+PRETRAIN = [(cid, overrides, fragment) for cid, *overrides, fragment in shell_cases(PRETRAIN_CASES)]
 
 
 def _pretrain_argv(case: list[str], p: dict[str, str]) -> list[str]:
@@ -432,7 +423,7 @@ TOOLS_CASES = """
 """
 TOOLS = [
     (cid, tool, argv, int(status), fragment)
-    for cid, tool, status, *argv, fragment in _cases(TOOLS_CASES)
+    for cid, tool, status, *argv, fragment in shell_cases(TOOLS_CASES)
 ]
 
 
@@ -672,7 +663,7 @@ SILENT_CASES = """
     min_lr_nan optim.min_lr=nan "optim.min_lr=nan in [0, lr]"
     max_positions_0 model.max_positions=0 "model.max_positions=0 must be >= 1"
 """
-SILENT = [(cid, overrides, fragment) for cid, *overrides, fragment in _cases(SILENT_CASES)]
+SILENT = [(cid, overrides, fragment) for cid, *overrides, fragment in shell_cases(SILENT_CASES)]
 
 
 def _prepare(inputs, overrides: list[str]):
