@@ -32,6 +32,7 @@ from engine.data.preprocess import preprocess
 from engine.models import build_model
 from engine.models.config import preset
 from engine.optim import build_optimizer
+from tests.case_table import shell_cases
 from tests.launch_util import env_with_repo, run_pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,177 +164,85 @@ def _base(p: dict[str, str], prefixes: str = "good") -> list[str]:
     ]
 
 
-# (id, overrides ({key} = a path of the fixture), message fragment). Exit status 2 for all.
-PRETRAIN = [
+# One case a line: id, overrides ({key} = a path of the fixture), "message fragment".
+# Exit status 2 for all.
+PRETRAIN_CASES = """
     # issue 25: CUDA graphs where they cannot apply
-    (
-        "cuda_graphs_eager",
-        ["model.cuda_graphs=true"],
-        "model.cuda_graphs=true replays the compiled step: set model.compile=true",
-    ),
-    (
-        "cuda_graphs_dropout",
-        ["model.cuda_graphs=true", "model.compile=true"],
-        "model.cuda_graphs=true needs model.hidden_dropout=0 and model.attention_dropout=0",
-    ),
-    (
-        "cuda_graphs_cpu",
-        [
-            "model.cuda_graphs=true",
-            "model.compile=true",
-            "model.hidden_dropout=0",
-            "model.attention_dropout=0",
-            "trainer.device=cpu",
-        ],
-        "model.cuda_graphs=true replays CUDA graphs, but trainer.device=cpu",
-    ),
+    cuda_graphs_eager model.cuda_graphs=true "model.cuda_graphs=true replays the compiled step: set model.compile=true"
+    cuda_graphs_dropout model.cuda_graphs=true model.compile=true "model.cuda_graphs=true needs model.hidden_dropout=0 and model.attention_dropout=0"
+    cuda_graphs_cpu model.cuda_graphs=true model.compile=true model.hidden_dropout=0 model.attention_dropout=0 trainer.device=cpu "model.cuda_graphs=true replays CUDA graphs, but trainer.device=cpu"
     # issue 10 item 8: tracebacks
-    ("beta1_2", ["optim.beta1=2"], "optim.beta1=2.0 must be in [0, 1)"),
-    ("eps_negative", ["optim.eps=-1"], "optim.eps=-1.0 must be > 0"),
-    ("bucket_0", ["trainer.grad_bucket_mb=0"], "trainer.grad_bucket_mb=0.0 must be > 0"),
-    ("log_every_0", ["trainer.log_every=0"], "trainer.log_every=0 must be >= 1"),
-    ("split_abc", ["data.split=abc"], "data.split='abc' is invalid"),
-    ("split_zeros", ["data.split='0,0,0'"], "data.split='0,0,0' is invalid"),
-    ("hidden_65536", ["model.hidden_size=65536"], "the model cannot fit: about "),
-    (
-        "temperature_0",
-        ["trainer.sample_temperature=0"],
-        "trainer.sample_temperature=0.0 must be > 0",
-    ),
-    ("wandb_missing", ["trainer.wandb_project=x"], "needs wandb, which is not installed"),
-    (
-        "other_model_ckpt",
-        ["checkpoint.dir={ck}"],
-        "holds a run of another model (checkpoint has model.vocab_size=500, the model 512",
-    ),
+    beta1_2 optim.beta1=2 "optim.beta1=2.0 must be in [0, 1)"
+    eps_negative optim.eps=-1 "optim.eps=-1.0 must be > 0"
+    bucket_0 trainer.grad_bucket_mb=0 "trainer.grad_bucket_mb=0.0 must be > 0"
+    log_every_0 trainer.log_every=0 "trainer.log_every=0 must be >= 1"
+    split_abc data.split=abc "data.split='abc' is invalid"
+    split_zeros "data.split='0,0,0'" "data.split='0,0,0' is invalid"
+    hidden_65536 model.hidden_size=65536 "the model cannot fit: about "
+    temperature_0 trainer.sample_temperature=0 "trainer.sample_temperature=0.0 must be > 0"
+    wandb_missing trainer.wandb_project=x "needs wandb, which is not installed"
+    other_model_ckpt checkpoint.dir={ck} "holds a run of another model (checkpoint has model.vocab_size=500, the model 512"
     # item 9: silently accepted
-    (
-        "weights_nan",
-        ["data.weights=[nan,1]", "+prefixes=good,good"],
-        "must be >= 0 with a positive sum, all finite",
-    ),
-    (
-        "weights_inf",
-        ["data.weights=[inf,1]", "+prefixes=good,good"],
-        "must be >= 0 with a positive sum, all finite",
-    ),
-    ("warmup_negative", ["optim.warmup_steps=-5"], "optim.warmup_steps=-5 must be >= 0"),
-    ("clip_negative", ["optim.clip_grad=-1"], "optim.clip_grad=-1.0 must be >= 0"),
+    weights_nan data.weights=[nan,1] +prefixes=good,good "must be >= 0 with a positive sum, all finite"
+    weights_inf data.weights=[inf,1] +prefixes=good,good "must be >= 0 with a positive sum, all finite"
+    warmup_negative optim.warmup_steps=-5 "optim.warmup_steps=-5 must be >= 0"
+    clip_negative optim.clip_grad=-1 "optim.clip_grad=-1.0 must be >= 0"
     # item 5: corrupt data files
-    (
-        "ids_past_vocab",
-        ["+prefixes=big_ids"],
-        "token ids 0..993, outside the model's vocabulary of 512",
-    ),
-    (
-        "ids_past_vocab_v1",
-        ["+prefixes=v1_big_ids"],
-        "token ids 0..999, outside the model's vocabulary of 512",
-    ),
-    ("bin_edited", ["+prefixes=flipped"], "SHA-256 does not match the one flipped.idx recorded"),
-    ("eod_99999", ["+prefixes=eod_99999"], "eod_id=99999 is outside the model's vocabulary of 512"),
-    ("eod_not_at_ends", ["+prefixes=eod_not_at_ends"], "document 0 does not end with eod_id="),
-    (
-        "offsets_not_monotonic",
-        ["+prefixes=not_monotonic"],
-        "document offsets are not increasing at document 1",
-    ),
+    ids_past_vocab +prefixes=big_ids "token ids 0..993, outside the model's vocabulary of 512"
+    ids_past_vocab_v1 +prefixes=v1_big_ids "token ids 0..999, outside the model's vocabulary of 512"
+    bin_edited +prefixes=flipped "SHA-256 does not match the one flipped.idx recorded"
+    eod_99999 +prefixes=eod_99999 "eod_id=99999 is outside the model's vocabulary of 512"
+    eod_not_at_ends +prefixes=eod_not_at_ends "document 0 does not end with eod_id="
+    offsets_not_monotonic +prefixes=not_monotonic "document offsets are not increasing at document 1"
     # item 10: Hydra's own errors
-    (
-        "hydra_bad_float",
-        ["optim.beta1=abc"],
-        "Value 'abc' of type 'str' could not be converted to Float",
-    ),
-    ("hydra_unknown_key", ["trainer.bogus=1"], "unknown key 'trainer.bogus'"),
-    ("hydra_unknown_preset", ["model=nope"], "Could not find 'model/nope'"),
-    ("hydra_parse_error", ["optim.lr=[1"], "cannot parse the override 'optim.lr=[1': no viable"),
+    hydra_bad_float optim.beta1=abc "Value 'abc' of type 'str' could not be converted to Float"
+    hydra_unknown_key trainer.bogus=1 "unknown key 'trainer.bogus'"
+    hydra_unknown_preset model=nope "Could not find 'model/nope'"
+    hydra_parse_error optim.lr=[1 "cannot parse the override 'optim.lr=[1': no viable"
     # found beyond the issue's list
-    ("beta2_1", ["optim.beta2=1.0"], "optim.beta2=1.0 must be in [0, 1)"),
-    ("weight_decay_negative", ["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be >= 0"),
-    ("eval_batches_negative", ["trainer.eval_batches=-1"], "trainer.eval_batches=-1 must be >= 0"),
-    ("eval_every_negative", ["trainer.eval_every=-1"], "trainer.eval_every=-1 must be >= 0"),
-    ("top_k_negative", ["trainer.sample_top_k=-1"], "trainer.sample_top_k=-1 must be >= 0"),
-    ("loss_scale_0", ["trainer.loss_scale_init=0"], "trainer.loss_scale_init=0.0 must be > 0"),
-    ("split_nan", ["data.split='nan,1'"], "data.split='nan,1' is invalid"),
-    ("split_four_parts", ["data.split='1,2,3,4'"], "has more than 3 parts"),
-    ("lr_nan", ["optim.lr=nan"], "optim.lr=nan must be in (0, 1000]"),
-    ("device_tpu", ["trainer.device=tpu"], "trainer.device='tpu' is not one of auto, cuda, cpu"),
+    beta2_1 optim.beta2=1.0 "optim.beta2=1.0 must be in [0, 1)"
+    weight_decay_negative optim.weight_decay=-0.1 "optim.weight_decay=-0.1 must be >= 0"
+    eval_batches_negative trainer.eval_batches=-1 "trainer.eval_batches=-1 must be >= 0"
+    eval_every_negative trainer.eval_every=-1 "trainer.eval_every=-1 must be >= 0"
+    top_k_negative trainer.sample_top_k=-1 "trainer.sample_top_k=-1 must be >= 0"
+    loss_scale_0 trainer.loss_scale_init=0 "trainer.loss_scale_init=0.0 must be > 0"
+    split_nan "data.split='nan,1'" "data.split='nan,1' is invalid"
+    split_four_parts "data.split='1,2,3,4'" "has more than 3 parts"
+    lr_nan optim.lr=nan "optim.lr=nan must be in (0, 1000]"
+    device_tpu trainer.device=tpu "trainer.device='tpu' is not one of auto, cuda, cpu"
     # issue 22 item 4: values no run can honour
-    (
-        "max_steps_past_int64",
-        ["trainer.max_steps=99999999999999999999999"],
-        "trainer.max_steps=99999999999999999999999 must be in [1, 2**63-1]",
-    ),
-    (
-        "layernorm_eps_negative",
-        ["model.layernorm_eps=-1"],
-        "model.layernorm_eps=-1.0 must be > 0 and finite",
-    ),
-    (
-        "layernorm_eps_nan",
-        ["model.layernorm_eps=nan"],
-        "model.layernorm_eps=nan must be > 0 and finite",
-    ),
-    ("lr_absurd", ["optim.lr=1e30"], "optim.lr=1e+30 must be in (0, 1000]"),
-    ("decay_steps_0", ["optim.decay_steps=0"], "optim.decay_steps=0 must be >= 1"),
-    ("decay_steps_negative", ["optim.decay_steps=-10"], "optim.decay_steps=-10 must be >= 1"),
-    (
-        "timeout_nan",
-        ["trainer.collective_timeout_s=nan"],
-        "trainer.collective_timeout_s=nan must be >= 0 and finite",
-    ),
-    (
-        "timeout_inf",
-        ["trainer.collective_timeout_s=inf"],
-        "trainer.collective_timeout_s=inf must be >= 0 and finite",
-    ),
-    ("unknown_key_added", ["+foo=1"], "unknown key 'foo'"),
-    (
-        "unknown_key_added_in_group",
-        ["+trainer.max_step=5"],
-        "unknown key 'trainer.max_step'; did you mean trainer.max_steps?",
-    ),
-    (
-        "mistyped_key",
-        ["trainer.max_step=5"],
-        "unknown key 'trainer.max_step'; did you mean trainer.max_steps?",
-    ),
+    max_steps_past_int64 trainer.max_steps=99999999999999999999999 "trainer.max_steps=99999999999999999999999 must be in [1, 2**63-1]"
+    layernorm_eps_negative model.layernorm_eps=-1 "model.layernorm_eps=-1.0 must be > 0 and finite"
+    layernorm_eps_nan model.layernorm_eps=nan "model.layernorm_eps=nan must be > 0 and finite"
+    lr_absurd optim.lr=1e30 "optim.lr=1e+30 must be in (0, 1000]"
+    decay_steps_0 optim.decay_steps=0 "optim.decay_steps=0 must be >= 1"
+    decay_steps_negative optim.decay_steps=-10 "optim.decay_steps=-10 must be >= 1"
+    timeout_nan trainer.collective_timeout_s=nan "trainer.collective_timeout_s=nan must be >= 0 and finite"
+    timeout_inf trainer.collective_timeout_s=inf "trainer.collective_timeout_s=inf must be >= 0 and finite"
+    unknown_key_added +foo=1 "unknown key 'foo'"
+    unknown_key_added_in_group +trainer.max_step=5 "unknown key 'trainer.max_step'; did you mean trainer.max_steps?"
+    mistyped_key trainer.max_step=5 "unknown key 'trainer.max_step'; did you mean trainer.max_steps?"
     # item 7: run names that leave their folder
-    ("name_escapes", ["name=../../escaped_run"], "name='../../escaped_run' must be a plain name"),
-    ("name_empty", ["name=''"], "name='' must be a plain name"),
+    name_escapes name=../../escaped_run "name='../../escaped_run' must be a plain name"
+    name_empty "name=''" "name='' must be a plain name"
     # item 8: tracebacks
-    ("run_dir_under_a_file", ["hydra.run.dir={a_file}/run"], "cannot create the run directory"),
-    ("run_dir_is_a_file", ["hydra.run.dir={a_file}"], "cannot create the run directory: "),
-    ("default_max_bytes_0", ["data.default_max_bytes=0"], "data.default_max_bytes=0 must be >= 1"),
+    run_dir_under_a_file hydra.run.dir={a_file}/run "cannot create the run directory"
+    run_dir_is_a_file hydra.run.dir={a_file} "cannot create the run directory: "
+    default_max_bytes_0 data.default_max_bytes=0 "data.default_max_bytes=0 must be >= 1"
     # item 9: late errors (inside a worker, or after the whole run)
-    ("metrics_file_is_a_dir", ["trainer.metrics_file={dir}"], "trainer.metrics_file="),
-    ("metrics_file_unwritable", ["trainer.metrics_file={a_file}/m.json"], "cannot be written"),
-    ("data_seed_negative", ["data.seed=-1"], "data.seed=-1 must be in [0, 2**63-1]"),
-    (
-        "seed_past_int64",
-        ["trainer.seed=1267650600228229401496703205376"],
-        "trainer.seed=1267650600228229401496703205376 must be in [0, 2**63-1]",
-    ),
-    ("init_std_negative", ["model.init_std=-0.02"], "model.init_std=-0.02 must be >= 0 and finite"),
-    ("ffn_negative", ["model.ffn_hidden_size=-4"], "model.ffn_hidden_size=-4 must be >= 1"),
-    (
-        "apex_missing",
-        ["optim.impl=apex"],
-        "optim.impl=apex needs NVIDIA apex, which is not installed",
-    ),
-    ("sample_prompt_empty", ["trainer.sample_prompt=''"], "trainer.sample_prompt='' is empty"),
-    ("checkpoint_dir_under_a_file", ["checkpoint.dir={a_file}/ck"], "is not writable"),
-    (
-        "profile_steps_past_int64",
-        ["trainer.profile_steps=[1,99999999999999999999]"],
-        "trainer.profile_steps=[1, 99999999999999999999] must be a finite number within 64 bits",
-    ),
-    (
-        "sample_past_positions",
-        ["trainer.sample_tokens=100000"],
-        "trainer.sample_tokens=100000 must be < model.max_positions=256",
-    ),
-]
+    metrics_file_is_a_dir trainer.metrics_file={dir} "trainer.metrics_file="
+    metrics_file_unwritable trainer.metrics_file={a_file}/m.json "cannot be written"
+    data_seed_negative data.seed=-1 "data.seed=-1 must be in [0, 2**63-1]"
+    seed_past_int64 trainer.seed=1267650600228229401496703205376 "trainer.seed=1267650600228229401496703205376 must be in [0, 2**63-1]"
+    init_std_negative model.init_std=-0.02 "model.init_std=-0.02 must be >= 0 and finite"
+    ffn_negative model.ffn_hidden_size=-4 "model.ffn_hidden_size=-4 must be >= 1"
+    apex_missing optim.impl=apex "optim.impl=apex needs NVIDIA apex, which is not installed"
+    sample_prompt_empty "trainer.sample_prompt=''" "trainer.sample_prompt='' is empty"
+    checkpoint_dir_under_a_file checkpoint.dir={a_file}/ck "is not writable"
+    profile_steps_past_int64 trainer.profile_steps=[1,99999999999999999999] "trainer.profile_steps=[1, 99999999999999999999] must be a finite number within 64 bits"
+    sample_past_positions trainer.sample_tokens=100000 "trainer.sample_tokens=100000 must be < model.max_positions=256"
+"""
+PRETRAIN = [(cid, overrides, fragment) for cid, *overrides, fragment in shell_cases(PRETRAIN_CASES)]
 
 
 def _pretrain_argv(case: list[str], p: dict[str, str]) -> list[str]:
@@ -474,249 +383,47 @@ def test_classify_bad_input_is_one_config_error_line(
     assert fragment in line, line
 
 
-# (id, tool, argv ({key} = a path of the fixture), exit status, message fragment)
-TOOLS = [
-    (
-        "convert_tp_0",
-        "checkpoint",
-        ["convert", "{ck}", "--tp-size", "0", "--dp-size", "1", "--out", "{dir}/o1"],
-        2,
-        "--tp-size 0 and --dp-size 1 must be >= 1",
-    ),
-    (
-        "convert_out_is_file",
-        "checkpoint",
-        ["convert", "{ck}", "--tp-size", "1", "--dp-size", "1", "--out", "{a_file}"],
-        2,
-        "is a file; give a checkpoint directory",
-    ),
-    (
-        "convert_huge_shape",
-        "checkpoint",
-        ["convert", "{ck_huge}", "--tp-size", "1", "--dp-size", "1", "--out", "{dir}/o2"],
-        2,
-        "model/embedding.position of shape [1000000, 1000000] needs 4000000000000 bytes",
-    ),
-    (
-        "export_huge_shape",
-        "checkpoint",
-        ["export-model", "{ck_huge}", "--out", "{dir}/o3"],
-        2,
-        "needs 4000000000000 bytes, more than the checkpoint's files hold",
-    ),
-    (
-        "convert_wrong_shape",
-        "checkpoint",
-        ["convert", "{ck_shape}", "--tp-size", "1", "--dp-size", "1", "--out", "{dir}/o4"],
-        2,
-        "model/embedding.position has shape [64, 33], the model_config's model [256, 32]",
-    ),
-    (
-        "export_out_is_file",
-        "checkpoint",
-        ["export-model", "{ck}", "--out", "{a_file}"],
-        2,
-        "a_file is a file; give a new directory",
-    ),
-    (
-        "export_out_holds_files",
-        "checkpoint",
-        ["export-model", "{ck}", "--out", "{dir}/text"],
-        2,
-        "text exists and holds other files (00.txt, 01.txt, 02.txt)",
-    ),
-    (
-        "hf_import_out_is_file",
-        "convert_hf",
-        ["import", "--hf-dir", "{hf_garbage}", "--out", "{a_file}"],
-        2,
-        "a_file is a file; give a new directory",
-    ),
-    (
-        "hf_garbage_weights",
-        "convert_hf",
-        ["import", "--hf-dir", "{hf_garbage}", "--out", "{dir}/o5"],
-        2,
-        "model.safetensors is not a readable safetensors file",
-    ),
-    (
-        "hf_parent_path",
-        "convert_hf",
-        ["import", "--hf-dir", "{hf_parent}", "--out", "{dir}/o6"],
-        2,
-        "names shard '../secret.safetensors': only a .safetensors file name inside",
-    ),
-    (
-        "hf_absolute_path",
-        "convert_hf",
-        ["import", "--hf-dir", "{hf_absolute}", "--out", "{dir}/o7"],
-        2,
-        "x.safetensors': only a .safetensors file name inside that directory",
-    ),
-    (  # issue 39: 0 was read as the default (pp × virtual) without a word
-        "verify_microbatches_0",
-        "verify_equivalence",
-        ["--pp-size", "2", "--microbatches", "0"],
-        2,
-        "argument --microbatches: 0 must be >= 1",
-    ),
-    (
-        "verify_hf_no_weights",
-        "verify_equivalence",
-        ["--hf-dir", "{hf_no_weights}", "--tp-size", "1"],
-        2,
-        "has no model.safetensors",
-    ),
-    (
-        "bench_unknown_preset",
-        "bench_train",
-        ["--preset", "nonexistent"],
-        2,
-        "unknown model preset 'nonexistent'",
-    ),
-    ("bench_tp_0", "bench_train", ["--tp", "0"], 2, "argument --tp: 0 must be >= 1"),
-    (
-        "bench_micro_batch_0",
-        "bench_train",
-        ["--micro-batch", "0"],
-        2,
-        "argument --micro-batch: 0 must be >= 1",
-    ),
-    ("bench_seq_0", "bench_train", ["--seq", "0"], 2, "argument --seq: 0 must be >= 1"),
-    ("bench_threads_0", "bench_train", ["--threads", "0"], 2, "argument --threads: 0 must be >= 1"),
-    (
-        "bench_kernels_tokens_0",
-        "bench_kernels",
-        ["--tokens", "0"],
-        2,
-        "argument --tokens: 0 must be >= 1",
-    ),
+# One case a line: id, tool, exit status, argv ({key} = a path of the fixture), "message
+# fragment"
+TOOLS_CASES = """
+    convert_tp_0 checkpoint 2 convert {ck} --tp-size 0 --dp-size 1 --out {dir}/o1 "--tp-size 0 and --dp-size 1 must be >= 1"
+    convert_out_is_file checkpoint 2 convert {ck} --tp-size 1 --dp-size 1 --out {a_file} "is a file; give a checkpoint directory"
+    convert_huge_shape checkpoint 2 convert {ck_huge} --tp-size 1 --dp-size 1 --out {dir}/o2 "model/embedding.position of shape [1000000, 1000000] needs 4000000000000 bytes"
+    export_huge_shape checkpoint 2 export-model {ck_huge} --out {dir}/o3 "needs 4000000000000 bytes, more than the checkpoint's files hold"
+    convert_wrong_shape checkpoint 2 convert {ck_shape} --tp-size 1 --dp-size 1 --out {dir}/o4 "model/embedding.position has shape [64, 33], the model_config's model [256, 32]"
+    export_out_is_file checkpoint 2 export-model {ck} --out {a_file} "a_file is a file; give a new directory"
+    export_out_holds_files checkpoint 2 export-model {ck} --out {dir}/text "text exists and holds other files (00.txt, 01.txt, 02.txt)"
+    hf_import_out_is_file convert_hf 2 import --hf-dir {hf_garbage} --out {a_file} "a_file is a file; give a new directory"
+    hf_garbage_weights convert_hf 2 import --hf-dir {hf_garbage} --out {dir}/o5 "model.safetensors is not a readable safetensors file"
+    hf_parent_path convert_hf 2 import --hf-dir {hf_parent} --out {dir}/o6 "names shard '../secret.safetensors': only a .safetensors file name inside"
+    hf_absolute_path convert_hf 2 import --hf-dir {hf_absolute} --out {dir}/o7 "x.safetensors': only a .safetensors file name inside that directory"
+    verify_microbatches_0 verify_equivalence 2 --pp-size 2 --microbatches 0 "argument --microbatches: 0 must be >= 1"
+    verify_hf_no_weights verify_equivalence 2 --hf-dir {hf_no_weights} --tp-size 1 "has no model.safetensors"
+    bench_unknown_preset bench_train 2 --preset nonexistent "unknown model preset 'nonexistent'"
+    bench_tp_0 bench_train 2 --tp 0 "argument --tp: 0 must be >= 1"
+    bench_micro_batch_0 bench_train 2 --micro-batch 0 "argument --micro-batch: 0 must be >= 1"
+    bench_seq_0 bench_train 2 --seq 0 "argument --seq: 0 must be >= 1"
+    bench_threads_0 bench_train 2 --threads 0 "argument --threads: 0 must be >= 1"
+    bench_kernels_tokens_0 bench_kernels 2 --tokens 0 "argument --tokens: 0 must be >= 1"
     # issue 22: a tool's bounded job it cannot finish, its own input overwritten, tracebacks
-    (
-        "generate_past_positions",
-        "generate",
-        [
-            "--ckpt",
-            "{ck}",
-            "--tokenizer",
-            "{tokenizer}",
-            "--prompt",
-            "def f",
-            "--max-new-tokens",
-            "5000",
-        ],
-        2,
-        "--max-new-tokens 5000 after a prompt of ",
-    ),
-    (
-        "generate_corrupt_tokenizer",
-        "generate",
-        ["--ckpt", "{ck}", "--tokenizer", "{a_file}", "--prompt", "x"],
-        2,
-        "a_file is not a readable tokenizer.json",
-    ),
-    (
-        "generate_hf_no_weights",
-        "generate",
-        ["--hf-dir", "{hf_no_weights}", "--tokenizer", "{tokenizer}", "--prompt", "x"],
-        2,
-        "has no model.safetensors",
-    ),
-    (
-        "convert_onto_its_source",
-        "checkpoint",
-        ["convert", "{ck}", "--tp-size", "2", "--dp-size", "1", "--out", "{ck}"],
-        2,
-        "is inside the source run's checkpoint root",
-    ),
-    (
-        "bench_generate_heads_3",
-        "bench_generate",
-        ["--heads", "3"],
-        2,
-        "model.hidden_size=128 is not divisible by model.num_heads=3",
-    ),
-    (
-        "bench_generate_prompt_negative",
-        "bench_generate",
-        ["--prompt-len", "-5"],
-        2,
-        "argument --prompt-len: -5 must be >= 1",
-    ),
-    (
-        "bench_generate_batches_0",
-        "bench_generate",
-        ["--batches", "0"],
-        2,
-        "argument --batches: 0 must be >= 1",
-    ),
-    (
-        "calibrate_out_under_a_file",
-        "calibrate",
-        ["--quick", "--out", "{a_file}/c.yaml"],
-        2,
-        "cannot be written",
-    ),
-    (
-        "plan_gpus_0",
-        "plan",
-        ["predict", "--model", "gpt_tiny", "--global-batch", "8", "--gpus", "0"],
-        2,
-        "argument --gpus: 0 must be >= 1",
-    ),
-    (
-        "plan_gpus_negative",
-        "plan",
-        ["search", "--model", "gpt_tiny", "--global-batch", "8", "--gpus", "-1"],
-        2,
-        "argument --gpus: -1 must be >= 1",
-    ),
-    (
-        "plan_gpus_past_any_cluster",
-        "plan",
-        ["search", "--model", "gpt_tiny", "--global-batch", "8", "--gpus", "99999999999"],
-        2,
-        "argument --gpus: 99999999999 must be <= 1048576",
-    ),
-    (
-        "scaling_study_out_under_a_file",
-        "scaling_study",
-        ["--out", "{a_file}/study"],
-        2,
-        "cannot be written",
-    ),
-    (
-        "preprocess_workers_0",
-        "preprocess_data",
-        [
-            "--input",
-            "{dir}/text/00.txt",
-            "--output-prefix",
-            "{dir}/o8",
-            "--vocab-size",
-            "300",
-            "--workers",
-            "0",
-        ],
-        2,
-        "argument --workers: 0 must be >= 1",
-    ),
-    (
-        "preprocess_workers_negative",
-        "preprocess_data",
-        [
-            "--input",
-            "{dir}/text/00.txt",
-            "--output-prefix",
-            "{dir}/o9",
-            "--vocab-size",
-            "300",
-            "--workers",
-            "-3",
-        ],
-        2,
-        "argument --workers: -3 must be >= 1",
-    ),
+    generate_past_positions generate 2 --ckpt {ck} --tokenizer {tokenizer} --prompt "def f" --max-new-tokens 5000 "--max-new-tokens 5000 after a prompt of "
+    generate_corrupt_tokenizer generate 2 --ckpt {ck} --tokenizer {a_file} --prompt x "a_file is not a readable tokenizer.json"
+    generate_hf_no_weights generate 2 --hf-dir {hf_no_weights} --tokenizer {tokenizer} --prompt x "has no model.safetensors"
+    convert_onto_its_source checkpoint 2 convert {ck} --tp-size 2 --dp-size 1 --out {ck} "is inside the source run's checkpoint root"
+    bench_generate_heads_3 bench_generate 2 --heads 3 "model.hidden_size=128 is not divisible by model.num_heads=3"
+    bench_generate_prompt_negative bench_generate 2 --prompt-len -5 "argument --prompt-len: -5 must be >= 1"
+    bench_generate_batches_0 bench_generate 2 --batches 0 "argument --batches: 0 must be >= 1"
+    calibrate_out_under_a_file calibrate 2 --quick --out {a_file}/c.yaml "cannot be written"
+    plan_gpus_0 plan 2 predict --model gpt_tiny --global-batch 8 --gpus 0 "argument --gpus: 0 must be >= 1"
+    plan_gpus_negative plan 2 search --model gpt_tiny --global-batch 8 --gpus -1 "argument --gpus: -1 must be >= 1"
+    plan_gpus_past_any_cluster plan 2 search --model gpt_tiny --global-batch 8 --gpus 99999999999 "argument --gpus: 99999999999 must be <= 1048576"
+    scaling_study_out_under_a_file scaling_study 2 --out {a_file}/study "cannot be written"
+    preprocess_workers_0 preprocess_data 2 --input {dir}/text/00.txt --output-prefix {dir}/o8 --vocab-size 300 --workers 0 "argument --workers: 0 must be >= 1"
+    preprocess_workers_negative preprocess_data 2 --input {dir}/text/00.txt --output-prefix {dir}/o9 --vocab-size 300 --workers -3 "argument --workers: -3 must be >= 1"
+"""
+TOOLS = [
+    (cid, tool, argv, int(status), fragment)
+    for cid, tool, status, *argv, fragment in shell_cases(TOOLS_CASES)
 ]
 
 
@@ -936,69 +643,27 @@ def test_pretrain_refuses_a_fifo_tokenizer_without_reading_it(inputs, tmp_path, 
 
 # issue 39 (items 9 and 11): values that made every step NaN, and keys read as unset or
 # ignored. Each is refused by the launching process's check (``prepare``), one line, exit 2.
-LLAMA3 = "model.rope_scaling=llama3"
-SILENT = [
-    ("rope_theta_0", ["model.rope_theta=0"], "model.rope_theta=0.0 must be > 0 and finite"),
-    ("rope_theta_negative", ["model.rope_theta=-1e4"], "model.rope_theta=-10000.0 must be > 0"),
-    ("rope_theta_nan", ["model.rope_theta=nan"], "model.rope_theta=nan must be > 0 and finite"),
-    (
-        "rope_factor_0",
-        [LLAMA3, "model.rope_scaling_factor=0"],
-        "model.rope_scaling_factor=0.0 must be > 0 and finite under model.rope_scaling=llama3",
-    ),
-    (
-        "rope_factor_negative",
-        [LLAMA3, "model.rope_scaling_factor=-8"],
-        "model.rope_scaling_factor=-8.0 must be > 0",
-    ),
-    (
-        "rope_factor_nan",
-        [LLAMA3, "model.rope_scaling_factor=nan"],
-        "model.rope_scaling_factor=nan must be > 0",
-    ),
-    (
-        "rope_freq_factors_equal",
-        [LLAMA3, "model.rope_low_freq_factor=4"],
-        "model.rope_low_freq_factor=4.0 and model.rope_high_freq_factor=4.0 must be finite "
-        "with 0 < low < high",
-    ),
-    ("init_std_0", ["model.init_std=0"], "model.init_std=0.0 starts every weight at zero"),
-    ("num_kv_heads_0", ["model.num_kv_heads=0"], "model.num_kv_heads=0 must be >= 1 (or null"),
-    (
-        "interleaved_at_pp_1",
-        ["pipeline.schedule=interleaved_1f1b", "pp_size=1"],
-        "pipeline.schedule=interleaved_1f1b would be ignored at pp_size=1 (no pipeline)",
-    ),
-    (
-        "virtual_stages_at_pp_1",
-        ["pipeline.virtual_stages=2"],
-        "pipeline.virtual_stages=2 would be ignored at pp_size=1",
-    ),
-    (
-        "layers_per_stage_at_pp_1",
-        ["pipeline.layers_per_stage=[1,1]"],
-        "pipeline.layers_per_stage=[1, 1] would be ignored at pp_size=1",
-    ),
-    (
-        "schedule_unknown_at_pp_1",
-        ["pipeline.schedule=zb"],
-        "pipeline.schedule='zb' is not one of gpipe, 1f1b, interleaved_1f1b",
-    ),
-    (
-        "max_steps_past_step_dirs",
-        ["trainer.max_steps=100000000"],
-        "trainer.max_steps=100000000 is past the last step a checkpoint directory can name "
-        "(99999999, 8 digits)",
-    ),
-    (
-        "profile_steps_negative",
-        ["trainer.profile_steps=[-1,2]"],
-        "trainer.profile_steps=[-1, 2] must be >= 0",
-    ),
+SILENT_CASES = """
+    rope_theta_0 model.rope_theta=0 "model.rope_theta=0.0 must be > 0 and finite"
+    rope_theta_negative model.rope_theta=-1e4 "model.rope_theta=-10000.0 must be > 0"
+    rope_theta_nan model.rope_theta=nan "model.rope_theta=nan must be > 0 and finite"
+    rope_factor_0 model.rope_scaling=llama3 model.rope_scaling_factor=0 "model.rope_scaling_factor=0.0 must be > 0 and finite under model.rope_scaling=llama3"
+    rope_factor_negative model.rope_scaling=llama3 model.rope_scaling_factor=-8 "model.rope_scaling_factor=-8.0 must be > 0"
+    rope_factor_nan model.rope_scaling=llama3 model.rope_scaling_factor=nan "model.rope_scaling_factor=nan must be > 0"
+    rope_freq_factors_equal model.rope_scaling=llama3 model.rope_low_freq_factor=4 "model.rope_low_freq_factor=4.0 and model.rope_high_freq_factor=4.0 must be finite with 0 < low < high"
+    init_std_0 model.init_std=0 "model.init_std=0.0 starts every weight at zero"
+    num_kv_heads_0 model.num_kv_heads=0 "model.num_kv_heads=0 must be >= 1 (or null"
+    interleaved_at_pp_1 pipeline.schedule=interleaved_1f1b pp_size=1 "pipeline.schedule=interleaved_1f1b would be ignored at pp_size=1 (no pipeline)"
+    virtual_stages_at_pp_1 pipeline.virtual_stages=2 "pipeline.virtual_stages=2 would be ignored at pp_size=1"
+    layers_per_stage_at_pp_1 pipeline.layers_per_stage=[1,1] "pipeline.layers_per_stage=[1, 1] would be ignored at pp_size=1"
+    schedule_unknown_at_pp_1 pipeline.schedule=zb "pipeline.schedule='zb' is not one of gpipe, 1f1b, interleaved_1f1b"
+    max_steps_past_step_dirs trainer.max_steps=100000000 "trainer.max_steps=100000000 is past the last step a checkpoint directory can name (99999999, 8 digits)"
+    profile_steps_negative trainer.profile_steps=[-1,2] "trainer.profile_steps=[-1, 2] must be >= 0"
     # the adversarial pass: one bad value, several lines
-    ("min_lr_nan", ["optim.min_lr=nan"], "optim.min_lr=nan in [0, lr]"),
-    ("max_positions_0", ["model.max_positions=0"], "model.max_positions=0 must be >= 1"),
-]
+    min_lr_nan optim.min_lr=nan "optim.min_lr=nan in [0, lr]"
+    max_positions_0 model.max_positions=0 "model.max_positions=0 must be >= 1"
+"""
+SILENT = [(cid, overrides, fragment) for cid, *overrides, fragment in shell_cases(SILENT_CASES)]
 
 
 def _prepare(inputs, overrides: list[str]):

@@ -22,18 +22,11 @@ import torch
 
 from engine.models.config import preset
 from tests.multiproc import run_ranks
+from tests.tiny_configs import tiny_kwargs
 
 SEQ, BATCH, VOCAB = 16, 2, 96  # 2·cp = 4 chunks of 4 tokens at cp 2
 TOL = 1e-10  # fp64; see the module docstring
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    max_positions=32,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-)
+SMALL = tiny_kwargs(vocab_size=VOCAB, max_positions=32)
 MODELS = {  # GPT: learned positions, MHA; Llama: rotary, GQA (2 KV heads for 4 heads)
     "gpt": ("gpt_tiny", {}),
     "llama": ("llama_tiny", {"num_kv_heads": 2, "ffn_hidden_size": 64}),

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,28 +284,11 @@ def test_checkpoints_move_between_every_dp_shard_mode_exactly(tmp_path):
     """Parameters and Adam moments only move between files and ranks: exact (torch.equal),
     saved under FSDP's ZeRO-3 and read under the all-reduce, ZeRO-1 and ZeRO-2 at other
     tp × dp, and saved under the all-reduce and read under ZeRO-3 at tp 1 × dp 4."""
-    from tests.test_checkpoint import build_test_corpus, run_config
-
-    (tmp_path / "corpus").mkdir()
-    corpus, ckpt = build_test_corpus(tmp_path / "corpus"), tmp_path / "ckpt"
-    base = (
-        "model.hidden_dropout=0.0",
-        "model.attention_dropout=0.0",
-        "trainer.micro_batch=1",
-        "trainer.global_batch=8",
-    )
+    config = checkpoint_run_configs(tmp_path)
 
     def at(tp: int, dp: int, mode: str, steps: int, every: int = 0) -> object:
-        return run_config(
-            corpus,
-            ckpt,
-            *base,
-            f"tp_size={tp}",
-            f"dp_size={dp}",
-            f"parallel.dp_shard={mode}",
-            f"trainer.max_steps={steps}",
-            f"checkpoint.every={every}",
-        )
+        layout = (f"tp_size={tp}", f"dp_size={dp}", f"parallel.dp_shard={mode}")
+        return config(*layout, steps=steps, every=every)
 
     cfgs = {
         "save": at(2, 2, "full", 3, every=3),
@@ -320,6 +304,23 @@ def test_checkpoints_move_between_every_dp_shard_mode_exactly(tmp_path):
         assert r["params_equal"] and r["moments_equal"], (name, r)
         assert r["step"] == (5 if name == "back" else 3), (name, r)
     assert out["back"]["mode"] == "FullyShardedDP" and out["tp1_dp4_none"]["mode"] == "AllReduceDP"
+
+
+def checkpoint_run_configs(tmp_path: Path, *base: str):
+    """``at(*overrides, steps=, every=)``: the configs of the checkpoint round trips, on one
+    test corpus and one checkpoint folder under ``tmp_path``, with ``base`` and no dropout,
+    one sample per micro-batch and 8 per step (so a resumed run can compare exactly)."""
+    from tests.test_checkpoint import build_test_corpus, run_config
+
+    (tmp_path / "corpus").mkdir()
+    corpus, ckpt = build_test_corpus(tmp_path / "corpus"), tmp_path / "ckpt"
+    exact = ("model.hidden_dropout=0.0", "model.attention_dropout=0.0", "trainer.micro_batch=1")
+
+    def at(*overrides: str, steps: int, every: int) -> object:
+        run = (f"trainer.max_steps={steps}", f"checkpoint.every={every}")
+        return run_config(corpus, ckpt, *exact, "trainer.global_batch=8", *base, *overrides, *run)
+
+    return at
 
 
 def _storage_bytes(tensors) -> int:

@@ -26,26 +26,17 @@ from engine.models import build_model, preset
 from layers.attention import CoreAttention, sliding_window_mask
 from layers.spec import spec_for
 from tests.multiproc import subprocess_env
+from tests.tiny_configs import HF_GQA_UNTIED, hf_tiny
+from tests.verify_util import verify_error
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 101
 # A tiny Gemma 2 whose window (5) is shorter than the verifier's sequence (12) and the
 # in-process one (16); caps low enough that they bend the scores and logits.
-GEMMA = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=80,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-    sliding_window=5,
-    query_pre_attn_scalar=24,
-    attn_logit_softcapping=2.0,
-    final_logit_softcapping=3.0,
-)
+SOFTCAPS = dict(attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+GEMMA = hf_tiny(vocab_size=VOCAB, intermediate_size=80, num_hidden_layers=3, head_dim=16)
+GEMMA.update(num_key_value_heads=2, sliding_window=5, query_pre_attn_scalar=24, **SOFTCAPS)
 
 
 def _hand_mask(queries: int, keys: int, window: int) -> torch.Tensor:
@@ -281,26 +272,7 @@ def test_config_round_trips_and_import_refuses_what_is_not_built_in_one_line():
 
 def _verify(hf_dir: Path, *flags: str) -> float:
     """``tools/verify_equivalence.py --hf-dir`` run as documented; its last line's error."""
-    env = subprocess_env(REPO)
-    env.pop("RANK", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "tools/verify_equivalence.py"),
-            "--hf-dir",
-            str(hf_dir),
-            *flags,
-        ],
-        cwd=hf_dir.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith("max abs logit error: "), last
-    return float(last.split(": ")[1])
+    return verify_error(hf_dir, *flags, timeout=300)
 
 
 @pytest.mark.slow
@@ -328,17 +300,8 @@ def test_a_mistral_window_imports_and_matches_transformers(tmp_path):
     from engine.hf_interop import config_to_hf
 
     torch.manual_seed(0)
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        sliding_window=4,
-        tie_word_embeddings=False,
-    )
+    mistral = hf_tiny(vocab_size=VOCAB, intermediate_size=80, sliding_window=4, **HF_GQA_UNTIED)
+    config = transformers.MistralConfig(**mistral)
     reference = transformers.MistralForCausalLM(config).eval()
     reference.save_pretrained(tmp_path / "mistral")
     cfg, state, hf_config = read_hf_dir(tmp_path / "mistral")

@@ -195,14 +195,8 @@ def test_greedy_equals_transformers_generate(tmp_path):
     ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
     # eos_token_id=None: HF would otherwise stop a row at id 50256's stand-in and pad it.
-    theirs = hf.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=15,
-        do_sample=False,
-        pad_token_id=0,
-        eos_token_id=None,
-    )[:, width:].tolist()
+    greedy = dict(max_new_tokens=15, do_sample=False, pad_token_id=0, eos_token_id=None)
+    theirs = hf.generate(input_ids=ids, attention_mask=mask, **greedy)[:, width:].tolist()
     for use_cache in (True, False):
         got = generate_batch(ours, PROMPTS, 15, Sampling(greedy=True), use_cache=use_cache)
         assert got == theirs  # float64 both sides: the argmax agrees token for token

@@ -32,27 +32,16 @@ REPO = Path(__file__).resolve().parents[1]
 def hf_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(0)
+    # Both: two layers of 4 heads on width 48, a 1001-token vocabulary, 32 positions.
+    gpt2 = dict(n_embd=48, n_layer=2, n_head=4, vocab_size=1001, n_positions=32)
     gpt = transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(
-            n_embd=48,
-            n_layer=2,
-            n_head=4,
-            vocab_size=1001,
-            n_positions=32,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
+        transformers.GPT2Config(**gpt2, bos_token_id=0, eos_token_id=0)
     )
-    bert = transformers.BertForPreTraining(
-        transformers.BertConfig(
-            hidden_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=96,
-            vocab_size=1001,
-            max_position_embeddings=32,
-        )
+    bert_shape = dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=4)
+    bert_config = transformers.BertConfig(
+        **bert_shape, intermediate_size=96, vocab_size=1001, max_position_embeddings=32
     )
+    bert = transformers.BertForPreTraining(bert_config)
     dirs = {}
     for name, model in (("gpt", gpt), ("bert", bert)):
         # Random LayerNorm parameters and biases, so a swapped or dropped one shows up.

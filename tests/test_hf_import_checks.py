@@ -25,19 +25,11 @@ from engine.hf_interop import export_hf, import_hf
 from studies.verification.hf_parity import HF_TOLERANCES, compare_with_hf
 from studies.verification.layouts import VerifySpec
 from tests.multiproc import run_ranks, subprocess_env
+from tests.tiny_configs import HF_GQA_UNTIED, hf_tiny
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
-LLAMA = dict(
-    vocab_size=101,
-    hidden_size=64,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-)
+LLAMA = hf_tiny(intermediate_size=80, **HF_GQA_UNTIED)
 
 
 @pytest.fixture(scope="module")

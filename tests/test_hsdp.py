@@ -12,7 +12,15 @@ import parallel_state
 from layers.utils import dp_sharded, local_part
 from parallel_state.dims import ParallelDims
 from tests.multiproc import run_ranks
-from tests.test_fsdp import CFG, _reference, _rel, _train, _unsplit, resumes_against_saved
+from tests.test_fsdp import (
+    CFG,
+    _reference,
+    _rel,
+    _train,
+    _unsplit,
+    checkpoint_run_configs,
+    resumes_against_saved,
+)
 
 R, DP = 2, 4  # 2 replicas of 2 shards
 
@@ -162,29 +170,11 @@ def test_checkpoints_move_between_hybrid_and_none_exactly(tmp_path):
     dp_shard=none at dp 4: parameters and Adam moments torch.equal to what the hybrid run
     held (the checkpoint gathers each DTensor to its TP-local whole, the path plain FSDP
     takes); that run saves step 5 and hybrid resumes it exactly too."""
-    from tests.test_checkpoint import build_test_corpus, run_config
-
-    (tmp_path / "corpus").mkdir()
-    corpus, ckpt = build_test_corpus(tmp_path / "corpus"), tmp_path / "ckpt"
-    base = (
-        "model.hidden_dropout=0.0",
-        "model.attention_dropout=0.0",
-        "trainer.micro_batch=1",
-        "trainer.global_batch=8",
-        "tp_size=1",
-        f"dp_size={DP}",
-    )
+    config = checkpoint_run_configs(tmp_path, "tp_size=1", f"dp_size={DP}")
 
     def at(mode: str, replicas: int, steps: int, every: int = 0):
-        return run_config(
-            corpus,
-            ckpt,
-            *base,
-            f"parallel.dp_shard={mode}",
-            f"parallel.dp_replicate={replicas}",
-            f"trainer.max_steps={steps}",
-            f"checkpoint.every={every}",
-        )
+        layout = (f"parallel.dp_shard={mode}", f"parallel.dp_replicate={replicas}")
+        return config(*layout, steps=steps, every=every)
 
     cfgs = {"save": at("full", R, 3, every=3), "none": at("none", 1, 5, every=5)}
     cfgs["back"] = at("full", R, 6)

@@ -61,6 +61,7 @@ from layers.kernels import (  # noqa: E402
     layer_norm,
     use_triton,
 )
+from tests.kernel_util import print_max_errors, saved_for_backward  # noqa: E402
 from tests.multiproc import run_ranks  # noqa: E402
 
 # The environment of ranks that run the kernels on CPU tensors (see the module docstring).
@@ -92,9 +93,8 @@ MAX_ERR: dict[str, tuple[float, float]] = {}
 @pytest.fixture(scope="module", autouse=True)
 def _report_max_errors():
     yield
-    print("\nmax |x - float64 reference|      kernel     torch (same dtype)")
-    for key in sorted(MAX_ERR):
-        print(f"  {key:<36} {MAX_ERR[key][0]:.3e}  {MAX_ERR[key][1]:.3e}")
+    title = "max |x - float64 reference|      kernel     torch (same dtype)"
+    print_max_errors(title, MAX_ERR, width=36)
 
 
 def check(name: str, got: torch.Tensor, torch_out: torch.Tensor, ref64: torch.Tensor) -> None:
@@ -244,9 +244,7 @@ def test_bias_gelu(shape, dtype, approximate):
 def test_bias_gelu_without_bias_and_saves_only_inputs():
     x = torch.randn(4, 33, device=DEVICE, requires_grad=True)
     b = torch.randn(33, device=DEVICE, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        bias_gelu(x, b, backend="triton")
+    saved = saved_for_backward(lambda: bias_gelu(x, b, backend="triton"))
     # Backward recomputes x + b: exactly x and b are saved, nothing output-sized besides.
     assert [t.data_ptr() for t in saved] == [x.data_ptr(), b.data_ptr()]
     torch.testing.assert_close(
@@ -344,9 +342,9 @@ def test_dropout_off_and_edge_probabilities():
 
 def test_dropout_saves_no_mask():
     x = torch.randn(33, 1000, device=DEVICE, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        bias_dropout_add(x, None, torch.zeros_like(x), 0.5, True, backend="triton")
+    saved = saved_for_backward(
+        lambda: bias_dropout_add(x, None, torch.zeros_like(x), 0.5, True, backend="triton")
+    )
     assert [t.numel() for t in saved] == [1]  # the seed
 
 

@@ -35,7 +35,9 @@ from engine.models.config import preset  # noqa: E402
 from layers.kernel_set import TORCH_KERNELS, resolve_kernels  # noqa: E402
 from layers.kernels import RMSNorm, rms_norm, swiglu  # noqa: E402
 from layers.kernels.dispatch import MODEL_AUTO, choose_backend  # noqa: E402
+from tests.kernel_util import print_max_errors, saved_for_backward  # noqa: E402
 from tests.multiproc import run_ranks  # noqa: E402
+from tests.tiny_configs import tiny_kwargs  # noqa: E402
 from tests.torch_reference import relative_errors  # noqa: E402
 
 # tl.sigmoid of a very negative gate overflows exp to inf in the interpreter's numpy and
@@ -57,9 +59,7 @@ MAX_ERR: dict[str, float] = {}
 @pytest.fixture(scope="module", autouse=True)
 def _report_max_errors():
     yield
-    print("\nmax |kernel - float64 reference|")
-    for key in sorted(MAX_ERR):
-        print(f"  {key:<28} {MAX_ERR[key]:.3e}")
+    print_max_errors("max |kernel - float64 reference|", MAX_ERR, width=28)
 
 
 def check(name: str, got: torch.Tensor, ref64: torch.Tensor) -> None:
@@ -158,9 +158,7 @@ def test_rms_norm_without_weight_and_module():
 def test_rms_norm_saves_input_weight_and_rstd_only():
     x = torch.randn(5, 64, device=DEVICE, requires_grad=True)
     w = torch.randn(64, device=DEVICE, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        rms_norm(x, w, backend="triton")
+    saved = saved_for_backward(lambda: rms_norm(x, w, backend="triton"))
     assert [tuple(t.shape) for t in saved] == [(5, 64), (64,), (5,)]
     assert saved[2].dtype == torch.float32
 
@@ -216,9 +214,7 @@ def test_swiglu_3d_strided_bias_and_odd_width():
 
 def test_swiglu_saves_only_its_input():
     gu = torch.randn(5, 64, device=DEVICE, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        swiglu(gu, backend="triton")
+    saved = saved_for_backward(lambda: swiglu(gu, backend="triton"))
     assert [t.data_ptr() for t in saved] == [gu.data_ptr()]
 
 
@@ -279,17 +275,8 @@ def _counting_launchers(monkeypatch) -> dict[str, int]:
 
 def _llama_loss_and_grads(kernels: str, sequence_parallel: bool = False, device="cpu"):
     ps = parallel_state.get() if parallel_state.is_initialized() else None
-    cfg = preset(
-        "llama_tiny",
-        vocab_size=97,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        num_layers=2,
-        ffn_hidden_size=44,
-        kernels=kernels,
-        sequence_parallel=sequence_parallel,
-    )
+    shape = tiny_kwargs(vocab_size=97, num_kv_heads=2, ffn_hidden_size=44)  # no dropout
+    cfg = preset("llama_tiny", **shape, kernels=kernels, sequence_parallel=sequence_parallel)
     if ps is not None:
         ps.seed(5)
     else:

@@ -23,19 +23,11 @@ from layers.norm import LayerNorm, RMSNorm
 from layers.spec import LayerSpec, spec_for
 from layers.transformer import ParallelTransformerLayer
 from layers.transformer_config import TransformerConfig
+from tests.tiny_configs import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cpu")
-CFG = ModelConfig(
-    vocab_size=64,
-    hidden_size=16,
-    num_layers=2,
-    num_heads=4,
-    max_positions=8,
-    hidden_dropout=0.0,
-    attention_dropout=0.0,
-    kernels="torch",
-)
+CFG = tiny_config(vocab_size=64, hidden_size=16, max_positions=8, kernels="torch")
 
 
 class ToyMLP(nn.Module):

@@ -20,20 +20,13 @@ from layers.rotary import inverse_frequencies
 from studies.verification.hf_parity import HF_TOLERANCES, compare_with_hf
 from studies.verification.layouts import VerifySpec
 from tests.multiproc import run_ranks
+from tests.tiny_configs import LLAMA, SWIGLU, hf_tiny, tiny_config
 
 transformers = pytest.importorskip("transformers")
 
 # Awkward on purpose: a prime vocabulary, intermediate size not 4h, rms eps 1e-6, a
 # non-default rope_theta, fewer KV heads than TP ranks at tp 4 (llama: 2, mistral: 1).
-COMMON = dict(
-    vocab_size=101,
-    hidden_size=64,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=64,
-)
+COMMON = hf_tiny(intermediate_size=80, rms_norm_eps=1e-6)
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 5e5,
@@ -212,23 +205,8 @@ def test_flops_match_torchs_flop_counter():
 
     from engine.flops import model_flops, params_count
 
-    cfg = ModelConfig(
-        arch="llama",
-        vocab_size=101,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=80,
-        norm="rmsnorm",
-        activation="swiglu",
-        position_embedding="rotary",
-        qkv_bias=False,
-        linear_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tie_embeddings=False,
-    )
+    shape = dict(vocab_size=101, hidden_size=64, num_kv_heads=2, ffn_hidden_size=80)
+    cfg = tiny_config(**LLAMA, **SWIGLU, **shape)
     torch.manual_seed(0)
     model = build_model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 33))

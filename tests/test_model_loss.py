@@ -17,23 +17,15 @@ from engine.models import ModelConfig, build_model
 from layers.mappings import gather_along
 from studies.verification.layouts import VerifySpec, make_batch
 from tests.multiproc import run_ranks
+from tests.tiny_configs import tiny_config
 
 RTOL, ATOL = 1e-12, 0.0  # float64, see above
 CPU = torch.device("cpu")
 
 
 def _config(arch: str) -> ModelConfig:
-    return ModelConfig(
-        arch=arch,
-        vocab_size=101,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        max_positions=16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        activation="gelu_tanh" if arch == "gpt" else "gelu",
-    )
+    activation = "gelu_tanh" if arch == "gpt" else "gelu"
+    return tiny_config(arch=arch, vocab_size=101, max_positions=16, activation=activation)
 
 
 def _full_logits(logits: torch.Tensor, vocab: int, tp_group) -> torch.Tensor:

@@ -43,6 +43,13 @@ def _randn(*shape, gen, dtype=F64, std=1.0) -> torch.Tensor:
     return std * torch.randn(*shape, generator=gen, dtype=dtype, device=DEVICE)
 
 
+# Qwen2-MoE's keys past its widths: a shared expert of width 20, top-2 of 6 not renormalised.
+QWEN2_MOE = dict(
+    shared_expert_intermediate_size=20,
+    num_experts=EXPERTS,
+    num_experts_per_tok=2,
+    norm_topk_prob=False,
+)
 # transformers' blocks and the ModelConfig that describes the same layer. Mixtral:
 # softmax top-2 renormalised; Qwen2-MoE: top-2 not renormalised, a gated shared expert;
 # Qwen3-MoE: top-3 of 6 renormalised.
@@ -56,14 +63,7 @@ HF_BLOCKS = {
     ),
     "qwen2_moe": (
         Qwen2MoeSparseMoeBlock,
-        lambda: Qwen2MoeConfig(
-            hidden_size=H,
-            moe_intermediate_size=FFN,
-            shared_expert_intermediate_size=20,
-            num_experts=EXPERTS,
-            num_experts_per_tok=2,
-            norm_topk_prob=False,
-        ),
+        lambda: Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=FFN, **QWEN2_MOE),
         dict(moe_top_k=2, moe_renormalize=False, moe_shared_ffn_hidden_size=20),
     ),
     "qwen3_moe": (
@@ -116,12 +116,19 @@ def _copy_weights(moe: MoEMLP, block) -> None:
             p.copy_(state[name])
 
 
-@pytest.mark.parametrize("name", sorted(HF_BLOCKS))
-def test_outputs_and_gradients_equal_transformers_blocks(name):
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
+def _block_and_copy(name: str, seed: int):
+    """transformers' block ``name`` with random weights, our layer of the same config with
+    those weights copied in, and the generator (seeded ``seed``) to draw the inputs from."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     block, cfg = _hf_block(name, gen)
     moe = _moe(cfg)
     _copy_weights(moe, block)
+    return gen, block, cfg, moe
+
+
+@pytest.mark.parametrize("name", sorted(HF_BLOCKS))
+def test_outputs_and_gradients_equal_transformers_blocks(name):
+    gen, block, cfg, moe = _block_and_copy(name, seed=0)
     x = _randn(7, 3, H, gen=gen)  # ours [s, b, h]; transformers' [b, s, h]
     grad_out = _randn(7, 3, H, gen=gen)
     x_ours, x_hf = x.clone().requires_grad_(), x.transpose(0, 1).contiguous().requires_grad_()
@@ -154,10 +161,7 @@ def test_an_off_by_one_inverse_permutation_is_caught(monkeypatch):
 
 @pytest.mark.parametrize("name", sorted(HF_BLOCKS))
 def test_router_logits_choices_and_aux_loss_equal_transformers(name):
-    gen = torch.Generator(device=DEVICE).manual_seed(1)
-    block, cfg = _hf_block(name, gen)
-    moe = _moe(cfg)
-    _copy_weights(moe, block)
+    gen, block, cfg, moe = _block_and_copy(name, seed=1)
     tokens = _randn(40, H, gen=gen)
     routing = moe.router(tokens)
     hf_logits, hf_weights, hf_experts = block.gate(tokens)

@@ -107,30 +107,39 @@ def _gather(value: float) -> list[float]:
     return out
 
 
+def _saves_then_resumes(cfg, data, tmp: str, dp_size: int, saves, resumes) -> dict:
+    """At dp ``dp_size``: a run from scratch at each ep of ``saves``, saving under tmp/epN
+    (its result "epN"); then each (saved ep, ep) of ``resumes``, that checkpoint resumed at
+    ep (its result "epS_at_epN")."""
+    root, out = Path(tmp), {}
+    for ep in saves:
+        out[f"ep{ep}"] = _run(cfg, data, dp_size, ep, root / f"ep{ep}", save=True, resume=False)
+    for saved, ep in resumes:
+        folder = root / f"ep{saved}"
+        out[f"ep{saved}_at_ep{ep}"] = _run(cfg, data, dp_size, ep, folder, save=False, resume=True)
+    return out
+
+
 def _two_ranks(cfg, data, tmp: str) -> dict:
     """dp 2 runs: save at ep 2 and at ep 1, then each checkpoint resumed at the other ep (and
     the ep 2 one at ep 2 again)."""
-    tmp = Path(tmp)
-    return {
-        "ep2": _run(cfg, data, 2, 2, tmp / "ep2", save=True, resume=False),
-        "ep1": _run(cfg, data, 2, 1, tmp / "ep1", save=True, resume=False),
-        "ep2_at_ep1": _run(cfg, data, 2, 1, tmp / "ep2", save=False, resume=True),
-        "ep2_at_ep2": _run(cfg, data, 2, 2, tmp / "ep2", save=False, resume=True),
-        "ep1_at_ep2": _run(cfg, data, 2, 2, tmp / "ep1", save=False, resume=True),
-    }
+    return _saves_then_resumes(cfg, data, tmp, 2, saves=(2, 1), resumes=((2, 1), (2, 2), (1, 2)))
 
 
 def _four_ranks(cfg, data, tmp: str) -> dict:
     """dp 4 runs of a 4-expert model: save at ep 4 (one expert per rank) and at ep 1, then
     the ep 4 checkpoint resumed at ep 2 and at ep 1, and the ep 1 one at ep 4."""
-    tmp = Path(tmp)
-    return {
-        "ep4": _run(cfg, data, 4, 4, tmp / "ep4", save=True, resume=False),
-        "ep1": _run(cfg, data, 4, 1, tmp / "ep1", save=True, resume=False),
-        "ep4_at_ep2": _run(cfg, data, 4, 2, tmp / "ep4", save=False, resume=True),
-        "ep4_at_ep1": _run(cfg, data, 4, 1, tmp / "ep4", save=False, resume=True),
-        "ep1_at_ep4": _run(cfg, data, 4, 4, tmp / "ep1", save=False, resume=True),
-    }
+    return _saves_then_resumes(cfg, data, tmp, 4, saves=(4, 1), resumes=((4, 2), (4, 1), (1, 4)))
+
+
+def _each_resume_reads_back(runs: list[dict], files: dict, resumes) -> None:
+    """Each resume "epS_at_epN" of ``resumes`` read back exactly the files that run epS
+    saved (``files["epS"]``), on every rank, step counts included."""
+    for name in resumes:
+        saved = name.split("_at_")[0]
+        for rank in runs:
+            _equal(rank[name]["resumed"]["tensors"], files[saved], f"{name} resumed")
+            assert rank[name]["resumed"]["steps"] == rank[saved]["saved"]["steps"], name
 
 
 def _one_rank(cfg, data, tmp: str) -> dict:
@@ -196,14 +205,8 @@ def test_ep2_checkpoint_is_the_unsplit_one_and_resumes_at_any_ep(tmp_path, capsy
         torch.testing.assert_close(r0["ep2"]["losses"][s], r0["ep1"]["losses"][s], **TOL)
 
     # Every resume reads back exactly what was saved, on every rank, step counts included.
-    for name, files, saved in (
-        ("ep2_at_ep1", ep2, "ep2"),
-        ("ep2_at_ep2", ep2, "ep2"),
-        ("ep1_at_ep2", ep1, "ep1"),
-    ):
-        for rank in runs:
-            _equal(rank[name]["resumed"]["tensors"], files, f"{name} resumed")
-            assert rank[name]["resumed"]["steps"] == rank[saved]["saved"]["steps"], name
+    resumes = ("ep2_at_ep1", "ep2_at_ep2", "ep1_at_ep2")
+    _each_resume_reads_back(runs, {"ep2": ep2, "ep1": ep1}, resumes)
     _equal(one["resumed"]["tensors"], ep2, "ep2 resumed at dp 1")
     assert (
         one["resumed"]["steps"]
@@ -267,13 +270,9 @@ def test_ep4_checkpoint_resumes_at_ep2_and_ep1(tmp_path):
     assert ep4.keys() == ep1.keys()
     for name in ep4:
         torch.testing.assert_close(ep4[name], ep1[name], **TOL, msg=name)
-    for name, files, saved in (
-        ("ep4_at_ep2", ep4, "ep4"),
-        ("ep4_at_ep1", ep4, "ep4"),
-        ("ep1_at_ep4", ep1, "ep1"),
-    ):
-        for rank in runs:
-            _equal(rank[name]["resumed"]["tensors"], files, f"{name} resumed")
-            assert rank[name]["resumed"]["steps"] == rank[saved]["saved"]["steps"], name
+    resumes = ("ep4_at_ep2", "ep4_at_ep1", "ep1_at_ep4")
+    _each_resume_reads_back(runs, {"ep4": ep4, "ep1": ep1}, resumes)
+    for name in resumes:
+        saved = name.split("_at_")[0]
         for s in range(SAVED + 1, STEPS + 1):
             torch.testing.assert_close(r0[name]["losses"][s], r0[saved]["losses"][s], **TOL)

@@ -8,8 +8,6 @@ Tiny random models built here (no hub), saved to a temporary directory; CPU, one
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import types
 from dataclasses import replace
 from pathlib import Path
@@ -32,31 +30,25 @@ from engine.models import build_model, preset
 from layers.moe import moe_losses
 from layers.router import pooled_load_balancing_loss
 from studies.verification.hf_parity import _keep_norms_in_float64
-from tests.multiproc import subprocess_env
+from tests.tiny_configs import HF_GQA_UNTIED, hf_tiny
+from tests.verify_util import verify_error
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[1]
 DEVICE = torch.device("cpu")
 # transformers' per-expert loop (its grouped_mm default takes no fp64), the reference.
 EAGER = dict(experts_implementation="eager")
 # Awkward on purpose: a prime vocabulary, GQA (2 KV heads of 4), expert width not 4h.
-COMMON = dict(
-    vocab_size=101,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    output_router_logits=True,
-    router_aux_loss_coef=0.02,
-)
+ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.02)
+COMMON = hf_tiny(hidden_size=32, rms_norm_eps=1e-6, **HF_GQA_UNTIED, **ROUTER)
 
 
 def _models() -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
+    widths = dict(
+        intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=20
+    )
+    routing = dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)  # Qwen2-MoE's
     return {
         # 4 experts, top-2 renormalised, on both layers.
         "mixtral": transformers.MixtralForCausalLM(
@@ -67,16 +59,7 @@ def _models() -> dict[str, torch.nn.Module]:
         # Experts on layer 1 only (decoder_sparse_step 2; layer 0 dense, width 40), top-2
         # not renormalised, a gated shared expert of width 20, QKV biases.
         "qwen2_moe": transformers.Qwen2MoeForCausalLM(
-            transformers.Qwen2MoeConfig(
-                **COMMON,
-                intermediate_size=40,
-                moe_intermediate_size=24,
-                shared_expert_intermediate_size=20,
-                num_experts=4,
-                num_experts_per_tok=2,
-                norm_topk_prob=False,
-                decoder_sparse_step=2,
-            )
+            transformers.Qwen2MoeConfig(**COMMON, **widths, **routing, decoder_sparse_step=2)
         ),
     }
 
@@ -274,17 +257,5 @@ def test_verifier_compares_an_moe_directory_in_fp64(hf_models):
     # tools/verify_equivalence.py --hf-dir at tp 1 (one process), its default float64:
     # transformers' experts as its per-expert loop (its grouped_mm takes no float64).
     hf_dir, _ = hf_models["mixtral"]
-    env = subprocess_env(REPO)
-    env.pop("RANK", None)
-    done = subprocess.run(
-        [sys.executable, str(REPO / "tools/verify_equivalence.py"), "--hf-dir", hf_dir]
-        + ["--tp-size", "1"],
-        cwd=Path(hf_dir).parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    last = done.stdout.strip().splitlines()[-1]
-    assert float(last.removeprefix("max abs logit error: ")) <= 1e-10, last
+    error = verify_error(hf_dir, "--tp-size", "1", timeout=120)
+    assert error <= 1e-10, error

@@ -228,14 +228,7 @@ def test_moe_tiny_flops_count_active_parameters():
 def test_shared_expert_and_gate_flops():
     # Qwen2-MoE style: + a shared SwiGLU expert of width 64 and its h×1 sigmoid gate.
     got = moe_mlp_forward_flops(
-        10,
-        16,
-        num_experts=8,
-        top_k=2,
-        expert_ffn=12,
-        matrices=3,
-        shared_ffn=64,
-        shared_gate=True,
+        10, 16, num_experts=8, top_k=2, expert_ffn=12, matrices=3, shared_ffn=64, shared_gate=True
     )
     assert got == 2 * 10 * (16 * 8 + 2 * 3 * 16 * 12 + 3 * 16 * 64 + 16)
 

@@ -532,17 +532,8 @@ def test_llama_flops_and_parameters_come_from_the_runtime_formulas():
     from engine.formulas import llama_params_count
     from studies.perfmodel.model import model_flops, params_per_rank
 
-    w = Workload(
-        hidden=4096,
-        layers=32,
-        heads=32,
-        vocab=128256,
-        seq=8192,
-        global_batch=8,
-        ffn=14336,
-        family="llama",
-        kv_heads=8,
-    )
+    shape = dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+    w = Workload(**shape, seq=8192, global_batch=8, family="llama")
     # Llama-3-8B: 8,030,261,248 parameters (its released checkpoint); the vocabulary
     # 128256 is already a multiple of 128, so no padding at tp 1
     assert params_per_rank(w, 1) == 8_030_261_248

@@ -38,18 +38,9 @@ GQA = Workload(
     hidden=1024, layers=2, heads=8, kv_heads=2, vocab=1000, seq=4096, global_batch=8, family="llama"
 )
 # a small MoE: 4 experts of width 32, top-2, on h = 64
+MOE_MLP = dict(ffn=256, experts=4, top_k=2, moe_ffn=32)
 MOE = Workload(
-    hidden=64,
-    layers=2,
-    heads=4,
-    vocab=128,
-    seq=16,
-    global_batch=2,
-    ffn=256,
-    experts=4,
-    top_k=2,
-    moe_ffn=32,
-    family="llama",
+    hidden=64, layers=2, heads=4, vocab=128, seq=16, global_batch=2, family="llama", **MOE_MLP
 )
 
 

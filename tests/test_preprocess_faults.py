@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.case_table import shell_cases
 from tests.multiproc import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,51 +175,23 @@ def test_a_stale_lock_of_a_dead_run_is_taken_over_saying_so(tmp_path, capsys):
     assert _files(tmp_path) == ["corpus.bin", "corpus.idx", "corpus.tokenizer.json", "in.txt"]
 
 
-# Each refused before anything is written: (argv after --input a.txt, fragment of the line).
+# Each refused before anything is written, one case a line: id, argv after --input a.txt,
+# "fragment of the line".
 # {d} is the data folder, holding a.txt, corpus.bin, corpus.idx (inputs too) and sub/.
-REFUSED = {
-    "tokenizer_out_is_an_input": (
-        ["--output-prefix", "{d}/o", "--tokenizer-out", "{d}/a.txt"],
-        "a.txt is an input and would be overwritten as --tokenizer-out",
-    ),
-    "input_is_prefix_bin": (
-        ["--input", "{d}/corpus.bin", "--output-prefix", "{d}/corpus"],
-        "corpus.bin is an input and would be overwritten as the output",
-    ),
-    "input_is_prefix_idx": (
-        ["--input", "{d}/corpus.idx", "--output-prefix", "{d}/corpus"],
-        "corpus.idx is an input and would be overwritten as the output",
-    ),
-    "prefix_is_a_directory": (
-        ["--output-prefix", "{d}/sub"],
-        "is a directory: give a file name prefix such as {d}/sub/corpus",
-    ),
-    "prefix_ends_in_a_slash": (
-        ["--output-prefix", "{d}/fresh/"],
-        "is a directory: give a file name prefix such as {d}/fresh/corpus",
-    ),
+REFUSED_CASES = """
+    tokenizer_out_is_an_input --output-prefix {d}/o --tokenizer-out {d}/a.txt "a.txt is an input and would be overwritten as --tokenizer-out"
+    input_is_prefix_bin --input {d}/corpus.bin --output-prefix {d}/corpus "corpus.bin is an input and would be overwritten as the output"
+    input_is_prefix_idx --input {d}/corpus.idx --output-prefix {d}/corpus "corpus.idx is an input and would be overwritten as the output"
+    prefix_is_a_directory --output-prefix {d}/sub "is a directory: give a file name prefix such as {d}/sub/corpus"
+    prefix_ends_in_a_slash --output-prefix {d}/fresh/ "is a directory: give a file name prefix such as {d}/fresh/corpus"
     # found by the adversarial pass of issue 39
-    "same_input_twice": (
-        ["--input", "{d}/sub/../a.txt", "--output-prefix", "{d}/o"],
-        "sub/../a.txt is given twice (also as {d}/a.txt)",
-    ),
-    "tokenizer_out_is_prefix_bin": (
-        ["--output-prefix", "{d}/o", "--tokenizer-out", "{d}/o.bin"],
-        "o.bin would be written both as --tokenizer-out and as the output",
-    ),
-    "tokenizer_out_is_a_directory": (
-        ["--output-prefix", "{d}/o", "--tokenizer-out", "{d}/sub"],
-        "sub (--tokenizer-out) is a directory",
-    ),
-    "prefix_under_a_file": (
-        ["--output-prefix", "{d}/a.txt/x/o"],
-        "cannot write into {d}/a.txt/x: {d}/a.txt is a file, not a directory",
-    ),
-    "workers_past_any_machine": (
-        ["--output-prefix", "{d}/o", "--workers", str(10**9)],
-        "argument --workers: 1000000000 must be <= 1024",
-    ),
-}
+    same_input_twice --input {d}/sub/../a.txt --output-prefix {d}/o "sub/../a.txt is given twice (also as {d}/a.txt)"
+    tokenizer_out_is_prefix_bin --output-prefix {d}/o --tokenizer-out {d}/o.bin "o.bin would be written both as --tokenizer-out and as the output"
+    tokenizer_out_is_a_directory --output-prefix {d}/o --tokenizer-out {d}/sub "sub (--tokenizer-out) is a directory"
+    prefix_under_a_file --output-prefix {d}/a.txt/x/o "cannot write into {d}/a.txt/x: {d}/a.txt is a file, not a directory"
+    workers_past_any_machine --output-prefix {d}/o --workers 1000000000 "argument --workers: 1000000000 must be <= 1024"
+"""
+REFUSED = {cid: (args, fragment) for cid, *args, fragment in shell_cases(REFUSED_CASES)}
 
 
 @pytest.mark.parametrize("case", REFUSED)

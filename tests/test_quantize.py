@@ -42,6 +42,7 @@ from layers.quantize import (
     Int8VocabParallelEmbedding,
 )
 from tests.multiproc import run_ranks
+from tests.tiny_configs import serving_config
 from tests.torch_reference import tiny_gpt
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # float32 rounding (docstring)
@@ -174,21 +175,9 @@ def test_int8_model_is_the_float_model_with_hand_dequantized_weights(family):
     unquantized model is printed (measured: up to 3 % of the largest logit, gpt and llama,
     random init_std 0.2 weights)."""
     from engine.inference import inference_config
-    from engine.models import preset
     from layers.quantize import Int8VocabParallelHead
 
-    if family == "gpt":
-        cfg = tiny_gpt(300, max_positions=64, init_std=0.2)
-    else:
-        cfg = preset(
-            "llama_tiny",
-            vocab_size=300,
-            hidden_size=32,
-            ffn_hidden_size=88,
-            max_positions=64,
-            init_std=0.2,
-        )
-    cfg = inference_config(cfg)
+    cfg = inference_config(serving_config(family))
     torch.manual_seed(0)
     model = build_model(cfg).eval()
     state = model.full_state_dict()

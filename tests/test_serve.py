@@ -38,6 +38,7 @@ from engine.checkpoint.format import write_checkpoint
 from engine.generate import Sampling, generate_batch
 from engine.models import build_model
 from tests.multiproc import subprocess_env
+from tests.threads_util import torch_threads
 from tests.torch_reference import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,10 +56,8 @@ CHAT = (
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """Tiny matmuls: intra-op threads waiting for a shared core only slow them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def make_export(directory: Path):

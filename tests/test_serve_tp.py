@@ -38,7 +38,7 @@ from apps.serving.engine import follow
 from apps.serving.tp import PlanChannel
 from engine.generate import generate_batch
 from engine.inference import inference_config
-from engine.models import build_model, preset
+from engine.models import build_model
 from tests.multiproc import run_ranks, subprocess_env
 from tests.test_serve import (
     GREEDY,
@@ -49,7 +49,7 @@ from tests.test_serve import (
     _serving,
     make_export,
 )
-from tests.torch_reference import tiny_gpt
+from tests.tiny_configs import serving_config
 
 TOL = dict(atol=1e-4, rtol=1e-4)  # fp32 sums over TP in another order (docstring)
 START_S = 120  # two ranks importing torch on two busy cores
@@ -260,16 +260,7 @@ def test_tp_size_is_checked_in_one_line_before_a_rank_starts(export, capsys, mon
 def _config(family: str):
     """tests/test_serving.py's tiny decoders: gpt (4 heads) and llama (4 heads, 2 KV heads:
     at tp 4 each rank holds one KV head of its own, replicated as the model does)."""
-    if family == "gpt":
-        return tiny_gpt(300, max_positions=64, init_std=0.2)
-    return preset(
-        "llama_tiny",
-        vocab_size=300,
-        hidden_size=32,
-        ffn_hidden_size=88,
-        max_positions=64,
-        init_std=0.2,
-    )
+    return serving_config(family)
 
 
 ENGINE_JOBS = [  # (prompt, max_tokens, prompt_logprobs)

@@ -25,8 +25,9 @@ from apps.serving.requests import CANCELLED, LENGTH, STOP
 from engine.checkpoint.format import write_checkpoint
 from engine.generate import Sampling, generate_batch
 from engine.inference import ModelSource, inference_config
-from engine.models import build_model, preset
-from tests.torch_reference import tiny_gpt
+from engine.models import build_model
+from tests.threads_util import torch_threads
+from tests.tiny_configs import serving_config
 
 TOL = dict(atol=1e-5, rtol=1e-5)  # float32, batch-dependent summation order (docstring)
 GREEDY = Sampling(greedy=True)
@@ -37,28 +38,14 @@ MAX_TOKENS = [10, 14, 6, 9, 12]
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Hundreds of tiny matmuls: intra-op threads waiting for a shared core only slow them."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def _model(family: str):
-    """A tiny random float32 decoder. init_std 0.2 gives logits of order 1, as a trained
-    model's are (at 0.02 the distribution is nearly flat and argmax gaps tiny)."""
-    if family == "gpt":
-        cfg = tiny_gpt(300, max_positions=64, init_std=0.2)
-    else:  # rotary, RMSNorm, SwiGLU, grouped-query attention (2 KV heads for 4)
-        cfg = preset(
-            "llama_tiny",
-            vocab_size=300,
-            hidden_size=32,
-            ffn_hidden_size=88,
-            max_positions=64,
-            init_std=0.2,
-        )
+    """A tiny random float32 decoder (tests/tiny_configs.py's serving_config)."""
     torch.manual_seed(0)
-    return build_model(inference_config(cfg)).eval()
+    return build_model(inference_config(serving_config(family))).eval()
 
 
 def _engine(model, *, tokens=512, block_size=4, **kwargs) -> ServingEngine:

@@ -17,15 +17,10 @@ from engine.models import ModelConfig, build_model
 from engine.models.activation_memory import activation_memory_table
 from layers.attention import heads_per_rank
 from tests.multiproc import run_ranks
+from tests.tiny_configs import tiny_config
 
-DROPOUT_CFG = ModelConfig(
-    vocab_size=301,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    max_positions=8,
-    hidden_dropout=0.2,
-    attention_dropout=0.2,
+DROPOUT_CFG = tiny_config(
+    vocab_size=301, max_positions=8, hidden_dropout=0.2, attention_dropout=0.2
 )
 
 
