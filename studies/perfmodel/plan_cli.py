@@ -116,9 +116,10 @@ split it varies: micro-batch, recompute, sequence parallelism, dp_shard
 (none|optimizer|gradients|full), and
 
   schedule      (pp > 1) 1f1b, interleaved_1f1b (every chunk count dividing the stage),
-                zero_bubble (v 1, ZB-H1), zbv and dualpipev (2 chunks, >= pp and >= 2·pp
-                micro-batches: the runtime's rules; split-backward schedules not under
-                dp_shard=full, the V ones not with GPT's tied head under gradients)
+                zero_bubble (v 1, ZB-H1), zbv and dualpipev (2 chunks a rank; zbv >= pp,
+                dualpipev >= 2·pp micro-batches: the runtime's rules; the split-backward
+                ones not under dp_shard=full, the V ones not with GPT's tied head under
+                gradients)
   dp_replicate  HSDP (gradients/full): 1, and R = the nodes one DP group spans (shards
                 gathered inside a node, the shard gradients all-reduced across nodes)
   offload       optimizer (sharded modes): priced only where a mode fits nowhere on the
