@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import yaml
 
-from studies.perfmodel.cluster_spec import cluster_from_dict, load_cluster
+from studies.perfmodel.cluster_spec import CLUSTER_DIR, cluster_from_dict, load_cluster
 from studies.perfmodel.model import Layout, Workload, memory_terms, params_per_rank, predict
 from studies.perfmodel.plan_cli import build_parser
 from studies.perfmodel.search import search
@@ -47,14 +48,8 @@ def test_offload_step_pays_the_host_link_and_cpu_adam():
     # 64 GB/s, Adam over 12 B of state a parameter at 4 GB/s
     expected = shard * (4 + 2) / 64e9 + shard * 12 / 4e9
     assert predict(W, lay, H100).breakdown["optimizer_s"] == pytest.approx(expected, rel=1e-12)
-    raw = {
-        "name": "slow_host",
-        "gpus_per_node": 8,
-        "intra_node": {"bandwidth_GBps": 100},
-        "inter_node": {"bandwidth_Gbps": 100},
-        "device": {"peak_tflops": 100, "mem_bandwidth_TBps": 1, "memory_gib": 80},
-        "host": {"link_GBps": 16, "adam_GBps": 1},
-    }
+    raw = yaml.safe_load((CLUSTER_DIR / "dgx_h100.yaml").read_text())
+    raw.update(name="slow_host", host={"link_GBps": 16, "adam_GBps": 1})
     slow = cluster_from_dict(raw)
     expected = shard * 6 / 16e9 + shard * 12 / 1e9
     assert predict(W, lay, slow).breakdown["optimizer_s"] == pytest.approx(expected, rel=1e-12)
