@@ -1,11 +1,12 @@
 """Step time of each pipeline schedule at pp 2 or 4, side by side in one run.
 
-``--pp`` local ranks (gloo, CPU; 2 by default) hold the stages of one GPT; every schedule gets its own cut of
-the same model and runs the same micro-batches. The schedules take turns step by step
-(round-robin), so a change in the machine's load moves them alike; the first steps (shape
-inference, allocation) are dropped and the median of the rest is reported with rank 0's
-stage compute, its wait on the other stage (``PipelineRunner.timings``) and the planner's
-bubble formula at equal forward, input- and weight-gradient times.
+``--pp`` local ranks (gloo, CPU; 2 by default) hold the stages of one GPT; every schedule
+gets its own cut of the same model and runs the same micro-batches. The schedules take
+turns step by step (round-robin), so a change in the machine's load moves them alike; the
+first steps (shape inference, allocation) are dropped and the median of the rest is
+reported with rank 0's stage compute, its wait on the other stages
+(``PipelineRunner.timings``) and the planner's bubble formula at equal forward, input- and
+weight-gradient times.
 
     python tools/bench_pipeline.py --steps 10 --microbatches 8
     python tools/bench_pipeline.py --pp 4 --microbatches 8
