@@ -962,7 +962,7 @@ def test_search_bounds_its_work_before_pricing():
     assert divisors(49) == (1, 7, 49) and divisors(1) == (1,)
     cl = load_cluster("dgx_h100")
     w = Workload(hidden=2048, layers=24, heads=16, vocab=50257, seq=2048, global_batch=720720)
-    with pytest.raises(ValueError, match=r"would price 49,152 layouts, more than 1,000"):
+    with pytest.raises(ValueError, match=r"would price 114,816 layouts, more than 1,000"):
         search(w, cl, 8, max_layouts=1000)
     with pytest.raises(ValueError, match=r"global_batch=1000000000000000000 must be <="):
         search(replace(w, global_batch=10**18), cl, 8)

@@ -1,5 +1,5 @@
-"""Step time of each pipeline schedule at pp 2 (1F1B, interleaved, zero bubble, ZB-V,
-DualPipeV), side by side in one run on two local ranks.
+"""Step time of each pipeline schedule at pp 2 or 4 (1F1B, interleaved, zero bubble, ZB-V,
+DualPipeV), side by side in one run on --pp local ranks.
 
     python tools/bench_pipeline.py --steps 10 --microbatches 8
 

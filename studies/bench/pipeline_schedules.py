@@ -1,13 +1,18 @@
-"""Step time of each pipeline schedule at pp 2, side by side in one run.
+"""Step time of each pipeline schedule at pp 2 or 4, side by side in one run.
 
-Two local ranks (gloo, CPU) hold the stages of one GPT; every schedule gets its own cut of
-the same model and runs the same micro-batches. The schedules take turns step by step
-(round-robin), so a change in the machine's load moves them alike; the first steps (shape
-inference, allocation) are dropped and the median of the rest is reported with rank 0's
-stage compute, its wait on the other stage (``PipelineRunner.timings``) and the planner's
-bubble formula at equal forward, input- and weight-gradient times.
+``--pp`` local ranks (gloo, CPU; 2 by default) hold the stages of one GPT; every schedule
+gets its own cut of the same model and runs the same micro-batches. The schedules take
+turns step by step (round-robin), so a change in the machine's load moves them alike; the
+first steps (shape inference, allocation) are dropped and the median of the rest is
+reported with rank 0's stage compute, its wait on the other stages
+(``PipelineRunner.timings``) and the planner's bubble formula at equal forward, input- and
+weight-gradient times.
 
     python tools/bench_pipeline.py --steps 10 --microbatches 8
+    python tools/bench_pipeline.py --pp 4 --microbatches 8
+
+At ``--pp 4`` the V schedules and interleaved 1F1B cut the layers into 8 stages and
+DualPipeV needs at least 2·pp micro-batches.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}  # stages per rank; 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_pipeline.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages = local ranks")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--steps", type=int, default=10, help="timed steps per schedule")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule")
@@ -38,11 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _spec(args):
-    """The model and the pp 2 layout (the verifier's spec: its tiny GPT at these sizes)."""
+    """The model and the pp layout (the verifier's spec: its tiny GPT at these sizes)."""
     from studies.verification.layouts import VerifySpec
 
     return VerifySpec(
-        pp_size=2,
+        pp_size=args.pp,
         num_layers=args.layers,
         hidden_size=args.hidden,
         num_heads=args.heads,
@@ -61,7 +67,7 @@ def _runner(args, schedule: str, ps):
     stages = PipelineModel(
         model,
         pp_rank=ps.pp_rank,
-        pp_size=2,
+        pp_size=args.pp,
         pp_group=ps.pp_group,
         virtual=VIRTUAL.get(schedule, 1),
         schedule=schedule,
@@ -99,16 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     from studies.verification.layouts import launch_local
 
     args = parse_args(argv)
-    times = launch_local(_rank, 2, args)
+    times = launch_local(_rank, args.pp, args)
     m = args.microbatches
     base = statistics.median(w for w, _ in times["1f1b"]) if "1f1b" in times else None
-    print(f"pp 2, {m} micro-batches of {args.micro_batch}×{args.seq}, {args.layers} layers")
+    print(f"pp {args.pp}, {m} micro-batches of {args.micro_batch}×{args.seq}, {args.layers} layers")
     print("schedule          step s  ÷1f1b  compute s  wait/compute  formula")
     for s, rows in times.items():
         wall = statistics.median(w for w, _ in rows)
         compute = statistics.median(c for _, c in rows)
         ratio = f"{wall / base:5.2f}" if base else "    -"
-        formula = bubble_fraction(2, m, s, VIRTUAL.get(s, 1))
+        formula = bubble_fraction(args.pp, m, s, VIRTUAL.get(s, 1))
         print(
             f"{s:16s} {wall:7.3f}  {ratio}  {compute:9.3f}  "
             f"{(wall - compute) / compute:12.3f}  {formula:7.3f}"

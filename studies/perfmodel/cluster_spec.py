@@ -19,6 +19,10 @@ Schema (every number says where it comes from in a ``source`` string next to it)
   of backward can hide communication: 0 when communication needs the busy cores),
   ``precision`` (default training precision on this device), ``max_nodes`` (a single
   machine says 1);
+- ``host: {link_GBps, adam_GBps}`` (optional; what ``offload=optimizer`` pays): one
+  direction of each GPU's host link (default 64, PCIe Gen5 x16) and the optimizer state
+  (fp32 master and two moments) one rank's CPU Adam sweeps per second (default 4: an
+  assumption, a node's host memory bandwidth shared by its ranks, not a measurement);
 - ``in_model`` (CPU ranks): what collectives and the optimizer phase cost inside real
   training steps, measured by short trainer runs (studies/perfmodel/in_model_runs.py).
 
@@ -37,6 +41,12 @@ import yaml
 from studies.perfmodel.in_model import parse as parse_in_model
 
 CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "cluster"
+
+
+# Defaults of the ``host`` section (docstring above): PCIe Gen5 x16 carries ~64 GB/s each
+# way; the CPU Adam rate is an assumption (a few GB/s of state per rank), stated as such.
+HOST_LINK_GBPS = 64.0
+HOST_ADAM_GBPS = 4.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +85,8 @@ class ClusterSpec:
     intra_by_ranks: dict[int, Link] = field(default_factory=dict)  # measured per group size
     compute_scale: dict[int, float] = field(default_factory=dict)  # by hidden size (in_model.py)
     in_model: dict[str, tuple] = field(default_factory=dict)  # measured in training (in_model.py)
+    host_link_Bps: float = HOST_LINK_GBPS * 1e9  # one direction, per GPU (optimizer offload)
+    host_adam_Bps: float = HOST_ADAM_GBPS * 1e9  # optimizer state one rank's CPU Adam sweeps/s
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
@@ -211,7 +223,10 @@ def _options(raw: dict, name: str) -> dict[str, Any]:
     precision = raw.get("precision", "bf16")
     if precision not in PRECISIONS:
         raise ValueError(f"{name}.precision={precision!r} must be one of {PRECISIONS}")
+    host = _section(raw, "host", name, required=False)
     return {
+        "host_link_Bps": _number(host, "link_GBps", f"{name}.host", POSITIVE, HOST_LINK_GBPS) * 1e9,
+        "host_adam_Bps": _number(host, "adam_GBps", f"{name}.host", POSITIVE, HOST_ADAM_GBPS) * 1e9,
         "gemm_efficiency": _number(eff, "gemm", where, FRACTION, 0.8),
         "gemm_k0": _number(eff, "gemm_k0", where, NON_NEGATIVE, 0.0),
         "memory_efficiency": _number(eff, "memory", where, FRACTION, 0.8),
@@ -265,6 +280,7 @@ _KNOWN = {
     "defaults",
     "max_nodes",
     "in_model",
+    "host",
 }
 
 

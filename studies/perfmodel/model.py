@@ -33,7 +33,7 @@ from engine.formulas import (
     pad_vocab,
     state_bytes_per_param,
 )
-from engine.pipeline.split import microbatch_rule, virtual_rule
+from engine.pipeline.split import dp_rule, microbatch_rule, virtual_rule
 from studies.perfmodel import comm_cost as comm
 from studies.perfmodel import pipeline as pipe
 from studies.perfmodel.cluster_spec import ClusterSpec, scale_for
@@ -65,6 +65,9 @@ OPS_PER_LAYER = 60
 # AdamW + gradient clipping, bytes moved per parameter updated (grads read twice, weights,
 # master and both moments read and written).
 OPTIMIZER_BYTES = {"fp32": 40, "bf16": 42}
+# What ``parallel.offload`` may move to the host (the runtime's spelling).
+OFFLOAD = ("none", "optimizer")
+OFFLOADED_STATE_BYTES = 12  # fp32 master + Adam's two fp32 moments, per parameter
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,7 @@ class Layout:
     sequence_parallel: bool = False
     dp_shard: str = "none"  # none | optimizer (ZeRO-1) | gradients (ZeRO-2) | full (ZeRO-3)
     dp_replicate: int = 1  # HSDP replicas (gradients/full): shards span dp ÷ dp_replicate
+    offload: str = "none"  # none | optimizer (sharded modes: the optimizer state on the host)
     fused_attention: bool = True
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
@@ -618,10 +622,21 @@ def _optimizer_seconds(
     params = dense / (lay.shard_dp if sharded else 1) + experts / (
         lay.shard_dp // lay.ep if sharded else 1
     )
+    if lay.offload == "optimizer":
+        return offload_seconds(params, w.act_bytes, cluster)
     per_param = OPTIMIZER_BYTES["fp32" if w.precision == "fp32" else "bf16"]
     per_tensor = lookup(cluster.in_model.get("optimizer_us_per_tensor", ()), (), ranks) or 0.0
     extra = per_tensor * parameter_tensors(pipe.stage_layers(w.layers, lay.pp))
     return stream_seconds(cluster, params * per_param, speed) + extra
+
+
+def offload_seconds(params: float, act_bytes: int, cluster: ClusterSpec) -> float:
+    """The optimizer step of ``params`` (a rank's shard) under ``offload=optimizer``: its fp32
+    gradients down and its updated compute-width parameters up the host link, and CPU Adam
+    over the shard's fp32 master and two moments (12 bytes a parameter) at the cluster's
+    host rate. None of it overlaps the backward (priced as the runtime steps: after it)."""
+    copies = params * (4 + act_bytes) / cluster.host_link_Bps
+    return copies + params * OFFLOADED_STATE_BYTES / cluster.host_adam_Bps
 
 
 def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
@@ -656,10 +671,11 @@ def memory_terms(w: Workload, lay: Layout) -> MemoryTerms:
         ),
         routed_copies=w.top_k if w.moe else 0,
     )
+    on_device = 0.0 if lay.offload == "optimizer" else 1.0  # the state lives on the host
     return MemoryTerms(
         params * weights + experts * e_w + in_flight,
         params * grads + experts * e_g,
-        params * opt + experts * e_o,
+        (params * opt + experts * e_o) * on_device,
         acts,
     )
 
@@ -798,6 +814,12 @@ def layout_problems(w: Workload, lay: Layout, gpus: int) -> list[str]:
         problems.append(f"dp_replicate={lay.dp_replicate} does not divide dp={lay.dp}")
     elif lay.dp_replicate > 1 and lay.dp_shard not in ("gradients", "full"):
         problems.append(f"dp_replicate={lay.dp_replicate} needs dp_shard gradients or full")
+    if lay.offload not in OFFLOAD:
+        problems.append(f"offload={lay.offload!r} is not one of {OFFLOAD}")
+    elif lay.offload != "none" and lay.dp_shard == "none":
+        problems.append(
+            f"offload={lay.offload} needs a sharded dp_shard (optimizer, gradients or full)"
+        )
     if w.family not in PLANNED:
         problems.append(f"family={w.family!r} is not one of {PLANNED}")
     return problems + pipeline_problems(w, lay)
@@ -843,6 +865,7 @@ def pipeline_problems(w: Workload, lay: Layout) -> list[str]:
     for rule in (
         virtual_rule(lay.schedule, lay.virtual_stages),
         microbatch_rule(lay.schedule, lay.pp, m),
+        dp_rule(lay.schedule, lay.dp_shard, tied=not w.gated),  # GPT ties its head
     ):
         if rule:
             problems.append(rule)

@@ -8,11 +8,13 @@ import json
 import math
 import sys
 
+from engine.pipeline.split import V_SCHEDULES
 from engine.tool_args import ArgumentParser, positive_int
 from studies.perfmodel.cluster_spec import ClusterSpec, cluster_names, load_cluster
 from studies.perfmodel.family_table import DEFAULT_ARCH, display_name
 from studies.perfmodel.memory_model import DP_SHARD
 from studies.perfmodel.model import (
+    OFFLOAD,
     Layout,
     Workload,
     layout_problems,
@@ -97,7 +99,35 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
         "--pp", type=gpu_count, help="pipeline stages (predict: 1; search: all if omitted)"
     )
     p.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (default 1f1b)")
-    p.add_argument("--virtual-stages", type=size, help="layer chunks per rank (interleaved_1f1b)")
+    p.add_argument(
+        "--virtual-stages", type=size, help="layer chunks per rank (interleaved_1f1b, zero_bubble)"
+    )
+    p.add_argument(
+        "--offload",
+        choices=OFFLOAD,
+        help="optimizer: the sharded modes' optimizer state on the host (predict: none; "
+        "search: only where nothing fits on the device)",
+    )
+
+
+SEARCH_AXES = """\
+Rank every layout that fits the GPUs' memory; say why the others do not. Per pp × tp × dp
+split it varies: micro-batch, recompute, sequence parallelism, dp_shard
+(none|optimizer|gradients|full), and
+
+  schedule      (pp > 1) 1f1b, interleaved_1f1b (every chunk count dividing the stage),
+                zero_bubble (v 1, ZB-H1), zbv and dualpipev (2 chunks a rank; zbv >= pp,
+                dualpipev >= 2·pp micro-batches: the runtime's rules; the split-backward
+                ones not under dp_shard=full, the V ones not with GPT's tied head under
+                gradients)
+  dp_replicate  HSDP (gradients/full): 1, and R = the nodes one DP group spans (shards
+                gathered inside a node, the shard gradients all-reduced across nodes)
+  offload       optimizer (sharded modes): priced only where a mode fits nowhere on the
+                device: optimizer state on the host, gradients and parameters over the
+                host link, Adam on the CPU (configs/cluster ``host`` section)
+
+An option none of whose layouts can run is listed as rejected with the rule it breaks.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,8 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument(
         "--dp-replicate", type=gpu_count, default=1, help="HSDP replicas (gradients/full; 1: none)"
     )
-    se = sub.add_parser("search", help="rank every layout that fits; say why others do not")
+    se = sub.add_parser(
+        "search",
+        help="rank every layout that fits; say why others do not",
+        description=SEARCH_AXES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _model_flags(se)
+    se.add_argument(
+        "--dp-replicate",
+        type=gpu_count,
+        help="pin the HSDP replicas (default: 1 and the nodes a DP group spans)",
+    )
     se.add_argument(
         "--memory-gib", type=positive_float, help="memory per GPU (default: the cluster's)"
     )
@@ -159,7 +199,7 @@ def dp_shard_of(args: argparse.Namespace) -> str | None:
 
 def _base_layout(args: argparse.Namespace) -> Layout:
     schedule = args.schedule or "1f1b"
-    v = args.virtual_stages or (2 if schedule == "interleaved_1f1b" else 1)
+    v = args.virtual_stages or (2 if schedule in ("interleaved_1f1b", *V_SCHEDULES) else 1)
     return Layout(
         tp=1,
         dp=1,
@@ -204,6 +244,7 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
             "sequence_parallel": args.sequence_parallel,
             "dp_shard": dp_shard_of(args) or "none",
             "dp_replicate": args.dp_replicate,
+            "offload": args.offload or "none",
         }
     )
     problems = layout_problems(w, lay, args.gpus)
@@ -225,6 +266,7 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
     b = p.breakdown
     pipeline = f" schedule={lay.schedule} v={lay.virtual_stages}" if lay.pp > 1 else ""
     pipeline += f" dp_replicate={lay.dp_replicate}" if lay.dp_replicate > 1 else ""
+    pipeline += f" offload={lay.offload}" if lay.offload != "none" else ""
     pipeline += f" cp={lay.cp}" if lay.cp > 1 else ""
     pipeline += f" ep={lay.ep}" if lay.ep > 1 else ""
     print(
@@ -251,6 +293,9 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
         only["pp"] = (args.pp,)
     if args.schedule:
         only["schedule"] = (args.schedule,)
+    for key in ("virtual_stages", "dp_replicate", "offload"):
+        if getattr(args, key):
+            only[key] = (getattr(args, key),)
     res = search(
         w,
         cluster,
@@ -273,6 +318,8 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
                 "recompute": c.layout.recompute,
                 "sequence_parallel": c.layout.sequence_parallel,
                 "dp_shard": c.layout.dp_shard,
+                "dp_replicate": c.layout.dp_replicate,
+                "offload": c.layout.offload,
                 "schedule": c.layout.schedule,
                 "virtual_stages": c.layout.virtual_stages,
                 "reason": c.reason,
@@ -281,7 +328,14 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
             for c in res.feasible[: args.top]
         ]
         rejected = [
-            {"pp": r.pp, "tp": r.tp, "dp": r.dp, "dp_shard": r.dp_shard, "reason": r.reason}
+            {
+                "pp": r.pp,
+                "tp": r.tp,
+                "dp": r.dp,
+                "dp_shard": r.dp_shard,
+                "option": r.option,
+                "reason": r.reason,
+            }
             for r in res.rejected
         ]
         print(json.dumps({"feasible": rows, "rejected": rejected}, indent=1))
@@ -302,6 +356,7 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
     print(f"({len(res.feasible)} feasible layouts in all)")
     for r in res.rejected:
         mode = f" dp_shard={r.dp_shard}" if r.dp_shard else ""
+        mode += f" {r.option}" if r.option else ""
         print(f" rejected pp={r.pp} tp={r.tp} dp={r.dp}{mode}: {r.reason}")
     return 0
 
@@ -312,6 +367,8 @@ def _layout_text(lay: Layout) -> str:
         f"pp={lay.pp} tp={lay.tp} dp={lay.dp} mb={lay.micro_batch} recompute={lay.recompute} "
         f"sp={int(lay.sequence_parallel)} dp_shard={lay.dp_shard}"
         + (pipeline if lay.pp > 1 else "")
+        + (f" dp_replicate={lay.dp_replicate}" if lay.dp_replicate > 1 else "")
+        + (f" offload={lay.offload}" if lay.offload != "none" else "")
         + (f" cp={lay.cp}" if lay.cp > 1 else "")
         + (f" ep={lay.ep}" if lay.ep > 1 else "")
     )

@@ -7,9 +7,11 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from engine.pipeline.split import V_SCHEDULES
+from studies.perfmodel import comm_cost as comm
 from studies.perfmodel.cluster_spec import ClusterSpec
 from studies.perfmodel.memory_model import DP_SHARD
-from studies.perfmodel.model import Layout, Prediction, Workload, layout_problems, predict
+from studies.perfmodel.model import OFFLOAD, Layout, Prediction, Workload, layout_problems, predict
 
 
 @dataclass
@@ -23,13 +25,15 @@ class Candidate:
 
 @dataclass
 class Rejected:
-    """A pp × tp × dp split (or one DP sharding mode of it) that cannot run, and why."""
+    """A pp × tp × dp split (or one DP sharding mode, or one option, of it) that cannot run,
+    and why."""
 
     tp: int
     dp: int
     reason: str
     pp: int = 1
     dp_shard: str | None = None  # None: the whole split
+    option: str | None = None  # e.g. "schedule=zbv", "dp_replicate=2", "offload=optimizer"
 
 
 @dataclass
@@ -54,52 +58,98 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(small + [n // k for k in reversed(small) if k * k != n])
 
 
+# The schedules a search tries at pp > 1 (GPipe holds more for the same bubble as 1F1B, so
+# only when asked).
+SEARCHED_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+
+
 def _pipelines(pp: int, layers: int, only: dict) -> list[tuple[str, int]]:
-    """(schedule, virtual stages) tried at ``pp`` stages: 1F1B (GPipe holds more for the
-    same bubble, so only when asked) and interleaved 1F1B at every chunk count that divides
-    the stage's layers (more chunks: a smaller bubble, more hand-offs)."""
+    """(schedule, virtual stages) tried at ``pp`` stages: 1F1B, interleaved 1F1B at every
+    chunk count that divides the stage's layers (more chunks: a smaller bubble, more
+    hand-offs), zero bubble as ZB-H1 (one chunk; its interleaved form only at the chunk
+    counts asked for, which keeps the options to chunks + 4), and the V schedules at the
+    two chunks their V is (``engine.pipeline.split.virtual_rule``)."""
     if pp == 1:
         return [("1f1b", 1)]
     chunks = [v for v in divisors(layers // pp) if v >= 2]
     chunks = list(only.get("virtual_stages", chunks))
-    schedules = only.get("schedule", ("1f1b", "interleaved_1f1b"))
-    return [(s, v) for s in schedules for v in (chunks if s == "interleaved_1f1b" else [1])]
+    per_schedule = {
+        "interleaved_1f1b": chunks,
+        "zero_bubble": list(only.get("virtual_stages", (1,))),
+        **{s: [2] for s in V_SCHEDULES},
+    }
+    schedules = only.get("schedule", SEARCHED_SCHEDULES)
+    return [(s, v) for s in schedules for v in per_schedule.get(s, [1])]
 
 
-def _axes(
-    pp: int, tp: int, dp: int, fixed_micro: int | None, w: Workload, base: Layout, only: dict
-) -> tuple[list, ...]:
+def _sharding(tp: int, dp: int, base: Layout, only: dict, gpus_per_node: int) -> list:
+    """(dp_shard, dp_replicate) pairs tried: every mode unreplicated (at dp × cp 1 there is
+    nothing to shard over: "none" only), and the FSDP modes (gradients, full: the runtime's
+    HSDP modes) also with R = the nodes one DP group spans, so its shards stay inside a node
+    and only the replicas' all-reduce crosses nodes (other R only when asked: R = nodes is
+    the one that moves the gathers onto the fast link)."""
+    d = dp * base.cp
+    modes = [z for z in only.get("dp_shard", DP_SHARD) if d > 1 or z == "none"]
+    spans = comm.place_groups(tp, d, gpus_per_node)[1].nodes
+    replicas = dict.fromkeys(only.get("dp_replicate", (1, spans)))
+    return [(z, r) for z in modes for r in replicas if r == 1 or z in ("gradients", "full")]
+
+
+@dataclass(frozen=True)
+class _Space:
+    """What every split of one search shares: the model, the options not searched
+    (``base``), the restrictions (``only``), a pinned micro-batch, the node size."""
+
+    w: Workload
+    base: Layout
+    only: dict
+    fixed_micro: int | None
+    gpus_per_node: int
+
+    @property
+    def offloads(self) -> tuple[str, ...]:
+        """The offload values allowed: "optimizer" is priced only for a sharded mode that
+        fits nowhere without it (or when it is the only one asked for)."""
+        return tuple(self.only.get("offload", OFFLOAD))
+
+
+def _axes(pp: int, tp: int, dp: int, sp: _Space) -> tuple[list, ...]:
     """The values tried within one split: micro-batches, recomputes, sequence parallelism,
-    DP sharding modes, (schedule, virtual stages)."""
-    micros = [fixed_micro] if fixed_micro else divisors(max(1, w.global_batch // dp))
+    (DP sharding mode, HSDP replicas), (schedule, virtual stages)."""
+    w, only = sp.w, sp.only
+    micros = [sp.fixed_micro] if sp.fixed_micro else divisors(max(1, w.global_batch // dp))
     sps = only.get("sequence_parallel", (False, True) if tp > 1 else (False,))
-    # at dp 1 there is nothing to shard over: every mode is "none"
-    shards = [z for z in only.get("dp_shard", DP_SHARD) if dp * base.cp > 1 or z == "none"]
     recomputes = only.get(
-        "recompute", ("none", "full") if base.fused_attention else ("none", "selective", "full")
+        "recompute", ("none", "full") if sp.base.fused_attention else ("none", "selective", "full")
     )
+    shards = _sharding(tp, dp, sp.base, only, sp.gpus_per_node)
     return list(micros), list(recomputes), list(sps), shards, _pipelines(pp, w.layers, only)
 
 
-def _options(
-    pp: int, tp: int, dp: int, fixed_micro: int | None, w: Workload, base: Layout, only: dict
-) -> list[Layout]:
+def _work(pp: int, tp: int, dp: int, sp: _Space) -> int:
+    """Layouts one split may price: every option, and each sharded one again offloaded."""
+    axes = _axes(pp, tp, dp, sp)
+    sharded = sum(z != "none" for z, _ in axes[3]) if "optimizer" in sp.offloads else 0
+    return math.prod(len(a) for a in axes) // max(1, len(axes[3])) * (len(axes[3]) + sharded)
+
+
+def _options(pp: int, tp: int, dp: int, sp: _Space) -> list[Layout]:
     return [
         replace(
-            base,
+            sp.base,
             pp=pp,
             tp=tp,
             dp=dp,
             micro_batch=mb,
             recompute=rc,
-            sequence_parallel=sp,
+            sequence_parallel=seq_par,
             dp_shard=z,
+            dp_replicate=r,
             schedule=sched,
             virtual_stages=v,
+            offload="none",
         )
-        for mb, rc, sp, z, (sched, v) in itertools.product(
-            *_axes(pp, tp, dp, fixed_micro, w, base, only)
-        )
+        for mb, rc, seq_par, (z, r), (sched, v) in itertools.product(*_axes(pp, tp, dp, sp))
     ]
 
 
@@ -158,45 +208,107 @@ def _splits(w: Workload, gpus: int, base: Layout, micro_batch: int | None, only:
             yield pp, tp, dp, _split_problems(w, probe, gpus)
 
 
+def _fitting(
+    w: Workload, cluster: ClusterSpec, group: list[Layout], limit: float, offloads: tuple
+) -> tuple[list[tuple[Layout, Prediction]], list[tuple[str | None, str]]]:
+    """The fitting layouts of one (DP sharding mode, replicas) group, and (option, reason)
+    for each offload choice that fits nowhere: on the device first; offloaded only when
+    nothing fits there (the offload's copies and CPU step only ever cost time)."""
+    mode, misses = group[0].dp_shard, []
+    sharded = mode != "none" and "optimizer" in offloads
+    if "none" in offloads:
+        priced = [(lay, predict(w, lay, cluster)) for lay in group]
+        if fits := [(lay, p) for lay, p in priced if p.memory_gib_per_gpu <= limit]:
+            return fits, misses
+        why = _no_fit_reason(priced, limit)
+        if mode == "none" and "optimizer" in offloads:
+            why += " (offload=optimizer needs a sharded dp_shard)"
+        misses.append(("offload=none" if sharded else None, why))
+    if not sharded:
+        if "none" not in offloads:
+            misses.append((None, "offload=optimizer needs a sharded dp_shard"))
+        return [], misses
+    offloaded = [replace(lay, offload="optimizer") for lay in group]
+    priced = [(lay, predict(w, lay, cluster)) for lay in offloaded]
+    if fits := [(lay, p) for lay, p in priced if p.memory_gib_per_gpu <= limit]:
+        return fits, misses
+    why = _no_fit_reason(priced, limit).replace("does not fit", "does not fit even offloaded", 1)
+    return [], misses + [("offload=optimizer", why)]
+
+
 def _price_split(
     w: Workload,
     cluster: ClusterSpec,
     options: list[Layout],
     limit: float,
     split: tuple[int, int, int],
+    offloads: tuple[str, ...] = OFFLOAD,
 ) -> tuple[list[Candidate], list[Rejected]]:
-    """The fitting layouts of one split, and one rejection per DP sharding mode with none."""
+    """The fitting layouts of one split, and the rejections of each DP sharding mode (and
+    HSDP replicas, and offload choice) with none."""
     pp, tp, dp = split
     feasible, rejected = [], []
-    for mode in dict.fromkeys(lay.dp_shard for lay in options):
-        priced = [(lay, predict(w, lay, cluster)) for lay in options if lay.dp_shard == mode]
-        fits = [(lay, p) for lay, p in priced if p.memory_gib_per_gpu <= limit]
-        if not fits:
-            rejected.append(Rejected(tp, dp, _no_fit_reason(priced, limit), pp, mode))
+    groups: dict[tuple[str, int], list[Layout]] = {}
+    for lay in options:
+        groups.setdefault((lay.dp_shard, lay.dp_replicate), []).append(lay)
+    for (mode, r), group in groups.items():
+        fits, misses = _fitting(w, cluster, group, limit, offloads)
+        hsdp = f"dp_replicate={r}" if r > 1 else None
+        for option, why in misses:
+            option = " ".join(o for o in (hsdp, option) if o) or None
+            rejected.append(Rejected(tp, dp, why, pp, mode, option))
         for lay, p in fits:
             reason = f"fits {p.memory_gib_per_gpu:.1f}/{limit:.0f} GiB; {_why_fast(p)}"
             feasible.append(Candidate(lay, p, reason))
     return feasible, rejected
 
 
-def _bounded_splits(w, gpus, base, micro_batch, only, max_layouts: int) -> list[tuple]:
+def _option_label(name: str, lay: Layout) -> str | None:
+    """How a rejection names the schedule or the HSDP replicas of ``lay`` (None: the
+    default, which the split's own rejection covers)."""
+    if name == "schedule":
+        v = (
+            f" v={lay.virtual_stages}"
+            if lay.schedule in ("interleaved_1f1b", "zero_bubble")
+            else ""
+        )
+        return f"schedule={lay.schedule}{v}" if lay.pp > 1 else None
+    return f"dp_replicate={lay.dp_replicate}" if lay.dp_replicate > 1 else None
+
+
+def _option_rejections(laid: list[tuple[Layout, list[str]]], split: tuple) -> list[Rejected]:
+    """One rejection per schedule (or HSDP replicas) none of whose layouts divides, with the
+    problems of the one that came closest (the runtime's rules, e.g. DualPipeV's 2·pp
+    micro-batches)."""
+    pp, tp, dp = split
+    rejected = []
+    for name in ("schedule", "dp_replicate"):
+        groups: dict[str, list[list[str]]] = {}
+        for lay, problems in laid:
+            if label := _option_label(name, lay):
+                groups.setdefault(label, []).append(problems)
+        for label, problems in groups.items():
+            if all(problems):
+                why = "does not divide: " + "; ".join(min(problems, key=len))
+                rejected.append(Rejected(tp, dp, why, pp, option=label))
+    return rejected
+
+
+def _bounded_splits(sp: _Space, gpus: int, max_layouts: int) -> list[tuple]:
     """The pp × tp × dp splits of ``gpus`` (with their problems), once the work of pricing
-    them is known to stay under ``max_layouts``: a ValueError saying so before any is
-    priced."""
+    them is known to stay under ``max_layouts`` (offloaded layouts counted as if every
+    sharded one needed them): a ValueError saying so before any is priced."""
+    w = sp.w
     if w.global_batch > MAX_GLOBAL_BATCH:
         raise ValueError(
             f"global_batch={w.global_batch} must be <= {MAX_GLOBAL_BATCH} (2**24) sequences"
         )
-    splits = list(_splits(w, gpus, base, micro_batch, only))
-    work = sum(
-        math.prod(len(axis) for axis in _axes(pp, tp, dp, micro_batch, w, base, only))
-        for pp, tp, dp, problems in splits
-        if not problems
-    )
+    splits = list(_splits(w, gpus, sp.base, sp.fixed_micro, sp.only))
+    work = sum(_work(pp, tp, dp, sp) for pp, tp, dp, problems in splits if not problems)
     if work > max_layouts:
         raise ValueError(
             f"the search would price {work:,} layouts, more than {max_layouts:,} (~20 s): "
-            "narrow it with --micro-batch, --pp, --dp-shard or --schedule"
+            "narrow it with --micro-batch, --pp, --dp-shard, --schedule or --offload"
         )
     return splits
 
@@ -216,11 +328,15 @@ def search(
     explained (a split that does not divide once; a DP sharding mode that fits nowhere in a
     split once).
 
-    Within a split, micro-batch, recompute, sequence parallelism, the DP sharding mode and
-    (pp > 1) the schedule are varied (selective recompute only with unfused attention: a
-    fused kernel already stores no scores); ``base`` carries the options not searched
-    (overlap, fused attention); ``only`` restricts the searched ones (e.g.
-    ``{"recompute": ("full",)}``, ``{"pp": (1,)}``, ``{"dp_shard": ("optimizer",)}``).
+    Within a split, micro-batch, recompute, sequence parallelism, the DP sharding mode,
+    HSDP (``dp_replicate`` R = the nodes a DP group spans, gradients and full only), and
+    (pp > 1) the schedule (1F1B, interleaved 1F1B, zero bubble, ZB-V, DualPipeV) are varied
+    (selective recompute only with unfused attention: a fused kernel already stores no
+    scores); a sharded mode that fits nowhere is priced again with ``offload=optimizer``.
+    ``base`` carries the options not searched (overlap, fused attention); ``only``
+    restricts the searched ones (e.g. ``{"recompute": ("full",)}``, ``{"pp": (1,)}``,
+    ``{"dp_shard": ("optimizer",)}``, ``{"dp_replicate": (1,)}``, ``{"offload":
+    ("none",)}``). A schedule or R that never divides is rejected with the runtime's rule.
 
     The work is bounded up front: a global batch above ``MAX_GLOBAL_BATCH``, or more than
     ``max_layouts`` layouts to price, is a ValueError saying so before any is priced.
@@ -228,25 +344,24 @@ def search(
     only = only or {}
     limit = memory_gib if memory_gib is not None else cluster.memory_bytes / 2**30
     base = base or Layout(tp=1, dp=1, micro_batch=1)
-    splits = _bounded_splits(w, gpus, base, micro_batch, only, max_layouts)
+    space = _Space(w, base, only, micro_batch, cluster.gpus_per_node)
+    splits = _bounded_splits(space, gpus, max_layouts)
     feasible: list[Candidate] = []
     rejected: list[Rejected] = []
     for pp, tp, dp, problems in splits:
         if problems:
             rejected.append(Rejected(tp, dp, "does not divide: " + "; ".join(problems), pp))
             continue
-        options = [
-            lay
-            for lay in _options(pp, tp, dp, micro_batch, w, base, only)
-            if not layout_problems(w, lay, gpus)
-        ]
+        laid = [(lay, layout_problems(w, lay, gpus)) for lay in _options(pp, tp, dp, space)]
+        options = [lay for lay, problems in laid if not problems]
         if not options:
             reason = "does not divide: no micro-batch gives enough micro-batches per stage"
             if dp == 1 and "none" not in only.get("dp_shard", ("none",)):
                 reason = "dp=1: no DP axis to shard over (dp_shard none only)"
             rejected.append(Rejected(tp, dp, reason, pp))
             continue
-        fits, no = _price_split(w, cluster, options, limit, (pp, tp, dp))
+        rejected += _option_rejections(laid, (pp, tp, dp))
+        fits, no = _price_split(w, cluster, options, limit, (pp, tp, dp), space.offloads)
         feasible += fits
         rejected += no
     feasible.sort(key=lambda c: (-c.prediction.tokens_per_s, c.prediction.memory_gib_per_gpu))
