@@ -62,22 +62,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def layer_config(args: argparse.Namespace):
-    """The meshtron config of the timed layer: Mixtral's (SwiGLU experts without biases,
-    softmax top-k renormalised, dropless), at the flags' sizes."""
-    from engine.models import ModelConfig
+    """The meshtron config of the timed layer: ``moe_tiny``'s Mixtral-style layer (SwiGLU
+    experts without biases, softmax top-k renormalised, dropless) at the flags' sizes."""
+    from engine.models.config import preset
 
-    cfg = ModelConfig(
+    cfg = preset(
+        "moe_tiny",
         hidden_size=args.hidden,
         num_heads=2,
-        num_layers=1,
-        vocab_size=64,
-        max_positions=16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        num_kv_heads=2,
         kernels="torch",
-        activation="swiglu",
-        linear_bias=False,
-        mlp="moe",
         moe_num_experts=args.experts,
         moe_top_k=args.top_k,
         moe_ffn_hidden_size=args.ffn,
