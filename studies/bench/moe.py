@@ -211,12 +211,13 @@ def _ep_rank(args: argparse.Namespace) -> dict | None:
     import torch.distributed as dist
 
     from engine.bootstrap import bootstrap_rank
+    from engine.config import Config, parallel_dims
     from layers.moe import MoEMLP, shard_experts
-    from parallel_state.dims import ParallelDims
 
-    with bootstrap_rank(ParallelDims(tp=1, dp=2, ep=2), backend="gloo", split_cores=False) as ps:
+    cfg = layer_config(args)
+    dims = parallel_dims(Config(model=cfg, tp_size=1, dp_size=2, ep_size=2), 2)
+    with bootstrap_rank(dims, backend="gloo", split_cores=False) as ps:
         torch.set_num_threads(1)
-        cfg = layer_config(args)
         torch.manual_seed(0)
         whole = MoEMLP(cfg, tp_group=ps.tp_group, dtype=F32, device="cpu")
         split = MoEMLP(cfg, tp_group=ps.tp_group, dtype=F32, device="cpu")
