@@ -40,6 +40,9 @@ BAD_FLAGS = [
     ("bench_kernels", ["--vocab", "0"], "argument --vocab: 0 must be >= 1"),
     ("bench_kernels", ["--tp", "0"], "argument --tp: 0 must be >= 1"),
     ("bench_kernels", ["--dtype", "int8"], "argument --dtype: invalid choice"),
+    ("bench_moe", ["--tokens", "0"], "argument --tokens: 0 must be >= 1"),
+    ("bench_moe", ["--top-k", "9"], "--top-k 9 exceeds --experts 8"),
+    ("bench_moe", ["--only", "both"], "argument --only: invalid choice"),
 ]
 
 

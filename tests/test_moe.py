@@ -28,6 +28,8 @@ from engine.models import ModelConfig, build_model
 from layers.moe import MoEMLP, grouped_mm, grouped_mm_fits, moe_losses, permute, unpermute
 from layers.router import Routing, capacity, capacity_keep, pooled_load_balancing_loss
 from layers.spec import spec_for
+from studies.verification.moe_blocks import block_to_ours as _to_ours
+from studies.verification.moe_blocks import copy_block_weights as _copy_weights
 from tests.moe_util import EXPERTS, FFN, LLAMA, H
 from tests.moe_util import moe_cfg as _cfg
 
@@ -89,31 +91,6 @@ def _hf_block(name: str, gen: torch.Generator):
         for p in block.parameters():
             p.copy_(_randn(*p.shape, gen=gen, std=0.4))
     return block, _cfg(**overrides)
-
-
-def _to_ours(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' block tensors (weights or gradients) in our names and layouts: expert
-    weights ``[E, out, in]`` → ``[E, in, out]``, gate/up concatenated → interleaved."""
-    gate, up = hf["experts.gate_up_proj"].chunk(2, dim=1)  # each [E, f, h]
-    ours = {
-        "router.weight": hf["gate.weight"],
-        "experts.fc1": torch.stack((gate, up), dim=2).flatten(1, 2).transpose(1, 2),
-        "experts.fc2": hf["experts.down_proj"].transpose(1, 2),
-    }
-    if "shared_expert.gate_proj.weight" in hf:
-        gate, up = hf["shared_expert.gate_proj.weight"], hf["shared_expert.up_proj.weight"]
-        ours["shared_expert.fc1.weight"] = torch.stack((gate, up), dim=1).flatten(0, 1)
-        ours["shared_expert.fc2.weight"] = hf["shared_expert.down_proj.weight"]
-        ours["shared_gate"] = hf["shared_expert_gate.weight"]
-    return ours
-
-
-def _copy_weights(moe: MoEMLP, block) -> None:
-    state = _to_ours(dict(block.named_parameters()))
-    assert set(state) == {name for name, _ in moe.named_parameters()}
-    with torch.no_grad():
-        for name, p in moe.named_parameters():
-            p.copy_(state[name])
 
 
 def _block_and_copy(name: str, seed: int):
