@@ -110,6 +110,7 @@ class Trainer:
             dp_shard=ps.dims.dp_shard,
             compile_backend=cfg.model.compile_backend if cfg.model.compile else None,
             hybrid_groups=(ps.group("fsdp_shard"), ps.group("fsdp_replicate")),
+            offload=cfg.parallel.offload,
         )
 
     def _build_observers(self) -> None:

@@ -27,6 +27,11 @@ moments. In bf16 the gathers carry bf16 copies (``MixedPrecisionPolicy``) and gr
 reduced in fp32. Each layer prefetches the next one's gather in forward and the previous
 one's in backward, so gathers can overlap compute where the backend runs collectives
 asynchronously (NCCL; gloo on CPU runs them in line).
+
+``parallel.offload=optimizer`` hands FSDP torch's ``CPUOffloadPolicy``: the sharded
+parameters and their gradients live in host memory (pinned where CUDA is), each unit is
+copied to the device for its gather, and AdamW steps the host shards, so under FSDP the
+offload covers parameters and gradients as well as the optimizer state.
 """
 
 from __future__ import annotations
@@ -39,7 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from engine.config import OptimConfig
 from engine.data_parallel.grads import scale_grads_
@@ -67,8 +77,10 @@ class FullyShardedDP(DataParallel):
         reshard_after_forward: bool,
         low_precision: torch.dtype | None = None,
         hybrid_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
+        offload: bool = False,
     ) -> None:
         self.model, self.dp_group, self.tp_group = model, dp_group, tp_group
+        self.device, self.offload = device, offload
         self.reshard_after_forward = reshard_after_forward
         # Where a gradient shard's squares are summed for the norm: the ranks that hold
         # distinct shards (the DP group, or under HSDP one replica's ranks).
@@ -81,6 +93,10 @@ class FullyShardedDP(DataParallel):
         policy = MixedPrecisionPolicy(
             param_dtype=low_precision, reduce_dtype=torch.float32 if low_precision else None
         )
+        # offload: torch keeps the sharded parameters, their gradients and so AdamW's state
+        # and step on the host (pinned for DMA where CUDA is), gathering to the device.
+        cpu_pinned = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        offload_policy = cpu_pinned if offload else OffloadPolicy()
         # The models return views (a transposed loss or logits); nothing of ours writes into
         # them in place, which is what FSDP warns about on every forward.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
@@ -97,6 +113,7 @@ class FullyShardedDP(DataParallel):
                     mesh=self.mesh,
                     reshard_after_forward=reshard_after_forward,
                     mp_policy=policy,
+                    offload_policy=offload_policy,
                 )
             for earlier, later in zip(units, units[1:], strict=False):
                 earlier.set_modules_to_forward_prefetch([later])
@@ -105,7 +122,8 @@ class FullyShardedDP(DataParallel):
         for name, p in model.named_parameters():
             vars(p).update(roles[name])
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(model, optim, device)
+        # Offloaded, the sharded parameters are host tensors: so is AdamW's state.
+        self.optimizer = build_optimizer(model, optim, torch.device("cpu") if offload else device)
 
     @contextmanager
     def no_sync(self):
@@ -133,7 +151,10 @@ class FullyShardedDP(DataParallel):
         if group_size(self.tp_group) > 1:
             for p in self.params:
                 if p.grad is not None and has_sp_partial_grad(p):
-                    dist.all_reduce(local_part(p.grad), group=self.tp_group)
+                    grad = local_part(p.grad)  # offloaded: on the host, reduced on the device
+                    on_device = grad.to(self.device)
+                    dist.all_reduce(on_device, group=self.tp_group)
+                    grad.copy_(on_device)
         return self.params
 
     def grad_norm(self) -> torch.Tensor:
@@ -187,6 +208,13 @@ class FullyShardedDP(DataParallel):
         time, not as the step timer's DP communication."""
 
     def state_bytes(self) -> int:
+        return 0 if self.offload else self._optimizer_bytes()
+
+    def host_state_bytes(self) -> int:
+        """Offloaded: Adam's moments (FSDP's host parameter and gradient shards besides)."""
+        return self._optimizer_bytes() if self.offload else 0
+
+    def _optimizer_bytes(self) -> int:
         tensors = [local_part(v) for st in self.optimizer.state.values() for v in st.values()]
         return sum(t.nbytes for t in tensors if torch.is_tensor(t) and t.dim() > 0)
 

@@ -131,6 +131,7 @@ class Zero1DP(DataParallel):
         bucket_size_mb: float = 25.0,
         overlap: bool = True,
         param_dtype: torch.dtype | None = None,
+        offload: bool = False,
     ) -> None:
         self.zero = self.optimizer = ZeroOptimizer(
             optimizer,
@@ -140,6 +141,7 @@ class Zero1DP(DataParallel):
             param_dtype=param_dtype,
             overlap=overlap,
             registration_order=list(model.parameters()),
+            offload=offload,
         )
         if overlap:
             self.zero.overlap_param_gather(model)
@@ -178,6 +180,9 @@ class Zero1DP(DataParallel):
     def state_bytes(self) -> int:
         return self.zero.state_bytes()
 
+    def host_state_bytes(self) -> int:
+        return self.zero.host_state_bytes()
+
 
 def build_data_parallel(
     model: nn.Module,
@@ -193,6 +198,7 @@ def build_data_parallel(
     dp_shard: str | None = None,
     compile_backend: str | None = None,
     hybrid_groups: HybridGroups = (None, None),
+    offload: str = "none",
 ) -> DataParallel:
     """The strategy of ``dp_shard`` (none, optimizer, gradients or full; by default
     ``optim.distributed``'s: optimizer or none), with its optimizer, for ``model``,
@@ -212,6 +218,11 @@ def build_data_parallel(
     all-reduce path compiles its clipping and optimizer step with it, where the optimizer
     is torch's unfused AdamW (``engine.optim.compile_update``); ZeRO-1 and FSDP step
     eagerly. None: every step eager.
+
+    ``offload="optimizer"`` (``parallel.offload``): the sharded modes keep Adam's state
+    and the fp32 masters in host memory and step them there (ZeRO-1 through
+    ``engine.data_parallel.offload``, FSDP through torch's ``CPUOffloadPolicy``, which
+    offloads the parameters and gradients too).
     """
     mode, dp_group = resolve_dp_shard(dp_shard or "none", optim.distributed), grad_group
     split = max((expert_split(p) for p in model.parameters()), default=1)
@@ -224,6 +235,11 @@ def build_data_parallel(
         raise ValueError(
             f"optim=muon needs whole gradients on every DP rank; dp_shard={mode} shards "
             "them: use dp_shard=none"
+        )
+    if offload not in ("none", "optimizer") or (offload != "none" and mode == "none"):
+        raise ValueError(
+            f"parallel.offload={offload} with dp_shard={mode}: offload=optimizer needs a "
+            "sharded mode (dp_shard=optimizer, gradients or full)"
         )
     hybrid = group_size(hybrid_groups[1]) > 1
     if hybrid and mode not in ("gradients", "full"):
@@ -241,6 +257,7 @@ def build_data_parallel(
             reshard_after_forward=mode == "full",
             low_precision=low_precision,
             hybrid_groups=hybrid_groups,
+            offload=offload == "optimizer",
         )
     if mode not in ("none", "optimizer"):
         raise ValueError(f"dp_shard={mode!r} is not one of none, optimizer, gradients, full")
@@ -252,7 +269,9 @@ def build_data_parallel(
         "overlap": overlap,
     }
     if mode == "optimizer":
-        return Zero1DP(model, optimizer, param_dtype=low_precision, **common)
+        return Zero1DP(
+            model, optimizer, param_dtype=low_precision, offload=offload == "optimizer", **common
+        )
     return AllReduceDP(
         model, optimizer, expert_groups=expert_groups, compile_backend=compile_backend, **common
     )

@@ -1,0 +1,153 @@
+"""``parallel.offload=optimizer``: the sharded modes step their optimizer state in host
+memory. Against the same run on the device (bitwise), against an unsplit torch AdamW, a
+checkpoint saved offloaded and resumed on the device, and the config's refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import parallel_state
+from engine.checkpoint import full_optimizer_state, load_checkpoint, save_checkpoint
+from engine.models import build_model
+from parallel_state.dims import ParallelDims
+from tests.multiproc import run_ranks
+from tests.test_fsdp import CFG, _named_states, _reference, _train, _unsplit
+from tests.torch_reference import cpu_data_parallel
+
+F64 = torch.float64
+
+
+def _storages(tensors) -> set[int]:
+    """The data pointers of the storages behind ``tensors`` (DTensors: this rank's part)."""
+    parts = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return {t.untyped_storage().data_ptr() for t in parts}
+
+
+def _where_state_lives(model, dp) -> dict:
+    """Whether the stepped optimizer's state tensors (moments, host masters) are CPU tensors
+    whose storage no parameter shares; and the state bytes on the device and the host."""
+    inner = getattr(dp.optimizer, "inner", dp.optimizer)  # ZeRO-1's AdamW over its slices
+    stepped = [p for g in inner.param_groups for p in g["params"]]
+    state = [v for st in inner.state.values() for v in st.values() if v.dim()]
+    host = getattr(getattr(dp.optimizer, "host", None), "masters", [])  # ZeRO-1's masters
+    params = _storages(model.parameters())
+    return {
+        "cpu": all(t.device.type == "cpu" for t in state + stepped),
+        "separate": not (_storages(state + host) & params),
+        "device_bytes": dp.state_bytes(),
+        "host_bytes": dp.host_state_bytes(),
+    }
+
+
+def _offloaded_vs_on_device(mode: str) -> dict:
+    """``mode`` at tp 1 × dp 2 in fp64, offloaded and not (the same initial weights, 5
+    steps of 2 micro-batches: tests/test_fsdp.py's sequence), and the unsplit reference."""
+    ps = parallel_state.initialize(ParallelDims(1, 2))
+    torch.manual_seed(0)
+    initial = _unsplit(F64).full_state_dict()
+    ref_losses, ref = _reference(initial)
+    out = {}
+    for offload in ("none", "optimizer"):
+        seen = {}
+
+        def after(model, dp, seen=seen):
+            seen.update(_where_state_lives(model, dp), states=_named_states(model, dp))
+
+        losses, params, _ = _train(
+            ps, mode, CFG, initial, dtype=F64, after=after, offload=offload
+        )
+        out[offload] = {"losses": losses, "params": params, **seen}
+    out["reference"] = {"losses": ref_losses, "params": ref}
+    parallel_state.destroy()
+    return out
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "full"])
+def test_offloaded_steps_equal_the_on_device_run_and_unsplit_adamw(mode):
+    """Bitwise (torch.equal) against the same run without offload: on this CPU machine
+    both run the same AdamW ops in the same order on the same device type (the CPU), only
+    on separate buffers, so not one bit may differ (on a GPU the host AdamW is another
+    kernel than the device's and only the 1e-12 check would hold). 1e-12 (fp64) against
+    one process on the whole batch with torch's AdamW: only summation orders differ, as
+    in tests/test_fsdp.py (there 1e-10 over every mode; ~1e-14 seen here)."""
+    res = run_ranks(_offloaded_vs_on_device, 2, mode, timeout=120)
+    for rank, r in enumerate(res):
+        on, off, ref = r["none"], r["optimizer"], r["reference"]
+        assert off["losses"] == on["losses"], (rank, off["losses"], on["losses"])
+        for name, w in on["params"].items():
+            assert torch.equal(off["params"][name], w), (rank, name)
+        for name, st in on["states"].items():
+            for key, v in st.items():
+                got = off["states"][name][key]
+                assert torch.equal(torch.as_tensor(got), torch.as_tensor(v)), (rank, name, key)
+        for name, w in ref["params"].items():
+            assert _rel(off["params"][name], w) <= 1e-12, (rank, name)
+        assert max(abs(a - b) / b for a, b in zip(off["losses"], ref["losses"])) <= 1e-12
+        # Offloaded: AdamW's state is CPU tensors of their own (not views of parameters),
+        # the device-side optimizer holds none of it and the host holds it all.
+        assert off["cpu"] and off["separate"], (rank, off)
+        assert off["device_bytes"] == 0 and on["host_bytes"] == 0, (rank, off, on)
+        assert off["host_bytes"] >= on["device_bytes"] > 0, (rank, off, on)
+
+
+def _save_offloaded_resume_on_device(root: str) -> dict:
+    """ZeRO-1 at dp 2, offloaded: 2 steps, save; a fresh model (another init) under
+    ZeRO-1 on the device loads it."""
+    ps = parallel_state.initialize(ParallelDims(1, 2))
+    torch.manual_seed(0)
+    initial = _unsplit(F64).full_state_dict()
+
+    def save(model, dp):
+        moments = full_optimizer_state(model, dp)
+        save_checkpoint(root, 2, model=model, optimizer=dp, ps=ps, state={"data": {}})
+        saved.update(params=model.full_state_dict(), moments=moments)
+
+    saved = {}
+    _train(ps, "optimizer", CFG, initial, dtype=F64, after=save, offload="optimizer")
+    torch.manual_seed(1)  # a different init: everything must come from the checkpoint
+    model = build_model(CFG, ps, dtype=F64)
+    dp = cpu_data_parallel(model, ps.dp_group, ps.tp_group, dp_shard="optimizer")
+    load_checkpoint(root, model=model, optimizer=dp, ps=ps, log=lambda msg: None)
+    params, moments = model.full_state_dict(), full_optimizer_state(model, dp)
+    parallel_state.destroy()
+    return {
+        "params": all(torch.equal(params[k], v) for k, v in saved["params"].items()),
+        "moments": moments.keys() == saved["moments"].keys()
+        and all(torch.equal(moments[k], v) for k, v in saved["moments"].items()),
+    }
+
+
+def test_a_checkpoint_saved_offloaded_resumes_on_the_device_exactly(tmp_path):
+    """Exact (torch.equal): saving gathers the host moments as it gathers device ones."""
+    for r in run_ranks(_save_offloaded_resume_on_device, 2, str(tmp_path / "ckpt"), timeout=120):
+        assert r == {"params": True, "moments": True}, r
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ("parallel.offload=optimizer",),
+            "parallel.offload=optimizer moves the sharded optimizer state to the CPU, and "
+            "parallel.dp_shard=none shards none",
+        ),
+        (("parallel.offload=disk",), "parallel.offload='disk' is not one of none, optimizer"),
+        (
+            ("parallel.offload=optimizer", "parallel.dp_shard=optimizer", "optim.impl=apex"),
+            "apex's FusedAdam runs on the GPU only: set optim.impl=auto",
+        ),
+    ],
+)
+def test_offload_misuse_is_refused_in_one_line(overrides, message):
+    """One line naming the value and the fix, from the config's own validation."""
+    from engine.config import parallel_dims, validate
+    from tests.test_engine import compose_config
+
+    cfg = compose_config("tp_size=1", "dp_size=2", *overrides)
+    problems = [p for p in validate(cfg, parallel_dims(cfg, 2)) if "offload" in p]
+    assert len(problems) == 1 and message in problems[0], problems
