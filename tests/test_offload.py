@@ -4,12 +4,17 @@ checkpoint saved offloaded and resumed on the device, and the config's refusals.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import parallel_state
+from engine import preflight
 from engine.checkpoint import full_optimizer_state, load_checkpoint, save_checkpoint
+from engine.config import Config
 from engine.models import build_model
+from engine.models.config import preset
 from parallel_state.dims import ParallelDims
 from tests.multiproc import run_ranks
 from tests.test_fsdp import CFG, _named_states, _reference, _train, _unsplit
@@ -54,9 +59,7 @@ def _offloaded_vs_on_device(mode: str) -> dict:
         def after(model, dp, seen=seen):
             seen.update(_where_state_lives(model, dp), states=_named_states(model, dp))
 
-        losses, params, _ = _train(
-            ps, mode, CFG, initial, dtype=F64, after=after, offload=offload
-        )
+        losses, params, _ = _train(ps, mode, CFG, initial, dtype=F64, after=after, offload=offload)
         out[offload] = {"losses": losses, "params": params, **seen}
     out["reference"] = {"losses": ref_losses, "params": ref}
     parallel_state.destroy()
@@ -87,7 +90,9 @@ def test_offloaded_steps_equal_the_on_device_run_and_unsplit_adamw(mode):
                 assert torch.equal(torch.as_tensor(got), torch.as_tensor(v)), (rank, name, key)
         for name, w in ref["params"].items():
             assert _rel(off["params"][name], w) <= 1e-12, (rank, name)
-        assert max(abs(a - b) / b for a, b in zip(off["losses"], ref["losses"])) <= 1e-12
+        assert (
+            max(abs(a - b) / b for a, b in zip(off["losses"], ref["losses"], strict=True)) <= 1e-12
+        )
         # Offloaded: AdamW's state is CPU tensors of their own (not views of parameters),
         # the device-side optimizer holds none of it and the host holds it all.
         assert off["cpu"] and off["separate"], (rank, off)
@@ -151,3 +156,36 @@ def test_offload_misuse_is_refused_in_one_line(overrides, message):
     cfg = compose_config("tp_size=1", "dp_size=2", *overrides)
     problems = [p for p in validate(cfg, parallel_dims(cfg, 2)) if "offload" in p]
     assert len(problems) == 1 and message in problems[0], problems
+
+
+def _preflight_at(mode: str, offload: str):
+    """gpt_tiny at dp 4, fp32, ``parallel.dp_shard=mode`` and ``parallel.offload``."""
+    cfg = Config(model=preset("gpt_tiny", vocab_size=8192), tp_size=1, dp_size=4)
+    parallel = dataclasses.replace(cfg.parallel, dp_shard=mode, offload=offload)
+    return dataclasses.replace(cfg, parallel=parallel)
+
+
+@pytest.mark.parametrize(
+    ("mode", "host_per_param", "grads_left"),
+    [("optimizer", 8 / 4 + 4 / 4, True), ("gradients", 4 / 4 + 12 / 4, False)],
+)
+def test_preflight_counts_offloaded_state_on_the_host(mode, host_per_param, grads_left):
+    """By hand per parameter at dp 4, fp32: ZeRO-1 offloaded keeps its parameters (4) and
+    gradient buffer (4) on the device and puts the moments (8/d) and its host copy of the
+    gradient slice (4/d) on the host; FSDP (CPUOffloadPolicy) moves the sharded gradients
+    (4/d) and master + moments (12/d). Exact: sums of a few binary fractions."""
+    n = preflight.params_count(_preflight_at(mode, "none").model)
+    on = preflight.estimate_rank_bytes(_preflight_at(mode, "none"), 4, fp32_activations=True)
+    off = preflight.estimate_rank_bytes(_preflight_at(mode, "optimizer"), 4, fp32_activations=True)
+    assert on.host == 0 and off.optimizer == 0 and off.host == host_per_param * n
+    assert off.params == on.params and off.activations == on.activations
+    assert off.grads == (on.grads if grads_left else 0)
+
+
+def test_preflight_line_names_the_host_bytes(monkeypatch):
+    """The refusal line says what is offloaded; on a CPU machine that RAM counts too."""
+    cfg = _preflight_at("optimizer", "optimizer")
+    need = preflight.estimate_rank_bytes(cfg, 4, fp32_activations=True)
+    monkeypatch.setattr(preflight, "available_ram_bytes", lambda: int(need.total))
+    (line,) = preflight.check_memory(cfg, local_ranks=1, on_gpu=False)
+    assert f"and {need.host / 2**30:.2f} GiB of optimizer state in host memory" in line
