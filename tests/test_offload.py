@@ -70,7 +70,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.mark.parametrize("mode", ["optimizer", "full"])
+@pytest.mark.parametrize("mode", ["optimizer", pytest.param("full", marks=pytest.mark.slow)])
 def test_offloaded_steps_equal_the_on_device_run_and_unsplit_adamw(mode):
     """Bitwise (torch.equal) against the same run without offload: on this CPU machine
     both run the same AdamW ops in the same order on the same device type (the CPU), only
@@ -100,9 +100,9 @@ def test_offloaded_steps_equal_the_on_device_run_and_unsplit_adamw(mode):
         assert off["host_bytes"] >= on["device_bytes"] > 0, (rank, off, on)
 
 
-def _save_offloaded_resume_on_device(root: str) -> dict:
-    """ZeRO-1 at dp 2, offloaded: 2 steps, save; a fresh model (another init) under
-    ZeRO-1 on the device loads it."""
+def _save_offloaded_resume_on_device(root: str, mode: str) -> dict:
+    """``mode`` at dp 2, offloaded: the steps, save; a fresh model (another init) under
+    ``mode`` on the device loads it."""
     ps = parallel_state.initialize(ParallelDims(1, 2))
     torch.manual_seed(0)
     initial = _unsplit(F64).full_state_dict()
@@ -113,10 +113,10 @@ def _save_offloaded_resume_on_device(root: str) -> dict:
         saved.update(params=model.full_state_dict(), moments=moments)
 
     saved = {}
-    _train(ps, "optimizer", CFG, initial, dtype=F64, after=save, offload="optimizer")
+    _train(ps, mode, CFG, initial, dtype=F64, after=save, offload="optimizer")
     torch.manual_seed(1)  # a different init: everything must come from the checkpoint
     model = build_model(CFG, ps, dtype=F64)
-    dp = cpu_data_parallel(model, ps.dp_group, ps.tp_group, dp_shard="optimizer")
+    dp = cpu_data_parallel(model, ps.dp_group, ps.tp_group, dp_shard=mode)
     load_checkpoint(root, model=model, optimizer=dp, ps=ps, log=lambda msg: None)
     params, moments = model.full_state_dict(), full_optimizer_state(model, dp)
     parallel_state.destroy()
@@ -127,9 +127,11 @@ def _save_offloaded_resume_on_device(root: str) -> dict:
     }
 
 
-def test_a_checkpoint_saved_offloaded_resumes_on_the_device_exactly(tmp_path):
+@pytest.mark.parametrize("mode", ["optimizer", pytest.param("full", marks=pytest.mark.slow)])
+def test_a_checkpoint_saved_offloaded_resumes_on_the_device_exactly(tmp_path, mode):
     """Exact (torch.equal): saving gathers the host moments as it gathers device ones."""
-    for r in run_ranks(_save_offloaded_resume_on_device, 2, str(tmp_path / "ckpt"), timeout=120):
+    root = str(tmp_path / "ckpt")
+    for r in run_ranks(_save_offloaded_resume_on_device, 2, root, mode, timeout=120):
         assert r == {"params": True, "moments": True}, r
 
 

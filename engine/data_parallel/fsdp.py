@@ -188,9 +188,11 @@ class FullyShardedDP(DataParallel):
     def param_states(self) -> dict[nn.Parameter, dict[str, Any]]:
         """Adam's state per parameter at TP-local shapes (gathered over DP: collective)."""
         states = PlainOptimizerState(self.optimizer).param_states()
+        # Offloaded shards are host tensors: gathered where the DP group's collectives run.
         return {
             p: {
-                k: tp_local(v) if torch.is_tensor(v) and dp_sharded(v) else v for k, v in st.items()
+                k: tp_local(v.to(self.device)) if torch.is_tensor(v) and dp_sharded(v) else v
+                for k, v in st.items()
             }
             for p, st in states.items()
         }
