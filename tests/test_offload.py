@@ -62,6 +62,19 @@ def _offloaded_vs_on_device(mode: str) -> dict:
         losses, params, _ = _train(ps, mode, CFG, initial, dtype=F64, after=after, offload=offload)
         out[offload] = {"losses": losses, "params": params, **seen}
     out["reference"] = {"losses": ref_losses, "params": ref}
+    if mode == "optimizer":  # bf16 parameters: the fp32 masters are separate tensors
+        out["bf16"] = [
+            _train(
+                ps,
+                mode,
+                CFG,
+                initial,
+                dtype=torch.float32,
+                low_precision=torch.bfloat16,
+                offload=offload,
+            )
+            for offload in ("none", "optimizer")
+        ]
     parallel_state.destroy()
     return out
 
@@ -98,6 +111,11 @@ def test_offloaded_steps_equal_the_on_device_run_and_unsplit_adamw(mode):
         assert off["cpu"] and off["separate"], (rank, off)
         assert off["device_bytes"] == 0 and on["host_bytes"] == 0, (rank, off, on)
         assert off["host_bytes"] >= on["device_bytes"] > 0, (rank, off, on)
+        if mode == "optimizer":  # bf16 weights and fp32 masters: bitwise too
+            (losses, weights, masters), (off_losses, off_weights, off_masters) = r["bf16"]
+            assert off_losses == losses and masters.keys() == off_masters.keys() != set()
+            assert all(torch.equal(off_weights[k], v) for k, v in weights.items()), rank
+            assert all(torch.equal(off_masters[k], v) for k, v in masters.items()), rank
 
 
 def _save_offloaded_resume_on_device(root: str, mode: str) -> dict:
