@@ -131,6 +131,9 @@ class ParallelConfig:
     ep: int = 1  # dp ranks splitting each MoE layer's experts; 1: none (short form: ep_size=)
     dp_shard: str = "none"  # DP shards: none, optimizer (ZeRO-1), gradients (ZeRO-2), full (ZeRO-3)
     dp_replicate: int = 1  # HSDP replicas, each dp ÷ dp_replicate FSDP shards; 1: none
+    # none, or optimizer: Adam's state and the fp32 masters in CPU memory, stepped there
+    # (needs dp_shard != none; under FSDP, gradients/full, parameters and gradients too)
+    offload: str = "none"
     # Also model.sequence_parallel=true, the key the layers read: either turns it on.
     sequence_parallel: bool = False  # shard norms and dropout along the sequence inside TP
     schedule: str | None = None  # the pipeline schedule (null: pipeline.schedule's, 1f1b)
@@ -273,6 +276,7 @@ def _validate_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     problems += _validate_experts(cfg, dims)
     if dims.dp_shard in ("gradients", "full"):
         problems += _validate_fsdp(cfg, dims)
+    problems += _validate_offload(cfg, dims)
     if cfg.optim.distributed and cfg.optim.impl == "apex":
         problems.append("optim.distributed=true (ZeRO-1) runs torch's AdamW: set optim.impl=auto")
     if cfg.optim.algorithm == "muon" and dims.dp_shard != "none":
@@ -281,6 +285,30 @@ def _validate_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
             "shards them: set parallel.dp_shard=none (and optim.distributed=false)"
         )
     return problems
+
+
+OFFLOAD_MODES = ("none", "optimizer")
+
+
+def _validate_offload(cfg: Config, dims: ParallelDims) -> list[str]:
+    """``parallel.offload=optimizer`` steps the DP shard of Adam's state on the host: it
+    needs a sharded DP mode to take the shard from, and torch's AdamW to step it."""
+    offload = cfg.parallel.offload
+    unknown = _not_one_of("parallel.offload", offload, OFFLOAD_MODES)
+    if unknown or offload == "none":
+        return unknown
+    if dims.dp_shard == "none":
+        return [
+            "parallel.offload=optimizer moves the sharded optimizer state to the CPU, and "
+            "parallel.dp_shard=none shards none: set parallel.dp_shard=optimizer (or "
+            "gradients, full), or parallel.offload=none"
+        ]
+    if cfg.optim.impl == "apex":
+        return [
+            "parallel.offload=optimizer steps torch's AdamW on the CPU, and apex's FusedAdam "
+            "runs on the GPU only: set optim.impl=auto"
+        ]
+    return []
 
 
 def _decoders() -> str:

@@ -30,12 +30,14 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank needs for training, by kind."""
+    """Bytes one rank needs for training, by kind, on its device; ``host``: what
+    ``parallel.offload=optimizer`` keeps in host memory instead (not in ``total``)."""
 
     params: float
     grads: float
     optimizer: float
     activations: float
+    host: float = 0.0
 
     @property
     def total(self) -> float:
@@ -56,6 +58,10 @@ def estimate_rank_bytes(
     plus the fp32 logits of one micro-batch
     over this rank's vocabulary shard. It is a floor, not a bound: allocator slack and
     temporaries come on top, so a config refused here could never run.
+
+    ``parallel.offload=optimizer`` moves the optimizer term (masters and moments) to the
+    host, with ZeRO-1's host copy of its gradient slice (4/dp); under FSDP torch's
+    ``CPUOffloadPolicy`` moves the sharded gradients too (the gathered units stay).
     """
     m, t = cfg.model, cfg.parallel.tp
     params = params_count(m) / t
@@ -70,8 +76,13 @@ def estimate_rank_bytes(
     weights, grads, optimizer = state_bytes_per_param(precision, mode, shards)
     layer = (params - root) / max(1, m.num_layers)
     in_flight = fsdp_in_flight_bytes(layer, root, precision, mode)  # FSDP's gathered units
+    host = 0.0
+    if cfg.parallel.offload == "optimizer" and mode != "none":
+        moved_grads = grads if mode in ("gradients", "full") else 4.0 / shards
+        host, optimizer = (optimizer + moved_grads) * params, 0.0
+        grads = 0.0 if mode in ("gradients", "full") else grads
     return MemoryEstimate(
-        weights * params + in_flight, grads * params, optimizer * params, activations
+        weights * params + in_flight, grads * params, optimizer * params, activations, host
     )
 
 
@@ -101,20 +112,23 @@ def check_memory(cfg: Config, local_ranks: int, *, on_gpu: bool) -> list[str]:
     precision = resolve_precision(cfg.trainer.precision, "cuda" if cuda else "cpu")
     fp32, bf16 = precision == "fp32", precision == "bf16"
     need = estimate_rank_bytes(cfg, int(cfg.parallel.dp), fp32_activations=fp32, bf16=bf16)
+    total = need.total
     if cuda:
         have, sharing, where = torch.cuda.get_device_properties(0).total_memory, 1, "GPU"
-    else:
+    else:  # the host is the device: what is offloaded takes the same RAM
         have, sharing, where = available_ram_bytes(), max(1, local_ranks), "free RAM"
+        total += need.host
     cap = cfg.trainer.memory_cap_gib * GIB
     if cap > 0 and (have is None or cap * sharing <= have):
         have, sharing, where = cap, 1, "cap (trainer.memory_cap_gib)"
-    if have is None or need.total * sharing <= have:
+    if have is None or total * sharing <= have:
         return []
     ranks = f" × {sharing} ranks on this machine" if sharing > 1 else ""
     return [
-        f"the model cannot fit: about {need.total / GIB:.2f} GiB per rank (parameters "
+        f"the model cannot fit: about {total / GIB:.2f} GiB per rank (parameters "
         f"{need.params / GIB:.2f} + gradients {need.grads / GIB:.2f} + optimizer "
-        f"{need.optimizer / GIB:.2f} + activations {need.activations / GIB:.2f} GiB; "
+        f"{need.optimizer / GIB:.2f} + activations {need.activations / GIB:.2f} GiB"
+        f"{_host_part(need)}; "
         f"model.hidden_size={cfg.model.hidden_size} model.num_layers={cfg.model.num_layers} "
         f"trainer.micro_batch={cfg.trainer.micro_batch} data.seq_len={cfg.data.seq_len} "
         f"parallel.dp_shard={_dp_shard(cfg)} dp_size={cfg.parallel.dp})"
@@ -122,6 +136,13 @@ def check_memory(cfg: Config, local_ranks: int, *, on_gpu: bool) -> list[str]:
         "use a smaller model or micro-batch, a larger tp_size, or shard over DP "
         "(parallel.dp_shard=optimizer, gradients or full)"
     ]
+
+
+def _host_part(need: MemoryEstimate) -> str:
+    """The offloaded bytes, as the memory line says them (nothing when none are)."""
+    if not need.host:
+        return ""
+    return f", and {need.host / GIB:.2f} GiB of optimizer state in host memory (parallel.offload)"
 
 
 def _dp_shard(cfg: Config) -> str:

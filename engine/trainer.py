@@ -50,14 +50,13 @@ def model_groups(ps: ParallelState) -> tuple[str, ...]:
 class Trainer:
     """Pre-trains ``cfg.model`` on this rank's part of the mesh.
 
-    bf16/fp16 run the forward under autocast; gradients, their DP reduction and the
-    optimizer are fp32. The data-parallel strategy (``self.dp``, chosen once from
-    ``optim.distributed``) reduces gradients and steps the optimizer: the bucketed
-    all-reduce keeps fp32 parameters, ZeRO-1 keeps bf16 ones beside fp32 master slices
-    when training in bf16. fp16 adds dynamic loss scaling with mesh-wide overflow
-    detection. The step runner (``self.runner``) runs each step's micro-batches. A
-    resumable checkpoint is saved every ``checkpoint.every`` steps and at the end, and a
-    new run continues from the newest one (at any layout).
+    bf16/fp16 run the forward under autocast; gradients, their DP reduction and the optimizer
+    are fp32. The data-parallel strategy (``self.dp``, chosen once from ``parallel.dp_shard``)
+    reduces gradients and steps the optimizer: the bucketed all-reduce keeps fp32 parameters,
+    ZeRO-1 keeps bf16 ones beside fp32 master slices when training in bf16. fp16 adds dynamic
+    loss scaling with mesh-wide overflow detection. The step runner (``self.runner``) runs each
+    step's micro-batches. A resumable checkpoint is saved every ``checkpoint.every`` steps and
+    at the end, and a new run continues from the newest one (at any layout).
     """
 
     def __init__(
@@ -109,6 +108,7 @@ class Trainer:
             dp_shard=ps.dims.dp_shard,
             compile_backend=cfg.model.compile_backend if cfg.model.compile else None,
             hybrid_groups=(ps.group("fsdp_shard"), ps.group("fsdp_replicate")),
+            offload=cfg.parallel.offload,
         )
 
     def _build_observers(self) -> None:

@@ -33,6 +33,11 @@ moments. In bf16 the gathers carry bf16 copies (``MixedPrecisionPolicy``) and gr
 reduced in fp32. Each layer prefetches the next one's gather in forward and the previous
 one's in backward, so gathers can overlap compute where the backend runs collectives
 asynchronously (NCCL; gloo on CPU runs them in line).
+
+``parallel.offload=optimizer`` hands FSDP torch's ``CPUOffloadPolicy``: the sharded
+parameters and their gradients live in host memory (pinned where CUDA is), each unit is
+copied to the device for its gather, and AdamW steps the host shards, so under FSDP the
+offload covers parameters and gradients as well as the optimizer state.
 """
 
 from __future__ import annotations
@@ -45,7 +50,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from engine.config import OptimConfig
 from engine.data_parallel.grads import scale_grads_
@@ -74,8 +84,10 @@ class FullyShardedDP(DataParallel):
         low_precision: torch.dtype | None = None,
         hybrid_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
         expert_grad_group: dist.ProcessGroup | None = None,
+        offload: bool = False,
     ) -> None:
         self.model, self.dp_group, self.tp_group = model, dp_group, tp_group
+        self.device, self.offload = device, offload
         self.reshard_after_forward = reshard_after_forward
         # Where a gradient shard's squares are summed for the norm: the ranks that hold
         # distinct shards (the DP group, or under HSDP one replica's ranks).
@@ -88,6 +100,10 @@ class FullyShardedDP(DataParallel):
         policy = MixedPrecisionPolicy(
             param_dtype=low_precision, reduce_dtype=torch.float32 if low_precision else None
         )
+        # offload: torch keeps the sharded parameters, their gradients and so AdamW's state
+        # and step on the host (pinned for DMA where CUDA is), gathering to the device.
+        cpu_pinned = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        offload_policy = cpu_pinned if offload else OffloadPolicy()
         # The models return views (a transposed loss or logits); nothing of ours writes into
         # them in place, which is what FSDP warns about on every forward.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module", category=UserWarning)
@@ -96,7 +112,11 @@ class FullyShardedDP(DataParallel):
         # which torch's schedule then drives as FSDP); else the model itself.
         self.roots = list(getattr(model, "chunks", None) or [model])
         self.pipelined = self.roots != [model]
-        shard = dict(reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        shard = dict(
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=policy,
+            offload_policy=offload_policy,
+        )
         _shard_split_experts(model, expert_grad_group, device.type, shard)
         for root in self.roots:
             units = list(root.layers)
@@ -110,7 +130,8 @@ class FullyShardedDP(DataParallel):
             vars(p).update(roles[name])
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.split_experts = [p for p in self.params if expert_split(p) > 1]
-        self.optimizer = build_optimizer(model, optim, device)
+        # Offloaded, the sharded parameters are host tensors: so is AdamW's state.
+        self.optimizer = build_optimizer(model, optim, torch.device("cpu") if offload else device)
 
     @contextmanager
     def no_sync(self):
@@ -147,7 +168,10 @@ class FullyShardedDP(DataParallel):
         if group_size(self.tp_group) > 1:
             for p in self.params:
                 if p.grad is not None and has_sp_partial_grad(p):
-                    dist.all_reduce(local_part(p.grad), group=self.tp_group)
+                    grad = local_part(p.grad)  # offloaded: on the host, reduced on the device
+                    on_device = grad.to(self.device)
+                    dist.all_reduce(on_device, group=self.tp_group)
+                    grad.copy_(on_device)
         return self.params
 
     def grad_norm(self) -> torch.Tensor:
@@ -183,9 +207,11 @@ class FullyShardedDP(DataParallel):
     def param_states(self) -> dict[nn.Parameter, dict[str, Any]]:
         """Adam's state per parameter at TP-local shapes (gathered over DP: collective)."""
         states = PlainOptimizerState(self.optimizer).param_states()
+        # Offloaded shards are host tensors: gathered where the DP group's collectives run.
         return {
             p: {
-                k: tp_local(v) if torch.is_tensor(v) and dp_sharded(v) else v for k, v in st.items()
+                k: tp_local(v.to(self.device)) if torch.is_tensor(v) and dp_sharded(v) else v
+                for k, v in st.items()
             }
             for p, st in states.items()
         }
@@ -203,6 +229,13 @@ class FullyShardedDP(DataParallel):
         time, not as the step timer's DP communication."""
 
     def state_bytes(self) -> int:
+        return 0 if self.offload else self._optimizer_bytes()
+
+    def host_state_bytes(self) -> int:
+        """Offloaded: Adam's moments (FSDP's host parameter and gradient shards besides)."""
+        return self._optimizer_bytes() if self.offload else 0
+
+    def _optimizer_bytes(self) -> int:
         tensors = [local_part(v) for st in self.optimizer.state.values() for v in st.values()]
         return sum(t.nbytes for t in tensors if torch.is_tensor(t) and t.dim() > 0)
 

@@ -62,7 +62,11 @@ class DataParallel(ABC):
 
     @abstractmethod
     def state_bytes(self) -> int:
-        """Bytes of optimizer state (and master weights) this rank holds."""
+        """Bytes of optimizer state (and master weights) this rank holds on its device."""
+
+    def host_state_bytes(self) -> int:
+        """Bytes of it offloaded to host memory (``parallel.offload=optimizer``)."""
+        return 0
 
 
 class PlainOptimizerState:

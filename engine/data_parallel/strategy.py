@@ -143,6 +143,7 @@ class Zero1DP(_DelegatingDP):
         bucket_size_mb: float = 25.0,
         overlap: bool = True,
         param_dtype: torch.dtype | None = None,
+        offload: bool = False,
     ) -> None:
         self.zero = self.optimizer = ZeroOptimizer(
             optimizer,
@@ -153,6 +154,7 @@ class Zero1DP(_DelegatingDP):
             param_dtype=param_dtype,
             overlap=overlap,
             registration_order=list(model.parameters()),
+            offload=offload,
         )
         if overlap:
             self.zero.overlap_param_gather(model)
@@ -183,6 +185,9 @@ class Zero1DP(_DelegatingDP):
     def state_bytes(self) -> int:
         return self.zero.state_bytes()
 
+    def host_state_bytes(self) -> int:
+        return self.zero.host_state_bytes()
+
 
 def build_data_parallel(
     model: nn.Module,
@@ -198,6 +203,7 @@ def build_data_parallel(
     dp_shard: str | None = None,
     compile_backend: str | None = None,
     hybrid_groups: HybridGroups = (None, None),
+    offload: str = "none",
 ) -> DataParallel:
     """The strategy of ``dp_shard`` (none, optimizer, gradients or full; by default
     ``optim.distributed``'s: optimizer or none), with its optimizer, for ``model``,
@@ -217,12 +223,22 @@ def build_data_parallel(
     all-reduce path compiles its clipping and optimizer step with it, where the optimizer
     is torch's unfused AdamW (``engine.optim.compile_update``); ZeRO-1 and FSDP step
     eagerly. None: every step eager.
+
+    ``offload="optimizer"`` (``parallel.offload``): the sharded modes keep Adam's state
+    and the fp32 masters in host memory and step them there (ZeRO-1 through
+    ``engine.data_parallel.offload``, FSDP through torch's ``CPUOffloadPolicy``, which
+    offloads the parameters and gradients too).
     """
     mode, dp_group = resolve_dp_shard(dp_shard or "none", optim.distributed), grad_group
     if optim.algorithm == "muon" and mode != "none":
         raise ValueError(
             f"optim=muon needs whole gradients on every DP rank; dp_shard={mode} shards "
             "them: use dp_shard=none"
+        )
+    if offload not in ("none", "optimizer") or (offload != "none" and mode == "none"):
+        raise ValueError(
+            f"parallel.offload={offload} with dp_shard={mode}: offload=optimizer needs a "
+            "sharded mode (dp_shard=optimizer, gradients or full)"
         )
     hybrid = group_size(hybrid_groups[1]) > 1
     split = max((expert_split(p) for p in model.parameters()), default=1)
@@ -247,6 +263,7 @@ def build_data_parallel(
             low_precision=low_precision,
             hybrid_groups=hybrid_groups,
             expert_grad_group=expert_groups[1],
+            offload=offload == "optimizer",
         )
     if mode not in ("none", "optimizer"):
         raise ValueError(f"dp_shard={mode!r} is not one of none, optimizer, gradients, full")
@@ -259,7 +276,9 @@ def build_data_parallel(
         "overlap": overlap,
     }
     if mode == "optimizer":
-        return Zero1DP(model, optimizer, param_dtype=low_precision, **common)
+        return Zero1DP(
+            model, optimizer, param_dtype=low_precision, offload=offload == "optimizer", **common
+        )
     return AllReduceDP(model, optimizer, compile_backend=compile_backend, **common)
 
 

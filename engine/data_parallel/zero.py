@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.data_parallel.buckets import BucketLauncher, ShardedBucket, cut_buckets
+from engine.data_parallel.offload import HostMasters
 from layers.param_roles import expert_split
 from layers.tp_grads import sum_partial_grads_
 from layers.utils import group_rank, group_size
@@ -74,6 +75,7 @@ class ZeroOptimizer(BucketLauncher):
         overlap: bool = True,
         registration_order: list[nn.Parameter] | None = None,
         expert_grad_group: dist.ProcessGroup | None = None,
+        offload: bool = False,
     ) -> None:
         if not isinstance(optimizer, torch.optim.AdamW) or optimizer.state:
             raise ValueError(
@@ -103,6 +105,11 @@ class ZeroOptimizer(BucketLauncher):
                     )
                     self.buckets.append(bucket)
                     groups.append({**hyper, "params": [bucket.master]})
+        # offload (engine/data_parallel/offload.py): AdamW steps host copies of the masters.
+        self.host = HostMasters(self.buckets) if offload else None
+        self._stepped = self.host.masters if self.host else [b.master for b in self.buckets]
+        for group, master in zip(groups, self._stepped, strict=True):
+            group["params"] = [master]
         # A bucket is complete when its first-registered parameter's gradient is: launch
         # in reverse order of that (``registration_order``: the model's parameters).
         every = registration_order or every
@@ -215,7 +222,10 @@ class ZeroOptimizer(BucketLauncher):
         The all-gathers run in forward order; without ``overlap_param_gather`` the step
         waits for them, with it each module waits for its own buckets before its forward.
         """
-        self.inner.step()
+        if self.host:
+            self.host.step(self.inner)
+        else:
+            self.inner.step()
         for bucket in reversed(self._launch_order):
             self._told(bucket.launch_gather())
         if not self._gather_in_forward:
@@ -254,12 +264,19 @@ class ZeroOptimizer(BucketLauncher):
         self._fresh = {id(p) for p in self.params}
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state plus master weights held by this rank."""
+        """Bytes of optimizer state plus master weights held by this rank on the device
+        (offloaded: none; ``host_state_bytes`` counts them)."""
+        if self.host:
+            return 0
         tensors = [b.master for b in self.buckets]
         tensors += [
             v for st in self.inner.state.values() for v in st.values() if torch.is_tensor(v)
         ]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    def host_state_bytes(self) -> int:
+        """Bytes of the offloaded masters, gradient copies and Adam state in host memory."""
+        return self.host.nbytes(self.inner) if self.host else 0
 
     def remove(self) -> None:
         """Detach the backward and forward hooks."""
@@ -276,13 +293,14 @@ class ZeroOptimizer(BucketLauncher):
         """
         self.wait_params()
         out: dict[nn.Parameter, dict[str, Any]] = {p: {} for p in self.params}
-        for b in self.buckets:
-            state = dict(self.inner.state.get(b.master, {}))
-            if b.param_buffer.dtype != b.master.dtype:
-                state[MASTER_KEY] = b.master
+        for b, master in zip(self.buckets, self._stepped, strict=True):
+            state = dict(self.inner.state.get(master, {}))
+            if b.param_buffer.dtype != master.dtype:
+                state[MASTER_KEY] = master
             for key in sorted(state):  # the same collective order on every rank
                 value = state[key]
-                if torch.is_tensor(value) and value.shape == b.master.shape:
+                if torch.is_tensor(value) and value.shape == master.shape:
+                    value = value.to(b.param_buffer.device)  # offloaded: gather on the device
                     for p, view in b.views(b.gather(value)):
                         out[p][key] = view.clone()
                 else:
@@ -304,7 +322,7 @@ class ZeroOptimizer(BucketLauncher):
             masters = [
                 st.get(MASTER_KEY, p.detach()) for st, p in zip(per_param, b.params, strict=True)
             ]
-            b.master.copy_(b.slice(b.flatten(masters)))
+            self._stepped[i].copy_(b.slice(b.flatten(masters)))
             entry = {}
             for key in (k for k in keys if k != MASTER_KEY):
                 values = [st.get(key) for st in per_param]
