@@ -126,18 +126,19 @@ def test_dropout_is_traced_and_draws_eagers_masks_tp1():
 
 
 # (overrides, graphs and breaks expected, or None for "at least one graph").
+# Left out for the suite's time (2026-11-27): three cases that are a dropout case below
+# without its masks (SP alone; SP with full recomputation; the Triton kernels with full
+# recomputation). Their graphs are the dropout case's minus the mask draws; each passed
+# here with the expected (1, 0) / at least one graph before it was removed.
 TP2_CASES = [
-    ({"sequence_parallel": True}, (1, 0)),
     ({"sequence_parallel": False}, (1, 0)),
-    ({"sequence_parallel": True, "recompute": "full"}, (1, 0)),
     ({"sequence_parallel": False, "recompute": "selective"}, (1, 0)),
-    # The Triton kernels (interpreted on CPU) run eagerly between graphs.
-    ({"sequence_parallel": True, "recompute": "full", "kernels": "triton"}, None),
     # Dropout: replicated masks (no SP) and sequence-sharded ones (SP), attention's sharded.
     ({"sequence_parallel": False, **DROPOUT}, (1, 0)),
     ({"sequence_parallel": True, "recompute": "full", **DROPOUT}, (1, 0)),
     ({"sequence_parallel": True, "recompute": "selective", **DROPOUT}, (1, 0)),
-    # With eager kernels the checkpoint stays eager, with its replay (layers/compile.py).
+    # The Triton kernels (interpreted on CPU) run eagerly between graphs; with them the
+    # checkpoint stays eager, with its replay (layers/compile.py).
     ({"sequence_parallel": True, "recompute": "full", "kernels": "triton", **DROPOUT}, None),
 ]
 

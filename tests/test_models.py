@@ -40,35 +40,29 @@ def _spec(model, tp, dp, sp=False, rc="none", dtype="float64", steps=1) -> Verif
 
 
 # Every factor (model, sequence parallelism, each recompute mode, dtype, several steps) is
-# covered at several layouts; the full cross product is taken at tp=2.
+# covered at several layouts. The suite keeps 18 of the 40 specs it ran before 2026-11-27
+# (for its time): the full cross product at tp 2 and the other 22 are
+# `tools/verify_equivalence.py` runs, reported in the closing notes.
 LAYOUTS = {
-    1: [_spec(m, 1, 1, rc=rc) for m in ("gpt", "bert") for rc in ("none", "selective", "full")]
-    + [_spec(m, 1, 1, dtype="float32") for m in ("gpt", "bert")],
+    1: [_spec(m, 1, 1, rc=rc) for m, rc in (("gpt", "selective"), ("bert", "full"))]
+    + [_spec("gpt", 1, 1, dtype="float32")],
     2: [
-        _spec(m, 2, 1, sp, rc)
-        for m in ("gpt", "bert")
-        for sp in (False, True)
-        for rc in ("none", "selective", "full")
-    ]
-    + [_spec(m, 2, 1, True, "selective", "float32") for m in ("gpt", "bert")]
-    + [_spec("gpt", 2, 1, True, "none", steps=3)],
+        _spec("gpt", 2, 1, False, "none"),
+        _spec("gpt", 2, 1, True, "full"),
+        _spec("bert", 2, 1, False, "full"),
+        _spec("bert", 2, 1, True, "selective"),
+        _spec("bert", 2, 1, True, "selective", "float32"),
+        _spec("gpt", 2, 1, True, "none", steps=3),
+    ],
     3: [
-        _spec("gpt", 3, 1, False, "none"),
         _spec("gpt", 3, 1, True, "selective"),
-        _spec("gpt", 3, 1, True, "full"),
-        _spec("bert", 3, 1, True, "none"),
-        _spec("bert", 3, 1, False, "selective"),
         _spec("bert", 3, 1, True, "full"),
         _spec("gpt", 3, 1, True, "none", "float32"),
     ],
     4: [
         _spec("gpt", 4, 1, True, "selective"),
-        _spec("bert", 4, 1, False, "none"),
         _spec("gpt", 2, 2, True, "full"),
-        _spec("gpt", 2, 2, False, "selective"),
         _spec("bert", 2, 2, True, "none", steps=3),
-        _spec("bert", 2, 2, True, "selective"),
-        _spec("gpt", 1, 4, False, "none"),
         _spec("bert", 1, 4, False, "full"),
         _spec("gpt", 2, 2, True, "none", "float32"),
         _spec("bert", 2, 2, True, "selective", "bfloat16"),
