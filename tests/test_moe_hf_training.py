@@ -14,6 +14,8 @@ two sides differ by summation order alone. Tiny random model built here (no hub)
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import types
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +34,9 @@ from engine.runner import LocalRunner
 from layers.moe import moe_losses
 from layers.router import TopKRouter, router_objective
 from parallel_state.dims import ParallelDims
-from tests.multiproc import run_ranks
+from studies.verification.hf_parity import check_hf_layout
+from studies.verification.layouts import VerifySpec
+from tests.multiproc import run_ranks, subprocess_env
 from tests.test_hf_training import _fp64_rmsnorm, _reference_optimizer
 from tests.test_moe_hf import COMMON, EAGER, _router_at_input_precision
 
@@ -176,3 +180,38 @@ def test_router_objective_pools_as_transformers_or_sums_layers(tmp_path):
     summed = sum(one.loss for one in layers)  # "layer": today's sum, bit for bit
     assert torch.equal(router_objective(layers, "layer"), summed)
     assert abs(summed - pooled) > 1e-6  # the two forms differ on these weights
+
+
+@pytest.mark.slow
+def test_verifier_compares_a_mixtral_directory_at_ep_2(tmp_path):
+    # tools/verify_equivalence.py --hf-dir at dp 2 × ep 2 (2 ranks, each with 2 of the 4
+    # experts, routing its own half of the batch) against transformers' logits, fp32.
+    hf_dir = _mixtral_dir(tmp_path)
+    env = subprocess_env(REPO)
+    env.pop("RANK", None)
+    layout = ["--tp-size", "1", "--dp-size", "2", "--ep-size", "2", "--dtype", "float32"]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools/verify_equivalence.py"), "--hf-dir", hf_dir, *layout],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    # fp32 routing on both sides, so only summation order differs: ~1e-7 per op on logits
+    # of O(1), 1e-4 as test_moe_hf.py's fp32 bar; a wrong expert slice moves them by O(0.1).
+    assert float(last.removeprefix("max abs logit error: ")) <= 1e-4, last
+
+
+def test_verifier_refuses_ep_for_a_dense_directory(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{k: v for k, v in COMMON.items() if "router" not in k})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    spec = VerifySpec(tp_size=1, dp_size=2, ep_size=2, experts=4)
+    with pytest.raises(ValueError, match="holds a dense llama: set --ep-size 1") as err:
+        check_hf_layout(spec, tmp_path / "llama")
+    assert "\n" not in str(err.value)
+    spec = check_hf_layout(spec, _mixtral_dir(tmp_path))  # the directory's experts
+    assert (spec.model, spec.experts) == ("llama", 4)
