@@ -199,6 +199,7 @@ def test_verifier_compares_a_mixtral_directory_at_ep_2(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "experts: 2 of 4 per MoE layer on each rank (ep=2)" in done.stdout, done.stdout
     last = done.stdout.strip().splitlines()[-1]
     # fp32 routing on both sides, so only summation order differs: ~1e-7 per op on logits
     # of O(1), 1e-4 as test_moe_hf.py's fp32 bar; a wrong expert slice moves them by O(0.1).

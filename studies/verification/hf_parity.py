@@ -25,6 +25,7 @@ from engine.hf_interop import (
 from engine.models import build_model
 from engine.models.families import FAMILIES
 from layers.mappings import gather_along
+from layers.moe import MoEMLP
 from layers.norm import NORMS as NORM_CLASSES
 from studies.verification.layouts import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 
@@ -151,7 +152,16 @@ def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:
     theirs = _hf_logits(hf_dir, cfg, hf_config, batch, dtype)
     tol, absolute = HF_TOLERANCES[spec.dtype], spec.dtype != "bfloat16"
     rows = [compare("logits", n, full[n], theirs[n], tol, absolute=absolute) for n in full]
-    return Report(spec, tol, rows, absolute=absolute)
+    return Report(spec, tol, rows, absolute=absolute, notes=_expert_note(model, ps))
+
+
+def _expert_note(model: torch.nn.Module, ps) -> list[str]:
+    """One line saying how many of each MoE layer's experts rank 0 held (none: dense)."""
+    layers = [m for m in model.modules() if isinstance(m, MoEMLP)]
+    if not layers:
+        return []
+    held, total = layers[0].experts.fc1.shape[0], layers[0].num_experts
+    return [f"experts: {held} of {total} per MoE layer on each rank (ep={ps.size('expert')})"]
 
 
 def _hf_logits(hf_dir: str, cfg, hf_config: dict, batch: dict, dtype) -> dict[str, torch.Tensor]:
