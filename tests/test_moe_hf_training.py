@@ -14,7 +14,6 @@ two sides differ by summation order alone. Tiny random model built here (no hub)
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
 import types
 from dataclasses import replace
@@ -36,8 +35,9 @@ from layers.router import TopKRouter, router_objective
 from parallel_state.dims import ParallelDims
 from studies.verification.hf_parity import check_hf_layout
 from studies.verification.layouts import VerifySpec
-from tests.multiproc import run_ranks, subprocess_env
-from tests.test_hf_training import _fp64_rmsnorm, _reference_optimizer
+from tests.launch_util import run
+from tests.multiproc import run_ranks
+from tests.test_hf_training import _fp64_rmsnorm, _reference_optimizer, reference_step
 from tests.test_moe_hf import COMMON, EAGER, _router_at_input_precision
 
 transformers = pytest.importorskip("transformers")
@@ -106,10 +106,7 @@ def _train_both(hf_dir: str, ep: int) -> list[tuple[float, float]]:
         mine = losses[-1].detach() + router_objective(moe_losses(model), "model").detach()
         dist.all_reduce(mine, group=ps.dp_group)
         theirs = sum(_reference_loss(ref, half) / ep for half in ids.chunk(ep))
-        theirs.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        reference_step(ref, ref_opt, theirs)
         out.append((mine.item() / ep, theirs.item()))
     parallel_state.destroy()
     return out
@@ -187,17 +184,9 @@ def test_verifier_compares_a_mixtral_directory_at_ep_2(tmp_path):
     # tools/verify_equivalence.py --hf-dir at dp 2 × ep 2 (2 ranks, each with 2 of the 4
     # experts, routing its own half of the batch) against transformers' logits, fp32.
     hf_dir = _mixtral_dir(tmp_path)
-    env = subprocess_env(REPO)
-    env.pop("RANK", None)
     layout = ["--tp-size", "1", "--dp-size", "2", "--ep-size", "2", "--dtype", "float32"]
-    done = subprocess.run(
-        [sys.executable, str(REPO / "tools/verify_equivalence.py"), "--hf-dir", hf_dir, *layout],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    tool = [sys.executable, str(REPO / "tools/verify_equivalence.py"), "--hf-dir", hf_dir]
+    done = run([*tool, *layout], tmp_path, 300, unset=("RANK",))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "experts: 2 of 4 per MoE layer on each rank (ep=2)" in done.stdout, done.stdout
     last = done.stdout.strip().splitlines()[-1]
