@@ -36,6 +36,11 @@ dropping, so a dropped slot does not raise its token's other weights.
   a gradient. ``pooled_load_balancing_loss`` gives transformers' several-layer form, which
   pools f and P over layers before multiplying.
 * z-loss (ST-MoE): the mean over tokens of logsumexp(z)².
+
+What a trainer adds for one forward is ``router_objective`` of every layer's losses:
+``cfg.moe_aux_loss_pooling`` "layer" sums each layer's weighted losses; "model" weighs the
+pooled load-balancing loss once (transformers' ``router_aux_loss_coef · aux_loss``) and
+adds each layer's weighted z-loss.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from layers.utils import comm_timer_of
 
 ROUTERS = ("softmax", "sigmoid")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+AUX_LOSS_POOLINGS = ("layer", "model")
 
 
 @dataclass
@@ -72,6 +78,8 @@ class RouterLosses:
     prob_sum: torch.Tensor  # [E] Σ over tokens of P's per-token probabilities (with grad)
     tokens: int  # T, the tokens routed
     dropped: torch.Tensor  # int64 scalar: token-slots dropped past capacity (0: dropless)
+    aux_coeff: float  # the weights ``loss`` applies, for ``router_objective``'s pooled form
+    z_coeff: float
 
 
 @dataclass
@@ -122,6 +130,24 @@ def pooled_load_balancing_loss(layers: list[RouterLosses]) -> torch.Tensor:
     slots = sum(one.slots_per_expert for one in layers).to(layers[0].prob_sum.dtype)
     probs = sum(one.prob_sum for one in layers)
     return slots.numel() * (slots / rows * probs / rows).sum()
+
+
+def router_objective(layers: list[RouterLosses], pooling: str = "layer") -> torch.Tensor:
+    """The router losses one forward adds to the training loss (``layers``: every MoE
+    layer's, in model order). "layer": Σ each layer's ``loss``. "model": aux_coeff · the
+    pooled load-balancing loss (transformers' ``router_aux_loss_coef · aux_loss``, one
+    value for the model) plus each layer's z_coeff · z."""
+    if pooling == "layer":
+        return sum(one.loss for one in layers)
+    if pooling != "model":
+        raise ValueError(
+            f"model.moe_aux_loss_pooling={pooling!r} is not one of {AUX_LOSS_POOLINGS}"
+        )
+    total = layers[0].aux_coeff * pooled_load_balancing_loss(layers)
+    for one in layers:
+        if one.z_coeff:  # a zero weight adds nothing, not even 0 · z
+            total = total + one.z_coeff * one.z
+    return total
 
 
 class TopKRouter(nn.Module):
@@ -206,6 +232,8 @@ class TopKRouter(nn.Module):
             prob_sum=prob_sum,
             tokens=tokens,
             dropped=dropped,
+            aux_coeff=self.aux_coeff,
+            z_coeff=self.z_coeff,
         )
 
     @torch.no_grad()

@@ -39,6 +39,14 @@ def _reference_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8)
 
 
+def reference_step(ref: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor) -> None:
+    """One step of the transformers reference: backward, clip the norm at 1.0, AdamW."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+
+
 def _train_both(hf_dir: str, hf_class: str, tp: int, dp: int) -> list[tuple[float, float]]:
     """(meshtron loss averaged over DP, transformers loss) per step. Each DP rank trains on
     its slice of the batch; the reference on the whole batch (equal slices: the mean of the
@@ -67,10 +75,7 @@ def _train_both(hf_dir: str, hf_class: str, tp: int, dp: int) -> list[tuple[floa
         dist.all_reduce(mean, group=ps.dp_group)
         logits = ref(input_ids=ids[:, :-1]).logits
         theirs = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        theirs.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        reference_step(ref, ref_opt, theirs)
         losses.append((mean.item() / dp, theirs.item()))
     parallel_state.destroy()
     return losses

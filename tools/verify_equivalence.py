@@ -15,8 +15,9 @@ router's kept (token, expert) pairs, its dropped ones (--capacity-factor), its w
 its auxiliary and z-losses, the experts' output rows, the router loss.
 
 With --hf-dir DIR it instead compares the logits of a local Hugging Face GPT-2, BERT,
-Llama, Mistral or Qwen2 directory loaded by transformers with meshtron's import of it at
-the given layout.
+Llama, Mistral, Qwen2, or MoE (Mixtral, Qwen2-MoE, Qwen3-MoE) directory loaded by
+transformers with meshtron's import of it at the given layout (an MoE directory at any
+--ep-size dividing --dp-size and its expert count).
 
 Starts its own tp×dp×cp×pp local workers (torch elastic launcher); under torchrun or another
 launcher (RANK set) each process is one rank.
@@ -26,6 +27,7 @@ launcher (RANK set) each process is one rank.
     python tools/verify_equivalence.py --model llama --cp-size 2 --tp-size 1 --heads 4
     python tools/verify_equivalence.py --model llama --ep-size 2 --dp-size 2 --tp-size 1 --heads 4
     python tools/verify_equivalence.py --hf-dir ./gpt2-tiny --tp-size 2 --dtype float32
+    python tools/verify_equivalence.py --hf-dir ./mixtral-tiny --tp-size 1 --dp-size 2 --ep-size 2
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
         "--hf-dir",
-        help="local Hugging Face GPT-2, BERT, Llama, Mistral or Qwen2 directory to compare with",
+        help="local Hugging Face GPT-2, BERT, Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE or "
+        "Qwen3-MoE directory to compare with",
     )
     p.add_argument("--failing-only", action="store_true", help="print only out-of-tolerance rows")
     return p.parse_args(argv)
@@ -215,13 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         ),
     )
     try:
-        if args.hf_dir and (args.ep_size > 1 or args.experts):
+        if args.hf_dir and args.experts is not None:
             raise ValueError(
-                "--ep-size and --experts run the tiny-model comparison, not --hf-dir's (an "
-                "MoE directory compares at ep_size=1)"
+                "--experts sets the tiny model's experts; an --hf-dir directory has its own "
+                "(drop --experts)"
             )
         if args.hf_dir:
-            check_hf_layout(spec, args.hf_dir)
+            spec = check_hf_layout(spec, args.hf_dir)
         else:
             spec.check()
     except (OSError, ValueError) as err:

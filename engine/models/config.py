@@ -19,7 +19,7 @@ from layers.compile import (
 from layers.kernels.dispatch import BACKENDS as KERNELS
 from layers.recompute import RECOMPUTE_MODES
 from layers.rotary import ROPE_SCALINGS
-from layers.router import ROUTER_DTYPES, ROUTERS
+from layers.router import AUX_LOSS_POOLINGS, ROUTER_DTYPES, ROUTERS
 from layers.spec import ATTENTIONS, MLPS
 from layers.spec import NORMS as NORM_CLASSES
 from layers.utils import pad_vocab_size
@@ -145,6 +145,10 @@ class ModelConfig:
     moe_capacity_factor: float | None = None  # per expert ⌈factor·T·k/E⌉ slots; None: dropless
     moe_aux_loss_coeff: float = 0.01  # weight of the load-balancing loss in the trainer's loss
     moe_z_loss_coeff: float = 0.0  # weight of the router z-loss
+    # How the load-balancing loss covers the MoE layers: "layer" (each layer's own loss,
+    # summed) or "model" (f and P pooled over all layers first, transformers' aux_loss;
+    # an HF import of Mixtral / Qwen-MoE sets it)
+    moe_aux_loss_pooling: str = "layer"
     moe_bias_update_rate: float = 0.001  # γ of the sigmoid router's bias update (DeepSeek-V3)
     moe_layer_freq: int = 1  # experts on layers i with (i + 1) % freq == 0, dense elsewhere
     # Attention's reach and scores (any causal family; Gemma 2 sets them all).
@@ -238,6 +242,7 @@ class ModelConfig:
             ("rope_scaling", self.rope_scaling, ROPE_SCALINGS),
             ("moe_router", self.moe_router, ROUTERS),
             ("moe_router_dtype", self.moe_router_dtype, tuple(ROUTER_DTYPES)),
+            ("moe_aux_loss_pooling", self.moe_aux_loss_pooling, AUX_LOSS_POOLINGS),
         ):
             if value not in allowed:
                 raise ValueError(f"model.{key}={value!r} is not one of {allowed}")

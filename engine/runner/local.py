@@ -11,7 +11,8 @@ step sees Σ over cp ranks / (b · s), the unsplit model's mean.
 
 A model with MoE layers trains on its loss plus every router's auxiliary and z-losses
 (``layers.moe.moe_losses``: each router's weighted losses of this micro-batch's tokens on
-this rank), divided by the micro-batch count with it: the objective is the mean over the
+this rank, combined by ``layers.router.router_objective`` as ``model.moe_aux_loss_pooling``
+says: per layer, or pooled over the model's layers as transformers' ``aux_loss``), divided by the micro-batch count with it: the objective is the mean over the
 step's micro-batches and (by the DP average) its ranks of (model loss + router losses),
 the same at every ep size, since each rank routes its own tokens at every ep size. The
 step's reported loss stays the model's (comparable with evaluation and dense runs); the
@@ -32,6 +33,7 @@ from engine.data_parallel import DataParallel
 from engine.models.base import to_device
 from engine.moe_observe import MoEWindow
 from layers.moe import MoEMLP, moe_losses
+from layers.router import router_objective
 from parallel_state import ParallelState
 
 Autocast = Callable[[], contextlib.AbstractContextManager]
@@ -85,6 +87,7 @@ class LocalRunner:
         self.has_experts = any(isinstance(m, MoEMLP) for m in model.modules())
         self.router_loss = torch.zeros((), device=ps.device)  # the last step's, detached
         self.moe_window = MoEWindow(model, ps.device) if self.has_experts else None
+        self.aux_pooling = model.cfg.moe_aux_loss_pooling if self.has_experts else "layer"
 
     def _loss(self, batch) -> torch.Tensor:
         return self.model.loss(self.inputs(batch))
@@ -95,7 +98,7 @@ class LocalRunner:
             return None
         losses = moe_losses(self.model)
         self.moe_window.add(losses)
-        return sum(one.loss for one in losses)
+        return router_objective(losses, self.aux_pooling)
 
     def forward_backward(
         self, micro_batches: list, dp: DataParallel, loss_scale: float = 1.0

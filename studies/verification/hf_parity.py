@@ -25,6 +25,7 @@ from engine.hf_interop import (
 from engine.models import build_model
 from engine.models.families import FAMILIES
 from layers.mappings import gather_along
+from layers.moe import MoEMLP
 from layers.norm import NORMS as NORM_CLASSES
 from studies.verification.layouts import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 
@@ -108,20 +109,31 @@ def hf_reference_note(spec: VerifySpec, hf_dir: str | os.PathLike) -> str:
     return f"reference: transformers in {spec.dtype}"
 
 
-def check_hf_layout(spec: VerifySpec, hf_dir: str | os.PathLike) -> None:
+def check_hf_layout(spec: VerifySpec, hf_dir: str | os.PathLike) -> VerifySpec:
     """Raise ValueError (or OSError) if :func:`compare_with_hf` cannot run ``hf_dir``'s model
-    at ``spec``'s layout: heads, hidden, FFN and batch against TP and DP, before any launch."""
+    at ``spec``'s layout: heads, hidden, FFN and batch against TP and DP, experts against
+    ep (carved from dp), before any launch. Returns ``spec`` with the directory's family
+    and expert count (what the layout checks and the mesh are built from)."""
     cfg = config_from_hf(read_hf_config(hf_dir))
+    experts = cfg.moe_num_experts if cfg.mlp == "moe" else 0
+    if spec.ep_size > 1 and not experts:
+        raise ValueError(
+            f"--ep-size {spec.ep_size} splits the experts of an MoE model; {hf_dir} holds a "
+            f"dense {cfg.arch}: set --ep-size 1"
+        )
+    spec = replace(spec, model=cfg.arch, experts=experts)
     replace(spec, seq_len=min(spec.seq_len, cfg.max_positions)).check(cfg)
     missing = [f for f in hf_weight_files(hf_dir) if not (Path(hf_dir) / f).is_file()]
     if missing:
         raise FileNotFoundError(f"{hf_dir}: the weights index names missing files {missing[:3]}")
+    return spec
 
 
 def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:
     """Logits of ``hf_dir`` loaded by transformers vs meshtron's import of it at ``spec``'s
     layout, on a fixed random batch (BERT: MLM and seq-relationship logits), within
-    ``HF_TOLERANCES``; the Report on global rank 0, None elsewhere."""
+    ``HF_TOLERANCES``; the Report on global rank 0, None elsewhere. Under ep > 1 each rank
+    keeps its ep group's share of the experts and routes its own DP slice, as in training."""
     ps, dtype = parallel_state.get(), DTYPES[spec.dtype]
     cfg, state, hf_config = read_hf_dir(hf_dir, tp_group=ps.tp_group)
     cfg = replace(cfg, sequence_parallel=spec.sequence_parallel, recompute=spec.recompute)
@@ -140,7 +152,16 @@ def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:
     theirs = _hf_logits(hf_dir, cfg, hf_config, batch, dtype)
     tol, absolute = HF_TOLERANCES[spec.dtype], spec.dtype != "bfloat16"
     rows = [compare("logits", n, full[n], theirs[n], tol, absolute=absolute) for n in full]
-    return Report(spec, tol, rows, absolute=absolute)
+    return Report(spec, tol, rows, absolute=absolute, notes=_expert_note(model, ps))
+
+
+def _expert_note(model: torch.nn.Module, ps) -> list[str]:
+    """One line saying how many of each MoE layer's experts rank 0 held (none: dense)."""
+    layers = [m for m in model.modules() if isinstance(m, MoEMLP)]
+    if not layers:
+        return []
+    held, total = layers[0].experts.fc1.shape[0], layers[0].num_experts
+    return [f"experts: {held} of {total} per MoE layer on each rank (ep={ps.size('expert')})"]
 
 
 def _hf_logits(hf_dir: str, cfg, hf_config: dict, batch: dict, dtype) -> dict[str, torch.Tensor]:

@@ -21,7 +21,9 @@ its in-memory modules hold them fused, which an import also reads):
 Pure slicing, stacking and transposition: HF → meshtron → HF is bitwise.
 
 The load-balancing loss counts in training where transformers counts it: with
-``output_router_logits`` its weight is ``router_aux_loss_coef``, without it 0.
+``output_router_logits`` its weight is ``router_aux_loss_coef``, without it 0; and as
+transformers computes it, pooled over the model's MoE layers (``moe_aux_loss_pooling``
+"model", ``layers.router.router_objective``).
 """
 
 from __future__ import annotations
@@ -133,7 +135,12 @@ def config_values(hf: dict[str, Any]) -> dict[str, Any]:
             )
     coeff = layout.hf_value(hf, "router_aux_loss_coef", float, 0.001)
     counted = layout.hf_value(hf, "output_router_logits", bool, False)
-    return dict(values, mlp="moe", moe_aux_loss_coeff=float(coeff) if counted else 0.0)
+    return dict(
+        values,
+        mlp="moe",
+        moe_aux_loss_coeff=float(coeff) if counted else 0.0,
+        moe_aux_loss_pooling="model",  # transformers' aux_loss: f and P over all layers
+    )
 
 
 def _qwen3_experts(hf: dict[str, Any]) -> dict[str, Any]:
