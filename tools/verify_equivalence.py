@@ -106,6 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "dropping the rest (default: dropless)",
     )
     p.add_argument("--router", choices=ROUTERS, default="softmax", help="the MoE router")
+    p.add_argument(
+        "--shared-ffn",
+        type=int,
+        default=0,
+        help="width of a gated shared expert beside the routed ones (default 0: none)",
+    )
     p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
     p.add_argument(
         "--virtual-stages",
@@ -211,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         top_k=args.top_k,
         capacity_factor=args.capacity_factor,
         router=args.router,
+        shared_ffn=args.shared_ffn,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
         microbatches=(

@@ -92,6 +92,7 @@ class VerifySpec:
     top_k: int = 2  # experts each token goes to (experts > 0)
     capacity_factor: float | None = None  # per expert ⌈factor·T·k/E⌉ token-slots; None: dropless
     router: str = "softmax"  # "softmax" or "sigmoid" (layers/router.py)
+    shared_ffn: int = 0  # width of a gated shared expert beside the routed ones; 0: none
 
     @property
     def tolerance(self) -> float:

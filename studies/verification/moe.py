@@ -55,7 +55,11 @@ def check_moe(spec) -> None:
     ep, dp, experts = spec.ep_size, spec.dp_size, spec.experts
     if experts < 0:
         raise ValueError(f"experts={experts} must be >= 0 (0: dense MLPs)")
-    moe_only = dict(top_k=2, capacity_factor=None, router="softmax")  # VerifySpec's defaults
+    if spec.shared_ffn < 0:
+        raise ValueError(f"shared_ffn={spec.shared_ffn} must be >= 0 (0: no shared expert)")
+    moe_only = dict(
+        top_k=2, capacity_factor=None, router="softmax", shared_ffn=0
+    )  # VerifySpec's defaults
     if not experts and ep == 1:
         changed = [key for key, value in moe_only.items() if getattr(spec, key) != value]
         if changed:
@@ -106,6 +110,7 @@ def moe_config_keys(spec) -> dict:
         moe_router=spec.router,
         moe_router_dtype="fp64" if spec.dtype == "float64" else "fp32",
         moe_capacity_factor=spec.capacity_factor,
+        moe_shared_ffn_hidden_size=spec.shared_ffn,
         moe_aux_loss_coeff=AUX_COEFF,
         moe_z_loss_coeff=Z_COEFF,
     )
