@@ -42,6 +42,19 @@ MODELS = {  # GPT: learned positions, MHA; Llama: rotary, GQA (2 KV heads for 4 
         "llama_tiny",
         {"num_kv_heads": 2, "ffn_hidden_size": 64, "qk_norm": True, "attention_head_dim": 12},
     ),
+    # Mistral: a sliding window of 5 over 16 tokens (the ring skips blocks outside it)
+    "mistral": ("llama_tiny", {"num_kv_heads": 2, "ffn_hidden_size": 64, "sliding_window": 5}),
+    # Gemma 2: window 6 on every other layer, scores scaled by 24^-1/2 and capped at 2
+    # (small enough to bite on O(1) scores), final logits capped too
+    "gemma2": (
+        "gemma_tiny",
+        {
+            "ffn_hidden_size": 64,
+            "sliding_window": 6,
+            "query_pre_attn_scalar": 24.0,
+            "attn_logit_softcapping": 2.0,
+        },
+    ),
 }
 
 
