@@ -18,7 +18,17 @@ each visiting chunk travel with it and then one hop further, home.
 entirely in the future is skipped, one entirely in the past computed unmasked, and only
 the two diagonal blocks of a rank's own chunks carry the causal triangle. Each rank
 computes ``2·cp−1`` unmasked chunk-by-chunk blocks and 2 diagonal ones: ``4·cp`` half
-blocks, the same on every rank.
+blocks, the same on every rank. They run as chunk × chunk squares: the same work cut as
+one ``[s/cp, chunk]`` block on one rank and one ``[chunk, s/cp]`` on another ran 10–25 %
+apart on a CPU (studies/bench/cp_balance.py); a GPU kernel would rather take the larger
+blocks whole.
+
+**Window.** With ``window`` (Mistral, Gemma 2) a query sees the keys fewer than ``window``
+positions back: each chunk-by-chunk block is masked at its global positions, and a block
+wholly outside the window is skipped, so a short window over a long sequence does less
+work (the ring still walks every step: the K/V still pass every rank). Gemma's score
+scale and soft cap are elementwise on each block's scores; the backward multiplies dS
+by the cap's derivative.
 
 **Documents.** With ``document_ids`` (packed rows), a token sees only its own document's
 tokens: the blocks are cut chunk by chunk, a block with no same-document pair in the batch
@@ -266,6 +276,8 @@ class _Ring:
 
     def _blocks(self, rank: int, source: int, size: int, local_len: int):
         blocks = ring_blocks(rank, source, size, local_len, causal=self.causal)
+        if self.causal:  # equal shapes on every rank: chunk × chunk squares
+            blocks = _by_chunk(blocks, local_len, size)
         if self.documents is None and self.window is None:
             return [(blk, None) for blk in blocks]
         kept = []

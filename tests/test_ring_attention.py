@@ -192,6 +192,8 @@ def test_four_ranks_equal_unsplit_attention_with_balanced_blocks():
         for direction in ("forward", "backward"):
             blocks = calls[direction]
             assert sum(causal for _, _, causal in blocks) == 2, direction
+            # Every block a chunk × chunk square: the same shapes on every rank.
+            assert all(m == n == CHUNK for m, n, _ in blocks), direction
             assert _block_halves(blocks, CHUNK) == 4 * cp, direction
         assert calls["forward"] == calls["backward"]  # the backward recomputes the same blocks
 
