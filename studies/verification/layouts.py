@@ -109,6 +109,8 @@ class VerifySpec:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         check_moe(self)  # before the layout: its one line names the expert count too
+        if self.document_mask:  # before the pipeline's rules: it rules the pipeline out
+            self._check_document_mask()
         dims = self.dims
         dims.check_batch(self.batch_size)  # one slice per DP rank
         if self.batch_size % (self.dp_size * self.microbatches):
@@ -122,8 +124,6 @@ class VerifySpec:
             self._check_pipeline()
         if self.cp_size > 1 and not family(self.model).causal:
             raise ValueError(f"cp_size={self.cp_size} runs the causal decoders, not {self.model}")
-        if self.document_mask:
-            self._check_document_mask()
 
     def _check_document_mask(self) -> None:
         """Packed documents run on the causal decoders, outside the pipeline (as
