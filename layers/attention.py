@@ -323,29 +323,21 @@ class ParallelAttention(nn.Module):
 
     @staticmethod
     def _build_core(cfg: TransformerConfig, rng, cp_group, window=None) -> CoreAttention:
-        """The ring over ``cp_group`` when it has several ranks, else the local core."""
+        """The ring over ``cp_group`` when it has several ranks, else the local core; both
+        take the layer's window, score scale and soft cap."""
         qpas = cfg.query_pre_attn_scalar
-        scale = None if qpas is None else qpas**-0.5
-        softcap = cfg.attn_logit_softcapping
+        reach = dict(
+            window=window,
+            scale=None if qpas is None else qpas**-0.5,
+            softcap=cfg.attn_logit_softcapping,
+        )
         if group_size(cp_group) == 1:
             recompute = cfg.recompute == "selective"
             return CoreAttention(
-                cfg.attention_dropout,
-                causal=cfg.causal,
-                recompute=recompute,
-                rng=rng,
-                window=window,
-                scale=scale,
-                softcap=softcap,
+                cfg.attention_dropout, causal=cfg.causal, recompute=recompute, rng=rng, **reach
             )
         return RingCoreAttention(
-            cp_group,
-            causal=cfg.causal,
-            dropout=cfg.attention_dropout,
-            rng=rng,
-            window=window,
-            scale=scale,
-            softcap=softcap,
+            cp_group, causal=cfg.causal, dropout=cfg.attention_dropout, rng=rng, **reach
         )
 
     def _build_projections(self, cfg: TransformerConfig, tp_group, common: dict) -> None:

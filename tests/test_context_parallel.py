@@ -279,35 +279,46 @@ def test_attention_dropout_under_the_ring_draws_what_the_unsplit_model_draws(nam
     print(f"{name} cp2 attention dropout 0.3: max |error| {worst:.1e}")
 
 
+def planted_report(spec, module=None, attribute: str = "", replacement=None) -> tuple | None:
+    """The layout verifier on ``spec`` with ``module.attribute`` replaced for the run (a
+    planted bug; none without ``module``): (rows compared, first failing row as (kind,
+    name, max_rel) or None) on rank 0, None elsewhere."""
+    import parallel_state
+    from studies.verification.layouts import compare_layouts
+
+    original = module and getattr(module, attribute)
+    if module:
+        setattr(module, attribute, replacement)
+    try:
+        with parallel_state.initialize(spec.dims):
+            report = compare_layouts(spec)
+    finally:
+        if module:
+            setattr(module, attribute, original)
+    if report is None:
+        return None
+    failure = report.first_failure
+    return len(report.rows), failure and (failure.kind, failure.name, failure.max_rel)
+
+
 def _verifier_at_cp2() -> dict[str, tuple | None]:
     """The layout verifier at cp 2: Llama clean, then GPT and Llama with positions not
     offset (each cp rank's tokens numbered from 0): the first failing row of each."""
     import engine.models.gpt.model as gpt_model
-    import parallel_state
-    from studies.verification.layouts import VerifySpec, compare_layouts
+    from studies.verification.layouts import VerifySpec
 
     def unshifted(seq_len, cp_size, cp_rank, *, device=None):
         return torch.arange(seq_len // cp_size, device=device)
 
-    found, original = {}, gpt_model.cp_positions
+    found = {}
     for name, model, planted in (
         ("clean", "llama", False),
         ("gpt", "gpt", True),
         ("llama", "llama", True),
     ):
         spec = VerifySpec(model=model, tp_size=1, cp_size=2, num_heads=4)
-        gpt_model.cp_positions = unshifted if planted else original
-        try:
-            with parallel_state.initialize(spec.dims):
-                report = compare_layouts(spec)
-        finally:
-            gpt_model.cp_positions = original
-        if report is not None:
-            failure = report.first_failure
-            found[name] = (
-                len(report.rows),
-                failure and (failure.kind, failure.name, failure.max_rel),
-            )
+        plant = (gpt_model, "cp_positions", unshifted) if planted else ()
+        found[name] = planted_report(spec, *plant)
     return found
 
 

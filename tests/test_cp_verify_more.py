@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.multiproc import run_ranks
+from tests.test_context_parallel import planted_report
 
 CORE = ("output", "layers.0.attention.core")
 
@@ -65,30 +66,16 @@ def _plants():
     )
 
 
-def _verify_with_plants() -> dict[str, tuple]:
+def _verify_with_plants() -> dict[str, tuple | None]:
     """Per plant: (rows compared, first failing row as (kind, name, max_rel) or None)."""
     import layers.ring_attention as ring
-    import parallel_state
-    from studies.verification.layouts import VerifySpec, compare_layouts
+    from studies.verification.layouts import VerifySpec
 
     found = {}
     for name, attribute, replacement, documents in _plants():
         spec = VerifySpec(model="llama", tp_size=1, cp_size=2, num_heads=4, document_mask=documents)
-        original = attribute and getattr(ring, attribute)
-        if attribute:
-            setattr(ring, attribute, replacement)
-        try:
-            with parallel_state.initialize(spec.dims):
-                report = compare_layouts(spec)
-        finally:
-            if attribute:
-                setattr(ring, attribute, original)
-        if report is not None:
-            failure = report.first_failure
-            found[name] = (
-                len(report.rows),
-                failure and (failure.kind, failure.name, failure.max_rel),
-            )
+        plant = (ring, attribute, replacement) if attribute else ()
+        found[name] = planted_report(spec, *plant)
     return found
 
 

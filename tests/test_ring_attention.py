@@ -247,7 +247,9 @@ def _visible_chunk_pairs(
     return int(seen[[rank, 2 * cp - 1 - rank]].sum())
 
 
-def _documents_on_ranks(kv_heads: int):
+def _ring_counting_blocks(seq: int, kv_heads: int, calls: dict) -> dict:
+    """Per key of ``calls`` (``ring_attention`` keyword arguments): this rank's (output, dq,
+    dk, dv) and how many blocks the forward computed."""
     group = dist.group.WORLD
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     counted, forward = [], ring._block_forward
@@ -259,17 +261,22 @@ def _documents_on_ranks(kv_heads: int):
     ring._block_forward = count_forward
     results = {}
     try:
-        for causal in (True, False):
+        for key, keywords in calls.items():
             counted.clear()
-            full = _inputs(DOCUMENTS.shape[1], kv_heads)
+            full = _inputs(seq, kv_heads)
             q, k, v, dout = (shard_for_cp(t, cp, rank, dim=2) for t in full)
             q, k, v = (t.requires_grad_() for t in (q, k, v))
-            out = ring_attention(q, k, v, cp_group=group, causal=causal, document_ids=DOCUMENTS)
+            out = ring_attention(q, k, v, cp_group=group, **keywords)
             grads = torch.autograd.grad(out, (q, k, v), dout)
-            results[causal] = ([out.detach(), *grads], len(counted))
+            results[key] = ([out.detach(), *grads], len(counted))
     finally:
         ring._block_forward = forward
     return results
+
+
+def _documents_on_ranks(kv_heads: int):
+    calls = {causal: dict(causal=causal, document_ids=DOCUMENTS) for causal in (True, False)}
+    return _ring_counting_blocks(DOCUMENTS.shape[1], kv_heads, calls)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -359,31 +366,12 @@ def _window_reference(window: int, scale, softcap) -> list[torch.Tensor]:
 
 
 def _windows_on_ranks():
-    """Per case: this rank's (output, dq, dk, dv) and how many blocks the forward computed."""
-    group = dist.group.WORLD
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    counted, forward = [], ring._block_forward
-
-    def count_forward(q, *rest):
-        counted.append(q.shape[-2])
-        return forward(q, *rest)
-
-    ring._block_forward = count_forward
-    results = {}
-    try:
-        for window, scale, softcap in WINDOW_CASES:
-            counted.clear()
-            full = _inputs(WINDOW_SEQ, 2)
-            q, k, v, dout = (shard_for_cp(t, cp, rank, dim=2) for t in full)
-            q, k, v = (t.requires_grad_() for t in (q, k, v))
-            out = ring_attention(
-                q, k, v, cp_group=group, causal=True, window=window, scale=scale, softcap=softcap
-            )
-            grads = torch.autograd.grad(out, (q, k, v), dout)
-            results[window] = ([out.detach(), *grads], len(counted))
-    finally:
-        ring._block_forward = forward
-    return results
+    """Per window: this rank's (output, dq, dk, dv) and how many blocks the forward computed."""
+    calls = {
+        window: dict(causal=True, window=window, scale=scale, softcap=softcap)
+        for window, scale, softcap in WINDOW_CASES
+    }
+    return _ring_counting_blocks(WINDOW_SEQ, 2, calls)
 
 
 def test_two_ranks_with_a_window_equal_windowed_attention_and_skip_blocks_outside_it():
