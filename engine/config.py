@@ -321,8 +321,10 @@ def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     layout's rule, ``ParallelDims.check_seq_len``). It composes with tp (and sequence
     parallelism), dp and pp (each stage gets its cp rank's share of every sequence and the
     global positions, ``engine/pipeline/schedule.py``), with attention dropout (the
-    ring reads the unsplit model's mask at the global positions, ``RingCoreAttention``)
-    and with ``model.qk_norm`` (q and k reach the ring normalized)."""
+    ring reads the unsplit model's mask at the global positions, ``RingCoreAttention``),
+    with ``model.qk_norm`` (q and k reach the ring normalized), and with Gemma's and
+    Mistral's ``model.sliding_window``, ``query_pre_attn_scalar`` and
+    ``attn_logit_softcapping`` (the ring windows, scales and caps its blocks' scores)."""
     if dims.cp == 1:
         return []
     m, problems, at = cfg.model, [], f"cp_size={dims.cp}"
@@ -330,12 +332,6 @@ def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
         problems.append(f"{at} runs the causal decoders ({_decoders()}), not model.arch={m.arch}")
     if m.compile:
         problems.append(f"{at} runs the ring eagerly: set model.compile=false")
-    reach = ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping")
-    if any(getattr(m, key) is not None for key in reach):
-        problems.append(
-            f"{at}: ring attention applies no model.sliding_window, query_pre_attn_scalar "
-            "or attn_logit_softcapping; set them to null or cp_size=1"
-        )
     return problems
 
 

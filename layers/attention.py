@@ -206,8 +206,19 @@ class RingCoreAttention(CoreAttention):
         causal: bool,
         dropout: float = 0.0,
         rng: RNGTracker | None = None,
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
-        super().__init__(dropout, causal=causal, recompute=False, rng=rng)
+        super().__init__(
+            dropout,
+            causal=causal,
+            recompute=False,
+            rng=rng,
+            window=window,
+            scale=scale,
+            softcap=softcap,
+        )
         self.cp_group = cp_group
 
     def _keep_rows(self, q: torch.Tensor, p: float) -> torch.Tensor:
@@ -238,6 +249,9 @@ class RingCoreAttention(CoreAttention):
             document_ids=documents,
             dropout_p=p,
             dropout_keep=self._keep_rows(q, p) if p > 0 else None,
+            scale=self.scale,
+            window=self.window,
+            softcap=self.softcap,
         )
         return rearrange(out, "b heads s d -> s b (heads d)")
 
@@ -259,8 +273,8 @@ class ParallelAttention(nn.Module):
 
     ``window`` (from the layer's spec, ``layers.spec.spec_for``) limits each query to its
     last ``window`` keys; ``cfg.query_pre_attn_scalar`` and ``cfg.attn_logit_softcapping``
-    set the scores' scale and soft cap. The ring applies none of the three: with them a
-    cp_group of several ranks is refused.
+    set the scores' scale and soft cap. The ring applies all three, at global positions
+    (``layers.ring_attention``).
     """
 
     def __init__(
@@ -309,28 +323,21 @@ class ParallelAttention(nn.Module):
 
     @staticmethod
     def _build_core(cfg: TransformerConfig, rng, cp_group, window=None) -> CoreAttention:
-        """The ring over ``cp_group`` when it has several ranks, else the local core."""
+        """The ring over ``cp_group`` when it has several ranks, else the local core; both
+        take the layer's window, score scale and soft cap."""
         qpas = cfg.query_pre_attn_scalar
-        scale = None if qpas is None else qpas**-0.5
-        softcap = cfg.attn_logit_softcapping
+        reach = dict(
+            window=window,
+            scale=None if qpas is None else qpas**-0.5,
+            softcap=cfg.attn_logit_softcapping,
+        )
         if group_size(cp_group) == 1:
             recompute = cfg.recompute == "selective"
             return CoreAttention(
-                cfg.attention_dropout,
-                causal=cfg.causal,
-                recompute=recompute,
-                rng=rng,
-                window=window,
-                scale=scale,
-                softcap=softcap,
-            )
-        if window is not None or scale is not None or softcap is not None:
-            raise ValueError(
-                f"cp_size={group_size(cp_group)}: ring attention applies no sliding window, "
-                "query_pre_attn_scalar or attn_logit_softcapping; run them at cp_size=1"
+                cfg.attention_dropout, causal=cfg.causal, recompute=recompute, rng=rng, **reach
             )
         return RingCoreAttention(
-            cp_group, causal=cfg.causal, dropout=cfg.attention_dropout, rng=rng
+            cp_group, causal=cfg.causal, dropout=cfg.attention_dropout, rng=rng, **reach
         )
 
     def _build_projections(self, cfg: TransformerConfig, tp_group, common: dict) -> None:

@@ -18,7 +18,17 @@ each visiting chunk travel with it and then one hop further, home.
 entirely in the future is skipped, one entirely in the past computed unmasked, and only
 the two diagonal blocks of a rank's own chunks carry the causal triangle. Each rank
 computes ``2·cp−1`` unmasked chunk-by-chunk blocks and 2 diagonal ones: ``4·cp`` half
-blocks, the same on every rank.
+blocks, the same on every rank. They run as chunk × chunk squares: the same work cut as
+one ``[s/cp, chunk]`` block on one rank and one ``[chunk, s/cp]`` on another ran 10–25 %
+apart on a CPU (studies/bench/cp_balance.py); a GPU kernel would rather take the larger
+blocks whole.
+
+**Window.** With ``window`` (Mistral, Gemma 2) a query sees the keys fewer than ``window``
+positions back: each chunk-by-chunk block is masked at its global positions, and a block
+wholly outside the window is skipped, so a short window over a long sequence does less
+work (the ring still walks every step: the K/V still pass every rank). Gemma's score
+scale and soft cap are elementwise on each block's scores; the backward multiplies dS
+by the cap's derivative.
 
 **Documents.** With ``document_ids`` (packed rows), a token sees only its own document's
 tokens: the blocks are cut chunk by chunk, a block with no same-document pair in the batch
@@ -135,10 +145,17 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _scores(q, k, scale, causal, same_doc):
-    """``[b, kv_heads, group, m, n]`` scores, −inf above a diagonal block's triangle and,
-    when ``same_doc`` ``[b, m, n]`` is given, where it is False."""
+def _capped(q, k, scale, softcap):
+    """``[b, kv_heads, group, m, n]`` scores QKᵀ·scale, soft-capped to c·tanh(·/c) when
+    ``softcap`` c is given (Gemma 2), unmasked."""
     s = torch.einsum("bhgmd,bhnd->bhgmn", q, k) * scale
+    return s if softcap is None else torch.tanh(s / softcap) * softcap
+
+
+def _masked(s, causal, same_doc):
+    """Scores ``s`` with −inf above a diagonal block's triangle and, when ``same_doc``
+    ``[b or 1, m, n]`` (the pairs a block may see: same document, inside the window) is
+    given, where it is False."""
     if causal:
         m, n = s.shape[-2:]
         future = torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1)
@@ -153,13 +170,14 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def _block_forward(q, k, v, scale: float, causal: bool, same_doc, drop=None):
+def _block_forward(q, k, v, scale: float, causal: bool, same_doc, drop=None, softcap=None):
     """Attention of q ``[b, kv_heads, group, m, d]`` over k, v ``[b, kv_heads, n, d]``:
     (output ``[b, kv_heads, group, m, d]``, log-sum-exp ``[b, kv_heads, group, m]``).
     ``drop`` ``[b, kv_heads, group, m, n]`` (dropout: keep-mask / (1 − p)) scales the
     probabilities after the softmax, as ``F.dropout`` of the attention weights does; the
-    log-sum-exp stays the undropped one, so the merge keeps the true normalisation."""
-    s = _scores(q, k, scale, causal, same_doc)
+    log-sum-exp stays the undropped one, so the merge keeps the true normalisation.
+    ``softcap`` caps the scores before the mask (:func:`_capped`)."""
+    s = _masked(_capped(q, k, scale, softcap), causal, same_doc)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
     if drop is not None:
@@ -167,13 +185,17 @@ def _block_forward(q, k, v, scale: float, causal: bool, same_doc, drop=None):
     return torch.einsum("bhgmn,bhnd->bhgmd", p, v), lse
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool, same_doc, drop=None):
+def _block_backward(
+    q, k, v, dout, lse, delta, scale: float, causal: bool, same_doc, drop=None, softcap=None
+):
     """(dq, dk, dv) of one block, from the final log-sum-exp and delta = rowsum(dO·O).
 
     With dropout (``drop`` as in :func:`_block_forward`): O = (P∘D)·V, so dV = (P∘D)ᵀ·dO,
     the gradient reaching P is D∘(dO·Vᵀ), and dS = P∘(D∘(dO·Vᵀ) − delta), where delta =
-    rowsum(dO·O) still (Σₙ Pₙ·Dₙ·(dO·vₙ) = dO·O)."""
-    p = torch.exp(_scores(q, k, scale, causal, same_doc) - _finite(lse)[..., None])
+    rowsum(dO·O) still (Σₙ Pₙ·Dₙ·(dO·vₙ) = dO·O). With ``softcap`` c the capped score
+    c·tanh(x/c) has derivative 1 − tanh², so dS reaches the raw scores times that."""
+    capped = _capped(q, k, scale, softcap)
+    p = torch.exp(_masked(capped, causal, same_doc) - _finite(lse)[..., None])
     dp = torch.einsum("bhgmd,bhnd->bhgmn", dout, v)
     if drop is not None:
         dv = torch.einsum("bhgmn,bhgmd->bhnd", p * drop, dout)
@@ -181,6 +203,8 @@ def _block_backward(q, k, v, dout, lse, delta, scale: float, causal: bool, same_
     else:
         dv = torch.einsum("bhgmn,bhgmd->bhnd", p, dout)
     ds = p * (dp - delta[..., None])
+    if softcap is not None:
+        ds = ds * (1 - (capped / softcap) ** 2)
     dq = torch.einsum("bhgmn,bhnd->bhgmd", ds, k) * scale
     dk = torch.einsum("bhgmn,bhgmd->bhnd", ds, q) * scale
     return dq, dk, dv
@@ -237,6 +261,8 @@ class _Ring:
     documents: torch.Tensor | None  # [b, s] document ids of the full sequence
     keep: torch.Tensor | None = None  # [b, heads, s/cp, s] bool: keys at global positions
     p: float = 0.0
+    window: int | None = None  # a query sees its last ``window`` keys (itself included)
+    softcap: float | None = None  # scores → c·tanh(scores/c) before the mask
 
     def steps(self, local_len: int):
         """Per ring step, the blocks against rank ``rank − step``'s chunks, each as
@@ -250,16 +276,33 @@ class _Ring:
 
     def _blocks(self, rank: int, source: int, size: int, local_len: int):
         blocks = ring_blocks(rank, source, size, local_len, causal=self.causal)
-        if self.documents is None:
+        if self.causal:  # equal shapes on every rank: chunk × chunk squares
+            blocks = _by_chunk(blocks, local_len, size)
+        if self.documents is None and self.window is None:
             return [(blk, None) for blk in blocks]
-        doc_q, doc_k = (shard_for_cp(self.documents, size, r, dim=1) for r in (rank, source))
         kept = []
         for blk in _by_chunk(blocks, local_len, size):
-            same = doc_q[:, blk.q, None] == doc_k[:, None, blk.k]  # [b, m, n]
-            # A block between two documents is skipped, not masked (one host sync each).
-            if blk.causal or same.any():
-                kept.append((blk, None if same.all() else same))
+            seen = self._visible(blk, rank, source, size, local_len)  # [b or 1, m, n]
+            # A block between two documents or past the window is skipped, not masked
+            # (one host sync each); a diagonal one always holds its own tokens.
+            if blk.causal or seen.any():
+                kept.append((blk, None if seen.all() else seen))
         return kept
+
+    def _visible(self, blk: Block, rank: int, source: int, size: int, local_len: int):
+        """Which of a block's (query, key) pairs the documents and the window let through,
+        ``[b, m, n]`` (``[1, m, n]`` without documents); the causal triangle aside."""
+        seen = torch.ones(1, 1, 1, dtype=torch.bool)
+        if self.documents is not None:
+            doc_q, doc_k = (shard_for_cp(self.documents, size, r, dim=1) for r in (rank, source))
+            seen = doc_q[:, blk.q, None] == doc_k[:, None, blk.k]
+        if self.window is not None:  # at global positions: q − k < window
+            device = self.documents.device if self.documents is not None else None
+            pos_q, pos_k = (
+                cp_positions(size * local_len, size, r, device=device) for r in (rank, source)
+            )
+            seen = seen & ((pos_q[blk.q, None] - pos_k[None, blk.k]) < self.window)[None]
+        return seen
 
     def _drop(self, blk: Block, source: int, size: int, local_len: int):
         """The block's keep-mask ``[b, heads, m, n]``: this rank's query rows ``blk.q`` of
@@ -303,7 +346,9 @@ def _ring_forward(q, k, v, ring: _Ring):
             k_blk, v_blk = kv[:, :, :, blk.k].to(acc)
             q_blk = qg[..., blk.q, :]
             drop = ring.factor(keep, k.shape[1], acc)
-            o, m = _block_forward(q_blk, k_blk, v_blk, ring.scale, blk.causal, same, drop)
+            o, m = _block_forward(
+                q_blk, k_blk, v_blk, ring.scale, blk.causal, same, drop, ring.softcap
+            )
             _merge_(out[..., blk.q, :], lse[..., blk.q], o, m)
         if shift is not None:
             kv = shift.wait()
@@ -325,7 +370,9 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
             k_blk, v_blk = kv[:, :, :, blk.k].to(acc)
             rows = (qg[..., blk.q, :], k_blk, v_blk, dog[..., blk.q, :], lse[..., blk.q])
             drop = ring.factor(keep, kv_heads, acc)
-            grads = _block_backward(*rows, delta[..., blk.q], ring.scale, blk.causal, same, drop)
+            grads = _block_backward(
+                *rows, delta[..., blk.q], ring.scale, blk.causal, same, drop, ring.softcap
+            )
             dq[..., blk.q, :] += grads[0]
             dkv[0, :, :, blk.k] += grads[1]
             dkv[1, :, :, blk.k] += grads[2]
@@ -367,6 +414,8 @@ def ring_attention(
     document_ids: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     dropout_keep: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """softmax(QKᵀ·scale)·V of this rank's queries over the whole sequence's keys.
 
@@ -384,10 +433,17 @@ def ring_attention(
     (query, key) pair's draw depends on the pair alone, not on the split: given the rows of
     the mask the unsplit attention draws (``RingCoreAttention``), the ring computes what it
     computes. The kept probabilities are scaled by 1/(1 − ``dropout_p``).
+
+    ``window`` (causal only) limits each query to its last ``window`` keys, itself included
+    (q − k < window at global positions, as ``layers.attention.sliding_window_mask``):
+    blocks wholly outside it are skipped, so a short window over a long sequence costs
+    less. ``softcap`` c caps the scores to c·tanh(scores/c) before the mask (Gemma 2).
     """
     cp, local = group_size(cp_group), q.shape[2]
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"heads ({q.shape[1]}) is not a multiple of kv heads ({k.shape[1]})")
+    if window is not None and (not causal or window < 1):
+        raise ValueError(f"window={window} limits causal attention: give causal=True, window >= 1")
     if (causal or document_ids is not None) and cp > 1 and local % 2:
         raise ValueError(f"ring attention needs an even local length (two chunks), got {local}")
     if document_ids is not None and tuple(document_ids.shape) != (q.shape[0], cp * local):
@@ -401,5 +457,5 @@ def ring_attention(
             f"[{q.shape[0]}, {q.shape[1]}, {local}, {cp * local}]"
         )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ring = _Ring(cp_group, causal, scale, document_ids, dropout_keep, dropout_p)
+    ring = _Ring(cp_group, causal, scale, document_ids, dropout_keep, dropout_p, window, softcap)
     return _RingAttention.apply(q, k, v, ring)

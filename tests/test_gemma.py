@@ -102,19 +102,13 @@ def test_windowed_layers_alternate_and_any_family_takes_the_window():
         preset("gemma_tiny", attn_logit_softcapping=-1.0).validate()
 
 
-def test_context_parallel_refuses_the_window_in_one_line():
-    """Ring attention applies no window, scale or cap: cp_size>1 says so before a worker
-    starts; without them the same layout has no such line."""
+def test_context_parallel_takes_the_window_scale_and_cap():
+    """Ring attention applies Gemma's window, score scale and cap (tests/test_ring_attention.py,
+    tests/test_context_parallel.py): cp_size>1 no longer refuses them."""
     from engine.config import Config, parallel_dims, validate
 
     cfg = Config(cp_size=2, tp_size=1, dp_size=1)
     cfg.model = preset("gemma_tiny")
-    problems = [p for p in validate(cfg, parallel_dims(cfg, None)) if "ring attention" in p]
-    assert problems == [
-        "cp_size=2: ring attention applies no model.sliding_window, query_pre_attn_scalar "
-        "or attn_logit_softcapping; set them to null or cp_size=1"
-    ]
-    cfg.model = preset("llama_tiny")
     assert not [p for p in validate(cfg, parallel_dims(cfg, None)) if "ring attention" in p]
 
 

@@ -192,6 +192,8 @@ def test_four_ranks_equal_unsplit_attention_with_balanced_blocks():
         for direction in ("forward", "backward"):
             blocks = calls[direction]
             assert sum(causal for _, _, causal in blocks) == 2, direction
+            # Every block a chunk × chunk square: the same shapes on every rank.
+            assert all(m == n == CHUNK for m, n, _ in blocks), direction
             assert _block_halves(blocks, CHUNK) == 4 * cp, direction
         assert calls["forward"] == calls["backward"]  # the backward recomputes the same blocks
 
@@ -228,19 +230,26 @@ def _document_reference(causal: bool, kv_heads: int) -> list[torch.Tensor]:
     return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
 
 
-def _visible_chunk_pairs(rank: int, cp: int, causal: bool) -> int:
-    """Chunk-by-chunk blocks of rank ``rank`` that hold at least one visible pair."""
-    chunk = DOCUMENTS.shape[1] // (2 * cp)
-    pos = torch.arange(DOCUMENTS.shape[1])
-    visible = DOCUMENTS[:, :, None] == DOCUMENTS[:, None, :]  # [b, s, s]
+def _visible_chunk_pairs(
+    rank: int, cp: int, causal: bool, documents: torch.Tensor = DOCUMENTS, window=None
+) -> int:
+    """Chunk-by-chunk blocks of rank ``rank`` that hold at least one visible pair (same
+    document, not in the future and, with ``window``, fewer than ``window`` tokens back)."""
+    chunk = documents.shape[1] // (2 * cp)
+    pos = torch.arange(documents.shape[1])
+    visible = documents[:, :, None] == documents[:, None, :]  # [b, s, s]
     if causal:
         visible &= pos[:, None] >= pos[None, :]
+    if window is not None:
+        visible &= (pos[:, None] - pos[None, :]) < window
     blocks = visible.any(0).unflatten(0, (2 * cp, chunk)).unflatten(2, (2 * cp, chunk))
     seen = blocks.any(3).any(1)  # [query chunk, key chunk]
     return int(seen[[rank, 2 * cp - 1 - rank]].sum())
 
 
-def _documents_on_ranks(kv_heads: int):
+def _ring_counting_blocks(seq: int, kv_heads: int, calls: dict) -> dict:
+    """Per key of ``calls`` (``ring_attention`` keyword arguments): this rank's (output, dq,
+    dk, dv) and how many blocks the forward computed."""
     group = dist.group.WORLD
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     counted, forward = [], ring._block_forward
@@ -252,17 +261,22 @@ def _documents_on_ranks(kv_heads: int):
     ring._block_forward = count_forward
     results = {}
     try:
-        for causal in (True, False):
+        for key, keywords in calls.items():
             counted.clear()
-            full = _inputs(DOCUMENTS.shape[1], kv_heads)
+            full = _inputs(seq, kv_heads)
             q, k, v, dout = (shard_for_cp(t, cp, rank, dim=2) for t in full)
             q, k, v = (t.requires_grad_() for t in (q, k, v))
-            out = ring_attention(q, k, v, cp_group=group, causal=causal, document_ids=DOCUMENTS)
+            out = ring_attention(q, k, v, cp_group=group, **keywords)
             grads = torch.autograd.grad(out, (q, k, v), dout)
-            results[causal] = ([out.detach(), *grads], len(counted))
+            results[key] = ([out.detach(), *grads], len(counted))
     finally:
         ring._block_forward = forward
     return results
+
+
+def _documents_on_ranks(kv_heads: int):
+    calls = {causal: dict(causal=causal, document_ids=DOCUMENTS) for causal in (True, False)}
+    return _ring_counting_blocks(DOCUMENTS.shape[1], kv_heads, calls)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -323,3 +337,61 @@ def test_dropout_on_one_rank_equals_torch_attention_with_the_same_draw():
         ring.ring_attention(
             q, k, v, cp_group=None, causal=True, dropout_p=p, dropout_keep=keep[..., :7]
         )
+
+
+# ---------------------------------------------------------------------------------------
+# Sliding window, score scale and soft cap (Mistral, Gemma 2)
+
+WINDOW_SEQ = 4 * 2 * CHUNK  # cp 2: chunks of 6 tokens
+WINDOW_CASES = [  # (window, scale, soft cap): window alone, then with Gemma's scale and cap
+    (5, None, None),
+    (7, 0.2, 1.5),
+]
+
+
+def _window_reference(window: int, scale, softcap) -> list[torch.Tensor]:
+    """(output, dq, dk, dv) of unsplit causal GQA attention limited to the last ``window``
+    keys, written out (scores, cap, mask, softmax) with autograd for the gradients."""
+    q, k, v, dout = _inputs(WINDOW_SEQ, 2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    k_all, v_all = (t.repeat_interleave(HEADS // 2, 1) for t in (k, v))
+    scores = q @ k_all.transpose(-2, -1) * (HEAD_DIM**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = torch.arange(WINDOW_SEQ)
+    back = pos[:, None] - pos[None, :]
+    scores = scores.masked_fill(~((back >= 0) & (back < window)), float("-inf"))
+    out = torch.softmax(scores, -1) @ v_all
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+
+
+def _windows_on_ranks():
+    """Per window: this rank's (output, dq, dk, dv) and how many blocks the forward computed."""
+    calls = {
+        window: dict(causal=True, window=window, scale=scale, softcap=softcap)
+        for window, scale, softcap in WINDOW_CASES
+    }
+    return _ring_counting_blocks(WINDOW_SEQ, 2, calls)
+
+
+def test_two_ranks_with_a_window_equal_windowed_attention_and_skip_blocks_outside_it():
+    """cp 2, 24 tokens, causal GQA, fp64: a window of 5 (then 7 with a score scale of 0.2
+    and scores capped at 1.5) gives the unsplit windowed attention's output and gradients
+    within 1e-12 (rounding only, as above). Each rank computes exactly the chunk pairs that
+    hold a pair inside the window: fewer than plain causal attention's."""
+    cp = 2
+    ranks = run_ranks(_windows_on_ranks, cp)
+    one_doc = torch.zeros(1, WINDOW_SEQ, dtype=torch.long)
+    for window, scale, softcap in WINDOW_CASES:
+        _assert_matches([r[window][0] for r in ranks], _window_reference(window, scale, softcap))
+        computed = [r[window][1] for r in ranks]
+        expected = [_visible_chunk_pairs(rk, cp, True, one_doc, window) for rk in range(cp)]
+        assert computed == expected, window
+        chunks = 2 * cp
+        assert sum(expected) < chunks * (chunks + 1) // 2, window
+
+
+def test_a_window_is_refused_without_causal_attention():
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"^window=3 limits causal attention"):
+        ring_attention(q, q, q, cp_group=None, causal=False, window=3)

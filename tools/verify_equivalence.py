@@ -14,6 +14,9 @@ each DP slice as its own forward, as each rank routes its own tokens; compared b
 router's kept (token, expert) pairs, its dropped ones (--capacity-factor), its weights and
 its auxiliary and z-losses, the experts' output rows, the router loss.
 
+With --document-mask (the decoders) every row of the batch packs several documents:
+attention stays within each and positions restart at each (data.document_mask=true).
+
 With --hf-dir DIR it instead compares the logits of a local Hugging Face GPT-2, BERT,
 Llama, Mistral, Qwen2, or MoE (Mixtral, Qwen2-MoE, Qwen3-MoE) directory loaded by
 transformers with meshtron's import of it at the given layout (an MoE directory at any
@@ -25,6 +28,7 @@ launcher (RANK set) each process is one rank.
     python tools/verify_equivalence.py --model gpt --tp-size 2 --dp-size 2 --sequence-parallel
     python tools/verify_equivalence.py --pp-size 2 --tp-size 1 --schedule 1f1b --layers 4
     python tools/verify_equivalence.py --model llama --cp-size 2 --tp-size 1 --heads 4
+    python tools/verify_equivalence.py --model llama --cp-size 2 --tp-size 2 --document-mask
     python tools/verify_equivalence.py --model llama --ep-size 2 --dp-size 2 --tp-size 1 --heads 4
     python tools/verify_equivalence.py --hf-dir ./gpt2-tiny --tp-size 2 --dtype float32
     python tools/verify_equivalence.py --hf-dir ./mixtral-tiny --tp-size 1 --dp-size 2 --ep-size 2
@@ -153,6 +157,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="local Hugging Face GPT-2, BERT, Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE or "
         "Qwen3-MoE directory to compare with",
     )
+    p.add_argument(
+        "--document-mask",
+        action="store_true",
+        help="decoders: pack each row with several documents (attention and positions "
+        "within each, as data.document_mask=true); pp 1, dense MLPs",
+    )
     p.add_argument("--failing-only", action="store_true", help="print only out-of-tolerance rows")
     return p.parse_args(argv)
 
@@ -218,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         capacity_factor=args.capacity_factor,
         router=args.router,
         shared_ffn=args.shared_ffn,
+        document_mask=args.document_mask,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
         microbatches=(

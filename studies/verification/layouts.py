@@ -93,6 +93,7 @@ class VerifySpec:
     capacity_factor: float | None = None  # per expert ⌈factor·T·k/E⌉ token-slots; None: dropless
     router: str = "softmax"  # "softmax" or "sigmoid" (layers/router.py)
     shared_ffn: int = 0  # width of a gated shared expert beside the routed ones; 0: none
+    document_mask: bool = False  # decoders: rows packed with documents (``document_ids``)
 
     @property
     def tolerance(self) -> float:
@@ -109,6 +110,8 @@ class VerifySpec:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         check_moe(self)  # before the layout: its one line names the expert count too
+        if self.document_mask:  # before the pipeline's rules: it rules the pipeline out
+            self._check_document_mask()
         dims = self.dims
         dims.check_batch(self.batch_size)  # one slice per DP rank
         if self.batch_size % (self.dp_size * self.microbatches):
@@ -122,6 +125,17 @@ class VerifySpec:
             self._check_pipeline()
         if self.cp_size > 1 and not family(self.model).causal:
             raise ValueError(f"cp_size={self.cp_size} runs the causal decoders, not {self.model}")
+
+    def _check_document_mask(self) -> None:
+        """Packed documents run on the causal decoders, outside the pipeline (as
+        ``data.document_mask`` does) and with dense MLPs (the MoE comparison builds its
+        own per-slice batches)."""
+        if not family(self.model).causal:
+            raise ValueError(f"--document-mask packs causal documents, not {self.model}")
+        if self.pp_size > 1 or self.experts:
+            raise ValueError(
+                "--document-mask runs at pp_size=1 with dense MLPs: drop --pp-size/--experts"
+            )
 
     def _check_pipeline(self) -> None:
         """The stage split and torch's micro-batch rules for the schedule."""
@@ -196,12 +210,16 @@ class Report:
 
 def make_batch(spec: VerifySpec) -> dict[str, torch.Tensor]:
     """A fixed random global batch. BERT: padded rows, two segments, 3 MLM labels per row
-    (the same count in every row, so per-DP-slice mean losses average to the global one)."""
+    (the same count in every row, so per-DP-slice mean losses average to the global one).
+    Decoders with ``document_mask``: each row packed with documents (``document_ids``)."""
     g = torch.Generator().manual_seed(spec.seed + 1)
     b, s, v = spec.batch_size, spec.seq_len, spec.vocab_size
     ids = torch.randint(0, v, (b, s), generator=g)
     if family(spec.model).causal:  # decoders: next-token batches
-        return {"input_ids": ids, "labels": torch.randint(0, v, (b, s), generator=g)}
+        batch = {"input_ids": ids, "labels": torch.randint(0, v, (b, s), generator=g)}
+        if spec.document_mask:
+            batch["document_ids"] = packed_documents(b, s, g)
+        return batch
     lengths = torch.randint(max(4, s // 2), s + 1, (b,), generator=g)
     positions = torch.arange(s)
     attention_mask = (positions < lengths[:, None]).long()
@@ -218,6 +236,17 @@ def make_batch(spec: VerifySpec) -> dict[str, torch.Tensor]:
         mlm_labels=mlm_labels,
         sop_label=sop_label,
     )
+
+
+def packed_documents(rows: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
+    """Document ids ``[rows, seq_len]``: each row cut at up to 3 random places (a row may
+    hold 1 to 4 documents), so boundaries fall inside the cp chunks as well as on them and
+    the ring meets blocks within one document, across two and between two."""
+    ids = torch.zeros(rows, seq_len, dtype=torch.long)
+    for row in range(rows):
+        cuts = torch.randint(1, seq_len, (3,), generator=g)
+        ids[row, cuts] = 1  # a repeated cut counts once
+    return ids.cumsum(dim=1)
 
 
 def dp_slice(batch: dict[str, torch.Tensor], ps: parallel_state.ParallelState) -> dict:

@@ -1,0 +1,150 @@
+"""How evenly ring attention's load-balanced layout spreads causal work over the cp ranks.
+
+Runs ``layers.ring_attention`` forward and backward at cp N on N local ranks (gloo, CPU,
+one thread each) and times, per rank, only its attention compute: the per-block kernels
+and the log-sum-exp merges, with ``time.thread_time()`` (this thread's CPU time), so the
+waits on the ring and the other jobs of a loaded machine barely count. The figure is the
+ratio busiest ÷ least busy rank (1.0: perfectly even). Beside it, the same ranks compute
+the blocks a contiguous split would give them (rank r: its causal diagonal and r whole
+blocks of the ranks before it), no ring needed, for contrast.
+
+    python tools/bench_cp_balance.py --cp 4 --seq 4096 --heads 4 --head-dim 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_cp_balance.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cp", type=int, default=4, help="context-parallel ranks (local processes)")
+    p.add_argument("--seq", type=int, default=4096, help="tokens (divisible by 2·cp)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes")
+    p.add_argument("--no-contiguous", action="store_true", help="skip the contiguous contrast")
+    return p.parse_args(argv)
+
+
+class _Clock:
+    """CPU seconds this thread spent in the wrapped functions of ``layers.ring_attention``."""
+
+    NAMES = ("_block_forward", "_block_backward", "_merge_")
+
+    def __init__(self) -> None:
+        import layers.ring_attention as ring
+
+        self.ring, self.seconds = ring, 0.0
+        self.originals = {name: getattr(ring, name) for name in self.NAMES}
+        for name, fn in self.originals.items():
+            setattr(self.ring, name, self._timed(fn))
+
+    def _timed(self, fn):
+        def timed(*args):
+            start = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.thread_time() - start
+
+        return timed
+
+    def remove(self) -> None:
+        for name, fn in self.originals.items():
+            setattr(self.ring, name, fn)
+
+
+def _ring_pass(args, group, rank: int, g: torch.Generator) -> None:
+    """One forward and backward of the ring over this rank's share."""
+    from layers.ring_attention import ring_attention
+
+    local = args.seq // args.cp
+    q, k, v = (
+        torch.randn(1, args.heads, local, args.head_dim, generator=g, requires_grad=True)
+        for _ in range(3)
+    )
+    out = ring_attention(q, k, v, cp_group=group, causal=True)
+    out.backward(torch.randn(out.shape, generator=g))
+
+
+def _contiguous_pass(args, rank: int, g: torch.Generator, clock: _Clock) -> None:
+    """The blocks rank ``rank`` of a contiguous split computes, forward and backward: its
+    causal diagonal and one whole block per earlier rank (their K/V: random stand-ins)."""
+    ring = clock.ring
+    local, scale = args.seq // args.cp, args.head_dim**-0.5
+    q = torch.randn(1, args.heads, 1, local, args.head_dim, generator=g)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"))
+    blocks = []
+    for source in range(rank + 1):
+        k, v = torch.randn(2, 1, args.heads, local, args.head_dim, generator=g)
+        blocks.append((k, v, source == rank))
+        o, m = ring._block_forward(q, k, v, scale, source == rank, None)
+        ring._merge_(out, lse, o, m)
+    dout, delta = torch.randn(q.shape, generator=g), torch.randn(q.shape[:-1], generator=g)
+    for k, v, causal in blocks:
+        ring._block_backward(q, k, v, dout, lse, delta, scale, causal, None)
+
+
+def _rank(args) -> list[tuple[float, float]] | None:
+    import torch.distributed as dist
+
+    from engine.bootstrap import bootstrap_rank
+    from parallel_state.dims import ParallelDims
+
+    with bootstrap_rank(ParallelDims(1, 1, cp=args.cp), backend="gloo", max_threads=1) as ps:
+        torch.set_num_threads(1)
+        group, rank = ps.group("cp"), ps.rank_in("cp")
+        g = torch.Generator().manual_seed(rank)
+        clock, times = _Clock(), []
+        try:
+            _ring_pass(args, group, rank, g)  # warm-up: allocation, first messages
+            for _ in range(args.repeats):
+                clock.seconds = 0.0
+                _ring_pass(args, group, rank, g)
+                balanced = clock.seconds
+                clock.seconds = 0.0
+                if not args.no_contiguous:
+                    _contiguous_pass(args, rank, g, clock)
+                times.append((balanced, clock.seconds))
+                dist.barrier(group)
+        finally:
+            clock.remove()
+        every = [None] * args.cp
+        dist.all_gather_object(every, times, group=group)
+        return every if ps.rank == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from studies.verification.layouts import launch_local
+
+    args = parse_args(argv)
+    if args.seq % (2 * args.cp):
+        print(f"bench_cp_balance: --seq {args.seq} is not divisible by 2·cp", file=sys.stderr)
+        return 2
+    every = launch_local(_rank, args.cp, args)
+    print(
+        f"cp {args.cp}, causal, {args.seq} tokens, {args.heads} heads of {args.head_dim}, fp32, "
+        f"1 thread per rank; attention CPU s per forward+backward, median of {args.repeats}"
+    )
+    print("rank  load-balanced  contiguous")
+    medians = []
+    for rank, times in enumerate(every):
+        row = tuple(statistics.median(t[i] for t in times) for i in range(2))
+        medians.append(row)
+        print(f"{rank:4d}  {row[0]:13.3f}  {row[1]:10.3f}")
+    for i, name in enumerate(("load-balanced", "contiguous")):
+        column = [m[i] for m in medians]
+        if min(column) > 0:
+            print(f"{name}: busiest ÷ least busy = {max(column) / min(column):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
