@@ -196,6 +196,12 @@ COVERED = {
     "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib": "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
     "python -m engine.evaluate --ckpt checkpoints/gpt_tiny_stdlib --tp-size 2 --dp-size 2": "tests/test_evaluate.py::test_same_loss_as_the_trainers_validation_at_other_layouts",
     "python -m engine.evaluate --ckpt weights/ --text docs/ARCHITECTURE.md": "tests/test_evaluate.py::test_text_file_loss_is_the_mean_cross_entropy_of_its_windows",
+    "python -m apps.serve --hf-dir weights-hf/ --port 8741": "tests/test_lm_eval.py::test_lm_eval_loglikelihoods_equal_the_training_loss_and_generations_greedy",
+    "HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 lm_eval --model local-completions --model_args "
+    "base_url=http://127.0.0.1:8741/v1/completions,model=weights-hf,tokenizer=weights-hf,"
+    "tokenizer_backend=huggingface,max_length=256 --tasks meshtron_ll,meshtron_gen "
+    "--include_path apps/eval_tasks --log_samples --output_path lm-eval-out/": "tests/test_lm_eval.py::test_lm_eval_loglikelihoods_equal_the_training_loss_and_generations_greedy",
+    "python -m studies.eval.lm_eval_check --ckpt weights-hf/ --samples lm-eval-out/": "tests/test_lm_eval.py::test_lm_eval_loglikelihoods_equal_the_training_loss_and_generations_greedy",
     # docs/MODELS.md
     "python -m engine.pretrain model=llama_tiny tp_size=2 name=llama_tiny": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
     "python -m engine.pretrain model=moe_tiny name=moe_tiny trainer.max_steps=30 tp_size=1": "tests/test_moe_hf.py::test_moe_tiny_trains_and_exports_as_mixtral",
