@@ -43,6 +43,8 @@ BAD_FLAGS = [
     ("bench_moe", ["--tokens", "0"], "argument --tokens: 0 must be >= 1"),
     ("bench_moe", ["--top-k", "9"], "--top-k 9 exceeds --experts 8"),
     ("bench_moe", ["--only", "both"], "argument --only: invalid choice"),
+    ("bench_dp_memory", ["--dp", "4", "--replicas", "3"], "--dp 4 --replicas 3: need dp >= 2"),
+    ("bench_dp_memory", ["--dp", "1"], "--dp 1 --replicas 2: need dp >= 2"),
 ]
 
 

@@ -21,6 +21,8 @@ import sys
 
 import torch
 
+from engine.tool_args import ArgumentParser, positive_int
+
 LAYOUTS = (  # (label, dp_shard, replicas, offload)
     ("all-reduce (dp_shard=none)", "none", 1, "none"),
     ("FSDP full over dp", "full", 1, "none"),
@@ -30,13 +32,18 @@ LAYOUTS = (  # (label, dp_shard, replicas, offload)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="bench_dp_memory.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt_tiny", help="a model preset (configs/model)")
-    p.add_argument("--dp", type=int, default=4, help="data-parallel ranks (local processes)")
-    p.add_argument("--replicas", type=int, default=2, help="HSDP replicas R (divides --dp)")
+    p.add_argument("--dp", type=positive_int, default=4, help="data-parallel ranks (processes)")
+    p.add_argument(
+        "--replicas", type=positive_int, default=2, help="HSDP replicas R (divides --dp)"
+    )
     args = p.parse_args(argv)
     if args.dp < 2 or args.replicas < 2 or args.dp % args.replicas:
-        p.error(f"--dp {args.dp} --replicas {args.replicas}: need dp >= 2 and 2 <= R dividing dp")
+        p.error(
+            f"--dp {args.dp} --replicas {args.replicas}: need dp >= 2 and 2 <= R dividing dp; "
+            "e.g. --dp 4 --replicas 2"
+        )
     return args
 
 
