@@ -26,6 +26,7 @@ import ctypes.util
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  cp {r['cp']}: {r['cpN_bytes'] / mib:9.1f} MiB on the largest rank ({per_rank})")
     print(f"  1/{r['cp']} share of cp 1: {r['share_bytes'] / mib:.1f} MiB; ratio {r['ratio']:.3f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
+        Path(args.json).write_text(json.dumps(r, indent=2) + "\n")
     return 0
 
 
