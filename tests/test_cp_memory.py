@@ -22,7 +22,8 @@ def _launch(fn, world, args):
 def test_cp1_fields_are_positive_and_cover_the_logits():
     """llama_tiny (vocabulary 8192) in fp32: the cross-entropy's backward needs the
     [SEQ, 8192] fp32 logits (or their softmax, the same size) alive, 2 MiB here, so a growth
-    below that means the peak counter was not reset before the pass or not read after it."""
+    below that means the window missed the pass (the peak read before it, or the baseline
+    taken after it)."""
     r = measure(parse_args(["--seq-len", str(SEQ), "--cp", "1"]), launch=_launch)
     fields = ("cp1_bytes", "cpN_bytes", "share_bytes", "ratio")
     assert all(r[k] > 0 for k in fields), r
