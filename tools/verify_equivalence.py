@@ -137,6 +137,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the DP mode the target trains under: none (all-reduce), optimizer (ZeRO-1), "
         "gradients (ZeRO-2) or full (ZeRO-3), the last two through FSDP2",
     )
+    p.add_argument(
+        "--offload",
+        choices=("none", "optimizer"),
+        default="none",
+        help="optimizer: the sharded --dp-shard modes keep Adam's state in host memory "
+        "(parallel.offload)",
+    )
     p.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     p.add_argument(
         "--dtype",
@@ -228,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         capacity_factor=args.capacity_factor,
         router=args.router,
         shared_ffn=args.shared_ffn,
+        offload=args.offload,
         document_mask=args.document_mask,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,

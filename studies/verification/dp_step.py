@@ -40,6 +40,7 @@ class TargetStep:
             device=ps.device,
             dp_shard=spec.dp_shard,
             expert_groups=(ps.group("expert"), ps.group("expert_grad")),
+            offload=spec.offload,
         )
 
     def no_sync(self):

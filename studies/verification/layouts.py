@@ -86,6 +86,7 @@ class VerifySpec:
     virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b, zero_bubble, V)
     microbatches: int = 1  # micro-batches each DP rank's slice is cut into (pp_size > 1)
     dp_shard: str = "none"  # the DP mode the target trains under (none: plain AdamW + GradSync)
+    offload: str = "none"  # "optimizer": the sharded modes step Adam's state in host memory
     cp_size: int = 1  # context-parallel ranks splitting each sequence (ring attention)
     ep_size: int = 1  # expert-parallel ranks splitting each MoE layer's experts (from dp)
     experts: int = 0  # routed experts per layer: > 0 makes every MLP an MoE layer (llama)
@@ -110,6 +111,11 @@ class VerifySpec:
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)} must be >= 1")
         check_moe(self)  # before the layout: its one line names the expert count too
+        if self.offload != "none" and self.dp_shard == "none":
+            raise ValueError(
+                f"offload={self.offload} needs a sharded DP mode: pass --dp-shard optimizer, "
+                "gradients or full (or --offload none)"
+            )
         if self.document_mask:  # before the pipeline's rules: it rules the pipeline out
             self._check_document_mask()
         dims = self.dims
