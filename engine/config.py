@@ -345,7 +345,8 @@ def _validate_experts(cfg: Config, dims: ParallelDims) -> list[str]:
     router losses' pooling under pp: each stage adds its own layers' losses, so a balance
     pooled over the whole model's layers cannot be split across stages."""
     m, ep = cfg.model, dims.ep
-    if m.mlp == "moe" and dims.pp > 1 and m.moe_aux_loss_pooling == "model":
+    pooled = m.moe_aux_loss_pooling == "model" and m.moe_aux_loss_coeff  # z stays per layer
+    if m.mlp == "moe" and dims.pp > 1 and pooled:
         return [
             f"pp_size={dims.pp} adds each stage's router losses per layer, not pooled over the "
             "model: set model.moe_aux_loss_pooling=layer, or pp_size=1"

@@ -67,8 +67,8 @@ class MoEWindow:
         self.slots = torch.zeros(shape, dtype=torch.int64, device=self.device)
         self.dropped = torch.zeros(len(self.layers), dtype=torch.int64, device=self.device)
         self.losses = torch.zeros(len(self.layers), 2, dtype=torch.float64, device=self.device)
-        self.forwards = [0] * len(self.layers)  # per layer: a pipeline stage adds its own
-        self.steps = 0
+        self.forwards = self.steps = 0  # forwards: the add calls (a pipeline chunk's each)
+        self.layer_forwards = [0] * len(self.layers)  # under pp a chunk adds its layers only
 
     def add(self, losses: list[RouterLosses], layers: list[int] | None = None) -> None:
         """One micro-batch forward's router statistics, layer by layer (no host sync):
@@ -85,7 +85,8 @@ class MoEWindow:
             pairs = [torch.stack([one.aux.detach(), one.z.detach()]) for one in losses]
             self.losses[rows] += torch.stack(pairs).to(self.device, torch.float64)
         for row in rows:
-            self.forwards[row] += 1
+            self.layer_forwards[row] += 1
+        self.forwards += 1
 
     def end_step(self) -> None:
         """A step's micro-batches are all in."""
@@ -100,7 +101,7 @@ class MoEWindow:
                 self.slots.double(),
                 self.dropped.double().unsqueeze(1),
                 self.losses,
-                torch.tensor(self.forwards, dtype=torch.float64, device=self.device)[:, None],
+                torch.tensor(self.layer_forwards, dtype=torch.float64, device=self.device)[:, None],
             ],
             dim=1,
         ).to(comm.collective_device(group, self.device), torch.float64)

@@ -163,3 +163,26 @@ def test_without_the_attach_the_router_gradients_differ():
     assert set(routers) <= set(wrong), wrong
     for name in routers:
         assert (got["grads"][name] - want["grads"][name]).abs().max() > 1e-6
+
+
+def test_pp_refuses_only_the_router_losses_pooled_over_the_model():
+    """Per-layer router losses run at pp > 1; an aux loss pooled over the whole model's
+    layers spans the stages and is refused, in one line naming the value and the fix."""
+    from engine.config import Config, parallel_dims, validate
+
+    cfg = Config(pp_size=2, tp_size=1, dp_size=1)
+    m = cfg.model
+    m.mlp, m.moe_num_experts, m.moe_top_k, m.moe_ffn_hidden_size = "moe", 4, 2, 8
+    m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.linear_bias = 0.01, 0.001, False
+
+    def problems():
+        return validate(cfg, parallel_dims(cfg, None))
+
+    assert problems() == []  # layer pooling (the default)
+    m.moe_aux_loss_pooling = "model"
+    assert problems() == [
+        "pp_size=2 adds each stage's router losses per layer, not pooled over the model: "
+        "set model.moe_aux_loss_pooling=layer, or pp_size=1"
+    ]
+    m.moe_aux_loss_coeff = 0.0  # only z losses: the same per layer either way
+    assert problems() == []
