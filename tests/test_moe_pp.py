@@ -1,7 +1,7 @@
 """MoE through pipeline stages (issue 41): the router losses of every stage reach backward.
 
-Two real gloo ranks at pp 2 (one MoE layer per stage) train one 1F1B step of two
-micro-batches through the runtime's pieces: ``PipelineModel``, ``PipelineRunner`` (whose
+Two real gloo ranks at pp 2 (one MoE layer per stage) train one step of two
+micro-batches (1F1B; also two stages a rank under interleaved 1F1B and ZB-V) through the runtime's pieces: ``PipelineModel``, ``PipelineRunner`` (whose
 stage chunks attach their layers' router losses to their outputs) and the all-reduce DP
 strategy. The reference is the unsplit model with the same weights on the same rank,
 trained by the local step runner (which adds the router losses to each micro-batch's
@@ -75,12 +75,14 @@ def _local(model, ps, micro: list) -> dict:
     return dict(out, loss=sum(s.detach() for s in seen) / MICRO, router_loss=runner.router_loss)
 
 
-def _pipelined(model, ps, micro: list) -> dict:
+def _pipelined(model, ps, micro: list, schedule: str, virtual: int) -> dict:
     stages = PipelineModel(
         model,
         pp_rank=ps.pp_rank,
         pp_size=2,
         pp_group=ps.pp_group,
+        virtual=virtual,
+        schedule=schedule,
         embedding_group=ps.group("embedding"),
     )
     dp = build_data_parallel(
@@ -91,14 +93,14 @@ def _pipelined(model, ps, micro: list) -> dict:
         device=DEVICE,
         expert_groups=(ps.group("expert"), ps.group("expert_grad")),
     )
-    runner = PipelineRunner(stages, schedule="1f1b", microbatches=MICRO, ps=ps)
+    runner = PipelineRunner(stages, schedule=schedule, microbatches=MICRO, ps=ps)
     with dp.no_sync():
         loss = runner.train(micro)  # the fp64 mean (forward_backward reports it in fp32)
     out = _step(dp, stages, runner, ps)
     return dict(out, loss=torch.tensor(loss, dtype=F64), router_loss=runner.router_loss)
 
 
-def _pp_rank(cfg, micro: list, attach: bool) -> dict:
+def _pp_rank(cfg, micro: list, attach: bool, schedule: str = "1f1b", virtual: int = 1) -> dict:
     """Rank 0: the pipelined step's results and the local runner's (None elsewhere)."""
     from engine.pipeline import stages as stages_module
 
@@ -109,7 +111,7 @@ def _pp_rank(cfg, micro: list, attach: bool) -> dict:
     for tp_group in (ps.tp_group, solo_group(ps)):  # the same seed: the same weights
         ps.seed(0)
         models.append(build_model(cfg, tp_group=tp_group, rng=ps.rng, dtype=F64, device=DEVICE))
-    got = _pipelined(models[0], ps, micro)
+    got = _pipelined(models[0], ps, micro, schedule, virtual)
     want = _local(models[1], ps, micro)
     rank = ps.rank
     parallel_state.destroy()
@@ -124,32 +126,47 @@ def _mismatches(got: dict, want: dict, kind: str) -> list[str]:
     ]
 
 
-def _run(attach: bool) -> tuple[dict, dict]:
-    cfg = moe_cfg(**{**LLAMA, **KEYS})
-    assert cfg.num_layers == 2  # one MoE layer on each stage
-    return run_ranks(_pp_rank, 2, cfg, _micro_batches(), attach, timeout=120)[0]
+def _run(attach: bool, schedule: str = "1f1b", virtual: int = 1) -> tuple[dict, dict]:
+    cfg = moe_cfg(**{**LLAMA, **KEYS, "num_layers": 2 * virtual})  # one MoE layer a stage
+    micro = _micro_batches()
+    return run_ranks(_pp_rank, 2, cfg, micro, attach, schedule, virtual, timeout=180)[0]
 
 
-@pytest.mark.slow
-def test_pp2_router_losses_reach_every_stage_as_in_the_unsplit_model():
-    got, want = _run(attach=True)
+def _assert_equal(got: dict, want: dict) -> None:
+    """Loss, router loss, norm, every gradient and stepped weight, and the moe line's
+    figures of every layer: the pipelined step's are the local runner's."""
     torch.testing.assert_close(got["loss"], want["loss"], **TOL)
     torch.testing.assert_close(got["router_loss"], want["router_loss"], rtol=0, atol=1e-7)
     torch.testing.assert_close(got["norm"], want["norm"], **TOL)
     assert got["grads"].keys() == want["grads"].keys()
-    routers = [name for name in want["grads"] if name.endswith("router.weight")]
-    assert len(routers) == 2, routers
     for kind in ("grads", "weights"):
         for name, value in want[kind].items():
             torch.testing.assert_close(got[kind][name], value, **TOL, msg=f"{kind} {name}")
     # The moe line sees both stages' layers, with the local runner's figures.
-    assert [one["layer"] for one in got["window"]] == [0, 1]
+    assert [one["layer"] for one in got["window"]] == [one["layer"] for one in want["window"]]
     for mine, theirs in zip(got["window"], want["window"], strict=True):
         for key, value in theirs.items():
             assert abs(mine[key] - value) <= 1e-10, (mine["layer"], key, mine[key], value)
     # The router loss is the weighted mean of the window's (fp64) aux and z losses.
     from_window = sum(0.01 * one["aux"] + 0.001 * one["z"] for one in want["window"])
     assert abs(float(want["router_loss"]) - from_window) <= 1e-7
+
+
+@pytest.mark.slow
+def test_pp2_router_losses_reach_every_stage_as_in_the_unsplit_model():
+    got, want = _run(attach=True)
+    routers = [name for name in want["grads"] if name.endswith("router.weight")]
+    assert len(routers) == 2 and [one["layer"] for one in got["window"]] == [0, 1]
+    _assert_equal(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_two_chunks_per_rank_and_split_backward_add_the_router_losses_alike(schedule):
+    """Two stages a rank (4 layers): interleaved 1F1B, and ZB-V, whose backward is split
+    into the input and the weight gradients (the attach's output must not be a view:
+    torch detaches it in place)."""
+    _assert_equal(*_run(attach=True, schedule=schedule, virtual=2))
 
 
 @pytest.mark.slow

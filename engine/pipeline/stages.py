@@ -46,7 +46,9 @@ class _RouterLossToBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, router_loss: torch.Tensor, scale: float):
         ctx.scale, ctx.like = scale, router_loss.detach()
-        return hidden.view_as(hidden)
+        # The same storage, no copy; not a view of ``hidden`` (as returning it or a
+        # view_as would make it), which the zero-bubble schedules detach in place.
+        return hidden.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
