@@ -136,7 +136,7 @@ class PipelineRunner:
         self._factor = 1.0  # what each micro-batch's loss is multiplied by before backward
         self.has_experts = model.cfg.mlp == "moe"  # on every stage, so all take part in logs
         self.router_loss = torch.zeros((), device=ps.device)  # the last step's, detached
-        self._router_sum, self._per_micro = torch.zeros((), device=ps.device), 1.0
+        self._router_sum, self._micros = torch.zeros((), device=ps.device), 1
         self.moe_window = (
             MoEWindow(model, ps.device, pp_group=ps.group("pp")) if self.has_experts else None
         )
@@ -203,7 +203,7 @@ class PipelineRunner:
             if losses:
                 self.moe_window.add(losses, [numbers[one] for one in routers])
                 with torch.no_grad():
-                    self._router_sum += router_objective(losses).float() * self._per_micro
+                    self._router_sum += (router_objective(losses) / self._micros).float()
             return out
 
         return run
@@ -248,7 +248,7 @@ class PipelineRunner:
         every stage (the last stage's, broadcast over the pipeline group)."""
         self._factor = self.model.router_loss_scale = loss_scale / len(micro_batches)
         self._router_sum = torch.zeros((), device=self.ps.device)
-        self._per_micro = 1.0 / len(micro_batches)
+        self._micros = len(micro_batches)
         self.compute_s, start = 0.0, self._now()
         total = self._run(self._train, micro_batches, forward_only=False)
         self.wall_s = self._now() - start
