@@ -338,12 +338,14 @@ def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
 def _validate_experts(cfg: Config, dims: ParallelDims) -> list[str]:
     """What ``parallel.ep`` needs of the model (experts to split, whole experts per ep
     rank; checkpoints store the experts whole, so they save and resume at any ep), and the
-    router losses, which only the local runner adds (not the pipeline's)."""
+    router losses' pooling under pp: each stage adds its own layers' losses, so a balance
+    pooled over the whole model's layers cannot be split across stages."""
     m, ep = cfg.model, dims.ep
-    if m.mlp == "moe" and dims.pp > 1 and (m.moe_aux_loss_coeff or m.moe_z_loss_coeff):
+    pooled = m.moe_aux_loss_pooling == "model" and m.moe_aux_loss_coeff  # z stays per layer
+    if m.mlp == "moe" and dims.pp > 1 and pooled:
         return [
-            f"pp_size={dims.pp} does not add the router losses yet: set "
-            "model.moe_aux_loss_coeff=0 and model.moe_z_loss_coeff=0, or pp_size=1"
+            f"pp_size={dims.pp} adds each stage's router losses per layer, not pooled over the "
+            "model: set model.moe_aux_loss_pooling=layer, or pp_size=1"
         ]
     if ep == 1:
         return []

@@ -17,6 +17,10 @@ whole global batch:
 * aux, z: the mean of the router's unweighted load-balancing and z-losses over the
   window's micro-batch forwards and the ranks (each forward's value on its own tokens).
 
+Under pipeline parallelism each stage's window holds its own MoE layers (each chunk's
+forward adds its layers'); the close gathers them over the pipeline group, so the line
+and the history cover the whole model on every rank.
+
 The console line aggregates the layers: aux, z and CV are means over layers, min and max
 the extremes over layers and experts, dropped the fraction over all layers' slots.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from engine import comm
@@ -45,10 +50,15 @@ def router_layers(model: nn.Module) -> list[int]:
 class MoEWindow:
     """Each MoE layer's router statistics since the last log step (module docstring)."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, device: torch.device, *, pp_group: dist.ProcessGroup | None = None
+    ) -> None:
+        """``model``: this rank's part of the model; ``pp_group``: where the other
+        stages' MoE layers are (a stage may hold none), gathered at each close."""
         self.layers = router_layers(model)
-        self.num_experts = next(m for m in model.modules() if isinstance(m, TopKRouter)).num_experts
-        self.device = device
+        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.num_experts = routers[0].num_experts if routers else 0
+        self.device, self.pp_group = device, pp_group
         self.history: list[dict] = []  # one entry per closed window, for the metrics file
         self._reset()
 
@@ -57,17 +67,25 @@ class MoEWindow:
         self.slots = torch.zeros(shape, dtype=torch.int64, device=self.device)
         self.dropped = torch.zeros(len(self.layers), dtype=torch.int64, device=self.device)
         self.losses = torch.zeros(len(self.layers), 2, dtype=torch.float64, device=self.device)
-        self.forwards = self.steps = 0
+        self.forwards = self.steps = 0  # forwards: the add calls (a pipeline chunk's each)
+        self.layer_forwards = [0] * len(self.layers)  # under pp a chunk adds its layers only
 
-    def add(self, losses: list[RouterLosses]) -> None:
-        """One micro-batch forward's router statistics, layer by layer (no host sync)."""
-        if len(losses) != len(self.layers):
-            raise ValueError(f"{len(losses)} router results for {len(self.layers)} MoE layers")
+    def add(self, losses: list[RouterLosses], layers: list[int] | None = None) -> None:
+        """One micro-batch forward's router statistics, layer by layer (no host sync):
+        of every layer, or of the ``layers`` (their numbers) one pipeline chunk holds."""
+        layers = self.layers if layers is None else layers
+        if len(losses) != len(layers):
+            raise ValueError(f"{len(losses)} router results for {len(layers)} MoE layers")
+        rows = [self.layers.index(number) for number in layers]
         with torch.no_grad():
-            self.slots += torch.stack([one.slots_per_expert for one in losses]).to(self.device)
-            self.dropped += torch.stack([one.dropped for one in losses]).to(self.device)
+            self.slots[rows] += torch.stack([one.slots_per_expert for one in losses]).to(
+                self.device
+            )
+            self.dropped[rows] += torch.stack([one.dropped for one in losses]).to(self.device)
             pairs = [torch.stack([one.aux.detach(), one.z.detach()]) for one in losses]
-            self.losses += torch.stack(pairs).to(self.device, torch.float64)
+            self.losses[rows] += torch.stack(pairs).to(self.device, torch.float64)
+        for row in rows:
+            self.layer_forwards[row] += 1
         self.forwards += 1
 
     def end_step(self) -> None:
@@ -75,19 +93,15 @@ class MoEWindow:
         self.steps += 1
 
     def close(self, group, step: int) -> list[dict[str, float]]:
-        """Every layer's figures for the window (summed over ``group``, a collective: every
-        rank of it calls this together), then a fresh window. Appends them to ``history``."""
+        """Every layer's figures for the window (summed over ``group``, then under pp
+        gathered over ``pp_group``: collectives, every rank of them calls this together),
+        then a fresh window. Appends them to ``history``."""
         packed = torch.cat(
             [
                 self.slots.double(),
                 self.dropped.double().unsqueeze(1),
                 self.losses,
-                torch.full(
-                    (len(self.layers), 1),
-                    float(self.forwards),
-                    dtype=torch.float64,
-                    device=self.device,
-                ),
+                torch.tensor(self.layer_forwards, dtype=torch.float64, device=self.device)[:, None],
             ],
             dim=1,
         ).to(comm.collective_device(group, self.device), torch.float64)
@@ -97,6 +111,9 @@ class MoEWindow:
         layers = [layer_figures(row, self.num_experts, steps) for row in packed]
         for number, figures in zip(self.layers, layers, strict=True):
             figures["layer"] = number
+        if self.pp_group is not None:  # every stage's layers, in layer order
+            stages = comm.all_gather_object(layers, self.pp_group)
+            layers = sorted((one for part in stages for one in part), key=lambda one: one["layer"])
         self.history.append({"step": step, "layers": layers})
         return layers
 

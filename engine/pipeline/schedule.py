@@ -23,6 +23,15 @@ it the whole sequence's, as at pp 1.
 ``engine.runner.StepRunner`` interface): besides the schedule it adds the stages' share to
 the gradient norm, sums the tied embedding's gradient after the DP reduction, times the
 bubble and declines the closing sample (generation runs unpipelined).
+
+A model with MoE layers trains on its loss plus every router's losses, as at pp 1
+(``engine.runner.local``), pooled per layer: each stage's chunk attaches its own layers'
+losses to its output (``stages.attach_router_loss``), whose backward gives them the
+micro-batch loss's factor, so the routers of every stage get their gradients, not only
+the last stage's, and the objective is the local runner's. Each chunk's forward hands its
+routers' statistics to ``moe_window`` (its close gathers every stage's layers over the
+pipeline group for the console's moe line), and ``router_loss`` is the step mean of the
+router losses, summed over the stages.
 """
 
 from __future__ import annotations
@@ -48,7 +57,9 @@ from engine import comm
 from engine.data_parallel import DataParallel
 from engine.models import ParallelModel
 from engine.models.base import to_device
+from engine.moe_observe import MoEWindow, router_layers
 from engine.pipeline.stages import PipelineModel
+from layers.router import TopKRouter, router_objective
 from parallel_state import ParallelState
 
 Autocast = Callable[[], contextlib.AbstractContextManager]
@@ -123,12 +134,21 @@ class PipelineRunner:
         self.model, self.ps, self.name, self.autocast = model, ps, schedule, autocast
         self.microbatches = microbatches
         self._factor = 1.0  # what each micro-batch's loss is multiplied by before backward
-        self._train, self.stages = self._build(schedule, microbatches, timed=timed)
+        self.has_experts = model.cfg.mlp == "moe"  # on every stage, so all take part in logs
+        self.router_loss = torch.zeros((), device=ps.device)  # the last step's, detached
+        self._router_sum, self._micros = torch.zeros((), device=ps.device), 1
+        self.moe_window = (
+            MoEWindow(model, ps.device, pp_group=ps.group("pp")) if self.has_experts else None
+        )
+        self._train, self.stages = self._build(schedule, microbatches, timed=timed, record=True)
         self._eval: dict[int, object] = {}  # forward-only schedules by micro-batch count
         self.compute_s = self.wall_s = 0.0  # the last training step's (timed=True)
 
-    def _build(self, name: str, microbatches: int, *, timed: bool = False) -> tuple:
-        """A schedule of ``microbatches`` over this rank's stages, and its PipelineStages."""
+    def _build(
+        self, name: str, microbatches: int, *, timed: bool = False, record: bool = False
+    ) -> tuple:
+        """A schedule of ``microbatches`` over this rank's stages, and its PipelineStages;
+        ``record``: each forward's router statistics go to ``moe_window`` (training)."""
         stages = [
             PipelineStage(
                 chunk, index, self.model.num_stages, self.ps.device, group=self.ps.group("pp")
@@ -138,6 +158,8 @@ class PipelineRunner:
         for stage in stages:  # the shape inference of a schedule's first step (torch 2.13)
             stage._prepare_forward_infra = self._keeping_rng(stage._prepare_forward_infra)
             stage._prepare_backward_infra = self._keeping_rng(stage._prepare_backward_infra)
+        for stage in stages if record and self.has_experts else ():
+            stage.forward_one_chunk = self._recording(stage.forward_one_chunk, stage.submod)
         for stage in stages if timed else ():
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk)
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)
@@ -167,6 +189,28 @@ class PipelineRunner:
                 tracker.set_states(states)
 
         return run
+
+    def _recording(self, forward: Callable, chunk: torch.nn.Module) -> Callable:
+        """``forward`` (a stage's forward of one micro-batch) handing its routers' losses
+        to ``moe_window`` and their weighted sum (× 1 / micro-batches) to the step's
+        router loss. The shape inference's forward does not pass here."""
+        numbers = dict(zip(self._routers(self.model), router_layers(self.model), strict=True))
+        routers = self._routers(chunk)
+
+        def run(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            losses = [one.last_losses for one in routers]
+            if losses:
+                self.moe_window.add(losses, [numbers[one] for one in routers])
+                with torch.no_grad():
+                    self._router_sum += (router_objective(losses) / self._micros).float()
+            return out
+
+        return run
+
+    @staticmethod
+    def _routers(module: torch.nn.Module) -> list[TopKRouter]:
+        return [m for m in module.modules() if isinstance(m, TopKRouter)]
 
     def _now(self) -> float:
         if self.ps.device.type == "cuda":  # kernels run asynchronously: wait for them
@@ -202,10 +246,17 @@ class PipelineRunner:
     def train(self, micro_batches: list, loss_scale: float = 1.0) -> float:
         """Forward and backward of the step's micro-batches; the mean micro-batch loss, on
         every stage (the last stage's, broadcast over the pipeline group)."""
-        self._factor = loss_scale / len(micro_batches)
+        self._factor = self.model.router_loss_scale = loss_scale / len(micro_batches)
+        self._router_sum = torch.zeros((), device=self.ps.device)
+        self._micros = len(micro_batches)
         self.compute_s, start = 0.0, self._now()
         total = self._run(self._train, micro_batches, forward_only=False)
         self.wall_s = self._now() - start
+        if self.has_experts:  # every stage's routers: the sum over the pipeline group
+            device = comm.collective_device(self.ps.group("pp"), self.ps.device)
+            summed = comm.sum_(self._router_sum.to(device), self.ps.group("pp"))
+            self.router_loss = summed.to(self.ps.device)
+            self.moe_window.end_step()
         return total / loss_scale
 
     def eval_loss_sum(self, micro_batches: list, counted: int | None = None) -> float:

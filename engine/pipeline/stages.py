@@ -31,8 +31,34 @@ from torch import nn
 from engine import comm
 from engine.models.base import ParallelModel
 from engine.pipeline.split import V_SCHEDULES, layer_split, stages_of_rank
+from layers.moe import moe_losses
 from layers.param_roles import mark_copy
+from layers.router import router_objective
 from layers.utils import local_part
+
+
+class _RouterLossToBackward(torch.autograd.Function):
+    """Forward: ``hidden`` unchanged. Backward: ``hidden``'s gradient unchanged, and
+    ``scale`` as the gradient of the scalar ``router_loss``: the router losses enter the
+    objective through the stage's own backward, × the factor the schedule gives each
+    micro-batch's loss, without a loss of their own on the last stage."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, router_loss: torch.Tensor, scale: float):
+        ctx.scale, ctx.like = scale, router_loss.detach()
+        # The same storage, no copy; not a view of ``hidden`` (as returning it or a
+        # view_as would make it), which the zero-bubble schedules detach in place.
+        return hidden.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full_like(ctx.like, ctx.scale), None
+
+
+def attach_router_loss(hidden: torch.Tensor, router_loss: torch.Tensor, scale: float):
+    """``hidden``, carrying ``router_loss`` into backward with weight ``scale``
+    (Megatron-Core's MoE aux-loss auto-scaler, written for one stage)."""
+    return _RouterLossToBackward.apply(hidden, router_loss, scale)
 
 
 class _TiedWord(nn.Module):
@@ -80,6 +106,9 @@ class StageChunk(nn.Module):
         rotary = owner.rotary_for(x, positions)
         for layer in self.layers:
             x = layer(x, mask) if rotary is None else layer(x, mask, None, rotary)
+        routers = moe_losses(self.layers) if torch.is_grad_enabled() else []
+        if routers:  # each layer's own losses ("layer" pooling: they sum across stages)
+            x = attach_router_loss(x, router_objective(routers), owner.router_loss_scale)
         return owner.head(x) if self.last else x
 
 
@@ -129,6 +158,9 @@ class PipelineModel(ParallelModel):
         )
         self.is_first, self.is_last = 0 in self.stage_ids, self.num_stages - 1 in self.stage_ids
         self.holds_tied_copy = False  # the last stage's copy of the first stage's word embedding
+        # What backward gives each micro-batch's router losses (the runner sets it per
+        # step to the factor of the micro-batch loss: loss scale ÷ micro-batches).
+        self.router_loss_scale = 1.0
         if self.is_first:
             self.embedding = model.embedding
         elif self.is_last and self.cfg.tie_embeddings:
