@@ -87,35 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cp-size", type=int, default=1, help="context-parallel ranks (--seq divisible by 2·cp)"
     )
-    p.add_argument(
-        "--ep-size",
-        type=int,
-        default=1,
-        help="expert-parallel ranks, carved from dp: must divide --dp-size and --experts "
-        "(MoE runs at any tp, pp 1, cp 1)",
-    )
-    p.add_argument(
-        "--experts",
-        type=int,
-        default=None,
-        help="routed experts per MoE layer; > 0 makes every MLP one (llama; default: 4 with "
-        "--ep-size > 1, else 0: dense)",
-    )
-    p.add_argument("--top-k", type=int, default=2, help="experts each token goes to")
-    p.add_argument(
-        "--capacity-factor",
-        type=float,
-        default=None,
-        help="each expert takes at most ⌈factor · T · k / E⌉ of a rank's token-slots, "
-        "dropping the rest (default: dropless)",
-    )
-    p.add_argument("--router", choices=ROUTERS, default="softmax", help="the MoE router")
-    p.add_argument(
-        "--shared-ffn",
-        type=int,
-        default=0,
-        help="width of a gated shared expert beside the routed ones (default 0: none)",
-    )
+    _expert_args(p)
     p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
     p.add_argument(
         "--virtual-stages",
@@ -151,14 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="float64",
         help="both layouts run in this dtype; tolerances below",
     )
-    p.add_argument("--steps", type=int, default=1, help="optimizer steps whose losses to compare")
-    p.add_argument("--layers", type=int, default=2, help="tiny model: transformer layers")
-    p.add_argument("--hidden", type=int, default=48, help="tiny model: hidden size")
-    p.add_argument("--heads", type=int, default=12, help="attention heads (divisible by tp-size)")
-    p.add_argument("--vocab", type=int, default=1001, help="vocabulary (padded per TP size)")
-    p.add_argument("--seq", type=int, default=12, help="sequence length (divisible by tp-size)")
-    p.add_argument("--batch", type=int, default=4, help="global batch (divisible by dp-size)")
-    p.add_argument("--seed", type=int, default=1234)
+    _model_args(p)
     p.add_argument(
         "--hf-dir",
         help="local Hugging Face GPT-2, BERT, Llama, Mistral, Qwen2, Mixtral, Qwen2-MoE or "
@@ -172,6 +137,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--failing-only", action="store_true", help="print only out-of-tolerance rows")
     return p.parse_args(argv)
+
+
+def _expert_args(p: argparse.ArgumentParser) -> None:
+    """The expert-parallel axis and the tiny MoE model's router and experts."""
+    p.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert-parallel ranks, carved from dp: must divide --dp-size and --experts "
+        "(MoE runs at any tp, pp 1, cp 1)",
+    )
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=None,
+        help="routed experts per MoE layer; > 0 makes every MLP one (llama; default: 4 with "
+        "--ep-size > 1, else 0: dense)",
+    )
+    p.add_argument("--top-k", type=int, default=2, help="experts each token goes to")
+    p.add_argument(
+        "--capacity-factor",
+        type=float,
+        default=None,
+        help="each expert takes at most ⌈factor · T · k / E⌉ of a rank's token-slots, "
+        "dropping the rest (default: dropless)",
+    )
+    p.add_argument("--router", choices=ROUTERS, default="softmax", help="the MoE router")
+    p.add_argument(
+        "--shared-ffn",
+        type=int,
+        default=0,
+        help="width of a gated shared expert beside the routed ones (default 0: none)",
+    )
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    """The tiny model's sizes, the steps compared and the seed."""
+    p.add_argument("--steps", type=int, default=1, help="optimizer steps whose losses to compare")
+    p.add_argument("--layers", type=int, default=2, help="tiny model: transformer layers")
+    p.add_argument("--hidden", type=int, default=48, help="tiny model: hidden size")
+    p.add_argument("--heads", type=int, default=12, help="attention heads (divisible by tp-size)")
+    p.add_argument("--vocab", type=int, default=1001, help="vocabulary (padded per TP size)")
+    p.add_argument("--seq", type=int, default=12, help="sequence length (divisible by tp-size)")
+    p.add_argument("--batch", type=int, default=4, help="global batch (divisible by dp-size)")
+    p.add_argument("--seed", type=int, default=1234)
 
 
 def render(report: Report, console: Console, *, failing_only: bool, hf: bool) -> None:

@@ -90,21 +90,7 @@ class ZeroOptimizer(BucketLauncher):
         self._init_settings(  # overlap False: reduce-scatters wait for finish_grads()
             dp_group=dp_group, tp_group=tp_group, bucket_size_mb=bucket_size_mb, overlap=overlap
         )
-        self.buckets: list[ShardedBucket] = []
-        groups = []
-        for group in optimizer.param_groups:
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            for params, shard_group in _by_shard_group(group["params"], expert_grad_group):
-                for some in cut_buckets(params, bucket_size_mb * 2**20):
-                    bucket = ShardedBucket(
-                        some,
-                        dp_group=dp_group if shard_group is None else shard_group,
-                        tp_rank=group_rank(tp_group),
-                        param_dtype=param_dtype,
-                        mean_over=self.dp_size,
-                    )
-                    self.buckets.append(bucket)
-                    groups.append({**hyper, "params": [bucket.master]})
+        groups = self._cut_buckets(optimizer, expert_grad_group, param_dtype, bucket_size_mb)
         # offload (engine/data_parallel/offload.py): AdamW steps host copies of the masters.
         self.host = HostMasters(self.buckets) if offload else None
         self._stepped = self.host.masters if self.host else [b.master for b in self.buckets]
@@ -127,6 +113,33 @@ class ZeroOptimizer(BucketLauncher):
         self._gather_in_forward = False  # set by overlap_param_gather
         for p in self.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _cut_buckets(
+        self,
+        optimizer: torch.optim.Optimizer,
+        expert_grad_group: dist.ProcessGroup | None,
+        param_dtype: torch.dtype | None,
+        bucket_size_mb: float,
+    ) -> list[dict[str, Any]]:
+        """Fill ``self.buckets``: each param group's parameters cut into buckets, experts
+        split over ep apart (sharded over ``expert_grad_group``); return the inner
+        optimizer's groups, one a bucket with its group's hyperparameters."""
+        self.buckets: list[ShardedBucket] = []
+        groups = []
+        for group in optimizer.param_groups:
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            for params, shard_group in _by_shard_group(group["params"], expert_grad_group):
+                for some in cut_buckets(params, bucket_size_mb * 2**20):
+                    bucket = ShardedBucket(
+                        some,
+                        dp_group=self.dp_group if shard_group is None else shard_group,
+                        tp_rank=group_rank(self.tp_group),
+                        param_dtype=param_dtype,
+                        mean_over=self.dp_size,
+                    )
+                    self.buckets.append(bucket)
+                    groups.append({**hyper, "params": [bucket.master]})
+        return groups
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
