@@ -306,29 +306,33 @@ def static_engine(model, cache, args, work: list[Work]) -> Run:
     return run
 
 
-def static_generate(model, args, work: list[Work]) -> Run:
-    """The same fixed batches through generate_batch: left-padded, a contiguous cache."""
-    from engine.generate import Sampling, generate_batch
-
-    run = Run(f"generate_batch, static (batches of {args.batch})")
+def _static(name: str, args, work: list[Work], generate) -> Run:
+    """Fixed batches of ``--batch``, each through ``generate(prompts, longest)`` → (each
+    prompt's new tokens, when the first came); every member cut to its own max_tokens."""
+    run = Run(f"{name}, static (batches of {args.batch})")
     start = time.perf_counter()
     for lo in range(0, len(work), args.batch):
         batch = work[lo : lo + args.batch]
-        stamped: list[float] = []
-        longest = max(w.max_tokens for w in batch)
-        out = generate_batch(
-            model,
-            [w.prompt for w in batch],
-            longest,
-            stop=_stamper(stamped),
-            sampling=Sampling(greedy=True),
-        )
-        run.ttft += [stamped[0] - start] * len(batch)
+        out, first = generate([w.prompt for w in batch], max(w.max_tokens for w in batch))
+        run.ttft += [first - start] * len(batch)
         for w, tokens in zip(batch, out, strict=True):
             run.tokens[w.index] = tokens[: w.max_tokens]
     run.wall = time.perf_counter() - start
     run.generated = sum(len(t) for t in run.tokens.values())
     return run
+
+
+def static_generate(model, args, work: list[Work]) -> Run:
+    """The same fixed batches through generate_batch: left-padded, a contiguous cache."""
+    from engine.generate import Sampling, generate_batch
+
+    def generate(prompts, longest):
+        stamped: list[float] = []
+        greedy = Sampling(greedy=True)
+        out = generate_batch(model, prompts, longest, stop=_stamper(stamped), sampling=greedy)
+        return out, stamped[0]
+
+    return _static("generate_batch", args, work, generate)
 
 
 class _FirstToken:
@@ -364,28 +368,21 @@ def static_transformers(hf_model, args, work: list[Work]) -> Run:
     """The same fixed batches through transformers' ``generate``, left-padded, greedy."""
     import torch
 
-    run = Run(f"transformers generate, static (batches of {args.batch})")
-    start = time.perf_counter()
-    for lo in range(0, len(work), args.batch):
-        batch = work[lo : lo + args.batch]
-        width = max(len(w.prompt) for w in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
+    def generate(prompts, longest):
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for i, w in enumerate(batch):
-            ids[i, width - len(w.prompt) :] = torch.tensor(w.prompt)
-            mask[i, width - len(w.prompt) :] = 1
-        longest = max(w.max_tokens for w in batch)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
         first = _FirstToken()
         with torch.inference_mode():
             out = hf_model.generate(
                 ids, attention_mask=mask, max_new_tokens=longest, do_sample=False, streamer=first
             )
-        run.ttft += [first.at - start] * len(batch)
-        for i, w in enumerate(batch):
-            run.tokens[w.index] = out[i, width : width + w.max_tokens].tolist()
-    run.wall = time.perf_counter() - start
-    run.generated = sum(len(t) for t in run.tokens.values())
-    return run
+        return out[:, width:].tolist(), first.at
+
+    return _static("transformers generate", args, work, generate)
 
 
 # --- the server and its clients -----------------------------------------------------------
