@@ -455,3 +455,47 @@ def test_detokenizer_holds_back_what_a_stop_or_a_split_character_could_change(ex
     assert codec.decode(ids[: detokenizer.kept_tokens()]) == "é = 1\n"  # the tokens of the text
     plain = Detokenizer(codec)
     assert "".join(plain.add(t) for t in ids) + plain.finish() == "é = 1\nx = 2\n"
+
+
+def _metaspace_tokenizer() -> Tokenizer:
+    """A SentencePiece-style tokenizer: its decoder drops the word marker of the first
+    token, so a token's text depends on what precedes it."""
+    from tokenizers import decoders
+
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]"])
+    tokenizer.train_from_iterator(["héllo wörld, 日本語 the end of it"] * 20, trainer)
+    return tokenizer
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace"])
+def test_incremental_detokenizer_adds_up_to_the_whole_decode(export, kind):
+    """The streamed pieces (each token decodes only a short window) concatenate to the
+    decode of all the tokens, and a stop string cuts where decoding every prefix whole
+    first shows it. Random ids: byte-level ones split UTF-8 characters across tokens."""
+    from apps.serving.text import Detokenizer, TextCodec
+
+    tokenizer = export[1] if kind == "byte-level" else _metaspace_tokenizer()
+    codec = TextCodec(tokenizer)
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        ids = torch.randint(1, tokenizer.get_vocab_size(), (40,), generator=generator).tolist()
+        whole = tokenizer.decode(ids)
+        stop = whole[len(whole) // 2 : len(whole) // 2 + 2] if trial % 2 else ""
+        detokenizer = Detokenizer(codec, [stop])
+        pieces = []
+        for token in ids:
+            pieces.append(detokenizer.add(token))
+            if detokenizer.stopped:
+                break
+        pieces.append(detokenizer.finish())
+        expected = whole
+        if stop:  # the reference: decode every prefix whole, cut at the first stop seen
+            expected = next(
+                text[: text.find(stop)]
+                for text in (tokenizer.decode(ids[: k + 1]) for k in range(len(ids)))
+                if stop in text
+            )
+        assert "".join(pieces) == detokenizer.text == expected, (kind, trial)

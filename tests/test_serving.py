@@ -291,3 +291,20 @@ def test_prompt_scores_and_alternatives_equal_a_full_forward():
     )
     assert done[nothing].prompt is None and done[nothing].tokens == []
     assert done[single].prompt == () and done[single].finish_reason == LENGTH
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_decode_lanes_give_what_the_gather_gives_bit_for_bit(family, monkeypatch):
+    """The lanes (apps.serving.lanes) hold the same keys in the same left-padded layout as
+    the gather out of the blocks, so the logits are equal exactly, not within a tolerance.
+    Rows join and leave (the last lane moves into a finished one's), and a growth room of
+    2 columns forces rebases (every lane reloaded from the blocks) every few steps."""
+    monkeypatch.setattr("apps.serving.lanes.MIN_GROWTH", 2)
+    model = _model(family)
+    prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6], [60, 61]]
+    requests = [Request(p, n) for p, n in zip(prompts, MAX_TOKENS + [3, 16], strict=True)]
+    joins = [0, 1, 1, 3, 5, 6, 9]
+    kwargs = dict(max_running=4, token_budget=8)
+    lanes = _mixed_batch(model, requests, joins, **kwargs)
+    gathered = _mixed_batch(model, requests, joins, decode_lanes=False, **kwargs)
+    assert lanes == gathered

@@ -8,10 +8,12 @@ decoding rows run as one forward, the prefill chunks as another; each row sample
 next token with its own seeded generator once its whole context is in the cache.
 
 The forward is meshtron's own model (``engine.models``), unchanged: the cache it is handed
-is one :class:`_PagedLayer` per layer, which stores the step's new keys and values in the
-sequences' blocks and gives back each row's whole past gathered into a contiguous,
-left-padded ``[b, heads, past + s, d]`` (the padding masked). So a row sees exactly its
-own tokens whatever else is in the batch; only the floating-point summation order over
+is one object per layer, which stores the step's new keys and values in the sequences'
+blocks and gives back each row's whole past as a left-padded ``[b, heads, past + s, d]``
+(the padding masked). A prefill forward gathers it out of the blocks (:class:`_PagedLayer`);
+the decode forward reads it in place from the decoding rows' lanes (``apps.serving.lanes``:
+a contiguous copy appended to each step, so a step copies no past). So a row sees exactly
+its own tokens whatever else is in the batch; only the floating-point summation order over
 the padded width and batch can change (see tests/test_serving.py for the tolerance).
 
 At tp > 1 the model is one rank's shard and the cache holds that rank's KV heads. The
@@ -20,9 +22,9 @@ scheduling rank (TP rank 0) decides every forward alone and sends it as a
 runs :func:`follow`, the same :func:`run_plan` on its shard and its own cache, so the
 collectives inside the forward (and the logits' gather) line up. Sampling is rank 0's.
 
-Correctness first, so two costs remain: every step copies each row's past out of the
-blocks (a paged-attention kernel would read them in place), and a prefill forward pads
-every chunk to the longest one (the budget counts real tokens only).
+Two costs remain: a prefill chunk still gathers its row's past out of the blocks (a
+paged-attention kernel would read them in place), and a prefill forward pads every chunk
+to the longest one (the budget counts real tokens only).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from apps.serving.lanes import LaneOps, LanePlanner
 from apps.serving.paged_cache import BlockTable, PagedKVCache, PoolFull
 from apps.serving.requests import (
     CANCELLED,
@@ -88,14 +91,18 @@ class StepPlan:
     positions ``[b, s]``, the cache slots to write ``[b, s]`` and to read ``[b, past + s]``
     (the scratch slot where padded), and the ``(row, first column, count)`` of the rows
     whose prompt tokens are scored. Block tables and sampling stay on the scheduling rank:
-    the slots are all the others need of them."""
+    the slots are all the others need of them. A decode forward reads the lanes instead:
+    ``read`` is None, ``lanes`` the lane operations and ``mask`` ``[b, past + 1]`` (False
+    at padding)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
     write: torch.Tensor
-    read: torch.Tensor
+    read: torch.Tensor | None
     past: int
     scores: tuple[tuple[int, int, int], ...] = ()
+    lanes: LaneOps | None = None
+    mask: torch.Tensor | None = None
 
 
 @torch.inference_mode()
@@ -104,9 +111,15 @@ def run_plan(model, cache: PagedKVCache, plan: StepPlan):
     rows' ``[count, V]`` log-probabilities and the last position's ``[b, V]`` logits
     (float32, CPU, gathered over TP: every rank runs the same collectives, in order)."""
     device = next(model.parameters()).device
-    mask = plan.read != cache.scratch_slot
-    write, read = plan.write.to(device), plan.read.to(device)
-    layers = [_PagedLayer(cache, i, write, read, plan.past) for i in range(len(model.layers))]
+    write = plan.write.to(device)
+    if plan.lanes is not None:
+        mask = plan.mask
+        cache.lanes.apply(plan.lanes)
+        width, column = plan.past + 1, plan.lanes.column
+        layers = [cache.lanes.layer(i, write, column, width) for i in range(len(model.layers))]
+    else:
+        mask, read = plan.read != cache.scratch_slot, plan.read.to(device)
+        layers = [_PagedLayer(cache, i, write, read, plan.past) for i in range(len(model.layers))]
     logits = model(
         plan.ids.to(device),
         attention_mask=mask.to(device),
@@ -152,6 +165,7 @@ class ServingEngine:
         max_waiting: int = 64,
         token_budget: int = 256,
         channel=None,
+        decode_lanes: bool = True,
     ) -> None:
         if not model.cfg.causal or model.cfg.sequence_parallel:
             raise ValueError("serving needs a decoder built without sequence parallelism")
@@ -170,6 +184,8 @@ class ServingEngine:
         self.max_waiting = max_waiting  # queued past that: refused, not grown without bound
         self.token_budget = token_budget  # tokens fed per step, decoding and prefill together
         self.channel = channel  # sends each forward's plan to the other TP ranks (tp > 1)
+        # Decode forwards read the lanes (apps.serving.lanes); False: gather like prefill.
+        self._lanes = LanePlanner(max_running) if decode_lanes else None
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []  # in admission order
         self._events: list[TokenEvent] = []  # ends decided between steps (cancel, max_tokens 0)
@@ -253,9 +269,13 @@ class ServingEngine:
         events, self._events = self._events, []
         self._admit()
         decode, prefill = self._schedule()
-        for rows in (decode, prefill):
-            if rows:
-                events += self._sample(rows, self._forward(rows))
+        if decode and self._lanes is not None:
+            decode, plan = self._lane_plan(decode)
+            events += self._sample(decode, self._forward(decode, plan))
+        elif decode:
+            events += self._sample(decode, self._forward(decode, self._padded_plan(decode)))
+        if prefill:
+            events += self._sample(prefill, self._forward(prefill, self._padded_plan(prefill)))
         return events
 
     def _admit(self) -> None:
@@ -279,12 +299,11 @@ class ServingEngine:
                 budget -= prefill[-1][1]
         return decode, prefill
 
-    def _forward(self, rows: list[tuple[_Sequence, int]]) -> torch.Tensor:
-        """Last-position logits ``[b, V]`` (float32, CPU) after feeding each row's chunk.
+    def _padded_plan(self, rows: list[tuple[_Sequence, int]]) -> StepPlan:
+        """The plan that feeds each row's chunk, its past gathered from the blocks.
 
         Row i's context (cached past + chunk) is right-aligned in a ``past + s`` window, as
-        left padding: the last column is every row's newest token. The forward itself is
-        :func:`run_plan`, which the other TP ranks run on the same :class:`StepPlan`."""
+        left padding: the last column is every row's newest token."""
         past, s = max(seq.cached for seq, _ in rows), max(n for _, n in rows)
         scratch = self.cache.scratch_slot
         ids = torch.zeros(len(rows), s, dtype=torch.long)
@@ -303,7 +322,29 @@ class ServingEngine:
             count = min(n, len(seq.request.prompt) - 1 - seq.cached)
             if seq.request.prompt_logprobs and count > 0:
                 scores.append((i, s - n, count))
-        plan = StepPlan(ids, positions, write, read, past, tuple(scores))
+        return StepPlan(ids, positions, write, read, past, tuple(scores))
+
+    def _lane_plan(self, rows: list[tuple[_Sequence, int]]) -> tuple[list, StepPlan]:
+        """(the decoding rows in lane order, the plan feeding their one token each), the
+        past read in place from the lanes: the same left-padded layout as the gather."""
+        ops = self._lanes.plan([seq for seq, _ in rows], self.cache)
+        rows = [(seq, 1) for seq in self._lanes.rows]
+        cached = torch.tensor([seq.cached for seq, _ in rows])
+        width = int(cached.max()) + 1
+        mask = torch.arange(width)[None, :] >= width - 1 - cached[:, None]
+        scores = []
+        for i, (seq, _) in enumerate(rows):
+            self.cache.grow(seq.table, seq.cached + 1)
+            if seq.request.prompt_logprobs and len(seq.request.prompt) - 1 - seq.cached > 0:
+                scores.append((i, 0, 1))
+        ids = torch.tensor([[seq.tokens[seq.cached]] for seq, _ in rows])
+        write = torch.stack([self.cache.slots(s.table, s.cached, s.cached + 1) for s, _ in rows])
+        plan = StepPlan(ids, cached[:, None], write, None, width - 1, tuple(scores), ops, mask)
+        return rows, plan
+
+    def _forward(self, rows: list[tuple[_Sequence, int]], plan: StepPlan) -> torch.Tensor:
+        """Last-position logits ``[b, V]`` (float32, CPU) after running ``plan`` on
+        ``rows``: :func:`run_plan`, which the other TP ranks run on the same plan."""
         if self.channel is not None:
             self.channel.send(plan)
         scored, last = run_plan(self.model, self.cache, plan)

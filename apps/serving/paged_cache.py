@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from apps.serving.lanes import DecodeLanes
+
 
 class PoolFull(RuntimeError):
     """The pool has not enough unreserved blocks for what was asked."""
@@ -60,6 +62,7 @@ class PagedKVCache:
         self.values = torch.zeros_like(self.keys)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives 0, 1, …
         self._reserved = 0  # blocks promised to live tables, not yet taken
+        self.lanes = DecodeLanes(self)  # the decoding rows' contiguous copy (apps.serving.lanes)
 
     @classmethod
     def for_model(
@@ -173,9 +176,17 @@ class PagedKVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``, ``v`` ``[b, heads, s, d]`` at slots ``write`` ``[b, s]``, then return
         the keys and values at slots ``read`` ``[b, n]``, as ``[b, heads, n, d]``."""
+        keys, values = self.write(layer, write, k, v)
+        return keys[read].transpose(1, 2), values[read].transpose(1, 2)
+
+    def write(
+        self, layer: int, write: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``, ``v`` ``[b, heads, s, d]`` at slots ``write`` ``[b, s]``; returns the
+        layer's keys and values as flat ``[slots, heads, d]`` views."""
         flat = self.keys.shape[1] * self.block_size
         keys = self.keys[layer].view(flat, *self.keys.shape[3:])  # [slots, heads, d]
         values = self.values[layer].view(flat, *self.values.shape[3:])
         keys[write.flatten()] = k.transpose(1, 2).flatten(0, 1)  # [(b s), heads, d]
         values[write.flatten()] = v.transpose(1, 2).flatten(0, 1)
-        return keys[read].transpose(1, 2), values[read].transpose(1, 2)
+        return keys, values

@@ -98,7 +98,17 @@ class TextCodec:
 
 
 class Detokenizer:
-    """One choice's text as its tokens arrive, cut at the first stop string."""
+    """One choice's text as its tokens arrive, cut at the first stop string.
+
+    Each token decodes only a window: the last ``LOOKBACK`` tokens of the text already
+    settled, and what came after them. The window's text less the text of its settled
+    part is the new text (the lookback gives a decoder the context that a token's text can
+    depend on: a word-start marker, a byte pair across tokens). Text is settled when it
+    ends in no unfinished character. Should a window's text not begin with its settled
+    part's, the whole sequence is decoded instead. Stop strings are searched for only
+    where a new one can end. So a token costs O(1), not O(length) as decoding all of it."""
+
+    LOOKBACK = 4  # settled tokens decoded again with each new one, for context
 
     def __init__(self, codec: TextCodec, stops: Sequence[str] = ()) -> None:
         self.codec, self.stops = codec, [s for s in stops if s]
@@ -106,17 +116,38 @@ class Detokenizer:
         self.text = ""  # the text so far (after a stop string: up to it)
         self.sent = ""  # the part handed out by add() and finish()
         self.stopped = False  # a stop string appeared: no more tokens count
+        self._settled = ""  # the text of ids[: self._read], final
+        self._read = 0  # tokens whose text is settled
+        self._start = 0  # where the decoded window begins (<= self._read)
+        self._base = ""  # the text of ids[self._start : self._read] decoded alone
+        self._searched = 0  # text before this has been searched for stop strings
 
     def add(self, token: int) -> str:
         """Take one token; return the new text that is safe to hand out now."""
         self.ids.append(token)
-        text = self.codec.decode(self.ids)
-        cuts = [text.find(s) for s in self.stops if s in text]
+        text = self._decode()
+        longest = max((len(s) for s in self.stops), default=1)
+        start = max(0, min(self._searched, len(text)) - longest + 1)
+        cuts = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
         if cuts:
             self.text, self.stopped = text[: min(cuts)], True
             return self.finish()
         self.text = text
+        self._searched = len(text.rstrip(REPLACEMENT))
         return self._take(text[: len(text) - self._held_back(text)])
+
+    def _decode(self) -> str:
+        """The text of all the tokens, decoding only the window (class docstring)."""
+        window = self.codec.decode(self.ids[self._start :])
+        if window.startswith(self._base):
+            text = self._settled + window[len(self._base) :]
+        else:  # the context changed the settled part's text: decode it all
+            text, self._searched = self.codec.decode(self.ids), 0
+        if not text.endswith(REPLACEMENT):
+            self._settled, self._read = text, len(self.ids)
+            self._start = max(0, self._read - self.LOOKBACK)
+            self._base = self.codec.decode(self.ids[self._start : self._read])
+        return text
 
     def _held_back(self, text: str) -> int:
         """Characters at the end of ``text`` that may still change: an unfinished UTF-8

@@ -17,14 +17,17 @@ One run, one model, one request list, four ways (each checked against the first)
    it ends: no joining, no early leaving. Only the scheduling differs from 3.
 5. **generate_batch, static**: the same fixed batches through ``generate_batch`` (a
    contiguous KV cache, no paged gathers): static batching on tools/generate.py's path.
+6. **transformers generate, static**: the model exported to a Hugging Face directory
+   (``engine.hf_interop.export_hf``), loaded with ``AutoModelForCausalLM``, and the same
+   fixed batches left-padded through ``model.generate`` (greedy, end of sequence off, each
+   batch to its longest max_tokens, cut to each one's); its token ids are checked too.
 
-For 3 to 5 time to first token counts from t0, when every request is already queued.
-``--rounds N`` runs 3 to 5 in turn N times and reports each one's median round: the load
+For 3 to 6 time to first token counts from t0, when every request is already queued.
+``--rounds N`` runs 3 to 6 in turn N times and reports each one's median round: the load
 of a shared machine drifts over minutes, so rows measured one after the other differ by
 more than the schedulers do.
 Throughput is generated tokens (the sum of the requests' ``max_tokens``: end of sequence
-is ignored) ÷ wall time. tools/bench_generate.py builds no transformers reference, so
-there is no transformers ``generate`` row.
+is ignored) ÷ wall time.
 
 Checks, for every request: answered exactly once (by the client's index; the server's
 completion ids all distinct), the server's text equal to the decoded sequential tokens and
@@ -303,29 +306,83 @@ def static_engine(model, cache, args, work: list[Work]) -> Run:
     return run
 
 
-def static_generate(model, args, work: list[Work]) -> Run:
-    """The same fixed batches through generate_batch: left-padded, a contiguous cache."""
-    from engine.generate import Sampling, generate_batch
-
-    run = Run(f"generate_batch, static (batches of {args.batch})")
+def _static(name: str, args, work: list[Work], generate) -> Run:
+    """Fixed batches of ``--batch``, each through ``generate(prompts, longest)`` → (each
+    prompt's new tokens, when the first came); every member cut to its own max_tokens."""
+    run = Run(f"{name}, static (batches of {args.batch})")
     start = time.perf_counter()
     for lo in range(0, len(work), args.batch):
         batch = work[lo : lo + args.batch]
-        stamped: list[float] = []
-        longest = max(w.max_tokens for w in batch)
-        out = generate_batch(
-            model,
-            [w.prompt for w in batch],
-            longest,
-            stop=_stamper(stamped),
-            sampling=Sampling(greedy=True),
-        )
-        run.ttft += [stamped[0] - start] * len(batch)
+        out, first = generate([w.prompt for w in batch], max(w.max_tokens for w in batch))
+        run.ttft += [first - start] * len(batch)
         for w, tokens in zip(batch, out, strict=True):
             run.tokens[w.index] = tokens[: w.max_tokens]
     run.wall = time.perf_counter() - start
     run.generated = sum(len(t) for t in run.tokens.values())
     return run
+
+
+def static_generate(model, args, work: list[Work]) -> Run:
+    """The same fixed batches through generate_batch: left-padded, a contiguous cache."""
+    from engine.generate import Sampling, generate_batch
+
+    def generate(prompts, longest):
+        stamped: list[float] = []
+        greedy = Sampling(greedy=True)
+        out = generate_batch(model, prompts, longest, stop=_stamper(stamped), sampling=greedy)
+        return out, stamped[0]
+
+    return _static("generate_batch", args, work, generate)
+
+
+class _FirstToken:
+    """A transformers streamer that notes when the first generated token came (its first
+    ``put`` is the prompt, the second the first new token)."""
+
+    def __init__(self) -> None:
+        self.puts, self.at = 0, None
+
+    def put(self, _value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def load_hf(ckpt: str, folder: Path):
+    """The checkpoint exported to ``folder`` and loaded with transformers (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.hf_interop import export_hf
+
+    export_hf(ckpt, folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype="float32").eval()
+    model.generation_config.eos_token_id = None  # ignore_eos, as every other row
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def static_transformers(hf_model, args, work: list[Work]) -> Run:
+    """The same fixed batches through transformers' ``generate``, left-padded, greedy."""
+    import torch
+
+    def generate(prompts, longest):
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, prompt in enumerate(prompts):
+            ids[i, width - len(prompt) :] = torch.tensor(prompt)
+            mask[i, width - len(prompt) :] = 1
+        first = _FirstToken()
+        with torch.inference_mode():
+            out = hf_model.generate(
+                ids, attention_mask=mask, max_new_tokens=longest, do_sample=False, streamer=first
+            )
+        return out[:, width:].tolist(), first.at
+
+    return _static("transformers generate", args, work, generate)
 
 
 # --- the server and its clients -----------------------------------------------------------
@@ -456,14 +513,15 @@ def http_load(model_dir: str, args, work: list[Work], codec, reference: Run) -> 
 # --- the report ---------------------------------------------------------------------------
 
 
-def alternate(model, cache, args, work: list[Work], reference: Run) -> list[Run]:
-    """The three batched in-process runs, in turn, ``--rounds`` times (so a shared machine's
-    load drifts over all three alike); each one's median round by wall time, its tokens
-    checked in every round and its round walls kept."""
+def alternate(model, cache, args, work: list[Work], reference: Run, hf_model) -> list[Run]:
+    """The four batched in-process runs, in turn, ``--rounds`` times (so a shared machine's
+    load drifts over all alike); each one's median round by wall time, its tokens checked
+    in every round and its round walls kept."""
     ways = (
         lambda: continuous_engine(model, cache, args, work),
         lambda: static_engine(model, cache, args, work),
         lambda: static_generate(model, args, work),
+        lambda: static_transformers(hf_model, args, work),
     )
     rounds: list[list[Run]] = [[] for _ in ways]
     for i in range(args.rounds):
@@ -564,17 +622,19 @@ def run_all(args: argparse.Namespace) -> dict:
             f"from {args.max_tokens} (sum {sum(w.max_tokens for w in work)}), greedy",
             flush=True,
         )
+        hf_model = load_hf(ckpt, Path(tmp) / "hf")
         # Warm up every path once on a few requests.
         few = work[: min(len(work), 4)]
         sequential(model, few[:1])
         continuous_engine(model, cache, args, few)
+        static_transformers(hf_model, args, few)
         reference = sequential(model, work)
         print(f"done: {reference.name}", flush=True)
         runs = []
         if not args.skip_http:
             runs.append(http_load(ckpt, args, work, codec, reference))
             print(f"done: {runs[-1].name}", flush=True)
-        runs += alternate(model, cache, args, work, reference)
+        runs += alternate(model, cache, args, work, reference, hf_model)
         runs.append(reference)
     for r in runs:
         if not r.walls:  # the alternated runs checked every round already
