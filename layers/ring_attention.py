@@ -44,7 +44,10 @@ the undropped one, so the merge still normalises by the whole row; the backward 
 and the gradient reaching the probabilities alike, and delta = rowsum(dO·O) holds as is.
 
 **The per-block kernel** is explicit math (``_block_forward`` / ``_block_backward``), in
-the accumulation dtype, returning the log-sum-exp: correctness first. On a GPU it is
+the accumulation dtype, returning the log-sum-exp: correctness first. It runs over row
+tiles of at most ``_ROW_TILE`` queries, so a block's score-sized tensors are a tile's, not
+the block's: each row's forward arithmetic is unchanged (bitwise), and dK/dV sum the
+tiles' shares (another order of the same sum: ~1e-16 relative in fp64). On a GPU it is
 replaced by a kernel that returns the log-sum-exp and whose backward takes the final one:
 torch's ``aten._scaled_dot_product_flash_attention`` / ``..._backward`` (what torch's own
 ``context_parallel`` calls) or FlashAttention's ``_flash_attn_forward`` /
