@@ -44,7 +44,10 @@ the undropped one, so the merge still normalises by the whole row; the backward 
 and the gradient reaching the probabilities alike, and delta = rowsum(dO·O) holds as is.
 
 **The per-block kernel** is explicit math (``_block_forward`` / ``_block_backward``), in
-the accumulation dtype, returning the log-sum-exp: correctness first. On a GPU it is
+the accumulation dtype, returning the log-sum-exp: correctness first. It runs over row
+tiles of at most ``_ROW_TILE`` queries, so a block's score-sized tensors are a tile's, not
+the block's: each row's forward arithmetic is unchanged (bitwise), and dK/dV sum the
+tiles' shares (another order of the same sum: ~1e-16 relative in fp64). On a GPU it is
 replaced by a kernel that returns the log-sum-exp and whose backward takes the final one:
 torch's ``aten._scaled_dot_product_flash_attention`` / ``..._backward`` (what torch's own
 ``context_parallel`` calls) or FlashAttention's ``_flash_attn_forward`` /
@@ -64,6 +67,12 @@ import torch.distributed as dist
 from parallel_state.groups import group_rank, group_size
 
 _KV_TAG, _DKV_TAG = 0, 1  # both are in flight to the same peer during backward
+# Query rows per call of the block kernel. The explicit kernel materialises a block's
+# scores (several such tensors alive at once in backward), so a block runs in row tiles:
+# at 512 rows, llama_tiny's 4 heads over a 2,048-key chunk make 16 MiB of fp32 scores per
+# sequence and tile instead of 64 MiB per block, bounding the working memory at long
+# context. Rows are independent in the softmax, so tiling only reorders dK/dV's sums.
+_ROW_TILE = 512
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,13 +161,14 @@ def _capped(q, k, scale, softcap):
     return s if softcap is None else torch.tanh(s / softcap) * softcap
 
 
-def _masked(s, causal, same_doc):
+def _masked(s, causal, same_doc, row0=0):
     """Scores ``s`` with −inf above a diagonal block's triangle and, when ``same_doc``
     ``[b or 1, m, n]`` (the pairs a block may see: same document, inside the window) is
-    given, where it is False."""
+    given, where it is False. ``s`` holds the block's rows from ``row0`` on (a row tile),
+    so its row ``i`` is the block's row ``row0 + i``."""
     if causal:
         m, n = s.shape[-2:]
-        future = torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1)
+        future = torch.ones(m, n, dtype=torch.bool, device=s.device).triu(1 + row0)
         s = s.masked_fill(future, float("-inf"))
     if same_doc is not None:
         s = s.masked_fill(~same_doc[:, None, None], float("-inf"))
@@ -170,14 +180,17 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def _block_forward(q, k, v, scale: float, causal: bool, same_doc, drop=None, softcap=None):
+def _block_forward(
+    q, k, v, scale: float, causal: bool, same_doc, drop=None, softcap=None, row0: int = 0
+):
     """Attention of q ``[b, kv_heads, group, m, d]`` over k, v ``[b, kv_heads, n, d]``:
     (output ``[b, kv_heads, group, m, d]``, log-sum-exp ``[b, kv_heads, group, m]``).
     ``drop`` ``[b, kv_heads, group, m, n]`` (dropout: keep-mask / (1 − p)) scales the
     probabilities after the softmax, as ``F.dropout`` of the attention weights does; the
     log-sum-exp stays the undropped one, so the merge keeps the true normalisation.
-    ``softcap`` caps the scores before the mask (:func:`_capped`)."""
-    s = _masked(_capped(q, k, scale, softcap), causal, same_doc)
+    ``softcap`` caps the scores before the mask (:func:`_capped`). ``row0``: the first
+    row's place in the block, when q is a row tile of it (:func:`_masked`)."""
+    s = _masked(_capped(q, k, scale, softcap), causal, same_doc, row0)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
     if drop is not None:
@@ -186,16 +199,28 @@ def _block_forward(q, k, v, scale: float, causal: bool, same_doc, drop=None, sof
 
 
 def _block_backward(
-    q, k, v, dout, lse, delta, scale: float, causal: bool, same_doc, drop=None, softcap=None
+    q,
+    k,
+    v,
+    dout,
+    lse,
+    delta,
+    scale: float,
+    causal: bool,
+    same_doc,
+    drop=None,
+    softcap=None,
+    row0: int = 0,
 ):
     """(dq, dk, dv) of one block, from the final log-sum-exp and delta = rowsum(dO·O).
 
     With dropout (``drop`` as in :func:`_block_forward`): O = (P∘D)·V, so dV = (P∘D)ᵀ·dO,
     the gradient reaching P is D∘(dO·Vᵀ), and dS = P∘(D∘(dO·Vᵀ) − delta), where delta =
     rowsum(dO·O) still (Σₙ Pₙ·Dₙ·(dO·vₙ) = dO·O). With ``softcap`` c the capped score
-    c·tanh(x/c) has derivative 1 − tanh², so dS reaches the raw scores times that."""
+    c·tanh(x/c) has derivative 1 − tanh², so dS reaches the raw scores times that. On a
+    row tile (``row0`` as in :func:`_block_forward`) dK and dV are that tile's share."""
     capped = _capped(q, k, scale, softcap)
-    p = torch.exp(_masked(capped, causal, same_doc) - _finite(lse)[..., None])
+    p = torch.exp(_masked(capped, causal, same_doc, row0) - _finite(lse)[..., None])
     dp = torch.einsum("bhgmd,bhnd->bhgmn", dout, v)
     if drop is not None:
         dv = torch.einsum("bhgmn,bhgmd->bhnd", p * drop, dout)
@@ -333,6 +358,19 @@ def _by_chunk(blocks, local_len: int, size: int) -> list[Block]:
     return [Block(q, k, b.causal) for b in blocks for q in parts(b.q) for k in parts(b.k)]
 
 
+def _row_tiles(blk: Block, same, keep):
+    """A block's query rows in tiles of at most ``_ROW_TILE``, each as (its rows of the
+    local queries, its first row's place in the block, its rows of the same-document mask
+    ``[b or 1, m, n]`` and of the dropout keep-mask ``[b, heads, m, n]``, each or None)."""
+    tile = _ROW_TILE
+    for row0 in range(0, blk.q.stop - blk.q.start, tile):
+        part = slice(row0, min(row0 + tile, blk.q.stop - blk.q.start))
+        rows = slice(blk.q.start + part.start, blk.q.start + part.stop)
+        same_t = None if same is None else same[:, part]
+        keep_t = None if keep is None else keep[:, :, part]
+        yield rows, row0, same_t, keep_t
+
+
 def _ring_forward(q, k, v, ring: _Ring):
     acc = _accumulation_dtype(q.dtype)
     qg = _grouped(q, k.shape[1], acc)
@@ -344,12 +382,11 @@ def _ring_forward(q, k, v, ring: _Ring):
         shift = _RingShift(kv, ring.group, _KV_TAG) if step < size - 1 else None
         for blk, same, keep in blocks:
             k_blk, v_blk = kv[:, :, :, blk.k].to(acc)
-            q_blk = qg[..., blk.q, :]
-            drop = ring.factor(keep, k.shape[1], acc)
-            o, m = _block_forward(
-                q_blk, k_blk, v_blk, ring.scale, blk.causal, same, drop, ring.softcap
-            )
-            _merge_(out[..., blk.q, :], lse[..., blk.q], o, m)
+            for rows, row0, same_t, keep_t in _row_tiles(blk, same, keep):
+                drop = ring.factor(keep_t, k.shape[1], acc)
+                mask = (ring.scale, blk.causal, same_t, drop, ring.softcap, row0)
+                o, m = _block_forward(qg[..., rows, :], k_blk, v_blk, *mask)
+                _merge_(out[..., rows, :], lse[..., rows], o, m)
         if shift is not None:
             kv = shift.wait()
     return out.flatten(1, 2).to(q.dtype), lse
@@ -368,14 +405,14 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # for the visiting chunks
         for blk, same, keep in blocks:
             k_blk, v_blk = kv[:, :, :, blk.k].to(acc)
-            rows = (qg[..., blk.q, :], k_blk, v_blk, dog[..., blk.q, :], lse[..., blk.q])
-            drop = ring.factor(keep, kv_heads, acc)
-            grads = _block_backward(
-                *rows, delta[..., blk.q], ring.scale, blk.causal, same, drop, ring.softcap
-            )
-            dq[..., blk.q, :] += grads[0]
-            dkv[0, :, :, blk.k] += grads[1]
-            dkv[1, :, :, blk.k] += grads[2]
+            for rows, row0, same_t, keep_t in _row_tiles(blk, same, keep):
+                tile = (qg[..., rows, :], k_blk, v_blk, dog[..., rows, :], lse[..., rows])
+                drop = ring.factor(keep_t, kv_heads, acc)
+                mask = (ring.scale, blk.causal, same_t, drop, ring.softcap, row0)
+                grads = _block_backward(*tile, delta[..., rows], *mask)
+                dq[..., rows, :] += grads[0]
+                dkv[0, :, :, blk.k] += grads[1]
+                dkv[1, :, :, blk.k] += grads[2]
         if dkv_shift is not None:  # what the earlier ranks added for these chunks
             dkv += dkv_shift.wait()
         if size > 1:  # onward with the chunks; after the last step that hop is home
