@@ -88,19 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cp-size", type=int, default=1, help="context-parallel ranks (--seq divisible by 2·cp)"
     )
     _expert_args(p)
-    p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
-    p.add_argument(
-        "--virtual-stages",
-        type=int,
-        default=None,
-        help="stages per pipeline rank (default: 2 for interleaved_1f1b, zbv and dualpipev, else 1)",
-    )
-    p.add_argument(
-        "--microbatches",
-        type=positive_int,
-        default=None,
-        help="per DP rank, >= 1 (default: pp × virtual)",
-    )
+    _pipeline_args(p)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument(
         "--dp-shard",
@@ -137,6 +125,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--failing-only", action="store_true", help="print only out-of-tolerance rows")
     return p.parse_args(argv)
+
+
+def _pipeline_args(p: argparse.ArgumentParser) -> None:
+    """The pipeline schedule, its virtual stages and its micro-batches."""
+    p.add_argument("--schedule", choices=PIPELINE_SCHEDULES, default="1f1b")
+    p.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="stages per pipeline rank (default: 2 for interleaved_1f1b, zbv and dualpipev, else 1)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=None,
+        help="per DP rank, >= 1 (default: pp × virtual)",
+    )
 
 
 def _expert_args(p: argparse.ArgumentParser) -> None:
@@ -215,13 +220,9 @@ def render(report: Report, console: Console, *, failing_only: bool, hf: bool) ->
         print(f"max abs logit error: {max(r.max_abs for r in report.rows):.6e}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the comparison; exit status 0 within tolerance, 1 outside, 2 on a bad layout."""
-    args = parse_args(argv)
-    if args.virtual_stages is None:
-        two = args.schedule == "interleaved_1f1b" or args.schedule in V_SCHEDULES
-        args.virtual_stages = 2 if two else 1
-    spec = VerifySpec(
+def spec_of(args: argparse.Namespace) -> VerifySpec:
+    """The layout and model the options name (checked later, by ``VerifySpec.check``)."""
+    return VerifySpec(
         model=args.model,
         tp_size=args.tp_size,
         dp_size=args.dp_size,
@@ -253,6 +254,15 @@ def main(argv: list[str] | None = None) -> int:
             args.pp_size * args.virtual_stages if args.microbatches is None else args.microbatches
         ),
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison; exit status 0 within tolerance, 1 outside, 2 on a bad layout."""
+    args = parse_args(argv)
+    if args.virtual_stages is None:
+        two = args.schedule == "interleaved_1f1b" or args.schedule in V_SCHEDULES
+        args.virtual_stages = 2 if two else 1
+    spec = spec_of(args)
     try:
         if args.hf_dir and args.experts is not None:
             raise ValueError(
