@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "gradients (ZeRO-2) or full (ZeRO-3), the last two through FSDP2",
     )
     p.add_argument(
+        "--dp-replicate",
+        type=positive_int,
+        default=1,
+        help="HSDP: FSDP replicas, each sharding over dp ÷ R ranks (--dp-shard gradients or full)",
+    )
+    p.add_argument(
         "--offload",
         choices=("none", "optimizer"),
         default="none",
@@ -247,6 +253,7 @@ def spec_of(args: argparse.Namespace) -> VerifySpec:
         router=args.router,
         shared_ffn=args.shared_ffn,
         offload=args.offload,
+        dp_replicate=args.dp_replicate,
         document_mask=args.document_mask,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,

@@ -41,6 +41,11 @@ class TargetStep:
             dp_shard=spec.dp_shard,
             expert_groups=(ps.group("expert"), ps.group("expert_grad")),
             offload=spec.offload,
+            hybrid_groups=(
+                (ps.group("fsdp_shard"), ps.group("fsdp_replicate"))
+                if spec.dp_replicate > 1
+                else (None, None)
+            ),
         )
 
     def no_sync(self):

@@ -87,6 +87,7 @@ class VerifySpec:
     microbatches: int = 1  # micro-batches each DP rank's slice is cut into (pp_size > 1)
     dp_shard: str = "none"  # the DP mode the target trains under (none: plain AdamW + GradSync)
     offload: str = "none"  # "optimizer": the sharded modes step Adam's state in host memory
+    dp_replicate: int = 1  # HSDP: FSDP replicas, each sharding over dp ÷ dp_replicate ranks
     cp_size: int = 1  # context-parallel ranks splitting each sequence (ring attention)
     ep_size: int = 1  # expert-parallel ranks splitting each MoE layer's experts (from dp)
     experts: int = 0  # routed experts per layer: > 0 makes every MLP an MoE layer (llama)
@@ -169,6 +170,7 @@ class VerifySpec:
             dp_shard=self.dp_shard,
             cp=self.cp_size,
             ep=self.ep_size,
+            dp_replicate=self.dp_replicate,
         )
 
     def model_config(self, *, reference: bool = False) -> ModelConfig:
