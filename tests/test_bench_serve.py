@@ -49,6 +49,7 @@ def test_every_request_answered_once_with_the_sequential_tokens(tmp_path, capsys
         "engine, continuous",
         "engine, static",
         "generate_batch, static",
+        "transformers generate, static",
         "sequential, batch 1",
     ]
     for run in results["runs"]:

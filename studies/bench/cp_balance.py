@@ -43,7 +43,7 @@ class _Clock:
         self.ring, self.seconds = ring, 0.0
         self.originals = {name: getattr(ring, name) for name in self.NAMES}
         for name, fn in self.originals.items():
-            setattr(self.ring, name, self._timed(fn))
+            vars(self.ring)[name] = self._timed(fn)  # the module's own name, wrapped
 
     def _timed(self, fn):
         def timed(*args):
@@ -57,7 +57,7 @@ class _Clock:
 
     def remove(self) -> None:
         for name, fn in self.originals.items():
-            setattr(self.ring, name, fn)
+            vars(self.ring)[name] = fn
 
 
 def _ring_pass(args, group, rank: int, g: torch.Generator) -> None:
@@ -96,9 +96,10 @@ def _rank(args) -> list[tuple[float, float]] | None:
     import torch.distributed as dist
 
     from engine.bootstrap import bootstrap_rank
-    from parallel_state.dims import ParallelDims
+    from engine.config import Config, parallel_dims
 
-    with bootstrap_rank(ParallelDims(1, 1, cp=args.cp), backend="gloo", max_threads=1) as ps:
+    dims = parallel_dims(Config(tp_size=1, dp_size=1, cp_size=args.cp), args.cp)
+    with bootstrap_rank(dims, backend="gloo", max_threads=1) as ps:
         torch.set_num_threads(1)
         group, rank = ps.group("cp"), ps.rank_in("cp")
         g = torch.Generator().manual_seed(rank)

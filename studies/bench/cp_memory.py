@@ -73,13 +73,17 @@ def rank_growth(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     from engine.bootstrap import bootstrap_rank
+    from engine.config import Config, parallel_dims
     from engine.models import build_model
     from engine.models.config import preset
     from engine.runner.local import model_inputs
-    from parallel_state import ParallelDims
 
     ctypes.CDLL(ctypes.util.find_library("c")).mallopt(M_MMAP_THRESHOLD, 64 * 1024)
-    with bootstrap_rank(lambda world: ParallelDims(1, 1, cp=world), backend="gloo") as ps:
+
+    def cp_layout(world: int):
+        return parallel_dims(Config(tp_size=1, dp_size=1, cp_size=world), world)
+
+    with bootstrap_rank(cp_layout, backend="gloo") as ps:
         cfg = preset(args.model, max_positions=args.seq_len)
         torch.manual_seed(0)
         model = build_model(cfg, ps, dtype=DTYPES[args.dtype])

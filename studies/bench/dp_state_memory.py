@@ -62,12 +62,12 @@ def _rank(model_name: str, dp: int, mode: str, replicas: int, offload: str) -> d
     import torch.distributed as dist
 
     from engine.bootstrap import bootstrap_rank
-    from engine.config import OptimConfig
+    from engine.config import Config, OptimConfig, ParallelConfig, parallel_dims
     from engine.data_parallel import build_data_parallel
     from engine.models import build_model, preset
-    from parallel_state.dims import ParallelDims
 
-    dims = ParallelDims(1, dp, dp_shard=mode, dp_replicate=replicas)
+    parallel = ParallelConfig(dp_shard=mode, dp_replicate=replicas, offload=offload)
+    dims = parallel_dims(Config(tp_size=1, dp_size=dp, parallel=parallel), dp)
     with bootstrap_rank(dims, backend="gloo", split_cores=False) as ps:
         torch.set_num_threads(1)
         ps.seed(0)
