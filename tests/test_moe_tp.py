@@ -181,6 +181,7 @@ def _check_checkpoint(cfg: ModelConfig, ranks: list[dict], root: Path) -> None:
     assert loaded["steps"] == ranks[0]["saved"]["steps"]
 
 
+@pytest.mark.slow  # two ranks and a checkpoint round trip: ~5 s on idle cores
 def test_tp2_sequence_parallel_equals_the_unsplit_model_and_its_checkpoint_loads_at_tp1(
     tmp_path,
 ):
