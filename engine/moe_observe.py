@@ -21,6 +21,13 @@ Under pipeline parallelism each stage's window holds its own MoE layers (each ch
 forward adds its layers'); the close gathers them over the pipeline group, so the line
 and the history cover the whole model on every rank.
 
+The window also keeps each step's own slot counts: at the step's end they move the
+sigmoid router's expert biases (DeepSeek-V3's auxiliary-loss-free balancing,
+``TopKRouter.update_bias``) by the load of the whole global batch: summed over the step's
+micro-batches and over the ``loss`` group (its dp × cp ranks route different tokens; TP
+ranks route the same ones, so they are not counted twice), so every rank that routes with
+a bias moves it alike. Under pp each stage moves its own routers' biases.
+
 The console line aggregates the layers: aux, z and CV are means over layers, min and max
 the extremes over layers and experts, dropped the fraction over all layers' slots.
 """
@@ -60,6 +67,10 @@ class MoEWindow:
         self.num_experts = routers[0].num_experts if routers else 0
         self.device, self.pp_group = device, pp_group
         self.history: list[dict] = []  # one entry per closed window, for the metrics file
+        # The routers whose bias each step moves, by row (all of a model's, or none).
+        self.biased = [(row, m) for row, m in enumerate(routers) if m.kind == "sigmoid"]
+        self.step_slots = torch.zeros(len(routers), self.num_experts, dtype=torch.int64)
+        self.step_slots = self.step_slots.to(device)
         self._reset()
 
     def _reset(self) -> None:
@@ -78,9 +89,9 @@ class MoEWindow:
             raise ValueError(f"{len(losses)} router results for {len(layers)} MoE layers")
         rows = [self.layers.index(number) for number in layers]
         with torch.no_grad():
-            self.slots[rows] += torch.stack([one.slots_per_expert for one in losses]).to(
-                self.device
-            )
+            slots = torch.stack([one.slots_per_expert for one in losses]).to(self.device)
+            self.slots[rows] += slots
+            self.step_slots[rows] += slots
             self.dropped[rows] += torch.stack([one.dropped for one in losses]).to(self.device)
             pairs = [torch.stack([one.aux.detach(), one.z.detach()]) for one in losses]
             self.losses[rows] += torch.stack(pairs).to(self.device, torch.float64)
@@ -88,9 +99,18 @@ class MoEWindow:
             self.layer_forwards[row] += 1
         self.forwards += 1
 
-    def end_step(self) -> None:
-        """A step's micro-batches are all in."""
+    def end_step(self, group=None) -> None:
+        """A step's micro-batches are all in: with sigmoid routers, their biases move by
+        the step's load summed over ``group`` (the ``loss`` group; a collective, every rank
+        of it calls this together; None: this rank's load alone)."""
         self.steps += 1
+        if self.biased:
+            load = self.step_slots.double()
+            if group is not None:
+                load = comm.sum_(load.to(comm.collective_device(group, self.device)), group)
+            for row, router in self.biased:
+                router.update_bias(load[row].to(self.device))
+        self.step_slots.zero_()
 
     def close(self, group, step: int) -> list[dict[str, float]]:
         """Every layer's figures for the window (summed over ``group``, then under pp

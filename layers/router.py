@@ -7,7 +7,11 @@ Two kinds (``cfg.moe_router``):
   (Mixtral, Qwen3-MoE; Qwen2-MoE does not).
 * ``"sigmoid"`` (DeepSeek-V3): s = sigmoid(z); the k largest of s + b are chosen, where b
   is a per-expert bias buffer that no gradient touches (``update_bias`` moves it after a
-  step); the weights are the chosen s (not s + b), renormalised when asked.
+  step); the weights are the chosen s (not s + b), renormalised when asked. The step
+  runners move it after every training step by the load of the whole global batch
+  (``engine.moe_observe.MoEWindow.end_step``), and checkpoints keep it in their trainer
+  state (``router_biases`` / ``load_router_biases``), so a resumed run and a server
+  loading the checkpoint route as the run did.
 
 **Precision** (``cfg.moe_router_dtype``, Megatron-Core's ``moe_router_dtype``): the
 logits z = x·W_rᵀ are computed in the wider of the model's dtype and the router dtype (a
@@ -62,6 +66,7 @@ from layers.utils import comm_timer_of
 ROUTERS = ("softmax", "sigmoid")
 ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 AUX_LOSS_POOLINGS = ("layer", "model")
+BIAS_KEY = ".expert_bias"  # a sigmoid router's bias in a full state dict: <router name> + this
 
 
 @dataclass
@@ -250,3 +255,36 @@ class TopKRouter(nn.Module):
         load = self.last_losses.slots_per_expert if slots_per_expert is None else slots_per_expert
         load = load.to(self.expert_bias)
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+
+
+def sigmoid_routers(model: nn.Module) -> dict[str, TopKRouter]:
+    """``model``'s sigmoid routers by module name (the names a pipeline stage keeps too)."""
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, TopKRouter) and m.kind == "sigmoid"
+    }
+
+
+def router_biases(model: nn.Module) -> dict[str, list[float]]:
+    """Every sigmoid router's ``expert_bias`` of ``model``, by module name, as numbers
+    (exact: an fp32 value is a Python float, which JSON writes to the last bit)."""
+    return {name: m.expert_bias.tolist() for name, m in sigmoid_routers(model).items()}
+
+
+@torch.no_grad()
+def load_router_biases(model: nn.Module, saved: dict[str, list[float]] | None) -> None:
+    """Set ``model``'s sigmoid routers' biases from :func:`router_biases` output (of the
+    whole model: a pipeline stage takes its own routers'). A router the record does not
+    name keeps its bias (a checkpoint written before biases were saved has none); one
+    of another expert count is refused."""
+    for name, router in sigmoid_routers(model).items():
+        value = (saved or {}).get(name)
+        if value is None:
+            continue
+        if len(value) != router.num_experts:
+            raise ValueError(
+                f"{name}: the checkpoint holds {len(value)} expert biases for "
+                f"{router.num_experts} experts: not this model's checkpoint"
+            )
+        router.expert_bias.copy_(torch.tensor(value, dtype=torch.float32))

@@ -21,11 +21,13 @@ import pytest
 import torch
 
 import parallel_state
+from engine import comm
 from engine.config import OptimConfig
 from engine.data_parallel import build_data_parallel
 from engine.models import build_model
 from engine.pipeline import PipelineModel, PipelineRunner
 from engine.runner import LocalRunner
+from layers.router import router_biases
 from parallel_state.dims import ParallelDims
 from studies.verification.layouts import solo_group
 from tests.moe_util import LLAMA, moe_cfg
@@ -52,7 +54,12 @@ def _step(dp, model, runner, ps) -> dict:
     norm = runner.global_norm(dp.grad_norm())
     dp.step(lr=OPTIM.lr, max_norm=OPTIM.clip_grad, norm=norm)
     window = runner.moe_window.close(ps.group("loss"), 1)  # the moe line's figures
-    return dict(grads=grads, norm=norm, weights=model.full_state_dict(), window=window)
+    biases = {}  # the sigmoid routers' biases the step moved, of every stage
+    for part in comm.all_gather_object(router_biases(model), ps.group("pp")):
+        biases |= part
+    return dict(
+        grads=grads, norm=norm, weights=model.full_state_dict(), window=window, biases=biases
+    )
 
 
 def _local(model, ps, micro: list) -> dict:
@@ -126,8 +133,8 @@ def _mismatches(got: dict, want: dict, kind: str) -> list[str]:
     ]
 
 
-def _run(attach: bool, schedule: str = "1f1b", virtual: int = 1) -> tuple[dict, dict]:
-    cfg = moe_cfg(**{**LLAMA, **KEYS, "num_layers": 2 * virtual})  # one MoE layer a stage
+def _run(attach: bool, schedule: str = "1f1b", virtual: int = 1, **keys) -> tuple[dict, dict]:
+    cfg = moe_cfg(**{**LLAMA, **KEYS, "num_layers": 2 * virtual, **keys})  # one MoE layer a stage
     micro = _micro_batches()
     return run_ranks(_pp_rank, 2, cfg, micro, attach, schedule, virtual, timeout=180)[0]
 
@@ -150,13 +157,17 @@ def _assert_equal(got: dict, want: dict) -> None:
     # The router loss is the weighted mean of the window's (fp64) aux and z losses.
     from_window = sum(0.01 * one["aux"] + 0.001 * one["z"] for one in want["window"])
     assert abs(float(want["router_loss"]) - from_window) <= 1e-7
+    assert got["biases"] == want["biases"]  # bitwise: the same loads, the same ± γ steps
 
 
 @pytest.mark.slow
 def test_pp2_router_losses_reach_every_stage_as_in_the_unsplit_model():
-    got, want = _run(attach=True)
+    """DeepSeek-V3's sigmoid router: each stage also moves its router's bias by the
+    step's load, as the local runner does (tests/test_moe_bias.py checks that by hand)."""
+    got, want = _run(attach=True, moe_router="sigmoid", moe_bias_update_rate=2.0**-6)
     routers = [name for name in want["grads"] if name.endswith("router.weight")]
     assert len(routers) == 2 and [one["layer"] for one in got["window"]] == [0, 1]
+    assert len(want["biases"]) == 2 and all(any(v) for v in want["biases"].values())
     _assert_equal(got, want)
 
 

@@ -10,6 +10,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.checkpoint import storage
 from engine.checkpoint.format import META_FILE, check_output_dir, write_checkpoint
 from engine.checkpoint.layout import MODEL, OPTIM, RNG, TensorSpec, assign_writers, written_layout
@@ -19,6 +21,7 @@ from engine.checkpoint.storage import CheckpointError, ShardReader
 from engine.checkpoint.tokenizer import recorded_tokenizer
 from engine.flops import params_count
 from engine.models import ModelConfig, build_model
+from layers.router import BIAS_KEY
 from parallel_state import ParallelState
 
 MAX_WORLD = 1 << 16  # ranks a conversion plans for, one by one (~1 min at the bound)
@@ -219,6 +222,10 @@ def read_model_state(
     weights = {
         n[len("model/") :]: reader.read(n) for n, s in reader.specs.items() if s.kind == MODEL
     }
+    # The sigmoid routers' biases live in the trainer state (engine.checkpoint.run).
+    biases = (reader.index.get("trainer_state") or {}).get("router_bias") or {}
+    for name, values in biases.items():
+        weights[name + BIAS_KEY] = torch.tensor(values, dtype=torch.float32)
     return cfg, weights, reader.index
 
 

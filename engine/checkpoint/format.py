@@ -159,14 +159,16 @@ def save_model(
     *,
     extra: dict[str, Any] | None = None,
     tokenizer: str | os.PathLike | None = None,
+    more: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Gather ``model``'s full weights and write them (global rank 0 writes), with a copy of
-    ``tokenizer`` when given.
+    ``tokenizer`` when given; ``more``: tensors to write beside the weights (the sigmoid
+    routers' biases, which ``load_full_state_dict`` takes too).
 
     Every rank must call this: the gather is collective over TP, and all ranks wait at a
     barrier so that none reads the checkpoint before it exists.
     """
-    state = model.full_state_dict()
+    state = model.full_state_dict() | (more or {})
     if _rank() == 0:
         write_checkpoint(directory, state, model.cfg, extra=extra, tokenizer=tokenizer)
     comm.barrier(comm.world())

@@ -66,6 +66,7 @@ from engine.checkpoint.storage import (
 from engine.checkpoint.tensorfile import HASHES
 from engine.data_parallel import DataParallel, checkpoint_view
 from engine.models import ModelConfig, ParallelModel
+from layers.router import load_router_biases
 from layers.utils import assign_tp_local_, dp_sharded
 from parallel_state import ParallelState
 from parallel_state.dims import ParallelDims
@@ -451,6 +452,8 @@ def _apply(payload: dict, model: nn.Module, optimizer, ps: ParallelState | None)
             assign_tp_local_(p, value)
     if optimizer is not None:
         load_optimizer(optimizer, payload["states"])
+    # The sigmoid routers' biases, which the trainer state keeps (engine.checkpoint.run).
+    load_router_biases(model, (payload["index"]["trainer_state"] or {}).get("router_bias"))
     rng = payload["rng"]
     if rng is not None:
         cpu = rng.pop("torch_cpu", None)

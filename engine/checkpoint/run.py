@@ -10,13 +10,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
+import torch
 from torch import nn
 
+from engine import comm
 from engine.checkpoint.background import BackgroundSaver
 from engine.checkpoint.format import save_model
 from engine.checkpoint.manager import Loaded, checkpoint_dir, load_checkpoint, stage_checkpoint
 from engine.checkpoint.tokenizer import tokenizer_record
 from engine.data_parallel import DataParallel
+from layers.router import BIAS_KEY, router_biases
 from parallel_state import ParallelState
 from parallel_state.groups import side_group
 
@@ -81,6 +84,9 @@ class RunCheckpoints:
             "config": asdict(self.cfg),
             "tokenizer": self.tokenizer,
         }
+        biases = self.router_biases()
+        if biases:  # moved by training, not by gradients: they are not model tensors
+            state["router_bias"] = biases
         stage = stage_checkpoint(
             self.directory,
             step,
@@ -101,6 +107,18 @@ class RunCheckpoints:
         self.background.submit(step, stage)
         self.saved_step = step
         self._staged = (time.perf_counter() - start - waited, waited)
+
+    def router_biases(self) -> dict[str, list[float]]:
+        """The whole model's sigmoid router biases by router name ({} for none), gathered
+        over the pipeline stages: every rank calls this together."""
+        cfg = self.model.cfg
+        if getattr(cfg, "mlp", None) != "moe" or getattr(cfg, "moe_router", None) != "sigmoid":
+            return {}
+        mine = router_biases(self.model)
+        if self.ps.size("pp") == 1:
+            return mine
+        parts = comm.all_gather_object(mine, self.ps.group("pp"))
+        return {name: value for part in parts for name, value in part.items()}
 
     def wait(self) -> None:
         """Wait for the background save in flight, if any, and say it was saved; raises
@@ -147,6 +165,8 @@ class RunCheckpoints:
         """The model's weights alone (for inference and conversion) in ``<dir>/final``."""
         self.wait()  # the last resumable save's line comes first, in the run log too
         directory = os.path.join(self.directory, "final")
-        save_model(self.model, directory, tokenizer=self.cfg.data.tokenizer)
+        biases = self.router_biases()
+        biases = {n + BIAS_KEY: torch.tensor(v, dtype=torch.float32) for n, v in biases.items()}
+        save_model(self.model, directory, tokenizer=self.cfg.data.tokenizer, more=biases)
         self.say(f"saved the final model to {directory}")
         return directory

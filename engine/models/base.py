@@ -42,6 +42,7 @@ from layers.param_roles import (
     tp_dim,
 )
 from layers.recompute import default_rng
+from layers.router import BIAS_KEY, load_router_biases, sigmoid_routers
 from layers.spec import spec_for
 from layers.transformer import ParallelTransformerLayer
 from layers.utils import assign_tp_local_, comm_timer_of, shard, tp_local
@@ -360,7 +361,13 @@ class ParallelModel(nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's slices out of a full state dict (as :meth:`full_state_dict` gives)."""
+        """Copy this rank's slices out of a full state dict (as :meth:`full_state_dict` gives;
+        it may also hold sigmoid routers' ``<router>.expert_bias``, as a training
+        checkpoint's weights do: ``engine.checkpoint.convert.read_model_state``)."""
+        routers = sigmoid_routers(self)
+        biases = {n: state[n + BIAS_KEY].tolist() for n in routers if n + BIAS_KEY in state}
+        state = {k: v for k, v in state.items() if k[: -len(BIAS_KEY)] not in biases}
+        load_router_biases(self, biases)
         own = dict(self.named_parameters())
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unexpected:

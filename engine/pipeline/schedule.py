@@ -256,7 +256,7 @@ class PipelineRunner:
             device = comm.collective_device(self.ps.group("pp"), self.ps.device)
             summed = comm.sum_(self._router_sum.to(device), self.ps.group("pp"))
             self.router_loss = summed.to(self.ps.device)
-            self.moe_window.end_step()
+            self.moe_window.end_step(self.ps.group("loss"))  # sigmoid routers' biases move
         return total / loss_scale
 
     def eval_loss_sum(self, micro_batches: list, counted: int | None = None) -> float:

@@ -17,7 +17,8 @@ step's micro-batches and (by the DP average) its ranks of (model loss + router l
 the same at every ep size, since each rank routes its own tokens at every ep size. The
 step's reported loss stays the model's (comparable with evaluation and dense runs); the
 router losses' step mean is ``router_loss``. Each micro-batch's router statistics also go
-to ``moe_window`` (``engine.moe_observe``: the console's moe line; None for a dense model)."""
+to ``moe_window`` (``engine.moe_observe``: the console's moe line; None for a dense model),
+whose step end moves a sigmoid router's expert bias by the global batch's load."""
 
 from __future__ import annotations
 
@@ -121,8 +122,8 @@ class LocalRunner:
             if router is not None:
                 router_total += router.detach().float()
         self.router_loss = router_total
-        if self.moe_window is not None:
-            self.moe_window.end_step()
+        if self.moe_window is not None:  # and the sigmoid routers' biases move
+            self.moe_window.end_step(self.ps.group("loss"))
         return total
 
     def fixed_set_loss(self, valid: DataIterator, batches: int) -> float:

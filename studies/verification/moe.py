@@ -343,10 +343,11 @@ def moe_train_and_compare(spec, target, reference, batch, local, ps):
             value /= ps.size("loss")
         ref_loss = ref_router = None
         if reference is not None:
-            losses, routers = [], []
+            losses, routers, loads = [], [], []
             for one in slices:
                 losses.append(reference.loss(one))
                 routers.append(sum(r.loss for r in moe_losses(reference)))
+                loads.append([r.slots_per_expert for r in moe_losses(reference)])
             ref_loss, ref_router = sum(losses) / len(slices), sum(routers) / len(slices)
             (ref_loss + ref_router).backward()
         if n == 0:
@@ -369,6 +370,12 @@ def moe_train_and_compare(spec, target, reference, batch, local, ps):
         if ref_opt is not None:
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
+            # The sigmoid router's bias moves by the whole batch's load, as the target's
+            # runner moves it by the load summed over its dp ranks.
+            routers = [m for m in reference.modules() if isinstance(m, TopKRouter)]
+            for router, *per_slice in zip(routers, *loads, strict=True):
+                if router.kind == "sigmoid":
+                    router.update_bias(sum(per_slice))
     step.remove()
     del target.loss  # the class's again
     return rows, notes
