@@ -46,6 +46,7 @@ def test_every_request_answered_once_with_the_sequential_tokens(tmp_path, capsys
     names = [r["name"].split(" (")[0] for r in results["runs"]]
     assert names == [
         "server, continuous",
+        "server, static",
         "engine, continuous",
         "engine, static",
         "generate_batch, static",
@@ -57,7 +58,10 @@ def test_every_request_answered_once_with_the_sequential_tokens(tmp_path, capsys
         assert run["answered"] == 8, run["name"]
     # Every run generated the same tokens: the sum of the requests' max_tokens.
     assert len({run["generated"] for run in results["runs"]}) == 1
-    assert "| server, continuous (4 clients, max running 4) | 8 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| server, continuous (4 clients, max running 4) | 8 |" in out
+    assert "| server, static (batches of 4) | 8 |" in out
+    assert "over HTTP, continuous ÷ static batching: " in out
 
 
 def test_bad_flags_are_one_line_and_exit_2(capsys):

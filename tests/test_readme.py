@@ -122,6 +122,11 @@ COVERED = {
     "name=llama_tiny_docs": "tests/test_document_mask.py::test_packed_documents_equal_one_document_per_row",
     "python -m engine.pretrain model=llama_tiny cp_size=2 tp_size=1 dp_size=1 data.seq_len=128 "
     "trainer.max_steps=30 name=llama_tiny_cp2": "tests/test_context_parallel.py::test_cp2_equals_the_unsplit_model",
+    "python -m engine.pretrain model=llama_tiny cp_size=4 tp_size=1 dp_size=1 data.seq_len=16384 "
+    "model.max_positions=16384 trainer.max_steps=10 trainer.global_batch=1 trainer.micro_batch=1 "
+    "trainer.eval_every=0 optim.warmup_steps=2 name=llama_tiny_cp4_16k": "manual: 18 minutes on "
+    "2 cores (docs/BENCHMARKS.md); its overrides are composed here and the same path runs at 128 "
+    "tokens in tests/test_context_parallel.py::test_cp2_equals_the_unsplit_model",
     "python -m engine.pretrain model=moe_tiny tp_size=1 dp_size=2 ep_size=2 trainer.max_steps=30 "
     "name=moe_tiny_ep2": "tests/test_moe_ep.py::test_ep2_equals_the_unsplit_model",
     "python tools/gpu_check.py --rehearse --out bench/gpu_check": "tests/test_gpu_check.py::test_rehearsal_runs_every_item_and_writes_the_table",
