@@ -499,3 +499,48 @@ def test_incremental_detokenizer_adds_up_to_the_whole_decode(export, kind):
                 if stop in text
             )
         assert "".join(pieces) == detokenizer.text == expected, (kind, trial)
+
+
+def test_events_that_queued_up_go_out_as_one_item_per_choice_in_order():
+    """A handler that falls behind the engine takes every queued event at once: one
+    (choice, text, tokens) per choice, whose text and tokens are those the events give one
+    by one (the reference: the same events taken singly by a second set of choices)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from apps.serving.http import Server
+    from apps.serving.requests import LENGTH, TokenEvent
+    from apps.serving.responses import Choice
+    from apps.serving.text import TextCodec
+
+    codec = TextCodec(_metaspace_tokenizer())
+    ids = codec.tokenizer.encode("héllo wörld, the end").ids
+    stream = [TokenEvent(f"r{k % 2}", token, -0.5) for k, token in enumerate(ids * 2)]
+    stream += [TokenEvent("r0", None, None, LENGTH), TokenEvent("r1", None, None, LENGTH)]
+
+    def choices() -> list[Choice]:
+        out = [Choice(i, [1], codec, []) for i in range(2)]
+        for i, choice in enumerate(out):
+            choice.request_id = f"r{i}"
+        return out
+
+    async def collect() -> list[tuple]:
+        queue = asyncio.Queue()
+        for event in stream:
+            queue.put_nowait(event)  # all queued before the handler runs
+        server = SimpleNamespace(loop=SimpleNamespace(cancel=lambda rid: None))
+        got = choices()
+        return [
+            (c.index, text, [s.token for s in tokens])
+            async for c, text, tokens in Server.events(server, got, queue)
+        ]
+
+    items = asyncio.run(collect())
+    assert [index for index, _, _ in items] == [0, 1]  # one item per choice, in order
+    singly = choices()
+    for index, text, tokens in items:
+        want_text, want_tokens = "", []
+        for event in (e for e in stream if e.request_id == f"r{index}"):
+            piece, scored = singly[index].take(event)
+            want_text, want_tokens = want_text + piece, want_tokens + [s.token for s in scored]
+        assert (text, tokens) == (want_text, want_tokens) and text
