@@ -134,13 +134,37 @@ def _assert_equal_to_unsplit(per_rank: list[dict]) -> float:
     return worst
 
 
+def _every_model(body, *args) -> dict:
+    """``body(name, *args)`` for every model of MODELS in turn on the same ranks, each on
+    a mesh of its own (torn down before the next): one rank start and one import of the
+    engine serve them all, which is most of what one model's check costs."""
+    import parallel_state
+
+    out = {}
+    for name in MODELS:
+        out[name] = body(name, *args)
+        parallel_state.destroy()
+    return out
+
+
+def _by_model(per_rank: list[dict]) -> dict[str, list]:
+    """{model: its per-rank results} from :func:`_every_model`'s per-rank {model: result}."""
+    return {name: [rank[name] for rank in per_rank] for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def cp2_steps() -> dict[str, list[dict]]:
+    """Every model's one cp 2 step against the unsplit model, from one launch of 2 ranks."""
+    return _by_model(run_ranks(_every_model, 2, _step_against_unsplit, 1, False, timeout=600))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_cp2_equals_the_unsplit_model(name):
+def test_cp2_equals_the_unsplit_model(name, cp2_steps):
     """cp 2 (2 ranks): causal GPT (learned positions) and Llama (rotary, GQA): loss, every
     gradient and the weights after one AdamW step within 1e-10 (measured: ~1e-16 to
     ~1e-15, rounding)."""
-    per_rank = run_ranks(_step_against_unsplit, 2, name, 1, False)
+    per_rank = cp2_steps[name]
     print(f"{name} cp2: max |error| {_assert_equal_to_unsplit(per_rank):.1e}")
 
 
@@ -240,9 +264,15 @@ def _dropout_against_unsplit(name: str, p: float) -> dict:
     return {"passes": passes, "undropped": undropped}
 
 
+@pytest.fixture(scope="module")
+def cp2_dropout() -> dict[str, list[dict]]:
+    """Every model's two dropout passes at cp 2 against the unsplit model, one launch."""
+    return _by_model(run_ranks(_every_model, 2, _dropout_against_unsplit, 0.3, timeout=600))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_attention_dropout_under_the_ring_draws_what_the_unsplit_model_draws(name):
+def test_attention_dropout_under_the_ring_draws_what_the_unsplit_model_draws(name, cp2_dropout):
     """cp 2, attention dropout 0.3 (hidden dropout 0): the ring reads each (query, key)
     pair's draw at its global positions from the mask the unsplit attention draws, so the
     loss and every gradient equal the unsplit model's in fp64 (within 1e-10; measured
@@ -252,7 +282,7 @@ def test_attention_dropout_under_the_ring_draws_what_the_unsplit_model_draws(nam
     at this fresh initialisation, where attention is nearly uniform), 1e5 × the tolerance,
     while a mask read at local instead of global key positions is off by 6e-4 (planted by
     hand)."""
-    per_rank = run_ranks(_dropout_against_unsplit, 2, name, 0.3)
+    per_rank = cp2_dropout[name]
     worst = 0.0
     for rank, out in enumerate(per_rank):
         for i, one in enumerate(out["passes"]):
@@ -391,6 +421,18 @@ def _cp_run(cfg) -> dict | None:
     return {"start": start, "end": end, "history": history}
 
 
+def _cp_runs(cfgs: list) -> list[dict | None]:
+    """:func:`_cp_run` of each config in turn on the same ranks (one launch for several
+    runs at one cp), each on a mesh of its own."""
+    import parallel_state
+
+    out = []
+    for cfg in cfgs:
+        out.append(_cp_run(cfg))
+        parallel_state.destroy()
+    return out
+
+
 def _same(got: dict, want: dict) -> bool:
     return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 
@@ -425,12 +467,24 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(tmp_path):
             f"checkpoint.every={every}",
         )
 
-    whole = {cp: run_ranks(_cp_run, cp, cfg(f"whole{cp}", cp, 6, 0))[0] for cp in (1, 2)}
+    # Three launches where each run would take one (a rank start and the engine's imports
+    # cost more than these tiny runs): cp 2 runs whole and saves "from2"; cp 1 runs whole,
+    # resumes "from2" and saves "from1"; cp 2 resumes "from1". Each run reads and writes
+    # only its own root, so running them in one process changes none of them.
+    whole2, saver2 = run_ranks(
+        _cp_runs, 2, [cfg("whole2", 2, 6, 0), cfg("from2", 2, 3, 3)], timeout=600
+    )[0]
+    whole1, resumed1, saver1 = run_ranks(
+        _cp_runs,
+        1,
+        [cfg("whole1", 1, 6, 0), cfg("from2", 1, 6, 0), cfg("from1", 1, 3, 3)],
+        timeout=600,
+    )[0]
+    (resumed2,) = run_ranks(_cp_runs, 2, [cfg("from1", 2, 6, 0)], timeout=600)[0]
+    whole = {1: whole1, 2: whole2}
+    runs = {(2, 1): (saver2, resumed1), (1, 2): (saver1, resumed2)}
     found = {}
-    for saved_at, resumed_at in ((2, 1), (1, 2)):
-        root = f"from{saved_at}"
-        saver = run_ranks(_cp_run, saved_at, cfg(root, saved_at, 3, 3))[0]
-        resumed = run_ranks(_cp_run, resumed_at, cfg(root, resumed_at, 6, 0))[0]
+    for (saved_at, resumed_at), (saver, resumed) in runs.items():
         step, weights, moments = resumed["start"]
         assert step == 3, step
         assert _same(weights, saver["end"][0]), f"weights after cp {saved_at} -> {resumed_at}"
