@@ -38,6 +38,7 @@ from parallel_state.dims import ParallelDims
 from tests.corpus import build_test_corpus
 from tests.launch_util import TINY_RUN, run_pretrain
 from tests.multiproc import run_ranks
+from tests.rank_bodies import in_turn
 from tests.test_engine import ROOT, compose_config
 from tests.torch_reference import tiny_gpt
 
@@ -198,24 +199,18 @@ def _reshard(cfgs: dict[str, Config], converted: str) -> dict:
     return out
 
 
-def _in_turn(calls: list[tuple]) -> list:
-    """``fn(*args)`` for each ``(fn, args)`` in turn on the same ranks (each body sets up
-    its own meshes): the three resharding round trips below share one launch of 4 ranks,
-    so the ranks start and import the engine once rather than three times."""
-    return [fn(*args) for fn, args in calls]
-
-
 @pytest.fixture(scope="module")
 def reshards(corpus, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     """{round trip: (its folder, rank 0's result)} for the layouts, Llama past its KV heads
-    and pipeline stages round trips, each in a folder of its own, from one launch."""
+    and pipeline stages round trips, each in a folder of its own, from one launch of 4
+    ranks (the ranks start and import the engine once rather than three times)."""
     roots = {name: tmp_path_factory.mktemp(name) for name in ("layouts", "llama", "pp")}
     calls = [
         (_reshard, (_layouts_cfgs(corpus, roots["layouts"]), str(roots["layouts"] / "converted"))),
         (_reshard_llama, (_llama_cfgs(corpus, roots["llama"]), str(roots["llama"] / "b"))),
         (_reshard_pp, (_pp_cfgs(corpus, roots["pp"]),)),
     ]
-    out = run_ranks(_in_turn, 4, calls, timeout=900)[0]
+    out = run_ranks(in_turn, 4, calls, timeout=900)[0]
     return {name: (roots[name], r) for name, r in zip(roots, out, strict=True)}
 
 

@@ -22,6 +22,7 @@ import torch
 
 from engine.models.config import preset
 from tests.multiproc import run_ranks
+from tests.rank_bodies import in_turn
 from tests.tiny_configs import tiny_kwargs
 
 SEQ, BATCH, VOCAB = 16, 2, 96  # 2·cp = 4 chunks of 4 tokens at cp 2
@@ -134,28 +135,19 @@ def _assert_equal_to_unsplit(per_rank: list[dict]) -> float:
     return worst
 
 
-def _every_model(body, *args) -> dict:
-    """``body(name, *args)`` for every model of MODELS in turn on the same ranks, each on
-    a mesh of its own (torn down before the next): one rank start and one import of the
-    engine serve them all, which is most of what one model's check costs."""
-    import parallel_state
-
-    out = {}
-    for name in MODELS:
-        out[name] = body(name, *args)
-        parallel_state.destroy()
-    return out
-
-
-def _by_model(per_rank: list[dict]) -> dict[str, list]:
-    """{model: its per-rank results} from :func:`_every_model`'s per-rank {model: result}."""
-    return {name: [rank[name] for rank in per_rank] for name in MODELS}
+def _every_model(body, *args) -> dict[str, list]:
+    """{model: its per-rank results} of ``body(name, *args)`` for every model of MODELS,
+    run in turn on one launch of 2 ranks: one rank start and one import of the engine
+    serve them all, which is most of what one model's check costs."""
+    calls = [(body, (name, *args)) for name in MODELS]
+    per_rank = run_ranks(in_turn, 2, calls, timeout=600)
+    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(MODELS)}
 
 
 @pytest.fixture(scope="module")
 def cp2_steps() -> dict[str, list[dict]]:
     """Every model's one cp 2 step against the unsplit model, from one launch of 2 ranks."""
-    return _by_model(run_ranks(_every_model, 2, _step_against_unsplit, 1, False, timeout=600))
+    return _every_model(_step_against_unsplit, 1, False)
 
 
 @pytest.mark.slow
@@ -267,7 +259,7 @@ def _dropout_against_unsplit(name: str, p: float) -> dict:
 @pytest.fixture(scope="module")
 def cp2_dropout() -> dict[str, list[dict]]:
     """Every model's two dropout passes at cp 2 against the unsplit model, one launch."""
-    return _by_model(run_ranks(_every_model, 2, _dropout_against_unsplit, 0.3, timeout=600))
+    return _every_model(_dropout_against_unsplit, 0.3)
 
 
 @pytest.mark.slow
@@ -421,18 +413,6 @@ def _cp_run(cfg) -> dict | None:
     return {"start": start, "end": end, "history": history}
 
 
-def _cp_runs(cfgs: list) -> list[dict | None]:
-    """:func:`_cp_run` of each config in turn on the same ranks (one launch for several
-    runs at one cp), each on a mesh of its own."""
-    import parallel_state
-
-    out = []
-    for cfg in cfgs:
-        out.append(_cp_run(cfg))
-        parallel_state.destroy()
-    return out
-
-
 def _same(got: dict, want: dict) -> bool:
     return got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
 
@@ -471,16 +451,14 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(tmp_path):
     # cost more than these tiny runs): cp 2 runs whole and saves "from2"; cp 1 runs whole,
     # resumes "from2" and saves "from1"; cp 2 resumes "from1". Each run reads and writes
     # only its own root, so running them in one process changes none of them.
-    whole2, saver2 = run_ranks(
-        _cp_runs, 2, [cfg("whole2", 2, 6, 0), cfg("from2", 2, 3, 3)], timeout=600
-    )[0]
-    whole1, resumed1, saver1 = run_ranks(
-        _cp_runs,
-        1,
-        [cfg("whole1", 1, 6, 0), cfg("from2", 1, 6, 0), cfg("from1", 1, 3, 3)],
-        timeout=600,
-    )[0]
-    (resumed2,) = run_ranks(_cp_runs, 2, [cfg("from1", 2, 6, 0)], timeout=600)[0]
+    def runs(cp: int, *cfgs) -> list[dict | None]:  # rank 0's result of each, one launch
+        return run_ranks(in_turn, cp, [(_cp_run, (c,)) for c in cfgs], timeout=600)[0]
+
+    whole2, saver2 = runs(2, cfg("whole2", 2, 6, 0), cfg("from2", 2, 3, 3))
+    whole1, resumed1, saver1 = runs(
+        1, cfg("whole1", 1, 6, 0), cfg("from2", 1, 6, 0), cfg("from1", 1, 3, 3)
+    )
+    (resumed2,) = runs(2, cfg("from1", 2, 6, 0))
     whole = {1: whole1, 2: whole2}
     runs = {(2, 1): (saver2, resumed1), (1, 2): (saver1, resumed2)}
     found = {}

@@ -23,6 +23,7 @@ from layers.utils import dp_sharded, local_part
 from parallel_state.dims import DP_SHARD_MODES, ParallelDims
 from parallel_state.random import RNGTracker
 from tests.multiproc import run_ranks
+from tests.rank_bodies import in_turn
 from tests.torch_reference import DP_OPTIM, alone_group, cpu_data_parallel, tiny_gpt, train_unsplit
 
 CFG = tiny_gpt(500, num_layers=3)
@@ -114,18 +115,11 @@ def _modes_vs_reference(tp: int, dp: int, sp: bool) -> dict:
     return out
 
 
-def _in_turn(calls: list[tuple]) -> list:
-    """``fn(*args)`` for each ``(fn, args)`` in turn on the same ranks (each body sets up
-    and tears down its own groups): the slow tests of one world size share one launch, so
-    the ranks start and import the engine once rather than once per test."""
-    return [fn(*args) for fn, args in calls]
-
-
 @pytest.fixture(scope="module")
 def slow_at_2() -> dict:
     """The slow bodies at world 2, one launch: bf16 FSDP vs ZeRO-1, ZeRO-3's shards at d 2."""
     calls = [(_bf16_full_vs_optimizer, ()), (_held_between_layers, (2,))]
-    per_rank = run_ranks(_in_turn, 2, calls, timeout=600)
+    per_rank = run_ranks(in_turn, 2, calls, timeout=600)
     return {"bf16": [r[0] for r in per_rank], ("held", 2): [r[1] for r in per_rank]}
 
 
@@ -134,7 +128,7 @@ def slow_at_4() -> dict:
     """The slow bodies at world 4, one launch: every mode at tp 2 × dp 2 with sequence
     parallelism, ZeRO-3's shards at d 4, FSDP's bytes per parameter at d 1, 2, 4."""
     calls = [(_modes_vs_reference, (2, 2, True)), (_held_between_layers, (4,)), (_fsdp_memory, ())]
-    per_rank = run_ranks(_in_turn, 4, calls, timeout=600)
+    per_rank = run_ranks(in_turn, 4, calls, timeout=600)
     keys = ("modes", ("held", 4), "memory")
     return {key: [r[i] for r in per_rank] for i, key in enumerate(keys)}
 

@@ -40,6 +40,7 @@ from engine.generate import generate_batch
 from engine.inference import inference_config
 from engine.models import build_model
 from tests.multiproc import run_ranks, subprocess_env
+from tests.rank_bodies import in_turn
 from tests.test_serve import (
     GREEDY,
     PROMPTS,
@@ -307,21 +308,14 @@ def _engine_rank(family: str) -> dict:
     return {"tp": split, "tp1": _run(ServingEngine(full, tp1_cache, **options))}
 
 
-def _engine_ranks(families: list[str]) -> dict[str, dict]:
-    """:func:`_engine_rank` of each family in turn on the same ranks, each on a mesh of its
-    own: one rank start and one import of the engine for several families."""
-    out = {}
-    for family in families:
-        out[family] = _engine_rank(family)
-        parallel_state.destroy()
-    return out
-
-
 @pytest.fixture(scope="module")
 def engine_at_tp2() -> dict[str, list[dict]]:
-    """gpt's and llama's engine runs at tp 2 from one launch of 2 ranks: {family: per rank}."""
-    per_rank = run_ranks(_engine_ranks, 2, ["gpt", "llama"], timeout=300)
-    return {family: [rank[family] for rank in per_rank] for family in ("gpt", "llama")}
+    """gpt's and llama's engine runs at tp 2 from one launch of 2 ranks (one rank start and
+    one import of the engine for both): {family: per rank}."""
+    families = ("gpt", "llama")
+    calls = [(_engine_rank, (family,)) for family in families]
+    per_rank = run_ranks(in_turn, 2, calls, timeout=300)
+    return {family: [rank[i] for rank in per_rank] for i, family in enumerate(families)}
 
 
 @pytest.mark.slow
