@@ -135,28 +135,27 @@ def _assert_equal_to_unsplit(per_rank: list[dict]) -> float:
     return worst
 
 
-def _every_model(body, *args) -> dict[str, list]:
-    """{model: its per-rank results} of ``body(name, *args)`` for every model of MODELS,
-    run in turn on one launch of 2 ranks: one rank start and one import of the engine
-    serve them all, which is most of what one model's check costs."""
-    calls = [(body, (name, *args)) for name in MODELS]
-    per_rank = run_ranks(in_turn, 2, calls, timeout=600)
-    return {name: [rank[i] for rank in per_rank] for i, name in enumerate(MODELS)}
-
-
 @pytest.fixture(scope="module")
-def cp2_steps() -> dict[str, list[dict]]:
-    """Every model's one cp 2 step against the unsplit model, from one launch of 2 ranks."""
-    return _every_model(_step_against_unsplit, 1, False)
+def at_cp2() -> dict[tuple[str, str], list]:
+    """The slow 2-rank bodies of this module, run in turn on one launch of 2 ranks (one
+    rank start and one import of the engine serve them all, which is most of what one
+    model's check costs): {(check, model): its per-rank results}, where check is "step"
+    (one cp 2 step), "dropout" (two passes with attention dropout 0.3) or "verifier"."""
+    keys = [("step", name) for name in MODELS] + [("dropout", name) for name in MODELS]
+    calls = [(_step_against_unsplit, (name, 1, False)) for name in MODELS]
+    calls += [(_dropout_against_unsplit, (name, 0.3)) for name in MODELS]
+    keys, calls = [*keys, ("verifier", "")], [*calls, (_verifier_at_cp2, ())]
+    per_rank = run_ranks(in_turn, 2, calls, timeout=900)
+    return {key: [rank[i] for rank in per_rank] for i, key in enumerate(keys)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_cp2_equals_the_unsplit_model(name, cp2_steps):
+def test_cp2_equals_the_unsplit_model(name, at_cp2):
     """cp 2 (2 ranks): causal GPT (learned positions) and Llama (rotary, GQA): loss, every
     gradient and the weights after one AdamW step within 1e-10 (measured: ~1e-16 to
     ~1e-15, rounding)."""
-    per_rank = cp2_steps[name]
+    per_rank = at_cp2[("step", name)]
     print(f"{name} cp2: max |error| {_assert_equal_to_unsplit(per_rank):.1e}")
 
 
@@ -256,15 +255,9 @@ def _dropout_against_unsplit(name: str, p: float) -> dict:
     return {"passes": passes, "undropped": undropped}
 
 
-@pytest.fixture(scope="module")
-def cp2_dropout() -> dict[str, list[dict]]:
-    """Every model's two dropout passes at cp 2 against the unsplit model, one launch."""
-    return _every_model(_dropout_against_unsplit, 0.3)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_attention_dropout_under_the_ring_draws_what_the_unsplit_model_draws(name, cp2_dropout):
+def test_attention_dropout_under_the_ring_draws_what_the_unsplit_model_draws(name, at_cp2):
     """cp 2, attention dropout 0.3 (hidden dropout 0): the ring reads each (query, key)
     pair's draw at its global positions from the mask the unsplit attention draws, so the
     loss and every gradient equal the unsplit model's in fp64 (within 1e-10; measured
@@ -274,7 +267,7 @@ def test_attention_dropout_under_the_ring_draws_what_the_unsplit_model_draws(nam
     at this fresh initialisation, where attention is nearly uniform), 1e5 × the tolerance,
     while a mask read at local instead of global key positions is off by 6e-4 (planted by
     hand)."""
-    per_rank = cp2_dropout[name]
+    per_rank = at_cp2[("dropout", name)]
     worst = 0.0
     for rank, out in enumerate(per_rank):
         for i, one in enumerate(out["passes"]):
@@ -338,11 +331,11 @@ def _verifier_at_cp2() -> dict[str, tuple | None]:
 
 
 @pytest.mark.slow
-def test_the_verifier_runs_at_cp2_and_names_unshifted_positions_where_they_show():
+def test_the_verifier_runs_at_cp2_and_names_unshifted_positions_where_they_show(at_cp2):
     """Every module's output, the loss and every gradient within 1e-10 at cp 2; positions
     not offset show first at the learned position table (GPT: the embedding's output) and
     at the first attention core that rotates q and k (Llama)."""
-    found = run_ranks(_verifier_at_cp2, 2)[0]
+    found = at_cp2[("verifier", "")][0]
     print(found)
     rows, failure = found["clean"]
     assert rows > 30 and failure is None, found
