@@ -38,6 +38,7 @@ from parallel_state.dims import ParallelDims
 from tests.corpus import build_test_corpus
 from tests.launch_util import TINY_RUN, run_pretrain
 from tests.multiproc import run_ranks
+from tests.rank_bodies import in_turn
 from tests.test_engine import ROOT, compose_config
 from tests.torch_reference import tiny_gpt
 
@@ -129,16 +130,35 @@ RESUME_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def resume_runs(corpus, tmp_path_factory) -> dict[str, tuple[Path, list]]:
+    """Each case of RESUME_CASES run whole (4 steps), stopped after 2 and run again to 4:
+    {case: (its folder, the three histories)}. The cases of one world size share a launch
+    (run_worker sets up and tears down each run's mesh), so the ranks start and import the
+    engine once per world size rather than once per case."""
+    runs, by_world = {}, {}
+    for case, layout in RESUME_CASES.items():
+        root = tmp_path_factory.mktemp(case)
+        overrides = (*layout, "checkpoint.every=2")
+        whole = run_config(corpus, root / "whole", "trainer.max_steps=4", *overrides)
+        first = run_config(corpus, root / "split", "trainer.max_steps=2", *overrides)
+        again = dataclasses.replace(first, trainer=whole.trainer)  # the same command, longer
+        runs[case] = (root, [whole, first, again])
+        by_world.setdefault(whole.tp_size * whole.dp_size, []).append(case)
+    out = {}
+    for world, cases in by_world.items():
+        cfgs = [cfg for case in cases for cfg in runs[case][1]]
+        histories = run_ranks(_run_all, world, cfgs, timeout=600)[0]
+        for i, case in enumerate(cases):
+            out[case] = (runs[case][0], histories[3 * i : 3 * i + 3])
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", RESUME_CASES)
-def test_stopped_and_rerun_is_bitwise_identical_to_uninterrupted(corpus, tmp_path, case):
+def test_stopped_and_rerun_is_bitwise_identical_to_uninterrupted(resume_runs, case):
     """Exact: the same ops on the same values in the same order, if every state came back."""
-    overrides = (*RESUME_CASES[case], "checkpoint.every=2")
-    whole = run_config(corpus, tmp_path / "whole", "trainer.max_steps=4", *overrides)
-    first = run_config(corpus, tmp_path / "split", "trainer.max_steps=2", *overrides)
-    again = dataclasses.replace(first, trainer=whole.trainer)  # the same command, run longer
-    world = whole.tp_size * whole.dp_size
-    h_whole, h_first, h_again = run_ranks(_run_all, world, [whole, first, again], timeout=300)[0]
+    tmp_path, (h_whole, h_first, h_again) = resume_runs[case]
     assert [s for s, _ in h_again] == [3, 4]  # it resumed from step 2
     assert h_first + h_again == h_whole  # losses bit for bit
     a = _all_tensors(tmp_path / "whole" / "step_00000004")
@@ -179,16 +199,23 @@ def _reshard(cfgs: dict[str, Config], converted: str) -> dict:
     return out
 
 
-@pytest.mark.slow
-def test_reshard_model_and_optimizer_across_layouts(corpus, tmp_path):
-    """Save at tp=2 × dp=2; resume at tp=4 × dp=1 (online, and from an offline-converted
-    copy) and at tp=1 × dp=4 under ZeRO-1.
+@pytest.fixture(scope="module")
+def reshards(corpus, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """{round trip: (its folder, rank 0's result)} for the layouts, Llama past its KV heads
+    and pipeline stages round trips, each in a folder of its own, from one launch of 4
+    ranks (the ranks start and import the engine once rather than three times)."""
+    roots = {name: tmp_path_factory.mktemp(name) for name in ("layouts", "llama", "pp")}
+    calls = [
+        (_reshard, (_layouts_cfgs(corpus, roots["layouts"]), str(roots["layouts"] / "converted"))),
+        (_reshard_llama, (_llama_cfgs(corpus, roots["llama"]), str(roots["llama"] / "b"))),
+        (_reshard_pp, (_pp_cfgs(corpus, roots["pp"]),)),
+    ]
+    out = run_ranks(in_turn, 4, calls, timeout=900)[0]
+    return {name: (roots[name], r) for name, r in zip(roots, out, strict=True)}
 
-    Adam moments and parameters only move between files and ranks: exact. Validation loss
-    at another TP size sums the same products in another order: fp32, 1e-6 relative. Two
-    further steps follow the reference (resumed at the saving layout) to 1e-5: Adam turns
-    last-bit gradient differences into slightly larger parameter differences.
-    """
+
+def _layouts_cfgs(corpus, tmp_path: Path) -> dict[str, Config]:
+    """The runs of test_reshard_model_and_optimizer_across_layouts under ``tmp_path``."""
     ckpt = tmp_path / "ckpt"
     # One sequence per micro-batch at every layout; validation is 8 fixed micro-batches.
     base = (
@@ -202,7 +229,7 @@ def test_reshard_model_and_optimizer_across_layouts(corpus, tmp_path):
     def layout(tp: int, dp: int) -> tuple[str, ...]:
         return f"tp_size={tp}", f"dp_size={dp}"
 
-    cfgs = {
+    return {
         "save": run_config(
             corpus, ckpt, *base, "trainer.max_steps=3", "checkpoint.every=3", *layout(2, 2)
         ),
@@ -211,7 +238,19 @@ def test_reshard_model_and_optimizer_across_layouts(corpus, tmp_path):
         "tp1_dp4_zero1": run_config(corpus, ckpt, *resume, *layout(1, 4), "optim.distributed=true"),
         "tp2_dp2": run_config(corpus, ckpt, *resume, *layout(2, 2)),
     }
-    out = run_ranks(_reshard, 4, cfgs, str(tmp_path / "converted"), timeout=400)[0]
+
+
+@pytest.mark.slow
+def test_reshard_model_and_optimizer_across_layouts(reshards):
+    """Save at tp=2 × dp=2; resume at tp=4 × dp=1 (online, and from an offline-converted
+    copy) and at tp=1 × dp=4 under ZeRO-1.
+
+    Adam moments and parameters only move between files and ranks: exact. Validation loss
+    at another TP size sums the same products in another order: fp32, 1e-6 relative. Two
+    further steps follow the reference (resumed at the saving layout) to 1e-5: Adam turns
+    last-bit gradient differences into slightly larger parameter differences.
+    """
+    _, out = reshards["layouts"]
     print(out)
     reference = [loss for _, loss in out["tp2_dp2"]["history"]]
     assert out["converted_params_equal"]
@@ -324,18 +363,9 @@ def _reshard_llama(cfgs: dict[str, Config], spare: str) -> dict:
     return out
 
 
-@pytest.mark.slow
-def test_reshard_llama_past_the_kv_heads(corpus, tmp_path, capsys):
-    """Llama with 2 KV heads saved at tp=4, where each KV head's projection is replicated
-    on two TP ranks: resumed at tp 4, tp 2 × dp 2 and tp 1 × dp 4 under ZeRO-1; the last
-    two save again and are resumed at tp 4 (the reverse). Then the checkpoint tools read
-    the tp=4 checkpoint.
-
-    Weights and Adam moments only move between files and ranks: exact (torch.equal), on
-    every rank holding a replicated block. The two steps after a resume at another layout
-    sum the same fp32 products in another order: 1e-5 relative to the resume at tp 4, as
-    in test_reshard_model_and_optimizer_across_layouts.
-    """
+def _llama_cfgs(corpus, tmp_path: Path) -> dict[str, Config]:
+    """The runs of test_reshard_llama_past_the_kv_heads: saved under ``tmp_path``/a, the
+    ZeRO-1 resume's own copy under ``tmp_path``/b."""
     a, b = tmp_path / "a", tmp_path / "b"
     base = (
         "model=llama_tiny",
@@ -351,7 +381,7 @@ def test_reshard_llama_past_the_kv_heads(corpus, tmp_path, capsys):
         every = f"checkpoint.every={steps if save else 0}"
         return run_config(corpus, root, *base, f"trainer.max_steps={steps}", every, *more)
 
-    cfgs = {
+    return {
         "save": resume(a, 3, True, *layout(4, 1)),
         "tp4": resume(a, 5, False, *layout(4, 1)),
         "tp2_dp2": resume(a, 5, True, *layout(2, 2)),
@@ -359,7 +389,22 @@ def test_reshard_llama_past_the_kv_heads(corpus, tmp_path, capsys):
         "tp4_from_tp2": resume(a, 6, False, *layout(4, 1)),
         "tp4_from_tp1": resume(b, 6, False, *layout(4, 1)),
     }
-    out = run_ranks(_reshard_llama, 4, cfgs, str(b), timeout=500)[0]
+
+
+@pytest.mark.slow
+def test_reshard_llama_past_the_kv_heads(reshards, capsys):
+    """Llama with 2 KV heads saved at tp=4, where each KV head's projection is replicated
+    on two TP ranks: resumed at tp 4, tp 2 × dp 2 and tp 1 × dp 4 under ZeRO-1; the last
+    two save again and are resumed at tp 4 (the reverse). Then the checkpoint tools read
+    the tp=4 checkpoint.
+
+    Weights and Adam moments only move between files and ranks: exact (torch.equal), on
+    every rank holding a replicated block. The two steps after a resume at another layout
+    sum the same fp32 products in another order: 1e-5 relative to the resume at tp 4, as
+    in test_reshard_model_and_optimizer_across_layouts.
+    """
+    tmp_path, out = reshards["llama"]
+    out, a = dict(out), tmp_path / "a"  # (a copy: the saved state is taken out below)
     saved_params, saved_moments = out.pop("saved")[("a", 3)]
     for name, r in out.items():
         assert r["params_equal"] and r["moments_equal"], (name, r)
@@ -876,10 +921,8 @@ def _reshard_pp(cfgs: dict[str, Config]) -> dict:
     return out
 
 
-@pytest.mark.slow
-def test_reshard_across_pipeline_stages(corpus, tmp_path):
-    """Parameters and Adam moments only move between files and ranks: exact (torch.equal),
-    whatever pp, tp, dp and ZeRO-1 the checkpoint is written and read at."""
+def _pp_cfgs(corpus, tmp_path: Path) -> dict[str, Config]:
+    """The runs of test_reshard_across_pipeline_stages under ``tmp_path``."""
     ckpt = tmp_path / "ckpt"
     base = (
         "model.hidden_dropout=0.0",
@@ -893,7 +936,7 @@ def test_reshard_across_pipeline_stages(corpus, tmp_path):
         return f"pp_size={pp}", f"tp_size={tp}", f"dp_size={dp}"
 
     resume = (*base, "trainer.max_steps=4", "checkpoint.every=0")  # read-only resumes
-    cfgs = {
+    return {
         "save": run_config(
             corpus, ckpt, *base, "trainer.max_steps=3", "checkpoint.every=3", *layout(2, 2, 1)
         ),
@@ -906,7 +949,13 @@ def test_reshard_across_pipeline_stages(corpus, tmp_path):
         ),
         "pp2_back": run_config(corpus, ckpt, *base, "trainer.max_steps=6", *layout(2, 2, 1)),
     }
-    out = run_ranks(_reshard_pp, 4, cfgs, timeout=500)[0]
+
+
+@pytest.mark.slow
+def test_reshard_across_pipeline_stages(reshards):
+    """Parameters and Adam moments only move between files and ranks: exact (torch.equal),
+    whatever pp, tp, dp and ZeRO-1 the checkpoint is written and read at."""
+    _, out = reshards["pp"]
     print(out)
     for name, r in out.items():
         assert r["params_equal"] and r["moments_equal"], (name, r)

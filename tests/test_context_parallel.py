@@ -22,6 +22,7 @@ import torch
 
 from engine.models.config import preset
 from tests.multiproc import run_ranks
+from tests.rank_bodies import in_turn
 from tests.tiny_configs import tiny_kwargs
 
 SEQ, BATCH, VOCAB = 16, 2, 96  # 2·cp = 4 chunks of 4 tokens at cp 2
@@ -134,13 +135,27 @@ def _assert_equal_to_unsplit(per_rank: list[dict]) -> float:
     return worst
 
 
+@pytest.fixture(scope="module")
+def at_cp2() -> dict[tuple[str, str], list]:
+    """The slow 2-rank bodies of this module, run in turn on one launch of 2 ranks (one
+    rank start and one import of the engine serve them all, which is most of what one
+    model's check costs): {(check, model): its per-rank results}, where check is "step"
+    (one cp 2 step), "dropout" (two passes with attention dropout 0.3) or "verifier"."""
+    keys = [("step", name) for name in MODELS] + [("dropout", name) for name in MODELS]
+    calls = [(_step_against_unsplit, (name, 1, False)) for name in MODELS]
+    calls += [(_dropout_against_unsplit, (name, 0.3)) for name in MODELS]
+    keys, calls = [*keys, ("verifier", "")], [*calls, (_verifier_at_cp2, ())]
+    per_rank = run_ranks(in_turn, 2, calls, timeout=900)
+    return {key: [rank[i] for rank in per_rank] for i, key in enumerate(keys)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_cp2_equals_the_unsplit_model(name):
+def test_cp2_equals_the_unsplit_model(name, at_cp2):
     """cp 2 (2 ranks): causal GPT (learned positions) and Llama (rotary, GQA): loss, every
     gradient and the weights after one AdamW step within 1e-10 (measured: ~1e-16 to
     ~1e-15, rounding)."""
-    per_rank = run_ranks(_step_against_unsplit, 2, name, 1, False)
+    per_rank = at_cp2[("step", name)]
     print(f"{name} cp2: max |error| {_assert_equal_to_unsplit(per_rank):.1e}")
 
 
@@ -242,7 +257,7 @@ def _dropout_against_unsplit(name: str, p: float) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_attention_dropout_under_the_ring_draws_what_the_unsplit_model_draws(name):
+def test_attention_dropout_under_the_ring_draws_what_the_unsplit_model_draws(name, at_cp2):
     """cp 2, attention dropout 0.3 (hidden dropout 0): the ring reads each (query, key)
     pair's draw at its global positions from the mask the unsplit attention draws, so the
     loss and every gradient equal the unsplit model's in fp64 (within 1e-10; measured
@@ -252,7 +267,7 @@ def test_attention_dropout_under_the_ring_draws_what_the_unsplit_model_draws(nam
     at this fresh initialisation, where attention is nearly uniform), 1e5 × the tolerance,
     while a mask read at local instead of global key positions is off by 6e-4 (planted by
     hand)."""
-    per_rank = run_ranks(_dropout_against_unsplit, 2, name, 0.3)
+    per_rank = at_cp2[("dropout", name)]
     worst = 0.0
     for rank, out in enumerate(per_rank):
         for i, one in enumerate(out["passes"]):
@@ -316,11 +331,11 @@ def _verifier_at_cp2() -> dict[str, tuple | None]:
 
 
 @pytest.mark.slow
-def test_the_verifier_runs_at_cp2_and_names_unshifted_positions_where_they_show():
+def test_the_verifier_runs_at_cp2_and_names_unshifted_positions_where_they_show(at_cp2):
     """Every module's output, the loss and every gradient within 1e-10 at cp 2; positions
     not offset show first at the learned position table (GPT: the embedding's output) and
     at the first attention core that rotates q and k (Llama)."""
-    found = run_ranks(_verifier_at_cp2, 2)[0]
+    found = at_cp2[("verifier", "")][0]
     print(found)
     rows, failure = found["clean"]
     assert rows > 30 and failure is None, found
@@ -425,12 +440,22 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(tmp_path):
             f"checkpoint.every={every}",
         )
 
-    whole = {cp: run_ranks(_cp_run, cp, cfg(f"whole{cp}", cp, 6, 0))[0] for cp in (1, 2)}
+    # Three launches where each run would take one (a rank start and the engine's imports
+    # cost more than these tiny runs): cp 2 runs whole and saves "from2"; cp 1 runs whole,
+    # resumes "from2" and saves "from1"; cp 2 resumes "from1". Each run reads and writes
+    # only its own root, so running them in one process changes none of them.
+    def runs(cp: int, *cfgs) -> list[dict | None]:  # rank 0's result of each, one launch
+        return run_ranks(in_turn, cp, [(_cp_run, (c,)) for c in cfgs], timeout=600)[0]
+
+    whole2, saver2 = runs(2, cfg("whole2", 2, 6, 0), cfg("from2", 2, 3, 3))
+    whole1, resumed1, saver1 = runs(
+        1, cfg("whole1", 1, 6, 0), cfg("from2", 1, 6, 0), cfg("from1", 1, 3, 3)
+    )
+    (resumed2,) = runs(2, cfg("from1", 2, 6, 0))
+    whole = {1: whole1, 2: whole2}
+    runs = {(2, 1): (saver2, resumed1), (1, 2): (saver1, resumed2)}
     found = {}
-    for saved_at, resumed_at in ((2, 1), (1, 2)):
-        root = f"from{saved_at}"
-        saver = run_ranks(_cp_run, saved_at, cfg(root, saved_at, 3, 3))[0]
-        resumed = run_ranks(_cp_run, resumed_at, cfg(root, resumed_at, 6, 0))[0]
+    for (saved_at, resumed_at), (saver, resumed) in runs.items():
         step, weights, moments = resumed["start"]
         assert step == 3, step
         assert _same(weights, saver["end"][0]), f"weights after cp {saved_at} -> {resumed_at}"

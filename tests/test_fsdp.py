@@ -23,6 +23,7 @@ from layers.utils import dp_sharded, local_part
 from parallel_state.dims import DP_SHARD_MODES, ParallelDims
 from parallel_state.random import RNGTracker
 from tests.multiproc import run_ranks
+from tests.rank_bodies import in_turn
 from tests.torch_reference import DP_OPTIM, alone_group, cpu_data_parallel, tiny_gpt, train_unsplit
 
 CFG = tiny_gpt(500, num_layers=3)
@@ -114,16 +115,38 @@ def _modes_vs_reference(tp: int, dp: int, sp: bool) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def slow_at_2() -> dict:
+    """The slow bodies at world 2, one launch: bf16 FSDP vs ZeRO-1, ZeRO-3's shards at d 2."""
+    calls = [(_bf16_full_vs_optimizer, ()), (_held_between_layers, (2,))]
+    per_rank = run_ranks(in_turn, 2, calls, timeout=600)
+    return {"bf16": [r[0] for r in per_rank], ("held", 2): [r[1] for r in per_rank]}
+
+
+@pytest.fixture(scope="module")
+def slow_at_4() -> dict:
+    """The slow bodies at world 4, one launch: every mode at tp 2 × dp 2 with sequence
+    parallelism, ZeRO-3's shards at d 4, FSDP's bytes per parameter at d 1, 2, 4."""
+    calls = [(_modes_vs_reference, (2, 2, True)), (_held_between_layers, (4,)), (_fsdp_memory, ())]
+    per_rank = run_ranks(in_turn, 4, calls, timeout=600)
+    keys = ("modes", ("held", 4), "memory")
+    return {key: [r[i] for r in per_rank] for i, key in enumerate(keys)}
+
+
 @pytest.mark.parametrize(
     ("tp", "dp", "sp"), [(1, 2, False), pytest.param(2, 2, True, marks=pytest.mark.slow)]
 )
-def test_every_dp_shard_mode_matches_the_unsplit_reference(tp, dp, sp):
+def test_every_dp_shard_mode_matches_the_unsplit_reference(tp, dp, sp, request):
     """fp64, 1e-10: every mode (all-reduce, ZeRO-1, FSDP2 ZeRO-2 and ZeRO-3) at tp × dp,
     5 steps of 2 accumulation micro-batches, against one process on the whole batch with
     torch's AdamW and clip_grad_norm_ (every step clips). Only summation orders differ
     (~1e-13 after Adam's first steps amplify last bits). tp 2 runs with sequence
     parallelism, so FSDP's shards of the norm gradients are summed over TP."""
-    for res in run_ranks(_modes_vs_reference, tp * dp, tp, dp, sp, timeout=300):
+    if tp == 2:  # the slow layout: its ranks also run the other slow world-4 bodies
+        per_rank = request.getfixturevalue("slow_at_4")["modes"]
+    else:
+        per_rank = run_ranks(_modes_vs_reference, tp * dp, tp, dp, sp, timeout=300)
+    for res in per_rank:
         print(f"tp {tp} dp {dp}: {res}")
         for mode, r in res.items():
             assert r["loss"] <= 1e-10 and r["params"] <= 1e-10, (tp, dp, mode, r)
@@ -151,7 +174,7 @@ def _bf16_full_vs_optimizer() -> dict:
 
 
 @pytest.mark.slow
-def test_bf16_full_matches_bf16_zero1():
+def test_bf16_full_matches_bf16_zero1(slow_at_2):
     """bf16 under autocast, 5 steps: FSDP gathers bf16 casts of its fp32 master shards,
     ZeRO-1 keeps bf16 parameters rounded from its fp32 master slices: the same bf16 values
     either way, so the forward and backward compute the same thing and the two differ only
@@ -159,7 +182,7 @@ def test_bf16_full_matches_bf16_zero1():
     scatter), a few fp32 roundings amplified by Adam: measured 0 on the losses and 3.0e-8
     of the largest master entry. 1e-5 allows that a hundredfold while a bf16-sized
     discrepancy (a cast in the wrong place, 2**-9 ≈ 2e-3) still fails."""
-    for r in run_ranks(_bf16_full_vs_optimizer, 2, timeout=300):
+    for r in slow_at_2["bf16"]:
         print(f"bf16 full vs ZeRO-1: {r}")
         assert r["loss"] <= 1e-5 and r["params"] <= 1e-5, r
 
@@ -197,11 +220,11 @@ def _held_between_layers(d: int) -> dict:
 
 @pytest.mark.parametrize("d", [2, 4])
 @pytest.mark.slow
-def test_zero3_holds_a_1_over_d_shard_of_every_layer_not_running(d):
+def test_zero3_holds_a_1_over_d_shard_of_every_layer_not_running(d, request):
     """While layer k runs its forward, every earlier layer is back to its DP shard: at most
     ⌈rows/d⌉ of each parameter's dim-0 rows on this rank (≤ 1/d of its elements, up to the
     dim-0 padding FSDP adds to split it evenly), asserted for k = 1 … L-1."""
-    for r in run_ranks(_held_between_layers, d, d, timeout=180):
+    for r in request.getfixturevalue(f"slow_at_{d}")[("held", d)]:
         print(f"d {d}: {r}")
         assert len(r["seen"]) == CFG.num_layers
         for i, s in enumerate(r["seen"][1:], start=1):
@@ -369,7 +392,7 @@ def _fsdp_memory() -> dict:
 
 
 @pytest.mark.slow
-def test_fsdp_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
+def test_fsdp_bytes_per_parameter_match_the_formula_at_dp_1_2_4(slow_at_4):
     """What one rank holds per parameter, counted from the storages themselves, against
     engine.formulas.state_bytes_per_param (derived in docs/PERFMODEL.md, "Memory per GPU"):
     ZeRO-3 16/d (fp32 shards of parameters, which are the masters, gradients and Adam's two
@@ -377,7 +400,7 @@ def test_fsdp_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
     forward to backward (4 in fp32, 2 when gathered as bf16). Tolerance 5 %: FSDP pads
     each parameter's dim 0 to a multiple of d and torch's AdamW keeps a step counter per
     tensor (both well under 1 % here)."""
-    for rank, res in enumerate(run_ranks(_fsdp_memory, 4, timeout=300)):
+    for rank, res in enumerate(slow_at_4["memory"]):
         print(f"rank {rank}: {res}")
         for (mode, precision, d), got in res.items():
             want = sum(state_bytes_per_param(precision, mode, d))
@@ -405,9 +428,9 @@ def _status_bytes(key: str) -> int:
     return int(line.split()[1]) * 1024
 
 
-def _peak_growth(mode: str) -> dict:
-    """This rank's peak resident memory while it builds BIG and trains 3 steps on one
-    batch under ``mode`` at dp 4 (fp32), above its resident memory before: the kernel's
+def _peak_growth(mode: str, steps: int) -> dict:
+    """This rank's peak resident memory while it builds BIG and trains ``steps`` steps on
+    one batch under ``mode`` at dp 4 (fp32), above its resident memory before: the kernel's
     peak counter is reset first (``5`` to clear_refs), so the window is exactly that.
 
     glibc would keep freed tensor buffers under its mmap threshold, which it raises as
@@ -428,7 +451,7 @@ def _peak_growth(mode: str) -> dict:
     )
     x = torch.randint(0, 8192, (1, 33), generator=torch.Generator().manual_seed(ps.dp_rank))
     losses = []
-    for _ in range(3):
+    for _ in range(steps):
         loss = model(x[:, :-1], x[:, 1:]).mean()
         loss.backward()
         dp.finish_grads()
@@ -446,9 +469,15 @@ def test_a_model_over_the_memory_cap_under_none_trains_under_full(monkeypatch):
     estimates for none (16 B per parameter: ~1.0 GiB) and full (16/4 B plus the units in
     flight: ~0.37 GiB): 0.65 GiB. The preflight refuses none and passes full; measured,
     every rank under none grows past the cap and every rank under full stays under it while
-    its loss falls. Measured here: none 1.33 GiB (Adam's temporaries and the gradient
-    buckets on top of the estimate), full 0.51 GiB: each side clears the cap by over 20 %
-    of it, far beyond what the run-to-run spread of a few MiB could move."""
+    its loss falls. Measured at 3 steps each: none 1.33 GiB (Adam's temporaries and the
+    gradient buckets on top of the estimate), full 0.51 GiB: each side clears the cap by
+    over 20 % of it, far beyond what the run-to-run spread of a few MiB could move.
+
+    Steps (fewer than the 3 it once ran, for time): none trains 1, full 2. none's peak
+    still grows after its first step (measured 1.11 GiB after 1, 1.32 after 3), so one
+    step is the harder case for "grows past the cap" and still clears it by 70 % of it;
+    only its memory is asked about. full's peak is reached by its second step (measured
+    0.499 GiB after 2 and after 3), which also lets its loss be seen to fall."""
     import engine.preflight as preflight
     from engine.config import Config
 
@@ -470,8 +499,8 @@ def test_a_model_over_the_memory_cap_under_none_trains_under_full(monkeypatch):
     cap = (need["none"] + need["full"]) / 2
     assert len(preflight.check_memory(at("none", cap / 2**30), 4, on_gpu=False)) == 1
     assert preflight.check_memory(at("full", cap / 2**30), 4, on_gpu=False) == []
-    for mode in ("none", "full"):
-        for rank, r in enumerate(run_ranks(_peak_growth, 4, mode, timeout=600)):
+    for mode, steps in (("none", 1), ("full", 2)):
+        for rank, r in enumerate(run_ranks(_peak_growth, 4, mode, steps, timeout=600)):
             print(f"{mode} rank {rank}: {r['growth'] / 2**30:.3f} GiB (cap {cap / 2**30:.3f})")
             if mode == "none":
                 assert r["growth"] > cap, (mode, rank, r)

@@ -40,6 +40,7 @@ from engine.generate import generate_batch
 from engine.inference import inference_config
 from engine.models import build_model
 from tests.multiproc import run_ranks, subprocess_env
+from tests.rank_bodies import in_turn
 from tests.test_serve import (
     GREEDY,
     PROMPTS,
@@ -307,12 +308,25 @@ def _engine_rank(family: str) -> dict:
     return {"tp": split, "tp1": _run(ServingEngine(full, tp1_cache, **options))}
 
 
+@pytest.fixture(scope="module")
+def engine_at_tp2() -> dict[str, list[dict]]:
+    """gpt's and llama's engine runs at tp 2 from one launch of 2 ranks (one rank start and
+    one import of the engine for both): {family: per rank}."""
+    families = ("gpt", "llama")
+    calls = [(_engine_rank, (family,)) for family in families]
+    per_rank = run_ranks(in_turn, 2, calls, timeout=300)
+    return {family: [rank[i] for rank in per_rank] for i, family in enumerate(families)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family, tp", [("gpt", 2), ("llama", 2), ("llama", 4)])
-def test_the_engine_split_over_tp_ranks_equals_tp1(family, tp):
+def test_the_engine_split_over_tp_ranks_equals_tp1(family, tp, request):
     """No HTTP: the engine and its followers on ``tp`` gloo ranks, prompts chunked over
     steps, requests joining and leaving the batch, prompt scoring on every rank."""
-    results = run_ranks(_engine_rank, tp, family)
+    if tp == 2:  # the tp 2 families share one launch
+        results = request.getfixturevalue("engine_at_tp2")[family]
+    else:
+        results = run_ranks(_engine_rank, tp, family)
     split, whole = results[0]["tp"], results[0]["tp1"]
     for a, b in zip(split, whole, strict=True):
         assert a[0] == b[0] and a[4] == b[4]  # tokens, finish reason
