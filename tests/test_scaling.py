@@ -121,9 +121,8 @@ def test_three_point_study_reports_consistent_speedup(tmp_path, data, capsys):
     assert "| ranks | 1 node(s) |" in report and "--dp 1,5,2" in report
     assert "## Failed points" in report and "dp5" in report
     # The same command again refuses to overwrite it; --resume re-runs no finished point.
-    # The refusal is the CLI's main() called here: it exits (status 2) while checking its
-    # arguments, before any study work, so a process of its own (3 s of imports) proves
-    # nothing more; the --resume run below is a real process.
+    # Both are the CLI's main() called here, not processes of their own (3 s of imports
+    # each): the refusal exits (status 2) while checking its arguments, before any work.
     from studies.scaling.study_cli import main
 
     capsys.readouterr()
@@ -132,18 +131,16 @@ def test_three_point_study_reports_consistent_speedup(tmp_path, data, capsys):
     err = capsys.readouterr().err
     assert again.value.code == 2 and err.count("\n") == 1 and "--resume" in err
     before = (out / "points.jsonl").read_text()
-    resumed = _study(
-        out,
-        data,
-        "--dp",
-        "1,2",
-        *BATCH_12_BY_2_NO_LINKS,
-        "--resume",
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    log, _ = resumed.communicate(timeout=120)
-    assert resumed.returncode == 0 and "2 of 2 points already done" in log, log
+    # The resume runs here too (its points, had it run any, would still be real processes);
+    # main() installs SIGTERM and SIGINT handlers, which are put back afterwards.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = main(_study_args(out, data, "--dp", "1,2", *BATCH_12_BY_2_NO_LINKS, "--resume"))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    log = capsys.readouterr().out
+    assert code == 0 and "2 of 2 points already done" in log, log
     assert (out / "points.jsonl").read_text() == before  # nothing ran again
     assert _rows(out) == rows
 
