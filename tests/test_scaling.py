@@ -19,6 +19,7 @@ from engine.data import build_default_corpus
 from engine.step_timer import _DPClock
 from studies.scaling.emulated_cluster import PREFIX, namespaces, unavailable_reason
 from studies.scaling.report import COLUMNS
+from tests.launch_util import call_main
 from tests.launch_util import run as run_command
 from tests.multiproc import subprocess_env
 
@@ -68,19 +69,17 @@ def _study(out: Path, data: list[str], *args: str, **kwargs) -> subprocess.Popen
 def _study_here(out: Path, data: list[str], capsys, *args: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of the study CLI's main() run in this process: its
     points are still real processes, and 3 s of a study process's imports are saved.
-    --point-timeout 300 bounds a hung point as the subprocess's timeout did; the SIGTERM
-    and SIGINT handlers main() installs are put back afterwards."""
+    --point-timeout 300 bounds a hung point as the subprocess's timeout did; it runs in
+    the subprocess's working directory, ``out``'s parent."""
     from studies.scaling.study_cli import main
 
     capsys.readouterr()
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    here = os.getcwd()
+    os.chdir(out.parent)
     try:
-        code = main(_study_args(out, data, "--point-timeout", "300", *args))
-    except SystemExit as exit_:  # an argument refused
-        code = exit_.code
+        code = call_main(main, _study_args(out, data, "--point-timeout", "300", *args))
     finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+        os.chdir(here)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
