@@ -6,6 +6,7 @@ The group helpers (``group_size``, ``group_rank``, ``resolve_tp_group``) live in
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -93,10 +94,12 @@ def shard(full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Te
 
 
 def dp_sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (a parameter, gradient or state sharded by FSDP2)."""
-    from torch.distributed.tensor import DTensor
+    """Whether ``t`` is a DTensor (a parameter, gradient or state sharded by FSDP2).
 
-    return isinstance(t, DTensor)
+    Until FSDP2 has loaded ``torch.distributed.tensor`` no tensor can be one, and importing
+    it only to answer no costs a process ~2 s of CPU (it brings in dynamo)."""
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

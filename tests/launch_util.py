@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -11,6 +12,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def call_main(main, argv: list[str]) -> int:
+    """Exit status of a command line's ``main(argv)`` run in this process (a SystemExit's
+    code included), with the SIGTERM and SIGINT handlers it may install put back. For tests
+    whose subject is what the command does, not that it is a process: saves its imports."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def free_port() -> int:

@@ -19,6 +19,7 @@ from engine.data import build_default_corpus
 from engine.step_timer import _DPClock
 from studies.scaling.emulated_cluster import PREFIX, namespaces, unavailable_reason
 from studies.scaling.report import COLUMNS
+from tests.launch_util import call_main
 from tests.launch_util import run as run_command
 from tests.multiproc import subprocess_env
 
@@ -45,10 +46,8 @@ def data(tmp_path_factory) -> list[str]:
 BATCH_12_BY_2_NO_LINKS = ("--global-batch", "12", "--micro-batch", "2", "--no-links")
 
 
-def _study(out: Path, data: list[str], *args: str, **kwargs) -> subprocess.Popen:
-    argv = [
-        sys.executable,
-        str(ROOT / "tools" / "scaling_study.py"),
+def _study_args(out: Path, data: list[str], *args: str) -> list[str]:
+    return [
         "--out",
         str(out),
         "--steps",
@@ -59,7 +58,30 @@ def _study(out: Path, data: list[str], *args: str, **kwargs) -> subprocess.Popen
         *TINY,
         *data,
     ]
+
+
+def _study(out: Path, data: list[str], *args: str, **kwargs) -> subprocess.Popen:
+    argv = [sys.executable, str(ROOT / "tools" / "scaling_study.py")]
+    argv += _study_args(out, data, *args)
     return subprocess.Popen(argv, env=subprocess_env(ROOT), cwd=out.parent, text=True, **kwargs)
+
+
+def _study_here(out: Path, data: list[str], capsys, *args: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the study CLI's main() run in this process: its
+    points are still real processes, and 3 s of a study process's imports are saved.
+    --point-timeout 300 bounds a hung point as the subprocess's timeout did; it runs in
+    the subprocess's working directory, ``out``'s parent."""
+    from studies.scaling.study_cli import main
+
+    capsys.readouterr()
+    here = os.getcwd()
+    os.chdir(out.parent)
+    try:
+        code = call_main(main, _study_args(out, data, "--point-timeout", "300", *args))
+    finally:
+        os.chdir(here)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 def _rows(out: Path) -> list[dict[str, str]]:
@@ -70,21 +92,13 @@ def _rows(out: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
-def test_three_point_study_reports_consistent_speedup(tmp_path, data):
+def test_three_point_study_reports_consistent_speedup(tmp_path, data, capsys):
     out = tmp_path / "study"
     # dp=5 cannot split a global batch of 12 into micro-batches of 2: that point fails (a
     # config error, exit 2) and the study goes on to the next ones.
-    proc = _study(
-        out,
-        data,
-        "--dp",
-        "1,5,2",
-        *BATCH_12_BY_2_NO_LINKS,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    log, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 1, log  # 1: some point failed
+    code, log, err = _study_here(out, data, capsys, "--dp", "1,5,2", *BATCH_12_BY_2_NO_LINKS)
+    log += err
+    assert code == 1, log  # 1: some point failed
     assert "point n1x5-tp1-dp5-mb2-gb12 failed" in log and "not a multiple" in log, log
     rows = _rows(out)
     assert [int(r["dp_size"]) for r in rows] == [1, 2]
@@ -117,25 +131,15 @@ def test_three_point_study_reports_consistent_speedup(tmp_path, data):
     report = (out / "report.md").read_text()
     assert "| ranks | 1 node(s) |" in report and "--dp 1,5,2" in report
     assert "## Failed points" in report and "dp5" in report
-    # The same command again refuses to overwrite it; --resume re-runs no finished point.
-    again = _study(
-        out, data, "--dp", "1,5,2", "--no-links", stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    _, err = again.communicate(timeout=120)
-    assert again.returncode == 2 and err.count("\n") == 1 and "--resume" in err
+    # The same command again refuses to overwrite it (before any work: one line on stderr);
+    # --resume re-runs no finished point.
+    code, _, err = _study_here(out, data, capsys, "--dp", "1,5,2", "--no-links")
+    assert code == 2 and err.count("\n") == 1 and "--resume" in err
     before = (out / "points.jsonl").read_text()
-    resumed = _study(
-        out,
-        data,
-        "--dp",
-        "1,2",
-        *BATCH_12_BY_2_NO_LINKS,
-        "--resume",
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    code, log, err = _study_here(
+        out, data, capsys, "--dp", "1,2", *BATCH_12_BY_2_NO_LINKS, "--resume"
     )
-    log, _ = resumed.communicate(timeout=120)
-    assert resumed.returncode == 0 and "2 of 2 points already done" in log, log
+    assert code == 0 and "2 of 2 points already done" in log + err, log + err
     assert (out / "points.jsonl").read_text() == before  # nothing ran again
     assert _rows(out) == rows
 
@@ -151,25 +155,15 @@ def _cluster_yaml(tmp_path: Path, mbit: int) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.skipif(NO_NETNS is not None, reason=f"network namespaces refused: {NO_NETNS}")
-def test_emulated_two_nodes_train_and_links_hold_the_configured_rate(tmp_path, data):
+def test_emulated_two_nodes_train_and_links_hold_the_configured_rate(tmp_path, data, capsys):
     # 200 Mbit/s: a fiftieth of what loopback carried here (≥ 10 Gbit/s), so the measured
     # rate is the shaper's, not the CPU's.
     out = tmp_path / "study"
     cluster = _cluster_yaml(tmp_path, 200)
-    proc = _study(
-        out,
-        data,
-        "--dp",
-        "4",
-        "--nodes",
-        "2",
-        "--cluster",
-        str(cluster),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+    code, log, err = _study_here(
+        out, data, capsys, "--dp", "4", "--nodes", "2", "--cluster", str(cluster)
     )
-    log, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, log
+    assert code == 0, log + err
     [row] = _rows(out)
     assert (row["nodes"], row["procs_per_node"], row["world_size"]) == ("2", "2", "4")
     assert float(row["dp_comm_total_s"]) > 0

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,9 +11,8 @@ import pytest
 
 from studies.scaling.study import StudyConfig, grid
 from studies.scaling.workloads import RunSpec, classify_command
-from tests.launch_util import env_with_repo
+from tests.launch_util import call_main
 
-ROOT = Path(__file__).resolve().parents[1]
 DATA = Path("/usr/share/datasets/fashion-mnist")
 
 
@@ -70,12 +67,17 @@ def test_classify_point_with_an_indivisible_batch_is_refused():
     not (DATA / "train-images-idx3-ubyte.gz").exists(),
     reason="Fashion-MNIST missing: apt-get install dataset-fashion-mnist",
 )
-def test_two_point_classify_study_reports_time_to_accuracy(tmp_path):
+def test_two_point_classify_study_reports_time_to_accuracy(tmp_path, capsys, monkeypatch):
+    from studies.scaling.study_cli import main
+
+    monkeypatch.chdir(tmp_path)  # where the study process ran: anything written beside stays
     out = tmp_path / "study"
-    env = env_with_repo(OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "scaling_study.py"),
+    # The study's main() runs in this process (its points are real processes, one thread
+    # each: the study sets OMP_NUM_THREADS per rank); --point-timeout 240 bounds a hung
+    # point as the subprocess's timeout did.
+    argv = [
+        "--point-timeout",
+        "240",
         "--workload",
         "classify",
         "--dp",
@@ -90,8 +92,9 @@ def test_two_point_classify_study_reports_time_to_accuracy(tmp_path):
         "trainer.target_accuracy=0.5",
         "trainer.epochs=3",
     ]
-    done = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    code = call_main(main, argv)
+    done = capsys.readouterr()
+    assert code == 0, done.out[-2000:] + done.err[-2000:]
     lines = (out / "results.csv").read_text().splitlines()
     rows = {int(r["dp_size"]): r for r in csv.DictReader(lines)}
     assert sorted(rows) == [1, 2]

@@ -11,7 +11,6 @@
   :func:`build_data_parallel`.
 """
 
-from engine.data_parallel.fsdp import FullyShardedDP
 from engine.data_parallel.grad_sync import GradSync
 from engine.data_parallel.grads import DynamicLossScaler, clip_grads_, global_grad_norm
 from engine.data_parallel.interface import DataParallel, PlainOptimizerState
@@ -33,3 +32,13 @@ __all__ = [
     "clip_grads_",
     "global_grad_norm",
 ]
+
+
+def __getattr__(name: str):
+    """``FullyShardedDP`` on first use: importing torch's FSDP2 costs ~1 s of CPU in every
+    process, and only the gradients and full modes need it."""
+    if name == "FullyShardedDP":
+        from engine.data_parallel.fsdp import FullyShardedDP
+
+        return FullyShardedDP
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import OptimConfig
-from engine.data_parallel.fsdp import FullyShardedDP
 from engine.data_parallel.grad_sync import GradSync
 from engine.data_parallel.grads import clip_grads_, global_grad_norm
 from engine.data_parallel.interface import DataParallel, PlainOptimizerState
@@ -253,6 +252,10 @@ def build_data_parallel(
             "use dp_shard=full (or gradients), or one replica"
         )
     if mode in ("gradients", "full"):
+        # imported here: torch's FSDP2 takes ~1 s of CPU to import, which every process
+        # that only all-reduces (the classifier, DP none or optimizer) would pay
+        from engine.data_parallel.fsdp import FullyShardedDP
+
         return FullyShardedDP(
             model,
             optim,

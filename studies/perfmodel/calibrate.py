@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from studies.perfmodel import in_model_runs
-from studies.perfmodel.concurrency import measure_rank_speed
+from studies.perfmodel.concurrency import TARGET_S, measure_rank_speed
 from studies.perfmodel.model import (
     Layout,
     Workload,
@@ -239,6 +239,13 @@ def build_parser(
         action="store_true",
         help="skip the trainer runs that price collectives as training sees them",
     )
+    p.add_argument(
+        "--rank-speed-seconds",
+        type=float,
+        default=TARGET_S,
+        help=f"seconds of one timed block of the rank-speed measurement (default {TARGET_S}; "
+        "shorter blocks read a burst figure, too fast: for tests that check the pipeline only)",
+    )
     p.add_argument("--out", required=True, help="cluster YAML to write")
     return p
 
@@ -353,7 +360,9 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     tps, mbs, hiddens = _sweep(args, w)
     measured = _measure_device(w, tps, mbs, hiddens, repeats)
     rank_counts = [int(x) for x in args.ranks.split(",")]
-    speeds = measure_rank_speed(w, max(mbs), rank_counts, repeats=2)
+    speeds = measure_rank_speed(
+        w, max(mbs), rank_counts, repeats=2, block_s=args.rank_speed_seconds
+    )
     intra, raw = _comm_section(rank_counts, args.quick)
     src = f"measured by tools/calibrate.py on this machine, {now_utc()}"
     spec = {
@@ -402,6 +411,13 @@ def main(argv: list[str], description: str | None = None, formatter=None) -> int
 
     from engine.preflight import probe_writable
 
+    if not 0 < args.rank_speed_seconds < float("inf"):
+        print(
+            f"calibrate: --rank-speed-seconds {args.rank_speed_seconds} must be a finite "
+            "number > 0",
+            file=sys.stderr,
+        )
+        return 2
     problem = probe_writable(Path(args.out), directory=False)
     if problem:  # known now, not after minutes of measuring
         print(f"calibrate: --out {args.out} cannot be written: {problem}", file=sys.stderr)
