@@ -311,7 +311,8 @@ def test_graph_break_tool_counts_what_dynamo_reports(capsys):
     assert result == {"graphs": 1, "graph_breaks": 0, "reasons": {}}
     assert update["compiled"] and (update["graphs"], update["graph_breaks"]) == (2, 2), update
     assert all("graph_break()" in reason for reason in update["reasons"]), update
-    assert main([*small, "--json", "--kernels", "triton"]) == 0  # interpreted (conftest)
+    # The update is counted above; here the step alone (the update's compile is ~2/3 of a run).
+    assert main([*small, "--json", "--kernels", "triton", "--no-update"]) == 0  # interpreted
     result = json.loads(capsys.readouterr().out)
     assert result["graph_breaks"] >= 2 and result["graphs"] >= 3, result
 
