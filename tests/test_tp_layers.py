@@ -424,13 +424,31 @@ def test_compiled_cross_entropy_backward_has_no_scatter():
     assert not [op for op in backward_ops if "scatter" in op or "zeros" in op], backward_ops
 
 
-def _compiled_loss_checks(tp: int) -> dict[str, object]:
-    """The traced cross-entropy at ``tp`` against F.cross_entropy (fp64 and fp32, every
-    vocabulary case of ``_loss_checks``), and the TP collectives of its forward graph."""
+def _compiled_loss_checks_at_tp_2_and_3() -> dict[int, dict[str, object]]:
+    """On three ranks: ``_compiled_loss_checks`` at TP=3 (the world), then at TP=2 on a
+    group of ranks 0 and 1 while rank 2 waits. One set of processes for both sizes, so each
+    rank pays Dynamo's one-time start (seconds) once; the loss sees only its ``tp_group``,
+    so a pair inside a world of three is TP=2 as a world of two is."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    results = {3: _compiled_loss_checks(parallel_state.initialize(3))}
+    parallel_state.destroy()
+    pair = dist.new_group([0, 1])  # every rank takes part in making a group
+    if dist.get_rank() < 2:
+        tp2 = SimpleNamespace(tp_rank=dist.get_rank(), tp_size=2, tp_group=pair)
+        results[2] = _compiled_loss_checks(tp2)
+    return results
+
+
+def _compiled_loss_checks(ps) -> dict[str, object]:
+    """The traced cross-entropy at ``ps.tp_size`` against F.cross_entropy (fp64 and fp32,
+    every vocabulary case of ``_loss_checks``), and the TP collectives of its forward graph."""
     import torch._dynamo
     from torch._dynamo.backends.common import aot_autograd
 
-    ps = parallel_state.initialize(tp)
+    tp = ps.tp_size
     worst = {}
     for dtype in (torch.float64, torch.float32):
         torch.manual_seed(1234)  # the same full logits and targets on every rank
@@ -459,14 +477,16 @@ def _compiled_loss_checks(tp: int) -> dict[str, object]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 3])
-def test_compiled_cross_entropy_matches_f_cross_entropy_across_tp(tp):
+def test_compiled_cross_entropy_matches_f_cross_entropy_across_tp():
     """At TP > 1 the traced loss reduces each shard to its own max and sum of exponentials
     and sends every rank's statistics in one all-reduce: the same loss and gradients as
     F.cross_entropy on the gathered logits (fp64 1e-12, fp32 1e-5, the file's tolerances),
     with padding columns, a rank of padding only (vocabulary VOCAB // tp - 1), label
-    smoothing and ignored tokens; the forward graph holds one all-reduce and its wait."""
-    for result in run_ranks(_compiled_loss_checks, tp, tp):
+    smoothing and ignored tokens; the forward graph holds one all-reduce and its wait. At
+    TP=2 and TP=3, both on one set of three ranks (rank 2 is outside the TP=2 group)."""
+    ranks = run_ranks(_compiled_loss_checks_at_tp_2_and_3, 3, timeout=600.0)
+    assert [sorted(r) for r in ranks] == [[2, 3], [2, 3], [3]]
+    for tp, result in ((tp, r[tp]) for r in ranks for tp in sorted(r)):
         assert result["forward collectives"] == [
             "_c10d_functional.all_reduce.default",
             "_c10d_functional.wait_tensor.default",

@@ -50,13 +50,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="aot_eager",
         help="aot_eager traces as inductor does, without code generation",
     )
+    p.add_argument(
+        "--no-update",
+        action="store_true",
+        help="count the step alone, not the optimizer update (whose compile takes longer)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
 
 def count(args: argparse.Namespace, ps: ParallelState) -> dict:
     """{"graphs": n, "graph_breaks": n, "reasons": {first line of reason: count},
-    "update": the same three for the optimizer update, and "compiled": bool}."""
+    "update": the same three for the optimizer update, and "compiled": bool}; without
+    "update" under ``--no-update``."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
 
@@ -81,18 +87,22 @@ def count(args: argparse.Namespace, ps: ParallelState) -> dict:
     ps.seed(0)
     model = build_model(cfg, ps, device=ps.device)
     batch = _random_batch(cfg, args.micro_batch, args.seq, ps.device)
-    dp = build_data_parallel(
-        model,
-        OptimConfig(),
-        grad_group=ps.group("grad"),
-        tp_group=ps.tp_group,
-        device=ps.device,
-        compile_backend=args.backend,
-    )
+    dp = None
+    if not args.no_update:
+        dp = build_data_parallel(
+            model,
+            OptimConfig(),
+            grad_group=ps.group("grad"),
+            tp_group=ps.tp_group,
+            device=ps.device,
+            compile_backend=args.backend,
+        )
     dynamo.reset()
     counters.clear()
     model.loss(batch).backward()
     step = _counted(counters)
+    if dp is None:
+        return step
     dp.finish_grads()
     counters.clear()
     dp.step(lr=1e-4, max_norm=1.0, norm=dp.grad_norm())
@@ -143,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"graphs: {result['graphs']}  graph breaks: {result['graph_breaks']}")
     for reason, n in sorted(result["reasons"].items(), key=lambda kv: -kv[1]):
         print(f"  {n:3d}  {reason}")
-    update = result["update"]
+    update = result.get("update")
+    if update is None:  # --no-update
+        return 0
     how = "compiled" if update["compiled"] else "eager (engine.optim.compiles_update)"
     print(
         f"optimizer update, {how}: graphs: {update['graphs']}  "
