@@ -9,9 +9,11 @@
 - ``interface``: what every strategy presents to the trainer and the checkpoints;
 - ``strategy``: one object per mode behind that interface, chosen once by
   :func:`build_data_parallel`.
+
+``FullyShardedDP`` loads on first use (PEP 562): FSDP2 imports DTensor and sympy, seconds
+of start-up that a run in another mode never needs.
 """
 
-from engine.data_parallel.fsdp import FullyShardedDP
 from engine.data_parallel.grad_sync import GradSync
 from engine.data_parallel.grads import DynamicLossScaler, clip_grads_, global_grad_norm
 from engine.data_parallel.interface import DataParallel, PlainOptimizerState
@@ -33,3 +35,11 @@ __all__ = [
     "clip_grads_",
     "global_grad_norm",
 ]
+
+
+def __getattr__(name: str):
+    if name == "FullyShardedDP":
+        from engine.data_parallel.fsdp import FullyShardedDP
+
+        return FullyShardedDP
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

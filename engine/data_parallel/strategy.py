@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.config import OptimConfig
-from engine.data_parallel.fsdp import FullyShardedDP
 from engine.data_parallel.grad_sync import GradSync
 from engine.data_parallel.grads import clip_grads_, global_grad_norm
 from engine.data_parallel.interface import DataParallel, PlainOptimizerState
@@ -253,6 +252,10 @@ def build_data_parallel(
             "use dp_shard=full (or gradients), or one replica"
         )
     if mode in ("gradients", "full"):
+        # Imported here: FSDP2 brings in DTensor and sympy, seconds of every process's
+        # start-up that the other modes never use.
+        from engine.data_parallel.fsdp import FullyShardedDP
+
         return FullyShardedDP(
             model,
             optim,

@@ -26,7 +26,6 @@ from torch import nn
 
 from engine.data.loader import DataIterator
 from engine.data_parallel import DataParallel
-from engine.pipeline import pipeline_runner
 from engine.runner.local import Autocast, LocalRunner, fixed_set_loss
 from parallel_state import ParallelState
 
@@ -98,5 +97,9 @@ def build_step_runner(
     """The runner for ``model`` (built whole) under ``cfg`` on this rank: the pipeline's
     when the mesh has stages, else the local one. ``autocast()`` wraps every forward."""
     if ps.size("pp") > 1:
+        # Imported here: the schedule brings in torch.distributed.pipelining and with it
+        # torch._dynamo, seconds of start-up that a run without stages never uses.
+        from engine.pipeline import pipeline_runner
+
         return pipeline_runner(model, cfg, ps, autocast=autocast)
     return LocalRunner(model, ps, autocast)
