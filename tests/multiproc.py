@@ -7,8 +7,9 @@ traceback is re-raised in the test; a run that does not finish in ``timeout`` se
 killed with a message naming the ranks that were still running.
 
 ``fn`` must be a module-level function (it is pickled by name). Processes come from a
-forkserver that has torch preloaded, so each rank starts in milliseconds rather than
-paying a fresh ``import torch``.
+forkserver that has torch and the engine's worker preloaded, so each rank starts in
+milliseconds rather than paying a fresh ``import torch`` and ``import engine.worker``
+(several CPU seconds each, per rank: most of a small multi-rank test's cost).
 
 ``env`` names environment variables the ranks must see from their first line, before
 ``import torch``: e.g. ``TRITON_INTERPRET=1``, which triton honours only if it is set when
@@ -38,7 +39,9 @@ import torch.multiprocessing as mp
 
 _CTX = mp.get_context("forkserver")
 _SPAWN = mp.get_context("spawn")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+# A preload that fails to import (the forkserver started outside the checkout) is skipped
+# by multiprocessing; the ranks then import it themselves, as before.
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "engine.worker"])
 
 
 class RankFailure(AssertionError):

@@ -524,33 +524,34 @@ def test_good_inputs_pass_the_same_checks(inputs, monkeypatch):
 def test_a_refused_launch_of_several_ranks_is_one_line_on_each(
     inputs, tmp_path, monkeypatch, capsys
 ):
-    """Four ranks started by environment (as srun, mpirun or torchrun start them), sharing
+    """Two ranks started by environment (as srun, mpirun or torchrun start them), sharing
     one run directory, each refusing the layout: each prints its one line and exits 2. A
     rank used to remove the refused run's directory while another was still opening its
     log there, and that rank's refusal became a Hydra traceback. So a rank of several
     leaves the shared run directory where it is (checked first in this process, where the
-    race cannot decide it)."""
+    race cannot decide it). Two ranks are enough for the race (one removing, one opening);
+    each more would only add a process start."""
     mine = ("hydra.run.dir=", "checkpoint.dir=", "tp_size=", "dp_size=")
     argv = [a for a in _base(inputs) if not a.startswith(mine)]
     argv += [
         f"hydra.run.dir={tmp_path / 'run'}",
         f"checkpoint.dir={tmp_path / 'ck'}",
         "tp_size=2",
-        "dp_size=4",  # 8 ranks asked, 4 started
+        "dp_size=4",  # 8 ranks asked, 2 started
     ]
-    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4"}.items():
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["pretrain.py", *argv])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("engine.pretrain", run_name="__main__")
     assert exit_info.value.code == 2, capsys.readouterr().err
-    assert "does not equal the world size 4" in _one_line(capsys.readouterr().err)
+    assert "does not equal the world size 2" in _one_line(capsys.readouterr().err)
     assert (tmp_path / "run").is_dir()  # the other ranks' run directory stays
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key)
 
-    env = env_with_repo() | {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
+    env = env_with_repo() | {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29531"}
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "engine.pretrain", *argv],
@@ -560,13 +561,13 @@ def test_a_refused_launch_of_several_ranks_is_one_line_on_each(
             env=env | {"RANK": str(rank), "LOCAL_RANK": str(rank)},
             cwd=tmp_path,
         )
-        for rank in range(4)
+        for rank in range(2)
     ]
     for rank, proc in enumerate(procs):
         _, err = proc.communicate(timeout=300)
         line = _one_line(err)
         assert proc.returncode == 2, (rank, proc.returncode, err)
-        assert "does not equal the world size 4" in line, (rank, line)
+        assert "does not equal the world size 2" in line, (rank, line)
     assert not (tmp_path / "ck").exists()  # no checkpoint folder; the run folder may stay
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import runpy
+import sys
 from pathlib import Path
 
 import pytest
@@ -297,15 +299,23 @@ def test_more_data_and_checkpoint_checks(corpus, tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_cli_rejects_unknown_key_and_bad_layout_without_traceback(tmp_path):
+def test_cli_rejects_unknown_key_and_bad_layout_without_traceback(tmp_path, monkeypatch, capsys):
+    """The unknown key (Hydra's parser) as a real process; the bad layout, refused by the
+    same ``__main__`` before any worker, in this process (as ``python -m`` runs it): a
+    second process would only pay a second ``import torch``. A refused layout as real
+    processes: tests/test_bad_input.py (the several-ranks refusal)."""
     # cwd: a temporary directory, where Hydra makes outputs/
     unknown = run_pretrain(["trainer.bogus=1"], tmp_path, 120)
     assert unknown.returncode != 0
     assert "unknown key 'trainer.bogus'" in unknown.stderr
     assert "Traceback" not in unknown.stderr
-    bad = run_pretrain(["tp_size=3"], tmp_path, 120)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert bad.stderr.strip() == "config error: model.num_heads=4 is not divisible by tp_size=3"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", "tp_size=3"])
+    with pytest.raises(SystemExit) as bad:
+        runpy.run_module("engine.pretrain", run_name="__main__")  # as python -m does
+    err = capsys.readouterr().err
+    assert bad.value.code == 2 and "Traceback" not in err
+    assert err.strip() == "config error: model.num_heads=4 is not divisible by tp_size=3"
 
 
 @pytest.mark.parametrize(

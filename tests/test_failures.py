@@ -433,52 +433,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The frozen-peer cases' trainer.collective_timeout_s. A warm step of this tiny model takes
+# a few ms of CPU (under 0.5 s of wall time at load 20 on 2 cores), so 5 s is 10x what a
+# live peer needs; start-up gets STARTUP_FACTOR (5) times that, 25 s, for the model build
+# after the rendezvous (under 1 s of CPU). A frozen peer is found 5 s after it stops.
+_COLLECTIVE_TIMEOUT_S = 5
+
 # One line per surviving rank: the watchdog's (no progress), or a collective's failure
 # (a peer's connection closed), each naming the step, the rank and the group.
 _PEER_LINE = re.compile(
-    r"rank (\d) (stopped: no progress for 8 s in|lost a peer in) the [\w/() -]+ of step \d+, "
+    rf"rank (\d) (stopped: no progress for {_COLLECTIVE_TIMEOUT_S} s in|lost a peer in) "
+    r"the [\w/() -]+ of step \d+, "
     r"waiting on its (tp|dp|pp|world) group \(ranks \[[\d, ]+\]\)"
 )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("sig", "layout"),
+    ("sig", "layout", "world"),
     [
-        ("SIGSTOP", "tp_size=2"),
-        ("SIGKILL", "tp_size=2"),
-        ("SIGSTOP", "pp_size=2 tp_size=1 trainer.micro_batch=1"),  # 2 micro-batches, 2 stages
+        ("SIGSTOP", "tp_size=2 dp_size=2", 4),
+        ("SIGKILL", "tp_size=2 dp_size=2", 4),
+        # 2 stages, 4 micro-batches; dp=1: the survivor waits in the schedule on its pp group
+        # (the dp and world groups' waits are the tp cases' survivors').
+        ("SIGSTOP", "pp_size=2 tp_size=1 dp_size=1 trainer.micro_batch=1", 2),
     ],
 )
-def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, sig, layout):
-    """4 ranks started by environment (as srun or mpirun start them), tp=2 × dp=2 or
-    pp=2 × dp=2. One rank is frozen (SIGSTOP) or killed (SIGKILL) mid-run; the other three
-    must exit non-zero within 60 s (collective_timeout_s=8 plus start-up slack on a loaded
+def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, sig, layout, world):
+    """Ranks started by environment (as srun or mpirun start them): 4 at tp=2 × dp=2, 2 at
+    pp=2. The last rank is frozen (SIGSTOP) or killed (SIGKILL) mid-run; every other one
+    must exit non-zero within 60 s (collective_timeout_s plus start-up slack on a loaded
     machine), each with one stderr line naming the step, its rank and the group it
     waited on. Before, they waited forever (SIGSTOP) or printed an 85-line traceback. Under
     pp, what each rank waits on depends on where the signal lands: a rank stuck in the
     schedule names its stage and pp group ("the pipeline schedule (stage 0) of step 4,
-    waiting on its pp group (ranks [1, 3])"), one past it the bad-step check of the world."""
+    waiting on its pp group (ranks [0, 1])"), one past it the bad-step check of the world."""
     env = {
         **subprocess_env(ROOT),
         "OMP_NUM_THREADS": "1",
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": "4",
+        "WORLD_SIZE": str(world),
     }
     named = {o.split("=")[0] for o in layout.split()}  # the layout's keys replace the base's
     overrides = [
         f"hydra.run.dir={tmp_path / 'run'}",
         *(o for o in run_overrides(corpus, tmp_path / "ckpt") if o.split("=")[0] not in named),
         *layout.split(),
-        "dp_size=2",
         "trainer.max_steps=100000",
         "checkpoint.every=0",
-        "trainer.collective_timeout_s=8",
+        f"trainer.collective_timeout_s={_COLLECTIVE_TIMEOUT_S}",
     ]
+    survivors = range(world - 1)
     procs, outs = [], []
     try:
-        for rank in range(4):
+        for rank in range(world):
             out = open(tmp_path / f"rank{rank}.out", "w+")  # noqa: SIM115 - closed below
             err = open(tmp_path / f"rank{rank}.err", "w+")  # noqa: SIM115
             outs += [out, err]
@@ -491,20 +500,22 @@ def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, 
                     stderr=err,
                 )
             )
-        deadline = time.monotonic() + 120
+        # A hang guard only: at load 35 on 2 cores, 4 ranks took over 120 s to import.
+        deadline = time.monotonic() + 300
         while "step     3/" not in (tmp_path / "rank0.out").read_text():
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise AssertionError([(tmp_path / f"rank{r}.err").read_text() for r in range(4)])
+                errs = [(tmp_path / f"rank{r}.err").read_text() for r in range(world)]
+                raise AssertionError(errs)
             time.sleep(0.2)
-        victim = 3
+        victim = world - 1
         os.kill(procs[victim].pid, getattr(signal, sig))
         stopped = time.monotonic()
-        for rank in (0, 1, 2):
+        for rank in survivors:
             code = procs[rank].wait(timeout=max(1.0, stopped + 60 - time.monotonic()))
             assert code != 0, rank
         print(f"{sig}: the other ranks exited {time.monotonic() - stopped:.1f} s later")
-        errs = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(4)}
-        for rank in (0, 1, 2):
+        errs = {r: (tmp_path / f"rank{r}.err").read_text() for r in range(world)}
+        for rank in survivors:
             lines = [x for x in errs[rank].splitlines() if x]
             assert len(lines) == 1 and _PEER_LINE.match(lines[0]), (rank, errs)
             assert _PEER_LINE.match(lines[0]).group(1) == str(rank)
@@ -520,9 +531,11 @@ def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, 
 @pytest.mark.slow  # subprocess trainers, 17 s on 2 idle cores
 def test_every_rank_ends_when_the_rendezvous_cannot_happen(corpus, tmp_path):
     """Ranks started by the environment, as srun and mpirun start them, with
-    trainer.rendezvous_timeout_s=10: (a) MASTER_PORT held by another program (rank 1 used
+    trainer.rendezvous_timeout_s=3: (a) MASTER_PORT held by another program (rank 1 used
     to wait forever on it), (b) a peer that never arrives, (c) nothing at the address.
-    Every rank exits non-zero with one line naming the address and port."""
+    Every rank exits non-zero with one line naming the address and port. No case can
+    ever meet, so the timeout needs no margin over anything (its timer starts after the
+    imports); 3 s only keeps the waiting short."""
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()  # accepts connections and never answers, as a foreign server may
@@ -543,7 +556,7 @@ def test_every_rank_ends_when_the_rendezvous_cannot_happen(corpus, tmp_path):
                 tmp_path / f"ckpt{i}",
                 "trainer.max_steps=2",
                 "dp_size=2",
-                "trainer.rendezvous_timeout_s=10",
+                "trainer.rendezvous_timeout_s=3",
             )
             env = {
                 **base,
@@ -578,7 +591,7 @@ def test_every_rank_ends_when_the_rendezvous_cannot_happen(corpus, tmp_path):
             if (case, rank) == ("taken", 0):
                 assert lines[0].startswith(f"rank 0 cannot listen on {where}: the port is taken")
             else:
-                assert lines[0].startswith(f"rank {rank}: no rendezvous at {where} within 10 s"), (
+                assert lines[0].startswith(f"rank {rank}: no rendezvous at {where} within 3 s"), (
                     lines
                 )
     finally:
