@@ -137,6 +137,7 @@ COVERED = {
     "--micro-batch 8 --vocab 8192 --threads 1 --references eager,compile,mcore": "tests/test_bench_cli.py::test_bench_bad_flags",
     "python tools/count_host_syncs.py": "tests/test_optim.py::test_norm_and_clipping_are_exact_and_never_sync",
     "python tools/count_graph_breaks.py --recompute full": "tests/test_compile.py::test_graph_break_tool_counts_what_dynamo_reports",
+    "python tools/count_graph_breaks.py --kernels triton --no-update": "tests/test_compile.py::test_graph_break_tool_counts_what_dynamo_reports",
     "python tools/bench_checkpoint.py --preset gpt_tiny --rounds 1": "tests/test_tensorfile.py::test_checkpoint_benchmark_runs_every_side",
     "python -m engine.pretrain trainer.max_steps=160 optim.decay_steps=130": "tests/test_failures.py::test_extending_max_steps_with_a_fixed_schedule_is_bitwise_the_longer_run",
     "python tools/scaling_study.py --model gpt_tiny --steps 5 --warmup 2 --dp 1,2,4 --nodes 1,2 "
