@@ -39,7 +39,7 @@ completion ids all distinct), the server's text equal to the decoded sequential 
 its completion_tokens to max_tokens; the engine runs' token ids equal to sequential's.
 
 The model is ``--ckpt`` (a training checkpoint or an export; default the quick start's
-``checkpoints/gpt_tiny_stdlib`` where it exists). Without one, a tiny GPT with random
+``checkpoints/gpt_tiny_stdlib/final`` where it exists). Without one, a tiny GPT with random
 weights is exported to a temporary folder with a byte-level BPE trained on the embedded
 corpus (the standard library's sources); its init std 0.2 gives logits whose top-1 leads
 the top-2 by far more than a batch's float32 rounding (tests/test_serve.py's argument).
@@ -65,7 +65,7 @@ from engine.tool_args import ArgumentParser, positive_int
 from studies.bench import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICK_START = ROOT / "checkpoints" / "gpt_tiny_stdlib"
+QUICK_START = ROOT / "checkpoints" / "gpt_tiny_stdlib" / "final"  # its exported model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -357,11 +357,17 @@ class _FirstToken:
 
 
 def load_hf(ckpt: str, folder: Path):
-    """The checkpoint exported to ``folder`` and loaded with transformers (float32, eval)."""
+    """The checkpoint exported to ``folder`` and loaded with transformers (float32, eval);
+    a training checkpoint is first exported as a model beside it."""
     from transformers import AutoModelForCausalLM
 
+    from engine.checkpoint.convert import export_model
+    from engine.checkpoint.format import META_FILE
     from engine.hf_interop import export_hf
 
+    if not (Path(ckpt) / META_FILE).is_file():  # a training checkpoint (root or step)
+        export_model(ckpt, folder.parent / "model")
+        ckpt = str(folder.parent / "model")
     export_hf(ckpt, folder)
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype="float32").eval()
     model.generation_config.eos_token_id = None  # ignore_eos, as every other row
