@@ -111,32 +111,19 @@ class Server:
 
     async def events(self, choices: list[Choice], queue: asyncio.Queue) -> AsyncIterator:
         """``(choice, new text, new tokens)`` as events arrive, until every choice ends;
-        whatever ends it early (a disconnect, an error) cancels the choices still running.
-
-        Events that queued up while this handler waited (the engine stepped faster than
-        the handler ran, as on a busy machine) are taken together: one item per choice
-        for all of them, so a stream sends one chunk where it would send several, with
-        the same text and tokens in the same order."""
+        whatever ends it early (a disconnect, an error) cancels the choices still running."""
         by_id = {c.request_id: c for c in choices}
         try:
             while any(c.finish_reason is None for c in choices):
-                events = [await queue.get()]
-                while not queue.empty():
-                    events.append(queue.get_nowait())
-                taken: dict[int, tuple[Choice, str, list]] = {}  # by choice index, in order
-                for event in events:
-                    if isinstance(event, BaseException):
-                        raise ApiError(503, f"the engine stopped: {event}", "unavailable")
-                    choice = by_id[event.request_id]
-                    if choice.finish_reason is not None:
-                        continue
+                event = await queue.get()
+                if isinstance(event, BaseException):
+                    raise ApiError(503, f"the engine stopped: {event}", "unavailable")
+                choice = by_id[event.request_id]
+                if choice.finish_reason is None:
                     text, tokens = choice.take(event)
                     if choice.finish_reason == "stop" and event.finish_reason is None:
                         self.loop.cancel(choice.request_id)  # a stop string: free it now
-                    _, before, earlier = taken.get(choice.index, (choice, "", []))
-                    taken[choice.index] = (choice, before + text, earlier + tokens)
-                for item in taken.values():
-                    yield item
+                    yield choice, text, tokens
         finally:
             for choice in choices:
                 if choice.finish_reason is None:
