@@ -316,6 +316,16 @@ def _capture_rows(target: MoECapture, reference: MoECapture | None, spec, ps, to
     return rows, notes
 
 
+def _move_biases(reference, loads: list[list[torch.Tensor]]) -> None:
+    """The reference's sigmoid routers' biases moved by the whole batch's load (``loads``:
+    each DP slice's slots per router), as the target's runner moves them by the load
+    summed over its dp ranks."""
+    routers = [m for m in reference.modules() if isinstance(m, TopKRouter)]
+    for router, *per_slice in zip(routers, *loads, strict=True):
+        if router.kind == "sigmoid":
+            router.update_bias(sum(per_slice))
+
+
 def moe_train_and_compare(spec, target, reference, batch, local, ps):
     """Train ``spec.steps`` steps of the target (this rank's DP slice ``local``) and of the
     reference (the global ``batch``, slice by slice); (rows, notes) on rank 0."""
@@ -370,12 +380,7 @@ def moe_train_and_compare(spec, target, reference, batch, local, ps):
         if ref_opt is not None:
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
-            # The sigmoid router's bias moves by the whole batch's load, as the target's
-            # runner moves it by the load summed over its dp ranks.
-            routers = [m for m in reference.modules() if isinstance(m, TopKRouter)]
-            for router, *per_slice in zip(routers, *loads, strict=True):
-                if router.kind == "sigmoid":
-                    router.update_bias(sum(per_slice))
+            _move_biases(reference, loads)
     step.remove()
     del target.loss  # the class's again
     return rows, notes
