@@ -6,7 +6,14 @@ from __future__ import annotations
 from engine.models import ModelConfig
 from tests.tiny_configs import LLAMA, SWIGLU, tiny_kwargs
 
-__all__ = ["EXPERTS", "FFN", "H", "LLAMA", "moe_cfg"]  # LLAMA: the MoE tests import it here
+__all__ = [
+    "EXPERTS",
+    "FFN",
+    "H",
+    "LLAMA",
+    "moe_cfg",
+    "moe_tiny_run",
+]  # LLAMA: the MoE tests import it here
 H, FFN, EXPERTS = 16, 12, 6
 
 
@@ -17,3 +24,20 @@ def moe_cfg(**overrides) -> ModelConfig:
     cfg = ModelConfig(**{**base, "kernels": "torch", **moe, **overrides})
     cfg.validate()
     return cfg
+
+
+def moe_tiny_run(prefix, tokenizer, steps: int) -> list[str]:
+    """``engine.pretrain`` overrides of a one-rank ``moe_tiny`` run of ``steps`` steps on a
+    test corpus (32-token sequences, vocabulary 512), without evaluation or sample."""
+    return [
+        "model=moe_tiny",
+        "tp_size=1",
+        "dp_size=1",
+        f"data.prefixes=[{prefix}]",
+        f"data.tokenizer={tokenizer}",
+        "data.seq_len=32",
+        "model.vocab_size=512",
+        f"trainer.max_steps={steps}",
+        "trainer.eval_every=0",
+        "trainer.sample_tokens=0",
+    ]

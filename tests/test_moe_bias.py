@@ -26,7 +26,7 @@ from engine.runner import LocalRunner
 from layers.moe import moe_losses
 from layers.router import TopKRouter, load_router_biases, router_biases
 from parallel_state.dims import ParallelDims
-from tests.moe_util import EXPERTS
+from tests.moe_util import EXPERTS, moe_tiny_run
 from tests.multiproc import run_ranks
 from tests.test_moe_ep import BATCH, OPTIM, SEQ, VOCAB, _cfg, _dp
 
@@ -142,18 +142,9 @@ def _pretrain(tmp_path, ckpt, steps: int, corpus) -> None:
     prefix, tokenizer = corpus
     out = run_pretrain(
         [
-            "model=moe_tiny",
+            *moe_tiny_run(prefix, tokenizer, steps),
             "model.moe_router=sigmoid",
             f"model.moe_bias_update_rate={GAMMA}",
-            "tp_size=1",
-            "dp_size=1",
-            f"data.prefixes=[{prefix}]",
-            f"data.tokenizer={tokenizer}",
-            "data.seq_len=32",
-            "model.vocab_size=512",
-            f"trainer.max_steps={steps}",
-            "trainer.eval_every=0",
-            "trainer.sample_tokens=0",
             "checkpoint.every=1",
             "checkpoint.keep=4",
             f"checkpoint.dir={ckpt}",

@@ -26,7 +26,7 @@ from engine.moe_observe import MoEWindow, format_moe_line, load_cv, moe_scalars
 from engine.trainer import model_groups
 from layers.moe import MoEMLP, moe_losses
 from parallel_state.dims import ParallelDims
-from tests.moe_util import EXPERTS, H
+from tests.moe_util import EXPERTS, H, moe_tiny_run
 from tests.moe_util import moe_cfg as _cfg
 
 
@@ -253,17 +253,8 @@ def test_pretrain_moe_tiny_prints_the_moe_line(tmp_path):
     metrics = tmp_path / "m.json"
     out = run_pretrain(
         [
-            "model=moe_tiny",
-            "tp_size=1",
-            "dp_size=1",
-            f"data.prefixes=[{prefix}]",
-            f"data.tokenizer={tokenizer}",
-            "data.seq_len=32",
-            "model.vocab_size=512",
-            "trainer.max_steps=4",
+            *moe_tiny_run(prefix, tokenizer, 4),
             "trainer.log_every=2",
-            "trainer.eval_every=0",
-            "trainer.sample_tokens=0",
             "checkpoint.every=0",
             "checkpoint.save_final=false",
             f"trainer.metrics_file={metrics}",

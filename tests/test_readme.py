@@ -124,7 +124,8 @@ COVERED = {
     "trainer.max_steps=30 name=llama_tiny_cp2": "tests/test_context_parallel.py::test_cp2_equals_the_unsplit_model",
     "python -m engine.pretrain model=llama_tiny cp_size=4 tp_size=1 dp_size=1 data.seq_len=16384 "
     "model.max_positions=16384 trainer.max_steps=10 trainer.global_batch=1 trainer.micro_batch=1 "
-    "trainer.eval_every=0 optim.warmup_steps=2 name=llama_tiny_cp4_16k": "manual: 18 minutes on "
+    "trainer.log_every=1 trainer.eval_every=0 trainer.sample_tokens=0 trainer.progress=false "
+    "trainer.tensorboard=false optim.warmup_steps=2 name=llama_tiny_cp4_16k": "manual: 18 minutes on "
     "2 cores (docs/BENCHMARKS.md); its overrides are composed here and the same path runs at 128 "
     "tokens in tests/test_context_parallel.py::test_cp2_equals_the_unsplit_model",
     "python -m engine.pretrain model=moe_tiny tp_size=1 dp_size=2 ep_size=2 trainer.max_steps=30 "
