@@ -366,7 +366,8 @@ class ParallelModel(nn.Module):
         checkpoint's weights do: ``engine.checkpoint.convert.read_model_state``)."""
         routers = sigmoid_routers(self)
         biases = {n: state[n + BIAS_KEY].tolist() for n in routers if n + BIAS_KEY in state}
-        state = {k: v for k, v in state.items() if k[: -len(BIAS_KEY)] not in biases}
+        held = {n + BIAS_KEY for n in biases}
+        state = {k: v for k, v in state.items() if k not in held}
         load_router_biases(self, biases)
         own = dict(self.named_parameters())
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
