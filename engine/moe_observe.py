@@ -69,8 +69,8 @@ class MoEWindow:
         self.history: list[dict] = []  # one entry per closed window, for the metrics file
         # The routers whose bias each step moves, by row (all of a model's, or none).
         self.biased = [(row, m) for row, m in enumerate(routers) if m.kind == "sigmoid"]
-        self.step_slots = torch.zeros(len(routers), self.num_experts, dtype=torch.int64)
-        self.step_slots = self.step_slots.to(device)
+        shape = (len(routers), self.num_experts)
+        self.step_slots = torch.zeros(shape, dtype=torch.int64, device=device)
         self._reset()
 
     def _reset(self) -> None:
