@@ -17,7 +17,7 @@ from einops import rearrange
 from torch import nn
 
 from layers import dropout
-from layers.documents import DocumentMask
+from layers.documents import DocumentMask, PaddingMask
 from layers.gqa import kv_projection
 from layers.kernel_set import Kernels
 from layers.linear import (
@@ -149,7 +149,7 @@ class CoreAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """A ``mask`` given to causal attention is the whole pattern (see ``decoder_mask``);
-        a ``DocumentMask`` (packed documents) becomes its dense block-diagonal pattern."""
+        a ``DocumentMask`` (packed documents) or ``PaddingMask`` becomes its dense pattern."""
         if self.recompute:
             # No dropout, no draws to replay: a plain checkpoint (Dynamo traces it whole).
             rng = self.rng if self.dropout > 0 and self.training else None
@@ -157,7 +157,7 @@ class CoreAttention(nn.Module):
         return self._attend(q, k, v, mask)
 
     def _attend(self, q, k, v, mask):
-        if isinstance(mask, DocumentMask):  # explicit: correctness first (layers.documents)
+        if isinstance(mask, (DocumentMask, PaddingMask)):  # explicit: correctness first
             mask = mask.dense(causal=self.causal)
         if self.window is not None:  # validated causal: the window limits the causal mask
             mask = windowed(mask, q.shape[2], k.shape[2], self.window, device=q.device)
@@ -233,12 +233,13 @@ class RingCoreAttention(CoreAttention):
         return shard_for_cp(whole, cp, rank, dim=2)
 
     def _attend(self, q, k, v, mask):
-        if mask is not None and not isinstance(mask, DocumentMask):
+        if mask is not None and not isinstance(mask, (DocumentMask, PaddingMask)):
             raise ValueError(
-                "ring attention takes no dense mask: causal or full attention, or a "
-                "DocumentMask (packed documents)"
+                "ring attention takes no dense mask: causal or full attention, a "
+                "DocumentMask (packed documents) or a PaddingMask (padded rows)"
             )
-        documents = None if mask is None else mask.ids  # the full rows' ids
+        documents = mask.ids if isinstance(mask, DocumentMask) else None  # the full rows'
+        keys = mask.keys if isinstance(mask, PaddingMask) else None
         p = self.dropout if self.training else 0.0
         out = ring_attention(
             q,
@@ -247,6 +248,7 @@ class RingCoreAttention(CoreAttention):
             cp_group=self.cp_group,
             causal=self.causal,
             document_ids=documents,
+            key_mask=keys,
             dropout_p=p,
             dropout_keep=self._keep_rows(q, p) if p > 0 else None,
             scale=self.scale,

@@ -51,3 +51,21 @@ class DocumentMask:
             return same
         s = self.ids.shape[1]
         return same & torch.ones(s, s, dtype=torch.bool, device=self.ids.device).tril()
+
+
+@dataclass(frozen=True)
+class PaddingMask:
+    """Padded rows (BERT) under context parallelism: ``keys`` ``[b, s]`` (bool, True on the
+    real tokens) of the whole sequence, held whole by every cp rank as ``DocumentMask``'s
+    ids are. No query sees a padding key; the ring skips key blocks of padding alone."""
+
+    keys: torch.Tensor
+
+    def dense(self, *, causal: bool) -> torch.Tensor:
+        """Boolean ``[b, 1, 1, s]`` (``[b, 1, s, s]`` when ``causal``): True where a query
+        may attend to a key."""
+        keys = self.keys.bool()[:, None, None, :]
+        if not causal:
+            return keys
+        s = self.keys.shape[1]
+        return keys & torch.ones(s, s, dtype=torch.bool, device=keys.device).tril()

@@ -36,6 +36,11 @@ is skipped, a block within one document is unmasked, and the rest carry the mask
 reads the ids on the host (a sync per block on a GPU, where the boundaries would rather
 come from the data loader, and the kernel be a varlen one with ``cu_seqlens``).
 
+**Padding.** With ``key_mask`` (BERT's padded rows: True on the real tokens) no query sees
+a padding key, as a ``[b, 1, 1, s]`` mask does in unsplit attention: the blocks are cut
+chunk by chunk as for documents, a block whose keys are all padding is skipped, and the
+rest are masked. Both masks combine (a pair must pass each).
+
 **Dropout.** ``dropout_keep`` holds this rank's query rows of the attention's keep-mask
 over the whole sequence's keys, indexed by global key position, so a (query, key) pair's
 draw does not depend on the split; each block reads its part (``_Ring._drop``). The
@@ -288,6 +293,7 @@ class _Ring:
     p: float = 0.0
     window: int | None = None  # a query sees its last ``window`` keys (itself included)
     softcap: float | None = None  # scores → c·tanh(scores/c) before the mask
+    keys: torch.Tensor | None = None  # [b, s] bool: the keys a query may see (padding)
 
     def steps(self, local_len: int):
         """Per ring step, the blocks against rank ``rank − step``'s chunks, each as
@@ -303,7 +309,7 @@ class _Ring:
         blocks = ring_blocks(rank, source, size, local_len, causal=self.causal)
         if self.causal:  # equal shapes on every rank: chunk × chunk squares
             blocks = _by_chunk(blocks, local_len, size)
-        if self.documents is None and self.window is None:
+        if self.documents is None and self.window is None and self.keys is None:
             return [(blk, None) for blk in blocks]
         kept = []
         for blk in _by_chunk(blocks, local_len, size):
@@ -315,18 +321,20 @@ class _Ring:
         return kept
 
     def _visible(self, blk: Block, rank: int, source: int, size: int, local_len: int):
-        """Which of a block's (query, key) pairs the documents and the window let through,
-        ``[b, m, n]`` (``[1, m, n]`` without documents); the causal triangle aside."""
-        seen = torch.ones(1, 1, 1, dtype=torch.bool)
+        """Which of a block's (query, key) pairs the documents, the window and the key
+        mask let through, ``[b or 1, m, n]``; the causal triangle aside."""
+        device = next((t.device for t in (self.documents, self.keys) if t is not None), None)
+        seen = torch.ones(1, 1, 1, dtype=torch.bool, device=device)
         if self.documents is not None:
             doc_q, doc_k = (shard_for_cp(self.documents, size, r, dim=1) for r in (rank, source))
             seen = doc_q[:, blk.q, None] == doc_k[:, None, blk.k]
         if self.window is not None:  # at global positions: q − k < window
-            device = self.documents.device if self.documents is not None else None
             pos_q, pos_k = (
                 cp_positions(size * local_len, size, r, device=device) for r in (rank, source)
             )
             seen = seen & ((pos_q[blk.q, None] - pos_k[None, blk.k]) < self.window)[None]
+        if self.keys is not None:  # padding: no query sees it
+            seen = seen & shard_for_cp(self.keys, size, source, dim=1)[:, None, blk.k]
         return seen
 
     def _drop(self, blk: Block, source: int, size: int, local_len: int):
@@ -453,6 +461,7 @@ def ring_attention(
     dropout_keep: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(QKᵀ·scale)·V of this rank's queries over the whole sequence's keys.
 
@@ -475,13 +484,18 @@ def ring_attention(
     (q − k < window at global positions, as ``layers.attention.sliding_window_mask``):
     blocks wholly outside it are skipped, so a short window over a long sequence costs
     less. ``softcap`` c caps the scores to c·tanh(scores/c) before the mask (Gemma 2).
+
+    ``key_mask`` ``[b, s]`` (bool, the full sequence's, the same on every cp rank) hides
+    the keys where it is False from every query (padding), as a ``[b, 1, 1, s]`` mask does;
+    each row must keep at least one key.
     """
     cp, local = group_size(cp_group), q.shape[2]
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"heads ({q.shape[1]}) is not a multiple of kv heads ({k.shape[1]})")
     if window is not None and (not causal or window < 1):
         raise ValueError(f"window={window} limits causal attention: give causal=True, window >= 1")
-    if (causal or document_ids is not None) and cp > 1 and local % 2:
+    masked = document_ids is not None or key_mask is not None  # cut chunk by chunk
+    if (causal or masked) and cp > 1 and local % 2:
         raise ValueError(f"ring attention needs an even local length (two chunks), got {local}")
     if document_ids is not None and tuple(document_ids.shape) != (q.shape[0], cp * local):
         raise ValueError(
@@ -493,6 +507,14 @@ def ring_attention(
             f"dropout_keep {tuple(dropout_keep.shape)} must be [batch, heads, s/cp, s] = "
             f"[{q.shape[0]}, {q.shape[1]}, {local}, {cp * local}]"
         )
+    if key_mask is not None and tuple(key_mask.shape) != (q.shape[0], cp * local):
+        raise ValueError(
+            f"key_mask {tuple(key_mask.shape)} must be [batch, full sequence] = "
+            f"[{q.shape[0]}, {cp * local}]"
+        )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ring = _Ring(cp_group, causal, scale, document_ids, dropout_keep, dropout_p, window, softcap)
+    keys = None if key_mask is None else key_mask.bool()
+    ring = _Ring(
+        cp_group, causal, scale, document_ids, dropout_keep, dropout_p, window, softcap, keys
+    )
     return _RingAttention.apply(q, k, v, ring)

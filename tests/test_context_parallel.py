@@ -310,8 +310,10 @@ def planted_report(spec, module=None, attribute: str = "", replacement=None) -> 
 
 
 def _verifier_at_cp2() -> dict[str, tuple | None]:
-    """The layout verifier at cp 2: Llama clean, then GPT and Llama with positions not
-    offset (each cp rank's tokens numbered from 0): the first failing row of each."""
+    """The layout verifier at cp 2: Llama and BERT clean, then GPT and Llama with positions
+    not offset (each cp rank's tokens numbered from 0) and BERT with its padding mask
+    dropped on the ring: the first failing row of each."""
+    import engine.models.bert.model as bert_model
     import engine.models.gpt.model as gpt_model
     from studies.verification.layouts import VerifySpec
 
@@ -327,6 +329,9 @@ def _verifier_at_cp2() -> dict[str, tuple | None]:
         spec = VerifySpec(model=model, tp_size=1, cp_size=2, num_heads=4)
         plant = (gpt_model, "cp_positions", unshifted) if planted else ()
         found[name] = planted_report(spec, *plant)
+    bert = VerifySpec(model="bert", tp_size=1, cp_size=2, num_heads=4)
+    found["bert clean"] = planted_report(bert)
+    found["bert unpadded"] = planted_report(bert, bert_model, "PaddingMask", lambda keys: None)
     return found
 
 
@@ -342,6 +347,20 @@ def test_the_verifier_runs_at_cp2_and_names_unshifted_positions_where_they_show(
     assert found["gpt"][1][:2] == ("output", "embedding"), found
     assert found["llama"][1][:2] == ("output", "layers.0.attention.core"), found
     assert min(found["gpt"][1][2], found["llama"][1][2]) > 1e-3, found
+
+
+@pytest.mark.slow
+def test_bert_runs_bidirectional_on_the_ring_and_a_dropped_padding_mask_shows(at_cp2):
+    """BERT at cp 2 (bidirectional ring over padded rows; the MLM mean over the whole
+    rows' labelled tokens, the SOP loss on the rank holding [CLS]): every module's output,
+    the loss and every gradient within 1e-10 of the unsplit model in fp64. With the
+    padding mask dropped on the ring, the first attention core's output is the first to
+    fail, by far more than rounding."""
+    found = at_cp2[("verifier", "")][0]
+    rows, failure = found["bert clean"]
+    assert rows > 40 and failure is None, found
+    assert found["bert unpadded"][1][:2] == ("output", "layers.0.attention.core"), found
+    assert found["bert unpadded"][1][2] > 1e-3, found
 
 
 def _verifier_at_cp2_pp2(model: str) -> tuple | None:
@@ -473,3 +492,21 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(tmp_path):
     moves = [abs(b - a) / abs(a) for a, b in itertools.pairwise(losses)]
     print(f"relative loss change per step: {min(moves):.1e} .. {max(moves):.1e}")
     assert min(moves) > 1e-3, moves
+
+
+def test_bert_under_cp_runs_at_pp1_and_is_refused_at_pp2_in_one_line():
+    """BERT joins cp at pp 1; its pipeline stages would have to carry each cp rank's loss
+    weights, so cp × pp is refused before any worker starts, naming both fixes."""
+    from engine.config import Config, parallel_dims, validate
+    from engine.models.config import preset as model_preset
+
+    def cp_problems(pp: int) -> list[str]:
+        cfg = Config(cp_size=2, pp_size=pp, tp_size=1, dp_size=1)
+        cfg.model = model_preset("bert_tiny")
+        return [p for p in validate(cfg, parallel_dims(cfg, None)) if "cp_size" in p]
+
+    assert cp_problems(1) == []
+    assert cp_problems(2) == [
+        "cp_size=2 runs model.arch=bert (bidirectional, padded rows) at pp_size=1, not "
+        "pp_size=2: set pp_size=1, or cp_size=1"
+    ]

@@ -274,8 +274,24 @@ def _ring_counting_blocks(seq: int, kv_heads: int, calls: dict) -> dict:
     return results
 
 
+# BERT's padded rows: 6 and 9 real tokens of 12 (cp 2: chunks of 3), so key chunk 3 is
+# padding in both rows and chunk 2 in row 0 only.
+KEYS = torch.arange(12) < torch.tensor([[6], [9]])
+
+
+def _padding_reference(kv_heads: int) -> list[torch.Tensor]:
+    """(output, dq, dk, dv) of unsplit bidirectional attention with the ``[b, 1, 1, s]``
+    key mask BERT gives torch's SDPA."""
+    q, k, v, dout = _inputs(KEYS.shape[1], kv_heads)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    k_all, v_all = (t.repeat_interleave(HEADS // kv_heads, 1) for t in (k, v))
+    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=KEYS[:, None, None, :])
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+
+
 def _documents_on_ranks(kv_heads: int):
     calls = {causal: dict(causal=causal, document_ids=DOCUMENTS) for causal in (True, False)}
+    calls["padding"] = dict(causal=False, key_mask=KEYS)
     return _ring_counting_blocks(DOCUMENTS.shape[1], kv_heads, calls)
 
 
@@ -301,6 +317,18 @@ def test_two_ranks_documents_equal_documents_run_alone_and_skip_blocks_between_t
         # the diagonal; documents leave fewer.
         chunks = 2 * cp
         assert sum(expected) < (chunks * (chunks + 1) // 2 if causal else chunks**2)
+    # Padding: what SDPA computes under BERT's key mask; the key chunk that is padding in
+    # every row is skipped, so each rank computes its 2 query chunks × 3 key chunks.
+    _assert_matches([r["padding"][0] for r in ranks], _padding_reference(2))
+    assert [r["padding"][1] for r in ranks] == [6, 6]
+
+
+def test_one_rank_key_mask_equals_torch_attention_with_the_padding_mask():
+    q, k, v, dout = _inputs(KEYS.shape[1], 2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ring_attention(q, k, v, cp_group=None, causal=False, key_mask=KEYS)
+    got = [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+    _assert_matches([got], _padding_reference(2))
 
 
 # ---------------------------------------------------------------------------------------

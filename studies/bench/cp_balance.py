@@ -3,10 +3,19 @@
 Runs ``layers.ring_attention`` forward and backward at cp N on N local ranks (gloo, CPU,
 one thread each) and times, per rank, only its attention compute: the per-block kernels
 and the log-sum-exp merges, with ``time.thread_time()`` (this thread's CPU time), so the
-waits on the ring and the other jobs of a loaded machine barely count. The figure is the
-ratio busiest ÷ least busy rank (1.0: perfectly even). Beside it, the same ranks compute
-the blocks a contiguous split would give them (rank r: its causal diagonal and r whole
-blocks of the ranks before it), no ring needed, for contrast.
+waits on the ring barely count. The figure is the ratio busiest ÷ least busy rank (1.0:
+perfectly even). Beside it, the same ranks compute the blocks a contiguous split would
+give them (rank r: its causal diagonal and r whole blocks of the ranks before it), no ring
+needed, for contrast.
+
+Ranks that run at once share the machine's cores and caches, so each one's CPU time also
+counts its neighbours' memory traffic (on 2 cores, 4 ranks measured 1.06 and 1.13 a minute
+apart, another rank the busiest each time). So each rank also records the kernel calls of
+its last ring pass (their inputs copied, to a temporary file), and once the ranks have
+exited this process replays every rank's calls on one thread, the ranks in turn, round
+after round: the "alone" column, each rank's own work with nothing beside it, the least
+of ``--replays`` rounds (noise only adds time; the rounds interleave the ranks, so a
+drift of the machine's speed meets them all alike).
 
     python tools/bench_cp_balance.py --cp 4 --seq 4096 --heads 4 --head-dim 64
 """
@@ -16,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -28,6 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes")
+    p.add_argument("--replays", type=int, default=25, help="rounds of the one-process replay")
     p.add_argument("--no-contiguous", action="store_true", help="skip the contiguous contrast")
     return p.parse_args(argv)
 
@@ -41,12 +52,15 @@ class _Clock:
         import layers.ring_attention as ring
 
         self.ring, self.seconds = ring, 0.0
+        self.calls: list | None = None  # a list: each call (its name, copied inputs) kept
         self.originals = {name: getattr(ring, name) for name in self.NAMES}
         for name, fn in self.originals.items():
             vars(self.ring)[name] = self._timed(fn)  # the module's own name, wrapped
 
     def _timed(self, fn):
         def timed(*args):
+            if self.calls is not None:
+                self.calls.append((fn.__name__, [_copy(a) for a in args]))
             start = time.thread_time()
             try:
                 return fn(*args)
@@ -58,6 +72,35 @@ class _Clock:
     def remove(self) -> None:
         for name, fn in self.originals.items():
             vars(self.ring)[name] = fn
+
+
+def _replay(calls: list) -> float:
+    """CPU seconds of recorded ``(name, inputs)`` calls of ``layers.ring_attention`` run
+    again in order, on fresh copies of their inputs (new memory each round, so no rank
+    keeps a lucky or unlucky placement; the copying is not timed)."""
+    import layers.ring_attention as ring
+
+    fresh = [(getattr(ring, name), [_copy(a) for a in args]) for name, args in calls]
+    start = time.thread_time()
+    for fn, args in fresh:
+        fn(*args)
+    return time.thread_time() - start
+
+
+def _alone(paths: list[str], rounds: int) -> list[float]:
+    """Per rank, the least CPU time of ``rounds`` replays of its recorded calls, on this
+    process's one thread, the ranks taking turns within each round."""
+    torch.set_num_threads(1)
+    calls = [torch.load(path, weights_only=True) for path in paths]
+    best = [float("inf")] * len(calls)
+    for _ in range(rounds):
+        for rank, recorded in enumerate(calls):
+            best[rank] = min(best[rank], _replay(recorded))
+    return best
+
+
+def _copy(arg):
+    return arg.detach().clone() if isinstance(arg, torch.Tensor) else arg
 
 
 def _ring_pass(args, group, rank: int, g: torch.Generator) -> None:
@@ -115,10 +158,14 @@ def _rank(args) -> list[tuple[float, float]] | None:
                     _contiguous_pass(args, rank, g, clock)
                 times.append((balanced, clock.seconds))
                 dist.barrier(group)
+            clock.calls = []  # one more ring pass, its kernel calls kept for the replays
+            _ring_pass(args, group, rank, g)
+            path = f"{args.record_dir}/rank{rank}.pt"
+            torch.save(clock.calls, path)
         finally:
             clock.remove()
         every = [None] * args.cp
-        dist.all_gather_object(every, times, group=group)
+        dist.all_gather_object(every, (times, path), group=group)
         return every if ps.rank == 0 else None
 
 
@@ -129,18 +176,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq % (2 * args.cp):
         print(f"bench_cp_balance: --seq {args.seq} is not divisible by 2·cp", file=sys.stderr)
         return 2
-    every = launch_local(_rank, args.cp, args)
+    with tempfile.TemporaryDirectory() as args.record_dir:
+        every = launch_local(_rank, args.cp, args)
+        alone = _alone([path for _, path in every], args.replays)
     print(
         f"cp {args.cp}, causal, {args.seq} tokens, {args.heads} heads of {args.head_dim}, fp32, "
         f"1 thread per rank; attention CPU s per forward+backward, median of {args.repeats}"
     )
-    print("rank  load-balanced  contiguous")
+    print(f"rank  load-balanced  contiguous  load-balanced alone (least of {args.replays} replays)")
     medians = []
-    for rank, times in enumerate(every):
-        row = tuple(statistics.median(t[i] for t in times) for i in range(2))
+    for rank, (times, _) in enumerate(every):
+        row = (*(statistics.median(t[i] for t in times) for i in range(2)), alone[rank])
         medians.append(row)
-        print(f"{rank:4d}  {row[0]:13.3f}  {row[1]:10.3f}")
-    for i, name in enumerate(("load-balanced", "contiguous")):
+        print(f"{rank:4d}  {row[0]:13.3f}  {row[1]:10.3f}  {row[2]:13.3f}")
+    names = ("load-balanced", "contiguous", "load-balanced alone")
+    for i, name in enumerate(names):
         column = [m[i] for m in medians]
         if min(column) > 0:
             print(f"{name}: busiest ÷ least busy = {max(column) / min(column):.2f}")

@@ -16,7 +16,9 @@ from engine.models.base import (
 )
 from engine.models.config import ModelConfig
 from layers import gather_from_tp, vocab_parallel_cross_entropy
+from layers.documents import PaddingMask
 from layers.kernel_set import Kernels
+from layers.ring_attention import cp_positions, shard_for_cp
 from layers.utils import comm_timer_of
 
 
@@ -80,6 +82,13 @@ class BertModel(TransformerModel):
     "sop_logits": [b, 2]}``; given ``mlm_labels`` (-100 = not masked) and/or
     ``sop_labels``, also ``loss`` = mean MLM loss over labelled tokens + SOP cross-entropy,
     with its parts ``mlm_loss`` and ``sop_loss``.
+
+    Under context parallelism (:meth:`context_shard`) each cp rank holds s/cp tokens of
+    every row, attends over the whole rows through the ring (bidirectional, padding keys
+    hidden by a ``PaddingMask``) and weighs its losses so that their mean over the cp group
+    is the unsplit model's: its MLM sum × cp / (the whole rows' labelled count), and the
+    SOP loss × cp on the rank holding [CLS] (cp rank 0, whose first chunk starts the row),
+    × 0 elsewhere (its pooler's input is some other token).
     """
 
     ARCH = "bert"
@@ -102,7 +111,31 @@ class BertModel(TransformerModel):
             batch["attention_mask"],
             mlm_labels=batch["mlm_labels"],
             sop_labels=batch["sop_label"],
+            positions=batch.get("positions"),
+            cp_weights=batch.get("cp_weights"),
         )["loss"]
+
+    def context_shard(
+        self, batch: dict[str, torch.Tensor], cp_size: int, cp_rank: int
+    ) -> dict[str, torch.Tensor]:
+        """Cp rank ``cp_rank``'s share of a BertDataset micro-batch: ids, token types and
+        MLM labels cut to chunks ``cp_rank`` and ``2·cp_size−1−cp_rank`` of each row
+        (``shard_for_cp``), the tokens' global ``positions``, the whole rows'
+        ``attention_mask`` (the ring hides the padding keys of every rank), the SOP labels,
+        and ``cp_weights`` (fp64 ``[2]``: cp / the rows' labelled count, and cp on cp rank
+        0 or 0 elsewhere), which make the cp ranks' mean loss the whole rows' loss."""
+        b, s = batch["input_ids"].shape
+        keys = ("input_ids", "token_type_ids", "mlm_labels")
+        shard = {k: shard_for_cp(batch[k], cp_size, cp_rank, dim=1) for k in keys}
+        device = batch["input_ids"].device
+        labelled = (batch["mlm_labels"] != -100).sum().clamp(min=1).double()
+        sop = torch.tensor(
+            float(cp_size if cp_rank == 0 else 0), dtype=torch.float64, device=device
+        )
+        weights = torch.stack((cp_size / labelled, sop))
+        positions = cp_positions(s, cp_size, cp_rank, device=device).expand(b, -1)
+        whole = {k: batch[k] for k in ("attention_mask", "sop_label")}
+        return {**shard, **whole, "positions": positions, "cp_weights": weights}
 
     def logits(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``{"mlm_logits": [b, s, V_padded/tp], "sop_logits": [b, 2]}`` of ``batch``."""
@@ -116,14 +149,23 @@ class BertModel(TransformerModel):
         attention_mask: torch.Tensor | None = None,
         mlm_labels: torch.Tensor | None = None,
         sop_labels: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        cp_weights: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
-        hidden = self.embedding(input_ids, token_type_ids)  # [s(/tp), b, h]
+        """``positions`` ``[b, s/cp]``: a cp rank's share (:meth:`context_shard`), whose
+        ``attention_mask`` is then the whole rows' and ``cp_weights`` weigh its losses."""
+        if attention_mask is None:
+            mask = None
+        elif positions is None:
+            mask = attention_mask[:, None, None, :].bool()
+        else:  # the whole rows' padding, for the ring
+            mask = PaddingMask(attention_mask.bool())
+        hidden = self.embedding(input_ids, token_type_ids, positions=positions)  # [s(/tp), b, h]
         for layer in self.layers:
             hidden = layer(hidden, mask)
         logits, sop = self.head(hidden)
         out = {"mlm_logits": logits.transpose(0, 1), "sop_logits": sop}
-        return out | bert_losses(self, logits, sop, mlm_labels, sop_labels)
+        return out | bert_losses(self, logits, sop, mlm_labels, sop_labels, cp_weights)
 
     # The pipeline cut's hooks (ParallelModel): a stage runs them on itself. The padding
     # mask is no activation: every stage gets its micro-batch's mask as a keyword input.
@@ -160,11 +202,14 @@ def bert_losses(
     sop_logits: torch.Tensor,
     mlm_labels: torch.Tensor | None = None,
     sop_labels: torch.Tensor | None = None,
+    cp_weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """``mlm_loss`` (mean over the labelled tokens) of ``mlm_logits`` ``[s, b, V/tp]``
     against ``mlm_labels`` ``[b, s]`` (-100 = not masked), ``sop_loss`` of ``sop_logits``
     ``[b, 2]`` against ``sop_labels`` ``[b]``, and their sum ``loss`` (those given), with
-    ``module``'s vocabulary and TP group (the whole BERT, or a pipeline's last stage)."""
+    ``module``'s vocabulary and TP group (the whole BERT, or a pipeline's last stage).
+    ``cp_weights`` (a cp rank's, ``BertModel.context_shard``) replace 1 / the labelled
+    count and the SOP loss's weight 1."""
     out = {}
     if mlm_labels is not None:
         per_token = vocab_parallel_cross_entropy(
@@ -174,11 +219,16 @@ def bert_losses(
             tp_group=module.tp_group,
             comm_timer=comm_timer_of(module),
         )
-        labelled = (mlm_labels != -100).sum().clamp(min=1)
-        out["mlm_loss"] = per_token.sum() / labelled
+        if cp_weights is None:
+            labelled = (mlm_labels != -100).sum().clamp(min=1)
+            out["mlm_loss"] = per_token.sum() / labelled
+        else:
+            out["mlm_loss"] = per_token.sum() * cp_weights[0].to(per_token.dtype)
     if sop_labels is not None:
         sop = sop_logits.to(torch.promote_types(sop_logits.dtype, torch.float32))
         out["sop_loss"] = F.cross_entropy(sop, sop_labels)
+        if cp_weights is not None:
+            out["sop_loss"] = out["sop_loss"] * cp_weights[1].to(sop.dtype)
     if out:
         out["loss"] = sum(out.values())
     return out
