@@ -45,6 +45,13 @@ BAD_FLAGS = [
     ("bench_moe", ["--only", "both"], "argument --only: invalid choice"),
     ("bench_dp_memory", ["--dp", "4", "--replicas", "3"], "--dp 4 --replicas 3: need dp >= 2"),
     ("bench_dp_memory", ["--dp", "1"], "--dp 1 --replicas 2: need dp >= 2"),
+    ("bench_cp_balance", ["--cp", "0"], "argument --cp: 0 must be >= 1"),
+    ("bench_cp_balance", ["--replays", "0"], "argument --replays: 0 must be >= 1"),
+    (
+        "bench_cp_balance",
+        ["--seq", "30"],
+        "--seq 30 is not divisible by 2·cp = 8; choose a multiple of 8",
+    ),
 ]
 
 

@@ -32,13 +32,15 @@ import torch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench_cp_balance.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cp", type=int, default=4, help="context-parallel ranks (local processes)")
-    p.add_argument("--seq", type=int, default=4096, help="tokens (divisible by 2·cp)")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes")
-    p.add_argument("--replays", type=int, default=25, help="rounds of the one-process replay")
+    from engine.tool_args import ArgumentParser, positive_int
+
+    p = ArgumentParser(prog="bench_cp_balance.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cp", type=positive_int, default=4, help="context-parallel ranks (processes)")
+    p.add_argument("--seq", type=positive_int, default=4096, help="tokens (divisible by 2·cp)")
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--head-dim", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed forward+backward passes")
+    p.add_argument("--replays", type=positive_int, default=25, help="rounds of the replay alone")
     p.add_argument("--no-contiguous", action="store_true", help="skip the contiguous contrast")
     return p.parse_args(argv)
 
@@ -174,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     if args.seq % (2 * args.cp):
-        print(f"bench_cp_balance: --seq {args.seq} is not divisible by 2·cp", file=sys.stderr)
+        print(
+            f"bench_cp_balance: --seq {args.seq} is not divisible by 2·cp = {2 * args.cp}; "
+            f"choose a multiple of {2 * args.cp}",
+            file=sys.stderr,
+        )
         return 2
     with tempfile.TemporaryDirectory() as args.record_dir:
         every = launch_local(_rank, args.cp, args)
