@@ -31,10 +31,15 @@ from pathlib import Path
 
 from engine.checkpoint.storage import CheckpointError
 from engine.inference import ModelSource
-from engine.tool_args import ArgumentParser, non_negative_int, positive_int
+from engine.tool_args import (
+    ArgumentParser,
+    add_batching_flags,
+    add_quantize_flag,
+    non_negative_int,
+    positive_int,
+)
 
 DTYPES = ("float32", "float64", "bfloat16")
-QUANTIZE_MODES = ("none", "int8")  # engine.models.quantize's (not imported: it loads torch)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,15 +59,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=positive_int,
         help="KV cache size in tokens (default: --max-running × the model's positions)",
     )
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--max-running", type=positive_int, default=16, help="sequences per step")
+    add_batching_flags(p)
     p.add_argument(
         "--max-waiting",
         type=non_negative_int,
         default=64,
         help="queued requests past which new ones get 429",
     )
-    p.add_argument("--token-budget", type=positive_int, default=256, help="tokens fed per step")
     p.add_argument(
         "--tp-size",
         type=positive_int,
@@ -70,11 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="tensor-parallel ranks to start (divides the heads)",
     )
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument(
-        "--quantize",
-        choices=QUANTIZE_MODES,
-        default="none",
-        help="int8: the layers' linears, the LM head and the word embedding as int8 with "
+    add_quantize_flag(
+        p,
+        "int8: the layers' linears, the LM head and the word embedding as int8 with "
         "per-output-channel scales, dequantized in the matmul (engine/models/quantize.py)",
     )
     return p.parse_args(argv)

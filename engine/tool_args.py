@@ -23,6 +23,16 @@ def add_quantize_flag(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--quantize", choices=("none", "int8"), default="none", help=help)
 
 
+def add_batching_flags(parser: argparse.ArgumentParser) -> None:
+    """``--block-size`` and ``--token-budget``, the paged KV cache's block and the tokens
+    ``apps.serving.ServingEngine`` feeds a step (not imported: it loads torch): the server
+    and its benchmark take them alike, so their defaults cannot drift apart."""
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--token-budget", type=positive_int, default=256, help="tokens fed per step"
+    )
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     return _int_at_least(text, 1)

@@ -63,6 +63,7 @@ from studies.verification.layouts import (  # noqa: E402
     VerifySpec,
     compare_layouts,
     launch_local,
+    model_sizes,
     run_on_mesh,
 )
 
@@ -236,11 +237,7 @@ def spec_of(args: argparse.Namespace) -> VerifySpec:
         dp_shard=args.dp_shard,
         recompute=args.recompute,
         dtype=args.dtype,
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_heads=args.heads,
-        vocab_size=args.vocab,
-        seq_len=args.seq,
+        **model_sizes(args),
         batch_size=args.batch,
         steps=args.steps,
         seed=args.seed,

@@ -45,16 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _spec(args):
     """The model and the pp layout (the verifier's spec: its tiny GPT at these sizes)."""
-    from studies.verification.layouts import VerifySpec
+    from studies.verification.layouts import VerifySpec, model_sizes
 
-    return VerifySpec(
-        pp_size=args.pp,
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        num_heads=args.heads,
-        vocab_size=args.vocab,
-        seq_len=args.seq,
-    )
+    return VerifySpec(pp_size=args.pp, **model_sizes(args))
 
 
 def _runner(args, schedule: str, ps):

@@ -61,7 +61,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine.tool_args import ArgumentParser, positive_int
+from engine.tool_args import ArgumentParser, add_batching_flags, positive_int
 from studies.bench import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--clients", type=positive_int, default=64, help="concurrent HTTP clients")
     p.add_argument("--requests", type=positive_int, default=512, help="requests in all")
+    add_batching_flags(p)  # the engine's; --batch below is its --max-running
     p.add_argument(
         "--batch",
         type=positive_int,
@@ -105,8 +106,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="of the request mix")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads, each process")
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    p.add_argument("--token-budget", type=positive_int, default=256, help="tokens fed per step")
     p.add_argument(
         "--rounds",
         type=positive_int,

@@ -19,6 +19,7 @@ names where the layouts diverge.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import uuid
 from collections.abc import Callable
@@ -195,6 +196,14 @@ class VerifySpec:
             recompute="none" if reference else self.recompute,
             **moe_config_keys(self),
         )
+
+
+def model_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The tiny model's sizes as VerifySpec fields, from the flags the tools that build a
+    VerifySpec name alike (``--layers --hidden --heads --vocab --seq``), so each tool maps
+    them in one place."""
+    sizes = dict(num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads)
+    return dict(sizes, vocab_size=args.vocab, seq_len=args.seq)
 
 
 @dataclass
