@@ -489,7 +489,19 @@ def ring_attention(
     the keys where it is False from every query (padding), as a ``[b, 1, 1, s]`` mask does;
     each row must keep at least one key.
     """
-    cp, local = group_size(cp_group), q.shape[2]
+    cp = group_size(cp_group)
+    _check_shapes(q, k, cp, causal, window, document_ids, dropout_keep, key_mask)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    keys = None if key_mask is None else key_mask.bool()
+    ring = _Ring(
+        cp_group, causal, scale, document_ids, dropout_keep, dropout_p, window, softcap, keys
+    )
+    return _RingAttention.apply(q, k, v, ring)
+
+
+def _check_shapes(q, k, cp: int, causal: bool, window, document_ids, dropout_keep, key_mask):
+    """ValueError, in one line, for inputs :func:`ring_attention` cannot take."""
+    local = q.shape[2]
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"heads ({q.shape[1]}) is not a multiple of kv heads ({k.shape[1]})")
     if window is not None and (not causal or window < 1):
@@ -497,24 +509,14 @@ def ring_attention(
     masked = document_ids is not None or key_mask is not None  # cut chunk by chunk
     if (causal or masked) and cp > 1 and local % 2:
         raise ValueError(f"ring attention needs an even local length (two chunks), got {local}")
-    if document_ids is not None and tuple(document_ids.shape) != (q.shape[0], cp * local):
-        raise ValueError(
-            f"document_ids {tuple(document_ids.shape)} must be [batch, full sequence] = "
-            f"[{q.shape[0]}, {cp * local}]"
-        )
+    rows = (q.shape[0], cp * local)
+    for name, ids in (("document_ids", document_ids), ("key_mask", key_mask)):
+        if ids is not None and tuple(ids.shape) != rows:
+            raise ValueError(
+                f"{name} {tuple(ids.shape)} must be [batch, full sequence] = [{rows[0]}, {rows[1]}]"
+            )
     if dropout_keep is not None and tuple(dropout_keep.shape) != (*q.shape[:3], cp * local):
         raise ValueError(
             f"dropout_keep {tuple(dropout_keep.shape)} must be [batch, heads, s/cp, s] = "
             f"[{q.shape[0]}, {q.shape[1]}, {local}, {cp * local}]"
         )
-    if key_mask is not None and tuple(key_mask.shape) != (q.shape[0], cp * local):
-        raise ValueError(
-            f"key_mask {tuple(key_mask.shape)} must be [batch, full sequence] = "
-            f"[{q.shape[0]}, {cp * local}]"
-        )
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    keys = None if key_mask is None else key_mask.bool()
-    ring = _Ring(
-        cp_group, causal, scale, document_ids, dropout_keep, dropout_p, window, softcap, keys
-    )
-    return _RingAttention.apply(q, k, v, ring)
