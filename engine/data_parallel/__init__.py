@@ -14,12 +14,19 @@
 from engine.data_parallel.grad_sync import GradSync
 from engine.data_parallel.grads import DynamicLossScaler, clip_grads_, global_grad_norm
 from engine.data_parallel.interface import DataParallel, PlainOptimizerState
-from engine.data_parallel.strategy import AllReduceDP, Zero1DP, build_data_parallel, checkpoint_view
+from engine.data_parallel.strategy import (
+    AllReduceDP,
+    BucketedSync,
+    Zero1DP,
+    build_data_parallel,
+    checkpoint_view,
+)
 from engine.data_parallel.zero import MASTER_KEY, ZeroOptimizer
 
 __all__ = [
     "MASTER_KEY",
     "AllReduceDP",
+    "BucketedSync",
     "DataParallel",
     "DynamicLossScaler",
     "FullyShardedDP",

@@ -23,6 +23,7 @@ A step::
 from __future__ import annotations
 
 from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +46,18 @@ ExpertGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
 # (fsdp_shard group, fsdp_replicate group): the mesh's hybrid-sharding roles; (None, None)
 # or a replicate group of one rank: plain FSDP over the whole gradient group.
 HybridGroups = tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]
+
+
+@dataclass(frozen=True)
+class BucketedSync:
+    """What the two bucketed strategies (AllReduceDP, Zero1DP) sync gradients over and how:
+    one object, so ``build_data_parallel`` states it once for whichever it builds."""
+
+    dp_group: dist.ProcessGroup | None
+    tp_group: dist.ProcessGroup | None
+    expert_groups: ExpertGroups = (None, None)
+    bucket_size_mb: float = 25.0
+    overlap: bool = True
 
 
 class _DelegatingDP(DataParallel):
@@ -75,24 +88,20 @@ class AllReduceDP(_DelegatingDP):
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        sync: BucketedSync,
         *,
-        dp_group: dist.ProcessGroup | None,
-        tp_group: dist.ProcessGroup | None,
-        expert_groups: ExpertGroups = (None, None),
-        bucket_size_mb: float = 25.0,
-        overlap: bool = True,
         compile_backend: str | None = None,
     ) -> None:
-        self.optimizer, self.tp_group = optimizer, tp_group
-        self.ep_group, expert_grad_group = expert_groups
+        self.optimizer, self.tp_group = optimizer, sync.tp_group
+        self.ep_group, expert_grad_group = sync.expert_groups
         self._state = PlainOptimizerState(optimizer)
         self.grad_sync = GradSync(
             model.parameters(),
-            grad_group=dp_group,
-            tp_group=tp_group,
+            grad_group=sync.dp_group,
+            tp_group=sync.tp_group,
             expert_grad_group=expert_grad_group,
-            bucket_size_mb=bucket_size_mb,
-            overlap=overlap,
+            bucket_size_mb=sync.bucket_size_mb,
+            overlap=sync.overlap,
         )
         self._comm = self.grad_sync
         self.params = self.grad_sync.params
@@ -135,27 +144,23 @@ class Zero1DP(_DelegatingDP):
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        sync: BucketedSync,
         *,
-        dp_group: dist.ProcessGroup | None,
-        tp_group: dist.ProcessGroup | None,
-        expert_groups: ExpertGroups = (None, None),
-        bucket_size_mb: float = 25.0,
-        overlap: bool = True,
         param_dtype: torch.dtype | None = None,
         offload: bool = False,
     ) -> None:
         self.zero = self.optimizer = ZeroOptimizer(
             optimizer,
-            dp_group=dp_group,
-            tp_group=tp_group,
-            expert_grad_group=expert_groups[1],
-            bucket_size_mb=bucket_size_mb,
+            dp_group=sync.dp_group,
+            tp_group=sync.tp_group,
+            expert_grad_group=sync.expert_groups[1],
+            bucket_size_mb=sync.bucket_size_mb,
             param_dtype=param_dtype,
-            overlap=overlap,
+            overlap=sync.overlap,
             registration_order=list(model.parameters()),
             offload=offload,
         )
-        if overlap:
+        if sync.overlap:
             self.zero.overlap_param_gather(model)
         self._state = self._comm = self.zero
         self.params = self.zero.params
@@ -271,18 +276,12 @@ def build_data_parallel(
     if mode not in ("none", "optimizer"):
         raise ValueError(f"dp_shard={mode!r} is not one of none, optimizer, gradients, full")
     optimizer = build_optimizer(model, optim, device, tp_group)
-    common = {
-        "dp_group": dp_group,
-        "tp_group": tp_group,
-        "expert_groups": expert_groups,
-        "bucket_size_mb": bucket_size_mb,
-        "overlap": overlap,
-    }
+    sync = BucketedSync(dp_group, tp_group, expert_groups, bucket_size_mb, overlap)
     if mode == "optimizer":
         return Zero1DP(
-            model, optimizer, param_dtype=low_precision, offload=offload == "optimizer", **common
+            model, optimizer, sync, param_dtype=low_precision, offload=offload == "optimizer"
         )
-    return AllReduceDP(model, optimizer, compile_backend=compile_backend, **common)
+    return AllReduceDP(model, optimizer, sync, compile_backend=compile_backend)
 
 
 def checkpoint_view(optimizer: DataParallel | torch.optim.Optimizer | None):

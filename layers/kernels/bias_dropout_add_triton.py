@@ -14,7 +14,13 @@ import triton
 import triton.language as tl
 
 from layers.kernels import jit_helpers as jh
-from layers.kernels.launch import check_float, checked_rows, partial_sums, tile_grid
+from layers.kernels.launch import (
+    check_float,
+    checked_rows,
+    grad_tiles,
+    tile_output,
+    vector_arg,
+)
 
 
 @triton.jit
@@ -42,13 +48,12 @@ def _bias_dropout_add_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols, col_mask = jh.column_block(N, BLOCK_N)
-    b = jh.optional_vector(Bias, cols, col_mask, tl.zeros((BLOCK_N,), dtype=tl.float32), HAS_BIAS)
+    cols, col_mask, b = jh.bias_columns(Bias, N, BLOCK_N, HAS_BIAS)
     seed = tl.load(Seed)
     row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
         rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
-        v = jh.load_tile(X, rows, stride_x, cols, mask) + b[None, :]
+        v = jh.load_biased_tile(X, rows, stride_x, cols, mask, b)
         if DROPOUT:
             v = tl.where(_kept(seed, rows, N, cols, p), v * scale, 0.0)
         res = jh.load_tile(Residual, rows, N, cols, mask)
@@ -79,10 +84,8 @@ def _bias_dropout_add_bwd_kernel(
         dout = jh.load_tile(DOut, rows, N, cols, mask)
         keep = _kept(seed, rows, N, cols, p) & mask
         dx = tl.where(keep, dout * scale, 0.0)
-        jh.store_tile(DX, rows, N, cols, mask, dx)
-        db += tl.sum(dx, axis=0)
-    if HAS_BIAS:
-        jh.store_partial_sums(DB_partial, N, cols, col_mask, db)
+        db += jh.store_grad_tile(DX, rows, N, cols, mask, dx)
+    jh.store_bias_grad(DB_partial, N, cols, col_mask, db, HAS_BIAS)
 
 
 def _scale(p: float) -> float:
@@ -114,30 +117,28 @@ def bias_dropout_add_forward(
         raise ValueError(f"seed must be a [1] int64 tensor on {x.device}, got {seed!r}")
     x2d = checked_rows(_bias_dropout_add_fwd_kernel, x, bias=bias)
     m, n = x2d.shape
-    res2d = residual.reshape(m, n).contiguous()
     out_dtype = torch.promote_types(x.dtype, residual.dtype)
     if bias is not None:
         out_dtype = torch.promote_types(out_dtype, bias.dtype)
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if out.numel() == 0:
-        return out.view(x.shape)
-    tiles = tile_grid(m, n, x.device)
-    tiles.launch(
-        _bias_dropout_add_fwd_kernel,
-        x2d,
-        x if bias is None else bias,
-        res2d,
-        out,
-        seed,
-        m,
-        n,
-        x2d.stride(0),
-        tiles.rows_per_program,
-        p,
-        _scale(p),
-        HAS_BIAS=bias is not None,
-        DROPOUT=dropout and p > 0.0,
-    )
+    out, tiles = tile_output(x2d, out_dtype)
+    res2d = residual.reshape(m, n).contiguous()
+    if tiles is not None:
+        tiles.launch(
+            _bias_dropout_add_fwd_kernel,
+            x2d,
+            vector_arg(bias, x),
+            res2d,
+            out,
+            seed,
+            m,
+            n,
+            x2d.stride(0),
+            tiles.rows_per_program,
+            p,
+            _scale(p),
+            HAS_BIAS=bias is not None,
+            DROPOUT=dropout and p > 0.0,
+        )
     return out.view(x.shape)
 
 
@@ -149,22 +150,20 @@ def bias_dropout_add_backward(
     dout2d = dout.reshape(-1, n).contiguous()
     m = dout2d.shape[0]
     dx = torch.empty((m, n), dtype=x_dtype, device=dout.device)
-    tiles = tile_grid(m, n, dout.device)
-    db_partial = partial_sums(tiles.row_groups, n, dout.device)
-    if dx.numel() > 0:
-        tiles.launch(
-            _bias_dropout_add_bwd_kernel,
-            dout2d,
-            dx,
-            db_partial,
-            seed,
-            m,
-            n,
-            tiles.rows_per_program,
-            p,
-            _scale(p),
-            HAS_BIAS=has_bias,
-        )
+    tiles, db_partial = grad_tiles(m, n, dout.device)
+    tiles.launch(
+        _bias_dropout_add_bwd_kernel,
+        dout2d,
+        dx,
+        db_partial,
+        seed,
+        m,
+        n,
+        tiles.rows_per_program,
+        p,
+        _scale(p),
+        HAS_BIAS=has_bias,
+    )
     return dx.view(dout.shape), db_partial.sum(dim=0) if has_bias else None
 
 

@@ -19,9 +19,10 @@ from layers.kernels import jit_helpers as jh
 from layers.kernels.launch import (
     checked_rows,
     grad_rows,
-    partial_sums,
+    grad_tiles,
     reduce_partial_sums,
-    tile_grid,
+    tile_output,
+    vector_arg,
 )
 
 APPROXIMATIONS = ("none", "tanh")
@@ -47,12 +48,11 @@ def _bias_gelu_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols, col_mask = jh.column_block(N, BLOCK_N)
-    b = jh.optional_vector(Bias, cols, col_mask, tl.zeros((BLOCK_N,), dtype=tl.float32), HAS_BIAS)
+    cols, col_mask, b = jh.bias_columns(Bias, N, BLOCK_N, HAS_BIAS)
     row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
         rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
-        v = jh.load_tile(X, rows, stride_x, cols, mask) + b[None, :]
+        v = jh.load_biased_tile(X, rows, stride_x, cols, mask, b)
         if TANH:
             y = v * tl.sigmoid(2.0 * _tanh_argument(v))
         else:
@@ -76,13 +76,12 @@ def _bias_gelu_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    cols, col_mask = jh.column_block(N, BLOCK_N)
-    b = jh.optional_vector(Bias, cols, col_mask, tl.zeros((BLOCK_N,), dtype=tl.float32), HAS_BIAS)
+    cols, col_mask, b = jh.bias_columns(Bias, N, BLOCK_N, HAS_BIAS)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_start, row_end = jh.row_span(M, rows_per_program)
     for r in range(row_start, row_end, BLOCK_M):
         rows, mask = jh.row_tile(r, row_end, col_mask, BLOCK_M)
-        v = jh.load_tile(X, rows, stride_x, cols, mask) + b[None, :]
+        v = jh.load_biased_tile(X, rows, stride_x, cols, mask, b)
         dy = jh.load_tile(DY, rows, N, cols, mask)
         if TANH:
             # d/dv [v * s(2u)] = s + 2 v s (1 - s) u',  u' = sqrt(2/pi) (1 + 3 * 0.044715 v^2)
@@ -94,10 +93,8 @@ def _bias_gelu_bwd_kernel(
             cdf = 0.5 * (1.0 + tl.erf(v * 0.7071067811865476))
             grad = cdf + v * 0.3989422804014327 * tl.exp(-0.5 * v * v)
         dx = tl.where(mask, dy * grad, 0.0)
-        jh.store_tile(DX, rows, N, cols, mask, dx)
-        db += tl.sum(dx, axis=0)
-    if HAS_BIAS:
-        jh.store_partial_sums(DB_partial, N, cols, col_mask, db)
+        db += jh.store_grad_tile(DX, rows, N, cols, mask, dx)
+    jh.store_bias_grad(DB_partial, N, cols, col_mask, db, HAS_BIAS)
 
 
 def _check_approximate(approximate: str) -> None:
@@ -111,24 +108,20 @@ def bias_gelu_forward(
     """gelu(x + bias) over the last dim of ``x``, in the promoted dtype of x and bias."""
     _check_approximate(approximate)
     x2d = checked_rows(_bias_gelu_fwd_kernel, x, bias=bias)
-    m, n = x2d.shape
     out_dtype = x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    if y.numel() == 0:
-        return y.view(x.shape)
-    tiles = tile_grid(m, n, x.device)
-    tiles.launch(
-        _bias_gelu_fwd_kernel,
-        x2d,
-        x if bias is None else bias,
-        y,
-        m,
-        n,
-        x2d.stride(0),
-        tiles.rows_per_program,
-        HAS_BIAS=bias is not None,
-        TANH=approximate == "tanh",
-    )
+    y, tiles = tile_output(x2d, out_dtype)
+    if tiles is not None:
+        tiles.launch(
+            _bias_gelu_fwd_kernel,
+            x2d,
+            vector_arg(bias, x),
+            y,
+            *x2d.shape,  # M, N
+            x2d.stride(0),
+            tiles.rows_per_program,
+            HAS_BIAS=bias is not None,
+            TANH=approximate == "tanh",
+        )
     return y.view(x.shape)
 
 
@@ -138,23 +131,21 @@ def bias_gelu_backward(
     """(dx, dbias) of ``bias_gelu_forward``, recomputing x + bias; dbias None without bias."""
     x2d, dy2d, dx = grad_rows(dy, x)
     m, n = x2d.shape
-    tiles = tile_grid(m, n, x.device)
-    db_partial = partial_sums(tiles.row_groups, n, x.device)
-    if dx.numel() > 0:
-        tiles.launch(
-            _bias_gelu_bwd_kernel,
-            dy2d,
-            x2d,
-            x if bias is None else bias,
-            dx,
-            db_partial,
-            m,
-            n,
-            x2d.stride(0),
-            tiles.rows_per_program,
-            HAS_BIAS=bias is not None,
-            TANH=approximate == "tanh",
-        )
+    tiles, db_partial = grad_tiles(m, n, x.device)
+    tiles.launch(
+        _bias_gelu_bwd_kernel,
+        dy2d,
+        x2d,
+        vector_arg(bias, x),
+        dx,
+        db_partial,
+        m,
+        n,
+        x2d.stride(0),
+        tiles.rows_per_program,
+        HAS_BIAS=bias is not None,
+        TANH=approximate == "tanh",
+    )
     return dx.view(x.shape), reduce_partial_sums(db_partial, bias)
 
 

@@ -96,3 +96,33 @@ def load_tile(X, rows, stride, cols, mask):
 def store_tile(Y, rows, N, cols, mask, y):
     """Store the tile ``y`` at ``rows`` × ``cols`` of the contiguous [M, N] Y, in Y's dtype."""
     tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def bias_columns(Bias, N, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(cols, col_mask, b): this program's column block and the [N] Bias at it in fp32,
+    zeros when HAS_BIAS is False, for the kernels that add a bias to every tile row."""
+    cols, col_mask = column_block(N, BLOCK_N)
+    b = optional_vector(Bias, cols, col_mask, tl.zeros((BLOCK_N,), dtype=tl.float32), HAS_BIAS)
+    return cols, col_mask, b
+
+
+@triton.jit
+def load_biased_tile(X, rows, stride, cols, mask, b):
+    """``load_tile`` of X plus the column vector ``b`` (from ``bias_columns``) on every row."""
+    return load_tile(X, rows, stride, cols, mask) + b[None, :]
+
+
+@triton.jit
+def store_grad_tile(DX, rows, N, cols, mask, dx):
+    """Store the gradient tile ``dx`` (0 where masked) and return its fp32 column sums, this
+    tile's share of the bias gradient."""
+    store_tile(DX, rows, N, cols, mask, dx)
+    return tl.sum(dx, axis=0)
+
+
+@triton.jit
+def store_bias_grad(DB_partial, N, cols, col_mask, db, HAS_BIAS: tl.constexpr):
+    """``store_partial_sums`` of the accumulated bias gradient ``db``; nothing without a bias."""
+    if HAS_BIAS:
+        store_partial_sums(DB_partial, N, cols, col_mask, db)

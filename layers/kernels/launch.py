@@ -129,7 +129,10 @@ class TileGrid:
         return self.grid[0]
 
     def launch(self, kernel, *args, **constexprs) -> None:
-        """Run ``kernel`` (a tile kernel taking BLOCK_M and BLOCK_N) on this grid."""
+        """Run ``kernel`` (a tile kernel taking BLOCK_M and BLOCK_N) on this grid; a grid
+        with no programs (an empty [m, n]) launches nothing."""
+        if 0 in self.grid:
+            return
         kernel[self.grid](
             *args,
             BLOCK_M=self.block_m,
@@ -145,6 +148,27 @@ def tile_grid(m: int, n: int, device: torch.device) -> TileGrid:
     col_blocks = triton.cdiv(n, block_n)
     groups, row_tiles = row_groups(triton.cdiv(m, block_m), col_blocks, device, per_sm=4)
     return TileGrid((groups, col_blocks), row_tiles * block_m, block_m, block_n, num_warps)
+
+
+def grad_tiles(m: int, n: int, device: torch.device) -> tuple[TileGrid, torch.Tensor]:
+    """(tiles, db_partial): the grid of a backward tile kernel over [m, n] and its zeroed
+    [row groups, n] fp32 buffer for the bias gradient's partial column sums."""
+    tiles = tile_grid(m, n, device)
+    return tiles, partial_sums(tiles.row_groups, n, device)
+
+
+def tile_output(x2d: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, TileGrid | None]:
+    """(out, tiles): an element-wise kernel's uninitialized [M, N] output over the rows
+    ``x2d`` and the grid that fills it; no grid when it is empty (nothing to launch)."""
+    m, n = x2d.shape
+    out = torch.empty((m, n), dtype=dtype, device=x2d.device)
+    return out, tile_grid(m, n, x2d.device) if out.numel() > 0 else None
+
+
+def vector_arg(t: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """A kernel's weight or bias pointer argument: ``t``, or ``x`` standing in when there is
+    none (the kernel's HAS_* flag is then False, so it never reads it)."""
+    return x if t is None else t
 
 
 def check_launchable(kernel: object, x: torch.Tensor) -> None:
