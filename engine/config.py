@@ -324,17 +324,12 @@ def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
     ring reads the unsplit model's mask at the global positions, ``RingCoreAttention``),
     with ``model.qk_norm`` (q and k reach the ring normalized), and with Gemma's and
     Mistral's ``model.sliding_window``, ``query_pre_attn_scalar`` and
-    ``attn_logit_softcapping`` (the ring windows, scales and caps its blocks' scores). BERT
-    (bidirectional, padded rows) runs on the ring at pp 1: its pipeline stages would have to
-    carry each rank's loss weights (``BertModel.context_shard``) in the schedule's target."""
+    ``attn_logit_softcapping`` (the ring windows, scales and caps its blocks' scores), and
+    with BERT (bidirectional over padded rows; each rank's loss weights travel in the
+    pipeline schedule's target, ``BertModel.stage_inputs``)."""
     if dims.cp == 1:
         return []
     m, problems, at = cfg.model, [], f"cp_size={dims.cp}"
-    if not family(m.arch).causal and dims.pp > 1:
-        problems.append(
-            f"{at} runs model.arch={m.arch} (bidirectional, padded rows) at pp_size=1, not "
-            f"pp_size={dims.pp}: set pp_size=1, or cp_size=1"
-        )
     if m.compile:
         problems.append(f"{at} runs the ring eagerly: set model.compile=false")
     return problems

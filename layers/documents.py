@@ -69,3 +69,12 @@ class PaddingMask:
             return keys
         s = self.keys.shape[1]
         return keys & torch.ones(s, s, dtype=torch.bool, device=keys.device).tril()
+
+
+def padding_mask(attention_mask: torch.Tensor | None, *, ring: bool):
+    """The mask an encoder's layers take for ``attention_mask`` ``[b, s]`` (1 on the real
+    tokens): the dense ``[b, 1, 1, s]`` one, or under context parallelism (``ring``: a cp
+    rank's share, the mask the whole rows') a :class:`PaddingMask`; None for None."""
+    if attention_mask is None:
+        return None
+    return PaddingMask(attention_mask.bool()) if ring else attention_mask[:, None, None, :].bool()

@@ -31,6 +31,7 @@ from torch import nn
 from engine import comm
 from engine.models.base import ParallelModel
 from engine.pipeline.split import V_SCHEDULES, layer_split, stages_of_rank
+from layers.documents import padding_mask
 from layers.moe import moe_losses
 from layers.param_roles import mark_copy
 from layers.router import router_objective
@@ -102,7 +103,7 @@ class StageChunk(nn.Module):
             x = owner.embed(*inputs)
         else:  # a cp rank's share: its tokens at their global positions
             x = owner.embed(*inputs, positions=positions)
-        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        mask = padding_mask(attention_mask, ring=positions is not None)
         rotary = owner.rotary_for(x, positions)
         for layer in self.layers:
             x = layer(x, mask) if rotary is None else layer(x, mask, None, rotary)

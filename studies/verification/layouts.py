@@ -131,10 +131,6 @@ class VerifySpec:
         (model_config or self.model_config()).validate(dims.tp)
         if self.pp_size > 1:
             self._check_pipeline()
-        if self.cp_size > 1 and self.pp_size > 1 and not family(self.model).causal:
-            raise ValueError(
-                f"cp_size={self.cp_size} runs {self.model} at pp_size=1: drop --pp-size"
-            )
 
     def _check_document_mask(self) -> None:
         """Packed documents run on the causal decoders, outside the pipeline (as

@@ -16,7 +16,7 @@ from engine.models.base import (
 )
 from engine.models.config import ModelConfig
 from layers import gather_from_tp, vocab_parallel_cross_entropy
-from layers.documents import PaddingMask
+from layers.documents import padding_mask
 from layers.kernel_set import Kernels
 from layers.ring_attention import cp_positions, shard_for_cp
 from layers.utils import comm_timer_of
@@ -112,7 +112,7 @@ class BertModel(TransformerModel):
             mlm_labels=batch["mlm_labels"],
             sop_labels=batch["sop_label"],
             positions=batch.get("positions"),
-            cp_weights=batch.get("cp_weights"),
+            cp_weights=batch["cp_weights"][0] if "cp_weights" in batch else None,
         )["loss"]
 
     def context_shard(
@@ -122,17 +122,14 @@ class BertModel(TransformerModel):
         MLM labels cut to chunks ``cp_rank`` and ``2·cp_size−1−cp_rank`` of each row
         (``shard_for_cp``), the tokens' global ``positions``, the whole rows'
         ``attention_mask`` (the ring hides the padding keys of every rank), the SOP labels,
-        and ``cp_weights`` (fp64 ``[2]``: cp / the rows' labelled count, and cp on cp rank
-        0 or 0 elsewhere), which make the cp ranks' mean loss the whole rows' loss."""
+        and ``cp_weights`` (:func:`loss_weights`: cp, the whole rows' labelled count, and
+        the SOP loss's weight, cp on cp rank 0 and 0 elsewhere), which make the cp ranks'
+        mean loss the whole rows' loss."""
         b, s = batch["input_ids"].shape
         keys = ("input_ids", "token_type_ids", "mlm_labels")
         shard = {k: shard_for_cp(batch[k], cp_size, cp_rank, dim=1) for k in keys}
         device = batch["input_ids"].device
-        labelled = (batch["mlm_labels"] != -100).sum().clamp(min=1).double()
-        sop = torch.tensor(
-            float(cp_size if cp_rank == 0 else 0), dtype=torch.float64, device=device
-        )
-        weights = torch.stack((cp_size / labelled, sop))
+        weights = loss_weights(batch["mlm_labels"], cp_size, cp_size if cp_rank == 0 else 0)
         positions = cp_positions(s, cp_size, cp_rank, device=device).expand(b, -1)
         whole = {k: batch[k] for k in ("attention_mask", "sop_label")}
         return {**shard, **whole, "positions": positions, "cp_weights": weights}
@@ -154,12 +151,7 @@ class BertModel(TransformerModel):
     ) -> dict[str, torch.Tensor]:
         """``positions`` ``[b, s/cp]``: a cp rank's share (:meth:`context_shard`), whose
         ``attention_mask`` is then the whole rows' and ``cp_weights`` weigh its losses."""
-        if attention_mask is None:
-            mask = None
-        elif positions is None:
-            mask = attention_mask[:, None, None, :].bool()
-        else:  # the whole rows' padding, for the ring
-            mask = PaddingMask(attention_mask.bool())
+        mask = padding_mask(attention_mask, ring=positions is not None)
         hidden = self.embedding(input_ids, token_type_ids, positions=positions)  # [s(/tp), b, h]
         for layer in self.layers:
             hidden = layer(hidden, mask)
@@ -170,9 +162,15 @@ class BertModel(TransformerModel):
     # The pipeline cut's hooks (ParallelModel): a stage runs them on itself. The padding
     # mask is no activation: every stage gets its micro-batch's mask as a keyword input.
 
-    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        """The first stage's hidden ``[s(/tp), b, h]`` of ids and token types ``[b, s]``."""
-        return self.embedding(input_ids, token_type_ids)
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The first stage's hidden ``[s(/tp), b, h]`` of ids and token types ``[b, s]`` (at
+        ``positions``, a cp rank's global ones, else 0 … s−1)."""
+        return self.embedding(input_ids, token_type_ids, positions=positions)
 
     def head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLM logits ``[s, b, V/tp]`` (vocab-sharded) and the sentence-order logits
@@ -181,19 +179,28 @@ class BertModel(TransformerModel):
         return self.lm_head(self.mlm_transform(hidden), word), self.sop_head(self.pooler(hidden))
 
     def stage_inputs(self, micro_batches: list, device: torch.device) -> tuple:
-        """BertDataset's dicts: ids and token types go to the first stage, the padding mask
-        to every stage; the target is the MLM labels with the SOP label as a last column
-        (the schedule splits one target tensor)."""
-        batch = stack_batches([to_device(m, device) for m in micro_batches])
-        target = torch.cat([batch["mlm_labels"], batch["sop_label"][:, None]], dim=1)
-        inputs = (batch["input_ids"], batch["token_type_ids"])
-        return inputs, {"attention_mask": batch["attention_mask"]}, target
+        """BertDataset's dicts (or a cp rank's shares of them, :meth:`context_shard`): ids
+        and token types go to the first stage, the padding mask (and a cp rank's global
+        ``positions``) to every stage; the target is the MLM labels, then the SOP label,
+        then the micro-batch's three :func:`loss_weights` columns (the schedule splits one
+        target tensor, each micro-batch's rows carrying its own weights)."""
+        moved = [to_device(m, device) for m in micro_batches]
+        # Without cp: cp 1, the micro-batch's own count, weight 1 (a cp share has its own).
+        batch = stack_batches(
+            [{"cp_weights": loss_weights(m["mlm_labels"], 1, 1), **m} for m in moved]
+        )
+        labels = (batch["mlm_labels"], batch["sop_label"][:, None], batch["cp_weights"])
+        keywords = {"attention_mask": batch["attention_mask"]}
+        if "positions" in batch:
+            keywords["positions"] = batch["positions"]
+        return (batch["input_ids"], batch["token_type_ids"]), keywords, torch.cat(labels, dim=1)
 
     def stage_loss(self, outputs: tuple, target: torch.Tensor) -> torch.Tensor:
         """MLM + SOP loss of the :meth:`head` outputs against the :meth:`stage_inputs`
-        target (MLM labels ``[b, s]``, SOP label as the last column)."""
+        target (MLM labels ``[b, s]``, the SOP label, the three weight columns)."""
         mlm, sop = outputs
-        return bert_losses(self, mlm, sop, target[:, :-1], target[:, -1])["loss"]
+        labels, weights = target[:, :-4], target[0, -3:]
+        return bert_losses(self, mlm, sop, labels, target[:, -4], weights)["loss"]
 
 
 def bert_losses(
@@ -208,8 +215,9 @@ def bert_losses(
     against ``mlm_labels`` ``[b, s]`` (-100 = not masked), ``sop_loss`` of ``sop_logits``
     ``[b, 2]`` against ``sop_labels`` ``[b]``, and their sum ``loss`` (those given), with
     ``module``'s vocabulary and TP group (the whole BERT, or a pipeline's last stage).
-    ``cp_weights`` (a cp rank's, ``BertModel.context_shard``) replace 1 / the labelled
-    count and the SOP loss's weight 1."""
+    ``cp_weights`` (:func:`loss_weights`: cp, a labelled count, the SOP weight) make the MLM
+    loss the sum × cp / that count and weigh the SOP loss (a cp rank's share, or a pipeline
+    micro-batch's: cp 1, its own count, weight 1, which is the plain mean exactly)."""
     out = {}
     if mlm_labels is not None:
         per_token = vocab_parallel_cross_entropy(
@@ -222,13 +230,22 @@ def bert_losses(
         if cp_weights is None:
             labelled = (mlm_labels != -100).sum().clamp(min=1)
             out["mlm_loss"] = per_token.sum() / labelled
-        else:
-            out["mlm_loss"] = per_token.sum() * cp_weights[0].to(per_token.dtype)
+        else:  # × 1 is exact: at cp 1 this is the mean above, bit for bit
+            out["mlm_loss"] = per_token.sum() * cp_weights[0] / cp_weights[1].clamp(min=1)
     if sop_labels is not None:
         sop = sop_logits.to(torch.promote_types(sop_logits.dtype, torch.float32))
         out["sop_loss"] = F.cross_entropy(sop, sop_labels)
         if cp_weights is not None:
-            out["sop_loss"] = out["sop_loss"] * cp_weights[1].to(sop.dtype)
+            out["sop_loss"] = out["sop_loss"] * cp_weights[2]
     if out:
         out["loss"] = sum(out.values())
     return out
+
+
+def loss_weights(mlm_labels: torch.Tensor, cp_size: int, sop_weight: int) -> torch.Tensor:
+    """``[b, 3]`` int64, each row (cp, the labelled count of all of ``mlm_labels`` ``[b, s]``,
+    the SOP loss's weight): what :func:`bert_losses` weighs a rank's losses by. A row each,
+    so that a pipeline schedule splitting the target by rows hands every micro-batch its own."""
+    labelled = (mlm_labels != -100).sum()
+    row = torch.stack((labelled.new_tensor(cp_size), labelled, labelled.new_tensor(sop_weight)))
+    return row.expand(mlm_labels.shape[0], 3)
