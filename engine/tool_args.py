@@ -33,6 +33,38 @@ def add_batching_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_model_size_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    layers: int,
+    hidden: int,
+    vocab: int,
+    seq: int,
+    heads: int | None = None,
+    batch: int | None = None,
+    notes: dict[str, str] | None = None,
+) -> None:
+    """``--layers --hidden [--heads] --vocab --seq [--batch]``, the sizes of a tool's toy
+    model, each a positive integer with the tool's own default (``heads``/``batch`` None:
+    the tool has no such flag). ``notes`` adds the tool's constraint to a flag's help,
+    e.g. ``{"seq": "divisible by tp-size"}``."""
+    helps = {
+        "layers": "transformer layers",
+        "hidden": "hidden size",
+        "heads": "attention heads",
+        "vocab": "vocabulary size",
+        "seq": "tokens per sequence",
+        "batch": "sequences per step",
+    }
+    values = dict(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq, batch=batch)
+    for name, default in values.items():
+        if default is None:
+            continue
+        note = (notes or {}).get(name)
+        text = f"{helps[name]} ({note})" if note else helps[name]
+        parser.add_argument(f"--{name}", type=positive_int, default=default, help=text)
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     return _int_at_least(text, 1)

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.models import FAMILIES  # noqa: E402
 from engine.pipeline.split import SCHEDULES as PIPELINE_SCHEDULES  # noqa: E402
 from engine.pipeline.split import V_SCHEDULES  # noqa: E402
-from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
+from engine.tool_args import ArgumentParser, add_model_size_flags, positive_int  # noqa: E402
 from layers.router import ROUTERS  # noqa: E402
 from parallel_state.dims import DP_SHARD_MODES  # noqa: E402
 from studies.verification.hf_parity import (  # noqa: E402
@@ -187,12 +187,21 @@ def _expert_args(p: argparse.ArgumentParser) -> None:
 def _model_args(p: argparse.ArgumentParser) -> None:
     """The tiny model's sizes, the steps compared and the seed."""
     p.add_argument("--steps", type=int, default=1, help="optimizer steps whose losses to compare")
-    p.add_argument("--layers", type=int, default=2, help="tiny model: transformer layers")
-    p.add_argument("--hidden", type=int, default=48, help="tiny model: hidden size")
-    p.add_argument("--heads", type=int, default=12, help="attention heads (divisible by tp-size)")
-    p.add_argument("--vocab", type=int, default=1001, help="vocabulary (padded per TP size)")
-    p.add_argument("--seq", type=int, default=12, help="sequence length (divisible by tp-size)")
-    p.add_argument("--batch", type=int, default=4, help="global batch (divisible by dp-size)")
+    add_model_size_flags(
+        p,
+        layers=2,
+        hidden=48,
+        heads=12,
+        vocab=1001,
+        seq=12,
+        batch=4,
+        notes={
+            "heads": "divisible by tp-size",
+            "vocab": "padded per TP size",
+            "seq": "divisible by tp-size",
+            "batch": "global; divisible by dp-size",
+        },
+    )
     p.add_argument("--seed", type=int, default=1234)
 
 

@@ -39,7 +39,7 @@ from engine.config import OptimConfig
 from engine.flops import params_count
 from engine.models import build_model, preset, preset_names
 from engine.optim import build_optimizer
-from engine.tool_args import ArgumentParser, positive_int
+from engine.tool_args import ArgumentParser, add_model_size_flags, positive_int
 
 SIDES = ("sync", "async", "dcp_async")
 
@@ -47,11 +47,7 @@ SIDES = ("sync", "async", "dcp_async")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt_tiny", choices=preset_names())
-    p.add_argument("--hidden", type=positive_int, default=512, help="hidden size")
-    p.add_argument("--layers", type=positive_int, default=8, help="transformer layers")
-    p.add_argument("--vocab", type=positive_int, default=8192, help="vocabulary size")
-    p.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence")
-    p.add_argument("--batch", type=positive_int, default=4, help="sequences per step")
+    add_model_size_flags(p, layers=8, hidden=512, vocab=8192, seq=64, batch=4)
     p.add_argument("--every", type=positive_int, default=8, help="steps between saves")
     p.add_argument("--saves", type=positive_int, default=3, help="saves per side per round")
     p.add_argument("--rounds", type=positive_int, default=2, help="rounds of every side")

@@ -23,24 +23,26 @@ import sys
 
 import torch
 
+from engine.tool_args import ArgumentParser, add_model_size_flags, non_negative_int, positive_int
+
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 VIRTUAL = {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}  # stages per rank; else 1
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench_pipeline.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages = local ranks")
+    p = ArgumentParser(prog="bench_pipeline.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pp", type=positive_int, default=2, help="pipeline stages = local ranks")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
-    p.add_argument("--steps", type=int, default=10, help="timed steps per schedule")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per schedule")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=1024)
-    return p.parse_args(argv)
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per schedule")
+    p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps per schedule")
+    p.add_argument("--microbatches", type=positive_int, default=8)
+    p.add_argument("--micro-batch", type=positive_int, default=4)
+    add_model_size_flags(p, layers=8, hidden=256, heads=8, vocab=1024, seq=128)
+    args = p.parse_args(argv)
+    unknown = [s for s in args.schedules.split(",") if s not in SCHEDULES]
+    if unknown:
+        p.error(f"--schedules {unknown[0]!r} is not one of {', '.join(SCHEDULES)}")
+    return args
 
 
 def _spec(args):
