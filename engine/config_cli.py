@@ -43,18 +43,27 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def schema_keys(schema: type = Config, *, hidden: bool = False) -> dict[str, tuple[str, str]]:
+def schema_keys(
+    schema: type = Config, *, hidden: bool = False, docs: bool = True
+) -> dict[str, tuple[str, str]]:
     """{dotted key: (section, doc)} of every key of ``schema``, in its order; ``hidden``:
-    with the keys users never set (still accepted, only not shown)."""
-    keys = {}
+    with the keys users never set (still accepted, only not shown). ``docs=False`` leaves
+    the docs empty: reading them parses the schema's source, which checking a command
+    line (every rank's start) does not need."""
+
+    def docs_of(cls: type) -> dict[str, str]:
+        return field_docs(cls) if docs else {}
+
+    keys, top = {}, None
     for f in dataclasses.fields(schema):
         if dataclasses.is_dataclass(f.default_factory if callable(f.default_factory) else None):
             cls = f.default_factory
-            docs = field_docs(cls)
+            section = docs_of(cls)
             for sub in dataclasses.fields(cls):
-                keys[f"{f.name}.{sub.name}"] = (f.name, docs.get(sub.name, ""))
+                keys[f"{f.name}.{sub.name}"] = (f.name, section.get(sub.name, ""))
         else:
-            keys[f.name] = ("", field_docs(schema).get(f.name, ""))
+            top = docs_of(schema) if top is None else top
+            keys[f.name] = ("", top.get(f.name, ""))
     return {k: v for k, v in keys.items() if hidden or k not in HIDDEN}
 
 
@@ -74,7 +83,7 @@ def unknown_key(
 
     Group choices (``model=gpt_125m``), Hydra's own keys and flags are left to Hydra.
     """
-    keys = schema_keys(schema, hidden=True)
+    keys = schema_keys(schema, hidden=True, docs=False)
     groups = presets() if schema is Config else {}
     skip_next = False
     for arg in argv:
