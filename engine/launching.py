@@ -46,7 +46,9 @@ def launch_workers(
         max_nodes=num_nodes,
         nproc_per_node=nproc_per_node,
         max_restarts=max_restarts,
-        monitor_interval=0.5,
+        # How often the agent looks at its workers: a finished run returns within this
+        # (0.5 s before, about 0.25 s of every launch spent waiting on average).
+        monitor_interval=0.1,
         start_method="spawn",
         **rdzv,
     )
