@@ -242,7 +242,8 @@ def run_study(cfg: StudyConfig, *, resume: bool, console: Console) -> list[dict[
 
 def measure_links(cfg: StudyConfig, console: Console) -> dict[str, Any]:
     """Gloo all-reduce sweeps: between two emulated nodes (when the study has several) and
-    between two ranks of one node; cached in links.json for ``--resume``."""
+    between two ranks of one node; cached in links.json for ``--resume``. The sweep needs
+    only ``env://``, so its ranks start without torchrun's agents (``direct``)."""
     path = cfg.out / "links.json"
     if path.exists():
         return json.loads(path.read_text())
@@ -259,10 +260,18 @@ def measure_links(cfg: StudyConfig, console: Console) -> dict[str, Any]:
             (cfg.out / f"link_{name}.cluster_tag").write_text(cluster.tag)
             with cluster:
                 rc = run_on_nodes(
-                    argv, nodes=nodes, procs=procs, cluster=cluster, log_path=log, timeout_s=300
+                    argv,
+                    nodes=nodes,
+                    procs=procs,
+                    cluster=cluster,
+                    log_path=log,
+                    timeout_s=300,
+                    direct=True,
                 )
         else:
-            rc = run_on_nodes(argv, nodes=1, procs=2, cluster=None, log_path=log, timeout_s=300)
+            rc = run_on_nodes(
+                argv, nodes=1, procs=2, cluster=None, log_path=log, timeout_s=300, direct=True
+            )
         if rc == 0 and out.exists():
             links[name] = json.loads(out.read_text())["rows"]
         else:
