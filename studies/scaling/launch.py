@@ -1,4 +1,5 @@
-"""Start one point of a study: torchrun per node, on the emulated cluster or on this host."""
+"""Start one point of a study: torchrun per node, on the emulated cluster or on this host;
+or, for the link sweep, its ranks directly with torchrun's rank variables."""
 
 from __future__ import annotations
 
