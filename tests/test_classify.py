@@ -126,6 +126,11 @@ def test_two_ranks_reach_085_on_the_full_data_set(tmp_path):
         "2",
         "--target-accuracy",
         "0.85",
+        # lr 0.05 (default 0.02) reaches 0.85 at epoch 2 rather than 3 (here: 0.8230, 0.8530;
+        # at 0.02: 0.8241, 0.8481, 0.8605): one epoch of 468 steps less per rank. The cap of
+        # 4 epochs still leaves room should another machine's rounding need a third.
+        "--lr",
+        "0.05",
         "--epochs",
         "4",
         "trainer.progress=false",

@@ -145,6 +145,7 @@ def test_three_point_study_reports_consistent_speedup(tmp_path, data, capsys):
 
 
 NO_NETNS = unavailable_reason()
+LINK_MBIT = 400
 
 
 def _cluster_yaml(tmp_path: Path, mbit: int) -> Path:
@@ -156,10 +157,11 @@ def _cluster_yaml(tmp_path: Path, mbit: int) -> Path:
 @pytest.mark.slow
 @pytest.mark.skipif(NO_NETNS is not None, reason=f"network namespaces refused: {NO_NETNS}")
 def test_emulated_two_nodes_train_and_links_hold_the_configured_rate(tmp_path, data, capsys):
-    # 200 Mbit/s: a fiftieth of what loopback carried here (≥ 10 Gbit/s), so the measured
-    # rate is the shaper's, not the CPU's.
+    # 400 Mbit/s: a twenty-fifth of what loopback carried here (≥ 10 Gbit/s), so the
+    # measured rate is the shaper's, not the CPU's; twice 200 Mbit/s's rate halves the
+    # seconds the sweep's 4 and 16 MiB messages wait on the shaper (about 2.5 s).
     out = tmp_path / "study"
-    cluster = _cluster_yaml(tmp_path, 200)
+    cluster = _cluster_yaml(tmp_path, LINK_MBIT)
     code, log, err = _study_here(
         out, data, capsys, "--dp", "4", "--nodes", "2", "--cluster", str(cluster)
     )
@@ -171,8 +173,8 @@ def test_emulated_two_nodes_train_and_links_hold_the_configured_rate(tmp_path, d
     inter = max(links["inter_node"], key=lambda r: r["bytes"])  # 16 MiB: burst negligible
     intra = max(links["intra_node"], key=lambda r: r["bytes"])
     # Within 20 %: tbf holds the rate, headers (~3 %) and gloo's framing take a little.
-    assert inter["busbw_Gbps"] == pytest.approx(0.2, rel=0.2)
-    assert intra["busbw_Gbps"] > 2 * 0.2  # the node-local path is not shaped
+    assert inter["busbw_Gbps"] == pytest.approx(LINK_MBIT / 1000, rel=0.2)
+    assert intra["busbw_Gbps"] > 2 * LINK_MBIT / 1000  # the node-local path is not shaped
     assert _leftover_namespaces(out) == []
 
 

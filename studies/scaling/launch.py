@@ -1,10 +1,12 @@
-"""Start one point of a study: torchrun per node, on the emulated cluster or on this host."""
+"""Start one point of a study: torchrun per node, on the emulated cluster or on this host;
+or, for the link sweep, its ranks directly with torchrun's rank variables."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -65,6 +67,37 @@ def _env(threads_per_rank: int) -> dict[str, str]:
     return env
 
 
+def direct_commands(
+    module_argv: list[str], *, nodes: int, procs: int, node: int, master: tuple[str, int]
+) -> list[tuple[list[str], dict[str, str]]]:
+    """Node ``node``'s ranks started with torchrun's rank variables and no agent: for a
+    module that only joins ``env://`` (the link sweep), this saves an agent process per node
+    and its rendezvous. ``master``: where rank 0 hosts the store (``store_address``)."""
+    ranks = {"WORLD_SIZE": str(nodes * procs), "LOCAL_WORLD_SIZE": str(procs)}
+    ranks |= {"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "GROUP_RANK": str(node)}
+    return [
+        (
+            [sys.executable, *module_argv],
+            ranks | {"RANK": str(node * procs + local), "LOCAL_RANK": str(local)},
+        )
+        for local in range(procs)
+    ]
+
+
+def store_address(cluster: EmulatedCluster | None, nodes: int) -> tuple[str, int]:
+    """Rank 0's store: node 0's address in an emulated cluster (its own namespace, so the
+    fixed port is free), else a free port on this host's loopback."""
+    if cluster is not None:
+        return (cluster.address(0) if nodes > 1 else "127.0.0.1"), RDZV_PORT
+    return "127.0.0.1", _free_port()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_on_nodes(
     module_argv: list[str],
     *,
@@ -75,41 +108,53 @@ def run_on_nodes(
     timeout_s: float,
     threads_per_rank: int = 1,
     self_launching: bool = False,
+    direct: bool = False,
 ) -> int:
     """Run ``python -m ...`` (``module_argv``) on ``nodes`` × ``procs`` ranks; its exit status.
 
     Every node's output goes to ``log_path``. When one node fails or the time runs out, the
     others are stopped; an exception (Ctrl-C) stops them all before it propagates.
+    ``direct``: start the ranks without torchrun (see ``direct_commands``).
     """
     run_id = uuid.uuid4().hex[:8]
+    master = store_address(cluster, nodes) if direct else None
     procs_list: list[subprocess.Popen] = []
     with open(log_path, "ab") as log:
         try:
             for node in range(nodes):
-                argv = torchrun_argv(
-                    module_argv,
-                    nodes=nodes,
-                    procs=procs,
-                    node=node,
-                    cluster=cluster,
-                    run_id=run_id,
-                    self_launching=self_launching,
-                )
-                if cluster is not None:
-                    argv = cluster.command(node, argv)
-                procs_list.append(
-                    subprocess.Popen(
-                        argv,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=_env(threads_per_rank),
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,
+                if master is not None:
+                    commands = direct_commands(
+                        module_argv, nodes=nodes, procs=procs, node=node, master=master
                     )
-                )
+                else:
+                    argv = torchrun_argv(
+                        module_argv,
+                        nodes=nodes,
+                        procs=procs,
+                        node=node,
+                        cluster=cluster,
+                        run_id=run_id,
+                        self_launching=self_launching,
+                    )
+                    commands = [(argv, {})]
+                for argv, ranks in commands:
+                    argv = argv if cluster is None else cluster.command(node, argv)
+                    procs_list.append(_start(argv, log, _env(threads_per_rank) | ranks))
             return _wait_all(procs_list, timeout_s)
         finally:
             _stop(procs_list)
+
+
+def _start(argv: list[str], log, env: dict[str, str]) -> subprocess.Popen:
+    """One node's command (or rank's), in its own session so that it can be stopped whole."""
+    return subprocess.Popen(
+        argv,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> int:

@@ -1,7 +1,8 @@
 """Gloo all-reduce sweep over message sizes: the achieved bandwidth and latency of a link.
 
-Run under torchrun (one rank per node measures the links between nodes):
-``torchrun ... -m studies.scaling.linkbench --out link.json``. For each size the median of
+Run under torchrun, or with its rank variables set (RANK, WORLD_SIZE, MASTER_ADDR, ...: the
+study starts it so, without torchrun's agents); one rank per node measures the links between
+nodes: ``torchrun ... -m studies.scaling.linkbench --out link.json``. For each size the median of
 ``--repeats`` timed all-reduces (after one warm-up) is kept, with
 
 - ``algbw`` = bytes / time, and

@@ -8,6 +8,7 @@ holds one finished point per line (ok or failed, with its error), which is what
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -253,22 +254,25 @@ def measure_links(cfg: StudyConfig, console: Console) -> dict[str, Any]:
         out = cfg.out / f"link_{name}.json"
         argv = ["-m", "studies.scaling.linkbench", "--out", str(out), "--repeats", "5"]
         log = cfg.out / f"link_{name}.log"
-        if multi:
-            link = cfg.link_mbit if nodes > 1 else None
-            cluster = EmulatedCluster(nodes, link)
+        cluster = EmulatedCluster(nodes, cfg.link_mbit if nodes > 1 else None) if multi else None
+        if cluster is not None:
             (cfg.out / f"link_{name}.cluster_tag").write_text(cluster.tag)
-            with cluster:
-                rc = run_on_nodes(
-                    argv, nodes=nodes, procs=procs, cluster=cluster, log_path=log, timeout_s=300
-                )
-        else:
-            rc = run_on_nodes(argv, nodes=1, procs=2, cluster=None, log_path=log, timeout_s=300)
+        rc = _sweep(argv, nodes, procs, cluster, log)
         if rc == 0 and out.exists():
             links[name] = json.loads(out.read_text())["rows"]
         else:
             console.print(f"[yellow]link measurement {name} failed[/yellow] (log: {log})")
     path.write_text(json.dumps(links, indent=1))
     return links
+
+
+def _sweep(argv: list[str], nodes: int, procs: int, net: EmulatedCluster | None, log: Path) -> int:
+    """One link sweep on the emulated cluster ``net`` (or this host); its ranks start without
+    torchrun's agents, as the sweep needs only ``env://``."""
+    with net or contextlib.nullcontext():
+        return run_on_nodes(
+            argv, nodes=nodes, procs=procs, cluster=net, log_path=log, timeout_s=300, direct=True
+        )
 
 
 def _single_node(cfg: StudyConfig) -> StudyConfig:
