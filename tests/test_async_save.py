@@ -4,14 +4,13 @@ the save writes; atomic publish and integrity as the synchronous save's."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import parallel_state
 from engine.checkpoint import CheckpointError, ShardReader, load_checkpoint, save_checkpoint
@@ -28,7 +27,6 @@ from tests.test_checkpoint import (  # noqa: F401 - corpus is a fixture
     corpus,
     run_config,
 )
-from tests.test_engine import ROOT
 
 
 def _tensors(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -103,38 +101,37 @@ def test_a_writer_that_fails_publishes_nothing(tmp_path, point):
     assert all(torch.equal(params[k], good[k]) for k in good)
 
 
-KILLED = """
-import os, sys, torch
-from engine.checkpoint import save_checkpoint
-from engine.checkpoint.background import BackgroundSaver
-from tests.test_async_save import _stage
-from tests.test_checkpoint import _model_and_optimizer, _train_step
-root, point = sys.argv[1], sys.argv[2]
-model, optimizer = _model_and_optimizer()
-_train_step(model, optimizer, 1)
-save_checkpoint(root, 1, model=model, optimizer=optimizer, ps=None, state={})
-_train_step(model, optimizer, 2)
-def fault(at):
-    if at == point:
-        os._exit(9)  # the process dies here, mid-write, as a killed job does
-saver = BackgroundSaver()
-saver.submit(2, _stage(root, 2, model, optimizer, fault=fault))
-for seed in range(3, 100):  # training goes on until the writer kills the process
-    _train_step(model, optimizer, seed)
-saver.wait()
-"""
+def _killed_mid_write(root: str, point: str) -> None:
+    """Save step 1, then step 2 in the background while training goes on; the process
+    dies (exit 9, as a killed job does) when the writer reaches ``point``."""
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer, 1)
+    save_checkpoint(root, 1, model=model, optimizer=optimizer, ps=None, state={})
+    _train_step(model, optimizer, 2)
+
+    def fault(at: str) -> None:
+        if at == point:
+            os._exit(9)  # the process dies here, mid-write
+
+    saver = BackgroundSaver()
+    saver.submit(2, _stage(root, 2, model, optimizer, fault=fault))
+    for seed in range(3, 100):  # training goes on until the writer kills the process
+        _train_step(model, optimizer, seed)
+    saver.wait()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point", POINTS)
 def test_a_process_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, point):
     """The process dies inside the background write (at each point of the commit): what it
-    leaves is never loaded; step 1 is."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-c", KILLED, str(tmp_path), point], env=env, timeout=120, cwd=ROOT
+    leaves is never loaded; step 1 is. The process comes from the forkserver that
+    tests.multiproc preloads with torch (a fresh interpreter paid ~3 s of imports a point)."""
+    process = mp.get_context("forkserver").Process(
+        target=_killed_mid_write, args=(str(tmp_path), point)
     )
-    assert done.returncode == 9
+    process.start()
+    process.join(120)
+    assert process.exitcode == 9, process.exitcode
     model, optimizer = _model_and_optimizer(seed=7)
     loaded = load_checkpoint(tmp_path, model=model, optimizer=optimizer, ps=None, log=print)
     assert loaded.step == 1 and read_latest(tmp_path) == 1

@@ -108,6 +108,17 @@ def tp2(export):
 
 
 @pytest.fixture(scope="module")
+def tp2_int8(export):
+    """``--tp-size 2 --quantize int8``: its own test reads it, then the killed-rank test
+    kills one of its ranks."""
+    server = _TpServer(export[0], "--quantize", "int8")
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="module")
 def tp1(export):
     with _serving(export[0], "--max-running", "4") as (client, _):
         yield client
@@ -212,33 +223,6 @@ def test_tp2_sigterm_drains_and_every_rank_exits_0(tp2, export):
     lines = tp2.stderr().splitlines()
     assert "serve: rank 0 stopped" in lines, lines
     assert any(line.startswith("serve: rank 1 stopped after ") for line in lines), lines
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("which", [min, max], ids=["first", "last"])
-def test_a_killed_rank_stops_every_rank_with_one_line(export, which):
-    """SIGKILL to the rank started first (rank 0, HTTP) or last (rank 1, following)."""
-    server = _TpServer(export[0])
-    try:
-        pid = server.process.pid
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(c) for c in f.read().split()]
-        ranks = []
-        for child in children:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    ranks.append(child)
-        assert len(ranks) == 2, ranks
-        os.kill(which(ranks), signal.SIGKILL)
-        assert server.process.wait(timeout=TIMEOUT) == 1
-        time.sleep(0.2)
-        lines = [ln for ln in server.stderr().splitlines() if not ln.startswith("threads: ")]
-        ours = [ln for ln in lines if ln.startswith("serve: ")]
-        assert len(ours) == 1, server.stderr()
-        assert ours[0].startswith("serve: rank ") and ours[0].endswith("every rank stopped")
-        assert "SIGKILL" in ours[0] or "exit code" in ours[0]
-    finally:
-        server.kill()
 
 
 def test_tp_size_is_checked_in_one_line_before_a_rank_starts(export, capsys, monkeypatch):
@@ -366,7 +350,7 @@ def _per_shard_reference(directory):
 
 
 @pytest.mark.slow
-def test_tp2_int8_server_equals_tp1_int8_and_the_per_shard_reference(export):
+def test_tp2_int8_server_equals_tp1_int8_and_the_per_shard_reference(export, tp2_int8):
     """``--tp-size 2 --quantize int8``. A row-parallel shard takes its per-row scales over
     its own half of the columns (tests/test_quantize.py), so tp 2 int8 is a slightly
     different quantization from tp 1 int8. Its reference is the unsplit float model with
@@ -378,25 +362,51 @@ def test_tp2_int8_server_equals_tp1_int8_and_the_per_shard_reference(export):
     difference is printed, not bounded (a quantization change, not rounding)."""
     directory, tokenizer, _ = export
     reference = _per_shard_reference(directory)
-    server = _TpServer(directory, "--quantize", "int8")
+    server = tp2_int8
     worst = 0.0
+    with _serving(directory, "--max-running", "4", "--quantize", "int8") as (tp1, _):
+        for prompt in PROMPTS[:2]:
+            ids = tokenizer.encode(prompt).ids
+            new = generate_batch(reference, [ids], 12, GREEDY)[0]
+            options = dict(max_tokens=12, temperature=0, logprobs=1)
+            split = _completion(server.client, ids, **options).choices[0]
+            whole = _completion(tp1, ids, **options).choices[0]
+            assert split.text == tokenizer.decode(new) == whole.text
+            got = torch.tensor(split.logprobs.token_logprobs, dtype=torch.float64)
+            with torch.no_grad():  # the reference's log-probabilities of the new tokens
+                logits = reference(torch.tensor([ids + new]))[0, len(ids) - 1 : -1]
+            logits = logits[:, : reference.cfg.vocab_size].double().log_softmax(-1)
+            expected = logits[torch.arange(len(new)), torch.tensor(new)]
+            torch.testing.assert_close(got, expected, **TOL)
+            want = torch.tensor(whole.logprobs.token_logprobs, dtype=torch.float64)
+            worst = max(worst, float((got - want).abs().max()))
+    print(f"largest |tp 2 int8 - tp 1 int8| log-probability: {worst:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [min, max], ids=["first", "last"])
+def test_a_killed_rank_stops_every_rank_with_one_line(export, which, request):
+    """SIGKILL to the rank started first (rank 0, HTTP) or last (rank 1, following). The
+    first is the int8 server, done with its own test (one launch for both: how ranks stop
+    does not depend on how the weights are stored); the last a server of its own."""
+    server = request.getfixturevalue("tp2_int8") if which is min else _TpServer(export[0])
     try:
-        with _serving(directory, "--max-running", "4", "--quantize", "int8") as (tp1, _):
-            for prompt in PROMPTS[:2]:
-                ids = tokenizer.encode(prompt).ids
-                new = generate_batch(reference, [ids], 12, GREEDY)[0]
-                options = dict(max_tokens=12, temperature=0, logprobs=1)
-                split = _completion(server.client, ids, **options).choices[0]
-                whole = _completion(tp1, ids, **options).choices[0]
-                assert split.text == tokenizer.decode(new) == whole.text
-                got = torch.tensor(split.logprobs.token_logprobs, dtype=torch.float64)
-                with torch.no_grad():  # the reference's log-probabilities of the new tokens
-                    logits = reference(torch.tensor([ids + new]))[0, len(ids) - 1 : -1]
-                logits = logits[:, : reference.cfg.vocab_size].double().log_softmax(-1)
-                expected = logits[torch.arange(len(new)), torch.tensor(new)]
-                torch.testing.assert_close(got, expected, **TOL)
-                want = torch.tensor(whole.logprobs.token_logprobs, dtype=torch.float64)
-                worst = max(worst, float((got - want).abs().max()))
+        pid = server.process.pid
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        ranks = []
+        for child in children:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    ranks.append(child)
+        assert len(ranks) == 2, ranks
+        os.kill(which(ranks), signal.SIGKILL)
+        assert server.process.wait(timeout=TIMEOUT) == 1
+        time.sleep(0.2)
+        lines = [ln for ln in server.stderr().splitlines() if not ln.startswith("threads: ")]
+        ours = [ln for ln in lines if ln.startswith("serve: ")]
+        assert len(ours) == 1, server.stderr()
+        assert ours[0].startswith("serve: rank ") and ours[0].endswith("every rank stopped")
+        assert "SIGKILL" in ours[0] or "exit code" in ours[0]
     finally:
         server.kill()
-    print(f"largest |tp 2 int8 - tp 1 int8| log-probability: {worst:.2e}")
