@@ -22,7 +22,16 @@ import pytest
 
 from engine.data import build_default_corpus
 from engine.resilience.preemption import REPEAT_WINDOW_S
-from tests.launch_util import ROOT, env_with_repo, free_port, losses, run, tiny_overrides, wait_for
+from tests.launch_util import (
+    ROOT,
+    call_main,
+    env_with_repo,
+    free_port,
+    losses,
+    run,
+    tiny_overrides,
+    wait_for,
+)
 from tests.multiproc import run_ranks
 
 # Uniform guessing over the 512-token vocabulary costs ln 512 = 6.238 nats.
@@ -231,8 +240,11 @@ def _start(
         *tiny_overrides(corpus, run_dir, max_steps=10_000),
         *extra,
     ]
+    # One intra-op thread: these ops are too small to gain from a second one, which only
+    # spins against the other processes of the suite (signal handling does not depend on it).
+    env = env_with_repo(OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
-        cmd, cwd=run_dir, env=env_with_repo(), stdout=log, stderr=subprocess.STDOUT, **popen
+        cmd, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT, **popen
     )
     return proc, log
 
@@ -242,22 +254,30 @@ def _read(log) -> str:
     return log.read()
 
 
-def _inspect_checkpoints(run_dir) -> subprocess.CompletedProcess:
-    """``tools/checkpoint.py inspect`` over the run's checkpoint root (its last line OK when
-    the checkpoint ``latest`` names verifies)."""
-    tool = str(ROOT / "tools" / "checkpoint.py")
-    return run(["python", tool, "inspect", str(run_dir / "ckpt")], run_dir, 60)
+def _inspect_checkpoints(run_dir, capsys) -> tuple[int, str]:
+    """Exit status and output of ``tools/checkpoint.py inspect`` over the run's checkpoint
+    root (its last line OK when the checkpoint ``latest`` names verifies). Its ``main`` runs
+    in this process: the same verification as the command, without a second interpreter
+    importing torch (the run under test is the process; the inspection is only a reader)."""
+    spec = importlib.util.spec_from_file_location(
+        "checkpoint_tool", ROOT / "tools" / "checkpoint.py"
+    )
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    capsys.readouterr()  # only the tool's own output below
+    code = call_main(tool.main, ["inspect", str(run_dir / "ckpt")])
+    return code, capsys.readouterr().out
 
 
 @pytest.mark.slow
-def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
+def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path, capsys):
     """SIGTERM mid-run: the process saves a checkpoint at the step it stopped after, says
     so, exits 75 (EX_TEMPFAIL) long before max_steps, and that checkpoint verifies."""
     from engine.checkpoint.storage import read_latest
 
     proc, log = _start(corpus, tmp_path, "checkpoint.every=1")
     try:
-        wait_for(lambda: "step     2/" in _read(log), 60, "step 2")
+        wait_for(lambda: "step     2/" in _read(log), 60, "step 2", poll=0.02)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 75, _read(log)[-3000:]
     finally:
@@ -267,12 +287,12 @@ def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path):
     step = int(stop.split("after step ")[1].split("/")[0])
     assert stop.startswith("stopped by SIGTERM") and 2 <= step < 10_000, stop
     assert read_latest(tmp_path / "ckpt") == step
-    inspect = _inspect_checkpoints(tmp_path)
-    assert inspect.returncode == 0 and inspect.stdout.rstrip().endswith("OK"), inspect.stdout
+    code, out = _inspect_checkpoints(tmp_path, capsys)
+    assert code == 0 and out.rstrip().endswith("OK"), out
 
 
 @pytest.mark.slow
-def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_path):
+def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_path, capsys):
     """Two SIGINTs (a double Ctrl-C) while a checkpoint is saved every step: the process
     ends with status 130 before another step boundary, and the newest checkpoint that
     ``latest`` names still verifies (a half-written one is never named).
@@ -297,8 +317,8 @@ def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_p
         proc.kill()
     text = _read(log)
     assert "interrupted by a second Ctrl-C" in text and "stopped by" not in text, text[-2000:]
-    inspect = _inspect_checkpoints(tmp_path)
-    assert inspect.returncode == 0 and inspect.stdout.rstrip().endswith("OK"), inspect.stdout
+    code, out = _inspect_checkpoints(tmp_path, capsys)
+    assert code == 0 and out.rstrip().endswith("OK"), out
 
 
 def test_slurm_jobs_on_one_node_get_different_ports_without_master_port():
@@ -318,12 +338,14 @@ def test_slurm_jobs_on_one_node_get_different_ports_without_master_port():
 )
 def test_hydra_sweep_through_submitit_local_launcher(corpus, tmp_path):
     """python -m engine.pretrain -m hydra/launcher=local tp_size=1,2: submitit runs each
-    point as its own job (process); both train 4 steps into their own checkpoint.dir. The
-    two points see the same data and initial weights, so their step-1 losses agree to
-    1e-3 (TP splits the same sums in another order; fp32 reorderings stay below 1e-5)."""
+    point as its own job (process); both train 2 steps into their own checkpoint.dir (a
+    checkpoint at a step past the first proves the job ran its loop, not one step and a
+    crash). The two points see the same data and initial weights, so their step-1 losses
+    agree to 1e-3 (TP splits the same sums in another order; fp32 reorderings stay below
+    1e-5)."""
     overrides = [
         o
-        for o in tiny_overrides(corpus, tmp_path, max_steps=4)
+        for o in tiny_overrides(corpus, tmp_path, max_steps=2)
         if not o.startswith(("checkpoint.dir=", "hydra.run.dir="))
     ]
     cmd = [
@@ -338,7 +360,8 @@ def test_hydra_sweep_through_submitit_local_launcher(corpus, tmp_path):
         "checkpoint.dir=${hydra:runtime.output_dir}/ckpt",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     ]
-    proc = run(cmd, tmp_path, 300)
+    # One intra-op thread per process: the two points run at once on the suite's cores.
+    proc = run(cmd, tmp_path, 300, OMP_NUM_THREADS="1")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     logs = {}
     for out in (tmp_path / "sweep" / ".submitit").glob("*/*_log.out"):
@@ -350,7 +373,7 @@ def test_hydra_sweep_through_submitit_local_launcher(corpus, tmp_path):
     first = {tp: losses(text)[1] for tp, text in logs.items()}
     assert abs(first[1] - first[2]) < 1e-3, first
     for point in ("0", "1"):
-        assert (tmp_path / "sweep" / point / "ckpt" / "step_00000004").is_dir()
+        assert (tmp_path / "sweep" / point / "ckpt" / "step_00000002").is_dir()
 
 
 @pytest.mark.slow
@@ -361,7 +384,7 @@ def test_ctrl_c_on_self_launched_ranks_saves_and_exits_75(corpus, tmp_path):
     save and the command exits 75 promptly (not after the agent's 30 s kill timeout)."""
     proc, log = _start(corpus, tmp_path, dp_size=2, start_new_session=True)
     try:
-        wait_for(lambda: "step     2/" in _read(log), 120, "step 2")
+        wait_for(lambda: "step     2/" in _read(log), 120, "step 2", poll=0.02)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         # A hang guard only, no timing band (28 s was seen at load 20). Promptness is
         # structural: a relayed press counted twice ends "interrupted" with 130, and a

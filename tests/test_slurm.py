@@ -20,6 +20,7 @@ from tests.slurm_cluster import SlurmCluster, why_not_runnable
 REASON = why_not_runnable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"Slurm cannot run here: {REASON}")
 UNIFORM = math.log(512)  # nats per token of uniform guessing over the 512-token vocabulary
+STEPS = 20  # the sbatch test's trainer.max_steps
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +72,13 @@ def _job_state(slurm: SlurmCluster, job: str) -> str:
 def test_sbatch_template_requeues_after_usr1_and_finishes(slurm, corpus, tmp_path):
     """sbatch of the real template (overriding only its size: 1 node, 2 tasks, no GPUs).
     USR1 after step 2 -> all ranks stop after one agreed step S, save it and exit 75 ->
-    the script requeues -> restart 1 resumes from step S and runs to max_steps=40 -> the
+    the script requeues -> restart 1 resumes from step S and runs to max_steps=20 -> the
     log ends with the template's 'finished training' line."""
     out = tmp_path / "job.out"
-    # Steps take ~0.2 s and starting takes longer than all 40 together: 40 steps leave time
-    # for the signal to land mid-run even when the machine is loaded.
-    args = ["tp_size=2", *tiny_overrides(corpus, tmp_path, max_steps=40)]
+    # Steps take ~0.1-0.2 s; the signal lands within about 2 steps of the test seeing step 2
+    # (seen at a load of 24 on 2 cores, where steps and scancel slow down alike): 20 steps
+    # leave it 18 to land mid-run.
+    args = ["tp_size=2", *tiny_overrides(corpus, tmp_path, max_steps=STEPS)]
     args = [a for a in args if not a.startswith(("checkpoint.dir=", "hydra.run.dir="))]
     submit = slurm.run(
         "sbatch",
@@ -100,19 +102,23 @@ def test_sbatch_template_requeues_after_usr1_and_finishes(slurm, corpus, tmp_pat
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().split(";")[0]
     text = lambda: out.read_text() if out.exists() else ""  # noqa: E731
-    wait_for(lambda: "step     2/40" in text(), 180, "step 2 of the first run", poll=0.05)
+    wait_for(lambda: f"step     2/{STEPS}" in text(), 180, "step 2 of the first run", poll=0.05)
     cancel = slurm.run("scancel", "--signal=USR1", job, timeout=30)
     assert cancel.returncode == 0, cancel.stderr
-    wait_for(lambda: not _job_state(slurm, job), 240, "the requeued job to finish", poll=0.5)
+    # The script's last line says the job ended (watching the log costs no squeue process
+    # per poll); then Slurm must let go of the job too.
+    ended = re.compile(rf"meshtron: job {job} (finished training|failed with status)")
+    wait_for(lambda: ended.search(text()), 240, "the requeued job's last line", poll=0.05)
+    wait_for(lambda: not _job_state(slurm, job), 60, "the requeued job to finish", poll=0.1)
     log = text()
-    stop = re.search(r"stopped by SIGUSR1 after step (\d+)/40", log)
+    stop = re.search(rf"stopped by SIGUSR1 after step (\d+)/{STEPS}", log)
     assert stop, log[-4000:] + slurm.logs()
     step = int(stop.group(1))
     assert f"job {job} saved a checkpoint after a stop signal; requeueing" in log
     assert f"job {job} (restart 1)" in log
     assert f"resuming from step {step} " in log, log[-4000:]
     assert log.rstrip().endswith(f"meshtron: job {job} finished training"), log[-2000:]
-    assert (tmp_path / "ckpt" / "step_00000040").is_dir()
-    # Steps 1..S logged by the first run, S+1..8 by the requeued one: none twice, none lost.
-    assert sorted(losses(log)) == list(range(1, 41))
-    assert len(re.findall(r"^step\s+\d+/40", log, re.M)) == 40
+    assert (tmp_path / "ckpt" / f"step_{STEPS:08d}").is_dir()
+    # Steps 1..S logged by the first run, S+1..STEPS by the requeued one: none twice, none lost.
+    assert sorted(losses(log)) == list(range(1, STEPS + 1))
+    assert len(re.findall(rf"^step\s+\d+/{STEPS}", log, re.M)) == STEPS
