@@ -434,10 +434,13 @@ def _free_port() -> int:
 
 
 # The frozen-peer cases' trainer.collective_timeout_s. A warm step of this tiny model takes
-# a few ms of CPU (under 0.5 s of wall time at load 20 on 2 cores), so 5 s is 10x what a
-# live peer needs; start-up gets STARTUP_FACTOR (5) times that, 25 s, for the model build
-# after the rendezvous (under 1 s of CPU). A frozen peer is found 5 s after it stops.
-_COLLECTIVE_TIMEOUT_S = 5
+# a few ms of CPU (under 0.5 s of wall time at load 20 on 2 cores), so 3 s is 6x what a
+# live peer needs. Start-up (trainer.collective_startup_timeout_s) gets 60 s for the model
+# build after the rendezvous (under 1 s of CPU, plus the optimizer's first import of
+# torch._dynamo, 1.2 s): 5x the old 5 s, 25 s, ran out at load 36. The signal comes after
+# start-up, so this bound costs no time; a frozen peer is found 3 s after it stops.
+_COLLECTIVE_TIMEOUT_S = 3
+_STARTUP_TIMEOUT_S = 60
 
 # One line per surviving rank: the watchdog's (no progress), or a collective's failure
 # (a peer's connection closed), each naming the step, the rank and the group.
@@ -486,6 +489,7 @@ def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, 
         "trainer.max_steps=100000",
         "checkpoint.every=0",
         f"trainer.collective_timeout_s={_COLLECTIVE_TIMEOUT_S}",
+        f"trainer.collective_startup_timeout_s={_STARTUP_TIMEOUT_S}",
     ]
     survivors = range(world - 1)
     procs, outs = [], []
@@ -717,6 +721,11 @@ def test_readme_resume_example_keeps_the_default_schedule():
         (
             "trainer.collective_timeout_s=-1",
             "trainer.collective_timeout_s=-1.0 must be >= 0 and finite (0: off)",
+        ),
+        (
+            "trainer.collective_startup_timeout_s=0",
+            "trainer.collective_startup_timeout_s=0.0 must be > 0 and finite "
+            "(null: 5 x trainer.collective_timeout_s)",
         ),
         (
             "trainer.rendezvous_timeout_s=0",
