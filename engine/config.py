@@ -101,6 +101,7 @@ class TrainerConfig:
     # Failures stop the run with one line and a non-zero exit (issue 10):
     max_bad_steps: int = 10  # bad steps in a row (non-finite, fp16 overflow) that stop the run
     collective_timeout_s: float = 600.0  # no progress this long (a frozen peer) stops; 0: off
+    collective_startup_timeout_s: float | None = None  # limit while ranks start; null: 5x the above
     rendezvous_timeout_s: float = 300.0  # every rank must join the run within this, else stop
     # Scaling studies (issue 12):
     metrics_file: str | None = None  # rank 0 writes every step's time breakdown here as JSON
@@ -468,6 +469,12 @@ def _validate_trainer(cfg: Config, dims: ParallelDims) -> list[str]:
         problems.append(
             f"trainer.collective_timeout_s={t.collective_timeout_s} must be >= 0 and finite "
             "(0: off)"
+        )
+    startup = t.collective_startup_timeout_s
+    if startup is not None and not 0 < startup < math.inf:
+        problems.append(
+            f"trainer.collective_startup_timeout_s={startup} must be > 0 and finite "
+            "(null: 5 x trainer.collective_timeout_s)"
         )
     if not 0 <= t.memory_cap_gib < math.inf:
         problems.append(

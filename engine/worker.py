@@ -45,7 +45,12 @@ def run_worker(cfg: Config) -> dict:
     )
     with mesh as ps:
         cfg.model.compile = resolve_compile(cfg, ps.dims, ps.device.type)  # None: "auto"
-        watchdog = Watchdog(cfg.trainer.collective_timeout_s, rank=ps.rank, run_dir=cfg.run_dir)
+        watchdog = Watchdog(
+            cfg.trainer.collective_timeout_s,
+            startup_timeout_s=cfg.trainer.collective_startup_timeout_s,
+            rank=ps.rank,
+            run_dir=cfg.run_dir,
+        )
         with contextlib.closing(watchdog) as watch, watch.active():
             summary = Trainer(cfg, ps, watch, threads=next(iter(threads), None)).fit()
     if summary.get("stopped_by") and detect_launch().launcher == "torchrun":

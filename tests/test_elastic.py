@@ -12,7 +12,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 
@@ -27,11 +26,6 @@ def corpus(tmp_path_factory) -> tuple[str, str]:
     return build_default_corpus(
         tmp_path_factory.mktemp("corpus"), vocab_size=512, max_bytes=300_000, progress=False
     )
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 class Node:
@@ -70,10 +64,9 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-@pytest.mark.slow
-def test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns(corpus, tmp_path):
-    port = free_port()
-    cmd = [
+def _torchrun(port: int, corpus, run_dir, *, host: bool) -> list[str]:
+    """One node's command line; ``host``: this node's agent serves the rendezvous store."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -87,7 +80,14 @@ def test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns(corpus, tmp_path)
         "--rdzv-id",
         "elastic-test",
         "--rdzv-conf",
-        "last_call_timeout=1,join_timeout=60",
+        # is_host names the store's host (a client waits up to read_timeout, 60 s, for it),
+        # so both nodes start at once instead of one after the other. A killed node leaves
+        # the rendezvous when its heartbeats stop, after keep_alive_interval ×
+        # keep_alive_max_attempt s: 5 × 3 = 15 s by default, which the survivor's restart
+        # waited out; 1 × 3 finds it 12 s sooner (a live agent's heartbeat thread wakes
+        # every second and needs one store write).
+        f"last_call_timeout=1,join_timeout=60,is_host={str(host).lower()},"
+        "keep_alive_interval=1,keep_alive_max_attempt=3",
         "--max-restarts",
         "5",
         "--monitor-interval",
@@ -96,21 +96,26 @@ def test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns(corpus, tmp_path)
         "engine.pretrain",
         "tp_size=1",
         "dp_size=auto",
-        *tiny_overrides(corpus, tmp_path, max_steps=100_000),
+        *tiny_overrides(corpus, run_dir, max_steps=100_000),
         "checkpoint.every=1",
     ]
+
+
+@pytest.mark.slow
+def test_dp_shrinks_when_a_node_dies_and_grows_when_it_returns(corpus, tmp_path):
+    port = free_port()
+    host, client = (_torchrun(port, corpus, tmp_path, host=h) for h in (True, False))
     env = env_with_repo(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     logs = lambda: "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))  # noqa: E731
-    a = Node("a", cmd, tmp_path, env)  # first: it hosts the rendezvous store
+    a = Node("a", host, tmp_path, env)  # it hosts the rendezvous store, so it survives
     nodes = [a]
     try:
-        wait_for(lambda: _port_open(port), 60, "the rendezvous store")
-        b = Node("b", cmd, tmp_path, env)
+        b = Node("b", client, tmp_path, env)
         nodes.append(b)
         wait_for(lambda: re.search(r"dp=2 .*\n(.*\n)*step\s+2/", logs()), 120, "2 steps at dp=2")
         b.kill()
         wait_for(lambda: re.search(r"dp=1 .*\n(.*\n)*step\s+\d+/", logs()), 120, "a step at dp=1")
-        b2 = Node("b2", cmd, tmp_path, env)
+        b2 = Node("b2", client, tmp_path, env)
         nodes.append(b2)
         wait_for(
             lambda: re.search(r"dp=1 (.*\n)+.*dp=2 .*\n(.*\n)*step\s+\d+/", logs()),

@@ -94,16 +94,29 @@ class Watchdog:
     """Ends this process when, inside :meth:`active`, the phase last :meth:`mark`-ed makes
     no progress for ``timeout_s`` seconds (each mark counts as progress).
 
-    Until two steps past the first marked one, the limit is ``STARTUP_FACTOR`` times
-    longer: ranks start (import, build, load a checkpoint) at different speeds, and the
-    first collective waits for the slowest. ``timeout_s <= 0`` starts no thread;
+    Until two steps past the first marked one, the limit is ``startup_timeout_s`` (None:
+    ``STARTUP_FACTOR`` times ``timeout_s``): ranks start (import, build, load a checkpoint)
+    at different speeds, and the first collective waits for the slowest (setting it apart
+    lets a short ``timeout_s`` keep a roomy start-up). ``timeout_s <= 0`` starts no thread;
     :meth:`active` still turns a peer's death into RunStopped naming the marked phase.
     """
 
     STARTUP_FACTOR = 5
 
-    def __init__(self, timeout_s: float, *, rank: int, run_dir: str) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        rank: int,
+        run_dir: str,
+        startup_timeout_s: float | None = None,
+    ) -> None:
         self.timeout_s, self.rank, self.run_dir = timeout_s, rank, run_dir
+        self._startup = (
+            (startup_timeout_s, "trainer.collective_startup_timeout_s")
+            if startup_timeout_s is not None
+            else (timeout_s * self.STARTUP_FACTOR, "trainer.collective_timeout_s")
+        )
         self._phase: tuple[str, int, str, list[int]] | None = None
         self._first_step: int | None = None
         self._warm = False  # past start-up: the plain timeout applies
@@ -149,12 +162,14 @@ class Watchdog:
     def _watch(self) -> None:
         poll = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(poll):
-            limit = self.timeout_s * (1 if self._warm else self.STARTUP_FACTOR)
+            limit, key = (
+                (self.timeout_s, "trainer.collective_timeout_s") if self._warm else self._startup
+            )
             if not self._active or time.monotonic() - self._since < limit:
                 continue
             line = (
                 f"rank {self.rank} stopped: no progress for {limit:g} s in "
-                f"{self.describe()}; a peer is frozen or gone (trainer.collective_timeout_s)"
+                f"{self.describe()}; a peer is frozen or gone ({key})"
             )
             main = sys._current_frames().get(threading.main_thread().ident)
             frames = "".join(traceback.format_stack(main)) if main is not None else ""
