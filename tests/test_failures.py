@@ -456,18 +456,15 @@ _PEER_LINE = re.compile(
     ("sig", "layout", "world"),
     [
         ("SIGSTOP", "tp_size=2 dp_size=2", 4),
-        # A killed peer's sockets close, so its neighbours stop at once: 2 ranks show that.
-        # A stop passed on through a rank that shares no group with the victim is the
-        # SIGSTOP case's (its ranks 1 and 2 exit, closing their sockets as a kill does).
-        ("SIGKILL", "tp_size=1 dp_size=2", 2),
+        ("SIGKILL", "tp_size=2 dp_size=2", 4),
         # 2 stages, 4 micro-batches; dp=1: the survivor waits in the schedule on its pp group
-        # (the dp and world groups' waits are the tp=2 × dp=2 survivors').
+        # (the dp and world groups' waits are the tp cases' survivors').
         ("SIGSTOP", "pp_size=2 tp_size=1 dp_size=1 trainer.micro_batch=1", 2),
     ],
 )
 def test_frozen_or_killed_rank_stops_the_others_with_one_line(corpus, tmp_path, sig, layout, world):
     """Ranks started by environment (as srun or mpirun start them): 4 at tp=2 × dp=2, 2 at
-    dp=2 or pp=2. The last rank is frozen (SIGSTOP) or killed (SIGKILL) mid-run; every other one
+    pp=2. The last rank is frozen (SIGSTOP) or killed (SIGKILL) mid-run; every other one
     must exit non-zero within 60 s (collective_timeout_s plus start-up slack on a loaded
     machine), each with one stderr line naming the step, its rank and the group it
     waited on. Before, they waited forever (SIGSTOP) or printed an 85-line traceback. Under
