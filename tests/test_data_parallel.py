@@ -17,6 +17,7 @@ from engine.formulas import state_bytes_per_param
 from engine.models import build_model
 from tests.bucket_probe import LaunchProbe
 from tests.multiproc import run_ranks
+from tests.rank_cases import case_result, run_cases
 from tests.torch_reference import DP_OPTIM, alone_group, cpu_data_parallel, tiny_gpt, train_unsplit
 
 CFG = tiny_gpt(500)
@@ -25,6 +26,28 @@ CFG = tiny_gpt(500)
 def _batch(step: int) -> torch.Tensor:
     """One global batch of 4 sequences of 17 tokens."""
     return torch.randint(0, 500, (4, 17), generator=torch.Generator().manual_seed(100 + step))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Every 2-rank body of this file in one launch of the ranks (tests/rank_cases.py):
+    both strategies against the reference, ZeRO-1 with and without overlap, and the bf16
+    ZeRO-1 run resumed on the fp32 path. Each test reads its own body's result."""
+    cases = {
+        "strategies": (_strategies_vs_reference, ()),
+        "overlap": (_zero_overlap, (True,)),
+        "no_overlap": (_zero_overlap, (False,)),
+        "bf16_resume": (_bf16_zero_then_plain, (_bf16_configs(tmp_path_factory.mktemp("bf16")),)),
+    }
+    return run_ranks(run_cases, 2, cases, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    """Both 4-rank bodies of this file (bytes per parameter, ZeRO-1 under sequence
+    parallelism) in one launch of the ranks."""
+    cases = {"memory": (_memory, ()), "sequence_parallel": (_sequence_parallel_pair, ())}
+    return run_ranks(run_cases, 4, cases, timeout=300)
 
 
 def _reference(dtype: torch.dtype, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -80,14 +103,19 @@ def _strategies_vs_reference() -> dict:
 
 
 @pytest.mark.slow
-def test_both_strategies_match_the_unsplit_reference():
+def test_both_strategies_match_the_unsplit_reference(two_ranks):
     """fp64, 1e-10: dp=2 × 2 micro-batches (no_sync on the first) against one process on
     the whole batch with torch's own AdamW and clip_grad_norm_. Only the summation order
     differs; Adam's first steps amplify last-bit differences to ~1e-13 of a parameter."""
-    for res in run_ranks(_strategies_vs_reference, 2, timeout=120):
+    for res in case_result(two_ranks, "strategies"):
         for zero, r in res.items():
             assert r["shards"] is zero
             assert r["loss"] <= 1e-10 and r["params"] <= 1e-10, (zero, r)
+
+
+def _copy(value):
+    """A tensor cloned (a snapshot the run's in-place updates cannot reach), else as is."""
+    return value.clone() if torch.is_tensor(value) else value
 
 
 def _compiled_update_run(grads: list[list[torch.Tensor]], lrs: list[float], stop: int) -> dict:
@@ -120,8 +148,9 @@ def _compiled_update_run(grads: list[list[torch.Tensor]], lrs: list[float], stop
             group["lr"] = lr
         opt.step()
 
-    def train(model, steps, states=None):
-        dp = cpu_data_parallel(model, None, None, compile_backend="inductor")
+    def train(model, steps, states=None, dp=None):
+        if dp is None:
+            dp = cpu_data_parallel(model, None, None, compile_backend="inductor")
         if states is not None:
             dp.load_param_states(dict(zip(model.parameters(), states, strict=True)))
         for step in steps:
@@ -133,14 +162,17 @@ def _compiled_update_run(grads: list[list[torch.Tensor]], lrs: list[float], stop
 
     torch._dynamo.reset()
     counters.clear()
+    # The uninterrupted run is also the one the resume starts from: its optimizer state
+    # and parameters are copied after ``stop`` steps, as a checkpoint would hold them, and
+    # it goes on to the last step (one compiled run fewer than a separate first part).
     whole = net()
-    train(whole, range(len(lrs)))
+    dp = train(whole, range(stop))
+    states = [{k: _copy(v) for k, v in dp.param_states()[p].items()} for p in whole.parameters()]
+    saved = {k: v.clone() for k, v in whole.state_dict().items()}
+    train(whole, range(stop, len(lrs)), dp=dp)
     graphs = counters["stats"]["unique_graphs"]
-    first = net()
-    dp = train(first, range(stop))
-    states = [dp.param_states()[p] for p in first.parameters()]
     resumed = net()
-    resumed.load_state_dict(first.state_dict())
+    resumed.load_state_dict(saved)
     train(resumed, range(stop, len(lrs)), states)
 
     def worst(model):
@@ -253,12 +285,12 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-def test_zero1_reduce_scatter_overlaps_backward_and_all_gather_overlaps_forward():
+def test_zero1_reduce_scatter_overlaps_backward_and_all_gather_overlaps_forward(two_ranks):
     """One parameter per bucket: when backward reaches the probe (before fc2 and fc1), the
     head's buckets are already reduce-scattering; after the step no all-gather was waited
     for; when fc1 runs, only fc1's buckets have been waited for (the rest arrive later in
     the forward), and after the forward every one has. Gradients: 1e-12 against serial."""
-    for r in run_ranks(_zero_overlap, 2, timeout=120):
+    for r in case_result(two_ranks, "overlap"):
         assert r["buckets"] == 6 and 1 <= r["launched"] < r["buckets"], r
         assert r["grad_err"] <= 1e-12, r
         assert r["after_step"] == 6 and r["at_fc1"] == 4 and r["after_forward"] == 0, r
@@ -311,7 +343,7 @@ def _memory() -> dict:
 
 
 @pytest.mark.slow
-def test_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
+def test_bytes_per_parameter_match_the_formula_at_dp_1_2_4(four_ranks):
     """ZeRO-1 training in bf16: 2 (bf16 parameters) + 4 (fp32 gradient buffer) + 12/d
     (fp32 master slice, exp_avg, exp_avg_sq) = 6 + 12/d bytes per parameter, counted from
     the storages actually held. Tolerance +0.1 %: each bucket is padded to a multiple of
@@ -327,7 +359,7 @@ def test_bytes_per_parameter_match_the_formula_at_dp_1_2_4():
         "allreduce_fp32": ("torch.float32", lambda d: 16.0, "fp32", "none"),
         "allreduce_bf16": ("torch.float32", lambda d: 16.0, "bf16", "none"),
     }
-    for rank, res in enumerate(run_ranks(_memory, 4, timeout=180)):
+    for rank, res in enumerate(case_result(four_ranks, "memory")):
         print(f"rank {rank}: {res}")
         for (case, d), got in res.items():
             dtype, want, precision, mode = hand[case]
@@ -363,10 +395,9 @@ def _bf16_zero_then_plain(cfgs) -> dict:
     }
 
 
-@pytest.mark.slow
-def test_bf16_zero1_trains_and_its_masters_resume_the_fp32_path(tmp_path):
-    """Exact: bf16 parameters are the all-gathered fp32 masters rounded once; the fp32
-    all-reduce run resumed from that checkpoint starts from the masters themselves."""
+def _bf16_configs(tmp_path) -> tuple:
+    """The bf16 ZeRO-1 run (2 steps, checkpoint at 2) and the fp32 all-reduce run that
+    resumes it (to step 3), on a test corpus under ``tmp_path``."""
     from tests.test_checkpoint import build_test_corpus, run_config
 
     (tmp_path / "corpus").mkdir()
@@ -382,7 +413,14 @@ def test_bf16_zero1_trains_and_its_masters_resume_the_fp32_path(tmp_path):
         "optim.distributed=true",
     )
     plain_cfg = run_config(corpus, ckpt, *common, "trainer.max_steps=3", "trainer.precision=fp32")
-    for r in run_ranks(_bf16_zero_then_plain, 2, (zero_cfg, plain_cfg), timeout=180):
+    return zero_cfg, plain_cfg
+
+
+@pytest.mark.slow
+def test_bf16_zero1_trains_and_its_masters_resume_the_fp32_path(two_ranks):
+    """Exact: bf16 parameters are the all-gathered fp32 masters rounded once; the fp32
+    all-reduce run resumed from that checkpoint starts from the masters themselves."""
+    for r in case_result(two_ranks, "bf16_resume"):
         assert r == {
             "dtypes": {"torch.bfloat16"},
             "master_dtype": "torch.float32",
@@ -394,10 +432,10 @@ def test_bf16_zero1_trains_and_its_masters_resume_the_fp32_path(tmp_path):
 
 
 @pytest.mark.slow
-def test_zero1_without_overlap_communicates_only_between_passes():
+def test_zero1_without_overlap_communicates_only_between_passes(two_ranks):
     """trainer.overlap_grad_reduce=false: no reduce-scatter during backward, and the step
     returns with every all-gather done; the gradients are the same (1e-12)."""
-    for r in run_ranks(_zero_overlap, 2, False, timeout=120):
+    for r in case_result(two_ranks, "no_overlap"):
         assert r["launched"] == 0 and r["grad_err"] <= 1e-12, r
         assert r["after_step"] == 0 and r["at_fc1"] == 0 and r["after_forward"] == 0, r
 
@@ -432,9 +470,9 @@ def _sequence_parallel_pair() -> dict:
 
 
 @pytest.mark.slow
-def test_zero1_sums_sequence_parallel_gradients_over_tp():
+def test_zero1_sums_sequence_parallel_gradients_over_tp(four_ranks):
     """fp64, 1e-10: with sequence parallelism the norm and LayerNorm gradients are partial
     per TP rank; ZeRO-1 sums them over TP after its reduce-scatter, the all-reduce path in
     GradSync (itself tested against the serial model): the same norms and parameters."""
-    for r in run_ranks(_sequence_parallel_pair, 4, timeout=180):
+    for r in case_result(four_ranks, "sequence_parallel"):
         assert r["norm"] <= 1e-10 and r["params"] <= 1e-10, r

@@ -17,6 +17,7 @@ from engine.data_parallel import build_data_parallel
 from engine.data_parallel.interface import PlainOptimizerState
 from engine.models import build_model
 from tests.multiproc import run_ranks
+from tests.rank_cases import case_result, run_cases
 from tests.torch_reference import alone_group, tiny_gpt
 
 CFG = tiny_gpt(500)
@@ -122,13 +123,22 @@ def _initial(cfg) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+# (tp, dp, kv_heads, Muon matrices) of each split run; every one takes 2 ranks.
+SPLITS = {"tp2": (2, 1, None, 8), "dp2": (1, 2, None, 8), "tp2-one-kv-head": (2, 1, 1, 10)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Every 2-rank body of this file in one launch of the ranks (tests/rank_cases.py):
+    the three split runs and the resume. Each test reads its own body's result."""
+    cases = {name: (_split_vs_reference, (tp, dp, kv)) for name, (tp, dp, kv, _) in SPLITS.items()}
+    cases["resume"] = (_resume, (str(tmp_path_factory.mktemp("muon") / "ckpt"),))
+    return run_ranks(run_cases, 2, cases, timeout=300)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "tp,dp,kv_heads,matrices",
-    [(2, 1, None, 8), (1, 2, None, 8), (2, 1, 1, 10)],
-    ids=["tp2", "dp2", "tp2-one-kv-head"],
-)
-def test_split_muon_matches_torch_muon_on_the_unsplit_model(tp, dp, kv_heads, matrices):
+@pytest.mark.parametrize("split", SPLITS)
+def test_split_muon_matches_torch_muon_on_the_unsplit_model(two_ranks, split):
     """fp64, 3 steps, within 1e-10 of torch.optim.Muon + AdamW on one process.
 
     Why 1e-10 and not bitwise: a TP-split matmul (and the DP all-reduce) sums the gradient
@@ -143,7 +153,8 @@ def test_split_muon_matches_torch_muon_on_the_unsplit_model(tp, dp, kv_heads, ma
 
     With one KV head at tp=2 both TP ranks hold the whole key/value projection (GQA's
     replicas): the gather keeps one copy, so it is orthogonalized as the unsplit model's."""
-    for res in run_ranks(_split_vs_reference, tp * dp, tp, dp, kv_heads, timeout=180):
+    matrices = SPLITS[split][3]
+    for res in case_result(two_ranks, split):
         assert res["optimizer"] == "TPMuon" and res["muon_params"] == matrices, res
         assert res["moved"] > 1e-3, res
         worst = max(res["errors"].values())
@@ -197,14 +208,13 @@ def _compare(got: dict, want: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_muon_resumes_bitwise_and_needs_its_momentum(tmp_path):
+def test_muon_resumes_bitwise_and_needs_its_momentum(two_ranks):
     """Saved at step 2 and resumed into a model initialized from another seed, the run
     ends bitwise equal to the uninterrupted one; resumed without the momentum buffers it
     does not (so the test can fail, and the momentum is part of what a resume restores).
     Resumed at tp=1 × dp=2 instead it ends within 1e-12 (another summation order of the
     gradients, as in the split-run test; 5e-15 absolute measured)."""
-    out = run_ranks(_resume, 2, str(tmp_path / "ckpt"), timeout=180)
-    for res in out:
+    for res in case_result(two_ranks, "resume"):
         assert "momentum_buffer" in res["saved_keys"] and "exp_avg" in res["saved_keys"], res
         assert res["kept"]["bitwise"], res
         assert not res["dropped"]["bitwise"] and res["dropped"]["max_diff"] > 1e-4, res

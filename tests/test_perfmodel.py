@@ -117,6 +117,17 @@ def test_layer_activation_table_by_hand():
     assert scores == 10
 
 
+@pytest.fixture(scope="module")
+def measured_layers() -> dict:
+    """Each rank's measured layer bytes of both activation tests below, from one launch of
+    their 2 ranks (tests/rank_cases.py): the GPT rows and the Llama rows."""
+    from tests.multiproc import run_ranks
+    from tests.rank_cases import run_cases
+
+    cases = {"gpt": (_measured_rows, ()), "llama": (_measured_llama_rows, ())}
+    return run_ranks(run_cases, 2, cases)
+
+
 def _measured_rows():
     import parallel_state
     from engine.models import ModelConfig
@@ -135,7 +146,7 @@ def _measured_rows():
 
 
 @pytest.mark.slow
-def test_activation_memory_against_measured_bytes():
+def test_activation_memory_against_measured_bytes(measured_layers):
     """perfmodel's layer bytes vs the bytes autograd really keeps (bf16, t=2, 2 gloo ranks).
 
     Tolerance 0.1·s·b·h: the formula leaves out the fp32 LayerNorm statistics and the
@@ -144,9 +155,9 @@ def test_activation_memory_against_measured_bytes():
     (With attention dropout, SDPA's math fallback keeps ~13.5 bytes per score instead of the
     table's 5, so the unfused rows are not a property of this code to check here.)
     """
-    from tests.multiproc import run_ranks
+    from tests.rank_cases import case_result
 
-    measured = run_ranks(_measured_rows, 2)[0]
+    measured = case_result(measured_layers, "gpt")[0]
     s, b, h, a, t = 128, 2, 256, 8, 2
     opts = {
         "tp": dict(sp=False, recompute="none", fused_attention=True),
@@ -179,15 +190,15 @@ def _measured_llama_rows():
 
 
 @pytest.mark.slow
-def test_llama_activation_memory_against_measured_bytes():
+def test_llama_activation_memory_against_measured_bytes(measured_layers):
     """The Llama layer's bytes (engine.formulas.llama_layer_activation_bytes) vs what autograd
     keeps (bf16, t = 2, 2 gloo ranks, GQA with 2 KV heads, f not 4h). Tolerance 0.2·s·b·h:
     the formula leaves out the RMSNorm's fp32 1/rms per token and the attention's
     log-sum-exp (0.03 + 0.125/t units here)."""
     from engine.formulas import llama_layer_activation_bytes
-    from tests.multiproc import run_ranks
+    from tests.rank_cases import case_result
 
-    measured = run_ranks(_measured_llama_rows, 2)[0]
+    measured = case_result(measured_layers, "llama")[0]
     s, b, h, t = 128, 2, 256, 2
     opts = {
         "tp": (704, dict(sp=False, recompute="none")),
@@ -783,8 +794,11 @@ def test_ci_sized_validation_pipeline_runs_here(tmp_path):
     spec = tmp_path / "here.yaml"
     # 0.2 s rank-speed blocks instead of 2 s: the figure is then a burst reading (see
     # studies/perfmodel/concurrency.py), but nothing here reads its value, only that it is
-    # measured and written; this saves about 10 s of CPU of three processes.
-    quick = ("--quick", "--rank-speed-seconds", "0.2", "--out", str(spec))
+    # measured and written; this saves about 10 s of CPU of three processes. Trainer runs
+    # of 4 steps, not 6: the warm-up window and one measured window of 2 steps each are all
+    # the fits need to be computed (6 steps only added a second measured window).
+    quick = ("--quick", "--rank-speed-seconds", "0.2", "--in-model-steps", "4")
+    quick += ("--out", str(spec))
     cal = subprocess.run(
         [sys.executable, str(ROOT / "tools/calibrate.py"), *quick],
         capture_output=True,
@@ -798,9 +812,10 @@ def test_ci_sized_validation_pipeline_runs_here(tmp_path):
     assert cluster.compute_scale.get(128, 0) > 0  # the probe ran (studies/perfmodel/probes.py)
     labels = ("tiny tp2 dp1 mb4",)  # one point: the loop over points is plain Python
     points = [p for p in MACHINE_POINTS if p.label in labels]
-    # 4 steps, windows of 2: the first window is the warm-up, the second the one measured
-    # window a positive, finite step time needs (6 steps only added a second window).
-    measured = [measure_with_probe(p, steps=4, log_every=2) for p in points]
+    # 2 steps, windows of 1: the first window is the warm-up, the second the one measured
+    # window a positive, finite step time needs (4 and 6 steps only made windows longer
+    # or added a second one).
+    measured = [measure_with_probe(p, steps=2, log_every=1) for p in points]
     rows = compare(measured, cluster)
     assert [row.point.label for row in rows] == list(labels)
     for row in rows:
@@ -1001,3 +1016,15 @@ def test_a_calibrated_thread_efficiency_of_zero_loads():
     raw["device"]["thread_efficiency"] = 1.5
     with pytest.raises(ValueError, match=r"thread_efficiency=1.5 must be a number in \[0, 1\]"):
         cluster_from_dict(raw)
+
+
+def test_calibrate_refuses_too_few_trainer_steps(tmp_path, capsys):
+    """--in-model-steps below two logging windows of 2 steps (warm-up and one measured) is
+    one line, exit 2, before anything is measured or written."""
+    from studies.perfmodel.calibrate import main
+
+    out = tmp_path / "c.yaml"
+    assert main(["--quick", "--in-model-steps", "3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--in-model-steps 3 must be >= 4" in err, err
+    assert not out.exists()

@@ -26,7 +26,6 @@ from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 
 from studies.perfmodel import in_model_runs
@@ -38,7 +37,7 @@ from studies.perfmodel.model import (
     gemm_shapes,
     score_bytes,
 )
-from studies.perfmodel.probes import median_seconds, probe_gflops
+from studies.perfmodel.probes import median_seconds, probe_gflops, worker_context
 
 
 def modelgemm_shapes(w: Workload, tps: list[int], micro_batches: list[int]) -> tuple[set, set]:
@@ -181,7 +180,7 @@ def _comm_worker(rank: int, world: int, store_path: str, sizes: list[int], out, 
 
 def measure_collectives(world: int, sizes: list[int], repeats: int) -> list[tuple]:
     """(bytes, all-reduce s, all-gather s) per size over ``world`` gloo processes."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context("torch.distributed", __name__)
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         args = (world, os.path.join(tmp, "store"), sizes, queue, repeats)
@@ -238,6 +237,14 @@ def build_parser(
         "--no-in-model",
         action="store_true",
         help="skip the trainer runs that price collectives as training sees them",
+    )
+    p.add_argument(
+        "--in-model-steps",
+        type=int,
+        default=None,
+        help=f"steps of each trainer run (default {in_model_runs.STEPS}, "
+        f"{in_model_runs.QUICK_STEPS} with --quick; at least {in_model_runs.MIN_STEPS}: "
+        "two logging windows, the first of which is the warm-up)",
     )
     p.add_argument(
         "--rank-speed-seconds",
@@ -394,11 +401,13 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
         "collective_samples": raw,
     }
     if not args.no_in_model:  # the trainer's own runs, at micro-batches the validation skips
-        found = in_model_runs.measure(w, hiddens, spec, args.quick)
+        steps = args.in_model_steps or (
+            in_model_runs.QUICK_STEPS if args.quick else in_model_runs.STEPS
+        )
+        found = in_model_runs.measure(w, hiddens, spec, args.quick, steps)
         spec["device"]["compute_scale"] = found["compute_scale"]
         spec["in_model"] = {
-            "source": f"engine.pretrain, "
-            f"{in_model_runs.QUICK_STEPS if args.quick else in_model_runs.STEPS} steps per run; {src}",
+            "source": f"engine.pretrain, {steps} steps per run; {src}",
             **found["in_model"],
         }
     return spec
@@ -415,6 +424,14 @@ def main(argv: list[str], description: str | None = None, formatter=None) -> int
         print(
             f"calibrate: --rank-speed-seconds {args.rank_speed_seconds} must be a finite "
             "number > 0",
+            file=sys.stderr,
+        )
+        return 2
+    steps = args.in_model_steps
+    if steps is not None and steps < in_model_runs.MIN_STEPS:
+        print(
+            f"calibrate: --in-model-steps {steps} must be >= {in_model_runs.MIN_STEPS} (two "
+            "logging windows of 2 steps: the first is the warm-up)",
             file=sys.stderr,
         )
         return 2

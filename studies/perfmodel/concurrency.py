@@ -20,9 +20,9 @@ import statistics
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 from studies.perfmodel.model import Layout, Workload, gemm_shapes
+from studies.perfmodel.probes import worker_context
 
 TARGET_S = 2.0  # one timed block alone: 0.3 s blocks read 0.93 at p = 2 where training
 # sustains ~0.5 (a burst allowance of the virtual CPUs); 1.5 s blocks read 0.56
@@ -85,7 +85,7 @@ def measure_rank_speed(
         alone = statistics.median(_timed_blocks(work, calls, repeats))
     finally:
         torch.set_num_threads(before)
-    ctx = mp.get_context("spawn")
+    ctx = worker_context(__name__)
     speeds = {1: 1.0}
     for p in sorted(r for r in ranks if r > 1):
         barrier, out = ctx.Barrier(p), ctx.Queue()

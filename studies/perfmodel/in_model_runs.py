@@ -30,6 +30,9 @@ STEPS = 16
 # once, at the largest shape (so ``fit_tp`` puts all of the cost on the collectives), for
 # QUICK_STEPS steps, the first window of which is the warm-up.
 QUICK_STEPS = 6
+# The fewest steps a run can have (``--in-model-steps``): two logging windows of 2 steps,
+# the warm-up and one measured.
+MIN_STEPS = 4
 
 
 def _run(w: Any, tp: int, dp: int, sp: bool, micro_batch: int, cluster: Any, steps: int):
@@ -58,14 +61,15 @@ def fit_tp(samples: list[tuple[float, float, float]]) -> tuple[float, float]:
     return max(0.0, sum(lost / n for lost, n, _ in samples) / len(samples)), 0.0
 
 
-def measure(w: Any, hiddens: list[int], spec: dict, quick: bool) -> dict:
+def measure(w: Any, hiddens: list[int], spec: dict, quick: bool, steps: int | None = None) -> dict:
     """Run the trainer at the calibration layouts; return ``compute_scale`` and the
     ``in_model`` tables. ``spec`` is the cluster measured so far (its α-β and bandwidths
-    price what the runs are compared with)."""
+    price what the runs are compared with); ``steps`` per run (default STEPS, QUICK_STEPS
+    when ``quick``)."""
     w = replace(w, global_batch=16)
     bare = cluster_from_dict({k: v for k, v in spec.items() if k != "in_model"})
     scale, runs, opt = {}, [], {}
-    steps = QUICK_STEPS if quick else STEPS
+    steps = steps or (QUICK_STEPS if quick else STEPS)
 
     def optimizer(ranks: int, parts: dict, priced: dict) -> None:
         extra = max(0.0, parts["optimizer_s"] - priced["optimizer_s"])

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.multiprocessing as mp
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, min_time: float = 0.02) -> float:
@@ -27,6 +28,19 @@ def median_seconds(fn: Callable[[], object], repeats: int, min_time: float = 0.0
         sync()
         times.append((time.perf_counter() - t0) / max(1, calls))
     return statistics.median(times)
+
+
+def worker_context(*modules: str):
+    """The multiprocessing context of the calibration's worker processes: a forkserver that
+    has imported torch and ``modules`` (the workers' own) once, so each worker starts by a
+    fork instead of paying a fresh ``import torch`` (a CPU second or more each, on the
+    cores the measurement shares); spawn where there is no forkserver. Either way a worker
+    is a process of its own that sets its own threads before it measures anything."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", *modules])
+    return ctx
 
 
 def probe_gflops(seconds: float = 0.5) -> float:
