@@ -49,7 +49,7 @@ def launch_workers(
         # How often the agent looks at its workers: a finished run returns within this
         # (0.5 s before, about 0.25 s of every launch spent waiting on average).
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=_start_method(),
         **rdzv,
     )
     if max_restarts:
@@ -57,7 +57,32 @@ def launch_workers(
         # workers' gloo rendezvous reads the dead workers' stale addresses; a store per
         # attempt (hosted by the new rank 0) starts each attempt clean.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if config.start_method == "forkserver":
+        import multiprocessing
+
+        # torch._dynamo: every rank's first torch.optim step imports it (about 1 s).
+        multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", fn.__module__])
     return elastic_launch(config, fn)(*args)
+
+
+def _start_method() -> str:
+    """How the workers start: ``forkserver`` when this process has not started one yet,
+    else ``spawn``.
+
+    A forkserver imports torch and the worker's module once and forks each rank from
+    that, where spawn imports them again in every rank (seconds of CPU each; a tiny run
+    spends most of its time there). A forkserver keeps the environment it started with,
+    so a second launch from the same process (a Hydra sweep, a test calling ``main``)
+    spawns, and its ranks see the environment as it is now. Where the platform has no
+    forkserver, spawn.
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    running = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", 0)
+    return "forkserver" if running is None else "spawn"
 
 
 def share_cores(ps, *, max_threads: int | None = None) -> str | None:

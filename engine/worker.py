@@ -7,6 +7,7 @@ trainer, observability and the watchdog form no circle.
 from __future__ import annotations
 
 import contextlib
+import time
 
 from engine.bootstrap import bootstrap_rank
 from engine.config import Config, parallel_dims, resolve_compile
@@ -17,6 +18,8 @@ from engine.trainer import Trainer
 from parallel_state.launcher import detect_launch
 
 __all__ = ["run_rank", "run_worker"]
+
+PEER_LOST_LINGER_S = 1.0  # how long a rank that lost a peer waits before it exits
 
 
 def run_rank(cfg: Config) -> dict:
@@ -29,7 +32,13 @@ def run_rank(cfg: Config) -> dict:
     try:
         return run_worker(cfg)
     except Exception as err:  # noqa: BLE001 - reported in one line, traceback in the run log
-        raise SystemExit(report_failure(err, cfg.run_dir, detect_launch().rank)) from None
+        status = report_failure(err, cfg.run_dir, detect_launch().rank)
+        if getattr(err, "peer_lost", False):
+            # The peer that went away is the cause: stay a moment, so a launcher watching
+            # every rank (the elastic agent looks every 0.1 s) sees that one exit first
+            # and names it, not this rank that only lost it.
+            time.sleep(PEER_LOST_LINGER_S)
+        raise SystemExit(status) from None
 
 
 def run_worker(cfg: Config) -> dict:

@@ -32,11 +32,12 @@ class RunStopped(RuntimeError):
     """The run cannot go on; the message is the one line a user sees.
 
     ``agreed``: every rank raised it at the same point, so only rank 0 prints it.
+    ``peer_lost``: a peer went away first; that peer, not this rank, is the cause.
     """
 
-    def __init__(self, message: str, *, agreed: bool = False) -> None:
+    def __init__(self, message: str, *, agreed: bool = False, peer_lost: bool = False) -> None:
         super().__init__(message)
-        self.agreed = agreed
+        self.agreed, self.peer_lost = agreed, peer_lost
 
 
 def run_log_path(run_dir: str) -> str:
@@ -154,7 +155,7 @@ class Watchdog:
             if not _lost_peer(err):
                 raise
             raise RunStopped(
-                f"rank {self.rank} lost a peer in {self.describe()}: {_gist(err)}"
+                f"rank {self.rank} lost a peer in {self.describe()}: {_gist(err)}", peer_lost=True
             ) from err
         finally:
             self._active = False
