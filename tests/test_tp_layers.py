@@ -168,20 +168,13 @@ def _embedding_and_loss_checks(ps, dtype, check):
 
 def _loss_checks(ps, dtype, check, *, compiled: bool) -> None:
     """The vocab-parallel cross-entropy against F.cross_entropy on the gathered, unpadded
-    logits; ``compiled``: its traced form, under torch.compile (aot_eager, one graph).
-
-    Compiled, every case is a loss of its own in one traced function: the cases differ in
-    Python constants (smoothing, vocabulary size), so each would be a graph of its own
-    anyway, and one trace pays Dynamo's fixed cost per compile (most of a graph this
-    small) once instead of six times. Each case still has its own logits and its own
-    traced loss and backward, checked one by one below."""
+    logits; ``compiled``: its traced form, under torch.compile (aot_eager, one graph)."""
     rank, tp, group = ps.tp_rank, ps.tp_size, ps.tp_group
     real_vocab = VOCAB - 5  # the last 5 columns are padding and must get no probability
     logits_full = torch.randn(SEQ, BATCH, VOCAB, dtype=dtype) * 3
     target = torch.randint(0, real_vocab, (SEQ, BATCH))
     target[0, 0] = target[3, 1] = -100
     grad_loss = torch.rand(SEQ, BATCH, dtype=dtype)
-    cases = []  # (tag, smoothing, vocab_size, target, reference loss, reference gradient)
     # VOCAB // tp - 1: at tp > 1 every rank past the first holds padding only.
     for smoothing in (0.0, 0.1):
         for vocab_size in (None, real_vocab, VOCAB // tp - 1):
@@ -196,27 +189,22 @@ def _loss_checks(ps, dtype, check, *, compiled: bool) -> None:
             ).view(SEQ, BATCH)
             ref_loss.backward(grad_loss)
             ref_grad = F.pad(ref_logits.grad, (0, VOCAB - cols))  # padded columns: zero grad
+            local = shard(logits_full, -1, rank, tp).requires_grad_(True)
+
+            def loss_of(x, target=target, smoothing=smoothing, vocab_size=vocab_size):
+                return vocab_parallel_cross_entropy(
+                    x, target, label_smoothing=smoothing, vocab_size=vocab_size, tp_group=group
+                )
+
+            if compiled:
+                torch._dynamo.reset()
+                loss_of = torch.compile(loss_of, backend="aot_eager", fullgraph=True)
+            loss = loss_of(local)
+            loss.backward(grad_loss)
             tag = f"cross_entropy(smoothing={smoothing}, vocab={cols}, compiled={compiled})"
-            cases.append((tag, smoothing, vocab_size, target, ref_loss, ref_grad))
-
-    def losses_of(*local_logits):
-        return [
-            vocab_parallel_cross_entropy(
-                x, labels, label_smoothing=smoothing, vocab_size=vocab_size, tp_group=group
-            )
-            for x, (_, smoothing, vocab_size, labels, _, _) in zip(local_logits, cases, strict=True)
-        ]
-
-    if compiled:
-        torch._dynamo.reset()
-        losses_of = torch.compile(losses_of, backend="aot_eager", fullgraph=True)
-    local = [shard(logits_full, -1, rank, tp).requires_grad_(True) for _ in cases]
-    losses = losses_of(*local)
-    torch.autograd.backward(losses, [grad_loss] * len(losses))  # each reaches its own logits
-    for (tag, _, _, _, ref_loss, ref_grad), loss, x in zip(cases, losses, local, strict=True):
-        check(f"{tag}.loss", loss, ref_loss)
-        check(f"{tag}.grad", x.grad, shard(ref_grad, -1, rank, tp))
-        assert (loss[0, 0] == 0) and (x.grad[0, 0] == 0).all(), "ignore_index leaked"
+            check(f"{tag}.loss", loss, ref_loss)
+            check(f"{tag}.grad", local.grad, shard(ref_grad, -1, rank, tp))
+            assert (loss[0, 0] == 0) and (local.grad[0, 0] == 0).all(), "ignore_index leaked"
 
 
 def _operator_checks(ps, dtype, check):
