@@ -86,10 +86,12 @@ def _compare(backend: str, **overrides) -> tuple[str, float, int, int]:
     return (*_worst_error(reference, compiled), counters["stats"]["unique_graphs"], breaks)
 
 
-def _on_tp(tp_size: int, backend: str, cases: list[dict]):
+def _on_tp(tp_size: int, backend: str, cases: list[dict], *, initialized: bool = False):
     """``_compare`` of each case on a ParallelState of ``tp_size`` (its RNG tracker: the
-    attention's dropout draws from the sharded stream at TP=1 too)."""
-    parallel_state.initialize(tp_size)
+    attention's dropout draws from the sharded stream at TP=1 too); ``initialized``: the
+    caller has made that state."""
+    if not initialized:
+        parallel_state.initialize(tp_size)
     return [_compare(backend, **overrides) for overrides in cases]
 
 
@@ -97,17 +99,21 @@ DROPOUT_TP1_CASES = [{"recompute": mode, **DROPOUT} for mode in ("none", "full",
 
 
 def _tp1_results() -> dict[str, list]:
-    """The TP=1 cases of the tests below, on one rank: the inductor step with dropout, and
-    the aot_eager dropout cases (one process, so Dynamo's one-time start is paid once)."""
-    inductor = _on_tp(1, "inductor", [DROPOUT])
-    parallel_state.destroy()
-    return {"inductor": inductor, "aot_eager": _on_tp(1, "aot_eager", DROPOUT_TP1_CASES)}
+    """The TP=1 cases of the tests below, run by the two ranks of ``tp2_results`` after
+    their TP=2 part (a TP=1 mesh in a world of two: each rank's TP group is itself, so the
+    model is the TP=1 model a world of one builds, and seeds and streams are those of TP
+    rank 0). The ranks share the work, rank 0 the inductor step with dropout and rank 1
+    the aot_eager dropout cases: no third process pays Dynamo's one-time start again."""
+    parallel_state.initialize(1)
+    if torch.distributed.get_rank() == 0:
+        return {"inductor": _on_tp(1, "inductor", [DROPOUT], initialized=True)}
+    return {"aot_eager": _on_tp(1, "aot_eager", DROPOUT_TP1_CASES, initialized=True)}
 
 
 @pytest.fixture(scope="module")
-def tp1_results() -> dict[str, list]:
-    (results,) = run_ranks(_tp1_results, 1)
-    return results
+def tp1_results(tp2_results) -> dict[str, list]:
+    """``_tp1_results`` of both ranks, in one dict."""
+    return {**tp2_results[0]["tp1"], **tp2_results[1]["tp1"]}
 
 
 @pytest.mark.slow
@@ -167,20 +173,23 @@ def _tp2_cases() -> list[tuple[dict, tuple[int, int] | None]]:
 
 
 def _tp2_results() -> dict[str, object]:
-    """Every TP=2 check of this file on one pair of ranks (Dynamo's one-time start, some
-    seconds a rank, is paid once): the compiled step against eager for each of
-    ``_tp2_cases``, the graphs with the step timer attached, and the compiled draws."""
+    """Every multi-rank check of this file on one pair of ranks (Dynamo's one-time start,
+    some seconds a rank, is paid once): the compiled step against eager for each of
+    ``_tp2_cases``, the graphs with the step timer attached, the compiled draws, and then
+    the TP=1 cases (``_tp1_results``)."""
     cases = _on_tp(2, "aot_eager", [c[0] for c in _tp2_cases()])
     parallel_state.destroy()
     timer = _graphs_with_step_timer(2)
     parallel_state.destroy()
-    return {"cases": cases, "step timer": timer, "draws": _compiled_draws()}
+    draws = _compiled_draws()
+    parallel_state.destroy()
+    return {"cases": cases, "step timer": timer, "draws": draws, "tp1": _tp1_results()}
 
 
 @pytest.fixture(scope="module")
 def tp2_results() -> list[dict[str, object]]:
     """``_tp2_results`` of each of the two ranks, in rank order. The ranks report once, at
-    the end of all three parts (about 2 minutes on a loaded 2-core machine): hence the
+    the end of all four parts (about 2 minutes on a loaded 2-core machine): hence the
     longer limit than run_ranks' 180 s without a report."""
     return run_ranks(_tp2_results, 2, env=INTERPRETER, timeout=600.0)
 
@@ -296,15 +305,20 @@ def test_cuda_graphs_mode_compiles_the_step_on_cpu(monkeypatch):
     assert counters["inductor"]["cudagraph_skips"] >= 1
 
 
-@pytest.mark.slow  # 18 s on 2 idle cores: it compiles and counts every graph
+@pytest.mark.slow  # 18 s on 2 idle cores (2 layers): it compiles and counts every graph
 def test_graph_break_tool_counts_what_dynamo_reports(capsys):
     """tools/count_graph_breaks.py: the step is one graph, with dropout and full
     recomputation too; a Triton kernel (run eagerly) breaks it. The optimizer update is
     two graphs, the clipping's and AdamW's, split by the two breaks torch puts around
-    every ``Optimizer.step`` (``torch._dynamo.graph_break()`` in torch/optim)."""
+    every ``Optimizer.step`` (``torch._dynamo.graph_break()`` in torch/optim).
+
+    One layer: Dynamo inlines each layer's code again (compile time grows with the
+    layers), and one layer already holds every construct counted here (the traced
+    checkpoint with its dropout masks, the kernels' breaks, every parameter kind of the
+    update), as the one-layer TP=2 cases above show."""
     from studies.bench.graph_breaks import main
 
-    small = ["--layers", "2", "--hidden", "32", "--heads", "4", "--vocab", "128", "--seq", "8"]
+    small = ["--layers", "1", "--hidden", "32", "--heads", "4", "--vocab", "128", "--seq", "8"]
     assert main([*small, "--json", "--dropout", "0.1", "--recompute", "full"]) == 0
     result = json.loads(capsys.readouterr().out)
     update = result.pop("update")
