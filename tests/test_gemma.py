@@ -27,7 +27,7 @@ from layers.attention import CoreAttention, sliding_window_mask
 from layers.spec import spec_for
 from tests.multiproc import subprocess_env
 from tests.tiny_configs import HF_GQA_UNTIED, hf_tiny
-from tests.verify_util import verify_error
+from tests.verify_util import logit_error, verify_in_one_launch
 
 transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
@@ -264,24 +264,33 @@ def test_config_round_trips_and_import_refuses_what_is_not_built_in_one_line():
             config_from_hf({**base, **change})
 
 
-def _verify(hf_dir: Path, *flags: str) -> float:
-    """``tools/verify_equivalence.py --hf-dir`` run as documented; its last line's error."""
-    return verify_error(hf_dir, *flags, timeout=300)
+@pytest.fixture(scope="module")
+def verified(gemma_dir) -> dict[str, float]:
+    """``tools/verify_equivalence.py --hf-dir`` (its ``main``, as a launcher's ranks run it)
+    at TP 2 in float32, then at its default float64 with sequence parallelism: the max abs
+    logit error of each, both from one start of the two ranks."""
+    hf_dir = str(gemma_dir)
+    runs = {
+        "tp=2 float32": ["--hf-dir", hf_dir, "--tp-size", "2", "--dtype", "float32"],
+        "tp=2 sp float64": ["--hf-dir", hf_dir, "--sequence-parallel"],
+    }
+    reports = verify_in_one_launch(2, *runs.values(), timeout=300)
+    return {run: logit_error(report) for run, report in zip(runs, reports, strict=True)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2])  # tp 1: the in-process parity tests above
-def test_verifier_passes_at_float32_on_tp_1_and_2(gemma_dir, tp):
+def test_verifier_passes_at_float32_on_tp_1_and_2(verified, tp):
     """The verifier's sequence (12 tokens) is longer than the window (5)."""
-    error = _verify(gemma_dir, "--tp-size", str(tp), "--dtype", "float32")
+    error = verified[f"tp={tp} float32"]
     print(f"gemma verify_equivalence tp={tp} float32 max abs logit error {error:.2e}")
     assert error <= 1e-4
 
 
 @pytest.mark.slow
-def test_verifier_passes_at_its_default_float64_with_sequence_parallelism(gemma_dir):
+def test_verifier_passes_at_its_default_float64_with_sequence_parallelism(verified):
     """TP 2, float64, sequence parallel: the reference's (1 + w) norms computed in float64."""
-    error = _verify(gemma_dir, "--sequence-parallel")
+    error = verified["tp=2 sp float64"]
     print(f"gemma verify_equivalence tp=2 sp float64 max abs logit error {error:.2e}")
     assert error <= 1e-8
 
