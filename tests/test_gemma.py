@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,12 +23,11 @@ from engine.hf_interop import export_hf, import_hf, read_hf_dir
 from engine.models import build_model, preset
 from layers.attention import CoreAttention, sliding_window_mask
 from layers.spec import spec_for
-from tests.multiproc import subprocess_env
+from tests.multiproc import run_ranks
 from tests.tiny_configs import HF_GQA_UNTIED, hf_tiny
-from tests.verify_util import verify_error
+from tests.verify_util import logit_error, verify_in_one_launch
 
 transformers = pytest.importorskip("transformers")
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 101
 # A tiny Gemma 2 whose window (5) is shorter than the verifier's sequence (12) and the
 # in-process one (16); caps low enough that they bend the scores and logits.
@@ -264,24 +261,33 @@ def test_config_round_trips_and_import_refuses_what_is_not_built_in_one_line():
             config_from_hf({**base, **change})
 
 
-def _verify(hf_dir: Path, *flags: str) -> float:
-    """``tools/verify_equivalence.py --hf-dir`` run as documented; its last line's error."""
-    return verify_error(hf_dir, *flags, timeout=300)
+@pytest.fixture(scope="module")
+def verified(gemma_dir) -> dict[str, float]:
+    """``tools/verify_equivalence.py --hf-dir`` (its ``main``, as a launcher's ranks run it)
+    at TP 2 in float32, then at its default float64 with sequence parallelism: the max abs
+    logit error of each, both from one start of the two ranks."""
+    hf_dir = str(gemma_dir)
+    runs = {
+        "tp=2 float32": ["--hf-dir", hf_dir, "--tp-size", "2", "--dtype", "float32"],
+        "tp=2 sp float64": ["--hf-dir", hf_dir, "--sequence-parallel"],
+    }
+    reports = verify_in_one_launch(2, *runs.values(), timeout=300)
+    return {run: logit_error(report) for run, report in zip(runs, reports, strict=True)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [2])  # tp 1: the in-process parity tests above
-def test_verifier_passes_at_float32_on_tp_1_and_2(gemma_dir, tp):
+def test_verifier_passes_at_float32_on_tp_1_and_2(verified, tp):
     """The verifier's sequence (12 tokens) is longer than the window (5)."""
-    error = _verify(gemma_dir, "--tp-size", str(tp), "--dtype", "float32")
+    error = verified[f"tp={tp} float32"]
     print(f"gemma verify_equivalence tp={tp} float32 max abs logit error {error:.2e}")
     assert error <= 1e-4
 
 
 @pytest.mark.slow
-def test_verifier_passes_at_its_default_float64_with_sequence_parallelism(gemma_dir):
+def test_verifier_passes_at_its_default_float64_with_sequence_parallelism(verified):
     """TP 2, float64, sequence parallel: the reference's (1 + w) norms computed in float64."""
-    error = _verify(gemma_dir, "--sequence-parallel")
+    error = verified["tp=2 sp float64"]
     print(f"gemma verify_equivalence tp=2 sp float64 max abs logit error {error:.2e}")
     assert error <= 1e-8
 
@@ -316,45 +322,39 @@ def test_a_mistral_window_imports_and_matches_transformers(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_tiny_preset_trains(tmp_path):
-    """``python -m engine.pretrain model=gemma_tiny`` on a slice of the embedded corpus
-    (300 kB, a 512-token vocabulary: the whole corpus's preprocessing would be most of the
-    test's time), 64-token sequences so that the 32-token window cuts: the loss falls."""
+def test_the_tiny_preset_trains(tmp_path, monkeypatch):
+    """``model=gemma_tiny`` composed by Hydra from configs/, checked by ``prepare`` and
+    trained by the worker, as ``python -m engine.pretrain model=gemma_tiny`` does at world
+    1 (on a forkserver rank, without a fresh interpreter's imports: the CLI's own start is
+    tests/test_engine.py's), on a slice of the embedded corpus (300 kB, a 512-token
+    vocabulary: the whole corpus's preprocessing would be most of the test's time),
+    64-token sequences so that the 32-token window cuts: the loss falls."""
     from engine.data import build_default_corpus
+    from engine.pretrain import prepare
+    from tests.test_engine import _train, compose_config
 
     prefix, tokenizer = build_default_corpus(
         tmp_path / "corpus", vocab_size=512, max_bytes=300_000, progress=False
     )
-    env = subprocess_env(REPO)
-    env.pop("RANK", None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "engine.pretrain",
-            "model=gemma_tiny",
-            "model.vocab_size=512",
-            f"data.prefixes=[{prefix}]",
-            f"data.tokenizer={tokenizer}",
-            "data.seq_len=64",
-            "trainer.max_steps=12",
-            "trainer.log_every=2",
-            "trainer.eval_every=0",
-            "trainer.sample_tokens=0",
-            "trainer.global_batch=8",
-            "trainer.micro_batch=4",
-            "checkpoint.every=0",
-            "checkpoint.save_final=false",
-            "tp_size=1",
-            "dp_size=1",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    monkeypatch.chdir(tmp_path)  # the default checkpoint.dir is relative: not in the repo
+    cfg = compose_config(
+        "model=gemma_tiny",
+        "model.vocab_size=512",
+        f"data.prefixes=[{prefix}]",
+        f"data.tokenizer={tokenizer}",
+        "data.seq_len=64",
+        "trainer.max_steps=12",
+        "trainer.log_every=2",
+        "trainer.eval_every=0",
+        "trainer.sample_tokens=0",
+        "trainer.global_batch=8",
+        "trainer.micro_batch=4",
+        "checkpoint.every=0",
+        "checkpoint.save_final=false",
+        "tp_size=1",
+        "dp_size=1",
+        f"run_dir={tmp_path}",
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"step +\d+/\d+ +loss +([0-9.]+)", done.stdout)]
+    summary = run_ranks(_train, 1, prepare(cfg), timeout=600)[0]
+    losses = [loss for _, loss in summary["history"]]
     assert len(losses) >= 2 and losses[-1] < losses[0], losses

@@ -6,6 +6,8 @@ Tiny random models are built with transformers in the test (no hub)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from tests.multiproc import run_ranks
 from tests.test_llama import COMMON
 
 transformers = pytest.importorskip("transformers")
+LLAMA_RMSNORM = transformers.models.llama.modeling_llama.LlamaRMSNorm
 
 LR, STEPS = 3e-3, 50
 
@@ -47,11 +50,41 @@ def reference_step(ref: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch
     opt.zero_grad()
 
 
-def _train_both(hf_dir: str, hf_class: str, tp: int, dp: int) -> list[tuple[float, float]]:
-    """(meshtron loss averaged over DP, transformers loss) per step. Each DP rank trains on
-    its slice of the batch; the reference on the whole batch (equal slices: the mean of the
-    slices' mean losses is the whole batch's mean)."""
-    transformers.models.llama.modeling_llama.LlamaRMSNorm.forward = _fp64_rmsnorm
+def batches(vocab: int) -> list[torch.Tensor]:
+    """The two batches the steps alternate between: memorized, so the loss must fall."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (4, 17), generator=g) for _ in range(2)]
+
+
+def train_reference(
+    ref: torch.nn.Module, loss_fn: Callable, vocab: int, steps: int = STEPS
+) -> list[float]:
+    """The transformers reference's loss per step (``loss_fn(ref, ids)``, then
+    ``reference_step``), in this process on one thread, as a rank computes it (the same
+    sums bit for bit): one run serves every layout a test compares with it, where each rank
+    used to train its own copy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        opt, data, losses = _reference_optimizer(ref), batches(vocab), []
+        for step in range(steps):
+            loss = loss_fn(ref, data[step % 2])
+            reference_step(ref, opt, loss)
+            losses.append(loss.item())
+        return losses
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _next_token_loss(ref: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = ref(input_ids=ids[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _train_ours(hf_dir: str, tp: int, dp: int) -> list[float]:
+    """meshtron's loss averaged over DP per step. Each DP rank trains on its slice of the
+    batch; the reference on the whole batch (equal slices: the mean of the slices' mean
+    losses is the whole batch's mean)."""
     ps = parallel_state.initialize(tp, dp)
     cfg, state, _ = read_hf_dir(hf_dir)
     model = build_model(cfg, ps, dtype=torch.float64)
@@ -60,25 +93,40 @@ def _train_both(hf_dir: str, hf_class: str, tp: int, dp: int) -> list[tuple[floa
     ours = build_data_parallel(
         model, optim, grad_group=ps.group("grad"), tp_group=ps.tp_group, device=ps.device
     )
-    ref = getattr(transformers, hf_class).from_pretrained(hf_dir).double()
-    ref_opt = _reference_optimizer(ref)
-    g, losses = torch.Generator().manual_seed(7), []
-    batches = [torch.randint(0, cfg.vocab_size, (4, 17), generator=g) for _ in range(2)]
+    data, losses = batches(cfg.vocab_size), []
     for step in range(STEPS):
-        ids = batches[step % 2]  # two batches, memorized: the loss must fall
-        loss = model.loss(ids.chunk(dp)[ps.dp_rank])
+        loss = model.loss(data[step % 2].chunk(dp)[ps.dp_rank])
         loss.backward()
         ours.finish_grads()
         ours.step(lr=LR, max_norm=1.0, norm=ours.grad_norm())
         ours.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=ps.dp_group)
-        logits = ref(input_ids=ids[:, :-1]).logits
-        theirs = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        reference_step(ref, ref_opt, theirs)
-        losses.append((mean.item() / dp, theirs.item()))
+        losses.append(mean.item() / dp)
     parallel_state.destroy()
     return losses
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Callable[[str], tuple[str, list[float]]]:
+    """``reference(name)``: the family's tiny transformers directory and its reference
+    losses, built and trained once per module (every layout of a family reads them)."""
+    built: dict[str, tuple[str, list[float]]] = {}
+
+    def get(name: str) -> tuple[str, list[float]]:
+        if name not in built:
+            torch.manual_seed(1)
+            hf_class, config = _HF_MODELS[name]()
+            hf_dir = str(tmp_path_factory.mktemp(name) / name)
+            getattr(transformers, hf_class)(config).save_pretrained(hf_dir)
+            ref = getattr(transformers, hf_class).from_pretrained(hf_dir).double()
+            with pytest.MonkeyPatch.context() as patch:  # undone for the module's later tests
+                patch.setattr(LLAMA_RMSNORM, "forward", _fp64_rmsnorm)
+                losses = train_reference(ref, _next_token_loss, config.vocab_size)
+            built[name] = (hf_dir, losses)
+        return built[name]
+
+    return get
 
 
 def _check(losses: list[tuple[float, float]], label: str, tol: float = 1e-12) -> None:
@@ -90,35 +138,15 @@ def _check(losses: list[tuple[float, float]], label: str, tol: float = 1e-12) ->
     assert losses[-1][1] < losses[0][1] - 0.5, label  # it trained
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("tp", "dp"), [(1, 2), (2, 2)])  # tp 1 and 2 alone: the closing note
-def test_llama_trains_like_transformers(tmp_path, tp, dp):
+def _llama() -> tuple[str, object]:
     """Llama with one KV head (MQA: the head is replicated on both TP ranks past tp 1),
-    untied head, prime vocabulary.
-
-    The error comes from one gradient entry: token 43 occurs twice in the first batch and
-    its two contributions to embedding entry (43, 29), +-2.95e-3, cancel to -3.13e-9, below
-    AdamW's eps (1e-8), where the first update turns that entry's absolute rounding (a few
-    ulp of 2.95e-3, 4.3e-18 at tp 1) into a 5e-13 weight difference (gain ~lr / eps). Giving
-    transformers meshtron's tp-1 value of that one entry alone reproduces the whole error
-    (9.2e-13). So its size follows the CPU's kernels, not the layout: on an AVX-512 CPU
-    9.1e-13 at tp 1 and 3.7e-13 at tp 2, under ATen's AVX2 kernels 5.5e-13 and 1.9e-13; an
-    earlier run on another machine gave 8.3e-13 and 1.6e-12, hence 2e-12 at tp 2. The
-    replicated KV head's summation order is not it: after step 1 its weights differ from
-    transformers' by 2e-16, the embedding by 2e-13."""
-    torch.manual_seed(1)
+    untied head, prime vocabulary."""
     config = transformers.LlamaConfig(**COMMON, num_key_value_heads=1, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    hf_dir = str(tmp_path / "llama")
-    losses = run_ranks(_train_both, tp * dp, hf_dir, "LlamaForCausalLM", tp, dp, timeout=600)
-    _check(losses[0], f"llama tp={tp} dp={dp}", tol=1e-12 if tp == 1 else 2e-12)
+    return "LlamaForCausalLM", config
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("tp", "dp"), [(1, 1), (2, 2)])  # tp 2 alone and dp 2 alone: the note
-def test_gpt2_trains_like_transformers(tmp_path, tp, dp):
+def _gpt2() -> tuple[str, object]:
     """GPT-2 with tied embeddings and biases, dropout off (the two draw different masks)."""
-    torch.manual_seed(1)
     config = transformers.GPT2Config(
         vocab_size=101,
         n_embd=64,
@@ -131,7 +159,37 @@ def test_gpt2_trains_like_transformers(tmp_path, tp, dp):
         bos_token_id=0,
         eos_token_id=0,
     )
-    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
-    hf_dir = str(tmp_path / "gpt2")
-    losses = run_ranks(_train_both, tp * dp, hf_dir, "GPT2LMHeadModel", tp, dp, timeout=600)
-    _check(losses[0], f"gpt2 tp={tp} dp={dp}")
+    return "GPT2LMHeadModel", config
+
+
+_HF_MODELS = {"llama": _llama, "gpt2": _gpt2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "dp"), [(1, 2), (2, 2)])  # tp 1 and 2 alone: the closing note
+def test_llama_trains_like_transformers(reference, tp, dp):
+    """Llama (``_llama``) at tp × dp against the one transformers run.
+
+    The error comes from one gradient entry: token 43 occurs twice in the first batch and
+    its two contributions to embedding entry (43, 29), +-2.95e-3, cancel to -3.13e-9, below
+    AdamW's eps (1e-8), where the first update turns that entry's absolute rounding (a few
+    ulp of 2.95e-3, 4.3e-18 at tp 1) into a 5e-13 weight difference (gain ~lr / eps). Giving
+    transformers meshtron's tp-1 value of that one entry alone reproduces the whole error
+    (9.2e-13). So its size follows the CPU's kernels, not the layout: on an AVX-512 CPU
+    9.1e-13 at tp 1 and 3.7e-13 at tp 2, under ATen's AVX2 kernels 5.5e-13 and 1.9e-13; an
+    earlier run on another machine gave 8.3e-13 and 1.6e-12, hence 2e-12 at tp 2. The
+    replicated KV head's summation order is not it: after step 1 its weights differ from
+    transformers' by 2e-16, the embedding by 2e-13."""
+    hf_dir, theirs = reference("llama")
+    ours = run_ranks(_train_ours, tp * dp, hf_dir, tp, dp, timeout=600)[0]
+    tol = 1e-12 if tp == 1 else 2e-12
+    _check(list(zip(ours, theirs, strict=True)), f"llama tp={tp} dp={dp}", tol=tol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "dp"), [(1, 1), (2, 2)])  # tp 2 alone and dp 2 alone: the note
+def test_gpt2_trains_like_transformers(reference, tp, dp):
+    """GPT-2 (``_gpt2``) at tp × dp against the one transformers run."""
+    hf_dir, theirs = reference("gpt2")
+    ours = run_ranks(_train_ours, tp * dp, hf_dir, tp, dp, timeout=600)[0]
+    _check(list(zip(ours, theirs, strict=True)), f"gpt2 tp={tp} dp={dp}")

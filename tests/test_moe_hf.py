@@ -31,7 +31,7 @@ from layers.moe import moe_losses
 from layers.router import pooled_load_balancing_loss
 from studies.verification.hf_parity import _keep_norms_in_float64
 from tests.tiny_configs import HF_GQA_UNTIED, hf_tiny
-from tests.verify_util import verify_error
+from tests.verify_util import logit_error, verify_in_one_launch
 
 transformers = pytest.importorskip("transformers")
 
@@ -254,8 +254,10 @@ def test_moe_tiny_trains_and_exports_as_mixtral(tmp_path):
 
 @pytest.mark.slow
 def test_verifier_compares_an_moe_directory_in_fp64(hf_models):
-    # tools/verify_equivalence.py --hf-dir at tp 1 (one process), its default float64:
-    # transformers' experts as its per-expert loop (its grouped_mm takes no float64).
+    # tools/verify_equivalence.py --hf-dir at tp 1 (its main on one rank, as a launcher
+    # runs it), its default float64: transformers' experts as its per-expert loop (its
+    # grouped_mm takes no float64).
     hf_dir, _ = hf_models["mixtral"]
-    error = verify_error(hf_dir, "--tp-size", "1", timeout=120)
+    (report,) = verify_in_one_launch(1, ["--hf-dir", hf_dir, "--tp-size", "1"], timeout=120)
+    error = logit_error(report)
     assert error <= 1e-10, error

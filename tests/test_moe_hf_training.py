@@ -14,9 +14,9 @@ two sides differ by summation order alone. Tiny random model built here (no hub)
 from __future__ import annotations
 
 import contextlib
-import sys
 import types
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -35,15 +35,14 @@ from layers.router import TopKRouter, router_objective
 from parallel_state.dims import ParallelDims
 from studies.verification.hf_parity import check_hf_layout
 from studies.verification.layouts import VerifySpec
-from tests.launch_util import run
 from tests.multiproc import run_ranks
-from tests.test_hf_training import _fp64_rmsnorm, _reference_optimizer, reference_step
+from tests.test_hf_training import _fp64_rmsnorm, batches, train_reference
 from tests.test_moe_hf import COMMON, EAGER, _router_at_input_precision
+from tests.verify_util import logit_error, verify_in_one_launch
 
 transformers = pytest.importorskip("transformers")
 mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
 
-REPO = Path(__file__).resolve().parents[1]
 LR, STEPS, COEF = 3e-3, 50, 0.02
 
 
@@ -56,10 +55,11 @@ def _fp64_balancing_loss(gate_logits, num_experts, top_k=2, attention_mask=None)
     return num_experts * (chosen.mean(0) * probs.mean(0)).sum()
 
 
-def _reference(hf_dir: str) -> torch.nn.Module:
-    """transformers' Mixtral in fp64 with fp64 norms, routers and load-balancing loss."""
-    mixtral.MixtralRMSNorm.forward = _fp64_rmsnorm  # this rank's process only
-    mixtral.load_balancing_loss_func = _fp64_balancing_loss
+def _reference(hf_dir: str, patch: pytest.MonkeyPatch) -> torch.nn.Module:
+    """transformers' Mixtral in fp64 with fp64 norms, routers and load-balancing loss (the
+    module-wide ones through ``patch``, undone after the test)."""
+    patch.setattr(mixtral.MixtralRMSNorm, "forward", _fp64_rmsnorm)
+    patch.setattr(mixtral, "load_balancing_loss_func", _fp64_balancing_loss)
     ref = transformers.MixtralForCausalLM.from_pretrained(hf_dir, **EAGER).double()
     for layer in ref.model.layers:
         gate = layer.mlp.gate
@@ -67,19 +67,23 @@ def _reference(hf_dir: str) -> torch.nn.Module:
     return ref
 
 
-def _reference_loss(ref: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """transformers' training loss of ``ids``: cross-entropy + coef · aux_loss."""
-    out = ref(input_ids=ids[:, :-1], output_router_logits=True)
-    ce = F.cross_entropy(out.logits.flatten(0, 1), ids[:, 1:].flatten())
-    return ce + ref.router_aux_loss_coef * out.aux_loss
+def _reference_loss(ref: torch.nn.Module, ids: torch.Tensor, ep: int) -> torch.Tensor:
+    """transformers' training loss of ``ids`` as DDP over ``ep`` ranks sees it: each slice
+    a micro-batch (cross-entropy + coef · aux_loss), the slices' losses averaged."""
+    total = 0
+    for half in ids.chunk(ep):
+        out = ref(input_ids=half[:, :-1], output_router_logits=True)
+        ce = F.cross_entropy(out.logits.flatten(0, 1), half[:, 1:].flatten())
+        total = total + (ce + ref.router_aux_loss_coef * out.aux_loss) / ep
+    return total
 
 
-def _train_both(hf_dir: str, ep: int) -> list[tuple[float, float]]:
-    """(meshtron's objective averaged over DP, transformers') per step, world = dp = ep.
+def _train_ours(hf_dir: str, ep: int) -> list[float]:
+    """meshtron's objective averaged over DP per step, world = dp = ep.
 
     Each DP rank trains on its half of the batch through ``LocalRunner`` (routing its own
-    tokens; the pooled loss covers them). The reference runs each half as a micro-batch and
-    averages the two losses and gradients, as DDP would."""
+    tokens; the pooled loss covers them). The reference (``_reference_loss``) runs each
+    half as a micro-batch and averages the two losses and gradients, as DDP would."""
     ps = parallel_state.initialize(ParallelDims(tp=1, dp=ep, ep=ep))
     cfg, state, _ = read_hf_dir(hf_dir)
     assert cfg.moe_aux_loss_pooling == "model" and cfg.moe_aux_loss_coeff == COEF
@@ -93,21 +97,15 @@ def _train_both(hf_dir: str, ep: int) -> list[tuple[float, float]]:
     runner = LocalRunner(model, ps, contextlib.nullcontext)
     losses = []  # the fp64 model loss the runner backpropagates (it reports fp32)
     model.loss = lambda batch, loss=model.loss: losses.append(loss(batch)) or losses[-1]
-    ref = _reference(hf_dir)
-    ref_opt = _reference_optimizer(ref)
-    g, out = torch.Generator().manual_seed(7), []
-    batches = [torch.randint(0, cfg.vocab_size, (4, 17), generator=g) for _ in range(2)]
+    data, out = batches(cfg.vocab_size), []
     for step in range(STEPS):
-        ids = batches[step % 2]  # two batches, memorized: the loss must fall
-        runner.forward_backward([ids.chunk(ep)[ps.dp_rank]], ours)
+        runner.forward_backward([data[step % 2].chunk(ep)[ps.dp_rank]], ours)
         ours.finish_grads()
         ours.step(lr=LR, max_norm=1.0, norm=ours.grad_norm())
         ours.zero_grad()
         mine = losses[-1].detach() + router_objective(moe_losses(model), "model").detach()
         dist.all_reduce(mine, group=ps.dp_group)
-        theirs = sum(_reference_loss(ref, half) / ep for half in ids.chunk(ep))
-        reference_step(ref, ref_opt, theirs)
-        out.append((mine.item() / ep, theirs.item()))
+        out.append(mine.item() / ep)
     parallel_state.destroy()
     return out
 
@@ -126,8 +124,12 @@ def _mixtral_dir(root: Path) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [1, 2])
-def test_mixtral_trains_like_transformers_with_its_aux_loss(tmp_path, ep):
-    losses = run_ranks(_train_both, ep, _mixtral_dir(tmp_path), ep, timeout=600)[0]
+def test_mixtral_trains_like_transformers_with_its_aux_loss(tmp_path, monkeypatch, ep):
+    hf_dir = _mixtral_dir(tmp_path)
+    ours = run_ranks(_train_ours, ep, hf_dir, ep, timeout=600)[0]
+    ref = _reference(hf_dir, monkeypatch)
+    theirs = train_reference(ref, partial(_reference_loss, ep=ep), ref.config.vocab_size, STEPS)
+    losses = list(zip(ours, theirs, strict=True))
     errors = [abs(a - b) for a, b in losses]
     print(f"mixtral ep={ep}: loss {losses[0][1]:.4f} -> {losses[-1][1]:.4f}, max {max(errors):.1e}")
     # fp64 on both sides, routers and aux loss included: only summation order differs
@@ -183,16 +185,12 @@ def test_router_objective_pools_as_transformers_or_sums_layers(tmp_path):
 def test_verifier_compares_a_mixtral_directory_at_ep_2(tmp_path):
     # tools/verify_equivalence.py --hf-dir at dp 2 × ep 2 (2 ranks, each with 2 of the 4
     # experts, routing its own half of the batch) against transformers' logits, fp32.
-    hf_dir = _mixtral_dir(tmp_path)
     layout = ["--tp-size", "1", "--dp-size", "2", "--ep-size", "2", "--dtype", "float32"]
-    tool = [sys.executable, str(REPO / "tools/verify_equivalence.py"), "--hf-dir", hf_dir]
-    done = run([*tool, *layout], tmp_path, 300, unset=("RANK",))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "experts: 2 of 4 per MoE layer on each rank (ep=2)" in done.stdout, done.stdout
-    last = done.stdout.strip().splitlines()[-1]
+    (report,) = verify_in_one_launch(2, ["--hf-dir", _mixtral_dir(tmp_path), *layout], timeout=300)
+    assert "experts: 2 of 4 per MoE layer on each rank (ep=2)" in report, report
     # fp32 routing on both sides, so only summation order differs: ~1e-7 per op on logits
     # of O(1), 1e-4 as test_moe_hf.py's fp32 bar; a wrong expert slice moves them by O(0.1).
-    assert float(last.removeprefix("max abs logit error: ")) <= 1e-4, last
+    assert logit_error(report) <= 1e-4, report
 
 
 def test_verifier_refuses_ep_for_a_dense_directory(tmp_path):
