@@ -140,12 +140,14 @@ def launched(corpus, tmp_path_factory) -> dict:
     (the ranks start, join gloo and import the engine and torch's optimizer machinery once
     per world size rather than once per fixture or test): at world 4 the resume cases of
     that size, then the layout, Llama and pipeline reshards; at world 2 the resume cases of
-    that size, then the killed-worker test's uninterrupted reference. Each body builds and
-    tears down its own mesh (run_worker and the Trainers here), and the resume cases run
-    first, as they did in launches of their own.
+    that size, then the killed-worker test's uninterrupted reference and the interrupted
+    saves of test_interrupted_save_is_never_loaded. Each body builds and tears down its
+    own mesh (run_worker and the Trainers here), and the resume cases run first, as they
+    did in launches of their own.
 
     {"resume": {case: (its folder, the three histories)}, "reshard": {round trip: (its
-    folder, rank 0's result)}, "killed_reference": the reference's checkpoint folder}."""
+    folder, rank 0's result)}, "killed_reference": the reference's checkpoint folder,
+    "interrupted": rank 0's result of _interrupted_saves}."""
     resume, by_world = {}, {4: [], 2: []}
     for case, layout in RESUME_CASES.items():
         root = tmp_path_factory.mktemp(case)
@@ -157,6 +159,7 @@ def launched(corpus, tmp_path_factory) -> dict:
         by_world[whole.tp_size * whole.dp_size].append(case)
     roots = {name: tmp_path_factory.mktemp(name) for name in ("layouts", "llama", "pp")}
     reference = tmp_path_factory.mktemp("killed_reference") / "reference"
+    interrupted = tmp_path_factory.mktemp("interrupted") / "ckpt"
     converted = str(roots["layouts"] / "converted")  # _layouts_cfgs resumes from there
     extra = {
         4: [
@@ -164,7 +167,10 @@ def launched(corpus, tmp_path_factory) -> dict:
             (_reshard_llama, (_llama_cfgs(corpus, roots["llama"]), str(roots["llama"] / "b"))),
             (_reshard_pp, (_pp_cfgs(corpus, roots["pp"]),)),
         ],
-        2: [(_run_all, ([run_config(corpus, reference, *KILLED_RUN)],))],
+        2: [
+            (_run_all, ([run_config(corpus, reference, *KILLED_RUN)],)),
+            (_interrupted_saves, (str(interrupted),)),
+        ],
     }
     out = {"resume": {}, "killed_reference": reference}
     for world, cases in by_world.items():
@@ -176,6 +182,8 @@ def launched(corpus, tmp_path_factory) -> dict:
             out["resume"][case] = (resume[case][0], histories[3 * i : 3 * i + 3])
         if world == 4:
             out["reshard"] = {name: (roots[name], r) for name, r in zip(roots, more, strict=True)}
+        else:
+            out["interrupted"] = more[1]
     return out
 
 
@@ -522,11 +530,11 @@ def _interrupted_saves(root: str) -> dict:
 
 
 @pytest.mark.slow
-def test_interrupted_save_is_never_loaded(tmp_path):
+def test_interrupted_save_is_never_loaded(launched):
     """A save that dies between shards, before the index, before the rename or before
     ``latest`` moves leaves the previous checkpoint the one that loads; the next good save
-    clears the debris."""
-    out = run_ranks(_interrupted_saves, 2, str(tmp_path / "ckpt"), timeout=180)[0]
+    clears the debris. (Run on the world-2 ranks of fixture ``launched``.)"""
+    out = launched["interrupted"]
     for point in POINTS:
         r = out[point]
         assert "SimulatedCrash" in r["error"] and point in r["error"], r
