@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from engine.data.fsutil import MISSING, file_problem
 from engine.data.weights import normalized, split_fractions
@@ -210,14 +211,23 @@ class Config:
 
 
 def register_configs() -> None:
-    """Register the schemas in Hydra's ConfigStore (idempotent)."""
+    """Register the schemas in Hydra's ConfigStore (idempotent: a schema already stored
+    from the same class is left as it is, since building its node again is most of the
+    cost of a second registration, as when ``engine.pretrain`` runs again in a process)."""
     cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    cs.store(group="model", name="schema", node=ModelConfig)
-    cs.store(group="data", name="schema", node=DataConfig)
-    cs.store(group="optim", name="schema", node=OptimConfig)
-    cs.store(group="trainer", name="schema", node=TrainerConfig)
-    cs.store(group="parallel", name="schema", node=ParallelConfig)
+    schemas = {
+        (None, "config_schema"): Config,
+        ("model", "schema"): ModelConfig,
+        ("data", "schema"): DataConfig,
+        ("optim", "schema"): OptimConfig,
+        ("trainer", "schema"): TrainerConfig,
+        ("parallel", "schema"): ParallelConfig,
+    }
+    for (group, name), schema in schemas.items():
+        folder = cs.repo.get(group, {}) if group else cs.repo
+        stored = folder.get(f"{name}.yaml")
+        if stored is None or OmegaConf.get_type(stored.node) is not schema:
+            cs.store(group=group, name=name, node=schema)
 
 
 def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:

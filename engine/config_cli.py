@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import inspect
 import os
 import re
@@ -32,6 +33,14 @@ _BARE_FIELD = re.compile(r"^\s+(\w+)\s*:[^#=]+=[^#]+$")  # documented by the com
 def field_docs(cls: type) -> dict[str, str]:
     """{field: its one-line doc}, the comment after each field of the dataclass ``cls``,
     or the comment lines just above a field that has none after it."""
+    return dict(_source_docs(cls))
+
+
+@functools.cache
+def _source_docs(cls: type) -> tuple[tuple[str, str], ...]:
+    """field_docs' pairs, read from the source once per class and process: every command
+    line is checked against every key's doc, and inspect.getsource scans the module's
+    whole source again on each call."""
     docs, above = {}, []
     for line in inspect.getsource(cls).splitlines():
         match = _FIELD_DOC.match(line)
@@ -40,7 +49,7 @@ def field_docs(cls: type) -> dict[str, str]:
         elif above and (bare := _BARE_FIELD.match(line)):
             docs[bare.group(1)] = " ".join(above)
         above = above + [line.strip()[1:].strip()] if line.strip().startswith("#") else []
-    return docs
+    return tuple(docs.items())
 
 
 def schema_keys(

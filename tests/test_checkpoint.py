@@ -130,28 +130,68 @@ RESUME_CASES = {
 }
 
 
+# The killed-worker test's layout and length, shared by its run and its reference.
+KILLED_RUN = ("tp_size=1", "dp_size=2", "trainer.max_steps=4", "checkpoint.every=2")
+
+
 @pytest.fixture(scope="module")
-def resume_runs(corpus, tmp_path_factory) -> dict[str, tuple[Path, list]]:
-    """Each case of RESUME_CASES run whole (4 steps), stopped after 2 and run again to 4:
-    {case: (its folder, the three histories)}. The cases of one world size share a launch
-    (run_worker sets up and tears down each run's mesh), so the ranks start and import the
-    engine once per world size rather than once per case."""
-    runs, by_world = {}, {}
+def launched(corpus, tmp_path_factory) -> dict:
+    """Every multi-rank body of this module's round trips, from one launch per world size
+    (the ranks start, join gloo and import the engine and torch's optimizer machinery once
+    per world size rather than once per fixture or test): at world 4 the resume cases of
+    that size, then the layout, Llama and pipeline reshards; at world 2 the resume cases of
+    that size, then the killed-worker test's uninterrupted reference and the interrupted
+    saves of test_interrupted_save_is_never_loaded. Each body builds and tears down its
+    own mesh (run_worker and the Trainers here), and the resume cases run first, as they
+    did in launches of their own.
+
+    {"resume": {case: (its folder, the three histories)}, "reshard": {round trip: (its
+    folder, rank 0's result)}, "killed_reference": the reference's checkpoint folder,
+    "interrupted": rank 0's result of _interrupted_saves}."""
+    resume, by_world = {}, {4: [], 2: []}
     for case, layout in RESUME_CASES.items():
         root = tmp_path_factory.mktemp(case)
         overrides = (*layout, "checkpoint.every=2")
         whole = run_config(corpus, root / "whole", "trainer.max_steps=4", *overrides)
         first = run_config(corpus, root / "split", "trainer.max_steps=2", *overrides)
         again = dataclasses.replace(first, trainer=whole.trainer)  # the same command, longer
-        runs[case] = (root, [whole, first, again])
-        by_world.setdefault(whole.tp_size * whole.dp_size, []).append(case)
-    out = {}
+        resume[case] = (root, [whole, first, again])
+        by_world[whole.tp_size * whole.dp_size].append(case)
+    roots = {name: tmp_path_factory.mktemp(name) for name in ("layouts", "llama", "pp")}
+    reference = tmp_path_factory.mktemp("killed_reference") / "reference"
+    interrupted = tmp_path_factory.mktemp("interrupted") / "ckpt"
+    converted = str(roots["layouts"] / "converted")  # _layouts_cfgs resumes from there
+    extra = {
+        4: [
+            (_reshard, (_layouts_cfgs(corpus, roots["layouts"]), converted)),
+            (_reshard_llama, (_llama_cfgs(corpus, roots["llama"]), str(roots["llama"] / "b"))),
+            (_reshard_pp, (_pp_cfgs(corpus, roots["pp"]),)),
+        ],
+        2: [
+            (_run_all, ([run_config(corpus, reference, *KILLED_RUN)],)),
+            (_interrupted_saves, (str(interrupted),)),
+        ],
+    }
+    out = {"resume": {}, "killed_reference": reference}
     for world, cases in by_world.items():
-        cfgs = [cfg for case in cases for cfg in runs[case][1]]
-        histories = run_ranks(_run_all, world, cfgs, timeout=600)[0]
+        cfgs = [cfg for case in cases for cfg in resume[case][1]]
+        calls = [(_run_all, (cfgs,)), *extra[world]]
+        # The timeouts of the launches this one replaces, summed.
+        histories, *more = run_ranks(in_turn, world, calls, timeout=1500)[0]
         for i, case in enumerate(cases):
-            out[case] = (runs[case][0], histories[3 * i : 3 * i + 3])
+            out["resume"][case] = (resume[case][0], histories[3 * i : 3 * i + 3])
+        if world == 4:
+            out["reshard"] = {name: (roots[name], r) for name, r in zip(roots, more, strict=True)}
+        else:
+            out["interrupted"] = more[1]
     return out
+
+
+@pytest.fixture(scope="module")
+def resume_runs(launched) -> dict[str, tuple[Path, list]]:
+    """Each case of RESUME_CASES run whole (4 steps), stopped after 2 and run again to 4:
+    {case: (its folder, the three histories)}."""
+    return launched["resume"]
 
 
 @pytest.mark.slow
@@ -200,18 +240,10 @@ def _reshard(cfgs: dict[str, Config], converted: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reshards(corpus, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+def reshards(launched) -> dict[str, tuple[Path, dict]]:
     """{round trip: (its folder, rank 0's result)} for the layouts, Llama past its KV heads
-    and pipeline stages round trips, each in a folder of its own, from one launch of 4
-    ranks (the ranks start and import the engine once rather than three times)."""
-    roots = {name: tmp_path_factory.mktemp(name) for name in ("layouts", "llama", "pp")}
-    calls = [
-        (_reshard, (_layouts_cfgs(corpus, roots["layouts"]), str(roots["layouts"] / "converted"))),
-        (_reshard_llama, (_llama_cfgs(corpus, roots["llama"]), str(roots["llama"] / "b"))),
-        (_reshard_pp, (_pp_cfgs(corpus, roots["pp"]),)),
-    ]
-    out = run_ranks(in_turn, 4, calls, timeout=900)[0]
-    return {name: (roots[name], r) for name, r in zip(roots, out, strict=True)}
+    and pipeline stages round trips, each in a folder of its own."""
+    return launched["reshard"]
 
 
 def _layouts_cfgs(corpus, tmp_path: Path) -> dict[str, Config]:
@@ -498,11 +530,11 @@ def _interrupted_saves(root: str) -> dict:
 
 
 @pytest.mark.slow
-def test_interrupted_save_is_never_loaded(tmp_path):
+def test_interrupted_save_is_never_loaded(launched):
     """A save that dies between shards, before the index, before the rename or before
     ``latest`` moves leaves the previous checkpoint the one that loads; the next good save
-    clears the debris."""
-    out = run_ranks(_interrupted_saves, 2, str(tmp_path / "ckpt"), timeout=180)[0]
+    clears the debris. (Run on the world-2 ranks of fixture ``launched``.)"""
+    out = launched["interrupted"]
     for point in POINTS:
         r = out[point]
         assert "SimulatedCrash" in r["error"] and point in r["error"], r
@@ -733,7 +765,7 @@ def test_inspect_convert_and_export_cli(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_killed_worker_restarts_and_resumes_bitwise(corpus, tmp_path):
+def test_killed_worker_restarts_and_resumes_bitwise(corpus, tmp_path, launched):
     """engine.pretrain with trainer.max_restarts=1: rank 1 dies (os._exit) after step 3,
     before that step's checkpoint; the elastic agent restarts both workers, which resume
     from step 2 with no user action and end bit-identical to an uninterrupted run.
@@ -742,10 +774,9 @@ def test_killed_worker_restarts_and_resumes_bitwise(corpus, tmp_path):
     records go to the run log), and the run log holds the console's lines, uncoloured.
     """
 
-    common = ("tp_size=1", "dp_size=2", "trainer.max_steps=4", "checkpoint.every=2")
     overrides = [
         *run_overrides(corpus, tmp_path / "elastic"),
-        *common,
+        *KILLED_RUN,
         f"hydra.run.dir={tmp_path / 'hydra'}",
         "trainer.max_restarts=1",
         "trainer.fail_at_step=3",
@@ -762,10 +793,9 @@ def test_killed_worker_restarts_and_resumes_bitwise(corpus, tmp_path):
     assert "resuming from step 2" in run_log and "saved checkpoint" in run_log, run_log[-2000:]
     assert "failed (exitcode: 17)" in run_log  # torch's own record, kept out of the console
     assert "\x1b[" not in run_log  # plain text, no colour codes
-    reference = run_config(corpus, tmp_path / "reference", *common)
-    run_ranks(_run_all, 2, [reference], timeout=300)
+    # The uninterrupted reference: the same run by run_ranks' ranks (fixture ``launched``).
     a = _all_tensors(tmp_path / "elastic" / "step_00000004")
-    b = _all_tensors(tmp_path / "reference" / "step_00000004")
+    b = _all_tensors(launched["killed_reference"] / "step_00000004")
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name

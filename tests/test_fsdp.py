@@ -123,13 +123,31 @@ def slow_at_2() -> dict:
     return {"bf16": [r[0] for r in per_rank], ("held", 2): [r[1] for r in per_rank]}
 
 
+# The peak-memory bodies of the memory-cap test: (mode, steps) in the order they run.
+PEAKS = (("full", 2), ("none", 1))
+
+
 @pytest.fixture(scope="module")
-def slow_at_4() -> dict:
-    """The slow bodies at world 4, one launch: every mode at tp 2 × dp 2 with sequence
-    parallelism, ZeRO-3's shards at d 4, FSDP's bytes per parameter at d 1, 2, 4."""
-    calls = [(_modes_vs_reference, (2, 2, True)), (_held_between_layers, (4,)), (_fsdp_memory, ())]
-    per_rank = run_ranks(in_turn, 4, calls, timeout=600)
-    keys = ("modes", ("held", 4), "memory")
+def slow_at_4(tmp_path_factory) -> dict:
+    """The slow bodies at world 4, one launch (the ranks start, join gloo and import the
+    engine and torch's optimizer machinery once rather than once per test): the peak
+    memory under ZeRO-3 and under the all-reduce, every mode at tp 2 × dp 2 with sequence
+    parallelism, ZeRO-3's shards at d 4, FSDP's bytes per parameter at d 1, 2, 4, and the
+    checkpoint round trips between the modes.
+
+    The peak of ZeRO-3 (the side that must stay under the cap) is measured first, in ranks
+    that have run nothing else, as when it had a launch of its own; the all-reduce's second,
+    after ZeRO-3 returned every tensor buffer (mmap'd on its own, see _peak_growth), with a
+    margin of 70 % of the cap. The round trips run last: only they train through Trainer."""
+    calls = [
+        *((_peak_growth, peak) for peak in PEAKS),
+        (_modes_vs_reference, (2, 2, True)),
+        (_held_between_layers, (4,)),
+        (_fsdp_memory, ()),
+        (_reshard_modes, (_reshard_cfgs(tmp_path_factory.mktemp("reshard_modes")),)),
+    ]
+    per_rank = run_ranks(in_turn, 4, calls, timeout=900)
+    keys = (*PEAKS, "modes", ("held", 4), "memory", "reshard")
     return {key: [r[i] for r in per_rank] for i, key in enumerate(keys)}
 
 
@@ -302,18 +320,15 @@ def resumes_against_saved(trainer, cfgs, names, saved, *, saves_step_5: str) -> 
     return out
 
 
-@pytest.mark.slow
-def test_checkpoints_move_between_every_dp_shard_mode_exactly(tmp_path):
-    """Parameters and Adam moments only move between files and ranks: exact (torch.equal),
-    saved under FSDP's ZeRO-3 and read under the all-reduce, ZeRO-1 and ZeRO-2 at other
-    tp × dp, and saved under the all-reduce and read under ZeRO-3 at tp 1 × dp 4."""
+def _reshard_cfgs(tmp_path: Path) -> dict:
+    """The runs of test_checkpoints_move_between_every_dp_shard_mode_exactly."""
     config = checkpoint_run_configs(tmp_path)
 
     def at(tp: int, dp: int, mode: str, steps: int, every: int = 0) -> object:
         layout = (f"tp_size={tp}", f"dp_size={dp}", f"parallel.dp_shard={mode}")
         return config(*layout, steps=steps, every=every)
 
-    cfgs = {
+    return {
         "save": at(2, 2, "full", 3, every=3),
         "tp1_dp4_none": at(1, 4, "none", 4),
         "tp4_dp1_optimizer": at(4, 1, "optimizer", 4),
@@ -321,7 +336,14 @@ def test_checkpoints_move_between_every_dp_shard_mode_exactly(tmp_path):
         "tp2_dp2_none": at(2, 2, "none", 5, every=5),
         "back": at(1, 4, "full", 6),
     }
-    out = run_ranks(_reshard_modes, 4, cfgs, timeout=600)[0]
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_every_dp_shard_mode_exactly(slow_at_4):
+    """Parameters and Adam moments only move between files and ranks: exact (torch.equal),
+    saved under FSDP's ZeRO-3 and read under the all-reduce, ZeRO-1 and ZeRO-2 at other
+    tp × dp, and saved under the all-reduce and read under ZeRO-3 at tp 1 × dp 4."""
+    out = slow_at_4["reshard"][0]
     print(out)
     for name, r in out.items():
         assert r["params_equal"] and r["moments_equal"], (name, r)
@@ -464,7 +486,7 @@ def _peak_growth(mode: str, steps: int) -> dict:
 
 
 @pytest.mark.slow
-def test_a_model_over_the_memory_cap_under_none_trains_under_full(monkeypatch):
+def test_a_model_over_the_memory_cap_under_none_trains_under_full(monkeypatch, request):
     """BIG at dp 4 in fp32 with trainer.memory_cap_gib halfway between the preflight's
     estimates for none (16 B per parameter: ~1.0 GiB) and full (16/4 B plus the units in
     flight: ~0.37 GiB): 0.65 GiB. The preflight refuses none and passes full; measured,
@@ -477,7 +499,8 @@ def test_a_model_over_the_memory_cap_under_none_trains_under_full(monkeypatch):
     still grows after its first step (measured 1.11 GiB after 1, 1.32 after 3), so one
     step is the harder case for "grows past the cap" and still clears it by 70 % of it;
     only its memory is asked about. full's peak is reached by its second step (measured
-    0.499 GiB after 2 and after 3), which also lets its loss be seen to fall."""
+    0.499 GiB after 2 and after 3), which also lets its loss be seen to fall. Both run in
+    the one launch of slow_at_4, full first (see there)."""
     import engine.preflight as preflight
     from engine.config import Config
 
@@ -499,8 +522,9 @@ def test_a_model_over_the_memory_cap_under_none_trains_under_full(monkeypatch):
     cap = (need["none"] + need["full"]) / 2
     assert len(preflight.check_memory(at("none", cap / 2**30), 4, on_gpu=False)) == 1
     assert preflight.check_memory(at("full", cap / 2**30), 4, on_gpu=False) == []
-    for mode, steps in (("none", 1), ("full", 2)):
-        for rank, r in enumerate(run_ranks(_peak_growth, 4, mode, steps, timeout=600)):
+    slow_at_4 = request.getfixturevalue("slow_at_4")  # after the preflight's own checks
+    for mode, steps in PEAKS:
+        for rank, r in enumerate(slow_at_4[(mode, steps)]):
             print(f"{mode} rank {rank}: {r['growth'] / 2**30:.3f} GiB (cap {cap / 2**30:.3f})")
             if mode == "none":
                 assert r["growth"] > cap, (mode, rank, r)
