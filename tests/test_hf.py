@@ -21,7 +21,7 @@ import parallel_state
 from engine.hf_interop import export_hf, import_hf, read_hf_dir
 from studies.verification.hf_parity import HF_TOLERANCES, compare_with_hf
 from studies.verification.layouts import VerifySpec
-from tests.launch_util import call_main, run
+from tests.launch_util import run
 from tests.multiproc import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -111,19 +111,10 @@ def _run(tool: str, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_command_line_tools(hf_dirs, tmp_path, monkeypatch):
-    """convert_hf import, convert_hf export, then the verifier on the export. The import
-    runs through the tool's ``main`` with the same arguments in this process (from a
-    scratch directory, as ``_run`` does): the export and the verifier are the real
-    processes, which show what only a process can (the script runs as a program, its
-    exit status); a third interpreter would only import torch once more."""
+def test_command_line_tools(hf_dirs, tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
-    (tmp_path / "cwd").mkdir()
-    monkeypatch.chdir(tmp_path / "cwd")
-    imported = call_main(
-        _tool("convert_hf"), ["import", "--hf-dir", hf_dirs["gpt"], "--out", str(ckpt)]
-    )
-    assert imported == 0
+    imported = _run("tools/convert_hf.py", "import", "--hf-dir", hf_dirs["gpt"], "--out", str(ckpt))
+    assert imported.returncode == 0, imported.stderr
     exported = _run("tools/convert_hf.py", "export", "--ckpt", str(ckpt), "--out", str(out))
     assert exported.returncode == 0, exported.stderr
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
