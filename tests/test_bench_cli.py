@@ -45,6 +45,13 @@ BAD_FLAGS = [
     ("bench_moe", ["--only", "both"], "argument --only: invalid choice"),
     ("bench_dp_memory", ["--dp", "4", "--replicas", "3"], "--dp 4 --replicas 3: need dp >= 2"),
     ("bench_dp_memory", ["--dp", "1"], "--dp 1 --replicas 2: need dp >= 2"),
+    ("bench_pipeline", ["--layers", "0"], "argument --layers: 0 must be >= 1"),
+    ("bench_pipeline", ["--pp", "0"], "argument --pp: 0 must be >= 1"),
+    (
+        "bench_pipeline",
+        ["--schedules", "1f1b,gpipe"],
+        "--schedules 'gpipe' is not one of 1f1b, interleaved_1f1b, zero_bubble, zbv, dualpipev",
+    ),
     ("bench_cp_balance", ["--cp", "0"], "argument --cp: 0 must be >= 1"),
     ("bench_cp_balance", ["--replays", "0"], "argument --replays: 0 must be >= 1"),
     (
