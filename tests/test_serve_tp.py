@@ -383,6 +383,25 @@ def test_tp2_int8_server_equals_tp1_int8_and_the_per_shard_reference(export, tp2
     print(f"largest |tp 2 int8 - tp 1 int8| log-probability: {worst:.2e}")
 
 
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _rank_pids(pid: int) -> list[int]:
+    """The rank processes of the server ``pid``: its spawned children, or the children of
+    the forkserver it started (ranks fork from it; see engine.launching)."""
+    ranks = []
+    for child in _children(pid):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            cmdline = f.read()
+        if b"spawn_main" in cmdline:
+            ranks.append(child)
+        elif b"forkserver" in cmdline:
+            ranks.extend(_children(child))
+    return sorted(ranks)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("which", [min, max], ids=["first", "last"])
 def test_a_killed_rank_stops_every_rank_with_one_line(export, which, request):
@@ -391,14 +410,7 @@ def test_a_killed_rank_stops_every_rank_with_one_line(export, which, request):
     does not depend on how the weights are stored); the last a server of its own."""
     server = request.getfixturevalue("tp2_int8") if which is min else _TpServer(export[0])
     try:
-        pid = server.process.pid
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(c) for c in f.read().split()]
-        ranks = []
-        for child in children:
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    ranks.append(child)
+        ranks = _rank_pids(server.process.pid)
         assert len(ranks) == 2, ranks
         os.kill(which(ranks), signal.SIGKILL)
         assert server.process.wait(timeout=TIMEOUT) == 1
