@@ -486,6 +486,12 @@ def _validate_trainer(cfg: Config, dims: ParallelDims) -> list[str]:
             f"trainer.collective_startup_timeout_s={startup} must be > 0 and finite "
             "(null: 5 x trainer.collective_timeout_s)"
         )
+    elif startup is not None and t.collective_timeout_s == 0:
+        problems.append(
+            f"trainer.collective_startup_timeout_s={startup} does nothing with "
+            "trainer.collective_timeout_s=0 (the watchdog is off); set a collective timeout "
+            "or drop the start-up one"
+        )
     if not 0 <= t.memory_cap_gib < math.inf:
         problems.append(
             f"trainer.memory_cap_gib={t.memory_cap_gib} must be >= 0 and finite "

@@ -725,6 +725,11 @@ def test_readme_resume_example_keeps_the_default_schedule():
             "(null: 5 x trainer.collective_timeout_s)",
         ),
         (
+            "trainer.collective_timeout_s=0 trainer.collective_startup_timeout_s=30",
+            "trainer.collective_startup_timeout_s=30.0 does nothing with "
+            "trainer.collective_timeout_s=0 (the watchdog is off)",
+        ),
+        (
             "trainer.rendezvous_timeout_s=0",
             "trainer.rendezvous_timeout_s=0.0 must be > 0 and finite",
         ),
@@ -738,7 +743,7 @@ def test_failure_settings_are_checked_before_any_worker(
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        prepare(compose_config("tp_size=1", "dp_size=1", override))
+        prepare(compose_config("tp_size=1", "dp_size=1", *override.split()))
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
