@@ -1028,3 +1028,8 @@ def test_calibrate_refuses_too_few_trainer_steps(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--in-model-steps 3 must be >= 4" in err, err
     assert not out.exists()
+    # Without trainer runs the flag would be ignored: refused the same way.
+    assert main(["--no-in-model", "--in-model-steps", "8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--in-model-steps 8 does nothing with --no-in-model" in err
+    assert not out.exists()

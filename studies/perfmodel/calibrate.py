@@ -435,6 +435,13 @@ def main(argv: list[str], description: str | None = None, formatter=None) -> int
             file=sys.stderr,
         )
         return 2
+    if steps is not None and args.no_in_model:
+        print(
+            f"calibrate: --in-model-steps {steps} does nothing with --no-in-model (no trainer "
+            "runs); drop one of them",
+            file=sys.stderr,
+        )
+        return 2
     problem = probe_writable(Path(args.out), directory=False)
     if problem:  # known now, not after minutes of measuring
         print(f"calibrate: --out {args.out} cannot be written: {problem}", file=sys.stderr)
