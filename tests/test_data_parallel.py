@@ -17,7 +17,7 @@ from engine.formulas import state_bytes_per_param
 from engine.models import build_model
 from tests.bucket_probe import LaunchProbe
 from tests.multiproc import run_ranks
-from tests.rank_cases import case_result, run_cases
+from tests.rank_bodies import case_result, run_cases
 from tests.torch_reference import DP_OPTIM, alone_group, cpu_data_parallel, tiny_gpt, train_unsplit
 
 CFG = tiny_gpt(500)
@@ -30,7 +30,7 @@ def _batch(step: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    """Every 2-rank body of this file in one launch of the ranks (tests/rank_cases.py):
+    """Every 2-rank body of this file in one launch of the ranks (tests/rank_bodies.py):
     both strategies against the reference, ZeRO-1 with and without overlap, and the bf16
     ZeRO-1 run resumed on the fp32 path. Each test reads its own body's result."""
     cases = {

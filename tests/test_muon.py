@@ -17,7 +17,7 @@ from engine.data_parallel import build_data_parallel
 from engine.data_parallel.interface import PlainOptimizerState
 from engine.models import build_model
 from tests.multiproc import run_ranks
-from tests.rank_cases import case_result, run_cases
+from tests.rank_bodies import case_result, run_cases
 from tests.torch_reference import alone_group, tiny_gpt
 
 CFG = tiny_gpt(500)
@@ -129,7 +129,7 @@ SPLITS = {"tp2": (2, 1, None, 8), "dp2": (1, 2, None, 8), "tp2-one-kv-head": (2,
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    """Every 2-rank body of this file in one launch of the ranks (tests/rank_cases.py):
+    """Every 2-rank body of this file in one launch of the ranks (tests/rank_bodies.py):
     the three split runs and the resume. Each test reads its own body's result."""
     cases = {name: (_split_vs_reference, (tp, dp, kv)) for name, (tp, dp, kv, _) in SPLITS.items()}
     cases["resume"] = (_resume, (str(tmp_path_factory.mktemp("muon") / "ckpt"),))

@@ -120,9 +120,9 @@ def test_layer_activation_table_by_hand():
 @pytest.fixture(scope="module")
 def measured_layers() -> dict:
     """Each rank's measured layer bytes of both activation tests below, from one launch of
-    their 2 ranks (tests/rank_cases.py): the GPT rows and the Llama rows."""
+    their 2 ranks (tests/rank_bodies.py): the GPT rows and the Llama rows."""
     from tests.multiproc import run_ranks
-    from tests.rank_cases import run_cases
+    from tests.rank_bodies import run_cases
 
     cases = {"gpt": (_measured_rows, ()), "llama": (_measured_llama_rows, ())}
     return run_ranks(run_cases, 2, cases)
@@ -155,7 +155,7 @@ def test_activation_memory_against_measured_bytes(measured_layers):
     (With attention dropout, SDPA's math fallback keeps ~13.5 bytes per score instead of the
     table's 5, so the unfused rows are not a property of this code to check here.)
     """
-    from tests.rank_cases import case_result
+    from tests.rank_bodies import case_result
 
     measured = case_result(measured_layers, "gpt")[0]
     s, b, h, a, t = 128, 2, 256, 8, 2
@@ -196,7 +196,7 @@ def test_llama_activation_memory_against_measured_bytes(measured_layers):
     the formula leaves out the RMSNorm's fp32 1/rms per token and the attention's
     log-sum-exp (0.03 + 0.125/t units here)."""
     from engine.formulas import llama_layer_activation_bytes
-    from tests.rank_cases import case_result
+    from tests.rank_bodies import case_result
 
     measured = case_result(measured_layers, "llama")[0]
     s, b, h, t = 128, 2, 256, 2
