@@ -34,6 +34,11 @@ BAD_FLAGS = [
     ("bench_train", ["--seq", "0"], "argument --seq: 0 must be >= 1"),
     ("bench_train", ["--threads", "0"], "argument --threads: 0 must be >= 1"),
     ("bench_train", ["--references", "eager,jax"], "--references: unknown 'jax'"),
+    (
+        "bench_train",
+        ["--also-torch-kernels", "--kernels", "torch"],
+        "--also-torch-kernels compares the kernels with torch's ops",
+    ),
     ("bench_train", ["--tp", "two"], "argument --tp: 'two' is not an integer"),
     ("bench_kernels", ["--tokens", "0"], "argument --tokens: 0 must be >= 1"),
     ("bench_kernels", ["--hidden", "64", "-3"], "argument --hidden: -3 must be >= 1"),

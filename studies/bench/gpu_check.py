@@ -202,29 +202,38 @@ def _train_rows(item: str, path: Path) -> list[dict]:
 REHEARSAL_PRESET = {"gpt_1.3b": "gpt_tiny", "gpt_350m": "gpt_tiny", "llama_1b": "llama_tiny"}
 
 
-def train_plan(preset: str, *loops: str) -> Callable[[Context], Plan]:
-    """meshtron compiled beside ``loops``: ``eager`` (meshtron eager), ``reference`` (the
-    compiled plain PyTorch GPT, where it builds the model: GPT-2's parts) and
-    ``cuda_graphs`` (the compiled step replayed as CUDA graphs), timed side by side."""
-    flags = {"eager": ["--also-eager"], "cuda_graphs": ["--also-cuda-graphs"]}
-    flags["reference"] = ["--references", "compile"]
+# The loops a training item can time beside meshtron compiled, as bench_train flags.
+TRAIN_LOOPS = {
+    "eager": ["--also-eager"],  # meshtron eager, model.kernels as the preset has it
+    "torch_kernels": ["--also-torch-kernels"],  # meshtron eager with model.kernels=torch
+    "reference": ["--references", "compile"],  # the compiled plain PyTorch GPT
+    "cuda_graphs": ["--also-cuda-graphs"],  # the compiled step replayed as CUDA graphs
+}
+PROFILED_STEPS = 2  # steps of each loop under torch.profiler, where an item asks for it
+
+
+def train_plan(preset: str, *loops: str, profile: bool = False) -> Callable[[Context], Plan]:
+    """meshtron compiled beside ``loops`` (keys of ``TRAIN_LOOPS``; the plain GPT where it
+    builds the model: GPT-2's parts), timed side by side in one process; ``profile``: then
+    each loop's top GPU kernels over ``PROFILED_STEPS`` steps, into the log."""
+    name = f"train_{preset}"
 
     def plan(ctx: Context) -> Plan:
-        name = f"train_{preset}" if "cuda_graphs" not in loops else "cuda_graphs"
         out = ctx.scratch / f"{name}.json"
         argv = _tool("bench_train.py") + ["--out", str(out), "--dropout", "0", "--compile"]
-        argv += [flag for loop in loops for flag in flags[loop]]
-        argv += [] if "reference" in loops else ["--no-reference"]
+        argv += ["--no-reference"] if "reference" not in loops else []
         if ctx.rehearse:
-            if "cuda_graphs" in loops:
-                return Plan(reason="CUDA graphs replay on a GPU only: not rehearsed on CPU")
-            if preset != "gpt_350m":  # the same bench path: 350M's loops are a superset
+            if preset != "gpt_350m":  # the same bench path; 350M's rehearsal takes every flag
                 return Plan(reason="rehearsed by train_gpt_350m: the same path at toy size")
-            argv += ["--preset", REHEARSAL_PRESET[preset], *TOY, "--seq", "32"]
+            # every flag but CUDA graphs (they replay on a GPU only)
+            argv += [f for key in TRAIN_LOOPS if key != "cuda_graphs" for f in TRAIN_LOOPS[key]]
+            argv += ["--preset", REHEARSAL_PRESET[preset], *TOY, "--seq", "32", "--profile", "1"]
             argv += ["--micro-batch", "2", "--compile-backend", "aot_eager"]
             argv += ["--warmup", "1", "--blocks", "1", "--steps-per-block", "1"]
             return Plan(argv, lambda: _train_rows(name, out))
         seq, micro = TRAIN_SIZES[preset]
+        argv += [flag for loop in loops for flag in TRAIN_LOOPS[loop]]
+        argv += ["--profile", str(PROFILED_STEPS)] if profile else []
         argv += ["--preset", preset, "--seq", str(seq), "--micro-batch", str(micro)]
         argv += ["--warmup", "2", "--blocks", "2", "--steps-per-block", "3", "--precision", "bf16"]
         return Plan(argv, lambda: _train_rows(name, out))
@@ -287,9 +296,12 @@ def plan_checkpoint(ctx: Context) -> Plan:
     return Plan(argv, parse)
 
 
-# In priority order. Each training item is one process whose loops are timed side by side;
-# whole-step compilation costs about 30-50 s per compiled loop on an H200 (2026-11-26), so
-# an item holds at most three loops, and the 480 s default reaches the checkpoint item.
+# In priority order. Each training item is one process whose loops are timed side by side.
+# Compilation is most of an item (H200, 2026-11-27: 30-40 s per compiled model, once each
+# now that the loss checks compile nothing). That window's item times, less the forward
+# compilations removed since, give kernels 39 s, tests 14, 1.3B about 95 (+ two eager
+# loops and the profile, about 15), llama_1b about 55, 350M about 110 with the CUDA-graph
+# loop, checkpoint 92, FSDP 15: about 435 s, inside the 480 s default.
 ITEMS: tuple[Item, ...] = (
     Item(
         "kernels",
@@ -297,31 +309,13 @@ ITEMS: tuple[Item, ...] = (
         100,
         plan_kernels,
     ),
-    Item(
-        "train_gpt_1.3b",
-        "GPT 1.3B bf16 steps: meshtron compiled, plain PyTorch compiled",
-        200,
-        train_plan("gpt_1.3b", "reference"),
-    ),
-    Item(
-        "train_gpt_350m",
-        "GPT 350M bf16 steps: meshtron compiled and eager, plain compiled",
-        150,
-        train_plan("gpt_350m", "eager", "reference"),
-    ),
     Item("tests", "the suite's CUDA tests (pytest -m gpu)", 60, plan_tests),
     Item(
-        "checkpoint",
-        "checkpoint save and load against DCP, torch.save, safetensors",
-        45,
-        plan_checkpoint,
-    ),
-    Item("fsdp_full", "FSDP2 dp_shard=full on one GPU against the all-reduce path", 45, plan_fsdp),
-    Item(
-        "cuda_graphs",
-        "GPT 350M compiled, and replayed as CUDA graphs",
-        150,
-        train_plan("gpt_350m", "cuda_graphs"),
+        "train_gpt_1.3b",
+        "GPT 1.3B bf16 steps: meshtron compiled, plain PyTorch compiled, meshtron eager "
+        "with the fused kernels and with torch's ops; each loop's top kernels profiled",
+        200,
+        train_plan("gpt_1.3b", "reference", "eager", "torch_kernels", profile=True),
     ),
     Item(
         "train_llama_1b",
@@ -329,6 +323,19 @@ ITEMS: tuple[Item, ...] = (
         120,
         train_plan("llama_1b", "eager"),
     ),
+    Item(
+        "train_gpt_350m",
+        "GPT 350M bf16 steps: meshtron compiled, eager and as CUDA graphs, plain compiled",
+        180,
+        train_plan("gpt_350m", "eager", "reference", "cuda_graphs"),
+    ),
+    Item(
+        "checkpoint",
+        "checkpoint save and load against DCP, torch.save, safetensors",
+        120,
+        plan_checkpoint,
+    ),
+    Item("fsdp_full", "FSDP2 dp_shard=full on one GPU against the all-reduce path", 45, plan_fsdp),
     Item("two_gpus", "a two-rank NCCL run and pp 2", 90, plan_two_gpus),
 )
 

@@ -96,6 +96,12 @@ def _add_model_args(p: ArgumentParser) -> None:
         help="with --compile, also time meshtron eager (same model and layout) in the rotation",
     )
     p.add_argument(
+        "--also-torch-kernels",
+        action="store_true",
+        help="also time meshtron eager with model.kernels=torch (torch's element-wise ops in "
+        "place of the fused kernels) in the rotation: the kernels' gain in a whole step",
+    )
+    p.add_argument(
         "--also-cuda-graphs",
         action="store_true",
         help="with --compile on CUDA and --dropout 0, also time the compiled step replayed as "
@@ -217,6 +223,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(
             "--also-cuda-graphs compares against --compile: give it, without --dp-shard"
         )
+    if args.also_torch_kernels and (args.dp_shard or args.kernels == "torch"):
+        raise UsageError(
+            "--also-torch-kernels compares the kernels with torch's ops: give it without "
+            "--dp-shard and without --kernels torch"
+        )
     if args.also_cuda_graphs and not torch.cuda.is_available():
         raise UsageError("--also-cuda-graphs replays CUDA graphs, but no CUDA device is visible")
     if not args.bucket_mb > 0:
@@ -256,13 +267,14 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 def meshtron_step(model, dp: DataParallel, batch, ocfg, device, dtype):
     """One step as engine.trainer.Trainer.train_step runs it (one micro-batch per step)."""
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         with autocast_context(device, dtype):
             loss = model.loss(batch)
         loss.backward()
         dp.finish_grads()
         dp.step(lr=ocfg.lr, max_norm=ocfg.clip_grad, norm=dp.grad_norm())
         dp.zero_grad()
+        return loss.detach()
 
     return step
 
@@ -287,11 +299,15 @@ def _now(device: torch.device) -> float:
 
 def run_interleaved(loops: list[Loop], args, device: torch.device) -> None:
     """Warm up every loop, then rotate timed blocks (forward, then reversed order), recording
-    step times."""
+    step times. Each loop's first loss is kept (``Loop.first_loss``): every loop starts
+    from the same weights on the same batch, so their first losses compare the loops at
+    the timed precision, and the check compiles nothing the warm-up would not."""
     for loop in loops:
         start = _now(device)
-        for _ in range(args.warmup):
-            loop.step()
+        for i in range(args.warmup):
+            loss = loop.step()
+            if i == 0:  # read before the next step (a CUDA-graph replay) overwrites it
+                loop.first_loss = float(loss)
         loop.warmup_s = _now(device) - start
         if getattr(args, "show_progress", True):
             print(f"  warm-up of {loop.name}: {loop.warmup_s:.1f} s", flush=True)
@@ -363,7 +379,9 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
         variants.append(("none", dataclasses.replace(cfg, cuda_graphs=True)))
     if args.also_eager:
         variants.append(("none", dataclasses.replace(cfg, compile=False)))
-    info: dict = {"vocab": {}, "loss_rel_gap": {}}
+    if args.also_torch_kernels:
+        variants.append(("none", dataclasses.replace(cfg, compile=False, kernels="torch")))
+    info: dict = {"vocab": {}}
     for mode, mcfg in variants:
         torch.manual_seed(args.seed)
         m = build_model(mcfg, ps, device=ps.device)
@@ -380,6 +398,7 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
         )
         compiled = " compiled" if mcfg.compile else ""
         graphs = " cuda-graphs" if mcfg.cuda_graphs else ""
+        graphs += " torch-kernels" if mcfg.kernels != cfg.kernels else ""
         name = (
             f"meshtron{MODE_NAMES.get(mode, '')}{compiled}{graphs} tp={ps.tp_size} dp={ps.dp_size}"
         )
@@ -387,8 +406,6 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
             Loop(name, meshtron_step(m, dp, batch, ocfg, ps.device, dtype), settle=dp.wait_params)
         )
         info["vocab"][name] = cfg.padded_vocab_size(ps.tp_size)
-        if model is not None:  # the same function as the first loop's model?
-            info["loss_rel_gap"][name] = _loss_gap(model, m, batch)
         model = model or m
     if args.dp_shard:
         return loops, info  # the sharded modes ÷ the all-reduce only
@@ -407,7 +424,7 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
         load_reference(ref, model)
         forward = torch.compile(ref, backend=args.compile_backend) if kind == "compile" else ref
         name = f"pytorch {kind}"
-        info["loss_rel_gap"][name] = check_same_function(model, forward, batch)
+        check_same_function(model, forward, batch)
         ref_opt = reference_optimizer(ref, ocfg, ps.device)
         step = reference_step(forward, ref.parameters(), ref_opt, batch, ocfg, ps.device, dtype)
         loops.append(Loop(name, step))
@@ -415,10 +432,16 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
     return loops, info
 
 
-def _loss_gap(model, other, batch) -> float:
-    """|loss(other) - loss(model)| / |loss(model)| on ``batch`` (training mode, no step)."""
-    first, second = model.loss(batch).item(), other.loss(batch).item()
-    return abs(second - first) / abs(first)
+def first_loss_gaps(loops: list[Loop]) -> dict[str, float | None]:
+    """Each later loop's |first loss - the first loop's| / |the first loop's|: the loops
+    run the same model on the same batch from the same weights; None without warm-up."""
+    base = loops[0].first_loss
+    return {
+        lp.name: None
+        if base is None or lp.first_loss is None
+        else abs(lp.first_loss - base) / abs(base)
+        for lp in loops[1:]
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         if ps.rank == 0:
             console.print(f"timing {', '.join(loop.name for loop in loops)} on {ps.device} ...")
         run_interleaved(loops, args, ps.device)
+        info["loss_rel_gap"] = first_loss_gaps(loops)
         ceiling = matmul_ceiling(ps.device, dtype)
         peak = flops.peak_flops(ps.device, dtype or torch.float32)
         rows = [summarize(lp, info["vocab"][lp.name], cfg, args, ps, peak, ceiling) for lp in loops]

@@ -29,11 +29,12 @@ class Loop:
     """
 
     name: str
-    step: Callable[[], None]
+    step: Callable[[], torch.Tensor]  # one training step; returns its loss
     settle: Callable[[], None] = lambda: None
     times: list[float] = field(default_factory=list)
     cpu_times: list[float] = field(default_factory=list)
     warmup_s: float = 0.0  # the untimed first steps: compilation and CUDA-graph capture
+    first_loss: float | None = None  # the first warm-up step's loss (None: no warm-up)
 
 
 CEILING_REPS = 10  # matmuls timed for the ceiling; the fastest counts
@@ -135,7 +136,11 @@ def render(rows: list[dict], meta: dict, console: Console) -> None:
             f"median {c['paired_ratio_median']:.3f}, range "
             f"{min(c['paired_ratios']):.3f}–{max(c['paired_ratios']):.3f}; p10 step "
             f"times {c['p10_ratio']:.3f}; process CPU time {c['cpu_ratio']:.3f}. "
-            f"Loss agreement before timing: rel {c['loss_rel_gap']:.1e}"
+            + (
+                "No warm-up step: no first-loss agreement"
+                if c["loss_rel_gap"] is None
+                else f"First-step loss agreement: rel {c['loss_rel_gap']:.1e}"
+            )
         )
         console.print(
             f"  tokens/s: meshtron ÷ {name} = {1 / c['ratio']:.3f}×; "
