@@ -110,12 +110,15 @@ class ModelConfig:
     kernels: str = "auto"  # element-wise ops: "auto" (Triton on CUDA), "triton", "apex", "torch"
     # torch.compile the whole forward and loss (layers.compile). None (the default) is
     # "auto": compiled on CUDA where the layout runs compiled (pp 1, no FSDP2; see
-    # engine.config.resolve_compile), eager elsewhere. Measured on an H200, 2026-11-26
-    # (docs/BENCHMARKS.md, GPU check): GPT 350M bf16 steps 1.39x faster compiled than
-    # eager (155,694 against 111,628 tokens/s). On CPU the eager step stays the default.
+    # engine.config.resolve_compile), eager elsewhere. Measured on an H200 (docs/BENCHMARKS.md,
+    # GPU check): GPT 350M bf16 steps 1.39x faster compiled than eager on 2026-11-26 and
+    # 1.40x on 2026-11-27 (155,953 against 111,575 tokens/s), llama_1b 1.17x. On CPU the
+    # eager step stays the default.
     compile: bool | None = None
     compile_backend: str = "inductor"  # torch.compile backend: "inductor", "aot_eager" or "eager"
-    cuda_graphs: bool = False  # the compiled step replayed as CUDA graphs (reduce-overhead)
+    # The compiled step replayed as CUDA graphs (reduce-overhead). Off by default: 1.02x the
+    # compiled step at GPT 350M on an H200 (2026-11-27), for 32 s more compilation.
+    cuda_graphs: bool = False
     # Component seams (defaults: GPT-2's parts). Llama-family decoders pick the others.
     norm: str = "layernorm"  # "layernorm", "rmsnorm" (no bias, no mean subtraction) or
     # "gemma_rmsnorm" (RMSNorm scaled by 1 + weight, the weight starting at zero)

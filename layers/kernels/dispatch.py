@@ -102,15 +102,16 @@ def choose_backend(op: str, x: torch.Tensor, backend: str = "auto") -> str:
 #   without. So the element-wise kernels start at h 2048 (bias-GeLU's input is the 4h-wide
 #   MLP activation: 8192). The fused cross-entropy was level with torch.compile at
 #   V = 50304 and used 1 MB where F.cross_entropy took 9.4 GB: always.
-# The Llama family's kernels, measured on an H200, 2026-11-26 (tools/gpu_check.py, bf16,
-# 16384 tokens, fwd+bwd do_bench medians; docs/BENCHMARKS.md, GPU check): RMSNorm at h 2048
-# 0.309 ms against torch's 1.416 (4.58x; 1.41x torch.compile's), SwiGLU at ffn 8192 (its
-# input, the interleaved gate/up, 16384 wide) 1.005 ms against 3.053 (3.04x; 0.68x
-# compile's). So both run fused from the widths measured; narrower ones keep torch until
-# a run measures them. The same run timed LayerNorm, bias-GeLU and bias-dropout-add at h
-# 2048 alone at 0.31x, 0.32x and 0.83x eager (host-bound launches, as on the H100): their
-# thresholds stay with the in-model H100 measurement above until gpu_check's GPT 1.3B
-# item (timed out in that window) measures a step with and without them.
+# The Llama family's kernels, measured on an H200, 2026-11-26 and again 2026-11-27
+# (tools/gpu_check.py, bf16, 16384 tokens, fwd+bwd do_bench medians; docs/BENCHMARKS.md,
+# GPU check): RMSNorm at h 2048 0.309 and 0.293 ms against torch's 1.416 and 1.419 (4.58x
+# and 4.85x; 1.41x and 1.24x torch.compile's), SwiGLU at ffn 8192 (its input, the
+# interleaved gate/up, 16384 wide) 1.005 and 1.006 ms against 3.053 (3.04x; 0.68x
+# compile's). So both run fused from the widths measured; narrower ones keep torch until a
+# run measures them. The same runs timed LayerNorm, bias-GeLU and bias-dropout-add at h
+# 2048 alone at 0.31/0.30x, 0.32/0.53x and 0.83/0.46x eager (host-bound launches, as on
+# the H100): their thresholds stay with the in-model H100 measurement above, which
+# gpu_check's 1.3B item re-measures (an eager step with kernels=torch beside auto).
 MODEL_AUTO: dict[str, int | None] = {
     "layer_norm": 2048,
     "bias_gelu": 8192,
