@@ -111,7 +111,7 @@ def choose_backend(op: str, x: torch.Tensor, backend: str = "auto") -> str:
 # run measures them. The same runs timed LayerNorm, bias-GeLU and bias-dropout-add at h
 # 2048 alone at 0.31/0.30x, 0.32/0.53x and 0.83/0.46x eager (host-bound launches, as on
 # the H100): their thresholds stay with the in-model H100 measurement above, which
-# gpu_check's 1.3B item re-measures (an eager step with kernels=torch beside auto).
+# gpu_check's kernels_1.3b item re-measures (an eager step with kernels=torch beside auto).
 MODEL_AUTO: dict[str, int | None] = {
     "layer_norm": 2048,
     "bias_gelu": 8192,

@@ -212,18 +212,22 @@ TRAIN_LOOPS = {
 PROFILED_STEPS = 2  # steps of each loop under torch.profiler, where an item asks for it
 
 
-def train_plan(preset: str, *loops: str, profile: bool = False) -> Callable[[Context], Plan]:
-    """meshtron compiled beside ``loops`` (keys of ``TRAIN_LOOPS``; the plain GPT where it
-    builds the model: GPT-2's parts), timed side by side in one process; ``profile``: then
-    each loop's top GPU kernels over ``PROFILED_STEPS`` steps, into the log."""
-    name = f"train_{preset}"
+def train_plan(
+    preset: str, *loops: str, profile: bool = False, compiled: bool = True, name: str = ""
+) -> Callable[[Context], Plan]:
+    """meshtron compiled (eager with ``compiled=False``) beside ``loops`` (keys of
+    ``TRAIN_LOOPS``; the plain GPT where it builds the model: GPT-2's parts), timed side by
+    side in one process; ``profile``: then each loop's top GPU kernels over
+    ``PROFILED_STEPS`` steps, into the log. ``name``: the item's, train_<preset> by default."""
+    name = name or f"train_{preset}"
 
     def plan(ctx: Context) -> Plan:
         out = ctx.scratch / f"{name}.json"
-        argv = _tool("bench_train.py") + ["--out", str(out), "--dropout", "0", "--compile"]
+        argv = _tool("bench_train.py") + ["--out", str(out), "--dropout", "0"]
+        argv += ["--compile"] if compiled else []
         argv += ["--no-reference"] if "reference" not in loops else []
         if ctx.rehearse:
-            if preset != "gpt_350m":  # the same bench path; 350M's rehearsal takes every flag
+            if name != "train_gpt_350m":  # the same bench path; 350M's takes every flag
                 return Plan(reason="rehearsed by train_gpt_350m: the same path at toy size")
             # every flag but CUDA graphs (they replay on a GPU only)
             argv += [f for key in TRAIN_LOOPS if key != "cuda_graphs" for f in TRAIN_LOOPS[key]]
@@ -299,9 +303,10 @@ def plan_checkpoint(ctx: Context) -> Plan:
 # In priority order. Each training item is one process whose loops are timed side by side.
 # Compilation is most of an item (H200, 2026-11-27: 30-40 s per compiled model, once each
 # now that the loss checks compile nothing). That window's item times, less the forward
-# compilations removed since, give kernels 39 s, tests 14, 1.3B about 95 (+ two eager
-# loops and the profile, about 15), llama_1b about 55, 350M about 110 with the CUDA-graph
-# loop, checkpoint 92, FSDP 15: about 435 s, inside the 480 s default.
+# compilations removed since, give kernels 39 s, tests 14, 1.3B about 100 with the
+# profile, its eager pair about 25 (its own process: four 1.3B models with their AdamW
+# state would not fit an 80 GB H100), llama_1b about 55, 350M about 110 with the
+# CUDA-graph loop, checkpoint 92, FSDP 15: about 450 s, inside the 480 s default.
 ITEMS: tuple[Item, ...] = (
     Item(
         "kernels",
@@ -312,10 +317,17 @@ ITEMS: tuple[Item, ...] = (
     Item("tests", "the suite's CUDA tests (pytest -m gpu)", 60, plan_tests),
     Item(
         "train_gpt_1.3b",
-        "GPT 1.3B bf16 steps: meshtron compiled, plain PyTorch compiled, meshtron eager "
-        "with the fused kernels and with torch's ops; each loop's top kernels profiled",
+        "GPT 1.3B bf16 steps: meshtron compiled, plain PyTorch compiled; each loop's top "
+        "kernels profiled",
         200,
-        train_plan("gpt_1.3b", "reference", "eager", "torch_kernels", profile=True),
+        train_plan("gpt_1.3b", "reference", profile=True),
+    ),
+    Item(
+        "kernels_1.3b",
+        "GPT 1.3B bf16 eager steps: meshtron with the fused kernels (kernels=auto) and with "
+        "torch's ops",
+        60,
+        train_plan("gpt_1.3b", "torch_kernels", compiled=False, name="kernels_1.3b"),
     ),
     Item(
         "train_llama_1b",
