@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.data_parallel.buckets import BucketLauncher, ShardedBucket, cut_buckets
+from engine.data_parallel.grads import square_sum
 from engine.data_parallel.offload import HostMasters
 from layers.param_roles import expert_split
 from layers.tp_grads import sum_partial_grads_
@@ -210,18 +211,15 @@ class ZeroOptimizer(BucketLauncher):
         included: the expert-data-parallel ranks of one ep index hold disjoint slices of
         its experts, and the ep indices disjoint experts, together the whole DP group."""
         # Per parameter (part), squares summed in the gradient's dtype and then together
-        # in fp64: the plain path's order (engine.data_parallel.grads.global_grad_norm),
-        # so the clip coefficient agrees to the last bits.
+        # in fp64, by the plain path's own function (engine.data_parallel.grads), so the
+        # clip coefficient agrees to the last bits.
         parts = [
             b.master.grad[lo:hi]
             for b in self.buckets
             if b.master.grad is not None
             for lo, hi in b.norm_ranges
         ]
-        squares = [sq.sum() for sq in torch._foreach_pow(parts, 2)] if parts else []
-        total = (
-            torch.stack(squares).double().sum() if squares else torch.zeros((), dtype=torch.float64)
-        )
+        total = square_sum(parts)
         total = total.to(self.buckets[0].master.device) if self.buckets else total
         for group in (self.dp_group, self.tp_group):
             if group_size(group) > 1:
