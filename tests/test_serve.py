@@ -354,8 +354,13 @@ def test_metrics_count_the_tokens_generated(served):
     assert httpx.get(f"{client.base_url}".replace("/v1/", "/health")).json() == {"status": "ok"}
 
 
-def test_a_client_that_disconnects_frees_its_blocks(served):
+def test_a_client_that_disconnects_frees_its_blocks(served, monkeypatch):
     client, state = served
+    # Each engine step takes at least 10 ms here, so 100 tokens take over a second: far
+    # longer than a client timeout of 0.05 s plus one disconnect poll (DISCONNECT_POLL_S),
+    # however fast the machine (idle, the tiny model generated all 100 within one poll).
+    step = state.engine.step
+    monkeypatch.setattr(state.engine, "step", lambda: (time.sleep(0.01), step())[1])
     _idle(state)
     before = _metrics(client)["meshtron_generated_tokens_total"]
     stream = _completion(client, PROMPTS[0], max_tokens=100, temperature=0, stream=True)
