@@ -278,7 +278,7 @@ def plan_checkpoint(ctx: Context) -> Plan:
     if ctx.rehearse:
         argv += ["--preset", "gpt_tiny", "--rounds", "1", "--device", "cpu"]
     else:
-        argv += ["--preset", "gpt_350m", "--rounds", "2", "--device", "cuda"]
+        argv += ["--preset", "gpt_125m", "--rounds", "2", "--device", "cuda"]
 
     def parse() -> list[dict]:
         doc = json.loads(out.read_text())
@@ -301,12 +301,14 @@ def plan_checkpoint(ctx: Context) -> Plan:
 
 
 # In priority order. Each training item is one process whose loops are timed side by side.
-# Compilation is most of an item (H200, 2026-11-27: 30-40 s per compiled model, once each
-# now that the loss checks compile nothing). That window's item times, less the forward
-# compilations removed since, give kernels 39 s, tests 14, 1.3B about 100 with the
-# profile, its eager pair about 25 (its own process: four 1.3B models with their AdamW
-# state would not fit an 80 GB H100), llama_1b about 55, 350M about 110 with the
-# CUDA-graph loop, checkpoint 92, FSDP 15: about 450 s, inside the 480 s default.
+# Compilation is most of an item (H200, 2026-11-27: 30-40 s per compiled model). The loss
+# checks no longer compile graphs of their own: on CPU (inductor, bf16, a 2-layer GPT) that
+# took the build and warm-up from 72 s to 61 s. Taking the same share off that window's
+# item times gives kernels 39 s, tests 14, 1.3B about 125 with the profile, its eager pair
+# about 25 (its own process: four 1.3B models with their AdamW state would not fit an
+# 80 GB H100), llama_1b about 75, 350M about 135 with the CUDA-graph loop, checkpoint
+# about 40 (gpt_125m: 1.49 GB; gpt_350m's 4.26 GB took 92 s), FSDP 15: about 470 s of the
+# 480 s default, so FSDP (measured in both H200 windows) runs last.
 ITEMS: tuple[Item, ...] = (
     Item(
         "kernels",
@@ -344,7 +346,7 @@ ITEMS: tuple[Item, ...] = (
     Item(
         "checkpoint",
         "checkpoint save and load against DCP, torch.save, safetensors",
-        120,
+        90,
         plan_checkpoint,
     ),
     Item("fsdp_full", "FSDP2 dp_shard=full on one GPU against the all-reduce path", 45, plan_fsdp),

@@ -152,8 +152,8 @@ def check_same_function(model: ParallelModel, ref: Callable, batch) -> float:
 
     Both run eagerly (a compiled model or reference included): the check is about the
     weights and the model, and compiling it in eval mode and fp32 would compile graphs
-    that the timed steps (training mode, autocast) never reuse, about 25 s each for GPT
-    1.3B on an H200 (2026-11-27)."""
+    that the timed steps (training mode, autocast) never reuse (the build that ran this
+    check compiled took 49 s for GPT 1.3B on an H200, 2026-11-27)."""
     model.eval()
     ref.eval()
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
