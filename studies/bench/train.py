@@ -381,6 +381,11 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
         variants.append(("none", dataclasses.replace(cfg, compile=False)))
     if args.also_torch_kernels:
         variants.append(("none", dataclasses.replace(cfg, compile=False, kernels="torch")))
+        if ps.device.type != "cuda" and cfg.kernels == "auto" and ps.rank == 0:
+            print(
+                "note: off CUDA kernels=auto already runs torch's ops, so --also-torch-kernels "
+                "times the same ops twice; pass --kernels triton to compare the kernels"
+            )
     info: dict = {"vocab": {}}
     for mode, mcfg in variants:
         torch.manual_seed(args.seed)
