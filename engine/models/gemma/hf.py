@@ -19,7 +19,6 @@ tensors and skipped buffers) it reads from ``engine.models.llama.hf``.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from engine.models import hf_layout as layout
@@ -27,11 +26,10 @@ from engine.models.config import ModelConfig
 from engine.models.hf_layout import ConfigKey, rename, weights
 from engine.models.llama.hf import (
     DECODER_KEYS,
-    _rope,
     attention_rows,
     decoder_ignored,
     decoder_map,
-    kv_heads,
+    rotary_decoder,
 )
 
 ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM"}
@@ -92,25 +90,19 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if layout.hf_value(hf, "use_bidirectional_attention", (bool, type(None)), None):
         raise ValueError("use_bidirectional_attention=true is not supported (causal only)")
     values = layout.config_values(hf, _CONFIG)
-    values["num_kv_heads"] = kv_heads(values)
-    cfg = ModelConfig(
-        arch="gemma",
-        **values,
+    return rotary_decoder(
+        hf,
+        "gemma",
+        values,
+        _CONFIG,
         **_window(hf, values["num_layers"]),
-        hidden_dropout=0.0,
         norm="gemma_rmsnorm",
-        position_embedding="rotary",
         activation="geglu",
         qkv_bias=False,
         linear_bias=False,
         embedding_scale=True,
         post_norms=True,
-        **_rope(hf),
     )
-    head_dim = layout.hf_value(hf, "head_dim", (int, type(None)), None)
-    if head_dim is not None and head_dim * cfg.num_heads != cfg.hidden_size:
-        cfg = dataclasses.replace(cfg, attention_head_dim=head_dim)  # a width of its own
-    return layout.validated(cfg, (*_CONFIG, ConfigKey("attention_head_dim", "head_dim")))
 
 
 def config_to_hf(cfg: ModelConfig, base: dict[str, Any] | None = None) -> dict[str, Any]:

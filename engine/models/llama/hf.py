@@ -94,6 +94,26 @@ def kv_heads(values: dict[str, Any]) -> int:
     return kv
 
 
+def rotary_decoder(
+    hf: dict[str, Any], arch: str, values: dict[str, Any], keys: tuple[ConfigKey, ...], **parts
+) -> ModelConfig:
+    """The validated ModelConfig a rotary decoder's ``config.json`` becomes: ``values`` (read
+    through ``keys``) with their KV heads resolved, the family's ``parts`` (norm,
+    activation, biases...), no dropout, rotary positions with the file's rope settings, and
+    a head width of its own where ``head_dim`` is not hidden ÷ heads. Shared by the Llama
+    and Gemma families' imports."""
+    values = dict(values, num_kv_heads=kv_heads(values))
+    cfg = ModelConfig(
+        arch=arch, **values, **parts, hidden_dropout=0.0, position_embedding="rotary", **_rope(hf)
+    )
+    cfg = layout.validated(cfg, keys)
+    head_dim = layout.hf_value(hf, "head_dim", (int, type(None)), None)
+    if head_dim not in (None, cfg.head_dim):  # a width of its own: heads × d ≠ hidden
+        cfg = dataclasses.replace(cfg, attention_head_dim=head_dim)
+        cfg = layout.validated(cfg, (*keys, ConfigKey("attention_head_dim", "head_dim")))
+    return cfg
+
+
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig of a Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE
     ``config.json``; unsupported variants raise. Every value read is type-checked and the
@@ -105,24 +125,17 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     values = layout.config_values(hf, _CONFIG)
     if kind in moe_hf.ARCHITECTURES:
         values.update(moe_hf.config_values(hf))
-    values["num_kv_heads"] = kv_heads(values)
-    cfg = ModelConfig(
-        arch="llama",
-        **values,
-        hidden_dropout=0.0,
+    cfg = rotary_decoder(
+        hf,
+        "llama",
+        values,
+        _CONFIG + moe_hf.KEYS.get(kind, ()),
         norm="rmsnorm",
-        position_embedding="rotary",
         activation="swiglu",
         qkv_bias=qkv_bias,
         linear_bias=linear_bias,
         qk_norm=kind in _QK_NORMED,
-        **_rope(hf),
     )
-    cfg = layout.validated(cfg, _CONFIG + moe_hf.KEYS.get(kind, ()))
-    head_dim = layout.hf_value(hf, "head_dim", (int, type(None)), None)
-    if head_dim not in (None, cfg.head_dim):  # a width of its own: heads × d ≠ hidden
-        cfg = dataclasses.replace(cfg, attention_head_dim=head_dim)
-        cfg = layout.validated(cfg, (*_CONFIG, ConfigKey("attention_head_dim", "head_dim")))
     if layout.hf_value(hf, "use_sliding_window", bool, kind in _WINDOWED):
         window = layout.hf_value(hf, "sliding_window", (int, type(None)), None)
         if window is not None and window < cfg.max_positions:
