@@ -185,7 +185,7 @@ def _train_rows(item: str, path: Path) -> list[dict]:
         mfu = "" if r.get("mfu_pct") is None else f", MFU {r['mfu_pct']:.1f} %"
         note = f"step {r['step_ms_median']:.1f} ms; warm-up {r.get('warmup_s', 0):.0f} s"
         gap = comparisons.get(r["loop"], {}).get("loss_rel_gap")
-        note += "" if gap is None else f"; loss gap to the first loop {gap:.1e}"
+        note += "" if gap is None else f"; first-step loss gap to the first loop {gap:.1e}"
         speed = r["tokens_per_s"] / anchor["tokens_per_s"]
         result.append(
             _row(
