@@ -3,6 +3,7 @@ time limits hold, and its results are written whatever stops it."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from studies.bench import gpu_check
+from studies.bench import gpu_check, step_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_OPS = {"layer_norm", "bias_gelu", "bias_dropout_add", "rms_norm", "swiglu", "cross_entropy"}
@@ -66,9 +67,24 @@ def test_rehearsal_runs_every_item_and_writes_the_table(rehearsal):
         err = float(row["note"].split("max err vs torch ")[1].split(";")[0])
         assert err < 1e-4, row
 
+    by_kind = " time by kind"  # the profiled rows: where each loop's step time goes
     gpt = {row["case"]: row for row in items["train_gpt_350m"]["rows"]}
+    timed = {case for case in gpt if not case.endswith(by_kind)}
     loops = {"meshtron compiled", "meshtron", "meshtron torch-kernels"}
-    assert set(gpt) == loops | {"pytorch compile", "pytorch eager"}
+    assert timed == loops | {"pytorch compile", "pytorch eager"}
+    assert set(gpt) - timed == {f"{case}:{by_kind}" for case in timed}
+    for case in timed:  # CPU time off CUDA, each against the compiled plain GPT
+        row = gpt[f"{case}:{by_kind}"]
+        assert row["note"] == "CPU time per step, profiled"
+        parts = re.findall(r"(\w[\w ]*?) ([\d.]+)", row["value"].split(" (total")[0])
+        total = float(re.search(r"\(total ([\d.]+)\) ms", row["value"]).group(1))
+        assert {kind for kind, _ in parts} <= set(step_profile.KIND_NAMES), row
+        # each kind is rounded to 0.1 ms: the sum may drift by 0.05 ms a kind
+        assert sum(float(ms) for _, ms in parts) == pytest.approx(total, abs=0.05 * len(parts))
+        if case == "pytorch compile":
+            assert row["ratio"] == "", row
+        else:
+            assert row["ratio"].startswith("vs pytorch compile: "), row
     for case in ("meshtron", "meshtron torch-kernels", "pytorch compile", "pytorch eager"):
         gap = float(gpt[case]["note"].split("loss gap to the first loop ")[1])
         assert gap <= LOSS_GAP, gpt[case]

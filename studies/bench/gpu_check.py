@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from engine.tool_args import ArgumentParser, positive_int
+from studies.bench import step_profile
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BUDGET_S = 480  # a call with a 540 s limit always returns, with its files
@@ -196,7 +197,28 @@ def _train_rows(item: str, path: Path) -> list[dict]:
                 note,
             )
         )
-    return result
+    return result + _profile_rows(item, doc["meta"].get("profile", {}), anchor["loop"])
+
+
+def _profile_rows(item: str, profile: dict[str, dict], anchor: str) -> list[dict]:
+    """One row per profiled loop: its time per step by kind of work, and each kind's
+    difference to the anchor loop's (where a gap between two loops lies)."""
+    rows, base = [], profile.get(anchor, {}).get("ms_per_step")
+    vs = anchor.split(" tp=")[0]
+    for loop, entry in profile.items():
+        times = entry["ms_per_step"]
+        rows.append(
+            _row(
+                item,
+                f"{loop.split(' tp=')[0]}: time by kind",
+                step_profile.kinds_line(times),
+                ""
+                if loop == anchor or base is None
+                else f"vs {vs}: " + step_profile.difference_line(times, base),
+                f"{entry['clock'].upper()} time per step, profiled",
+            )
+        )
+    return rows
 
 
 REHEARSAL_PRESET = {"gpt_1.3b": "gpt_tiny", "gpt_350m": "gpt_tiny", "llama_1b": "llama_tiny"}
@@ -322,7 +344,7 @@ ITEMS: tuple[Item, ...] = (
     Item(
         "train_gpt_1.3b",
         "GPT 1.3B bf16 steps: meshtron compiled, plain PyTorch compiled; each loop's top "
-        "kernels profiled",
+        "kernels and its GPU time by kind of work profiled",
         200,
         train_plan("gpt_1.3b", "reference", profile=True),
     ),

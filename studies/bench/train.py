@@ -44,6 +44,7 @@ from engine.config import OptimConfig, sized_dims
 from engine.data_parallel import DataParallel, build_data_parallel
 from engine.models import ModelConfig, build_model, preset
 from engine.tool_args import ArgumentParser, non_negative_int, positive_int
+from studies.bench import step_profile
 from studies.bench.reference_gpt import (
     RefGPT,
     autocast_context,
@@ -341,25 +342,34 @@ def matmul_ceiling(
     return 2 * n**3 / min(times)
 
 
-def profile_loops(loops: list[Loop], steps: int, console: Console, *, show: bool) -> None:
-    """Print each loop's top ops by self CPU time (and CUDA time on GPUs) over ``steps``.
+def profile_loops(
+    loops: list[Loop], steps: int, console: Console, *, show: bool
+) -> dict[str, dict]:
+    """Print each loop's top ops by self CPU time (and CUDA time on GPUs) over ``steps``,
+    then every loop's time per step by kind of work (``studies.bench.step_profile``), side
+    by side; return ``{loop: {"clock": "gpu" or "cpu", "ms_per_step": {kind: ms}}}``.
     Every rank runs the steps (their collectives need all of them); ``show``: this rank
-    prints its table."""
+    prints its tables."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
     sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    kinds = {}
     for loop in loops:
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 loop.step()
+        averages = prof.key_averages()
+        clock, times = step_profile.kind_times(averages, steps)
+        kinds[loop.name] = {"clock": clock, "ms_per_step": times}
         if show:
             console.print(f"\n[bold]{loop.name}[/]: {steps} steps, top ops by {sort}")
-            console.print(
-                prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60)
-            )
+            console.print(averages.table(sort_by=sort, row_limit=20, max_name_column_width=60))
+    if show:
+        console.print(step_profile.kinds_table(kinds))
+    return kinds
 
 
 # ---------------------------------------------------------------------------------------
@@ -479,11 +489,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = [summarize(lp, info["vocab"][lp.name], cfg, args, ps, peak, ceiling) for lp in loops]
         meta = run_meta(cfg, args, ps, precision, ceiling, peak)
         meta["comparisons"] = compare(rows, loops, info, args)
+        save = ps.rank == 0 and args.out
         if ps.rank == 0:
             render(rows, meta, console)
-            if args.out:
-                write(args.out, rows, meta)
-                console.print(f"wrote {args.out}")
+        if save:  # the timings are kept even if profiling fails
+            write(args.out, rows, meta)
         if args.profile:
-            profile_loops(loops, args.profile, console, show=ps.rank == 0)
+            meta["profile"] = profile_loops(loops, args.profile, console, show=ps.rank == 0)
+            if save:  # again, with each loop's time by kind
+                write(args.out, rows, meta)
+        if save:
+            console.print(f"wrote {args.out}")
     return 0

@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine import flops
+from engine.data.fsutil import atomic_output
 from engine.models import ModelConfig, family
 
 
@@ -149,14 +150,16 @@ def render(rows: list[dict], meta: dict, console: Console) -> None:
 
 
 def write(path: str, rows: list[dict], meta: dict) -> None:
-    if path.endswith(".json"):
-        with open(path, "w") as f:
+    """The rows and their metadata as JSON (a ``.json`` path) or CSV, replacing ``path``
+    whole (a temp file renamed over it: a killed run leaves the previous file)."""
+    with atomic_output(path) as tmp, open(tmp, "w", newline="") as f:
+        if path.endswith(".json"):
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
-        return
-    flat = [
-        {**r, **{k: v for k, v in meta.items() if not isinstance(v, (list, dict))}} for r in rows
-    ]
-    with open(path, "w", newline="") as f:
+            return
+        flat = [
+            {**r, **{k: v for k, v in meta.items() if not isinstance(v, (list, dict))}}
+            for r in rows
+        ]
         # Every key of every row: the reference rows add a ratio column meshtron's lacks.
         fields = list(dict.fromkeys(k for row in flat for k in row))
         writer = csv.DictWriter(f, fieldnames=fields)
