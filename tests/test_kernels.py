@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -48,6 +49,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import layers.kernels as kernels  # noqa: E402
 import parallel_state  # noqa: E402
 from layers import copy_to_tp, vocab_parallel_cross_entropy  # noqa: E402
 from layers.fused_cross_entropy import (  # noqa: E402
@@ -646,6 +648,37 @@ def test_strided_inputs():
         rtol=1e-5,
         atol=1e-5,
     )
+
+
+@pytest.mark.parametrize(
+    "op", ["layer_norm", "rms_norm", "bias_gelu", "bias_dropout_add", "swiglu"]
+)
+def test_empty_inputs_give_torchs_empty_outputs_and_zero_parameter_gradients(op):
+    """A batch with no rows (an MoE expert that got no tokens, an empty shard) runs, as
+    torch's ops do: empty outputs and input gradients, and weight and bias gradients of
+    zeros (each kernel's row groups once divided by zero here)."""
+    w, b = (torch.randn(8, device=DEVICE, requires_grad=True) for _ in range(2))
+    x, res = (torch.randn(2, 0, 8, device=DEVICE, requires_grad=True) for _ in range(2))
+    gate_up = torch.randn(2, 0, 16, device=DEVICE, requires_grad=True)
+    calls = {
+        "layer_norm": lambda k: k.layer_norm(x, w, b, backend=k.backend),
+        "rms_norm": lambda k: k.rms_norm(x, w, 1e-6, backend=k.backend),
+        "bias_gelu": lambda k: k.bias_gelu(x, b, backend=k.backend),
+        "bias_dropout_add": lambda k: k.bias_dropout_add(x, b, res, 0.1, True, backend=k.backend),
+        "swiglu": lambda k: k.swiglu(gate_up, backend=k.backend),
+    }
+    results = []
+    for backend in ("triton", "torch"):
+        out = calls[op](SimpleNamespace(**vars(kernels), backend=backend))
+        leaves = (x, res, gate_up, w, b)  # those the op does not use get None
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
+        results.append((out, grads))
+    (out, grads), (ref, ref_grads) = results
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    for got, want in zip(grads, ref_grads, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=0, atol=0)  # empty, or exact zeros
 
 
 # ---------------------------------------------------------------- dispatch

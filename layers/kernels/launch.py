@@ -101,7 +101,11 @@ def row_groups(
 
     Each group is one program per column block, looping over its rows and keeping fp32
     partial column sums, so partial-sum buffers are [groups, N]: small, whatever n_rows.
+    No rows is one empty group: its partial sums stay zero, so the gradients are zero (as
+    torch's are for an empty input).
     """
+    if n_rows == 0:
+        return 1, 1
     target = max(1, num_programs(device) * per_sm // max(n_blocks, 1))
     groups = max(1, min(n_rows, target))
     per_group = triton.cdiv(n_rows, groups)
