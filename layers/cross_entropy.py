@@ -85,11 +85,11 @@ def _local_max(logits: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
 
 
 def check_target_shape(logits: torch.Tensor, target: torch.Tensor) -> None:
-    """Raise unless ``logits`` is ``target``'s shape plus a vocabulary dim."""
-    if logits.shape[:-1] != target.shape:
+    """Raise unless ``logits`` is ``target``'s shape plus a non-empty vocabulary dim."""
+    if logits.dim() == 0 or logits.shape[:-1] != target.shape or not logits.shape[-1]:
         raise ValueError(
             f"logits {tuple(logits.shape)} and target {tuple(target.shape)} disagree: "
-            "logits must be target's shape plus a vocabulary dim"
+            "logits must be target's shape plus a non-empty vocabulary dim"
         )
 
 

@@ -681,6 +681,25 @@ def test_empty_inputs_give_torchs_empty_outputs_and_zero_parameter_gradients(op)
             torch.testing.assert_close(got, want, rtol=0, atol=0)  # empty, or exact zeros
 
 
+def test_a_zero_width_row_is_refused_in_one_line():
+    """No model has rows of width 0 (torch's ops return empty tensors for them): each
+    Triton path refuses them with a ValueError naming the shape, not a reshape error."""
+    x, v = torch.randn(3, 0, device=DEVICE), torch.randn(0, device=DEVICE)
+    calls = {
+        "layer_norm": lambda: layer_norm(x, v, v, backend="triton"),
+        "rms_norm": lambda: kernels.rms_norm(x, v, backend="triton"),
+        "bias_gelu": lambda: bias_gelu(x, v, backend="triton"),
+        "bias_dropout_add": lambda: bias_dropout_add(x, v, x, 0.1, True, backend="triton"),
+        "swiglu": lambda: kernels.swiglu(x, backend="triton"),
+        "cross_entropy": lambda: fused_vocab_parallel_cross_entropy(
+            x, torch.zeros(3, dtype=torch.long, device=DEVICE), backend="triton"
+        ),
+    }
+    for call in calls.values():
+        with pytest.raises(ValueError, match=r"\(3, 0\)"):
+            call()
+
+
 # ---------------------------------------------------------------- dispatch
 
 

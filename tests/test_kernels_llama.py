@@ -208,7 +208,7 @@ def test_swiglu_3d_strided_bias_and_odd_width():
     y.sum().backward()
     torch.testing.assert_close(y, swiglu(gu + b, backend="torch"), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(b.grad, gu.grad.sum(0), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="even last dim"):
+    with pytest.raises(ValueError, match="even, non-empty last dim"):
         swiglu(torch.randn(3, 7, device=DEVICE), backend="triton")
 
 

@@ -7,6 +7,7 @@ when a Triton path runs.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -206,23 +207,22 @@ def check_vector(name: str, t: torch.Tensor | None, n: int, x: torch.Tensor) -> 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """``x`` viewed as [rows, last dim] with unit column stride (a copy only if needed)."""
-    x2d = x.reshape(-1, x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
+    # The row count spelled out: reshape cannot infer -1 rows of an empty last dim.
+    x2d = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() > 0 else x.reshape(1, 1)
     return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
 
 
-def checked_rows(
-    kernel: object, x: torch.Tensor, min_cols: int = 0, **vectors: torch.Tensor | None
-) -> torch.Tensor:
+def checked_rows(kernel: object, x: torch.Tensor, **vectors: torch.Tensor | None) -> torch.Tensor:
     """``x`` as [M, N] rows for a forward launch of ``kernel``, after the launchers' checks.
 
-    x must be a float tensor with at least one dim and a last dim of at least ``min_cols``;
+    x must be a float tensor with at least one dim and a non-empty last dim (a zero-width
+    row, which no model has, is refused in one line);
     each of ``vectors`` (weight, bias: None when absent) a float [N] tensor on x's device.
     """
     check_float("x", x)
-    if x.dim() == 0 or x.shape[-1] < min_cols:
+    if x.dim() == 0 or x.shape[-1] < 1:
         raise ValueError(
-            f"x must have at least one dim, the last of size >= {min_cols}, "
-            f"got shape {tuple(x.shape)}"
+            f"x must have at least one dim, the last of size >= 1, got shape {tuple(x.shape)}"
         )
     for name, t in vectors.items():
         check_vector(name, t, x.shape[-1], x)
@@ -236,7 +236,7 @@ def grad_rows(dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     if dy.shape != x.shape:
         raise ValueError(f"dy {tuple(dy.shape)} must match x {tuple(x.shape)}")
     x2d = as_rows(x)
-    dy2d = dy.reshape(-1, x2d.shape[1]).contiguous()
+    dy2d = dy.reshape(x2d.shape).contiguous()
     return x2d, dy2d, torch.empty(x2d.shape, dtype=x.dtype, device=x.device)
 
 

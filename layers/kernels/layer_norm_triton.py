@@ -117,7 +117,7 @@ def norm_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Normalize ``x`` over its last dim: (y shaped like x in ``out_dtype``, mean [M] or
     None when ``rms``, rstd [M]); ``rms`` skips the mean (RMSNorm, no bias)."""
-    x2d = launch.checked_rows(_layer_norm_fwd_kernel, x, 1, weight=weight, bias=bias)
+    x2d = launch.checked_rows(_layer_norm_fwd_kernel, x, weight=weight, bias=bias)
     m, n = x2d.shape
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     mean = None if rms else torch.empty(m, dtype=torch.float32, device=x.device)

@@ -85,9 +85,9 @@ def _grid(m: int, f: int) -> tuple[tuple[int, int], int, int, int]:
 
 def _check_gate_up(gate_up: torch.Tensor) -> None:
     check_float("gate_up", gate_up)
-    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2 or not gate_up.shape[-1]:
         raise ValueError(
-            "gate_up must interleave gate and up columns in an even last dim, got shape "
+            "gate_up must interleave gate and up columns in an even, non-empty last dim, got shape "
             f"{tuple(gate_up.shape)}"
         )
 
