@@ -20,6 +20,7 @@ from dataclasses import fields
 
 from engine.checkpoint.storage import CheckpointError
 from engine.config import sized_dims
+from engine.data.fsutil import tokenizer_file
 from engine.generate import Sampling
 from engine.inference import ModelSource
 from engine.models.families import FAMILIES
@@ -93,12 +94,11 @@ def check(args: argparse.Namespace) -> str:
         )
     cfg.validate(args.tp_size)
     sampling(args).check()
-    tokenizer = args.tokenizer or source.tokenizer_path()
-    if tokenizer is None or not os.path.isfile(tokenizer):
-        raise FileNotFoundError(
-            f"no tokenizer for {args.ckpt or args.hf_dir}: pass --tokenizer PATH (the "
-            "PREFIX.tokenizer.json saved with the training data, or a tokenizer.json)"
-        )
+    tokenizer = tokenizer_file(
+        args.tokenizer,
+        None if args.tokenizer else source.tokenizer_path(),
+        args.ckpt or args.hf_dir,
+    )
     if args.hf_dir:
         from engine.hf_interop import hf_weight_files
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from engine.checkpoint.storage import CheckpointError
 from engine.config import Config
+from engine.data.fsutil import tokenizer_file
 from engine.inference import ModelSource, inference_config
 from engine.models.families import FAMILIES
 from engine.tool_args import ArgumentParser, add_quantize_flag, positive_int
@@ -133,9 +134,7 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
     from engine.data.preprocess import EOD_TOKEN
     from engine.data.run_data import eval_iterator
 
-    where = args.ckpt or args.hf_dir
-    if cfg.data.tokenizer is None or not os.path.isfile(cfg.data.tokenizer):
-        raise ValueError(f"no tokenizer for {where}: pass --tokenizer PATH")
+    tokenizer_file(args.tokenizer, cfg.data.tokenizer, args.ckpt or args.hf_dir)
     cfg.model.validate(args.tp_size)
     if getattr(args, "quantize", "none") != "none" and not cfg.model.causal:
         raise ValueError(f"--quantize {args.quantize} is for decoders, not {cfg.model.arch}")
@@ -265,11 +264,11 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="meshtron-eval-") as tmp:
             text_prefix = None
             if args.text:
-                tokenizer = evaluation_config(args).data.tokenizer
-                if tokenizer is None or not os.path.isfile(tokenizer):
-                    raise ValueError(
-                        f"no tokenizer for {args.ckpt or args.hf_dir}: pass --tokenizer PATH"
-                    )
+                tokenizer = tokenizer_file(
+                    args.tokenizer,
+                    evaluation_config(args).data.tokenizer,
+                    args.ckpt or args.hf_dir,
+                )
                 _readable_tokenizer(tokenizer)
                 text_prefix = _tokenize_text(args.text, tokenizer, tmp)
             result = _evaluate(args, text_prefix)

@@ -91,6 +91,11 @@ def export_dcp(src: str | Path, out_dir: str | Path) -> int:
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not an empty directory; give a new one")
+    from engine.preflight import probe_writable
+
+    problem = probe_writable(out, directory=True)  # before reading anything
+    if problem:
+        raise ValueError(f"{problem}; give a directory that can be created and written")
     reader = ShardReader(resolve(src))
     check_shapes(reader)
     index = reader.index

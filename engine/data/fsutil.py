@@ -190,3 +190,20 @@ def _running(pid: int) -> bool:
     except PermissionError:  # another user's live process
         return True
     return True
+
+
+def tokenizer_file(given: str | None, recorded: str | None, where: str) -> str:
+    """The tokenizer.json a tool reads: ``given`` (its ``--tokenizer``) when set, else
+    ``recorded`` (the one saved with the model or its data). ValueError, in one line, when
+    the one chosen is not a readable file: a ``--tokenizer`` the user named is named back."""
+    if given is not None:
+        problem = file_problem(given)
+        if problem is not None:
+            raise ValueError(f"--tokenizer {given} {problem}; give a tokenizer.json file")
+        return given
+    if recorded is None or file_problem(recorded) is not None:
+        raise ValueError(
+            f"no tokenizer for {where}: pass --tokenizer PATH (the PREFIX.tokenizer.json "
+            "saved with the training data, or a tokenizer.json)"
+        )
+    return recorded
