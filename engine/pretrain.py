@@ -60,6 +60,8 @@ def prepare(cfg: Config) -> Config:
     from engine.data.fsutil import file_problem
     from engine.data.run_data import resolve_data
 
+    if not cfg.data.prefixes and (problem := _cache_dir_problem(cfg)):
+        _fail(problem)  # the embedded default corpus is built (once) in the cache
     cfg = dataclasses.replace(
         cfg, dp_size=dims.dp, data=resolve_data(cfg.data), optim=scale_lr(cfg.optim, cfg.trainer)
     )
@@ -81,6 +83,24 @@ def prepare(cfg: Config) -> Config:
     if problems:
         _fail(problems)
     return cfg
+
+
+def _cache_dir_problem(cfg: Config) -> list[str]:
+    """The cache directory the default corpus is built in must be writable (it is locked
+    there even when already built)."""
+    from engine.data.default_corpus import default_cache_dir
+    from engine.preflight import probe_writable
+
+    given = cfg.data.cache_dir
+    cache = Path(given) if given else default_cache_dir()
+    problem = probe_writable(cache, directory=True)
+    if not problem:
+        return []
+    where = f"data.cache_dir={cache}" if given else f"the corpus cache {cache}"
+    return [
+        f"{where} cannot hold the embedded default corpus: {problem} (pass data.cache_dir=DIR "
+        "or set MESHTRON_CACHE, or data.prefixes=[PREFIX] for your own data)"
+    ]
 
 
 def _check_checkpoint_dir(cfg: Config) -> list[str]:
@@ -126,13 +146,20 @@ def _step_limit_problem(cfg: Config) -> list[str]:
 def _resume_problem(cfg: Config, root: Path) -> list[str]:
     """One line when the checkpoint this run would resume from holds another model: one
     of the keys a resume keeps (engine/models/config.py RESUME_FIXED) changed."""
-    from engine.checkpoint.manager import newest_index
+    from engine.checkpoint.manager import newest_index, unusable_checkpoints
     from engine.config_cli import override_value
     from engine.models.config import ModelConfig
 
     found = newest_index(root) if cfg.checkpoint.resume else None
     if found is None:
-        return []
+        damaged = unusable_checkpoints(root) if cfg.checkpoint.resume else []
+        if not damaged:
+            return []
+        more = f" (and {len(damaged) - 1} older)" if len(damaged) > 1 else ""
+        return [
+            f"checkpoint.dir={root} holds no usable checkpoint to resume: {damaged[0]}{more}; "
+            "delete the damaged step directories, or give this run another checkpoint.dir"
+        ]
     try:
         saved = ModelConfig.from_dict(found[1]["model_config"])
     except (TypeError, ValueError):

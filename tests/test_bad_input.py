@@ -111,6 +111,10 @@ def _make_checkpoints(d: Path) -> dict[str, str]:
         index["tensors"]["model/embedding.position"]["shape"] = shape
         write_index(step, {k: v for k, v in index.items() if k != "index_sha256"})
         out[name] = str(d / name)
+    shutil.copytree(d / "ck", d / "ck_trunc")  # its only step's file cut short
+    with open(d / "ck_trunc" / "step_00000001" / "rank00000.safetensors", "r+b") as f:
+        f.truncate(100)
+    out["ck_trunc"] = str(d / "ck_trunc")
     (d / "a_file").write_text("not a directory")
     out["a_file"] = str(d / "a_file")
     return out
@@ -182,6 +186,8 @@ PRETRAIN_CASES = """
     temperature_0 trainer.sample_temperature=0 "trainer.sample_temperature=0.0 must be > 0"
     wandb_missing trainer.wandb_project=x "needs wandb, which is not installed"
     other_model_ckpt checkpoint.dir={ck} "holds a run of another model (checkpoint has model.vocab_size=500, the model 512"
+    every_checkpoint_damaged checkpoint.dir={ck_trunc} "step_00000001/rank00000.safetensors is damaged: 100 bytes, the index says"
+    cache_dir_unwritable data.prefixes=[] data.default_vocab_size=512 data.cache_dir={a_file}/cache "a_file/cache cannot hold the embedded default corpus: "
     # item 9: silently accepted
     weights_nan data.weights=[nan,1] +prefixes=good,good "must be >= 0 with a positive sum, all finite"
     weights_inf data.weights=[inf,1] +prefixes=good,good "must be >= 0 with a positive sum, all finite"

@@ -312,18 +312,41 @@ def _candidates(root: Path, log: Callable[[str], None]) -> list[Path]:
     return [root / step_dir_name(latest), *older]
 
 
+def _quick_check(path: Path) -> dict:
+    """``path``'s index, after the checks that read no tensor data: the index reads and is
+    well formed, and every file it lists is there at its recorded size (CheckpointError
+    otherwise). The hashes are the loader's to check."""
+    index = read_index(path)
+    _check_index(path, index)
+    ShardReader(path, index).check_sizes()
+    return index
+
+
 def newest_index(root: str | Path) -> tuple[Path, dict] | None:
-    """The step directory a resume from ``root`` tries first whose index reads and is well
-    formed (the loader's order: ``latest``, then older steps), with that index; None when
-    there is none. Its shard files are not read: the load may still fall back further."""
+    """The step directory a resume from ``root`` tries first that passes the quick checks
+    (the loader's order: ``latest``, then older steps), with its index; None when there is
+    none. Its shard files are not read: the load may still fall back further."""
     for path in _candidates(Path(root), lambda msg: None):
         try:
-            index = read_index(path)
-            _check_index(path, index)
+            return path, _quick_check(path)
         except CheckpointError:
             continue
-        return path, index
     return None
+
+
+def unusable_checkpoints(root: str | Path) -> list[str]:
+    """Why each step directory under ``root`` fails the quick checks, newest first, when
+    every one fails (a resume would then find nothing to load); [] when one passes or
+    there are none. Found before any worker starts."""
+    problems = []
+    for path in _candidates(Path(root), lambda msg: None):
+        try:
+            _quick_check(path)
+        except CheckpointError as err:
+            problems.append(f"{path.name}: {err}")
+            continue
+        return []
+    return problems
 
 
 def _read_rank(path: Path, model: ParallelModel, optimizer, mesh: _Mesh) -> dict[str, Any]:

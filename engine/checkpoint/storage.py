@@ -172,6 +172,12 @@ class ShardReader:
             raise CheckpointError(f"{self.directory / INDEX} records no hash of {fname}")
         return path, record, algo
 
+    def check_sizes(self) -> None:
+        """CheckpointError naming the first file the index lists that is missing or not
+        its recorded size (nothing is read: the hashes are checked when files are)."""
+        for fname in self.index["files"]:
+            self._checked(fname)
+
     def _check_names(self, path: Path, record: dict, names) -> None:
         missing = set(record["slices"]) - set(names)
         if missing:
