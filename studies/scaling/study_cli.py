@@ -140,9 +140,16 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
         _fail(f"--pp {max(args.pp)}: the {args.workload} workload has no pipeline; use --pp 1")
     if (args.out / "points.jsonl").exists() and not args.resume:
         _fail(f"--out {args.out} holds a study already: add --resume, or choose another --out")
+    if args.resume and not args.out.is_dir():  # a mistyped --out would start afresh
+        _fail(
+            f"--resume: {args.out} does not exist (no study to continue); fix --out or drop --resume"
+        )
     problem = _unwritable(args.out)
     if problem:  # known now, not after the first point's minutes
         _fail(f"--out {args.out} cannot be written: {problem}")
+    problem = _overrides_problem(args.workload, args.model, args.overrides)
+    if problem:  # the same for every point: refused before the first one starts
+        _fail(problem)
     spec = RunSpec(args.model, tuple(args.overrides), args.steps, args.warmup)
     return StudyConfig(
         workload=args.workload,
@@ -162,6 +169,36 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
         schedules=args.schedule,
         virtual_stages=args.virtual_stages,
     )
+
+
+def _overrides_problem(workload: str, model: str | None, overrides: list[str]) -> str | None:
+    """One line for overrides no point could run with: a key the workload's config lacks,
+    or (pretrain) a value Hydra cannot compose; None when they compose."""
+    from engine.config_cli import hydra_error_line, unknown_key
+
+    if workload == "classify":
+        from apps.classify_config import ClassifyConfig
+
+        return unknown_key(overrides, ClassifyConfig, "apps.classify")
+    problem = unknown_key(overrides)
+    if problem:
+        return problem
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from engine.config import register_configs
+    from engine.config_cli import CONFIGS
+
+    register_configs()
+    chosen = [f"model={model}"] if model else []
+    try:
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+            OmegaConf.to_object(compose("config", overrides=[*chosen, *overrides]))
+    except (HydraException, OmegaConfBaseException) as err:
+        return hydra_error_line(err)
+    return None
 
 
 def _unwritable(out: Path) -> str | None:
