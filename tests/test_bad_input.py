@@ -420,6 +420,8 @@ TOOLS_CASES = """
     scaling_study_out_under_a_file scaling_study 2 --out {a_file}/study "cannot be written"
     preprocess_workers_0 preprocess_data 2 --input {dir}/text/00.txt --output-prefix {dir}/o8 --vocab-size 300 --workers 0 "argument --workers: 0 must be >= 1"
     preprocess_workers_negative preprocess_data 2 --input {dir}/text/00.txt --output-prefix {dir}/o9 --vocab-size 300 --workers -3 "argument --workers: -3 must be >= 1"
+    calibrate_tp_0 calibrate 2 --quick --tp 0 --out {dir}/c2.yaml "argument --tp: 0 must be >= 1"
+    calibrate_tp_not_int calibrate 2 --quick --tp a,b --out {dir}/c3.yaml "argument --tp: 'a' is not an integer (in the comma list 'a,b')"
 """
 TOOLS = [
     (cid, tool, argv, int(status), fragment)
