@@ -112,7 +112,8 @@ def _make_checkpoints(d: Path) -> dict[str, str]:
         write_index(step, {k: v for k, v in index.items() if k != "index_sha256"})
         out[name] = str(d / name)
     (d / "a_file").write_text("not a directory")
-    out["a_file"] = str(d / "a_file")
+    (d / "empty_file").write_text("")
+    out |= {n: str(d / n) for n in ("a_file", "empty_file")}
     return out
 
 
@@ -422,6 +423,10 @@ TOOLS_CASES = """
     preprocess_workers_negative preprocess_data 2 --input {dir}/text/00.txt --output-prefix {dir}/o9 --vocab-size 300 --workers -3 "argument --workers: -3 must be >= 1"
     calibrate_tp_0 calibrate 2 --quick --tp 0 --out {dir}/c2.yaml "argument --tp: 0 must be >= 1"
     calibrate_tp_not_int calibrate 2 --quick --tp a,b --out {dir}/c3.yaml "argument --tp: 'a' is not an integer (in the comma list 'a,b')"
+    validate_csv_empty validate_perfmodel 2 scaling --csv {empty_file} --cluster cpu_2core "empty_file has no usable rows (the file is empty); give the results.csv of tools/scaling_study.py, with the columns tp_size, dp_size, micro_batch, global_batch, step_time_s"
+    validate_csv_not_a_csv validate_perfmodel 2 scaling --csv {a_file} --cluster cpu_2core "a_file has no usable rows (no header row); give the results.csv of tools/scaling_study.py, with the columns"
+    validate_csv_missing validate_perfmodel 2 scaling --csv {dir}/missing.csv --cluster cpu_2core "missing.csv does not exist; give the results.csv of a scaling study"
+    validate_points_past_the_last validate_perfmodel 2 machine --cluster cpu_2core --points 99 "argument --points: '99' is not a point index: give a comma list of 0..12"
 """
 TOOLS = [
     (cid, tool, argv, int(status), fragment)
