@@ -113,7 +113,8 @@ def _make_checkpoints(d: Path) -> dict[str, str]:
         out[name] = str(d / name)
     (d / "a_file").write_text("not a directory")
     (d / "empty_file").write_text("")
-    out |= {n: str(d / n) for n in ("a_file", "empty_file")}
+    (d / "empty_dir").mkdir()
+    out |= {n: str(d / n) for n in ("a_file", "empty_file", "empty_dir")}
     return out
 
 
@@ -427,6 +428,7 @@ TOOLS_CASES = """
     validate_csv_not_a_csv validate_perfmodel 2 scaling --csv {a_file} --cluster cpu_2core "a_file has no usable rows (no header row); give the results.csv of tools/scaling_study.py, with the columns"
     validate_csv_missing validate_perfmodel 2 scaling --csv {dir}/missing.csv --cluster cpu_2core "missing.csv does not exist; give the results.csv of a scaling study"
     validate_points_past_the_last validate_perfmodel 2 machine --cluster cpu_2core --points 99 "argument --points: '99' is not a point index: give a comma list of 0..12"
+    plan_cluster_is_a_dir plan 2 predict --model gpt_125m --global-batch 8 --gpus 2 --cluster {empty_dir} "empty_dir' is a directory, not a cluster spec; give a cluster YAML file"
 """
 TOOLS = [
     (cid, tool, argv, int(status), fragment)
