@@ -70,6 +70,22 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
+def int_list(least: int = 1):
+    """argparse type: a comma list of integers, each >= ``least`` ("1,2,4"), as a list."""
+
+    def parse(text: str) -> list[int]:
+        values = []
+        for item in text.split(","):
+            try:
+                values.append(_int_at_least(item, least))
+            except argparse.ArgumentTypeError as err:
+                where = f" (in the comma list {text[:40]!r})" if "," in text else ""
+                raise argparse.ArgumentTypeError(f"{err}{where}") from None
+        return values
+
+    return parse
+
+
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     return _int_at_least(text, 0)

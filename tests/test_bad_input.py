@@ -116,7 +116,9 @@ def _make_checkpoints(d: Path) -> dict[str, str]:
         f.truncate(100)
     out["ck_trunc"] = str(d / "ck_trunc")
     (d / "a_file").write_text("not a directory")
-    out["a_file"] = str(d / "a_file")
+    (d / "empty_file").write_text("")
+    (d / "empty_dir").mkdir()
+    out |= {n: str(d / n) for n in ("a_file", "empty_file", "empty_dir")}
     return out
 
 
@@ -432,6 +434,13 @@ TOOLS_CASES = """
     scaling_study_resume_nothing scaling_study 2 --out {dir}/o12 --resume "o12 does not exist (no study to continue); fix --out or drop --resume"
     preprocess_workers_0 preprocess_data 2 --input {dir}/text/00.txt --output-prefix {dir}/o8 --vocab-size 300 --workers 0 "argument --workers: 0 must be >= 1"
     preprocess_workers_negative preprocess_data 2 --input {dir}/text/00.txt --output-prefix {dir}/o9 --vocab-size 300 --workers -3 "argument --workers: -3 must be >= 1"
+    calibrate_tp_0 calibrate 2 --quick --tp 0 --out {dir}/c2.yaml "argument --tp: 0 must be >= 1"
+    calibrate_tp_not_int calibrate 2 --quick --tp a,b --out {dir}/c3.yaml "argument --tp: 'a' is not an integer (in the comma list 'a,b')"
+    validate_csv_empty validate_perfmodel 2 scaling --csv {empty_file} --cluster cpu_2core "empty_file has no usable rows (the file is empty); give the results.csv of tools/scaling_study.py, with the columns tp_size, dp_size, micro_batch, global_batch, step_time_s"
+    validate_csv_not_a_csv validate_perfmodel 2 scaling --csv {a_file} --cluster cpu_2core "a_file has no usable rows (no header row); give the results.csv of tools/scaling_study.py, with the columns"
+    validate_csv_missing validate_perfmodel 2 scaling --csv {dir}/missing.csv --cluster cpu_2core "missing.csv does not exist; give the results.csv of a scaling study"
+    validate_points_past_the_last validate_perfmodel 2 machine --cluster cpu_2core --points 99 "argument --points: '99' is not a point index: give a comma list of 0..12"
+    plan_cluster_is_a_dir plan 2 predict --model gpt_125m --global-batch 8 --gpus 2 --cluster {empty_dir} "empty_dir' is a directory, not a cluster spec; give a cluster YAML file"
 """
 TOOLS = [
     (cid, tool, argv, int(status), fragment)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from engine.tool_args import ArgumentParser, int_list, positive_int
 from studies.perfmodel import in_model_runs
 from studies.perfmodel.concurrency import TARGET_S, measure_rank_speed
 from studies.perfmodel.model import (
@@ -220,17 +221,25 @@ def build_parser(
     description: str | None = None, formatter=argparse.HelpFormatter
 ) -> argparse.ArgumentParser:
     """The command line of tools/calibrate.py."""
-    p = argparse.ArgumentParser(description=description, formatter_class=formatter)
+    p = ArgumentParser(description=description, formatter_class=formatter)
     p.add_argument("--model", default="gpt_tiny", help="configs/model preset whose GEMMs to time")
     p.add_argument(
         "--hidden",
+        type=int_list(),
         default=None,
         help="comma list of hidden sizes whose GEMMs to time too (default: the preset's)",
     )
-    p.add_argument("--seq", type=int, default=128, help="sequence length (data.seq_len)")
-    p.add_argument("--micro-batch", default="1,2,4", help="comma list of micro-batches")
-    p.add_argument("--tp", default="1,2,4", help="comma list of TP sizes")
-    p.add_argument("--ranks", default="2,4", help="comma list of gloo group sizes to time")
+    p.add_argument("--seq", type=positive_int, default=128, help="sequence length (data.seq_len)")
+    p.add_argument(
+        "--micro-batch", type=int_list(), default="1,2,4", help="comma list of micro-batches"
+    )
+    p.add_argument("--tp", type=int_list(), default="1,2,4", help="comma list of TP sizes")
+    p.add_argument(
+        "--ranks",
+        type=int_list(2),  # the ring fit needs 2 or more processes
+        default="2,4",
+        help="comma list of gloo group sizes to time (each >= 2)",
+    )
     p.add_argument("--name", default=None, help="cluster name (default: the output file stem)")
     p.add_argument("--quick", action="store_true", help="few shapes and repeats (tests)")
     p.add_argument(
@@ -303,12 +312,11 @@ def _workload(args: argparse.Namespace) -> Workload:
 def _sweep(args: argparse.Namespace, w: Workload) -> tuple[list[int], list[int], list[int]]:
     """TP sizes, micro-batches and hidden sizes to time; ``--quick`` also cuts ``args.ranks``
     to its first group size."""
-    tps = [int(x) for x in args.tp.split(",")]
-    mbs = [int(x) for x in args.micro_batch.split(",")]
+    tps, mbs = args.tp, args.micro_batch
     if args.quick:
         # the largest micro-batch: the CI points run micro-batch 4
-        tps, mbs, args.ranks = tps[:2], mbs[-1:], args.ranks.split(",")[0]
-    hiddens = [int(x) for x in args.hidden.split(",")] if args.hidden else [w.hidden]
+        tps, mbs, args.ranks = tps[:2], mbs[-1:], args.ranks[:1]
+    hiddens = args.hidden or [w.hidden]
     return tps, mbs, hiddens
 
 
@@ -366,7 +374,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
     w = _workload(args)
     tps, mbs, hiddens = _sweep(args, w)
     measured = _measure_device(w, tps, mbs, hiddens, repeats)
-    rank_counts = [int(x) for x in args.ranks.split(",")]
+    rank_counts = args.ranks
     speeds = measure_rank_speed(
         w, max(mbs), rank_counts, repeats=2, block_s=args.rank_speed_seconds
     )
@@ -383,7 +391,7 @@ def calibrate_cpu(args: argparse.Namespace) -> dict:
         "overlap_source": "CPU: gloo's reductions need the cores the backward pass is using",
         "intra_node": {
             **intra,
-            "source": f"gloo all-reduce over {args.ranks} processes, "
+            "source": f"gloo all-reduce over {','.join(map(str, rank_counts))} processes, "
             f"ring fit per group size; {src}",
         },
         "inter_node": {

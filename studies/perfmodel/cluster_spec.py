@@ -38,6 +38,7 @@ from typing import Any
 
 import yaml
 
+from engine.data.fsutil import MISSING, file_problem
 from studies.perfmodel.in_model import parse as parse_in_model
 
 CLUSTER_DIR = Path(__file__).resolve().parents[2] / "configs" / "cluster"
@@ -319,6 +320,12 @@ def _read(name_or_path: str, directory: Path) -> tuple[dict[str, Any], Path]:
     if not path.suffix:
         path = directory / f"{name_or_path}.yaml"
     if not path.is_file():
+        problem = file_problem(name_or_path)  # what the name is where it names something
+        if problem not in (None, MISSING):
+            raise ValueError(
+                f"cluster {name_or_path!r} {problem}, not a cluster spec; give a cluster YAML "
+                f"file (e.g. configs/cluster/dgx_h100.yaml) or one of {cluster_names(directory)}"
+            )
         raise ValueError(
             f"cluster {name_or_path!r} not found; choose one of {cluster_names(directory)} "
             "or give a YAML path"

@@ -135,29 +135,56 @@ def measure_with_probe(point: Point, steps: int = 16, log_every: int = 4) -> Poi
     return replace(point, measured_s=seconds, probe_gflops=share, parts=parts)
 
 
+SCALING_COLUMNS = ("tp_size", "dp_size", "micro_batch", "global_batch", "step_time_s")
+"""The columns of a scaling study's results.csv that ``read_scaling_results`` prices."""
+
+
 def read_scaling_results(path: str | Path, base: Workload, overlap: bool = True) -> list[Point]:
     """Points of a scaling-study results.csv (``base`` gives the model sizes and seq;
-    ``overlap``: whether the study ran with trainer.overlap_grad_reduce)."""
+    ``overlap``: whether the study ran with trainer.overlap_grad_reduce). ValueError (one
+    line naming the file) for a file without the columns, a bad value, or no usable row."""
+    needs = "give the results.csv of tools/scaling_study.py, with the columns " + ", ".join(
+        SCALING_COLUMNS
+    )
     points = []
     with open(path, newline="") as fh:
-        for row in csv.DictReader(fh):
+        reader = csv.DictReader(fh)
+        missing = [c for c in SCALING_COLUMNS if c not in (reader.fieldnames or ())]
+        if reader.fieldnames is None or len(missing) == len(SCALING_COLUMNS):
+            why = "the file is empty" if reader.fieldnames is None else "no header row"
+            raise ValueError(f"{path} has no usable rows ({why}); {needs}")
+        if missing:
+            raise ValueError(f"{path} has no usable rows (no column {', '.join(missing)}); {needs}")
+        for line, row in enumerate(reader, start=2):
             if not row.get("step_time_s"):
                 continue  # a failed point
-            w = replace(base, global_batch=int(row["global_batch"]))
-            # the study's ranks: CPU, one thread each, attention dropout (unfused SDPA)
-            lay = Layout(
-                int(row["tp_size"]),
-                int(row["dp_size"]),
-                int(row["micro_batch"]),
-                fused_attention=False,
-                threads=1,
-                overlap_grad_reduce=overlap,
-            )
-            label = f"nodes={row.get('nodes', 1)} tp={lay.tp} dp={lay.dp} mb={lay.micro_batch}"
-            label += "" if overlap else " no-overlap"
-            per_node = int(row.get("procs_per_node") or 0) or None
-            points.append(Point(label, w, lay, float(row["step_time_s"]), ranks_per_node=per_node))
+            try:
+                points.append(_scaling_point(row, base, overlap))
+            except (TypeError, ValueError) as err:  # a short row (None) or a non-number
+                raise ValueError(f"{path}: line {line}: {err}; {needs}") from None
+    if not points:
+        raise ValueError(
+            f"{path} has no usable rows (none has a step_time_s: no point of the study ran)"
+        )
     return points
+
+
+def _scaling_point(row: dict, base: Workload, overlap: bool) -> Point:
+    """One row of a results.csv as a Point."""
+    w = replace(base, global_batch=int(row["global_batch"]))
+    # the study's ranks: CPU, one thread each, attention dropout (unfused SDPA)
+    lay = Layout(
+        int(row["tp_size"]),
+        int(row["dp_size"]),
+        int(row["micro_batch"]),
+        fused_attention=False,
+        threads=1,
+        overlap_grad_reduce=overlap,
+    )
+    label = f"nodes={row.get('nodes', 1)} tp={lay.tp} dp={lay.dp} mb={lay.micro_batch}"
+    label += "" if overlap else " no-overlap"
+    per_node = int(row.get("procs_per_node") or 0) or None
+    return Point(label, w, lay, float(row["step_time_s"]), ranks_per_node=per_node)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from engine.data.fsutil import file_problem
+from engine.tool_args import ArgumentParser
 from studies.perfmodel import published
 from studies.perfmodel.cluster_spec import load_cluster
 from studies.perfmodel.model import Layout, Workload
@@ -53,13 +55,38 @@ MACHINE_POINTS = (
 )
 
 
+def point_indices(text: str) -> list[int]:
+    """argparse type of ``--points``: ``all``, or a comma list of indices of MACHINE_POINTS."""
+    count = len(MACHINE_POINTS)
+    if text == "all":
+        return list(range(count))
+    indices = []
+    for item in text.split(","):
+        try:
+            index = int(item)
+        except ValueError:
+            index = None
+        if index is None or not 0 <= index < count:
+            raise argparse.ArgumentTypeError(
+                f"{item[:40]!r} is not a point index: give a comma list of 0..{count - 1} "
+                f"(the {count} machine points), or all"
+            )
+        indices.append(index)
+    return indices
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of tools/validate_perfmodel.py."""
-    p = argparse.ArgumentParser(description=__doc__)
+    p = ArgumentParser(description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("machine", help="run engine.pretrain here and compare")
     m.add_argument("--cluster", required=True, help="the calibrated spec of this machine")
-    m.add_argument("--points", default="all", help="comma list of point indices, or all")
+    m.add_argument(
+        "--points",
+        type=point_indices,
+        default="all",
+        help=f"comma list of point indices (0..{len(MACHINE_POINTS) - 1}), or all",
+    )
     m.add_argument("--steps", type=int, default=16, help="steps per run (log every 4)")
     m.add_argument(
         "--rounds",
@@ -119,17 +146,19 @@ def median_points(rounds: list) -> list[Point]:
 
 def _machine(args: argparse.Namespace) -> list:
     cluster = load_cluster(args.cluster)
-    chosen = (
-        range(len(MACHINE_POINTS))
-        if args.points == "all"
-        else [int(i) for i in args.points.split(",")]
-    )
+    chosen = args.points
     if args.reuse:  # re-price earlier measurements (e.g. after a model change)
         rounds = [json.loads(Path(f).read_text()) for f in args.reuse.split(",")]
         try:
-            return compare(median_points(rounds), cluster)
+            points = median_points(rounds)
         except (KeyError, TypeError, IndexError, AttributeError) as err:
             raise ValueError(f"--reuse {args.reuse}: not what --save writes ({err!r})") from err
+        if not points:  # labels of no machine point (or of none measured in every file)
+            raise ValueError(
+                f"--reuse {args.reuse}: no machine point is measured in every file; give what "
+                "--save wrote"
+            )
+        return compare(points, cluster)
     if args.rounds < 1:
         raise ValueError(f"--rounds={args.rounds}: give 1 or more")
     rounds = []
@@ -166,6 +195,14 @@ def _machine(args: argparse.Namespace) -> list:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: prints a markdown table and the max / median |error|."""
     args = build_parser().parse_args(argv)
+    problem = file_problem(args.csv) if args.command == "scaling" else None
+    if problem:  # said as such, not as a bare [Errno 2]
+        print(
+            f"validate: --csv {args.csv} {problem}; give the results.csv of a scaling study "
+            "(tools/scaling_study.py --out DIR writes DIR/results.csv)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if args.command == "dp-plots":
             from studies.perfmodel.dp_analysis import write_plots
