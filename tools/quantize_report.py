@@ -26,6 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.checkpoint.convert import resolve  # noqa: E402
 from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,7 +62,9 @@ def _evaluate(args: argparse.Namespace, quantize: str) -> dict:
     }
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr.strip()}")
+        # Its own error is one line (its last); the command is what the user did not type.
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise RuntimeError(f"evaluating with --quantize {quantize} failed: {why}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -124,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measure and print; 2 (one line) when a step cannot run."""
     args = parse_args(argv)
     try:
+        resolve(args.ckpt)  # CheckpointError before any evaluation starts
         fp32, int8 = _evaluate(args, "none"), _evaluate(args, "int8")
         memory, tokens = _memory_and_tokens(args)
     except (OSError, ValueError, RuntimeError) as err:
