@@ -373,6 +373,9 @@ def cli() -> None:
     if "--help" in argv or "-h" in argv:
         print_help([a for a in argv if a not in ("--help", "-h")])
         return
+    # Hydra takes its flags before the overrides; a sweep's -m is often typed among them.
+    sweep = [a for a in argv if a in ("-m", "--multirun")]
+    argv = sweep + [a for a in argv if a not in sweep]
     sys.argv[1:] = argv = with_shared_run_dir(argv)
     run_checked(main, argv, _fail)
 

@@ -301,6 +301,21 @@ def test_refused_run_leaves_no_outputs_folder(inputs, monkeypatch, capsys, tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_sweep_flag_typed_among_the_overrides_still_sweeps(inputs, monkeypatch, capsys):
+    """``-m`` among the overrides (Hydra's parser wants it before them) starts the sweep:
+    its first job, optim.lr=-1, is refused as a config error rather than the command line
+    as "unrecognized arguments"."""
+    monkeypatch.chdir(inputs["dir"])
+    argv = [o for o in _pretrain_argv([], inputs) if not o.startswith("hydra.")]
+    sweep_dir = f"hydra.sweep.dir={inputs['dir']}/sweep"
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", *argv, sweep_dir, "-m", "optim.lr=-1,0.001"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("engine.pretrain", run_name="__main__")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "config error: optim.lr=-1.0 must be in (0, 1000]" in err
+    assert "unrecognized arguments" not in err
+
+
 def test_pretrain_help_lists_every_key_with_its_default_and_doc(monkeypatch, capsys):
     """--help: every key of the schema (engine/config.py's dataclasses) with the composed
     default and its doc; no Hydra ``schema`` options, no test hooks."""
