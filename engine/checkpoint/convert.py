@@ -130,6 +130,11 @@ def check_out_root(
         )
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out_root} is a file; give a checkpoint directory to write")
+    from engine.preflight import probe_writable
+
+    problem = probe_writable(out, directory=True)
+    if problem:
+        raise ValueError(f"--out {out_root}: {problem}; give a directory that can be written")
     entries = list(out.iterdir()) if out.is_dir() else []
     entries = [e for e in entries if e.name != CheckpointDirLock.NAME or _held(e, locked)]
     if not entries:
