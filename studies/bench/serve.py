@@ -61,7 +61,13 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine.tool_args import ArgumentParser, add_batching_flags, positive_int
+from engine.tool_args import (
+    ArgumentParser,
+    add_batching_flags,
+    output_dir,
+    output_file,
+    positive_int,
+)
 from studies.bench import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,8 +123,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     built = p.add_argument_group("the model built when there is no checkpoint")
     tiny_gpt.add_size_flags(built)
     built.add_argument("--positions", type=positive_int, default=256)
-    built.add_argument("--keep-model", help="build the model into this folder (kept)")
-    p.add_argument("--json", help="write the results and every check here")
+    built.add_argument(
+        "--keep-model", type=output_dir, help="build the model into this folder (kept)"
+    )
+    p.add_argument("--json", type=output_file, help="write the results and every check here")
     args = p.parse_args(argv)
     if args.prompt_tokens and args.prompt_tokens[0] > args.prompt_tokens[1]:
         p.error(f"--prompt-tokens: MIN {args.prompt_tokens[0]} > MAX {args.prompt_tokens[1]}")
