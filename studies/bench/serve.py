@@ -640,6 +640,7 @@ def run_all(args: argparse.Namespace) -> dict:
 
     from apps.serve import build
     from apps.serve import parse_args as serve_args
+    from engine.checkpoint.storage import CheckpointError
     from engine.inference import ModelSource
 
     torch.set_num_threads(args.threads)
@@ -651,7 +652,14 @@ def run_all(args: argparse.Namespace) -> dict:
             origin = f"a random GPT (init std 0.2) built into {folder}"
         else:
             origin = ckpt
-        fit_mix(args, ModelSource(ckpt).config().max_positions)
+        try:
+            positions = ModelSource(ckpt).config().max_positions
+        except CheckpointError as err:  # neither a checkpoint nor an export: main's one line
+            raise ValueError(
+                f"--ckpt: {err}; give a training checkpoint (its root or a step directory) "
+                "or a model export"
+            ) from None
+        fit_mix(args, positions)
         cache_tokens = args.batch * (args.prompt_tokens[1] + max(args.max_tokens) + args.block_size)
         app, _ = build(
             serve_args(
@@ -738,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         results = run_all(args)
-    except ValueError as err:  # a request mix the model cannot hold
+    except ValueError as err:  # a request mix the model cannot hold, a --ckpt no model
         print(f"bench_serve.py: error: {err}", file=sys.stderr)
         return 2
     if args.json:
