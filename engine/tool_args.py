@@ -122,6 +122,41 @@ def non_empty(text: str) -> str:
     return text
 
 
+def output_file(text: str) -> str:
+    """argparse type: a file a tool writes (often after a long run): its folder must be an
+    existing, writable directory and the path itself not a directory. Checked with
+    ``engine.preflight.probe_writable``, which leaves the disk as it found it."""
+    return _writable(text, directory=False)
+
+
+def output_dir(text: str) -> str:
+    """argparse type: a directory a tool writes into: an existing writable one, or one that
+    can be created (missing parents included), not a file. Tested as ``output_file``."""
+    return _writable(text, directory=True)
+
+
+def _writable(text: str, *, directory: bool) -> str:
+    from pathlib import Path
+
+    from engine.preflight import probe_writable  # loads torch: only when the flag is given
+
+    if not text:
+        raise argparse.ArgumentTypeError("'' must not be empty")
+    path = Path(text)
+    if path.exists() and path.is_dir() != directory:
+        kind = "a file; give a directory" if directory else "a directory; give a file path"
+        raise argparse.ArgumentTypeError(f"{text} is {kind}")
+    if not directory and not path.parent.is_dir():
+        what = "is not a directory" if path.parent.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(
+            f"{text}: its folder {path.parent} {what}; create it or give another path"
+        )
+    problem = probe_writable(path, directory=directory)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text}: {problem}; give a writable path")
+    return text
+
+
 SEED_MAX = 2**64 - 1
 
 

@@ -458,6 +458,22 @@ TOOLS_CASES = """
     validate_csv_missing validate_perfmodel 2 scaling --csv {dir}/missing.csv --cluster cpu_2core "missing.csv does not exist; give the results.csv of a scaling study"
     validate_points_past_the_last validate_perfmodel 2 machine --cluster cpu_2core --points 99 "argument --points: '99' is not a point index: give a comma list of 0..12"
     plan_cluster_is_a_dir plan 2 predict --model gpt_125m --global-batch 8 --gpus 2 --cluster {empty_dir} "empty_dir' is a directory, not a cluster spec; give a cluster YAML file"
+    # the bench tools: refused before any worker starts or the benchmark runs
+    bench_dp_memory_unknown_preset bench_dp_memory 2 --model nope "--model nope: unknown model preset 'nope'"
+    bench_generate_device_tpu bench_generate 2 --batches 1 --new-tokens 2 --device tpu "argument --device: invalid choice: 'tpu'"
+    graph_breaks_tp_3 count_graph_breaks 2 --preset gpt_tiny --tp 3 "--tp 3: world size 1 is not divisible by tp_size 3"
+    graph_breaks_heads_3 count_graph_breaks 2 --preset gpt_tiny --heads 3 "model.hidden_size=128 is not divisible by model.num_heads=3"
+    bench_serve_json_unwritable bench_serve 2 --skip-http --json /proc/x/s.json "argument --json: /proc/x/s.json: its folder /proc/x does not exist"
+    bench_serve_json_is_a_dir bench_serve 2 --skip-http --json {dir} "is a directory; give a file path"
+    bench_train_out_unwritable bench_train 2 --preset gpt_tiny --out /proc/x/o.json --no-reference "argument --out: /proc/x/o.json: its folder /proc/x does not exist"
+    bench_train_out_under_a_file bench_train 2 --preset gpt_tiny --out {a_file}/o.json --no-reference "a_file is not a directory"
+    bench_moe_json_unwritable bench_moe 2 --json /proc/x/m.json --repeats 1 --warmup 0 --only layer "argument --json: /proc/x/m.json: its folder /proc/x does not exist"
+    bench_checkpoint_out_unwritable bench_checkpoint 2 --preset gpt_tiny --rounds 1 --out /proc/x/o.json "argument --out: /proc/x/o.json: its folder /proc/x does not exist"
+    bench_kernels_out_unwritable bench_kernels 2 --cpu --smoke --out /proc/x/k.json "argument --out: /proc/x/k.json: /proc/x cannot be written"
+    bench_checkpoint_dir_is_a_file bench_checkpoint 2 --preset gpt_tiny --rounds 1 --dir {a_file} "a_file is a file; give a directory"
+    bench_checkpoint_dir_unwritable bench_checkpoint 2 --preset gpt_tiny --rounds 1 --dir /proc/x/d "argument --dir: /proc/x/d: /proc/x cannot be written"
+    bench_serve_ckpt_missing bench_serve 2 --ckpt {dir}/no_such_ckpt --skip-http "no_such_ckpt is neither a checkpoint step directory nor a checkpoint root"
+    bench_serve_ckpt_a_file bench_serve 2 --ckpt {a_file} --skip-http "a_file is neither a checkpoint step directory nor a checkpoint root"
 """
 TOOLS = [
     (cid, tool, argv, int(status), fragment)
@@ -487,6 +503,17 @@ def test_tool_bad_input_is_one_error_line(inputs, tool, argv, status, fragment, 
     assert not list(Path(inputs["dir"]).glob("o[0-9]*")), "a refused command wrote output"
     assert Path(inputs["a_file"]).read_text() == "not a directory"
     assert len(list((Path(inputs["dir"]) / "text").glob("*.txt"))) == 20
+
+
+def test_bench_generate_device_cuda_without_a_gpu_is_one_line(monkeypatch, capsys):
+    """--device cuda where no GPU is visible (made so on any machine) is refused while
+    parsing; it was torch's RuntimeError from building the model."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        _tool("bench_generate").main(["--batches", "1", "--new-tokens", "2", "--device", "cuda"])
+    line = _one_line(capsys.readouterr().err)
+    assert exit_info.value.code == 2, line
+    assert "--device cuda, but no CUDA device is visible; pass --device cpu" in line, line
 
 
 # What only a real process shows: a validation error and a Hydra error of engine.pretrain,

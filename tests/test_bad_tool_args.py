@@ -159,3 +159,30 @@ def test_evaluate_batches_up_to_what_the_split_holds_are_read(evaluated, no_rank
     args = engine.evaluate.parse_args([*argv, "--batches", str(held)])
     cfg = engine.evaluate.check(args, engine.evaluate.evaluation_config(args))
     assert cfg.trainer.eval_batches == held
+
+
+def test_output_path_types_refuse_what_cannot_be_written(tmp_path):
+    """engine.tool_args.output_file / output_dir, the benchmarks' --out, --json and --dir:
+    a path no run could write is refused while parsing, and the check leaves nothing."""
+    import argparse
+    import re
+
+    from engine.tool_args import output_dir, output_file
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("kept")
+    bad = [
+        (output_file, "/proc/x/s.json", "its folder /proc/x does not exist"),
+        (output_file, f"{a_file}/s.json", f"its folder {a_file} is not a directory"),
+        (output_file, str(tmp_path), f"{tmp_path} is a directory; give a file path"),
+        (output_file, "", "'' must not be empty"),
+        (output_dir, str(a_file), f"{a_file} is a file; give a directory"),
+        (output_dir, "/proc/x/d", "/proc/x cannot be written"),
+    ]
+    for check, text, message in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            check(text)
+    assert output_file(str(a_file)) == str(a_file) and a_file.read_text() == "kept"
+    assert output_file(str(tmp_path / "new.json")) == str(tmp_path / "new.json")
+    assert output_dir(str(tmp_path / "new" / "deeper")) == str(tmp_path / "new" / "deeper")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing left behind

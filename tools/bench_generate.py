@@ -35,8 +35,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=positive_int, default=16)
     tiny_gpt.add_size_flags(p)
     p.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda where a CUDA device is visible, else cpu",
+    )
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but no CUDA device is visible; pass --device cpu (or auto)")
+    return args
 
 
 def timed(model, prompts, new_tokens: int, use_cache: bool) -> tuple[float, list[float]]:

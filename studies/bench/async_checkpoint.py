@@ -39,7 +39,13 @@ from engine.config import OptimConfig
 from engine.flops import params_count
 from engine.models import build_model, preset, preset_names
 from engine.optim import build_optimizer
-from engine.tool_args import ArgumentParser, add_model_size_flags, positive_int
+from engine.tool_args import (
+    ArgumentParser,
+    add_model_size_flags,
+    output_dir,
+    output_file,
+    positive_int,
+)
 
 SIDES = ("sync", "async", "dcp_async")
 
@@ -51,8 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--every", type=positive_int, default=8, help="steps between saves")
     p.add_argument("--saves", type=positive_int, default=3, help="saves per side per round")
     p.add_argument("--rounds", type=positive_int, default=2, help="rounds of every side")
-    p.add_argument("--dir", default=None, help="scratch directory (default: a new temp dir)")
-    p.add_argument("--out", default=None, help="also write the results as JSON")
+    p.add_argument(
+        "--dir", type=output_dir, default=None, help="scratch directory (default: a new temp dir)"
+    )
+    p.add_argument("--out", type=output_file, default=None, help="also write the results as JSON")
     return p.parse_args(argv)
 
 

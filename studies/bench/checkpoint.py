@@ -38,7 +38,7 @@ import torch
 
 from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.models import build_model, preset, preset_names
-from engine.tool_args import ArgumentParser, positive_int
+from engine.tool_args import ArgumentParser, output_dir, output_file, positive_int
 
 SIDES = ("meshtron", "dcp", "torch.save", "safetensors")
 
@@ -47,14 +47,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt_125m", choices=preset_names(), help="model size")
     p.add_argument("--rounds", type=positive_int, default=3, help="timed save+load rounds")
-    p.add_argument("--dir", default=None, help="scratch directory (default: a new temp dir)")
+    p.add_argument(
+        "--dir", type=output_dir, default=None, help="scratch directory (default: a new temp dir)"
+    )
     p.add_argument(
         "--device",
         default="cpu",
         choices=["cpu", "cuda"],
         help="where the model and optimizer state live (cuda: saves copy from the GPU)",
     )
-    p.add_argument("--out", default=None, help="also write the medians and ratios as JSON")
+    p.add_argument(
+        "--out", type=output_file, default=None, help="also write the medians and ratios as JSON"
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible; use --device cpu")
@@ -185,6 +189,8 @@ def report(times: dict, gigabytes: float, load: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(0)
+    if args.dir:  # output_dir checked it can be made
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="bench_ckpt-", dir=args.dir))
     try:
         times = measure(args, scratch)

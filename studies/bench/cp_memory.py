@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engine.tool_args import ArgumentParser, positive_int
+from engine.tool_args import ArgumentParser, output_file, positive_int
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=positive_int, default=16384, help="tokens in the sequence")
     p.add_argument("--cp", type=positive_int, default=4, help="context-parallel size to compare")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--json", type=output_file, metavar="PATH", help="also write the results as JSON"
+    )
     args = p.parse_args(argv)
     if args.seq_len % (2 * args.cp):
         p.error(f"--seq-len {args.seq_len} must be a multiple of 2 × --cp = {2 * args.cp}")

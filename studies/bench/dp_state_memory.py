@@ -44,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--dp {args.dp} --replicas {args.replicas}: need dp >= 2 and 2 <= R dividing dp; "
             "e.g. --dp 4 --replicas 2"
         )
+    from engine.models import preset
+
+    try:  # here, not in each of the ranks spawned per layout
+        preset(args.model).validate(1)
+    except ValueError as err:
+        p.error(f"--model {args.model}: {err}")
     return args
 
 

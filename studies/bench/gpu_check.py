@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from engine.tool_args import ArgumentParser, positive_int
+from engine.tool_args import ArgumentParser, output_dir, positive_int
 from studies.bench import step_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -533,6 +533,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--out",
+        type=output_dir,
         default=None,
         help="directory for gpu_check.json, .md and .log (default: $OUT, else outputs/gpu_check)",
     )

@@ -21,15 +21,16 @@ import json
 
 import torch
 
-from engine.bootstrap import bootstrap_rank
+from engine.bootstrap import bootstrap_rank, world_size
 from engine.config import OptimConfig, sized_dims
 from engine.data_parallel import build_data_parallel
-from engine.models import build_model, preset, preset_names
+from engine.models import ModelConfig, build_model, preset, preset_names
 from engine.optim import compiles_update
 from engine.tool_args import ArgumentParser, positive_int
 from layers.compile import COMPILE_BACKENDS
 from layers.recompute import RECOMPUTE_MODES
 from parallel_state import ParallelState
+from parallel_state.dims import LayoutError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,23 +57,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="count the step alone, not the optimizer update (whose compile takes longer)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:  # the layout each rank would refuse once started: here, in one line
+        sized_dims(args.tp, None, world_size())
+    except LayoutError as err:
+        p.error(f"--tp {args.tp}: {err}")
+    try:  # and the model, e.g. --heads not dividing the hidden size or --tp
+        model_config(args).validate(args.tp)
+    except ValueError as err:
+        p.error(str(err))
+    return args
 
 
-def count(args: argparse.Namespace, ps: ParallelState) -> dict:
-    """{"graphs": n, "graph_breaks": n, "reasons": {first line of reason: count},
-    "update": the same three for the optimizer update, and "compiled": bool}; without
-    "update" under ``--no-update``."""
-    import torch._dynamo as dynamo
-    from torch._dynamo.utils import counters
-
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The model of ``--preset`` with the overrides given, compiled."""
     overrides = {
         "hidden_size": args.hidden,
         "num_layers": args.layers,
         "num_heads": args.heads,
         "vocab_size": args.vocab,
     }
-    cfg = preset(
+    return preset(
         args.preset,
         **{k: v for k, v in overrides.items() if v is not None},
         max_positions=args.seq,
@@ -84,6 +89,16 @@ def count(args: argparse.Namespace, ps: ParallelState) -> dict:
         compile=True,
         compile_backend=args.backend,
     )
+
+
+def count(args: argparse.Namespace, ps: ParallelState) -> dict:
+    """{"graphs": n, "graph_breaks": n, "reasons": {first line of reason: count},
+    "update": the same three for the optimizer update, and "compiled": bool}; without
+    "update" under ``--no-update``."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    cfg = model_config(args)
     ps.seed(0)
     model = build_model(cfg, ps, device=ps.device)
     batch = _random_batch(cfg, args.micro_batch, args.seq, ps.device)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.tool_args import ArgumentParser, positive_int
+from engine.tool_args import ArgumentParser, output_dir, positive_int
 from studies.bench.kernel_cases import Case, build_cases, check_against_torch
 
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -253,7 +253,9 @@ class UsageError(ValueError):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="outputs/bench_kernels", help="directory for csv/md/png")
+    p.add_argument(
+        "--out", type=output_dir, default="outputs/bench_kernels", help="directory for csv/md/png"
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shapes; CPU interpreter without GPU")
     p.add_argument("--cpu", action="store_true", help="stay on CPU even when CUDA is present")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from engine.tool_args import ArgumentParser, non_negative_int, positive_int
+from engine.tool_args import ArgumentParser, non_negative_int, output_file, positive_int
 
 F32 = torch.float32
 PARTS = ("layer", "ep")
@@ -52,7 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=positive_int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads (layer)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument(
+        "--json", type=output_file, metavar="PATH", help="also write the results as JSON"
+    )
     args = p.parse_args(argv)
     if args.top_k > args.experts:
         p.error(f"--top-k {args.top_k} exceeds --experts {args.experts}; choose k ≤ experts")

@@ -61,7 +61,13 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine.tool_args import ArgumentParser, add_batching_flags, positive_int
+from engine.tool_args import (
+    ArgumentParser,
+    add_batching_flags,
+    output_dir,
+    output_file,
+    positive_int,
+)
 from studies.bench import tiny_gpt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,8 +123,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     built = p.add_argument_group("the model built when there is no checkpoint")
     tiny_gpt.add_size_flags(built)
     built.add_argument("--positions", type=positive_int, default=256)
-    built.add_argument("--keep-model", help="build the model into this folder (kept)")
-    p.add_argument("--json", help="write the results and every check here")
+    built.add_argument(
+        "--keep-model", type=output_dir, help="build the model into this folder (kept)"
+    )
+    p.add_argument("--json", type=output_file, help="write the results and every check here")
     args = p.parse_args(argv)
     if args.prompt_tokens and args.prompt_tokens[0] > args.prompt_tokens[1]:
         p.error(f"--prompt-tokens: MIN {args.prompt_tokens[0]} > MAX {args.prompt_tokens[1]}")
@@ -632,6 +640,7 @@ def run_all(args: argparse.Namespace) -> dict:
 
     from apps.serve import build
     from apps.serve import parse_args as serve_args
+    from engine.checkpoint.storage import CheckpointError
     from engine.inference import ModelSource
 
     torch.set_num_threads(args.threads)
@@ -643,7 +652,14 @@ def run_all(args: argparse.Namespace) -> dict:
             origin = f"a random GPT (init std 0.2) built into {folder}"
         else:
             origin = ckpt
-        fit_mix(args, ModelSource(ckpt).config().max_positions)
+        try:
+            positions = ModelSource(ckpt).config().max_positions
+        except CheckpointError as err:  # neither a checkpoint nor an export: main's one line
+            raise ValueError(
+                f"--ckpt: {err}; give a training checkpoint (its root or a step directory) "
+                "or a model export"
+            ) from None
+        fit_mix(args, positions)
         cache_tokens = args.batch * (args.prompt_tokens[1] + max(args.max_tokens) + args.block_size)
         app, _ = build(
             serve_args(
@@ -730,7 +746,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         results = run_all(args)
-    except ValueError as err:  # a request mix the model cannot hold
+    except ValueError as err:  # a request mix the model cannot hold, a --ckpt no model
         print(f"bench_serve.py: error: {err}", file=sys.stderr)
         return 2
     if args.json:

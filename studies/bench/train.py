@@ -43,7 +43,7 @@ from engine.bootstrap import bootstrap_rank
 from engine.config import OptimConfig, sized_dims
 from engine.data_parallel import DataParallel, build_data_parallel
 from engine.models import ModelConfig, build_model, preset
-from engine.tool_args import ArgumentParser, non_negative_int, positive_int
+from engine.tool_args import ArgumentParser, non_negative_int, output_file, positive_int
 from studies.bench import step_profile
 from studies.bench.reference_gpt import (
     RefGPT,
@@ -174,7 +174,7 @@ def _add_run_args(p: ArgumentParser) -> None:
         metavar="N",
         help="profile N steps of each loop afterwards",
     )
-    p.add_argument("--out", default=None, help="write results: .json, else CSV")
+    p.add_argument("--out", type=output_file, default=None, help="write results: .json, else CSV")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
         "--threads",
