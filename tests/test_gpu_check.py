@@ -141,3 +141,24 @@ def test_bad_arguments_are_one_line(tmp_path, monkeypatch, capsys):
     assert "no CUDA device is visible: run it on the GPU machine, or --rehearse" in (
         capsys.readouterr().err
     )
+
+
+def test_profile_rows_give_each_kind_the_gap_and_the_gpus_busy_share():
+    """A GPU profile's rows: ms per kind, the differences to the anchor loop, and the
+    kernels' share of the timed step (hand-computed: 92 of 100 ms, 88 of 90 ms)."""
+    ours, ref = "meshtron compiled tp=1 dp=1", "pytorch compile"
+    profile = {
+        ours: {"clock": "gpu", "ms_per_step": {"matmul": 80.0, "compiled": 12.0, "total": 92.0}},
+        ref: {"clock": "gpu", "ms_per_step": {"matmul": 80.0, "compiled": 8.0, "total": 88.0}},
+    }
+    rows = gpu_check._profile_rows("train", profile, ref, {ours: 100.0, ref: 90.0})
+    assert [row["case"] for row in rows] == [
+        "meshtron compiled: time by kind",
+        "pytorch compile: time by kind",
+    ]
+    assert rows[0]["value"] == "matmul 80.0 · compiled 12.0 (total 92.0) ms"
+    assert rows[0]["ratio"] == "vs pytorch compile: compiled +4.0, total +4.0 ms"
+    assert rows[0]["note"].endswith("; GPU busy 92% of the timed 100.0 ms step")
+    assert rows[1]["ratio"] == "" and rows[1]["note"].endswith(
+        "GPU busy 98% of the timed 90.0 ms step"
+    )

@@ -197,16 +197,25 @@ def _train_rows(item: str, path: Path) -> list[dict]:
                 note,
             )
         )
-    return result + _profile_rows(item, doc["meta"].get("profile", {}), anchor["loop"])
+    steps = {r["loop"]: r["step_ms_median"] for r in rows}
+    return result + _profile_rows(item, doc["meta"].get("profile", {}), anchor["loop"], steps)
 
 
-def _profile_rows(item: str, profile: dict[str, dict], anchor: str) -> list[dict]:
+def _profile_rows(
+    item: str, profile: dict[str, dict], anchor: str, step_ms: dict[str, float]
+) -> list[dict]:
     """One row per profiled loop: its time per step by kind of work, and each kind's
-    difference to the anchor loop's (where a gap between two loops lies)."""
+    difference to the anchor loop's (where a gap between two loops lies). On a GPU the
+    note also gives the kernels' share of the timed step: what is left is the GPU waiting
+    for the host (launch and Python overhead)."""
     rows, base = [], profile.get(anchor, {}).get("ms_per_step")
     vs = anchor.split(" tp=")[0]
     for loop, entry in profile.items():
         times = entry["ms_per_step"]
+        note = f"{entry['clock'].upper()} time per step, profiled"
+        if entry["clock"] == "gpu" and step_ms.get(loop):
+            busy = times["total"] / step_ms[loop]
+            note += f"; GPU busy {busy:.0%} of the timed {step_ms[loop]:.1f} ms step"
         rows.append(
             _row(
                 item,
@@ -215,7 +224,7 @@ def _profile_rows(item: str, profile: dict[str, dict], anchor: str) -> list[dict
                 ""
                 if loop == anchor or base is None
                 else f"vs {vs}: " + step_profile.difference_line(times, base),
-                f"{entry['clock'].upper()} time per step, profiled",
+                note,
             )
         )
     return rows
@@ -332,7 +341,8 @@ def plan_checkpoint(ctx: Context) -> Plan:
 # about 25 (its own process: four 1.3B models with their AdamW state would not fit an
 # 80 GB H100), llama_1b about 75, 350M about 135 with the CUDA-graph loop, checkpoint
 # about 40 (gpt_125m: 1.49 GB; gpt_350m's 4.26 GB took 92 s), FSDP 15: about 470 s of the
-# 480 s default, so FSDP (measured in both H200 windows) runs last.
+# 480 s default, so FSDP (measured in both H200 windows) runs last. Profiling two steps of
+# a loop adds about a second and its summary a few (not measured on a GPU).
 ITEMS: tuple[Item, ...] = (
     Item(
         "kernels",
@@ -351,9 +361,9 @@ ITEMS: tuple[Item, ...] = (
     Item(
         "kernels_1.3b",
         "GPT 1.3B bf16 eager steps: meshtron with the fused kernels (kernels=auto) and with "
-        "torch's ops",
+        "torch's ops, each profiled by kind of work",
         60,
-        train_plan("gpt_1.3b", "torch_kernels", compiled=False, name="kernels_1.3b"),
+        train_plan("gpt_1.3b", "torch_kernels", compiled=False, name="kernels_1.3b", profile=True),
     ),
     Item(
         "train_llama_1b",
@@ -364,9 +374,9 @@ ITEMS: tuple[Item, ...] = (
     Item(
         "train_gpt_350m",
         "GPT 350M bf16 steps: meshtron compiled, eager and as CUDA graphs, plain compiled "
-        "and eager",
+        "and eager, each profiled by kind of work (the GPU's busy share: host overhead)",
         180,
-        train_plan("gpt_350m", "eager", "references", "cuda_graphs"),
+        train_plan("gpt_350m", "eager", "references", "cuda_graphs", profile=True),
     ),
     Item(
         "checkpoint",
