@@ -289,6 +289,21 @@ def test_convert_errors_are_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2 and "token dtype int64 has no meshtron equivalent" in done.stderr
 
 
+def test_convert_refuses_a_bin_its_index_checksum_disowns(tmp_path: Path) -> None:
+    """A meshtron .bin changed after preprocessing is refused, not converted: the Megatron
+    index records no checksum, so converting would leave the damage undetectable."""
+    with IndexedDatasetWriter(tmp_path / "d", vocab_size=100, eod_id=0) as writer:
+        for doc in ([5, 6, 0], [7, 0]):
+            writer.add_document(np.array(doc))
+    data = bytearray((tmp_path / "d.bin").read_bytes())
+    data[0] ^= 1  # one bit of the first id: same size, only the checksum can tell
+    (tmp_path / "d.bin").write_bytes(bytes(data))
+    index = (tmp_path / "d.idx").read_bytes()
+    with pytest.raises(ValueError, match="d.bin: SHA-256 does not match the one d.idx recorded"):
+        convert_index(tmp_path / "d", "megatron")
+    assert (tmp_path / "d.idx").read_bytes() == index  # untouched
+
+
 def test_writer_megatron_dtype_for_large_vocabularies(tmp_path: Path) -> None:
     """Megatron stores ids of vocabularies from 65,500 up as int32 (DType.optimal_dtype)."""
     mcore = _megatron()

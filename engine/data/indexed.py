@@ -177,6 +177,15 @@ class IndexedDataset:
             return self._sequences
         return np.diff(self.doc_offsets), np.arange(len(self) + 1, dtype=np.int64)
 
+    def check_bin_digest(self, digest: str) -> None:
+        """ValueError naming the ``.bin`` unless ``digest`` (its SHA-256, hex) is the one the
+        index recorded (nothing to check for an index that recorded none)."""
+        if self.bin_sha256 is not None and digest != self.bin_sha256:
+            raise ValueError(
+                f"{self.bin_path}: SHA-256 does not match the one {self.idx_path.name} recorded "
+                "(changed or damaged after preprocessing); re-run tools/preprocess_data.py"
+            )
+
     def verify(self, vocab_size: int) -> None:
         """Raise ValueError naming the file unless every id fits a vocabulary of ``vocab_size``.
 
@@ -192,11 +201,7 @@ class IndexedDataset:
                 f"{vocab_size} ids; the index is damaged or made with another tokenizer"
             )
         digest, (lo, hi) = self._read_bin()
-        if self.bin_sha256 is not None and digest != self.bin_sha256:
-            raise ValueError(
-                f"{self.bin_path}: SHA-256 does not match the one {self.idx_path.name} recorded "
-                "(changed or damaged after preprocessing); re-run tools/preprocess_data.py"
-            )
+        self.check_bin_digest(digest)
         if self.token_range is not None and self.token_range != (lo, hi):
             raise ValueError(
                 f"{self.idx_path}: records token ids {self.token_range[0]}..{self.token_range[1]}"
@@ -398,6 +403,7 @@ def convert_index(prefix: str | os.PathLike, to: str, *, eod_id: int | None = No
     if dataset.format == to:
         raise ValueError(f"{dataset.idx_path} is already a {to} index")
     digest, (lo, hi) = dataset._read_bin()
+    dataset.check_bin_digest(digest)  # a Megatron index would drop the damage's only witness
     if dataset.num_tokens and (lo < 0 or hi >= 2**31):
         raise ValueError(
             f"{dataset.bin_path}: token ids {lo}..{hi} are not token ids of a vocabulary"
