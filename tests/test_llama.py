@@ -6,6 +6,7 @@ Tiny random models are built with transformers in the test (no hub)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -193,6 +194,30 @@ def test_unbuilt_rope_scaling_from_hf_is_one_line(hf_dirs, tmp_path):
     config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
     with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
         config_from_hf(config)
+
+
+@pytest.mark.parametrize(
+    ("rope", "message"),
+    [
+        (  # both spellings (a config edited by hand, or converted twice): yarn must not vanish
+            {
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+            },
+            "rope_parameters.rope_type='default' and rope_scaling's 'yarn' disagree",
+        ),
+        (  # a factor with nothing saying how it scales
+            {"rope_scaling": {"factor": 2.0}},
+            "rope_scaling.factor=2.0 scales RoPE but no rope_type says how",
+        ),
+    ],
+)
+def test_a_rope_scaling_that_would_be_dropped_is_refused(hf_dirs, rope, message):
+    config = json.loads(Path(hf_dirs["llama"], "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.pop("rope_scaling", None)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config_from_hf({**config, **rope})
 
 
 def test_flops_match_torchs_flop_counter():

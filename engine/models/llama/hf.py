@@ -72,6 +72,19 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"config.json rope_theta={theta}: expected a positive finite number")
     kind = layout.hf_value(params, "type", str, "default", prefix=where)
     kind = layout.hf_value(params, "rope_type", str, kind, prefix=where)
+    older = hf.get("rope_scaling") if source == "rope_parameters" else None
+    if isinstance(older, dict):  # both spellings given: a scaling in either must not be lost
+        other = older.get("rope_type", older.get("type", "default"))
+        if other != kind:
+            raise ValueError(
+                f"config.json rope_parameters.rope_type={kind!r} and rope_scaling's "
+                f"{other!r} disagree; keep one of the two"
+            )
+    if kind == "default" and "factor" in params:
+        raise ValueError(
+            f"config.json {where}factor={params['factor']!r} scales RoPE but no rope_type "
+            "says how; give rope_type (llama3 is supported)"
+        )
     values: dict[str, Any] = dict(rope_theta=float(theta))
     if kind == "llama3":
         values.update(
