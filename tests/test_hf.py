@@ -275,3 +275,20 @@ def test_hf_export_tokenizer_names_the_family_special_tokens(case, tmp_path):
         assert hf_tokenizer.eos_token == roles["eos_token"]
         if kind == "preprocess":
             assert hf_tokenizer.eos_token == EOD_TOKEN
+
+
+def _implicit_uses_reading(hf_dir: str) -> list[str]:
+    import warnings
+
+    ps = parallel_state.initialize(1, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        read_hf_dir(hf_dir, tp_group=ps.tp_group)
+    return [str(w.message) for w in caught if w.category is parallel_state.ImplicitStateWarning]
+
+
+def test_reading_an_hf_dir_under_a_mesh_reaches_no_default_state(hf_dirs):
+    """The verifier reads an HF directory on each rank with its TP group: the shape-only
+    meta build inside draws nothing, so it must not warn that the default state's RNG was
+    used (every --hf-dir run printed that warning)."""
+    assert run_ranks(_implicit_uses_reading, 1, hf_dirs["gpt"]) == [[]]

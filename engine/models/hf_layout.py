@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ import torch.distributed as dist
 from einops import rearrange
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
+
+import parallel_state
 
 if TYPE_CHECKING:
     from engine.models.config import ModelConfig
@@ -310,7 +313,10 @@ def hf_shapes(
     # Layers draw their full master weights on CPU whatever the device (same values at
     # every TP size), so a "meta" build alone would allocate and fill the whole model in
     # fp32; under _FactoriesOnMeta every tensor the build makes is a meta one.
-    with _FactoriesOnMeta():
+    # Nothing is drawn on meta: the default state's dropout RNG, which the build falls back
+    # to (and warns of) without rng=, is never used.
+    with _FactoriesOnMeta(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", parallel_state.ImplicitStateWarning)
         model = build_model(cfg, tp_group=tp_group, device="meta")
         full = {n: param_spec(n, p, "model", model).shape for n, p in model.named_parameters()}
     ours = {name: torch.empty(shape, device="meta") for name, shape in full.items()}
