@@ -269,6 +269,10 @@ def spec_of(args: argparse.Namespace) -> VerifySpec:
     )
 
 
+# The flags that build the tiny model, which --hf-dir replaces with the directory's own.
+TINY_MODEL_FLAGS = ("--model", "--layers", "--hidden", "--heads", "--vocab", "--experts")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the comparison; exit status 0 within tolerance, 1 outside, 2 on a bad layout."""
     args = parse_args(argv)
@@ -276,11 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         two = args.schedule == "interleaved_1f1b" or args.schedule in V_SCHEDULES
         args.virtual_stages = 2 if two else 1
     spec = spec_of(args)
+    given = sys.argv[1:] if argv is None else argv
+    tiny = [f for f in TINY_MODEL_FLAGS if any(a == f or a.startswith(f + "=") for a in given)]
     try:
-        if args.hf_dir and args.experts is not None:
+        if args.hf_dir and tiny:  # they would be ignored: the directory's model is compared
             raise ValueError(
-                "--experts sets the tiny model's experts; an --hf-dir directory has its own "
-                "(drop --experts)"
+                f"{' '.join(tiny)} describe the tiny model; an --hf-dir directory has its own "
+                f"(drop {' '.join(tiny)})"
             )
         if args.hf_dir:
             spec = check_hf_layout(spec, args.hf_dir)

@@ -72,18 +72,18 @@ def check_moe(spec) -> None:
             f"ep_size={ep} splits the experts of an MoE model: set experts (--experts E) to a "
             f"multiple of {ep}"
         )
-    biasless = [name for name in FAMILIES if not _tiny(name).linear_bias]
-    if spec.model not in biasless:
-        raise ValueError(
-            f"experts={experts} runs in --model {' or '.join(biasless)} (experts carry no "
-            f"biases; the {spec.model} tiny model's linears do)"
-        )
     if dp % ep or experts % ep:
         fits = [n for n in range(1, math.gcd(dp, experts) + 1) if not dp % n and not experts % n]
         raise ValueError(
             f"ep_size={ep} must divide dp_size={dp} and experts={experts} (expert parallelism "
             f"is carved from the dp ranks, and each ep rank holds whole experts); choose "
             f"ep_size in {fits}"
+        )
+    biasless = [name for name in FAMILIES if not _tiny(name).linear_bias]
+    if spec.model not in biasless:
+        raise ValueError(
+            f"experts={experts} runs in --model {' or '.join(biasless)} (experts carry no "
+            f"biases; the {spec.model} tiny model's linears do)"
         )
     if spec.pp_size > 1 or spec.cp_size > 1:
         raise ValueError(
