@@ -99,10 +99,7 @@ def check(args: argparse.Namespace) -> str:
         None if args.tokenizer else source.tokenizer_path(),
         args.ckpt or args.hf_dir,
     )
-    if args.hf_dir:
-        from engine.hf_interop import hf_weight_files
-
-        hf_weight_files(args.hf_dir)  # raises naming the directory when it holds no weights
+    source.check_weights()  # raises naming the file when there is none or it is damaged
     _check_positions(args, tokenizer, cfg.max_positions)
     return tokenizer
 

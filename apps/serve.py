@@ -99,6 +99,7 @@ def _source(args: argparse.Namespace) -> tuple[ModelSource, str]:
     cfg = source.config()
     if not cfg.causal:
         raise ValueError(f"{cfg.arch} is not a decoder: only decoders (gpt, llama) generate")
+    source.check_weights()  # a damaged weights file is named before any rank starts
     tokenizer = args.tokenizer or source.tokenizer_path()
     if tokenizer is None or not os.path.isfile(tokenizer):
         raise FileNotFoundError("no tokenizer found beside the model: pass --tokenizer PATH")

@@ -34,7 +34,7 @@ from engine.checkpoint.format import (
     write_checkpoint,
 )
 from engine.checkpoint.tokenizer import TOKENIZER_FILE, check_tokenizer, write_hf_tokenizer
-from engine.data.fsutil import MISSING, file_problem
+from engine.data.fsutil import MISSING, file_problem, read_json_object
 from engine.models import ModelConfig
 from engine.models.families import FAMILIES, family
 
@@ -92,19 +92,6 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
     return read_json_object(path)
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in file ``path``; a one-line ValueError for anything else (bad JSON or
-    UTF-8, nesting deeper than Python's parser recurses, a list at the top)."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
-        reason = "nested too deeply" if isinstance(err, RecursionError) else err
-        raise ValueError(f"{path} is not valid JSON ({reason})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, expected an object")
-    return value
 
 
 def read_hf_dir(

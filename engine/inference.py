@@ -7,7 +7,6 @@ one the training checkpoint records (path and SHA-256: a file replaced since is 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,11 +50,25 @@ class ModelSource:
 
             return config_from_hf(read_hf_config(self.hf_dir))
         if kind == "export":
-            from engine.checkpoint.format import META_FILE
+            from engine.checkpoint.format import read_meta
 
-            meta = json.loads((Path(self.ckpt) / META_FILE).read_text())
-            return ModelConfig.from_dict(meta["model_config"])
+            return read_meta(self.ckpt)[0]  # a damaged meshtron.json is named
         return ModelConfig.from_dict(self._index()["model_config"])
+
+    def check_weights(self) -> None:
+        """Raise a one-line ValueError naming the file if an export's or HF directory's
+        weights cannot be read (a truncated file); reads only the headers. A training
+        checkpoint's files are checked against its index when read."""
+        from engine.checkpoint.format import WEIGHTS_FILE, check_weights
+
+        kind = self.kind()
+        if kind == "export":
+            check_weights(Path(self.ckpt) / WEIGHTS_FILE)
+        elif kind == "hf":
+            from engine.hf_interop import hf_weight_files
+
+            for name in hf_weight_files(self.hf_dir):
+                check_weights(Path(self.hf_dir) / name)
 
     def load(
         self, state: ParallelState | None = None

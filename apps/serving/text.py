@@ -11,11 +11,13 @@ always add up to the final text.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from engine.checkpoint.tokenizer import load_tokenizer
+from engine.data.fsutil import read_json_object
 
 REPLACEMENT = "\ufffd"  # what decoding shows for the bytes of an unfinished character
 
@@ -47,17 +49,21 @@ class TextCodec:
     def from_files(cls, tokenizer_path: str, chat_template_path: str | None = None) -> TextCodec:
         """The tokenizer at ``tokenizer_path``, with the ``tokenizer_config.json`` beside it
         if there is one; ``chat_template_path`` (a Jinja file) overrides its template."""
-        tokenizer = Tokenizer.from_file(tokenizer_path)
+        tokenizer = load_tokenizer(tokenizer_path)  # a damaged file: ValueError naming it
         config_path = Path(tokenizer_path).parent / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = read_json_object(config_path) if config_path.is_file() else {}
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template}
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
         name = f"{config_path}'s chat_template (--chat-template FILE overrides it)"
         if chat_template_path is not None:
             template = Path(chat_template_path).read_text()
             name = f"--chat-template {chat_template_path}"
+        elif template is not None and not isinstance(template, str):
+            raise ValueError(
+                f"{config_path}: chat_template is a {type(template).__name__}, expected a string"
+            )
         special = {}
         for role in ("bos_token", "eos_token"):
             value = config.get(role)

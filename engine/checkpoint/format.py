@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from engine import comm
 from engine.checkpoint.tensorfile import write_tensors
 from engine.checkpoint.tokenizer import TOKENIZER_FILE, copy_tokenizer, tokenizer_record
+from engine.data.fsutil import file_problem, read_json_object
 from engine.models import ModelConfig, ParallelModel, build_model
 
 FORMAT_VERSION = 1
@@ -133,20 +135,62 @@ def _move_into_place(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def read_checkpoint(directory: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint directory written by :func:`write_checkpoint`."""
+def read_meta(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
+    """(model config, extra metadata) of the checkpoint in ``directory``: its meshtron.json,
+    read and checked (an object, this format version, a ``model_config`` whose keys and
+    value types are ModelConfig's). Reads no weights. A damaged file is a one-line
+    ValueError naming it; a directory without one, FileNotFoundError."""
     directory = Path(directory)
     meta_path = directory / META_FILE
     if not meta_path.is_file():
         raise FileNotFoundError(f"{directory} is not a meshtron checkpoint (no {META_FILE})")
-    meta = json.loads(meta_path.read_text())
+    meta = read_json_object(meta_path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{meta_path}: format_version {meta.get('format_version')!r}, "
             f"this meshtron reads {FORMAT_VERSION}"
         )
-    state = load_file(str(directory / WEIGHTS_FILE))
-    return Checkpoint(state, ModelConfig.from_dict(meta["model_config"]), meta.get("extra", {}))
+    if "model_config" not in meta:
+        raise ValueError(f"{meta_path} is damaged: it has no model_config")
+    try:
+        config = ModelConfig.from_dict(meta["model_config"])
+    except ValueError as err:
+        raise ValueError(f"{meta_path} is damaged: model_config: {err}") from None
+    extra = meta.get("extra", {})
+    if not isinstance(extra, dict):
+        raise ValueError(
+            f"{meta_path} is damaged: extra is a {type(extra).__name__}, not an object"
+        )
+    return config, extra
+
+
+def check_weights(path: str | os.PathLike) -> None:
+    """Raise a one-line ValueError naming ``path`` unless it is a safetensors file whose
+    header reads and covers the file (a truncated file fails here); reads no tensors."""
+    if problem := file_problem(path):  # a FIFO would wait for a writer
+        raise ValueError(f"{path} {problem}; a safetensors file is read")
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file ({err})") from None
+
+
+def read_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file ``path``; a one-line ValueError naming it when it
+    is missing or damaged."""
+    check_weights(path)
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file ({err})") from None
+
+
+def read_checkpoint(directory: str | os.PathLike) -> Checkpoint:
+    """Read a checkpoint directory written by :func:`write_checkpoint` (errors: see
+    :func:`read_meta` and :func:`read_weights`)."""
+    config, extra = read_meta(directory)
+    return Checkpoint(read_weights(Path(directory) / WEIGHTS_FILE), config, extra)
 
 
 def _rank() -> int:

@@ -14,9 +14,13 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from engine.data.fsutil import file_problem
 from engine.models.families import family
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -63,16 +67,26 @@ def copy_tokenizer(path: str | os.PathLike, directory: str | os.PathLike) -> Non
     shutil.copyfile(path, Path(directory) / TOKENIZER_FILE)
 
 
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """The ``tokenizers`` Tokenizer in file ``path``; a one-line ValueError naming the file
+    when it is missing or not one (the library raises a bare Exception, ``Model missing.``
+    for ``{}``)."""
+    from tokenizers import Tokenizer
+
+    if problem := file_problem(path):  # a FIFO would wait for a writer
+        raise ValueError(f"{path} {problem}; a tokenizer.json file is read")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - the library's errors are plain Exceptions
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ValueError(f"{path} is not a tokenizer file ({first})") from None
+
+
 def check_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:
     """Raise a one-line ValueError unless ``path`` is a tokenizer file the ``tokenizers``
     library reads whose ids all fit a model of ``vocab_size`` (an id past the embedding
     table would fail only when generating)."""
-    from tokenizers import Tokenizer
-
-    try:
-        vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
-    except Exception as err:  # the library raises a bare Exception for a malformed file
-        raise ValueError(f"{path} is not a tokenizer file ({err})") from None
+    vocab = load_tokenizer(path).get_vocab(with_added_tokens=True)
     largest = max(vocab.values(), default=-1)
     if largest >= vocab_size:
         raise ValueError(f"{path} has token id {largest}, past the model's vocab_size {vocab_size}")
@@ -86,10 +100,8 @@ def write_hf_tokenizer(
     vocabulary holds), for ``AutoTokenizer.from_pretrained(hf_dir)``.
     Returns their ids by config.json key (``eos_token_id``: 0 ...), which the model's
     config must carry too."""
-    from tokenizers import Tokenizer
-
+    vocab = load_tokenizer(path).get_vocab()  # read first: a damaged file is named, not copied
     copy_tokenizer(path, hf_dir)
-    vocab = Tokenizer.from_file(str(path)).get_vocab()
     roles = {}  # each role the family names: its first token the vocabulary holds
     for role, tokens in family(arch).special_tokens.items():
         held = [token for token in tokens if token in vocab]

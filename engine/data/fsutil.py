@@ -1,17 +1,19 @@
-"""File helpers: write-to-temp-then-rename, an advisory inter-process lock, and the check
-that an input is a regular file (a FIFO would block its reader for ever)."""
+"""File helpers: write-to-temp-then-rename, an advisory inter-process lock, the check that
+an input is a regular file (a FIFO would block its reader for ever), and a JSON object read
+with its file named in any error."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import secrets
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 MISSING = "does not exist"
 """What :func:`file_problem` says of a path that names nothing."""
@@ -207,3 +209,17 @@ def tokenizer_file(given: str | None, recorded: str | None, where: str) -> str:
             "saved with the training data, or a tokenizer.json)"
         )
     return recorded
+
+
+def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object in file ``path``; a one-line ValueError naming the file for anything
+    else (bad JSON or UTF-8, nesting deeper than Python's parser recurses, a list at the
+    top)."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
+        reason = "nested too deeply" if isinstance(err, RecursionError) else err
+        raise ValueError(f"{path} is not valid JSON ({reason})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, expected an object")
+    return value

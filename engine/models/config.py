@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -448,12 +450,35 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        """Build from :meth:`to_dict` output; unknown keys are an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        """Build from :meth:`to_dict` output (JSON read back); a ValueError naming the key
+        for an unknown key or a value of the wrong type (an int stands for a float)."""
+        if not isinstance(values, dict):
+            raise ValueError(f"the model config is a {type(values).__name__}, expected an object")
+        hints = typing.get_type_hints(cls)
+        unknown = sorted(set(values) - set(hints))
         if unknown:
             raise ValueError(f"unknown ModelConfig keys {unknown}")
-        return cls(**values)
+        return cls(**{key: _typed(key, value, hints[key]) for key, value in values.items()})
+
+
+def _typed(key: str, value: Any, hint: Any) -> Any:
+    """``value`` as field ``key`` of type ``hint`` holds it (an int as a float where a float
+    is due); a ValueError naming the key when it is of another type."""
+    allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in allowed:
+        return value
+    if isinstance(value, bool):  # bool is an int to isinstance: only a bool field takes it
+        if bool in allowed:
+            return value
+    elif isinstance(value, int) and int in allowed:
+        return value
+    elif isinstance(value, int | float) and float in allowed:
+        return float(value)
+    elif isinstance(value, str) and str in allowed:
+        return value
+    expected = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    got = "null" if value is None else f"a {type(value).__name__}"
+    raise ValueError(f"model.{key}={value!r} is {got}, expected {expected}")
 
 
 # The presets' values live in configs/model/NAME.yaml, the files Hydra composes for
