@@ -119,6 +119,31 @@ def test_parallel_workers_match_serial(tmp_path: Path, trained: tuple[str, str])
         assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes()
 
 
+def test_a_long_document_is_encoded_in_pieces_to_the_same_ids(
+    trained: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A document past ``_LONG_DOC_CHARS`` (made 40 here) is encoded in pieces cut before a
+    whitespace run, which a byte-level pre-tokenizer never joins to the word before: the
+    ids are the tokenizer's own for the whole text (spaces runs, newlines and tabs at the
+    cuts included). A tokenizer with a normalizer is never cut."""
+    from tokenizers import normalizers
+
+    from engine.data import preprocess as pp
+
+    _, tokenizer_path = trained
+    tokenizer = pp._encoding_copy(Path(tokenizer_path).read_text())
+    text = " ".join(TEXTS) + "  tail\n\n\tend   " + "x" * 100 + " last"
+    whole = tokenizer.encode(text, add_special_tokens=False).ids
+    monkeypatch.setattr(pp, "_LONG_DOC_CHARS", 40)
+    assert len(pp._pieces(text)) > 5 and "".join(pp._pieces(text)) == text
+    got = pp._encode_texts(tokenizer, [text, "short"])
+    assert got[0].tolist() == whole
+    assert got[1].tolist() == tokenizer.encode("short", add_special_tokens=False).ids
+    assert pp._splits_safely(tokenizer)
+    tokenizer.normalizer = normalizers.Prepend("▁")
+    assert not pp._splits_safely(tokenizer)
+
+
 def test_jsonl_json_key(tmp_path: Path, trained: tuple[str, str]) -> None:
     _, tokenizer_path = trained
     lines = [json.dumps({"text": t, "id": i}) for i, t in enumerate(TEXTS)]
