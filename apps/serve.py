@@ -36,6 +36,7 @@ from engine.tool_args import (
     add_batching_flags,
     add_quantize_flag,
     non_negative_int,
+    positive_float,
     positive_int,
 )
 
@@ -68,6 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="queued requests past which new ones get 429",
     )
     p.add_argument(
+        "--max-body-mb",
+        type=positive_float,
+        default=16,
+        help="request bodies over this many MiB get 413, refused before they are read whole "
+        "(default 16)",
+    )
+    p.add_argument(
         "--tp-size",
         type=positive_int,
         default=1,
@@ -94,8 +102,14 @@ def _source(args: argparse.Namespace) -> tuple[ModelSource, str]:
     tokenizer = args.tokenizer or source.tokenizer_path()
     if tokenizer is None or not os.path.isfile(tokenizer):
         raise FileNotFoundError("no tokenizer found beside the model: pass --tokenizer PATH")
-    if args.chat_template and not os.path.isfile(args.chat_template):
-        raise FileNotFoundError(f"--chat-template {args.chat_template}: no such file")
+    if args.chat_template:
+        if not os.path.isfile(args.chat_template):
+            raise FileNotFoundError(f"--chat-template {args.chat_template}: no such file")
+        from apps.serving.text import compile_template
+
+        # here, before any rank starts or weights load: one line when it does not parse
+        template = Path(args.chat_template).read_text()
+        compile_template(template, f"--chat-template {args.chat_template}")
     return source, tokenizer
 
 
@@ -130,6 +144,7 @@ def build(args: argparse.Namespace, ps=None, channel=None):
     from apps.serving.text import TextCodec
 
     source, tokenizer = _source(args)
+    codec = TextCodec.from_files(tokenizer, args.chat_template)
     model, cache = _model_and_cache(args, source, ps)
     engine = ServingEngine(
         model,
@@ -139,13 +154,13 @@ def build(args: argparse.Namespace, ps=None, channel=None):
         token_budget=max(args.token_budget, args.max_running),
         channel=channel,
     )
-    codec = TextCodec.from_files(tokenizer, args.chat_template)
     directory = args.ckpt or args.weights or args.hf_dir
     name = args.served_model_name or Path(directory).resolve().name
     line = cache.describe()
     if args.tp_size > 1:
         line += f" on each of {args.tp_size} TP ranks"
-    return build_app(engine, codec, name), line
+    app = build_app(engine, codec, name, max_body_bytes=int(args.max_body_mb * 2**20))
+    return app, line
 
 
 def _model_and_cache(args: argparse.Namespace, source: ModelSource, ps=None):

@@ -7,9 +7,12 @@ per prompt and choice, submitted through the one :class:`EngineLoop` that drives
 engine; the handler then waits for its events. A client that disconnects cancels its
 requests, which frees their KV blocks before the next step.
 
-Errors are OpenAI's shape, ``{"error": {"message", "type", "code"}}``, with one line of
-message: 400 for a bad request (malformed JSON included), 404 for an unknown model, 429
-when the queue is full, 503 once the engine has stopped.
+Errors are OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with one
+line of message: 400 for a bad request (malformed JSON included), 404 for an unknown model
+or route, 405 for a wrong method, 413 for a body over the limit (refused before it is read
+whole), 429 when the queue is full, 500 when the chat template fails, 503 once the engine
+has stopped. Prompts are tokenized (and chats rendered) on a worker thread, so a long one
+does not hold up the other requests.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from apps.serving import responses
 from apps.serving.driver import EngineLoop, ServerMetrics
@@ -31,10 +35,13 @@ from apps.serving.protocol import BadRequest, ChatBody, CompletionBody
 from apps.serving.requests import Refused
 from apps.serving.requests import Request as EngineRequest
 from apps.serving.responses import Choice
-from apps.serving.text import TextCodec
+from apps.serving.text import TemplateFailed, TextCodec
 
 STATUS = {"queue_full": 429, "unavailable": 503, "model_not_found": 404}  # other codes: 400
 DISCONNECT_POLL_S = 0.1  # how often a waiting non-streamed request checks its client
+MAX_BODY_BYTES = 16 * 2**20  # the default request body limit (--max-body-mb 16)
+ROUTES = "/v1/models, /v1/completions, /v1/chat/completions, /health, /metrics"
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 
 
 class ApiError(Exception):
@@ -45,17 +52,73 @@ class ApiError(Exception):
         self.status, self.message, self.code = status, message, code
 
 
-def _error(status: int, message: str, code: str) -> JSONResponse:
+def _error(status: int, message: str, code: str, headers=None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
+    # A lone surrogate echoed from the request (a field's name) cannot be encoded as UTF-8.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _one_line(err: RequestValidationError) -> str:
     """The first validation error as ``field: what is wrong``."""
     first = err.errors()[0]
+    if first.get("type") == "json_invalid":  # loc: ("body", the offset)
+        where = first.get("loc", (None, "?"))[-1]
+        why = (first.get("ctx") or {}).get("error", first.get("msg"))
+        return f"the body is not valid JSON: {why} (at character {where})"
     where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
     return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 before it is read whole.
+
+    A Content-Length over the limit is refused without reading any of the body (the
+    server never hands an app more than the Content-Length). A body without one (chunked)
+    is read here up to the limit, refused as soon as it passes it, and otherwise handed on
+    as one message."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self, size: int | None) -> JSONResponse:
+        limit = f"the limit of {self.max_bytes} bytes (--max-body-mb)"
+        said = "passes" if size is None else f"is {size} bytes, over"
+        return _error(413, f"the request body {said} {limit}", "body_too_large")
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        lengths = [v for k, v in scope.get("headers", ()) if k.lower() == b"content-length"]
+        if lengths:
+            with contextlib.suppress(ValueError):
+                if int(lengths[0]) > self.max_bytes:
+                    await self._too_large(int(lengths[0]))(scope, receive, send)
+                    return
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: nobody to answer
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(None)(scope, receive, send)
+                return
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        handed = False
+
+        async def replay():
+            nonlocal handed
+            if handed:
+                return await receive()  # after the body: the disconnect, when it comes
+            handed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 class Server:
@@ -86,6 +149,7 @@ class Server:
     async def submit(self, prompts, limit, body, *, prompt_logprobs=False, top=0):
         """Submit every (prompt, choice) pair: the choices, in order, and their queue."""
         samplings = body.samplings()
+        self.check_queue(prompts, limit, body.n, prompt_logprobs)
         stops = frozenset() if body.ignore_eos else self.codec.eos_ids
         requests, choices = [], []
         for ids in prompts:
@@ -108,6 +172,23 @@ class Server:
         for choice, rid in zip(choices, rids, strict=True):
             choice.request_id = rid
         return choices, queue
+
+    def check_queue(self, prompts, limit, n: int, prompt_logprobs: bool) -> None:
+        """400 when the request's sequences could never all wait at once: the queue takes
+        a request's sequences all or none, so retrying (a 429) would never succeed."""
+        # What the engine queues: all but max_tokens 0 without prompt scores (it ends them
+        # at once, ServingEngine.submit).
+        sequences = len(prompts) * n if (limit != 0 or prompt_logprobs) else 0
+        most = self.engine.max_waiting
+        if sequences > most:
+            raise ApiError(
+                400,
+                f"this request is {len(prompts)} prompt(s) × n {n} = {sequences} sequences, "
+                f"more than --max-waiting {most} lets wait at once: send at most {most} "
+                f"(fewer prompts or a smaller n), or start the server with --max-waiting "
+                f"{sequences} or more",
+                "too_many_sequences",
+            )
 
     async def events(self, choices: list[Choice], queue: asyncio.Queue) -> AsyncIterator:
         """``(choice, new text, new tokens)`` as events arrive, until every choice ends;
@@ -155,8 +236,15 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     return StreamingResponse(lines(), media_type="text/event-stream")
 
 
-def build_app(engine: ServingEngine, codec: TextCodec, model_name: str) -> FastAPI:
-    """The FastAPI application serving ``engine`` as ``model_name``."""
+def build_app(
+    engine: ServingEngine,
+    codec: TextCodec,
+    model_name: str,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """The FastAPI application serving ``engine`` as ``model_name``; a request body over
+    ``max_body_bytes`` gets 413 (:class:`BodyLimit`)."""
     server = Server(engine, codec, model_name)
 
     @contextlib.asynccontextmanager
@@ -170,6 +258,7 @@ def build_app(engine: ServingEngine, codec: TextCodec, model_name: str) -> FastA
 
     app = FastAPI(title="meshtron", lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(request, err: ApiError):
@@ -182,6 +271,33 @@ def build_app(engine: ServingEngine, codec: TextCodec, model_name: str) -> FastA
     @app.exception_handler(RequestValidationError)
     async def invalid(request, err: RequestValidationError):
         return _error(400, _one_line(err), "invalid_request")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, err: HTTPException):
+        """The router's 404 and 405, and FastAPI's 400 for a body it could not read."""
+        where = f"{request.method} {request.url.path}"
+        if err.status_code == 404:
+            message = f"{where}: no such route (the routes: {ROUTES})"
+        elif err.status_code == 405:
+            allowed = (err.headers or {}).get("Allow", "")
+            message = f"{where}: method not allowed (allowed: {allowed or 'none'})"
+        elif err.status_code == 400 and err.__cause__ is not None:
+            cause = err.__cause__
+            message = f"the body could not be read as JSON: {type(cause).__name__}: {cause}"
+        else:
+            message = str(err.detail)
+        code = HTTP_CODES.get(err.status_code, "invalid_request")
+        return _error(err.status_code, " ".join(message.split()), code, err.headers)
+
+    @app.exception_handler(TemplateFailed)
+    async def template_failed(request, err: TemplateFailed):
+        return _error(500, str(err), "chat_template_error")
+
+    @app.exception_handler(Exception)
+    async def internal(request, err: Exception):
+        """Anything else (a bug): still the error shape, not a plain-text 500."""
+        message = " ".join(f"internal error: {type(err).__name__}: {err}".split())
+        return _error(500, message, "internal_error")
 
     @app.get("/health")
     async def health():
@@ -202,7 +318,7 @@ def build_app(engine: ServingEngine, codec: TextCodec, model_name: str) -> FastA
     async def completions(body: CompletionBody, request: Request):
         server.check_model(body.model)
         body.check_unsupported()
-        prompts = body.prompts(codec.encode)
+        prompts = await asyncio.to_thread(body.prompts, codec.encode)
         echo_scores = body.echo and body.logprobs is not None
         top = body.logprobs or 0
         choices, queue = await server.submit(
@@ -218,11 +334,7 @@ def build_app(engine: ServingEngine, codec: TextCodec, model_name: str) -> FastA
     async def chat(body: ChatBody, request: Request):
         server.check_model(body.model)
         body.check_unsupported()
-        messages = [m.as_template_input() for m in body.messages]
-        try:
-            prompt = codec.encode(codec.render_chat(messages), special_tokens=False)
-        except ValueError as err:
-            raise BadRequest(str(err)) from None
+        prompt = await asyncio.to_thread(_chat_prompt, codec, body)
         top = body.top_logprobs or 0 if body.logprobs else 0
         choices, queue = await server.submit([prompt], body.limit, body, top=top)
         shape = responses.ChatShape(body, model_name, prompt)
@@ -232,6 +344,15 @@ def build_app(engine: ServingEngine, codec: TextCodec, model_name: str) -> FastA
         return shape.response(choices) if done else Response(status_code=499)
 
     return app
+
+
+def _chat_prompt(codec: TextCodec, body: ChatBody) -> list[int]:
+    """The chat's prompt ids: its messages rendered by the template, then encoded."""
+    messages = body.template_input()
+    try:
+        return codec.encode(codec.render_chat(messages), special_tokens=False)
+    except ValueError as err:
+        raise BadRequest(str(err)) from None
 
 
 async def _drain(events: AsyncIterator) -> bool:

@@ -23,6 +23,16 @@ class BadRequest(ValueError):
     """A request the server refuses with 400 and this one-line message."""
 
 
+def _unicode(text: str, field: str) -> str:
+    """``text``, unless it holds a lone surrogate (JSON lets ``"\\ud800"`` through, but it
+    is no character: the tokenizer cannot take it): then a 400 naming ``field``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"{field} contains a lone surrogate, not valid Unicode") from None
+    return text
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -121,7 +131,13 @@ class CompletionBody(_Body):
             prompt = [prompt]
         if not prompt:
             raise BadRequest("prompt is empty")
-        ids = [encode(p) if isinstance(p, str) else list(p) for p in prompt]
+        batch = prompt is self.prompt  # a list of prompts, not one wrapped as a list
+        ids = [
+            encode(_unicode(p, f"prompt[{i}]" if batch else "prompt"))
+            if isinstance(p, str)
+            else list(p)
+            for i, p in enumerate(prompt)
+        ]
         if any(not p for p in ids):
             raise BadRequest("a prompt encodes to no tokens")
         return ids
@@ -136,14 +152,15 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
     name: str | None = None
 
-    def as_template_input(self) -> dict:
-        """What a chat template reads: ``{"role", "content"}`` with the text joined."""
+    def as_template_input(self, field: str = "content") -> dict:
+        """What a chat template reads: ``{"role", "content"}`` with the text joined
+        (``field``: the content's name in errors)."""
         content = self.content
         if isinstance(content, list):
             if any(part.get("type") != "text" for part in content):
                 raise BadRequest("only text content parts are supported")
             content = "".join(str(part.get("text", "")) for part in content)
-        return {"role": self.role, "content": content or ""}
+        return {"role": self.role, "content": _unicode(content or "", field)}
 
 
 class ChatBody(_Body):
@@ -163,6 +180,10 @@ class ChatBody(_Body):
         top = self.top_logprobs or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS or (top and not self.logprobs):
             raise BadRequest(f"top_logprobs must be in 0 .. {MAX_TOP_LOGPROBS}, with logprobs")
+
+    def template_input(self) -> list[dict]:
+        """The messages as the chat template reads them."""
+        return [m.as_template_input(f"messages[{i}].content") for i, m in enumerate(self.messages)]
 
     @property
     def limit(self) -> int | None:

@@ -29,14 +29,19 @@ class TextCodec:
         *,
         chat_template: str | None = None,
         special: dict[str, str] | None = None,
+        template_name: str = "the chat template",
     ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.template_name = template_name  # where the template came from, for errors
         self.special = special or {}  # "bos_token", "eos_token" → their text
         eos = self.special.get("eos_token")
         eos_id = None if eos is None else tokenizer.token_to_id(eos)
         self.eos_ids = frozenset() if eos_id is None else frozenset({eos_id})
-        self._template = None
+        # Compiled now: a template that does not parse is refused at start, not per request.
+        self._template = (
+            None if chat_template is None else compile_template(chat_template, template_name)
+        )
 
     @classmethod
     def from_files(cls, tokenizer_path: str, chat_template_path: str | None = None) -> TextCodec:
@@ -49,8 +54,10 @@ class TextCodec:
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default")
+        name = f"{config_path}'s chat_template (--chat-template FILE overrides it)"
         if chat_template_path is not None:
             template = Path(chat_template_path).read_text()
+            name = f"--chat-template {chat_template_path}"
         special = {}
         for role in ("bos_token", "eos_token"):
             value = config.get(role)
@@ -58,12 +65,14 @@ class TextCodec:
                 value = value.get("content")
             if isinstance(value, str):
                 special[role] = value
-        return cls(tokenizer, chat_template=template, special=special)
+        return cls(tokenizer, chat_template=template, special=special, template_name=name)
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (with the tokenizer's own added tokens, as
         ``tools/generate.py`` encodes prompts, unless ``special_tokens`` is False)."""
-        return self.tokenizer.encode(text, add_special_tokens=special_tokens).ids
+        # encode_batch, not encode: it lets go of the GIL while it works, so a long prompt
+        # tokenized on a worker thread does not hold up the server's event loop too.
+        return self.tokenizer.encode_batch([text], add_special_tokens=special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids`` (special tokens dropped)."""
@@ -71,30 +80,53 @@ class TextCodec:
 
     def render_chat(self, messages: list[dict]) -> str:
         """The prompt the chat template makes of ``messages``, ending where the assistant's
-        answer begins; ValueError when there is no template or it refuses the messages."""
-        if self.chat_template is None:
+        answer begins; ValueError when there is no template or it refuses the messages,
+        :class:`TemplateFailed` when the template itself fails (a bug in it)."""
+        if self._template is None:
             raise ValueError(
                 "this model's tokenizer has no chat template (no chat_template in its "
                 "tokenizer_config.json): use /v1/completions, or start the server with "
                 "--chat-template FILE"
             )
         import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        if self._template is None:
-
-            def raise_exception(message: str):
-                raise jinja2.TemplateError(message)
-
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = raise_exception
-            self._template = env.from_string(self.chat_template)
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=True, **self.special
             )
         except jinja2.TemplateError as err:
-            raise ValueError(f"the chat template refused the messages: {err}") from None
+            raise ValueError(f"the chat template refused the messages: {_one_line(err)}") from None
+        except Exception as err:
+            raise TemplateFailed(
+                f"{self.template_name} failed: {type(err).__name__}: {_one_line(err)}"
+            ) from err
+
+
+class TemplateFailed(RuntimeError):
+    """The chat template raised while rendering (not a refusal of the messages): the
+    server's template is at fault, not the request."""
+
+
+def compile_template(text: str, name: str):
+    """The Jinja chat template ``text``, compiled as ``transformers`` compiles it (a
+    sandbox, ``raise_exception``); ValueError in one line naming ``name`` when it does not
+    parse."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise ValueError(f"{name}: line {err.lineno}: {_one_line(err)}") from None
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(getattr(err, "message", None) or err).split())
 
 
 class Detokenizer:
