@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_batching_flags(p)
     p.add_argument(
         "--max-waiting",
-        type=non_negative_int,
+        type=positive_int,  # 0 would refuse every request: the queue is the way in
         default=64,
         help="queued requests past which new ones get 429",
     )

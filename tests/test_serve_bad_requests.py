@@ -117,6 +117,18 @@ def test_max_body_mb_is_in_the_help_and_must_be_positive(capsys):
         assert "--max-body-mb" in err and "must be a finite number > 0" in err, err
 
 
+def test_max_waiting_0_is_refused_at_start(capsys):
+    """No request could ever be queued (every one would get a 429): one line, exit 2."""
+    from apps.serve import parse_args
+
+    with pytest.raises(SystemExit) as stop:
+        parse_args(["--weights", "w", "--max-waiting", "0"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and err.endswith(
+        "argument --max-waiting: 0 must be >= 1 (see --help)"
+    )
+
+
 def test_prompts_are_tokenized_off_the_event_loop(served, monkeypatch):
     """Tokenizing a long prompt takes seconds: on the event loop's thread it would hold up
     every other request (/health included). So encode must run where no loop runs."""
