@@ -180,6 +180,30 @@ def test_a_lone_surrogate_is_400_naming_the_field(served, route, body, field):
     _works(client)
 
 
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        ("completions", '{"model": "tiny", "prompt": "a", "max_tokens": "5"}', "max_tokens"),
+        ("completions", '{"model": "tiny", "prompt": "a", "stream": "yes"}', "stream"),
+        ("completions", '{"model": "tiny", "prompt": [true, false]}', "prompt"),
+        ("completions", '{"model": "tiny", "prompt": "a", "logprobs": true}', "logprobs"),
+        (
+            "chat/completions",
+            '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": "2"}',
+            "n",
+        ),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_400_not_coerced(served, route, body, field):
+    """As OpenAI's API: a string is not a number, "yes" not a boolean, true/false not token
+    ids (they were read as 1 and 0)."""
+    client, _ = served
+    base, _ = _urls(client)
+    message = _refused(_post(f"{base}/{route}", body), 400, "invalid_request", field)
+    assert message.startswith(field), message
+    _works(client)
+
+
 def test_a_chat_template_that_does_not_parse_is_refused_at_start(export, tmp_path, capsys):
     from apps.serve import main
 

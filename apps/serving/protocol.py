@@ -34,7 +34,9 @@ def _unicode(text: str, field: str) -> str:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict, as OpenAI's API is: "5" is not a max_tokens, "yes" not a stream flag, and
+    # true/false are not token ids (an int still stands for a float).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     temperature: float | None = None  # None: 1; 0: greedy
@@ -146,7 +148,7 @@ class CompletionBody(_Body):
 class ChatMessage(BaseModel):
     """One message of a chat; content as text or OpenAI's list of text parts."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
