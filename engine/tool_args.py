@@ -65,6 +65,36 @@ def add_model_size_flags(
         parser.add_argument(f"--{name}", type=positive_int, default=default, help=text)
 
 
+# The flags a tool adds over a model preset, and the ModelConfig field each overrides.
+PRESET_OVERRIDES = {
+    "hidden": "hidden_size",
+    "layers": "num_layers",
+    "heads": "num_heads",
+    "ffn": "ffn_hidden_size",
+    "vocab": "vocab_size",
+    "max_positions": "max_positions",
+}
+
+
+def add_preset_overrides(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
+    """``--hidden --layers ...`` (``names``, keys of :data:`PRESET_OVERRIDES`), each a
+    positive integer overriding the preset's field, unset by default."""
+    for name in names:
+        field = PRESET_OVERRIDES[name]
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=positive_int,
+            default=None,
+            help=f"override the preset's {field}",
+        )
+
+
+def preset_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The preset fields the flags of :func:`add_preset_overrides` set, by field name."""
+    given = {field: getattr(args, name, None) for name, field in PRESET_OVERRIDES.items()}
+    return {field: value for field, value in given.items() if value is not None}
+
+
 def positive_int(text: str) -> int:
     """argparse type: an integer >= 1."""
     return _int_at_least(text, 1)

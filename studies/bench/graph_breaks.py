@@ -26,7 +26,7 @@ from engine.config import OptimConfig, sized_dims
 from engine.data_parallel import build_data_parallel
 from engine.models import ModelConfig, build_model, preset, preset_names
 from engine.optim import compiles_update
-from engine.tool_args import ArgumentParser, positive_int
+from engine.tool_args import ArgumentParser, add_preset_overrides, positive_int, preset_overrides
 from layers.compile import COMPILE_BACKENDS
 from layers.recompute import RECOMPUTE_MODES
 from parallel_state import ParallelState
@@ -36,8 +36,7 @@ from parallel_state.dims import LayoutError
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt_tiny", choices=preset_names())
-    for name in ("hidden", "layers", "heads", "vocab"):
-        p.add_argument(f"--{name}", type=positive_int, default=None, help="override the preset")
+    add_preset_overrides(p, ("hidden", "layers", "heads", "vocab"))
     p.add_argument("--seq", type=positive_int, default=64, help="tokens per sequence")
     p.add_argument("--micro-batch", type=positive_int, default=2)
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
@@ -71,15 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     """The model of ``--preset`` with the overrides given, compiled."""
-    overrides = {
-        "hidden_size": args.hidden,
-        "num_layers": args.layers,
-        "num_heads": args.heads,
-        "vocab_size": args.vocab,
-    }
     return preset(
         args.preset,
-        **{k: v for k, v in overrides.items() if v is not None},
+        **preset_overrides(args),
         max_positions=args.seq,
         hidden_dropout=args.dropout,
         attention_dropout=args.dropout,

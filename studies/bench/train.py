@@ -43,7 +43,14 @@ from engine.bootstrap import bootstrap_rank
 from engine.config import OptimConfig, sized_dims
 from engine.data_parallel import DataParallel, build_data_parallel
 from engine.models import ModelConfig, build_model, preset
-from engine.tool_args import ArgumentParser, non_negative_int, output_file, positive_int
+from engine.tool_args import (
+    ArgumentParser,
+    add_preset_overrides,
+    non_negative_int,
+    output_file,
+    positive_int,
+    preset_overrides,
+)
 from studies.bench import step_profile
 from studies.bench.reference_gpt import (
     RefGPT,
@@ -77,8 +84,7 @@ MODE_NAMES = {"optimizer": " ZeRO-1", "gradients": " ZeRO-2", "full": " ZeRO-3"}
 def _add_model_args(p: ArgumentParser) -> None:
     """What model runs: the preset, its overrides, kernels and compilation."""
     p.add_argument("--preset", default="gpt_tiny", help="engine.models preset name")
-    for name in ("hidden", "layers", "heads", "ffn", "vocab", "max-positions"):
-        p.add_argument(f"--{name}", type=positive_int, default=None, help="override the preset")
+    add_preset_overrides(p, ("hidden", "layers", "heads", "ffn", "vocab", "max_positions"))
     p.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout")
     p.add_argument(
         "--kernels",
@@ -237,11 +243,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
     overrides = {
-        "hidden_size": args.hidden,
-        "num_layers": args.layers,
-        "num_heads": args.heads,
-        "ffn_hidden_size": args.ffn,
-        "vocab_size": args.vocab,
+        **preset_overrides(args),
         "max_positions": args.max_positions or max(args.seq, 1),
         "hidden_dropout": args.dropout,
         "attention_dropout": args.dropout,
