@@ -151,7 +151,13 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
         )
     for prefix in cfg.data.prefixes:  # ids past the vocabulary: a traceback or a wrong loss
         check_token_ids(prefix, cfg.model.vocab_size, eod_id=tokenizer.token_to_id(EOD_TOKEN))
-    valid, _ = eval_iterator(cfg, args.split, tokenizer)  # ValueError: the split is too small
+    try:
+        valid, _ = eval_iterator(cfg, args.split, tokenizer)
+    except ValueError as err:  # the split holds too few tokens for one sequence
+        raise ValueError(
+            f"{err}; read another --split (data.split={cfg.data.split} shares the "
+            "documents out) or a shorter --seq-len"
+        ) from None
     return _settle_batches(args, cfg, len(valid.dataset))
 
 

@@ -141,7 +141,7 @@ def test_text_file_loss_is_the_mean_cross_entropy_of_its_windows(corpus, tmp_pat
 
 
 def test_bad_inputs_are_one_line_and_exit_2(corpus, tmp_path, capsys):
-    _, tokenizer_path = corpus
+    prefix, tokenizer_path = corpus
     cfg = preset("gpt_tiny", vocab_size=512, hidden_size=32, num_heads=4, max_positions=64)
     export = tmp_path / "export"
     write_checkpoint(export, build_model(cfg).full_state_dict(), cfg, tokenizer=tokenizer_path)
@@ -155,6 +155,10 @@ def test_bad_inputs_are_one_line_and_exit_2(corpus, tmp_path, capsys):
         (["--ckpt", str(export), "--text", str(short), "--tp-size", "3"], "tp_size=3"),
         (["--ckpt", str(tmp_path / "nothing"), "--text", str(short)], "nothing"),
         (["--ckpt", str(export), "--batches", "0"], "--batches"),
+        (  # 949,50,1 of the test corpus's documents leaves none to the test split
+            ["--ckpt", str(export), "--data", prefix, "--split", "test"],
+            "hold 0 tokens, fewer than seq_len + 1 = 65; read another --split (data.split=",
+        ),
         (
             ["--ckpt", str(export), "--text", str(words), "--seq-len", "8", "--micro-batch", "64"],
             "fewer than one micro-batch of 64",
