@@ -586,6 +586,24 @@ def test_default_corpus_builds_round_trips_and_caches(tmp_path: Path, monkeypatc
     assert default_corpus.build_default_corpus(**TINY) == (prefix, tokenizer_path)
 
 
+def test_default_corpus_samples_the_whole_stdlib_into_every_split() -> None:
+    """The split cuts contiguous document ranges, so the corpus order decides what each
+    split is. Drawn in path order (the old recipe) the 4 MB cap held the alphabetically
+    first files and the validation documents were all ``encodings/`` codec tables (a
+    validation loss 1.5 below the training loss). Expected of a draw unrelated to the path:
+    about half the bytes from each half of the sorted file list (bounds 0.25-0.75, where
+    the path-order draw gives under 0.1), and validation documents from many packages."""
+    root, files = default_corpus.stdlib_sources(4_000_000)  # data.default_max_bytes
+    every = sorted(rel for rel, _ in default_corpus.stdlib_sources(10**12)[1])
+    later_half = set(every[len(every) // 2 :])
+    chosen_bytes = sum(size for _, size in files)
+    later = sum(size for rel, size in files if rel in later_half)
+    assert 0.25 < later / chosen_bytes < 0.75, (later, chosen_bytes)
+    start, end = split_documents(len(files), "949,50,1")["valid"]
+    valid_packages = {rel.split("/")[0] for rel, _ in files[start:end]}
+    assert end - start >= 5 and len(valid_packages) >= 3, files[start:end]
+
+
 def test_default_corpus_interrupted_build_is_not_trusted(tmp_path: Path, monkeypatch) -> None:
     real = default_corpus.encode_to_indexed
 

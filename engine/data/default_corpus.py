@@ -25,7 +25,7 @@ _EXCLUDED_DIRS = frozenset(
     | {"__pycache__", "ensurepip", "__phello__"}
 )
 # Bump when the cached layout or the build recipe changes, so old caches are not trusted.
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: files drawn in hash order, not path order
 
 
 def default_cache_dir() -> Path:
@@ -36,8 +36,12 @@ def default_cache_dir() -> Path:
 def stdlib_sources(max_bytes: int) -> tuple[Path, list[tuple[str, int]]]:
     """The stdlib root and ``(relative path, size)`` of the files in the corpus, in order.
 
-    Files are taken in sorted path order while they fit in ``max_bytes``; one that would
-    overflow the cap is skipped, so the cap fills closely yet the choice stays deterministic.
+    Files are taken in a fixed shuffled order (:func:`_draw_order`) while they fit in
+    ``max_bytes``; one that would overflow the cap is skipped, so the cap fills closely yet
+    the choice stays deterministic. The documents are stored in that order too: the runs'
+    train/valid/test split (``data.split``) cuts contiguous document ranges, as Megatron's
+    does, so in path order the validation documents would be the stdlib's last files (the
+    codec tables of ``encodings/``), not a sample of it.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     found: list[tuple[str, int]] = []
@@ -48,11 +52,17 @@ def stdlib_sources(max_bytes: int) -> tuple[Path, list[tuple[str, int]]]:
                 path = Path(dirpath) / name
                 found.append((path.relative_to(root).as_posix(), path.stat().st_size))
     chosen, total = [], 0
-    for rel, size in sorted(found):
+    for rel, size in sorted(found, key=lambda item: _draw_order(item[0])):
         if total + size <= max_bytes:
             chosen.append((rel, size))
             total += size
     return root, chosen
+
+
+def _draw_order(rel: str) -> bytes:
+    """A file's place in the corpus: a hash of its relative path, the same on every
+    machine, unrelated to where the path sorts."""
+    return hashlib.blake2b(rel.encode(), digest_size=8).digest()
 
 
 def _cache_key(files: list[tuple[str, int]], vocab_size: int, max_bytes: int) -> str:
