@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         tokenizer = check(args)
+    except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
+        raise
     except (OSError, ValueError, CheckpointError) as err:
         print(f"generate: {err}", file=sys.stderr)
         return 2
@@ -219,4 +221,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

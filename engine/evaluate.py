@@ -278,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                 _readable_tokenizer(tokenizer)
                 text_prefix = _tokenize_text(args.text, tokenizer, tmp)
             result = _evaluate(args, text_prefix)
+    except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
+        raise
     except (OSError, ValueError, KeyError, CheckpointError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"evaluate: error: {message}", file=sys.stderr)
@@ -288,4 +290,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

@@ -367,12 +367,12 @@ def cli() -> None:
     """The command line: ``--help``, unknown keys (with the nearest real one), an unusable
     run directory and Hydra's own errors become one line and exit 2 before anything runs."""
     from engine.config_cli import run_checked
+    from engine.tool_args import run_tool
 
     line_buffered_stdout()
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
-        print_help([a for a in argv if a not in ("--help", "-h")])
-        return
+        run_tool(lambda: print_help([a for a in argv if a not in ("--help", "-h")]))
     # Hydra takes its flags before the overrides; a sweep's -m is often typed among them.
     sweep = [a for a in argv if a in ("-m", "--multirun")]
     argv = sweep + [a for a in argv if a not in sweep]

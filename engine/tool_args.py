@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+from collections.abc import Callable
 from typing import NoReturn
+
+# A tool whose reader left (``tool ... | head``) exits as a C tool killed by SIGPIPE does.
+BROKEN_PIPE_STATUS = 128 + 13
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -15,6 +20,20 @@ class ArgumentParser(argparse.ArgumentParser):
         """Print the one line and exit 2 (argparse's status for a usage error)."""
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def run_tool(main: Callable[[], int | None]) -> NoReturn:
+    """Run a tool's ``main`` and exit with its status. When whatever reads stdout stops
+    reading (``tool ... | head``), the tool stops quietly, with no traceback, and exits
+    :data:`BROKEN_PIPE_STATUS`."""
+    try:
+        status = main()
+        sys.stdout.flush()  # output still buffered meets a closed pipe here, not at exit
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit; point it at nothing so that is silent.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(BROKEN_PIPE_STATUS) from None
+    raise SystemExit(status)
 
 
 def add_quantize_flag(parser: argparse.ArgumentParser, help: str) -> None:

@@ -15,4 +15,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from studies.bench.cp_balance import main  # noqa: E402
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

@@ -114,4 +114,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

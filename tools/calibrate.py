@@ -27,6 +27,10 @@ def parse_args(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    sys.exit(
-        main(sys.argv[1:], description=__doc__, formatter=argparse.RawDescriptionHelpFormatter)
+    from engine.tool_args import run_tool
+
+    run_tool(
+        lambda: main(
+            sys.argv[1:], description=__doc__, formatter=argparse.RawDescriptionHelpFormatter
+        )
     )

@@ -159,10 +159,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = export_model(args.ckpt, args.out)
         print(f"exported the {cfg.arch} weights to {args.out} ({_tokenizer_note(args.out)})")
         return 0
+    except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
+        raise
     except (CheckpointError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = import_hf(args.hf_dir, args.out)
         else:
             cfg = export_hf(args.ckpt, args.out)
+    except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
+        raise
     except (OSError, ValueError, KeyError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"convert_hf.py: error: {message}", file=sys.stderr)
@@ -61,4 +63,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

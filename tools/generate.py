@@ -19,4 +19,6 @@ from apps.generate_text import main, parse_args  # noqa: E402
 __all__ = ["main", "parse_args"]
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

@@ -33,8 +33,6 @@ def parse_args(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except BrokenPipeError:  # `plan.py search ... | head`: the reader left, nothing is wrong
-        sys.stderr.close()
-        sys.exit(0)
+    from engine.tool_args import run_tool
+
+    run_tool(main)

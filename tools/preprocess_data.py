@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.no_progress,
             index_format=args.format,
         )
+    except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
+        raise
     except (OSError, ValueError, EncodeWorkerDied) as e:
         print(f"preprocess_data.py: error: {e}", file=sys.stderr)
         return 2
@@ -173,4 +175,6 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         resolve(args.ckpt)  # CheckpointError before any evaluation starts
         fp32, int8 = _evaluate(args, "none"), _evaluate(args, "int8")
         memory, tokens = _memory_and_tokens(args)
+    except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
+        raise
     except (OSError, ValueError, RuntimeError) as err:
         print(f"quantize_report: {err}", file=sys.stderr)
         return 2
@@ -174,4 +176,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

@@ -8,4 +8,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from studies.scaling.study_cli import main, parse_args  # noqa: E402, F401 (parse_args: README test)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

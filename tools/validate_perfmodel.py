@@ -27,4 +27,6 @@ def parse_args(argv: list[str] | None = None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             spec = check_hf_layout(spec, args.hf_dir)
         else:
             spec.check()
+    except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
+        raise
     except (OSError, ValueError) as err:
         print(f"verify_equivalence: {err}", file=sys.stderr)
         return 2
@@ -309,4 +311,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from engine.tool_args import run_tool
+
+    run_tool(main)

@@ -241,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             cluster = load_cluster(args.cluster, base=args.compute_from)
             rows = compare(read_scaling_results(args.csv, base, not args.no_overlap), cluster)
+    except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
+        raise
     except (ValueError, RuntimeError, OSError) as err:
         print(f"validate: {err}", file=sys.stderr)
         return 2

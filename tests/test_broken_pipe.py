@@ -1,0 +1,100 @@
+"""A tool whose reader stops reading (``python -m engine.pretrain --help | head``) stops
+quietly: no traceback, no "Exception ignored" at exit, status 141 (128 + SIGPIPE, what a
+C tool killed by the signal reports). Before, ``engine.pretrain --help | head -1`` printed
+a BrokenPipeError traceback, and ``tools/checkpoint.py inspect ... | head`` printed
+``error: [Errno 32] Broken pipe``; every tool now runs its ``main`` through
+``engine.tool_args.run_tool``. (argparse's own ``--help`` ignores a failed write and exits
+0, also quietly.)
+
+The reader's end of the pipe is closed before the tool starts, so its first write fails
+every time (a real ``head`` may leave before or after the write: a race)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.multiproc import subprocess_env
+
+COMMANDS = {
+    "pretrain --help": ["-m", "engine.pretrain", "--help"],
+    "plan search": [
+        "tools/plan.py",
+        "search",
+        "--model",
+        "gpt_13b",
+        "--global-batch",
+        "512",
+        "--gpus",
+        "8",
+        "--cluster",
+        "dgx_h100",
+        "--pp",
+        "1",
+    ],
+    "plan predict --json": [
+        "tools/plan.py",
+        "predict",
+        "--model",
+        "gpt_1.3b",
+        "--global-batch",
+        "512",
+        "--gpus",
+        "16",
+        "--tp",
+        "2",
+        "--json",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_a_closed_reader_stops_the_tool_quietly(name: str) -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the first line
+    try:
+        done = subprocess.run(
+            [sys.executable, *COMMANDS[name]],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env=subprocess_env(ROOT),
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == "", done.stderr
+    assert done.returncode == 141
+
+
+class _GoneReader:
+    """A stdout whose reader has left: every write fails as a closed pipe's does."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_tool_reporting_os_errors_lets_a_closed_reader_through(tmp_path, monkeypatch) -> None:
+    """``tools/checkpoint.py`` turns an OSError (an unreadable file) into ``error: ...``,
+    exit 2; a closed stdout is not such an error and reaches ``run_tool``."""
+    from tests.test_checkpoint import (  # checkpoint_cli: tools/checkpoint.py
+        _model_and_optimizer,
+        _train_step,
+        checkpoint_cli,
+        save_checkpoint,
+    )
+
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer, 1)
+    save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, ps=None, state={})
+    monkeypatch.setattr(sys, "stdout", _GoneReader())
+    with pytest.raises(BrokenPipeError):
+        checkpoint_cli.main(["inspect", str(tmp_path)])
