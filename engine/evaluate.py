@@ -132,7 +132,7 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
     the number of micro-batches to read settled."""
     from engine.data.indexed import check_token_ids
     from engine.data.preprocess import EOD_TOKEN
-    from engine.data.run_data import eval_iterator
+    from engine.data.run_data import EmptySplit, eval_iterator
 
     tokenizer_file(args.tokenizer, cfg.data.tokenizer, args.ckpt or args.hf_dir)
     cfg.model.validate(args.tp_size)
@@ -153,7 +153,7 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
         check_token_ids(prefix, cfg.model.vocab_size, eod_id=tokenizer.token_to_id(EOD_TOKEN))
     try:
         valid, _ = eval_iterator(cfg, args.split, tokenizer)
-    except ValueError as err:  # the split holds too few tokens for one sequence
+    except EmptySplit as err:  # the split holds too few tokens for one sequence
         raise ValueError(
             f"{err}; read another --split (data.split={cfg.data.split} shares the "
             "documents out) or a shorter --seq-len"

@@ -102,6 +102,10 @@ def _part(cfg: Config, i: int, prefix: str, split: str, tokenizer: Tokenizer):
     )
 
 
+class EmptySplit(ValueError):
+    """Every data prefix was left out of an evaluation split (each part too small)."""
+
+
 def _dataset(cfg: Config, split: str, tokenizer: Tokenizer) -> tuple[object, list[str]]:
     """The (blended) dataset of ``split`` and notes on prefixes left out of it.
 
@@ -118,7 +122,7 @@ def _dataset(cfg: Config, split: str, tokenizer: Tokenizer) -> tuple[object, lis
                 raise
             notes.append(f"{prefix} left out of the {split} split: {err}")
     if not parts:
-        raise ValueError("; ".join(notes))
+        raise EmptySplit("; ".join(notes))
     if len(parts) == 1:
         return parts[0], notes
     size = max(_MIN_BLEND_SIZE, 2 * cfg.trainer.max_steps * cfg.trainer.global_batch)
