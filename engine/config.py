@@ -86,7 +86,7 @@ class TrainerConfig:
     log_every: int = 10  # console/TensorBoard interval in steps
     eval_every: int = 50  # validation interval in steps; 0 disables
     eval_batches: int = 4  # validation micro-batches per evaluation (the same at any layout)
-    grad_bucket_mb: float = 25.0  # DP all-reduce bucket size
+    grad_bucket_mb: float = 25.0  # DP bucket size (all-reduce, ZeRO-1; FSDP has none)
     memory_cap_gib: float = 0.0  # per-rank memory budget (0: the device's); enforced on CUDA
     tensorboard: bool = True  # TensorBoard scalars in CHECKPOINT_DIR/tensorboard, kept over resumes
     wandb_project: str | None = None  # log to Weights & Biases when set (wandb must be installed)
@@ -107,7 +107,7 @@ class TrainerConfig:
     # Scaling studies (issue 12):
     metrics_file: str | None = None  # rank 0 writes every step's time breakdown here as JSON
     step_timing: bool = True  # time TP/DP collectives for the breakdown (off: phases only)
-    overlap_grad_reduce: bool = True  # launch DP all-reduces during backward (off: after it)
+    overlap_grad_reduce: bool = True  # DP reduces during backward (off: after it; not FSDP)
 
 
 @dataclass
@@ -381,6 +381,17 @@ def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:
         problems.append(f"{mode} runs the model eagerly: set model.compile=false")
     if cfg.optim.impl == "apex":
         problems.append(f"{mode} runs torch's AdamW on the shards: set optim.impl=auto")
+    default = TrainerConfig()
+    ignored = [  # the bucketed all-reduce's settings: FSDP reduces each layer's unit itself
+        f"trainer.{name}={str(getattr(cfg.trainer, name)).lower()}"  # false, as typed
+        for name in ("grad_bucket_mb", "overlap_grad_reduce")
+        if getattr(cfg.trainer, name) != getattr(default, name)
+    ]
+    if ignored:
+        problems.append(
+            f"{' and '.join(ignored)} would be ignored under {mode} (FSDP reduce-scatters "
+            "each layer's gradients during backward, unbucketed): leave it at its default"
+        )
     return problems
 
 

@@ -256,6 +256,11 @@ def test_zero3_holds_a_1_over_d_shard_of_every_layer_not_running(d, request):
         (("trainer.precision=fp16",), "parallel.dp_shard=full trains in bf16 or fp32"),
         (("model.compile=true",), "parallel.dp_shard=full runs the model eagerly"),
         (("trainer.memory_cap_gib=-1",), "trainer.memory_cap_gib=-1.0 must be >= 0 and finite"),
+        (  # the all-reduce path's knobs, which FSDP2 never reads
+            ("trainer.overlap_grad_reduce=false", "trainer.grad_bucket_mb=4"),
+            "trainer.grad_bucket_mb=4.0 and trainer.overlap_grad_reduce=false would be ignored "
+            "under parallel.dp_shard=full",
+        ),
     ],
 )
 def test_what_fsdp_does_not_run_with_is_refused_before_any_worker(
