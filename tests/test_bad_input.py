@@ -324,7 +324,9 @@ def test_pretrain_help_lists_every_key_with_its_default_and_doc(monkeypatch, cap
     from engine.config import Config
 
     monkeypatch.setattr(sys, "argv", ["pretrain.py", "--help"])
-    runpy.run_module("engine.pretrain", run_name="__main__")
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("engine.pretrain", run_name="__main__")
+    assert exit_info.value.code is None  # status 0
     out = capsys.readouterr().out
     sections = [
         f for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)
