@@ -13,10 +13,14 @@ enough for the host to run ahead.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 import torch
+
+# Runnable as a plain script from any directory: make the repo root importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
