@@ -381,17 +381,13 @@ def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:
         problems.append(f"{mode} runs the model eagerly: set model.compile=false")
     if cfg.optim.impl == "apex":
         problems.append(f"{mode} runs torch's AdamW on the shards: set optim.impl=auto")
-    default = TrainerConfig()
-    ignored = [  # the bucketed all-reduce's settings: FSDP reduces each layer's unit itself
-        f"trainer.{name}={str(getattr(cfg.trainer, name)).lower()}"  # false, as typed
-        for name in ("grad_bucket_mb", "overlap_grad_reduce")
-        if getattr(cfg.trainer, name) != getattr(default, name)
-    ]
-    if ignored:
-        problems.append(
-            f"{' and '.join(ignored)} would be ignored under {mode} (FSDP reduce-scatters "
-            "each layer's gradients during backward, unbucketed): leave it at its default"
-        )
+    problems += _unread(  # the bucketed all-reduce's settings: FSDP reduces by layer unit
+        "trainer",
+        cfg.trainer,
+        ["grad_bucket_mb", "overlap_grad_reduce"],
+        f"under {mode} (FSDP reduce-scatters each layer's gradients during backward, unbucketed)",
+        "leave {it} unset",
+    )
     return problems
 
 
@@ -436,18 +432,82 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
 
 def _pipeline_keys_unused(p: PipelineConfig) -> list[str]:
     """One line naming the pipeline keys set away from their defaults at pp 1, if any."""
-    default = PipelineConfig()
+    return _unread(
+        "pipeline",
+        p,
+        [f.name for f in fields(p)],
+        "at pp_size=1 (no pipeline)",
+        "set pp_size (parallel.pp) > 1, or leave the pipeline keys at their defaults",
+    )
+
+
+def _unread(section: str, values: Any, keys: list[str], where: str, fix: str) -> list[str]:
+    """One line naming the ``keys`` of ``values`` (``section``'s dataclass) set away from
+    their defaults where nothing reads them (``where``), or nothing: a setting the run would
+    drop without a word is refused instead."""
+    default = type(values)()
     changed = [
-        f"pipeline.{f.name}={getattr(p, f.name)}"
-        for f in fields(p)
-        if getattr(p, f.name) != getattr(default, f.name)
+        f"{section}.{key}={_as_typed(getattr(values, key))}"
+        for key in keys
+        if getattr(values, key) != getattr(default, key)
     ]
-    if not changed:
-        return []
-    return [
-        f"{' and '.join(changed)} would be ignored at pp_size=1 (no pipeline): set pp_size "
-        "(parallel.pp) > 1, or leave the pipeline keys at their defaults"
-    ]
+    fix = fix.format(it="it" if len(changed) == 1 else "them")
+    return [f"{' and '.join(changed)} would be ignored {where}: {fix}"] if changed else []
+
+
+def _as_typed(value: Any) -> str:
+    """A config value as an override spells it (false, null)."""
+    return (
+        "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+    )
+
+
+# Model keys that one setting of another key alone reads.
+_ROPE_KEYS = ["rope_theta", "rope_scaling"]
+_ROPE_SCALING_KEYS = [
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_positions",
+]
+_MOE_KEYS = [f.name for f in fields(ModelConfig) if f.name.startswith("moe_")]
+
+
+def _model_keys_unread(m: ModelConfig) -> list[str]:
+    """Rotary, MoE, token-type, window and compile keys set where the model has none of it."""
+    leave = "or leave {it} unset"
+    problems = []
+    if m.position_embedding != "rotary":
+        problems += _unread(
+            "model",
+            m,
+            _ROPE_KEYS + _ROPE_SCALING_KEYS,
+            f"with model.position_embedding={m.position_embedding}",
+            f"set model.position_embedding=rotary, {leave}",
+        )
+    elif m.rope_scaling == "none":
+        problems += _unread(
+            "model",
+            m,
+            _ROPE_SCALING_KEYS,
+            "with model.rope_scaling=none",
+            f"set model.rope_scaling=llama3, {leave}",
+        )
+    if m.mlp != "moe":
+        where = f"with model.mlp={m.mlp} (no experts)"
+        problems += _unread("model", m, _MOE_KEYS, where, f"set model.mlp=moe, {leave}")
+    if m.arch != "bert":
+        where = f"by model.arch={m.arch} (BERT alone embeds token types)"
+        problems += _unread("model", m, ["num_token_types"], where, "leave it unset")
+    if m.sliding_window is None:
+        where = "without model.sliding_window (every layer attends to all keys)"
+        problems += _unread("model", m, ["full_attention_every"], where, "set a window, or 0")
+    if m.compile is False:
+        where = "with model.compile=false"
+        problems += _unread(
+            "model", m, ["compile_backend"], where, f"set model.compile=true, {leave}"
+        )
+    return problems
 
 
 def _validate_model(cfg: Config, dims: ParallelDims) -> list[str]:
@@ -456,9 +516,10 @@ def _validate_model(cfg: Config, dims: ParallelDims) -> list[str]:
         cfg.model.validate(dims.tp)
     except ValueError as err:
         return [str(err)]
+    problems = _model_keys_unread(cfg.model)
     if cfg.model.cuda_graphs:  # settings that could replay, but on which device?
-        return _cuda_graphs_device_problem(cfg.trainer.device)
-    return []
+        problems += _cuda_graphs_device_problem(cfg.trainer.device)
+    return problems
 
 
 def _cuda_graphs_device_problem(device: str) -> list[str]:
@@ -485,6 +546,9 @@ def _validate_trainer(cfg: Config, dims: ParallelDims) -> list[str]:
     if not 1 <= t.max_steps <= INT64_MAX:
         problems.append(f"trainer.max_steps={t.max_steps} must be in [1, 2**63-1]")
     problems += _not_one_of("trainer.precision", t.precision, ("auto", "fp32", "bf16", "fp16"))
+    if t.precision != "fp16":
+        where = f"at trainer.precision={t.precision} (loss scaling is fp16's)"
+        problems += _unread("trainer", t, ["loss_scale_init"], where, "leave it unset")
     problems += _not_one_of("trainer.device", t.device, ("auto", "cuda", "cpu"))
     if not 0 <= t.collective_timeout_s < math.inf:
         problems.append(
@@ -552,6 +616,15 @@ def _validate_sampling(cfg: Config) -> list[str]:
             "trainer.sample_prompt='' is empty: give a prompt, or trainer.sample_tokens=0 for "
             "no sample"
         )
+    if not m.causal:
+        keys = ["sample_prompt", "sample_temperature", "sample_top_k"]
+        problems += _unread(
+            "trainer",
+            t,
+            keys + ["sample_tokens"] * (t.sample_tokens > 0),
+            f"by model.arch={m.arch} (decoders alone write a sample)",
+            "leave {it} unset, or trainer.sample_tokens=0",
+        )
     return problems + _out_of_range(
         ("trainer.sample_tokens", t.sample_tokens, t.sample_tokens >= 0, ">= 0 (0 disables)"),
         ("trainer.sample_top_k", t.sample_top_k, t.sample_top_k >= 0, ">= 0 (0: no top-k)"),
@@ -573,6 +646,14 @@ def _validate_optim(cfg: Config) -> list[str]:
             problems.append(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1)")
         if not 1 <= o.muon_ns_steps < 100:
             problems.append(f"optim.muon_ns_steps={o.muon_ns_steps} must be in [1, 99]")
+    else:
+        problems += _unread(
+            "optim",
+            o,
+            [f.name for f in fields(o) if f.name.startswith("muon_")],
+            f"with optim.algorithm={o.algorithm}",
+            "set optim=muon, or leave {it} unset",
+        )
     if o.impl == "apex" and importlib.util.find_spec("apex") is None:
         problems.append(
             "optim.impl=apex needs NVIDIA apex, which is not installed: install it, or use "

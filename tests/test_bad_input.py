@@ -732,6 +732,15 @@ SILENT_CASES = """
     # the adversarial pass: one bad value, several lines
     min_lr_nan optim.min_lr=nan "optim.min_lr=nan in [0, lr]"
     max_positions_0 model.max_positions=0 "model.max_positions=0 must be >= 1"
+    # keys that another key's setting leaves unread: refused, as the pipeline keys at pp 1
+    rope_theta_learned model.rope_theta=500 "model.rope_theta=500.0 would be ignored with model.position_embedding=learned: set model.position_embedding=rotary, or leave it unset"
+    rope_factor_unscaled model.position_embedding=rotary model.rope_scaling_factor=4 "model.rope_scaling_factor=4.0 would be ignored with model.rope_scaling=none: set model.rope_scaling=llama3, or leave it unset"
+    moe_keys_dense model.moe_num_experts=4 model.moe_top_k=1 "model.moe_num_experts=4 and model.moe_top_k=1 would be ignored with model.mlp=dense (no experts): set model.mlp=moe, or leave them unset"
+    token_types_gpt model.num_token_types=3 "model.num_token_types=3 would be ignored by model.arch=gpt (BERT alone embeds token types)"
+    full_attention_no_window model.full_attention_every=2 "model.full_attention_every=2 would be ignored without model.sliding_window"
+    backend_not_compiled model.compile=false model.compile_backend=aot_eager "model.compile_backend=aot_eager would be ignored with model.compile=false"
+    loss_scale_fp32 trainer.precision=fp32 trainer.loss_scale_init=1024 "trainer.loss_scale_init=1024.0 would be ignored at trainer.precision=fp32 (loss scaling is fp16's)"
+    muon_keys_adamw optim.muon_ns_steps=3 "optim.muon_ns_steps=3 would be ignored with optim.algorithm=adamw: set optim=muon, or leave it unset"
 """
 SILENT = [(cid, overrides, fragment) for cid, *overrides, fragment in shell_cases(SILENT_CASES)]
 
@@ -763,7 +772,10 @@ def test_silently_accepted_values_are_refused(inputs, overrides, fragment, monke
     "overrides",
     [
         ["model.num_kv_heads=null"],  # unset: one KV head per query head
-        ["model.rope_scaling_factor=0"],  # not read without llama3 scaling
+        ["model.rope_scaling_factor=8"],  # unread without llama3 scaling, but the default
+        ["model.sliding_window=8", "model.full_attention_every=2"],  # read with a window
+        ["optim=muon", "optim.muon_ns_steps=3"],  # read by Muon
+        ["model.compile=false"],  # compile_backend at its default
         ["pipeline.schedule=1f1b", "pipeline.virtual_stages=1"],  # the defaults, at pp 1
         ["trainer.max_steps=100000000", "checkpoint.every=0"],  # no step directories
         ["trainer.max_steps=99999999"],
@@ -773,3 +785,22 @@ def test_silently_accepted_values_are_refused(inputs, overrides, fragment, monke
 def test_the_limits_of_the_new_rules_pass(inputs, overrides, monkeypatch):
     monkeypatch.chdir(inputs["dir"])
     assert _prepare(inputs, overrides).trainer.max_steps >= 1
+
+
+def test_a_sample_setting_on_an_encoder_is_refused_and_no_sample_is_not():
+    """BERT writes no sample after training: a sample key it would ignore is one line, and
+    trainer.sample_tokens=0 (what experiment=bert_tiny_stdlib sets) is not a problem."""
+    from engine.config import parallel_dims, validate
+    from tests.test_engine import compose_config
+
+    def problems(*overrides):
+        cfg = compose_config("model=bert_tiny", "tp_size=1", "dp_size=1", *overrides)
+        return [p for p in validate(cfg, parallel_dims(cfg, None)) if "sample" in p]
+
+    assert problems("trainer.sample_prompt=abc", "trainer.sample_top_k=5") == [
+        "trainer.sample_prompt=abc and trainer.sample_top_k=5 would be ignored by "
+        "model.arch=bert (decoders alone write a sample): leave them unset, or "
+        "trainer.sample_tokens=0"
+    ]
+    assert problems("trainer.sample_tokens=0") == []
+    assert problems() == []  # the defaults, which a BERT run leaves alone

@@ -63,6 +63,7 @@ def documented_text() -> str:
 # output the README shows under their ``$ `` line.
 RUN = {
     "python -m engine.pretrain tp_size=3": 2,
+    "python -m engine.pretrain model.rope_theta=500000": 2,
     "python -m engine.pretrain model.hidden_size=768 model.num_heads=12 model.num_layers=8 "
     "tp_size=1 dp_size=4 trainer.micro_batch=1 trainer.memory_cap_gib=0.75 name=gpt_63m": 2,
     "python tools/plan.py search --model gpt_1.3b --global-batch 512 --gpus 16 --cluster dgx_h100": 0,
