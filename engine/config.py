@@ -546,7 +546,7 @@ def _validate_trainer(cfg: Config, dims: ParallelDims) -> list[str]:
     if not 1 <= t.max_steps <= INT64_MAX:
         problems.append(f"trainer.max_steps={t.max_steps} must be in [1, 2**63-1]")
     problems += _not_one_of("trainer.precision", t.precision, ("auto", "fp32", "bf16", "fp16"))
-    if t.precision != "fp16":
+    if t.precision != "fp16" and t.loss_scale_init > 0:  # else its range is the problem
         where = f"at trainer.precision={t.precision} (loss scaling is fp16's)"
         problems += _unread("trainer", t, ["loss_scale_init"], where, "leave it unset")
     problems += _not_one_of("trainer.device", t.device, ("auto", "cuda", "cpu"))
@@ -600,7 +600,7 @@ def _validate_trainer(cfg: Config, dims: ParallelDims) -> list[str]:
 def _validate_sampling(cfg: Config) -> list[str]:
     """The sample a causal model writes after training: a prompt and a length that fit."""
     t, m, problems = cfg.trainer, cfg.model, []
-    if t.sample_tokens > 0 and not t.sample_temperature > 0:
+    if m.causal and t.sample_tokens > 0 and not t.sample_temperature > 0:
         problems.append(
             f"trainer.sample_temperature={t.sample_temperature} must be > 0 "
             "(or trainer.sample_tokens=0 for no sample)"

@@ -802,5 +802,9 @@ def test_a_sample_setting_on_an_encoder_is_refused_and_no_sample_is_not():
         "model.arch=bert (decoders alone write a sample): leave them unset, or "
         "trainer.sample_tokens=0"
     ]
+    assert problems("trainer.sample_temperature=0") == [  # one line, not a range line too
+        "trainer.sample_temperature=0.0 would be ignored by model.arch=bert (decoders alone "
+        "write a sample): leave it unset, or trainer.sample_tokens=0"
+    ]
     assert problems("trainer.sample_tokens=0") == []
     assert problems() == []  # the defaults, which a BERT run leaves alone
