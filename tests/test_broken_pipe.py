@@ -52,6 +52,7 @@ COMMANDS = {
 }
 
 
+@pytest.mark.slow  # a fresh interpreter per command (torch, Hydra): about 5 s in all
 @pytest.mark.parametrize("name", COMMANDS)
 def test_a_closed_reader_stops_the_tool_quietly(name: str) -> None:
     read_end, write_end = os.pipe()
