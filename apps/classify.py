@@ -232,9 +232,9 @@ def cli() -> None:
     """The command line: tutorial flags, then unknown keys (with the nearest real one), an
     unusable run directory and Hydra's own errors as one line, exit 2."""
     from engine.config_cli import run_checked
-    from engine.observe import line_buffered_stdout
+    from engine.observe import console_streams
 
-    line_buffered_stdout()
+    console_streams()
     sys.argv = sys.argv[:1] + translate_aliases(sys.argv[1:])
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import resource
@@ -17,11 +18,50 @@ from engine.resilience.watchdog import run_log_path
 from parallel_state.launcher import detect_launch
 
 
-def line_buffered_stdout() -> None:
-    """Write each console line as it is printed, also into a pipe or a file (where Python
-    buffers stdout by blocks, and a run's lines would arrive in bursts or at its end)."""
+def console_streams() -> None:
+    """stdout written line by line, also into a pipe or a file (where Python buffers it by
+    blocks, and a run's lines would arrive in bursts or at its end), and stdout and stderr
+    that outlive their reader (:class:`OutlivesReader`)."""
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if not isinstance(stream, OutlivesReader):
+            setattr(sys, name, OutlivesReader(stream))
+
+
+class OutlivesReader:
+    """A console stream whose reader may leave (``pretrain | head``, a ``tee`` killed, a
+    closed terminal): the first write that finds it gone points the stream at /dev/null,
+    and the run goes on. The console is a view; the run log keeps every line. Everything
+    but writing and flushing is the wrapped stream's."""
+
+    _GONE = (errno.EPIPE, errno.EIO)  # a closed pipe; a hung-up terminal
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as err:
+            self._drop_reader(err)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as err:
+            self._drop_reader(err)
+
+    def _drop_reader(self, err: OSError) -> None:
+        if err.errno not in self._GONE:
+            raise err
+        with contextlib.suppress(OSError, ValueError):  # a stream without a descriptor
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def perplexity(loss: float) -> float:

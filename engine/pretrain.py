@@ -33,7 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from engine.config import Config, parallel_dims, register_configs, validate
-from engine.observe import line_buffered_stdout
+from engine.observe import console_streams
 from engine.optim import scale_lr
 from engine.resilience.preemption import EXIT_PREEMPTED
 from engine.worker import run_rank
@@ -369,10 +369,10 @@ def cli() -> None:
     from engine.config_cli import run_checked
     from engine.tool_args import run_tool
 
-    line_buffered_stdout()
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
         run_tool(lambda: print_help([a for a in argv if a not in ("--help", "-h")]))
+    console_streams()  # a run outlives its console's reader; --help does not
     # Hydra takes its flags before the overrides; a sweep's -m is often typed among them.
     sweep = [a for a in argv if a in ("-m", "--multirun")]
     argv = sweep + [a for a in argv if a not in sweep]

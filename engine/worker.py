@@ -11,7 +11,7 @@ import time
 
 from engine.bootstrap import bootstrap_rank
 from engine.config import Config, parallel_dims, resolve_compile
-from engine.observe import line_buffered_stdout
+from engine.observe import console_streams
 from engine.resilience.preemption import EXIT_PREEMPTED
 from engine.resilience.watchdog import Watchdog, report_failure
 from engine.trainer import Trainer
@@ -43,7 +43,7 @@ def run_rank(cfg: Config) -> dict:
 
 def run_worker(cfg: Config) -> dict:
     """Entry of every rank: build the mesh, train, tear down."""
-    line_buffered_stdout()  # a spawned rank's stdout is a pipe or a file, like its parent's
+    console_streams()  # a spawned rank's stdout is a pipe or a file, like its parent's
     threads: list[str] = []  # the core split, done once, by the bootstrap
     mesh = bootstrap_rank(
         lambda world: parallel_dims(cfg, world),

@@ -99,3 +99,53 @@ def test_a_tool_reporting_os_errors_lets_a_closed_reader_through(tmp_path, monke
     monkeypatch.setattr(sys, "stdout", _GoneReader())
     with pytest.raises(BrokenPipeError):
         checkpoint_cli.main(["inspect", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_a_run_outlives_its_consoles_reader(tmp_path) -> None:
+    """``python -m engine.pretrain | head``: before, rank 0's next console line raised
+    BrokenPipeError, the rank died and took the run with it ("lost a peer"), checkpoint
+    and all. Now the console goes quiet and the run finishes: its checkpoint, final model
+    and run log (which keeps every console line) are all there."""
+    from tests.corpus import build_test_corpus
+
+    (tmp_path / "corpus").mkdir()
+    prefix, tokenizer = build_test_corpus(tmp_path / "corpus")
+    overrides = [
+        f"data.prefixes=[{prefix}]",
+        f"data.tokenizer={tokenizer}",
+        "model=gpt_tiny",
+        "model.vocab_size=512",
+        "data.seq_len=32",
+        "tp_size=1",
+        "dp_size=2",
+        "trainer.max_steps=4",
+        "trainer.log_every=1",
+        "trainer.eval_every=2",
+        f"checkpoint.dir={tmp_path}/ck",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "engine.pretrain", *overrides],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            cwd=tmp_path,
+            env=subprocess_env(ROOT),
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert (tmp_path / "ck" / "step_00000004").is_dir() and (tmp_path / "ck" / "final").is_dir()
+    log = (tmp_path / "run" / "pretrain.log").read_text()
+    assert [line.split()[1] for line in log.splitlines() if line.startswith("step ")][:4] == [
+        "1/4",
+        "2/4",
+        "2",  # step 2's validation line
+        "3/4",
+    ], log
