@@ -24,10 +24,10 @@ def console_streams() -> None:
     that outlive their reader (:class:`OutlivesReader`)."""
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)
-    for name in ("stdout", "stderr"):
-        stream = getattr(sys, name)
-        if not isinstance(stream, OutlivesReader):
-            setattr(sys, name, OutlivesReader(stream))
+    if not isinstance(sys.stdout, OutlivesReader):
+        sys.stdout = OutlivesReader(sys.stdout)
+    if not isinstance(sys.stderr, OutlivesReader):
+        sys.stderr = OutlivesReader(sys.stderr)
 
 
 class OutlivesReader:
