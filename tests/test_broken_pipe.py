@@ -52,23 +52,28 @@ COMMANDS = {
 }
 
 
-@pytest.mark.slow  # a fresh interpreter per command (torch, Hydra): about 5 s in all
-@pytest.mark.parametrize("name", COMMANDS)
-def test_a_closed_reader_stops_the_tool_quietly(name: str) -> None:
+def _run_with_stdout_unread(args: list[str], cwd, timeout: float) -> subprocess.CompletedProcess:
+    """``python ARGS`` with stdout a pipe whose reader has gone before the first line."""
     read_end, write_end = os.pipe()
-    os.close(read_end)  # the reader has gone before the first line
+    os.close(read_end)
     try:
-        done = subprocess.run(
-            [sys.executable, *COMMANDS[name]],
+        return subprocess.run(
+            [sys.executable, *args],
             stdout=write_end,
             stderr=subprocess.PIPE,
-            cwd=ROOT,
+            cwd=cwd,
             env=subprocess_env(ROOT),
             text=True,
-            timeout=120,
+            timeout=timeout,
         )
     finally:
         os.close(write_end)
+
+
+@pytest.mark.slow  # a fresh interpreter per command (torch, Hydra): about 5 s in all
+@pytest.mark.parametrize("name", COMMANDS)
+def test_a_closed_reader_stops_the_tool_quietly(name: str) -> None:
+    done = _run_with_stdout_unread(COMMANDS[name], ROOT, timeout=120)
     assert done.stderr == "", done.stderr
     assert done.returncode == 141
 
@@ -125,20 +130,7 @@ def test_a_run_outlives_its_consoles_reader(tmp_path) -> None:
         f"checkpoint.dir={tmp_path}/ck",
         f"hydra.run.dir={tmp_path}/run",
     ]
-    read_end, write_end = os.pipe()
-    os.close(read_end)
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "engine.pretrain", *overrides],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            cwd=tmp_path,
-            env=subprocess_env(ROOT),
-            text=True,
-            timeout=300,
-        )
-    finally:
-        os.close(write_end)
+    done = _run_with_stdout_unread(["-m", "engine.pretrain", *overrides], tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert (tmp_path / "ck" / "step_00000004").is_dir() and (tmp_path / "ck" / "final").is_dir()
