@@ -40,6 +40,8 @@ def describe_mesh(ps: ParallelState) -> str:
     moved = [r["rank"] for r in everyone if r["launcher_rank"] not in (None, r["rank"])]
     if moved:
         line += f"  (ranks {moved} differ from the launcher's numbering)"
+    if ps.dims.sequence_parallel and ps.size("tp") == 1:  # accepted, as in a sweep over tp
+        line += "  (sequence_parallel: nothing to split at tp=1)"
     return line
 
 

@@ -352,3 +352,26 @@ def test_a_group_is_named_by_its_axes_with_more_than_one_rank():
     assert ParallelDims(1, 2, cp=2).live_axes("grad") == ["dp", "cp"]
     assert ParallelDims(2, 1, cp=2).live_axes("tp", "grad") == ["tp", "cp"]
     assert ParallelDims(1, 1).live_axes("grad") == ["dp"]
+
+
+def _mesh_line(sequence_parallel: bool, tp: int) -> str:
+    """The run's mesh line on this rank of a ``tp``-rank mesh (a collective)."""
+    import parallel_state
+    from engine.mesh_report import describe_mesh
+
+    dims = ParallelDims(tp, 1, sequence_parallel=sequence_parallel)
+    with parallel_state.initialize(dims, backend="gloo") as ps:
+        return describe_mesh(ps)
+
+
+@pytest.mark.slow  # starts gloo ranks
+@pytest.mark.parametrize(("tp", "sp"), [(1, True), (1, False), (2, True)])
+def test_the_mesh_line_says_when_sequence_parallelism_has_nothing_to_split(tp, sp):
+    """SP at tp 1 is accepted (a sweep over tp sizes with SP on includes it) but does
+    nothing: the mesh line says so, and only there."""
+    from tests.multiproc import run_ranks
+
+    line = run_ranks(_mesh_line, tp, sp, tp)[0]
+    note = "(sequence_parallel: nothing to split at tp=1)"
+    assert line.endswith(note) == (tp == 1 and sp), line
+    assert line.startswith(f"mesh: tp groups [{list(range(tp))}]"), line
