@@ -517,6 +517,11 @@ def _validate_model(cfg: Config, dims: ParallelDims) -> list[str]:
     except ValueError as err:
         return [str(err)]
     problems = _model_keys_unread(cfg.model)
+    if cfg.model.kernels == "apex" and importlib.util.find_spec("apex") is None:
+        problems.append(  # else every rank fails at its first LayerNorm
+            "model.kernels=apex needs NVIDIA apex, which is not installed: install it, or use "
+            "model.kernels=auto"
+        )
     if cfg.model.cuda_graphs:  # settings that could replay, but on which device?
         problems += _cuda_graphs_device_problem(cfg.trainer.device)
     return problems

@@ -245,6 +245,7 @@ PRETRAIN_CASES = """
     init_std_negative model.init_std=-0.02 "model.init_std=-0.02 must be >= 0 and finite"
     ffn_negative model.ffn_hidden_size=-4 "model.ffn_hidden_size=-4 must be >= 1"
     apex_missing optim.impl=apex "optim.impl=apex needs NVIDIA apex, which is not installed"
+    apex_kernels_missing model.kernels=apex "model.kernels=apex needs NVIDIA apex, which is not installed"
     sample_prompt_empty "trainer.sample_prompt=''" "trainer.sample_prompt='' is empty"
     checkpoint_dir_under_a_file checkpoint.dir={a_file}/ck "is not writable"
     profile_steps_past_int64 trainer.profile_steps=[1,99999999999999999999] "trainer.profile_steps=[1, 99999999999999999999] must be a finite number within 64 bits"
@@ -275,7 +276,7 @@ def test_pretrain_bad_input_is_one_config_error_line(
     if "needs wandb" in fragment and importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here, so trainer.wandb_project is valid")
     if "needs NVIDIA apex" in fragment and importlib.util.find_spec("apex") is not None:
-        pytest.skip("apex is installed here, so optim.impl=apex is valid")
+        pytest.skip("apex is installed here, so optim.impl=apex and model.kernels=apex are valid")
     monkeypatch.chdir(inputs["dir"])
     monkeypatch.setattr(sys, "argv", ["pretrain.py", *_pretrain_argv(overrides, inputs)])
     with pytest.raises(SystemExit) as exit_info:
