@@ -517,14 +517,18 @@ def _validate_model(cfg: Config, dims: ParallelDims) -> list[str]:
     except ValueError as err:
         return [str(err)]
     problems = _model_keys_unread(cfg.model)
-    if cfg.model.kernels == "apex" and importlib.util.find_spec("apex") is None:
-        problems.append(  # else every rank fails at its first LayerNorm
-            "model.kernels=apex needs NVIDIA apex, which is not installed: install it, or use "
-            "model.kernels=auto"
-        )
+    if cfg.model.kernels == "apex":  # else every rank fails at its first LayerNorm
+        problems += _apex_missing("model.kernels")
     if cfg.model.cuda_graphs:  # settings that could replay, but on which device?
         problems += _cuda_graphs_device_problem(cfg.trainer.device)
     return problems
+
+
+def _apex_missing(key: str) -> list[str]:
+    """One line when ``key=apex`` is set and NVIDIA apex is not installed."""
+    if importlib.util.find_spec("apex") is not None:
+        return []
+    return [f"{key}=apex needs NVIDIA apex, which is not installed: install it, or use {key}=auto"]
 
 
 def _cuda_graphs_device_problem(device: str) -> list[str]:
@@ -659,11 +663,8 @@ def _validate_optim(cfg: Config) -> list[str]:
             f"with optim.algorithm={o.algorithm}",
             "set optim=muon, or leave {it} unset",
         )
-    if o.impl == "apex" and importlib.util.find_spec("apex") is None:
-        problems.append(
-            "optim.impl=apex needs NVIDIA apex, which is not installed: install it, or use "
-            "optim.impl=auto"
-        )
+    if o.impl == "apex":
+        problems += _apex_missing("optim.impl")
     # Written as what must hold, so that NaN (false in every comparison) fails it too.
     if not 0 < o.lr <= MAX_LR:
         problems.append(
