@@ -288,6 +288,9 @@ def main(dcfg: DictConfig) -> None:
         )
         raise SystemExit(130) from None
     if summary.get("stopped_by"):
+        # Saved and said so: a Ctrl-C from here on ends the process at once, as it ends any
+        # program, instead of a KeyboardInterrupt traceback from an exit handler (torch's).
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         raise SystemExit(EXIT_PREEMPTED)  # the sbatch template requeues on this status
     if summary.get("history"):
         first, last = summary["history"][0], summary["history"][-1]

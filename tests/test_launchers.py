@@ -297,9 +297,13 @@ def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_p
     ends with status 130 before another step boundary, and the newest checkpoint that
     ``latest`` names still verifies (a half-written one is never named).
 
-    The process is frozen (SIGSTOP) around each press, so both land inside step 2 however
-    fast or loaded the machine is: the first is handled right after step 1's checkpoint,
-    the second more than REPEAT_WINDOW_S later (sooner it counts as the same press, relayed).
+    The process is frozen (SIGSTOP) around each press, so the second comes more than
+    REPEAT_WINDOW_S after the first (sooner it counts as the same press, relayed). The
+    first is sent once step 1's checkpoint is reported, so it is nearly always handled
+    inside step 2 (64 micro-batches). The line is printed a moment before step 1's
+    boundary, though: a first press taken there stops the run at step 1, and the second
+    then finds it exiting. That case is checked too (it ends at once, with no traceback),
+    so the test holds however the machine's load places the presses.
     """
     # 64 micro-batches a step: step 2 outlasts the few ms this test needs to react.
     proc, log = _start(corpus, tmp_path, "checkpoint.every=1", "trainer.global_batch=128")
@@ -312,13 +316,46 @@ def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_p
         time.sleep(REPEAT_WINDOW_S + 0.2)
         proc.send_signal(signal.SIGINT)
         proc.send_signal(signal.SIGCONT)
-        assert proc.wait(timeout=30) == 130, _read(log)[-3000:]
+        status = proc.wait(timeout=30)
     finally:
         proc.kill()
     text = _read(log)
-    assert "interrupted by a second Ctrl-C" in text and "stopped by" not in text, text[-2000:]
+    assert "Traceback" not in text, text[-3000:]
+    if "stopped by" in text:  # the first press met a step boundary before the second came
+        stop = next(line for line in text.splitlines() if line.startswith("stopped by"))
+        assert stop.startswith("stopped by SIGINT after step "), stop
+        # Interrupted on its way out: 130 from the teardown, or killed by the signal itself.
+        assert status in (130, -signal.SIGINT), (status, text[-2000:])
+    else:
+        assert status == 130, text[-3000:]
+        assert "interrupted by a second Ctrl-C" in text, text[-2000:]
     code, out = _inspect_checkpoints(tmp_path, capsys)
     assert code == 0 and out.rstrip().endswith("OK"), out
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_stopped_run_exits_ends_it_without_a_traceback(corpus, tmp_path):
+    """A first Ctrl-C stops the run at a step boundary; a second one while the stopped run
+    is on its way out (its checkpoint saved, 'stopped by' printed) ends the process at
+    once, with no traceback. Before the fix it landed in torch's exit handler as a
+    KeyboardInterrupt traceback, and the status was still 75."""
+    proc, log = _start(corpus, tmp_path, "checkpoint.every=1", "trainer.global_batch=128")
+    try:
+        wait_for(lambda: "step     1/" in _read(log), 120, "step 1", poll=0.002)
+        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: "stopped by" in _read(log), 30, "the stop", poll=0.001)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(REPEAT_WINDOW_S + 0.2)
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGCONT)
+        status = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    text = _read(log)
+    assert "Traceback" not in text, text[-3000:]
+    # Killed by the press (what a shell shows as 130), or 130 from the teardown; 75 only if
+    # the process had already finished when the press came.
+    assert status in (-signal.SIGINT, 130, 75), (status, text[-2000:])
 
 
 def test_slurm_jobs_on_one_node_get_different_ports_without_master_port():
