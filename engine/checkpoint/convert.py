@@ -45,6 +45,11 @@ def resolve(path: str | Path) -> Path:
         raise CheckpointError(
             f"{path} has no latest pointer; inspect a step directory, e.g. {newest}"
         )
+    if not path.exists():
+        raise CheckpointError(
+            f"{path} does not exist: give a checkpoint root (checkpoints/NAME, as a run "
+            "prints) or one of its step directories"
+        )
     raise CheckpointError(f"{path} is neither a checkpoint step directory nor a checkpoint root")
 
 
