@@ -237,12 +237,27 @@ def breakdown_metrics(window: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def whole_percentages(values: list[float]) -> list[int]:
+    """Each value's share of their sum in whole percent, summing to exactly 100 (to 0 for
+    an all-zero list): the floors, then one more point each to the largest remainders (the
+    earlier part on a tie). Rounding each share alone prints 1% + 97% + 3% = 101%."""
+    total = sum(values)
+    if total <= 0:
+        return [0] * len(values)
+    exact = [100 * v / total for v in values]
+    whole = [int(x) for x in exact]
+    by_remainder = sorted(range(len(values)), key=lambda i: whole[i] - exact[i])
+    for i in by_remainder[: 100 - sum(whole)]:
+        whole[i] += 1
+    return whole
+
+
 def format_breakdown(metrics: dict[str, float]) -> str:
     """The console's share of each part of the step, e.g. ``data 1% compute 80% ...``."""
     parts = {name: metrics.get(f"time/{key}") for key, name in BREAKDOWN.items()}
     parts = {name: p for name, p in parts.items() if p is not None}
-    total = sum(parts.values()) or 1.0
-    shares = [f"{name} {100 * p / total:.0f}%" for name, p in parts.items()]
+    percents = whole_percentages(list(parts.values()))
+    shares = [f"{name} {pct}%" for name, pct in zip(parts, percents, strict=True)]
     dp_total = metrics.get("time/dp_comm_total_s")
     if dp_total is not None:
         shares.append(f"(dp total {1e3 * dp_total:.1f} ms)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from rich.console import Console
@@ -46,6 +48,18 @@ def test_pipeline_wait_is_not_compute_and_the_shares_add_up():
     assert "compute 18%" in line and "pp_wait 82%" in line, line
     shares = [int(w[:-1]) for w in line.split() if w.endswith("%")]
     assert sum(shares) == 100, line
+
+
+def test_shares_that_each_round_up_still_print_100_percent():
+    """0.6 % + 96.8 % + 2.6 %: each rounded alone they print 1% + 97% + 3% = 101% (a
+    quick start line did); the printed shares sum to 100, each within a point of its own."""
+    metrics = {"time/data_s": 0.006, "time/compute_s": 0.968, "time/optimizer_s": 0.026}
+    line = format_breakdown(metrics)
+    words = line.split()
+    shares = {w: int(p[:-1]) for w, p in itertools.pairwise(words) if p.endswith("%")}
+    assert sum(shares.values()) == 100, line
+    exact = {"data": 0.6, "compute": 96.8, "optim": 2.6}
+    assert all(abs(shares[k] - v) < 1 for k, v in exact.items()), line
 
 
 def test_progress_bar_names_the_loss_it_shows(tmp_path, monkeypatch):
