@@ -1,7 +1,7 @@
 """The runtime's closed-form formulas, in plain Python (no torch): matmul FLOPs of GPT,
 BERT and Llama-family steps, the Llama family's parameter count, the padded vocabulary,
 the bytes each rank holds per parameter and the activation bytes one transformer layer
-keeps for backward.
+keeps for backward; and the whole-percent split of a step the console and the planner print.
 
 The trainer (through engine.flops, which re-exports them and derives them), its tests
 and the performance model (studies/perfmodel, which runs where torch is not installed)
@@ -268,3 +268,18 @@ def llama_layer_activation_bytes(
         return 2 * s * b * h / (t if sp else 1)
     whole = 16.0 / (t if sp else 1)
     return s * b * h * (whole + (8 + 8 * f / h) / t)
+
+
+def whole_percentages(values: list[float]) -> list[int]:
+    """Each value's share of their sum in whole percent, summing to exactly 100 (to 0 for
+    an all-zero list): the floors, then one more point each to the largest remainders (the
+    earlier part on a tie). Rounding each share alone prints 1% + 97% + 3% = 101%."""
+    total = sum(values)
+    if total <= 0:
+        return [0] * len(values)
+    exact = [100 * v / total for v in values]
+    whole = [int(x) for x in exact]
+    by_remainder = sorted(range(len(values)), key=lambda i: whole[i] - exact[i])
+    for i in by_remainder[: 100 - sum(whole)]:
+        whole[i] += 1
+    return whole

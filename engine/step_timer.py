@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.formulas import whole_percentages
 from engine.observe import peak_memory_gib
 from layers.utils import attach_comm_timer
 
@@ -235,21 +236,6 @@ def breakdown_metrics(window: list[dict[str, Any]]) -> dict[str, float]:
     if "time/pp_wait_s" in out and "time/compute_s" in out:
         out["time/compute_s"] = max(0.0, out["time/compute_s"] - out["time/pp_wait_s"])
     return out
-
-
-def whole_percentages(values: list[float]) -> list[int]:
-    """Each value's share of their sum in whole percent, summing to exactly 100 (to 0 for
-    an all-zero list): the floors, then one more point each to the largest remainders (the
-    earlier part on a tie). Rounding each share alone prints 1% + 97% + 3% = 101%."""
-    total = sum(values)
-    if total <= 0:
-        return [0] * len(values)
-    exact = [100 * v / total for v in values]
-    whole = [int(x) for x in exact]
-    by_remainder = sorted(range(len(values)), key=lambda i: whole[i] - exact[i])
-    for i in by_remainder[: 100 - sum(whole)]:
-        whole[i] += 1
-    return whole
 
 
 def format_breakdown(metrics: dict[str, float]) -> str:

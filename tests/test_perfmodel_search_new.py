@@ -150,3 +150,30 @@ def test_search_help_names_the_new_axes():
     text = sub.choices["search"].format_help()
     for word in ("zero_bubble", "zbv", "dualpipev", "dp_replicate", "--offload", "host link"):
         assert word in text
+
+
+def test_each_ranked_layouts_step_shares_sum_to_100_and_track_the_breakdown():
+    """The search's "compute 94%, TP comm 6%, ..." of every feasible layout (pp, tp, dp,
+    schedules, offload): the printed whole percents sum to 100, each within a point of its
+    part's exact share of the step. Rounded one by one they printed 99 % (README's tp 2
+    row: 94 + 5 + 0 + 0) or 101 %."""
+    names = {
+        "compute": "compute_s",
+        "TP comm": "tp_comm_s",
+        "CP exposed": "cp_comm_exposed_s",
+        "EP all-to-all": "ep_a2a_s",
+        "PP bubble": "pp_bubble_s",
+        "p2p": "pp_p2p_s",
+        "DP exposed": "dp_comm_exposed_s",
+        "optimizer": "optimizer_s",
+    }
+    result = search(W, H100, 16)
+    assert len(result.feasible) > 20
+    for cand in result.feasible:
+        printed = cand.reason.split("; ", 1)[1]
+        shares = dict(part.rsplit(" ", 1) for part in printed.split(", "))
+        percents = {name: int(pct.rstrip("%")) for name, pct in shares.items()}
+        assert sum(percents.values()) == 100, printed
+        b, step = cand.prediction.breakdown, cand.prediction.step_time_s
+        for name, pct in percents.items():
+            assert abs(pct - 100 * b[names[name]] / step) < 1, (name, printed)

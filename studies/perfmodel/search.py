@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from engine.formulas import whole_percentages
 from engine.pipeline.split import V_SCHEDULES
 from studies.perfmodel import comm_cost as comm
 from studies.perfmodel.cluster_spec import ClusterSpec
@@ -154,22 +155,22 @@ def _options(pp: int, tp: int, dp: int, sp: _Space) -> list[Layout]:
 
 
 def _why_fast(p: Prediction) -> str:
+    """The step's parts in whole percent, summing to 100 (the parts add up to the step)."""
     b = p.breakdown
-    step = p.step_time_s
-    parts = [f"compute {100 * b['compute_s'] / step:.0f}%"]
+    parts = {"compute": b["compute_s"]}
     if b["tp_comm_s"]:
-        parts.append(f"TP comm {100 * b['tp_comm_s'] / step:.0f}%")
+        parts["TP comm"] = b["tp_comm_s"]
     if b.get("cp_comm_total_s"):
-        parts.append(f"CP exposed {100 * b['cp_comm_exposed_s'] / step:.0f}%")
+        parts["CP exposed"] = b["cp_comm_exposed_s"]
     if b.get("ep_a2a_s"):
-        parts.append(f"EP all-to-all {100 * b['ep_a2a_s'] / step:.0f}%")
+        parts["EP all-to-all"] = b["ep_a2a_s"]
     if b["pp_bubble_s"] or b["pp_p2p_s"]:
-        parts.append(f"PP bubble {100 * b['pp_bubble_s'] / step:.0f}%")
-        parts.append(f"p2p {100 * b['pp_p2p_s'] / step:.0f}%")
+        parts["PP bubble"], parts["p2p"] = b["pp_bubble_s"], b["pp_p2p_s"]
     if b["dp_comm_total_s"]:
-        parts.append(f"DP exposed {100 * b['dp_comm_exposed_s'] / step:.0f}%")
-    parts.append(f"optimizer {100 * b['optimizer_s'] / step:.0f}%")
-    return ", ".join(parts)
+        parts["DP exposed"] = b["dp_comm_exposed_s"]
+    parts["optimizer"] = b["optimizer_s"]
+    percents = whole_percentages(list(parts.values()))
+    return ", ".join(f"{name} {pct}%" for name, pct in zip(parts, percents, strict=True))
 
 
 def _no_fit_reason(options: list[tuple[Layout, Prediction]], limit_gib: float) -> str:
