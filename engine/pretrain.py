@@ -180,6 +180,9 @@ def _resume_problem(cfg: Config, root: Path) -> list[str]:
 
 # Keys that may differ between a run and the same run started again: where its logs go.
 _RERUN_FREE = frozenset({"run_dir"})
+# Keys every rank resolves from None ("auto") before its checkpoints record the config
+# (engine/worker.py): None here is the same setting as whatever the run resolved it to.
+_AUTO_IN_RANK = frozenset({"model.compile"})
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -201,7 +204,14 @@ def finished_run_problem(cfg: Config, saved: object, step: object, root: Path) -
     if not isinstance(step, int) or step < cfg.trainer.max_steps or not isinstance(saved, dict):
         return []
     mine, theirs = _flat(dataclasses.asdict(cfg)), _flat(saved)
-    differ = [k for k in mine if k not in _RERUN_FREE and k in theirs and mine[k] != theirs[k]]
+    differ = [
+        k
+        for k in mine
+        if k not in _RERUN_FREE
+        and k in theirs
+        and mine[k] != theirs[k]
+        and not (k in _AUTO_IN_RANK and mine[k] is None)
+    ]
     if not differ:
         return []
     shown = ", ".join(f"{k}={theirs[k]!r} (this run: {mine[k]!r})" for k in differ[:3])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.checkpoint.manager import save_checkpoint
-from engine.config import OptimConfig
+from engine.config import OptimConfig, parallel_dims, resolve_compile
 from engine.models import build_model
 from engine.optim import build_optimizer
 from engine.pretrain import prepare
@@ -144,9 +144,16 @@ def test_a_finished_run_under_another_config_is_refused(tmp_path, capsys):
     cfg = prepare(compose_config(*base))
     model = build_model(cfg.model)
     optimizer = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+    # What a rank records: its config with model.compile's "auto" (None) resolved, as
+    # engine/worker.py does (to False on a CPU); the same command again was refused over
+    # that alone ("model.compile=False (this run: None)") before it counted as unchanged.
+    assert cfg.model.compile is None
+    cfg.model.compile = resolve_compile(cfg, parallel_dims(cfg, 1), "cpu")
     state = {"config": dataclasses.asdict(cfg)}
     save_checkpoint(tmp_path / "ck", 2, model=model, optimizer=optimizer, ps=None, state=state)
     assert prepare(compose_config(*base)).trainer.max_steps == 2  # the same command again
+    line = _refusal([*base, "model.compile=true"], capsys)  # a setting, not "auto": it differs
+    assert "model.compile=False (this run: True)" in line, line
     line = _refusal([*base, "data.seq_len=16"], capsys)
     assert "holds a finished run (step 2, trainer.max_steps=2)" in line, line
     assert "data.seq_len=32 (this run: 16)" in line and "name=NAME" in line, line
