@@ -281,7 +281,7 @@ class Trainer:
         }
         self._write_metrics(summary)
         summary["checkpoint"] = self._save()
-        summary["sample"] = self._sample()
+        summary["sample"] = self._sample(summary["checkpoint"])
         self.logger.close()  # last: the final evaluation's scalars still go to TensorBoard
         return summary
 
@@ -384,12 +384,13 @@ class Trainer:
             return None
         return self.checkpoints.export()
 
-    def _sample(self) -> str | None:
+    def _sample(self, final: str | None) -> str | None:
         t = self.cfg.trainer
         if not self.cfg.model.causal or t.sample_tokens < 1:
             return None
-        if self.runner.sample_refusal:
-            self.logger.print(self.runner.sample_refusal)
+        if self.runner.sample_refusal:  # the exported model (``final``) samples at any layout
+            how = f"; python tools/generate.py --ckpt {final} samples it" if final else ""
+            self.logger.print(self.runner.sample_refusal + how, markup=False)
             return None
         self._mark("sampling", "model")
         text = sample_text(self.model, self.data.tokenizer, t)

@@ -158,3 +158,40 @@ def test_a_replaced_tokenizer_is_refused_by_its_recorded_hash(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "not the tokenizer this model was trained with" in err and str(tokenizer_path) in err
+
+
+@pytest.mark.slow
+def test_a_pipelined_run_names_the_command_that_samples_its_model(tmp_path):
+    """pp 2 writes no closing sample (generation runs unpipelined); its line names the
+    command that samples the exported model instead, and that command, run as printed
+    (from the run's directory), generates from it."""
+    import shlex
+
+    from tests.corpus import build_test_corpus
+    from tests.launch_util import tiny_overrides
+
+    overrides = tiny_overrides(build_test_corpus(tmp_path), tmp_path, max_steps=2)
+    overrides += ["checkpoint.save_final=true", "trainer.sample_tokens=4"]
+    cmd = [sys.executable, "-m", "engine.pretrain", "pp_size=2", "tp_size=1", "dp_size=1"]
+    done = run([*cmd, *overrides, "trainer.micro_batch=1"], tmp_path, 300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(ln for ln in done.stdout.splitlines() if ln.startswith("no sample: "))
+    assert line.startswith("no sample: generation runs unpipelined (pp_size=1); python "), line
+    printed = shlex.split(line.split("; ", 1)[1].removesuffix(" samples it"))
+    assert printed[:3] == ["python", "tools/generate.py", "--ckpt"], line
+    sampled = run(
+        [
+            sys.executable,
+            str(REPO / printed[1]),
+            *printed[2:],
+            "--prompt",
+            "def",
+            "--max-new-tokens",
+            "3",
+        ],
+        tmp_path,
+        300,
+    )
+    assert sampled.returncode == 0, sampled.stderr[-2000:]
+    assert sampled.stdout.startswith("--- sample 1 ---\ndef"), sampled.stdout
+    assert "3 new tokens" in sampled.stderr, sampled.stderr
