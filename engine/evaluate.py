@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from engine.checkpoint.storage import CheckpointError
-from engine.config import Config
+from engine.config import Config, ParallelConfig, PipelineConfig
 from engine.data.fsutil import tokenizer_file
 from engine.inference import ModelSource, inference_config
 from engine.models.families import FAMILIES
@@ -122,8 +122,20 @@ def evaluation_config(args: argparse.Namespace, text_prefix: str | None = None) 
         eval_batches=args.batches or (0 if text_prefix else trainer.eval_batches),
     )
     model = inference_config(dataclasses.replace(cfg.model, sequence_parallel=False))
+    # The layout is the flags' alone: the run's pipeline stages, context-parallel ranks,
+    # expert split and DP sharding are how it trained, not how this reads the weights.
     return dataclasses.replace(
-        cfg, data=data, trainer=trainer, model=model, tp_size=args.tp_size, dp_size=args.dp_size
+        cfg,
+        data=data,
+        trainer=trainer,
+        model=model,
+        parallel=ParallelConfig(),
+        pipeline=PipelineConfig(),
+        tp_size=args.tp_size,
+        dp_size=args.dp_size,
+        pp_size=1,
+        cp_size=1,
+        ep_size=1,
     )
 
 
@@ -270,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="meshtron-eval-") as tmp:
             text_prefix = None
             if args.text:
+                if not Path(args.text).is_file():
+                    raise ValueError(f"--text {args.text}: no such file (a UTF-8 text file)")
                 tokenizer = tokenizer_file(
                     args.tokenizer,
                     evaluation_config(args).data.tokenizer,

@@ -94,6 +94,35 @@ def test_same_loss_as_the_trainers_validation_at_other_layouts(corpus, tmp_path,
     assert (result["micro_batches"], result["sequences"], result["tp_size"]) == (40, 80, 1)
 
 
+@pytest.mark.slow
+def test_a_run_trained_at_pp2_cp2_evaluates_at_one_rank_to_its_validation_loss(
+    corpus, tmp_path, capsys
+):
+    """The layout a run trained at is not the one evaluate reads it at: a checkpoint of
+    pp 2 × cp 2 (four ranks) evaluated on one rank gives the trainer's final validation
+    loss. Before, evaluate kept the recorded pp_size and cp_size and refused ("pp_size ×
+    dp_size × tp_size = 2 × 1 × 1 = 2 does not equal the world size 1"). rtol 1e-5: the
+    same weights and micro-batches, summed in another order (stages, ring blocks) only."""
+    cfg = tiny_run(
+        corpus,
+        tmp_path,
+        "tp_size=1",
+        "dp_size=1",
+        "pp_size=2",
+        "cp_size=2",
+        "trainer.max_steps=2",
+        "trainer.eval_batches=4",
+        "checkpoint.every=2",
+        "trainer.device=cpu",
+    )
+    summary = run_ranks(_train, 4, cfg, timeout=240)[0]
+    reference = summary["eval"]["valid/loss"]
+    assert main(["--ckpt", str(tmp_path / "ckpt"), "--device", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out.strip())
+    torch.testing.assert_close(result["loss"], reference, rtol=1e-5, atol=0)
+    assert (result["micro_batches"], result["tp_size"], result["dp_size"]) == (4, 1, 1)
+
+
 def test_text_file_loss_is_the_mean_cross_entropy_of_its_windows(corpus, tmp_path, capsys):
     """--text: every window of seq_len + 1 tokens of the file (plus its end-of-document
     token) read once, one per micro-batch; the reference is F.cross_entropy of the same
@@ -155,6 +184,7 @@ def test_bad_inputs_are_one_line_and_exit_2(corpus, tmp_path, capsys):
         (["--ckpt", str(export), "--text", str(short), "--tp-size", "3"], "tp_size=3"),
         (["--ckpt", str(tmp_path / "nothing"), "--text", str(short)], "nothing"),
         (["--ckpt", str(export), "--batches", "0"], "--batches"),
+        (["--ckpt", str(export), "--text", "def f(): pass"], "--text def f(): pass: no such file"),
         (  # 949,50,1 of the test corpus's documents leaves none to the test split
             ["--ckpt", str(export), "--data", prefix, "--split", "test"],
             "hold 0 tokens, fewer than seq_len + 1 = 65; read another --split (data.split=",
