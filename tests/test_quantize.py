@@ -307,3 +307,40 @@ def test_evaluate_int8_is_the_float_loss_of_the_hand_dequantized_weights(export,
     assert int8["sequences"] == fp32["sequences"] >= 3
     torch.testing.assert_close(int8["loss"], by_hand["loss"], rtol=1e-5, atol=0)
     print(f"loss fp32 {fp32['loss']:.5f}, int8 {int8['loss']:.5f}")
+
+
+@pytest.mark.slow
+def test_quantize_report_reads_paths_relative_to_where_it_is_run(export, tmp_path, capsys):
+    """tools/quantize_report.py run from another directory with relative --ckpt and --text:
+    before, its evaluation subprocess ran in the checkout and found neither ("... does not
+    exist"). Its fp32 perplexity is exp of engine.evaluate's loss on the same file, run in
+    this process with absolute paths on the same default device (rtol 1e-6: the same
+    float32 loss, written out in full by both, then one exp)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.evaluate import main
+
+    shutil.copytree(export[0], tmp_path / "model")
+    (tmp_path / "held_out.txt").write_text(TEXT * 40)  # a few windows of the 128 positions
+    repo = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    argv = ["--ckpt", "model", "--text", "held_out.txt", "--max-new-tokens", "2"]
+    done = subprocess.run(
+        [sys.executable, str(repo / "tools" / "quantize_report.py"), *argv],
+        cwd=tmp_path,
+        env=os.environ | {"PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    text = str(tmp_path / "held_out.txt")
+    assert main(["--ckpt", str(tmp_path / "model"), "--text", text]) == 0
+    loss = json.loads(capsys.readouterr().out)["loss"]
+    assert report["perplexity"]["fp32"] == pytest.approx(math.exp(loss), rel=1e-6)

@@ -26,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.checkpoint.convert import resolve  # noqa: E402
+from engine.inference import ModelSource  # noqa: E402
 from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,12 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _evaluate(args: argparse.Namespace, quantize: str) -> dict:
     """engine.evaluate's JSON line for ``quantize``, run as its own command."""
-    command = [sys.executable, "-m", "engine.evaluate", "--ckpt", args.ckpt]
+    # It runs in this checkout (its cwd), so the paths given here go to it absolute.
+    command = [sys.executable, "-m", "engine.evaluate", "--ckpt", os.path.abspath(args.ckpt)]
     command += ["--tp-size", str(args.tp_size), "--quantize", quantize]
     if args.data:
-        command += ["--data", args.data]
+        command += ["--data", os.path.abspath(args.data)]
     if args.text:
-        command += ["--text", args.text]
+        command += ["--text", os.path.abspath(args.text)]
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     }
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     """Measure and print; 2 (one line) when a step cannot run."""
     args = parse_args(argv)
     try:
-        resolve(args.ckpt)  # CheckpointError before any evaluation starts
+        ModelSource(args.ckpt).kind()  # a bad --ckpt: one line before any evaluation starts
         fp32, int8 = _evaluate(args, "none"), _evaluate(args, "int8")
         memory, tokens = _memory_and_tokens(args)
     except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
