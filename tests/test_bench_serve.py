@@ -96,3 +96,21 @@ def test_the_default_mix_shrinks_to_the_models_positions_and_a_given_one_stays()
     args = parse_args(["--max-tokens", "100", "--prompt-tokens", "3", "5"])
     fit_mix(args, 128)
     assert (args.max_tokens, args.prompt_tokens) == ([100], [3, 5])
+
+
+@pytest.mark.slow  # a server subprocess: ~10 s
+def test_a_relative_ckpt_reaches_the_server(tmp_path, monkeypatch, capsys):
+    """--ckpt relative to where the tool runs: the server it starts runs in the checkout,
+    and before it was handed the path as given (it found no model there and exited
+    before serving). Every request is answered once, with the sequential tokens."""
+    from tests.test_serve import make_export
+
+    make_export(tmp_path / "tiny")
+    monkeypatch.chdir(tmp_path)
+    flags = [*TINY, "--requests", "4", "--ckpt", "tiny", "--json", "serve.json"]
+    assert main(flags) == 0
+    runs = json.loads((tmp_path / "serve.json").read_text())["runs"]
+    served = [r for r in runs if r["name"].startswith("server, ")]
+    assert len(served) == 2, [r["name"] for r in runs]
+    for run in runs:
+        assert run["problems"] == [] and run["answered"] == 4, run

@@ -414,7 +414,7 @@ def start_server(model_dir: str, args: argparse.Namespace, waiting: int):
         "-m",
         "apps.serve",
         "--ckpt",
-        model_dir,
+        os.path.abspath(model_dir),  # the server runs in the checkout, not where this was run
         "--port",
         "0",
         "--max-running",
