@@ -72,7 +72,11 @@ def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
         f"{key}={value} must be >= 1"
         for key, value in (
             ("launch.num_nodes", launch.num_nodes),
-            ("launch.ranks_per_node", launch.ranks_per_node or 1),
+            # None: tp × dp; 0 is a value, and refused (it ran one rank before)
+            (
+                "launch.ranks_per_node",
+                1 if launch.ranks_per_node is None else launch.ranks_per_node,
+            ),
         )
         if value < 1
     ]

@@ -185,3 +185,6 @@ def test_config_errors_exit_2_before_any_rank(tmp_path):
     )
     out = _classify(tmp_path, "--num-gpus")
     assert out.returncode == 2 and "--num-gpus needs a value" in out.stderr
+    out = _classify(tmp_path, "--num-gpus", "0")  # it trained on one rank before
+    assert out.returncode == 2, out.stdout[-500:]
+    assert out.stderr.strip() == "config error: launch.ranks_per_node=0 must be >= 1", out.stderr
