@@ -456,6 +456,16 @@ def test_bad_corpora_are_one_line(corpus, tmp_path: Path) -> None:
         tmp_path / "ints.parquet", tmp_path / "o", "--tokenizer", tokenizer, text_key=None
     )
     assert done.stderr.strip().endswith("ints.parquet: a Parquet input needs --text-key COLUMN")
+    # JSONL likewise: read as text, its JSON syntax became one document (of training data)
+    (tmp_path / "records.jsonl").write_text('{"text": "hello"}\n{"text": "world"}\n')
+    done = _preprocess(
+        tmp_path / "records.jsonl", tmp_path / "o", "--tokenizer", tokenizer, text_key=None
+    )
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.strip().endswith(
+        "records.jsonl: a JSONL input needs --text-key KEY, the key holding each document "
+        "(e.g. --text-key text)"
+    ), done.stderr
     assert not list(tmp_path.glob("o*")) and not list(tmp_path.glob(".o*"))
 
 

@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="text_key",
         default=None,
         help="the key of each JSONL line, or the Parquet column, holding a document "
-        "(without it, non-Parquet inputs are whole text documents)",
+        "(JSONL and Parquet inputs need it; other files are each one text document)",
     )
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     tok = parser.add_mutually_exclusive_group(required=True)

@@ -235,10 +235,24 @@ def _is_text(kind) -> bool:
     )
 
 
+def is_jsonl(path: Path) -> bool:
+    """Whether ``path`` is named as JSON lines (``.jsonl``, ``.ndjson``, either compressed)."""
+    name = path.name.lower().removesuffix(".gz").removesuffix(".zst")
+    return name.endswith((".jsonl", ".ndjson"))
+
+
 def iter_source(path: Path, key: str | None) -> Iterator[Document]:
-    """Documents of one input file: Parquet by name, else JSONL when ``key`` is given, else text."""
+    """Documents of one input file: Parquet by name, else JSONL when ``key`` is given, else text.
+
+    A file named as JSONL needs ``key`` too: read as text, its JSON syntax would become one
+    document of training data."""
     if is_parquet(path):
         if key is None:
             raise ValueError(f"{path}: a Parquet input needs --text-key COLUMN")
         return iter_parquet(path, key)
+    if key is None and is_jsonl(path):
+        raise ValueError(
+            f"{path}: a JSONL input needs --text-key KEY, the key holding each document "
+            "(e.g. --text-key text)"
+        )
     return iter_jsonl(path, key) if key is not None else iter_text(path)
