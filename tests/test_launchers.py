@@ -291,6 +291,17 @@ def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path, capsys):
     assert code == 0 and out.rstrip().endswith("OK"), out
 
 
+def _press_again_frozen(proc: subprocess.Popen) -> int:
+    """A second SIGINT more than REPEAT_WINDOW_S after the first, the process frozen
+    (SIGSTOP) until it is sent, so it meets the process where the test left it; the exit
+    status."""
+    proc.send_signal(signal.SIGSTOP)
+    time.sleep(REPEAT_WINDOW_S + 0.2)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGCONT)
+    return proc.wait(timeout=30)
+
+
 @pytest.mark.slow
 def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_path, capsys):
     """Two SIGINTs (a double Ctrl-C) while a checkpoint is saved every step: the process
@@ -312,11 +323,7 @@ def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_p
         for sig in (signal.SIGSTOP, signal.SIGINT, signal.SIGCONT):
             proc.send_signal(sig)
         wait_for(lambda: "Ctrl-C again" in _read(log), 30, "the first SIGINT", poll=0.002)
-        proc.send_signal(signal.SIGSTOP)
-        time.sleep(REPEAT_WINDOW_S + 0.2)
-        proc.send_signal(signal.SIGINT)
-        proc.send_signal(signal.SIGCONT)
-        status = proc.wait(timeout=30)
+        status = _press_again_frozen(proc)
     finally:
         proc.kill()
     text = _read(log)
@@ -344,11 +351,7 @@ def test_ctrl_c_while_a_stopped_run_exits_ends_it_without_a_traceback(corpus, tm
         wait_for(lambda: "step     1/" in _read(log), 120, "step 1", poll=0.002)
         proc.send_signal(signal.SIGINT)
         wait_for(lambda: "stopped by" in _read(log), 30, "the stop", poll=0.001)
-        proc.send_signal(signal.SIGSTOP)
-        time.sleep(REPEAT_WINDOW_S + 0.2)
-        proc.send_signal(signal.SIGINT)
-        proc.send_signal(signal.SIGCONT)
-        status = proc.wait(timeout=30)
+        status = _press_again_frozen(proc)
     finally:
         proc.kill()
     text = _read(log)
