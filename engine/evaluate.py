@@ -24,11 +24,13 @@ the data config's, capped at the model's positions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from engine.checkpoint.storage import CheckpointError
@@ -236,7 +238,10 @@ def worker(cfg: Config, source: ModelSource, split: str, quantize: str = "none")
         valid, _ = eval_iterator(cfg, split, load_tokenizer(cfg.data))
         precision = resolve_precision(cfg.trainer.precision, ps.device.type)
         autocast = lambda: autocast_for(precision, ps.device.type)  # noqa: E731
-        loss = fixed_set_loss(model, valid, ps, cfg.trainer.eval_batches, autocast)
+        batches = cfg.trainer.eval_batches
+        forwards = -(-batches // ps.size("batch"))  # each rank's (fixed_set_loss)
+        with _forwards_bar(ps.rank == 0, forwards) as advance:
+            loss = fixed_set_loss(model, valid, ps, batches, autocast, on_forward=advance)
     if ps.rank != 0:
         return None
     t = cfg.trainer
@@ -251,6 +256,29 @@ def worker(cfg: Config, source: ModelSource, split: str, quantize: str = "none")
         "dp_size": cfg.dp_size,
         "precision": precision,
     }
+
+
+@contextlib.contextmanager
+def _forwards_bar(shown: bool, total: int) -> Iterator[Callable[[], None] | None]:
+    """A bar on stderr over ``total`` forwards, gone when they are done, where ``shown`` and
+    stderr is a terminal (a log or a pipe gets only the result); yields its advance."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    console = Console(stderr=True)
+    if not shown or not console.is_terminal:
+        yield None
+        return
+    columns = (TextColumn("[bold]evaluate"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeRemainingColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("evaluate", total=total)
+        yield lambda: bar.advance(task)
 
 
 def _evaluate(args: argparse.Namespace, text_prefix: str | None) -> dict:

@@ -200,6 +200,60 @@ def test_bad_inputs_are_one_line_and_exit_2(corpus, tmp_path, capsys):
         assert len(err.splitlines()) == 1 and expected in err, (argv, err)
 
 
+@pytest.mark.slow
+def test_a_terminal_sees_the_forwards_counted_and_stdout_holds_only_the_json(
+    corpus, tmp_path, capsys
+):
+    """Long evaluations show progress: with stderr a terminal (a pseudo-terminal here) a
+    bar counts the forwards up to all of them ("n/n", n the micro-batches the JSON
+    reports); stdout still holds the JSON line alone, and stderr that is no terminal gets
+    no bar."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    from tests.launch_util import env_with_repo
+
+    _, tokenizer_path = corpus
+    cfg = preset("gpt_tiny", vocab_size=512, hidden_size=32, num_heads=4, max_positions=64)
+    export = tmp_path / "export"
+    write_checkpoint(export, build_model(cfg).full_state_dict(), cfg, tokenizer=tokenizer_path)
+    words = tmp_path / "words.txt"
+    words.write_text("def total(items): return sum(items)\n" * 20)
+    argv = ["--ckpt", str(export), "--text", str(words), "--seq-len", "8", "--micro-batch", "1"]
+    argv += ["--device", "cpu"]
+    main_fd, terminal = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.evaluate", *argv],
+        stdout=subprocess.PIPE,
+        stderr=terminal,
+        env=env_with_repo(TERM="xterm"),
+        cwd=tmp_path,
+    )
+    os.close(terminal)
+    screen = b""
+    while True:  # until every holder of the terminal's other end has closed it
+        try:
+            chunk = os.read(main_fd, 4096)
+        except OSError:  # EIO: the other end is closed
+            break
+        if not chunk:
+            break
+        screen += chunk
+    os.close(main_fd)
+    out = proc.stdout.read().decode()
+    assert proc.wait(timeout=60) == 0, screen.decode(errors="replace")[-2000:]
+    result = json.loads(out)  # the whole of stdout: one JSON object
+    n = result["micro_batches"]
+    shown = screen.decode(errors="replace")
+    assert n >= 10 and "evaluate" in shown and f"{n}/{n}" in shown, shown[-2000:]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["loss"] == result["loss"]
+    assert "evaluate" not in captured.err and f"/{n}" not in captured.err, captured.err
+
+
 def _exit_code(argv: list[str]) -> int:
     try:
         return main(argv)

@@ -51,7 +51,12 @@ def model_inputs(model: nn.Module, ps: ParallelState) -> Callable:
 
 @torch.no_grad()
 def fixed_set_loss(
-    model: nn.Module, valid: DataIterator, ps: ParallelState, batches: int, autocast: Autocast
+    model: nn.Module,
+    valid: DataIterator,
+    ps: ParallelState,
+    batches: int,
+    autocast: Autocast,
+    on_forward: Callable[[], None] | None = None,
 ) -> float:
     """Mean loss over micro-batches ``0 .. batches - 1`` of ``valid`` (a one-micro-batch-per-
     step iterator): micro-batch j runs on batch rank j mod the batch group's size and the
@@ -60,7 +65,8 @@ def fixed_set_loss(
 
     Every batch rank runs the same number of forward passes, ⌈batches / size⌉: a rank past
     the last micro-batch runs one again and drops its loss, because under FSDP each forward
-    gathers parameters over the gradient group and all its ranks must take part."""
+    gathers parameters over the gradient group and all its ranks must take part.
+    ``on_forward`` (a progress bar's) is called after each of this rank's forwards."""
     model.eval()
     total, size, inputs = 0.0, ps.size("batch"), model_inputs(model, ps)
     for j in range(ps.rank_in("batch"), -(-batches // size) * size, size):
@@ -69,6 +75,8 @@ def fixed_set_loss(
             with autocast():
                 loss = model.loss(inputs(micro)).float().item()
             total += loss if j < batches else 0.0
+        if on_forward is not None:
+            on_forward()
     model.train()
     return comm.mean(total, ps.group("loss"), ps.device) * size / batches
 
