@@ -105,6 +105,23 @@ def schedule_change(saved: dict, cfg: OptimConfig, max_steps: int) -> str | None
     )
 
 
+def batch_change(saved: dict, global_batch: int, consumed_samples: int) -> str | None:
+    """A one-line note when resuming with another ``trainer.global_batch`` than the saved
+    run's (``saved``: its config as a dict); None when it is the same or unknown. The data
+    goes on from the samples consumed; the schedule's steps now hold another batch."""
+    try:
+        before = int(saved["trainer"]["global_batch"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if before == global_batch:
+        return None
+    return (
+        f"note: trainer.global_batch changed on resume ({before} → {global_batch} sequences "
+        f"a step): the data goes on from sample {consumed_samples}, and the learning-rate "
+        "schedule's steps now each hold the new batch"
+    )
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Apply ``lr`` to every parameter group (in place where the group holds it as a
     tensor, as a compiled step does: see :func:`compile_update`)."""

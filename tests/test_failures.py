@@ -693,6 +693,29 @@ def test_extending_max_steps_with_a_fixed_schedule_is_bitwise_the_longer_run(cor
     ) in log, log[-2000:]
 
 
+@pytest.mark.slow
+def test_resuming_at_another_global_batch_says_where_the_data_goes_on(corpus, tmp_path):
+    """2 steps of 8 sequences, then resumed at 16 a step: the resume says the batch
+    changed and that the data goes on from sample 2 × 8 = 16 (counted by hand); the same
+    batch again says nothing of it. Before, the change passed without a word."""
+    base = ("tp_size=1", "dp_size=1", "checkpoint.every=1", "trainer.micro_batch=4")
+
+    def cfg(steps: int, batch: int) -> Config:
+        limits = (f"trainer.max_steps={steps}", f"trainer.global_batch={batch}")
+        return run_config(corpus, tmp_path / "run", *base, *limits)
+
+    first, wider, same = cfg(2, 8), cfg(3, 16), cfg(4, 16)
+    histories = run_ranks(_run_all, 1, [first, wider, same], timeout=240)[0]
+    assert [[s for s, _ in h] for h in histories] == [[1, 2], [3], [4]]
+    log = (tmp_path / "pretrain.log").read_text()  # run_config's run_dir: tmp_path
+    note = "note: trainer.global_batch changed on resume"
+    assert log.count(note) == 1, log[-2000:]
+    assert (
+        f"{note} (8 → 16 sequences a step): the data goes on from sample 16, and the "
+        "learning-rate schedule's steps now each hold the new batch"
+    ) in log, log[-2000:]
+
+
 def test_readme_resume_example_keeps_the_default_schedule():
     """The README's extend-a-run command (docs/CHECKPOINTS.md, one of the pages its commands
     live in) fixes optim.decay_steps at the length the default run used
