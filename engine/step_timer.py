@@ -12,7 +12,9 @@ How exact each figure is:
   of CUDA events on the current stream (GPU) measures it; compute = forward+backward − TP;
 - DP exposed: the wait after backward for the bucketed all-reduces or ZeRO's bucketed
   reduce-scatters, plus any blocking DP collective inside the optimizer phase (ZeRO's
-  all-gathers are asynchronous: what the next forward waits for is in its compute);
+  all-gathers are asynchronous: what the next forward waits for is in its compute), at
+  most DP total: what of that wait no collective filled is the gradients' bookkeeping,
+  counted as optimizer time;
 - DP total: each asynchronous bucket collective runs from its launch to the moment its
   future completes; the collectives of one group run one after another, so the busy time
   is the union of those intervals (on CUDA the completion is seen by the host callback,
@@ -175,14 +177,18 @@ class StepTimer:
         if self.enabled:
             tp = self.tp.total()
             dp_in_optimizer = self._marks[-1][1] - self._marks[-2][1]
+            waited = phase["dp_wait"] + dp_in_optimizer
+            total = self.dp.async_busy(self._marks[3][0]) + self.dp.total()
+            total = 0.0 if self.dp_size == 1 else total
+            # No more of the communication is exposed than there was of it: the rest of the
+            # wait is the gradients' bookkeeping, optimizer time (as at dp 1).
+            exposed = min(waited, total)
             record |= {
                 "compute_s": phase["forward_backward"] - tp,
                 "tp_comm_s": tp if self.time_tp else None,
-                "dp_comm_exposed_s": phase["dp_wait"] + dp_in_optimizer,
-                "dp_comm_total_s": 0.0
-                if self.dp_size == 1
-                else self.dp.async_busy(self._marks[3][0]) + self.dp.total(),
-                "optimizer_s": phase["optimizer"] - dp_in_optimizer,
+                "dp_comm_exposed_s": exposed,
+                "dp_comm_total_s": total,
+                "optimizer_s": phase["optimizer"] - dp_in_optimizer + waited - exposed,
             }
         else:
             record |= {
