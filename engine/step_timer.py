@@ -19,6 +19,8 @@ How exact each figure is:
   future completes; the collectives of one group run one after another, so the busy time
   is the union of those intervals (on CUDA the completion is seen by the host callback,
   an upper bound). It includes queueing behind compute when the CPU is shared;
+- FSDP's collectives run inside its own hooks, in forward and backward: counted there,
+  with no DP total (None, not 0);
 - at DP size 1 there is no DP communication: both DP figures are 0 and the phase between
   backward and the optimizer (the gradients' bookkeeping, and a pipeline's gradient
   collectives over its stages) counts as optimizer time;
@@ -137,6 +139,7 @@ class StepTimer:
         self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
         self.world_size = world_size
         self.tp, self.dp = _Clock(device), _DPClock(device)
+        self.time_dp = True  # the DP strategy's collectives are on the DP clock (attach)
         self.records: list[dict[str, Any]] = []
         self._marks: list[tuple[float, float]] = []
 
@@ -148,6 +151,7 @@ class StepTimer:
         """
         attach_comm_timer(model, self.tp if self.enabled and self.time_tp else None)
         data_parallel.set_comm_timer(self.dp if self.enabled else None)
+        self.time_dp = data_parallel.times_comm
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -179,10 +183,10 @@ class StepTimer:
             dp_in_optimizer = self._marks[-1][1] - self._marks[-2][1]
             waited = phase["dp_wait"] + dp_in_optimizer
             total = self.dp.async_busy(self._marks[3][0]) + self.dp.total()
-            total = 0.0 if self.dp_size == 1 else total
+            total = 0.0 if self.dp_size == 1 else total if self.time_dp else None
             # No more of the communication is exposed than there was of it: the rest of the
             # wait is the gradients' bookkeeping, optimizer time (as at dp 1).
-            exposed = min(waited, total)
+            exposed = waited if total is None else min(waited, total)
             record |= {
                 "compute_s": phase["forward_backward"] - tp,
                 "tp_comm_s": tp if self.time_tp else None,

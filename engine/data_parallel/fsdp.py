@@ -71,6 +71,7 @@ class FullyShardedDP(DataParallel):
     the sharded parameters."""
 
     shards_optimizer = True  # the moments are DP shards: checkpoints never read into them
+    times_comm = False  # its collectives run inside its own hooks (set_comm_timer)
 
     def __init__(
         self,

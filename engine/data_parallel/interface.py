@@ -23,6 +23,9 @@ class DataParallel(ABC):
 
     shards_optimizer: bool  # recorded in checkpoints ("zero1"); never branched on
     params: list[nn.Parameter]  # the model's trainable parameters
+    # Whether the step timer's DP clock (set_comm_timer) sees this mode's collectives;
+    # False: they run out of its sight, and it reports no DP total rather than 0.
+    times_comm: bool = True
 
     @abstractmethod
     def no_sync(self) -> ContextManager[None]:
