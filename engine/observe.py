@@ -95,6 +95,8 @@ def window_metrics(
     step_time = sum(m["step_time"] for m in window) / len(window)
     tflops = flops_per_step / step_time / world_size / 1e12
     last = window[-1]
+    dp = [m["dp_comm"] for m in window]  # None: the DP collectives are not timed (FSDP)
+    dp_share = None if None in dp else sum(dp) / (step_time * len(window))
     return {
         "train/loss": loss,
         "train/lr": last["lr"],
@@ -102,7 +104,7 @@ def window_metrics(
         "perf/tokens_per_s": tokens_per_step / step_time,
         "perf/tflops_per_rank": tflops,
         "perf/mfu": tflops * 1e12 / peak_flops if peak_flops else None,
-        "perf/dp_comm_share": sum(m["dp_comm"] for m in window) / (step_time * len(window)),
+        "perf/dp_comm_share": dp_share,
         "perf/peak_mem_gib": peak_memory_gib(device),
     }
 
@@ -110,11 +112,13 @@ def window_metrics(
 def format_step_line(step: int, max_steps: int, m: dict[str, float | None]) -> str:
     """The console's one line per logging window."""
     mfu = "n/a" if m["perf/mfu"] is None else f"{100 * m['perf/mfu']:5.1f}%"
+    dp = m["perf/dp_comm_share"]
+    dp = "  n/a" if dp is None else f"{100 * dp:4.1f}%"
     return (
         f"step {step:>5}/{max_steps}  loss {m['train/loss']:7.4f}  lr {m['train/lr']:.2e}  "
         f"grad_norm {m['train/grad_norm']:7.3f}  {m['perf/tokens_per_s']:9.0f} tok/s  "
         f"{m['perf/tflops_per_rank']:.3g} TFLOP/s/rank  MFU {mfu}  "
-        f"dp_comm {100 * m['perf/dp_comm_share']:4.1f}%  "
+        f"dp_comm {dp}  "
         f"peak_mem {m['perf/peak_mem_gib']:.2f} GiB"
     )
 

@@ -20,7 +20,8 @@ How exact each figure is:
   is the union of those intervals (on CUDA the completion is seen by the host callback,
   an upper bound). It includes queueing behind compute when the CPU is shared;
 - FSDP's collectives run inside its own hooks, in forward and backward: counted there,
-  with no DP total (None, not 0);
+  with no DP figures (None, not 0), and the wait after backward is its bookkeeping,
+  optimizer time;
 - at DP size 1 there is no DP communication: both DP figures are 0 and the phase between
   backward and the optimizer (the gradients' bookkeeping, and a pipeline's gradient
   collectives over its stages) counts as optimizer time;
@@ -186,13 +187,13 @@ class StepTimer:
             total = 0.0 if self.dp_size == 1 else total if self.time_dp else None
             # No more of the communication is exposed than there was of it: the rest of the
             # wait is the gradients' bookkeeping, optimizer time (as at dp 1).
-            exposed = waited if total is None else min(waited, total)
+            exposed = None if total is None else min(waited, total)
             record |= {
                 "compute_s": phase["forward_backward"] - tp,
                 "tp_comm_s": tp if self.time_tp else None,
                 "dp_comm_exposed_s": exposed,
                 "dp_comm_total_s": total,
-                "optimizer_s": phase["optimizer"] - dp_in_optimizer + waited - exposed,
+                "optimizer_s": phase["optimizer"] - dp_in_optimizer + waited - (exposed or 0.0),
             }
         else:
             record |= {

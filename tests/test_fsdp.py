@@ -357,8 +357,9 @@ def test_checkpoints_move_between_every_dp_shard_mode_exactly(slow_at_4):
         assert r["step"] == (5 if name == "back" else 3), (name, r)
     assert out["back"]["mode"] == "FullyShardedDP" and out["tp1_dp4_none"]["mode"] == "AllReduceDP"
     # The step timer's DP total: FSDP's collectives run in its hooks, out of the timer's
-    # sight, so none is reported (it printed "dp total 0.0 ms" at dp 4); the all-reduce's
-    # buckets take time at dp > 1, and dp 1 has no DP communication at all.
+    # sight, so none is reported (it printed "dp total 0.0 ms" at dp 4, and "dp_comm
+    # 0.0%"); the all-reduce's buckets take time at dp > 1, and dp 1 has no DP
+    # communication at all.
     totals = {name: r["dp_total"] for name, r in out.items()}
     assert totals["back"] is None and totals["tp1_dp4_gradients"] is None, totals
     assert totals["tp1_dp4_none"] > 0 and totals["tp2_dp2_none"] > 0, totals
