@@ -273,7 +273,9 @@ def llama_layer_activation_bytes(
 def whole_percentages(values: list[float]) -> list[int]:
     """Each value's share of their sum in whole percent, summing to exactly 100 (to 0 for
     an all-zero list): the floors, then one more point each to the largest remainders (the
-    earlier part on a tie). Rounding each share alone prints 1% + 97% + 3% = 101%."""
+    earlier part on a tie). Rounding each share alone prints 1% + 97% + 3% = 101%. A
+    negative value (a clock's rounding below zero) counts as 0."""
+    values = [max(0.0, v) for v in values]
     total = sum(values)
     if total <= 0:
         return [0] * len(values)

@@ -61,6 +61,9 @@ def test_shares_that_each_round_up_still_print_100_percent():
     assert sum(shares.values()) == 100, line
     exact = {"data": 0.6, "compute": 96.8, "optim": 2.6}
     assert all(abs(shares[k] - v) < 1 for k, v in exact.items()), line
+    # A part a clock rounded below zero is 0 %, and the others still sum to 100.
+    line = format_breakdown({"time/data_s": -0.01, "time/compute_s": 0.5, "time/optimizer_s": 0.5})
+    assert line == "  time: data 0% compute 50% optim 50%", line
 
 
 def test_progress_bar_names_the_loss_it_shows(tmp_path, monkeypatch):
