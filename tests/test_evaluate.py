@@ -47,6 +47,13 @@ def _args(**flags) -> Namespace:
     return Namespace(**{**defaults, **flags})
 
 
+def _final_validation_loss(corpus, tmp_path, *overrides: str) -> float:
+    """Train the tiny run with ``overrides`` on 4 CPU ranks (a layout of world 4), its
+    checkpoints under ``tmp_path / "ckpt"``; the trainer's final validation loss."""
+    cfg = tiny_run(corpus, tmp_path, *overrides, "trainer.device=cpu")
+    return run_ranks(_train, 4, cfg, timeout=240)[0]["eval"]["valid/loss"]
+
+
 @pytest.mark.slow
 def test_same_loss_as_the_trainers_validation_at_other_layouts(corpus, tmp_path, capsys):
     """Train 4 steps at tp=2 dp=2; the trainer's final validation loss is the reference.
@@ -57,7 +64,7 @@ def test_same_loss_as_the_trainers_validation_at_other_layouts(corpus, tmp_path,
     ~1e-7 relative; 1e-5 leaves room without hiding a wrong batch, which moves the loss
     by more than 1e-3).
     """
-    cfg = tiny_run(
+    reference = _final_validation_loss(
         corpus,
         tmp_path,
         "tp_size=2",
@@ -69,10 +76,7 @@ def test_same_loss_as_the_trainers_validation_at_other_layouts(corpus, tmp_path,
         "data.split='97,3,0'",
         "trainer.eval_batches=40",
         "checkpoint.every=4",
-        "trainer.device=cpu",
     )
-    summary = run_ranks(_train, 4, cfg, timeout=240)[0]
-    reference = summary["eval"]["valid/loss"]
 
     root = str(tmp_path / "ckpt")
     args = _args(ckpt=root, dp_size=2)
@@ -103,20 +107,9 @@ def test_a_run_trained_at_pp2_cp2_evaluates_at_one_rank_to_its_validation_loss(
     loss. Before, evaluate kept the recorded pp_size and cp_size and refused ("pp_size ×
     dp_size × tp_size = 2 × 1 × 1 = 2 does not equal the world size 1"). rtol 1e-5: the
     same weights and micro-batches, summed in another order (stages, ring blocks) only."""
-    cfg = tiny_run(
-        corpus,
-        tmp_path,
-        "tp_size=1",
-        "dp_size=1",
-        "pp_size=2",
-        "cp_size=2",
-        "trainer.max_steps=2",
-        "trainer.eval_batches=4",
-        "checkpoint.every=2",
-        "trainer.device=cpu",
-    )
-    summary = run_ranks(_train, 4, cfg, timeout=240)[0]
-    reference = summary["eval"]["valid/loss"]
+    layout = ("tp_size=1", "dp_size=1", "pp_size=2", "cp_size=2")
+    run = ("trainer.max_steps=2", "trainer.eval_batches=4", "checkpoint.every=2")
+    reference = _final_validation_loss(corpus, tmp_path, *layout, *run)
     assert main(["--ckpt", str(tmp_path / "ckpt"), "--device", "cpu"]) == 0
     result = json.loads(capsys.readouterr().out.strip())
     torch.testing.assert_close(result["loss"], reference, rtol=1e-5, atol=0)

@@ -291,15 +291,29 @@ def test_sigterm_saves_at_the_next_step_and_exits_75(corpus, tmp_path, capsys):
     assert code == 0 and out.rstrip().endswith("OK"), out
 
 
-def _press_again_frozen(proc: subprocess.Popen) -> int:
-    """A second SIGINT more than REPEAT_WINDOW_S after the first, the process frozen
-    (SIGSTOP) until it is sent, so it meets the process where the test left it; the exit
-    status."""
-    proc.send_signal(signal.SIGSTOP)
-    time.sleep(REPEAT_WINDOW_S + 0.2)
-    proc.send_signal(signal.SIGINT)
-    proc.send_signal(signal.SIGCONT)
-    return proc.wait(timeout=30)
+def _two_presses(corpus, tmp_path, after: str, then: str) -> tuple[int, str]:
+    """A tiny run saving a checkpoint every step of 64 micro-batches (a step outlasts the
+    few ms this needs to react): SIGINT once its log shows ``after``, and again once it
+    shows ``then``, more than REPEAT_WINDOW_S after the first (sooner it counts as the
+    same press, relayed). The process is frozen (SIGSTOP) around each press, so a press
+    meets it where the log left it. Returns its exit status and its log, which holds no
+    traceback."""
+    proc, log = _start(corpus, tmp_path, "checkpoint.every=1", "trainer.global_batch=128")
+    try:
+        wait_for(lambda: after in _read(log), 120, repr(after), poll=0.002)
+        for sig in (signal.SIGSTOP, signal.SIGINT, signal.SIGCONT):
+            proc.send_signal(sig)
+        wait_for(lambda: then in _read(log), 30, repr(then), poll=0.001)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(REPEAT_WINDOW_S + 0.2)
+        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGCONT)
+        status = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    text = _read(log)
+    assert "Traceback" not in text, text[-3000:]
+    return status, text
 
 
 @pytest.mark.slow
@@ -308,26 +322,13 @@ def test_second_ctrl_c_stops_at_once_and_leaves_checkpoints_intact(corpus, tmp_p
     ends with status 130 before another step boundary, and the newest checkpoint that
     ``latest`` names still verifies (a half-written one is never named).
 
-    The process is frozen (SIGSTOP) around each press, so the second comes more than
-    REPEAT_WINDOW_S after the first (sooner it counts as the same press, relayed). The
-    first is sent once step 1's checkpoint is reported, so it is nearly always handled
+    The first press is sent once step 1's checkpoint is reported, so it is nearly always handled
     inside step 2 (64 micro-batches). The line is printed a moment before step 1's
     boundary, though: a first press taken there stops the run at step 1, and the second
     then finds it exiting. That case is checked too (it ends at once, with no traceback),
     so the test holds however the machine's load places the presses.
     """
-    # 64 micro-batches a step: step 2 outlasts the few ms this test needs to react.
-    proc, log = _start(corpus, tmp_path, "checkpoint.every=1", "trainer.global_batch=128")
-    try:
-        wait_for(lambda: "step_00000001 in" in _read(log), 120, "step 1's checkpoint", poll=0.01)
-        for sig in (signal.SIGSTOP, signal.SIGINT, signal.SIGCONT):
-            proc.send_signal(sig)
-        wait_for(lambda: "Ctrl-C again" in _read(log), 30, "the first SIGINT", poll=0.002)
-        status = _press_again_frozen(proc)
-    finally:
-        proc.kill()
-    text = _read(log)
-    assert "Traceback" not in text, text[-3000:]
+    status, text = _two_presses(corpus, tmp_path, "step_00000001 in", "Ctrl-C again")
     if "stopped by" in text:  # the first press met a step boundary before the second came
         stop = next(line for line in text.splitlines() if line.startswith("stopped by"))
         assert stop.startswith("stopped by SIGINT after step "), stop
@@ -346,16 +347,7 @@ def test_ctrl_c_while_a_stopped_run_exits_ends_it_without_a_traceback(corpus, tm
     is on its way out (its checkpoint saved, 'stopped by' printed) ends the process at
     once, with no traceback. Before the fix it landed in torch's exit handler as a
     KeyboardInterrupt traceback, and the status was still 75."""
-    proc, log = _start(corpus, tmp_path, "checkpoint.every=1", "trainer.global_batch=128")
-    try:
-        wait_for(lambda: "step     1/" in _read(log), 120, "step 1", poll=0.002)
-        proc.send_signal(signal.SIGINT)
-        wait_for(lambda: "stopped by" in _read(log), 30, "the stop", poll=0.001)
-        status = _press_again_frozen(proc)
-    finally:
-        proc.kill()
-    text = _read(log)
-    assert "Traceback" not in text, text[-3000:]
+    status, text = _two_presses(corpus, tmp_path, "step     1/", "stopped by")
     # Killed by the press (what a shell shows as 130), or 130 from the teardown; 75 only if
     # the process had already finished when the press came.
     assert status in (-signal.SIGINT, 130, 75), (status, text[-2000:])
