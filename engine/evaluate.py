@@ -148,6 +148,7 @@ def check(args: argparse.Namespace, cfg: Config) -> Config:
     from engine.data.preprocess import EOD_TOKEN
     from engine.data.run_data import EmptySplit, eval_iterator
 
+    ModelSource(args.ckpt, args.hf_dir).check_weights()  # not in every rank, with a traceback
     tokenizer_file(args.tokenizer, cfg.data.tokenizer, args.ckpt or args.hf_dir)
     cfg.model.validate(args.tp_size)
     if getattr(args, "quantize", "none") != "none" and not cfg.model.causal:

@@ -171,7 +171,19 @@ def test_bad_inputs_are_one_line_and_exit_2(corpus, tmp_path, capsys):
     short.write_text("x")
     words = tmp_path / "words.txt"
     words.write_text("def total(items): return sum(items)\n" * 4)
+    from transformers import GPT2Config
+
+    no_weights = tmp_path / "hf_config_only"  # a Hugging Face directory without its weights
+    GPT2Config(
+        vocab_size=512, n_embd=32, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0
+    ).save_pretrained(no_weights)
+    capsys.readouterr()  # only what evaluate prints below
     cases = [
+        (  # two ranks: before, each raised it, and the launcher printed their tracebacks
+            ["--hf-dir", str(no_weights), "--tokenizer", tokenizer_path, "--text", str(words)]
+            + ["--seq-len", "8", "--micro-batch", "1", "--dp-size", "2"],
+            "hf_config_only has no model.safetensors (only safetensors is read)",
+        ),
         (["--ckpt", str(export)], "records no training data: pass --data or --text"),
         (["--ckpt", str(export), "--text", str(short)], "fewer than seq_len + 1"),
         (["--ckpt", str(export), "--text", str(short), "--tp-size", "3"], "tp_size=3"),
