@@ -64,7 +64,8 @@ def test_export_dcp_is_read_by_torch_into_a_plain_state_dict(tmp_path, capsys):
     model, optimizer = _trained()
     save_checkpoint(tmp_path / "ck", 2, model=model, optimizer=optimizer, ps=None, state={})
     out = tmp_path / "dcp"
-    assert checkpoint_cli.main(["export-dcp", str(tmp_path / "ck"), str(out)]) == 0
+    # OUT as --out, the other subcommands' spelling (it was "unrecognized arguments")
+    assert checkpoint_cli.main(["export-dcp", str(tmp_path / "ck"), "--out", str(out)]) == 0
     assert "exported step 2" in capsys.readouterr().out
     plain = _plain_state(model)
     plain["meshtron"] = {"step": torch.tensor(0, dtype=torch.int64)}

@@ -46,6 +46,22 @@ from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.tool_args import ArgumentParser  # noqa: E402
 
 
+def _add_out(parser: argparse.ArgumentParser, what: str) -> None:
+    """The directory a subcommand writes: OUT last, or ``--out OUT``, in every one of them
+    (``--out`` given to export-dcp was "unrecognized")."""
+    parser.add_argument("out", nargs="?", help=f"{what} (or --out OUT)")
+    parser.add_argument("--out", dest="out_option", metavar="OUT", help="the same as OUT")
+
+
+def _settle_out(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One OUT, from either spelling; a parser error (exit 2) when none or two differ."""
+    given = {v for v in (getattr(args, "out", None), args.out_option) if v is not None}
+    if len(given) != 1:
+        why = "is missing" if not given else f"is given twice, as {' and '.join(sorted(given))}"
+        parser.error(f"{args.command}: OUT {why}: give it last or as --out OUT")
+    args.out = given.pop()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -57,20 +73,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     con.add_argument("ckpt", help="step directory or checkpoint root")
     con.add_argument("--tp-size", type=int, required=True)
     con.add_argument("--dp-size", type=int, required=True)
-    con.add_argument("--out", required=True, help=f"checkpoint root to write: {OUT_RULE}")
+    _add_out(con, f"checkpoint root to write: {OUT_RULE}")
     exp = sub.add_parser("export-model", help="the model weights alone (checkpoint/format)")
     exp.add_argument("ckpt", help="step directory or checkpoint root")
-    exp.add_argument("--out", required=True, help="model checkpoint directory to write")
+    _add_out(exp, "model checkpoint directory to write")
     edc = sub.add_parser("export-dcp", help="write as a torch.distributed.checkpoint directory")
     edc.add_argument("ckpt", help="step directory or checkpoint root")
-    edc.add_argument("out", help="DCP directory to write (new or empty)")
+    _add_out(edc, "DCP directory to write (new or empty)")
     idc = sub.add_parser("import-dcp", help="a torch.distributed.checkpoint directory as a root")
     idc.add_argument("dcp", help="DCP directory (export-dcp's, or torch's dcp.save of our names)")
-    idc.add_argument("out", help="checkpoint root to write (new or empty)")
+    _add_out(idc, "checkpoint root to write (new or empty)")
     idc.add_argument(
         "--like", help="training checkpoint or model-only export giving the model config"
     )
-    return parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # OUT after the options (argparse takes positionals in one run: "convert CKPT --tp-size
+    # 2 --dp-size 1 OUT" leaves it over)
+    leftover = len(extra) == 1 and not extra[0].startswith("-")
+    if args.command != "inspect" and args.out is None and leftover:
+        args.out = extra.pop()
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command != "inspect":
+        _settle_out(parser, args)
+    return args
 
 
 def _mib(n: int) -> str:
