@@ -356,6 +356,15 @@ def test_report_leaves_out_tables_that_do_not_apply_and_plots_carry_titles(tmp_p
     assert "Time to accuracy" not in text and "## Speedup" in text
     reached = {**row, "test_accuracy": 0.86, "time_to_accuracy_s": 12.0, "epochs": 3}
     assert "## Time to accuracy" in write_report([reached], [], **kwargs).read_text()
+    # The links' line reads as a sentence with a rate or without one ("unshaped Mbit/s").
+    from studies.scaling.report import link_table
+
+    assert link_table({"configured_mbit": None})[0] == (
+        "Configured inter-node link: none (no --cluster, so no link is shaped)."
+    )
+    assert link_table({"configured_mbit": 1000})[0] == (
+        "Configured inter-node link: 1000 Mbit/s (tc tbf, each direction). Latency is not injected."
+    )
 
     titles = []
     saved = plt.Figure.savefig

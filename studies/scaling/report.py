@@ -372,9 +372,14 @@ def breakdown_table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def link_table(links: dict[str, Any]) -> list[str]:
+    rate = links.get("configured_mbit")
+    shaped = (
+        f"{rate} Mbit/s (tc tbf, each direction). Latency is not injected."
+        if rate
+        else "none (no --cluster, so no link is shaped)."
+    )
     lines = [
-        f"Configured inter-node link: {links.get('configured_mbit') or 'unshaped'} Mbit/s "
-        "(tc tbf, each direction). Latency is not injected.",
+        f"Configured inter-node link: {shaped}",
         "",
         "| link | message | all-reduce time | bus bandwidth |",
         "|---|---:|---:|---:|",
