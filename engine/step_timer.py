@@ -195,13 +195,14 @@ class StepTimer:
                 "dp_comm_total_s": total,
                 "optimizer_s": phase["optimizer"] - dp_in_optimizer + waited - (exposed or 0.0),
             }
-        else:
+        else:  # phases only; under FSDP (no DP clock) the wait is bookkeeping, as above
+            waited = phase["dp_wait"] if self.time_dp else 0.0
             record |= {
                 "compute_s": phase["forward_backward"],
                 "tp_comm_s": None,
-                "dp_comm_exposed_s": phase["dp_wait"],
+                "dp_comm_exposed_s": waited if self.time_dp else None,
                 "dp_comm_total_s": None,
-                "optimizer_s": phase["optimizer"],
+                "optimizer_s": phase["optimizer"] + phase["dp_wait"] - waited,
             }
         record |= {
             "tokens_per_s": self.tokens_per_step / step_time,

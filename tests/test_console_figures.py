@@ -122,3 +122,32 @@ def test_dp_exposed_is_never_more_than_the_dp_communication():
     parts = ("data_s", "compute_s", "tp_comm_s", "dp_comm_exposed_s", "optimizer_s")
     # Sums of the same perf_counter differences: equal up to float rounding.
     assert sum(record[k] for k in parts) == pytest.approx(record["step_time_s"], abs=1e-9)
+
+
+def test_without_a_dp_clock_the_dp_figures_are_none_timed_or_not():
+    """A DP strategy whose collectives the timer cannot see (FSDP's run in its own hooks):
+    with collective timing on or off, no DP figure is reported (the step line then says
+    dp_comm n/a), the 10 ms wait after backward counts as optimizer, and the parts still
+    add up to the step. With timing off it was reported as exposed DP communication."""
+
+    class Untimed:  # FSDP's side of the interface the timer reads
+        times_comm = False
+
+        def set_comm_timer(self, timer) -> None:
+            pass
+
+    for enabled in (True, False):
+        timer = StepTimer(torch.device("cpu"), enabled=enabled, dp_size=2)
+        timer.attach(torch.nn.Linear(1, 1), Untimed())
+        timer.start()
+        timer.lap()  # data
+        timer.lap()  # forward and backward
+        time.sleep(0.01)  # the wait after backward
+        timer.lap()
+        timer.lap()  # optimizer
+        record = timer.finish()
+        assert record["dp_comm_exposed_s"] is None and record["dp_comm_total_s"] is None
+        assert record["optimizer_s"] >= 0.01, (enabled, record)
+        parts = ("data_s", "compute_s", "tp_comm_s", "optimizer_s")
+        total = sum(record[k] or 0.0 for k in parts)
+        assert total == pytest.approx(record["step_time_s"], abs=1e-9), (enabled, record)
