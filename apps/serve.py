@@ -52,7 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--hf-dir", help="local Hugging Face directory of a decoder")
     p.add_argument("--tokenizer", help="tokenizer.json (default: the one saved with the model)")
     p.add_argument("--chat-template", help="a Jinja chat template (default: tokenizer_config's)")
-    p.add_argument("--served-model-name", help="the model name clients send (default: dir name)")
+    p.add_argument(
+        "--served-model-name",
+        help="the model name clients send (default: the directory's, or for a run's step or final, the run's)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=non_negative_int, default=8000, help="0: any free port")
     p.add_argument(
@@ -155,8 +158,7 @@ def build(args: argparse.Namespace, ps=None, channel=None):
         token_budget=max(args.token_budget, args.max_running),
         channel=channel,
     )
-    directory = args.ckpt or args.weights or args.hf_dir
-    name = args.served_model_name or Path(directory).resolve().name
+    name = args.served_model_name or source.name()
     line = cache.describe()
     if args.tp_size > 1:
         line += f" on each of {args.tp_size} TP ranks"

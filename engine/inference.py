@@ -105,6 +105,18 @@ class ModelSource:
 
         return recorded_tokenizer((index or {}).get("trainer_state"))
 
+    def name(self) -> str:
+        """What to call the model: its directory's name, or for a training run's step
+        directory or final export (``ROOT/final``), the run's (ROOT's) name."""
+        from engine.checkpoint.storage import INDEX, LATEST
+
+        directory = Path(self.hf_dir or self.ckpt).resolve()
+        if self.hf_dir is None and (
+            (directory / INDEX).is_file() or (directory.parent / LATEST).is_file()
+        ):
+            return directory.parent.name
+        return directory.name
+
     def recorded_run_config(self) -> dict:
         """The run config a training checkpoint records (``{}`` for any other source)."""
         if self.kind() != "training":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -273,6 +274,26 @@ def test_unknown_model_is_404_and_chat_without_a_template_is_400(served):
         client.completions.create(model="gpt-4", prompt="x")
     with pytest.raises(openai.BadRequestError, match="has no chat template"):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_runs_final_export_is_served_under_the_runs_name(export, tmp_path):
+    """A run's ``ROOT/final`` (beside its ``latest`` pointer) is called ROOT, not "final";
+    a folder outside a run keeps its own name, and --served-model-name wins over both."""
+    from apps.serve import build, parse_args
+
+    root = tmp_path / "my_run"
+    shutil.copytree(export[0], root / "final")
+    (root / "latest").write_text("step_00000001\n")
+    alone = shutil.copytree(export[0], tmp_path / "weights")
+
+    def name(*argv):
+        app, _ = build(parse_args([*argv, "--cache-tokens", "256"]))
+        return app.state.server.model_name
+
+    assert name("--weights", str(root / "final")) == "my_run"
+    assert name("--ckpt", str(root / "final")) == "my_run"
+    assert name("--weights", str(alone)) == "weights"
+    assert name("--weights", str(root / "final"), "--served-model-name", "x") == "x"
 
 
 def test_chat_completes_and_streams_with_a_template(export):
