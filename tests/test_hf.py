@@ -118,6 +118,9 @@ def test_command_line_tools(hf_dirs, tmp_path):
     exported = _run("tools/convert_hf.py", "export", "--ckpt", str(ckpt), "--out", str(out))
     assert exported.returncode == 0, exported.stderr
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    # Each names the Hugging Face class it read or wrote, as its config.json does.
+    assert imported.stdout.startswith("imported gpt (GPT2LMHeadModel): "), imported.stdout
+    assert exported.stdout.startswith("exported gpt (GPT2LMHeadModel): "), exported.stdout
     # The verifier starts its own 2 workers (elastic launcher) and ends with the error line.
     verified = _run(
         "tools/verify_equivalence.py",

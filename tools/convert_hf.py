@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
-from engine.hf_interop import export_hf, import_hf  # noqa: E402
+from engine.hf_interop import export_hf, import_hf, read_hf_config  # noqa: E402
 from engine.tool_args import ArgumentParser  # noqa: E402
 
 
@@ -55,9 +55,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"convert_hf.py: error: {message}", file=sys.stderr)
         return 2
     tokenizer = "with tokenizer" if (Path(args.out) / TOKENIZER_FILE).is_file() else "no tokenizer"
+    hf_dir = args.hf_dir if args.command == "import" else args.out
+    hf_class = read_hf_config(hf_dir).get("architectures", ["?"])[0]
+    experts = f", {cfg.moe_num_experts} experts top-{cfg.moe_top_k}" if cfg.mlp == "moe" else ""
     print(
-        f"{args.command}ed {cfg.arch}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_heads} heads, vocab {cfg.vocab_size}, {tokenizer} -> {args.out}"
+        f"{args.command}ed {cfg.arch} ({hf_class}): {cfg.num_layers} layers, hidden "
+        f"{cfg.hidden_size}, {cfg.num_heads} heads{experts}, vocab {cfg.vocab_size}, "
+        f"{tokenizer} -> {args.out}"
     )
     return 0
 
