@@ -132,7 +132,8 @@ def test_tp_fit_splits_the_loss_into_its_two_parts():
 
 
 def test_in_model_dp_wait_and_optimizer_extra_are_added():
-    """The DP wait (keyed by DP size and ranks) is added to the exposed DP time; the
+    """The DP wait (keyed by DP size and ranks) is added to the exposed DP time and to the
+    total (it is spent inside the collective, so exposed <= total still holds); the
     optimizer's extra per parameter tensor (keyed by ranks) times the 12·2 + 4 = 28
     tensors of a 2-layer GPT to the optimizer; both at the nearest rank count."""
     lay = Layout(1, 2, 4, fused_attention=False)
@@ -143,6 +144,14 @@ def test_in_model_dp_wait_and_optimizer_extra_are_added():
     plain = predict(W, lay, hand_cluster()).breakdown
     got = predict(W, lay, cl).breakdown
     assert got["dp_comm_exposed_s"] == pytest.approx(plain["dp_comm_exposed_s"] + 5e-3, rel=1e-9)
+    assert got["dp_comm_total_s"] == pytest.approx(plain["dp_comm_total_s"] + 5e-3, rel=1e-9)
+    assert got["dp_comm_exposed_s"] <= got["dp_comm_total_s"]
+    for shard in ("full", "gradients"):  # the FSDP pricing takes the same wait
+        sharded = replace(lay, dp_shard=shard)
+        base = predict(W, sharded, hand_cluster()).breakdown
+        waited = predict(W, sharded, cl).breakdown
+        assert waited["dp_comm_total_s"] == pytest.approx(base["dp_comm_total_s"] + 5e-3)
+        assert waited["dp_comm_exposed_s"] == pytest.approx(base["dp_comm_exposed_s"] + 5e-3)
     assert got["optimizer_s"] == pytest.approx(plain["optimizer_s"] + 28 * 100e-6, rel=1e-9)
     eight = Layout(1, 8, 2, fused_attention=False)  # 8 ranks: no dp=8 row, no wait
     base8 = predict(W, eight, hand_cluster()).breakdown

@@ -495,14 +495,17 @@ def _dp_comm_seconds(
     backward; the first bucket fills only after 1/buckets of it, and the last bucket's
     reduction always waits (ZeRO-1 then all-gathers the 16-bit parameters). Without overlap
     (or on a CPU whose cores are all computing) it is all exposed. On CPU ranks the
-    measured in-model wait for the slowest rank is added (in_model.py).
+    measured in-model wait for the slowest rank is added (in_model.py) to both: a rank spends
+    it inside the collective, which returns when the last rank has joined, so the exposed
+    time never exceeds the total (as the runtime's step timer counts them).
     """
     d = lay.dp_cp  # cp ranks hold the same weights: the gradients reduce over dp × cp
     if d <= 1:
         return 0.0, 0.0
+    wait = lookup(cluster.in_model.get("dp_wait_us", ()), (d,), ranks) or 0.0
     if lay.dp_shard in ("gradients", "full"):
         total, exposed = _fsdp_comm_seconds(w, lay, link, passes, cluster)
-        return total, exposed + (lookup(cluster.in_model.get("dp_wait_us", ()), (d,), ranks) or 0)
+        return total + wait, exposed + wait
     # the dense parameters over dp × cp; each routed expert over the dp × cp ÷ ep ranks that
     # hold it (ranks tp · ep apart, placed as such a DP group)
     groups = [(dense_params_per_rank(w, lay.tp, lay.pp), d, link)]
@@ -527,8 +530,7 @@ def _dp_comm_seconds(
         exposed += gather / buckets
     else:
         exposed += gather
-    exposed += lookup(cluster.in_model.get("dp_wait_us", ()), (d,), ranks) or 0.0
-    return reduce + gather, exposed
+    return reduce + gather + wait, exposed + wait
 
 
 def dp_traffic_bytes(
