@@ -704,7 +704,7 @@ def test_inspect_convert_and_export_cli(tmp_path, capsys):
     )
     assert checkpoint_cli.main(["inspect", str(root)]) == 0
     out = capsys.readouterr().out
-    assert "step 1" in out and "layout: tp=1 dp=1 (world 1), ZeRO-1 no" in out
+    assert "step 1" in out and "layout: tp=1 dp=1 (world 1), dp_shard=none" in out
     assert "8 samples consumed" in out
     word = next(line for line in out.splitlines() if line.startswith("model/embedding.word"))
     assert word.split()[1:5] == ["[500,", "32]", "float32", "0"], word
@@ -715,7 +715,7 @@ def test_inspect_convert_and_export_cli(tmp_path, capsys):
     assert checkpoint_cli.main(args) == 0
     assert checkpoint_cli.main(["inspect", str(out_root)]) == 0
     out = capsys.readouterr().out
-    assert "layout: tp=2 dp=2 (world 4), ZeRO-1 no, converted from tp=1 dp=1" in out
+    assert "layout: tp=2 dp=2 (world 4), dp_shard=none, converted from tp=1 dp=1" in out
     assert (
         sum(line.startswith("rank0000") and line.endswith("OK") for line in out.splitlines()) == 4
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from argparse import Namespace
 from pathlib import Path
 
@@ -114,6 +115,14 @@ def test_a_run_trained_at_pp2_cp2_evaluates_at_one_rank_to_its_validation_loss(
     result = json.loads(capsys.readouterr().out.strip())
     torch.testing.assert_close(result["loss"], reference, rtol=1e-5, atol=0)
     assert (result["micro_batches"], result["tp_size"], result["dp_size"]) == (4, 1, 1)
+    # tools/checkpoint.py inspect names the axes that make the world of 4 (before, it
+    # said "tp=1 dp=1 (world 4)": the index kept no cp size and the line no pp one).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import checkpoint as checkpoint_cli  # tools/checkpoint.py
+
+    assert checkpoint_cli.main(["inspect", str(tmp_path / "ckpt")]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line == "layout: tp=1 dp=1 pp=2 cp=2 (world 4), dp_shard=none", line
 
 
 def test_text_file_loss_is_the_mean_cross_entropy_of_its_windows(corpus, tmp_path, capsys):

@@ -190,7 +190,7 @@ def test_ep2_checkpoint_is_the_unsplit_one_and_resumes_at_any_ep(tmp_path, capsy
 
     capsys.readouterr()
     assert checkpoint_cli.inspect(str(tmp_path / "ep2"), verify=True) == 0
-    assert "ZeRO-1 no, ep=2 (experts stored whole)" in capsys.readouterr().out
+    assert "dp=2 ep=2 (world 2; experts stored whole), dp_shard=" in capsys.readouterr().out
     # Each ep rank wrote its own experts' rows.
     files = index["ep2"]["files"]
     for name in experts:

@@ -103,6 +103,28 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def _layout_line(layout: dict, trainer_state: dict) -> str:
+    """The sizes a checkpoint was written at (pp, cp and ep where > 1) and what its DP
+    axis sharded: the run's ``parallel.dp_shard`` where recorded, else the index's flag."""
+    config = trainer_state.get("config") or {}
+    sizes = {"tp": layout["tp_size"], "dp": layout["dp_size"]}
+    for axis in ("pp", "cp", "ep"):
+        size = layout.get(f"{axis}_size", config.get(f"{axis}_size", 1))
+        if isinstance(size, int) and size > 1:
+            sizes[axis] = size
+    line = " ".join(f"{axis}={size}" for axis, size in sizes.items())
+    whole = "; experts stored whole" if "ep" in sizes else ""
+    line += f" (world {layout['world_size']}{whole})"
+    shard = (config.get("parallel") or {}).get("dp_shard")
+    if shard is None:
+        shard = "optimizer" if layout.get("zero1") else "none"
+    line += f", dp_shard={shard}"
+    if "converted_from" in layout:
+        was = layout["converted_from"]
+        line += f", converted from tp={was['tp_size']} dp={was['dp_size']}"
+    return line
+
+
 def inspect(ckpt: str, verify: bool) -> int:
     """Print the summary of one checkpoint; non-zero exit status when a file is damaged."""
     step_dir = resolve(ckpt)
@@ -114,21 +136,7 @@ def inspect(ckpt: str, verify: bool) -> int:
     print(
         f"checkpoint {step_dir}: step {index['step']}, {_mib(total)} in {len(info['files'])} files"
     )
-    print(
-        f"layout: tp={layout['tp_size']} dp={layout['dp_size']} (world {layout['world_size']}), "
-        f"ZeRO-1 {'yes' if layout.get('zero1') else 'no'}"
-        + (
-            f", ep={layout['ep_size']} (experts stored whole)"
-            if layout.get("ep_size", 1) > 1
-            else ""
-        )
-        + (
-            f", converted from tp={layout['converted_from']['tp_size']} "
-            f"dp={layout['converted_from']['dp_size']}"
-            if "converted_from" in layout
-            else ""
-        )
-    )
+    print(f"layout: {_layout_line(layout, index['trainer_state'])}")
     print(
         f"model: {m['arch']} h={m['hidden_size']} layers={m['num_layers']} "
         f"heads={m['num_heads']} vocab={m['vocab_size']}"

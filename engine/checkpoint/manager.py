@@ -261,6 +261,7 @@ def _index_head(step: int, cfg: ModelConfig, state: dict, zero1: bool, mesh: _Me
             "tp_size": mesh.dims.tp,
             "dp_size": mesh.dims.dp,
             "pp_size": mesh.dims.pp,
+            "cp_size": mesh.dims.cp,
             "ep_size": mesh.dims.ep,  # the experts are stored whole whatever it was
             "world_size": mesh.world,
             "zero1": zero1,
