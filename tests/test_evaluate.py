@@ -123,6 +123,13 @@ def test_a_run_trained_at_pp2_cp2_evaluates_at_one_rank_to_its_validation_loss(
     assert checkpoint_cli.main(["inspect", str(tmp_path / "ckpt")]) == 0
     line = capsys.readouterr().out.splitlines()[1]
     assert line == "layout: tp=1 dp=1 pp=2 cp=2 (world 4), dp_shard=none", line
+    # Converted, it is a tp × dp checkpoint that remembers the layout it came from.
+    out = tmp_path / "tp1"
+    args = ["convert", str(tmp_path / "ckpt"), "--tp-size", "1", "--dp-size", "1", str(out)]
+    assert checkpoint_cli.main(args) == 0
+    assert checkpoint_cli.main(["inspect", str(out)]) == 0
+    line = capsys.readouterr().out.splitlines()[2]
+    assert line == "layout: tp=1 dp=1 (world 1), dp_shard=none, converted from tp=1 dp=1 pp=2 cp=2"
 
 
 def test_text_file_loss_is_the_mean_cross_entropy_of_its_windows(corpus, tmp_path, capsys):

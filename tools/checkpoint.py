@@ -103,15 +103,26 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _layout_line(layout: dict, trainer_state: dict) -> str:
-    """The sizes a checkpoint was written at (pp, cp and ep where > 1) and what its DP
-    axis sharded: the run's ``parallel.dp_shard`` where recorded, else the index's flag."""
-    config = trainer_state.get("config") or {}
+def _sizes(layout: dict, config: dict) -> dict[str, int]:
+    """tp and dp of an index's layout, and pp, cp and ep where they exceed 1; an index from
+    before cp_size was recorded takes the run config's (a convert's layout is tp × dp)."""
     sizes = {"tp": layout["tp_size"], "dp": layout["dp_size"]}
     for axis in ("pp", "cp", "ep"):
-        size = layout.get(f"{axis}_size", config.get(f"{axis}_size", 1))
+        key = f"{axis}_size"
+        if key in layout or "converted_from" in layout:
+            size = layout.get(key, 1)
+        else:
+            size = config.get(key, 1)
         if isinstance(size, int) and size > 1:
             sizes[axis] = size
+    return sizes
+
+
+def _layout_line(layout: dict, trainer_state: dict) -> str:
+    """The sizes a checkpoint was written at and what its DP axis sharded: the run's
+    ``parallel.dp_shard`` where recorded, else the index's flag."""
+    config = trainer_state.get("config") or {}
+    sizes = _sizes(layout, config)
     line = " ".join(f"{axis}={size}" for axis, size in sizes.items())
     whole = "; experts stored whole" if "ep" in sizes else ""
     line += f" (world {layout['world_size']}{whole})"
@@ -120,8 +131,8 @@ def _layout_line(layout: dict, trainer_state: dict) -> str:
         shard = "optimizer" if layout.get("zero1") else "none"
     line += f", dp_shard={shard}"
     if "converted_from" in layout:
-        was = layout["converted_from"]
-        line += f", converted from tp={was['tp_size']} dp={was['dp_size']}"
+        was = _sizes(layout["converted_from"], config)
+        line += ", converted from " + " ".join(f"{axis}={size}" for axis, size in was.items())
     return line
 
 

@@ -210,6 +210,9 @@ def _fill_and_commit(tmp, reader, index, specs, plan, out_root, tp_size, dp_size
     new["layout"] = {
         "tp_size": tp_size,
         "dp_size": dp_size,
+        "pp_size": 1,
+        "cp_size": 1,
+        "ep_size": 1,
         "world_size": tp_size * dp_size,
         "zero1": index["layout"].get("zero1", False),
         "converted_from": index["layout"],
