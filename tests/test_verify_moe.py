@@ -185,8 +185,8 @@ def test_the_cli_refuses_a_bad_ep_size_in_one_line(capsys):
     assert tool.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "verify_equivalence: ep_size=3 must divide dp_size=4 and experts=4 (expert "
+        "verify_equivalence: --ep-size 3 must divide --dp-size 4 and --experts 4 (expert "
         "parallelism is carved from the dp ranks, and each ep rank holds whole experts); "
-        "choose ep_size in [1, 2, 4]"
+        "choose --ep-size in [1, 2, 4]"
     ]
     assert torch.distributed.is_initialized() is False

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from rich.console import Console
@@ -269,6 +270,44 @@ def spec_of(args: argparse.Namespace) -> VerifySpec:
     )
 
 
+# The spec's and the training config's names for what this tool's flags set: its one-line
+# errors (VerifySpec.check, ModelConfig.validate, ParallelDims) are reworded with the flags.
+FLAG_OF = {
+    "hidden_size": "--hidden",
+    "num_heads": "--heads",
+    "num_layers": "--layers",
+    "vocab_size": "--vocab",
+    "seq_len": "--seq",
+    "batch_size": "--batch",
+    "tp_size": "--tp-size",
+    "dp_size": "--dp-size",
+    "pp_size": "--pp-size",
+    "cp_size": "--cp-size",
+    "ep_size": "--ep-size",
+    "microbatches": "--microbatches",
+    "virtual_stages": "--virtual-stages",
+    "dp_replicate": "--dp-replicate",
+    "dp_shard": "--dp-shard",
+    "offload": "--offload",
+}
+_NAMED = re.compile(
+    r"(?<![-\w.])(?:model\.|parallel\.|pipeline\.)?(" + "|".join(FLAG_OF) + r")\b(=?)"
+    r"|(?<![-\w.])(experts|schedule)="
+)
+
+
+def in_flags(message: str) -> str:
+    """``message`` with the spec's and the config's key names (``model.num_heads=4``,
+    ``dp_size``) written as this tool's flags (``--heads 4``, ``--dp-size``)."""
+
+    def flag(match: re.Match) -> str:
+        if match.group(3):
+            return f"--{match.group(3)} "
+        return FLAG_OF[match.group(1)] + (" " if match.group(2) else "")
+
+    return _NAMED.sub(flag, message)
+
+
 # The flags that build the tiny model, which --hf-dir replaces with the directory's own.
 TINY_MODEL_FLAGS = ("--model", "--layers", "--hidden", "--heads", "--vocab", "--experts")
 
@@ -295,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
         raise
     except (OSError, ValueError) as err:
-        print(f"verify_equivalence: {err}", file=sys.stderr)
+        print(f"verify_equivalence: {in_flags(str(err))}", file=sys.stderr)
         return 2
     task, extra = (compare_with_hf, (args.hf_dir,)) if args.hf_dir else (compare_layouts, ())
     if "RANK" in os.environ:  # started by a launcher: this process is one rank

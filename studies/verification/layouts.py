@@ -123,9 +123,10 @@ class VerifySpec:
         dims = self.dims
         dims.check_batch(self.batch_size)  # one slice per DP rank
         if self.batch_size % (self.dp_size * self.microbatches):
+            need = self.dp_size * self.microbatches
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by dp_size × microbatches = "
-                f"{self.dp_size} × {self.microbatches}"
+                f"{self.dp_size} × {self.microbatches}: choose a batch_size multiple of {need}"
             )
         dims.check_seq_len(self.seq_len, key="seq_len")
         (model_config or self.model_config()).validate(dims.tp)
@@ -153,7 +154,14 @@ class VerifySpec:
         rule = dp_rule(self.schedule, self.dp_shard, self.model_config().tie_embeddings)
         if rule:
             raise ValueError(rule)
-        layer_split(self.num_layers, self.pp_size * self.virtual_stages)
+        stages = self.pp_size * self.virtual_stages
+        if self.num_layers % stages:  # the verifier has no per-stage layer counts to offer
+            raise ValueError(
+                f"--layers {self.num_layers} is not divisible by the {stages} pipeline stages "
+                f"(--pp-size {self.pp_size} × --virtual-stages {self.virtual_stages}): pass "
+                f"--layers {stages} or another multiple of {stages}"
+            )
+        layer_split(self.num_layers, stages)
         rule = microbatch_rule(self.schedule, self.pp_size, self.microbatches)
         if rule:
             raise ValueError(f"{rule}: change --microbatches")
