@@ -90,16 +90,30 @@ def unknown_key(
 ) -> str | None:
     """One line for the first override in ``argv`` naming no key of ``schema``, else None.
 
-    Group choices (``model=gpt_125m``), Hydra's own keys and flags are left to Hydra.
+    A group choice (``model=gpt_125m``) must name a preset of configs/ unless a
+    ``hydra.searchpath`` adds other folders; Hydra's own keys and flags are left to Hydra.
     """
     keys = schema_keys(schema, hidden=True, docs=False)
     groups = presets() if schema is Config else {}
+    searched = any(a.split("=", 1)[0].lstrip("+~") == "hydra.searchpath" for a in argv)
     skip_next = False
     for arg in argv:
         if skip_next or arg.startswith("-"):
             skip_next = arg in _VALUE_FLAGS
             continue
         key = arg.split("=", 1)[0].lstrip("+~").split("@", 1)[0]
+        if key in groups and "=" in arg and not searched:
+            given = arg.split("=", 1)[1]
+            # a sweep's list (-m model=a,b) names each; Hydra's sweep functions are its own
+            for value in [] if "(" in given else given.split(","):
+                if value not in groups[key]:
+                    near = difflib.get_close_matches(value, groups[key], n=1, cutoff=0.6)
+                    hint = f"; did you mean {key}={near[0]}?" if near else ""
+                    return (
+                        f"{key}={value} names no {key} preset{hint} (presets: "
+                        f"{' '.join(groups[key])}; python -m {prog} --help lists them)"
+                    )
+            continue
         if key.startswith("hydra") or key in groups or key in keys:
             continue
         if any(key.startswith(k + ".") for k in keys):  # an element of a list or dict key

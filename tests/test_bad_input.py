@@ -205,7 +205,10 @@ PRETRAIN_CASES = """
     # item 10: Hydra's own errors
     hydra_bad_float optim.beta1=abc "Value 'abc' of type 'str' could not be converted to Float"
     hydra_unknown_key trainer.bogus=1 "unknown key 'trainer.bogus'"
-    hydra_unknown_preset model=nope "Could not find 'model/nope'"
+    hydra_unknown_preset model=nope "model=nope names no model preset (presets: bert_base"
+    mistyped_preset model=gpt_tny "model=gpt_tny names no model preset; did you mean model=gpt_tiny?"
+    internal_schema_preset model=schema "model=schema names no model preset"
+    sweep_with_a_mistyped_preset -m model=gpt_tiny,llama_tny "model=llama_tny names no model preset; did you mean model=llama_tiny?"
     hydra_parse_error optim.lr=[1 "cannot parse the override 'optim.lr=[1': no viable"
     # found beyond the issue's list
     beta2_1 optim.beta2=1.0 "optim.beta2=1.0 must be in [0, 1)"
@@ -305,9 +308,11 @@ def test_refused_run_leaves_no_outputs_folder(inputs, monkeypatch, capsys, tmp_p
 def test_a_sweep_flag_typed_among_the_overrides_still_sweeps(inputs, monkeypatch, capsys):
     """``-m`` among the overrides (Hydra's parser wants it before them) starts the sweep:
     its first job, optim.lr=-1, is refused as a config error rather than the command line
-    as "unrecognized arguments"."""
+    as "unrecognized arguments". A sweep over presets (model=gpt_tiny,gpt_tiny) names
+    presets each, so the preset check lets it through to that job."""
     monkeypatch.chdir(inputs["dir"])
     argv = [o for o in _pretrain_argv([], inputs) if not o.startswith("hydra.")]
+    argv = [a if a != "model=gpt_tiny" else "model=gpt_tiny,gpt_tiny" for a in argv]
     sweep_dir = f"hydra.sweep.dir={inputs['dir']}/sweep"
     monkeypatch.setattr(sys, "argv", ["pretrain.py", *argv, sweep_dir, "-m", "optim.lr=-1,0.001"])
     with pytest.raises(SystemExit) as exit_info:
