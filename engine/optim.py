@@ -98,9 +98,10 @@ def schedule_change(saved: dict, cfg: OptimConfig, max_steps: int) -> str | None
     now = decay_length(cfg, max_steps)
     if now == before:
         return None
+    steps = "step" if before == 1 else "steps"
     return (
         f"note: the learning-rate schedule changed on resume (cosine decay over {before} "
-        f"steps after warmup, now {now}: trainer.max_steps moved its end); to continue the "
+        f"{steps} after warmup, now {now}: trainer.max_steps moved its end); to continue the "
         f"saved schedule pass optim.decay_steps={before}"
     )
 
@@ -120,6 +121,37 @@ def batch_change(saved: dict, global_batch: int, consumed_samples: int) -> str |
         f"a step): the data goes on from sample {consumed_samples}, and the learning-rate "
         "schedule's steps now each hold the new batch"
     )
+
+
+def seq_len_change(saved: dict, seq_len: int, consumed_samples: int) -> str | None:
+    """A one-line note when resuming with another ``data.seq_len`` than the saved run's
+    (``saved``: its config as a dict); None when it is the same or unknown. The corpus is
+    then cut into other sequences, in another shuffled order, so the position the samples
+    consumed mark is not where the saved run left its data."""
+    try:
+        before = int(saved["data"]["seq_len"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if before == seq_len:
+        return None
+    return (
+        f"note: data.seq_len changed on resume ({before} → {seq_len} tokens a sequence): "
+        f"the corpus is cut into other sequences in another shuffled order, read from sample "
+        f"{consumed_samples} of it on, so within this epoch some text the run has seen comes "
+        "again and some it has not is passed over"
+    )
+
+
+def resume_notes(saved: dict, cfg, consumed_samples: int) -> list[str]:
+    """The notes of :func:`schedule_change`, :func:`batch_change` and
+    :func:`seq_len_change` for resuming the run ``saved`` (its config as a dict) with
+    ``cfg`` (this run's Config) after ``consumed_samples`` samples."""
+    notes = [
+        schedule_change(saved, cfg.optim, cfg.trainer.max_steps),
+        batch_change(saved, cfg.trainer.global_batch, consumed_samples),
+        seq_len_change(saved, cfg.data.seq_len, consumed_samples),
+    ]
+    return [note for note in notes if note]
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

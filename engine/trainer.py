@@ -19,7 +19,7 @@ from engine.generate import sample_text
 from engine.mesh_report import describe_mesh
 from engine.models import build_model
 from engine.observe import RunLogger, format_step_line, maybe_profile, perplexity, window_metrics
-from engine.optim import batch_change, lr_at, schedule_change
+from engine.optim import lr_at, resume_notes
 from engine.resilience.faults import fail_once_at
 from engine.resilience.guard import BadStepGuard
 from engine.resilience.preemption import StopRequests
@@ -371,11 +371,9 @@ class Trainer:
         if self.scaler is not None and loaded.state.get("loss_scaler"):
             self.scaler.load_state_dict(loaded.state["loss_scaler"])
         self.logger.print(line)
-        saved, t, data = loaded.state.get("config", {}), self.cfg.trainer, self.data.train
-        changes = [schedule_change(saved, self.cfg.optim, t.max_steps)]
-        changes.append(batch_change(saved, t.global_batch, data.consumed_samples))
-        for change in filter(None, changes):
-            self.logger.print(change, markup=False)
+        saved, consumed = loaded.state.get("config", {}), self.data.train.consumed_samples
+        for note in resume_notes(saved, self.cfg, consumed):
+            self.logger.print(note, markup=False)
 
     def _save(self) -> str | None:
         self._mark("final model export", "world")

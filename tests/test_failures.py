@@ -7,6 +7,7 @@ output in tmp_path), the way a user or a launcher would.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -697,7 +698,8 @@ def test_extending_max_steps_with_a_fixed_schedule_is_bitwise_the_longer_run(cor
 def test_resuming_at_another_global_batch_says_where_the_data_goes_on(corpus, tmp_path):
     """2 steps of 8 sequences, then resumed at 16 a step: the resume says the batch
     changed and that the data goes on from sample 2 × 8 = 16 (counted by hand); the same
-    batch again says nothing of it. Before, the change passed without a word."""
+    batch again says nothing of it. Before, the change passed without a word; so did a
+    resume at another data.seq_len, which now says so too."""
     base = ("tp_size=1", "dp_size=1", "checkpoint.every=1", "trainer.micro_batch=4")
 
     def cfg(steps: int, batch: int) -> Config:
@@ -705,14 +707,22 @@ def test_resuming_at_another_global_batch_says_where_the_data_goes_on(corpus, tm
         return run_config(corpus, tmp_path / "run", *base, *limits)
 
     first, wider, same = cfg(2, 8), cfg(3, 16), cfg(4, 16)
-    histories = run_ranks(_run_all, 1, [first, wider, same], timeout=240)[0]
-    assert [[s for s, _ in h] for h in histories] == [[1, 2], [3], [4]]
+    shorter = dataclasses.replace(cfg(5, 16), data=dataclasses.replace(first.data, seq_len=8))
+    histories = run_ranks(_run_all, 1, [first, wider, same, shorter], timeout=240)[0]
+    assert [[s for s, _ in h] for h in histories] == [[1, 2], [3], [4], [5]]
     log = (tmp_path / "pretrain.log").read_text()  # run_config's run_dir: tmp_path
     note = "note: trainer.global_batch changed on resume"
     assert log.count(note) == 1, log[-2000:]
     assert (
         f"{note} (8 → 16 sequences a step): the data goes on from sample 16, and the "
         "learning-rate schedule's steps now each hold the new batch"
+    ) in log, log[-2000:]
+    # Another sequence length, from sample 16 + 2 × 16 = 48: said once, by the last resume.
+    note = f"note: data.seq_len changed on resume ({first.data.seq_len} → 8 tokens a sequence)"
+    assert log.count(note) == 1, log[-2000:]
+    assert (
+        f"{note}: the corpus is cut into other sequences in another shuffled order, read "
+        "from sample 48 of it on"
     ) in log, log[-2000:]
 
 
