@@ -5,19 +5,72 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import NoReturn
 
 # A tool whose reader left (``tool ... | head``) exits as a C tool killed by SIGPIPE does.
 BROKEN_PIPE_STATUS = 128 + 13
 
 
+# The flags the tools give for what the model config and the layouts call by key: a check
+# shared with the trainer names ``model.num_heads=5``; a tool says ``--heads 5`` instead
+# (the first of the flags it has).
+CONFIG_FLAGS = {
+    "hidden_size": ("--hidden",),
+    "num_heads": ("--heads",),
+    "num_layers": ("--layers",),
+    "vocab_size": ("--vocab",),
+    "ffn_hidden_size": ("--ffn",),
+    "max_positions": ("--max-positions",),
+    "seq_len": ("--seq",),
+    "batch_size": ("--batch",),
+    "micro_batch": ("--micro-batch",),
+    "tp_size": ("--tp-size", "--tp"),
+    "dp_size": ("--dp-size", "--dp"),
+    "pp_size": ("--pp-size", "--pp"),
+    "cp_size": ("--cp-size", "--cp"),
+    "ep_size": ("--ep-size", "--ep"),
+    "microbatches": ("--microbatches",),
+    "virtual_stages": ("--virtual-stages",),
+    "dp_replicate": ("--dp-replicate",),
+    "dp_shard": ("--dp-shard",),
+    "offload": ("--offload",),
+    "experts": ("--experts",),
+    "schedule": ("--schedule",),
+}
+_WORDS = {"experts", "schedule", "offload"}  # also plain words: read only as ``key=``
+_CONFIG_KEY = re.compile(
+    r"(?<![-\w.])(?:model\.|parallel\.|pipeline\.|data\.|trainer\.)?"
+    r"(" + "|".join(CONFIG_FLAGS) + r")\b(=?)"
+)
+
+
+def in_flags(message: str, flags: Collection[str] | None = None) -> str:
+    """``message`` with the config keys of :data:`CONFIG_FLAGS` (``model.num_heads=4``,
+    ``dp_size``) written as the flags that set them (``--heads 4``, ``--dp-size``): only
+    those in ``flags`` (a parser's option strings; None: every first flag)."""
+
+    def flag(match: re.Match) -> str:
+        key, equals = match.groups()
+        if key in _WORDS and not equals:  # a plain word ("experts") in a sentence
+            return match.group(0)
+        have = [f for f in CONFIG_FLAGS[key] if flags is None or f in flags][:1]
+        if not have:
+            return match.group(0)
+        return have[0] + (" " if equals else "")
+
+    return _CONFIG_KEY.sub(flag, message)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but a bad argument prints ``PROG: error: MESSAGE`` alone (no usage block)."""
+    """argparse, but a bad argument prints ``PROG: error: MESSAGE`` alone (no usage block),
+    naming the tool's flags where the message names config keys (:func:`in_flags`)."""
 
     def error(self, message: str) -> NoReturn:
         """Print the one line and exit 2 (argparse's status for a usage error)."""
+        message = in_flags(message, self._option_string_actions)
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
 

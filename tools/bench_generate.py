@@ -46,7 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but no CUDA device is visible; pass --device cpu (or auto)")
+    try:  # e.g. --hidden not divisible by --heads, named by its flags
+        model_config(args).validate()
+    except ValueError as err:
+        p.error(str(err))
     return args
+
+
+def model_config(args: argparse.Namespace):
+    """The tiny GPT of the flags, with positions for the longest prompt + generation."""
+    longest = max(args.new_tokens) + args.prompt_len
+    return tiny_gpt.config(args, vocab=args.vocab, positions=longest)
 
 
 def timed(model, prompts, new_tokens: int, use_cache: bool) -> tuple[float, list[float]]:
@@ -69,13 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run every case and print the tables."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    longest = max(args.new_tokens) + args.prompt_len
-    cfg = tiny_gpt.config(args, vocab=args.vocab, positions=longest)
-    try:
-        cfg.validate()
-    except ValueError as err:  # e.g. --hidden not divisible by --heads
-        print(f"bench_generate.py: error: {err} (see --help)", file=sys.stderr)
-        return 2
+    cfg = model_config(args)
     torch.manual_seed(0)
     model = build_model(cfg, device=args.device).eval()
     gen = torch.Generator().manual_seed(1)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 from rich.console import Console
@@ -49,7 +48,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.models import FAMILIES  # noqa: E402
 from engine.pipeline.split import SCHEDULES as PIPELINE_SCHEDULES  # noqa: E402
 from engine.pipeline.split import V_SCHEDULES  # noqa: E402
-from engine.tool_args import ArgumentParser, add_model_size_flags, positive_int  # noqa: E402
+from engine.tool_args import (  # noqa: E402
+    ArgumentParser,
+    add_model_size_flags,
+    in_flags,
+    positive_int,
+)
 from layers.router import ROUTERS  # noqa: E402
 from parallel_state.dims import DP_SHARD_MODES  # noqa: E402
 from studies.verification.hf_parity import (  # noqa: E402
@@ -268,44 +272,6 @@ def spec_of(args: argparse.Namespace) -> VerifySpec:
             args.pp_size * args.virtual_stages if args.microbatches is None else args.microbatches
         ),
     )
-
-
-# The spec's and the training config's names for what this tool's flags set: its one-line
-# errors (VerifySpec.check, ModelConfig.validate, ParallelDims) are reworded with the flags.
-FLAG_OF = {
-    "hidden_size": "--hidden",
-    "num_heads": "--heads",
-    "num_layers": "--layers",
-    "vocab_size": "--vocab",
-    "seq_len": "--seq",
-    "batch_size": "--batch",
-    "tp_size": "--tp-size",
-    "dp_size": "--dp-size",
-    "pp_size": "--pp-size",
-    "cp_size": "--cp-size",
-    "ep_size": "--ep-size",
-    "microbatches": "--microbatches",
-    "virtual_stages": "--virtual-stages",
-    "dp_replicate": "--dp-replicate",
-    "dp_shard": "--dp-shard",
-    "offload": "--offload",
-}
-_NAMED = re.compile(
-    r"(?<![-\w.])(?:model\.|parallel\.|pipeline\.)?(" + "|".join(FLAG_OF) + r")\b(=?)"
-    r"|(?<![-\w.])(experts|schedule)="
-)
-
-
-def in_flags(message: str) -> str:
-    """``message`` with the spec's and the config's key names (``model.num_heads=4``,
-    ``dp_size``) written as this tool's flags (``--heads 4``, ``--dp-size``)."""
-
-    def flag(match: re.Match) -> str:
-        if match.group(3):
-            return f"--{match.group(3)} "
-        return FLAG_OF[match.group(1)] + (" " if match.group(2) else "")
-
-    return _NAMED.sub(flag, message)
 
 
 # The flags that build the tiny model, which --hf-dir replaces with the directory's own.
