@@ -139,6 +139,14 @@ def test_head_dim_apart_from_hidden():
     assert layout_problems(w, Layout(tp=2, dp=1, micro_batch=1), 2) == []
     gpt = Workload(hidden=64, layers=1, heads=4, vocab=128, seq=16, global_batch=1, head_dim=32)
     assert any("head_dim" in p for p in layout_problems(gpt, Layout(1, 1, 1), 1))
+    # Without a head width the heads split the hidden size, as the runtime requires
+    # (ModelConfig.validate): 100 ÷ 3 is refused, where before it was priced.
+    odd = Workload(hidden=100, layers=1, heads=3, vocab=128, seq=16, global_batch=1)
+    assert layout_problems(odd, Layout(1, 1, 1), 1) == [
+        "hidden=100 is not divisible by heads=3 (or give --head-dim)"
+    ]
+    wide = dataclasses.replace(odd, family="llama", head_dim=32)  # 3 heads of 32 on h = 100
+    assert layout_problems(wide, Layout(1, 1, 1), 1) == []
 
 
 def test_expert_memory_per_rank_by_hand():

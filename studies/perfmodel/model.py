@@ -847,6 +847,10 @@ def workload_problems(w: Workload, cp: int = 1, ep: int = 1) -> list[str]:
             problems.append(f"experts need a gated-MLP family (llama), not {w.family!r}")
     if w.experts < 0 or w.shared_experts < 0:
         problems.append("experts and shared_experts must be >= 0")
+    if not w.head_dim and w.hidden % w.heads:  # the runtime's rule without a head width
+        problems.append(
+            f"hidden={w.hidden} is not divisible by heads={w.heads} (or give --head-dim)"
+        )
     if w.head_dim and w.head_dim != w.hidden // w.heads and not w.gated:
         problems.append(f"head_dim={w.head_dim} != hidden/heads needs a gated-MLP family (llama)")
     return problems
