@@ -27,6 +27,7 @@ CONFIG_FLAGS = {
     "seq_len": ("--seq",),
     "batch_size": ("--batch",),
     "micro_batch": ("--micro-batch",),
+    "global_batch": ("--global-batch",),
     "tp_size": ("--tp-size", "--tp"),
     "dp_size": ("--dp-size", "--dp"),
     "pp_size": ("--pp-size", "--pp"),

@@ -94,12 +94,17 @@ def _rows(out: Path) -> list[dict[str, str]]:
 @pytest.mark.slow
 def test_three_point_study_reports_consistent_speedup(tmp_path, data, capsys):
     out = tmp_path / "study"
-    # dp=5 cannot split a global batch of 12 into micro-batches of 2: that point fails (a
-    # config error, exit 2) and the study goes on to the next ones.
+    # dp=5 cannot split a global batch of 12 into micro-batches of 2: that point is named
+    # before anything runs, never started, and reported as failed; the others run.
     code, log, err = _study_here(out, data, capsys, "--dp", "1,5,2", *BATCH_12_BY_2_NO_LINKS)
+    assert err.startswith(
+        "scaling_study: point n1x5-tp1-dp5-mb2-gb12 cannot run, so it is not run: "
+        "--global-batch 12 is not a multiple of --micro-batch × --dp = 2 × 5 = 10"
+    ), err
     log += err
     assert code == 1, log  # 1: some point failed
     assert "point n1x5-tp1-dp5-mb2-gb12 failed" in log and "not a multiple" in log, log
+    assert not (out / "runs" / "n1x5-tp1-dp5-mb2-gb12").exists()
     rows = _rows(out)
     assert [int(r["dp_size"]) for r in rows] == [1, 2]
     # Independent of the report code: medians of the measured steps (step > warm-up 1) of

@@ -60,8 +60,13 @@ def grid(cfg: StudyConfig) -> tuple[list[Point], list[str]]:
         world = tp * dp * pp
         procs = cfg.procs_per_node or world // nodes
         name = f"tp={tp} dp={dp}" + (f" pp={pp}" if pp > 1 else "")
-        if procs < 1 or nodes * procs != world:
+        if cfg.procs_per_node and nodes * procs != world:
             skipped.append(f"{name} ({world} ranks) does not fill {nodes} node(s) × {procs} procs")
+            continue
+        if nodes * procs != world:
+            skipped.append(
+                f"{name} ({world} rank{'s' * (world > 1)}) does not split evenly over {nodes} nodes"
+            )
             continue
         batch = cfg.global_batch * (dp if cfg.mode == "weak" else 1)
         for schedule in cfg.schedules if pp > 1 else ("1f1b",):
@@ -73,6 +78,51 @@ def grid(cfg: StudyConfig) -> tuple[list[Point], list[str]]:
                 continue
             points.append(point)
     return points, skipped
+
+
+def refused_points(cfg: StudyConfig) -> tuple[dict[str, str], str | None]:
+    """The points whose command would be refused, by key, each with why (the workload's
+    own rules; for pretrain, the config checks ``engine.pretrain`` runs before its workers
+    start), and why the study as a whole cannot run (no point fits its nodes, or every
+    point is refused), else None. All found before any run."""
+    if max(cfg.nodes) > 1 and unavailable_reason():  # run_study runs it on one node
+        cfg = _single_node(cfg)
+    points, skipped = grid(cfg)
+    if not points:
+        return {}, f"no point of the grid can run: {'; '.join(skipped)}"
+    refused = {}
+    for point in points:
+        try:
+            argv = WORKLOADS[cfg.workload](point, cfg.spec, Path("metrics.json"), Path("run"))
+        except ValueError as err:
+            refused[point.key] = str(err)
+            continue
+        if cfg.workload == "pretrain" and (problems := _config_problems(argv[2:])):
+            refused[point.key] = "; ".join(problems)
+    if len(refused) == len(points):
+        why = "; ".join(f"{key}: {line}" for key, line in refused.items())
+        return refused, f"no point of the grid can run: {why}"
+    return refused, None
+
+
+def _config_problems(overrides: list[str]) -> list[str]:
+    """What ``engine.pretrain`` would refuse in the config these overrides compose to
+    (its layout and config rules; the data and memory are checked by the run)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from engine.config import parallel_dims, register_configs, validate
+    from engine.config_cli import CONFIGS
+    from parallel_state.dims import LayoutError
+
+    register_configs()
+    given = [o for o in overrides if not o.startswith("hydra.")]
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        cfg = OmegaConf.to_object(compose("config", overrides=given))
+    try:
+        return validate(cfg, parallel_dims(cfg, None))
+    except LayoutError as err:
+        return [str(err)]
 
 
 def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
@@ -209,8 +259,11 @@ def _last_error(log: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-def run_study(cfg: StudyConfig, *, resume: bool, console: Console) -> list[dict[str, Any]]:
-    """Run (or continue) the study; returns every point's row, in grid order."""
+def run_study(
+    cfg: StudyConfig, *, resume: bool, console: Console, refused: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """Run (or continue) the study; returns every point's row, in grid order. A point of
+    ``refused`` (:func:`refused_points`) is recorded as failed with its reason, not run."""
     nodes_wanted = max(cfg.nodes) > 1
     reason = unavailable_reason()
     if reason and nodes_wanted:
@@ -233,7 +286,12 @@ def run_study(cfg: StudyConfig, *, resume: bool, console: Console) -> list[dict[
         task = progress.add_task("study", total=len(todo) * cfg.repeats)
         for point in todo:
             progress.update(task, description=f"{point.key}")
-            row = run_point(cfg, point, reason is None, lambda: progress.advance(task))
+            if point.key in (refused or {}):
+                row = {"key": point.key, **asdict(point), "world_size": point.world_size}
+                row |= {"status": "failed", "error": f"refused: {refused[point.key]}"}
+                progress.advance(task, cfg.repeats)
+            else:
+                row = run_point(cfg, point, reason is None, lambda: progress.advance(task))
             if row["status"] != "ok":
                 console.print(f"[red]point {point.key} failed:[/red] {row['error']}")
             finished[point.key] = row

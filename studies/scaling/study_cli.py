@@ -11,9 +11,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from engine.tool_args import ArgumentParser
+from engine.tool_args import ArgumentParser, in_flags
 from studies.scaling.report import add_speedup, plot, write_csv, write_report
-from studies.scaling.study import StudyConfig, measure_links, run_study
+from studies.scaling.study import StudyConfig, measure_links, refused_points, run_study
 from studies.scaling.workloads import WORKLOADS, RunSpec
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "cluster"
@@ -180,7 +180,11 @@ def _overrides_problem(workload: str, model: str | None, overrides: list[str]) -
         from apps.classify_config import ClassifyConfig
 
         return unknown_key(overrides, ClassifyConfig, "apps.classify")
-    problem = unknown_key(overrides)
+    chosen = [f"model={model}"] if model else []
+    problem = unknown_key([*chosen, *overrides])  # a mistyped --model is named as such
+    if problem and model:
+        problem = problem.replace(f"model={model} ", f"--model {model} ", 1)
+        return problem.replace("did you mean model=", "did you mean --model ")
     if problem:
         return problem
     from hydra import compose, initialize_config_dir
@@ -192,7 +196,6 @@ def _overrides_problem(workload: str, model: str | None, overrides: list[str]) -
     from engine.config_cli import CONFIGS
 
     register_configs()
-    chosen = [f"model={model}"] if model else []
     try:
         with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
             OmegaConf.to_object(compose("config", overrides=[*chosen, *overrides]))
@@ -219,6 +222,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = config_from(args)
+    # Before the link sweep and the first point's minutes: what cannot run, in the study's
+    # own flags. Refused points are reported as failed; the others run.
+    refused, fatal = refused_points(cfg)
+    flags = parser()._option_string_actions
+    if fatal:
+        print(f"scaling_study: {in_flags(fatal, flags)}", file=sys.stderr)
+        return 2
+    refused = {key: in_flags(line, flags) for key, line in refused.items()}
+    for key, line in refused.items():
+        print(f"scaling_study: point {key} cannot run, so it is not run: {line}", file=sys.stderr)
     cfg.out.mkdir(parents=True, exist_ok=True)
     console = Console(highlight=False, soft_wrap=True)
     # SIGTERM unwinds like Ctrl-C, so the emulated nodes are torn down on the way out.
@@ -227,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     load = _load()
     try:
         links = {} if args.no_links else measure_links(cfg, console)
-        rows = run_study(cfg, resume=args.resume, console=console)
+        rows = run_study(cfg, resume=args.resume, console=console, refused=refused)
     except KeyboardInterrupt:
         console.print("interrupted: finished points are in points.jsonl; rerun with --resume")
         return 130
