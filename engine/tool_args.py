@@ -40,8 +40,9 @@ CONFIG_FLAGS = {
     "offload": ("--offload",),
     "experts": ("--experts",),
     "schedule": ("--schedule",),
+    "steps": ("--steps",),
 }
-_WORDS = {"experts", "schedule", "offload"}  # also plain words: read only as ``key=``
+_WORDS = {"experts", "schedule", "offload", "steps"}  # also plain words: read only as ``key=``
 _CONFIG_KEY = re.compile(
     r"(?<![-\w.])(?:model\.|parallel\.|pipeline\.|data\.|trainer\.)?"
     r"(" + "|".join(CONFIG_FLAGS) + r")\b(=?)"

@@ -199,10 +199,11 @@ def test_convert_hf_user_errors_are_one_line(hf_dirs, tmp_path, capsys):
 def test_verify_rejects_bad_hf_layouts_before_launching(hf_dirs, capsys):
     main = _tool("verify_equivalence")
     for flags, expected in (
-        (["--tp-size", "3"], "num_heads=4 is not divisible by tp_size=3"),
-        (["--dp-size", "3"], "batch 4 is not divisible by dp_size 3"),
-        (["--tp-size", "0"], "tp_size=0 must be >= 1"),
-        (["--steps", "0"], "steps=0 must be >= 1"),
+        # the directory's sizes keep their config names (no --heads with --hf-dir)
+        (["--tp-size", "3"], "model.num_heads=4 is not divisible by --tp-size 3"),
+        (["--dp-size", "3"], "batch 4 is not divisible by --dp-size 3"),
+        (["--tp-size", "0"], "--tp-size 0 must be >= 1"),
+        (["--steps", "0"], "--steps 0 must be >= 1"),
     ):
         assert main(["--hf-dir", hf_dirs["gpt"], *flags]) == 2, flags
         assert expected in capsys.readouterr().err, flags

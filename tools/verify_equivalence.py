@@ -49,6 +49,7 @@ from engine.models import FAMILIES  # noqa: E402
 from engine.pipeline.split import SCHEDULES as PIPELINE_SCHEDULES  # noqa: E402
 from engine.pipeline.split import V_SCHEDULES  # noqa: E402
 from engine.tool_args import (  # noqa: E402
+    CONFIG_FLAGS,
     ArgumentParser,
     add_model_size_flags,
     in_flags,
@@ -300,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
         raise
     except (OSError, ValueError) as err:
-        print(f"verify_equivalence: {in_flags(str(err))}", file=sys.stderr)
+        # an --hf-dir model's sizes are the directory's: those keep their config names
+        flags = {f for fs in CONFIG_FLAGS.values() for f in fs} - set(TINY_MODEL_FLAGS)
+        print(f"verify_equivalence: {in_flags(str(err), flags)}", file=sys.stderr)
         return 2
     task, extra = (compare_with_hf, (args.hf_dir,)) if args.hf_dir else (compare_layouts, ())
     if "RANK" in os.environ:  # started by a launcher: this process is one rank
