@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         # an --hf-dir model's sizes are the directory's: those keep their config names
         flags = {f for fs in CONFIG_FLAGS.values() for f in fs} - set(TINY_MODEL_FLAGS)
+        flags = flags if args.hf_dir else None
         print(f"verify_equivalence: {in_flags(str(err), flags)}", file=sys.stderr)
         return 2
     task, extra = (compare_with_hf, (args.hf_dir,)) if args.hf_dir else (compare_layouts, ())
