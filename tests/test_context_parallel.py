@@ -500,6 +500,12 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(tmp_path):
             errors = [abs(g - w) / abs(w) for (_, g), (_, w) in zip(got, want, strict=True)]
             found[(saved_at, resumed_at, cp)] = max(errors)
             assert max(errors) < 1e-5, (saved_at, resumed_at, cp, got, want)
+    # The resume line names the axis that changed (the index records cp_size since
+    # 2026-11-27; before, a cp 2 → 1 resume read as an unchanged layout).
+    for root, was in (("from2", 2), ("from1", 1)):
+        log = (tmp_path / root / "pretrain.log").read_text()
+        assert f"resuming from step 3 ({tmp_path / root / 'ckpt'}" in log, log[-2000:]
+        assert f"step_00000003, resharded from cp={was}, " in log, log[-2000:]
     print({f"cp{a}->cp{b} vs whole cp{c}": f"{e:.1e}" for (a, b, c), e in found.items()})
     losses = [x for _, x in whole[1]["history"][2:]]  # steps 3 .. 6
     moves = [abs(b - a) / abs(a) for a, b in itertools.pairwise(losses)]

@@ -32,14 +32,16 @@ def tensorboard_dir(cfg) -> str | None:
 
 def reshard_note(was: dict, ps: ParallelState) -> str:
     """What the resume line adds when checkpoint layout ``was`` differs from this mesh's."""
-    note = ""
+    parts = []
     if (was["tp_size"], was["dp_size"]) != (ps.size("tp"), ps.size("dp")):
-        note = f", resharded from tp={was['tp_size']} dp={was['dp_size']}"
-    if was.get("pp_size", 1) != ps.size("pp"):
-        note += f", resharded from pp={was.get('pp_size', 1)}"
-    if was.get("ep_size", 1) != ps.dims.ep:
-        note += f", resharded from ep={was.get('ep_size', 1)}"
-    return note
+        parts.append(f"tp={was['tp_size']} dp={was['dp_size']}")
+    now = {"pp": ps.size("pp"), "cp": ps.dims.cp, "ep": ps.dims.ep}
+    for axis, size in now.items():
+        # cp_size is recorded since 2026-11-27: an older checkpoint's is unknown
+        saved = was.get(f"{axis}_size", None if axis == "cp" else 1)
+        if saved is not None and saved != size:
+            parts.append(f"{axis}={saved}")
+    return f", resharded from {' '.join(parts)}" if parts else ""
 
 
 class RunCheckpoints:
