@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 import parallel_state
@@ -68,3 +69,12 @@ def bootstrap_rank(
     if threads and say is not None:
         say(ps, threads)
     return ps
+
+
+def cap_device_memory(cap_gib: float, device: torch.device) -> None:
+    """Hold a GPU rank to ``trainer.memory_cap_gib`` (its allocator then raises an
+    out-of-memory error past it, as a smaller GPU would). CPU ranks have no allocator cap:
+    there the preflight holds the estimate to it and the log's peak_mem shows the use."""
+    if cap_gib > 0 and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), device)

@@ -120,6 +120,10 @@ class CheckpointConfig:
     keep: int = 2  # resumable checkpoints kept (the newest)
     resume: bool = True  # continue from <dir>/latest when it exists
     async_save: bool = False  # write saves in the background once copied to host memory
+    # weights a new run starts from (a model export, a training checkpoint or a Hugging
+    # Face directory of this model); optimizer, step and data start afresh; not read when
+    # the run resumes its own checkpoint
+    init_from: str | None = None
 
 
 @dataclass

@@ -7,6 +7,7 @@ one the training checkpoint records (path and SHA-256: a file replaced since is 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -57,12 +58,24 @@ class ModelSource:
 
     def check_weights(self) -> None:
         """Raise a one-line ValueError naming the file if an export's or HF directory's
-        weights cannot be read (a truncated file); reads only the headers. A training
-        checkpoint's files are checked against its index when read."""
+        weights cannot be read (a truncated file; reads only the headers), or a training
+        checkpoint's files are missing or of other sizes than its index records (their
+        checksums are checked when read)."""
         from engine.checkpoint.format import WEIGHTS_FILE, check_weights
 
         kind = self.kind()
-        if kind == "export":
+        if kind == "training":
+            step = self._step_dir()
+            for fname, record in self._index()["files"].items():
+                path = step / fname
+                size = path.stat().st_size if path.is_file() else None
+                if size != record.get("bytes"):
+                    have = "is missing" if size is None else f"holds {size} bytes"
+                    raise ValueError(
+                        f"{path} {have}, and the checkpoint's index records {record.get('bytes')}"
+                        " (a damaged checkpoint: use another step or checkpoint)"
+                    )
+        elif kind == "export":
             check_weights(Path(self.ckpt) / WEIGHTS_FILE)
         elif kind == "hf":
             from engine.hf_interop import hf_weight_files
@@ -123,11 +136,15 @@ class ModelSource:
             return {}
         return (self._index().get("trainer_state") or {}).get("config") or {}
 
-    def _index(self) -> dict:
+    def _step_dir(self) -> Path:
         from engine.checkpoint.convert import resolve
+
+        return resolve(self.ckpt)
+
+    def _index(self) -> dict:
         from engine.checkpoint.storage import read_index
 
-        return read_index(resolve(self.ckpt))
+        return read_index(self._step_dir())
 
 
 def _training_index(root: Path) -> dict | None:
@@ -145,3 +162,82 @@ def inference_config(cfg: ModelConfig) -> ModelConfig:
     return replace(
         cfg, sequence_parallel=False, recompute="none", hidden_dropout=0.0, attention_dropout=0.0
     )
+
+
+def init_source(path: str) -> ModelSource:
+    """``checkpoint.init_from``'s directory as a source: a Hugging Face directory when it
+    holds a config.json and no meshtron.json, else a meshtron export or checkpoint."""
+    from engine.checkpoint.format import META_FILE
+
+    hf = (Path(path) / "config.json").is_file() and not (Path(path) / META_FILE).is_file()
+    return ModelSource(hf_dir=path) if hf else ModelSource(ckpt=path)
+
+
+def init_from_problems(cfg) -> list[str]:
+    """One line each for why ``cfg`` (a run's Config, its data resolved) cannot start from
+    ``checkpoint.init_from``: no such model, another model (the keys a resume keeps,
+    ``RESUME_FIXED``), or data tokenized with another vocabulary than the model's own
+    tokenizer. Checked before any rank starts; nothing is read but configs and tokenizers."""
+    from engine.checkpoint.storage import CheckpointError
+    from engine.config_cli import override_value
+
+    path = cfg.checkpoint.init_from
+    if not path:
+        return []
+    where = f"checkpoint.init_from={path}"
+    if not Path(path).is_dir():
+        return [
+            f"{where} is not a directory: give a model export, a training checkpoint or a "
+            "Hugging Face directory"
+        ]
+    source = init_source(path)
+    try:
+        saved = source.config()
+        source.check_weights()
+        theirs = source.tokenizer_path()
+    except (OSError, ValueError, KeyError, CheckpointError) as err:
+        return [f"{where}: {err}"]
+    changes = cfg.model.resume_changes(saved)
+    if changes:
+        differ = "; ".join(f"model.{key}={old!r}, the run {new!r}" for key, old, new in changes)
+        back = " ".join(f"model.{key}={override_value(old)}" for key, old, _ in changes)
+        return [f"{where} holds another model (it has {differ}); set {back} to start from it"]
+    mine = cfg.data.tokenizer
+    if theirs and mine and Path(mine).is_file() and _vocab(theirs) != _vocab(mine):
+        return [
+            f"{where} was trained with the tokenizer {theirs}, and data.tokenizer={mine} has "
+            f"another vocabulary: tokenize the data with its tokenizer (tools/"
+            f"preprocess_data.py --tokenizer {theirs}) and pass data.tokenizer={theirs}"
+        ]
+    return []
+
+
+def _vocab(path: str) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path)).get_vocab()
+
+
+def initial_weights(cfg, model, ps: ParallelState) -> list[str]:
+    """Load ``checkpoint.init_from``'s weights into ``model`` (this rank's shard of the whole
+    model, before the pipeline cut and the DP wrap) when the run has no checkpoint of its
+    own to resume; the console lines that say what was done."""
+    from engine.checkpoint.manager import checkpoint_dir, newest_index
+
+    path = cfg.checkpoint.init_from
+    if not path:
+        return []
+    root = checkpoint_dir(cfg)
+    if cfg.checkpoint.resume and newest_index(root) is not None:
+        return [f"checkpoint.init_from={path} is not read: the run resumes its own checkpoint"]
+    start, source = time.perf_counter(), init_source(path)
+    _, state = source.load(ps)
+    model.load_full_state_dict(state)
+    kind = {"hf": "a Hugging Face directory", "export": "a model export"}.get(
+        source.kind(), "a training checkpoint's weights"
+    )
+    return [
+        f"initialized the weights from {path} ({kind}, loaded in "
+        f"{time.perf_counter() - start:.2f} s); the optimizer, the step count and the data "
+        "start afresh"
+    ]

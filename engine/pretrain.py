@@ -69,6 +69,7 @@ def prepare(cfg: Config) -> Config:
         _fail([f"data.tokenizer: {cfg.data.tokenizer} {problem} (pass data.tokenizer=PATH)"])
     import parallel_state
     from engine.data.run_data import check_data
+    from engine.inference import init_from_problems
     from engine.preflight import check_memory
 
     local_ranks = (info.local_world_size or 1) if info.launcher != "none" else dims.world
@@ -77,9 +78,8 @@ def prepare(cfg: Config) -> Config:
     except ValueError as err:
         _fail([str(err)])
     # The memory estimate is only worth giving for a config that is otherwise sound.
-    problems = check_data(cfg) + _check_checkpoint_dir(cfg) or check_memory(
-        cfg, local_ranks, on_gpu=backend == "nccl"
-    )
+    problems = check_data(cfg) + _check_checkpoint_dir(cfg) + init_from_problems(cfg)
+    problems = problems or check_memory(cfg, local_ranks, on_gpu=backend == "nccl")
     if problems:
         _fail(problems)
     return cfg

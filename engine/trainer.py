@@ -11,11 +11,13 @@ import torch
 from rich.markup import escape
 
 from engine import comm, flops, moe_observe
+from engine.bootstrap import cap_device_memory
 from engine.checkpoint.run import RunCheckpoints, tensorboard_dir
 from engine.config import Config, resolve_precision
 from engine.data.run_data import build_run_data
 from engine.data_parallel import DataParallel, DynamicLossScaler, build_data_parallel
 from engine.generate import sample_text
+from engine.inference import initial_weights
 from engine.mesh_report import describe_mesh
 from engine.models import build_model
 from engine.observe import RunLogger, format_step_line, maybe_profile, perplexity, window_metrics
@@ -27,15 +29,6 @@ from engine.resilience.watchdog import Watchdog
 from engine.runner import AUTOCAST_DTYPES, autocast_for, build_step_runner
 from engine.step_timer import StepTimer, breakdown_metrics, format_breakdown
 from parallel_state import ParallelState
-
-
-def cap_device_memory(cap_gib: float, device: torch.device) -> None:
-    """Hold a GPU rank to ``trainer.memory_cap_gib`` (its allocator then raises an
-    out-of-memory error past it, as a smaller GPU would). CPU ranks have no allocator cap:
-    there the preflight holds the estimate to it and the log's peak_mem shows the use."""
-    if cap_gib > 0 and device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total), device)
 
 
 def model_groups(ps: ParallelState) -> tuple[str, ...]:
@@ -74,6 +67,7 @@ class Trainer:
         cap_device_memory(cfg.trainer.memory_cap_gib, ps.device)
         ps.seed(cfg.trainer.seed)
         model = build_model(cfg.model, ps, device=ps.device)
+        started = initial_weights(cfg, model, ps)  # checkpoint.init_from, if set and used
         self.runner = build_step_runner(model, cfg, ps, autocast=self._autocast)
         self.model = self.runner.model  # under a pipeline: this rank's stages
         self.dp = self._build_data_parallel()
@@ -89,8 +83,7 @@ class Trainer:
         )
         self._last_eval: dict[str, float] | None = None
         self.history: list[tuple[int, float]] = []
-        if cfg.checkpoint.resume:
-            self._resume()
+        self._resume(started)
 
     def _build_data_parallel(self) -> DataParallel:
         """The DP strategy of ``optim.distributed``, reducing over the gradient groups."""
@@ -358,10 +351,12 @@ class Trainer:
             scaler = self.scaler and self.scaler.state_dict()
             self.checkpoints.save(self.step, data=self.data.train.state_dict(), loss_scaler=scaler)
 
-    def _resume(self) -> None:
-        """Continue from the newest usable checkpoint, resharding if the layout changed."""
+    def _resume(self, started: list[str]) -> None:
+        """Say what ``started`` the weights; continue from the newest usable checkpoint."""
         self._mark("checkpoint load", "world")
-        resumed = self.checkpoints.load()
+        for line in started:
+            self.logger.print(line, markup=False)
+        resumed = self.checkpoints.load() if self.cfg.checkpoint.resume else None
         if resumed is None:
             return
         loaded, line = resumed
