@@ -86,6 +86,9 @@ COVERED = {
     "name=quickstart_mpi": "tests/test_launchers.py::test_mpirun_four_ranks_tp2_dp2",
     "python -m engine.pretrain -m tp_size=1,2,4 dp_size=1": "manual: a sweep of three full runs (minutes); its overrides are composed here",
     "python -m engine.pretrain experiment=bert_tiny_stdlib": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
+    "python -m engine.pretrain checkpoint.init_from=weights-hf name=from_hf "
+    "trainer.max_steps=20": "tests/test_init_from.py::"
+    "test_a_run_started_from_a_gpt2_directory_begins_at_transformers_own_loss",
     "python -m engine.pretrain experiment=llama_tiny_tp2": "tests/test_engine.py::test_tiny_model_trains_at_tp2_dp2",
     "python -m engine.pretrain pp_size=4 tp_size=1 dp_size=1 model.num_layers=4 name=gpt_tiny_pp4": "tests/test_checkpoint.py::test_reshard_across_pipeline_stages",
     "python -m engine.pretrain tp_size=2 dp_size=2 parallel.dp_shard=full name=quickstart_zero3": "tests/test_fsdp.py::test_checkpoints_move_between_every_dp_shard_mode_exactly",
