@@ -75,3 +75,32 @@ def test_a_run_started_from_a_gpt2_directory_begins_at_transformers_own_loss(cor
     assert [s for s, _ in summary["history"]] == [2]
     log = (tmp_path / "pretrain.log").read_text()
     assert f"checkpoint.init_from={hf_dir} is not read: the run resumes its own checkpoint" in log
+
+
+def test_another_family_is_refused_with_the_preset_that_fits(tmp_path):
+    """A Llama directory given to the default (GPT) run: one line naming what differs, and
+    the shortest fix, here a preset plus one key (llama_tiny's sizes, transformers'
+    default RMSNorm epsilon 1e-6 against the preset's 1e-5), not ten model.* overrides."""
+    from engine.inference import init_from_problems
+    from tests.test_engine import compose_config
+
+    hf_cfg = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=8192,
+        max_position_embeddings=256,
+    )
+    transformers.LlamaForCausalLM(hf_cfg).save_pretrained(tmp_path / "llama")
+    cfg = compose_config(f"checkpoint.init_from={tmp_path / 'llama'}")
+    (line,) = init_from_problems(cfg)
+    assert line.startswith(
+        f"checkpoint.init_from={tmp_path / 'llama'} holds another model (it has "
+        "model.arch='llama', the run 'gpt'; "
+    ), line
+    assert line.endswith("; set model=llama_tiny model.layernorm_eps=1e-06 to start from it")
+    given = f"checkpoint.init_from={tmp_path / 'llama'}"
+    fixed = compose_config("model=llama_tiny", "model.layernorm_eps=1e-06", given)
+    assert init_from_problems(fixed) == []  # the suggested overrides are accepted
