@@ -27,6 +27,7 @@ from engine.models.families import FAMILIES
 from engine.tool_args import (
     ArgumentParser,
     add_quantize_flag,
+    in_flags,
     non_empty,
     non_negative_int,
     positive_float,
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
         raise
     except (OSError, ValueError, CheckpointError) as err:
-        print(f"generate: {err}", file=sys.stderr)
+        print(f"generate: {in_flags(str(err), {'--tp-size'})}", file=sys.stderr)
         return 2
     if "RANK" in os.environ or args.tp_size == 1:
         result = worker(args, tokenizer)

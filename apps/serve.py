@@ -35,6 +35,7 @@ from engine.tool_args import (
     ArgumentParser,
     add_batching_flags,
     add_quantize_flag,
+    in_flags,
     non_negative_int,
     positive_float,
     positive_int,
@@ -123,10 +124,7 @@ def check_tp(args: argparse.Namespace, cfg) -> None:
     needs a GPU of its own, or on CPU a core of its own."""
     if args.tp_size == 1:
         return
-    try:
-        cfg.validate(args.tp_size)
-    except ValueError as err:
-        raise ValueError(f"--tp-size {args.tp_size}: {err}") from None
+    cfg.validate(args.tp_size)  # its line names tp_size, which main words as --tp-size
     import torch
 
     from engine.launching import usable_cores
@@ -320,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         app, cache_line = build(args)
         sock = socket.create_server((args.host, args.port))
     except (OSError, ValueError, CheckpointError) as err:
-        print(f"serve: {err}", file=sys.stderr)
+        print(f"serve: {in_flags(str(err), {'--tp-size'})}", file=sys.stderr)
         return 2
     _serve(app, cache_line, sock)
     return 0

@@ -38,7 +38,7 @@ from engine.config import Config, ParallelConfig, PipelineConfig
 from engine.data.fsutil import tokenizer_file
 from engine.inference import ModelSource, inference_config
 from engine.models.families import FAMILIES
-from engine.tool_args import ArgumentParser, add_quantize_flag, positive_int
+from engine.tool_args import ArgumentParser, add_quantize_flag, in_flags, positive_int
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except (OSError, ValueError, KeyError, CheckpointError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"evaluate: error: {message}", file=sys.stderr)
+        flags = {"--tp-size", "--dp-size", "--seq-len", "--micro-batch"}
+        print(f"evaluate: error: {in_flags(str(message), flags)}", file=sys.stderr)
         return 2
     if result is not None:
         print(json.dumps(result, sort_keys=True))

@@ -24,7 +24,7 @@ CONFIG_FLAGS = {
     "vocab_size": ("--vocab",),
     "ffn_hidden_size": ("--ffn",),
     "max_positions": ("--max-positions",),
-    "seq_len": ("--seq",),
+    "seq_len": ("--seq", "--seq-len"),
     "batch_size": ("--batch",),
     "micro_batch": ("--micro-batch",),
     "global_batch": ("--global-batch",),

@@ -201,14 +201,17 @@ def test_bad_inputs_are_one_line_and_exit_2(corpus, tmp_path, capsys):
             "hf_config_only has no model.safetensors (only safetensors is read)",
         ),
         (["--ckpt", str(export)], "records no training data: pass --data or --text"),
-        (["--ckpt", str(export), "--text", str(short)], "fewer than seq_len + 1"),
-        (["--ckpt", str(export), "--text", str(short), "--tp-size", "3"], "tp_size=3"),
+        (["--ckpt", str(export), "--text", str(short)], "fewer than --seq-len + 1"),
+        (
+            ["--ckpt", str(export), "--text", str(short), "--tp-size", "3"],
+            "is not divisible by --tp-size 3",
+        ),
         (["--ckpt", str(tmp_path / "nothing"), "--text", str(short)], "nothing"),
         (["--ckpt", str(export), "--batches", "0"], "--batches"),
         (["--ckpt", str(export), "--text", "def f(): pass"], "--text def f(): pass: no such file"),
         (  # 949,50,1 of the test corpus's documents leaves none to the test split
             ["--ckpt", str(export), "--data", prefix, "--split", "test"],
-            "hold 0 tokens, fewer than seq_len + 1 = 65; read another --split (data.split=",
+            "hold 0 tokens, fewer than --seq-len + 1 = 65; read another --split (data.split=",
         ),
         (
             ["--ckpt", str(export), "--text", str(words), "--seq-len", "8", "--micro-batch", "64"],

@@ -84,7 +84,7 @@ def test_tool_rejects_a_bad_layout_and_a_missing_tokenizer_in_one_line(tmp_path,
     main = _tool_main()
     assert main(["--ckpt", str(directory), "--prompt", "x", "--tp-size", "3"]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == "generate: model.num_heads=4 is not divisible by tp_size=3"
+    assert err.strip() == "generate: model.num_heads=4 is not divisible by --tp-size 3"
     (directory / "tokenizer.json").unlink()
     assert main(["--ckpt", str(directory), "--prompt", "x"]) == 2
     err = capsys.readouterr().err

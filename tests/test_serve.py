@@ -459,7 +459,7 @@ def test_the_command_refuses_a_bad_tp_and_a_bad_source_in_one_line(export, tmp_p
 
     assert main(["--weights", str(export[0]), "--tp-size", "3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "serve: --tp-size 3: model.num_heads=4 is not divisible by tp_size=3"
+    assert err == "serve: model.num_heads=4 is not divisible by --tp-size 3"
     assert main(["--weights", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("serve: ") and str(tmp_path) in err

@@ -238,9 +238,7 @@ def test_tp_size_is_checked_in_one_line_before_a_rank_starts(export, capsys, mon
     from apps.serve import main
 
     assert main(["--weights", str(export[0]), "--tp-size", "3"]) == 2
-    assert capsys.readouterr().err == (
-        "serve: --tp-size 3: model.num_heads=4 is not divisible by tp_size=3\n"
-    )
+    assert capsys.readouterr().err == ("serve: model.num_heads=4 is not divisible by --tp-size 3\n")
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(engine.launching, "usable_cores", lambda: 1)
