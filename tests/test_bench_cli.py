@@ -189,4 +189,4 @@ def test_matmul_ceiling_is_the_fastest_matmul_and_a_share_above_it_is_marked(mon
     out = io.StringIO()
     train_report.render([row], meta, Console(file=out, width=200))
     text = out.getvalue()
-    assert "141.3% *" in text and "the ceiling was timed low (load average 9.5)" in text, text
+    assert "141.3% *" in text and "the ceiling was timed low (load average 9.50)" in text, text

@@ -51,6 +51,7 @@ from engine.tool_args import (
     positive_int,
     preset_overrides,
 )
+from parallel_state.launcher import detect_launch
 from studies.bench import step_profile
 from studies.bench.reference_gpt import (
     RefGPT,
@@ -471,6 +472,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = model_config(args)
     except UsageError as err:
         print(f"bench_train.py: error: {err}", file=sys.stderr)
+        return 2
+    launch = detect_launch()
+    world = launch.world_size if launch.launcher != "none" else 1
+    if args.tp * args.dp != world:  # it does not start its own ranks
+        n = args.tp * args.dp
+        print(
+            f"bench_train.py: error: --tp {args.tp} × --dp {args.dp} = {n} ranks, and "
+            f"{world} process{'es' * (world > 1)} run this: start it as torchrun "
+            f"--nproc-per-node {n} tools/bench_train.py ...",
+            file=sys.stderr,
+        )
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)

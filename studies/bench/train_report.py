@@ -88,6 +88,12 @@ def paired_ratios(loops: list[Loop], reference: int, args) -> list[float]:
 
 def render(rows: list[dict], meta: dict, console: Console) -> None:
     table = Table(title=f"Training throughput — {meta['device_name']}, {meta['precision']}")
+    # The step-time ratio a row holds (``compare``): meshtron's over a reference's, or a
+    # DP sharding mode's over the all-reduce path's (the first row).
+    sharded = any("÷ all-reduce" in name for name in meta.get("comparisons", {}))
+    ratio = f"step ÷ {rows[0]['loop']}" if sharded else f"{rows[0]['loop']} step ÷ this"
+    load = meta.get("load_avg_1min")
+    load = "n/a" if load is None else f"{load:.2f}"
     for col in (
         "loop",
         "step ms (median)",
@@ -97,7 +103,7 @@ def render(rows: list[dict], meta: dict, console: Console) -> None:
         "model TFLOP/s",
         "% matmul ceiling",
         "MFU",
-        "ratio",
+        ratio,
     ):
         table.add_column(col, justify="left" if col == "loop" else "right")
     for r in rows:
@@ -120,7 +126,7 @@ def render(rows: list[dict], meta: dict, console: Console) -> None:
     if any(r["pct_of_matmul_ceiling"] > 100 for r in rows):
         console.print(
             "* above 100 %: the ceiling was timed low (load average "
-            f"{meta['load_avg_1min']}), so it bounds nothing in this run; compare the loops' "
+            f"{load}), so it bounds nothing in this run; compare the loops' "
             "ratio instead"
         )
     for name, c in meta.get("comparisons", {}).items():
@@ -129,7 +135,7 @@ def render(rows: list[dict], meta: dict, console: Console) -> None:
                 f"{name} = {c['ratio']:.3f} (medians); per block pair median "
                 f"{c['paired_ratio_median']:.3f}, range {min(c['paired_ratios']):.3f}–"
                 f"{max(c['paired_ratios']):.3f}; p10 step times {c['p10_ratio']:.3f}; "
-                f"process CPU time {c['cpu_ratio']:.3f}; load average {meta['load_avg_1min']}"
+                f"process CPU time {c['cpu_ratio']:.3f}; load average {load}"
             )
             continue
         console.print(
@@ -143,10 +149,7 @@ def render(rows: list[dict], meta: dict, console: Console) -> None:
                 else f"First-step loss agreement: rel {c['loss_rel_gap']:.1e}"
             )
         )
-        console.print(
-            f"  tokens/s: meshtron ÷ {name} = {1 / c['ratio']:.3f}×; "
-            f"load average {meta['load_avg_1min']}"
-        )
+        console.print(f"  tokens/s: meshtron ÷ {name} = {1 / c['ratio']:.3f}×; load average {load}")
 
 
 def write(path: str, rows: list[dict], meta: dict) -> None:
