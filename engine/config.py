@@ -418,7 +418,8 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
         problems.append(f"pipeline.{rule}")
     rule = virtual_rule(p.schedule, p.virtual_stages)
     if rule:
-        problems.append(f"pipeline.{rule}")
+        fits = next(v for v in (2, 1) if virtual_rule(p.schedule, v) is None)
+        problems.append(f"pipeline.{rule}: set pipeline.virtual_stages={fits}")
         return problems
     try:
         layer_split(m.num_layers, dims.pp * p.virtual_stages, p.layers_per_stage)

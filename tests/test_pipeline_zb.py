@@ -58,7 +58,7 @@ def test_v_placement_and_evaluation():
     [
         (
             {"pipeline.schedule": "dualpipev", "pipeline.virtual_stages": 2},
-            "pipeline.schedule=dualpipev needs at least 2 × pp_size=4 micro-batches per step, "
+            "pipeline.schedule=dualpipev needs at least 2 × pp_size=2 = 4 micro-batches per step, "
             "got 2 (global_batch ÷ (micro_batch × dp_size)); change trainer.global_batch",
         ),
         (

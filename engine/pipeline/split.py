@@ -70,7 +70,7 @@ def microbatch_rule(schedule: str, pp: int, microbatches: int) -> str | None:
     interleaved ones a multiple of ``pp``."""
     least = 2 * pp if schedule == "dualpipev" else pp
     if schedule != "gpipe" and microbatches < least:
-        what = f"2 × pp_size={least}" if schedule == "dualpipev" else f"pp_size={pp}"
+        what = f"2 × pp_size={pp} = {least}" if schedule == "dualpipev" else f"pp_size={pp}"
         return (
             f"schedule={schedule} needs at least {what} micro-batches per step, got {microbatches}"
         )

@@ -42,14 +42,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in args.schedules.split(",") if s not in SCHEDULES]
     if unknown:
         p.error(f"--schedules {unknown[0]!r} is not one of {', '.join(SCHEDULES)}")
+    if args.pp < 2:
+        p.error(f"--pp {args.pp} has no pipeline to time: give --pp 2 or more")
+    for schedule in args.schedules.split(","):  # the runtime's rules, before a rank starts
+        try:
+            _spec(args, schedule).check()
+        except ValueError as err:
+            p.error(f"--schedules {schedule}: {err}")
     return args
 
 
-def _spec(args):
-    """The model and the pp layout (the verifier's spec: its tiny GPT at these sizes)."""
+def _spec(args, schedule: str = "1f1b"):
+    """The model and the pp layout of ``schedule`` (the verifier's spec: its tiny GPT at
+    these sizes, a step of ``--microbatches`` micro-batches)."""
     from studies.verification.layouts import VerifySpec, model_sizes
 
-    return VerifySpec(pp_size=args.pp, **model_sizes(args))
+    return VerifySpec(
+        pp_size=args.pp,
+        schedule=schedule,
+        virtual_stages=VIRTUAL.get(schedule, 1),
+        microbatches=args.microbatches,
+        batch_size=args.microbatches * args.micro_batch,
+        **model_sizes(args),
+    )
 
 
 def _runner(args, schedule: str, ps):

@@ -156,10 +156,11 @@ class VerifySpec:
             raise ValueError(rule)
         stages = self.pp_size * self.virtual_stages
         if self.num_layers % stages:  # the verifier has no per-stage layer counts to offer
+            fits = -(-self.num_layers // stages) * stages
             raise ValueError(
-                f"--layers {self.num_layers} is not divisible by the {stages} pipeline stages "
-                f"(--pp-size {self.pp_size} × --virtual-stages {self.virtual_stages}): pass "
-                f"--layers {stages} or another multiple of {stages}"
+                f"num_layers={self.num_layers} is not divisible by the {stages} pipeline "
+                f"stages (pp_size={self.pp_size} × virtual_stages={self.virtual_stages}): "
+                f"give a multiple of {stages} (num_layers={fits})"
             )
         layer_split(self.num_layers, stages)
         rule = microbatch_rule(self.schedule, self.pp_size, self.microbatches)
