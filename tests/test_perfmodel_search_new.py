@@ -105,7 +105,10 @@ def test_search_lists_the_schedules_it_rejects_with_the_runtime_rules():
     # m = 4 < 2·pp: DualPipeV needs 8 micro-batches a step (engine.pipeline.split)
     res = search(replace(W, global_batch=4), H100, 4, micro_batch=1, only=only)
     why = {r.option: r.reason for r in res.rejected}
-    assert "needs at least 2 × pp_size=4 = 8 micro-batches per step, got 4" in why["schedule=dualpipev"]
+    assert (
+        "needs at least 2 × pp_size=4 = 8 micro-batches per step, got 4"
+        in why["schedule=dualpipev"]
+    )
     assert all(c.layout.schedule != "dualpipev" for c in res.feasible)
     # 12 layers do not cut into the V's 2 × 4 stages
     res = search(replace(W, layers=12), H100, 4, micro_batch=1, only=only)

@@ -62,7 +62,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible; use --device cpu")
+    problem = _room_problem(args)
+    if problem:  # before minutes of allocation, swapping or a full disk
+        p.error(problem)
     return args
+
+
+# Bytes per parameter: fp32 weights, a gradient and Adam's two moments in memory; each of
+# the four sides writes the weights and moments (12), all four on disk at once at most.
+MEMORY_BYTES, DISK_BYTES = 16, 4 * 12
+
+
+def _room_problem(args: argparse.Namespace) -> str | None:
+    """Why this machine cannot hold the preset's model and optimizer state, or the four
+    sides' checkpoints on the scratch directory's disk, else None."""
+    from engine.flops import params_count
+    from engine.preflight import available_ram_bytes
+
+    n = params_count(preset(args.preset))
+    if args.device == "cuda":
+        have, where = torch.cuda.get_device_properties(0).total_memory, "GPU memory"
+    else:
+        have, where = available_ram_bytes(), "free RAM"
+    gib = 2**30
+    if have is not None and n * MEMORY_BYTES > have:
+        return (
+            f"--preset {args.preset}: {n / 1e9:.2f} B parameters need about "
+            f"{n * MEMORY_BYTES / gib:.1f} GiB for the model and its AdamW state, and this "
+            f"machine has {have / gib:.1f} GiB of {where}; choose a smaller --preset"
+        )
+    scratch = Path(args.dir or tempfile.gettempdir())
+    while not scratch.exists():
+        scratch = scratch.parent
+    free = shutil.disk_usage(scratch).free
+    if n * DISK_BYTES > free:
+        return (
+            f"--preset {args.preset}: the four checkpoints take about "
+            f"{n * DISK_BYTES / gib:.1f} GiB and {scratch} has {free / gib:.1f} GiB free; "
+            "give --dir on a larger disk or a smaller --preset"
+        )
+    return None
 
 
 def _fsync(path: Path) -> None:
