@@ -86,6 +86,31 @@ def estimate_rank_bytes(
     )
 
 
+def models_fit_problem(
+    cfg, *, copies: int = 1, tp: int = 1, dp: int = 1, on_gpu: bool = False, bytes_per_param=16
+) -> str | None:
+    """Why ``copies`` trainable copies of model ``cfg`` (fp32 weights, a gradient and Adam's
+    two moments: ``bytes_per_param``, activations aside) split over ``tp`` ranks and held by
+    ``dp`` replicas cannot fit this machine, else None: per GPU on a GPU, the whole host's
+    free RAM on a CPU (every rank is a process here). A benchmark's guard, in one line,
+    before anything is allocated."""
+    from engine.flops import params_count
+
+    n = params_count(cfg)
+    per_rank = bytes_per_param * n * copies / tp
+    if on_gpu:
+        have, need, where = torch.cuda.get_device_properties(0).total_memory, per_rank, "per GPU"
+    else:
+        have, need, where = available_ram_bytes(), per_rank * tp * dp, "of free RAM"
+    if have is None or need <= have:
+        return None
+    many = f" × {copies} models" if copies > 1 else ""
+    return (
+        f"{n / 1e9:.2f} B parameters{many} need about {need / GIB:.1f} GiB for weights and "
+        f"AdamW state, and this machine has {have / GIB:.1f} GiB {where}: choose a smaller model"
+    )
+
+
 def available_ram_bytes() -> int | None:
     """Memory the kernel says new allocations can get (MemAvailable), or None if unknown."""
     try:

@@ -77,20 +77,13 @@ def _room_problem(args: argparse.Namespace) -> str | None:
     """Why this machine cannot hold the preset's model and optimizer state, or the four
     sides' checkpoints on the scratch directory's disk, else None."""
     from engine.flops import params_count
-    from engine.preflight import available_ram_bytes
+    from engine.preflight import models_fit_problem
 
-    n = params_count(preset(args.preset))
-    if args.device == "cuda":
-        have, where = torch.cuda.get_device_properties(0).total_memory, "GPU memory"
-    else:
-        have, where = available_ram_bytes(), "free RAM"
-    gib = 2**30
-    if have is not None and n * MEMORY_BYTES > have:
-        return (
-            f"--preset {args.preset}: {n / 1e9:.2f} B parameters need about "
-            f"{n * MEMORY_BYTES / gib:.1f} GiB for the model and its AdamW state, and this "
-            f"machine has {have / gib:.1f} GiB of {where}; choose a smaller --preset"
-        )
+    cfg = preset(args.preset)
+    problem = models_fit_problem(cfg, on_gpu=args.device == "cuda", bytes_per_param=MEMORY_BYTES)
+    if problem:
+        return f"--preset {args.preset}: {problem}"
+    n, gib = params_count(cfg), 2**30
     scratch = Path(args.dir or tempfile.gettempdir())
     while not scratch.exists():
         scratch = scratch.parent

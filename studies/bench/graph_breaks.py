@@ -26,6 +26,7 @@ from engine.config import OptimConfig, sized_dims
 from engine.data_parallel import build_data_parallel
 from engine.models import ModelConfig, build_model, preset, preset_names
 from engine.optim import compiles_update
+from engine.preflight import models_fit_problem
 from engine.tool_args import ArgumentParser, add_preset_overrides, positive_int, preset_overrides
 from layers.compile import COMPILE_BACKENDS
 from layers.recompute import RECOMPUTE_MODES
@@ -65,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         model_config(args).validate(args.tp)
     except ValueError as err:
         p.error(str(err))
+    # ... and the machine: one trainable copy per rank, split over tp
+    on_gpu = torch.cuda.is_available()
+    problem = models_fit_problem(model_config(args), tp=args.tp, on_gpu=on_gpu)
+    if problem:
+        p.error(f"--preset {args.preset}: {problem}")
     return args
 
 

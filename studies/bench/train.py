@@ -43,6 +43,7 @@ from engine.bootstrap import bootstrap_rank
 from engine.config import OptimConfig, sized_dims
 from engine.data_parallel import DataParallel, build_data_parallel
 from engine.models import ModelConfig, build_model, preset
+from engine.preflight import models_fit_problem
 from engine.tool_args import (
     ArgumentParser,
     add_preset_overrides,
@@ -483,6 +484,14 @@ def main(argv: list[str] | None = None) -> int:
             f"--nproc-per-node {n} tools/bench_train.py ...",
             file=sys.stderr,
         )
+        return 2
+    # ... and the machine: every loop trains a copy of the model (activations aside)
+    copies = 1 + len(args.references) + args.also_eager + args.also_torch_kernels
+    copies += args.also_cuda_graphs + len(args.dp_shard)
+    on_gpu = torch.cuda.is_available()
+    problem = models_fit_problem(cfg, copies=copies, tp=args.tp, dp=args.dp, on_gpu=on_gpu)
+    if problem:
+        print(f"bench_train.py: error: --preset {args.preset}: {problem}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
