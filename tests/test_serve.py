@@ -296,6 +296,18 @@ def test_a_runs_final_export_is_served_under_the_runs_name(export, tmp_path):
     assert name("--weights", str(root / "final"), "--served-model-name", "x") == "x"
 
 
+def test_a_cache_past_the_free_memory_is_refused_before_it_is_allocated(export):
+    """10^12 tokens of the tiny model's keys and values (hundreds of TB) exceed any
+    machine's free memory: one line naming the flag, not an allocator's traceback."""
+    from apps.serve import build, parse_args
+
+    with pytest.raises(ValueError, match=r"^a KV cache of 1000000000000 tokens takes ") as err:
+        build(parse_args(["--weights", str(export[0]), "--cache-tokens", str(10**12)]))
+    assert str(err.value).endswith(
+        "lower --cache-tokens (by default --max-running × the model's positions)"
+    )
+
+
 def test_chat_completes_and_streams_with_a_template(export):
     """The --chat-template flag; the same reply streamed and whole."""
     directory, tokenizer, model = export

@@ -84,6 +84,7 @@ class PagedKVCache:
         blocks = math.ceil(tokens / block_size) if tokens is not None else nbytes // per_block
         if blocks < 1:
             raise ValueError(f"{nbytes} bytes hold no block of {per_block} bytes")
+        _check_room(blocks * per_block, blocks * block_size, probe.keys.device)
         return cls(
             num_layers=layers,
             kv_heads=kv_heads,
@@ -190,3 +191,22 @@ class PagedKVCache:
         keys[write.flatten()] = k.transpose(1, 2).flatten(0, 1)  # [(b s), heads, d]
         values[write.flatten()] = v.transpose(1, 2).flatten(0, 1)
         return keys, values
+
+
+def _check_room(nbytes: int, tokens: int, device: torch.device) -> None:
+    """A one-line ValueError when a pool of ``nbytes`` (``tokens`` tokens) exceeds the free
+    memory of ``device`` (the GPU's, or on a CPU the machine's free RAM), before it is
+    allocated: an allocator's traceback, or a machine swapping, otherwise."""
+    from engine.preflight import available_ram_bytes
+
+    if device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(device)[0], "free on the GPU"
+    else:
+        free, where = available_ram_bytes(), "of free RAM"
+    if free is not None and nbytes > free:
+        gib = 2**30
+        raise ValueError(
+            f"a KV cache of {tokens} tokens takes {nbytes / gib:.1f} GiB, and there are "
+            f"{free / gib:.1f} GiB {where}: lower --cache-tokens (by default --max-running × "
+            "the model's positions)"
+        )
