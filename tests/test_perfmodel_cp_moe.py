@@ -297,3 +297,38 @@ def test_moe_activations_add_the_dispatched_copies():
     extra = memory_terms(MOE, lay).activations - memory_terms(dense, lay).activations
     # 2 layers × K 2 copies × s 16 × b 1 × h 64 × 2 bytes
     assert extra == pytest.approx(2 * 2 * 16 * 1 * 64 * 2)
+
+
+def test_an_moe_preset_is_planned_with_its_experts():
+    """--model moe_tiny plans the preset's mixture of experts (4 experts, top-2, width 176,
+    as engine.models.preset composes it), not a dense model of its other sizes; before, the
+    planner read the sizes alone and priced a dense llama. The schema defaults the planner
+    keeps (it runs without torch) are ModelConfig's."""
+    from engine.models import ModelConfig, preset
+    from studies.perfmodel.cluster_spec import load_cluster as cluster
+    from studies.perfmodel.plan_cli import build_parser, workload_from_args
+    from studies.perfmodel.presets import SCHEMA_DEFAULTS
+
+    args = build_parser().parse_args(
+        ["predict", "--model", "moe_tiny", "--global-batch", "16", "--gpus", "2"]
+    )
+    w = workload_from_args(args, cluster("cpu_2core"))
+    cfg = preset("moe_tiny")
+    assert (
+        (w.experts, w.top_k, w.moe_ffn, w.shared_experts)
+        == (
+            cfg.moe_num_experts,
+            cfg.moe_top_k,
+            cfg.moe_ffn_hidden_size,
+            0,
+        )
+        == (4, 2, 176, 0)
+    )
+    dense = workload_from_args(
+        build_parser().parse_args(
+            ["predict", "--model", "llama_tiny", "--global-batch", "16", "--gpus", "2"]
+        ),
+        cluster("cpu_2core"),
+    )
+    assert dense.experts == 0
+    assert {k: getattr(ModelConfig(), k) for k in SCHEMA_DEFAULTS} == SCHEMA_DEFAULTS

@@ -22,7 +22,7 @@ from studies.perfmodel.model import (
     workload_problems,
 )
 from studies.perfmodel.pipeline import SCHEDULES
-from studies.perfmodel.presets import model_preset
+from studies.perfmodel.presets import model_preset, moe_sizes
 from studies.perfmodel.search import MAX_GLOBAL_BATCH, best_per_split, divisors, search
 
 MAX_GPUS = 1 << 20  # beyond any cluster; the search enumerates every layout of the count
@@ -75,8 +75,14 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ffn", type=size, help="MLP width (default 4h)")
     p.add_argument("--kv-heads", type=size, help="key/value heads (Llama; GQA)")
     p.add_argument("--head-dim", type=size, help="width of one head (default hidden ÷ heads)")
-    p.add_argument("--experts", type=size, help="routed experts E per layer (MoE; Llama family)")
-    p.add_argument("--top-k", type=size, help="experts per token K (MoE; default 1)")
+    p.add_argument(
+        "--experts",
+        type=size,
+        help="routed experts E per layer (MoE; Llama family; default: the preset's)",
+    )
+    p.add_argument(
+        "--top-k", type=size, help="experts per token K (MoE; default: the preset's, else 1)"
+    )
     p.add_argument("--moe-ffn", type=size, help="one expert's MLP width F (default --ffn)")
     p.add_argument("--shared-experts", type=size, help="experts every token also passes (MoE)")
     p.add_argument("--cp", type=gpu_count, default=1, help="context-parallel size (ring attention)")
@@ -165,12 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
 def workload_from_args(args: argparse.Namespace, cluster: ClusterSpec) -> Workload:
     """Sizes from --model and the explicit flags (flags win)."""
     pre = model_preset(args.model) if args.model else {}
+    moe = moe_sizes(args.model, pre) if args.model else {}
     family = pre.get("arch", DEFAULT_ARCH)
     sizes = {name: getattr(args, name) or pre.get(key) for name, _, key in _PRESET_SIZES}
     missing = [f"--{k}" for k, v in sizes.items() if not v]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}: give them or --model PRESET")
-    if not args.experts and (args.top_k or args.moe_ffn or args.shared_experts):
+    if not (args.experts or moe) and (args.top_k or args.moe_ffn or args.shared_experts):
         raise ValueError("--top-k, --moe-ffn and --shared-experts need --experts E")
     w = Workload(
         **sizes,
@@ -179,11 +186,11 @@ def workload_from_args(args: argparse.Namespace, cluster: ClusterSpec) -> Worklo
         precision=args.precision or cluster.precision,
         family=family,
         kv_heads=args.kv_heads or pre.get("num_kv_heads"),
-        head_dim=args.head_dim,
-        experts=args.experts or 0,
-        top_k=args.top_k or 1,
-        moe_ffn=args.moe_ffn,
-        shared_experts=args.shared_experts or 0,
+        head_dim=args.head_dim or pre.get("attention_head_dim"),
+        experts=args.experts or moe.get("experts", 0),
+        top_k=args.top_k or moe.get("top_k", 1),
+        moe_ffn=args.moe_ffn or moe.get("moe_ffn"),
+        shared_experts=args.shared_experts or moe.get("shared_experts", 0),
     )
     if problems := workload_problems(w, args.cp, args.ep):
         raise ValueError("; ".join(problems))

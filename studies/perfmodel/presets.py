@@ -13,6 +13,45 @@ import yaml
 from studies.perfmodel.family_table import DEFAULT_ARCH, PLANNED
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "configs" / "model"
+# The schema's defaults (engine/models/config.py ModelConfig) for the keys a preset may leave
+# out and the planner reads; tests/test_perfmodel_cp_moe.py holds them equal.
+SCHEMA_DEFAULTS = {
+    "mlp": "dense",
+    "moe_num_experts": 8,
+    "moe_top_k": 2,
+    "moe_ffn_hidden_size": None,
+    "moe_shared_ffn_hidden_size": 0,
+    "moe_layer_freq": 1,
+    "attention_head_dim": None,
+}
+
+
+def moe_sizes(name: str, values: dict) -> dict:
+    """The planner's MoE fields (experts, top_k, moe_ffn, shared_experts) of preset ``name``
+    (``values``: :func:`model_preset`'s), empty for a dense one. Raises ValueError for what
+    the planner does not model: experts on some layers only, or a shared expert whose width
+    is not a whole number of routed experts' widths."""
+    get = {**SCHEMA_DEFAULTS, **values}.get
+    if get("mlp") != "moe":
+        return {}
+    if get("moe_layer_freq") != 1:
+        raise ValueError(
+            f"model preset {name!r} puts experts on every {get('moe_layer_freq')}th layer "
+            "(moe_layer_freq): the planner prices every layer as an MoE one"
+        )
+    expert = get("moe_ffn_hidden_size") or values.get("ffn_hidden_size")
+    shared = get("moe_shared_ffn_hidden_size")
+    if shared and (not expert or shared % expert):
+        raise ValueError(
+            f"model preset {name!r} has a shared expert of width {shared}, not a multiple of "
+            f"its experts' {expert}: give --shared-experts and --moe-ffn"
+        )
+    return {
+        "experts": get("moe_num_experts"),
+        "top_k": get("moe_top_k"),
+        "moe_ffn": expert,
+        "shared_experts": shared // expert if shared else 0,
+    }
 
 
 def model_preset(name: str, directory: Path = MODEL_DIR) -> dict:
