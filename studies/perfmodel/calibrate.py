@@ -295,18 +295,10 @@ def _comm_section(ranks: list[int], quick: bool) -> tuple[dict, list[dict]]:
 
 def _workload(args: argparse.Namespace) -> Workload:
     """The preset's model at ``--seq``, fp32, as studies.perfmodel prices it."""
-    from studies.perfmodel.presets import model_preset
+    from studies.perfmodel.presets import preset_fields
 
-    pre = model_preset(args.model)
-    return Workload(
-        pre["hidden_size"],
-        pre["num_layers"],
-        pre["num_heads"],
-        pre["vocab_size"],
-        args.seq,
-        1,
-        precision="fp32",
-    )
+    fields = {**preset_fields(args.model), "seq": args.seq}
+    return Workload(**fields, global_batch=1, precision="fp32")
 
 
 def _sweep(args: argparse.Namespace, w: Workload) -> tuple[list[int], list[int], list[int]]:

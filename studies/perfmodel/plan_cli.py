@@ -22,7 +22,7 @@ from studies.perfmodel.model import (
     workload_problems,
 )
 from studies.perfmodel.pipeline import SCHEDULES
-from studies.perfmodel.presets import model_preset, moe_sizes
+from studies.perfmodel.presets import preset_fields
 from studies.perfmodel.search import MAX_GLOBAL_BATCH, best_per_split, divisors, search
 
 MAX_GPUS = 1 << 20  # beyond any cluster; the search enumerates every layout of the count
@@ -59,18 +59,18 @@ def positive_float(text: str) -> float:
 
 # The sizes a workload needs, each a flag or else --model's preset: (flag and Workload field,
 # help, the preset's key).
-_PRESET_SIZES = (
-    ("hidden", "hidden size h", "hidden_size"),
-    ("layers", "transformer layers l", "num_layers"),
-    ("heads", "attention heads a", "num_heads"),
-    ("vocab", "vocabulary V (padded to a multiple of 128·tp)", "vocab_size"),
-    ("seq", "sequence length s (default: the preset's max)", "max_positions"),
+_PRESET_SIZES = (  # (flag, help): a preset's value unless given
+    ("hidden", "hidden size h"),
+    ("layers", "transformer layers l"),
+    ("heads", "attention heads a"),
+    ("vocab", "vocabulary V (padded to a multiple of 128·tp)"),
+    ("seq", "sequence length s (default: the preset's max)"),
 )
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="configs/model preset (e.g. gpt_1.3b); flags below override it")
-    for name, text, _ in _PRESET_SIZES:
+    for name, text in _PRESET_SIZES:
         p.add_argument(f"--{name}", type=size, help=text)
     p.add_argument("--ffn", type=size, help="MLP width (default 4h)")
     p.add_argument("--kv-heads", type=size, help="key/value heads (Llama; GQA)")
@@ -170,27 +170,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def workload_from_args(args: argparse.Namespace, cluster: ClusterSpec) -> Workload:
     """Sizes from --model and the explicit flags (flags win)."""
-    pre = model_preset(args.model) if args.model else {}
-    moe = moe_sizes(args.model, pre) if args.model else {}
-    family = pre.get("arch", DEFAULT_ARCH)
-    sizes = {name: getattr(args, name) or pre.get(key) for name, _, key in _PRESET_SIZES}
+    pre = preset_fields(args.model) if args.model else {}
+    sizes = {name: getattr(args, name) or pre.get(name) for name, _ in _PRESET_SIZES}
     missing = [f"--{k}" for k, v in sizes.items() if not v]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}: give them or --model PRESET")
-    if not (args.experts or moe) and (args.top_k or args.moe_ffn or args.shared_experts):
+    if not (args.experts or pre.get("experts")) and (
+        args.top_k or args.moe_ffn or args.shared_experts
+    ):
         raise ValueError("--top-k, --moe-ffn and --shared-experts need --experts E")
     w = Workload(
         **sizes,
         global_batch=args.global_batch,
-        ffn=args.ffn or pre.get("ffn_hidden_size"),
+        ffn=args.ffn or pre.get("ffn"),
         precision=args.precision or cluster.precision,
-        family=family,
-        kv_heads=args.kv_heads or pre.get("num_kv_heads"),
-        head_dim=args.head_dim or pre.get("attention_head_dim"),
-        experts=args.experts or moe.get("experts", 0),
-        top_k=args.top_k or moe.get("top_k", 1),
-        moe_ffn=args.moe_ffn or moe.get("moe_ffn"),
-        shared_experts=args.shared_experts or moe.get("shared_experts", 0),
+        family=pre.get("family", DEFAULT_ARCH),
+        kv_heads=args.kv_heads or pre.get("kv_heads"),
+        head_dim=args.head_dim or pre.get("head_dim"),
+        experts=args.experts or pre.get("experts", 0),
+        top_k=args.top_k or pre.get("top_k", 1),
+        moe_ffn=args.moe_ffn or pre.get("moe_ffn"),
+        shared_experts=args.shared_experts or pre.get("shared_experts", 0),
     )
     if problems := workload_problems(w, args.cp, args.ep):
         raise ValueError("; ".join(problems))

@@ -68,3 +68,21 @@ def model_preset(name: str, directory: Path = MODEL_DIR) -> dict:
             f"families only ({', '.join(PLANNED)})"
         )
     return values
+
+
+def preset_fields(name: str) -> dict:
+    """Preset ``name`` as Workload keyword arguments (sizes, family, MoE), the one reading
+    of a preset the planner and the calibration share; flags override them."""
+    pre = model_preset(name)
+    return {
+        "hidden": pre.get("hidden_size"),
+        "layers": pre.get("num_layers"),
+        "heads": pre.get("num_heads"),
+        "vocab": pre.get("vocab_size"),
+        "seq": pre.get("max_positions"),
+        "ffn": pre.get("ffn_hidden_size"),
+        "family": pre.get("arch", DEFAULT_ARCH),
+        "kv_heads": pre.get("num_kv_heads"),
+        "head_dim": pre.get("attention_head_dim"),
+        **moe_sizes(name, pre),
+    }
