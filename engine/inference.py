@@ -177,7 +177,8 @@ def init_from_problems(cfg) -> list[str]:
     """One line each for why ``cfg`` (a run's Config, its data resolved) cannot start from
     ``checkpoint.init_from``: no such model, another model (the keys a resume keeps,
     ``RESUME_FIXED``), or data tokenized with another vocabulary than the model's own
-    tokenizer. Checked before any rank starts; nothing is read but configs and tokenizers."""
+    tokenizer. Checked before any rank starts, from configs, tokenizers and the weight
+    files' headers and sizes (not the weights)."""
     from engine.checkpoint.storage import CheckpointError
 
     path = cfg.checkpoint.init_from
