@@ -106,51 +106,37 @@ def schedule_change(saved: dict, cfg: OptimConfig, max_steps: int) -> str | None
     )
 
 
-def batch_change(saved: dict, global_batch: int, consumed_samples: int) -> str | None:
-    """A one-line note when resuming with another ``trainer.global_batch`` than the saved
-    run's (``saved``: its config as a dict); None when it is the same or unknown. The data
-    goes on from the samples consumed; the schedule's steps now hold another batch."""
-    try:
-        before = int(saved["trainer"]["global_batch"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    if before == global_batch:
-        return None
-    return (
-        f"note: trainer.global_batch changed on resume ({before} → {global_batch} sequences "
-        f"a step): the data goes on from sample {consumed_samples}, and the learning-rate "
-        "schedule's steps now each hold the new batch"
-    )
-
-
-def seq_len_change(saved: dict, seq_len: int, consumed_samples: int) -> str | None:
-    """A one-line note when resuming with another ``data.seq_len`` than the saved run's
-    (``saved``: its config as a dict); None when it is the same or unknown. The corpus is
-    then cut into other sequences, in another shuffled order, so the position the samples
-    consumed mark is not where the saved run left its data."""
-    try:
-        before = int(saved["data"]["seq_len"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    if before == seq_len:
-        return None
-    return (
-        f"note: data.seq_len changed on resume ({before} → {seq_len} tokens a sequence): "
-        f"the corpus is cut into other sequences in another shuffled order, read from sample "
-        f"{consumed_samples} of it on, so within this epoch some text the run has seen comes "
-        "again and some it has not is passed over"
-    )
+# A setting a resumed run may change, and what the change does to the data it reads: the
+# note says so, filled with the saved value, this run's and the samples consumed.
+DATA_CHANGE_NOTES = {
+    ("trainer", "global_batch"): (
+        "note: trainer.global_batch changed on resume ({0} → {1} sequences a step): the data "
+        "goes on from sample {2}, and the learning-rate schedule's steps now each hold the "
+        "new batch"
+    ),
+    ("data", "seq_len"): (
+        "note: data.seq_len changed on resume ({0} → {1} tokens a sequence): the corpus is "
+        "cut into other sequences in another shuffled order, read from sample {2} of it on, "
+        "so within this epoch some text the run has seen comes again and some it has not is "
+        "passed over"
+    ),
+}
 
 
 def resume_notes(saved: dict, cfg, consumed_samples: int) -> list[str]:
-    """The notes of :func:`schedule_change`, :func:`batch_change` and
-    :func:`seq_len_change` for resuming the run ``saved`` (its config as a dict) with
-    ``cfg`` (this run's Config) after ``consumed_samples`` samples."""
-    notes = [
-        schedule_change(saved, cfg.optim, cfg.trainer.max_steps),
-        batch_change(saved, cfg.trainer.global_batch, consumed_samples),
-        seq_len_change(saved, cfg.data.seq_len, consumed_samples),
-    ]
+    """One-line notes for resuming the run ``saved`` (its config as a dict) with ``cfg``
+    (this run's Config) after ``consumed_samples`` samples: :func:`schedule_change`'s, and
+    one per :data:`DATA_CHANGE_NOTES` setting changed (a value the saved config lacks is
+    taken as unchanged)."""
+    notes = [schedule_change(saved, cfg.optim, cfg.trainer.max_steps)]
+    for (section, key), note in DATA_CHANGE_NOTES.items():
+        try:
+            before = int(saved[section][key])
+        except (KeyError, TypeError, ValueError):
+            continue
+        now = getattr(getattr(cfg, section), key)
+        if before != now:
+            notes.append(note.format(before, now, consumed_samples))
     return [note for note in notes if note]
 
 

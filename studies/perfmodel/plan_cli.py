@@ -69,20 +69,15 @@ _PRESET_SIZES = (  # (flag, help): a preset's value unless given
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
+    """The model's sizes; with --model, the preset's values (its experts too) unless given."""
     p.add_argument("--model", help="configs/model preset (e.g. gpt_1.3b); flags below override it")
     for name, text in _PRESET_SIZES:
         p.add_argument(f"--{name}", type=size, help=text)
     p.add_argument("--ffn", type=size, help="MLP width (default 4h)")
     p.add_argument("--kv-heads", type=size, help="key/value heads (Llama; GQA)")
     p.add_argument("--head-dim", type=size, help="width of one head (default hidden ÷ heads)")
-    p.add_argument(
-        "--experts",
-        type=size,
-        help="routed experts E per layer (MoE; Llama family; default: the preset's)",
-    )
-    p.add_argument(
-        "--top-k", type=size, help="experts per token K (MoE; default: the preset's, else 1)"
-    )
+    p.add_argument("--experts", type=size, help="routed experts E per layer (MoE; Llama)")
+    p.add_argument("--top-k", type=size, help="experts per token K (MoE; 1 or the preset's)")
     p.add_argument("--moe-ffn", type=size, help="one expert's MLP width F (default --ffn)")
     p.add_argument("--shared-experts", type=size, help="experts every token also passes (MoE)")
     p.add_argument("--cp", type=gpu_count, default=1, help="context-parallel size (ring attention)")
