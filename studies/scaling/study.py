@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -97,7 +98,8 @@ def refused_points(cfg: StudyConfig) -> tuple[dict[str, str], str | None]:
         except ValueError as err:
             refused[point.key] = str(err)
             continue
-        if cfg.workload == "pretrain" and (problems := _config_problems(argv[2:])):
+        problems = cfg.workload == "pretrain" and _config_problems(argv[2:], point.procs_per_node)
+        if problems:
             refused[point.key] = "; ".join(problems)
     if len(refused) == len(points):
         why = "; ".join(f"{key}: {line}" for key, line in refused.items())
@@ -105,9 +107,10 @@ def refused_points(cfg: StudyConfig) -> tuple[dict[str, str], str | None]:
     return refused, None
 
 
-def _config_problems(overrides: list[str]) -> list[str]:
-    """What ``engine.pretrain`` would refuse in the config these overrides compose to
-    (its layout and config rules; the data and memory are checked by the run)."""
+def _config_problems(overrides: list[str], local_ranks: int) -> list[str]:
+    """What ``engine.pretrain`` would refuse in the config these overrides compose to: its
+    layout and config rules, then whether ``local_ranks`` such ranks fit one node's memory
+    (this machine's: every emulated node is this machine). The data is the run's to check."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -120,9 +123,12 @@ def _config_problems(overrides: list[str]) -> list[str]:
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
         cfg = OmegaConf.to_object(compose("config", overrides=given))
     try:
-        return validate(cfg, parallel_dims(cfg, None))
+        problems = validate(cfg, parallel_dims(cfg, None))
     except LayoutError as err:
         return [str(err)]
+    from engine.preflight import check_memory
+
+    return problems or check_memory(cfg, local_ranks, on_gpu=torch.cuda.is_available())
 
 
 def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
