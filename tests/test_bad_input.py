@@ -484,6 +484,8 @@ TOOLS_CASES = """
     validate_csv_empty validate_perfmodel 2 scaling --csv {empty_file} --cluster cpu_2core "empty_file has no usable rows (the file is empty); give the results.csv of tools/scaling_study.py, with the columns tp_size, dp_size, micro_batch, global_batch, step_time_s"
     validate_csv_not_a_csv validate_perfmodel 2 scaling --csv {a_file} --cluster cpu_2core "a_file has no usable rows (no header row); give the results.csv of tools/scaling_study.py, with the columns"
     validate_csv_missing validate_perfmodel 2 scaling --csv {dir}/missing.csv --cluster cpu_2core "missing.csv does not exist; give the results.csv of a scaling study"
+    validate_reuse_missing validate_perfmodel 2 machine --cluster cpu_2core --reuse {dir}/none.json "none.json: no such file (give files --save wrote)"
+    validate_reuse_not_json validate_perfmodel 2 machine --cluster cpu_2core --reuse {a_file} "a_file: not a JSON file --save wrote"
     validate_points_past_the_last validate_perfmodel 2 machine --cluster cpu_2core --points 99 "argument --points: '99' is not a point index: give a comma list of 0..12"
     plan_cluster_is_a_dir plan 2 predict --model gpt_125m --global-batch 8 --gpus 2 --cluster {empty_dir} "empty_dir' is a directory, not a cluster spec; give a cluster YAML file"
     # the bench tools: refused before any worker starts or the benchmark runs

@@ -144,11 +144,21 @@ def median_points(rounds: list) -> list[Point]:
     return points
 
 
+def _saved_rounds(path: str):
+    """One ``--save`` file, or a one-line ValueError naming it and what it should be."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--reuse {path}: no such file (give files --save wrote)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"--reuse {path}: not a JSON file --save wrote ({err})") from None
+
+
 def _machine(args: argparse.Namespace) -> list:
     cluster = load_cluster(args.cluster)
     chosen = args.points
     if args.reuse:  # re-price earlier measurements (e.g. after a model change)
-        rounds = [json.loads(Path(f).read_text()) for f in args.reuse.split(",")]
+        rounds = [_saved_rounds(f) for f in args.reuse.split(",")]
         try:
             points = median_points(rounds)
         except (KeyError, TypeError, IndexError, AttributeError) as err:
