@@ -118,7 +118,9 @@ def _make_checkpoints(d: Path) -> dict[str, str]:
     (d / "a_file").write_text("not a directory")
     (d / "empty_file").write_text("")
     (d / "empty_dir").mkdir()
+    (d / "bad.yaml").write_text("{{{ not yaml\n")
     out |= {n: str(d / n) for n in ("a_file", "empty_file", "empty_dir")}
+    out["bad_yaml"] = str(d / "bad.yaml")
     return out
 
 
@@ -476,6 +478,7 @@ TOOLS_CASES = """
     scaling_study_resume_nothing scaling_study 2 --out {dir}/o12 --resume "o12 does not exist (no study to continue); fix --out or drop --resume"
     scaling_study_no_point_runs scaling_study 2 --out {dir}/o13 --model gpt_tiny --dp 3 --no-links "no point of the grid can run: n1x3-tp1-dp3-mb4-gb16: --global-batch 16 is not a multiple of --micro-batch × --dp = 4 × 3 = 12"
     scaling_study_no_point_fits_the_nodes scaling_study 2 --out {dir}/o14 --dp 1 --nodes 3 "no point of the grid can run: tp=1 dp=1 (1 rank) does not split evenly over 3 nodes"
+    scaling_study_cluster_not_yaml scaling_study 2 --out {dir}/o16 --cluster {bad_yaml} "bad.yaml is not a readable YAML file (while parsing a flow mapping)"
     scaling_study_mistyped_model scaling_study 2 --out {dir}/o15 --model gpt_tny "--model gpt_tny names no model preset; did you mean --model gpt_tiny?"
     preprocess_workers_0 preprocess_data 2 --input {dir}/text/00.txt --output-prefix {dir}/o8 --vocab-size 300 --workers 0 "argument --workers: 0 must be >= 1"
     preprocess_workers_negative preprocess_data 2 --input {dir}/text/00.txt --output-prefix {dir}/o9 --vocab-size 300 --workers -3 "argument --workers: -3 must be >= 1"

@@ -115,11 +115,18 @@ def _link_mbit(name: str | None) -> int | None:
     if not path.exists():
         known = ", ".join(sorted(f.stem for f in CLUSTERS.glob("*.yaml")))
         _fail(f"--cluster {name}: no {path} (known: {known})")
-    spec = OmegaConf.to_container(OmegaConf.load(path))
-    mbit = (spec.get("emulation") or {}).get("link_mbit")
+    try:
+        spec = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as err:  # noqa: BLE001 - YAML's and OmegaConf's parse errors alike
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        _fail(f"--cluster {name}: {path} is not a readable YAML file ({first})")
+    emulation = spec.get("emulation") if isinstance(spec, dict) else None
+    mbit = emulation.get("link_mbit") if isinstance(emulation, dict) else None
     if mbit is None:
         _fail(f"--cluster {name}: {path} has no emulation.link_mbit (not an emulated cluster)")
-    return int(mbit)
+    if isinstance(mbit, bool) or not isinstance(mbit, int) or mbit < 1:
+        _fail(f"--cluster {name}: emulation.link_mbit={mbit!r} in {path} is not a positive integer")
+    return mbit
 
 
 def _fail(message: str) -> None:
