@@ -220,3 +220,25 @@ def test_tokenizer_out_without_training_is_refused(tmp_path, capsys):
     code, err = _run_cli(argv, capsys)
     assert code == 2 and "--tokenizer-out saves a trained tokenizer" in err, (code, err)
     assert _files(tmp_path) == ["a.txt"]
+
+
+def test_a_trained_tokenizer_never_replaces_another_at_its_path(tmp_path, capsys):
+    """The same command again trains the same tokenizer (BPE training is deterministic) and
+    may rewrite its files; another vocabulary size would train another one, which runs
+    trained with the first record by SHA-256 and would then refuse: that is refused before
+    anything is written, and every file stays as it was (bytes compared)."""
+    (tmp_path / "a.txt").write_text(TEXT * 20)
+    argv = ["--input", str(tmp_path / "a.txt"), "--output-prefix", str(tmp_path / "o")]
+    assert _run_cli([*argv, "--vocab-size", "300"], capsys)[0] == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert _run_cli([*argv, "--vocab-size", "300"], capsys)[0] == 0  # the same one again
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    code, err = _run_cli([*argv, "--vocab-size", "280"], capsys)
+    tokenizer = tmp_path / "o.tokenizer.json"
+    assert code == 2 and err.strip().splitlines() == [
+        f"preprocess_data.py: error: {tokenizer} exists and the tokenizer trained now is "
+        "another one (other inputs or --vocab-size); runs trained with it would refuse a "
+        f"replaced file: pass --tokenizer {tokenizer} to encode with it, --tokenizer-out "
+        "PATH to keep both, or delete it first"
+    ], err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -138,6 +138,26 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+def _check_replaced_tokenizer(tokenizer: Tokenizer, path: str) -> None:
+    """Refuse, before anything is written, to replace the tokenizer at ``path`` with another
+    one: runs trained on data it tokenized record its SHA-256, and their evaluation and
+    generation refuse a changed file. The same tokenizer again (the same inputs: BPE
+    training is deterministic) is fine."""
+    if not Path(path).is_file():
+        return
+    try:
+        same = Tokenizer.from_file(str(path)).to_str() == tokenizer.to_str()
+    except Exception:  # noqa: BLE001 - not a tokenizer file: not one a run recorded either
+        return
+    if not same:
+        raise ValueError(
+            f"{path} exists and the tokenizer trained now is another one (other inputs or "
+            "--vocab-size); runs trained with it would refuse a replaced file: pass "
+            f"--tokenizer {path} to encode with it, --tokenizer-out PATH to keep both, or "
+            "delete it first"
+        )
+
+
 def save_tokenizer(tokenizer: Tokenizer, path: str | os.PathLike) -> None:
     """Write ``tokenizer.json`` atomically."""
     with atomic_output(path) as tmp:
@@ -557,6 +577,7 @@ def preprocess(
             assert vocab_size is not None
             tokenizer, trained = _trained_tokenizer(lambda: iter(docs), vocab_size, progress)
             notes.extend(trained)
+            _check_replaced_tokenizer(tokenizer, tokenizer_out)
         num_docs, num_tokens = encode_to_indexed(
             docs,
             tokenizer,
