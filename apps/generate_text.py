@@ -23,7 +23,7 @@ from engine.config import sized_dims
 from engine.data.fsutil import tokenizer_file
 from engine.generate import Sampling
 from engine.inference import ModelSource
-from engine.models.families import FAMILIES
+from engine.models.families import FAMILIES, decoders
 from engine.tool_args import (
     ArgumentParser,
     add_quantize_flag,
@@ -91,7 +91,7 @@ def check(args: argparse.Namespace) -> str:
     cfg = source.config()
     if not cfg.causal:
         raise ValueError(
-            f"{args.ckpt or args.hf_dir} holds a {cfg.arch} model; only decoders (gpt, llama) generate"
+            f"{args.ckpt or args.hf_dir} holds a {cfg.arch} model; only decoders ({decoders()}) generate"
         )
     cfg.validate(args.tp_size)
     sampling(args).check()

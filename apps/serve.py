@@ -31,6 +31,7 @@ from pathlib import Path
 
 from engine.checkpoint.storage import CheckpointError
 from engine.inference import ModelSource
+from engine.models.families import decoders
 from engine.tool_args import (
     ArgumentParser,
     add_batching_flags,
@@ -102,7 +103,7 @@ def _source(args: argparse.Namespace) -> tuple[ModelSource, str]:
         raise ValueError(f"--weights {args.weights} is not an exported weights folder")
     cfg = source.config()
     if not cfg.causal:
-        raise ValueError(f"{cfg.arch} is not a decoder: only decoders (gpt, llama) generate")
+        raise ValueError(f"{cfg.arch} is not a decoder: only decoders ({decoders()}) generate")
     source.check_weights()  # a damaged weights file is named before any rank starts
     tokenizer = args.tokenizer or source.tokenizer_path()
     if tokenizer is None or not os.path.isfile(tokenizer):

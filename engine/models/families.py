@@ -114,3 +114,8 @@ def family(arch: str) -> Family:
     if arch not in FAMILIES:
         raise ValueError(f"model.arch={arch!r} is not one of {tuple(FAMILIES)}")
     return FAMILIES[arch]
+
+
+def decoders() -> str:
+    """The families that generate (causal ones), as a sentence lists them: "gpt, llama, gemma"."""
+    return ", ".join(arch for arch, f in FAMILIES.items() if f.causal)
