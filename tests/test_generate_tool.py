@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from engine.checkpoint.format import write_checkpoint
 from engine.generate import Sampling, generate_batch
-from engine.models import build_model
+from engine.models import build_model, preset
 from tests.launch_util import run
 from tests.torch_reference import tiny_gpt
 
@@ -92,6 +92,14 @@ def test_tool_rejects_a_bad_layout_and_a_missing_tokenizer_in_one_line(tmp_path,
     assert main(["--ckpt", str(tmp_path / "nothing"), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "nothing" in err
+    # An encoder is refused naming every family that generates (gemma was once missing).
+    bert = tmp_path / "bert"
+    bert_cfg = preset("bert_tiny", vocab_size=300, hidden_size=32, num_heads=4, num_layers=1)
+    write_checkpoint(bert, build_model(bert_cfg).full_state_dict(), bert_cfg)
+    assert main(["--ckpt", str(bert), "--prompt", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"generate: {bert} holds a bert model; only decoders (gpt, llama, gemma) generate"
+    )
 
 
 def _trained_checkpoint(tmp_path: Path) -> tuple[Path, Path, object]:
