@@ -25,7 +25,10 @@ from engine.config import SHORT_FORMS, Config
 HIDDEN = {"run_dir", "trainer.fail_at_step"}
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Hydra's flags that take the next argument as their value.
+# Hydra's own flags that take a value (``--cfg job``, ``--package model``, ``--info
+# searchpath``): that value is no override to check.
 _VALUE_FLAGS = {"-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir"}
+_VALUE_FLAGS |= {"-c", "--cfg", "-p", "--package", "-i", "--info", "--experimental-rerun"}
 _FIELD_DOC = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
 _BARE_FIELD = re.compile(r"^\s+(\w+)\s*:[^#=]+=[^#]+$")  # documented by the comment above
 

@@ -328,6 +328,22 @@ def test_a_sweep_flag_typed_among_the_overrides_still_sweeps(inputs, monkeypatch
     assert "unrecognized arguments" not in err
 
 
+def test_hydras_own_flags_with_values_are_no_overrides(monkeypatch, capsys):
+    """``--cfg job`` prints the composed config (Hydra's flag; before, "job" was taken for
+    an override and refused as an unknown key), and a mistyped key after it is still one."""
+    from engine.config_cli import unknown_key
+
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", "--cfg", "job", "tp_size=1"])
+    try:
+        runpy.run_module("engine.pretrain", run_name="__main__")  # Hydra prints and returns
+    except SystemExit as stop:
+        assert stop.code in (0, None), capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "model:\n  arch: gpt\n" in captured.out and "tp_size: 1" in captured.out
+    assert unknown_key(["-c", "job", "--package", "model", "model.hidden_size=8"]) is None
+    assert unknown_key(["--cfg", "job", "tp_sze=1"]).startswith("unknown key 'tp_sze'")
+
+
 def test_pretrain_help_lists_every_key_with_its_default_and_doc(monkeypatch, capsys):
     """--help: every key of the schema (engine/config.py's dataclasses) with the composed
     default and its doc; no Hydra ``schema`` options, no test hooks."""
