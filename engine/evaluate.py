@@ -83,14 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _recorded_config(source: ModelSource) -> Config:
-    """The training run's config (a training checkpoint records it), else the defaults
-    with the model's config."""
+    """The training run's config (a training checkpoint records it, and a run's final
+    export is beside its checkpoints), else the defaults with the model's config."""
     from omegaconf import OmegaConf
 
     model = source.config()
-    if source.kind() != "training":
-        return Config(model=model)
     recorded = source.recorded_run_config()
+    if not recorded:
+        return Config(model=model)
     merged = OmegaConf.merge(OmegaConf.structured(Config), recorded)
     return dataclasses.replace(OmegaConf.to_object(merged), model=model)
 
@@ -111,8 +111,9 @@ def evaluation_config(args: argparse.Namespace, text_prefix: str | None = None) 
         raise ValueError(
             f"{args.ckpt or args.hf_dir} records no training data: pass --data or --text"
         )
+    recorded = bool(source.recorded_run_config())
     seq_len = args.seq_len or (
-        data.seq_len if source.kind() == "training" else min(data.seq_len, cfg.model.max_positions)
+        data.seq_len if recorded else min(data.seq_len, cfg.model.max_positions)
     )
     data = dataclasses.replace(data, tokenizer=tokenizer, seq_len=seq_len)
     mb = args.micro_batch or trainer.micro_batch

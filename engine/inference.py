@@ -131,10 +131,16 @@ class ModelSource:
         return directory.name
 
     def recorded_run_config(self) -> dict:
-        """The run config a training checkpoint records (``{}`` for any other source)."""
-        if self.kind() != "training":
+        """The run config a training checkpoint records, or for a run's final export
+        (``ROOT/final``, its checkpoints beside it) the run's; ``{}`` for any other source."""
+        kind = self.kind()
+        if kind == "training":
+            index = self._index()
+        elif kind == "export":
+            index = _training_index(Path(self.ckpt).parent) or {}
+        else:
             return {}
-        return (self._index().get("trainer_state") or {}).get("config") or {}
+        return (index.get("trainer_state") or {}).get("config") or {}
 
     def _step_dir(self) -> Path:
         from engine.checkpoint.convert import resolve

@@ -97,6 +97,12 @@ def test_same_loss_as_the_trainers_validation_at_other_layouts(corpus, tmp_path,
     torch.testing.assert_close(result["loss"], reference, rtol=1e-5, atol=0)
     assert result["perplexity"] == pytest.approx(torch.tensor(result["loss"]).exp().item())
     assert (result["micro_batches"], result["sequences"], result["tp_size"]) == (40, 80, 1)
+    # The run's final export (ROOT/final) reads the run's data beside it, and gives the same
+    # loss: before, it "recorded no training data" and wanted --data or --text.
+    assert main(["--ckpt", str(tmp_path / "ckpt" / "final"), "--device", "cpu"]) == 0
+    final = json.loads(capsys.readouterr().out)
+    torch.testing.assert_close(final["loss"], reference, rtol=1e-5, atol=0)
+    assert (final["micro_batches"], final["seq_len"]) == (40, 32)
 
 
 @pytest.mark.slow
