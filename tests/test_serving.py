@@ -261,6 +261,26 @@ def test_paged_cache_layout_and_sizing():
         PagedKVCache.for_model(model)
 
 
+def test_a_pool_past_the_free_ram_of_this_machines_ranks_is_refused(monkeypatch):
+    """2048 bytes a block (as above); with 5000 bytes of free RAM (set here) two blocks fit
+    one rank, not the two ranks LOCAL_WORLD_SIZE=2 says share this machine, and three
+    blocks fit neither: one line, before any allocation."""
+    import engine.preflight
+
+    model = _model("llama")
+    monkeypatch.setattr(engine.preflight, "available_ram_bytes", lambda: 5000)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert PagedKVCache.for_model(model, tokens=16, block_size=8).num_blocks == 2
+    with pytest.raises(
+        ValueError,
+        match=r"^a KV cache of 24 tokens takes 0\.006 MiB, and there are 0\.005 MiB of free",
+    ):
+        PagedKVCache.for_model(model, tokens=24, block_size=8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="of free RAM for this machine's 2 ranks: lower"):
+        PagedKVCache.for_model(model, tokens=16, block_size=8)
+
+
 def test_prompt_scores_and_alternatives_equal_a_full_forward():
     """Prompt log-probabilities (echo, log-likelihood) over chunked prefill, with and without
     new tokens, and the top alternatives, against one plain forward (tolerance: TOL)."""

@@ -19,6 +19,7 @@ there. It is never handed out, and attention masks every read from it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -201,12 +202,19 @@ def _check_room(nbytes: int, tokens: int, device: torch.device) -> None:
 
     if device.type == "cuda":
         free, where = torch.cuda.mem_get_info(device)[0], "free on the GPU"
-    else:
+    else:  # every rank of this machine allocates its own pool from the same RAM
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        nbytes *= ranks
         free, where = available_ram_bytes(), "of free RAM"
+        where += f" for this machine's {ranks} ranks" if ranks > 1 else ""
     if free is not None and nbytes > free:
-        gib = 2**30
         raise ValueError(
-            f"a KV cache of {tokens} tokens takes {nbytes / gib:.1f} GiB, and there are "
-            f"{free / gib:.1f} GiB {where}: lower --cache-tokens (by default --max-running × "
-            "the model's positions)"
+            f"a KV cache of {tokens} tokens takes {_size(nbytes)}, and there are "
+            f"{_size(free)} {where}: lower --cache-tokens (by default --max-running × the "
+            "model's positions)"
         )
+
+
+def _size(nbytes: float) -> str:
+    """Bytes as GiB, or MiB below one GiB."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.3f} MiB"
