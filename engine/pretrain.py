@@ -258,9 +258,17 @@ def launch(cfg: Config) -> dict:
         except ChildFailedError as err:
             rank, failure = err.get_first_failure()
             report.failure = (rank, failure.exitcode)
+            # The kernel's out-of-memory killer sends SIGKILL, and the memory check before
+            # the launch is a floor (estimate_rank_bytes): say what to look at and change.
+            oom = (
+                "; SIGKILL is the out-of-memory killer's signal (dmesg says if it was): a "
+                "smaller trainer.micro_batch or data.seq_len needs less memory"
+                if failure.exitcode == -signal.SIGKILL
+                else ""
+            )
             print(
                 f"{report.who()}; no restart left (trainer.max_restarts="
-                f"{cfg.trainer.max_restarts}); details in {run_log_path(cfg.run_dir)}",
+                f"{cfg.trainer.max_restarts}); details in {run_log_path(cfg.run_dir)}{oom}",
                 file=sys.stderr,
             )
             raise SystemExit(1) from None

@@ -780,3 +780,56 @@ def test_failure_settings_are_checked_before_any_worker(
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], lines
+
+
+def _a_worker_pid(tag: str) -> int | None:
+    """A worker of the run whose processes hold ``MESHTRON_TEST_TAG=tag`` in their
+    environment: a child of its forkserver (the self-launched ranks fork from one)."""
+    tagged = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            if proc.name.isdigit() and f"MESHTRON_TEST_TAG={tag}".encode() in env:
+                status = (proc / "status").read_text()
+                ppid = int(next(x for x in status.splitlines() if x.startswith("PPid:")).split()[1])
+                tagged[int(proc.name)] = (ppid, (proc / "cmdline").read_bytes())
+        except (OSError, ValueError, StopIteration):
+            continue
+    servers = {pid for pid, (_, cmd) in tagged.items() if b"forkserver" in cmd}
+    workers = [pid for pid, (ppid, _) in tagged.items() if ppid in servers]
+    return max(workers) if workers else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc (Linux)")
+def test_a_rank_killed_by_sigkill_is_reported_with_the_memory_hint(corpus, tmp_path):
+    """A self-launched rank killed with SIGKILL (what the kernel's out-of-memory killer
+    sends; the memory check before launch is a floor, so a run can still run out): the one
+    line that ends the run names the signal and what to check and change."""
+    tag = f"sigkill-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**subprocess_env(ROOT), "OMP_NUM_THREADS": "1", "MESHTRON_TEST_TAG": tag}
+    cmd = [sys.executable, "-m", "engine.pretrain", f"hydra.run.dir={tmp_path / 'run'}"]
+    cmd += [*run_overrides(corpus, tmp_path / "ckpt"), "tp_size=1", "dp_size=2"]
+    cmd += ["trainer.max_steps=100000", "checkpoint.every=0", "trainer.max_restarts=0"]
+    out = open(tmp_path / "out.txt", "w+")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300  # a hang guard: imports are slow on busy cores
+        while "step     3/" not in (tmp_path / "out.txt").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "no step 3"
+            time.sleep(0.2)
+        pid = _a_worker_pid(tag)
+        assert pid is not None, "no worker process was found"
+        os.kill(pid, signal.SIGKILL)
+        err = proc.communicate(timeout=120)[1].decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out.close()
+    assert proc.returncode == 1, err
+    line = err.strip().splitlines()[-1]
+    assert re.match(r"rank [01] died \(killed by SIGKILL\); no restart left", line), err
+    assert line.endswith(
+        "; SIGKILL is the out-of-memory killer's signal (dmesg says if it was): a smaller "
+        "trainer.micro_batch or data.seq_len needs less memory"
+    ), err
