@@ -51,6 +51,7 @@ def test_a_run_started_from_a_gpt2_directory_begins_at_transformers_own_loss(cor
     from engine.data.run_data import build_run_data
 
     layout = ("tp_size=2", "dp_size=2", "parallel.dp_shard=full", "trainer.max_steps=1")
+    layout += ("trainer.device=cpu",)  # 4 ranks over gloo on any machine, GPUs or not
     cfg = tiny_run(corpus, tmp_path, *layout, "trainer.log_every=1", "trainer.sample_tokens=0")
     hf_dir = tmp_path / "gpt2"
     hf_model = _gpt2_like(cfg, hf_dir)
