@@ -240,6 +240,30 @@ def test_export_then_import_is_bitwise(gemma_dir, tmp_path):
     assert all(torch.equal(state[k], original_state[k]) for k in original_state)
 
 
+def test_an_export_of_the_preset_loads_in_transformers_with_the_same_logits(tmp_path):
+    """A gemma_tiny model made here (never imported: its query_pre_attn_scalar is the
+    config's float 32.0) exported to Hugging Face: transformers' Gemma2Config takes it
+    (it refused the float 32.0 the export once wrote, wanting an int), and
+    Gemma2ForCausalLM's logits are ours. float32 both, eager attention: atol 1e-5 (the
+    two stacks differ by reassociation, ~1e-6 here)."""
+    from engine.checkpoint.format import write_checkpoint
+
+    cfg = preset("gemma_tiny", vocab_size=64, hidden_dropout=0.0, attention_dropout=0.0)
+    assert cfg.query_pre_attn_scalar == 32.0
+    torch.manual_seed(2)
+    model = build_model(cfg).eval()
+    write_checkpoint(tmp_path / "ckpt", model.full_state_dict(), cfg)
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    hf = transformers.Gemma2ForCausalLM.from_pretrained(
+        tmp_path / "hf", local_files_only=True, attn_implementation="eager"
+    ).eval()
+    assert hf.config.query_pre_attn_scalar == 32
+    ids = torch.randint(64, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours, theirs = model(ids)[..., :64], hf(ids).logits  # ours: padded to 128 rows
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
 def test_config_round_trips_and_import_refuses_what_is_not_built_in_one_line():
     """config.json of the preset reads back as the preset (no transformers model needed);
     a head_dim below 1, another activation, biases and a layer pattern that is not "all but

@@ -40,10 +40,24 @@ def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def _scalar_to_hf(value: float | None, original: Any) -> Any:
+    """``query_pre_attn_scalar`` as transformers types it, an int (its Gemma2Config
+    refuses 32.0), or as the imported original held it."""
+    if value is None or isinstance(original, float) or not float(value).is_integer():
+        return value
+    return int(value)
+
+
 _CONFIG = (
     *DECODER_KEYS,
     ConfigKey("tie_embeddings", "tie_word_embeddings", True),
-    ConfigKey("query_pre_attn_scalar", "query_pre_attn_scalar", 256, to_ours=_optional_float),
+    ConfigKey(
+        "query_pre_attn_scalar",
+        "query_pre_attn_scalar",
+        256,
+        to_ours=_optional_float,
+        to_hf=_scalar_to_hf,
+    ),
     ConfigKey("attn_logit_softcapping", "attn_logit_softcapping", 50.0, to_ours=_optional_float),
     ConfigKey("final_logit_softcapping", "final_logit_softcapping", 30.0, to_ours=_optional_float),
 )
