@@ -7,6 +7,7 @@ output in tmp_path), the way a user or a launcher would.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -812,7 +813,11 @@ def test_a_rank_killed_by_sigkill_is_reported_with_the_memory_hint(corpus, tmp_p
     cmd += [*run_overrides(corpus, tmp_path / "ckpt"), "tp_size=1", "dp_size=2"]
     cmd += ["trainer.max_steps=100000", "checkpoint.every=0", "trainer.max_restarts=0"]
     out = open(tmp_path / "out.txt", "w+")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.PIPE)
+    # A session of its own: whatever happens below, the run's every process (launcher,
+    # forkserver, ranks) is killed with it at the end, none left training.
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.PIPE, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 300  # a hang guard: imports are slow on busy cores
         while "step     3/" not in (tmp_path / "out.txt").read_text():
@@ -823,8 +828,9 @@ def test_a_rank_killed_by_sigkill_is_reported_with_the_memory_hint(corpus, tmp_p
         os.kill(pid, signal.SIGKILL)
         err = proc.communicate(timeout=120)[1].decode()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
         out.close()
     assert proc.returncode == 1, err
     line = err.strip().splitlines()[-1]
