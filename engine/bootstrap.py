@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import parallel_state
-from engine.launching import share_cores
+from engine.launching import share_cores, watch_launcher
 from engine.resilience.rendezvous import rendezvous
 from parallel_state import ParallelDims, ParallelState
 from parallel_state.launcher import detect_launch
@@ -65,6 +65,7 @@ def bootstrap_rank(
         ps = join()
     else:
         ps = rendezvous(join, timeout_s=rendezvous_timeout_s, run_dir=run_dir, key=timeout_key)
+    watch_launcher(ps.rank)  # self-launched: end with the process that started this rank
     threads = share_cores(ps, max_threads=max_threads) if split_cores else None
     if threads and say is not None:
         say(ps, threads)

@@ -10,9 +10,15 @@ hosts the store.
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
+
+# "pid:start ticks" of the process whose launch_workers started this rank (Linux).
+LAUNCHER_VAR = "MESHTRON_LAUNCHER"
 
 
 def launch_workers(
@@ -57,6 +63,9 @@ def launch_workers(
         # workers' gloo rendezvous reads the dead workers' stale addresses; a store per
         # attempt (hosted by the new rank 0) starts each attempt clean.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # Every rank watches this process (watch_launcher): should it die without a word
+    # (SIGKILL), the ranks end instead of training on, orphaned.
+    os.environ[LAUNCHER_VAR] = f"{os.getpid()}:{_start_ticks(os.getpid())}"
     if config.start_method == "forkserver":
         import multiprocessing
 
@@ -186,3 +195,28 @@ def _start_ticks(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[19]
     except (OSError, IndexError):
         return ""
+
+
+def watch_launcher(rank: int, poll_s: float = 1.0) -> None:
+    """In a rank :func:`launch_workers` started, end this process with one line once the
+    process that started it is gone: killed by SIGKILL (by a user, or the out-of-memory
+    killer), it can tell no rank to stop, and they would train on, orphaned. A rank that
+    another launcher started (torchrun, srun, mpirun), or without /proc, watches nothing."""
+    value = os.environ.get(LAUNCHER_VAR, "")
+    pid, _, ticks = value.partition(":")
+    if not (pid.isdigit() and ticks):
+        return
+
+    def watch() -> None:
+        from engine.resilience.watchdog import EXIT_STOPPED
+
+        while _start_ticks(int(pid)) == ticks:
+            time.sleep(poll_s)
+        print(
+            f"rank {rank} stopped: the process that started it (pid {pid}) is gone",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_STOPPED)
+
+    threading.Thread(target=watch, name="meshtron-launcher-watch", daemon=True).start()

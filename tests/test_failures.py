@@ -839,3 +839,53 @@ def test_a_rank_killed_by_sigkill_is_reported_with_the_memory_hint(corpus, tmp_p
         "; SIGKILL is the out-of-memory killer's signal (dmesg says if it was): a smaller "
         "trainer.micro_batch or data.seq_len needs less memory"
     ), err
+
+
+def _tagged_pids(tag: str) -> list[int]:
+    """Processes whose environment holds ``MESHTRON_TEST_TAG=tag``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and f"MESHTRON_TEST_TAG={tag}".encode() in env:
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+def test_ranks_end_when_the_process_that_started_them_is_killed(corpus, tmp_path):
+    """The self-launching process killed with SIGKILL (it can tell no rank to stop): every
+    rank sees it gone within seconds and ends with one line naming it, where before they
+    trained on, orphaned, for as long as trainer.max_steps allowed."""
+    tag = f"orphans-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**subprocess_env(ROOT), "OMP_NUM_THREADS": "1", "MESHTRON_TEST_TAG": tag}
+    cmd = [sys.executable, "-m", "engine.pretrain", f"hydra.run.dir={tmp_path / 'run'}"]
+    cmd += [*run_overrides(corpus, tmp_path / "ckpt"), "tp_size=1", "dp_size=2"]
+    cmd += ["trainer.max_steps=100000", "checkpoint.every=0", "trainer.max_restarts=0"]
+    out, err = (open(tmp_path / n, "w+") for n in ("out.txt", "err.txt"))  # noqa: SIM115
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=out, stderr=err, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 300  # a hang guard: imports are slow on busy cores
+        while "step     3/" not in (tmp_path / "out.txt").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, "no step 3"
+            time.sleep(0.2)
+        proc.kill()  # the launcher alone: its ranks are in other processes
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 60  # the ranks look once a second
+        while [p for p in _tagged_pids(tag) if p != os.getpid()]:
+            assert time.monotonic() < deadline, "ranks still running a minute later"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out.close()
+        err.close()
+    text = (tmp_path / "err.txt").read_text()
+    for rank in (0, 1):
+        line = f"rank {rank} stopped: the process that started it (pid {proc.pid}) is gone"
+        assert line in text, text[-2000:]
