@@ -783,17 +783,28 @@ def test_failure_settings_are_checked_before_any_worker(
     assert len(lines) == 1 and message in lines[0], lines
 
 
+def _tagged_pids(tag: str) -> list[int]:
+    """Processes whose environment holds ``MESHTRON_TEST_TAG=tag``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if proc.name.isdigit() and f"MESHTRON_TEST_TAG={tag}".encode() in env:
+            found.append(int(proc.name))
+    return found
+
+
 def _a_worker_pid(tag: str) -> int | None:
     """A worker of the run whose processes hold ``MESHTRON_TEST_TAG=tag`` in their
     environment: a child of its forkserver (the self-launched ranks fork from one)."""
     tagged = {}
-    for proc in Path("/proc").iterdir():
+    for pid in _tagged_pids(tag):
         try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-            if proc.name.isdigit() and f"MESHTRON_TEST_TAG={tag}".encode() in env:
-                status = (proc / "status").read_text()
-                ppid = int(next(x for x in status.splitlines() if x.startswith("PPid:")).split()[1])
-                tagged[int(proc.name)] = (ppid, (proc / "cmdline").read_bytes())
+            status = Path(f"/proc/{pid}/status").read_text().splitlines()
+            ppid = int(next(x for x in status if x.startswith("PPid:")).split()[1])
+            tagged[pid] = (ppid, Path(f"/proc/{pid}/cmdline").read_bytes())
         except (OSError, ValueError, StopIteration):
             continue
     servers = {pid for pid, (_, cmd) in tagged.items() if b"forkserver" in cmd}
@@ -839,19 +850,6 @@ def test_a_rank_killed_by_sigkill_is_reported_with_the_memory_hint(corpus, tmp_p
         "; SIGKILL is the out-of-memory killer's signal (dmesg says if it was): a smaller "
         "trainer.micro_batch or data.seq_len needs less memory"
     ), err
-
-
-def _tagged_pids(tag: str) -> list[int]:
-    """Processes whose environment holds ``MESHTRON_TEST_TAG=tag``."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            env = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if proc.name.isdigit() and f"MESHTRON_TEST_TAG={tag}".encode() in env:
-            found.append(int(proc.name))
-    return found
 
 
 @pytest.mark.slow
