@@ -82,13 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _recorded_config(source: ModelSource) -> Config:
-    """The training run's config (a training checkpoint records it, and a run's final
-    export is beside its checkpoints), else the defaults with the model's config."""
+def _recorded_config(source: ModelSource, recorded: dict) -> Config:
+    """The training run's config ``recorded`` (``ModelSource.recorded_run_config``: a
+    training checkpoint's, or a run's final export's beside it) with the model's config,
+    else the defaults with it."""
     from omegaconf import OmegaConf
 
     model = source.config()
-    recorded = source.recorded_run_config()
     if not recorded:
         return Config(model=model)
     merged = OmegaConf.merge(OmegaConf.structured(Config), recorded)
@@ -98,7 +98,8 @@ def _recorded_config(source: ModelSource) -> Config:
 def evaluation_config(args: argparse.Namespace, text_prefix: str | None = None) -> Config:
     """The run config the ranks evaluate with: the recorded one, overridden by the flags."""
     source = ModelSource(args.ckpt, args.hf_dir)
-    cfg = _recorded_config(source)
+    recorded = source.recorded_run_config()  # read once: the index can be large
+    cfg = _recorded_config(source, recorded)
     tokenizer = args.tokenizer or source.tokenizer_path() or cfg.data.tokenizer
     data, trainer = cfg.data, cfg.trainer
     prefix = text_prefix or args.data
@@ -111,7 +112,6 @@ def evaluation_config(args: argparse.Namespace, text_prefix: str | None = None) 
         raise ValueError(
             f"{args.ckpt or args.hf_dir} records no training data: pass --data or --text"
         )
-    recorded = bool(source.recorded_run_config())
     seq_len = args.seq_len or (
         data.seq_len if recorded else min(data.seq_len, cfg.model.max_positions)
     )
