@@ -112,7 +112,7 @@ def resolve_kernels(name: str) -> Kernels:
 
     - ``auto``: per op, ``choose_backend``'s rule: the fused kernel on CUDA tensors where
       ``layers.kernels.dispatch.MODEL_AUTO`` measured it faster than torch at that width;
-      torch otherwise, and always for RMSNorm and SwiGLU (not measured on a GPU yet);
+      torch otherwise (off CUDA, and below the widths the table gives);
     - ``triton``: always the Triton kernels (on CPU they run under ``TRITON_INTERPRET=1``,
       which is how CI checks them inside a whole model);
     - ``apex``: apex's FusedLayerNorm (it must be importable), ``auto`` for the rest;
