@@ -94,7 +94,8 @@ def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
     try:
         dims = sized_dims(tp, cfg.dp_size, world)
     except LayoutError as err:
-        _fail([f"{err}; the run has {launch.num_nodes} nodes × {per_node} ranks per node"])
+        nodes = f"{launch.num_nodes} node{'s' * (launch.num_nodes != 1)}"
+        _fail([f"{err}; the run has {nodes} × {per_node} ranks per node"])
     return world, dims.dp, per_node
 
 
@@ -131,7 +132,8 @@ def validate(cfg: ClassifyConfig, dp_size: int) -> list[str]:
     problems += [message for ok, message in checks if not ok]
     problems += _validate_values(cfg, problems)
     train_images = cfg.data.train_subset or 60_000
-    if t.batch_size >= 1 and steps_per_epoch(train_images, t.batch_size, dp_size) < 1:
+    subset_ok = cfg.data.train_subset >= 0  # a negative subset is refused above
+    if t.batch_size >= 1 and subset_ok and steps_per_epoch(train_images, t.batch_size, dp_size) < 1:
         problems.append(
             f"trainer.batch_size={t.batch_size} × dp_size={dp_size} exceeds the {train_images} "
             "training images: not one step per epoch"

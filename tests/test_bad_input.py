@@ -403,6 +403,11 @@ CLASSIFY = [
     ("momentum_nan", ["trainer.momentum=nan"], "trainer.momentum=nan must be in [0, 1)"),
     ("bucket_0", ["trainer.grad_bucket_mb=0"], "trainer.grad_bucket_mb=0.0 must be > 0"),
     (
+        "subset_negative",  # one line: not also "exceeds the -5 training images"
+        ["data.train_subset=-5"],
+        "data.train_subset=-5 and data.test_subset=0 must be >= 0 (0: all)",
+    ),
+    (
         "epochs_past_int64",
         ["trainer.epochs=99999999999999999999999"],
         "trainer.epochs=99999999999999999999999 must be a finite number within 64 bits",
