@@ -29,8 +29,8 @@ from engine.tool_args import (
     add_quantize_flag,
     in_flags,
     non_empty,
+    non_negative_float,
     non_negative_int,
-    positive_float,
     positive_int,
     probability,
     seed_int,
@@ -61,7 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks to start")
     p.add_argument("--greedy", action="store_true", help="argmax instead of sampling")
-    p.add_argument("--temperature", type=positive_float, default=0.8, help="finite, > 0")
+    p.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=0.8,
+        help="finite, >= 0; 0: argmax, as --greedy (the server's and OpenAI's meaning)",
+    )
     p.add_argument("--top-k", type=non_negative_int, default=40, help="0: no top-k filter")
     p.add_argument(
         "--top-p", type=probability, default=1.0, help="nucleus sampling, (0, 1]; 1: off"
@@ -130,8 +135,12 @@ def _check_positions(args: argparse.Namespace, tokenizer_path: str, positions: i
 
 def sampling(args: argparse.Namespace) -> Sampling:
     """The sampling options as one value: each of Sampling's fields has its flag, of the same
-    name (--greedy, --temperature, --top-k, --top-p, --seed)."""
-    return Sampling(**{f.name: getattr(args, f.name) for f in fields(Sampling)})
+    name (--greedy, --temperature, --top-k, --top-p, --seed); ``--temperature 0`` is
+    argmax, as in the server's requests."""
+    chosen = {f.name: getattr(args, f.name) for f in fields(Sampling)}
+    if chosen["temperature"] == 0:
+        chosen |= {"greedy": True, "temperature": 1.0}
+    return Sampling(**chosen)
 
 
 def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:

@@ -211,6 +211,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (not nan, not inf)."""
+    value = _float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return value
+
+
 def probability(text: str) -> float:
     """argparse type: a number in (0, 1] (not nan)."""
     value = _float(text)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 import apps.generate_text
 import engine.evaluate
@@ -66,10 +67,9 @@ def _refused(main, argv: list[str], capsys) -> str:
 
 
 GENERATE = [
-    (["--temperature", "nan"], "argument --temperature: nan must be a finite number > 0"),
-    (["--temperature", "inf"], "argument --temperature: inf must be a finite number > 0"),
-    (["--temperature", "-1"], "argument --temperature: -1 must be a finite number > 0"),
-    (["--temperature", "0"], "argument --temperature: 0 must be a finite number > 0"),
+    (["--temperature", "nan"], "argument --temperature: nan must be a finite number >= 0"),
+    (["--temperature", "inf"], "argument --temperature: inf must be a finite number >= 0"),
+    (["--temperature", "-1"], "argument --temperature: -1 must be a finite number >= 0"),
     (["--temperature", "warm"], "argument --temperature: 'warm' is not a number"),
     (["--seed", str(2**70)], f"argument --seed: {2**70} must be in 0 .. 2**64 - 1"),
     (["--seed", "-1"], "argument --seed: -1 must be >= 0"),
@@ -98,6 +98,19 @@ def test_the_good_values_pass_the_same_checks(export):
     argv = ["--ckpt", export, "--prompt", "def add", "--temperature", "1e-3", "--top-k", "0"]
     argv += ["--top-p", "1", "--seed", str(2**64 - 1), "--stop", "\n", "--max-new-tokens", "8"]
     assert apps.generate_text.check(apps.generate_text.parse_args(argv)).endswith(".json")
+
+
+def test_temperature_0_is_argmax_as_in_the_server(export):
+    """``--temperature 0`` means argmax, as a request's temperature 0 does (and OpenAI's);
+    it was refused. Against torch.argmax over logits where sampling at the default
+    temperature would pick other tokens."""
+    from engine.generate import next_tokens
+
+    argv = ["--ckpt", export, "--prompt", "def add", "--temperature", "0", "--top-k", "0"]
+    chosen = apps.generate_text.sampling(apps.generate_text.parse_args(argv))
+    logits = torch.randn(64, 500, generator=torch.Generator().manual_seed(3))
+    picked = next_tokens(logits, chosen, torch.Generator().manual_seed(4))
+    assert torch.equal(picked, logits.argmax(dim=-1))
 
 
 def test_sampling_refuses_what_the_flags_refuse():
