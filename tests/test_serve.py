@@ -15,6 +15,7 @@ atol = rtol = 1e-5, as there.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import queue
 import shutil
@@ -235,9 +236,18 @@ def test_seeds_reproduce_and_equal_generate(served, export):
     sampling = Sampling(temperature=0.9, top_p=0.95, top_k=40, seed=123)
     ids = generate_batch(model, [tokenizer.encode(PROMPTS[0]).ids], 16, sampling)[0]
     assert first == tokenizer.decode(ids)
-    # Without a seed, each request draws a fresh one.
+    # A list of prompts numbers its choices' seeds on across the prompts, as n does for
+    # one: the same prompt twice gives two samples, seeds 123 and 124 (each prompt drew
+    # seed 123, the same sample, until the seeds ran over the whole list).
+    twice = _completion(client, [PROMPTS[0]] * 2, seed=123, **options).choices
+    prompt = tokenizer.encode(PROMPTS[0]).ids
+    second = generate_batch(model, [prompt], 16, dataclasses.replace(sampling, seed=124))[0]
+    assert [c.text for c in twice] == [first, tokenizer.decode(second)] and second != ids
+    # Without a seed, each request draws a fresh one, and so does each prompt of a list.
     unseeded = {_completion(client, PROMPTS[0], **options).choices[0].text for _ in range(3)}
     assert len(unseeded) > 1
+    listed = _completion(client, [PROMPTS[0]] * 3, **options).choices
+    assert len({c.text for c in listed}) > 1
 
 
 @pytest.mark.parametrize(

@@ -148,13 +148,13 @@ class Server:
 
     async def submit(self, prompts, limit, body, *, prompt_logprobs=False, top=0):
         """Submit every (prompt, choice) pair: the choices, in order, and their queue."""
-        samplings = body.samplings()
         self.check_queue(prompts, limit, body.n, prompt_logprobs)
+        samplings = body.samplings(len(prompts))
         stops = frozenset() if body.ignore_eos else self.codec.eos_ids
         requests, choices = [], []
-        for ids in prompts:
+        for k, ids in enumerate(prompts):
             max_tokens = self.room(ids) if limit is None else limit
-            for sampling in samplings:
+            for sampling in samplings[k * body.n : (k + 1) * body.n]:
                 request = EngineRequest(
                     ids,
                     max_tokens,

@@ -78,8 +78,10 @@ class _Body(BaseModel):
         """Whether a stream ends with a chunk that carries the usage."""
         return bool((self.stream_options or {}).get("include_usage"))
 
-    def samplings(self) -> list[Sampling]:
-        """One Sampling per choice: seeds ``seed``, ``seed + 1``, … (or fresh random ones)."""
+    def samplings(self, prompts: int = 1) -> list[Sampling]:
+        """One Sampling per choice, ``n`` for each of ``prompts`` prompts in the choices'
+        order: seeds ``seed``, ``seed + 1``, … (or fresh random ones), so no two choices
+        share their draws, whichever prompt they continue."""
         temperature = 1.0 if self.temperature is None else self.temperature
         if not (math.isfinite(temperature) and temperature >= 0):
             raise BadRequest(f"temperature must be >= 0 and finite, got {temperature}")
@@ -89,7 +91,7 @@ class _Body(BaseModel):
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise BadRequest(f"seed must be in 0 .. 2**64 - 1, got {self.seed}")
         samplings = []
-        for i in range(self.n):
+        for i in range(prompts * self.n):
             seed = secrets.randbits(64) if self.seed is None else (self.seed + i) % 2**64
             sampling = Sampling(
                 greedy=temperature == 0,
