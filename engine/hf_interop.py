@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -169,11 +170,15 @@ def write_hf_dir(
     shards) would otherwise sit beside the new weights.
     """
     hf_dir = Path(hf_dir)
-    if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
-        raise FileExistsError(f"{hf_dir} exists and is not empty; export into a new directory")
+    _check_new_dir(hf_dir)
     hf_dir.mkdir(parents=True, exist_ok=True)
     save_tensors(state_to_hf(cfg, state), hf_dir / "model.safetensors", metadata={"format": "pt"})
     _write_json(hf_dir / "config.json", config_to_hf(cfg, base_config))
+
+
+def _check_new_dir(hf_dir: Path) -> None:
+    if hf_dir.exists() and (not hf_dir.is_dir() or any(hf_dir.iterdir())):
+        raise FileExistsError(f"{hf_dir} exists and is not empty; export into a new directory")
 
 
 GENERATION_FILE = "generation_config.json"
@@ -216,33 +221,66 @@ def _optional_file(hf_dir: str | os.PathLike, name: str) -> Path | None:
 
 
 def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelConfig:
-    """Write a meshtron checkpoint back as a Hugging Face directory.
+    """Write a meshtron checkpoint back as a Hugging Face directory: a model export
+    (``ROOT/final``, ``export-model``'s or an import's directory) or a training checkpoint
+    (a root, its latest step, or a step directory; its shards are merged, as
+    ``export-model`` merges them, and the tokenizer it records goes along).
 
     config.json names the special tokens by id: an imported model's own ids, else those its
     tokenizer assigns to the family's roles (``Family.special_tokens``). A decoder's
     generation_config.json is the imported one, else the ids (so ``generate`` stops at eos).
     """
-    if not (Path(ckpt_dir) / META_FILE).is_file():
-        raise FileNotFoundError(
-            f"{ckpt_dir} is not a meshtron model checkpoint (no {META_FILE}); for a training "
-            "checkpoint root pass ROOT/final, or first run python tools/checkpoint.py "
-            "export-model ROOT --out DIR"
-        )
-    ckpt = read_checkpoint(ckpt_dir)
-    cfg, hf_dir = ckpt.config, Path(hf_dir)
-    write_hf_dir(hf_dir, cfg, ckpt.state, ckpt.extra.get(HF_CONFIG))
+    hf_dir = Path(hf_dir)
+    _check_new_dir(hf_dir)  # before the weights are read
+    if (Path(ckpt_dir) / META_FILE).is_file():
+        ckpt = read_checkpoint(ckpt_dir)
+        cfg, state, extra = ckpt.config, ckpt.state, ckpt.extra
+        tokenizer = Path(ckpt_dir) / TOKENIZER_FILE
+        tokenizer = tokenizer if tokenizer.is_file() else None
+    else:  # a training checkpoint, or a CheckpointError naming what the directory is
+        from engine.checkpoint.convert import read_model_state, resolve
+        from engine.checkpoint.storage import CheckpointError
+        from engine.checkpoint.tokenizer import recorded_tokenizer
+
+        if not Path(ckpt_dir).exists():
+            raise FileNotFoundError(
+                f"{ckpt_dir} does not exist: give a model export (ROOT/final) or a training "
+                "checkpoint (checkpoints/NAME, as a run prints, or one of its step directories)"
+            )
+        try:
+            resolve(ckpt_dir)
+        except CheckpointError as err:
+            raise CheckpointError(f"{err}, and not a model export (no {META_FILE})") from None
+        cfg, state, index = read_model_state(ckpt_dir)
+        extra, tokenizer = {}, recorded_tokenizer(index.get("trainer_state"))
+    # Written beside the target and renamed into place once whole: an export that fails
+    # (a full disk, a tokenizer it cannot convert) leaves no half-written directory.
+    hf_dir.parent.mkdir(parents=True, exist_ok=True)
+    partial = hf_dir.parent / f".{hf_dir.name}.partial-{os.getpid()}"
+    try:
+        _write_hf_export(partial, cfg, state, extra, tokenizer)
+        if hf_dir.exists():
+            hf_dir.rmdir()  # empty (checked above)
+        partial.rename(hf_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return cfg
+
+
+def _write_hf_export(hf_dir: Path, cfg: ModelConfig, state, extra: dict, tokenizer) -> None:
+    """export_hf's files in ``hf_dir``: weights and config, tokenizer, generation config."""
+    write_hf_dir(hf_dir, cfg, state, extra.get(HF_CONFIG))
     config = json.loads((hf_dir / "config.json").read_text())
-    tokenizer = Path(ckpt_dir) / TOKENIZER_FILE
-    if tokenizer.is_file():  # the model's own tokenizer, in the files AutoTokenizer reads
+    if tokenizer is not None:  # the model's own tokenizer, in the files AutoTokenizer reads
         ids = write_hf_tokenizer(tokenizer, hf_dir, arch=cfg.arch, max_positions=cfg.max_positions)
         config.update({k: v for k, v in ids.items() if config.get(k) is None})
         _write_json(hf_dir / "config.json", config)
-    generation = ckpt.extra.get(HF_GENERATION_CONFIG)
+    generation = extra.get(HF_GENERATION_CONFIG)
     if generation is None and cfg.causal:
         generation = {k: config[k] for k in SPECIAL_IDS if config.get(k) is not None} or None
     if generation is not None:
         _write_json(hf_dir / GENERATION_FILE, generation)
-    return cfg
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

@@ -186,7 +186,7 @@ def test_convert_hf_user_errors_are_one_line(hf_dirs, tmp_path, capsys):
         (["import", "--hf-dir", str(tmp_path), "--out", str(tmp_path / "o1")], "no config.json"),
         (["import", "--hf-dir", str(bad_type), "--out", str(tmp_path / "o2")], "'llama'"),
         (["import", "--hf-dir", str(mlm), "--out", str(tmp_path / "o3")], "BertForPreTraining"),
-        (["export", "--ckpt", str(root), "--out", str(tmp_path / "o4")], "ROOT/final"),
+        (["export", "--ckpt", str(root), "--out", str(tmp_path / "o4")], "not a model export"),
         (["export", "--ckpt", str(tmp_path / "ckpt"), "--out", hf_dirs["gpt"]], "not empty"),
     ]
     for argv, expected in cases:
@@ -296,3 +296,51 @@ def test_reading_an_hf_dir_under_a_mesh_reaches_no_default_state(hf_dirs):
     meta build inside draws nothing, so it must not warn that the default state's RNG was
     used (every --hf-dir run printed that warning)."""
     assert run_ranks(_implicit_uses_reading, 1, hf_dirs["gpt"]) == [[]]
+
+
+def test_export_reads_a_training_checkpoint_and_leaves_nothing_half_written(tmp_path, monkeypatch):
+    """``convert_hf.py export --ckpt ROOT`` took model exports only (a run's root was refused
+    with "pass ROOT/final"). Now a training checkpoint root exports its latest step: the
+    folder transformers reads gives the logits of the model that was saved (float32, tol
+    1e-5 on logits of order 1: summation order). An export that fails part way (here the
+    tokenizer conversion) leaves no directory behind, where it left the weights alone."""
+    import engine.hf_interop
+    from engine.checkpoint import save_checkpoint
+    from engine.data.preprocess import save_tokenizer, train_tokenizer
+    from engine.models import build_model, preset
+    from engine.optim import OptimConfig, build_optimizer
+
+    tokenizer = tmp_path / "tokenizer.json"
+    save_tokenizer(train_tokenizer(["def add(a, b):\n    return a + b\n"] * 20, 300), tokenizer)
+    cfg = preset("gpt_tiny", vocab_size=300, hidden_size=32, num_heads=4, num_layers=2)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    optimizer = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+    record = {"tokenizer": {"path": str(tokenizer), "sha256": _sha256(tokenizer)}}
+    save_checkpoint(tmp_path / "run", 1, model=model, optimizer=optimizer, ps=None, state=record)
+
+    main = _tool("convert_hf")
+    assert main(["export", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids)
+        ours = ours if ours.shape[:2] == ids.shape else ours.transpose(0, 1)
+        ours = ours[..., :300]  # the padded vocabulary's extra columns dropped
+        theirs = hf(ids).logits
+    assert (ours - theirs).abs().max() < 1e-5
+    assert (tmp_path / "hf" / "tokenizer_config.json").is_file()
+
+    def fail(*args, **kwargs):
+        raise ValueError("tokenizer conversion failed")
+
+    monkeypatch.setattr(engine.hf_interop, "write_hf_tokenizer", fail)
+    with pytest.raises(ValueError, match="tokenizer conversion failed"):
+        export_hf(tmp_path / "run", tmp_path / "hf2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run", "tokenizer.json"]
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -22,6 +22,7 @@ from pathlib import Path
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from engine.checkpoint.storage import CheckpointError  # noqa: E402
 from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.hf_interop import export_hf, import_hf, read_hf_config  # noqa: E402
 from engine.tool_args import ArgumentParser  # noqa: E402
@@ -35,7 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     imp.add_argument("--hf-dir", required=True, help="local save_pretrained directory")
     imp.add_argument("--out", required=True, help="meshtron checkpoint directory to write")
     exp = sub.add_parser("export", help="meshtron checkpoint -> Hugging Face directory")
-    exp.add_argument("--ckpt", required=True, help="meshtron checkpoint directory")
+    exp.add_argument(
+        "--ckpt",
+        required=True,
+        help="a model export (ROOT/final, export-model's) or a training checkpoint root or step",
+    )
     exp.add_argument("--out", required=True, help="Hugging Face directory to write")
     return parser.parse_args(argv)
 
@@ -50,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = export_hf(args.ckpt, args.out)
     except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
         raise
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, CheckpointError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else err
         print(f"convert_hf.py: error: {message}", file=sys.stderr)
         return 2
