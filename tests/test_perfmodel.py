@@ -7,6 +7,7 @@ derivation is in the comment next to it), not read back from the code under test
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -220,8 +221,15 @@ def test_predict_flops_and_throughput_identities():
     v = 50432
     model = 72 * 512 * 2048 * 24 * 2048**2 * (1 + 2048 / (6 * 2048) + v / (12 * 24 * 2048))
     assert p.model_tflops_per_gpu == pytest.approx(model / p.step_time_s / 16 / 1e12, rel=1e-9)
-    hw = 96 * 512 * 2048 * 24 * 2048**2 * (1 + 2048 / (6 * 2048) + v / (16 * 24 * 2048))
+    # hardware FLOPs: the recomputed forward counted too, and the causal flash kernel's
+    # skipped half of the attention core (s/6h becomes s/12h): 96·B·s·l·h²(1 + s/12h + V/16lh)
+    hw = 96 * 512 * 2048 * 24 * 2048**2 * (1 + 2048 / (12 * 2048) + v / (16 * 24 * 2048))
     assert p.hardware_tflops_per_gpu == pytest.approx(hw / p.step_time_s / 16 / 1e12, rel=1e-9)
+    unfused = predict(
+        w, Layout(tp=2, dp=8, micro_batch=4, recompute="full", fused_attention=False), cl
+    )
+    hw = 96 * 512 * 2048 * 24 * 2048**2 * (1 + 2048 / (6 * 2048) + v / (16 * 24 * 2048))
+    assert unfused.hardware_tflops_per_gpu * unfused.step_time_s == pytest.approx(hw / 16 / 1e12)
     assert p.tokens_per_s == pytest.approx(512 * 2048 / p.step_time_s)
     assert p.mfu == pytest.approx(p.model_tflops_per_gpu * 1e12 / 989e12)
     assert gpt_flops_per_iteration(1, 7, 1, 32, 97) > 0
@@ -699,6 +707,36 @@ def test_plan_predict_text_and_search_output():
     assert (
         "rejected pp=1 tp=8 dp=1: does not divide: heads=12 is not divisible by tp=8" in out.stdout
     )
+
+
+def test_predict_says_when_a_layout_does_not_fit_and_why_mfu_passes_100():
+    """predict priced any layout without a word when it needed more memory than the GPU
+    has (GPT 1.3B, 8 sequences of 8192 on one 80 GiB H100: about 150 GiB), and printed MFU
+    123 % with hardware TFLOP/s above the H100's 989 peak for llama_8b at a million tokens
+    (the causal flash kernel's skipped half was counted as work done)."""
+    big = "predict --model gpt_1.3b --global-batch 8 --gpus 1 --micro-batch 8 --seq 8192"
+    out = _plan(*shlex.split(big), "--cluster", "h100_x1")
+    assert out.returncode == 0, out.stderr
+    used = float(re.search(r"memory ([\d.]+) GiB/GPU", out.stdout)[1])
+    assert used > 80 and f"note: does not fit: {used:.1f} GiB/GPU over the 80.0 GiB" in out.stdout
+    assert "note:" not in _plan(*PREDICT).stdout  # a layout that fits: no note
+    long = "predict --model llama_8b --global-batch 8 --gpus 8 --tp 8 --seq 1000000"
+    out = _plan(*shlex.split(long), "--cluster", "dgx_h100")
+    model, hardware = map(
+        float, re.search(r"model ([\d.]+) / hardware ([\d.]+)", out.stdout).groups()
+    )
+    assert hardware < 989 < model and "MFU passes 100 %" in out.stdout
+
+
+def test_search_pins_tp_and_recompute():
+    """search took no --tp: argparse read it as --tp-comm-overlap and refused the '2'."""
+    flags = "search --model gpt_1.3b --global-batch 64 --gpus 8 --cluster h100_node --top 40"
+    out = _plan(*shlex.split(flags), "--tp", "2", "--recompute", "full")
+    assert out.returncode == 0, out.stderr
+    ranked = re.findall(r"^ *\d+\. pp=\d+ tp=(\d+) dp=\d+ mb=\d+ recompute=(\w+)", out.stdout, re.M)
+    assert ranked and set(ranked) == {("2", "full")}, out.stdout
+    out = _plan(*shlex.split(flags), "--tp", "3")
+    assert out.returncode == 2 and out.stderr == "plan: --tp 3 = 3 does not divide --gpus=8\n"
 
 
 def test_plan_errors_are_one_line():

@@ -711,6 +711,17 @@ def active_flops_per_iteration(w: Workload, tp: int, *, recompute: bool = False)
     return (4 if recompute else 3) * w.layers * (projections + router + attention) + 3 * lm_head
 
 
+def skipped_attention_flops(w: Workload, lay: Layout) -> float:
+    """The attention FLOPs a step's model count includes but a causal flash kernel never
+    runs: half of the core's 4·s·q per token (the tiles above the diagonal), in each
+    forward, backward and recomputed forward pass. Model FLOPs (and MFU, by convention)
+    count the full s², so at long sequences MFU can pass 100 %; hardware FLOPs do not."""
+    if not lay.fused_attention:
+        return 0.0
+    passes = 4 if lay.recompute == "full" else 3
+    return passes * w.layers * 0.5 * 4 * w.global_batch * w.seq * w.seq * w.q_width
+
+
 def _pipeline_seconds(
     w: Workload, lay: Layout, cluster: ClusterSpec, micro_steps: int
 ) -> tuple[float, float]:
@@ -752,7 +763,9 @@ def predict(w: Workload, lay: Layout, cluster: ClusterSpec) -> Prediction:
     busy = micro_steps * (c["total"] + tp + cp_exposed + a2a + p2p)
     step = busy * (1 + bubble) + dp_exposed + optimizer
     model = model_flops(w, lay.tp)
-    hardware = model_flops(w, lay.tp, recompute=True) if lay.recompute == "full" else model
+    full = lay.recompute == "full"
+    hardware = model_flops(w, lay.tp, recompute=True) if full else model
+    hardware -= skipped_attention_flops(w, lay)
     mem = memory_terms(w, lay)
     breakdown = {
         "compute_s": micro_steps * c["total"],

@@ -159,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     se.add_argument(
         "--memory-gib", type=positive_float, help="memory per GPU (default: the cluster's)"
     )
+    se.add_argument("--tp", type=gpu_count, help="pin the tensor-parallel size")
+    se.add_argument(
+        "--recompute", choices=("none", "selective", "full"), help="pin the recomputation"
+    )
     se.add_argument("--top", type=positive_int, default=10, help="feasible layouts to list")
     return parser
 
@@ -283,19 +287,49 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
     times = {k[:-2]: v for k, v in b.items() if isinstance(v, float)}
     print("  time: " + "  ".join(f"{k} {v:.4g} s" for k, v in times.items()))
     print("  memory: " + "  ".join(f"{k} {v:.2f} GiB" for k, v in b["memory_gib"].items()))
+    for note in prediction_notes(p, cluster):
+        print(f"  note: {note}")
     return 0
+
+
+def prediction_notes(p, cluster: ClusterSpec) -> list[str]:
+    """What a prediction's numbers do not say by themselves: a layout over the device's
+    memory (predict prices any layout; search leaves such ones out), an MFU over 100 %."""
+    notes = []
+    limit = cluster.memory_bytes / 2**30
+    if p.memory_gib_per_gpu > limit:
+        notes.append(
+            f"does not fit: {p.memory_gib_per_gpu:.1f} GiB/GPU over the {limit:.1f} GiB of a "
+            f"{cluster.name} GPU; plan.py search lists the layouts that fit (it varies dp, "
+            "the micro-batch, recomputation and sharding; --tp and --pp pin those)"
+        )
+    if p.mfu > 1:
+        notes.append(
+            "MFU counts the full s² attention (the usual convention); a causal flash kernel "
+            "runs half of it, so at long sequences MFU passes 100 %: the hardware TFLOP/s "
+            "is the work done"
+        )
+    return notes
 
 
 def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> int:
     """Print the ranked feasible layouts (best per tp × dp first) and the rejected splits."""
     only: dict[str, tuple] = {}
+    fixed = (args.tp or 1) * (args.pp or 1) * args.cp
+    if fixed > 1 and args.gpus % fixed:
+        pinned = " × ".join(
+            f"--{k} {v}"
+            for k, v in (("tp", args.tp), ("pp", args.pp), ("cp", args.cp))
+            if v and v > 1
+        )
+        raise ValueError(f"{pinned} = {fixed} does not divide --gpus={args.gpus}")
     if shard := dp_shard_of(args):
         only["dp_shard"] = (shard,)
     if args.pp:
         only["pp"] = (args.pp,)
     if args.schedule:
         only["schedule"] = (args.schedule,)
-    for key in ("virtual_stages", "dp_replicate", "offload"):
+    for key in ("virtual_stages", "dp_replicate", "offload", "tp", "recompute"):
         if getattr(args, key):
             only[key] = (getattr(args, key),)
     res = search(

@@ -204,6 +204,8 @@ def _splits(w: Workload, gpus: int, base: Layout, micro_batch: int | None, only:
         if gpus % (pp * cp) or pp > w.layers:
             continue
         for tp in divisors(gpus // (pp * cp)):
+            if tp not in only.get("tp", (tp,)):
+                continue
             dp = gpus // (pp * cp * tp)
             probe = replace(base, pp=pp, tp=tp, dp=dp, micro_batch=micro_batch or 1)
             yield pp, tp, dp, _split_problems(w, probe, gpus)
@@ -335,7 +337,7 @@ def search(
     (selective recompute only with unfused attention: a fused kernel already stores no
     scores); a sharded mode that fits nowhere is priced again with ``offload=optimizer``.
     ``base`` carries the options not searched (overlap, fused attention); ``only``
-    restricts the searched ones (e.g. ``{"recompute": ("full",)}``, ``{"pp": (1,)}``,
+    restricts the searched ones (e.g. ``{"recompute": ("full",)}``, ``{"pp": (1,)}``, ``{"tp": (8,)}``,
     ``{"dp_shard": ("optimizer",)}``, ``{"dp_replicate": (1,)}``, ``{"offload":
     ("none",)}``). A schedule or R that never divides is rejected with the runtime's rule.
 
