@@ -22,7 +22,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 try:
     from engine.data.indexed import INDEX_FORMATS, convert_index
-    from engine.data.preprocess import EOD_TOKEN, EncodeWorkerDied, load_tokenizer, preprocess
+    from engine.data.preprocess import (
+        EOD_TOKEN,
+        MIN_VOCAB_SIZE,
+        EncodeWorkerDied,
+        load_tokenizer,
+        preprocess,
+    )
     from engine.tool_args import ArgumentParser, non_negative_int, positive_int
 except KeyboardInterrupt:  # Ctrl-C during the imports: nothing started, no traceback
     print("preprocess_data.py: interrupted; nothing was written", file=sys.stderr)
@@ -37,6 +43,18 @@ def worker_count(text: str) -> int:
     value = positive_int(text)
     if value > MAX_WORKERS:
         raise argparse.ArgumentTypeError(f"{value} must be <= {MAX_WORKERS}")
+    return value
+
+
+def vocab_size(text: str) -> int:
+    """argparse type of --vocab-size: what a byte-level BPE can be (checked before any text
+    is read, not after the corpus is loaded)."""
+    value = positive_int(text)
+    if value < MIN_VOCAB_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{value} is too small: a byte-level BPE needs at least {MIN_VOCAB_SIZE} ids "
+            f"(256 bytes + {MIN_VOCAB_SIZE - 256} special tokens)"
+        )
     return value
 
 
@@ -70,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tok = parser.add_mutually_exclusive_group(required=True)
     tok.add_argument("--tokenizer", default=None, help="existing tokenizer.json to use")
     tok.add_argument(
-        "--vocab-size", type=positive_int, default=None, help="train a byte-level BPE of this size"
+        "--vocab-size", type=vocab_size, default=None, help="train a byte-level BPE of this size"
     )
     parser.add_argument(
         "--tokenizer-out",

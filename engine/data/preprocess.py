@@ -670,6 +670,21 @@ def _make_output_dir(directory: Path) -> None:
 
 
 @contextlib.contextmanager
+def _creating(path: str) -> Iterator[None]:
+    """Name the folder and the fix when the first file of the output cannot be created
+    there (a read-only or virtual file system), instead of the bare OSError."""
+    try:
+        yield
+    except (FileNotFoundError, PermissionError, OSError) as err:
+        if err.filename != path:
+            raise
+        raise OSError(
+            f"cannot write into {os.path.dirname(path) or '.'} ({err.strerror}): give an "
+            "--output-prefix in a writable folder"
+        ) from None
+
+
+@contextlib.contextmanager
 def _output_lock(prefix: str, outputs: list[Path]) -> Iterator[list[str]]:
     """Hold ``PREFIX.lock`` for the body, which gets a list of notes for the user.
 
@@ -678,7 +693,7 @@ def _output_lock(prefix: str, outputs: list[Path]) -> Iterator[list[str]]:
     """
     lock = f"{prefix}.lock"
     try:
-        with pid_lock(lock) as dead_holder:
+        with _creating(lock), pid_lock(lock) as dead_holder:
             notes = []
             if dead_holder is not None:
                 notes.append(
