@@ -274,6 +274,13 @@ def test_hf_export_tokenizer_names_the_family_special_tokens(case, tmp_path):
         assert getattr(hf_tokenizer, role) == token, role
         assert getattr(hf_tokenizer, f"{role}_id") == vocab[token], role
         assert config[f"{role}_id"] == vocab[token], role
+    if arch == "bert":  # pairs framed as the pre-training samples are, with token types
+        plain = hf_tokenizer("a + b", "return a", add_special_tokens=False).input_ids
+        cls, sep = vocab["[CLS]"], vocab["[SEP]"]
+        a, b = (hf_tokenizer(t, add_special_tokens=False).input_ids for t in ("a + b", "return a"))
+        pair = hf_tokenizer("a + b", "return a")
+        assert pair.input_ids == [cls, *a, sep, *b, sep] and plain == a + b
+        assert pair.token_type_ids == [0] * (len(a) + 2) + [1] * (len(b) + 1)
     if arch != "bert":  # a decoder's end of sequence is its document end
         assert hf_tokenizer.eos_token is not None
         assert hf_tokenizer.eos_token == roles["eos_token"]

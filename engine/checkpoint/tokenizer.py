@@ -92,6 +92,9 @@ def check_tokenizer(path: str | os.PathLike, vocab_size: int) -> None:
         raise ValueError(f"{path} has token id {largest}, past the model's vocab_size {vocab_size}")
 
 
+TYPED_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
+
+
 def write_hf_tokenizer(
     path: str | os.PathLike, hf_dir: str | os.PathLike, *, arch: str, max_positions: int
 ) -> dict[str, int]:
@@ -100,14 +103,26 @@ def write_hf_tokenizer(
     vocabulary holds), for ``AutoTokenizer.from_pretrained(hf_dir)``.
     Returns their ids by config.json key (``eos_token_id``: 0 ...), which the model's
     config must carry too."""
-    vocab = load_tokenizer(path).get_vocab()  # read first: a damaged file is named, not copied
-    copy_tokenizer(path, hf_dir)
+    tokenizer = load_tokenizer(path)  # read first: a damaged file is named, not copied
+    vocab = tokenizer.get_vocab()
     roles = {}  # each role the family names: its first token the vocabulary holds
     for role, tokens in family(arch).special_tokens.items():
         held = [token for token in tokens if token in vocab]
         if held:
             roles[role] = held[0]
+    if (
+        family(arch).token_types
+        and _adds_no_specials(tokenizer)
+        and {"cls_token", "sep_token"} <= roles.keys()
+    ):
+        _add_pair_template(tokenizer, roles["cls_token"], roles["sep_token"], vocab)
+        tokenizer.save(str(Path(hf_dir) / TOKENIZER_FILE))
+    else:
+        copy_tokenizer(path, hf_dir)
     config = {
+        # An encoder trained on sentence pairs feeds token types (transformers' fast
+        # tokenizer returns them only when named here).
+        **({"model_input_names": list(TYPED_INPUTS)} if family(arch).token_types else {}),
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_positions,
         "clean_up_tokenization_spaces": False,
@@ -116,3 +131,30 @@ def write_hf_tokenizer(
     for name, body in (("tokenizer_config.json", config), ("special_tokens_map.json", roles)):
         (Path(hf_dir) / name).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
     return {f"{role}_id": vocab[token] for role, token in roles.items() if role != "unk_token"}
+
+
+def _adds_no_specials(tokenizer) -> bool:
+    """Whether encoding with ``tokenizer`` adds no special tokens of its own (a tokenizer
+    trained here; an imported BERT tokenizer already has its template)."""
+    return (
+        tokenizer.encode("a", add_special_tokens=True).ids
+        == tokenizer.encode("a", add_special_tokens=False).ids
+    )
+
+
+def _add_pair_template(tokenizer, cls: str, sep: str, vocab: dict[str, int]) -> None:
+    """Make ``tokenizer`` frame text as the BERT pre-training samples are: ``[CLS] A [SEP]``
+    and, for a pair, ``[CLS] A [SEP] B [SEP]`` with token type 0 up to the first [SEP] and
+    1 after it (``engine/data/bert_dataset.py``), as transformers' BERT tokenizers do.
+    Training data is tokenized with ``add_special_tokens=False``: it is not affected."""
+    from tokenizers import processors
+
+    template = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
+    )
+    current = tokenizer.post_processor
+    tokenizer.post_processor = (
+        template if current is None else processors.Sequence([current, template])
+    )
