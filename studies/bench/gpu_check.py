@@ -81,6 +81,7 @@ class Item:
     what: str
     cap_s: int  # the most it is given on a GPU (its rehearsal takes far less)
     plan: Callable[[Context], Plan]
+    default: bool = True  # False: run only when --items names it
 
 
 def _tool(name: str) -> list[str]:
@@ -334,15 +335,16 @@ def plan_checkpoint(ctx: Context) -> Plan:
 
 
 # In priority order. Each training item is one process whose loops are timed side by side.
-# Compilation is most of an item (H200, 2026-11-27: 30-40 s per compiled model). The loss
-# checks no longer compile graphs of their own: on CPU (inductor, bf16, a 2-layer GPT) that
-# took the build and warm-up from 72 s to 61 s. Taking the same share off that window's
-# item times gives kernels 39 s, tests 14, 1.3B about 125 with the profile, its eager pair
-# about 25 (its own process: four 1.3B models with their AdamW state would not fit an
-# 80 GB H100), llama_1b about 75, 350M about 135 with the CUDA-graph loop, checkpoint
-# about 40 (gpt_125m: 1.49 GB; gpt_350m's 4.26 GB took 92 s), FSDP 15: about 470 s of the
-# 480 s default, so FSDP (measured in both H200 windows) runs last. Profiling two steps of
-# a loop adds about a second and its summary a few (not measured on a GPU).
+# Compilation is most of an item (H200: 30-40 s per compiled model). The H200 window of
+# 2026-11-27 21:22 (147bf0f) took kernels 48 s, tests 21, 1.3B 137 (two loops, profiled),
+# kernels_1.3b 43, llama_1b 76, then ran out at 146 s into 350M with five loops (95 s a
+# second time, its compilations cached), so checkpoint (42 s) and FSDP (16) came only in a
+# second call. Two questions are settled by two windows each and leave the default run:
+# the fused kernels inside an eager 1.3B step (1.09x on the H100, 1.10x on the H200:
+# kernels_1.3b, run when named) and the eager plain GPT at 350M (meshtron's eager step was
+# 1.16x it, the GPU busy 93 %). The rest is about 48 + 21 + 137 + 76 + 42 + 16 = 340 s
+# before 350M, whose four loops (about 130 s) end the 480 s default; the CUDA-graph loop
+# stays in it, the only run of model.cuda_graphs on a GPU.
 ITEMS: tuple[Item, ...] = (
     Item(
         "kernels",
@@ -359,24 +361,10 @@ ITEMS: tuple[Item, ...] = (
         train_plan("gpt_1.3b", "reference", profile=True),
     ),
     Item(
-        "kernels_1.3b",
-        "GPT 1.3B bf16 eager steps: meshtron with the fused kernels (kernels=auto) and with "
-        "torch's ops, each profiled by kind of work",
-        60,
-        train_plan("gpt_1.3b", "torch_kernels", compiled=False, name="kernels_1.3b", profile=True),
-    ),
-    Item(
         "train_llama_1b",
         "llama_1b bf16 steps: meshtron compiled and eager",
         120,
         train_plan("llama_1b", "eager"),
-    ),
-    Item(
-        "train_gpt_350m",
-        "GPT 350M bf16 steps: meshtron compiled, eager and as CUDA graphs, plain compiled "
-        "and eager, each profiled by kind of work (the GPU's busy share: host overhead)",
-        180,
-        train_plan("gpt_350m", "eager", "references", "cuda_graphs", profile=True),
     ),
     Item(
         "checkpoint",
@@ -385,7 +373,22 @@ ITEMS: tuple[Item, ...] = (
         plan_checkpoint,
     ),
     Item("fsdp_full", "FSDP2 dp_shard=full on one GPU against the all-reduce path", 45, plan_fsdp),
+    Item(
+        "train_gpt_350m",
+        "GPT 350M bf16 steps: meshtron compiled, eager and as CUDA graphs, plain compiled, "
+        "each profiled by kind of work (the GPU's busy share: host overhead)",
+        180,
+        train_plan("gpt_350m", "eager", "reference", "cuda_graphs", profile=True),
+    ),
     Item("two_gpus", "a two-rank NCCL run and pp 2", 90, plan_two_gpus),
+    Item(
+        "kernels_1.3b",
+        "GPT 1.3B bf16 eager steps: meshtron with the fused kernels (kernels=auto) and with "
+        "torch's ops, each profiled by kind of work",
+        60,
+        train_plan("gpt_1.3b", "torch_kernels", compiled=False, name="kernels_1.3b", profile=True),
+        default=False,
+    ),
 )
 
 
@@ -522,8 +525,8 @@ def write_outputs(out: Path, env: dict, results: list[Result], budget: float, us
 
 
 def _items_help() -> str:
-    lines = ["items, in the order they run (cap on a GPU):"]
-    lines += [f"  {i.name:<15} {i.what} ({i.cap_s} s)" for i in ITEMS]
+    lines = ["items, in the order they run (cap on a GPU; * only when --items names it):"]
+    lines += [f"{' ' if i.default else '*'} {i.name:<15} {i.what} ({i.cap_s} s)" for i in ITEMS]
     return "\n".join(lines)
 
 
@@ -549,8 +552,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--items",
-        default=",".join(i.name for i in ITEMS),
-        help="comma list of items to run, in this order (default: all, in priority order)",
+        default=",".join(i.name for i in ITEMS if i.default),
+        help="comma list of items to run, in this order (default: all but the starred ones "
+        "below, in priority order)",
     )
     p.add_argument(
         "--rehearse",
