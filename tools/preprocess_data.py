@@ -179,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(
-        f"wrote {result.prefix}.bin/.idx: {result.num_docs} documents, "
-        f"{result.num_tokens} tokens ({args.format} index); tokenizer {result.tokenizer_path} "
+        f"wrote {result.prefix}.bin/.idx: {result.num_docs} document"
+        f"{'s' * (result.num_docs != 1)}, {result.num_tokens} token"
+        f"{'s' * (result.num_tokens != 1)} ({args.format} index); tokenizer {result.tokenizer_path} "
         f"({result.vocab_size} ids)"
     )
     for note in result.notes:
