@@ -113,9 +113,9 @@ class ModelConfig:
     # torch.compile the whole forward and loss (layers.compile). None (the default) is
     # "auto": compiled on CUDA where the layout runs compiled (pp 1, no FSDP2; see
     # engine.config.resolve_compile), eager elsewhere. Measured on an H200 (docs/BENCHMARKS.md,
-    # GPU check): GPT 350M bf16 steps 1.39x faster compiled than eager on 2026-11-26 and
-    # 1.40x on 2026-11-27 (155,953 against 111,575 tokens/s), llama_1b 1.17x. On CPU the
-    # eager step stays the default.
+    # GPU check): GPT 350M bf16 steps 1.39x faster compiled than eager on 2026-11-26, 1.40x
+    # and 1.44x in two windows on 2026-11-27 (161,970 against 112,519 tokens/s at 147bf0f),
+    # llama_1b 1.17x and 1.21x. On CPU the eager step stays the default.
     compile: bool | None = None
     compile_backend: str = "inductor"  # torch.compile backend: "inductor", "aot_eager" or "eager"
     # The compiled step replayed as CUDA graphs (reduce-overhead). Off by default: 1.02x the
