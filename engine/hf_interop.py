@@ -248,10 +248,10 @@ def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelCo
                 "checkpoint (checkpoints/NAME, as a run prints, or one of its step directories)"
             )
         try:
-            resolve(ckpt_dir)
+            step = resolve(ckpt_dir)
         except CheckpointError as err:
             raise CheckpointError(f"{err}, and not a model export (no {META_FILE})") from None
-        cfg, state, index = read_model_state(ckpt_dir)
+        cfg, state, index = read_model_state(step)
         extra, tokenizer = {}, recorded_tokenizer(index.get("trainer_state"))
     # Written beside the target and renamed into place once whole: an export that fails
     # (a full disk, a tokenizer it cannot convert) leaves no half-written directory.

@@ -675,7 +675,7 @@ def _creating(path: str) -> Iterator[None]:
     there (a read-only or virtual file system), instead of the bare OSError."""
     try:
         yield
-    except (FileNotFoundError, PermissionError, OSError) as err:
+    except OSError as err:  # FileNotFoundError, PermissionError, a read-only file system
         if err.filename != path:
             raise
         raise OSError(
