@@ -75,7 +75,7 @@ def _accepted(tokenizer: str, path: Path, capsys, *, key: str | None = "text") -
     """The number of documents preprocessing ``path`` wrote."""
     code, err, out = _run(tokenizer, path, capsys, key=key)
     assert code == 0, err
-    return int(out.split(": ", 1)[1].split(" documents")[0])
+    return int(out.split(": ", 1)[1].split(" document")[0])
 
 
 def _jsonl(texts: list[str]) -> bytes:
