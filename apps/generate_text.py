@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="repeatable: end a sample at this (non-empty) text",
     )
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="go on past the end-of-sequence token (the document end of a model trained "
+        "here), as the server's ignore_eos does; by default a sample ends there",
+    )
     p.add_argument("--seed", type=seed_int, default=0, help="0 .. 2**64 - 1")
     p.add_argument("--no-kv-cache", action="store_true", help="re-encode the context each token")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
@@ -148,6 +154,7 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
     import torch
     from tokenizers import Tokenizer
 
+    from apps.serving.text import TextCodec
     from engine.bootstrap import bootstrap_rank
     from engine.generate import generate_batch
     from engine.inference import inference_config
@@ -176,9 +183,18 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
         quantize_model_(model, args.quantize)
         tokenizer = Tokenizer.from_file(tokenizer_path)
         prompts = [tokenizer.encode(p).ids for p in args.prompt]
-        stop = None
-        if args.stop:
-            stop = lambda row, new: any(s in tokenizer.decode(new) for s in args.stop)  # noqa: E731
+        # The server's end of sequence (tokenizer_config.json's, else the family's):
+        # a sample ends there, as a completion does.
+        eos = (
+            set()
+            if args.ignore_eos
+            else TextCodec.from_files(tokenizer_path, arch=cfg.arch).eos_ids
+        )
+
+        def stop(row: int, new: list[int]) -> bool:
+            ended = bool(new) and new[-1] in eos
+            return ended or any(s in tokenizer.decode(new) for s in args.stop)
+
         start = time.perf_counter()
         new = generate_batch(
             model,
@@ -189,8 +205,9 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
             stop=stop,
         )
         seconds = time.perf_counter() - start
-        texts = [_cut(tokenizer.decode(ids), args.stop) for ids in new]
         tokens = sum(map(len, new))
+        new = [ids[:-1] if ids and ids[-1] in eos else ids for ids in new]  # eos: not text
+        texts = [_cut(tokenizer.decode(ids), args.stop) for ids in new]
         return {"texts": texts, "tokens": tokens, "seconds": seconds} if ps.rank == 0 else None
 
 

@@ -147,7 +147,7 @@ def build(args: argparse.Namespace, ps=None, channel=None):
     from apps.serving.text import TextCodec
 
     source, tokenizer = _source(args)
-    codec = TextCodec.from_files(tokenizer, args.chat_template)
+    codec = TextCodec.from_files(tokenizer, args.chat_template, arch=source.config().arch)
     model, cache = _model_and_cache(args, source, ps)
     engine = ServingEngine(
         model,

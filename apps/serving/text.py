@@ -18,6 +18,7 @@ from tokenizers import Tokenizer
 
 from engine.checkpoint.tokenizer import load_tokenizer
 from engine.data.fsutil import read_json_object
+from engine.models.families import family
 
 REPLACEMENT = "\ufffd"  # what decoding shows for the bytes of an unfinished character
 
@@ -46,11 +47,20 @@ class TextCodec:
         )
 
     @classmethod
-    def from_files(cls, tokenizer_path: str, chat_template_path: str | None = None) -> TextCodec:
-        """The tokenizer at ``tokenizer_path``, with the ``tokenizer_config.json`` beside it
-        if there is one; ``chat_template_path`` (a Jinja file) overrides its template."""
+    def from_files(
+        cls, tokenizer_path: str, chat_template_path: str | None = None, *, arch: str | None = None
+    ) -> TextCodec:
+        """The tokenizer at ``tokenizer_path``, with what the Hugging Face files beside it
+        say: ``tokenizer_config.json`` (the bos and eos tokens, a chat template) and
+        ``chat_template.jinja`` (where transformers now saves the template; it wins over
+        the config's, as in transformers). ``chat_template_path`` (a Jinja file) overrides
+        both. A role no file names (a meshtron checkpoint's tokenizer has no config) is
+        the first token of ``arch``'s family for it that the vocabulary holds
+        (``Family.special_tokens``: a model trained here ends documents with its document
+        end token), as the Hugging Face export names them."""
         tokenizer = load_tokenizer(tokenizer_path)  # a damaged file: ValueError naming it
         config_path = Path(tokenizer_path).parent / "tokenizer_config.json"
+        jinja_path = Path(tokenizer_path).parent / "chat_template.jinja"
         config = read_json_object(config_path) if config_path.is_file() else {}
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
@@ -60,6 +70,9 @@ class TextCodec:
         if chat_template_path is not None:
             template = Path(chat_template_path).read_text()
             name = f"--chat-template {chat_template_path}"
+        elif jinja_path.is_file():
+            template = jinja_path.read_text()
+            name = f"{jinja_path} (--chat-template FILE overrides it)"
         elif template is not None and not isinstance(template, str):
             raise ValueError(
                 f"{config_path}: chat_template is a {type(template).__name__}, expected a string"
@@ -71,6 +84,12 @@ class TextCodec:
                 value = value.get("content")
             if isinstance(value, str):
                 special[role] = value
+        if arch is not None and not config_path.is_file():
+            vocab = tokenizer.get_vocab()
+            for role, tokens in family(arch).special_tokens.items():
+                held = [token for token in tokens if token in vocab]
+                if role in ("bos_token", "eos_token") and held:
+                    special[role] = held[0]
         return cls(tokenizer, chat_template=template, special=special, template_name=name)
 
     def encode(self, text: str, *, special_tokens: bool = True) -> list[int]:

@@ -1,0 +1,119 @@
+"""Where a sample ends, and which chat template is read, for models whose tokenizer has no
+Hugging Face ``tokenizer_config.json`` beside it.
+
+A model trained here ends every document with the document-end token, but its export and
+its training checkpoint carry ``tokenizer.json`` alone: the server never stopped there (no
+eos known) and ``tools/generate.py`` had no end of sequence at all. Now both take the
+family's end of sequence (the token the Hugging Face export names ``eos_token``).
+
+The model is a tiny random GPT whose word embedding has two rows swapped: the document end
+and the token its greedy continuation emits at step k. With tied embeddings that is the same
+model under renamed ids, so its greedy continuation is the unswapped one's with the two ids
+exchanged (checked), and the reference for "stops at the document end" is that
+continuation cut before step k, by hand. Token ids compare exactly (init_std 0.2: the top
+logit leads by far more than float32 rounding, as tests/test_serve.py says).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.checkpoint.format import write_checkpoint
+from engine.data.preprocess import EOD_TOKEN, save_tokenizer, train_tokenizer
+from engine.generate import Sampling, generate_batch
+from engine.models import build_model
+from tests.test_serve import _serving
+from tests.threads_util import torch_threads
+from tests.torch_reference import tiny_gpt
+
+PROMPT = "def add(a, b):"
+NEW = 16  # tokens asked for
+
+
+@pytest.fixture(scope="module")
+def swapped(tmp_path_factory):
+    """(export dir, tokenizer, the continuation cut before the document end, k)."""
+    root = tmp_path_factory.mktemp("eos")
+    text = "def add(a, b):\n    return a + b\nclass Point:\n    x = 1\nimport os\n"
+    tokenizer = train_tokenizer([text] * 20, 300)
+    eod = tokenizer.token_to_id(EOD_TOKEN)
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    cfg = tiny_gpt(tokenizer.get_vocab_size(), max_positions=128, init_std=0.2)
+    torch.manual_seed(3)
+    with torch_threads(1):
+        model = build_model(cfg).eval()
+        greedy = generate_batch(model, [prompt], NEW, Sampling(greedy=True))[0]
+        k = next(
+            k
+            for k in range(2, NEW - 2)
+            if greedy[k] not in {eod, *prompt, *greedy[:k]} and eod not in greedy[: k + 1]
+        )
+        with torch.no_grad():  # the document end and greedy[k] trade places
+            word = model.embedding.word.weight
+            word[[eod, greedy[k]]] = word[[greedy[k], eod]].clone()
+        renamed = {eod: greedy[k], greedy[k]: eod}
+        again = generate_batch(model, [prompt], NEW, Sampling(greedy=True))[0]
+        assert again == [renamed.get(t, t) for t in greedy]  # the same model, ids renamed
+    directory = root / "export"
+    save_tokenizer(tokenizer, root / "tokenizer.json")
+    write_checkpoint(directory, model.full_state_dict(), cfg, tokenizer=root / "tokenizer.json")
+    assert not (directory / "tokenizer_config.json").exists()  # what this file is about
+    return directory, tokenizer, again, k
+
+
+def test_server_and_generate_end_a_sample_at_the_document_end(swapped, capsys):
+    from apps.generate_text import main as generate_main
+
+    directory, tokenizer, continuation, k = swapped
+    expected = tokenizer.decode(continuation[:k])
+    with _serving(directory) as (client, _):
+        done = client.completions.create(
+            model="export", prompt=PROMPT, max_tokens=NEW, temperature=0
+        ).choices[0]
+        assert (done.text, done.finish_reason) == (expected, "stop")
+        on = client.completions.create(
+            model="export",
+            prompt=PROMPT,
+            max_tokens=NEW,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert on.choices[0].finish_reason == "length" and on.usage.completion_tokens == NEW
+        assert on.choices[0].text == tokenizer.decode(continuation)  # the end token: no text
+    argv = ["--ckpt", str(directory), "--prompt", PROMPT, "--greedy", "--max-new-tokens", str(NEW)]
+    assert generate_main(argv) == 0
+    assert capsys.readouterr().out == f"--- sample 1 ---\n{PROMPT}{expected}\n"
+    assert generate_main([*argv, "--ignore-eos"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == f"--- sample 1 ---\n{PROMPT}{tokenizer.decode(continuation)}\n"
+
+
+def test_a_chat_template_saved_as_chat_template_jinja_is_used(swapped, tmp_path):
+    """transformers now saves a tokenizer's chat template as ``chat_template.jinja`` beside
+    ``tokenizer_config.json`` (which then has none); the server said "no chat template".
+    The reference: transformers' own ``apply_chat_template`` of the same messages."""
+    transformers = pytest.importorskip("transformers")
+    directory, tokenizer, _, _ = swapped
+    folder = tmp_path / "with-template"
+    folder.mkdir()
+    for name in ("meshtron.json", "model.safetensors", "tokenizer.json"):
+        (folder / name).write_bytes((directory / name).read_bytes())
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(folder / "tokenizer.json"), eos_token=EOD_TOKEN
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    fast.save_pretrained(str(folder))
+    assert (folder / "chat_template.jinja").is_file()
+    assert "chat_template" not in (folder / "tokenizer_config.json").read_text()
+    messages = [{"role": "user", "content": "def add"}]
+    ids = fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]  # a BatchEncoding in newer ones
+    with _serving(folder) as (client, _):
+        answer = client.chat.completions.create(
+            model="with-template", messages=messages, max_tokens=2, temperature=0
+        )
+    assert answer.usage.prompt_tokens == len(ids)
