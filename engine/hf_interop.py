@@ -12,6 +12,8 @@ builds a model).
 
 A ``tokenizer.json`` travels both ways; an export adds ``tokenizer_config.json`` and
 ``special_tokens_map.json`` so that ``AutoTokenizer.from_pretrained`` opens the directory.
+An import keeps the Hugging Face tokenizer files beside it (``TOKENIZER_SIDE_FILES``: its
+bos/eos, a chat template), which the server reads and the export gives back unchanged.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ from engine.checkpoint.format import (
     save_tensors,
     write_checkpoint,
 )
-from engine.checkpoint.tokenizer import TOKENIZER_FILE, check_tokenizer, write_hf_tokenizer
+from engine.checkpoint.tokenizer import (
+    TOKENIZER_FILE,
+    TOKENIZER_SIDE_FILES,
+    check_tokenizer,
+    write_hf_tokenizer,
+)
 from engine.data.fsutil import MISSING, file_problem, read_json_object
 from engine.models import ModelConfig
 from engine.models.families import FAMILIES, family
@@ -202,9 +209,11 @@ def import_hf(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> ModelCo
     )
     if generation is not None:
         extra[HF_GENERATION_CONFIG] = read_json_object(generation)
+    sides = []  # how the tokenizer is used (bos/eos, a chat template): kept beside it
     if tokenizer is not None:
         check_tokenizer(tokenizer, cfg.vocab_size)
-    write_checkpoint(ckpt_dir, state, cfg, extra=extra, tokenizer=tokenizer)
+        sides = [p for name in TOKENIZER_SIDE_FILES if (p := _optional_file(hf_dir, name))]
+    write_checkpoint(ckpt_dir, state, cfg, extra=extra, tokenizer=tokenizer, tokenizer_files=sides)
     return cfg
 
 
@@ -237,6 +246,7 @@ def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelCo
         cfg, state, extra = ckpt.config, ckpt.state, ckpt.extra
         tokenizer = Path(ckpt_dir) / TOKENIZER_FILE
         tokenizer = tokenizer if tokenizer.is_file() else None
+        sides = [Path(ckpt_dir) / n for n in TOKENIZER_SIDE_FILES if (Path(ckpt_dir) / n).is_file()]
     else:  # a training checkpoint, or a CheckpointError naming what the directory is
         from engine.checkpoint.convert import read_model_state, resolve
         from engine.checkpoint.storage import CheckpointError
@@ -252,13 +262,13 @@ def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelCo
         except CheckpointError as err:
             raise CheckpointError(f"{err}, and not a model export (no {META_FILE})") from None
         cfg, state, index = read_model_state(step)
-        extra, tokenizer = {}, recorded_tokenizer(index.get("trainer_state"))
+        extra, tokenizer, sides = {}, recorded_tokenizer(index.get("trainer_state")), []
     # Written beside the target and renamed into place once whole: an export that fails
     # (a full disk, a tokenizer it cannot convert) leaves no half-written directory.
     hf_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = hf_dir.parent / f".{hf_dir.name}.partial-{os.getpid()}"
     try:
-        _write_hf_export(partial, cfg, state, extra, tokenizer)
+        _write_hf_export(partial, cfg, state, extra, tokenizer, sides)
         if hf_dir.exists():
             hf_dir.rmdir()  # empty (checked above)
         partial.rename(hf_dir)
@@ -268,14 +278,19 @@ def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelCo
     return cfg
 
 
-def _write_hf_export(hf_dir: Path, cfg: ModelConfig, state, extra: dict, tokenizer) -> None:
-    """export_hf's files in ``hf_dir``: weights and config, tokenizer, generation config."""
+def _write_hf_export(
+    hf_dir: Path, cfg: ModelConfig, state, extra: dict, tokenizer, sides: list[Path]
+) -> None:
+    """export_hf's files in ``hf_dir``: weights and config, tokenizer (and ``sides``, the
+    Hugging Face tokenizer files an import kept), generation config."""
     write_hf_dir(hf_dir, cfg, state, extra.get(HF_CONFIG))
     config = json.loads((hf_dir / "config.json").read_text())
     if tokenizer is not None:  # the model's own tokenizer, in the files AutoTokenizer reads
         ids = write_hf_tokenizer(tokenizer, hf_dir, arch=cfg.arch, max_positions=cfg.max_positions)
         config.update({k: v for k, v in ids.items() if config.get(k) is None})
         _write_json(hf_dir / "config.json", config)
+        for side in sides:  # an imported model's own: they win
+            shutil.copyfile(side, hf_dir / side.name)
     generation = extra.get(HF_GENERATION_CONFIG)
     if generation is None and cfg.causal:
         generation = {k: config[k] for k in SPECIAL_IDS if config.get(k) is not None} or None

@@ -1,5 +1,6 @@
-"""Where a sample ends, and which chat template is read, for models whose tokenizer has no
-Hugging Face ``tokenizer_config.json`` beside it.
+"""Where a sample ends, and which chat template is read: for models whose tokenizer has no
+Hugging Face ``tokenizer_config.json`` beside it, one saved as ``chat_template.jinja``, and
+an imported model's own tokenizer files.
 
 A model trained here ends every document with the document-end token, but its export and
 its training checkpoint carry ``tokenizer.json`` alone: the server never stopped there (no
@@ -117,3 +118,68 @@ def test_a_chat_template_saved_as_chat_template_jinja_is_used(swapped, tmp_path)
             model="with-template", messages=messages, max_tokens=2, temperature=0
         )
     assert answer.usage.prompt_tokens == len(ids)
+
+
+def test_an_import_keeps_the_tokenizer_files_that_say_how_it_is_used(tmp_path):
+    """An imported model kept tokenizer.json alone: served from its meshtron checkpoint it
+    had no chat template and took the family's eos, ``<|endoftext|>``, where the model's is
+    ``<|im_end|>``; its export wrote a tokenizer_config of its own. Now the import keeps
+    ``tokenizer_config.json``, ``special_tokens_map.json`` and ``chat_template.jinja``
+    beside the tokenizer, the server reads them, and the export gives them back byte for
+    byte. References: transformers' apply_chat_template and its eos_token_id."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from apps.serving.text import TextCodec
+    from engine.hf_interop import export_hf, import_hf
+
+    base = Tokenizer(models.BPE())
+    base.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    base.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    base.train_from_iterator(["hello world, def f(x): return x\n"] * 30, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=base, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    config = transformers.Qwen2Config(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=fast.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf_dir = tmp_path / "qwen2"
+    transformers.Qwen2ForCausalLM(config).save_pretrained(str(hf_dir))
+    fast.save_pretrained(str(hf_dir))
+    names = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+    sides = [n for n in names if (hf_dir / n).is_file()]  # the map: older transformers only
+    assert {"tokenizer_config.json", "chat_template.jinja"} <= set(sides)
+
+    import_hf(hf_dir, tmp_path / "ckpt")
+    codec = TextCodec.from_files(str(tmp_path / "ckpt" / "tokenizer.json"), arch="llama")
+    assert codec.eos_ids == {fast.eos_token_id}
+    messages = [{"role": "user", "content": "hello"}]
+    ids = fast.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    with _serving(tmp_path / "ckpt") as (client, _):
+        answer = client.chat.completions.create(
+            model="ckpt", messages=messages, max_tokens=2, temperature=0
+        )
+    assert answer.usage.prompt_tokens == len(ids)
+    export_hf(tmp_path / "ckpt", tmp_path / "again")
+    for name in sides:
+        assert (tmp_path / "again" / name).read_bytes() == (hf_dir / name).read_bytes(), name

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,12 @@ from safetensors.torch import load_file, save_file
 
 from engine import comm
 from engine.checkpoint.tensorfile import write_tensors
-from engine.checkpoint.tokenizer import TOKENIZER_FILE, copy_tokenizer, tokenizer_record
+from engine.checkpoint.tokenizer import (
+    TOKENIZER_FILE,
+    TOKENIZER_SIDE_FILES,
+    copy_tokenizer,
+    tokenizer_record,
+)
 from engine.data.fsutil import file_problem, read_json_object
 from engine.models import ModelConfig, ParallelModel, build_model
 
@@ -82,9 +88,11 @@ def write_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     tokenizer: str | os.PathLike | None = None,
+    tokenizer_files: Iterable[str | os.PathLike] = (),
 ) -> None:
     """Write full-shape ``state`` and ``config`` to ``directory``, replacing it atomically;
-    with ``tokenizer`` (a tokenizer.json) a copy of it, and its origin in the metadata."""
+    with ``tokenizer`` (a tokenizer.json) a copy of it, and its origin in the metadata;
+    ``tokenizer_files``: copies of the Hugging Face files beside it (``TOKENIZER_SIDE_FILES``)."""
     final = Path(directory)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -97,6 +105,10 @@ def write_checkpoint(
         if tokenizer is not None:
             copy_tokenizer(tokenizer, tmp)
             extra["tokenizer"] = tokenizer_record(tokenizer)
+        for side in map(Path, tokenizer_files):
+            if side.name not in TOKENIZER_SIDE_FILES:
+                raise ValueError(f"{side} is not one of {', '.join(TOKENIZER_SIDE_FILES)}")
+            shutil.copyfile(side, tmp / side.name)
         meta = {"format_version": FORMAT_VERSION, "model_config": config.to_dict(), "extra": extra}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         _move_into_place(tmp, final)
@@ -115,7 +127,9 @@ def check_output_dir(directory: str | os.PathLike) -> None:
     if not path.is_dir():
         raise ValueError(f"{path} is a file; give a new directory to write the model to")
     extra = sorted(
-        p.name for p in path.iterdir() if p.name not in (META_FILE, WEIGHTS_FILE, TOKENIZER_FILE)
+        p.name
+        for p in path.iterdir()
+        if p.name not in (META_FILE, WEIGHTS_FILE, TOKENIZER_FILE, *TOKENIZER_SIDE_FILES)
     )
     if extra or (any(path.iterdir()) and not (path / META_FILE).is_file()):
         raise ValueError(

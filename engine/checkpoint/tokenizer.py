@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
+# The Hugging Face files that say how a tokenizer is used (its bos/eos, a chat template):
+# an imported model keeps them beside its tokenizer.json, and its export gives them back.
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def _sha256(path: str | os.PathLike) -> str:
