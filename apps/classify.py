@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from apps.classify_config import ClassifyConfig, register_classify_configs
 from engine.config import INT64_MAX, MAX_LR, numbers_out_of_range, sized_dims
+from engine.config_cli import fail_config
 from parallel_state.dims import LayoutError
 from parallel_state.launcher import DEFAULT_MASTER_PORT, detect_launch
 
@@ -51,18 +52,12 @@ def translate_aliases(argv: list[str]) -> list[str]:
         if flag in ALIASES:
             if not eq:
                 if i + 1 >= len(argv):
-                    _fail([f"{flag} needs a value ({flag} N), it sets {ALIASES[flag]}"])
+                    fail_config([f"{flag} needs a value ({flag} N), it sets {ALIASES[flag]}"])
                 value, i = argv[i + 1], i + 1
             arg = f"{ALIASES[flag]}={value}"
         out.append(arg)
         i += 1
     return out
-
-
-def _fail(problems: list[str]) -> None:
-    for line in problems:
-        print(f"config error: {line}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
@@ -85,7 +80,7 @@ def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
     except LayoutError as err:
         bad.insert(0, str(err))
     if bad:
-        _fail(bad)
+        fail_config(bad)
     if info.launcher != "none":
         world, per_node = info.world_size, info.local_world_size or info.world_size
     else:
@@ -95,7 +90,7 @@ def layout(cfg: ClassifyConfig) -> tuple[int, int, int]:
         dims = sized_dims(tp, cfg.dp_size, world)
     except LayoutError as err:
         nodes = f"{launch.num_nodes} node{'s' * (launch.num_nodes != 1)}"
-        _fail([f"{err}; the run has {nodes} × {per_node} ranks per node"])
+        fail_config([f"{err}; the run has {nodes} × {per_node} ranks per node"])
     return world, dims.dp, per_node
 
 
@@ -220,7 +215,7 @@ def main(dcfg: DictConfig) -> None:
     except FileNotFoundError as err:
         problems.append(str(err))
     if problems:
-        _fail(problems)
+        fail_config(problems)
     cfg.dp_size = dp_size
     summary = launch(cfg, per_node)
     if detect_launch().rank != 0:  # under a launcher, rank 0 speaks for the run
@@ -246,7 +241,9 @@ def cli() -> None:
     if "--help" in argv or "-h" in argv:
         main()  # Hydra's help, with the tutorial flags' template
         return
-    run_checked(main, argv, _fail, schema=ClassifyConfig, prog="apps.classify", default_run_dir=".")
+    run_checked(
+        main, argv, fail_config, schema=ClassifyConfig, prog="apps.classify", default_run_dir="."
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ import functools
 import inspect
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from engine.config import SHORT_FORMS, Config
 
@@ -166,6 +168,22 @@ def run_dir_problem(argv: list[str], default: str = "outputs") -> str | None:
     if not os.access(target, os.W_OK | os.X_OK):
         return f"cannot create the run directory: {target} is not writable (pass hydra.run.dir=DIR)"
     return None
+
+
+def fail_config(problems: list[str]) -> NoReturn:
+    """Print each problem as one ``config error:`` line and exit 2. Under an outside
+    launcher (torchrun, srun, mpirun) every rank checks the same config, so only the first
+    rank of each node prints (three ranks gave three copies); the others exit 2 quietly."""
+    from parallel_state.launcher import detect_launch
+
+    try:
+        speaks = detect_launch().local_rank == 0
+    except ValueError:  # a launcher variable that is no number: every rank says so
+        speaks = True
+    if speaks:
+        for line in problems:
+            print(f"config error: {line}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def hydra_error_line(err: BaseException) -> str:

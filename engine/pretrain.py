@@ -33,6 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from engine.config import Config, parallel_dims, register_configs, validate
+from engine.config_cli import fail_config
 from engine.observe import console_streams
 from engine.optim import scale_lr
 from engine.resilience.preemption import EXIT_PREEMPTED
@@ -53,20 +54,20 @@ def prepare(cfg: Config) -> Config:
     try:
         dims = parallel_dims(cfg, world)
     except LayoutError as err:
-        _fail([str(err)])
+        fail_config([str(err)])
     problems = validate(cfg, dims) + _step_limit_problem(cfg)
     if problems:
-        _fail(problems)
+        fail_config(problems)
     from engine.data.fsutil import file_problem
     from engine.data.run_data import resolve_data
 
     if not cfg.data.prefixes and (problem := _cache_dir_problem(cfg)):
-        _fail(problem)  # the embedded default corpus is built (once) in the cache
+        fail_config(problem)  # the embedded default corpus is built (once) in the cache
     cfg = dataclasses.replace(
         cfg, dp_size=dims.dp, data=resolve_data(cfg.data), optim=scale_lr(cfg.optim, cfg.trainer)
     )
     if (problem := file_problem(cfg.data.tokenizer)) is not None:  # a FIFO would block the read
-        _fail([f"data.tokenizer: {cfg.data.tokenizer} {problem} (pass data.tokenizer=PATH)"])
+        fail_config([f"data.tokenizer: {cfg.data.tokenizer} {problem} (pass data.tokenizer=PATH)"])
     import parallel_state
     from engine.data.run_data import check_data
     from engine.inference import init_from_problems
@@ -76,12 +77,12 @@ def prepare(cfg: Config) -> Config:
     try:
         backend = parallel_state.backend_for(cfg.trainer.device, local_ranks, warn=info.rank == 0)
     except ValueError as err:
-        _fail([str(err)])
+        fail_config([str(err)])
     # The memory estimate is only worth giving for a config that is otherwise sound.
     problems = check_data(cfg) + _check_checkpoint_dir(cfg) + init_from_problems(cfg)
     problems = problems or check_memory(cfg, local_ranks, on_gpu=backend == "nccl")
     if problems:
-        _fail(problems)
+        fail_config(problems)
     return cfg
 
 
@@ -224,12 +225,6 @@ def finished_run_problem(cfg: Config, saved: object, step: object, root: Path) -
     ]
 
 
-def _fail(problems: list[str]) -> None:
-    for line in problems:
-        print(f"config error: {line}", file=sys.stderr)
-    raise SystemExit(2)
-
-
 def launch(cfg: Config) -> dict:
     """Run the job on this process, or start tp × dp local workers if no launcher did."""
     dims = parallel_dims(cfg, None)  # dp_size is resolved by ``prepare``
@@ -369,7 +364,7 @@ def checkpoint_lock(cfg: Config) -> contextlib.AbstractContextManager:
     try:
         lock.acquire(log=print)
     except CheckpointDirBusy as err:
-        _fail([str(err)])
+        fail_config([str(err)])
     return lock
 
 
@@ -398,7 +393,7 @@ def cli() -> None:
     sweep = [a for a in argv if a in ("-m", "--multirun")]
     argv = sweep + [a for a in argv if a not in sweep]
     sys.argv[1:] = argv = with_shared_run_dir(argv)
-    run_checked(main, argv, _fail)
+    run_checked(main, argv, fail_config)
 
 
 def with_shared_run_dir(argv: list[str]) -> list[str]:
