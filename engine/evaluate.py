@@ -11,7 +11,7 @@ it reads what the run validated on: the recorded data prefixes, split, sequence 
 micro-batch and ``trainer.eval_batches``, so the number is the trainer's last validation
 loss. ``--data PREFIX`` picks another preprocessed set and ``--text FILE`` a plain text file
 (tokenized into a temporary directory with the model's tokenizer, all of it in the split,
-every full micro-batch read). The loss is the trainer's: the mean over micro-batches, each
+every full micro-batch read; a text shorter than the run's sequences is one sequence). The loss is the trainer's: the mean over micro-batches, each
 on DP rank j mod dp_size, so it does not depend on dp_size.
 
 Before any rank starts, the data's ids are checked against the model's vocabulary (and its
@@ -115,8 +115,10 @@ def evaluation_config(args: argparse.Namespace, text_prefix: str | None = None) 
     seq_len = args.seq_len or (
         data.seq_len if recorded else min(data.seq_len, cfg.model.max_positions)
     )
-    data = dataclasses.replace(data, tokenizer=tokenizer, seq_len=seq_len)
     mb = args.micro_batch or trainer.micro_batch
+    if text_prefix:  # a text shorter than the run's sequences is read as one, whole
+        seq_len, mb = _text_shape(args, text_prefix, seq_len, mb)
+    data = dataclasses.replace(data, tokenizer=tokenizer, seq_len=seq_len)
     trainer = dataclasses.replace(
         trainer,
         device=args.device or trainer.device,
@@ -140,6 +142,29 @@ def evaluation_config(args: argparse.Namespace, text_prefix: str | None = None) 
         cp_size=1,
         ep_size=1,
     )
+
+
+def _text_shape(args: argparse.Namespace, prefix: str, seq_len: int, mb: int) -> tuple[int, int]:
+    """(sequence length, micro-batch) for the tokenized ``--text`` at ``prefix``: a text of
+    n tokens (its document end included) has n - 1 to predict; where that is fewer than the
+    run's sequence length the text is one sequence of n - 1, and the micro-batch is no
+    larger than the sequences the text holds. An explicit --seq-len it cannot fill is
+    refused, naming the longest it can."""
+    from engine.data.indexed import IndexedDataset
+
+    tokens = int(IndexedDataset(prefix).doc_offsets[-1])
+    longest = tokens - 1
+    if longest < 1:
+        raise ValueError(f"--text {args.text} holds no token to predict")
+    if args.seq_len is not None and args.seq_len > longest:
+        raise ValueError(
+            f"--text {args.text} holds {tokens} tokens with its document end: --seq-len "
+            f"{args.seq_len} needs {args.seq_len + 1}; pass --seq-len {longest} or less (or "
+            "none: a text shorter than the run's sequences is read as one)"
+        )
+    seq_len = min(seq_len, longest)
+    sequences = longest // seq_len
+    return seq_len, mb if args.micro_batch is not None else min(mb, sequences)
 
 
 def check(args: argparse.Namespace, cfg: Config) -> Config:

@@ -183,6 +183,19 @@ def test_text_file_loss_is_the_mean_cross_entropy_of_its_windows(corpus, tmp_pat
     assert result["sequences"] == len(windows) >= 3
     torch.testing.assert_close(result["loss"], reference, rtol=1e-5, atol=0)
 
+    # A text shorter than the run's sequences (here 64 tokens) is one sequence, whole: it
+    # was refused ("fewer than --seq-len + 1"), naming a temporary directory and splits.
+    short = tmp_path / "short.txt"
+    short.write_text("def total(items):\n")
+    ids = tokenizer.encode(short.read_text()).ids + [tokenizer.token_to_id("<|endoftext|>")]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids[:-1]]))[0, :, : cfg.vocab_size]
+        whole = F.cross_entropy(logits, torch.tensor(ids[1:])).item()
+    assert main(["--ckpt", str(export), "--text", str(short), "--device", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["seq_len"], result["sequences"]) == (len(ids) - 1, 1) and len(ids) < 20
+    torch.testing.assert_close(result["loss"], whole, rtol=1e-5, atol=0)
+
 
 def test_bad_inputs_are_one_line_and_exit_2(corpus, tmp_path, capsys):
     prefix, tokenizer_path = corpus
@@ -207,7 +220,11 @@ def test_bad_inputs_are_one_line_and_exit_2(corpus, tmp_path, capsys):
             "hf_config_only has no model.safetensors (only safetensors is read)",
         ),
         (["--ckpt", str(export)], "records no training data: pass --data or --text"),
-        (["--ckpt", str(export), "--text", str(short)], "fewer than --seq-len + 1"),
+        (
+            ["--ckpt", str(export), "--text", str(short), "--seq-len", "8"],
+            "short.txt holds 2 tokens with its document end: --seq-len 8 needs 9; pass "
+            "--seq-len 1 or less",
+        ),
         (
             ["--ckpt", str(export), "--text", str(short), "--tp-size", "3"],
             "is not divisible by --tp-size 3",
