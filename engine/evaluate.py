@@ -11,8 +11,9 @@ it reads what the run validated on: the recorded data prefixes, split, sequence 
 micro-batch and ``trainer.eval_batches``, so the number is the trainer's last validation
 loss. ``--data PREFIX`` picks another preprocessed set and ``--text FILE`` a plain text file
 (tokenized into a temporary directory with the model's tokenizer, all of it in the split,
-every full micro-batch read; a text shorter than the run's sequences is one sequence). The loss is the trainer's: the mean over micro-batches, each
-on DP rank j mod dp_size, so it does not depend on dp_size.
+every full micro-batch read; a text shorter than the run's sequences is one sequence). The
+loss is the trainer's: the mean over micro-batches, each on DP rank j mod dp_size, so it
+does not depend on dp_size.
 
 Before any rank starts, the data's ids are checked against the model's vocabulary (and its
 index against its ``.bin``), and ``--batches`` may ask for no more micro-batches than the
