@@ -197,9 +197,11 @@ def final_line(summary: dict) -> str:
             f"reached test accuracy {summary['test_accuracy']:.4f} at epoch "
             f"{summary['epochs']} in {summary['time_to_accuracy_s']:.2f} s"
         )
+    epochs = summary["epochs"]
     return (
-        f"did not reach test accuracy {summary['target_accuracy']} in {summary['epochs']} "
-        f"epochs: {summary['test_accuracy']:.4f} after {summary['elapsed_s']:.2f} s"
+        f"did not reach test accuracy {summary['target_accuracy']} in {epochs} "
+        f"epoch{'s' * (epochs != 1)}: {summary['test_accuracy']:.4f} after "
+        f"{summary['elapsed_s']:.2f} s"
     )
 
 
@@ -220,9 +222,12 @@ def main(dcfg: DictConfig) -> None:
     summary = launch(cfg, per_node)
     if detect_launch().rank != 0:  # under a launcher, rank 0 speaks for the run
         raise SystemExit(0 if summary["reached"] else 1)
+    seconds = summary["time_to_accuracy_s"]
+    reached = f"time to accuracy {seconds:.2f} s" if seconds else "target accuracy not reached"
+    epochs = summary["epochs"]
     print(
-        f"time to accuracy {summary['time_to_accuracy_s'] or float('nan'):.2f} s, "
-        f"{summary['images_per_s']:.0f} training images/s over {summary['epochs']} epochs"
+        f"{reached}, {summary['images_per_s']:.0f} training images/s over {epochs} "
+        f"epoch{'s' * (epochs != 1)}"
     )
     print(final_line(summary), flush=True)
     if not summary["reached"]:

@@ -168,10 +168,12 @@ def test_unreached_target_exits_1(tmp_path):
         "trainer.progress=false",
     )
     assert out.returncode == 1, out.stderr[-2000:]
-    last = out.stdout.strip().splitlines()[-1]
+    summary, last = out.stdout.strip().splitlines()[-2:]
     assert re.fullmatch(
-        r"did not reach test accuracy 0\.99 in 1 epochs: 0\.\d{4} after [\d.]+ s", last
+        r"did not reach test accuracy 0\.99 in 1 epoch: 0\.\d{4} after [\d.]+ s", last
     )
+    # it said "time to accuracy nan s"
+    assert re.fullmatch(r"target accuracy not reached, \d+ training images/s over 1 epoch", summary)
     assert "tp=1 dp=1" in out.stdout
 
 
