@@ -916,6 +916,41 @@ def test_inspect_explains_a_model_only_directory(tmp_path):
         resolve(tmp_path / "final")
 
 
+def test_inspect_lists_a_model_export(tmp_path, capsys):
+    """``checkpoint.py inspect ROOT/final`` was refused ("not a training checkpoint"); a
+    model export now gets its model, its origin, its tensors as safetensors' own header
+    gives them (the reference: safe_open), and its files; a cut weights file exits 1."""
+    from safetensors import safe_open
+
+    from engine.checkpoint.format import save_model
+
+    model, optimizer = _model_and_optimizer()
+    save_checkpoint(tmp_path / "run", 3, model=model, optimizer=optimizer, ps=None, state={})
+    save_model(model, tmp_path / "run" / "final")
+    final = tmp_path / "run" / "final"
+    assert checkpoint_cli.main(["inspect", str(final)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"model export {final}: ") and out[0].endswith("in 2 files")
+    assert (
+        out[2] == f"from: the end of the run in {tmp_path / 'run'} (its latest checkpoint: step 3)"
+    )
+    with safe_open(final / "model.safetensors", "pt") as f:
+        names = list(f.keys())  # a safe_open handle is no dict
+        expected = {
+            k: (list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in names
+        }
+    rows = {
+        line.split()[0]: line for line in out if line.split()[:1] and line.split()[0] in expected
+    }
+    assert rows.keys() == expected.keys()
+    for name, (shape, dtype) in expected.items():
+        assert rows[name].split(None, 1)[1].split() == [*f"{shape}".split(), dtype], rows[name]
+    weights = final / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # cut short
+    assert checkpoint_cli.main(["inspect", str(final)]) == 1
+    assert "DAMAGED: " in capsys.readouterr().out
+
+
 def _gathered_moments(t) -> dict[str, torch.Tensor]:
     """Every parameter's full Adam moments, over TP, DP and the pipeline stages."""
     merged: dict[str, torch.Tensor] = {}

@@ -32,7 +32,7 @@ from pathlib import Path
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.checkpoint import CheckpointError  # noqa: E402
+from engine.checkpoint import CheckpointError, storage  # noqa: E402
 from engine.checkpoint.convert import (  # noqa: E402
     OUT_RULE,
     convert,
@@ -41,8 +41,10 @@ from engine.checkpoint.convert import (  # noqa: E402
     summarize,
 )
 from engine.checkpoint.dcp import export_dcp, import_dcp  # noqa: E402
+from engine.checkpoint.format import META_FILE, WEIGHTS_FILE  # noqa: E402
 from engine.checkpoint.tensorfile import HASHES  # noqa: E402
 from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
+from engine.hf_interop import HF_CONFIG  # noqa: E402
 from engine.tool_args import ArgumentParser  # noqa: E402
 
 
@@ -67,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="list tensors, shapes, dtypes, layout and files")
-    ins.add_argument("ckpt", help="step directory or checkpoint root")
+    ins.add_argument("ckpt", help="step directory, checkpoint root or model export")
     ins.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check")
     con = sub.add_parser("convert", help="re-shard for another tp/dp layout")
     con.add_argument("ckpt", help="step directory or checkpoint root")
@@ -138,6 +140,8 @@ def _layout_line(layout: dict, trainer_state: dict) -> str:
 
 def inspect(ckpt: str, verify: bool) -> int:
     """Print the summary of one checkpoint; non-zero exit status when a file is damaged."""
+    if (Path(ckpt) / META_FILE).is_file():
+        return inspect_export(Path(ckpt))
     step_dir = resolve(ckpt)
     info = summarize(step_dir, verify=verify)
     index, layout, m = info["index"], info["index"]["layout"], info["index"]["model_config"]
@@ -173,6 +177,53 @@ def inspect(ckpt: str, verify: bool) -> int:
         digest = f"{algo} {f.get(algo, '')[:16]}"
         print(f"{fname:<24}{f['bytes']:>12}  {digest:<24}{f['status']}")
     return 1 if damaged else 0
+
+
+def inspect_export(directory: Path) -> int:
+    """Print a model export's summary (``ROOT/final``, export-model's or an import's
+    folder): its model, where it came from, its tensors and files. It was refused ("not a
+    training checkpoint"). The weights file's header and size are checked (the tensors'
+    bytes are not hashed: an export records no digest); a damaged one exits 1."""
+    from safetensors import safe_open
+
+    from engine.checkpoint.format import read_meta
+    from engine.inference import ModelSource
+
+    cfg, extra = read_meta(directory)
+    files = sorted(p for p in directory.iterdir() if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    print(f"model export {directory}: {_mib(total)} in {len(files)} files")
+    print(
+        f"model: {cfg.arch} h={cfg.hidden_size} layers={cfg.num_layers} heads={cfg.num_heads} "
+        f"vocab={cfg.vocab_size}"
+    )
+    if "step" in extra:
+        print(f"from: step {extra['step']} of {extra.get('source', '?')}")
+    elif HF_CONFIG in extra:
+        hf_class = (extra[HF_CONFIG].get("architectures") or ["?"])[0]
+        print(f"from: a Hugging Face {hf_class} (tools/convert_hf.py import)")
+    elif (directory.parent / storage.LATEST).is_file():
+        latest = storage.read_latest(directory.parent)
+        print(
+            f"from: the end of the run in {directory.parent} (its latest checkpoint: step {latest})"
+        )
+    try:
+        ModelSource(str(directory)).check_weights()
+    except ValueError as err:
+        print(f"DAMAGED: {err}")
+        return 1
+    with safe_open(directory / WEIGHTS_FILE, "pt") as weights:
+        names = sorted(weights.keys())
+        width = max(map(len, names), default=6) + 2
+        print(f"\n{'tensor':<{width}}{'shape':<18}dtype")
+        for name in names:
+            piece = weights.get_slice(name)
+            shape = "[" + ", ".join(map(str, piece.get_shape())) + "]"
+            print(f"{name:<{width}}{shape:<18}{piece.get_dtype()}")
+    print(f"\n{'file':<28}{'bytes':>12}")
+    for path in files:
+        print(f"{path.name:<28}{path.stat().st_size:>12}")
+    return 0
 
 
 def _tokenizer_note(out: str) -> str:
