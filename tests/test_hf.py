@@ -162,6 +162,24 @@ def test_single_file_wins_over_stale_index_and_export_refuses_a_full_dir(hf_dirs
     export_hf(tmp_path / "ckpt", tmp_path / "empty")  # a new directory is fine
 
 
+def test_a_large_conversion_says_it_started(hf_dirs, tmp_path, capsys, monkeypatch):
+    """Converting gigabytes took a silent minute; past ``ANNOUNCE_BYTES`` of weights a line
+    on stderr says what is being read (here the threshold is lowered to the test's files,
+    whose size os.stat gives); stdout keeps the one summary line."""
+    main = _tool("convert_hf")
+    size = Path(hf_dirs["gpt"], "model.safetensors").stat().st_size
+    monkeypatch.setitem(main.__globals__, "ANNOUNCE_BYTES", size)  # the loaded tool's own
+    capsys.readouterr()
+    assert main(["import", "--hf-dir", hf_dirs["gpt"], "--out", str(tmp_path / "ck")]) == 0
+    out, err = capsys.readouterr()
+    gib = size / (1 << 30)
+    assert err == f"converting {gib:.1f} GiB of weights from {hf_dirs['gpt']} ...\n"
+    assert out.startswith("imported gpt (GPT2LMHeadModel)") and out.count("\n") == 1
+    monkeypatch.setitem(main.__globals__, "ANNOUNCE_BYTES", size + 1)
+    assert main(["export", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().err == ""  # smaller than the threshold: nothing said
+
+
 def test_convert_hf_user_errors_are_one_line(hf_dirs, tmp_path, capsys):
     main = _tool("convert_hf")
     bad_type = tmp_path / "llama"
