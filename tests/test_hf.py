@@ -165,19 +165,35 @@ def test_single_file_wins_over_stale_index_and_export_refuses_a_full_dir(hf_dirs
 def test_a_large_conversion_says_it_started(hf_dirs, tmp_path, capsys, monkeypatch):
     """Converting gigabytes took a silent minute; past ``ANNOUNCE_BYTES`` of weights a line
     on stderr says what is being read (here the threshold is lowered to the test's files,
-    whose size os.stat gives); stdout keeps the one summary line."""
+    whose size os.stat gives); stdout keeps the one summary line. The same for
+    tools/checkpoint.py, from a training checkpoint root (its latest step's files)."""
+    import engine.checkpoint.convert
+    from engine.checkpoint import save_checkpoint
+    from engine.models import build_model, preset
+
     main = _tool("convert_hf")
     size = Path(hf_dirs["gpt"], "model.safetensors").stat().st_size
-    monkeypatch.setitem(main.__globals__, "ANNOUNCE_BYTES", size)  # the loaded tool's own
+    monkeypatch.setattr(engine.checkpoint.convert, "ANNOUNCE_BYTES", size)
     capsys.readouterr()
     assert main(["import", "--hf-dir", hf_dirs["gpt"], "--out", str(tmp_path / "ck")]) == 0
     out, err = capsys.readouterr()
     gib = size / (1 << 30)
     assert err == f"converting {gib:.1f} GiB of weights from {hf_dirs['gpt']} ...\n"
     assert out.startswith("imported gpt (GPT2LMHeadModel)") and out.count("\n") == 1
-    monkeypatch.setitem(main.__globals__, "ANNOUNCE_BYTES", size + 1)
+    monkeypatch.setattr(engine.checkpoint.convert, "ANNOUNCE_BYTES", size + 1)
     assert main(["export", "--ckpt", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")]) == 0
     assert capsys.readouterr().err == ""  # smaller than the threshold: nothing said
+
+    cfg = preset("gpt_tiny", vocab_size=100, hidden_size=16, num_heads=2, num_layers=1)
+    save_checkpoint(tmp_path / "run", 1, model=build_model(cfg), optimizer=None, ps=None, state={})
+    step = sum(p.stat().st_size for p in (tmp_path / "run" / "step_00000001").glob("*.safetensors"))
+    monkeypatch.setattr(engine.checkpoint.convert, "ANNOUNCE_BYTES", step)
+    argv = ["export-model", str(tmp_path / "run"), "--out", str(tmp_path / "weights")]
+    assert _tool("checkpoint")(argv) == 0
+    assert (
+        capsys.readouterr().err
+        == f"converting {step / (1 << 30):.1f} GiB of weights from {tmp_path / 'run'} ...\n"
+    )
 
 
 def test_convert_hf_user_errors_are_one_line(hf_dirs, tmp_path, capsys):

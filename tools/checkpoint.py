@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine.checkpoint import CheckpointError, storage  # noqa: E402
 from engine.checkpoint.convert import (  # noqa: E402
     OUT_RULE,
+    announce_large,
     convert,
     export_model,
     resolve,
@@ -234,6 +235,8 @@ def _tokenizer_note(out: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.command != "inspect":
+        announce_large(args.dcp if args.command == "import-dcp" else args.ckpt)
     try:
         if args.command == "inspect":
             return inspect(args.ckpt, verify=not args.no_verify)

@@ -22,12 +22,8 @@ from pathlib import Path
 # Runnable as a plain script from any directory: make the repo root importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engine.checkpoint.storage import (  # noqa: E402
-    LATEST,
-    CheckpointError,
-    read_latest,
-    step_dir_name,
-)
+from engine.checkpoint.convert import announce_large  # noqa: E402
+from engine.checkpoint.storage import CheckpointError  # noqa: E402
 from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.hf_interop import export_hf, import_hf, read_hf_config  # noqa: E402
 from engine.tool_args import ArgumentParser  # noqa: E402
@@ -50,33 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# Weights past this size take seconds to minutes to convert (about 5 s a GiB on a 2-core
-# CPU, read and written): a line says so first, on stderr (stdout keeps the summary alone).
-ANNOUNCE_BYTES = 1 << 30
-
-
-def _announce(source: str) -> None:
-    """Say on stderr that a large conversion has started: the weights' size and where."""
-    root = Path(source)
-    if not root.is_dir():
-        return  # the conversion names what is wrong
-    if (root / LATEST).is_file():  # a training checkpoint root: its latest step alone
-        try:
-            latest = read_latest(root)
-        except (CheckpointError, OSError, ValueError):
-            return  # the conversion names what is wrong
-        root = root if latest is None else root / step_dir_name(latest)
-    size = sum(p.stat().st_size for p in root.glob("*.safetensors") if p.is_file())
-    if size >= ANNOUNCE_BYTES:
-        print(
-            f"converting {size / (1 << 30):.1f} GiB of weights from {source} ...", file=sys.stderr
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen conversion and print what was converted; exit 2 on a bad input."""
     args = parse_args(argv)
-    _announce(args.hf_dir if args.command == "import" else args.ckpt)
+    announce_large(args.hf_dir if args.command == "import" else args.ckpt)
     try:
         if args.command == "import":
             cfg = import_hf(args.hf_dir, args.out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import shutil
+import sys
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -240,6 +241,33 @@ def read_model_state(
     for name, values in biases.items():
         weights[name + BIAS_KEY] = torch.tensor(values, dtype=torch.float32)
     return cfg, weights, reader.index
+
+
+# Weights past this size take seconds to minutes to read and write (about 5 s a GiB on a
+# 2-core CPU): the conversion tools say so first, on stderr (stdout keeps their summary).
+ANNOUNCE_BYTES = 1 << 30
+
+
+def announce_large(source: str | Path) -> None:
+    """Say on stderr that a conversion of more than ``ANNOUNCE_BYTES`` of weights has
+    started, and what it reads: a folder's safetensors (or DCP) files, a training
+    checkpoint root's latest step. Nothing for a smaller or unreadable source (the
+    conversion names what is wrong with it)."""
+    root = Path(source)
+    if not root.is_dir():
+        return
+    if (root / storage.LATEST).is_file():  # a training checkpoint root: its latest step
+        try:
+            latest = storage.read_latest(root)
+        except (CheckpointError, OSError, ValueError):
+            return
+        root = root if latest is None else root / storage.step_dir_name(latest)
+    files = [*root.glob("*.safetensors"), *root.glob("*.distcp")]
+    size = sum(p.stat().st_size for p in files if p.is_file())
+    if size >= ANNOUNCE_BYTES:
+        print(
+            f"converting {size / (1 << 30):.1f} GiB of weights from {source} ...", file=sys.stderr
+        )
 
 
 def export_model(src: str | Path, out_dir: str | Path) -> ModelConfig:
