@@ -22,6 +22,7 @@ them all with one line.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -250,7 +251,7 @@ def serve_rank(args: argparse.Namespace, launched: bool = False) -> int:
                 raise
 
         engine.step = step_or_stop
-        sock = socket.create_server((args.host, args.port))
+        sock = bind(args)
         # Inside the launcher's 30 s between passing SIGTERM on and killing the ranks.
         _serve(app, line, sock, graceful_s=20)
         if failed:
@@ -304,6 +305,25 @@ def _launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def bind(args: argparse.Namespace) -> socket.socket:
+    """The server's listening socket on --host:--port; a port in use or a host that is no
+    address of this machine is one line saying which flag to change."""
+    try:
+        return socket.create_server((args.host, args.port))
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise OSError(
+                f"--port {args.port} on {args.host} is in use: pass another --port (0: any "
+                "free port)"
+            ) from None
+        if err.errno == errno.EADDRNOTAVAIL:
+            raise OSError(
+                f"--host {args.host} is no address of this machine: pass one of its "
+                "addresses (127.0.0.1; 0.0.0.0 for all of them)"
+            ) from None
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     """Load, print the cache size and the address, serve until SIGINT/SIGTERM; 2 on a bad
     argument. At --tp-size N, start N local ranks (under torchrun, this process is one)."""
@@ -311,13 +331,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         source, _ = _source(args)
         check_tp(args, source.config())
+        sock = bind(args)  # before the weights load: a port in use is said at once
         if args.tp_size > 1 or "RANK" in os.environ:
-            socket.create_server((args.host, args.port)).close()  # rank 0 binds it later
+            sock.close()  # rank 0 binds it later
             if "RANK" in os.environ:
                 return 0 if serve_rank(args) >= 0 else 1
             return _launch(args)
         app, cache_line = build(args)
-        sock = socket.create_server((args.host, args.port))
     except (OSError, ValueError, CheckpointError) as err:
         print(f"serve: {in_flags(str(err), {'--tp-size'})}", file=sys.stderr)
         return 2

@@ -221,6 +221,27 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_start(export, tmp_pat
     assert "Unexpected end of template" in err, err
 
 
+def test_a_port_in_use_is_one_line_before_the_weights_load(export, capsys, monkeypatch):
+    """A taken --port printed Python's "[Errno 98] Address already in use (while attempting
+    to bind on address ...)" after the model had loaded (minutes, for a large one). Now the
+    port is bound first, and the line names the flag; ``build`` (which loads the weights)
+    is replaced by a failure to show it is never reached."""
+    import apps.serve
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the weights were loaded before the port was checked")
+
+    monkeypatch.setattr(apps.serve, "build", loads)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert apps.serve.main(["--weights", str(export[0]), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"serve: --port {port} on 127.0.0.1 is in use: pass another --port (0: any free port)\n"
+    )
+
+
 def test_a_chat_template_that_fails_while_rendering_gives_500_naming_it(export, tmp_path):
     template = tmp_path / "failing.jinja"
     template.write_text(FAILING_TEMPLATE)
