@@ -152,7 +152,6 @@ def sampling(args: argparse.Namespace) -> Sampling:
 def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
     """One rank: build the model on this TP shard, generate; rank 0 returns the texts."""
     import torch
-    from tokenizers import Tokenizer
 
     from apps.serving.text import TextCodec
     from engine.bootstrap import bootstrap_rank
@@ -181,15 +180,12 @@ def worker(args: argparse.Namespace, tokenizer_path: str) -> dict | None:
         model.load_full_state_dict(state)
         del state
         quantize_model_(model, args.quantize)
-        tokenizer = Tokenizer.from_file(tokenizer_path)
+        # The tokenizer, read once, with the server's end of sequence (tokenizer_config.json's,
+        # else the family's): a sample ends there, as a completion does.
+        codec = TextCodec.from_files(tokenizer_path, arch=cfg.arch)
+        tokenizer = codec.tokenizer
         prompts = [tokenizer.encode(p).ids for p in args.prompt]
-        # The server's end of sequence (tokenizer_config.json's, else the family's):
-        # a sample ends there, as a completion does.
-        eos = (
-            set()
-            if args.ignore_eos
-            else TextCodec.from_files(tokenizer_path, arch=cfg.arch).eos_ids
-        )
+        eos = set() if args.ignore_eos else codec.eos_ids
 
         def stop(row: int, new: list[int]) -> bool:
             ended = bool(new) and new[-1] in eos
