@@ -63,8 +63,12 @@ def prepare(cfg: Config) -> Config:
 
     if not cfg.data.prefixes and (problem := _cache_dir_problem(cfg)):
         fail_config(problem)  # the embedded default corpus is built (once) in the cache
+    try:
+        data = resolve_data(cfg.data)
+    except ValueError as err:
+        fail_config([str(err)])
     cfg = dataclasses.replace(
-        cfg, dp_size=dims.dp, data=resolve_data(cfg.data), optim=scale_lr(cfg.optim, cfg.trainer)
+        cfg, dp_size=dims.dp, data=data, optim=scale_lr(cfg.optim, cfg.trainer)
     )
     if (problem := file_problem(cfg.data.tokenizer)) is not None:  # a FIFO would block the read
         fail_config([f"data.tokenizer: {cfg.data.tokenizer} {problem} (pass data.tokenizer=PATH)"])

@@ -227,6 +227,20 @@ def probability(text: str) -> float:
     return value
 
 
+def bpe_vocab_size(text: str) -> int:
+    """argparse type of a --vocab-size a byte-level BPE is trained to: at least its 256
+    bytes and special tokens (checked before any text is read, not after the corpus is)."""
+    from engine.data.preprocess import MIN_VOCAB_SIZE  # loads tokenizers: only when given
+
+    value = positive_int(text)
+    if value < MIN_VOCAB_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"{value} is too small: a byte-level BPE needs at least {MIN_VOCAB_SIZE} ids "
+            f"(256 bytes + {MIN_VOCAB_SIZE - 256} special tokens)"
+        )
+    return value
+
+
 def non_empty(text: str) -> str:
     """argparse type: a string of at least one character."""
     if not text:

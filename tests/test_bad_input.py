@@ -311,6 +311,30 @@ def test_refused_run_leaves_no_outputs_folder(inputs, monkeypatch, capsys, tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_default_corpus_cap_that_takes_no_text_is_one_line(tmp_path, monkeypatch, capsys):
+    """``data.default_max_bytes`` below any non-empty stdlib file was a traceback from the
+    tokenizer trainer ("empty corpus"), printed by Hydra after the cache lock was taken."""
+    from engine.data.default_corpus import stdlib_sources
+
+    # The stdlib here decides which line: its .py files of at most 1 byte are empty ones
+    # (then no text at all), unless it has a 1-byte file (then one token, and the train
+    # split's check refuses it). Either is one config line, before any rank starts.
+    no_text = not any(size for _, size in stdlib_sources(1)[1])
+    expected = "data.default_max_bytes=1: the .py files of " if no_text else "fewer than"
+    argv = ["data.default_max_bytes=1", f"data.cache_dir={tmp_path}/cache", "model=gpt_tiny"]
+    argv += ["trainer.device=cpu", f"hydra.run.dir={tmp_path}/run"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("engine.pretrain", run_name="__main__")
+    line = _one_line(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and line.startswith("config error: "), line
+    assert expected in line, line
+    assert not no_text or line.endswith(
+        "raise it (the default corpus is 4,000,000 bytes) or pass data.prefixes"
+    ), line
+
+
 def test_a_sweep_flag_typed_among_the_overrides_still_sweeps(inputs, monkeypatch, capsys):
     """``-m`` among the overrides (Hydra's parser wants it before them) starts the sweep:
     its first job, optim.lr=-1, is refused as a config error rather than the command line

@@ -50,6 +50,11 @@ BAD_FLAGS = [
     ("bench_moe", ["--only", "both"], "argument --only: invalid choice"),
     ("bench_dp_memory", ["--dp", "4", "--replicas", "3"], "--dp 4 --replicas 3: need dp >= 2"),
     ("bench_dp_memory", ["--dp", "1"], "--dp 1 --replicas 2: need dp >= 2"),
+    (
+        "bench_preprocess",
+        ["--vocab-size", "10"],
+        "argument --vocab-size: 10 is too small: a byte-level BPE needs at least 261 ids",
+    ),
     ("bench_pipeline", ["--layers", "0"], "argument --layers: 0 must be >= 1"),
     ("bench_pipeline", ["--pp", "0"], "argument --pp: 0 must be >= 1"),
     (
@@ -73,6 +78,22 @@ def test_bench_bad_flags(script, argv, message, monkeypatch, capsys):
     assert _exit_code(bench.main, argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_bench_preprocess_refuses_a_byte_cap_with_no_text(monkeypatch, capsys):
+    """--max-bytes below any non-empty stdlib file was the tokenizer trainer's traceback."""
+    from engine.data.default_corpus import stdlib_sources
+
+    bench = _load("bench_preprocess", monkeypatch)
+    argv = ["--max-bytes", "1", "--rounds", "1", "--workers", "1", "--formats", "text"]
+    # Files of at most 1 byte are empty ones in the stdlib here, unless it has a 1-byte
+    # file: then the benchmark runs (on that one byte).
+    no_text = not any(size for _, size in stdlib_sources(1)[1])
+    assert _exit_code(bench.main, argv) == (2 if no_text else 0)
+    if no_text:
+        line = capsys.readouterr().err.strip()
+        assert line.startswith("bench_preprocess.py: --max-bytes 1 takes only empty files"), line
+        assert len(line.splitlines()) == 1
 
 
 def test_bench_train_writes_every_loop_to_csv(tmp_path, monkeypatch):

@@ -35,7 +35,7 @@ from engine.data.preprocess import (  # noqa: E402
     save_tokenizer,
     train_tokenizer,
 )
-from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
+from engine.tool_args import ArgumentParser, bpe_vocab_size, positive_int  # noqa: E402
 
 FORMATS = ("text", "jsonl", "jsonl.gz", "jsonl.zst", "parquet")
 
@@ -122,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--vocab-size",
-        type=positive_int,
+        type=bpe_vocab_size,
         default=8192,
         help="BPE trained on the first 2 MB (the default corpus's size)",
     )
@@ -137,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     root, files = stdlib_sources(args.max_bytes)
     texts = [(root / rel).read_text(encoding="utf-8", errors="replace") for rel, _ in files]
+    if not any(texts):
+        print(
+            f"bench_preprocess.py: --max-bytes {args.max_bytes} takes only empty files of "
+            f"{root}; give more bytes (the default is 8000000)",
+            file=sys.stderr,
+        )
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         inputs = write_corpus(texts, directory)

@@ -24,12 +24,11 @@ try:
     from engine.data.indexed import INDEX_FORMATS, convert_index
     from engine.data.preprocess import (
         EOD_TOKEN,
-        MIN_VOCAB_SIZE,
         EncodeWorkerDied,
         load_tokenizer,
         preprocess,
     )
-    from engine.tool_args import ArgumentParser, non_negative_int, positive_int
+    from engine.tool_args import ArgumentParser, bpe_vocab_size, non_negative_int, positive_int
 except KeyboardInterrupt:  # Ctrl-C during the imports: nothing started, no traceback
     print("preprocess_data.py: interrupted; nothing was written", file=sys.stderr)
     sys.exit(130)
@@ -43,18 +42,6 @@ def worker_count(text: str) -> int:
     value = positive_int(text)
     if value > MAX_WORKERS:
         raise argparse.ArgumentTypeError(f"{value} must be <= {MAX_WORKERS}")
-    return value
-
-
-def vocab_size(text: str) -> int:
-    """argparse type of --vocab-size: what a byte-level BPE can be (checked before any text
-    is read, not after the corpus is loaded)."""
-    value = positive_int(text)
-    if value < MIN_VOCAB_SIZE:
-        raise argparse.ArgumentTypeError(
-            f"{value} is too small: a byte-level BPE needs at least {MIN_VOCAB_SIZE} ids "
-            f"(256 bytes + {MIN_VOCAB_SIZE - 256} special tokens)"
-        )
     return value
 
 
@@ -88,7 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tok = parser.add_mutually_exclusive_group(required=True)
     tok.add_argument("--tokenizer", default=None, help="existing tokenizer.json to use")
     tok.add_argument(
-        "--vocab-size", type=vocab_size, default=None, help="train a byte-level BPE of this size"
+        "--vocab-size",
+        type=bpe_vocab_size,
+        default=None,
+        help="train a byte-level BPE of this size",
     )
     parser.add_argument(
         "--tokenizer-out",

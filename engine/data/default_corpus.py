@@ -126,6 +126,10 @@ def build_default_corpus(
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     root, files = stdlib_sources(max_bytes)
+    if not any(size for _, size in files):
+        raise ValueError(
+            f"the .py files of {root} within a cap of {max_bytes:,} bytes are all empty"
+        )
     key = _cache_key(files, vocab_size, max_bytes)
     final = cache_dir / f"stdlib-{key}"
     prefix, tokenizer_path = (str(p) for p in _outputs(final))

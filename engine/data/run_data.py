@@ -27,11 +27,20 @@ def resolve_data(data: DataConfig) -> DataConfig:
     """Fill in the embedded default corpus (built once, cached) and the tokenizer path.
 
     Runs in the launching process, before workers start, so only one process builds it.
+    A byte cap that takes no text is a ValueError naming ``data.default_max_bytes``.
     """
     if not data.prefixes:
-        prefix, tokenizer = build_default_corpus(
-            data.cache_dir, vocab_size=data.default_vocab_size, max_bytes=data.default_max_bytes
-        )
+        try:
+            prefix, tokenizer = build_default_corpus(
+                data.cache_dir,
+                vocab_size=data.default_vocab_size,
+                max_bytes=data.default_max_bytes,
+            )
+        except ValueError as err:
+            raise ValueError(
+                f"data.default_max_bytes={data.default_max_bytes}: {err}; raise it (the default "
+                f"corpus is {DataConfig.default_max_bytes:,} bytes) or pass data.prefixes"
+            ) from None
         return dataclasses.replace(data, prefixes=[prefix], tokenizer=tokenizer)
     if data.tokenizer is None:
         return dataclasses.replace(data, tokenizer=data.prefixes[0] + ".tokenizer.json")
