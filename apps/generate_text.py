@@ -112,30 +112,33 @@ def check(args: argparse.Namespace) -> str:
         args.ckpt or args.hf_dir,
     )
     source.check_weights()  # raises naming the file when there is none or it is damaged
-    _check_positions(args, tokenizer, cfg.max_positions)
+    check_positions(args.prompt, args.max_new_tokens, tokenizer, cfg.max_positions)
     return tokenizer
 
 
-def _check_positions(args: argparse.Namespace, tokenizer_path: str, positions: int) -> None:
+def check_positions(
+    prompts: list[str], max_new_tokens: int, tokenizer_path: str, positions: int
+) -> None:
     """Refuse a generation the model cannot finish: the longest prompt plus the new tokens
-    must fit its learned positions (past them it has no embedding to give)."""
+    must fit its learned positions (past them it has no embedding to give). The message
+    names --max-new-tokens and --tokenizer, as generate's and quantize_report's flags."""
     from tokenizers import Tokenizer
 
     try:
         tokenizer = Tokenizer.from_file(tokenizer_path)
-        longest = max(len(tokenizer.encode(p).ids) for p in args.prompt)
+        longest = max(len(tokenizer.encode(p).ids) for p in prompts)
     except Exception as err:  # noqa: BLE001 - the tokenizers library raises plain Exception
         first = (str(err).splitlines() or [type(err).__name__])[0][:120]
         raise ValueError(
             f"--tokenizer {tokenizer_path} is not a readable tokenizer.json ({first}); pass "
             "the tokenizer.json the model was trained with"
         ) from None
-    if longest + args.max_new_tokens > positions:
+    if longest + max_new_tokens > positions:
         room = positions - longest
         fix = f"pass --max-new-tokens {room} or less" if room > 0 else "shorten the prompt"
         raise ValueError(
-            f"--max-new-tokens {args.max_new_tokens} after a prompt of {longest} tokens needs "
-            f"{longest + args.max_new_tokens} positions, the model has {positions}: {fix}"
+            f"--max-new-tokens {max_new_tokens} after a prompt of {longest} tokens needs "
+            f"{longest + max_new_tokens} positions, the model has {positions}: {fix}"
         )
 
 

@@ -344,3 +344,39 @@ def test_quantize_report_reads_paths_relative_to_where_it_is_run(export, tmp_pat
     assert main(["--ckpt", str(tmp_path / "model"), "--text", text]) == 0
     loss = json.loads(capsys.readouterr().out)["loss"]
     assert report["perplexity"]["fp32"] == pytest.approx(math.exp(loss), rel=1e-6)
+
+
+def test_quantize_report_refuses_what_it_cannot_generate_before_evaluating(
+    export, tmp_path, monkeypatch, capsys
+):
+    """A --max-new-tokens past the model's positions, or a model with no tokenizer: one
+    line and exit 2 before either evaluation. Before, both evaluations ran and then greedy
+    decoding slid its window for 100,000 tokens (minutes, no output); a model with no
+    tokenizer was a TypeError after them. The room is counted here with the tokenizer
+    itself: max_positions 128 less the prompt's tokens."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "quantize_report.py"
+    spec = importlib.util.spec_from_file_location("quantize_report", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def evaluated(*args):
+        raise AssertionError("an evaluation started")
+
+    monkeypatch.setattr(tool, "_evaluate", evaluated)
+    directory, tokenizer, _ = export
+    n = len(tokenizer.encode("def ").ids)
+    assert tool.main(["--ckpt", str(directory), "--max-new-tokens", "1000"]) == 2
+    assert capsys.readouterr().err == (
+        f"quantize_report: --max-new-tokens 1000 after a prompt of {n} tokens needs "
+        f"{n + 1000} positions, the model has 128: pass --max-new-tokens {128 - n} or less\n"
+    )
+    shutil.copytree(directory, tmp_path / "bare")
+    (tmp_path / "bare" / "tokenizer.json").unlink()
+    assert tool.main(["--ckpt", str(tmp_path / "bare")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("quantize_report: ") and err.count("\n") == 1, err
+    assert "bare records no tokenizer.json (the greedy comparison needs one)" in err, err

@@ -26,10 +26,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from apps.generate_text import check_positions  # noqa: E402
 from engine.inference import ModelSource  # noqa: E402
 from engine.tool_args import ArgumentParser, positive_int  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+DEFAULT_PROMPTS = ["def ", "import os"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,7 +78,7 @@ def _memory_and_tokens(args: argparse.Namespace) -> tuple[dict, dict]:
     from tokenizers import Tokenizer
 
     from engine.generate import Sampling, generate_batch
-    from engine.inference import ModelSource, inference_config
+    from engine.inference import inference_config
     from engine.models import build_model
     from engine.models.quantize import quantize_model_, weight_memory
 
@@ -96,7 +100,7 @@ def _memory_and_tokens(args: argparse.Namespace) -> tuple[dict, dict]:
         "kept_float_bytes_at_fp16": int8["float"],
     }
     tokenizer = Tokenizer.from_file(source.tokenizer_path())
-    prompts = args.prompt or ["def ", "import os"]
+    prompts = args.prompt or DEFAULT_PROMPTS
     ids = [tokenizer.encode(p).ids for p in prompts]
     greedy = Sampling(greedy=True)
     out = {m: generate_batch(models[m], ids, args.max_new_tokens, greedy) for m in models}
@@ -124,11 +128,26 @@ def _memory_and_tokens(args: argparse.Namespace) -> tuple[dict, dict]:
     return memory, {"greedy": tokens}
 
 
+def _check_before_evaluating(args: argparse.Namespace) -> None:
+    """A bad --ckpt, a model with no tokenizer recorded, or a --max-new-tokens past the
+    model's positions: one line before any evaluation starts (not after both have run)."""
+    source = ModelSource(args.ckpt)
+    source.kind()  # raises naming the path when it is no checkpoint
+    tokenizer = source.tokenizer_path()
+    if tokenizer is None:
+        raise ValueError(
+            f"{args.ckpt} records no tokenizer.json (the greedy comparison needs one); "
+            "copy the tokenizer.json the model was trained with into it"
+        )
+    positions = source.config().max_positions
+    check_positions(args.prompt or DEFAULT_PROMPTS, args.max_new_tokens, tokenizer, positions)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure and print; 2 (one line) when a step cannot run."""
     args = parse_args(argv)
     try:
-        ModelSource(args.ckpt).kind()  # a bad --ckpt: one line before any evaluation starts
+        _check_before_evaluating(args)
         fp32, int8 = _evaluate(args, "none"), _evaluate(args, "int8")
         memory, tokens = _memory_and_tokens(args)
     except BrokenPipeError:  # the reader of stdout left: run_tool stops quietly
