@@ -180,3 +180,61 @@ def test_each_ranked_layouts_step_shares_sum_to_100_and_track_the_breakdown():
         b, step = cand.prediction.breakdown, cand.prediction.step_time_s
         for name, pct in percents.items():
             assert abs(pct - 100 * b[names[name]] / step) < 1, (name, printed)
+
+
+def _shared(memory_gib: float) -> object:
+    """dgx_h100 with its memory declared the node's, shared by its 8 ranks (a CPU host)."""
+    raw = yaml.safe_load((CLUSTER_DIR / "dgx_h100.yaml").read_text())
+    raw.update(name="host")
+    raw["device"] = {**raw["device"], "memory_gib": memory_gib, "memory_shared": True}
+    return cluster_from_dict(raw)
+
+
+def test_a_shared_memory_node_splits_its_memory_over_its_ranks():
+    """``device.memory_shared`` (what tools/calibrate.py writes for a CPU host): before, a
+    CPU spec's whole RAM counted as each rank's, so 16 ranks of 15.6 GiB "fit" 23.5 GiB.
+    By hand: a rank holds the node's memory over min(gpus, gpus_per_node) ranks."""
+    host = _shared(16.0)
+    assert host.rank_memory_bytes(4) == 4 * GIB
+    assert host.rank_memory_bytes(8) == host.rank_memory_bytes(64) == 2 * GIB
+    assert H100.rank_memory_bytes(4) == H100.rank_memory_bytes(64) == 80 * GIB
+    res = search(W, host, 4, micro_batch=1, only={"offload": ("none",)})
+    fits = [c.prediction.memory_gib_per_gpu for c in res.feasible]
+    assert fits and max(fits) <= 4.0
+    # the same search over the device-memory reading keeps layouts above a rank's share
+    loose = search(W, _unshared(16.0), 4, micro_batch=1, only={"offload": ("none",)})
+    assert max(c.prediction.memory_gib_per_gpu for c in loose.feasible) > 4.0
+    with pytest.raises(ValueError, match=r"host\.device\.memory_shared='yes' must be true"):
+        raw = yaml.safe_load((CLUSTER_DIR / "dgx_h100.yaml").read_text())
+        cluster_from_dict(
+            {**raw, "name": "host", "device": {**raw["device"], "memory_shared": "yes"}}
+        )
+
+
+def _unshared(memory_gib: float) -> object:
+    raw = yaml.safe_load((CLUSTER_DIR / "dgx_h100.yaml").read_text())
+    raw["device"] = {**raw["device"], "memory_gib": memory_gib}
+    return cluster_from_dict(raw)
+
+
+def test_plan_on_a_shared_memory_node_notes_the_share_and_refuses_offload(capsys):
+    """``plan.py predict`` on the calibrated CPU spec: a layout over a rank's share is
+    noted as such (23.5 GiB over 16 ranks), and --offload optimizer, which would move the
+    state within the memory it is counted against, is one line."""
+    from studies.perfmodel.plan_cli import main
+
+    cpu = load_cluster("cpu_2core")
+    assert cpu.memory_shared and cpu.gpus_per_node >= 16
+    argv = ["predict", "--model", "gpt_1.3b", "--global-batch", "512", "--gpus", "16"]
+    assert main([*argv, "--tp", "2", "--cluster", "cpu_2core"]) == 0
+    share = cpu.memory_bytes / 16 / GIB
+    assert (
+        f"GiB/GPU over the {share:.1f} GiB each of 16 rank(s) has of a cpu_2core node's shared "
+        f"{cpu.memory_bytes / GIB:.1f} GiB" in capsys.readouterr().out
+    )
+    argv += ["--dp-shard", "full", "--offload", "optimizer", "--cluster", "cpu_2core"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "plan: --offload optimizer moves optimizer state to host memory, which on cpu_2core "
+        "is the memory its ranks already share (device.memory_shared); drop --offload\n"
+    )

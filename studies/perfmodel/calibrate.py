@@ -347,6 +347,7 @@ def _device_section(m: dict, speeds, src: str) -> dict:
         "mem_bandwidth_TBps": round(m["effective"] / 1e12, 6),
         "stream_bandwidth_TBps": round(m["stream"] / 1e12, 6),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "memory_shared": True,  # the host's RAM, which every rank on it shares
         "op_overhead_us": round(m["overhead"] * 1e6, 2),
         "cores": m["cores"],
         "thread_efficiency": round(m["thread_eff"], 3),

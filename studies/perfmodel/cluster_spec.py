@@ -10,7 +10,9 @@ Schema (every number says where it comes from in a ``source`` string next to it)
   ``gemm_table`` ([m, n, k, tflops] rows), ``op_overhead_us`` (host time per operator),
   ``cores`` and ``thread_efficiency`` (CPU ranks share the cores), ``rank_speed``
   ({ranks: speed of one single-thread rank while that many compute at once}), ``reserved_gib``
-  (runtime memory outside the model: CUDA context, NCCL buffers, library workspaces);
+  (runtime memory outside the model: CUDA context, NCCL buffers, library workspaces),
+  ``memory_shared`` (true: ``memory_gib`` is the whole node's, which its ranks share, as
+  CPU ranks share the host's RAM; a rank then has it split over the ranks on its node);
 - ``efficiency: {gemm, memory, network}``: the fraction of peak a large GEMM, a streaming
   kernel and a collective reach (global per device, never per workload), and ``gemm_k0``:
   the per-tile fixed cost of a GEMM in steps of its reduction length (efficiency
@@ -83,12 +85,31 @@ class ClusterSpec:
     precision: str = "bf16"
     max_nodes: int | None = None  # None: as many as asked for
     reserved_bytes: float = 0.0  # runtime memory outside the model (context, NCCL, workspaces)
+    memory_shared: bool = False  # memory_bytes is the node's, split over its ranks (CPU hosts)
     intra_by_ranks: dict[int, Link] = field(default_factory=dict)  # measured per group size
     compute_scale: dict[int, float] = field(default_factory=dict)  # by hidden size (in_model.py)
     in_model: dict[str, tuple] = field(default_factory=dict)  # measured in training (in_model.py)
     host_link_Bps: float = HOST_LINK_GBPS * 1e9  # one direction, per GPU (optimizer offload)
     host_adam_Bps: float = HOST_ADAM_GBPS * 1e9  # optimizer state one rank's CPU Adam sweeps/s
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def rank_memory_bytes(self, gpus: int) -> float:
+        """The memory one of ``gpus`` ranks may hold: a device's, or with ``memory_shared``
+        the node's split evenly over the ranks on it (``gpus`` up to a node's worth)."""
+        if not self.memory_shared:
+            return self.memory_bytes
+        return self.memory_bytes / min(gpus, self.gpus_per_node)
+
+    def memory_words(self, gpus: int) -> str:
+        """What :meth:`rank_memory_bytes` is, in words, for a "does not fit" line."""
+        gib = self.rank_memory_bytes(gpus) / 2**30
+        if not self.memory_shared:
+            return f"the {gib:.1f} GiB of a {self.name} GPU"
+        ranks = min(gpus, self.gpus_per_node)
+        return (
+            f"the {gib:.1f} GiB each of {ranks} rank(s) has of a {self.name} node's shared "
+            f"{self.memory_bytes / 2**30:.1f} GiB"
+        )
 
 
 COLLECTIVES = ("ring", "tree")  # the all-reduce algorithms comm_cost prices
@@ -197,7 +218,11 @@ def _device_fields(dev: dict, where: str) -> dict[str, Any]:
     reserved = _number(dev, "reserved_gib", where, NON_NEGATIVE, 0.0)
     if reserved >= memory:
         raise ValueError(f"{where}.reserved_gib={reserved} must be below memory_gib={memory}")
+    shared = dev.get("memory_shared", False)
+    if not isinstance(shared, bool):
+        raise ValueError(f"{where}.memory_shared={shared!r} must be true or false")
     return {
+        "memory_shared": shared,
         "peak_flops": _number(dev, "peak_tflops", where) * 1e12,
         "mem_bandwidth_Bps": _number(dev, "mem_bandwidth_TBps", where) * 1e12,
         "memory_bytes": memory * 2**30,

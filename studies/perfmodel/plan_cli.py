@@ -258,7 +258,7 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
         per_rank = w.global_batch // dp
         fits = divisors(per_rank)
         priced = [predict(w, Layout(**{**lay.__dict__, "micro_batch": m}), cluster) for m in fits]
-        limit = cluster.memory_bytes / 2**30
+        limit = cluster.rank_memory_bytes(args.gpus) / 2**30
         ok = [p for p in priced if p.memory_gib_per_gpu <= limit] or priced[:1]
         lay = Layout(
             **{**lay.__dict__, "micro_batch": min(ok, key=lambda p: p.step_time_s).micro_batch}
@@ -281,27 +281,27 @@ def run_predict(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> 
     )
     print(
         f"  step {p.step_time_s:.4g} s   {p.tokens_per_s:,.0f} tokens/s   model "
-        f"{p.model_tflops_per_gpu:.1f} / hardware {p.hardware_tflops_per_gpu:.1f} TFLOP/s per GPU   "
+        f"{p.model_tflops_per_gpu:.4g} / hardware {p.hardware_tflops_per_gpu:.4g} TFLOP/s per GPU   "
         f"MFU {100 * p.mfu:.1f}%   memory {p.memory_gib_per_gpu:.1f} GiB/GPU"
     )
     times = {k[:-2]: v for k, v in b.items() if isinstance(v, float)}
     print("  time: " + "  ".join(f"{k} {v:.4g} s" for k, v in times.items()))
     print("  memory: " + "  ".join(f"{k} {v:.2f} GiB" for k, v in b["memory_gib"].items()))
-    for note in prediction_notes(p, cluster):
+    for note in prediction_notes(p, cluster, args.gpus):
         print(f"  note: {note}")
     return 0
 
 
-def prediction_notes(p, cluster: ClusterSpec) -> list[str]:
-    """What a prediction's numbers do not say by themselves: a layout over the device's
-    memory (predict prices any layout; search leaves such ones out), an MFU over 100 %."""
+def prediction_notes(p, cluster: ClusterSpec, gpus: int) -> list[str]:
+    """What a prediction's numbers do not say by themselves: a layout of ``gpus`` ranks
+    over the memory each has (predict prices any layout; search leaves such ones out), an
+    MFU over 100 %."""
     notes = []
-    limit = cluster.memory_bytes / 2**30
-    if p.memory_gib_per_gpu > limit:
+    if p.memory_gib_per_gpu > cluster.rank_memory_bytes(gpus) / 2**30:
         notes.append(
-            f"does not fit: {p.memory_gib_per_gpu:.1f} GiB/GPU over the {limit:.1f} GiB of a "
-            f"{cluster.name} GPU; plan.py search lists the layouts that fit (it varies dp, "
-            "the micro-batch, recomputation and sharding; --tp and --pp pin those)"
+            f"does not fit: {p.memory_gib_per_gpu:.1f} GiB/GPU over {cluster.memory_words(gpus)}"
+            "; plan.py search lists the layouts that fit (it varies dp, the micro-batch, "
+            "recomputation and sharding; --tp and --pp pin those)"
         )
     if p.mfu > 1:
         notes.append(
@@ -332,6 +332,8 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
     for key in ("virtual_stages", "dp_replicate", "offload", "tp", "recompute"):
         if getattr(args, key):
             only[key] = (getattr(args, key),)
+    if cluster.memory_shared:  # host memory is the ranks' own: offloading frees none of it
+        only["offload"] = ("none",)
     res = search(
         w,
         cluster,
@@ -389,7 +391,8 @@ def run_search(args: argparse.Namespace, w: Workload, cluster: ClusterSpec) -> i
     print("best layout per pp × tp × dp, fastest first:")
     for i, c in enumerate(best[: args.top], 1):
         print(f" {i}. {_layout_text(c.layout)}: {_rate_text(c.prediction)}; {c.reason}")
-    print(f"({len(res.feasible)} feasible layouts in all)")
+    n = len(res.feasible)
+    print(f"({n} feasible layout{'' if n == 1 else 's'} in all)")
     for r in res.rejected:
         mode = f" dp_shard={r.dp_shard}" if r.dp_shard else ""
         mode += f" {r.option}" if r.option else ""
@@ -414,12 +417,25 @@ def _rate_text(p) -> str:
     return f"{p.tokens_per_s:,.0f} tok/s, MFU {100 * p.mfu:.1f}%, step {p.step_time_s:.3g} s"
 
 
+def _check_offload(cluster: ClusterSpec, offload: str | None) -> None:
+    """--offload optimizer on a cluster whose ranks share the host's memory moves the state
+    within the memory it is counted against: refused, as it would price a saving that is
+    not there."""
+    if offload and offload != "none" and cluster.memory_shared:
+        raise ValueError(
+            f"--offload {offload} moves optimizer state to host memory, which on "
+            f"{cluster.name} is the memory its ranks already share (device.memory_shared); "
+            "drop --offload"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; config errors print one line and return 2."""
     args = build_parser().parse_args(argv)
     try:
         cluster = load_cluster(args.cluster)
         _check_nodes(cluster, args.gpus)
+        _check_offload(cluster, args.offload)
         w = workload_from_args(args, cluster)
         return (run_predict if args.command == "predict" else run_search)(args, w, cluster)
     except ValueError as err:

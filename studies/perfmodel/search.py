@@ -177,8 +177,11 @@ def _no_fit_reason(options: list[tuple[Layout, Prediction]], limit_gib: float) -
     lay, p = min(options, key=lambda o: o[1].memory_gib_per_gpu)
     terms = p.memory.as_dict() if p.memory else {}
     worst = max(terms, key=terms.get) if terms else "?"
+    # Two decimals where one would print the two sides equal ("5.9 GiB > 5.9 GiB").
+    digits = 1 if f"{p.memory_gib_per_gpu:.1f}" != f"{limit_gib:.1f}" else 2
     return (
-        f"does not fit: needs >= {p.memory_gib_per_gpu:.1f} GiB > {limit_gib:.1f} GiB even at "
+        f"does not fit: needs >= {p.memory_gib_per_gpu:.{digits}f} GiB > "
+        f"{limit_gib:.{digits}f} GiB even at "
         f"micro_batch={lay.micro_batch}, recompute={lay.recompute}, "
         f"sp={lay.sequence_parallel}; largest term {worst} {terms.get(worst, 0.0):.1f} GiB"
     )
@@ -261,7 +264,7 @@ def _price_split(
             option = " ".join(o for o in (hsdp, option) if o) or None
             rejected.append(Rejected(tp, dp, why, pp, mode, option))
         for lay, p in fits:
-            reason = f"fits {p.memory_gib_per_gpu:.1f}/{limit:.0f} GiB; {_why_fast(p)}"
+            reason = f"fits {p.memory_gib_per_gpu:.1f}/{limit:.3g} GiB; {_why_fast(p)}"
             feasible.append(Candidate(lay, p, reason))
     return feasible, rejected
 
@@ -345,7 +348,7 @@ def search(
     ``max_layouts`` layouts to price, is a ValueError saying so before any is priced.
     """
     only = only or {}
-    limit = memory_gib if memory_gib is not None else cluster.memory_bytes / 2**30
+    limit = memory_gib if memory_gib is not None else cluster.rank_memory_bytes(gpus) / 2**30
     base = base or Layout(tp=1, dp=1, micro_batch=1)
     space = _Space(w, base, only, micro_batch, cluster.gpus_per_node)
     splits = _bounded_splits(space, gpus, max_layouts)
