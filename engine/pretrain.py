@@ -153,7 +153,7 @@ def _resume_problem(cfg: Config, root: Path) -> list[str]:
     of the keys a resume keeps (engine/models/config.py RESUME_FIXED) changed."""
     from engine.checkpoint.manager import newest_index, unusable_checkpoints
     from engine.config_cli import override_value
-    from engine.models.config import ModelConfig
+    from engine.models.config import ModelConfig, preset_of
 
     found = newest_index(root) if cfg.checkpoint.resume else None
     if found is None:
@@ -176,6 +176,8 @@ def _resume_problem(cfg: Config, root: Path) -> list[str]:
         return finished_run_problem(cfg, saved, index.get("step"), root)
     differ = "; ".join(f"model.{key}={old!r}, the model {new!r}" for key, old, new in changes)
     back = " ".join(f"model.{key}={override_value(old)}" for key, old, _ in changes)
+    if name := preset_of(saved):  # one override says it all (model=moe_tiny)
+        back = f"model={name} (the checkpoint's preset)"
     return [
         f"checkpoint.dir={root} holds a run of another model (checkpoint has {differ}, step "
         f"{found[1]['step']}); set {back} back to resume it, or give this run its own "

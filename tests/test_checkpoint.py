@@ -690,6 +690,21 @@ def test_pickle_payload_is_never_executed(tmp_path, plant):
 
 
 @pytest.mark.slow
+def test_convert_names_the_preset_a_resume_needs(tmp_path, capsys):
+    """A checkpoint of ``model=llama_tiny`` converted: the printed resume command carries
+    ``model=llama_tiny``, which the run needs (without it, it refuses another model)."""
+    model = build_model(preset("llama_tiny"))
+    optimizer = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+    save_checkpoint(tmp_path / "ck", 3, model=model, optimizer=optimizer, ps=None, state={})
+    out = tmp_path / "tp2"
+    args = ["convert", str(tmp_path / "ck"), "--tp-size", "2", "--dp-size", "1", "--out", str(out)]
+    assert checkpoint_cli.main(args) == 0
+    assert capsys.readouterr().out == (
+        f"wrote {out / 'step_00000003'} for tp=2 dp=1; resume with checkpoint.dir={out} "
+        "model=llama_tiny tp_size=2 dp_size=1\n"
+    )
+
+
 def test_inspect_convert_and_export_cli(tmp_path, capsys):
     model, optimizer = _model_and_optimizer()
     _train_step(model, optimizer, 1)
@@ -713,6 +728,12 @@ def test_inspect_convert_and_export_cli(tmp_path, capsys):
     out_root = tmp_path / "tp2dp2"
     args = ["convert", str(root), "--tp-size", "2", "--dp-size", "2", "--out", str(out_root)]
     assert checkpoint_cli.main(args) == 0
+    # the model is no preset's (vocab 500): the resume command needs no model=NAME
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .endswith(f"resume with checkpoint.dir={out_root} tp_size=2 dp_size=2")
+    )
     assert checkpoint_cli.main(["inspect", str(out_root)]) == 0
     out = capsys.readouterr().out
     assert "layout: tp=2 dp=2 (world 4), dp_shard=none, converted from tp=1 dp=1" in out

@@ -158,3 +158,27 @@ def test_a_finished_run_under_another_config_is_refused(tmp_path, capsys):
     assert "holds a finished run (step 2, trainer.max_steps=2)" in line, line
     assert "data.seq_len=32 (this run: 16)" in line and "name=NAME" in line, line
     assert prepare(compose_config(*base, "data.seq_len=16", "trainer.max_steps=3"))  # continues
+
+
+def test_a_checkpoint_of_another_preset_names_the_preset(run, tmp_path, capsys):
+    """A checkpoint of plain ``model=llama_tiny`` resumed by a gpt_tiny run: the line says
+    ``set model=llama_tiny``, where it listed a dozen model.* keys to set one by one (the
+    keys still stand in "checkpoint has ..."). The preset is the one whose YAML composes to
+    the checkpoint's model, read here from configs/model by OmegaConf itself."""
+    from omegaconf import OmegaConf
+
+    from engine.models.config import PRESET_DIR, ModelConfig, preset_of
+
+    raw = OmegaConf.load(PRESET_DIR / "llama_tiny.yaml")
+    raw.pop("defaults", None)
+    llama = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw))
+    model = build_model(llama)
+    optimizer = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+    save_checkpoint(tmp_path / "ck", 1, model=model, optimizer=optimizer, ps=None, state={})
+    base = [o for o in run if not o.startswith(("checkpoint.dir=", "model."))]
+    line = _refusal([*base, "model.vocab_size=8192", f"checkpoint.dir={tmp_path / 'ck'}"], capsys)
+    assert "holds a run of another model (checkpoint has model.arch='llama', the model" in line
+    assert "; set model=llama_tiny (the checkpoint's preset) back to resume it, or give" in line
+    # a model no preset composes to keeps the key-by-key fix (the other tests here)
+    assert preset_of(llama) == "llama_tiny"
+    assert preset_of(compose_config(*run).model) is None

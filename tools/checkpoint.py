@@ -46,6 +46,7 @@ from engine.checkpoint.format import META_FILE, WEIGHTS_FILE  # noqa: E402
 from engine.checkpoint.tensorfile import HASHES  # noqa: E402
 from engine.checkpoint.tokenizer import TOKENIZER_FILE  # noqa: E402
 from engine.hf_interop import HF_CONFIG  # noqa: E402
+from engine.models.config import ModelConfig, preset_of  # noqa: E402
 from engine.tool_args import ArgumentParser  # noqa: E402
 
 
@@ -233,6 +234,14 @@ def _tokenizer_note(out: str) -> str:
     return "no tokenizer recorded or found: generate.py will need --tokenizer PATH"
 
 
+def _preset_override(step_dir: Path) -> str:
+    """`` model=NAME`` when the checkpoint's model is a preset's (the run needs it to
+    resume, as a run of the default preset does not say so), else nothing."""
+    cfg = ModelConfig.from_dict(storage.read_index(step_dir)["model_config"])
+    name = preset_of(cfg)
+    return f" model={name}" if name else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command != "inspect":
@@ -244,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             out = convert(args.ckpt, args.out, args.tp_size, args.dp_size)
             print(
                 f"wrote {out} for tp={args.tp_size} dp={args.dp_size}; resume with "
-                f"checkpoint.dir={args.out} tp_size={args.tp_size} dp_size={args.dp_size}"
+                f"checkpoint.dir={args.out}{_preset_override(out)} tp_size={args.tp_size} "
+                f"dp_size={args.dp_size}"
             )
             return 0
         if args.command == "export-dcp":

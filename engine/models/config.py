@@ -496,6 +496,12 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if p.stem != "schema")
 
 
+def preset_of(cfg: ModelConfig) -> str | None:
+    """The preset whose every :data:`RESUME_FIXED` key equals ``cfg``'s (the first by name),
+    or None: what ``model=NAME`` rebuilds a checkpoint's model from."""
+    return next((n for n in preset_names() if not preset(n).resume_changes(cfg)), None)
+
+
 def preset(name: str, **overrides: Any) -> ModelConfig:
     """The ModelConfig of configs/model/NAME.yaml, as Hydra composes it, with ``overrides``."""
     if name not in preset_names():
