@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from engine.config import SHORT_FORMS, Config
+from engine.models.config import ModelConfig, preset, preset_names
 
 # Keys a user never sets: the run directory is Hydra's, the fault injection a test hook.
 HIDDEN = {"run_dir", "trainer.fail_at_step"}
@@ -263,6 +264,22 @@ def override_value(value: object) -> str:
     if isinstance(value, str):
         return repr(value) if value == "" or " " in value else value
     return str(value)
+
+
+def model_overrides(current: ModelConfig, saved: ModelConfig) -> str:
+    """The fewest overrides that give ``saved``'s :data:`RESUME_FIXED` keys: on the
+    ``current`` model, or on the preset that needs the fewest (``model=llama_tiny`` or
+    ``model=llama_tiny model.layernorm_eps=1e-06``)."""
+
+    def keys(changes) -> list[str]:
+        return [f"model.{key}={override_value(old)}" for key, old, _ in changes]
+
+    best = keys(current.resume_changes(saved))
+    for name in preset_names():
+        mine = [f"model={name}", *keys(preset(name).resume_changes(saved))]
+        if len(mine) < len(best):
+            best = mine
+    return " ".join(best)
 
 
 def run_checked(

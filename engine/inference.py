@@ -186,6 +186,7 @@ def init_from_problems(cfg) -> list[str]:
     tokenizer. Checked before any rank starts, from configs, tokenizers and the weight
     files' headers and sizes (not the weights)."""
     from engine.checkpoint.storage import CheckpointError
+    from engine.config_cli import model_overrides
 
     path = cfg.checkpoint.init_from
     if not path:
@@ -206,7 +207,8 @@ def init_from_problems(cfg) -> list[str]:
     changes = cfg.model.resume_changes(saved)
     if changes:
         differ = "; ".join(f"model.{key}={old!r}, the run {new!r}" for key, old, new in changes)
-        return [f"{where} holds another model (it has {differ}); set {_closest(cfg, saved)}"]
+        back = model_overrides(cfg.model, saved)
+        return [f"{where} holds another model (it has {differ}); set {back} to start from it"]
     mine = cfg.data.tokenizer
     if theirs and mine and Path(mine).is_file() and _vocab(theirs) != _vocab(mine):
         return [
@@ -215,23 +217,6 @@ def init_from_problems(cfg) -> list[str]:
             f"preprocess_data.py --tokenizer {theirs}) and pass data.tokenizer={theirs}"
         ]
     return []
-
-
-def _closest(cfg, saved: ModelConfig) -> str:
-    """The fewest overrides that give ``saved``'s fixed keys: on this run's model, or on the
-    model preset that needs the fewest (``model=llama_tiny model.layernorm_eps=1e-06``)."""
-    from engine.config_cli import override_value
-    from engine.models.config import preset, preset_names
-
-    def keys(changes) -> list[str]:
-        return [f"model.{key}={override_value(old)}" for key, old, _ in changes]
-
-    best = keys(cfg.model.resume_changes(saved))
-    for name in preset_names():
-        mine = [f"model={name}", *keys(preset(name).resume_changes(saved))]
-        if len(mine) < len(best):
-            best = mine
-    return " ".join(best) + " to start from it"
 
 
 def _vocab(path: str) -> dict[str, int]:

@@ -33,7 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from engine.config import Config, parallel_dims, register_configs, validate
-from engine.config_cli import fail_config
+from engine.config_cli import fail_config, model_overrides
 from engine.observe import console_streams
 from engine.optim import scale_lr
 from engine.resilience.preemption import EXIT_PREEMPTED
@@ -152,8 +152,7 @@ def _resume_problem(cfg: Config, root: Path) -> list[str]:
     """One line when the checkpoint this run would resume from holds another model: one
     of the keys a resume keeps (engine/models/config.py RESUME_FIXED) changed."""
     from engine.checkpoint.manager import newest_index, unusable_checkpoints
-    from engine.config_cli import override_value
-    from engine.models.config import ModelConfig, preset_of
+    from engine.models.config import ModelConfig
 
     found = newest_index(root) if cfg.checkpoint.resume else None
     if found is None:
@@ -175,9 +174,7 @@ def _resume_problem(cfg: Config, root: Path) -> list[str]:
         saved = index.get("trainer_state", {}).get("config")
         return finished_run_problem(cfg, saved, index.get("step"), root)
     differ = "; ".join(f"model.{key}={old!r}, the model {new!r}" for key, old, new in changes)
-    back = " ".join(f"model.{key}={override_value(old)}" for key, old, _ in changes)
-    if name := preset_of(saved):  # one override says it all (model=moe_tiny)
-        back = f"model={name} (the checkpoint's preset)"
+    back = model_overrides(cfg.model, saved)
     return [
         f"checkpoint.dir={root} holds a run of another model (checkpoint has {differ}, step "
         f"{found[1]['step']}); set {back} back to resume it, or give this run its own "

@@ -163,8 +163,9 @@ def test_a_finished_run_under_another_config_is_refused(tmp_path, capsys):
 def test_a_checkpoint_of_another_preset_names_the_preset(run, tmp_path, capsys):
     """A checkpoint of plain ``model=llama_tiny`` resumed by a gpt_tiny run: the line says
     ``set model=llama_tiny``, where it listed a dozen model.* keys to set one by one (the
-    keys still stand in "checkpoint has ..."). The preset is the one whose YAML composes to
-    the checkpoint's model, read here from configs/model by OmegaConf itself."""
+    keys still stand in "checkpoint has ..."): the fewest overrides, as init_from's line
+    gives them. The preset is the one whose YAML composes to the checkpoint's model, read
+    here from configs/model by OmegaConf itself."""
     from omegaconf import OmegaConf
 
     from engine.models.config import PRESET_DIR, ModelConfig, preset_of
@@ -178,7 +179,7 @@ def test_a_checkpoint_of_another_preset_names_the_preset(run, tmp_path, capsys):
     base = [o for o in run if not o.startswith(("checkpoint.dir=", "model."))]
     line = _refusal([*base, "model.vocab_size=8192", f"checkpoint.dir={tmp_path / 'ck'}"], capsys)
     assert "holds a run of another model (checkpoint has model.arch='llama', the model" in line
-    assert "; set model=llama_tiny (the checkpoint's preset) back to resume it, or give" in line
+    assert "; set model=llama_tiny back to resume it, or give" in line
     # a model no preset composes to keeps the key-by-key fix (the other tests here)
     assert preset_of(llama) == "llama_tiny"
     assert preset_of(compose_config(*run).model) is None
