@@ -1071,3 +1071,20 @@ def test_calibrate_refuses_too_few_trainer_steps(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--in-model-steps 8 does nothing with --no-in-model" in err
     assert not out.exists()
+
+
+def test_plan_prices_an_emulated_cluster_over_the_calibrated_compute(capsys):
+    """``plan.py --cluster emulated_1gbit --compute-from cpu_2core``: the emulated spec's
+    1 Gbit/s network (125 MB/s, by hand) over cpu_2core's measured device. Before,
+    --compute-from existed in validate_perfmodel only, and either tool alone printed a
+    field error (``bandwidth_GBps=None must be a finite number > 0``)."""
+    from studies.perfmodel.cluster_spec import load_cluster
+    from studies.perfmodel.plan_cli import main
+
+    both = load_cluster("emulated_1gbit", base="cpu_2core")
+    cpu = load_cluster("cpu_2core")
+    assert both.inter.bandwidth_Bps == 1e9 / 8
+    assert (both.peak_flops, both.gemm_table) == (cpu.peak_flops, cpu.gemm_table)
+    argv = ["predict", "--model", "gpt_tiny", "--global-batch", "16", "--gpus", "2"]
+    assert main([*argv, "--cluster", "emulated_1gbit", "--compute-from", "cpu_2core"]) == 0
+    assert capsys.readouterr().out.startswith("emulated_1gbit: pp=1 tp=1 dp=2 ")

@@ -324,6 +324,13 @@ def load_cluster(
     section: an emulated cluster's links over this machine's calibrated compute.
     """
     raw, path = _read(name_or_path, directory)
+    if not base and (unset := _null_figures(raw)):
+        more = f" and {len(unset) - 2} more" if len(unset) > 2 else ""
+        raise ValueError(
+            f"{path}: {', '.join(unset[:2])}{more} are null (measured per study): this spec "
+            "describes links over another's compute; fill the rest from a calibrated spec "
+            "with --compute-from (e.g. --compute-from cpu_2core)"
+        )
     if base:
         under, _ = _read(base, directory)
         for key, value in under.items():
@@ -336,6 +343,18 @@ def load_cluster(
         return cluster_from_dict(raw)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
+
+
+def _null_figures(raw: dict[str, Any]) -> list[str]:
+    """``section.key`` of every null figure of a spec's sections (an emulated cluster's
+    "measured per study"); their ``source`` lines aside."""
+    return [
+        f"{name}.{key}"
+        for name, section in raw.items()
+        if isinstance(section, dict)
+        for key, value in section.items()
+        if value is None and key != "source"
+    ]
 
 
 def _read(name_or_path: str, directory: Path) -> tuple[dict[str, Any], Path]:

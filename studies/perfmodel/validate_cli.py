@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     worst, median = error_summary(rows)
     print(
         f"\nmax |error| {100 * worst:.1f}%, median {100 * median:.1f}% over {len(rows)} points; "
-        f"load average {os.getloadavg()}"
+        "load average (1/5/15 min) " + "/".join(f"{v:.2f}" for v in os.getloadavg())
     )
     one = [r for r in rows if r.point.layout.threads == 1]
     if args.command == "machine" and one:
