@@ -885,6 +885,17 @@ def test_scaling_study_csv_and_console_parsing(tmp_path):
     assert [(p.layout.threads, p.layout.fused_attention) for p in points] == [(1, False)] * 2
     assert [p.ranks_per_node for p in points] == [2, 2]
     assert read_scaling_results(path, base, overlap=False)[0].layout.overlap_grad_reduce is False
+    # a study's pp and cp columns (before, every row was priced at pp 1 and cp 1)
+    axes = tmp_path / "axes.csv"
+    axes.write_text(
+        cols
+        + ",pp_size,schedule,virtual_stages,cp_size\n"
+        + "1,4,1,1,4,4,16,0.5"
+        + ",0" * 13
+        + ",2,interleaved_1f1b,2,2\n"
+    )
+    (lay,) = [p.layout for p in read_scaling_results(axes, base)]
+    assert (lay.pp, lay.schedule, lay.virtual_stages, lay.cp) == (2, "interleaved_1f1b", 2, 2)
     spec = load_cluster("h100_x1")  # 1 GPU per node: the point is priced with its 2 per node
     assert compare(points[:1], spec)[0].error == pytest.approx(
         predict(points[0].workload, points[0].layout, replace(spec, gpus_per_node=2)).step_time_s

@@ -463,3 +463,22 @@ def test_pp_sweep_plans_what_the_trainer_accepts_and_reports_the_bubble(tmp_path
         "time_shares.png",
     ]
     assert plot(rows, tmp_path, title="t")[-1].name == "bubble.png"
+
+
+@pytest.mark.slow
+def test_cp_axis_runs_ring_attention_points_labelled_by_cp(tmp_path, data, capsys):
+    """``--cp 1,2``: the cp 2 point runs 2 ranks whose trainer says ``cp=2 (ring
+    attention)`` in its own log, and results.csv labels it cp_size 2, world 2. Before,
+    cp reached a study only as the override cp_size=2, which ran every point at cp 2
+    while results.csv said world 1; such an override is now refused (test_bad_input)."""
+    out = tmp_path / "cp"
+    args = ("--model", "llama_tiny", "--dp", "1", "--cp", "1,2", *BATCH_12_BY_2_NO_LINKS)
+    code, _, err = _study_here(out, data, capsys, *args)
+    assert code == 0, err
+    rows = {r["cp_size"]: r for r in _rows(out)}
+    assert rows.keys() == {"1", "2"}
+    assert (rows["2"]["world_size"], rows["2"]["procs_per_node"]) == ("2", "2")
+    assert all(r["step_time_s"] for r in rows.values())
+    log = (out / "runs" / "n1x2-tp1-dp1-mb2-gb12-cp2" / "repeat0" / "log.txt").read_text()
+    assert "tp=1 dp=1 cp=2 (ring attention)" in log
+    assert "| 1×2 tp1 dp1 cp2 |" in (out / "report.md").read_text()

@@ -180,8 +180,15 @@ def _scaling_point(row: dict, base: Workload, overlap: bool) -> Point:
         fused_attention=False,
         threads=1,
         overlap_grad_reduce=overlap,
+        # studies made before an axis have no column for it: 1 (and 1F1B), as they ran
+        pp=int(row.get("pp_size") or 1),
+        schedule=row.get("schedule") or "1f1b",
+        virtual_stages=int(row.get("virtual_stages") or 1),
+        cp=int(row.get("cp_size") or 1),
     )
     label = f"nodes={row.get('nodes', 1)} tp={lay.tp} dp={lay.dp} mb={lay.micro_batch}"
+    label += f" cp={lay.cp}" if lay.cp > 1 else ""
+    label += f" pp={lay.pp} {lay.schedule}" if lay.pp > 1 else ""
     label += "" if overlap else " no-overlap"
     per_node = int(row.get("procs_per_node") or 0) or None
     return Point(label, w, lay, float(row["step_time_s"]), ranks_per_node=per_node)

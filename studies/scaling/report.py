@@ -40,6 +40,7 @@ COLUMNS = (
     "tp_size",
     "dp_size",
     "pp_size",
+    "cp_size",
     "world_size",
     "micro_batch",
     "global_batch",
@@ -227,6 +228,7 @@ def _plot_shares(rows: list[dict[str, Any]], path: Path, plt, title: str) -> Pat
     # Every label distinct: bars with one label would be drawn on top of each other.
     labels = [
         f"{r['nodes']} node{'s' if r['nodes'] > 1 else ''}\ntp={r['tp_size']} dp={r['dp_size']}"
+        + (f" cp={r['cp_size']}" if r.get("cp_size", 1) > 1 else "")
         + (f"\npp={r['pp_size']} {SHORT[r['schedule']]}" if r.get("pp_size", 1) > 1 else "")
         + (f" v{r['virtual_stages']}" if r.get("virtual_stages", 1) > 1 else "")
         for r in rows
@@ -326,6 +328,7 @@ def accuracy_table(rows: list[dict[str, Any]]) -> list[str]:
 def _point(row: dict[str, Any]) -> str:
     """``nodes×procs tpT dpD`` (and ``ppP schedule``): a row's name in the tables."""
     name = f"{row['nodes']}×{row['procs_per_node']} tp{row['tp_size']} dp{row['dp_size']}"
+    name += f" cp{row['cp_size']}" if row.get("cp_size", 1) > 1 else ""
     if row.get("pp_size", 1) > 1:
         virtual = f" v{row['virtual_stages']}" if row.get("virtual_stages", 1) > 1 else ""
         name += f" pp{row['pp_size']} {row['schedule']}{virtual}"

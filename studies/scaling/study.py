@@ -51,16 +51,19 @@ class StudyConfig:
     pp: tuple[int, ...] = (1,)
     schedules: tuple[str, ...] = ("1f1b",)  # pipeline schedules swept at pp > 1
     virtual_stages: int = 2  # stages per pipeline rank under interleaved_1f1b
+    cp: tuple[int, ...] = (1,)  # context-parallel sizes
 
 
 def grid(cfg: StudyConfig) -> tuple[list[Point], list[str]]:
     """The points of the study, and one line per combination that cannot be laid out (the
     ranks do not fill the nodes, or a schedule lacks micro-batches)."""
     points, skipped = [], []
-    for nodes, tp, pp, dp in itertools.product(cfg.nodes, cfg.tp, cfg.pp, cfg.dp):
-        world = tp * dp * pp
+    for nodes, tp, cp, pp, dp in itertools.product(cfg.nodes, cfg.tp, cfg.cp, cfg.pp, cfg.dp):
+        world = tp * dp * pp * cp
         procs = cfg.procs_per_node or world // nodes
-        name = f"tp={tp} dp={dp}" + (f" pp={pp}" if pp > 1 else "")
+        name = (
+            f"tp={tp} dp={dp}" + (f" cp={cp}" if cp > 1 else "") + (f" pp={pp}" if pp > 1 else "")
+        )
         if cfg.procs_per_node and nodes * procs != world:
             skipped.append(f"{name} ({world} ranks) does not fill {nodes} node(s) × {procs} procs")
             continue
@@ -72,7 +75,7 @@ def grid(cfg: StudyConfig) -> tuple[list[Point], list[str]]:
         batch = cfg.global_batch * (dp if cfg.mode == "weak" else 1)
         for schedule in cfg.schedules if pp > 1 else ("1f1b",):
             virtual = cfg.virtual_stages if schedule == "interleaved_1f1b" else 1
-            point = Point(nodes, procs, tp, dp, cfg.micro_batch, batch, pp, schedule, virtual)
+            point = Point(nodes, procs, tp, dp, cfg.micro_batch, batch, pp, schedule, virtual, cp)
             rule = pp > 1 and microbatch_rule(schedule, pp, point.microbatches)
             if rule:
                 skipped.append(f"{name} on {nodes} node(s): {rule}; raise --global-batch")

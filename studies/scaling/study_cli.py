@@ -14,7 +14,7 @@ from rich.console import Console
 from engine.tool_args import ArgumentParser, in_flags
 from studies.scaling.report import add_speedup, plot, write_csv, write_report
 from studies.scaling.study import StudyConfig, measure_links, refused_points, run_study
-from studies.scaling.workloads import WORKLOADS, RunSpec
+from studies.scaling.workloads import WORKLOADS, RunSpec, grid_key_problem
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "configs" / "cluster"
 
@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
         prog="scaling_study.py",
         epilog=EPILOG,
         formatter_class=argparse.RawTextHelpFormatter,
-        description="Run a grid of training points (tp × dp × pp × nodes) on real processes and "
+        description="Run a grid of training points (tp × dp × cp × pp × nodes) on real processes and "
         "report speedup, efficiency and where each step's time goes.",
     )
     p.add_argument("overrides", nargs="*", help="Hydra overrides passed to every point")
@@ -72,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_ints, default=(1,), help="tp sizes, e.g. 1,2")
     p.add_argument("--dp", type=_ints, default=(1, 2), help="dp sizes, e.g. 1,2,4")
     p.add_argument("--pp", type=_ints, default=(1,), help="pipeline stages, e.g. 1,2,4")
+    p.add_argument(
+        "--cp", type=_ints, default=(1,), help="context-parallel sizes (ring attention), e.g. 1,2"
+    )
     p.add_argument(
         "--schedule",
         type=_schedules,
@@ -154,7 +157,9 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
     problem = _unwritable(args.out)
     if problem:  # known now, not after the first point's minutes
         _fail(f"--out {args.out} cannot be written: {problem}")
-    problem = _overrides_problem(args.workload, args.model, args.overrides)
+    problem = grid_key_problem(args.workload, args.overrides) or _overrides_problem(
+        args.workload, args.model, args.overrides
+    )
     if problem:  # the same for every point: refused before the first one starts
         _fail(problem)
     spec = RunSpec(args.model, tuple(args.overrides), args.steps, args.warmup)
@@ -175,6 +180,7 @@ def config_from(args: argparse.Namespace) -> StudyConfig:
         pp=args.pp,
         schedules=args.schedule,
         virtual_stages=args.virtual_stages,
+        cp=args.cp,
     )
 
 

@@ -27,10 +27,11 @@ class Point:
     pp_size: int = 1
     schedule: str = "1f1b"  # the pipeline schedule (pp_size > 1)
     virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b)
+    cp_size: int = 1  # context-parallel ranks splitting each sequence
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.dp_size * self.pp_size
+        return self.tp_size * self.dp_size * self.pp_size * self.cp_size
 
     @property
     def microbatches(self) -> int:
@@ -39,11 +40,13 @@ class Point:
 
     @property
     def layout(self) -> str:
-        """``tp=T``, and through a pipeline ``tp=T pp=P schedule`` (``v=V`` interleaved)."""
+        """``tp=T`` (``tp=T cp=C`` with context parallelism), and through a pipeline
+        ``tp=T pp=P schedule`` (``v=V`` interleaved)."""
+        model = f"tp={self.tp_size}" + (f" cp={self.cp_size}" if self.cp_size > 1 else "")
         if self.pp_size == 1:
-            return f"tp={self.tp_size}"
+            return model
         virtual = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"tp={self.tp_size} pp={self.pp_size} {self.schedule}{virtual}"
+        return f"{model} pp={self.pp_size} {self.schedule}{virtual}"
 
     @property
     def key(self) -> str:
@@ -54,7 +57,7 @@ class Point:
         if self.pp_size > 1:  # pp 1 keeps the keys of studies made before the axis
             key += f"-pp{self.pp_size}-{self.schedule}"
             key += f"-v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return key
+        return key + (f"-cp{self.cp_size}" if self.cp_size > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ def pretrain_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
         f"trainer.micro_batch={point.micro_batch}",
         f"trainer.global_batch={point.global_batch}",
         *pipeline_overrides(point),
+        *([f"cp_size={point.cp_size}"] if point.cp_size > 1 else []),
         f"trainer.max_steps={spec.warmup + spec.steps}",
         f"trainer.log_every={spec.warmup + spec.steps}",
         f"trainer.metrics_file={metrics}",
@@ -120,6 +124,8 @@ def classify_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
         )
     if point.pp_size > 1:
         raise ValueError(f"pp={point.pp_size}: the classify workload has no pipeline; use --pp 1")
+    if point.cp_size > 1:
+        raise ValueError(f"cp={point.cp_size}: the classify workload has no sequence; use --cp 1")
     if spec.model:
         raise ValueError(
             f"--model {spec.model}: the classify workload has one model; set its "
@@ -139,3 +145,58 @@ def classify_command(point: Point, spec: RunSpec, metrics: Path, run_dir: Path) 
 
 
 WORKLOADS: dict[str, Builder] = {"pretrain": pretrain_command, "classify": classify_command}
+
+# The keys each workload's command sets from the grid or the study, with the flag that sets
+# them (None: the study's own bookkeeping). Given again among the overrides, they would run
+# every point at one value while results.csv labels it by the grid's.
+_PRETRAIN_GRID = {
+    "tp_size": "--tp",
+    "dp_size": "--dp",
+    "pp_size": "--pp",
+    "cp_size": "--cp",
+    "parallel.tp": "--tp",
+    "parallel.dp": "--dp",
+    "parallel.pp": "--pp",
+    "parallel.cp": "--cp",
+    "model": "--model",
+    "trainer.micro_batch": "--micro-batch",
+    "trainer.global_batch": "--global-batch",
+    "pipeline.schedule": "--schedule",
+    "pipeline.virtual_stages": "--virtual-stages",
+    "trainer.max_steps": "--steps and --warmup",
+    "trainer.log_every": None,
+    "trainer.metrics_file": None,
+    "checkpoint.dir": None,
+    "hydra.run.dir": None,
+}
+_CLASSIFY_GRID = {
+    "tp_size": "--tp",
+    "dp_size": "--dp",
+    "parallel.tp": "--tp",
+    "parallel.dp": "--dp",
+    "trainer.batch_size": "--global-batch",
+    "trainer.metrics_file": None,
+    "hydra.run.dir": None,
+}
+GRID_KEYS = {"pretrain": _PRETRAIN_GRID, "classify": _CLASSIFY_GRID}
+
+
+def grid_key_problem(workload: str, overrides: list[str]) -> str | None:
+    """One line for an override of a key the study sets itself, naming the flag to use."""
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key not in GRID_KEYS[workload]:
+            continue
+        flag = GRID_KEYS[workload][key]
+        if flag is None:
+            return (
+                f"{override} among the overrides: the study sets {key} for each point "
+                "itself (its files go under --out); drop it"
+            )
+        value = override.split("=", 1)[1] if "=" in override else ""
+        instead = f"{flag} {value}" if flag.startswith("--") and " " not in flag else flag
+        return (
+            f"{override} among the overrides would run every point at it while the study "
+            f"labels each by {flag}: drop it and give {instead} instead"
+        )
+    return None
