@@ -275,6 +275,17 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
+def _config_refusal(module: str, argv: list[str], monkeypatch, capsys) -> str:
+    """The one ``config error:`` line (exit 2) of ``module`` run as ``python -m`` does,
+    Hydra's parsing included, with ``argv``."""
+    monkeypatch.setattr(sys, "argv", [f"{module.rsplit('.', 1)[-1]}.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module(module, run_name="__main__")
+    line = _one_line(capsys.readouterr().err)
+    assert exit_info.value.code == 2 and line.startswith("config error: "), line
+    return line
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("overrides", "fragment"), [c[1:] for c in PRETRAIN], ids=[c[0] for c in PRETRAIN]
@@ -287,11 +298,9 @@ def test_pretrain_bad_input_is_one_config_error_line(
     if "needs NVIDIA apex" in fragment and importlib.util.find_spec("apex") is not None:
         pytest.skip("apex is installed here, so optim.impl=apex and model.kernels=apex are valid")
     monkeypatch.chdir(inputs["dir"])
-    monkeypatch.setattr(sys, "argv", ["pretrain.py", *_pretrain_argv(overrides, inputs)])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("engine.pretrain", run_name="__main__")  # as python -m does
-    line = _one_line(capsys.readouterr().err)
-    assert exit_info.value.code == 2 and line.startswith("config error: "), line
+    line = _config_refusal(
+        "engine.pretrain", _pretrain_argv(overrides, inputs), monkeypatch, capsys
+    )
     assert fragment in line, line
     # A refused run leaves nothing behind (issue 23): no run directory, no checkpoint folder.
     here = Path(inputs["dir"])
@@ -324,11 +333,7 @@ def test_a_default_corpus_cap_that_takes_no_text_is_one_line(tmp_path, monkeypat
     argv = ["data.default_max_bytes=1", f"data.cache_dir={tmp_path}/cache", "model=gpt_tiny"]
     argv += ["trainer.device=cpu", f"hydra.run.dir={tmp_path}/run"]
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["pretrain.py", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("engine.pretrain", run_name="__main__")
-    line = _one_line(capsys.readouterr().err)
-    assert exit_info.value.code == 2 and line.startswith("config error: "), line
+    line = _config_refusal("engine.pretrain", argv, monkeypatch, capsys)
     assert expected in line, line
     assert not no_text or line.endswith(
         "raise it (the default corpus is 4,000,000 bytes) or pass data.prefixes"
@@ -457,12 +462,7 @@ def test_classify_bad_input_is_one_config_error_line(
         (tmp_path / stem).write_bytes(b"")
     monkeypatch.chdir(tmp_path)
     argv = [f"data.dir={tmp_path}", *(o.format(**inputs) for o in overrides)]
-    monkeypatch.setattr(sys, "argv", ["classify.py", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("apps.classify", run_name="__main__")
-    line = _one_line(capsys.readouterr().err)
-    assert exit_info.value.code == 2 and line.startswith("config error: "), line
-    assert fragment in line, line
+    assert fragment in _config_refusal("apps.classify", argv, monkeypatch, capsys)
 
 
 # One case a line: id, tool, exit status, argv ({key} = a path of the fixture), "message
