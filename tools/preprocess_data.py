@@ -73,13 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     tok = parser.add_mutually_exclusive_group(required=True)
-    tok.add_argument("--tokenizer", default=None, help="existing tokenizer.json to use")
-    tok.add_argument(
-        "--vocab-size",
-        type=bpe_vocab_size,
-        default=None,
-        help="train a byte-level BPE of this size",
-    )
+    tok.add_argument("--tokenizer", help="existing tokenizer.json to use")
+    tok.add_argument("--vocab-size", type=bpe_vocab_size, help="train a byte-level BPE this big")
     parser.add_argument(
         "--tokenizer-out",
         default=None,

@@ -86,11 +86,7 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=batch, help="sequences per forward (best if omitted)")
     p.add_argument("--gpus", type=gpu_count, required=True, help="ranks in total")
     p.add_argument("--cluster", default="dgx_h100", help=f"one of {cluster_names()} or a YAML path")
-    p.add_argument(
-        "--compute-from",
-        help="a calibrated spec whose figures fill what --cluster leaves null (an emulated "
-        "cluster's links over this machine's compute: --compute-from cpu_2core)",
-    )
+    p.add_argument("--compute-from", help="calibrated spec for what --cluster leaves null")
     p.add_argument("--precision", choices=("bf16", "fp32"), help="default: the cluster's")
     p.add_argument("--unfused-attention", action="store_true", help="attention stores s×s scores")
     p.add_argument("--no-overlap", action="store_true", help="DP reduce waits for backward")
