@@ -38,7 +38,7 @@ from engine.tool_args import (
     add_batching_flags,
     add_quantize_flag,
     in_flags,
-    non_negative_int,
+    port_number,
     positive_float,
     positive_int,
 )
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the model name clients send (default: the directory's, or for a run's step or final, the run's)",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=non_negative_int, default=8000, help="0: any free port")
+    p.add_argument("--port", type=port_number, default=8000, help="0: any free port")
     p.add_argument(
         "--cache-tokens",
         type=positive_int,

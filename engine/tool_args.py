@@ -195,6 +195,14 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0 .. 65535 (0: any free one)."""
+    value = _int_at_least(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} must be in 0 .. 65535 (0: any free port)")
+    return value
+
+
 def seed_int(text: str) -> int:
     """argparse type: a random seed, an integer in 0 .. 2**64 - 1 (what torch.manual_seed takes)."""
     value = _int_at_least(text, 0)

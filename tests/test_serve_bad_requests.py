@@ -242,6 +242,24 @@ def test_a_port_in_use_is_one_line_before_the_weights_load(export, capsys, monke
     )
 
 
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_a_port_outside_tcps_range_is_one_line(export, port, capsys, monkeypatch):
+    """--port 70000 was socket's "OverflowError: bind(): port must be 0-65535." traceback;
+    TCP ports are 16 bits (0 .. 65535), so it is refused by the parser, before loading."""
+    import apps.serve
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(apps.serve, "build", loads)
+    with pytest.raises(SystemExit) as stop:
+        apps.serve.main(["--weights", str(export[0]), "--port", port])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    expected = "must be in 0 .. 65535 (0: any free port)" if port == "70000" else "must be >= 0"
+    assert err == f"serve: error: argument --port: {port} {expected} (see --help)\n", err
+
+
 def test_a_chat_template_that_fails_while_rendering_gives_500_naming_it(export, tmp_path):
     template = tmp_path / "failing.jinja"
     template.write_text(FAILING_TEMPLATE)
