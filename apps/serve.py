@@ -42,6 +42,7 @@ from engine.tool_args import (
     positive_float,
     positive_int,
 )
+from parallel_state.launcher import launch_env_problem
 
 DTYPES = ("float32", "float64", "bfloat16")
 
@@ -329,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     argument. At --tp-size N, start N local ranks (under torchrun, this process is one)."""
     args = parse_args(argv)
     try:
+        if problem := launch_env_problem():  # before a rank reads it
+            raise ValueError(problem)
         source, _ = _source(args)
         check_tp(args, source.config())
         sock = bind(args)  # before the weights load: a port in use is said at once

@@ -23,6 +23,7 @@ from typing import NoReturn
 
 from engine.config import SHORT_FORMS, Config
 from engine.models.config import ModelConfig, preset, preset_names
+from parallel_state.launcher import launch_env_problem
 
 # Keys a user never sets: the run directory is Hydra's, the fault injection a test hook.
 HIDDEN = {"run_dir", "trainer.fail_at_step"}
@@ -294,6 +295,7 @@ def run_checked(
     """Run the Hydra ``main`` of ``python -m prog`` once ``argv`` names only real keys and
     a usable run directory, its Hydra errors as one line (``fail``, exit 2)."""
     problem = unknown_key(argv, schema, prog) or run_dir_problem(argv, default_run_dir)
+    problem = problem or launch_env_problem()
     if schema is Config:
         problem = problem or short_form_conflict(argv)
     if problem:

@@ -387,6 +387,7 @@ def cli() -> None:
     run directory and Hydra's own errors become one line and exit 2 before anything runs."""
     from engine.config_cli import run_checked
     from engine.tool_args import run_tool
+    from parallel_state.launcher import launch_env_problem
 
     argv = sys.argv[1:]
     if "--help" in argv or "-h" in argv:
@@ -395,6 +396,8 @@ def cli() -> None:
     # Hydra takes its flags before the overrides; a sweep's -m is often typed among them.
     sweep = [a for a in argv if a in ("-m", "--multirun")]
     argv = sweep + [a for a in argv if a not in sweep]
+    if problem := launch_env_problem():  # the shared run directory reads the launcher's
+        fail_config([problem])
     sys.argv[1:] = argv = with_shared_run_dir(argv)
     run_checked(main, argv, fail_config)
 

@@ -80,7 +80,13 @@ class ArgumentParser(argparse.ArgumentParser):
 def run_tool(main: Callable[[], int | None]) -> NoReturn:
     """Run a tool's ``main`` and exit with its status. When whatever reads stdout stops
     reading (``tool ... | head``), the tool stops quietly, with no traceback, and exits
-    :data:`BROKEN_PIPE_STATUS`."""
+    :data:`BROKEN_PIPE_STATUS`. A launcher's variable that is no number (MASTER_PORT=abc)
+    is one line before ``main`` runs, where a rank it started gave a traceback."""
+    from parallel_state.launcher import launch_env_problem
+
+    if problem := launch_env_problem():
+        print(f"{os.path.basename(sys.argv[0])}: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     try:
         status = main()
         sys.stdout.flush()  # output still buffered meets a closed pipe here, not at exit

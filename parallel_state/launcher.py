@@ -57,6 +57,8 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
     """Describe the launch from ``env`` (default ``os.environ``); a bare process is rank 0 of 1."""
     env = os.environ if env is None else env
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_MASTER_PORT
+    if not 0 <= port <= 65535:
+        raise ValueError(f"environment variable MASTER_PORT={port} is not a TCP port (0 .. 65535)")
     if "RANK" in env and "WORLD_SIZE" in env:
         local_ws = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else None
         return LaunchInfo(
@@ -106,3 +108,13 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
             port,
         )
     return LaunchInfo("none", 0, 1, 0, 1, "127.0.0.1", port)
+
+
+def launch_env_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """A launcher's variable (MASTER_PORT, RANK, SLURM_NTASKS, ...) that is no number or no
+    port, as one line for an entry to print before any rank starts (else None)."""
+    try:
+        detect_launch(env)
+    except ValueError as err:
+        return f"{err}: set it to what the launcher means, or unset it"
+    return None

@@ -888,3 +888,37 @@ def test_a_sample_setting_on_an_encoder_is_refused_and_no_sample_is_not():
     ]
     assert problems("trainer.sample_tokens=0") == []
     assert problems() == []  # the defaults, which a BERT run leaves alone
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "why"),
+    [
+        ("MASTER_PORT", "abc", "MASTER_PORT='abc' is not an integer"),
+        ("MASTER_PORT", "70000", "MASTER_PORT=70000 is not a TCP port (0 .. 65535)"),
+        ("RANK", "x", "RANK='x' is not an integer"),
+    ],
+)
+def test_a_launcher_variable_that_is_no_number_is_one_line(
+    inputs, name, value, why, monkeypatch, capsys
+):
+    """MASTER_PORT=abc (or 70000, past a TCP port's 16 bits) was a ValueError traceback
+    from the run directory's naming (pretrain) or from a rank (generate, serve, the
+    benches); now pretrain, classify, serve and every tool say it in one line, exit 2."""
+    import apps.serve
+    from engine.tool_args import run_tool
+
+    monkeypatch.setenv(name, value)
+    if name == "RANK":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    line = f"environment variable {why}: set it to what the launcher means, or unset it"
+    monkeypatch.chdir(inputs["dir"])
+    refused = _config_refusal("engine.pretrain", _pretrain_argv([], inputs), monkeypatch, capsys)
+    assert refused == f"config error: {line}"
+    assert _config_refusal("apps.classify", [], monkeypatch, capsys) == f"config error: {line}"
+    monkeypatch.setattr(sys, "argv", ["generate.py"])
+    with pytest.raises(SystemExit) as stop:
+        run_tool(lambda: pytest.fail("the tool ran"))
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"generate.py: error: {line}\n"
+    assert apps.serve.main(["--ckpt", inputs["ck"], "--port", "0"]) == 2
+    assert capsys.readouterr().err == f"serve: {line}\n"
