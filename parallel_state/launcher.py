@@ -112,9 +112,19 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
 
 def launch_env_problem(env: Mapping[str, str] | None = None) -> str | None:
     """A launcher's variable (MASTER_PORT, RANK, SLURM_NTASKS, ...) that is no number or no
-    port, as one line for an entry to print before any rank starts (else None)."""
+    port, or an OMP_NUM_THREADS OpenMP ignores, as one line for an entry to print before
+    any rank starts (else None)."""
+    env = os.environ if env is None else env
     try:
         detect_launch(env)
     except ValueError as err:
         return f"{err}: set it to what the launcher means, or unset it"
+    threads = env.get("OMP_NUM_THREADS")
+    # OpenMP's form: a count >= 1, or a comma list of them (one per nesting level).
+    if threads is not None and not re.fullmatch(r"\s*[1-9]\d*(,[1-9]\d*)*\s*", threads):
+        return (
+            f"environment variable OMP_NUM_THREADS={threads!r} is not a thread count "
+            "(a whole number >= 1), and OpenMP would ignore it: set it to the threads each "
+            "rank runs, or unset it (each CPU rank then gets its share of the cores)"
+        )
     return None

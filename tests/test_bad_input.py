@@ -896,6 +896,8 @@ def test_a_sample_setting_on_an_encoder_is_refused_and_no_sample_is_not():
         ("MASTER_PORT", "abc", "MASTER_PORT='abc' is not an integer"),
         ("MASTER_PORT", "70000", "MASTER_PORT=70000 is not a TCP port (0 .. 65535)"),
         ("RANK", "x", "RANK='x' is not an integer"),
+        ("OMP_NUM_THREADS", "0", None),
+        ("OMP_NUM_THREADS", "abc", None),
     ],
 )
 def test_a_launcher_variable_that_is_no_number_is_one_line(
@@ -911,6 +913,13 @@ def test_a_launcher_variable_that_is_no_number_is_one_line(
     if name == "RANK":
         monkeypatch.setenv("WORLD_SIZE", "2")
     line = f"environment variable {why}: set it to what the launcher means, or unset it"
+    if name == "OMP_NUM_THREADS":  # libgomp warns and runs as if unset, while meshtron's
+        # core share stood back for it: 4 ranks × all cores, several-fold slower on CPU
+        line = (
+            f"environment variable OMP_NUM_THREADS={value!r} is not a thread count (a whole "
+            "number >= 1), and OpenMP would ignore it: set it to the threads each rank runs, "
+            "or unset it (each CPU rank then gets its share of the cores)"
+        )
     monkeypatch.chdir(inputs["dir"])
     refused = _config_refusal("engine.pretrain", _pretrain_argv([], inputs), monkeypatch, capsys)
     assert refused == f"config error: {line}"
