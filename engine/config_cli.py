@@ -283,6 +283,59 @@ def model_overrides(current: ModelConfig, saved: ModelConfig) -> str:
     return " ".join(best)
 
 
+# A sweep of more jobs than this is checked job by job as each starts, not all up front.
+SWEEP_CHECK_JOBS = 256
+
+
+def composed_problems(overrides: list[str]) -> list[str]:
+    """The layout and config rules' lines (``engine.config.validate``) for the config that
+    ``overrides`` compose to (``hydra.*`` ones aside), as no rank has resolved it yet."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from engine.config import parallel_dims, register_configs, validate
+    from parallel_state.dims import LayoutError
+
+    register_configs()
+    given = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        cfg = OmegaConf.to_object(compose("config", overrides=given))
+    try:
+        return validate(cfg, parallel_dims(cfg, None))
+    except LayoutError as err:
+        return [str(err)]
+
+
+def sweep_problems(argv: list[str]) -> list[str]:
+    """Under ``-m``, one line per job of the sweep its config rules refuse, each naming the
+    job (``job #0 (tp_size=3 dp_size=1): ...``), so that a refused job stops the sweep
+    before any job runs rather than after the jobs before it. A job that cannot be
+    composed here (``${hydra:...}`` in a value) is left to its own start."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides = [a for a in argv if not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except (HydraException, OmegaConfBaseException):
+        return []  # Hydra's own parse error, said as one line when it runs
+    if len(jobs) > SWEEP_CHECK_JOBS:
+        return []
+    swept_keys = {o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()}
+    problems = []
+    for number, job in enumerate(jobs):
+        try:
+            found = composed_problems(job)
+        except (HydraException, OmegaConfBaseException, ValueError, TypeError):
+            continue
+        swept = " ".join(o for o in job if o.split("=", 1)[0].lstrip("+~") in swept_keys)
+        problems += [f"job #{number} ({swept}) of the sweep: {line}" for line in found[:1]]
+    return problems
+
+
 def run_checked(
     main: Callable[[], None],
     argv: list[str],

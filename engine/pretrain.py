@@ -385,7 +385,7 @@ def print_help(argv: list[str]) -> None:
 def cli() -> None:
     """The command line: ``--help``, unknown keys (with the nearest real one), an unusable
     run directory and Hydra's own errors become one line and exit 2 before anything runs."""
-    from engine.config_cli import run_checked
+    from engine.config_cli import run_checked, sweep_problems
     from engine.tool_args import run_tool
     from parallel_state.launcher import launch_env_problem
 
@@ -398,6 +398,8 @@ def cli() -> None:
     argv = sweep + [a for a in argv if a not in sweep]
     if problem := launch_env_problem():  # the shared run directory reads the launcher's
         fail_config([problem])
+    if sweep and (problems := sweep_problems(argv)):  # before the first job, not at the bad one
+        fail_config(problems)
     sys.argv[1:] = argv = with_shared_run_dir(argv)
     run_checked(main, argv, fail_config)
 

@@ -215,6 +215,7 @@ PRETRAIN_CASES = """
     mistyped_preset model=gpt_tny "model=gpt_tny names no model preset; did you mean model=gpt_tiny?"
     internal_schema_preset model=schema "model=schema names no model preset"
     sweep_with_a_mistyped_preset -m model=gpt_tiny,llama_tny "model=llama_tny names no model preset; did you mean model=llama_tiny?"
+    sweep_refused_job_stops_it_before_the_first -m tp_size=1,3 "config error: job #1 (tp_size=3) of the sweep: model.num_heads=4 is not divisible by tp_size=3"
     hydra_parse_error optim.lr=[1 "cannot parse the override 'optim.lr=[1': no viable"
     # found beyond the issue's list
     beta2_1 optim.beta2=1.0 "optim.beta2=1.0 must be in [0, 1)"
@@ -343,7 +344,7 @@ def test_a_default_corpus_cap_that_takes_no_text_is_one_line(tmp_path, monkeypat
 def test_a_sweep_flag_typed_among_the_overrides_still_sweeps(inputs, monkeypatch, capsys):
     """``-m`` among the overrides (Hydra's parser wants it before them) starts the sweep:
     its first job, optim.lr=-1, is refused as a config error rather than the command line
-    as "unrecognized arguments". A sweep over presets (model=gpt_tiny,gpt_tiny) names
+    as "unrecognized arguments", before the sweep starts. A sweep over presets (model=gpt_tiny,gpt_tiny) names
     presets each, so the preset check lets it through to that job."""
     monkeypatch.chdir(inputs["dir"])
     argv = [o for o in _pretrain_argv([], inputs) if not o.startswith("hydra.")]
@@ -353,7 +354,10 @@ def test_a_sweep_flag_typed_among_the_overrides_still_sweeps(inputs, monkeypatch
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("engine.pretrain", run_name="__main__")
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "config error: optim.lr=-1.0 must be in (0, 1000]" in err
+    # refused before any job runs, naming the job (its swept values)
+    assert exit_info.value.code == 2, err
+    assert err.startswith("config error: job #0 (model=gpt_tiny optim.lr=-1) of the sweep: ")
+    assert "optim.lr=-1.0 must be in (0, 1000]" in err and "job #1" not in err
     assert "unrecognized arguments" not in err
 
 
