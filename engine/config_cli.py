@@ -287,19 +287,25 @@ def model_overrides(current: ModelConfig, saved: ModelConfig) -> str:
 SWEEP_CHECK_JOBS = 256
 
 
-def composed_problems(overrides: list[str]) -> list[str]:
-    """The layout and config rules' lines (``engine.config.validate``) for the config that
-    ``overrides`` compose to (``hydra.*`` ones aside), as no rank has resolved it yet."""
+def compose_run_config(overrides: list[str]) -> Config:
+    """The config ``engine.pretrain`` composes from ``overrides`` (``hydra.*`` ones aside),
+    before any rank resolves it."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from engine.config import parallel_dims, register_configs, validate
-    from parallel_state.dims import LayoutError
+    from engine.config import register_configs
 
     register_configs()
     given = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        cfg = OmegaConf.to_object(compose("config", overrides=given))
+        return OmegaConf.to_object(compose("config", overrides=given))
+
+
+def rule_problems(cfg: Config) -> list[str]:
+    """The layout and config rules' lines (``engine.config.validate``) for ``cfg``."""
+    from engine.config import parallel_dims, validate
+    from parallel_state.dims import LayoutError
+
     try:
         return validate(cfg, parallel_dims(cfg, None))
     except LayoutError as err:
@@ -328,7 +334,7 @@ def sweep_problems(argv: list[str]) -> list[str]:
     problems = []
     for number, job in enumerate(jobs):
         try:
-            found = composed_problems(job)
+            found = rule_problems(compose_run_config(job))
         except (HydraException, OmegaConfBaseException, ValueError, TypeError):
             continue
         swept = " ".join(o for o in job if o.split("=", 1)[0].lstrip("+~") in swept_keys)

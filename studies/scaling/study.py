@@ -114,23 +114,11 @@ def _config_problems(overrides: list[str], local_ranks: int) -> list[str]:
     """What ``engine.pretrain`` would refuse in the config these overrides compose to: its
     layout and config rules, then whether ``local_ranks`` such ranks fit one node's memory
     (this machine's: every emulated node is this machine). The data is the run's to check."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from engine.config import parallel_dims, register_configs, validate
-    from engine.config_cli import CONFIGS
-    from parallel_state.dims import LayoutError
-
-    register_configs()
-    given = [o for o in overrides if not o.startswith("hydra.")]
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        cfg = OmegaConf.to_object(compose("config", overrides=given))
-    try:
-        problems = validate(cfg, parallel_dims(cfg, None))
-    except LayoutError as err:
-        return [str(err)]
+    from engine.config_cli import compose_run_config, rule_problems
     from engine.preflight import check_memory
 
+    cfg = compose_run_config(overrides)
+    problems = rule_problems(cfg)
     return problems or check_memory(cfg, local_ranks, on_gpu=torch.cuda.is_available())
 
 
