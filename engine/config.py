@@ -352,15 +352,23 @@ def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
 
 def _validate_experts(cfg: Config, dims: ParallelDims) -> list[str]:
     """What ``parallel.ep`` needs of the model (experts to split, whole experts per ep
-    rank; checkpoints store the experts whole, so they save and resume at any ep), and the
+    rank; checkpoints store the experts whole, so they save and resume at any ep), the
     router losses' pooling under pp: each stage adds its own layers' losses, so a balance
-    pooled over the whole model's layers cannot be split across stages."""
+    pooled over the whole model's layers cannot be split across stages, and a capacity
+    under cp (a cp rank routes part of each sequence; the balance loss is summed over cp,
+    ``layers.router.load_balancing_loss``, a capacity would not be)."""
     m, ep = cfg.model, dims.ep
     pooled = m.moe_aux_loss_pooling == "model" and m.moe_aux_loss_coeff  # z stays per layer
     if m.mlp == "moe" and dims.pp > 1 and pooled:
         return [
             f"pp_size={dims.pp} adds each stage's router losses per layer, not pooled over the "
             "model: set model.moe_aux_loss_pooling=layer, or pp_size=1"
+        ]
+    if m.mlp == "moe" and dims.cp > 1 and m.moe_capacity_factor is not None:
+        return [
+            f"cp_size={dims.cp} with model.moe_capacity_factor={m.moe_capacity_factor}: each "
+            "cp rank would drop past a capacity of its part of the sequences, not of the whole; "
+            "set model.moe_capacity_factor=null (dropless) or cp_size=1"
         ]
     if ep == 1:
         return []

@@ -38,6 +38,7 @@ CONFIG_FLAGS = {
     "dp_replicate": ("--dp-replicate",),
     "dp_shard": ("--dp-shard",),
     "offload": ("--offload",),
+    "capacity_factor": ("--capacity-factor",),
     "experts": ("--experts",),
     "schedule": ("--schedule",),
     "steps": ("--steps",),

@@ -261,6 +261,18 @@ class MoEMLP(nn.Module):
         return out, None
 
 
+def route_over_context(model: nn.Module, cp_group: dist.ProcessGroup | None) -> nn.Module:
+    """Give every router of ``model`` the context-parallel group (the ranks holding the
+    other parts of the same sequences), over which its load-balancing statistics are
+    summed (``layers.router.load_balancing_loss``); the z-loss is a per-token mean, which
+    the cp average already makes the whole sequences'. ``model`` itself, for chaining."""
+    if group_size(cp_group) > 1:
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                module.cp_group = cp_group
+    return model
+
+
 def shard_experts(model: nn.Module, ep_group: dist.ProcessGroup | None) -> nn.Module:
     """Split every MoE layer of ``model`` over ``ep_group`` (the mesh's ``expert`` role):
     each rank keeps its ``E / ep`` experts and dispatches tokens to the others'. Nothing

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from layers.linear import replicated_weight
-from layers.mappings import gather_from_tp
+from layers.mappings import copy_to_tp, gather_from_tp, reduce_from_tp
 from layers.param_roles import mark_sp_partial_grad
 from layers.transformer_config import TransformerConfig
 from layers.utils import comm_timer_of
@@ -85,6 +85,7 @@ class RouterLosses:
     dropped: torch.Tensor  # int64 scalar: token-slots dropped past capacity (0: dropless)
     aux_coeff: float  # the weights ``loss`` applies, for ``router_objective``'s pooled form
     z_coeff: float
+    cp_group: dist.ProcessGroup | None = None  # where the balance statistics are summed
 
 
 @dataclass
@@ -127,14 +128,33 @@ def capacity_keep(
     return (rank < limit).reshape(experts.shape)
 
 
+def load_balancing_loss(
+    slots: torch.Tensor, prob_sum: torch.Tensor, tokens: int, cp_group=None
+) -> torch.Tensor:
+    """E · Σ_i f_i · P_i with f_i = slots_i / T and P_i = prob_sum_i / T.
+
+    With a ``cp_group`` of several ranks (context parallelism: each holds part of every
+    sequence) the three are first summed over it, so every cp rank has the whole
+    sequences' loss, as the unsplit model does (the product of per-part means is not the
+    mean's product). ``prob_sum``'s backward sums over the group too (g then f): each cp
+    rank's objective holds that same loss, and the gradient group averages over cp.
+    """
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        slots = reduce_from_tp(slots, cp_group)  # counts: no gradient
+        prob_sum = copy_to_tp(reduce_from_tp(prob_sum, cp_group), cp_group)
+        tokens = tokens * dist.get_world_size(cp_group)
+    slots = slots.to(prob_sum.dtype)
+    return slots.numel() * (slots / tokens * prob_sum / tokens).sum()
+
+
 def pooled_load_balancing_loss(layers: list[RouterLosses]) -> torch.Tensor:
     """transformers' ``load_balancing_loss_func`` over several layers: f and P averaged
     over every layer's tokens first, then E · Σ_i f_i · P_i (not the mean of the layers'
-    own losses)."""
+    own losses); over the layers' ``cp_group`` as :func:`load_balancing_loss` says."""
     rows = sum(one.tokens for one in layers)
-    slots = sum(one.slots_per_expert for one in layers).to(layers[0].prob_sum.dtype)
+    slots = sum(one.slots_per_expert for one in layers)
     probs = sum(one.prob_sum for one in layers)
-    return slots.numel() * (slots / rows * probs / rows).sum()
+    return load_balancing_loss(slots, probs, rows, layers[0].cp_group)
 
 
 def router_objective(layers: list[RouterLosses], pooling: str = "layer") -> torch.Tensor:
@@ -191,6 +211,8 @@ class TopKRouter(nn.Module):
             bias = torch.zeros(self.num_experts, dtype=torch.float32, device=device)
             self.register_buffer("expert_bias", bias)
         self.last_losses: RouterLosses | None = None
+        # The context-parallel ranks holding the rest of each sequence (route_over_context).
+        self.cp_group: dist.ProcessGroup | None = None
 
     def forward(self, tokens: torch.Tensor) -> Routing:
         """``tokens``: ``[T, h]`` (under sequence parallelism this TP rank's block of the
@@ -226,7 +248,7 @@ class TopKRouter(nn.Module):
         tokens = len(logits)
         slots = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         prob_sum = balance.sum(0)
-        aux = self.num_experts * (slots.to(prob_sum.dtype) / tokens * prob_sum / tokens).sum()
+        aux = load_balancing_loss(slots, prob_sum, tokens, self.cp_group)
         z = logits.logsumexp(-1).square().mean()
         dropped = (~keep).sum() if keep is not None else slots.new_zeros(())
         return RouterLosses(
@@ -239,6 +261,7 @@ class TopKRouter(nn.Module):
             dropped=dropped,
             aux_coeff=self.aux_coeff,
             z_coeff=self.z_coeff,
+            cp_group=self.cp_group,
         )
 
     @torch.no_grad()

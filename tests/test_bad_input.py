@@ -196,6 +196,7 @@ PRETRAIN_CASES = """
     init_from_truncated checkpoint.init_from={ck_trunc} model.vocab_size=500 model.hidden_size=32 model.num_layers=1 "rank00000.safetensors holds 100 bytes, and the checkpoint's index records"
     every_checkpoint_damaged checkpoint.dir={ck_trunc} "step_00000001/rank00000.safetensors is damaged: 100 bytes, the index says"
     cache_dir_unwritable data.prefixes=[] data.default_vocab_size=512 data.cache_dir={a_file}/cache "a_file/cache cannot hold the embedded default corpus: "
+    moe_capacity_under_cp model=moe_tiny cp_size=2 model.compile=false model.moe_capacity_factor=1.0 "cp_size=2 with model.moe_capacity_factor=1.0: each cp rank would drop past a capacity of its part of the sequences, not of the whole; set model.moe_capacity_factor=null (dropless) or cp_size=1"
     # item 9: silently accepted
     weights_nan data.weights=[nan,1] +prefixes=good,good "must be >= 0 with a positive sum, all finite"
     weights_inf data.weights=[inf,1] +prefixes=good,good "must be >= 0 with a positive sum, all finite"

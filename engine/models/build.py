@@ -8,7 +8,7 @@ import torch.distributed as dist
 from engine.models.base import ParallelModel
 from engine.models.config import ModelConfig
 from engine.models.families import family
-from layers.moe import shard_experts
+from layers.moe import route_over_context, shard_experts
 from parallel_state import ParallelState
 from parallel_state.random import RNGTracker
 
@@ -27,7 +27,8 @@ def build_model(
 
     ``state`` is the rank's ParallelState: its TP group, its CP group (context parallelism:
     ring attention) and dropout RNG tracker go to every layer, and its ``expert`` group
-    splits the MoE layers' experts (``shard_experts``). Without one, ``tp_group``, ``rng``
+    splits the MoE layers' experts (``shard_experts``); the CP group also sums the routers'
+    balance statistics (``route_over_context``). Without one, ``tp_group``, ``rng``
     and ``ep_group`` say them (None: one process, no cp).
     """
     model_class = family(cfg.arch).model_class()
@@ -42,4 +43,4 @@ def build_model(
     model = model_class(
         cfg, tp_group=tp_group, cp_group=cp_group, rng=rng, dtype=dtype, device=device
     )
-    return shard_experts(model, ep_group)
+    return shard_experts(route_over_context(model, cp_group), ep_group)

@@ -14,7 +14,9 @@ A model with MoE layers trains on its loss plus every router's auxiliary and z-l
 this rank, combined by ``layers.router.router_objective`` as ``model.moe_aux_loss_pooling``
 says: per layer, or pooled over the model's layers as transformers' ``aux_loss``), divided by the micro-batch count with it: the objective is the mean over the
 step's micro-batches and (by the DP average) its ranks of (model loss + router losses),
-the same at every ep size, since each rank routes its own tokens at every ep size. The
+the same at every ep size, since each rank routes its own tokens at every ep size. Under
+context parallelism a router's load-balancing statistics are summed over the cp group
+(``layers.router.load_balancing_loss``), so its loss is the whole sequences', as unsplit. The
 step's reported loss stays the model's (comparable with evaluation and dense runs); the
 router losses' step mean is ``router_loss``. Each micro-batch's router statistics also go
 to ``moe_window`` (``engine.moe_observe``: the console's moe line; None for a dense model),

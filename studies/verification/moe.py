@@ -51,7 +51,8 @@ AUX_COEFF, Z_COEFF = 0.01, 0.001  # both router losses reach the objective (and 
 
 def check_moe(spec) -> None:
     """One line (ValueError) if the MoE part of ``spec`` cannot run: ep must divide dp and
-    the experts; pp 1 and cp 1 (not composed yet); the router's options only with experts."""
+    the experts; pp 1 (not composed yet); dropless at cp > 1; the router's options only with
+    experts."""
     ep, dp, experts = spec.ep_size, spec.dp_size, spec.experts
     if experts < 0:
         raise ValueError(f"experts={experts} must be >= 0 (0: dense MLPs)")
@@ -85,10 +86,12 @@ def check_moe(spec) -> None:
             f"experts={experts} runs in --model {' or '.join(biasless)} (experts carry no "
             f"biases; the {spec.model} tiny model's linears do)"
         )
-    if spec.pp_size > 1 or spec.cp_size > 1:
+    if spec.pp_size > 1:
+        raise ValueError(f"experts={experts} runs at pp_size=1 (not yet pp_size={spec.pp_size})")
+    if spec.cp_size > 1 and spec.capacity_factor is not None:
         raise ValueError(
-            f"experts={experts} runs at pp_size=1 and cp_size=1 (not yet pp_size="
-            f"{spec.pp_size}, cp_size={spec.cp_size})"
+            f"experts={experts} at cp_size={spec.cp_size} runs dropless (a capacity would cover "
+            f"each cp rank's part of the sequences): drop capacity_factor={spec.capacity_factor}"
         )
 
 
@@ -282,11 +285,22 @@ def _capture_rows(target: MoECapture, reference: MoECapture | None, spec, ps, to
     want = None if reference is None else _Side(reference, ps, spec.experts, target=False)
     rows, notes = [], []
     routes_of, ref_routes_of = {}, {}  # MoE layer -> its router's forwards
+    # At cp > 1 a forward's outputs and routes are this cp rank's part of each sequence:
+    # compared at cp 1; at cp > 1 the losses (router losses included) and gradients are.
+    context = ps.size("cp") > 1
     for name, (kind, values) in got.records.items():
+        if kind != "router" and context:
+            continue
         if kind == "output":
             full = got.output(values)
             if want is not None:
                 rows.append(compare("output", name, full, want.output(want.records[name][1]), tol))
+        elif kind == "router" and context:
+            mine = got.route(values)
+            if want is not None:
+                theirs = want.route(want.records[name][1])
+                rows.append(compare("aux loss", name, mine["aux"], theirs["aux"], tol))
+                rows.append(compare("z loss", name, mine["z"], theirs["z"], tol))
         elif kind == "router":
             routes_of[name.rsplit(".", 1)[0]] = values
             mine = got.route(values)
