@@ -164,7 +164,6 @@ def test_planted_ep_bug_is_named_where_it_first_shows(runs, fault):
             dict(dp_size=2, ep_size=2, model="gpt"),
             "runs in --model llama or gemma .experts carry no biases; the gpt tiny",
         ),
-        (dict(dp_size=2, ep_size=2, pp_size=2), r"runs at pp_size=1 \(not yet pp_size=2\)"),
         (dict(cp_size=2), "at cp_size=2 runs dropless .a capacity would cover each cp rank"),
         (dict(ep_size=1, experts=0), "capacity_factor set the MoE layers of experts > 0"),
         (dict(ep_size=1, experts=-1), "experts=-1 must be >= 0"),

@@ -51,8 +51,7 @@ AUX_COEFF, Z_COEFF = 0.01, 0.001  # both router losses reach the objective (and 
 
 def check_moe(spec) -> None:
     """One line (ValueError) if the MoE part of ``spec`` cannot run: ep must divide dp and
-    the experts; pp 1 (not composed yet); dropless at cp > 1; the router's options only with
-    experts."""
+    the experts; dropless at cp > 1; the router's options only with experts."""
     ep, dp, experts = spec.ep_size, spec.dp_size, spec.experts
     if experts < 0:
         raise ValueError(f"experts={experts} must be >= 0 (0: dense MLPs)")
@@ -86,8 +85,6 @@ def check_moe(spec) -> None:
             f"experts={experts} runs in --model {' or '.join(biasless)} (experts carry no "
             f"biases; the {spec.model} tiny model's linears do)"
         )
-    if spec.pp_size > 1:
-        raise ValueError(f"experts={experts} runs at pp_size=1 (not yet pp_size={spec.pp_size})")
     if spec.cp_size > 1 and spec.capacity_factor is not None:
         raise ValueError(
             f"experts={experts} at cp_size={spec.cp_size} runs dropless (a capacity would cover "

@@ -26,6 +26,8 @@ from engine import comm
 from engine.models import ParallelModel
 from engine.models.base import ParallelLMHead
 from engine.pipeline import PipelineModel, PipelineRunner
+from layers.moe import moe_losses
+from layers.router import TopKRouter, router_objective
 from parallel_state import ParallelState
 from studies.verification.dp_step import TargetStep
 from studies.verification.outputs import OutputCapture, Row, compare, output_tp_dim
@@ -171,7 +173,10 @@ def pipeline_steps(
     runner = pipeline_target(spec, target, ps)
     if mutate_runner is not None:
         mutate_runner(runner)
-    capture = StageCapture(runner)  # after the planted fault: what the stages really send
+    # After the planted fault: what the stages really send. Not with MoE layers: their
+    # reference runs micro-batch by micro-batch (_reference_objective), and under ep the
+    # experts' rows differ in number between ranks; their losses and gradients are compared.
+    capture = None if _has_experts(target) else StageCapture(runner)
     stages = runner.model
     dp = TargetStep(spec, stages, ps)  # after the runner: FSDP shards its stage chunks
     chunks = {key: value.chunk(spec.microbatches) for key, value in local.items()}
@@ -184,8 +189,9 @@ def pipeline_steps(
         grads = outputs = None
         if step == 0:
             grads = stages.full_grad_dict()  # over TP and the stages
-            outputs = capture.merged(ps)
-            capture.remove()
+            if capture is not None:
+                outputs = capture.merged(ps)
+                capture.remove()
         yield comm.mean(loss, ps.group("loss"), ps.device), grads, outputs
         dp.step()
         dp.zero_grad()
@@ -196,7 +202,10 @@ def pipeline_rows(spec, target, reference, batch, local, ps, mutate_runner) -> l
     """Every stage's outputs, the loss of every step and every gradient of the first, the
     target pipelined (rows on global rank 0, where ``reference`` is; [] elsewhere)."""
     tol, rows = spec.tolerance, []
-    capture = OutputCapture(reference) if reference is not None else None
+    # An MoE reference runs micro-batch by micro-batch (_reference_objective): its outputs
+    # are not the whole batch's the stage rows are cut from; its losses and gradients are.
+    experts = reference is not None and _has_experts(reference)
+    capture = OutputCapture(reference) if reference is not None and not experts else None
     optimizer = reference and torch.optim.AdamW(
         reference.parameters(), lr=spec.lr, weight_decay=0.0
     )  # as the target's (dp_step)
@@ -204,9 +213,8 @@ def pipeline_rows(spec, target, reference, batch, local, ps, mutate_runner) -> l
     for step, (loss, grads, outputs) in enumerate(steps):
         if reference is None:
             continue
-        ref_loss = reference.loss(batch)
-        ref_loss.backward()
-        if outputs is not None:
+        ref_loss, loads = _reference_objective(spec, reference, batch, ps)
+        if outputs is not None and capture is not None:
             rows += stage_output_rows(spec, outputs, capture.gathered(None, None))
             capture.remove()
         got = torch.tensor(loss, dtype=torch.float64)
@@ -218,4 +226,40 @@ def pipeline_rows(spec, target, reference, batch, local, ps, mutate_runner) -> l
             rows += [compare("grad", n, grads[n], want[n], tol) for n in reversed(grads)]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        routers = [m for m in reference.modules() if isinstance(m, TopKRouter)]
+        for router, load in zip(routers, loads, strict=True):  # as the runner's step end
+            if router.kind == "sigmoid":
+                router.update_bias(load)
     return rows
+
+
+def _reference_objective(spec, reference, batch, ps) -> tuple[torch.Tensor, list]:
+    """The unsplit model's loss on ``batch``, its gradient accumulated, and each router's
+    load (token-slots per expert) over the batch. With MoE layers, as the pipeline's
+    runtime objective: each DP slice's micro-batches run as their own forwards, each
+    adding its routers' losses (a balance loss is a product of means over one forward's
+    tokens, so one forward of the whole batch would not be the same); the model loss
+    returned is the mean of those forwards'."""
+    if not _has_experts(reference):
+        loss = reference.loss(batch)
+        loss.backward()
+        return loss, []
+    pooling = reference.cfg.moe_aux_loss_pooling
+    slices = [{k: v.chunk(ps.dp_size)[r] for k, v in batch.items()} for r in range(ps.dp_size)]
+    forwards = []
+    for part in slices:
+        chunks = {k: v.chunk(spec.microbatches) for k, v in part.items()}
+        forwards += [{k: v[j] for k, v in chunks.items()} for j in range(spec.microbatches)]
+    total, loads = 0.0, None
+    for micro in forwards:
+        loss = reference.loss(micro) / len(forwards)
+        losses = moe_losses(reference)
+        (loss + router_objective(losses, pooling) / len(forwards)).backward()
+        total = total + loss.detach()
+        slots = [one.slots_per_expert for one in losses]
+        loads = slots if loads is None else [a + b for a, b in zip(loads, slots, strict=True)]
+    return total, loads
+
+
+def _has_experts(model) -> bool:
+    return any(isinstance(m, TopKRouter) for m in model.modules())
