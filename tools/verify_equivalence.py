@@ -164,7 +164,7 @@ def _expert_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="expert-parallel ranks, carved from dp: must divide --dp-size and --experts "
-        "(MoE runs at any tp, pp 1, cp 1)",
+        "(MoE runs at any tp, pp and cp; dropless at cp > 1)",
     )
     p.add_argument(
         "--experts",
