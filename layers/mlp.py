@@ -51,10 +51,7 @@ class ParallelMLP(nn.Module):
         ffn_size = ffn_size or cfg.ffn_size
         self.sequence_parallel = cfg.sequence_parallel
         self.kernels = kernels or resolve_kernels(cfg.kernels)
-        self.gated = cfg.activation in ("swiglu", "geglu")
-        self.approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None, "geglu": "tanh"}[
-            cfg.activation
-        ]
+        self.gated, self.approximate = activation_kind(cfg.activation)
         bias = cfg.linear_bias
         common = branch_options(cfg, tp_group, dtype, device)
         # Both biases are added by the fused ops around them: fc1's by bias + GeLU, fc2's
@@ -74,10 +71,25 @@ class ParallelMLP(nn.Module):
         # fc1 hands its bias to the activation unless a compiled graph has it added in
         # the GEMM (``layers.compile``).
         h, bias = self.fc1(x) if self.fc1.skip_bias_add else (self.fc1(x), None)
-        if self.gated and self.approximate == "tanh":  # GeGLU: gelu_tanh(gate) · up
-            if bias is not None:
-                h = h + bias
-            return self.fc2(F.gelu(h[..., 0::2], approximate="tanh") * h[..., 1::2])
-        if self.gated:
-            return self.fc2(self.kernels.swiglu(h, bias))
-        return self.fc2(self.kernels.gelu(h, bias, self.approximate))
+        return self.fc2(activate(self.kernels, h, bias, self.gated, self.approximate))
+
+
+def activation_kind(activation: str) -> tuple[bool, str | None]:
+    """(gated, GeLU's ``approximate``) of ``cfg.activation``: a gated one's fc1 gives
+    interleaved (gate, up) column pairs."""
+    gated = activation in ("swiglu", "geglu")
+    approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None, "geglu": "tanh"}
+    return gated, approximate[activation]
+
+
+def activate(kernels, h: torch.Tensor, bias, gated: bool, approximate: str | None):
+    """fc1's output (plus ``bias``) through the activation :func:`activation_kind` names:
+    GeLU, SwiGLU (silu(gate) · up) or GeGLU (gelu_tanh(gate) · up), on the fused kernels
+    where there is one."""
+    if gated and approximate == "tanh":  # GeGLU
+        if bias is not None:
+            h = h + bias
+        return F.gelu(h[..., 0::2], approximate="tanh") * h[..., 1::2]
+    if gated:
+        return kernels.swiglu(h, bias)
+    return kernels.gelu(h, bias, approximate)

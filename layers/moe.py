@@ -46,7 +46,7 @@ from layers.mappings import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
-from layers.mlp import ParallelMLP
+from layers.mlp import ParallelMLP, activate, activation_kind
 from layers.param_roles import mark_expert, mark_sp_partial_grad, mark_tp_dim
 from layers.router import RouterLosses, Routing, TopKRouter
 from layers.transformer_config import TransformerConfig
@@ -142,8 +142,8 @@ class GroupedExperts(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        self.kernels, self.gated = kernels, cfg.activation == "swiglu"
-        self.approximate = {"gelu": "none", "gelu_tanh": "tanh", "swiglu": None}[cfg.activation]
+        self.kernels = kernels
+        self.gated, self.approximate = activation_kind(cfg.activation)
         experts, h, f = cfg.moe_num_experts, cfg.hidden_size, cfg.moe_ffn_size
         width = f * (2 if self.gated else 1)
         fc1 = replicated_weight((experts, h, width), cfg.init_std, dtype, device)
@@ -169,10 +169,7 @@ class GroupedExperts(nn.Module):
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``rows`` ``[n, h]`` grouped by expert, ``counts`` ``[E]`` → ``[n, h]``."""
         hidden = grouped_mm(rows, self.fc1, counts, impl=self.impl)
-        if self.gated:
-            hidden = self.kernels.swiglu(hidden, None)
-        else:
-            hidden = self.kernels.gelu(hidden, None, self.approximate)
+        hidden = activate(self.kernels, hidden, None, self.gated, self.approximate)
         return grouped_mm(hidden, self.fc2, counts, impl=self.impl)
 
 

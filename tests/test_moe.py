@@ -404,3 +404,39 @@ def test_a_tiny_model_with_experts_trains_through_the_model_builder(family):
     torch.testing.assert_close(again, loss, rtol=0, atol=1e-12)
     for name, grad in grads.items():
         torch.testing.assert_close(recomputed[name], grad, rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("activation", ["geglu", "swiglu", "gelu_tanh"])
+def test_grouped_experts_apply_every_activation_a_family_uses(activation):
+    """Gemma's GeGLU experts were a KeyError in every rank (the experts knew SwiGLU and
+    GeLU only). Each expert's rows against the activation written out by hand from its
+    fc1 columns (interleaved gate, up pairs when gated) and fc2; float64, the same
+    products: 1e-12."""
+    from layers.kernel_set import TORCH_KERNELS
+    from layers.moe import GroupedExperts
+
+    cfg = _cfg(activation=activation)
+    experts = GroupedExperts(cfg, TORCH_KERNELS, dtype=F64, device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    counts = torch.tensor([2, 0, 3, 1, 0, 4])
+    rows = _randn(int(counts.sum()), H, gen=gen)
+    got = experts(rows, counts)
+    want, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        h = rows[start : start + n] @ experts.fc1[e]
+        if activation == "gelu_tanh":
+            a = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+        else:
+            gate, up = h[:, 0::2], h[:, 1::2]
+            if activation == "swiglu":
+                a = gate * torch.sigmoid(gate) * up
+            else:
+                g = (
+                    0.5
+                    * gate
+                    * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3)))
+                )
+                a = g * up
+        want.append(a @ experts.fc2[e])
+        start += n
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-12, atol=1e-12)
