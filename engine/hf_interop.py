@@ -263,6 +263,12 @@ def export_hf(ckpt_dir: str | os.PathLike, hf_dir: str | os.PathLike) -> ModelCo
             raise CheckpointError(f"{err}, and not a model export (no {META_FILE})") from None
         cfg, state, index = read_model_state(step)
         extra, tokenizer, sides = {}, recorded_tokenizer(index.get("trainer_state")), []
+    if cfg.mlp == "moe" and not family(cfg.arch).hf_experts:
+        raise ValueError(
+            f"{ckpt_dir} holds a {cfg.arch} model with experts (model.mlp=moe), and "
+            f"transformers has no {cfg.arch} architecture with experts to export it to "
+            "(only the llama family's: Mixtral, Qwen2-MoE, Qwen3-MoE); nothing was written"
+        )
     # Written beside the target and renamed into place once whole: an export that fails
     # (a full disk, a tokenizer it cannot convert) leaves no half-written directory.
     hf_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -243,6 +243,28 @@ def test_export_of_a_model_trained_here_names_eos_in_its_generation_config(tmp_p
     assert generation.eos_token_id == generation.bos_token_id == eod
 
 
+@pytest.mark.parametrize("arch", ["gemma", "gpt"])
+def test_experts_of_a_family_transformers_keeps_dense_are_refused_in_one_line(arch, tmp_path):
+    """A Gemma or GPT with MoE layers has no Hugging Face architecture (transformers' Gemma2
+    and GPT-2 are dense): before, the export failed on the missing key
+    ``layers.0.mlp.fc2.weight``; now a ValueError names why, and nothing is written."""
+    from engine.checkpoint.format import write_checkpoint
+    from engine.models import build_model, preset
+
+    moe = dict(mlp="moe", moe_num_experts=4, moe_ffn_hidden_size=32, linear_bias=False)
+    cfg = preset(f"{arch}_tiny", vocab_size=300, hidden_size=32, num_heads=4, **moe)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    write_checkpoint(ckpt, build_model(cfg).full_state_dict(), cfg)
+    with pytest.raises(ValueError) as err:
+        export_hf(ckpt, out)
+    assert str(err.value) == (
+        f"{ckpt} holds a {arch} model with experts (model.mlp=moe), and transformers has no "
+        f"{arch} architecture with experts to export it to (only the llama family's: "
+        "Mixtral, Qwen2-MoE, Qwen3-MoE); nothing was written"
+    )
+    assert list(tmp_path.iterdir()) == [ckpt]
+
+
 def _float64_parity(hf_dirs: dict[str, Path]) -> dict[str, float]:
     parallel_state.initialize(1, 1)
     try:

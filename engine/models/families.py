@@ -35,6 +35,7 @@ class Family:
     pre_norm: bool = True  # sub-layers normalize their input (post-norm: the residual sum)
     token_types: bool = False  # segment embeddings and a LayerNorm on the embeddings
     gated_mlp: bool = False  # a gated MLP (SwiGLU's three matrices), as the planner prices it
+    hf_experts: bool = False  # its Hugging Face map writes MoE layers (model.mlp=moe)
     # A Hugging Face export's special-token roles ("eos_token": ...), each with its tokens
     # in preference order: the first one the exported tokenizer's vocabulary holds.
     special_tokens: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -89,6 +90,7 @@ FAMILIES: dict[str, Family] = {
             "llama",
             "LlamaModel",
             gated_mlp=True,
+            hf_experts=True,  # Mixtral, Qwen2-MoE, Qwen3-MoE (llama/moe_hf.py)
             # Llama 2's and Llama 3's own tokens first (an imported tokenizer), then the
             # document end of a tokenizer trained here.
             special_tokens={
