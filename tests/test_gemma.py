@@ -294,6 +294,7 @@ def verified(gemma_dir) -> dict[str, float]:
     runs = {
         "tp=2 float32": ["--hf-dir", hf_dir, "--tp-size", "2", "--dtype", "float32"],
         "tp=2 sp float64": ["--hf-dir", hf_dir, "--sequence-parallel"],
+        "cp=2 float64": ["--hf-dir", hf_dir, "--tp-size", "1", "--cp-size", "2"],
     }
     reports = verify_in_one_launch(2, *runs.values(), timeout=300)
     return {run: logit_error(report) for run, report in zip(runs, reports, strict=True)}
@@ -306,6 +307,16 @@ def test_verifier_passes_at_float32_on_tp_1_and_2(verified, tp):
     error = verified[f"tp={tp} float32"]
     print(f"gemma verify_equivalence tp={tp} float32 max abs logit error {error:.2e}")
     assert error <= 1e-4
+
+
+@pytest.mark.slow
+def test_verifier_passes_at_cp_2_against_transformers(verified):
+    """cp 2, float64: each rank a part of every sequence at its global positions, the ring
+    keeping the window (5) across the parts; the logits joined back in order. Before
+    2026-11-28 each rank took the whole rows as its part and positions from 0."""
+    error = verified["cp=2 float64"]
+    print(f"gemma verify_equivalence cp=2 float64 max abs logit error {error:.2e}")
+    assert error <= 1e-8
 
 
 @pytest.mark.slow

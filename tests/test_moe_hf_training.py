@@ -182,15 +182,22 @@ def test_router_objective_pools_as_transformers_or_sums_layers(tmp_path):
 
 
 @pytest.mark.slow
-def test_verifier_compares_a_mixtral_directory_at_ep_2(tmp_path):
+def test_verifier_compares_a_mixtral_directory_at_ep_2_and_cp_2(tmp_path):
     # tools/verify_equivalence.py --hf-dir at dp 2 × ep 2 (2 ranks, each with 2 of the 4
-    # experts, routing its own half of the batch) against transformers' logits, fp32.
-    layout = ["--tp-size", "1", "--dp-size", "2", "--ep-size", "2", "--dtype", "float32"]
-    (report,) = verify_in_one_launch(2, ["--hf-dir", _mixtral_dir(tmp_path), *layout], timeout=300)
-    assert "experts: 2 of 4 per MoE layer on each rank (ep=2)" in report, report
+    # experts, routing its own half of the batch) against transformers' logits, fp32; then
+    # at cp 2 (each rank a part of every sequence, at its global positions; before
+    # 2026-11-28 each rank took the whole rows as its part: logits 0.26 off).
+    hf_dir = _mixtral_dir(tmp_path)
+    ep = ["--tp-size", "1", "--dp-size", "2", "--ep-size", "2", "--dtype", "float32"]
+    cp = ["--tp-size", "1", "--cp-size", "2", "--dtype", "float32"]
+    at_ep, at_cp = verify_in_one_launch(
+        2, ["--hf-dir", hf_dir, *ep], ["--hf-dir", hf_dir, *cp], timeout=300
+    )
+    assert "experts: 2 of 4 per MoE layer on each rank (ep=2)" in at_ep, at_ep
     # fp32 routing on both sides, so only summation order differs: ~1e-7 per op on logits
     # of O(1), 1e-4 as test_moe_hf.py's fp32 bar; a wrong expert slice moves them by O(0.1).
-    assert logit_error(report) <= 1e-4, report
+    assert logit_error(at_ep) <= 1e-4, at_ep
+    assert logit_error(at_cp) <= 1e-4, at_cp
 
 
 def test_verifier_refuses_ep_for_a_dense_directory(tmp_path):

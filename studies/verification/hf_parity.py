@@ -27,6 +27,7 @@ from engine.models.families import FAMILIES
 from layers.mappings import gather_along
 from layers.moe import MoEMLP
 from layers.norm import NORMS as NORM_CLASSES
+from layers.ring_attention import unshard_from_cp
 from studies.verification.layouts import DTYPES, Report, VerifySpec, compare, dp_slice, make_batch
 
 # Tolerances on logits against Hugging Face. float32 and float64 are absolute: a
@@ -141,11 +142,17 @@ def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:
     model.load_full_state_dict(state)
     spec = replace(spec, model=cfg.arch, vocab_size=cfg.vocab_size)
     batch = make_batch(replace(spec, seq_len=min(spec.seq_len, cfg.max_positions)))
+    local, cp = dp_slice(batch, ps), ps.size("cp")
+    if cp > 1:  # this rank's part of every sequence, as training cuts it (global positions)
+        local = model.context_shard(local, cp, ps.rank_in("cp"))
     with torch.no_grad():
-        ours = model.eval().logits(dp_slice(batch, ps))
+        ours = model.eval().logits(local)
     full = {}
-    for name, logits in ours.items():  # [b, s, V/tp] vocab-sharded, or [b, 2] replicated
+    for name, logits in ours.items():  # [b, s(/cp), V/tp] vocab-sharded, or [b, 2] replicated
         logits = gather_along(logits, -1 if logits.dim() == 3 else None, ps.tp_group)
+        if cp > 1 and logits.dim() == 3:  # the cp ranks' parts back in sequence order
+            parts = gather_along(logits, 1, ps.group("cp")).chunk(cp, dim=1)
+            logits = unshard_from_cp(parts, dim=1)
         full[name] = gather_along(logits, 0, ps.dp_group)[..., : cfg.vocab_size]
     if ps.rank != 0:
         return None

@@ -135,8 +135,10 @@ class BertModel(TransformerModel):
         return {**shard, **whole, "positions": positions, "cp_weights": weights}
 
     def logits(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``{"mlm_logits": [b, s, V_padded/tp], "sop_logits": [b, 2]}`` of ``batch``."""
-        out = self(batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        """``{"mlm_logits": [b, s, V_padded/tp], "sop_logits": [b, 2]}`` of ``batch``, at its
+        ``"positions"`` where it has them (a cp rank's share, ``context_shard``)."""
+        ids, types, mask = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
+        out = self(ids, types, mask, positions=batch.get("positions"))
         return {"mlm_logits": out["mlm_logits"], "sop_logits": out["sop_logits"]}
 
     def forward(
