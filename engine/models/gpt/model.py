@@ -1,253 +1,206 @@
-"""BERT: token/position/type embeddings with LayerNorm, post-LN layers, MLM and SOP heads."""
+"""The decoder: GPT-2's layout (learned positions, pre-LN, final LayerNorm, tied LM head),
+and through the config's component seams the Llama family's (rotary, RMSNorm, SwiGLU, GQA)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.models.base import (
-    ParallelLMHead,
-    TransformerModel,
-    hidden_layer_norm,
-    replicated_linear,
-    stack_batches,
-    to_device,
-)
+from engine.models.base import ParallelLMHead, TransformerModel, stack_batches, to_device
 from engine.models.config import ModelConfig
-from layers import gather_from_tp, vocab_parallel_cross_entropy
-from layers.documents import padding_mask
-from layers.kernel_set import Kernels
+from layers.attention import KVCache, decoder_mask
+from layers.documents import DocumentMask, document_positions
+from layers.norm import make_norm
 from layers.ring_attention import cp_positions, shard_for_cp
+from layers.rotary import inverse_frequencies, rotary_tables
 from layers.utils import comm_timer_of
+from parallel_state.groups import group_size
 
 
-def _dense(
-    cfg: ModelConfig, out_features: int, sequence_parallel: bool, dtype, device
-) -> nn.Linear:
-    """A replicated ``hidden_size → out_features`` linear drawn with ``cfg.init_std``;
-    ``sequence_parallel`` when it runs on the sequence shard."""
-    return replicated_linear(
-        cfg.hidden_size,
-        out_features,
-        std=cfg.init_std,
-        sequence_parallel=sequence_parallel,
-        dtype=dtype,
-        device=device,
-    )
+class GPTModel(TransformerModel):
+    """A causal language model whose logits stay sharded over the vocabulary across TP.
 
-
-class MLMTransform(nn.Module):
-    """dense → GeLU → LayerNorm before the MLM decoder; on the sequence shard under SP."""
-
-    def __init__(self, cfg: ModelConfig, *, kernels: Kernels, dtype, device) -> None:
-        super().__init__()
-        self.sequence_parallel = cfg.sequence_parallel
-        self.kernels = kernels
-        self.approximate = {"gelu": "none", "gelu_tanh": "tanh"}[cfg.activation]
-        self.dense = _dense(cfg, cfg.hidden_size, cfg.sequence_parallel, dtype, device)
-        self.norm = hidden_layer_norm(cfg, kernels=kernels, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(self.kernels.gelu(self.dense(x), None, self.approximate))
-
-
-class Pooler(nn.Module):
-    """tanh(dense(hidden of [CLS])) → ``[b, h]``, replicated on every TP rank."""
-
-    def __init__(self, cfg: ModelConfig, *, tp_group, dtype, device) -> None:
-        super().__init__()
-        self.tp_group, self.input_sequence_sharded = tp_group, cfg.sequence_parallel
-        self.dense = _dense(cfg, cfg.hidden_size, False, dtype, device)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.input_sequence_sharded:
-            # [CLS] is row 0 of TP rank 0's shard. Gather every shard's first row with an
-            # operator that splits (not sums) the gradient backward: each rank computes the
-            # pooler redundantly, so summing would count its gradient tp_size times.
-            first_rows = gather_from_tp(
-                hidden[0].unsqueeze(-1), self.tp_group, comm_timer=comm_timer_of(self)
-            )  # [b, h, tp]
-            cls = first_rows[..., 0]
-        else:
-            cls = hidden[0]  # [b, h]
-        return torch.tanh(self.dense(cls))
-
-
-class BertModel(TransformerModel):
-    """BERT for pre-training: masked-LM logits (vocab-sharded) and a sentence-order head.
-
-    ``forward(input_ids, token_type_ids, attention_mask)`` with ``[b, s]`` inputs
-    (attention_mask 1 for real tokens) returns ``{"mlm_logits": [b, s, V_padded/tp],
-    "sop_logits": [b, 2]}``; given ``mlm_labels`` (-100 = not masked) and/or
-    ``sop_labels``, also ``loss`` = mean MLM loss over labelled tokens + SOP cross-entropy,
-    with its parts ``mlm_loss`` and ``sop_loss``.
-
-    Under context parallelism (:meth:`context_shard`) each cp rank holds s/cp tokens of
-    every row, attends over the whole rows through the ring (bidirectional, padding keys
-    hidden by a ``PaddingMask``) and weighs its losses so that their mean over the cp group
-    is the unsplit model's: its MLM sum × cp / (the whole rows' labelled count), and the
-    SOP loss × cp on the rank holding [CLS] (cp rank 0, whose first chunk starts the row),
-    × 0 elsewhere (its pooler's input is some other token).
+    ``forward(input_ids [b, s])`` → logits ``[b, s, V_padded/tp]`` (this rank's vocabulary
+    block); with ``labels [b, s]`` → per-token loss ``[b, s]`` (padding columns excluded,
+    label -100 ignored). The vocabulary is never gathered.
     """
 
-    ARCH = "bert"
-    pipeline_heads = ("mlm_transform", "lm_head", "pooler", "sop_head")
+    ARCH = "gpt"  # the model.arch this class builds (a family's subclass names its own)
+    pipeline_heads = ("final_norm", "lm_head")
 
     def _build_heads(self, cfg: ModelConfig, *, tp_group, dtype, device) -> None:
-        build = dict(tp_group=tp_group, dtype=dtype, device=device)
-        self.mlm_transform = MLMTransform(cfg, kernels=self.kernels, dtype=dtype, device=device)
-        self.lm_head = ParallelLMHead(cfg, tied=cfg.tie_embeddings, bias=True, **build)
-        self.pooler = Pooler(cfg, **build)
-        self.sop_head = _dense(cfg, 2, False, dtype, device)
-
-    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """MLM + SOP loss of ``batch`` as BertDataset yields it: ``input_ids``,
-        ``token_type_ids``, ``attention_mask``, ``mlm_labels`` ``[b, s]`` and ``sop_label``
-        ``[b]``."""
-        return self(
-            batch["input_ids"],
-            batch["token_type_ids"],
-            batch["attention_mask"],
-            mlm_labels=batch["mlm_labels"],
-            sop_labels=batch["sop_label"],
-            positions=batch.get("positions"),
-            cp_weights=batch["cp_weights"][0] if "cp_weights" in batch else None,
-        )["loss"]
-
-    def context_shard(
-        self, batch: dict[str, torch.Tensor], cp_size: int, cp_rank: int
-    ) -> dict[str, torch.Tensor]:
-        """Cp rank ``cp_rank``'s share of a BertDataset micro-batch: ids, token types and
-        MLM labels cut to chunks ``cp_rank`` and ``2·cp_size−1−cp_rank`` of each row
-        (``shard_for_cp``), the tokens' global ``positions``, the whole rows'
-        ``attention_mask`` (the ring hides the padding keys of every rank), the SOP labels,
-        and ``cp_weights`` (:func:`loss_weights`: cp, the whole rows' labelled count, and
-        the SOP loss's weight, cp on cp rank 0 and 0 elsewhere), which make the cp ranks'
-        mean loss the whole rows' loss."""
-        b, s = batch["input_ids"].shape
-        keys = ("input_ids", "token_type_ids", "mlm_labels")
-        shard = {k: shard_for_cp(batch[k], cp_size, cp_rank, dim=1) for k in keys}
-        device = batch["input_ids"].device
-        weights = loss_weights(batch["mlm_labels"], cp_size, cp_size if cp_rank == 0 else 0)
-        positions = cp_positions(s, cp_size, cp_rank, device=device).expand(b, -1)
-        whole = {k: batch[k] for k in ("attention_mask", "sop_label")}
-        return {**shard, **whole, "positions": positions, "cp_weights": weights}
-
-    def logits(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``{"mlm_logits": [b, s, V_padded/tp], "sop_logits": [b, 2]}`` of ``batch``, at its
-        ``"positions"`` where it has them (a cp rank's share, ``context_shard``)."""
-        ids, types, mask = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
-        out = self(ids, types, mask, positions=batch.get("positions"))
-        return {"mlm_logits": out["mlm_logits"], "sop_logits": out["sop_logits"]}
+        self.final_norm = make_norm(cfg, kernels=self.kernels, dtype=dtype, device=device)
+        if self.rotary:  # fp32 frequencies, a buffer so .to(device) moves them
+            inv = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_args)
+            self.register_buffer("inv_freq", inv.to(device), persistent=False)
+        self.lm_head = ParallelLMHead(
+            cfg, tied=cfg.tie_embeddings, bias=False, tp_group=tp_group, dtype=dtype, device=device
+        )
 
     def forward(
         self,
         input_ids: torch.Tensor,
-        token_type_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
         attention_mask: torch.Tensor | None = None,
-        mlm_labels: torch.Tensor | None = None,
-        sop_labels: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
-        cp_weights: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """``positions`` ``[b, s/cp]``: a cp rank's share (:meth:`context_shard`), whose
-        ``attention_mask`` is then the whole rows' and ``cp_weights`` weigh its losses."""
-        mask = padding_mask(attention_mask, ring=positions is not None)
-        hidden = self.embedding(input_ids, token_type_ids, positions=positions)  # [s(/tp), b, h]
-        for layer in self.layers:
-            hidden = layer(hidden, mask)
-        logits, sop = self.head(hidden)
-        out = {"mlm_logits": logits.transpose(0, 1), "sop_logits": sop}
-        return out | bert_losses(self, logits, sop, mlm_labels, sop_labels, cp_weights)
-
-    # The pipeline cut's hooks (ParallelModel): a stage runs them on itself. The padding
-    # mask is no activation: every stage gets its micro-batch's mask as a keyword input.
-
-    def embed(
-        self,
-        input_ids: torch.Tensor,
-        token_type_ids: torch.Tensor,
-        positions: torch.Tensor | None = None,
+        cache: list[KVCache] | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The first stage's hidden ``[s(/tp), b, h]`` of ids and token types ``[b, s]`` (at
-        ``positions``, a cp rank's global ones, else 0 … s−1)."""
-        return self.embedding(input_ids, token_type_ids, positions=positions)
+        """Generation passes ``attention_mask`` (``[b, past + s]``, False at left padding),
+        ``positions`` (``[b, s]``) and ``cache`` (one KVCache per layer, from ``new_cache``).
+        Training on packed documents passes ``document_ids`` (``[b, s]``, the whole rows'
+        under cp): attention stays within each document and, unless ``positions`` are
+        given, positions restart at each document start (``layers.documents``)."""
+        mask = None
+        if document_ids is not None:
+            if attention_mask is not None or cache is not None:
+                raise ValueError("document_ids are for training: no attention_mask or cache")
+            if positions is None:
+                positions = document_positions(document_ids)
+            mask = DocumentMask(document_ids)
+        hidden = self.embedding(input_ids, positions=positions)  # [s, b, h]; [s/tp, b, h] SP
+        if attention_mask is not None:
+            b, s = input_ids.shape
+            past = cache[0].length if cache else 0
+            mask = decoder_mask(attention_mask, s, past, batch=b, device=input_ids.device)
+        rotary = self._rotary_tables(input_ids, positions, cache, hidden.dtype)
+        for i, layer in enumerate(self.layers):
+            if rotary is None:
+                hidden = layer(hidden, mask, cache[i] if cache else None)
+            else:
+                hidden = layer(hidden, mask, cache[i] if cache else None, rotary)
+        logits = self.head(hidden)  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1)  # [b, s, V/tp]
+        return vocab_parallel_losses(self, logits, labels)
 
-    def head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MLM logits ``[s, b, V/tp]`` (vocab-sharded) and the sentence-order logits
-        ``[b, 2]`` of the final hidden."""
+    def _rotary_tables(self, input_ids, positions, cache, dtype):
+        """(cos, sin) ``[b, 1, s, d]`` for rotary models (positions default to past … past+s−1)."""
+        if not self.rotary:
+            return None
+        if positions is None:
+            past = cache[0].length if cache else 0
+            seq = torch.arange(past, past + input_ids.shape[1], device=input_ids.device)
+            positions = seq.expand(input_ids.shape[0], -1)
+        return rotary_tables(self.inv_freq, positions, dtype)
+
+    def loss(self, batch: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token loss of ``batch``: token windows ``[b, s+1]`` (as GPTDataset yields
+        them; position i predicts i+1), or ``{"input_ids", "labels"}``, each ``[b, s]``,
+        with ``"positions"`` ``[b, s]`` where they are not 0 … s−1 (a cp rank's share) and
+        ``"document_ids"`` of packed documents (``data.document_mask``). Every token keeps
+        its label, the next token of the window, also the last token of a document, whose
+        label is the next document's first token (as Megatron-LM without eod_mask_loss)."""
+        batch = next_token_pairs(batch)
+        return self(
+            batch["input_ids"],
+            batch["labels"],
+            positions=batch.get("positions"),
+            document_ids=batch.get("document_ids"),
+        ).mean()
+
+    def context_shard(
+        self, batch: torch.Tensor | dict[str, torch.Tensor], cp_size: int, cp_rank: int
+    ) -> dict[str, torch.Tensor]:
+        """``{"input_ids", "labels", "positions"}`` of cp rank ``cp_rank``: chunks ``cp_rank``
+        and ``2·cp_size−1−cp_rank`` of each row (``shard_for_cp``), labels cut as the ids
+        they follow, and the tokens' global positions for RoPE or the position table. With
+        ``"document_ids"`` (packed documents) the positions are those within each document
+        and the whole rows' ids go along: the ring cuts its blocks from them."""
+        pairs = next_token_pairs(batch)
+        b, s = pairs["input_ids"].shape
+        shard = {
+            k: shard_for_cp(pairs[k], cp_size, cp_rank, dim=1) for k in ("input_ids", "labels")
+        }
+        documents = pairs.get("document_ids")
+        if documents is not None:
+            positions = shard_for_cp(document_positions(documents), cp_size, cp_rank, dim=1)
+            return {**shard, "positions": positions, "document_ids": documents}
+        positions = cp_positions(s, cp_size, cp_rank, device=pairs["input_ids"].device)
+        return {**shard, "positions": positions.expand(b, -1)}
+
+    # The pipeline cut's hooks (ParallelModel): a stage runs them on itself.
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The first stage's hidden ``[s(/tp), b, h]`` of ids ``[b, s]`` (at ``positions``
+        ``[b, s]``, a cp rank's global ones, else 0 … s−1)."""
+        return self.embedding(input_ids, positions=positions)
+
+    def rotary_for(
+        self, hidden: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) for ``positions`` ``[b, s]`` (a cp rank's global ones), else for
+        positions 0 … s−1 of ``hidden`` (a sequence shard under SP)."""
+        if not self.rotary:
+            return None
+        if positions is None:
+            tp = group_size(self.tp_group) if self.cfg.sequence_parallel else 1
+            seq = torch.arange(hidden.shape[0] * tp, device=hidden.device)
+            positions = seq.expand(hidden.shape[1], -1)
+        return rotary_tables(self.inv_freq, positions, hidden.dtype)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocab-sharded logits ``[s, b, V/tp]`` of the final hidden (norm, LM head, and
+        ``cfg.final_logit_softcapping``'s c·tanh(logits/c) where it is set)."""
         word = self.embedding.word.weight if self.cfg.tie_embeddings else None
-        return self.lm_head(self.mlm_transform(hidden), word), self.sop_head(self.pooler(hidden))
+        logits = self.lm_head(self.final_norm(hidden), word)
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def stage_inputs(self, micro_batches: list, device: torch.device) -> tuple:
-        """BertDataset's dicts (or a cp rank's shares of them, :meth:`context_shard`): ids
-        and token types go to the first stage, the padding mask (and a cp rank's global
-        ``positions``) to every stage; the target is the MLM labels, then the SOP label,
-        then the micro-batch's three :func:`loss_weights` columns (the schedule splits one
-        target tensor, each micro-batch's rows carrying its own weights)."""
-        moved = [to_device(m, device) for m in micro_batches]
-        # Without cp: cp 1, the micro-batch's own count, weight 1 (a cp share has its own).
-        batch = stack_batches(
-            [{"cp_weights": loss_weights(m["mlm_labels"], 1, 1), **m} for m in moved]
-        )
-        labels = (batch["mlm_labels"], batch["sop_label"][:, None], batch["cp_weights"])
-        keywords = {"attention_mask": batch["attention_mask"]}
-        if "positions" in batch:
-            keywords["positions"] = batch["positions"]
-        return (batch["input_ids"], batch["token_type_ids"]), keywords, torch.cat(labels, dim=1)
+        """Token windows ``[b, s+1]`` or ``{"input_ids", "labels"}``: the ids go to the first
+        stage, the labels are the target. A cp rank's share (:meth:`context_shard`) also
+        has ``"positions"``, its tokens' global ones: a keyword input of every stage (the
+        first embeds at them, every stage rotates at them)."""
+        batch = stack_batches([next_token_pairs(to_device(m, device)) for m in micro_batches])
+        if "document_ids" in batch:  # engine/config.py refuses it before any worker starts
+            raise ValueError("document_ids do not travel between pipeline stages yet (pp 1)")
+        keywords = {"positions": batch["positions"]} if "positions" in batch else {}
+        return (batch["input_ids"],), keywords, batch["labels"]
 
-    def stage_loss(self, outputs: tuple, target: torch.Tensor) -> torch.Tensor:
-        """MLM + SOP loss of the :meth:`head` outputs against the :meth:`stage_inputs`
-        target (MLM labels ``[b, s]``, the SOP label, the three weight columns)."""
-        mlm, sop = outputs
-        labels, weights = target[:, :-4], target[0, -3:]
-        return bert_losses(self, mlm, sop, labels, target[:, -4], weights)["loss"]
+    def stage_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of the logits ``[s, b, V/tp]`` against labels ``[b, s]``."""
+        return vocab_parallel_losses(self, outputs, target).mean()
 
+    def logits(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``{"logits": [b, s, V_padded/tp]}`` of ``batch["input_ids"]`` (vocab-sharded), at
+        ``"positions"`` and within ``"document_ids"`` where the batch has them (a cp rank's
+        share, ``context_shard``)."""
+        return {
+            "logits": self(
+                batch["input_ids"],
+                positions=batch.get("positions"),
+                document_ids=batch.get("document_ids"),
+            )
+        }
 
-def bert_losses(
-    module: nn.Module,
-    mlm_logits: torch.Tensor,
-    sop_logits: torch.Tensor,
-    mlm_labels: torch.Tensor | None = None,
-    sop_labels: torch.Tensor | None = None,
-    cp_weights: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """``mlm_loss`` (mean over the labelled tokens) of ``mlm_logits`` ``[s, b, V/tp]``
-    against ``mlm_labels`` ``[b, s]`` (-100 = not masked), ``sop_loss`` of ``sop_logits``
-    ``[b, 2]`` against ``sop_labels`` ``[b]``, and their sum ``loss`` (those given), with
-    ``module``'s vocabulary and TP group (the whole BERT, or a pipeline's last stage).
-    ``cp_weights`` (:func:`loss_weights`: cp, a labelled count, the SOP weight) make the MLM
-    loss the sum × cp / that count and weigh the SOP loss (a cp rank's share, or a pipeline
-    micro-batch's: cp 1, its own count, weight 1, which is the plain mean exactly)."""
-    out = {}
-    if mlm_labels is not None:
-        per_token = vocab_parallel_cross_entropy(
-            mlm_logits,
-            mlm_labels.t(),
-            vocab_size=module.cfg.vocab_size,
-            tp_group=module.tp_group,
-            comm_timer=comm_timer_of(module),
-        )
-        if cp_weights is None:
-            labelled = (mlm_labels != -100).sum().clamp(min=1)
-            out["mlm_loss"] = per_token.sum() / labelled
-        else:  # × 1 is exact: at cp 1 this is the mean above, bit for bit
-            out["mlm_loss"] = per_token.sum() * cp_weights[0] / cp_weights[1].clamp(min=1)
-    if sop_labels is not None:
-        sop = sop_logits.to(torch.promote_types(sop_logits.dtype, torch.float32))
-        out["sop_loss"] = F.cross_entropy(sop, sop_labels)
-        if cp_weights is not None:
-            out["sop_loss"] = out["sop_loss"] * cp_weights[2]
-    if out:
-        out["loss"] = sum(out.values())
-    return out
+    def new_cache(self, batch: int, capacity: int) -> list[KVCache]:
+        """Empty KV caches (one per layer, this rank's heads) for ``batch`` sequences of up to
+        ``capacity`` positions."""
+        return [layer.attention.new_cache(batch, capacity) for layer in self.layers]
 
 
-def loss_weights(mlm_labels: torch.Tensor, cp_size: int, sop_weight: int) -> torch.Tensor:
-    """``[b, 3]`` int64, each row (cp, the labelled count of all of ``mlm_labels`` ``[b, s]``,
-    the SOP loss's weight): what :func:`bert_losses` weighs a rank's losses by. A row each,
-    so that a pipeline schedule splitting the target by rows hands every micro-batch its own."""
-    labelled = (mlm_labels != -100).sum()
-    row = torch.stack((labelled.new_tensor(cp_size), labelled, labelled.new_tensor(sop_weight)))
-    return row.expand(mlm_labels.shape[0], 3)
+def next_token_pairs(batch: torch.Tensor | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{"input_ids", "labels"}`` of a batch: token windows ``[b, s+1]`` are split (position
+    i predicts i+1); a dict is returned as it is."""
+    if isinstance(batch, torch.Tensor):
+        return {"input_ids": batch[:, :-1], "labels": batch[:, 1:]}
+    return batch
+
+
+def vocab_parallel_losses(
+    module: nn.Module, logits: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Per-token losses ``[b, s]`` of ``logits`` ``[s, b, V/tp]`` against ``labels``
+    ``[b, s]``, with ``module``'s kernels, vocabulary and TP group (the whole model, or a
+    pipeline's last stage). The logits are consumed: a fused kernel may overwrite them
+    with their gradient."""
+    loss = module.kernels.cross_entropy(
+        logits,
+        labels.t(),
+        vocab_size=module.cfg.vocab_size,
+        tp_group=module.tp_group,
+        comm_timer=comm_timer_of(module),
+    )
+    return loss.t()
