@@ -112,3 +112,81 @@ def test_router_losses_left_out_of_a_stages_backward_are_named_at_a_router(runs)
     assert first[1].endswith("mlp.router.weight"), first
     # the model loss itself is right: only the router losses went missing
     assert all(rel < 1e-10 for kind, _, rel in rows if kind == "loss")
+
+
+def _balance_over_two_ranks() -> dict:
+    """Each of 2 ranks holds half of 8 tokens; two routers' weights replicated. Returns the
+    per-layer and pooled balance losses this rank computes over the group, and the weights'
+    gradients averaged over the group (what the gradient group does), in float64."""
+    import torch
+    import torch.distributed as dist
+
+    from layers.router import RouterLosses, load_balancing_loss, pooled_load_balancing_loss
+
+    rank, group = dist.get_rank(), dist.group.WORLD
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    weights = [torch.randn(4, 5, generator=gen, dtype=torch.float64) for _ in range(2)]
+    mine = tokens[rank * 4 : rank * 4 + 4]
+    out = {}
+    for pooled in (False, True):
+        ws = [w.clone().requires_grad_() for w in weights]
+        layers = []
+        for w in ws:
+            probs = (mine @ w.T).softmax(-1)
+            slots = torch.bincount(probs.topk(2).indices.reshape(-1), minlength=4)
+            layers.append((slots, probs.sum(0)))
+        if pooled:
+            stats = [
+                RouterLosses(*(torch.zeros(()),) * 3, s, p, 4, torch.zeros(()), 1.0, 0.0, group)
+                for s, p in layers
+            ]
+            loss = pooled_load_balancing_loss(stats)
+        else:
+            loss = sum(load_balancing_loss(s, p, 4, group) for s, p in layers)
+        loss.backward()
+        grads = []
+        for w in ws:
+            dist.all_reduce(w.grad, group=group)
+            grads.append(w.grad / dist.get_world_size(group))
+        out[pooled] = (loss.detach(), grads)
+    return out
+
+
+def _balance_unsplit(pooled: bool):
+    """The same losses over all 8 tokens in one process, written out by hand."""
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randn(8, 5, generator=gen, dtype=torch.float64)
+    weights = [
+        torch.randn(4, 5, generator=gen, dtype=torch.float64).requires_grad_() for _ in range(2)
+    ]
+    f, p = [], []
+    for w in weights:
+        probs = (tokens @ w.T).softmax(-1)
+        f.append(torch.bincount(probs.topk(2).indices.reshape(-1), minlength=4).double())
+        p.append(probs.sum(0))
+    if pooled:  # f and P over both layers' 16 token rows first
+        loss = 4 * ((f[0] + f[1]) / 16 * (p[0] + p[1]) / 16).sum()
+    else:
+        loss = sum(4 * (fi / 8 * pi / 8).sum() for fi, pi in zip(f, p, strict=True))
+    loss.backward()
+    return loss.detach(), [w.grad for w in weights]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pooled", [False, True], ids=["per layer", "pooled over layers"])
+def test_the_balance_loss_over_a_cp_group_is_the_whole_tokens(pooled):
+    """``load_balancing_loss`` and ``pooled_load_balancing_loss`` (model.moe_aux_loss_pooling
+    =model, which the verifier has no flag for) over a 2-rank group, each rank half the
+    tokens: every rank's loss and the group-averaged gradients equal the unsplit loss and
+    gradients written out by hand (fp64, the same sums in another order: 1e-12)."""
+    import torch
+
+    want_loss, want_grads = _balance_unsplit(pooled)
+    for rank in run_ranks(_balance_over_two_ranks, 2):
+        loss, grads = rank[pooled]
+        torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+        for got, want in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
