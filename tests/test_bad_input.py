@@ -545,6 +545,7 @@ TOOLS_CASES = """
     validate_reuse_not_json validate_perfmodel 2 machine --cluster cpu_2core --reuse {a_file} "a_file: not a JSON file --save wrote"
     validate_points_past_the_last validate_perfmodel 2 machine --cluster cpu_2core --points 99 "argument --points: '99' is not a point index: give a comma list of 0..12"
     plan_emulated_without_compute plan 2 predict --model gpt_tiny --global-batch 8 --gpus 2 --cluster emulated_1gbit "emulated_1gbit.yaml: intra_node.bandwidth_GBps, intra_node.latency_us and 4 more are null (measured per study): this spec describes links over another's compute; fill the rest from a calibrated spec with --compute-from (e.g. --compute-from cpu_2core)"
+    plan_compute_from_a_whole_spec plan 2 predict --model gpt_tiny --global-batch 8 --gpus 2 --cluster dgx_h100 --compute-from cpu_2core "dgx_h100.yaml: --compute-from cpu_2core fills the figures a spec leaves null, and this one leaves none: drop --compute-from"
     validate_emulated_without_compute validate_perfmodel 2 scaling --csv {empty_file} --cluster emulated_100mbit "emulated_100mbit.yaml: intra_node.bandwidth_GBps, intra_node.latency_us and 4 more are null"
     plan_cluster_is_a_dir plan 2 predict --model gpt_125m --global-batch 8 --gpus 2 --cluster {empty_dir} "empty_dir' is a directory, not a cluster spec; give a cluster YAML file"
     # the bench tools: refused before any worker starts or the benchmark runs

@@ -473,6 +473,7 @@ def test_cp_axis_runs_ring_attention_points_labelled_by_cp(tmp_path, data, capsy
     while results.csv said world 1; such an override is now refused (test_bad_input)."""
     out = tmp_path / "cp"
     args = ("--model", "llama_tiny", "--dp", "1", "--cp", "1,2", *BATCH_12_BY_2_NO_LINKS)
+    args += ("trainer.device=cpu",)  # 2 ranks on CPU on a machine with a GPU as well
     code, _, err = _study_here(out, data, capsys, *args)
     assert code == 0, err
     rows = {r["cp_size"]: r for r in _rows(out)}

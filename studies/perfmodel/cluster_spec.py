@@ -331,6 +331,11 @@ def load_cluster(
             "describes links over another's compute; fill the rest from a calibrated spec "
             "with --compute-from (e.g. --compute-from cpu_2core)"
         )
+    if base and not _null_figures(raw):  # the flag would be ignored without a word
+        raise ValueError(
+            f"{path}: --compute-from {base} fills the figures a spec leaves null, and this "
+            "one leaves none: drop --compute-from"
+        )
     if base:
         under, _ = _read(base, directory)
         for key, value in under.items():
