@@ -26,6 +26,7 @@ from engine.generate import Sampling, generate_batch
 from engine.models import build_model
 from tests.test_serve import _serving
 from tests.threads_util import torch_threads
+from tests.tiny_configs import HF_GQA_UNTIED, hf_tiny
 from tests.torch_reference import tiny_gpt
 
 PROMPT = "def add(a, b):"
@@ -150,17 +151,8 @@ def test_an_import_keeps_the_tokenizer_files_that_say_how_it_is_used(tmp_path):
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    config = transformers.Qwen2Config(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        eos_token_id=fast.eos_token_id,
-        tie_word_embeddings=False,
-    )
+    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=64, **HF_GQA_UNTIED)
+    config = transformers.Qwen2Config(**hf_tiny(**sizes, eos_token_id=fast.eos_token_id))
     torch.manual_seed(0)
     hf_dir = tmp_path / "qwen2"
     transformers.Qwen2ForCausalLM(config).save_pretrained(str(hf_dir))
