@@ -742,7 +742,7 @@ def _validate_data(cfg: Config, dims: ParallelDims) -> list[str]:
         problems += [
             f"data.prefixes: {p} {why}" for p, why in found.items() if why not in (None, MISSING)
         ]
-    problems += _blend_problems(d) + _document_mask_problems(cfg, dims)
+    problems += _blend_problems(d) + _document_mask_problems(cfg)
     problem = file_problem(d.tokenizer) if d.tokenizer is not None else None
     if problem is not None:
         problems.append(f"data.tokenizer: {d.tokenizer} {problem}")
@@ -757,16 +757,14 @@ def _validate_data(cfg: Config, dims: ParallelDims) -> list[str]:
     )
 
 
-def _document_mask_problems(cfg: Config, dims: ParallelDims) -> list[str]:
-    """What ``data.document_mask`` runs with: the causal decoders' packed windows, and not
-    yet the pipeline (its stages take the ids and labels only, no document ids)."""
+def _document_mask_problems(cfg: Config) -> list[str]:
+    """What ``data.document_mask`` runs with: the causal decoders' packed windows (at any
+    layout: a pipeline's stages take the document ids as a keyword input)."""
     if not cfg.data.document_mask:
         return []
     at = "data.document_mask=true"
     if not family(cfg.model.arch).causal:
         return [f"{at} packs causal documents ({_decoders()}), not model.arch={cfg.model.arch}"]
-    if dims.pp > 1:
-        return [f"{at} with pp_size={dims.pp} is not wired yet: set pp_size=1 or the mask off"]
     return []
 
 

@@ -134,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--document-mask",
         action="store_true",
         help="decoders: pack each row with several documents (attention and positions "
-        "within each, as data.document_mask=true); pp 1, dense MLPs",
+        "within each, as data.document_mask=true), at any layout",
     )
     p.add_argument("--failing-only", action="store_true", help="print only out-of-tolerance rows")
     return p.parse_args(argv)

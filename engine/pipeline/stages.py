@@ -8,8 +8,8 @@ head; an encoder's MLM transform and head, pooler and sentence-order head). The 
 answers what the cut asks (``engine.models.base.ParallelModel``'s hooks): the first
 stage's embedding, the rotary tables, the heads' outputs, the schedule's inputs and the
 micro-batch loss; the cut runs them on each stage and names no family. Keyword inputs
-(an encoder's padding mask; under context parallelism a decoder's global positions) are no
-activations: every stage gets its micro-batch's from the batch. Pipeline rank ``r`` holds stages ``r, r + pp, …`` (the loop placement
+(an encoder's padding mask; under context parallelism a decoder's global positions; packed
+rows' document ids) are no activations: every stage gets its micro-batch's from the batch. Pipeline rank ``r`` holds stages ``r, r + pp, …`` (the loop placement
 ``ScheduleInterleaved1F1B`` expects), or under a V schedule (ZB-V, DualPipeV) stages ``r``
 and ``2·pp − 1 − r`` (``split.stages_of_rank``). Parameters keep their full names
 (``layers.7.mlp…``), so checkpoints and the verifier see the unsplit model at any pp.
@@ -31,7 +31,7 @@ from torch import nn
 from engine import comm
 from engine.models.base import ParallelModel
 from engine.pipeline.split import V_SCHEDULES, layer_split, stages_of_rank
-from layers.documents import padding_mask
+from layers.documents import DocumentMask, document_positions, padding_mask
 from layers.moe import moe_losses
 from layers.param_roles import mark_copy
 from layers.router import router_objective
@@ -74,7 +74,9 @@ class StageChunk(nn.Module):
     """One stage's forward: the first stage's inputs (ids ``[b, s]``, and whatever else the
     model embeds) or the hidden ``[s(/tp), b, h]`` received → hidden, and on the last stage
     → the heads' outputs (:meth:`PipelineModel.head`). ``attention_mask`` ``[b, s]`` (an
-    encoder's padding) reaches every stage from the batch."""
+    encoder's padding), ``positions`` (a cp rank's) and ``document_ids`` ``[b, s]`` (packed
+    rows: attention within each document, positions restarting at each) reach every stage
+    from the batch."""
 
     def __init__(self, owner: PipelineModel, layers: range, *, first: bool, last: bool) -> None:
         super().__init__()
@@ -95,15 +97,21 @@ class StageChunk(nn.Module):
         *inputs: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ):
         owner = self._owner[0]
+        if document_ids is not None:  # packed rows: positions within each document
+            mask = DocumentMask(document_ids)
+            if positions is None:  # (a cp rank's share comes with its own)
+                positions = document_positions(document_ids)
+        else:
+            mask = padding_mask(attention_mask, ring=positions is not None)
         if not self.first:
             x = inputs[0]  # [s(/tp), b, h]
         elif positions is None:
             x = owner.embed(*inputs)
-        else:  # a cp rank's share: its tokens at their global positions
+        else:  # a cp rank's share, or packed documents: the tokens at their positions
             x = owner.embed(*inputs, positions=positions)
-        mask = padding_mask(attention_mask, ring=positions is not None)
         rotary = owner.rotary_for(x, positions)
         for layer in self.layers:
             x = layer(x, mask) if rotary is None else layer(x, mask, None, rotary)

@@ -118,7 +118,7 @@ class VerifySpec:
                 f"offload={self.offload} needs a sharded DP mode: pass --dp-shard optimizer, "
                 "gradients or full (or --offload none)"
             )
-        if self.document_mask:  # before the pipeline's rules: it rules the pipeline out
+        if self.document_mask:
             self._check_document_mask()
         dims = self.dims
         dims.check_batch(self.batch_size)  # one slice per DP rank
@@ -134,15 +134,9 @@ class VerifySpec:
             self._check_pipeline()
 
     def _check_document_mask(self) -> None:
-        """Packed documents run on the causal decoders, outside the pipeline (as
-        ``data.document_mask`` does) and with dense MLPs (the MoE comparison builds its
-        own per-slice batches)."""
+        """Packed documents run on the causal decoders (as ``data.document_mask`` does)."""
         if not family(self.model).causal:
             raise ValueError(f"--document-mask packs causal documents, not {self.model}")
-        if self.pp_size > 1 or self.experts:
-            raise ValueError(
-                "--document-mask runs at pp_size=1 with dense MLPs: drop --pp-size/--experts"
-            )
 
     def _check_pipeline(self) -> None:
         """The stage split and torch's micro-batch rules for the schedule."""

@@ -151,12 +151,11 @@ class GPTModel(TransformerModel):
     def stage_inputs(self, micro_batches: list, device: torch.device) -> tuple:
         """Token windows ``[b, s+1]`` or ``{"input_ids", "labels"}``: the ids go to the first
         stage, the labels are the target. A cp rank's share (:meth:`context_shard`) also
-        has ``"positions"``, its tokens' global ones: a keyword input of every stage (the
-        first embeds at them, every stage rotates at them)."""
+        has ``"positions"``, its tokens' global ones, and packed rows (``data.document_mask``)
+        ``"document_ids"``: keyword inputs of every stage (the first embeds at the
+        positions, every stage rotates at them and masks attention by the documents)."""
         batch = stack_batches([next_token_pairs(to_device(m, device)) for m in micro_batches])
-        if "document_ids" in batch:  # engine/config.py refuses it before any worker starts
-            raise ValueError("document_ids do not travel between pipeline stages yet (pp 1)")
-        keywords = {"positions": batch["positions"]} if "positions" in batch else {}
+        keywords = {k: batch[k] for k in ("positions", "document_ids") if k in batch}
         return (batch["input_ids"],), keywords, batch["labels"]
 
     def stage_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
