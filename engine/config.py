@@ -26,6 +26,7 @@ from engine.models.config import ModelConfig
 from engine.models.families import FAMILIES, family
 from engine.pipeline.split import (
     SCHEDULES,
+    compile_rule,
     dp_rule,
     layer_split,
     microbatch_rule,
@@ -285,9 +286,12 @@ def validate(cfg: Config, dims: ParallelDims) -> list[str]:
 
 
 def _validate_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
-    """What the layout's pipeline stages, context parallelism, expert parallelism and DP
-    sharding need of the rest of the config."""
-    problems = _validate_pipeline(cfg, dims) + _validate_context_parallel(cfg, dims)
+    """What the layout's pipeline stages, expert parallelism and DP sharding need of the
+    rest of the config. Context parallelism needs nothing of it (its sequence length is
+    the layout's rule, ``ParallelDims.check_seq_len``): it composes with tp (and sequence
+    parallelism), dp, pp, attention dropout, packed documents, experts, every family's
+    attention options and ``model.compile`` (the ring runs eagerly between the graphs)."""
+    problems = _validate_pipeline(cfg, dims)
     problems += _validate_experts(cfg, dims)
     if dims.dp_shard in ("gradients", "full"):
         problems += _validate_fsdp(cfg, dims)
@@ -329,25 +333,6 @@ def _validate_offload(cfg: Config, dims: ParallelDims) -> list[str]:
 def _decoders() -> str:
     """The causal families of the table, as a message lists them: "gpt, llama, ..."."""
     return ", ".join(arch for arch, f in FAMILIES.items() if f.causal)
-
-
-def _validate_context_parallel(cfg: Config, dims: ParallelDims) -> list[str]:
-    """What cp > 1 does not run with yet, one line each (the sequence length is the
-    layout's rule, ``ParallelDims.check_seq_len``). It composes with tp (and sequence
-    parallelism), dp and pp (each stage gets its cp rank's share of every sequence and the
-    global positions, ``engine/pipeline/schedule.py``), with attention dropout (the
-    ring reads the unsplit model's mask at the global positions, ``RingCoreAttention``),
-    with ``model.qk_norm`` (q and k reach the ring normalized), and with Gemma's and
-    Mistral's ``model.sliding_window``, ``query_pre_attn_scalar`` and
-    ``attn_logit_softcapping`` (the ring windows, scales and caps its blocks' scores), and
-    with BERT (bidirectional over padded rows; each rank's loss weights travel in the
-    pipeline schedule's target, ``BertModel.stage_inputs``)."""
-    if dims.cp == 1:
-        return []
-    m, problems, at = cfg.model, [], f"cp_size={dims.cp}"
-    if m.compile:
-        problems.append(f"{at} runs the ring eagerly: set model.compile=false")
-    return problems
 
 
 def _validate_experts(cfg: Config, dims: ParallelDims) -> list[str]:
@@ -412,8 +397,6 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
     if dims.pp == 1:
         return unknown or _pipeline_keys_unused(p)
     problems = []
-    if m.compile:
-        problems.append(f"pp_size={dims.pp} runs the stages eagerly: set model.compile=false")
     if dims.zero1 and m.tie_embeddings:
         problems.append(
             f"pp_size={dims.pp} with tied embeddings under ZeRO-1 is not built yet: set "
@@ -424,6 +407,11 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
     rule = dp_rule(p.schedule, dims.dp_shard, m.tie_embeddings)
     if rule:
         problems.append(f"pipeline.{rule}")
+    rule = compile_rule(
+        p.schedule, bool(m.compile), experts=m.mlp == "moe", cuda_graphs=m.cuda_graphs
+    )
+    if rule:
+        problems.append(f"pipeline.{rule}" if rule.startswith("schedule=") else rule)
     rule = virtual_rule(p.schedule, p.virtual_stages)
     if rule:
         fits = next(v for v in (2, 1) if virtual_rule(p.schedule, v) is None)

@@ -17,6 +17,10 @@ its auxiliary and z-losses, the experts' output rows, the router loss.
 With --document-mask (the decoders) every row of the batch packs several documents:
 attention stays within each and positions restart at each (data.document_mask=true).
 
+With --compile BACKEND the target runs compiled (model.compile; aot_eager traces as
+inductor does without generating code) against the eager unsplit reference: the losses
+and gradients are compared, not each module's output (a graph spans modules).
+
 With --hf-dir DIR it instead compares the logits of a local Hugging Face GPT-2, BERT,
 Llama, Mistral, Qwen2, or MoE (Mixtral, Qwen2-MoE, Qwen3-MoE) directory loaded by
 transformers with meshtron's import of it at the given layout (an MoE directory at any
@@ -30,6 +34,7 @@ launcher (RANK set) each process is one rank.
     python tools/verify_equivalence.py --model llama --cp-size 2 --tp-size 1 --heads 4
     python tools/verify_equivalence.py --model llama --cp-size 2 --tp-size 2 --document-mask
     python tools/verify_equivalence.py --model llama --ep-size 2 --dp-size 2 --tp-size 1 --heads 4
+    python tools/verify_equivalence.py --model gemma --pp-size 2 --tp-size 1 --compile aot_eager
     python tools/verify_equivalence.py --hf-dir ./gpt2-tiny --tp-size 2 --dtype float32
     python tools/verify_equivalence.py --hf-dir ./mixtral-tiny --tp-size 1 --dp-size 2 --ep-size 2
 """
@@ -55,6 +60,7 @@ from engine.tool_args import (  # noqa: E402
     in_flags,
     positive_int,
 )
+from layers.compile import COMPILE_BACKENDS  # noqa: E402
 from layers.router import ROUTERS  # noqa: E402
 from parallel_state.dims import DP_SHARD_MODES  # noqa: E402
 from studies.verification.hf_parity import (  # noqa: E402
@@ -123,6 +129,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=tuple(TOLERANCES),
         default="float64",
         help="both layouts run in this dtype; tolerances below",
+    )
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_BACKENDS,
+        default=None,
+        metavar="BACKEND",
+        help="compile the target (model.compile) with this backend: "
+        f"{', '.join(COMPILE_BACKENDS)}; the unsplit reference runs eagerly. Its graphs span "
+        "modules, so the losses and gradients are compared, not each module's output",
     )
     _model_args(p)
     p.add_argument(
@@ -267,6 +282,7 @@ def spec_of(args: argparse.Namespace) -> VerifySpec:
         offload=args.offload,
         dp_replicate=args.dp_replicate,
         document_mask=args.document_mask,
+        compile=args.compile,
         schedule=args.schedule,
         virtual_stages=args.virtual_stages,
         microbatches=(

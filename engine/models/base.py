@@ -183,7 +183,10 @@ class Embeddings(nn.Module):
         if self.position is None:
             return self._dropout(words)
         seq = input_ids.shape[1]
-        last = seq - 1 if positions is None else int(positions.max())
+        # Given positions are read on the host (a sync) only when eager: a compiled graph
+        # takes them as the layout computed them (cp shares, packed documents: < seq).
+        checked = positions is None or not torch.compiler.is_compiling()
+        last = seq - 1 if positions is None else int(positions.max()) if checked else -1
         if last >= self.position.shape[0]:
             raise ValueError(f"position {last} exceeds max_positions {self.position.shape[0]} - 1")
         if positions is None:

@@ -106,3 +106,46 @@ def dp_rule(schedule: str, dp_shard: str, tied: bool) -> str | None:
             "shard it twice): set model.tie_embeddings=false"
         )
     return None
+
+
+def compile_rule(
+    schedule: str,
+    compiled: bool,
+    *,
+    experts: bool = False,
+    cuda_graphs: bool = False,
+    off: str = "set model.compile=false",
+) -> str | None:
+    """What a compiled stage (``model.compile``: each stage's forward one graph, and its
+    backward one compiled function) does not run with, one line naming ``off`` (how the
+    caller turns compilation off), else None.
+
+    - The zero-bubble schedules split each backward into the input-gradient pass and a
+      later weight-gradient pass (``SPLIT_BACKWARD``); a compiled backward computes both
+      at once and frees its buffers (AOTAutograd's donated buffers refuse the retained
+      graph the split needs).
+    - CUDA graphs replay each forward into the same output buffers, so a stage's later
+      micro-batch would overwrite the activations an earlier one still waits to
+      backward with.
+    - MoE layers in a compiled stage: the verifier measured their gradients off (Llama, 4
+      experts, pp 2, aot_eager: up to 66 % relative from the last layer's MLP norm down,
+      at any schedule and with one micro-batch; the same stage traced by Dynamo alone,
+      backend eager, and an MoE model compiled whole at pp 1 are exact), so it is refused
+      until the cause is found.
+    """
+    if compiled and schedule in SPLIT_BACKWARD:
+        return (
+            f"schedule={schedule} splits each backward into input and weight passes, which a "
+            f"compiled stage runs as one: set pipeline.schedule=1f1b (or interleaved_1f1b), or {off}"
+        )
+    if compiled and experts:
+        return (
+            "a compiled pipeline stage with MoE layers gives wrong gradients "
+            f"(tests/test_compile_layouts.py): {off}, or set pp_size=1"
+        )
+    if cuda_graphs:
+        return (
+            "model.cuda_graphs=true replays each forward into one set of buffers, which a "
+            "pipeline's micro-batches in flight would share: set model.cuda_graphs=false"
+        )
+    return None

@@ -186,6 +186,9 @@ class PipelineModel(ParallelModel):
             StageChunk(self, self.split[s], first=s == 0, last=s == self.num_stages - 1)
             for s in self.stage_ids
         ]
+        if self.cfg.compile:  # each stage's forward one graph (the model's is never run)
+            for chunk in self.chunks:
+                chunk.compile(backend=self.cfg.compile_backend)
 
     @property
     def full_names(self) -> tuple[str, ...]:

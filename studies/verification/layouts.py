@@ -33,7 +33,7 @@ import parallel_state
 from engine import comm
 from engine.models import ModelConfig, ParallelModel, build_model, family, preset
 from engine.pipeline import SCHEDULES, layer_split
-from engine.pipeline.split import dp_rule, microbatch_rule, virtual_rule
+from engine.pipeline.split import compile_rule, dp_rule, microbatch_rule, virtual_rule
 from parallel_state import groups
 from parallel_state.dims import ParallelDims
 from studies.verification.dp_step import TargetStep
@@ -97,6 +97,7 @@ class VerifySpec:
     router: str = "softmax"  # "softmax" or "sigmoid" (layers/router.py)
     shared_ffn: int = 0  # width of a gated shared expert beside the routed ones; 0: none
     document_mask: bool = False  # decoders: rows packed with documents (``document_ids``)
+    compile: str | None = None  # the target compiled with this backend (model.compile); eager
 
     @property
     def tolerance(self) -> float:
@@ -138,6 +139,10 @@ class VerifySpec:
         if not family(self.model).causal:
             raise ValueError(f"--document-mask packs causal documents, not {self.model}")
 
+    def _compiled(self) -> dict:
+        """The target's compile keys: ``model.compile`` with this backend."""
+        return {"compile": True, "compile_backend": self.compile}
+
     def _check_pipeline(self) -> None:
         """The stage split and torch's micro-batch rules for the schedule."""
         if self.schedule not in SCHEDULES:
@@ -146,6 +151,9 @@ class VerifySpec:
         if rule:
             raise ValueError(f"{rule}: change --virtual-stages")
         rule = dp_rule(self.schedule, self.dp_shard, self.model_config().tie_embeddings)
+        rule = rule or compile_rule(
+            self.schedule, bool(self.compile), experts=self.experts > 0, off="drop --compile"
+        )
         if rule:
             raise ValueError(rule)
         stages = self.pp_size * self.virtual_stages
@@ -194,6 +202,7 @@ class VerifySpec:
             sequence_parallel=self.sequence_parallel and not reference,
             recompute="none" if reference else self.recompute,
             **moe_config_keys(self),
+            **({} if reference or not self.compile else self._compiled()),
         )
 
 
@@ -317,7 +326,9 @@ def compare_layouts(
 
 def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
     tol, rows = spec.tolerance, []
-    captures = [OutputCapture(m) for m in (target, reference) if m is not None]
+    # A compiled target's graph spans its modules: no module's own output to capture.
+    models = () if spec.compile else (target, reference)
+    captures = [OutputCapture(m) for m in models if m is not None]
     dp = TargetStep(spec, target, ps)
     optimizers = [dp]
     if reference is not None:
@@ -336,7 +347,7 @@ def _train_and_compare(spec, target, reference, batch, ps) -> list[Row]:
         if reference is not None:
             ref_loss = reference.loss(batch)
             ref_loss.backward()
-        if step == 0:
+        if step == 0 and captures:
             rows += _output_rows(captures, ps, tol)
             for c in captures:
                 c.remove()

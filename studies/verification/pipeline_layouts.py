@@ -176,7 +176,8 @@ def pipeline_steps(
     # After the planted fault: what the stages really send. Not with MoE layers: their
     # reference runs micro-batch by micro-batch (_reference_objective), and under ep the
     # experts' rows differ in number between ranks; their losses and gradients are compared.
-    capture = None if _has_experts(target) else StageCapture(runner)
+    # Nor compiled: a stage's graph spans its modules, and no module's output is its own.
+    capture = None if _has_experts(target) or spec.compile else StageCapture(runner)
     stages = runner.model
     dp = TargetStep(spec, stages, ps)  # after the runner: FSDP shards its stage chunks
     chunks = {key: value.chunk(spec.microbatches) for key, value in local.items()}
