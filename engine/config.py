@@ -407,9 +407,7 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
     rule = dp_rule(p.schedule, dims.dp_shard, m.tie_embeddings)
     if rule:
         problems.append(f"pipeline.{rule}")
-    rule = compile_rule(
-        p.schedule, bool(m.compile), experts=m.mlp == "moe", cuda_graphs=m.cuda_graphs
-    )
+    rule = compile_rule(p.schedule, bool(m.compile), cuda_graphs=m.cuda_graphs)
     if rule:
         problems.append(f"pipeline.{rule}" if rule.startswith("schedule=") else rule)
     rule = virtual_rule(p.schedule, p.virtual_stages)

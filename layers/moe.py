@@ -241,6 +241,13 @@ class MoEMLP(nn.Module):
             tokens = gather_from_sequence(x, self.tp_group, comm_timer=timer)
         else:
             tokens = copy_to_tp(x, self.tp_group, comm_timer=timer)
+            if torch.compiler.is_compiling():
+                # permute's data-dependent shapes end the graph here. f's forward is the
+                # identity, so its output would leave the graph as a view of x, which
+                # AOTAutograd rebuilds outside the graph without f's backward (the
+                # all-reduce): at tp 2 the MLP input's gradient came out up to 97 % off
+                # (tests/test_compile_layouts.py). A copy keeps f in the graph's backward.
+                tokens = tokens.clone()
         tokens = tokens.reshape(-1, x.shape[-1])  # [T, h], T = s·b
         rows, order, counts = permute(tokens, routing, self.num_experts)
         rows, counts, plan = dispatch(rows, counts, self.ep_group)  # to the experts' ranks

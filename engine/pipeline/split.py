@@ -112,7 +112,6 @@ def compile_rule(
     schedule: str,
     compiled: bool,
     *,
-    experts: bool = False,
     cuda_graphs: bool = False,
     off: str = "set model.compile=false",
 ) -> str | None:
@@ -127,21 +126,11 @@ def compile_rule(
     - CUDA graphs replay each forward into the same output buffers, so a stage's later
       micro-batch would overwrite the activations an earlier one still waits to
       backward with.
-    - MoE layers in a compiled stage: the verifier measured their gradients off (Llama, 4
-      experts, pp 2, aot_eager: up to 66 % relative from the last layer's MLP norm down,
-      at any schedule and with one micro-batch; the same stage traced by Dynamo alone,
-      backend eager, and an MoE model compiled whole at pp 1 are exact), so it is refused
-      until the cause is found.
     """
     if compiled and schedule in SPLIT_BACKWARD:
         return (
             f"schedule={schedule} splits each backward into input and weight passes, which a "
             f"compiled stage runs as one: set pipeline.schedule=1f1b (or interleaved_1f1b), or {off}"
-        )
-    if compiled and experts:
-        return (
-            "a compiled pipeline stage with MoE layers gives wrong gradients "
-            f"(tests/test_compile_layouts.py): {off}, or set pp_size=1"
         )
     if cuda_graphs:
         return (

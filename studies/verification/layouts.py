@@ -151,9 +151,7 @@ class VerifySpec:
         if rule:
             raise ValueError(f"{rule}: change --virtual-stages")
         rule = dp_rule(self.schedule, self.dp_shard, self.model_config().tie_embeddings)
-        rule = rule or compile_rule(
-            self.schedule, bool(self.compile), experts=self.experts > 0, off="drop --compile"
-        )
+        rule = rule or compile_rule(self.schedule, bool(self.compile), off="drop --compile")
         if rule:
             raise ValueError(rule)
         stages = self.pp_size * self.virtual_stages
