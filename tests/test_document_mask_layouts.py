@@ -40,14 +40,7 @@ def _runs() -> dict[str, tuple | None]:
     import engine.pipeline.stages as stages
     from studies.verification.layouts import VerifySpec
 
-    piped = VerifySpec(
-        model="gpt",
-        tp_size=1,
-        pp_size=2,
-        microbatches=2,
-        num_layers=2,
-        document_mask=True,
-    )
+    piped = VerifySpec(model="gpt", tp_size=1, pp_size=2, microbatches=2, document_mask=True)
     experts = VerifySpec(
         model="llama", tp_size=1, dp_size=2, ep_size=2, experts=4, num_heads=4, document_mask=True
     )
