@@ -71,20 +71,25 @@ def test_round_trip_is_bitwise(hf_dirs, tmp_path):
 def _parity(hf_dirs: dict[str, str]) -> list[tuple[str, str, float, bool]]:
     results = []
     # TP 2 (vocabulary block per rank, with and without sequence parallelism) and TP 1 with
-    # the batch split over DP 2; float64 shows the conversion itself is exact.
+    # the batch split over DP 2; float64 shows the conversion itself is exact, also with
+    # meshtron's side compiled (verify_equivalence --compile; aot_eager traces as inductor).
     layouts = [
-        (2, 1, False, "float32"),
-        (2, 1, True, "float32"),
-        (1, 2, False, "float32"),
-        (2, 1, False, "float64"),
+        (2, 1, False, "float32", None),
+        (2, 1, True, "float32", None),
+        (1, 2, False, "float32", None),
+        (2, 1, False, "float64", None),
+        (2, 1, True, "float64", "aot_eager"),
     ]
-    for tp, dp, sp, dtype in layouts:
+    for tp, dp, sp, dtype, backend in layouts:
         parallel_state.initialize(tp, dp)
         for name, hf_dir in hf_dirs.items():
-            spec = VerifySpec(tp_size=tp, dp_size=dp, sequence_parallel=sp, dtype=dtype)
+            spec = VerifySpec(
+                tp_size=tp, dp_size=dp, sequence_parallel=sp, dtype=dtype, compile=backend
+            )
             report = compare_with_hf(spec, hf_dir)
             if report is not None:
-                label = f"{name} tp={tp} dp={dp} sp={sp} {dtype}"
+                compiled = f" compiled {backend}" if backend else ""
+                label = f"{name} tp={tp} dp={dp} sp={sp}{compiled} {dtype}"
                 results += [(label, row.name, row.max_abs, row.ok) for row in report.rows]
         parallel_state.destroy()
     return results
@@ -100,7 +105,7 @@ def test_logits_match_transformers(hf_dirs):
     # fp64 1e-8 (errors ~1e-15: the conversion itself is exact).
     for label, logits, err, ok in results:
         assert ok and err <= HF_TOLERANCES[label.split()[-1]], (label, logits, err)
-    assert len(results) == 12
+    assert len(results) == 15
 
 
 def _run(tool: str, *args: str) -> subprocess.CompletedProcess:

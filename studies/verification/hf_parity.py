@@ -138,6 +138,8 @@ def compare_with_hf(spec: VerifySpec, hf_dir: str) -> Report | None:
     ps, dtype = parallel_state.get(), DTYPES[spec.dtype]
     cfg, state, hf_config = read_hf_dir(hf_dir, tp_group=ps.tp_group)
     cfg = replace(cfg, sequence_parallel=spec.sequence_parallel, recompute=spec.recompute)
+    if spec.compile:  # meshtron's side compiled (--compile), transformers' eager
+        cfg = replace(cfg, compile=True, compile_backend=spec.compile)
     model = build_model(cfg, ps, dtype=dtype)
     model.load_full_state_dict(state)
     spec = replace(spec, model=cfg.arch, vocab_size=cfg.vocab_size)
