@@ -374,8 +374,6 @@ def _validate_fsdp(cfg: Config, dims: ParallelDims) -> list[str]:
     mode, problems = f"parallel.dp_shard={dims.dp_shard}", []
     if cfg.trainer.precision == "fp16":
         problems.append(f"{mode} trains in bf16 or fp32, not fp16: set trainer.precision=bf16")
-    if cfg.model.compile:
-        problems.append(f"{mode} runs the model eagerly: set model.compile=false")
     if cfg.optim.impl == "apex":
         problems.append(f"{mode} runs torch's AdamW on the shards: set optim.impl=auto")
     problems += _unread(  # the bucketed all-reduce's settings: FSDP reduces by layer unit

@@ -254,7 +254,6 @@ def test_zero3_holds_a_1_over_d_shard_of_every_layer_not_running(d, request):
     ("overrides", "message"),
     [
         (("trainer.precision=fp16",), "parallel.dp_shard=full trains in bf16 or fp32"),
-        (("model.compile=true",), "parallel.dp_shard=full runs the model eagerly"),
         (("trainer.memory_cap_gib=-1",), "trainer.memory_cap_gib=-1.0 must be >= 0 and finite"),
         (  # the all-reduce path's knobs, which FSDP2 never reads
             ("trainer.overlap_grad_reduce=false", "trainer.grad_bucket_mb=4"),
