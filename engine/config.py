@@ -518,6 +518,26 @@ def _validate_model(cfg: Config, dims: ParallelDims) -> list[str]:
         problems += _apex_missing("model.kernels")
     if cfg.model.cuda_graphs:  # settings that could replay, but on which device?
         problems += _cuda_graphs_device_problem(cfg.trainer.device)
+        problems += _cuda_graphs_layout_problems(dims)
+    return problems
+
+
+def _cuda_graphs_layout_problems(dims: ParallelDims) -> list[str]:
+    """The layouts that compile (``model.compile``) but whose step no replay would hold
+    (the pipeline's rule is ``compile_rule``'s)."""
+    at, problems = "model.cuda_graphs=true", []
+    if dims.dp_shard in ("gradients", "full"):
+        problems.append(
+            f"{at} under parallel.dp_shard={dims.dp_shard}: FSDP gathers and frees each "
+            "layer's parameters around its forward, storage a replayed graph would read: "
+            "set model.cuda_graphs=false"
+        )
+    if dims.cp > 1:
+        problems.append(
+            f"{at} at cp_size={dims.cp}: each ring runs eagerly between the compiled graphs "
+            "(its exchanges outside any replay), never run on a GPU: set "
+            "model.cuda_graphs=false"
+        )
     return problems
 
 

@@ -223,3 +223,28 @@ def test_what_a_compiled_pipeline_refuses_is_one_line_each():
         "model.cuda_graphs=true replays each forward into one set of buffers, which a "
         "pipeline's micro-batches in flight would share: set model.cuda_graphs=false"
     ]
+
+
+def test_cuda_graphs_are_refused_where_the_compiled_step_has_eager_parts():
+    """Compiled, FSDP2 and cp run parts of the step outside the graphs (FSDP's gathers,
+    the ring): CUDA graphs there are one line each, before any worker starts."""
+    from engine.config import Config, parallel_dims, validate
+
+    def problems(dp_shard: str = "none", **sizes) -> list[str]:
+        cfg = Config(tp_size=1, **sizes)
+        cfg.parallel.dp_shard = dp_shard
+        cfg.model.compile, cfg.model.cuda_graphs = True, True
+        cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0  # no replayable dropout
+        return [p for p in validate(cfg, parallel_dims(cfg, None)) if "FSDP" in p or "ring" in p]
+
+    assert problems(dp_size=2) == []
+    assert problems(dp_size=2, dp_shard="full") == [
+        "model.cuda_graphs=true under parallel.dp_shard=full: FSDP gathers and frees each "
+        "layer's parameters around its forward, storage a replayed graph would read: set "
+        "model.cuda_graphs=false"
+    ]
+    assert problems(dp_size=1, cp_size=2) == [
+        "model.cuda_graphs=true at cp_size=2: each ring runs eagerly between the compiled "
+        "graphs (its exchanges outside any replay), never run on a GPU: set "
+        "model.cuda_graphs=false"
+    ]
