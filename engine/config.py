@@ -395,11 +395,6 @@ def _validate_pipeline(cfg: Config, dims: ParallelDims) -> list[str]:
     if dims.pp == 1:
         return unknown or _pipeline_keys_unused(p)
     problems = []
-    if dims.zero1 and m.tie_embeddings:
-        problems.append(
-            f"pp_size={dims.pp} with tied embeddings under ZeRO-1 is not built yet: set "
-            "model.tie_embeddings=false or parallel.dp_shard=none"
-        )
     if unknown:
         return problems + unknown
     rule = dp_rule(p.schedule, dims.dp_shard, m.tie_embeddings)

@@ -157,7 +157,7 @@ class Trainer:
         self.timer.lap()
         self._mark("gradient all-reduce", "grad", step)
         grads = self.dp.finish_grads()
-        for what, group, hook in self.runner.post_reduction():
+        for what, group, hook in self.runner.post_reduction(self.dp):
             self._mark(what, group, step)
             hook()
         self.timer.lap()

@@ -40,6 +40,7 @@ _BLOCKS = "tp_blocks_at_most"
 _SP_PARTIAL_GRAD = "sequence_parallel_grad"
 _VOCAB_PADDED = "vocab_padded"
 _COPY = "copy_of_another_rank"
+_TIED_ACROSS = "tied_across_ranks"
 _EXPERT_SPLIT = "expert_parallel_split"
 _EXPERT_RANK = "expert_parallel_rank"
 
@@ -101,6 +102,19 @@ def mark_copy(param: torch.Tensor) -> None:
     """Declare ``param`` a copy of a parameter another rank holds and counts (a pipeline's
     tied embedding on the last stage)."""
     setattr(param, _COPY, True)
+
+
+def mark_tied_across(param: torch.Tensor) -> None:
+    """Declare ``param`` one of several ranks' copies of one tensor whose gradients are
+    summed after the DP reduction (a pipeline's tied word embedding, on its first and its
+    last stage): ZeRO-1 keeps it in a bucket of its own, so every holder's shard of it
+    covers the same elements and the shards sum as the whole gradients would."""
+    setattr(param, _TIED_ACROSS, True)
+
+
+def tied_across(param: torch.Tensor) -> bool:
+    """Whether ``param`` was declared by :func:`mark_tied_across`."""
+    return getattr(param, _TIED_ACROSS, False)
 
 
 def counted_in_norm(param: torch.Tensor, tp_rank: int) -> bool:

@@ -48,7 +48,7 @@ def _micro_batches() -> list[torch.Tensor]:
 def _step(dp, model, runner, ps) -> dict:
     """Finish the gradients, take one clipped AdamW step; the full grads and weights."""
     dp.finish_grads()
-    for _, _, hook in runner.post_reduction():
+    for _, _, hook in runner.post_reduction(dp):
         hook()
     grads = model.full_grad_dict()  # collective over the stages
     norm = runner.global_norm(dp.grad_norm())

@@ -175,7 +175,6 @@ def test_planted_handoff_bugs_are_caught():
         ({"pipeline.schedule": "zb"}, "pipeline.schedule='zb' is not one of gpipe, 1f1b"),
         ({"pipeline.schedule": "interleaved_1f1b"}, "virtual_stages=1 must be >= 2 for inter"),
         ({"pipeline.virtual_stages": 2}, "pipeline.virtual_stages=2 must be 1 for 1f1b"),
-        ({"optim.distributed": True}, "with tied embeddings under ZeRO-1 is not built yet"),
     ],
 )
 def test_pipeline_config_errors_are_one_line(changes, line):

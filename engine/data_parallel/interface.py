@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from engine.data_parallel.zero import MASTER_KEY
+from layers.utils import local_part
 
 GROUP_STEP = "group_step"  # scalar key of a parameter group's step count (apex FusedAdam)
 MUON_KEY = "momentum_buffer"  # Muon's state (engine/muon.py), which AdamW must not load
@@ -46,6 +47,14 @@ class DataParallel(ABC):
     @abstractmethod
     def zero_grad(self) -> None:
         """Drop this step's gradients."""
+
+    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's part of ``param``'s DP-reduced gradient, after ``finish_grads``:
+        its ``.grad`` (FSDP: the local shard; zeros where no gradient reached it), which a
+        caller may sum in place with the other holders of a tied tensor."""
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        return local_part(param.grad)
 
     def wait_params(self) -> None:  # noqa: B027 - nothing is in flight unless overridden
         """Block until the parameters hold the last step's values (before reading them

@@ -186,6 +186,9 @@ class Zero1DP(_DelegatingDP):
     def wait_params(self) -> None:
         self.zero.wait_params()
 
+    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
+        return self.zero.reduced_grad(param)
+
     def state_bytes(self) -> int:
         return self.zero.state_bytes()
 

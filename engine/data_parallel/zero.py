@@ -43,7 +43,7 @@ from torch import nn
 from engine.data_parallel.buckets import BucketLauncher, ShardedBucket, cut_buckets
 from engine.data_parallel.grads import square_sum
 from engine.data_parallel.offload import HostMasters
-from layers.param_roles import expert_split
+from layers.param_roles import expert_split, tied_across
 from layers.tp_grads import sum_partial_grads_
 from layers.utils import group_rank, group_size
 
@@ -198,6 +198,15 @@ class ZeroOptimizer(BucketLauncher):
             b.master.grad = b.slice(b.grad_buffer)
         self._sum_sequence_parallel_grads()
 
+    def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's shard of ``param``'s DP-reduced gradient (after ``finish_grads``):
+        its bucket's master slice, which holds ``param`` alone when it is tied across ranks
+        (so the holders' shards can be summed element for element)."""
+        bucket = self._bucket_of[id(param)]
+        if len(bucket.params) != 1:
+            raise ValueError("reduced_grad reads a parameter that has a bucket of its own")
+        return bucket.master.grad
+
     def _sum_sequence_parallel_grads(self) -> None:
         # After the DP average (both are sums, so the order does not change the result).
         # Every TP rank has the same bucket layout, so the ranges line up across TP.
@@ -351,7 +360,11 @@ def _by_shard_group(
 ) -> list[tuple[list[nn.Parameter], dist.ProcessGroup | None]]:
     """``params`` as (parameters, the group their buckets are sliced over; None: the DP
     group): experts split over ep over ``expert_grad_group`` (the ranks holding the same
-    experts), apart from the rest, which keep their order and buckets as without ep."""
+    experts), apart from the rest, which keep their order and buckets as without ep; a
+    parameter tied across ranks (``param_roles.mark_tied_across``) alone, so its shard on
+    each holder covers the same elements."""
     split = [p for p in params if expert_split(p) > 1]
-    dense = [p for p in params if expert_split(p) == 1]
-    return [(some, group) for some, group in ((dense, None), (split, expert_grad_group)) if some]
+    dense = [p for p in params if expert_split(p) == 1 and not tied_across(p)]
+    runs = [(dense, None), (split, expert_grad_group)]
+    runs += [([p], None) for p in params if tied_across(p)]  # a bucket each (param_roles)
+    return [(some, group) for some, group in runs if some]

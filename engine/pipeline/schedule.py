@@ -37,6 +37,7 @@ router losses, summed over the stages.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 
@@ -325,10 +326,11 @@ class PipelineRunner:
         total = comm.sum_(squared.to(device), self.ps.group("pp"))
         return total.sqrt().to(stage_norm.device)
 
-    def post_reduction(self) -> list[tuple[str, str, Callable[[], None]]]:
+    def post_reduction(self, dp) -> list[tuple[str, str, Callable[[], None]]]:
         """After the DP reduction: the tied embedding's gradient summed over the first and
         last stage (``PipelineModel.sum_tied_grads``)."""
-        return [("tied embedding gradient sum", "pp", self.model.sum_tied_grads)]
+        tied = functools.partial(self.model.sum_tied_grads, dp.reduced_grad)
+        return [("tied embedding gradient sum", "pp", tied)]
 
     def waits_on(self) -> tuple[str, str]:
         stage = ", ".join(str(s) for s in self.model.stage_ids)

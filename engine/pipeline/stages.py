@@ -24,6 +24,8 @@ the word embedding itself (one tensor, whose gradient both chunks accumulate), n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,9 +35,8 @@ from engine.models.base import ParallelModel
 from engine.pipeline.split import V_SCHEDULES, layer_split, stages_of_rank
 from layers.documents import DocumentMask, document_positions, padding_mask
 from layers.moe import moe_losses
-from layers.param_roles import mark_copy
+from layers.param_roles import mark_copy, mark_tied_across
 from layers.router import router_objective
-from layers.utils import local_part
 
 
 class _RouterLossToBackward(torch.autograd.Function):
@@ -170,6 +171,8 @@ class PipelineModel(ParallelModel):
         # What backward gives each micro-batch's router losses (the runner sets it per
         # step to the factor of the micro-batch loss: loss scale ÷ micro-batches).
         self.router_loss_scale = 1.0
+        if self.ties_across_stages:  # ZeRO-1 gives it a bucket of its own (param_roles)
+            mark_tied_across(model.embedding.word.weight)
         if self.is_first:
             self.embedding = model.embedding
         elif self.is_last and self.cfg.tie_embeddings:
@@ -230,18 +233,19 @@ class PipelineModel(ParallelModel):
         as the model's ``stage_inputs`` says."""
         return self._hooks.stage_inputs(self, micro_batches, device)
 
+    @property
+    def ties_across_stages(self) -> bool:
+        """Whether this rank holds one of two stages' copies of the tied word embedding."""
+        ends = self.is_first or self.is_last
+        return self.cfg.tie_embeddings and ends and not (self.is_first and self.is_last)
+
     @torch.no_grad()
-    def sum_tied_grads(self) -> None:
-        """Sum the word embedding's gradient over its first- and last-stage copies."""
-        if not self.cfg.tie_embeddings or not (self.is_first or self.is_last):
-            return
-        if self.is_first and self.is_last:  # both ends on this rank (pp=1): one tensor
-            return
-        word = self.embedding.word.weight
-        if word.grad is None:
-            word.grad = torch.zeros_like(word)
-        # Under FSDP both copies are DP-sharded alike: each rank sums its own shard.
-        comm.sum_(local_part(word.grad), self.embedding_group)
+    def sum_tied_grads(self, reduced_grad: Callable[[nn.Parameter], torch.Tensor]) -> None:
+        """Sum the word embedding's DP-reduced gradient over its first- and last-stage
+        copies; ``reduced_grad`` (the DP strategy's) gives this rank's part of it: the
+        whole gradient, or its DP shard under FSDP and ZeRO-1, alike on both stages."""
+        if self.ties_across_stages:
+            comm.sum_(reduced_grad(self.embedding.word.weight), self.embedding_group)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self._gather_stages(super().full_state_dict())

@@ -74,8 +74,8 @@ class StepRunner(Protocol):
         """The whole model's gradient norm from the DP strategy's ``norm`` of this rank's."""
         ...
 
-    def post_reduction(self) -> list[Hook]:
-        """What completes the gradients after the DP reduction, in order."""
+    def post_reduction(self, dp: DataParallel) -> list[Hook]:
+        """What completes the gradients after ``dp``'s reduction, in order."""
         ...
 
     def timings(self) -> dict[str, float]:

@@ -144,7 +144,7 @@ class LocalRunner:
         """The DP strategy's norm already covers the whole model."""
         return norm
 
-    def post_reduction(self) -> list:
+    def post_reduction(self, dp) -> list:
         """Nothing to do between the DP reduction and the norm."""
         return []
 

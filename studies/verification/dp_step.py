@@ -58,6 +58,14 @@ class TargetStep:
         else:
             self.optimizer.finish_grads()
 
+    def reduced_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's part of ``param``'s reduced gradient (``DataParallel.reduced_grad``)."""
+        if self.sync is None:
+            return self.optimizer.reduced_grad(param)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        return param.grad
+
     def step(self) -> None:
         if self.sync is not None:
             self.optimizer.step()

@@ -186,7 +186,7 @@ def pipeline_steps(
         with dp.no_sync():
             loss = runner.train(micro)
         dp.finish_grads()
-        stages.sum_tied_grads()
+        stages.sum_tied_grads(dp.reduced_grad)
         grads = outputs = None
         if step == 0:
             grads = stages.full_grad_dict()  # over TP and the stages
