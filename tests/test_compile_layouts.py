@@ -248,3 +248,24 @@ def test_cuda_graphs_are_refused_where_the_compiled_step_has_eager_parts():
         "graphs (its exchanges outside any replay), never run on a GPU: set "
         "model.cuda_graphs=false"
     ]
+
+
+def _counted_at_cp2() -> dict:
+    import parallel_state
+    from studies.bench.graph_breaks import count, layout, parse_args
+
+    small = ["--preset", "llama_tiny", "--layers", "2", "--seq", "16", "--no-update"]
+    args = parse_args([*small, "--cp", "2"])
+    with parallel_state.initialize(layout(args, 2)) as ps:
+        return count(args, ps)
+
+
+@pytest.mark.slow
+def test_graph_break_tool_counts_the_rings_at_cp2():
+    """tools/count_graph_breaks.py --cp 2 (2 ranks): every break it reports is a ring's
+    (``torch.compiler.disable``), the same number for each of the 2 layers."""
+    for result in run_ranks(_counted_at_cp2, 2):
+        print(result)
+        assert result["graphs"] > 0 and result["graph_breaks"] > 0, result
+        assert all(RING_BREAK in reason for reason in result["reasons"]), result
+        assert result["graph_breaks"] % 2 == 0, result

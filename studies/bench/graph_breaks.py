@@ -22,7 +22,7 @@ import json
 import torch
 
 from engine.bootstrap import bootstrap_rank, world_size
-from engine.config import OptimConfig, sized_dims
+from engine.config import OptimConfig
 from engine.data_parallel import build_data_parallel
 from engine.models import ModelConfig, build_model, preset, preset_names
 from engine.optim import compiles_update
@@ -31,7 +31,7 @@ from engine.tool_args import ArgumentParser, add_preset_overrides, positive_int,
 from layers.compile import COMPILE_BACKENDS
 from layers.recompute import RECOMPUTE_MODES
 from parallel_state import ParallelState
-from parallel_state.dims import LayoutError
+from parallel_state.dims import LayoutError, ParallelDims
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +42,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=positive_int, default=2)
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
     p.add_argument("--tp", type=positive_int, default=1, help="TP size (run under torchrun)")
+    p.add_argument(
+        "--cp",
+        type=positive_int,
+        default=1,
+        help="context-parallel ranks (ring attention; each ring runs between the graphs)",
+    )
+    p.add_argument(
+        "--ep", type=positive_int, default=1, help="expert-parallel ranks (an MoE preset)"
+    )
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
     p.add_argument("--kernels", choices=["auto", "triton", "torch", "apex"], default="auto")
@@ -59,9 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     try:  # the layout each rank would refuse once started: here, in one line
-        sized_dims(args.tp, None, world_size())
+        dims = layout(args, world_size())
+        if dims.cp > 1:
+            dims.check_seq_len(args.seq, key="seq_len")
     except LayoutError as err:
-        p.error(f"--tp {args.tp}: {err}")
+        p.error(str(err))
     try:  # and the model, e.g. --heads not dividing the hidden size or --tp
         model_config(args).validate(args.tp)
     except ValueError as err:
@@ -90,6 +101,11 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     )
 
 
+def layout(args: argparse.Namespace, world: int | None) -> ParallelDims:
+    """The mesh of ``--tp``, ``--cp`` and ``--ep`` on ``world`` ranks, dp the rest."""
+    return ParallelDims.resolve(args.tp, None, world, cp=args.cp, ep=args.ep)
+
+
 def count(args: argparse.Namespace, ps: ParallelState) -> dict:
     """{"graphs": n, "graph_breaks": n, "reasons": {first line of reason: count},
     "update": the same three for the optimizer update, and "compiled": bool}; without
@@ -101,6 +117,8 @@ def count(args: argparse.Namespace, ps: ParallelState) -> dict:
     ps.seed(0)
     model = build_model(cfg, ps, device=ps.device)
     batch = _random_batch(cfg, args.micro_batch, args.seq, ps.device)
+    if ps.size("cp") > 1:  # this rank's share of each sequence, as the runner cuts it
+        batch = model.context_shard(batch, ps.size("cp"), ps.rank_in("cp"))
     dp = None
     if not args.no_update:
         dp = build_data_parallel(
@@ -110,6 +128,7 @@ def count(args: argparse.Namespace, ps: ParallelState) -> dict:
             tp_group=ps.tp_group,
             device=ps.device,
             compile_backend=args.backend,
+            expert_groups=(ps.group("expert"), ps.group("expert_grad")),
         )
     dynamo.reset()
     counters.clear()
@@ -157,7 +176,7 @@ def _random_batch(cfg, micro_batch: int, seq: int, device):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with bootstrap_rank(lambda world: sized_dims(args.tp, None, world), split_cores=False) as ps:
+    with bootstrap_rank(lambda world: layout(args, world), split_cores=False) as ps:
         result = count(args, ps)
     if ps.rank != 0:
         return 0
