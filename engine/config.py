@@ -257,12 +257,17 @@ def parallel_dims(cfg: Config, world_size: int | None) -> ParallelDims:
 
 
 def sized_dims(
-    tp_size: int, dp_size: int | str | None, world_size: int | None = None
+    tp_size: int,
+    dp_size: int | str | None,
+    world_size: int | None = None,
+    *,
+    cp_size: int = 1,
+    ep_size: int = 1,
 ) -> ParallelDims:
     """The layout of a run given by its sizes alone (classification, generation, the
     studies' tools): ``parallel_dims``'s checks and ``dp_size=auto`` rule, without pipeline
     stages, sequence parallelism or DP sharding. Raises LayoutError, one line."""
-    return ParallelDims.resolve(tp_size, dp_size, world_size)
+    return ParallelDims.resolve(tp_size, dp_size, world_size, cp=cp_size, ep=ep_size)
 
 
 INT64_MAX = 2**63 - 1  # steps, seeds and counts a run can store and honour

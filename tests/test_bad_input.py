@@ -551,7 +551,7 @@ TOOLS_CASES = """
     # the bench tools: refused before any worker starts or the benchmark runs
     bench_dp_memory_unknown_preset bench_dp_memory 2 --model nope "--model nope: unknown model preset 'nope'"
     bench_generate_device_tpu bench_generate 2 --batches 1 --new-tokens 2 --device tpu "argument --device: invalid choice: 'tpu'"
-    graph_breaks_tp_3 count_graph_breaks 2 --preset gpt_tiny --tp 3 "--tp 3: world size 1 is not divisible by --tp 3; launch a multiple of 3 processes or choose a --tp dividing 1"
+    graph_breaks_tp_3 count_graph_breaks 2 --preset gpt_tiny --tp 3 "error: world size 1 is not divisible by --tp 3; launch a multiple of 3 processes or choose a --tp dividing 1"
     graph_breaks_heads_3 count_graph_breaks 2 --preset gpt_tiny --heads 3 "error: --hidden 128 is not divisible by --heads 3"
     bench_serve_json_unwritable bench_serve 2 --skip-http --json /proc/x/s.json "argument --json: /proc/x/s.json: its folder /proc/x does not exist"
     bench_serve_json_is_a_dir bench_serve 2 --skip-http --json {dir} "is a directory; give a file path"

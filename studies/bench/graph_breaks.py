@@ -22,7 +22,7 @@ import json
 import torch
 
 from engine.bootstrap import bootstrap_rank, world_size
-from engine.config import OptimConfig
+from engine.config import OptimConfig, sized_dims
 from engine.data_parallel import build_data_parallel
 from engine.models import ModelConfig, build_model, preset, preset_names
 from engine.optim import compiles_update
@@ -103,7 +103,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 def layout(args: argparse.Namespace, world: int | None) -> ParallelDims:
     """The mesh of ``--tp``, ``--cp`` and ``--ep`` on ``world`` ranks, dp the rest."""
-    return ParallelDims.resolve(args.tp, None, world, cp=args.cp, ep=args.ep)
+    return sized_dims(args.tp, None, world, cp_size=args.cp, ep_size=args.ep)
 
 
 def count(args: argparse.Namespace, ps: ParallelState) -> dict:
