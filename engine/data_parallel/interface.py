@@ -49,12 +49,9 @@ class DataParallel(ABC):
         """Drop this step's gradients."""
 
     def reduced_grad(self, param: nn.Parameter) -> torch.Tensor:
-        """This rank's part of ``param``'s DP-reduced gradient, after ``finish_grads``:
-        its ``.grad`` (FSDP: the local shard; zeros where no gradient reached it), which a
-        caller may sum in place with the other holders of a tied tensor."""
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        return local_part(param.grad)
+        """This rank's part of ``param``'s DP-reduced gradient, after ``finish_grads``,
+        which a caller may sum in place with the other holders of a tied tensor."""
+        return grad_part(param)
 
     def wait_params(self) -> None:  # noqa: B027 - nothing is in flight unless overridden
         """Block until the parameters hold the last step's values (before reading them
@@ -79,6 +76,14 @@ class DataParallel(ABC):
     def host_state_bytes(self) -> int:
         """Bytes of it offloaded to host memory (``parallel.offload=optimizer``)."""
         return 0
+
+
+def grad_part(param: nn.Parameter) -> torch.Tensor:
+    """``param``'s ``.grad`` as this rank stores it (FSDP: the local shard), zeros where no
+    gradient reached it: the reduced gradient of every mode that keeps ``.grad``."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return local_part(param.grad)
 
 
 class PlainOptimizerState:

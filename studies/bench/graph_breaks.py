@@ -67,6 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    cfg = model_config(args)  # experts to split, whatever the world
+    if args.ep > 1 and cfg.mlp != "moe":
+        p.error(
+            f"--ep {args.ep} splits the experts of an MoE preset; --preset {args.preset} has none"
+        )
+    if args.ep > 1 and cfg.moe_num_experts % args.ep:
+        p.error(f"--ep {args.ep} does not divide the preset's {cfg.moe_num_experts} experts")
     try:  # the layout each rank would refuse once started: here, in one line
         dims = layout(args, world_size())
         if dims.cp > 1:
@@ -74,12 +81,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except LayoutError as err:
         p.error(str(err))
     try:  # and the model, e.g. --heads not dividing the hidden size or --tp
-        model_config(args).validate(args.tp)
+        cfg.validate(args.tp)
     except ValueError as err:
         p.error(str(err))
     # ... and the machine: one trainable copy per rank, split over tp
     on_gpu = torch.cuda.is_available()
-    problem = models_fit_problem(model_config(args), tp=args.tp, on_gpu=on_gpu)
+    problem = models_fit_problem(cfg, tp=args.tp, on_gpu=on_gpu)
     if problem:
         p.error(f"--preset {args.preset}: {problem}")
     return args

@@ -9,6 +9,7 @@ import torch
 
 from engine.config import OptimConfig
 from engine.data_parallel import GradSync, build_data_parallel
+from engine.data_parallel.interface import grad_part
 
 ADAMW_DEFAULTS = ((0.9, 0.999), 1e-8)  # torch's AdamW betas and eps, the reference's
 
@@ -60,11 +61,7 @@ class TargetStep:
 
     def reduced_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This rank's part of ``param``'s reduced gradient (``DataParallel.reduced_grad``)."""
-        if self.sync is None:
-            return self.optimizer.reduced_grad(param)
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        return param.grad
+        return grad_part(param) if self.sync is not None else self.optimizer.reduced_grad(param)
 
     def step(self) -> None:
         if self.sync is not None:
