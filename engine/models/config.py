@@ -115,11 +115,13 @@ class ModelConfig:
     # engine.config.resolve_compile), eager elsewhere. Measured on an H200 (docs/BENCHMARKS.md,
     # GPU check): GPT 350M bf16 steps 1.39x faster compiled than eager on 2026-11-26, 1.40x
     # and 1.44x in two windows on 2026-11-27 (161,970 against 112,519 tokens/s at 147bf0f),
-    # llama_1b 1.17x and 1.21x. On CPU the eager step stays the default.
+    # llama_1b 1.17x and 1.21x; 1.43x and 1.21x on 2026-11-28 (1bfd923). On CPU the eager
+    # step stays the default.
     compile: bool | None = None
     compile_backend: str = "inductor"  # torch.compile backend: "inductor", "aot_eager" or "eager"
     # The compiled step replayed as CUDA graphs (reduce-overhead). Off by default: 1.02x the
-    # compiled step at GPT 350M on an H200 (2026-11-27), for 32 s more compilation.
+    # compiled step at GPT 350M on an H200 (2026-11-27), 1.03x on 2026-11-28, for 20-30 s
+    # more compilation, and refused at pp > 1, under FSDP2 and at cp > 1.
     cuda_graphs: bool = False
     # Component seams (defaults: GPT-2's parts). Llama-family decoders pick the others.
     norm: str = "layernorm"  # "layernorm", "rmsnorm" (no bias, no mean subtraction) or

@@ -114,7 +114,10 @@ def choose_backend(op: str, x: torch.Tensor, backend: str = "auto") -> str:
 # gpu_check's kernels_1.3b item re-measured on the H200, 2026-11-27 at 147bf0f: an eager
 # GPT 1.3B step in 171.5 ms with this table against 189.3 ms with kernels=torch (1.10x;
 # the H100's 1.09x). The same run timed RMSNorm alone at 0.746 ms (1.90x eager, 0.78x
-# compile's), its launches host-bound on that machine: no change to the table.
+# compile's), its launches host-bound on that machine: no change to the table. The H200
+# window of 2026-11-28 (1bfd923) timed the six alone again: SwiGLU 3.04x, cross-entropy
+# 4.23x, RMSNorm 1.83x eager, LayerNorm, bias-GeLU and bias-dropout-add 0.28-0.46x (all
+# four norms and element-wise kernels 0.67-0.78 ms, the same host floor): no change.
 MODEL_AUTO: dict[str, int | None] = {
     "layer_norm": 2048,
     "bias_gelu": 8192,
