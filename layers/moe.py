@@ -48,7 +48,7 @@ from layers.mappings import (
 )
 from layers.mlp import ParallelMLP, activate, activation_kind
 from layers.param_roles import mark_expert, mark_sp_partial_grad, mark_tp_dim
-from layers.router import RouterLosses, Routing, TopKRouter
+from layers.router import RouterLosses, Routing, TopKRouter, expert_counts
 from layers.transformer_config import TransformerConfig
 from layers.utils import comm_timer_of, shard
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
@@ -76,7 +76,15 @@ def grouped_mm(
 ) -> torch.Tensor:
     """``[n, K]`` rows, ``counts[e]`` of them (in order) for expert e, times ``w[e]``
     (``w``: ``[E, K, N]``) → ``[n, N]``. ``impl``: "grouped" (``torch._grouped_mm``),
-    "loop" (one matmul per expert) or "auto" (grouped where ``grouped_mm_fits``)."""
+    "loop" (one matmul per expert) or "auto" (grouped where ``grouped_mm_fits``).
+
+    Under autocast both are cast to its dtype first, as autocast casts a matmul's inputs:
+    ``torch._grouped_mm`` is not on autocast's list (it would run fp32 weights in fp32), and
+    with the fp32 weights beside bf16 rows "auto" would take the loop, with its host sync
+    and, while compiling, a graph break and a recompilation per new set of counts."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
     if impl == "grouped" or (impl == "auto" and grouped_mm_fits(x, w)):
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offsets)
@@ -97,7 +105,7 @@ def permute(
     key = routing.experts.reshape(-1)
     if routing.keep is not None:  # dropped slots sort past every expert and are cut off
         key = key.masked_fill(~routing.keep.reshape(-1), num_experts)
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    counts = expert_counts(key, num_experts + 1)[:num_experts]
     order = torch.argsort(key, stable=True)
     if routing.keep is not None:  # the kept count is data: one host sync, only when dropping
         order = order[: int(counts.sum())]
@@ -242,7 +250,9 @@ class MoEMLP(nn.Module):
         else:
             tokens = copy_to_tp(x, self.tp_group, comm_timer=timer)
             if torch.compiler.is_compiling():
-                # permute's data-dependent shapes end the graph here. f's forward is the
+                # A graph may end here: permute's kept count under a capacity factor,
+                # and in fp32 the experts' per-expert loop, need values on the host (in
+                # bf16 without a capacity the whole layer is one graph). f's forward is the
                 # identity, so its output would leave the graph as a view of x, which
                 # AOTAutograd rebuilds outside the graph without f's backward (the
                 # all-reduce): at tp 2 the MLP input's gradient came out up to 97 % off

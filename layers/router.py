@@ -106,6 +106,16 @@ def stable_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def expert_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]`` int64: how many of ``ids`` (any shape, each in [0, n)) equal 0, 1, …, n-1.
+    ``torch.bincount``'s result, but its length is ``n`` whatever the data (bincount's
+    depends on the largest id, which ends a compiled graph)."""
+    flat = ids.reshape(-1).long()
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+
+
 def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
     """Token-slots one expert takes: ⌈factor · tokens · top_k / num_experts⌉."""
     return math.ceil(factor * tokens * top_k / num_experts)
@@ -121,7 +131,7 @@ def capacity_keep(
     # picks an expert at most once), then by expert, which keeps the score order inside.
     by_score = torch.argsort(-scores.reshape(-1), stable=True)
     grouped = by_score[torch.argsort(flat_experts[by_score], stable=True)]
-    counts = torch.bincount(flat_experts, minlength=num_experts)
+    counts = expert_counts(flat_experts, num_experts)
     starts = counts.cumsum(0) - counts
     rank = torch.empty_like(flat_experts)
     rank[grouped] = torch.arange(n, device=experts.device) - starts[flat_experts[grouped]]
@@ -246,7 +256,7 @@ class TopKRouter(nn.Module):
 
     def _losses(self, logits, balance, experts, keep) -> RouterLosses:
         tokens = len(logits)
-        slots = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+        slots = expert_counts(experts, self.num_experts)
         prob_sum = balance.sum(0)
         aux = load_balancing_loss(slots, prob_sum, tokens, self.cp_group)
         z = logits.logsumexp(-1).square().mean()

@@ -309,6 +309,34 @@ def test_grouped_gemm_equals_the_per_expert_loop():
     torch.testing.assert_close(part, results[1][0][3:9], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16])
+def test_under_autocast_the_grouped_gemm_runs_in_its_dtype(monkeypatch, rows_dtype):
+    """bf16 autocast over fp32 weights (the trainer's bf16 precision): the experts take the
+    grouped GEMM in bf16, as autocast runs a plain matmul. Rows may come in fp32 (after an
+    fp32 norm) or bf16 (after a bf16 projection)."""
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    counts = torch.tensor([3, 0, 5, 1, 7])
+    x = _randn(16, 16, gen=gen, dtype=torch.float32).to(rows_dtype).requires_grad_()
+    w = _randn(5, 16, 32, gen=gen, dtype=torch.float32).requires_grad_()
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        out = grouped_mm(x, w, counts)
+    assert calls == [1] and out.dtype == torch.bfloat16
+    # The reference: each expert's rows times its weight, both rounded to bf16 as autocast
+    # rounds a matmul's inputs, multiplied exactly (fp64); then the result rounded to bf16.
+    # Tolerance: one bf16 ulp (2^-8 relative) of outputs of magnitude up to about 10.
+    xb, wb = x.detach().bfloat16().double(), w.detach().bfloat16().double()
+    bounds = ((0, 3), (3, 3), (3, 8), (8, 9), (9, 16))
+    exact = torch.cat([xb[a:b] @ wb[e] for e, (a, b) in enumerate(bounds)])
+    torch.testing.assert_close(out.double(), exact, rtol=2**-8, atol=2**-8)
+    grad_x, grad_w = torch.autograd.grad(out.float().sum(), (x, w))
+    assert grad_x.dtype == rows_dtype and grad_w.dtype == torch.float32  # autocast's casts
+    ref_w = torch.stack([xb[a:b].sum(0)[:, None].expand(-1, 32) for a, b in bounds])
+    torch.testing.assert_close(grad_w.double(), ref_w, rtol=2**-7, atol=2**-7)
+
+
 def test_the_layer_takes_the_grouped_gemm_in_fp32_and_agrees_with_the_loop():
     gen = torch.Generator(device=DEVICE).manual_seed(6)
     cfg = _cfg(moe_ffn_hidden_size=8, moe_shared_ffn_hidden_size=8)

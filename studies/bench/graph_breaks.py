@@ -27,6 +27,7 @@ from engine.data_parallel import build_data_parallel
 from engine.models import ModelConfig, build_model, preset, preset_names
 from engine.optim import compiles_update
 from engine.preflight import models_fit_problem
+from engine.runner import autocast_for
 from engine.tool_args import ArgumentParser, add_preset_overrides, positive_int, preset_overrides
 from layers.compile import COMPILE_BACKENDS
 from layers.recompute import RECOMPUTE_MODES
@@ -54,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none")
     p.add_argument("--kernels", choices=["auto", "triton", "torch", "apex"], default="auto")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="bf16: the forward and loss under bf16 autocast, as trainer.precision=bf16 runs "
+        "them (an MoE's experts then take the grouped GEMM, as on a GPU)",
+    )
     p.add_argument(
         "--backend",
         choices=COMPILE_BACKENDS,
@@ -139,7 +147,9 @@ def count(args: argparse.Namespace, ps: ParallelState) -> dict:
         )
     dynamo.reset()
     counters.clear()
-    model.loss(batch).backward()
+    with autocast_for(args.precision, ps.device.type):
+        loss = model.loss(batch)
+    loss.backward()
     step = _counted(counters)
     if dp is None:
         return step
