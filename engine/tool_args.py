@@ -154,6 +154,9 @@ PRESET_OVERRIDES = {
     "ffn": "ffn_hidden_size",
     "vocab": "vocab_size",
     "max_positions": "max_positions",
+    "kv_heads": "num_kv_heads",
+    "experts": "moe_num_experts",
+    "moe_ffn": "moe_ffn_hidden_size",
 }
 
 

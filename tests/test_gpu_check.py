@@ -90,7 +90,16 @@ def test_rehearsal_runs_every_item_and_writes_the_table(rehearsal):
         gap = float(gpt[case]["note"].split("loss gap to the first loop ")[1])
         assert gap <= LOSS_GAP, gpt[case]
     assert "pytorch compile's tokens/s" in gpt["meshtron"]["ratio"]
-    assert {row["case"] for row in items["fsdp_full"]["rows"]} == {"meshtron", "meshtron ZeRO-3"}
+    fsdp = {"meshtron", "meshtron ZeRO-3"}  # each compiled and eager
+    assert {row["case"] for row in items["fsdp_full"]["rows"]} == fsdp | {
+        f"{case} compiled" for case in fsdp
+    }
+    moe = {row["case"]: row for row in items["train_moe"]["rows"]}
+    assert set(moe) == {"meshtron compiled", "meshtron"} | {
+        f"{case}: time by kind" for case in ("meshtron compiled", "meshtron")
+    }
+    gap = float(moe["meshtron"]["note"].split("loss gap to the first loop ")[1])
+    assert gap <= LOSS_GAP, moe["meshtron"]
     sides = {row["case"].split(" (")[0] for row in items["checkpoint"]["rows"]}
     assert sides == {f"meshtron against {s}" for s in ("dcp", "torch.save", "safetensors")}
 
@@ -99,7 +108,7 @@ def test_rehearsal_runs_every_item_and_writes_the_table(rehearsal):
     assert f"torch {torch.__version__}" in table and "commit abc1234" in table
     log = (out / "gpu_check.log").read_text()
     assert all(f"===== {name} " in log for name in items if name not in skipped)
-    assert log.count("steps, top ops by") == 5  # the 350M item's five loops, profiled
+    assert log.count("steps, top ops by") == 5 + 2  # 350M's five loops and the MoE's two
     assert not (out / "unused").exists()  # --out wins over $OUT
 
 

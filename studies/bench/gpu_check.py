@@ -169,7 +169,12 @@ TRAIN_SIZES = {  # preset: (seq, micro-batch) on a GPU; the rehearsal shrinks th
     "gpt_1.3b": (2048, 4),
     "gpt_350m": (1024, 8),
     "llama_1b": (2048, 4),
+    "moe_tiny": (1024, 8),  # grown by MOE_SIZE
 }
+# The mixture-of-experts item's model: moe_tiny's parts (Llama, SwiGLU experts, top-2) at
+# about 365M parameters (8 layers of h 1024, 8 experts of width 1408: 90M active).
+MOE_SIZE = ["--hidden", "1024", "--layers", "8", "--heads", "16", "--kv-heads", "4"]
+MOE_SIZE += ["--experts", "8", "--moe-ffn", "1408", "--vocab", "32000"]
 # One layer: the rehearsal checks that each path runs, and a second block runs the same code
 # again while doubling what aot_eager traces (about 5 s of CPU per rehearsal).
 TOY = ["--hidden", "64", "--layers", "1", "--heads", "4", "--vocab", "512", "--threads", "1"]
@@ -231,7 +236,12 @@ def _profile_rows(
     return rows
 
 
-REHEARSAL_PRESET = {"gpt_1.3b": "gpt_tiny", "gpt_350m": "gpt_tiny", "llama_1b": "llama_tiny"}
+REHEARSAL_PRESET = {
+    "gpt_1.3b": "gpt_tiny",
+    "gpt_350m": "gpt_tiny",
+    "llama_1b": "llama_tiny",
+    "moe_tiny": "moe_tiny",
+}
 
 
 # The loops a training item can time beside meshtron compiled, as bench_train flags.
@@ -246,12 +256,19 @@ PROFILED_STEPS = 2  # steps of each loop under torch.profiler, where an item ask
 
 
 def train_plan(
-    preset: str, *loops: str, profile: bool = False, compiled: bool = True, name: str = ""
+    preset: str,
+    *loops: str,
+    profile: bool = False,
+    compiled: bool = True,
+    name: str = "",
+    size: tuple[str, ...] = (),
 ) -> Callable[[Context], Plan]:
     """meshtron compiled (eager with ``compiled=False``) beside ``loops`` (keys of
     ``TRAIN_LOOPS``; the plain GPT where it builds the model: GPT-2's parts), timed side by
     side in one process; ``profile``: then each loop's top GPU kernels over
-    ``PROFILED_STEPS`` steps, into the log. ``name``: the item's, train_<preset> by default."""
+    ``PROFILED_STEPS`` steps, into the log. ``name``: the item's, train_<preset> by default;
+    ``size``: bench_train's preset overrides on a GPU. The rehearsal runs 350M's path (every
+    loop flag) and the MoE's (its own model path), and leaves the others to 350M's."""
     name = name or f"train_{preset}"
 
     def plan(ctx: Context) -> Plan:
@@ -260,11 +277,12 @@ def train_plan(
         argv += ["--compile"] if compiled else []
         argv += [] if {"reference", "references"} & set(loops) else ["--no-reference"]
         if ctx.rehearse:
-            if name != "train_gpt_350m":  # the same bench path; 350M's takes every flag
+            if name not in ("train_gpt_350m", "train_moe"):  # 350M's takes every flag
                 return Plan(reason="rehearsed by train_gpt_350m: the same path at toy size")
-            # every flag but CUDA graphs (they replay on a GPU only)
+            # 350M's: every flag but CUDA graphs (they replay on a GPU only); the MoE's own
             skip = ("cuda_graphs", "reference")  # a GPU's; a subset of "references"
-            argv += [f for key in TRAIN_LOOPS if key not in skip for f in TRAIN_LOOPS[key]]
+            mine = TRAIN_LOOPS if name == "train_gpt_350m" else loops
+            argv += [f for key in mine if key not in skip for f in TRAIN_LOOPS[key]]
             argv += ["--preset", REHEARSAL_PRESET[preset], *TOY, "--seq", "32", "--profile", "1"]
             argv += ["--micro-batch", "2", "--compile-backend", "aot_eager"]
             argv += ["--warmup", "1", "--blocks", "1", "--steps-per-block", "1"]
@@ -272,7 +290,7 @@ def train_plan(
         seq, micro = TRAIN_SIZES[preset]
         argv += [flag for loop in loops for flag in TRAIN_LOOPS[loop]]
         argv += ["--profile", str(PROFILED_STEPS)] if profile else []
-        argv += ["--preset", preset, "--seq", str(seq), "--micro-batch", str(micro)]
+        argv += ["--preset", preset, *size, "--seq", str(seq), "--micro-batch", str(micro)]
         argv += ["--warmup", "2", "--blocks", "2", "--steps-per-block", "3", "--precision", "bf16"]
         return Plan(argv, lambda: _train_rows(name, out))
 
@@ -282,8 +300,10 @@ def train_plan(
 def plan_fsdp(ctx: Context) -> Plan:
     out = ctx.scratch / "fsdp.json"
     argv = _tool("bench_train.py") + ["--out", str(out), "--dp-shard", "full", "--dropout", "0"]
+    argv += ["--compile", "--also-eager"]  # model.compile=auto keeps FSDP2 eager: is it right?
     if ctx.rehearse:
         argv += ["--preset", "gpt_tiny", *TOY, "--seq", "32", "--micro-batch", "2"]
+        argv += ["--compile-backend", "aot_eager"]
         argv += ["--warmup", "1", "--blocks", "1", "--steps-per-block", "1"]
     else:
         argv += ["--preset", "gpt_350m", "--seq", "1024", "--micro-batch", "8"]
@@ -387,9 +407,17 @@ ITEMS: tuple[Item, ...] = (
     ),
     Item(
         "fsdp_full",
-        "FSDP2 dp_shard=full on one GPU against the all-reduce path",
-        45,
+        "FSDP2 dp_shard=full on one GPU against the all-reduce path, compiled and eager",
+        120,
         plan_fsdp,
+        default=False,
+    ),
+    Item(
+        "train_moe",
+        "MoE bf16 steps (moe_tiny's parts at 365M, 8 experts, top-2): meshtron compiled and "
+        "eager (model.compile=auto compiles it, about 14 graphs a layer)",
+        180,
+        train_plan("moe_tiny", "eager", name="train_moe", size=tuple(MOE_SIZE)),
         default=False,
     ),
     Item(

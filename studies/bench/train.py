@@ -87,6 +87,7 @@ def _add_model_args(p: ArgumentParser) -> None:
     """What model runs: the preset, its overrides, kernels and compilation."""
     p.add_argument("--preset", default="gpt_tiny", help="engine.models preset name")
     add_preset_overrides(p, ("hidden", "layers", "heads", "ffn", "vocab", "max_positions"))
+    add_preset_overrides(p, ("kv_heads", "experts", "moe_ffn"))
     p.add_argument("--dropout", type=float, default=None, help="hidden and attention dropout")
     p.add_argument(
         "--kernels",
@@ -102,7 +103,8 @@ def _add_model_args(p: ArgumentParser) -> None:
     p.add_argument(
         "--also-eager",
         action="store_true",
-        help="with --compile, also time meshtron eager (same model and layout) in the rotation",
+        help="with --compile, also time meshtron eager (same model and layout) in the rotation, "
+        "and with --dp-shard each sharding mode eager too",
     )
     p.add_argument(
         "--also-torch-kernels",
@@ -226,8 +228,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if bad:
         raise UsageError(f"--dp-shard: unknown {bad[0]!r}; choose from {', '.join(SHARDED_MODES)}")
     args.dp_shard = list(dict.fromkeys(modes))
-    if args.also_eager and (not args.compile or args.dp_shard):
-        raise UsageError("--also-eager compares against --compile: give it, without --dp-shard")
+    if args.also_eager and not args.compile:
+        raise UsageError("--also-eager compares against --compile: give --compile too")
     if args.also_cuda_graphs and (not args.compile or args.dp_shard):
         raise UsageError(
             "--also-cuda-graphs compares against --compile: give it, without --dp-shard"
@@ -255,6 +257,12 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     }
     try:
         cfg = preset(args.preset, **{k: v for k, v in overrides.items() if v is not None})
+        moe_flags = [f"--{n.replace('_', '-')}" for n in ("experts", "moe_ffn") if getattr(args, n)]
+        if moe_flags and cfg.mlp != "moe":
+            raise UsageError(
+                f"{moe_flags[0]}: --preset {args.preset} has no experts (model.mlp="
+                f"{cfg.mlp}); pick a preset with mlp: moe, such as moe_tiny"
+            )
         if args.seq > cfg.max_positions:
             raise UsageError(f"--seq {args.seq} exceeds max_positions {cfg.max_positions}")
         cfg.validate(args.tp)
@@ -395,8 +403,9 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
     variants = [("none", cfg)] + [(mode, cfg) for mode in args.dp_shard]
     if args.also_cuda_graphs:
         variants.append(("none", dataclasses.replace(cfg, cuda_graphs=True)))
-    if args.also_eager:
-        variants.append(("none", dataclasses.replace(cfg, compile=False)))
+    if args.also_eager:  # each mode eager too, after the compiled ones
+        eager = dataclasses.replace(cfg, compile=False)
+        variants += [("none", eager)] + [(mode, eager) for mode in args.dp_shard]
     if args.also_torch_kernels:
         variants.append(("none", dataclasses.replace(cfg, compile=False, kernels="torch")))
         if ps.device.type != "cuda" and cfg.kernels == "auto" and ps.rank == 0:
@@ -404,8 +413,15 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
                 "note: off CUDA kernels=auto already runs torch's ops, so --also-torch-kernels "
                 "times the same ops twice; pass --kernels triton to compare the kernels"
             )
-    info: dict = {"vocab": {}}
+    info: dict = {"vocab": {}, "shard_label": [], "shard_base": []}
     for mode, mcfg in variants:
+        # With --dp-shard: each loop's label, and the all-reduce loop it is timed against
+        # (the one compiled as it is; None for that loop itself).
+        label = MODE_NAMES.get(mode, " all-reduce").strip()
+        label += (" compiled" if mcfg.compile else " eager") if args.also_eager else ""
+        info["shard_label"].append(label)
+        twin = next(i for i, (m, c) in enumerate(variants) if m == "none" and c == mcfg)
+        info["shard_base"].append(None if mode == "none" else twin)
         torch.manual_seed(args.seed)
         m = build_model(mcfg, ps, device=ps.device)
         dp = build_data_parallel(
@@ -486,8 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     # ... and the machine: every loop trains a copy of the model (activations aside)
-    copies = 1 + len(args.references) + args.also_eager + args.also_torch_kernels
-    copies += args.also_cuda_graphs + len(args.dp_shard)
+    copies = 1 + len(args.references) + args.also_torch_kernels + args.also_cuda_graphs
+    copies += (1 + args.also_eager) * (1 + len(args.dp_shard)) - 1
     on_gpu = torch.cuda.is_available()
     problem = models_fit_problem(cfg, copies=copies, tp=args.tp, dp=args.dp, on_gpu=on_gpu)
     if problem:

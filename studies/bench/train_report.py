@@ -89,9 +89,13 @@ def paired_ratios(loops: list[Loop], reference: int, args) -> list[float]:
 def render(rows: list[dict], meta: dict, console: Console) -> None:
     table = Table(title=f"Training throughput — {meta['device_name']}, {meta['precision']}")
     # The step-time ratio a row holds (``compare``): meshtron's over a reference's, or a
-    # DP sharding mode's over the all-reduce path's (the first row).
-    sharded = any("÷ all-reduce" in name for name in meta.get("comparisons", {}))
-    ratio = f"step ÷ {rows[0]['loop']}" if sharded else f"{rows[0]['loop']} step ÷ this"
+    # DP sharding mode's over the all-reduce path's (the first row, or with eager loops
+    # too the all-reduce loop compiled as the row is).
+    sharded = [name for name in meta.get("comparisons", {}) if "÷ all-reduce" in name]
+    ratio = f"{rows[0]['loop']} step ÷ this"
+    if sharded:
+        eager = any(name.endswith(" eager") for name in sharded)
+        ratio = "step ÷ the all-reduce's, compiled alike" if eager else f"step ÷ {rows[0]['loop']}"
     load = meta.get("load_avg_1min")
     load = "n/a" if load is None else f"{load:.2f}"
     for col in (
@@ -174,9 +178,11 @@ def compare(rows: list[dict], loops: list[Loop], info: dict, args) -> dict[str, 
     """meshtron against each reference: ratios of medians, p10s, CPU time, block pairs."""
     out = {}
     if args.dp_shard:
+        label, base = info["shard_label"], info["shard_base"]
         return {
-            f"{loops[i].name.split()[1]} ÷ all-reduce": sharded_ratio(rows, loops, i, args)
-            for i in range(1, len(loops))
+            f"{label[i]} ÷ {label[base[i]]}": sharded_ratio(rows, loops, i, base[i], args)
+            for i in range(len(loops))
+            if base[i] is not None
         }
     for i in range(1, len(loops)):
         ratio = rows[0]["step_ms_median"] / rows[i]["step_ms_median"]
@@ -193,20 +199,20 @@ def compare(rows: list[dict], loops: list[Loop], info: dict, args) -> dict[str, 
     return out
 
 
-def sharded_ratio(rows: list[dict], loops: list[Loop], i: int, args) -> dict:
-    """Loop ``i``'s (a DP sharding mode's) step time over the all-reduce path's (loop 0):
-    medians, p10s, per block pair."""
+def sharded_ratio(rows: list[dict], loops: list[Loop], i: int, b: int, args) -> dict:
+    """Loop ``i``'s (a DP sharding mode's) step time over the all-reduce path's (loop
+    ``b``, compiled as loop ``i`` is): medians, p10s, per block pair."""
     k = args.steps_per_block
-    plain, zero = loops[0].times, loops[i].times
+    plain, zero = loops[b].times, loops[i].times
     pairs = [
         statistics.median(zero[j : j + k]) / statistics.median(plain[j : j + k])
         for j in range(0, len(zero), k)
     ]
-    rows[i]["ratio"] = rows[i]["step_ms_median"] / rows[0]["step_ms_median"]
+    rows[i]["ratio"] = rows[i]["step_ms_median"] / rows[b]["step_ms_median"]
     return {
         "ratio": rows[i]["ratio"],
-        "p10_ratio": rows[i]["step_ms_p10"] / rows[0]["step_ms_p10"],
-        "cpu_ratio": rows[i]["cpu_ms_median"] / rows[0]["cpu_ms_median"],
+        "p10_ratio": rows[i]["step_ms_p10"] / rows[b]["step_ms_p10"],
+        "cpu_ratio": rows[i]["cpu_ms_median"] / rows[b]["cpu_ms_median"],
         "paired_ratios": pairs,
         "paired_ratio_median": statistics.median(pairs),
     }
@@ -228,6 +234,12 @@ def run_meta(cfg: ModelConfig, args, ps, precision: str, ceiling: float, peak) -
         "model": (
             f"{cfg.arch} l={cfg.num_layers} h={cfg.hidden_size} a={cfg.num_heads} "
             f"ffn={cfg.ffn_size} V={cfg.vocab_size} dropout={cfg.hidden_dropout}"
+            + (
+                f" experts={cfg.moe_num_experts} top-{cfg.moe_top_k} "
+                f"expert_ffn={cfg.moe_ffn_hidden_size}"
+                if cfg.mlp == "moe"
+                else ""
+            )
         ),
         "seq": args.seq,
         "micro_batch": args.micro_batch,
