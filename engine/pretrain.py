@@ -309,12 +309,19 @@ def main(dcfg: DictConfig) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         raise SystemExit(EXIT_PREEMPTED)  # the sbatch template requeues on this status
     if summary.get("history"):
-        first, last = summary["history"][0], summary["history"][-1]
-        line = f"loss {first[1]:.4f} (step {first[0]}) -> {last[1]:.4f} (step {last[0]})"
+        line = loss_summary(summary["history"])
         print(line)
         from engine.resilience.watchdog import append_run_log
 
         append_run_log(cfg.run_dir, line)
+
+
+def loss_summary(history: list[tuple[int, float]]) -> str:
+    """The run's last console line: its first and last logged (step, loss), or the one
+    where a short run or resume logged a single step."""
+    (first_step, first), (last_step, last) = history[0], history[-1]
+    line = f"loss {first:.4f} (step {first_step})"
+    return line if last_step == first_step else f"{line} -> {last:.4f} (step {last_step})"
 
 
 @contextlib.contextmanager

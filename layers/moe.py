@@ -88,7 +88,15 @@ def grouped_mm(
     if impl == "grouped" or (impl == "auto" and grouped_mm_fits(x, w)):
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offsets)
-    rows = x.split(counts.tolist())  # the loop needs the counts on the host (a sync)
+    return _per_expert_mm(x, w, counts)
+
+
+@torch.compiler.disable
+def _per_expert_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``grouped_mm``'s loop, run eagerly between compiled graphs: it needs the counts on
+    the host (a sync), and traced, each new set of counts (every decode step's) and each
+    weight shape recompiled it until Dynamo's recompile limit sent it to eager anyway."""
+    rows = x.split(counts.tolist())
     return torch.cat([chunk @ w[e] for e, chunk in enumerate(rows)])
 
 

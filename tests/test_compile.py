@@ -331,13 +331,15 @@ def test_graph_break_tool_counts_what_dynamo_reports(capsys):
     assert result["graph_breaks"] >= 2 and result["graphs"] >= 3, result
     # An MoE under bf16 autocast (--precision bf16): one graph, the routing and the
     # grouped GEMM inside it; in fp32 the experts' per-expert loop needs the counts on
-    # the host, one break per call (2 a layer: fc1 and fc2).
+    # the host and runs eagerly between graphs (torch.compiler.disable), one break per
+    # call (2 a layer: fc1 and fc2).
     moe = [*small, "--preset", "moe_tiny", "--json", "--no-update"]
     assert main([*moe, "--precision", "bf16"]) == 0
     assert json.loads(capsys.readouterr().out) == {"graphs": 1, "graph_breaks": 0, "reasons": {}}
     assert main(moe) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["graph_breaks"] >= 2 and set(result["reasons"]) == {"Data dependent operator"}
+    assert result["graph_breaks"] >= 2, result
+    assert all("torch.compiler.disable" in reason for reason in result["reasons"]), result
 
 
 def _graphs_with_step_timer(tp: int) -> tuple[int, int]:

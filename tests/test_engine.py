@@ -344,3 +344,14 @@ def test_model_yaml_matches_its_preset_and_validates(name):
     assert (model.hidden_size, model.num_layers, model.num_heads, model.vocab_size) == published
     for tp in (1, 2):
         model.validate(tp)
+
+
+def test_the_last_console_line_gives_the_first_and_last_logged_loss():
+    """engine.pretrain's closing line: 'loss A (step i) -> B (step j)' over the logged
+    steps; a run (or resume) that logged one step names it once, not as 'A -> A'."""
+    from engine.pretrain import loss_summary
+
+    assert loss_summary([(10, 8.93114), (20, 7.5), (150, 6.10862)]) == (
+        "loss 8.9311 (step 10) -> 6.1086 (step 150)"
+    )
+    assert loss_summary([(160, 6.03991)]) == "loss 6.0399 (step 160)"
