@@ -90,7 +90,11 @@ def generate_batch(
     was_training = model.training
     model.eval()
     try:
-        return _decode(model, prompts, max_new_tokens, sampling, use_cache, stop)
+        # A model compiled for training (model.compile) decodes eagerly: every step's new
+        # cache length and the switch from the whole prompt to one token would each
+        # compile the forward again (the trainer's closing sample compiled it 12 times).
+        with torch.compiler.set_stance("force_eager"):
+            return _decode(model, prompts, max_new_tokens, sampling, use_cache, stop)
     finally:
         model.train(was_training)
 

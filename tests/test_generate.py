@@ -137,6 +137,25 @@ def test_batched_generation_equals_one_prompt_at_a_time_with_and_without_cache()
     assert stop_at_two == [b[: 2 + row] for row, b in enumerate(batched)]
 
 
+def test_a_compiled_model_decodes_eagerly_with_the_same_tokens():
+    """A model compiled for training (model.compile, aot_eager here) generates without
+    compiling anything (Dynamo captures no graph: each decode step's shapes would compile
+    the forward again) and gives the eager model's greedy tokens (the same weights)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    eager = build_model(BIG)
+    torch.manual_seed(0)
+    compiled = build_model(dataclasses.replace(BIG, compile=True, compile_backend="aot_eager"))
+    ids = torch.tensor([PROMPTS[0]])
+    torch.testing.assert_close(compiled(ids), eager(ids), rtol=1e-5, atol=1e-5)  # it compiled
+    greedy = Sampling(greedy=True)
+    counters.clear()
+    tokens = generate_batch(compiled, PROMPTS, 6, greedy)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+    assert tokens == generate_batch(eager, PROMPTS, 6, greedy)
+
+
 def test_top_p_keeps_the_nucleus_only():
     from engine.generate import next_tokens
 
