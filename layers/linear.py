@@ -126,10 +126,18 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
     sequence parallelism save (t−1)/t of these activations; it costs one more all-gather
     in backward. Its collectives are the sequence-parallel operators' own
     (``mappings.all_gather_dim`` / ``reduce_scatter_dim``, looked up at call time).
+
+    Under autocast the shard is cast to autocast's dtype before it is gathered and saved:
+    F.linear would cast the gathered input to it anyway, so the numbers are the same, and
+    both all-gathers move and autograd keeps half the bytes of an fp32 shard (a norm's
+    output under bf16 autocast is fp32).
     """
 
     @staticmethod
     def forward(ctx, x_shard, weight, bias, group, dim, timer):
+        ctx.x_dtype, device = x_shard.dtype, x_shard.device.type
+        if torch.is_autocast_enabled(device):
+            x_shard = x_shard.to(torch.get_autocast_dtype(device))
         ctx.save_for_backward(x_shard, weight)
         ctx.group, ctx.dim, ctx.has_bias, ctx.timer = group, dim, bias is not None, timer
         return F.linear(mappings.all_gather_dim(x_shard, dim, group, timer), weight, bias)
@@ -142,7 +150,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
         grad_x = grad_out.matmul(weight.to(dtype))
         grad_x = mappings.reduce_scatter_dim(grad_x, ctx.dim, ctx.group, ctx.timer)
         grad_w, grad_b = _weight_and_bias_grads(grad_out, total, ctx.has_bias)
-        return grad_x.to(x_shard.dtype), grad_w.to(weight.dtype), grad_b, None, None, None
+        return grad_x.to(ctx.x_dtype), grad_w.to(weight.dtype), grad_b, None, None, None
 
 
 class _LinearAfterCopy(torch.autograd.Function):

@@ -191,6 +191,43 @@ def test_ep2_equals_the_unsplit_model(case):
     assert [r["experts"] for r in ranks] == [(0, 3), (3, 6)]
 
 
+def _bf16_exchanges(cfg: ModelConfig, shards: torch.Tensor) -> dict:
+    """At dp 2 × ep 2 under bf16 autocast: the dtypes the experts' all-to-alls carried
+    (forward and backward), and this rank's loss on its batch."""
+    import layers.expert_parallel as expert_parallel
+
+    ps = parallel_state.initialize(ParallelDims(tp=1, dp=2, ep=2))
+    rank = ps.rank_in("batch")
+    carried, real = [], expert_parallel._exchange
+    expert_parallel._exchange = lambda rows, *a: carried.append(rows.dtype) or real(rows, *a)
+    try:
+        torch.manual_seed(0)
+        model = build_model(cfg, ps)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(shards[rank])
+        loss.backward()
+    finally:
+        expert_parallel._exchange = real
+    tokens = [dtype for dtype in carried if dtype.is_floating_point]  # not the counts
+    return {"carried": tokens, "loss": loss.item(), "rank": rank}
+
+
+def test_ep2_exchanges_tokens_in_bf16_under_autocast():
+    """Under bf16 autocast the tokens cross the expert-parallel all-to-all in bf16 (the
+    experts' GEMM rounds them to bf16 anyway), half the bytes of the fp32 the norm gives,
+    in the dispatch and in the combine, forward and backward: 2 layers × 4 exchanges. The
+    loss equals the unsplit model's under the same autocast within 2^-8, one bf16 ulp:
+    the same bf16 products, the experts' rows grouped differently, which a GEMM may tile
+    differently (measured here: equal to the bit on both ranks)."""
+    cfg, shards = _cfg(moe_router_dtype="fp32"), _shards()
+    for found in run_ranks(_bf16_exchanges, 2, cfg, shards):
+        assert found["carried"] == [torch.bfloat16] * 8, found
+        torch.manual_seed(0)  # the unsplit model, as the ranks drew it
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            unsplit = build_model(cfg).loss(shards[found["rank"]]).item()
+        assert abs(found["loss"] - unsplit) <= 2**-8 * abs(unsplit), (found, unsplit)
+
+
 def test_expert_roles_are_carved_from_dp():
     dims = ParallelDims(tp=2, dp=4, ep=2)  # ranks (dp, tp): dp_rank · 2 + tp_rank
     assert dims.group_ranks("expert") == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -561,6 +561,82 @@ def _overlap_checks() -> dict[str, object]:
     return found
 
 
+def _sequence_parallel_bf16_checks() -> dict[str, object]:
+    """At TP=2 with sequence parallelism under bf16 autocast: ColumnParallelLinear against
+    the composed ``F.linear(all-gather(x shard), W, b)`` (the gather in fp32, as a norm's
+    output comes), its output and gradients, the bytes its all-gathers move and the bytes
+    autograd saves."""
+    import layers.mappings as mappings
+
+    ps = parallel_state.initialize(2)
+    torch.manual_seed(7)
+    full_w, full_b = torch.randn(OUT, IN), torch.randn(OUT)
+    x = torch.randn(SEQ, BATCH, IN)  # the whole sequence; each rank holds half
+    layer = ColumnParallelLinear.from_full(
+        full_w, full_b, tp_group=ps.tp_group, sequence_parallel=True
+    )
+    gathered: list[tuple[torch.dtype, int]] = []
+    real = mappings.all_gather_dim
+
+    def counting(t, *args, **kwargs):
+        gathered.append((t.dtype, t.nbytes))
+        return real(t, *args, **kwargs)
+
+    results = []
+    for fused in (True, False):
+        xi = shard(x, 0, ps.tp_rank, 2).requires_grad_(True)
+        saved, gathered[:] = [], []  # the bytes of each saved tensor but the weight itself
+        weight = layer.weight.data_ptr()
+
+        def pack(t, saved=saved):
+            if t.data_ptr() != weight:
+                saved.append(t.nbytes)
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        mappings.all_gather_dim = counting
+        try:
+            with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+                if fused:
+                    out = layer(xi)
+                else:
+                    total = gather_from_sequence(xi, ps.tp_group)
+                    out = F.linear(total, layer.weight, layer.bias)
+            layer.zero_grad()
+            out.float().pow(2).sum().backward()
+        finally:
+            mappings.all_gather_dim = real
+        grads = (xi.grad, layer.weight.grad, layer.bias.grad)
+        results.append((out, *grads, sum(saved), list(gathered)))
+    (y1, gx1, *gw1, saved1, gathered1), (y2, gx2, *gw2, saved2, _) = results
+    return {
+        "bitwise": all(torch.equal(a, b) for a, b in zip((y1, *gw1), (y2, *gw2), strict=True)),
+        "input grad error": rel_err(gx1, gx2),
+        "grad dtypes": [g.dtype for g in (gx1, *gw1)],
+        "gathered": gathered1,
+        "saved": (saved1, saved2),
+        "shard bytes fp32": shard(x, 0, ps.tp_rank, 2).nbytes,
+    }
+
+
+def test_sequence_parallel_column_linear_gathers_in_autocast_dtype():
+    """Under bf16 autocast a sequence-parallel ColumnParallelLinear gathers (forward, and
+    again in backward) and saves its input shard in bf16, not the fp32 a norm hands it:
+    half the bytes. The output and the weight and bias gradients are bitwise those of the
+    composed fp32 gather + F.linear (autocast casts the gathered input to bf16 there;
+    casting the shard first rounds the same elements the same way). The input gradient's
+    reduce-scatter sums the bf16 GEMM output in bf16 (as before this change), the
+    composed ops' in fp32 after the cast: one bf16 rounding apart, 2^-8 relative."""
+    for found in run_ranks(_sequence_parallel_bf16_checks, 2):
+        assert found["bitwise"], found
+        assert found["input grad error"] <= 2**-8, found
+        assert found["grad dtypes"] == [torch.float32] * 3, found  # the leaves' own dtypes
+        half = found["shard bytes fp32"] // 2
+        assert found["gathered"] == [(torch.bfloat16, half)] * 2, found  # forward, backward
+        saved, composed = found["saved"]
+        assert saved == half < composed, found  # the bf16 shard alone (and the weight)
+
+
 def test_column_linear_overlaps_the_input_gradient_all_reduce():
     """f's all-reduce of the input gradient starts before the weight gradient's GEMM and is
     waited for after it (the overlap); the gradients stay the unsplit layer's (fp64,
