@@ -15,8 +15,9 @@ Two kinds (``cfg.moe_router``):
 
 **Precision** (``cfg.moe_router_dtype``, Megatron-Core's ``moe_router_dtype``): the
 logits z = x·W_rᵀ are computed in the wider of the model's dtype and the router dtype (a
-bf16 model's router runs in fp32); the probabilities, the choice, the weights and the losses
-in the router dtype. At "fp32" an fp64 model rounds its routing weights to fp32 exactly as
+bf16 model's router runs in fp32, and so does an fp32 model's under bf16 autocast, which
+the router turns off for its GEMM); the probabilities, the choice, the weights and the
+losses in the router dtype. At "fp32" an fp64 model rounds its routing weights to fp32 exactly as
 transformers' MoE blocks do (their softmax is ``dtype=torch.float``); "fp64" keeps them
 exact, for float64 proofs of the math.
 
@@ -54,7 +55,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from layers.linear import replicated_weight
@@ -104,6 +104,25 @@ def stable_top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest of each row of ``scores``, largest first; equal scores
     in the lower index first (a stable descending sort)."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class _LinearWithoutAutocast(torch.autograd.Function):
+    """``x · wᵀ`` in the operands' dtype under autocast too, forward and backward (autocast
+    would run the GEMMs in bf16). A Function, not an ``autocast(enabled=False)`` block: in
+    a compiled graph the block's backward is traced under the outer autocast, in bf16."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        with torch.autocast(x.device.type, enabled=False):
+            return x @ w.T
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w = ctx.saved_tensors
+        with torch.autocast(x.device.type, enabled=False):
+            grad = grad.to(x.dtype)
+            return grad @ w, grad.T @ x
 
 
 def expert_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -229,7 +248,7 @@ class TopKRouter(nn.Module):
         sequence; the logits of every block are gathered, so the routing covers them all).
         Sets ``last_losses`` and returns the ``Routing``."""
         wide = torch.promote_types(tokens.dtype, self.router_dtype)
-        logits = F.linear(tokens.to(wide), self.weight.to(wide))  # [T, E]
+        logits = _LinearWithoutAutocast.apply(tokens.to(wide), self.weight.to(wide))  # [T, E]
         if self.sequence_parallel:  # all-gather forward, this block's rows backward
             timer = comm_timer_of(self)
             logits = gather_from_tp(logits, self.tp_group, dim=0, comm_timer=timer)

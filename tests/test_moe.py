@@ -309,6 +309,27 @@ def test_grouped_gemm_equals_the_per_expert_loop():
     torch.testing.assert_close(part, results[1][0][3:9], rtol=0, atol=0)
 
 
+def test_the_router_computes_its_logits_in_fp32_under_bf16_autocast():
+    """moe_router_dtype=fp32 under bf16 autocast (the trainer's bf16): the router's GEMM
+    runs in fp32 forward and backward, as Megatron-Core's does, not in the bf16 autocast
+    gives a matmul. The reference is the fp64 product of the same fp32 operands; fp32's
+    own rounding over 16 or 32 terms of O(1) stays below 1e-6, bf16's (2^-8 per operand)
+    does not."""
+    cfg = _cfg(moe_router_dtype="fp32")
+    router = _moe(cfg, dtype=torch.float32).router
+    gen = torch.Generator(device=DEVICE).manual_seed(11)
+    tokens = _randn(32, cfg.hidden_size, gen=gen, dtype=torch.float32)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        logits = router(tokens).logits
+    exact = tokens.double() @ router.weight.detach().double().T
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), exact, rtol=1e-6, atol=1e-6)
+    # Backward too: d(Σ logits)/dW has every row equal to Σ_t x_t (a sum of 32 values).
+    logits.sum().backward()
+    want = tokens.double().sum(0).expand(cfg.moe_num_experts, -1)
+    torch.testing.assert_close(router.weight.grad.double(), want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16])
 def test_under_autocast_the_grouped_gemm_runs_in_its_dtype(monkeypatch, rows_dtype):
     """bf16 autocast over fp32 weights (the trainer's bf16 precision): the experts take the
