@@ -25,7 +25,7 @@ from layers.mappings import (
 )
 from layers.param_roles import mark_sp_partial_grad, mark_tp_dim, tp_dim
 from layers.transformer_config import TransformerConfig
-from layers.utils import CommTimer, comm_timer_of, divide, shard
+from layers.utils import CommTimer, as_autocast, comm_timer_of, divide, shard
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 
 InitMethod = Callable[[torch.Tensor], object]
@@ -135,9 +135,7 @@ class _SequenceParallelColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_shard, weight, bias, group, dim, timer):
-        ctx.x_dtype, device = x_shard.dtype, x_shard.device.type
-        if torch.is_autocast_enabled(device):
-            x_shard = x_shard.to(torch.get_autocast_dtype(device))
+        ctx.x_dtype, x_shard = x_shard.dtype, as_autocast(x_shard)
         ctx.save_for_backward(x_shard, weight)
         ctx.group, ctx.dim, ctx.has_bias, ctx.timer = group, dim, bias is not None, timer
         return F.linear(mappings.all_gather_dim(x_shard, dim, group, timer), weight, bias)
@@ -169,13 +167,9 @@ class _LinearAfterCopy(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, timer):
         ctx.group, ctx.timer, ctx.has_bias = group, timer, bias is not None
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
+        x, weight, bias = as_autocast(x), as_autocast(weight), as_autocast(bias)
         ctx.save_for_backward(x, weight)
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(x.device.type, enabled=False):
             return F.linear(x, weight, bias)
 
     @staticmethod

@@ -50,7 +50,7 @@ from layers.mlp import ParallelMLP, activate, activation_kind
 from layers.param_roles import mark_expert, mark_sp_partial_grad, mark_tp_dim
 from layers.router import RouterLosses, Routing, TopKRouter, expert_counts
 from layers.transformer_config import TransformerConfig
-from layers.utils import comm_timer_of, shard
+from layers.utils import as_autocast, comm_timer_of, shard
 from parallel_state.groups import group_rank, group_size, resolve_tp_group
 from parallel_state.random import RNGTracker
 
@@ -82,9 +82,7 @@ def grouped_mm(
     ``torch._grouped_mm`` is not on autocast's list (it would run fp32 weights in fp32), and
     with the fp32 weights beside bf16 rows "auto" would take the loop, with its host sync
     and, while compiling, a graph break and a recompilation per new set of counts."""
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, w = x.to(dtype), w.to(dtype)
+    x, w = as_autocast(x), as_autocast(w)
     if impl == "grouped" or (impl == "auto" and grouped_mm_fits(x, w)):
         offsets = counts.cumsum(0).to(torch.int32)
         return torch._grouped_mm(x.contiguous(), w.contiguous(), offs=offsets)
@@ -268,11 +266,10 @@ class MoEMLP(nn.Module):
                 tokens = tokens.clone()
         tokens = tokens.reshape(-1, x.shape[-1])  # [T, h], T = s·b
         rows, order, counts = permute(tokens, routing, self.num_experts)
-        if torch.is_autocast_enabled(rows.device.type):
-            # The experts' GEMM casts the rows to autocast's dtype (grouped_mm): cast them
-            # before the all-to-all instead, which then moves half the bytes of the fp32
-            # a norm hands over, each way, for the same numbers.
-            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
+        # The experts' GEMM casts the rows to autocast's dtype (grouped_mm): cast them
+        # before the all-to-all instead, which then moves half the bytes of the fp32 a
+        # norm hands over, each way, for the same numbers.
+        rows = as_autocast(rows)
         rows, counts, plan = dispatch(rows, counts, self.ep_group)  # to the experts' ranks
         rows = combine(self.experts(rows, counts), plan)  # and back
         out = unpermute(rows, order, weights).view(-1, *x.shape[1:])  # this TP slice's part

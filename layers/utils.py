@@ -63,6 +63,15 @@ def timed(timer: CommTimer | None, collective: Callable, *args, **kwargs):
         timer.end(token)
 
 
+def as_autocast(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` in the dtype autocast casts a matmul's inputs to on ``t``'s device, where
+    autocast is on there (else ``t`` as it is): for code that casts before a collective,
+    a save or an op autocast does not cover, as the next matmul would have anyway."""
+    if t is None or not torch.is_autocast_enabled(t.device.type):
+        return t
+    return t.to(torch.get_autocast_dtype(t.device.type))
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     """``numerator // denominator``, raising an error naming ``what`` when it does not divide."""
     if numerator % denominator:
