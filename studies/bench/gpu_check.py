@@ -591,15 +591,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--items",
-        default=",".join(i.name for i in ITEMS if i.default),
+        default=None,
         help="comma list of items to run, in this order (default: all but the starred ones "
-        "below, in priority order)",
+        "below, in priority order; with --rehearse all of them)",
     )
     p.add_argument(
         "--rehearse",
         action="store_true",
-        help="the same items at toy sizes on CPU (aot_eager compilation, the Triton "
-        "interpreter): the check that the script still runs",
+        help="the items at toy sizes on CPU (aot_eager compilation, the Triton "
+        "interpreter), the starred ones too: the check that the script still runs",
     )
     p.add_argument(
         "--cap",
@@ -611,6 +611,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--commit", default=None, help="the commit measured (default: git, else $MESHTRON_COMMIT)"
     )
     args = p.parse_args(argv)
+    if args.items is None:  # a rehearsal keeps every item runnable, the starred ones too
+        args.items = ",".join(i.name for i in ITEMS if i.default or args.rehearse)
     names = [n.strip() for n in args.items.split(",") if n.strip()]
     known = {i.name: i for i in ITEMS}
     unknown = [n for n in names if n not in known]
