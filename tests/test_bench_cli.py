@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import sys
 from pathlib import Path
@@ -140,6 +141,21 @@ def test_bench_train_writes_every_loop_to_csv(tmp_path, monkeypatch):
     assert rows[0]["ratio"] == ""
     want = float(rows[0]["step_ms_median"]) / float(rows[1]["step_ms_median"])
     assert float(rows[1]["ratio"]) == pytest.approx(want, rel=1e-12)
+
+
+def test_bench_train_says_when_the_reference_cannot_be_built(tmp_path, monkeypatch, capsys):
+    """The plain PyTorch reference is GPT-2's parts only: with 2 KV heads for 4 query
+    heads (--kv-heads) the run times meshtron alone, and says so in one line."""
+    bench = _load("bench_train", monkeypatch)
+    small = ["--preset", "gpt_tiny", "--hidden", "32", "--layers", "1", "--heads", "4"]
+    small += ["--seq", "8", "--micro-batch", "1", "--vocab", "128", "--threads", "1"]
+    small += ["--warmup", "0", "--blocks", "1", "--steps-per-block", "1"]
+    out = tmp_path / "bench.csv"
+    assert _exit_code(bench.main, [*small, "--kv-heads", "2", "--out", str(out)]) in (0, None)
+    printed = capsys.readouterr().out
+    assert "note: no plain PyTorch reference: it builds GPT-2's parts only" in printed
+    assert "kv=2" in printed  # the model line names the KV heads
+    assert [row["loop"].split()[0] for row in csv.DictReader(out.open())] == ["meshtron"]
 
 
 @pytest.mark.slow

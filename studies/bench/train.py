@@ -448,8 +448,18 @@ def build_loops(cfg: ModelConfig, args, ps, dtype) -> tuple[list[Loop], dict]:
         model = model or m
     if args.dp_shard:
         return loops, info  # the sharded modes ÷ the all-reduce only
-    if not args.references or ps.world_size > 1 or not builds(cfg):
-        return loops, info  # the references are one process and GPT-2's parts only
+    if not args.references:
+        return loops, info
+    if ps.world_size > 1 or not builds(cfg):  # said once, not skipped without a word
+        if ps.rank == 0:
+            why = (
+                f"it runs in one process ({ps.world_size} ranks here)"
+                if ps.world_size > 1
+                else "it builds GPT-2's parts only (LayerNorm, learned positions, GeLU, "
+                "biases, a tied head, one KV head per query head)"
+            )
+            print(f"note: no plain PyTorch reference: {why}; timing meshtron alone")
+        return loops, info
     for kind in args.references:
         if kind == "mcore":
             note = (

@@ -233,7 +233,8 @@ def run_meta(cfg: ModelConfig, args, ps, precision: str, ceiling: float, peak) -
         "command": " ".join(sys.argv),
         "model": (
             f"{cfg.arch} l={cfg.num_layers} h={cfg.hidden_size} a={cfg.num_heads} "
-            f"ffn={cfg.ffn_size} V={cfg.vocab_size} dropout={cfg.hidden_dropout}"
+            + (f"kv={cfg.kv_heads} " if cfg.kv_heads != cfg.num_heads else "")
+            + f"ffn={cfg.ffn_size} V={cfg.vocab_size} dropout={cfg.hidden_dropout}"
             + (
                 f" experts={cfg.moe_num_experts} top-{cfg.moe_top_k} "
                 f"expert_ffn={cfg.moe_ffn_hidden_size}"
