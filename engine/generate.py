@@ -92,7 +92,8 @@ def generate_batch(
     try:
         # A model compiled for training (model.compile) decodes eagerly: every step's new
         # cache length and the switch from the whole prompt to one token would each
-        # compile the forward again (the trainer's closing sample compiled it 12 times).
+        # compile the forward again (the quick-start model's closing sample, compiled,
+        # recompiled it twice on each rank).
         with torch.compiler.set_stance("force_eager"):
             return _decode(model, prompts, max_new_tokens, sampling, use_cache, stop)
     finally:
