@@ -588,7 +588,7 @@ def _sequence_parallel_bf16_checks() -> dict[str, object]:
         saved, gathered[:] = [], []  # the bytes of each saved tensor but the weight itself
         weight = layer.weight.data_ptr()
 
-        def pack(t, saved=saved):
+        def pack(t, saved=saved, weight=weight):
             if t.data_ptr() != weight:
                 saved.append(t.nbytes)
             return t
