@@ -184,6 +184,24 @@ class _LinearAfterCopy(torch.autograd.Function):
         return grad_x, grad_w.to(w_dtype), grad_b, None, None
 
 
+def sequence_parallel_linear(
+    x_shard: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    dim: int = 0,
+    comm_timer: CommTimer | None = None,
+) -> torch.Tensor:
+    """``F.linear(gather_from_sequence(x_shard), weight, bias)``: a column-parallel product
+    of a sequence-sharded input (along ``dim``) that keeps only the shard for backward
+    (``_SequenceParallelColumnLinear``). One rank: plain F.linear."""
+    group = resolve_tp_group(group)
+    if group_size(group) == 1:
+        return F.linear(x_shard, weight, bias)
+    dim = dim % x_shard.dim()
+    return _SequenceParallelColumnLinear.apply(x_shard, weight, bias, group, dim, comm_timer)
+
+
 def linear_after_copy(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -290,9 +308,9 @@ class ColumnParallelLinear(_TPLinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel and self.tp_size > 1:
-            dim = self.sequence_dim % x.dim()
-            y = _SequenceParallelColumnLinear.apply(
-                x, self.weight, bias, self.tp_group, dim, comm_timer_of(self)
+            timer = comm_timer_of(self)
+            y = sequence_parallel_linear(
+                x, self.weight, bias, self.tp_group, self.sequence_dim, timer
             )
         else:
             timer = comm_timer_of(self)

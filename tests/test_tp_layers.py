@@ -637,6 +637,37 @@ def test_sequence_parallel_column_linear_gathers_in_autocast_dtype():
         assert saved == half < composed, found  # the bf16 shard alone (and the weight)
 
 
+def _model_gathers_under_bf16() -> list[str]:
+    """The dtype of every tensor a GPT forward at TP=2 with sequence parallelism
+    all-gathers over the sequence under bf16 autocast."""
+    import layers.mappings as mappings
+    from engine.models import build_model
+    from engine.models.config import preset
+
+    ps = parallel_state.initialize(parallel_state.ParallelDims(2, 1, sequence_parallel=True))
+    ps.seed(3)
+    cfg = preset("gpt_tiny", num_layers=2, max_positions=16, sequence_parallel=True)
+    model = build_model(cfg, ps)
+    ids = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(4))
+    seen, real = [], mappings.all_gather_dim
+    mappings.all_gather_dim = lambda t, *a, **k: seen.append(str(t.dtype)) or real(t, *a, **k)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.loss(ids)
+    finally:
+        mappings.all_gather_dim = real
+    return seen
+
+
+def test_a_sequence_parallel_model_gathers_activations_in_bf16_under_autocast():
+    """A GPT forward at TP=2 with SP under bf16 autocast all-gathers 5 activations, each in
+    bf16: each layer's QKV and fc1 inputs, and the LM head's input, which had its own fp32
+    gather and kept the whole gathered sequence for backward. (Backward gathers the
+    residual stream's gradients too, which stay fp32 as the residual does.)"""
+    for seen in run_ranks(_model_gathers_under_bf16, 2):
+        assert seen == ["torch.bfloat16"] * 5, seen
+
+
 def test_column_linear_overlaps_the_input_gradient_all_reduce():
     """f's all-reduce of the input gradient starts before the weight gradient's GEMM and is
     waited for after it (the overlap); the gradients stay the unsplit layer's (fp64,

@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.models.config import ModelConfig
 from engine.models.families import family
-from layers import VocabParallelEmbedding, gather_from_sequence, scatter_to_sequence
+from layers import VocabParallelEmbedding, scatter_to_sequence
 from layers.compile import compile_model
 from layers.dropout import dropout
 from layers.gqa import dedupe_gathered, owned_block
@@ -28,6 +28,7 @@ from layers.linear import (
     linear_after_copy,
     normal_init,
     replicated_weight,
+    sequence_parallel_linear,
 )
 from layers.mappings import gather_along
 from layers.norm import LayerNorm
@@ -216,7 +217,9 @@ class ParallelLMHead(nn.Module):
 
     The input enters the TP region through f (copy), or under sequence parallelism through
     the sequence all-gather whose backward reduce-scatter sums every rank's partial
-    gradient. The weight is the word embedding's shard (tied) or its own.
+    gradient (``layers.linear.sequence_parallel_linear``: only this rank's shard is kept for
+    backward, under autocast in its dtype). The weight is the word embedding's shard (tied)
+    or its own.
     """
 
     def __init__(self, cfg: ModelConfig, *, tied: bool, bias: bool, tp_group, dtype, device):
@@ -243,9 +246,10 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if self.weight is not None else tied_weight
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.tp_group, comm_timer=comm_timer_of(self))
-            return F.linear(x, weight, self.bias)
+        if self.sequence_parallel:  # as every sequence-parallel column linear: the shard kept
+            return sequence_parallel_linear(
+                x, weight, self.bias, self.tp_group, 0, comm_timer_of(self)
+            )
         return linear_after_copy(x, weight, self.bias, self.tp_group, comm_timer_of(self))
 
 
