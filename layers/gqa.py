@@ -21,8 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers.linear import ColumnParallelLinear, InitMethod, build_master_weight
-from layers.mappings import all_reduce_sum_, copy_to_tp, gather_from_sequence
+from layers.linear import (
+    ColumnParallelLinear,
+    InitMethod,
+    build_master_weight,
+    sequence_parallel_linear,
+)
+from layers.mappings import all_reduce_sum_, copy_to_tp
 from layers.param_roles import mark_replicas, mark_tp_blocks, mark_tp_dim
 from layers.utils import comm_timer_of, group_rank, group_size
 
@@ -91,15 +96,13 @@ class ReplicatedKVLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         timer = comm_timer_of(self)
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.tp_group, comm_timer=timer)
-        else:
-            x = copy_to_tp(x, self.tp_group, comm_timer=timer)
         weight = _SumOverCopies.apply(self.weight, self.tp_group, self.copies)
         bias = None
         if self.bias is not None:
             bias = _SumOverCopies.apply(self.bias, self.tp_group, self.copies)
-        return F.linear(x, weight, bias)
+        if self.sequence_parallel:  # as every sequence-parallel column linear: the shard kept
+            return sequence_parallel_linear(x, weight, bias, self.tp_group, 0, timer)
+        return F.linear(copy_to_tp(x, self.tp_group, comm_timer=timer), weight, bias)
 
 
 def kv_projection(
